@@ -1,0 +1,169 @@
+"""`Tokenizer`: text <-> token ids for a GGUF model, built from its metadata alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from .bpe import BytePairEncoder
+from .spm import SPACE_MARK, SentencePieceEncoder
+from .stream import Utf8Stream
+from .unicode import replace_surrogates
+from .vocab import TokenizerError, TokenType, UnsupportedTokenizer, Vocabulary
+
+
+@attrs.frozen
+class TokenizerKind:
+    """How to build one `tokenizer.ggml.model` kind, with llama.cpp's defaults for keys a file omits."""
+
+    build_encoder: Callable[[Vocabulary, Mapping[str, Any]], Any]
+    default_add_bos: bool
+    default_add_space_prefix: bool
+    # False: spaces are escaped as U+2581 in the vocabulary (SentencePiece), else byte-level (GPT-2).
+    byte_level: bool
+
+
+def _build_bpe(vocab: Vocabulary, metadata: Mapping[str, Any]) -> BytePairEncoder:
+    merges = metadata.get("tokenizer.ggml.merges")
+    if not isinstance(merges, (list, tuple)):
+        raise TokenizerError("tokenizer.ggml.merges is required by the gpt2 (byte-level BPE) tokenizer")
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    return BytePairEncoder(vocab, merges, str(pre))
+
+
+def _build_spm(vocab: Vocabulary, metadata: Mapping[str, Any]) -> SentencePieceEncoder:
+    return SentencePieceEncoder(vocab)
+
+
+TOKENIZER_KINDS: Mapping[str, TokenizerKind] = {
+    "gpt2": TokenizerKind(_build_bpe, default_add_bos=False, default_add_space_prefix=False, byte_level=True),
+    "llama": TokenizerKind(_build_spm, default_add_bos=True, default_add_space_prefix=True, byte_level=False),
+}
+
+
+class Tokenizer:
+    """Tokenization identical to llama.cpp's for the supported kinds (`TOKENIZER_KINDS`)."""
+
+    def __init__(self, model: str, kind: TokenizerKind, vocab: Vocabulary, encoder: Any):
+        self.model = model
+        self._kind = kind
+        self.vocab = vocab
+        self._encoder = encoder
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        model = metadata.get("tokenizer.ggml.model")
+        if not isinstance(model, str):
+            raise TokenizerError("tokenizer.ggml.model is missing or not a string")
+        kind = TOKENIZER_KINDS.get(model)
+        if kind is None:
+            raise UnsupportedTokenizer(
+                f"tokenizer.ggml.model = {model!r} is not supported (supported: {', '.join(TOKENIZER_KINDS)})"
+            )
+        vocab = Vocabulary.from_gguf_metadata(
+            metadata,
+            default_add_bos=kind.default_add_bos,
+            default_add_space_prefix=kind.default_add_space_prefix,
+        )
+        return cls(model, kind, vocab, kind.build_encoder(vocab, metadata))
+
+    # -- facts --------------------------------------------------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        return self.vocab.n_vocab
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.vocab.bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.vocab.eos_id
+
+    @property
+    def add_bos(self) -> bool:
+        return self.vocab.add_bos
+
+    @property
+    def end_of_generation(self) -> frozenset[int]:
+        """EOS, end-of-turn and the other tokens that end a generation."""
+        return self.vocab.end_of_generation
+
+    def is_end_of_generation(self, token_id: int) -> bool:
+        return token_id in self.vocab.end_of_generation
+
+    def token_text(self, token_id: int) -> str:
+        """The token's text as stored in the vocabulary (e.g. ``"<|im_end|>"``, ``"Ġthe"``)."""
+        self.vocab.check_id(token_id)
+        return self.vocab.tokens[token_id]
+
+    # -- text -> tokens -----------------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. `add_special` adds BOS (and EOS) where the model asks for them;
+        `parse_special` recognises control tokens written in the text (user-defined ones always are)."""
+        vocab = self.vocab
+        out: list[int] = []
+        if add_special and vocab.add_bos:
+            assert vocab.bos_id is not None  # checked when the vocabulary was built
+            out.append(vocab.bos_id)
+        prefix_space = vocab.add_space_prefix and not self._kind.byte_level
+        previous_was_special = True
+        for fragment in vocab.partition(replace_surrogates(text), parse_special):
+            if isinstance(fragment, int):
+                out.append(fragment)
+                previous_was_special = True
+                continue
+            if prefix_space and previous_was_special:
+                fragment = " " + fragment
+            self._encoder.encode(fragment, out)
+            previous_was_special = False
+        if add_special and vocab.add_eos and vocab.eos_id is not None:
+            out.append(vocab.eos_id)
+        return out
+
+    # -- tokens -> text -----------------------------------------------------------------------------
+
+    def token_bytes(self, token_id: int, *, special: bool = True) -> bytes:
+        """The bytes token `token_id` stands for. Control and unknown tokens render as their text with
+        `special`, as nothing without; unused and undefined tokens render as nothing."""
+        vocab = self.vocab
+        vocab.check_id(token_id)
+        token_type = int(vocab.types[token_id])
+        text = vocab.tokens[token_id]
+        if token_type in (TokenType.CONTROL, TokenType.UNKNOWN):
+            return text.encode("utf-8") if special else b""
+        if token_type == TokenType.USER_DEFINED:
+            return text.encode("utf-8")
+        if token_type == TokenType.NORMAL:
+            if self._kind.byte_level:
+                return self._encoder.normal_token_bytes(text)
+            return text.replace(SPACE_MARK, " ").encode("utf-8")
+        if token_type == TokenType.BYTE and not self._kind.byte_level:
+            return bytes([int(text[3:5], 16)])
+        return b""
+
+    def piece(self, token_id: int, *, special: bool = True) -> str:
+        """The token's own text; an incomplete UTF-8 sequence shows as U+FFFD."""
+        return self.token_bytes(token_id, special=special).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, token_ids: Iterable[int], *, special: bool = True) -> bytes:
+        parts = []
+        for i, token_id in enumerate(token_ids):
+            data = self.token_bytes(token_id, special=special)
+            if i == 0 and self.vocab.add_space_prefix and not self._kind.byte_level and data[:1] == b" ":
+                data = data[1:]  # the space the encoder prefixed
+            parts.append(data)
+        return b"".join(parts)
+
+    def decode(self, token_ids: Iterable[int], *, special: bool = True) -> str:
+        """Text of `token_ids` (invalid UTF-8 shows as U+FFFD)."""
+        return self.decode_bytes(token_ids, special=special).decode("utf-8", errors="replace")
+
+    @staticmethod
+    def stream() -> Utf8Stream:
+        """A streaming decoder for generated token bytes."""
+        return Utf8Stream()

@@ -1,0 +1,197 @@
+"""The vocabulary of a GGUF file: token texts, types, scores, special ids, and the split of a text
+around special tokens (llama.cpp's `tokenizer_st_partition`)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..errors import EngineError
+
+
+class TokenizerError(EngineError):
+    """The tokenizer metadata of a model file is missing, malformed or of an unsupported kind."""
+
+
+class UnsupportedTokenizer(TokenizerError):
+    """`tokenizer.ggml.model` or `tokenizer.ggml.pre` names a tokenizer this engine does not implement."""
+
+
+class InvalidTokenId(TokenizerError):
+    """A token id outside the vocabulary was given to detokenize."""
+
+
+class TokenType(enum.IntEnum):
+    """`tokenizer.ggml.token_type` values (the on-disk codes, llama.cpp's `llama_token_type`)."""
+
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# Texts that end generation (llama.cpp detects these by text; a token with one of these texts is
+# treated as a control token even if the file says otherwise).
+END_OF_GENERATION_TEXTS: frozenset[str] = frozenset(
+    {
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+        "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+    }
+)  # fmt: skip
+
+# Types rendered as their literal text when special tokens are shown, and the types that only a
+# parse_special tokenization recognises in text (user-defined tokens are always recognised).
+_SPECIAL_TYPES = (TokenType.CONTROL, TokenType.UNKNOWN)
+_PARTITION_TYPES = (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED)
+
+
+@attrs.frozen(eq=False)
+class SpecialToken:
+    text: str
+    id: int
+    needs_parse_special: bool
+
+
+@attrs.frozen(eq=False)
+class Vocabulary:
+    tokens: Sequence[str] = attrs.field(repr=False)
+    types: np.ndarray = attrs.field(repr=False)  # int32 [n_vocab], TokenType codes (after overrides)
+    scores: Sequence[float] | None = attrs.field(repr=False)
+    token_to_id: Mapping[str, int] = attrs.field(repr=False)
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    end_of_generation: frozenset[int]
+    # Longest text first: a longer special token wins over a shorter one it contains.
+    special_tokens: tuple[SpecialToken, ...] = attrs.field(repr=False)
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+    def token_type(self, token_id: int) -> TokenType:
+        return TokenType(int(self.types[token_id]))
+
+    def check_id(self, token_id: int) -> None:
+        if not (0 <= token_id < len(self.tokens)):
+            raise InvalidTokenId(f"token id {token_id} is outside the vocabulary [0, {len(self.tokens)})")
+
+    def partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """Split `text` into raw-text fragments and special token ids.
+
+        Special tokens are taken longest first over the whole text, each splitting every raw fragment
+        at all its non-overlapping occurrences, exactly as llama.cpp does; control and unknown tokens
+        are recognised only with `parse_special`, user-defined ones always.
+        """
+        fragments: list[str | int] = [text] if text else []
+        present = set(text)
+        for special in self.special_tokens:
+            if special.needs_parse_special and not parse_special:
+                continue
+            if special.text[0] not in present or special.text not in text:
+                continue
+            split: list[str | int] = []
+            for fragment in fragments:
+                if isinstance(fragment, int) or special.text not in fragment:
+                    split.append(fragment)
+                    continue
+                for i, part in enumerate(fragment.split(special.text)):
+                    if i:
+                        split.append(special.id)
+                    if part:
+                        split.append(part)
+            fragments = split
+        return fragments
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, default_add_bos: bool,
+                           default_add_space_prefix: bool) -> Vocabulary:
+        problems: list[str] = []
+        tokens_raw = metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens_raw, (list, tuple)) or not tokens_raw:
+            raise TokenizerError("tokenizer.ggml.tokens is missing or empty")
+        # llama.cpp renames empty texts so that every token has a distinct, non-empty text
+        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens_raw)]
+        n_vocab = len(tokens)
+
+        types_raw = metadata.get("tokenizer.ggml.token_type")
+        if types_raw is None:
+            types = np.full(n_vocab, TokenType.NORMAL, dtype=np.int32)
+        else:
+            types = np.array(types_raw, dtype=np.int32)
+            if types.shape != (n_vocab,):
+                problems.append(f"tokenizer.ggml.token_type has {types.size} entries for {n_vocab} tokens")
+            else:
+                unknown_codes = set(np.unique(types).tolist()) - {t.value for t in TokenType}
+                if unknown_codes:
+                    # llama.cpp reads an unknown type as UNDEFINED
+                    types[np.isin(types, list(unknown_codes))] = TokenType.UNDEFINED
+
+        scores_raw = metadata.get("tokenizer.ggml.scores")
+        scores: list[float] | None = None
+        if scores_raw is not None:
+            scores = np.asarray(scores_raw, dtype=np.float32).tolist()
+            if len(scores) != n_vocab:
+                problems.append(f"tokenizer.ggml.scores has {len(scores)} entries for {n_vocab} tokens")
+
+        def special_id(key: str) -> int | None:
+            value = metadata.get(key)
+            if value is None:
+                return None
+            if not isinstance(value, (int, np.integer)) or not (0 <= int(value) < n_vocab):
+                problems.append(f"{key} = {value!r} is not a token id in [0, {n_vocab})")
+                return None
+            return int(value)
+
+        bos_id = special_id("tokenizer.ggml.bos_token_id")
+        eos_id = special_id("tokenizer.ggml.eos_token_id")
+        eot_id = special_id("tokenizer.ggml.eot_token_id")
+        eom_id = special_id("tokenizer.ggml.eom_token_id")
+        unk_id = special_id("tokenizer.ggml.unknown_token_id")
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos))
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", default_add_space_prefix))
+        if add_bos and bos_id is None:
+            problems.append("tokenizer.ggml.add_bos_token is true but tokenizer.ggml.bos_token_id is missing")
+        if problems:
+            raise TokenizerError("invalid tokenizer metadata: " + "; ".join(problems))
+
+        token_to_id = {text: i for i, text in enumerate(tokens)}
+        end_of_generation = {i for i in (eos_id, eot_id, eom_id) if i is not None}
+        for text in END_OF_GENERATION_TEXTS:
+            token_id = token_to_id.get(text)
+            if token_id is not None:
+                end_of_generation.add(token_id)
+                if types[token_id] not in _SPECIAL_TYPES:
+                    types[token_id] = TokenType.CONTROL
+
+        partition_ids = np.nonzero(np.isin(types, [t.value for t in _PARTITION_TYPES]))[0].tolist()
+        specials = sorted(
+            (SpecialToken(tokens[i], i, int(types[i]) != TokenType.USER_DEFINED) for i in partition_ids),
+            key=lambda s: -len(s.text.encode("utf-8")),
+        )
+        types.setflags(write=False)
+        return cls(
+            tokens=tokens,
+            types=types,
+            scores=scores,
+            token_to_id=token_to_id,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            unk_id=unk_id,
+            add_bos=add_bos,
+            add_eos=add_eos,
+            add_space_prefix=add_space_prefix,
+            end_of_generation=frozenset(end_of_generation),
+            special_tokens=tuple(specials),
+        )

@@ -1,0 +1,167 @@
+"""Tokenizers built from GGUF metadata: identical to llama.cpp (and transformers) on every reference
+text of both real models, round trips, special-token handling, streaming UTF-8, speed, bad metadata."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from conftest import gemma3_model_path, load_reference, smollm2_model_path
+from strata_engine.gguf.reader import read_gguf
+from strata_engine.tokenizer import (
+    Tokenizer,
+    TokenizerError,
+    TokenType,
+    UnsupportedTokenizer,
+    Utf8Stream,
+)
+
+MODELS = {"smollm2-135m": smollm2_model_path, "gemma3-270m": gemma3_model_path}
+
+
+@pytest.fixture(scope="module")
+def metadata():
+    return {name: read_gguf(path()).metadata for name, path in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(metadata):
+    return {name: Tokenizer.from_gguf_metadata(meta) for name, meta in metadata.items()}
+
+
+def _cases(peer: str):
+    return [
+        pytest.param(model, case, id=f"{model}-{i}")
+        for model in MODELS
+        for i, case in enumerate(load_reference(f"{peer}-{model}.json")["tokenize"])
+    ]
+
+
+@pytest.mark.parametrize(("model", "case"), _cases("llamacpp"))
+def test_identical_to_llamacpp(tokenizers, model, case):
+    assert case["add_special"] is True
+    assert tokenizers[model].encode(case["text"], add_special=True) == case["tokens"]
+
+
+@pytest.mark.parametrize(("model", "case"), _cases("transformers"))
+def test_identical_to_transformers(tokenizers, model, case):
+    assert tokenizers[model].encode(case["text"], add_special=case.get("add_special", True)) == case["tokens"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_round_trip_reference_texts(tokenizers, model):
+    tok = tokenizers[model]
+    for case in load_reference(f"llamacpp-{model}.json")["tokenize"]:
+        text = case["text"]
+        assert tok.decode(tok.encode(text)) == text
+        # add_special only adds the BOS the model asks for; special=False hides control tokens
+        with_bos = tok.encode(text, add_special=True)
+        assert with_bos == ([tok.bos_id] if tok.add_bos else []) + tok.encode(text)
+        assert tok.decode(with_bos, special=False) == tok.decode(tok.encode(text), special=False)
+    if tok.add_bos:
+        assert tok.decode(tok.encode("x", add_special=True)).startswith(tok.token_text(tok.bos_id))
+
+
+def test_facts_from_metadata(tokenizers):
+    smol, gemma = tokenizers["smollm2-135m"], tokenizers["gemma3-270m"]
+    assert (smol.n_vocab, smol.bos_id, smol.eos_id, smol.add_bos) == (49152, 1, 2, False)
+    assert (gemma.n_vocab, gemma.bos_id, gemma.eos_id, gemma.add_bos) == (262144, 2, 1, True)
+    assert {2, 0} <= smol.end_of_generation  # <|im_end|> (eos), <|endoftext|>
+    assert {1, 106} <= gemma.end_of_generation  # <eos>, <end_of_turn>
+    assert 105 not in gemma.end_of_generation  # <start_of_turn>
+    assert gemma.vocab.token_type(107) is TokenType.USER_DEFINED  # "\n"
+
+
+def test_parse_special(tokenizers):
+    smol, gemma = tokenizers["smollm2-135m"], tokenizers["gemma3-270m"]
+    text = "<|im_start|>user"
+    assert smol.encode(text)[0] == 1
+    assert 1 not in smol.encode(text, parse_special=False)
+    assert smol.decode(smol.encode(text, parse_special=False)) == text
+    assert gemma.encode("<start_of_turn>user")[0] == 105
+    assert 105 not in gemma.encode("<start_of_turn>user", parse_special=False)
+    # user-defined tokens ("\n", runs of spaces) are split out even without parse_special
+    assert gemma.encode("a\nb", parse_special=False) == gemma.encode("a\nb")
+    assert 107 in gemma.encode("a\nb", parse_special=False)
+
+
+def test_longest_special_token_wins(tokenizers):
+    gemma = tokenizers["gemma3-270m"]
+    # "\n\n\n" is one user-defined token (109), not three "\n"
+    assert gemma.encode("a\n\n\nb") == gemma.encode("a") + [109] + gemma.encode("b")
+
+
+def test_pieces_and_byte_fallback(tokenizers):
+    smol, gemma = tokenizers["smollm2-135m"], tokenizers["gemma3-270m"]
+    assert smol.piece(smol.encode(" Paris")[0]) == " Paris"
+    assert smol.piece(2) == "<|im_end|>" and smol.piece(2, special=False) == ""
+    # a character with no token of its own goes through the <0xNN> byte tokens
+    byte_ids = gemma.encode("\U000e0000")
+    assert all(gemma.vocab.token_type(i) is TokenType.BYTE for i in byte_ids)
+    assert b"".join(gemma.token_bytes(i) for i in byte_ids) == "\U000e0000".encode()
+    assert gemma.decode(byte_ids) == "\U000e0000"
+
+
+def test_streaming_utf8_holds_incomplete_characters(tokenizers):
+    for tok in tokenizers.values():
+        text = "naïve 東京 🚀 café"
+        ids = tok.encode(text)
+        stream = Utf8Stream()
+        shown = []
+        for token_id in ids:
+            chunk = stream.push(tok.token_bytes(token_id))
+            assert "\ufffd" not in chunk
+            shown.append(chunk)
+        shown.append(stream.finish())
+        assert "".join(shown) == text
+    stream = Utf8Stream()
+    emoji = "🚀".encode()
+    assert stream.push(emoji[:2]) == "" and stream.pending == emoji[:2]
+    assert stream.push(emoji[2:]) == "🚀"
+    assert stream.push(emoji[:1]) == "" and stream.finish() == "\ufffd"
+
+
+def test_random_text_round_trip(tokenizers):
+    rng = random.Random(1234)
+    # (no U+2581: SentencePiece reads it as a space, so it cannot round-trip, in llama.cpp either)
+    alphabet = "abcXYZ 09\t\n.,'-_<>|\u00e9\u00fc\u6771\u4eac\U0001f680\u0120 "
+    for tok in tokenizers.values():
+        for _ in range(50):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+            assert tok.decode(tok.encode(text, parse_special=False)) == text
+
+
+def test_lone_surrogate_becomes_replacement_character(tokenizers):
+    for tok in tokenizers.values():
+        assert tok.encode("a\ud800b") == tok.encode("a\ufffdb")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_long_prompt_is_fast(metadata, model):
+    tok = Tokenizer.from_gguf_metadata(metadata[model])  # fresh: no word cache
+    rng = random.Random(7)
+    words = ["the", "of", "inference", "cache", "session", "Ünïcödé", "東京", "42", "x**2", "(){}", "\n", "  "]
+    text = " ".join(rng.choice(words) + str(rng.randint(0, 999)) for _ in range(6000))[:30000]
+    start = time.perf_counter()
+    ids = tok.encode(text)
+    elapsed = time.perf_counter() - start
+    print(f"{model}: {len(text)} chars -> {len(ids)} tokens in {elapsed * 1000:.0f} ms")
+    assert tok.decode(ids) == text
+    assert elapsed < 2.0  # ~0.05-0.3 s on a 2-core machine; generous for a loaded CI runner
+
+
+def test_bad_metadata_is_reported(metadata):
+    with pytest.raises(UnsupportedTokenizer, match="'bert'"):
+        Tokenizer.from_gguf_metadata({**metadata["smollm2-135m"], "tokenizer.ggml.model": "bert"})
+    with pytest.raises(UnsupportedTokenizer, match="'qwen2'"):
+        Tokenizer.from_gguf_metadata({**metadata["smollm2-135m"], "tokenizer.ggml.pre": "qwen2"})
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.tokens"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
+    bad = {**metadata["gemma3-270m"], "tokenizer.ggml.bos_token_id": 10**9, "tokenizer.ggml.scores": [0.0]}
+    with pytest.raises(TokenizerError) as info:
+        Tokenizer.from_gguf_metadata(bad)
+    # every problem reported together
+    assert "bos_token_id" in str(info.value) and "scores" in str(info.value)
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        Tokenizer.from_gguf_metadata(metadata["smollm2-135m"]).decode([49152])
