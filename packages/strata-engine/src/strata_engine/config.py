@@ -1,0 +1,222 @@
+"""ModelConfig: the shape and arithmetic of a model, from GGUF metadata plus the architecture facts the
+files leave out (a table per family, `ARCHITECTURES`).
+
+Unknown architectures raise `UnsupportedArchitecture` naming the architecture; missing or impossible
+metadata raises `ModelConfigError` listing every problem at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from .errors import ModelConfigError, UnsupportedArchitecture
+from .gguf import GGUFFile
+
+
+class RopeStyle(enum.Enum):
+    """How RoPE pairs the dimensions of a head."""
+
+    INTERLEAVED = "interleaved"  # pairs (2i, 2i+1): llama GGUFs (Q/K rows stored permuted for it)
+    NEOX = "neox"  # pairs (i, i + d/2), "rotate half": gemma3
+
+
+class Activation(enum.Enum):
+    SILU = "silu"  # SwiGLU: silu(gate) * up
+    GELU_TANH = "gelu_tanh"  # GeGLU with the tanh approximation of gelu
+
+
+@attrs.frozen
+class LayerConfig:
+    """Per-layer attention facts. `window` None = full causal attention; N = a query at position p
+    sees keys at positions p - N + 1 .. p (llama.cpp's and transformers' sliding-window rule)."""
+
+    rope_base: float
+    window: int | None
+
+
+@attrs.frozen
+class ModelConfig:
+    architecture: str
+    n_vocab: int
+    n_embd: int
+    n_ff: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rope_dim: int
+    n_ctx_train: int
+    rms_eps: float
+    rope_style: RopeStyle
+    activation: Activation
+    attn_scale: float
+    embed_scale: float
+    qk_norm: bool
+    post_norms: bool
+    tied_output: bool
+    layers: tuple[LayerConfig, ...]
+
+    @property
+    def n_group(self) -> int:
+        """Query heads per K/V head (GQA)."""
+        return self.n_head // self.n_head_kv
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(layer.window is not None for layer in self.layers)
+
+    @property
+    def max_window(self) -> int | None:
+        windows = [layer.window for layer in self.layers if layer.window is not None]
+        return max(windows) if windows else None
+
+    def rope_fingerprint(self) -> list[dict[str, Any]]:
+        """The resolved RoPE configuration per layer (part of the session file's config fingerprint)."""
+        return [
+            {
+                "style": self.rope_style.value,
+                "base": layer.rope_base,
+                "dim": self.rope_dim,
+                "window": layer.window,
+            }
+            for layer in self.layers
+        ]
+
+    @classmethod
+    def from_gguf(cls, gguf_file: GGUFFile) -> ModelConfig:
+        arch = gguf_file.architecture
+        builder = ARCHITECTURES.get(arch)
+        if builder is None:
+            raise UnsupportedArchitecture(
+                f"{gguf_file.path}: architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
+            )
+        return builder(_Meta(gguf_file, arch))
+
+
+class _Meta:
+    """Typed access to `<arch>.*` metadata that collects problems instead of failing on the first."""
+
+    def __init__(self, gguf_file: GGUFFile, arch: str):
+        self.file = gguf_file
+        self.arch = arch
+        self.problems: list[str] = []
+
+    def get(self, key: str, kind: type, default: Any = None, *, required: bool = True) -> Any:
+        full = f"{self.arch}.{key}"
+        value = self.file.metadata.get(full)
+        if value is None:
+            if required and default is None:
+                self.problems.append(f"{full} is missing")
+            return default
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+            self.problems.append(f"{full} must be {kind.__name__}, got {type(value).__name__}")
+            return default
+        return value
+
+    def positive(self, key: str, default: int | None = None) -> int:
+        value = self.get(key, int, default)
+        if value is not None and value <= 0:
+            self.problems.append(f"{self.arch}.{key} must be positive, got {value}")
+        return value if value is not None else 1
+
+    def vocab_size(self) -> int:
+        info = self.file.tensors.get("token_embd.weight")
+        if info is None:
+            self.problems.append("tensor token_embd.weight is missing")
+            return 1
+        return info.shape[0]
+
+    def finish(self) -> None:
+        if self.problems:
+            raise ModelConfigError([f"{self.file.path}: {p}" for p in self.problems])
+
+
+def _common(m: _Meta) -> dict[str, Any]:
+    n_embd = m.positive("embedding_length")
+    n_head = m.positive("attention.head_count")
+    n_head_kv = m.positive("attention.head_count_kv", n_head)
+    head_dim = m.positive("attention.key_length", n_embd // n_head)
+    value_dim = m.positive("attention.value_length", head_dim)
+    if value_dim != head_dim:
+        m.problems.append(f"value length {value_dim} differs from key length {head_dim} (not supported)")
+    if n_head % n_head_kv:
+        m.problems.append(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+    scaling = m.file.metadata.get(f"{m.arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        m.problems.append(f"{m.arch}.rope.scaling.type {scaling!r} is not supported")
+    return dict(
+        n_vocab=m.vocab_size(),
+        n_embd=n_embd,
+        n_ff=m.positive("feed_forward_length"),
+        n_layer=m.positive("block_count"),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        rope_dim=m.positive("rope.dimension_count", head_dim),
+        n_ctx_train=m.positive("context_length"),
+        rms_eps=m.get("attention.layer_norm_rms_epsilon", float, 1e-5),
+        tied_output="output.weight" not in m.file.tensors,
+    )
+
+
+def _llama(m: _Meta) -> ModelConfig:
+    c = _common(m)
+    rope_base = m.get("rope.freq_base", float, 10000.0)
+    m.finish()
+    return ModelConfig(
+        architecture="llama",
+        rope_style=RopeStyle.INTERLEAVED,
+        activation=Activation.SILU,
+        attn_scale=1.0 / math.sqrt(c["head_dim"]),
+        embed_scale=1.0,
+        qk_norm=False,
+        post_norms=False,
+        layers=tuple(LayerConfig(rope_base=rope_base, window=None) for _ in range(c["n_layer"])),
+        **c,
+    )
+
+
+# gemma3 facts the GGUF leaves out: every 6th layer (il % 6 == 5) is global with the file's rope base
+# (1e6); the others use a sliding window with rope base 10000; attention scale is
+# query_pre_attn_scalar^-1/2 = 256^-1/2 for the released sizes; embeddings are scaled by sqrt(n_embd).
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
+
+
+def _gemma3(m: _Meta) -> ModelConfig:
+    c = _common(m)
+    global_base = m.get("rope.freq_base", float, 1_000_000.0)
+    window = m.positive("attention.sliding_window", 512)
+    m.finish()
+    layers = tuple(
+        LayerConfig(rope_base=global_base, window=None)
+        if il % GEMMA3_GLOBAL_EVERY == GEMMA3_GLOBAL_EVERY - 1
+        else LayerConfig(rope_base=GEMMA3_LOCAL_ROPE_BASE, window=window)
+        for il in range(c["n_layer"])
+    )
+    return ModelConfig(
+        architecture="gemma3",
+        rope_style=RopeStyle.NEOX,
+        activation=Activation.GELU_TANH,
+        attn_scale=1.0 / math.sqrt(GEMMA3_QUERY_PRE_ATTN_SCALAR),
+        embed_scale=math.sqrt(c["n_embd"]),
+        qk_norm=True,
+        post_norms=True,
+        layers=layers,
+        **c,
+    )
+
+
+ARCHITECTURES: dict[str, Callable[[_Meta], ModelConfig]] = {"llama": _llama, "gemma3": _gemma3}

@@ -1,0 +1,115 @@
+"""K/V geometry: the storage type and the per-layer slot counts of the pool.
+
+Full-attention layers get `n_ctx` slots, slot = position. Sliding-window layers get a ring of
+`ring_capacity(window, n_ctx)` = min(n_ctx, 2 * window) slots, slot = position % capacity: the window
+itself plus `window` tokens of slack, so a next turn may resume up to ~window tokens before the end of
+the held conversation without a checkpoint. llama.cpp keeps window + ubatch rounded up (1,536 slots for
+gemma3's 512-token window), so a ring here is never larger than llama.cpp's for the same conversation.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import numpy as np
+
+from ..config import ModelConfig
+
+RING_SLACK_WINDOWS = 1  # ring = window * (1 + slack)
+
+
+class KVType(enum.Enum):
+    F32 = "f32"
+    F16 = "f16"
+    INT8 = "int8"  # per-token-per-head float32 scales beside the int8 values
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        return np.dtype({"f32": np.float32, "f16": np.float16, "int8": np.int8}[self.value])
+
+    @property
+    def has_scales(self) -> bool:
+        return self is KVType.INT8
+
+
+SCALE_DTYPE = np.dtype(np.float32)
+
+
+def ring_capacity(window: int, n_ctx: int) -> int:
+    return min(n_ctx, window * (1 + RING_SLACK_WINDOWS))
+
+
+@attrs.frozen
+class LayerGeometry:
+    index: int
+    n_kv_heads: int
+    head_dim: int
+    window: int | None  # None: full attention
+    capacity: int  # token slots
+
+    @property
+    def is_ring(self) -> bool:
+        return self.window is not None
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        """Shape of one token's K (or V): [Hkv, D]."""
+        return (self.n_kv_heads, self.head_dim)
+
+
+@attrs.frozen
+class KVGeometry:
+    kv_type: KVType
+    n_ctx: int
+    layers: tuple[LayerGeometry, ...]
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, n_ctx: int, kv_type: KVType) -> KVGeometry:
+        layers = tuple(
+            LayerGeometry(
+                index=i,
+                n_kv_heads=config.n_head_kv,
+                head_dim=config.head_dim,
+                window=lc.window if lc.window is not None and lc.window < n_ctx else None,
+                capacity=ring_capacity(lc.window, n_ctx)
+                if lc.window is not None and lc.window < n_ctx
+                else n_ctx,
+            )
+            for i, lc in enumerate(config.layers)
+        )
+        return cls(kv_type=kv_type, n_ctx=n_ctx, layers=layers)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def ring_layers(self) -> tuple[int, ...]:
+        return tuple(g.index for g in self.layers if g.is_ring)
+
+    @property
+    def max_window(self) -> int | None:
+        windows = [g.window for g in self.layers if g.window is not None]
+        return max(windows) if windows else None
+
+    @property
+    def ring_capacity(self) -> int | None:
+        caps = {g.capacity for g in self.layers if g.is_ring}
+        assert len(caps) <= 1, "all ring layers share one capacity"
+        return caps.pop() if caps else None
+
+    def token_bytes(self, layer: int) -> int:
+        """Bytes of one token of one layer: K and V values plus their scales (int8)."""
+        g = self.layers[layer]
+        n = g.n_kv_heads * g.head_dim * self.kv_type.storage_dtype.itemsize
+        if self.kv_type.has_scales:
+            n += g.n_kv_heads * SCALE_DTYPE.itemsize
+        return 2 * n
+
+    def layer_bytes(self, layer: int) -> int:
+        return self.layers[layer].capacity * self.token_bytes(layer)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.layer_bytes(i) for i in range(self.n_layers))

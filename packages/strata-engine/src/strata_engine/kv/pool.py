@@ -1,0 +1,295 @@
+"""The K/V pool: one preallocated buffer carved into per-layer K, V (and int8 scale) views.
+
+Storage is token-major: layer i's K is ``[capacity, Hkv, D]`` of the K/V type, so a token range is a
+contiguous slice (or two, for a ring that wraps). Full layers map position p to slot p; sliding-window
+layers to slot p % capacity.
+
+Running extent (shared by all layers):
+  * `n_tokens`: positions [0, n_tokens) are evaluated and held;
+  * `ring_start`: the lowest position every ring layer still holds (n_tokens - ring_start <= capacity);
+    0 for a model without rings. A full layer holds [0, n_tokens); a ring layer [ring_start, n_tokens).
+
+Positions beyond `n_tokens` may hold stale bytes; nothing reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..errors import KVStateError
+from ..ops import NumpyOps
+from .layout import SCALE_DTYPE, KVGeometry, KVType, LayerGeometry
+
+_ALIGN = 64
+
+
+@attrs.frozen(eq=False)
+class KVParts:
+    """Encoded K/V of a token range in logical order: k, v ``[n, Hkv, D]`` of the storage dtype; for
+    int8, k_scale and v_scale ``[n, Hkv]`` float32 (value = int8 * scale), else None."""
+
+    k: Any
+    v: Any
+    k_scale: Any = None
+    v_scale: Any = None
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.k.shape[0])
+
+    def arrays(self) -> tuple[Any, ...]:
+        return tuple(a for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays())
+
+
+@attrs.frozen(eq=False)
+class LayerKV:
+    """One layer's storage in slot order (views into the pool buffer)."""
+
+    geometry: LayerGeometry
+    k: Any
+    v: Any
+    k_scale: Any
+    v_scale: Any
+
+    def slot_arrays(self) -> tuple[Any, ...]:
+        return tuple(a for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
+
+
+def ring_spans(lo: int, hi: int, capacity: int) -> list[tuple[int, int, int]]:
+    """Positions [lo, hi) (hi - lo <= capacity) as (slot_lo, slot_hi, offset into the range) spans."""
+    assert 0 <= hi - lo <= capacity
+    if hi == lo:
+        return []
+    s0 = lo % capacity
+    n = hi - lo
+    if s0 + n <= capacity:
+        return [(s0, s0 + n, 0)]
+    first = capacity - s0
+    return [(s0, capacity, 0), (0, n - first, first)]
+
+
+class KVCodec:
+    """Encode compute-dtype K/V to the storage type and decode it back (int8 through `ops`)."""
+
+    def __init__(self, kv_type: KVType, ops: NumpyOps):
+        self.kv_type = kv_type
+        self.ops = ops
+
+    def encode(self, k: Any, v: Any) -> KVParts:
+        if self.kv_type is KVType.INT8:
+            kq, ks = self.ops.quantize_int8(k)
+            vq, vs = self.ops.quantize_int8(v)
+            return KVParts(kq, vq, ks, vs)
+        dt = self.kv_type.storage_dtype
+        return KVParts(k.astype(dt), v.astype(dt))
+
+    def decode_into(self, parts: KVParts, k_out: Any, v_out: Any) -> None:
+        if self.kv_type is KVType.INT8:
+            k_out[...] = self.ops.dequantize_int8(parts.k, parts.k_scale)
+            v_out[...] = self.ops.dequantize_int8(parts.v, parts.v_scale)
+        else:
+            k_out[...] = parts.k
+            v_out[...] = parts.v
+
+
+class KVPool:
+    """One preallocated buffer with per-layer views; the authoritative K/V of the conversation."""
+
+    def __init__(self, geometry: KVGeometry, ops: NumpyOps):
+        self.geometry = geometry
+        self.ops = ops
+        self.codec = KVCodec(geometry.kv_type, ops)
+        xp = ops.xp
+        offsets: list[list[tuple[int, int, tuple[int, ...], np.dtype]]] = []
+        total = 0
+        sdt = geometry.kv_type.storage_dtype
+        for g in geometry.layers:
+            parts = []
+            shapes = [((g.capacity, *g.row_shape), sdt)] * 2
+            if geometry.kv_type.has_scales:
+                shapes += [((g.capacity, g.n_kv_heads), SCALE_DTYPE)] * 2
+            for shape, dt in shapes:
+                n = int(np.prod(shape)) * dt.itemsize
+                parts.append((total, n, shape, dt))
+                total += -(-n // _ALIGN) * _ALIGN
+            offsets.append(parts)
+        self.nbytes = total
+        self.buffer = xp.zeros(total, dtype=xp.uint8)
+        self._layers: list[LayerKV] = []
+        for g, parts in zip(geometry.layers, offsets, strict=True):
+            arrays = [self.buffer[o : o + n].view(dt).reshape(shape) for o, n, shape, dt in parts]
+            if len(arrays) == 2:
+                arrays += [None, None]
+            self._layers.append(LayerKV(g, *arrays))
+        self._n_tokens = 0
+        self._ring_start = 0
+        self._pending_ring_start: int | None = None
+
+    # ---- extent --------------------------------------------------------------------------------
+    @property
+    def n_tokens(self) -> int:
+        return self._n_tokens
+
+    @property
+    def ring_start(self) -> int:
+        return self._ring_start
+
+    def layer(self, i: int) -> LayerKV:
+        return self._layers[i]
+
+    def held_range(self, i: int) -> tuple[int, int]:
+        """Positions [start, end) layer i holds, in logical order."""
+        g = self.geometry.layers[i]
+        return (self._ring_start if g.is_ring else 0, self._n_tokens)
+
+    def can_resume(self, r: int) -> bool:
+        """Whether the pool alone can continue from position r (0 <= r <= n_tokens): every ring layer
+        must still hold the window-1 positions before r."""
+        if not 0 <= r <= self._n_tokens:
+            return False
+        window = self.geometry.max_window
+        if window is None or r == 0:
+            return True
+        return max(0, r - window + 1) >= self._ring_start
+
+    def truncate(self, r: int) -> None:
+        """Drop positions >= r (r must be a resume point)."""
+        if not self.can_resume(r):
+            raise KVStateError(f"cannot resume the K/V pool at position {r} (held {self.held_summary()})")
+        if r == 0:
+            self.reset()
+        self._n_tokens = r
+
+    def reset(self) -> None:
+        self._n_tokens = 0
+        self._ring_start = 0
+
+    def set_extent(self, n_tokens: int, ring_start: int) -> None:
+        """Declare what the pool holds after K/V was written into it directly (restore paths)."""
+        problems = []
+        if not 0 <= n_tokens <= self.geometry.n_ctx:
+            problems.append(f"n_tokens {n_tokens} outside [0, {self.geometry.n_ctx}]")
+        cap = self.geometry.ring_capacity
+        if cap is None:
+            if ring_start != 0:
+                problems.append(f"ring_start {ring_start} given for a pool without rings")
+        elif not (0 <= ring_start <= n_tokens and n_tokens - ring_start <= cap):
+            problems.append(
+                f"ring_start {ring_start} invalid for n_tokens {n_tokens} and ring capacity {cap}"
+            )
+        if problems:
+            raise KVStateError("; ".join(problems))
+        self._n_tokens = n_tokens
+        self._ring_start = ring_start
+
+    def held_summary(self) -> str:
+        return f"n_tokens={self._n_tokens}, ring_start={self._ring_start}"
+
+    # ---- appends (the forward pass writes positions [n_tokens, n_tokens + n)) -------------------
+    def begin_append(self, pos0: int, n: int) -> None:
+        if pos0 != self._n_tokens:
+            raise KVStateError(f"append at position {pos0} but the pool holds {self._n_tokens} tokens")
+        if pos0 + n > self.geometry.n_ctx:
+            raise KVStateError(f"append of {n} tokens at {pos0} exceeds the context {self.geometry.n_ctx}")
+        cap = self.geometry.ring_capacity
+        self._pending_ring_start = self._ring_start if cap is None else max(self._ring_start, pos0 + n - cap)
+
+    def commit_append(self, n: int) -> None:
+        assert self._pending_ring_start is not None
+        self._n_tokens += n
+        self._ring_start = self._pending_ring_start
+        self._pending_ring_start = None
+
+    def abort_append(self) -> None:
+        """After a failed forward: the rings may have been overwritten up to the pending start."""
+        if self._pending_ring_start is not None:
+            self._ring_start = self._pending_ring_start
+            if self._ring_start > self._n_tokens:
+                # Nothing of the rings is usable: only a restart from 0 (or a checkpoint) is valid.
+                self._n_tokens = 0
+                self._ring_start = 0
+            self._pending_ring_start = None
+
+    # ---- token-range reads and writes (logical order) -------------------------------------------
+    def _spans(self, i: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        g = self.geometry.layers[i]
+        return ring_spans(lo, hi, g.capacity) if g.is_ring else ([(lo, hi, 0)] if hi > lo else [])
+
+    def _check_range(self, i: int, lo: int, hi: int, *, writing: bool) -> None:
+        if not 0 <= i < self.geometry.n_layers:
+            raise KVStateError(f"layer {i} outside [0, {self.geometry.n_layers})")
+        g = self.geometry.layers[i]
+        if not 0 <= lo <= hi <= self.geometry.n_ctx:
+            raise KVStateError(
+                f"layer {i}: token range [{lo}, {hi}) outside the context {self.geometry.n_ctx}"
+            )
+        if g.is_ring and hi - lo > g.capacity:
+            raise KVStateError(f"layer {i}: token range [{lo}, {hi}) is longer than the ring ({g.capacity})")
+
+    def read(self, i: int, lo: int, hi: int) -> KVParts:
+        """Copies of the encoded K/V of positions [lo, hi) of layer i, in logical order."""
+        self._check_range(i, lo, hi, writing=False)
+        layer = self._layers[i]
+        spans = self._spans(i, lo, hi)
+        xp = self.ops.xp
+
+        def take(arr: Any) -> Any:
+            if arr is None:
+                return None
+            if len(spans) == 1:
+                return arr[spans[0][0] : spans[0][1]].copy()
+            if not spans:
+                return arr[0:0].copy()
+            return xp.concatenate([arr[a:b] for a, b, _ in spans])
+
+        return KVParts(take(layer.k), take(layer.v), take(layer.k_scale), take(layer.v_scale))
+
+    def write(self, i: int, pos0: int, parts: KVParts) -> None:
+        """Store encoded K/V for positions [pos0, pos0 + n) of layer i (a ring keeps the last capacity)."""
+        n = parts.n_tokens
+        layer = self._layers[i]
+        g = layer.geometry
+        expected = (n, *g.row_shape)
+        sdt = self.geometry.kv_type.storage_dtype
+        for name, arr, shape, dt in (
+            ("k", parts.k, expected, sdt),
+            ("v", parts.v, expected, sdt),
+            ("k_scale", parts.k_scale, expected[:2], SCALE_DTYPE),
+            ("v_scale", parts.v_scale, expected[:2], SCALE_DTYPE),
+        ):
+            if name.endswith("scale") and not self.geometry.kv_type.has_scales:
+                if arr is not None:
+                    raise KVStateError(f"layer {i}: {name} given for K/V type {self.geometry.kv_type.value}")
+                continue
+            if arr is None or tuple(arr.shape) != shape or arr.dtype != dt:
+                got = None if arr is None else (tuple(arr.shape), str(arr.dtype))
+                raise KVStateError(f"layer {i}: {name} must be {shape} {dt}, got {got}")
+        skip = max(0, n - g.capacity) if g.is_ring else 0
+        self._check_range(i, pos0 + skip, pos0 + n, writing=True)
+        for a, b, off in self._spans(i, pos0 + skip, pos0 + n):
+            src = slice(skip + off, skip + off + (b - a))
+            layer.k[a:b] = parts.k[src]
+            layer.v[a:b] = parts.v[src]
+            if layer.k_scale is not None:
+                layer.k_scale[a:b] = parts.k_scale[src]
+                layer.v_scale[a:b] = parts.v_scale[src]
+
+    def decode_into(self, i: int, lo: int, hi: int, k_out: Any, v_out: Any) -> None:
+        """Decode positions [lo, hi) of layer i into compute-dtype arrays [hi - lo, Hkv, D]."""
+        layer = self._layers[i]
+        for a, b, off in self._spans(i, lo, hi):
+            n = b - a
+            parts = KVParts(
+                layer.k[a:b],
+                layer.v[a:b],
+                None if layer.k_scale is None else layer.k_scale[a:b],
+                None if layer.v_scale is None else layer.v_scale[a:b],
+            )
+            self.codec.decode_into(parts, k_out[off : off + n], v_out[off : off + n])

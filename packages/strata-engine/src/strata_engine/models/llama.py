@@ -1,0 +1,85 @@
+"""The llama family (SmolLM2 and other `llama` GGUFs).
+
+x = embed(tokens)
+for each layer:
+    h = rms_norm(x) * attn_norm
+    q, k, v = h Wq^T, h Wk^T, h Wv^T            (GGUF rows are permuted for interleaved RoPE)
+    q, k = rope_interleaved(q, k, pos)
+    x = x + softmax(q k^T / sqrt(D) + causal) v Wo^T     (GQA: Hkv K/V heads, H/Hkv queries each)
+    h = rms_norm(x) * ffn_norm
+    x = x + (silu(h Wg^T) * h Wu^T) Wd^T
+logits = (rms_norm(x_last) * output_norm) W_out^T           (W_out = token_embd when tied)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..config import ModelConfig
+from ..gguf import GGUFFile
+from ..ops import NumpyOps
+from .common import KVAccess, WeightLoader
+
+
+@attrs.frozen(eq=False)
+class LlamaLayer:
+    attn_norm: Any  # [E]
+    wq: Any  # [H*D, E]
+    wk: Any  # [Hkv*D, E]
+    wv: Any  # [Hkv*D, E]
+    wo: Any  # [E, H*D]
+    ffn_norm: Any  # [E]
+    w_gate: Any  # [F, E]
+    w_up: Any  # [F, E]
+    w_down: Any  # [E, F]
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, ops: NumpyOps, gguf_file: GGUFFile):
+        self.config = c = config
+        self.ops = ops
+        w = WeightLoader(gguf_file, ops)
+        E, F, H, Hkv, D = c.n_embd, c.n_ff, c.n_head, c.n_head_kv, c.head_dim
+        self.tok_embd = w("token_embd.weight", (c.n_vocab, E))
+        self.output_norm = w("output_norm.weight", (E,))
+        self.output = self.tok_embd if c.tied_output else w("output.weight", (c.n_vocab, E))
+        self.layers = [
+            LlamaLayer(
+                attn_norm=w(f"blk.{i}.attn_norm.weight", (E,)),
+                wq=w(f"blk.{i}.attn_q.weight", (H * D, E)),
+                wk=w(f"blk.{i}.attn_k.weight", (Hkv * D, E)),
+                wv=w(f"blk.{i}.attn_v.weight", (Hkv * D, E)),
+                wo=w(f"blk.{i}.attn_output.weight", (E, H * D)),
+                ffn_norm=w(f"blk.{i}.ffn_norm.weight", (E,)),
+                w_gate=w(f"blk.{i}.ffn_gate.weight", (F, E)),
+                w_up=w(f"blk.{i}.ffn_up.weight", (F, E)),
+                w_down=w(f"blk.{i}.ffn_down.weight", (E, F)),
+            )
+            for i in range(c.n_layer)
+        ]
+
+    def forward(self, tokens: np.ndarray, pos0: int, kv: KVAccess, want_logits: bool) -> np.ndarray | None:
+        """Evaluate tokens at positions pos0..; store their K/V; logits [V] of the last one if asked."""
+        c, ops = self.config, self.ops
+        T = len(tokens)
+        cos, sin = ops.rope_tables(pos0, T, c.layers[0].rope_base, c.rope_dim)
+        x = ops.embed(self.tok_embd, tokens)  # [T, E]
+        for il, layer in enumerate(self.layers):
+            h = ops.rms_norm(x, layer.attn_norm, c.rms_eps)
+            q = ops.matmul(h, layer.wq).reshape(T, c.n_head, c.head_dim)
+            k = ops.matmul(h, layer.wk).reshape(T, c.n_head_kv, c.head_dim)
+            v = ops.matmul(h, layer.wv).reshape(T, c.n_head_kv, c.head_dim)
+            q = ops.rope(q, cos, sin, c.rope_style)
+            k = ops.rope(k, cos, sin, c.rope_style)
+            k_ctx, v_ctx, k_pos0 = kv.attend_kv(il, pos0, k, v)
+            attn = ops.attention(q, k_ctx, v_ctx, q_pos0=pos0, k_pos0=k_pos0, window=None, scale=c.attn_scale)
+            x = x + ops.matmul(attn, layer.wo)
+            h = ops.rms_norm(x, layer.ffn_norm, c.rms_eps)
+            x = x + ops.gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, c.activation)
+        if not want_logits:
+            return None
+        x_last = ops.rms_norm(x[-1:], self.output_norm, c.rms_eps)
+        return ops.logits(x_last, self.output)[0]

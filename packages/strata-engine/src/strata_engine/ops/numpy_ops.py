@@ -1,0 +1,172 @@
+"""The numeric operations of the engine on NumPy arrays.
+
+Every heavy operation the models and the K/V code perform lives here, written against `self.xp`
+(the array module) so a CuPy twin (`cupy_ops.CupyOps`, the GPU issue) can subclass or mirror this
+class and be swapped in by `ops.get_ops`. Models never call numpy for heavy work directly.
+
+Shape conventions: T tokens in a chunk, S context (key) positions, H query heads, Hkv K/V heads,
+G = H // Hkv, D head dim. Weights are stored as ggml does, (out_features, in_features); `matmul`
+computes x @ W^T (BLAS reads the transposed view without a copy).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..config import Activation, RopeStyle
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+INT8_MAX = 127.0
+
+
+class NumpyOps:
+    """Operations on `xp` arrays in `dtype` (the compute dtype: float32 by default)."""
+
+    name = "numpy"
+
+    def __init__(self, dtype: str = "f32"):
+        self.xp: Any = np
+        self.dtype = np.dtype({"f32": np.float32, "f64": np.float64}[dtype])
+
+    # ---- data movement -------------------------------------------------------------------------
+    def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:
+        """Host array -> backend array (a no-op copy-free view here)."""
+        return self.xp.ascontiguousarray(host, dtype=dtype)
+
+    def to_host(self, arr: Any) -> np.ndarray:
+        return np.asarray(arr)
+
+    def weight(self, host_f32: np.ndarray) -> Any:
+        """A dequantized weight in the compute dtype on the backend."""
+        return self.xp.ascontiguousarray(host_f32, dtype=self.dtype)
+
+    # ---- elementwise and normalisation ---------------------------------------------------------
+    def embed(self, table: Any, ids: np.ndarray, scale: float = 1.0) -> Any:
+        """Rows of `table` [V, E] for `ids` [T] -> [T, E], times `scale` (gemma: sqrt(E))."""
+        x = table[self.xp.asarray(ids)]
+        if scale != 1.0:
+            x *= self.dtype.type(scale)
+        return x
+
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        """x / sqrt(mean(x^2) + eps) * weight over the last axis (gemma3 weights already hold the +1)."""
+        xp = self.xp
+        ms = xp.mean(xp.square(x), axis=-1, keepdims=True)
+        return x * (1.0 / xp.sqrt(ms + self.dtype.type(eps))) * weight
+
+    def silu(self, x: Any) -> Any:
+        return x / (1.0 + self.xp.exp(-x))
+
+    def gelu_tanh(self, x: Any) -> Any:
+        xp = self.xp
+        return 0.5 * x * (1.0 + xp.tanh(self.dtype.type(_GELU_C) * (x + 0.044715 * x * x * x)))
+
+    # ---- matrix products -----------------------------------------------------------------------
+    def matmul(self, x: Any, w: Any) -> Any:
+        """x [T, in] @ W^T for W [out, in] -> [T, out]."""
+        return x @ w.T
+
+    def gated_mlp(self, x: Any, w_gate: Any, w_up: Any, w_down: Any, activation: Activation) -> Any:
+        """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh gelu)."""
+        gate = self.matmul(x, w_gate)
+        act = self.silu(gate) if activation is Activation.SILU else self.gelu_tanh(gate)
+        act *= self.matmul(x, w_up)
+        return self.matmul(act, w_down)
+
+    # ---- rotary position embedding -------------------------------------------------------------
+    def rope_tables(self, pos0: int, n: int, base: float, rope_dim: int) -> tuple[Any, Any]:
+        """cos, sin [n, rope_dim/2] for positions pos0 .. pos0+n-1: theta_i = pos * base^(-2i/rope_dim).
+
+        Angles are formed in float64 (exact for any position below 2^53) and rounded once."""
+        inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+        angles = np.arange(pos0, pos0 + n, dtype=np.float64)[:, None] * inv_freq[None, :]
+        return self.asarray(np.cos(angles), self.dtype), self.asarray(np.sin(angles), self.dtype)
+
+    def rope(self, x: Any, cos: Any, sin: Any, style: RopeStyle) -> Any:
+        """Rotate x [T, heads, D] (first rope_dim dims) by the tables [T, rope_dim/2]."""
+        half = cos.shape[-1]
+        rot = 2 * half
+        c = cos[:, None, :]
+        s = sin[:, None, :]
+        out = x.copy()
+        if style is RopeStyle.NEOX:
+            a = x[..., :half]
+            b = x[..., half:rot]
+            out[..., :half] = a * c - b * s
+            out[..., half:rot] = b * c + a * s
+        else:
+            a = x[..., 0:rot:2]
+            b = x[..., 1:rot:2]
+            out[..., 0:rot:2] = a * c - b * s
+            out[..., 1:rot:2] = b * c + a * s
+        return out
+
+    # ---- attention -----------------------------------------------------------------------------
+    def attention(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        *,
+        q_pos0: int,
+        k_pos0: int,
+        window: int | None,
+        scale: float,
+    ) -> Any:
+        """Causal (optionally sliding-window) grouped-query attention.
+
+        q [T, H, D] for positions q_pos0 .. q_pos0+T-1; k, v [S, Hkv, D] for positions k_pos0 ..
+        k_pos0+S-1. A query at p sees keys at j <= p with p - j < window. Returns [T, H*D]."""
+        xp = self.xp
+        n_q, n_head, d = q.shape
+        n_k, n_kv, _ = k.shape
+        group = n_head // n_kv
+        # [T, Hkv, G, D] -> [Hkv, G*T, D]: the G query heads sharing a K/V head form one matrix.
+        qg = q.reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3).reshape(n_kv, group * n_q, d)
+        scores = xp.matmul(qg, k.transpose(1, 2, 0))  # [Hkv, G*T, S]
+        scores *= self.dtype.type(scale)
+        scores = scores.reshape(n_kv, group, n_q, n_k)
+        bias = self.mask_bias(q_pos0, n_q, k_pos0, n_k, window)
+        if bias is not None:
+            scores += bias
+        scores -= scores.max(axis=-1, keepdims=True)
+        xp.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out = xp.matmul(scores.reshape(n_kv, group * n_q, n_k), v.transpose(1, 0, 2))  # [Hkv, G*T, D]
+        return out.reshape(n_kv, group, n_q, d).transpose(2, 0, 1, 3).reshape(n_q, n_head * d)
+
+    def mask_bias(self, q_pos0: int, n_q: int, k_pos0: int, n_k: int, window: int | None) -> Any | None:
+        """Additive mask [T, S] (0 where visible, -inf elsewhere), or None when every key is visible."""
+        q_last = q_pos0 + n_q - 1
+        k_last = k_pos0 + n_k - 1
+        causal_free = k_last <= q_pos0
+        window_free = window is None or q_last - k_pos0 < window
+        if causal_free and window_free:
+            return None
+        xp = self.xp
+        qp = xp.arange(q_pos0, q_pos0 + n_q)[:, None]
+        kp = xp.arange(k_pos0, k_pos0 + n_k)[None, :]
+        visible = kp <= qp
+        if window is not None:
+            visible &= (qp - kp) < window
+        return xp.where(visible, self.dtype.type(0), self.dtype.type(-np.inf)).astype(self.dtype)
+
+    # ---- int8 K/V ------------------------------------------------------------------------------
+    def quantize_int8(self, x: Any) -> tuple[Any, Any]:
+        """Symmetric int8 over the last axis: x ~ q * scale, scale = max|x| / 127 (float32)."""
+        xp = self.xp
+        scale = (xp.abs(x).max(axis=-1) / INT8_MAX).astype(xp.float32)
+        safe = xp.where(scale > 0, scale, xp.float32(1.0))
+        q = xp.rint(x / safe[..., None]).clip(-INT8_MAX, INT8_MAX).astype(xp.int8)
+        return q, scale
+
+    def dequantize_int8(self, q: Any, scale: Any) -> Any:
+        return q.astype(self.dtype) * scale[..., None].astype(self.dtype)
+
+    # ---- output --------------------------------------------------------------------------------
+    def logits(self, x: Any, w_out: Any) -> np.ndarray:
+        """x [T, E] @ W_out^T -> float32 host logits [T, V]."""
+        return self.to_host(self.matmul(x, w_out)).astype(np.float32, copy=False)

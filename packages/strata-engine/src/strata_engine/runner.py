@@ -1,0 +1,255 @@
+"""ModelRunner: one conversation (slot 0) on one model: prefill with prompt-cache reuse, decode, erase.
+
+The runner owns the model, the K/V pool, the placement and the ring checkpoints. Its running state is
+the tokens whose K/V is held (`tokens_held`; position = their count), the pool's extent and the
+checkpoints; `snapshot_state` / `restore_state` move that state in and out for the session adapter.
+
+Prompt cache (`prefill`): the request reuses the longest common prefix of its tokens and the held ones
+that is a valid resume point (see `_resume_point`), drops the rest of the held conversation, and
+evaluates what remains in chunks of `prefill_chunk` tokens, computing logits for the last token only.
+When the whole prompt is already held the last token is evaluated again for its logits
+(cache_n = n - 1, prompt_n = 1, as llama-server reports).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ContextOverflow, EngineError, InvalidToken, KVStateError
+from .gguf import GGUFFile, read_gguf
+from .kv import (
+    KVGeometry,
+    KVPool,
+    KVType,
+    PoolPlacement,
+    RingCheckpoint,
+    make_placement,
+    restore_checkpoint,
+    take_checkpoint,
+)
+from .models import Model, build_model
+from .ops import get_ops
+from .settings import DEFAULT_N_CTX_CAP, EngineSettings
+
+
+@attrs.frozen
+class PrefillResult:
+    logits: np.ndarray = attrs.field(repr=False)  # float32 [n_vocab], of the prompt's last token
+    cache_n: int  # prompt tokens reused from the held conversation
+    prompt_n: int  # prompt tokens evaluated
+
+
+@attrs.frozen(eq=False)
+class RunnerState:
+    """The running state besides the K/V bytes: what the session file's running-state section holds.
+
+    tokens: the tokens whose K/V is held (position = len(tokens)).
+    ring_start: the lowest position the sliding-window rings hold (0 without rings).
+    checkpoints: ring checkpoints, shallowest first; `deepest_checkpoint` is the next turn's resume point.
+    """
+
+    tokens: tuple[int, ...]
+    ring_start: int
+    checkpoints: tuple[RingCheckpoint, ...] = ()
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def deepest_checkpoint(self) -> RingCheckpoint | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+class ModelRunner:
+    """See the module docstring. Not thread-safe: the serve loop calls it from one thread."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        gguf_file: GGUFFile,
+        config: ModelConfig,
+        model: Model,
+        pool: KVPool,
+        placement: PoolPlacement,
+    ):
+        self.settings = settings
+        self.gguf = gguf_file
+        self.config = config
+        self.model = model
+        self.pool = pool
+        self.placement = placement
+        self.kv_geometry = pool.geometry
+        self.n_ctx = pool.geometry.n_ctx
+        self._tokens: list[int] = []
+        self._checkpoints: list[RingCheckpoint] = []
+
+    @classmethod
+    def load(cls, settings: EngineSettings) -> ModelRunner:
+        settings.validate()
+        gguf_file = read_gguf(settings.model_path)
+        config = ModelConfig.from_gguf(gguf_file)
+        n_ctx = settings.n_ctx if settings.n_ctx is not None else min(config.n_ctx_train, DEFAULT_N_CTX_CAP)
+        ops = get_ops(settings.backend, settings.compute_dtype)
+        model = build_model(config, ops, gguf_file)
+        pool = KVPool(KVGeometry.from_config(config, n_ctx, KVType(settings.kv_type)), ops)
+        placement = make_placement(pool, settings.kv_resident)
+        return cls(settings, gguf_file, config, model, pool, placement)
+
+    # ---- state ---------------------------------------------------------------------------------
+    @property
+    def tokens_held(self) -> Sequence[int]:
+        return tuple(self._tokens)
+
+    @property
+    def n_held(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def checkpoints(self) -> tuple[RingCheckpoint, ...]:
+        return tuple(self._checkpoints)
+
+    def snapshot_state(self) -> RunnerState:
+        return RunnerState(tuple(self._tokens), self.pool.ring_start, tuple(self._checkpoints))
+
+    def restore_state(self, state: RunnerState) -> None:
+        """Adopt `state` after its K/V was written into the pool (`pool.write`): validates it against
+        this runner's limits, sets the pool's extent, and refills the placement's resident rings."""
+        problems = []
+        if len(state.tokens) > self.n_ctx:
+            problems.append(f"{len(state.tokens)} tokens exceed the context size {self.n_ctx}")
+        bad = [t for t in state.tokens if not 0 <= t < self.config.n_vocab]
+        if bad:
+            problems.append(f"token ids outside the vocabulary: {bad[:5]}")
+        positions = [c.position for c in state.checkpoints]
+        if positions != sorted(set(positions)) or any(p > len(state.tokens) for p in positions):
+            problems.append(f"checkpoint positions {positions} are not increasing within the conversation")
+        if state.checkpoints and self.kv_geometry.max_window is None:
+            problems.append("checkpoints given for a model without sliding-window layers")
+        for c in state.checkpoints:
+            if set(c.layers) != set(self.kv_geometry.ring_layers):
+                problems.append(f"checkpoint at {c.position} does not cover the ring layers")
+        if problems:
+            raise KVStateError("; ".join(problems))
+        self.pool.set_extent(len(state.tokens), state.ring_start)
+        self._tokens = list(state.tokens)
+        self._checkpoints = list(state.checkpoints)
+        self.placement.truncated(0)
+        self.placement.refill()
+
+    def erase(self) -> int:
+        """Drop the held conversation (and its checkpoints); returns the number of tokens dropped."""
+        n = len(self._tokens)
+        self._tokens = []
+        self._checkpoints = []
+        self.pool.reset()
+        self.placement.truncated(0)
+        return n
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    def prefill(self, tokens: Sequence[int]) -> PrefillResult:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise EngineError("empty prompt: at least one token is needed")
+        if len(tokens) > self.n_ctx:
+            raise ContextOverflow(len(tokens), self.n_ctx)
+        self._check_tokens(tokens)
+        n_common = common_prefix_len(tokens, self._tokens) if self.settings.prompt_cache else 0
+        resume = self._resume_at(min(n_common, len(tokens) - 1))
+        logits = None
+        pos = resume
+        chunk = self.settings.prefill_chunk
+        while pos < len(tokens):
+            end = min(pos + chunk, len(tokens))
+            logits = self._forward(tokens[pos:end], want_logits=end == len(tokens))
+            pos = end
+        assert logits is not None
+        self._checkpoint()
+        return PrefillResult(logits=logits, cache_n=resume, prompt_n=len(tokens) - resume)
+
+    def decode(self, token: int) -> np.ndarray:
+        """Evaluate one token after the held conversation; returns its logits (float32 [n_vocab])."""
+        if len(self._tokens) + 1 > self.n_ctx:
+            raise ContextOverflow(len(self._tokens) + 1, self.n_ctx)
+        self._check_tokens([token])
+        logits = self._forward([int(token)], want_logits=True)
+        assert logits is not None
+        return logits
+
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
+        n_vocab = self.config.n_vocab
+        for t in tokens:
+            if not 0 <= t < n_vocab:
+                raise InvalidToken(f"token id {t} is outside the vocabulary [0, {n_vocab})")
+
+    def _forward(self, tokens: list[int], want_logits: bool) -> np.ndarray | None:
+        pos0 = len(self._tokens)
+        self.pool.begin_append(pos0, len(tokens))
+        try:
+            logits = self.model.forward(np.asarray(tokens, dtype=np.int64), pos0, self.placement, want_logits)
+        except BaseException:
+            self.pool.abort_append()
+            del self._tokens[self.pool.n_tokens :]
+            self._drop_checkpoints_above(self.pool.n_tokens)
+            self.placement.truncated(self.pool.n_tokens)
+            raise
+        self.pool.commit_append(len(tokens))
+        self._tokens.extend(tokens)
+        return logits
+
+    # ---- prompt cache and checkpoints ----------------------------------------------------------
+    def _resume_at(self, target: int) -> int:
+        """Cut the held conversation back to the deepest valid resume point <= target and return it.
+
+        Valid resume points: any r the pool can continue from (always, without sliding-window layers;
+        with rings, r whose preceding window-1 positions the rings still hold), and the position of any
+        kept checkpoint (restored into the rings). Otherwise 0: evaluate from the start."""
+        if self.pool.can_resume(target):
+            r = target
+        else:
+            usable = [c for c in self._checkpoints if c.position <= target]
+            if usable:
+                restore_checkpoint(self.pool, usable[-1])
+                self.placement.refill()
+                r = usable[-1].position
+            else:
+                r = 0
+        if r < self.pool.n_tokens:
+            self.pool.truncate(r)
+        del self._tokens[r:]
+        self._drop_checkpoints_above(r)
+        self.placement.truncated(r)
+        return r
+
+    def _drop_checkpoints_above(self, r: int) -> None:
+        self._checkpoints = [c for c in self._checkpoints if c.position <= r]
+
+    def _checkpoint(self) -> None:
+        """Take a ring checkpoint at the current end (a turn boundary), keeping the deepest ones."""
+        if (
+            not self.settings.prompt_cache
+            or self.kv_geometry.max_window is None
+            or self.settings.max_checkpoints == 0
+        ):
+            return
+        if self._checkpoints and self._checkpoints[-1].position == self.pool.n_tokens:
+            return
+        cp = take_checkpoint(self.pool)
+        if cp is None:
+            return
+        self._checkpoints.append(cp)
+        del self._checkpoints[: -self.settings.max_checkpoints]

@@ -1,0 +1,71 @@
+"""Engine settings: one frozen attrs object, validated as a whole (every problem reported together)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from .errors import SettingsError
+
+KV_TYPES = ("f32", "f16", "int8")
+COMPUTE_DTYPES = ("f32", "f64")
+BACKENDS = ("numpy",)  # the GPU issue adds "cupy"
+# A context size the engine picks when none is given: the model's training context, capped here so a
+# 32K-context model does not preallocate 32K tokens of K/V by default (llama-server caps the same way
+# only when asked; the cap is stated in --help and in `ModelRunner.n_ctx`).
+DEFAULT_N_CTX_CAP = 8192
+
+
+@attrs.frozen
+class EngineSettings:
+    """What the engine runs with.
+
+    model_path: the GGUF file.
+    n_ctx: tokens of context (K/V capacity of full-attention layers); None = min(the model's training
+        context, 8192).
+    kv_type: storage type of the K/V pool: "f32", "f16" (default) or "int8" (per-token-per-head scales).
+    compute_dtype: activations and dequantized weights: "f32" (default) or "f64" (a numerics check).
+    kv_resident: None = the pool is read directly (pool placement); N = the pool is a host pool and
+        an N-token resident ring per layer sits in front of it (reads of recent tokens hit the ring).
+    prompt_cache: reuse the longest valid common prefix of the held conversation on the next prefill.
+    prefill_chunk: tokens evaluated per batched forward pass during prefill.
+    max_checkpoints: sliding-window ring checkpoints kept (the most recent, i.e. deepest, ones).
+    backend: "numpy" (the GPU issue adds "cupy").
+    """
+
+    model_path: Path = attrs.field(converter=Path)
+    n_ctx: int | None = None
+    kv_type: str = "f16"
+    compute_dtype: str = "f32"
+    kv_resident: int | None = None
+    prompt_cache: bool = True
+    prefill_chunk: int = 512
+    max_checkpoints: int = 8
+    backend: str = "numpy"
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if self.n_ctx is not None and (not isinstance(self.n_ctx, int) or self.n_ctx < 1):
+            out.append(f"n_ctx must be a positive integer or None, got {self.n_ctx!r}")
+        if self.kv_type not in KV_TYPES:
+            out.append(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            out.append(
+                f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute_dtype!r}"
+            )
+        if self.kv_resident is not None and (not isinstance(self.kv_resident, int) or self.kv_resident < 1):
+            out.append(f"kv_resident must be a positive integer or None, got {self.kv_resident!r}")
+        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
+            out.append(f"prefill_chunk must be a positive integer, got {self.prefill_chunk!r}")
+        if not isinstance(self.max_checkpoints, int) or self.max_checkpoints < 0:
+            out.append(f"max_checkpoints must be a non-negative integer, got {self.max_checkpoints!r}")
+        if self.backend not in BACKENDS:
+            out.append(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        return out
+
+    def validate(self) -> EngineSettings:
+        problems = self.problems()
+        if problems:
+            raise SettingsError(problems)
+        return self
