@@ -1,0 +1,237 @@
+"""Sampling as small pure functions over candidate sets, chained as llama.cpp's default sampler:
+repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw (greedy when temperature <= 0).
+
+A `Candidates` is a set of token ids with their logits; every filter returns a new one. The random
+draw uses a NumPy PCG64 generator whose state is a `SamplerState` (captured into and restored from the
+session file, 41 bytes), so a seeded generation is reproducible and resumes exactly after a restore.
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from .errors import EngineError
+
+
+class SamplerStateError(EngineError):
+    """A serialized sampler state is malformed."""
+
+
+@attrs.frozen
+class Candidates:
+    ids: np.ndarray  # int64 [n]
+    logits: np.ndarray  # float64 [n]
+    sorted: bool = False  # descending by logit
+
+    @classmethod
+    def from_logits(cls, logits: np.ndarray) -> Candidates:
+        return cls(np.arange(logits.shape[-1], dtype=np.int64), np.asarray(logits, dtype=np.float64))
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+# -- distributions -------------------------------------------------------------------------------------
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.asarray(logits, dtype=np.float64) - np.max(logits)
+    return shifted - np.log(np.sum(np.exp(shifted)))
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    return np.exp(log_softmax(logits))
+
+
+def top_n_logprobs(logits: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The `n` most likely tokens of softmax(`logits`) with their log-probabilities, best first."""
+    n = min(n, logits.shape[-1])
+    if n <= 0:
+        return []
+    logprobs = log_softmax(logits)
+    best = np.argpartition(-logprobs, n - 1)[:n]
+    best = best[np.argsort(-logprobs[best], kind="stable")]
+    return [(int(i), float(logprobs[i])) for i in best]
+
+
+# -- transforms -----------------------------------------------------------------------------------------
+
+
+def repetition_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
+    """llama.cpp's repeat penalty: each distinct recent token's logit is divided by `penalty` if
+    positive, multiplied by it otherwise. 1.0 leaves the logits unchanged."""
+    if penalty == 1.0 or not len(recent):
+        return logits
+    out = np.array(logits, dtype=np.float32, copy=True)
+    ids = np.unique(np.asarray(recent, dtype=np.int64))
+    ids = ids[(ids >= 0) & (ids < out.shape[-1])]
+    values = out[ids]
+    out[ids] = np.where(values <= 0, values * penalty, values / penalty)
+    return out
+
+
+def sort_descending(c: Candidates) -> Candidates:
+    if c.sorted:
+        return c
+    order = np.argsort(-c.logits, kind="stable")
+    return Candidates(c.ids[order], c.logits[order], sorted=True)
+
+
+def top_k(c: Candidates, k: int) -> Candidates:
+    """The `k` highest logits, sorted; k <= 0 keeps everything."""
+    if k <= 0 or k >= len(c):
+        return c
+    keep = np.argpartition(-c.logits, k - 1)[:k]
+    return sort_descending(Candidates(c.ids[keep], c.logits[keep]))
+
+
+def top_p(c: Candidates, p: float, min_keep: int = 1) -> Candidates:
+    """The smallest most-likely prefix whose probability reaches `p`; p >= 1 keeps everything."""
+    if p >= 1.0:
+        return c
+    c = sort_descending(c)
+    cumulative = np.cumsum(softmax(c.logits))
+    last = int(np.searchsorted(cumulative, p, side="left")) + 1
+    last = min(max(last, min_keep), len(c))
+    return Candidates(c.ids[:last], c.logits[:last], sorted=True)
+
+
+def min_p(c: Candidates, p: float, min_keep: int = 1) -> Candidates:
+    """Tokens at least `p` times as likely as the best one; p <= 0 keeps everything."""
+    if p <= 0.0:
+        return c
+    c = sort_descending(c)
+    floor = c.logits[0] + np.log(p)
+    keep = max(int(np.count_nonzero(c.logits >= floor)), min(min_keep, len(c)))
+    return Candidates(c.ids[:keep], c.logits[:keep], sorted=True)
+
+
+def temperature(c: Candidates, t: float) -> Candidates:
+    return Candidates(c.ids, c.logits / t, sorted=c.sorted)
+
+
+# -- draws ----------------------------------------------------------------------------------------------
+
+
+def greedy(logits: np.ndarray) -> int:
+    return int(np.argmax(logits))
+
+
+def draw(c: Candidates, rng: np.random.Generator) -> int:
+    """One token from softmax(c.logits) by inverse CDF on one uniform draw."""
+    probs = softmax(c.logits)
+    cumulative = np.cumsum(probs)
+    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    return int(c.ids[min(index, len(c) - 1)])
+
+
+# -- parameters, state, the chain ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+_STATE_FORMAT = struct.Struct("<Q16s16sBI")  # seed, PCG64 state, increment, has_uint32, uinteger
+
+
+@attrs.frozen
+class SamplerState:
+    """The random generator: the seed it started from and PCG64's exact position."""
+
+    seed: int
+    state: int
+    inc: int
+    has_uint32: int = 0
+    uinteger: int = 0
+
+    SIZE = _STATE_FORMAT.size
+
+    @classmethod
+    def seeded(cls, seed: int) -> SamplerState:
+        return cls.of(np.random.Generator(np.random.PCG64(seed)), seed)
+
+    @classmethod
+    def of(cls, rng: np.random.Generator, seed: int) -> SamplerState:
+        s = rng.bit_generator.state
+        return cls(seed, s["state"]["state"], s["state"]["inc"], s["has_uint32"], s["uinteger"])
+
+    def generator(self) -> np.random.Generator:
+        bit_generator = np.random.PCG64()
+        bit_generator.state = {
+            "bit_generator": "PCG64",
+            "state": {"state": self.state, "inc": self.inc},
+            "has_uint32": self.has_uint32,
+            "uinteger": self.uinteger,
+        }
+        return np.random.Generator(bit_generator)
+
+    def to_bytes(self) -> bytes:
+        return _STATE_FORMAT.pack(
+            self.seed, self.state.to_bytes(16, "little"), self.inc.to_bytes(16, "little"),
+            self.has_uint32, self.uinteger,
+        )  # fmt: skip
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SamplerState:
+        if len(data) != _STATE_FORMAT.size:
+            raise SamplerStateError(f"sampler state is {len(data)} bytes, expected {_STATE_FORMAT.size}")
+        seed, state, inc, has_uint32, uinteger = _STATE_FORMAT.unpack(data)
+        if has_uint32 not in (0, 1):
+            raise SamplerStateError(f"sampler state byte 40 (has_uint32) is {has_uint32}, expected 0 or 1")
+        inc_value = int.from_bytes(inc, "little")
+        if inc_value % 2 == 0:
+            raise SamplerStateError("sampler state increment (bytes 24..40) is even; PCG64 needs it odd")
+        return cls(seed, int.from_bytes(state, "little"), inc_value, has_uint32, uinteger)
+
+
+def random_seed() -> int:
+    return secrets.randbits(32)
+
+
+class Sampler:
+    """The chain of one request over a generator it owns; `state` captures that generator."""
+
+    def __init__(self, params: SamplingParams, state: SamplerState):
+        self.params = params
+        self._seed = state.seed
+        self._rng = state.generator()
+
+    @property
+    def state(self) -> SamplerState:
+        return SamplerState.of(self._rng, self._seed)
+
+    def penalized(self, logits: np.ndarray, recent: Sequence[int]) -> np.ndarray:
+        p = self.params
+        if p.repeat_last_n == 0 or p.repeat_penalty == 1.0:
+            return logits
+        # repeat_last_n = -1: the whole history
+        window = recent if p.repeat_last_n < 0 else recent[max(0, len(recent) - p.repeat_last_n) :]
+        return repetition_penalty(logits, window, p.repeat_penalty)
+
+    def sample(self, logits: np.ndarray) -> int:
+        """A token from `logits` (already penalized: see `penalized`)."""
+        p = self.params
+        if p.is_greedy:
+            return greedy(logits)
+        c = Candidates.from_logits(logits)
+        c = top_k(c, p.top_k)
+        c = top_p(c, p.top_p)
+        c = min_p(c, p.min_p)
+        c = temperature(c, p.temperature)
+        return draw(c, self._rng)
