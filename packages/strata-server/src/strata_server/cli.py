@@ -1,0 +1,114 @@
+"""``strata-server``: llama-server-style flags -> ServerConfig -> gunicorn."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import (
+    DEFAULT_HOST,
+    DEFAULT_MODEL_FILE,
+    DEFAULT_MODEL_PACKAGE,
+    DEFAULT_PORT,
+    KV_TYPES,
+    ConfigError,
+    ServerConfig,
+    build_config,
+    read_config_file,
+)
+
+LIST_FLAGS = ("api_key", "allowed_hosts", "trusted_origins", "cors_origins")
+
+EPILOG = """\
+Every flag can also be given in --config FILE (TOML, or JSON for a .json name) under its long name
+with '_' (slot_save_path = "/var/lib/strata/slots"); flags override the file. All problems in the
+flags and the file are reported together.
+
+Security: every request must carry a Host header naming a loopback name, the bound address or an
+--allowed-hosts entry (DNS-rebinding protection). With --api-key, every endpoint except /health,
+/v1/health and OPTIONS needs the key (Authorization: Bearer KEY, Authorization: KEY, or X-Api-Key).
+Slot actions also need Content-Type: application/json and no Origin header other than the server's
+own or a --trusted-origins entry. Restore only session files this server wrote: the file's hashes
+detect corruption, they do not authenticate it.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strata-server", argument_default=argparse.SUPPRESS, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="llama-server-compatible HTTP API (completion, OpenAI chat, tokenize, slot "
+                    "save/restore/erase, metrics) over a supervised Strata engine, run under gunicorn.")
+    add = parser.add_argument
+    add("--config", metavar="FILE", help="read settings from FILE (TOML or JSON); flags override it")
+    add("-m", "--model", metavar="PATH",
+        help=f"GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from the {DEFAULT_MODEL_PACKAGE} package, "
+             f"{DEFAULT_MODEL_FILE})")
+    add("-a", "--alias", metavar="NAME", help="model name reported by /v1/models and in responses "
+        "(default: the model path)")
+    add("--host", metavar="ADDR", help=f"address to listen on (default: {DEFAULT_HOST}, loopback only)")
+    add("--port", metavar="N", help=f"port to listen on (default: {DEFAULT_PORT})")
+    add("-c", "--ctx-size", metavar="N", help="context size in tokens (default: 0 = the model's own)")
+    add("--kv-type", metavar="TYPE", help=f"K/V cache type, one of {', '.join(KV_TYPES)} (default: f16)")
+    add("-ctk", "--cache-type-k", metavar="TYPE", help="llama-server's K cache type flag; must equal the V type")
+    add("-ctv", "--cache-type-v", metavar="TYPE", help="llama-server's V cache type flag; must equal the K type")
+    add("--slot-save-path", metavar="DIR", help="existing folder for slot files; enables "
+        "POST /slots/0?action=save|restore|erase (default: disabled, 501)")
+    add("--api-key", metavar="KEY[,KEY...]", action="append", help="require one of these API keys")
+    add("--api-key-file", metavar="FILE", help="file with one API key per line")
+    add("--metrics", action="store_true", help="enable GET /metrics (Prometheus text; default: disabled, 501)")
+    add("--slots", dest="slots", action="store_true", help="enable GET /slots (default)")
+    add("--no-slots", dest="slots", action="store_false", help="disable GET /slots (501)")
+    add("--allowed-hosts", metavar="HOST[,HOST...]", action="append",
+        help="extra Host header names to accept besides loopback names and the bound address ('*': any)")
+    add("--trusted-origins", metavar="ORIGIN[,ORIGIN...]", action="append",
+        help="Origins (http://host:port) allowed to use slot actions besides the server's own")
+    add("--cors-origins", metavar="ORIGIN[,ORIGIN...]", action="append",
+        help="CORS allowed origins (default: '*', never with credentials)")
+    add("--threads", metavar="N", help="gunicorn gthread threads for I/O (default: 8)")
+    add("--timeout", metavar="S", help="gunicorn worker timeout in seconds (default: 600)")
+    add("--slot-wait", metavar="S", help="seconds a request waits for the busy slot before a 503 (default: 600)")
+    add("--sse-ping-interval", metavar="S", help="keep-alive comment on a silent stream every S seconds "
+        "(default: 30; 0: off)")
+    add("--engine-command", metavar="CMD", help="command that starts the engine, before --model ... "
+        "(default: this Python with -m strata_engine.cli serve)")
+    add("--log-level", metavar="LEVEL", help="debug, info, warning, error (default: info)")
+    return parser
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    values = {key: value for key, value in vars(args).items() if key != "config"}
+    for key in LIST_FLAGS:
+        if key in values:
+            values[key] = [part.strip() for item in values[key] for part in item.split(",") if part.strip()]
+    if "engine_command" in values:
+        values["engine_command"] = shlex.split(values["engine_command"])
+    return values
+
+
+def load_config(argv: list[str] | None = None) -> ServerConfig:
+    args = build_parser().parse_args(argv)
+    file_values = read_config_file(Path(args.config)) if getattr(args, "config", None) else {}
+    return build_config(file_values, flag_values(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = load_config(argv)
+    except ConfigError as exc:
+        sys.stderr.write(f"strata-server: {exc}\n")
+        return 2
+    from .gunicorn_app import StrataGunicorn
+
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key and not config.api_key_file:
+        sys.stderr.write(f"strata-server: warning: listening on {config.host} without --api-key\n")
+    sys.stderr.write(f"strata-server: http://{config.bind()} model {config.model}\n")
+    StrataGunicorn(config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

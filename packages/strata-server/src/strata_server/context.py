@@ -1,0 +1,72 @@
+"""What every resource receives: the engine client, the config, metrics, the slot's last task."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .config import ServerConfig
+from .engine.client import EngineClient
+from .metrics import Metrics
+from .security import SecurityPolicy
+
+if TYPE_CHECKING:
+    from .params import CompletionOptions
+
+SERVER_VERSION = "0.1.0"
+
+
+class SlotView:
+    """What ``GET /slots`` shows about slot 0's last task, kept without asking the busy engine."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.id_task = -1
+        self.last: dict[str, Any] | None = None
+
+    def record(self, result: dict, options: CompletionOptions) -> None:
+        timings = result.get("timings") or {}
+        tokens = result.get("tokens") or []
+        settings = options.settings()
+        with self._lock:
+            self.id_task += 1
+            self.last = {
+                "id_task": self.id_task,
+                "n_prompt_tokens": result.get("tokens_evaluated", 0),
+                "n_prompt_tokens_processed": timings.get("prompt_n", 0),
+                "n_prompt_tokens_cache": timings.get("cache_n", 0),
+                "params": settings,
+                "next_token": [{"has_next_token": False, "has_new_line": "\n" in str(result.get("content", "")),
+                                "n_remain": (settings["n_predict"] - len(tokens)) if settings["n_predict"] >= 0
+                                else -1,
+                                "n_decoded": len(tokens)}],
+            }
+
+    def forget(self) -> None:
+        with self._lock:
+            self.last = None
+
+    def snapshot(self) -> dict[str, Any] | None:
+        with self._lock:
+            return dict(self.last) if self.last else None
+
+
+@attrs.frozen
+class ServerContext:
+    engine: EngineClient
+    config: ServerConfig
+    policy: SecurityPolicy
+    metrics: Metrics = attrs.Factory(Metrics)
+    slot_view: SlotView = attrs.Factory(SlotView)
+
+    def engine_info(self) -> dict[str, Any]:
+        return dict(self.engine.status().info or {})
+
+    def model_id(self) -> str:
+        return self.config.alias or str(self.engine_info().get("model_path") or self.config.model)
+
+    def build_info(self) -> str:
+        return f"strata-server-{SERVER_VERSION}+{self.engine_info().get('engine', 'engine')}-" \
+               f"{self.engine_info().get('engine_version', '?')}"

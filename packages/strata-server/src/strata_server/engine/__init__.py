@@ -1,0 +1,7 @@
+"""The engine side of the server: the client interface, one child process, its supervisor."""
+
+from .client import EngineClient, EngineLease, EngineState, EngineStatus, SlotGate
+from .supervisor import EngineSupervisor, RestartPolicy, SupervisorSettings
+
+__all__ = ["EngineClient", "EngineLease", "EngineState", "EngineStatus", "SlotGate", "EngineSupervisor",
+           "RestartPolicy", "SupervisorSettings"]

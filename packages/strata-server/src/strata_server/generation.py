@@ -1,0 +1,283 @@
+"""Running one ``COMPLETE`` for an HTTP request, and the three ways the peer frames the answer.
+
+``CompletionRun`` takes the lease, sends the command, and either collects the whole answer or
+streams it as SSE. A ``ResponseFormat`` turns engine lines into the peer's JSON for one endpoint:
+``/completion`` (native, no ``[DONE]``), ``/v1/completions`` and ``/v1/chat/completions`` (OpenAI,
+``data: [DONE]`` at the end).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import secrets
+import string
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import falcon
+
+from .context import ServerContext
+from .engine.client import IDLE_EVENT, EngineLease
+from .errors import EngineError, sse_error_frame
+from .params import CompletionOptions
+
+FINISH_REASONS = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
+SSE_PING = b":\n\n"
+
+
+def sse_frame(payload: dict | str) -> bytes:
+    text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return b"data: " + text.encode("utf-8") + b"\n\n"
+
+
+def completion_id() -> str:
+    alphabet = string.ascii_letters + string.digits
+    return "chatcmpl-" + "".join(secrets.choice(alphabet) for _ in range(32))
+
+
+@attrs.define
+class TokenBatch:
+    """Tokens generated since the last chunk sent (content can lag behind tokens)."""
+
+    ids: list[int] = attrs.Factory(list)
+    probs: list[dict] = attrs.Factory(list)
+
+    def take(self) -> tuple[list[int], list[dict]]:
+        ids, probs = self.ids, self.probs
+        self.ids, self.probs = [], []
+        return ids, probs
+
+
+def token_probabilities(event: dict) -> dict:
+    """The peer's ``completion_probabilities`` entry for one token line with ``probs``."""
+    def entry(p: dict) -> dict:
+        token = str(p.get("token", ""))
+        return {"id": p.get("id"), "token": token, "logprob": p.get("logprob"),
+                "bytes": list(token.encode("utf-8"))}
+
+    probs = event.get("probs") or []
+    chosen = next((p for p in probs if p.get("id") == event.get("id")), None)
+    piece = str(event.get("piece", ""))
+    return {"id": event.get("id"), "token": piece, "logprob": chosen.get("logprob") if chosen else None,
+            "bytes": list(piece.encode("utf-8")), "top_logprobs": [entry(p) for p in probs]}
+
+
+@attrs.frozen
+class RunInfo:
+    model: str
+    options: CompletionOptions
+    created: int = attrs.Factory(lambda: int(time.time()))
+    id: str = attrs.Factory(completion_id)
+    system_fingerprint: str = ""
+
+
+class ResponseFormat(abc.ABC):
+    """One endpoint's framing of a completion."""
+
+    sends_done = True  # OpenAI endpoints end the stream with ``data: [DONE]``
+
+    def __init__(self, info: RunInfo) -> None:
+        self.info = info
+        self.n_predicted = 0
+
+    def start_chunks(self) -> list[dict]:
+        return []
+
+    @abc.abstractmethod
+    def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict: ...
+
+    @abc.abstractmethod
+    def final_chunks(self, result: dict, lease: EngineLease) -> list[dict]: ...
+
+    @abc.abstractmethod
+    def response(self, result: dict, probs: list[dict], lease: EngineLease) -> dict: ...
+
+    def usage(self, result: dict) -> dict:
+        timings = result.get("timings") or {}
+        prompt_tokens = int(result.get("tokens_evaluated", 0))
+        completion_tokens = len(result.get("tokens") or [])
+        return {"completion_tokens": completion_tokens, "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": int(timings.get("cache_n", 0))}}
+
+    def openai_envelope(self, obj: str, **fields: Any) -> dict:
+        return {**fields, "created": self.info.created, "model": self.info.options.model or self.info.model,
+                "system_fingerprint": self.info.system_fingerprint, "object": obj, "id": self.info.id}
+
+
+class NativeCompletionFormat(ResponseFormat):
+    """``POST /completion``: llama-server's own fields; stream frames without ``[DONE]``."""
+
+    sends_done = False
+
+    def __init__(self, info: RunInfo, prompt_text: Callable[[EngineLease], str]) -> None:
+        super().__init__(info)
+        self.prompt_text = prompt_text
+
+    def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict:
+        chunk = {"index": 0, "content": content, "tokens": ids if self.info.options.return_tokens else [],
+                 "stop": False, "id_slot": -1, "tokens_predicted": self.n_predicted}
+        if probs:
+            chunk["completion_probabilities"] = probs
+        return chunk
+
+    def _final(self, result: dict, content: str, probs: list[dict] | None, lease: EngineLease) -> dict:
+        tokens = result.get("tokens") or []
+        final = {
+            "index": 0, "content": content,
+            "tokens": tokens if self.info.options.return_tokens else [],
+            "id_slot": 0, "stop": True, "model": self.info.options.model or self.info.model,
+            "tokens_predicted": len(tokens), "tokens_evaluated": result.get("tokens_evaluated", 0),
+            "generation_settings": self.info.options.settings(), "prompt": self.prompt_text(lease),
+            "has_new_line": "\n" in str(result.get("content", "")), "truncated": bool(result.get("truncated")),
+            "stop_type": "none" if result.get("stop_type") == "cancelled" else result.get("stop_type", "none"),
+            "stopping_word": result.get("stopping_word", ""), "tokens_cached": result.get("tokens_cached", 0),
+            "timings": result.get("timings", {}),
+        }
+        if probs:
+            final["completion_probabilities"] = probs
+        return final
+
+    def final_chunks(self, result: dict, lease: EngineLease) -> list[dict]:
+        return [self._final(result, "", None, lease)]  # the text was streamed already
+
+    def response(self, result: dict, probs: list[dict], lease: EngineLease) -> dict:
+        return self._final(result, str(result.get("content", "")), probs, lease)
+
+
+class TextCompletionFormat(ResponseFormat):
+    """``POST /v1/completions`` (OpenAI text completion)."""
+
+    def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict:
+        return self.openai_envelope("text_completion", choices=[
+            {"text": content, "index": 0, "logprobs": None, "finish_reason": None}])
+
+    def final_chunks(self, result: dict, lease: EngineLease) -> list[dict]:
+        finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
+        return [self.openai_envelope("text_completion", choices=[
+            {"text": "", "index": 0, "logprobs": None, "finish_reason": finish}],
+            usage=self.usage(result), timings=result.get("timings", {}))]
+
+    def response(self, result: dict, probs: list[dict], lease: EngineLease) -> dict:
+        finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
+        return self.openai_envelope("text_completion", choices=[
+            {"text": result.get("content", ""), "index": 0, "logprobs": None, "finish_reason": finish}],
+            usage=self.usage(result), timings=result.get("timings", {}))
+
+
+class ChatCompletionFormat(ResponseFormat):
+    """``POST /v1/chat/completions`` (OpenAI chat): role chunk, content deltas, finish, usage."""
+
+    def start_chunks(self) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": None}, None)]
+
+    def _chunk(self, delta: dict, finish: str | None, **extra: Any) -> dict:
+        return self.openai_envelope("chat.completion.chunk", choices=[
+            {"finish_reason": finish, "index": 0, "delta": delta}], **extra)
+
+    def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict:
+        return self._chunk({"content": content}, None)
+
+    def final_chunks(self, result: dict, lease: EngineLease) -> list[dict]:
+        finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
+        chunks = [self._chunk({}, finish, timings=result.get("timings", {}))]
+        if self.info.options.include_usage:
+            chunks.append(self.openai_envelope("chat.completion.chunk", choices=[], usage=self.usage(result),
+                                               timings=result.get("timings", {})))
+        return chunks
+
+    def response(self, result: dict, probs: list[dict], lease: EngineLease) -> dict:
+        finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
+        return self.openai_envelope("chat.completion", choices=[
+            {"finish_reason": finish, "index": 0,
+             "message": {"role": "assistant", "content": result.get("content", "")}}],
+            usage=self.usage(result), timings=result.get("timings", {}))
+
+
+class CompletionRun:
+    """One COMPLETE from request to response (JSON or SSE)."""
+
+    def __init__(self, ctx: ServerContext, command: dict, options: CompletionOptions,
+                 fmt: ResponseFormat) -> None:
+        self.ctx = ctx
+        self.command = command
+        self.options = options
+        self.fmt = fmt
+        self.want_probs = int(options.sampling.get("n_probs", 0)) > 0
+
+    def respond(self, resp: falcon.Response) -> None:
+        lease = self.ctx.engine.acquire(self.ctx.config.slot_wait)
+        try:
+            ping = self.ctx.config.sse_ping_interval if self.options.stream else 0
+            events = lease.request("COMPLETE", self.command, idle_s=ping or None)
+            if not self.options.stream:
+                resp.media = self._collect(events, lease)
+                lease.release()
+                return
+            # The first line decides between a JSON error (e.g. context exceeded) and a stream. A
+            # long prompt yields an idle event first: then the stream starts and pings meanwhile.
+            first = next(events)
+        except BaseException:
+            lease.release()
+            raise
+        resp.content_type = "text/event-stream"
+        resp.set_header("Cache-Control", "no-cache")
+        resp.set_header("X-Accel-Buffering", "no")
+        resp.stream = self._stream(lease, first, events)
+
+    def _record(self, result: dict) -> None:
+        self.ctx.metrics.record_completion(result)
+        self.ctx.slot_view.record(result, self.options)
+
+    def _collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
+        probs = []
+        for event in events:
+            kind = event["event"]
+            if kind == "token" and self.want_probs:
+                probs.append(token_probabilities(event))
+            elif kind == "result":
+                self._record(event)
+                return self.fmt.response(event, probs, lease)
+        raise AssertionError("request() ends with a result or raises")
+
+    def _stream(self, lease: EngineLease, first: dict, events: Iterator[dict]) -> Iterator[bytes]:
+        batch = TokenBatch()
+        try:
+            for chunk in self.fmt.start_chunks():
+                yield sse_frame(chunk)
+            pending: Iterator[dict] = iter([first])
+            for event in _chain(pending, events):
+                if event is IDLE_EVENT:
+                    yield SSE_PING
+                    continue
+                kind = event["event"]
+                if kind == "token":
+                    self.fmt.n_predicted += 1
+                    batch.ids.append(int(event.get("id", -1)))
+                    if self.want_probs:
+                        batch.probs.append(token_probabilities(event))
+                    content = str(event.get("content", ""))
+                    if content or batch.probs:
+                        ids, probs = batch.take()
+                        yield sse_frame(self.fmt.token_chunk(content, ids, probs))
+                elif kind == "result":
+                    self._record(event)
+                    for chunk in self.fmt.final_chunks(event, lease):
+                        yield sse_frame(chunk)
+                    if self.fmt.sends_done:
+                        yield sse_frame("[DONE]")
+                    return
+        except EngineError as exc:
+            yield sse_error_frame(exc)
+        finally:
+            # A client that went away closes this generator early: release() cancels the COMPLETE
+            # and reads it to its end before the next request may use the engine.
+            lease.release()
+
+
+def _chain(*iterators: Iterator[dict]) -> Iterator[dict]:
+    for iterator in iterators:
+        yield from iterator

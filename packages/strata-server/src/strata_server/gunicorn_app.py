@@ -1,0 +1,71 @@
+"""gunicorn entry: one gthread worker that owns the engine process.
+
+The supervisor starts in the worker (``load`` runs there, after the fork), so the engine is a child
+of the process that talks to it. ``worker_exit`` QUITs the engine on any worker shutdown (SIGTERM:
+graceful, in-flight requests first; SIGINT/SIGQUIT: quick). If the engine cannot start at all
+(bad settings, unloadable model) the worker exits with gunicorn's boot-error status, which stops
+the server with that message instead of restarting in a loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from .app import create_app
+from .config import ServerConfig
+from .engine.supervisor import EngineSupervisor
+
+log = logging.getLogger("strata_server")
+WORKER_BOOT_ERROR = 3  # gunicorn's Arbiter.WORKER_BOOT_ERROR: the arbiter halts with this status
+
+
+def _worker_exit(server: Any, worker: Any) -> None:
+    supervisor = getattr(worker.app, "supervisor", None)
+    if supervisor is not None:
+        log.info("stopping the engine (QUIT)")
+        supervisor.stop()
+
+
+def _give_up(message: str) -> None:
+    sys.stderr.write(f"strata-server: {message}\n")
+    sys.stderr.flush()
+    os._exit(WORKER_BOOT_ERROR)
+
+
+class StrataGunicorn(BaseApplication):
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.supervisor: EngineSupervisor | None = None
+        super().__init__()
+
+    def load_config(self) -> None:
+        config = self.config
+        settings = {
+            "bind": [config.bind()],
+            "workers": 1,  # the worker owns the one engine process
+            "worker_class": "gthread",
+            "threads": config.threads,
+            "timeout": config.timeout,
+            "graceful_timeout": 30,
+            "keepalive": 5,
+            "preload_app": False,
+            "proc_name": "strata-server",
+            "loglevel": config.log_level,
+            "errorlog": "-",
+            "worker_exit": _worker_exit,
+        }
+        for key, value in settings.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Any:
+        logging.basicConfig(level=self.config.log_level.upper(), stream=sys.stderr,
+                            format="%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s")
+        self.supervisor = EngineSupervisor(self.config.engine_argv(), on_give_up=_give_up)
+        app = create_app(self.supervisor, self.config)
+        self.supervisor.start()
+        return app

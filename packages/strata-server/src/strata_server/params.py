@@ -1,0 +1,216 @@
+"""Request bodies -> engine ``COMPLETE`` arguments, by a table of the peer's fields.
+
+Each ``SamplingField`` names the engine field, the request keys that set it (the peer's aliases)
+and its parser; a wrong type is a 400 naming the field. Unknown keys are ignored as the peer ignores
+them; features that would change the output and that Strata does not have are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import falcon
+
+from .errors import ApiError, ErrorType, invalid_request
+
+
+def _int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise invalid_request(f"'{key}' must be an integer, got {json.dumps(value)}")
+    return int(value)
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid_request(f"'{key}' must be a number, got {json.dumps(value)}")
+    return float(value)
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise invalid_request(f"'{key}' must be true or false, got {json.dumps(value)}")
+    return value
+
+
+def _stop(key: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return [s for s in value if s]
+    raise invalid_request(f"'{key}' must be a string or a list of strings")
+
+
+@attrs.frozen
+class SamplingField:
+    engine_name: str
+    parse: Callable[[str, Any], Any]
+    keys: tuple[str, ...]  # request keys, first wins (the peer reads n_predict before its aliases)
+
+
+SAMPLING_FIELDS: tuple[SamplingField, ...] = (
+    SamplingField("n_predict", _int, ("n_predict", "max_tokens", "max_completion_tokens")),
+    SamplingField("temperature", _number, ("temperature",)),
+    SamplingField("top_k", _int, ("top_k",)),
+    SamplingField("top_p", _number, ("top_p",)),
+    SamplingField("min_p", _number, ("min_p",)),
+    SamplingField("repeat_penalty", _number, ("repeat_penalty",)),
+    SamplingField("repeat_last_n", _int, ("repeat_last_n",)),
+    SamplingField("seed", _int, ("seed",)),
+    SamplingField("stop", _stop, ("stop",)),
+    SamplingField("ignore_eos", _bool, ("ignore_eos",)),
+    SamplingField("cache_prompt", _bool, ("cache_prompt",)),
+    SamplingField("n_probs", _int, ("n_probs",)),
+)
+
+# The engine's defaults (spec/engine-protocol.md), reported in generation_settings and /props.
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+    "repeat_penalty": 1.0, "repeat_last_n": 64, "seed": -1, "stop": [], "ignore_eos": False,
+    "cache_prompt": True, "n_probs": 0,
+}
+
+# Peer features Strata does not implement: refused when set to anything but their neutral value.
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "grammar": lambda v: v in (None, ""),
+    "json_schema": lambda v: v in (None, {}),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
+    "logit_bias": lambda v: v in (None, {}, []),
+    "tools": lambda v: v in (None, []),
+    "lora": lambda v: v in (None, []),
+    "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v in (None, 0, 0.0),
+    "logprobs": lambda v: v in (None, False, 0),
+    "top_logprobs": lambda v: v in (None, 0),
+    "post_sampling_probs": lambda v: v in (None, False),
+}
+
+
+@attrs.frozen
+class CompletionOptions:
+    """What a completion request asks for, besides the prompt."""
+
+    sampling: dict[str, Any]  # engine COMPLETE fields given by the request
+    stream: bool = False
+    include_usage: bool = False
+    return_tokens: bool = False
+    model: str | None = None
+
+    def settings(self) -> dict[str, Any]:
+        """generation_settings as reported back: the engine defaults overlaid with the request's."""
+        return {**ENGINE_DEFAULTS, **self.sampling}
+
+
+def parse_options(body: Mapping[str, Any], *, n_vocab: int | None = None) -> CompletionOptions:
+    sampling: dict[str, Any] = {}
+    for field in SAMPLING_FIELDS:
+        for key in field.keys:
+            if key in body and body[key] is not None:
+                sampling[field.engine_name] = field.parse(key, body[key])
+                break
+    for key, neutral in UNSUPPORTED_FIELDS.items():
+        if key in body and not neutral(body[key]):
+            raise ApiError(ErrorType.NOT_SUPPORTED, f"'{key}' is not supported by this server")
+    for key in ("n", "n_cmpl"):
+        if key in body and body[key] is not None and _int(key, body[key]) != 1:
+            raise ApiError(ErrorType.NOT_SUPPORTED, f"'{key}' must be 1: this server has one slot")
+    if "id_slot" in body and body["id_slot"] is not None and _int("id_slot", body["id_slot"]) not in (-1, 0):
+        raise invalid_request("Invalid slot ID: this server has one slot, 0")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise invalid_request("'stream_options' must be an object")
+    model = body.get("model")
+    return CompletionOptions(
+        sampling=sampling,
+        stream=_bool("stream", body["stream"]) if body.get("stream") is not None else False,
+        include_usage=_bool("stream_options.include_usage", stream_options.get("include_usage", False)),
+        return_tokens=_bool("return_tokens", body.get("return_tokens", False)),
+        model=model if isinstance(model, str) and model else None,
+    )
+
+
+def parse_prompt(body: Mapping[str, Any], *, n_vocab: int | None) -> str | list:
+    """A string, a token list, or a list mixing strings and token ids (one prompt; the peer's list of
+    several prompts is refused: one slot)."""
+    if "prompt" not in body:
+        raise invalid_request("\"prompt\" must be provided")
+    prompt = body["prompt"]
+    if isinstance(prompt, dict):
+        raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        raise invalid_request("\"prompt\" must be a string, a list of token ids, or a list of those mixed")
+    for index, item in enumerate(prompt):
+        if isinstance(item, list | dict):
+            raise ApiError(ErrorType.NOT_SUPPORTED,
+                           "several prompts in one request are not supported: this server has one slot")
+        if isinstance(item, bool) or not isinstance(item, int | str):
+            raise invalid_request(f"\"prompt\"[{index}] must be a string or a token id")
+        if isinstance(item, int) and (item < 0 or (n_vocab is not None and item >= n_vocab)):
+            raise invalid_request(f"\"prompt\"[{index}]: token id {item} is out of range [0, {n_vocab})")
+    return prompt
+
+
+def parse_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid_request("'messages' must be a non-empty array")
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid_request(f"'messages'[{index}] must be an object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise invalid_request(f"'messages'[{index}].role must be a non-empty string")
+        out.append({"role": role, "content": _message_text(message.get("content"), index)})
+    return out
+
+
+def _message_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or "type" not in part:
+                raise invalid_request(f"'messages'[{index}].content parts must be objects with a 'type'")
+            if part["type"] != "text":
+                raise ApiError(ErrorType.NOT_SUPPORTED, f"'messages'[{index}]: content of type "
+                               f"{part['type']!r} is not supported (text only)")
+            if not isinstance(part.get("text"), str):
+                raise invalid_request(f"'messages'[{index}].content text part needs a string 'text'")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid_request(f"'messages'[{index}].content must be a string or an array of parts")
+
+
+def read_json(req: falcon.Request, max_bytes: int, *, allow_empty: bool = False) -> dict[str, Any]:
+    """The request body as a JSON object; 413 past ``max_bytes``, 400 for anything not an object."""
+    if req.content_length is not None and req.content_length > max_bytes:
+        raise falcon.HTTPContentTooLarge(description=f"request body is {req.content_length} bytes; "
+                                         f"the limit is {max_bytes}")
+    raw = req.bounded_stream.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise falcon.HTTPContentTooLarge(description=f"request body exceeds {max_bytes} bytes")
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise invalid_request("the request body is empty; a JSON object is expected")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid_request("the request body must be a JSON object")
+    return body

@@ -1,0 +1,1 @@
+"""Falcon resources; each receives the ``ServerContext`` it needs."""

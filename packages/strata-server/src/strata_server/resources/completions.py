@@ -1,0 +1,79 @@
+"""``/completion``, ``/v1/completions``, ``/v1/chat/completions`` (and their aliases)."""
+
+from __future__ import annotations
+
+import falcon
+
+from ..context import ServerContext
+from ..engine.client import EngineLease
+from ..generation import (
+    ChatCompletionFormat,
+    CompletionRun,
+    NativeCompletionFormat,
+    RunInfo,
+    TextCompletionFormat,
+)
+from ..params import parse_messages, parse_options, parse_prompt, read_json
+
+
+def prompt_text(prompt: str | list, lease: EngineLease) -> str:
+    """The prompt as text (the peer echoes it detokenized): token ids go through DETOKENIZE."""
+    if isinstance(prompt, str):
+        return prompt
+    parts: list[str] = []
+    run: list[int] = []
+    for item in [*prompt, None]:
+        if isinstance(item, int):
+            run.append(item)
+            continue
+        if run:
+            parts.append(str(lease.call("DETOKENIZE", {"tokens": run}).get("content", "")))
+            run = []
+        if isinstance(item, str):
+            parts.append(item)
+    return "".join(parts)
+
+
+class CompletionResource:
+    """``POST /completion``: the peer's native completion."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_json(req, self.ctx.config.max_body_bytes)
+        prompt = parse_prompt(body, n_vocab=self.ctx.engine_info().get("n_vocab"))
+        options = parse_options(body)
+        info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
+        fmt = NativeCompletionFormat(info, lambda lease: prompt_text(prompt, lease))
+        CompletionRun(self.ctx, {"prompt": prompt, **options.sampling}, options, fmt).respond(resp)
+
+
+class TextCompletionResource:
+    """``POST /v1/completions``: OpenAI text completion."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_json(req, self.ctx.config.max_body_bytes)
+        prompt = parse_prompt(body, n_vocab=self.ctx.engine_info().get("n_vocab"))
+        options = parse_options(body)
+        info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
+        CompletionRun(self.ctx, {"prompt": prompt, **options.sampling}, options,
+                      TextCompletionFormat(info)).respond(resp)
+
+
+class ChatCompletionResource:
+    """``POST /v1/chat/completions``: the messages go to the engine, which applies the chat template."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_json(req, self.ctx.config.max_body_bytes)
+        messages = parse_messages(body)
+        options = parse_options(body)
+        info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
+        CompletionRun(self.ctx, {"messages": messages, **options.sampling}, options,
+                      ChatCompletionFormat(info)).respond(resp)

@@ -1,0 +1,143 @@
+"""``GET /slots`` and ``POST /slots/{id}?action=save|restore|erase``.
+
+Order of checks as the peer's, with Strata's additions marked: 501 without --slot-save-path ->
+(Strata) Origin and JSON Content-Type -> slot id (Strata: only 0) -> action -> body -> filename
+(Strata: never a symlink) -> the engine. A refused restore keeps the live conversation (the engine
+validates before its gate); the peer wipes it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import falcon
+
+from ..context import ServerContext
+from ..errors import ApiError, EngineDied, EngineReplyError, ErrorType, invalid_request
+from ..filenames import InvalidFilename, resolve_slot_file
+from ..params import read_json
+from ..security import check_slot_action
+
+_SLOT_ID = re.compile(r"^[+-]?\d+$")
+SLOT_ACTIONS_DISABLED = "This server does not support slots action. Start it with `--slot-save-path`"
+SLOTS_ENDPOINT_DISABLED = "This server does not support slots endpoint. Start it with `--slots`"
+
+
+class SlotsResource:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.actions: dict[str, Callable[[falcon.Request], dict]] = {
+            "save": self._save, "restore": self._restore, "erase": self._erase,
+        }
+
+    # --- GET /slots -------------------------------------------------------------------------------
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if not self.ctx.config.slots:
+            raise ApiError(ErrorType.NOT_SUPPORTED, SLOTS_ENDPOINT_DISABLED)
+        busy = self.ctx.engine.gate.busy
+        if busy and req.get_param_as_bool("fail_on_no_slot", default=False):
+            raise ApiError(ErrorType.UNAVAILABLE, "no slot available")
+        slot = {"id": 0, "n_ctx": self.ctx.engine_info().get("n_ctx"), "speculative": False,
+                "is_processing": busy}
+        slot.update(self.ctx.slot_view.snapshot() or {})
+        resp.media = [slot]
+
+    # --- POST /slots/{id_slot} -------------------------------------------------------------------
+
+    def on_post_slot(self, req: falcon.Request, resp: falcon.Response, id_slot: str) -> None:
+        if self.ctx.config.slot_save_path is None:
+            raise ApiError(ErrorType.NOT_SUPPORTED, SLOT_ACTIONS_DISABLED)
+        check_slot_action(req, self.ctx.policy)
+        if not _SLOT_ID.match(id_slot):
+            raise invalid_request("Invalid slot ID")
+        if int(id_slot) != 0:
+            raise invalid_request(f"Invalid slot ID: {id_slot}; this server has one slot, 0")
+        action = self.actions.get(req.get_param("action") or "")
+        if action is None:
+            raise invalid_request("Invalid action")
+        resp.media = action(req)
+
+    def _filename(self, req: falcon.Request) -> str:
+        body = read_json(req, self.ctx.config.max_body_bytes)
+        if "filename" not in body:
+            raise invalid_request("'filename' is required")
+        filename = body["filename"]
+        if not isinstance(filename, str):
+            raise invalid_request(f"'filename' must be a string, got {type(filename).__name__}")
+        return filename
+
+    def _path(self, filename: str, *, must_exist: bool) -> Path:
+        folder = self.ctx.config.slot_save_path
+        assert folder is not None
+        try:
+            return resolve_slot_file(folder, filename, must_exist=must_exist)
+        except InvalidFilename as exc:
+            if must_exist:
+                self.ctx.metrics.record_refusal("invalid_filename")
+            raise invalid_request(f"Invalid filename: {exc}", reason="invalid_filename") from None
+        except FileNotFoundError:
+            self.ctx.metrics.record_refusal("not_found")
+            raise invalid_request(f"Unable to restore slot: no file named {filename!r} in the slot save folder; "
+                                  "the conversation is kept", reason="not_found") from None
+
+    def _save(self, req: falcon.Request) -> dict:
+        filename = self._filename(req)
+        path = self._path(filename, must_exist=False)
+        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+            try:
+                result = lease.call("SAVE", str(path))
+            except EngineReplyError as exc:
+                self.ctx.metrics.record_save_failure()
+                if exc.kind == "session_write_failed":
+                    raise ApiError(ErrorType.SERVER, f"Unable to save slot: {exc.message}; any previous "
+                                   f"file named {filename!r} is untouched", reason=exc.reason or "write_failed") \
+                        from None
+                raise
+        n_written = int(result.get("n_written", 0))
+        save_ms = float(result.get("save_ms", 0.0))
+        self.ctx.metrics.record_save(n_written, save_ms)
+        return {"id_slot": 0, "filename": filename, "n_saved": int(result.get("n_saved", 0)),
+                "n_written": n_written, "timings": {"save_ms": save_ms}}
+
+    def _restore(self, req: falcon.Request) -> dict:
+        filename = self._filename(req)
+        path = self._path(filename, must_exist=True)
+        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+            try:
+                result = lease.call("RESTORE", str(path))
+            except EngineReplyError as exc:
+                if exc.kind == "session_refused":
+                    reason = str(exc.reason or "refused")
+                    self.ctx.metrics.record_refusal(reason)
+                    raise invalid_request(f"Unable to restore slot: {filename!r} was refused ({reason}): "
+                                          f"{exc.message}; the conversation is kept", reason=reason) from None
+                if exc.kind == "fail_stop":
+                    self.ctx.metrics.record_fail_stop()
+                    self.ctx.slot_view.forget()
+                    raise ApiError(ErrorType.SERVER, f"Unable to restore slot: {filename!r} failed after the "
+                                   f"restore began writing ({exc.reason or 'fail_stop'}): {exc.message}; the "
+                                   "engine is restarting and the conversation is lost",
+                                   reason=exc.reason or "fail_stop") from None
+                raise
+            except EngineDied as exc:
+                self.ctx.metrics.record_fail_stop()
+                self.ctx.slot_view.forget()
+                raise ApiError(ErrorType.SERVER, f"Unable to restore slot: the engine stopped during the restore "
+                               f"({exc.detail}); it is restarting and the conversation is lost",
+                               reason="engine_died") from None
+        n_read = int(result.get("n_read", 0))
+        restore_ms = float(result.get("restore_ms", 0.0))
+        self.ctx.metrics.record_restore(n_read, restore_ms)
+        self.ctx.slot_view.forget()
+        return {"id_slot": 0, "filename": filename, "n_restored": int(result.get("n_restored", 0)),
+                "n_read": n_read, "timings": {"restore_ms": restore_ms}}
+
+    def _erase(self, req: falcon.Request) -> dict:
+        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+            result = lease.call("ERASE")
+        self.ctx.metrics.record_erase()
+        self.ctx.slot_view.forget()
+        return {"id_slot": 0, "n_erased": int(result.get("n_erased", 0))}

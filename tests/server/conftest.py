@@ -1,0 +1,45 @@
+"""Fixtures for the server's tests: a fake engine (in-process and as a process) and a falcon client."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # fake_engine / fakes are plain modules beside the tests
+
+FAKE_ENGINE = HERE / "fake_engine.py"
+
+
+@pytest.fixture
+def fake_model(tmp_path: Path) -> Path:
+    path = tmp_path / "fake-model-A.gguf"
+    path.write_text("fake-model-A\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def slot_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "slots"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def make_api(fake_model: Path):
+    """make_api(**settings) -> (falcon TestClient, FakeEngineClient, ServerConfig)."""
+    import falcon.testing
+    from fake_engine import FakeEngine
+    from fakes import FakeEngineClient
+    from strata_server import build_config, create_app
+
+    def make(n_ctx: int = 512, **settings):
+        config = build_config({}, {"model": str(fake_model), "slot_wait": 0.3, **settings})
+        engine = FakeEngineClient(FakeEngine(str(fake_model), n_ctx=n_ctx, kv_type=config.kv_type))
+        app = create_app(engine, config)
+        client = falcon.testing.TestClient(app, headers={"Host": "127.0.0.1:8080"})
+        return client, engine, config
+
+    return make

@@ -1,0 +1,397 @@
+"""A small fake of ``strata-engine serve`` speaking spec/engine-protocol.md, for the server's tests.
+
+Usable in-process (``FakeEngine.handle(line)`` yields answer lines as dicts) and as a child process
+(``python fake_engine.py --model FILE [...]``), where it reads stdin and writes stdout like the real
+engine. Its "model" is a byte-level tokenizer (id = byte + 3; BOS 1 ``<|im_start|>``, EOS 2
+``<|im_end|>``) and a deterministic next-token rule over the held tokens, so prompt-cache reuse,
+greedy reproducibility, stop strings and save/restore can be checked exactly. Its session file is
+JSON with a checksum; it refuses (before any change) files that are missing, links, corrupt, from
+another "model" or context size, and fail-stops (exit 4) on a file marked ``"fail_after_gate"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import queue
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+BOS, EOS = 1, 2
+SPECIALS = {"<|im_start|>": BOS, "<|im_end|>": EOS}
+N_VOCAB = 300
+ALPHABET = "abcdefghij klmnop\n"
+MAGIC = "FAKE-STRATA-SESSION"
+
+
+class FailStop(Exception):
+    pass
+
+
+def tokenize(text: str, parse_special: bool = True) -> list[int]:
+    out: list[int] = []
+    i = 0
+    while i < len(text):
+        if parse_special:
+            match = next((s for s in SPECIALS if text.startswith(s, i)), None)
+            if match:
+                out.append(SPECIALS[match])
+                i += len(match)
+                continue
+        out.extend(b + 3 for b in text[i].encode("utf-8"))
+        i += 1
+    return out
+
+
+def piece_bytes(token: int) -> bytes:
+    for text, tid in SPECIALS.items():
+        if tid == token:
+            return text.encode()
+    return bytes([token - 3]) if 3 <= token < 259 else b""
+
+
+def detokenize(tokens: list[int]) -> str:
+    return b"".join(piece_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def next_candidates(held: list[int]) -> list[tuple[int, float]]:
+    """Top candidates with log-probabilities: a deterministic function of the last 4 held tokens."""
+    digest = hashlib.blake2b(bytes(t % 256 for t in held[-4:]), digest_size=8).digest()
+    first = digest[0] % len(ALPHABET)
+    cands = [(tokenize(ALPHABET[(first + k) % len(ALPHABET)])[0], -0.2 - k) for k in range(4)]
+    if digest[1] % 40 == 0:
+        cands.insert(0, (EOS, -0.1))
+    return cands
+
+
+class FakeEngine:
+    def __init__(self, model_path: str, n_ctx: int = 512, kv_type: str = "f16", token_delay: float = 0.0,
+                 prompt_delay: float = 0.0) -> None:
+        self.model_path = model_path
+        with open(model_path, encoding="utf-8") as f:
+            self.model_name = f.read().strip() or "fake"
+        self.n_ctx = n_ctx
+        self.kv_type = kv_type
+        self.token_delay = token_delay
+        self.prompt_delay = prompt_delay
+        self.held: list[int] = []
+        self.cancel_requested: Callable[[], bool] = lambda: False
+
+    def ready_line(self) -> dict:
+        return {"event": "ready", "protocol": 1, "engine": "fake-engine", "engine_version": "0.0.1",
+                "model_path": self.model_path, "model_name": self.model_name, "architecture": "fake",
+                "n_ctx": self.n_ctx, "n_ctx_train": 512, "n_vocab": N_VOCAB, "n_layer": 2, "n_embd": 8,
+                "n_params": 1000, "model_size": 4000, "backend": "python", "kv_type": self.kv_type,
+                "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": "chatml",
+                "add_bos": False, "prompt_cache": True}
+
+    # --- dispatch ---------------------------------------------------------------------------------
+
+    def handle(self, line: str) -> Iterator[dict]:
+        verb, _, argument = line.partition(" ")
+        handler = getattr(self, f"do_{verb.lower()}", None) if verb.isupper() else None
+        if handler is None:
+            yield self.error("invalid_request", f"unknown verb {verb!r}")
+            return
+        if verb in ("SAVE", "RESTORE"):
+            if not argument:
+                yield self.error("invalid_request", f"{verb} needs a path")
+                return
+            yield from handler(argument)
+            return
+        try:
+            arg = json.loads(argument) if argument else {}
+        except ValueError as exc:
+            yield self.error("invalid_request", f"bad JSON: {exc}")
+            return
+        yield from handler(arg)
+
+    @staticmethod
+    def error(kind: str, message: str, **extra) -> dict:
+        return {"event": "error", "error": {"type": kind, "message": message, **extra}}
+
+    # --- verbs ------------------------------------------------------------------------------------
+
+    def do_tokenize(self, arg: dict) -> Iterator[dict]:
+        tokens = tokenize(arg.get("content", ""), arg.get("parse_special", True))
+        if arg.get("add_special"):
+            tokens = [BOS, *tokens]
+        if arg.get("with_pieces"):
+            pieces = []
+            for t in tokens:
+                raw = piece_bytes(t)
+                try:
+                    pieces.append({"id": t, "piece": raw.decode("utf-8")})
+                except UnicodeDecodeError:
+                    pieces.append({"id": t, "piece": list(raw)})
+            tokens = pieces
+        yield {"event": "result", "tokens": tokens}
+
+    def do_detokenize(self, arg: dict) -> Iterator[dict]:
+        yield {"event": "result", "content": detokenize(arg.get("tokens", []))}
+
+    def do_apply_template(self, arg: dict) -> Iterator[dict]:
+        yield {"event": "result", "prompt": self.render(arg["messages"])}
+
+    @staticmethod
+    def render(messages: list[dict]) -> str:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + "<|im_start|>assistant\n"
+
+    def do_status(self, arg: dict) -> Iterator[dict]:
+        yield {"event": "result", "n_ctx": self.n_ctx, "n_past": len(self.held), "n_tokens_held": len(self.held),
+               "tokens_held_digest": hashlib.sha256(json.dumps(self.held).encode()).hexdigest()[:16],
+               "is_processing": False, "kv_type": self.kv_type, "backend": "python"}
+
+    def do_erase(self, arg: dict) -> Iterator[dict]:
+        n = len(self.held)
+        self.held = []
+        yield {"event": "result", "n_erased": n}
+
+    def do_cancel(self, arg: dict) -> Iterator[dict]:
+        yield {"event": "result", "cancelled": False}
+
+    def do_quit(self, arg: dict) -> Iterator[dict]:
+        yield {"event": "result"}
+        raise SystemExit(0)
+
+    def do_complete(self, arg: dict) -> Iterator[dict]:
+        if ("prompt" in arg) == ("messages" in arg):
+            yield self.error("invalid_request", "exactly one of prompt and messages")
+            return
+        if "messages" in arg:
+            prompt = tokenize(self.render(arg["messages"]))
+        elif isinstance(arg["prompt"], str):
+            prompt = tokenize(arg["prompt"])
+        else:
+            prompt = []
+            for item in arg["prompt"]:
+                prompt += tokenize(item) if isinstance(item, str) else [item]
+        if not prompt:
+            yield self.error("invalid_request", "empty prompt")
+            return
+        if len(prompt) >= self.n_ctx:
+            yield self.error("exceed_context_size", "prompt too long", n_prompt_tokens=len(prompt),
+                             n_ctx=self.n_ctx)
+            return
+        cache_n = 0
+        if arg.get("cache_prompt", True):
+            while cache_n < min(len(prompt) - 1, len(self.held)) and prompt[cache_n] == self.held[cache_n]:
+                cache_n += 1
+        t0 = time.perf_counter()
+        if self.prompt_delay:
+            time.sleep(self.prompt_delay)
+        prompt_ms = (time.perf_counter() - t0) * 1000 + 0.01
+        seq = list(prompt)
+        self.held = list(prompt)
+        n_predict = arg.get("n_predict", -1)
+        temperature = arg.get("temperature", 0.8)
+        n_probs = arg.get("n_probs", 0)
+        rng = random.Random(arg.get("seed", -1) if arg.get("seed", -1) != -1 else None)
+        stops = arg.get("stop", [])
+        generated: list[int] = []
+        text = ""
+        released = 0
+        stop_type, stopping_word = "limit", ""
+        t1 = time.perf_counter()
+        while True:
+            if n_predict >= 0 and len(generated) >= n_predict:
+                break
+            if len(seq) >= self.n_ctx:
+                break
+            if self.cancel_requested():
+                stop_type = "cancelled"
+                break
+            if self.token_delay:
+                time.sleep(self.token_delay)
+            cands = next_candidates(seq)
+            if temperature <= 0:
+                token = cands[0][0]
+            else:
+                token = rng.choice(cands[:3])[0]
+            if token == EOS and not arg.get("ignore_eos"):
+                generated.append(token)
+                stop_type = "eos"
+                yield {"event": "token", "id": token, "piece": "<|im_end|>", "content": ""}
+                break
+            generated.append(token)
+            seq.append(token)
+            text = detokenize([t for t in generated if t != EOS])
+            cut = next((text.index(s) for s in stops if s in text), None)
+            if cut is not None:
+                stopping_word = next(s for s in stops if s in text)
+                stop_type = "word"
+                text = text[:cut]
+                content = text[released:]
+                released = len(text)
+                yield {"event": "token", "id": token, "piece": piece_bytes(token).decode("utf-8", "replace"),
+                       "content": content}
+                break
+            hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            safe = len(text) - hold
+            content = text[released:safe] if safe > released else ""
+            released = max(released, safe)
+            event = {"event": "token", "id": token, "piece": piece_bytes(token).decode("utf-8", "replace"),
+                     "content": content}
+            if n_probs:
+                event["probs"] = [{"id": t, "token": detokenize([t]), "logprob": lp, "prob": 2.718281828 ** lp}
+                                  for t, lp in cands[:n_probs]]
+            yield event
+        # The last sampled token is never evaluated, so it is not held (as the real engine).
+        self.held = prompt + generated[:-1]
+        predicted_ms = (time.perf_counter() - t1) * 1000 + 0.01
+        n_gen = len(generated)
+        yield {"event": "result", "content": text if stop_type != "cancelled" else text[:released],
+               "tokens": generated, "stop_type": stop_type, "stopping_word": stopping_word, "truncated": False,
+               "tokens_evaluated": len(prompt), "tokens_cached": len(self.held), "n_tokens_held": len(self.held),
+               "timings": {"cache_n": cache_n, "prompt_n": len(prompt) - cache_n, "prompt_ms": prompt_ms,
+                           "prompt_per_token_ms": prompt_ms / max(len(prompt) - cache_n, 1),
+                           "prompt_per_second": 1000 * (len(prompt) - cache_n) / prompt_ms,
+                           "predicted_n": n_gen, "predicted_ms": predicted_ms,
+                           "predicted_per_token_ms": predicted_ms / max(n_gen, 1),
+                           "predicted_per_second": 1000 * n_gen / predicted_ms}}
+
+    def do_save(self, path: str) -> Iterator[dict]:
+        t0 = time.perf_counter()
+        body = {"magic": MAGIC, "model": self.model_name, "n_ctx": self.n_ctx, "kv_type": self.kv_type,
+                "tokens": self.held}
+        body["checksum"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        data = json.dumps(body).encode()
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            yield {"event": "progress", "phase": "copy", "bytes_done": len(data), "bytes_total": len(data)}
+            os.replace(tmp, path)
+        except OSError as exc:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            yield self.error("session_write_failed", f"cannot write {path}: {exc.strerror}", reason="io_error")
+            return
+        yield {"event": "result", "n_saved": len(self.held), "n_written": len(data),
+               "save_ms": (time.perf_counter() - t0) * 1000}
+
+    def do_restore(self, path: str) -> Iterator[dict]:
+        t0 = time.perf_counter()
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            yield self.error("session_refused", f"no such file: {path}", reason="not_found")
+            return
+        except OSError as exc:
+            yield self.error("session_refused", f"cannot open {path}: {exc.strerror}", reason="not_regular_file")
+            return
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+        try:
+            body = json.loads(data)
+            checksum = body.pop("checksum")
+        except (ValueError, KeyError, AttributeError, TypeError):
+            yield self.error("session_refused", "not a session file", reason="corrupt")
+            return
+        fail_after_gate = body.pop("fail_after_gate", False)
+        if body.get("magic") != MAGIC or hashlib.sha256(
+                json.dumps(body, sort_keys=True).encode()).hexdigest() != checksum:
+            yield self.error("session_refused", "checksum mismatch", reason="corrupt")
+            return
+        if body["model"] != self.model_name:
+            yield self.error("session_refused", f"written by model {body['model']!r}", reason="model_mismatch")
+            return
+        if body["n_ctx"] != self.n_ctx or body["kv_type"] != self.kv_type:
+            yield self.error("session_refused", "written with other settings", reason="config_mismatch")
+            return
+        if fail_after_gate:
+            self.held = []
+            raise FailStop("apply pass failed after the first block")
+        self.held = list(body["tokens"])
+        yield {"event": "result", "n_restored": len(self.held), "n_read": len(data),
+               "restore_ms": (time.perf_counter() - t0) * 1000}
+
+
+def mark_fail_after_gate(path: str) -> None:
+    """Rewrite a fake session file so its restore passes validation and then fail-stops."""
+    with open(path, encoding="utf-8") as f:
+        body = json.load(f)
+    body.pop("checksum")
+    body["checksum"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    body["fail_after_gate"] = True
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(body, f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("serve", nargs="?")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--ctx-size", type=int, default=512)
+    parser.add_argument("--kv-type", default="f16")
+    parser.add_argument("--token-delay", type=float, default=0.0)
+    parser.add_argument("--prompt-delay", type=float, default=0.0)
+    parser.add_argument("--load-delay", type=float, default=0.0)
+    parser.add_argument("--fail-load", action="store_true")
+    parser.add_argument("--protocol", type=int, default=1)
+    parser.add_argument("--pid-file")
+    args = parser.parse_args(argv)
+    out = sys.stdout
+
+    def emit(event: dict) -> None:
+        out.write(json.dumps(event) + "\n")
+        out.flush()
+
+    if args.pid_file:
+        with open(args.pid_file, "a", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
+    time.sleep(args.load_delay)
+    if args.fail_load or not os.path.isfile(args.model):
+        emit({"event": "fatal", "message": f"cannot load model {args.model}"})
+        return 3
+    engine = FakeEngine(args.model, args.ctx_size, args.kv_type, args.token_delay, args.prompt_delay)
+    lines: queue.Queue = queue.Queue()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    cancelled = threading.Event()
+    backlog: list[str | None] = []
+
+    def cancel_requested() -> bool:
+        while True:
+            try:
+                item = lines.get_nowait()
+            except queue.Empty:
+                return cancelled.is_set()
+            if item == "CANCEL":
+                cancelled.set()
+            else:
+                backlog.append(item)
+
+    engine.cancel_requested = cancel_requested
+    ready = engine.ready_line()
+    ready["protocol"] = args.protocol
+    emit(ready)
+    while True:
+        line = backlog.pop(0) if backlog else lines.get()
+        if line is None:
+            return 0
+        cancelled.clear()
+        try:
+            for event in engine.handle(line):
+                emit(event)
+        except FailStop as exc:
+            emit({"event": "error", "error": {"type": "fail_stop", "reason": "apply_failed", "message": str(exc)}})
+            return 4
+        except SystemExit:
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
