@@ -80,6 +80,7 @@ class FakeEngine:
         self.token_delay = token_delay
         self.prompt_delay = prompt_delay
         self.held: list[int] = []
+        self.fail_saves = False  # tests: every SAVE fails before its rename (disk full)
         self.cancel_requested: Callable[[], bool] = lambda: False
 
     def ready_line(self) -> dict:
@@ -262,11 +263,14 @@ class FakeEngine:
                 "tokens": self.held}
         body["checksum"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
         data = json.dumps(body).encode()
-        tmp = f"{path}.tmp-{os.getpid()}"
+        # A short temporary name: the target's own name may already be 255 bytes long.
+        tmp = os.path.join(os.path.dirname(path), f".strata-tmp-{os.getpid()}-{random.getrandbits(32):08x}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+                if self.fail_saves:
+                    raise OSError(28, "No space left on device")
             yield {"event": "progress", "phase": "copy", "bytes_done": len(data), "bytes_total": len(data)}
             os.replace(tmp, path)
         except OSError as exc:
