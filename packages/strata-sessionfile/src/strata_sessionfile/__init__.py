@@ -1,1 +1,67 @@
-"""placeholder until the package lands."""
+"""strata-sessionfile: the Strata session file format v1.
+
+One file per conversation: a 64-byte header (magic, version, flags, model and config fingerprints,
+payload length, header hash), a payload (metadata: model identity, canonical config, running state,
+K/V geometry; then every layer's parts K, V, K scales, V scales, extra), and a trailer (payload hash,
+end marker). spec/session-file-v1.md is normative.
+
+Public API
+----------
+Identity
+    ``model_fingerprint(files) -> ModelIdentity`` from ``(role, path)`` pairs in load order;
+    ``config_fingerprint(mapping) -> ConfigIdentity``; ``engine_identity(files, mapping)``.
+Writing
+    ``save(path, adapter, *, block_size=16 MiB, progress=None) -> SaveReport`` (crash-safe: temp file,
+    fsync, rename, folder fsync).
+Reading
+    ``inspect(path, *, verify=True, identity=None, limits=None) -> Inspection`` (the read pass alone);
+    ``restore(path, adapter, *, mode="auto"|"streaming"|"staged", block_size, progress,
+    memory_available) -> RestoreReport``.
+Adapter protocol (``strata_sessionfile.adapter``)
+    ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
+    restore), ``BufferProvider`` (optional own block buffers), ``SessionAdapter`` (source + target).
+Records
+    ``RunningState``, ``Checkpoint``, ``LayerSpec``, ``LayerGeometry``, ``Snapshot``, ``EngineLimits``,
+    ``EngineIdentity``, ``RestorePlan``, ``Progress``/``Phase``, ``SaveReport``, ``RestoreReport``,
+    ``Inspection``; enums ``Part``, ``DType``, ``LayerRole``, ``RestoreMode``.
+Errors (``strata_sessionfile.errors``)
+    ``SessionFileError`` and subclasses, each with a stable ``reason`` string (``errors.all_reasons()``).
+Testing (``strata_sessionfile.testing``)
+    ``MemoryAdapter`` (in-memory reference adapter), ``run_conformance(adapter_factory, workdir)``.
+"""
+
+from . import errors
+from .adapter import BufferProvider, SessionAdapter, SessionSource, SessionTarget, StagingTarget
+from .errors import SessionFileError
+from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, DType, LayerRole, Part
+from .identity import config_fingerprint, engine_identity, model_fingerprint
+from .reader import check_limits, inspect, restore
+from .records import (
+    Checkpoint,
+    ConfigIdentity,
+    EngineIdentity,
+    EngineLimits,
+    Inspection,
+    LayerGeometry,
+    LayerSpec,
+    ModelFile,
+    ModelIdentity,
+    Phase,
+    Progress,
+    RestoreMode,
+    RestorePlan,
+    RestoreReport,
+    RunningState,
+    SaveReport,
+    Snapshot,
+)
+from .writer import save
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "BufferProvider", "Checkpoint", "ConfigIdentity", "DType",
+    "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
+    "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
+    "SaveReport", "SessionAdapter", "SessionFileError", "SessionSource", "SessionTarget", "Snapshot",
+    "StagingTarget", "check_limits", "config_fingerprint", "engine_identity", "errors", "inspect",
+    "model_fingerprint", "restore", "save",
+]

@@ -1,0 +1,252 @@
+"""Low-level file I/O: safe open, exact reads and writes, the two-buffer pipelines, block planning.
+
+``write``, ``fsync``, ``replace``, ``pread_into`` are module attributes on purpose: the fault-injection
+tests (ENOSPC, EIO) replace them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import stat
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+from . import errors as E
+from .records import FileStamp, PartExtent
+
+write = os.write
+fsync = os.fsync
+replace = os.replace
+
+
+def pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    return os.preadv(fd, [buf], offset)
+
+
+def open_session_file(path: str) -> int:
+    """Open for reading without following a final symlink; only a regular file with one link (rule F1-F4)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise E.NotFound("no such file", path=path) from None
+    except PermissionError:
+        raise E.PermissionDenied("permission denied", path=path) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise E.SymlinkRefused("the path is a symbolic link; session files are opened without following "
+                                   "links", path=path) from None
+        if exc.errno in (errno.ENXIO, errno.ENODEV):  # sockets, FIFOs without a writer on some systems
+            raise E.NotRegularFile("not a regular file", path=path) from None
+        raise E.ReadFailed(f"cannot open: {exc.strerror}", path=path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+            raise E.NotRegularFile(f"the path is {kind}, not a regular file", path=path)
+        if st.st_nlink != 1:
+            raise E.MultipleLinks(f"the file has {st.st_nlink} names (hard links); exactly one is required",
+                                  path=path)
+        os.set_blocking(fd, True)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError):
+            pass
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def stamp_of(fd: int) -> FileStamp:
+    st = os.fstat(fd)
+    return FileStamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def read_exact(fd: int, buf: memoryview, offset: int, path: str, *, short_error=E.Truncated) -> None:
+    """Fill ``buf`` from ``offset``; a short file raises ``short_error``, an OS error ReadFailed."""
+    done = 0
+    n = len(buf)
+    while done < n:
+        try:
+            got = pread_into(fd, buf[done:], offset + done)
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            raise E.ReadFailed(f"read of {n - done} bytes failed: {exc.strerror or exc}", path=path,
+                               offset=offset + done) from None
+        if got == 0:
+            raise short_error(f"file ends at offset {offset + done}, {n - done} bytes short", path=path,
+                              offset=offset + done)
+        done += got
+
+
+def pread_bytes(fd: int, n: int, offset: int, path: str, *, short_error=E.Truncated) -> bytes:
+    buf = bytearray(n)
+    read_exact(fd, memoryview(buf), offset, path, short_error=short_error)
+    return bytes(buf)
+
+
+def write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            n = write(fd, view)
+        except InterruptedError:
+            continue
+        view = view[n:]
+
+
+def memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, or None where unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+# --- block planning ---------------------------------------------------------------------------------
+Segment = tuple[int, int, int, int, int]  # layer, part, part_offset, length, buffer_offset
+
+
+def iter_blocks(extents: Sequence[PartExtent], data_length: int, block_size: int
+                ) -> Iterator[tuple[int, int, list[Segment]]]:
+    """Split the data section into blocks; yield (block_start, block_length, segments) in file order."""
+    ei = 0
+    start = 0
+    while start < data_length:
+        end = min(start + block_size, data_length)
+        segments: list[Segment] = []
+        while ei < len(extents):
+            ext = extents[ei]
+            ext_end = ext.data_offset + ext.size
+            lo = max(start, ext.data_offset)
+            hi = min(end, ext_end)
+            if lo < hi:
+                segments.append((ext.layer, ext.part, lo - ext.data_offset, hi - lo, lo - start))
+            if ext_end <= end:
+                ei += 1
+            else:
+                break
+        yield start, end - start, segments
+        start = end
+
+
+# --- two-buffer pipelines ---------------------------------------------------------------------------
+_STOP = object()
+
+
+class ReadAhead:
+    """A helper thread reads block k+1 into one buffer while the caller consumes block k from the other.
+
+    Iterate to get (block_start, memoryview) in order; a view is valid until the next iteration.
+    """
+
+    def __init__(self, fd: int, buffers: Sequence[memoryview], file_offset: int, length: int, block_size: int,
+                 path: str, on_bytes: Callable[[int], None] | None = None) -> None:
+        assert len(buffers) >= 2 and all(len(b) >= block_size for b in buffers[:2])
+        self.fd, self.buffers, self.file_offset, self.length = fd, buffers[:2], file_offset, length
+        self.block_size, self.path = block_size, path
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        self.full: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(2):
+            self.free.put(i)
+        self.thread = threading.Thread(target=self._run, name="strata-read-ahead", daemon=True)
+        self.started = False
+
+    def _run(self) -> None:
+        pos = 0
+        try:
+            while pos < self.length:
+                idx = self.free.get()
+                if idx is _STOP:
+                    return
+                n = min(self.block_size, self.length - pos)
+                view = self.buffers[idx][:n]
+                read_exact(self.fd, view, self.file_offset + pos, self.path, short_error=E.FileChanged)
+                self.full.put((pos, idx, n))
+                pos += n
+        except BaseException as exc:  # handed to the consumer, which raises it on its own thread
+            self.full.put(exc)
+
+    def __iter__(self) -> Iterator[tuple[int, memoryview]]:
+        if self.length == 0:
+            return
+        self.thread.start()
+        self.started = True
+        received = 0
+        while received < self.length:
+            item = self.full.get()
+            if isinstance(item, BaseException):
+                raise item
+            pos, idx, n = item
+            yield pos, self.buffers[idx][:n]
+            received += n
+            self.free.put(idx)
+
+    def close(self) -> None:
+        if self.started:
+            self.free.put(_STOP)
+            self.free.put(_STOP)
+            self.thread.join()
+
+
+class WriteBehind:
+    """A helper thread hashes and writes block k while the caller fills block k+1 in the other buffer."""
+
+    def __init__(self, fd: int, buffers: Sequence[memoryview], hasher, on_written: Callable[[int], None] | None = None
+                 ) -> None:
+        self.fd, self.buffers, self.hasher = fd, buffers[:2], hasher
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        self.full: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(2):
+            self.free.put(i)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="strata-write-behind", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.full.get()
+            if item is _STOP:
+                return
+            idx, n = item
+            if self.error is None:
+                try:
+                    view = self.buffers[idx][:n]
+                    self.hasher.update(view)
+                    write_all(self.fd, view)
+                except BaseException as exc:
+                    self.error = exc
+            self.free.put(idx)
+
+    def acquire(self) -> memoryview:
+        """A free buffer to fill (blocks while both are in flight); raises the helper's error if any."""
+        idx = self.free.get()
+        if self.error is not None:
+            self.free.put(idx)
+            raise self.error
+        self._current = idx
+        return self.buffers[idx]
+
+    def submit(self, n: int) -> None:
+        self.full.put((self._current, n))
+
+    def finish(self) -> None:
+        """Wait for every submitted block; raise the helper's error if any."""
+        self.full.put(_STOP)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def abort(self) -> None:
+        if self.thread.is_alive():
+            self.full.put(_STOP)
+            self.thread.join()

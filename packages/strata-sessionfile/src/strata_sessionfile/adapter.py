@@ -1,0 +1,88 @@
+"""The adapter protocol: what an engine implements so this library can save and restore its session.
+
+The library drives, the engine answers. Every adapter method is called on the thread that called
+``save``/``restore``; the library's own helper thread only reads, writes and hashes file bytes.
+
+Save (``SessionSource``): ``identity()``, ``snapshot()`` (frozen for the duration of the save), then
+``copy_out(layer, part, offset, dest)`` for every piece of every non-empty part, in file order. ``dest``
+is a writable memoryview of exactly the bytes to fill; it must be filled when the call returns.
+
+Restore (``SessionTarget``), streaming mode: ``identity()``, ``limits()``, the read pass (no adapter
+call), ``check_plan(plan)`` (raise a ``SessionFileError`` such as ``GeometryMismatch`` to refuse),
+then the gate: ``begin_apply(plan)``, ``copy_in(layer, part, offset, src)`` for every piece (``src`` is
+read-only and valid only during the call), and ``commit(state)`` (which includes any residency refill).
+If anything fails after ``begin_apply`` was called, ``fail_stop(error)`` is called and ``FailStop`` is
+raised: the engine must not decode from its K/V any more. Before the gate, a failure calls nothing.
+
+Restore, staged mode (``StagingTarget``, optional): ``can_stage(plan)`` says whether a staging area
+fits; then ``begin_staging(plan)``, ``stage_in(...)`` while the payload hash runs, and only after every
+check ``commit_staged(state)`` -- or ``discard_staged()`` on any failure, leaving the live session as it
+was. One read of the file.
+
+Buffers (``BufferProvider``, optional): ``block_buffers(count, nbytes)`` returns ``count`` writable
+memoryviews of ``nbytes`` each (e.g. pinned host memory) that the library uses as its block buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from .format import Part
+from .records import EngineIdentity, EngineLimits, RestorePlan, RunningState, Snapshot
+
+
+@runtime_checkable
+class SessionSource(Protocol):
+    def identity(self) -> EngineIdentity: ...
+
+    def snapshot(self) -> Snapshot: ...
+
+    def copy_out(self, layer: int, part: Part, offset: int, dest: memoryview) -> None:
+        """Fill ``dest`` with bytes [offset, offset + len(dest)) of part ``part`` of layer ``layer``
+        (a position in ``snapshot().layers``)."""
+
+
+@runtime_checkable
+class SessionTarget(Protocol):
+    def identity(self) -> EngineIdentity: ...
+
+    def limits(self) -> EngineLimits: ...
+
+    def check_plan(self, plan: RestorePlan) -> None:
+        """Refuse (raise a SessionFileError) a plan this engine cannot take. Must not touch live state."""
+
+    def begin_apply(self, plan: RestorePlan) -> None:
+        """The gate: from this call on the live K/V may be overwritten."""
+
+    def copy_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
+        """Copy ``src`` to bytes [offset, offset + len(src)) of part ``part`` of layer ``layer``."""
+
+    def commit(self, state: RunningState) -> None:
+        """Adopt the running state after every block was applied and every check passed."""
+
+    def fail_stop(self, error: Exception) -> None:
+        """A failure after the gate: the K/V can no longer be vouched for."""
+
+
+@runtime_checkable
+class StagingTarget(SessionTarget, Protocol):
+    def can_stage(self, plan: RestorePlan) -> bool: ...
+
+    def begin_staging(self, plan: RestorePlan) -> None: ...
+
+    def stage_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None: ...
+
+    def commit_staged(self, state: RunningState) -> None:
+        """Switch the session to the staged K/V and this state, atomically for the engine."""
+
+    def discard_staged(self) -> None: ...
+
+
+@runtime_checkable
+class BufferProvider(Protocol):
+    def block_buffers(self, count: int, nbytes: int) -> Sequence[memoryview]: ...
+
+
+class SessionAdapter(SessionSource, SessionTarget, Protocol):
+    """An adapter that both saves and restores (what an engine usually implements)."""

@@ -1,0 +1,234 @@
+"""The error hierarchy: one root, ``SessionFileError``, and one subclass per thing that went wrong.
+
+Every class carries ``reason``, a stable machine-readable string (listed in spec/session-file-v1.md,
+"Reasons"), so a server can map refusals to HTTP answers without parsing messages. Messages name the
+field and the byte offset where that helps.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from collections.abc import Sequence
+
+
+class SessionFileError(Exception):
+    """Root of every error this package raises about a session file or a save/restore."""
+
+    reason: str = "session_file_error"
+
+    def __init__(self, message: str, *, path: str | None = None, offset: int | None = None,
+                 field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.offset = offset
+        self.field = field
+
+    def __str__(self) -> str:
+        where = []
+        if self.field is not None:
+            where.append(f"field {self.field}")
+        if self.offset is not None:
+            where.append(f"offset {self.offset}")
+        prefix = f"{self.path}: " if self.path else ""
+        suffix = f" ({', '.join(where)})" if where else ""
+        return f"{prefix}{self.message}{suffix}"
+
+
+# --- opening the file -------------------------------------------------------------------------------
+class FileAccessError(SessionFileError):
+    """The path cannot be opened as a session file (before any byte is read)."""
+
+    reason = "file_access"
+
+
+class NotFound(FileAccessError):
+    reason = "not_found"
+
+
+class PermissionDenied(FileAccessError):
+    reason = "permission_denied"
+
+
+class SymlinkRefused(FileAccessError):
+    reason = "symlink"
+
+
+class NotRegularFile(FileAccessError):
+    reason = "not_regular_file"
+
+
+class MultipleLinks(FileAccessError):
+    reason = "multiple_links"
+
+
+class ReadFailed(FileAccessError):
+    """The operating system failed a read (EIO and friends)."""
+
+    reason = "read_failed"
+
+
+# --- the bytes are not a valid v1 session file ------------------------------------------------------
+class InvalidFile(SessionFileError):
+    """The file's bytes break a rule of the format."""
+
+    reason = "invalid_file"
+
+
+class Truncated(InvalidFile):
+    reason = "truncated"
+
+
+class TrailingData(InvalidFile):
+    reason = "trailing_data"
+
+
+class BadMagic(InvalidFile):
+    reason = "bad_magic"
+
+
+class UnsupportedVersion(InvalidFile):
+    reason = "unsupported_version"
+
+
+class UnsupportedFlags(InvalidFile):
+    reason = "unsupported_flags"
+
+
+class HeaderCorrupt(InvalidFile):
+    reason = "header_corrupt"
+
+
+class MetadataInvalid(InvalidFile):
+    """A metadata field is malformed (bad enum code, length past the end, non-zero reserved bytes...)."""
+
+    reason = "metadata_invalid"
+
+
+class PayloadCorrupt(InvalidFile):
+    reason = "payload_corrupt"
+
+
+class BadEndMarker(InvalidFile):
+    reason = "bad_end_marker"
+
+
+class InconsistentState(InvalidFile):
+    """The snapshot contradicts itself (a layer holds more tokens than the session, a checkpoint past the end...)."""
+
+    reason = "inconsistent_state"
+
+
+class LimitExceeded(InvalidFile):
+    """A count or size is over a named format limit or over the running engine's limit."""
+
+    reason = "limit_exceeded"
+
+
+# --- the file is valid but not for this engine ------------------------------------------------------
+class BindingMismatch(SessionFileError):
+    reason = "binding_mismatch"
+
+    def __init__(self, message: str, *, differences: Sequence[str] = (), **kw) -> None:
+        if differences:
+            message = f"{message}: " + "; ".join(differences)
+        super().__init__(message, **kw)
+        self.differences = tuple(differences)
+
+
+class ModelMismatch(BindingMismatch):
+    reason = "model_mismatch"
+
+
+class ConfigMismatch(BindingMismatch):
+    reason = "config_mismatch"
+
+
+class GeometryMismatch(BindingMismatch):
+    reason = "geometry_mismatch"
+
+
+# --- conditions of the restore ----------------------------------------------------------------------
+class FileChanged(SessionFileError):
+    """The file grew, shrank or changed between (or during) the passes."""
+
+    reason = "file_changed"
+
+
+class InsufficientMemory(SessionFileError):
+    reason = "insufficient_memory"
+
+
+class AdapterFailed(SessionFileError):
+    """The engine's adapter raised something that is not a SessionFileError (kept as __cause__)."""
+
+    reason = "adapter_failed"
+
+
+class StagingUnavailable(SessionFileError):
+    """A staged restore was asked for, but the adapter cannot stage (no StagingTarget, or can_stage said no)."""
+
+    reason = "staging_unavailable"
+
+
+class FailStop(SessionFileError):
+    """A restore failed after the gate: the adapter was told to fail-stop; the live K/V is lost.
+
+    ``cause`` is the error that struck after the gate; ``cause_reason`` its reason.
+    """
+
+    reason = "fail_stop"
+
+    def __init__(self, cause: SessionFileError, **kw) -> None:
+        super().__init__(f"restore failed after the first applied block: {cause}", **kw)
+        self.cause = cause
+        self.cause_reason = cause.reason
+
+
+# --- saving -----------------------------------------------------------------------------------------
+class InvalidSnapshot(SessionFileError):
+    """The adapter's snapshot cannot be written (over a limit, inconsistent)."""
+
+    reason = "invalid_snapshot"
+
+
+class WriteFailed(SessionFileError):
+    """Writing the temporary file failed; the old file at the target is untouched, the temporary removed."""
+
+    reason = "write_failed"
+
+
+class NoSpace(WriteFailed):
+    reason = "no_space"
+
+
+class DirSyncFailed(SessionFileError):
+    """The new file is in place (renamed over the target) but flushing the folder failed."""
+
+    reason = "dir_sync_failed"
+
+    def __init__(self, message: str, *, report=None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.report = report
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def all_reasons() -> dict[str, type[SessionFileError]]:
+    """Every reason string and its class (the spec's "Reasons" table is bound to this by a test)."""
+    table = {SessionFileError.reason: SessionFileError}
+    for cls in _all_subclasses(SessionFileError):
+        assert cls.reason not in table, f"duplicate reason {cls.reason}"
+        table[cls.reason] = cls
+    return table
+
+
+def write_error_from_os(exc: OSError, what: str, path: str) -> WriteFailed:
+    cls = NoSpace if exc.errno in (_errno.ENOSPC, _errno.EDQUOT) else WriteFailed
+    return cls(f"{what} failed: {exc.strerror or exc}", path=path)

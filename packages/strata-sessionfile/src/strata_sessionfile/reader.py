@@ -1,0 +1,346 @@
+"""inspect() and restore(): the read pass, the apply pass, and the staged single pass.
+
+Read pass (spec "Reading", rules F*, H*, M*, B*, P*): open safely; check the size against the header;
+header and its hash; both fingerprints against the engine; the metadata (every length against the
+bytes left and its limit); the layout the geometry implies against the payload length; the zero
+padding; the end marker; the engine's exact limits; a RAM preflight; then stream the data section,
+hashing it without keeping it, and compare with the trailer; the file must not have changed meanwhile.
+
+Apply pass (streaming mode): the file must be unchanged (fstat) and its metadata, padding and
+trailer byte-identical to what the read pass saw; the data section is re-read and handed to the
+adapter block by block while the hash is recomputed. The first delivered block is the gate
+(``begin_apply``); after it every failure calls ``fail_stop`` and raises ``FailStop``.
+
+Staged mode: the same metadata checks, then one pass into the adapter's staging area while hashing;
+``commit_staged`` only after every check, else ``discard_staged``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import attrs
+import xxhash
+
+from . import _fileio
+from . import errors as E
+from .adapter import SessionTarget, StagingTarget
+from .codec import METADATA_OFFSET, compute_layout, decode_header, decode_metadata, decode_trailer
+from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE
+from .identity import config_differences, model_differences
+from .records import (
+    EngineIdentity,
+    EngineLimits,
+    FileStamp,
+    Header,
+    Inspection,
+    Layout,
+    Phase,
+    Progress,
+    RestoreMode,
+    RestorePlan,
+    RestoreReport,
+    SessionMetadata,
+)
+from .writer import MIN_BLOCK_SIZE, _adapter_call, block_buffers
+
+_U32_SIZE = 4
+
+
+@attrs.define
+class _Opened:
+    fd: int
+    path: str
+    stamp: FileStamp
+    header: Header
+    metadata: SessionMetadata
+    layout: Layout
+    prefix: bytes  # payload bytes [64, data_offset): metadata length, metadata, padding
+    trailer_digest: bytes
+    bytes_read: int
+
+
+def _binding_check(header: Header, body: bytes, identity: EngineIdentity, path: str) -> None:
+    model_ok = header.model_fingerprint == identity.model.fingerprint
+    config_ok = header.config_fingerprint == identity.config.fingerprint
+    if model_ok and config_ok:
+        return
+    try:
+        file_meta = decode_metadata(body, header=header, path=path)
+    except E.SessionFileError:
+        file_meta = None
+    if not model_ok:
+        diffs = model_differences(file_meta.model, identity.model) if file_meta else []
+        raise E.ModelMismatch("the file was written for another model", differences=diffs, path=path, offset=16,
+                              field="model_fingerprint")
+    diffs = config_differences(file_meta.config.mapping, identity.config.mapping) if file_meta else []
+    raise E.ConfigMismatch("the file was written with another engine configuration", differences=diffs,
+                           path=path, offset=32, field="config_fingerprint")
+
+
+def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | None = None) -> None:
+    """Every count of the file against the running engine's exact limits (rules B3-B6)."""
+    st = metadata.state
+    if st.n_tokens > limits.max_tokens:
+        raise E.LimitExceeded(f"the file holds {st.n_tokens} tokens; the engine's context is {limits.max_tokens}",
+                              path=path, field="state.n_tokens")
+    if limits.vocab_size is not None and st.n_tokens and max(st.tokens) >= limits.vocab_size:
+        raise E.LimitExceeded(f"token id {max(st.tokens)} is outside the engine's vocabulary of "
+                              f"{limits.vocab_size}", path=path, field="state.tokens")
+    for field, size, limit in (("state.sampler_state", len(st.sampler_state), limits.max_sampler_state_bytes),
+                               ("state.checkpoint.data", len(st.checkpoint.data), limits.max_checkpoint_data_bytes),
+                               ("state.engine_fields", len(st.engine_fields), limits.max_engine_fields_bytes)):
+        if limit is not None and size > limit:
+            raise E.LimitExceeded(f"{size} bytes is over the engine's limit of {limit}", path=path, field=field)
+    if limits.layers is None:
+        return
+    file_layers = metadata.layers
+    if len(file_layers) != len(limits.layers):
+        raise E.GeometryMismatch(f"the file has {len(file_layers)} layers, the engine {len(limits.layers)}",
+                                 path=path, field="layers.count")
+    diffs = []
+    for i, (g, spec) in enumerate(zip(file_layers, limits.layers, strict=True)):
+        if g.spec == spec:
+            continue
+        for field in attrs.fields(type(spec)):
+            a, b = getattr(g.spec, field.name), getattr(spec, field.name)
+            if a != b:
+                show = (lambda v: v.name.lower()) if hasattr(a, "name") else repr
+                diffs.append(f"layer {i} {field.name}: file {show(a)}, engine {show(b)}")
+    if diffs:
+        more = [f"... and {len(diffs) - 12} more"] if len(diffs) > 12 else []
+        raise E.GeometryMismatch("the file's K/V geometry differs from the engine's", differences=diffs[:12] + more,
+                                 path=path, field="layers")
+
+
+def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: EngineLimits | None) -> _Opened:
+    stamp = _fileio.stamp_of(fd)
+    size = stamp.size
+    if size < HEADER_SIZE:
+        raise E.Truncated(f"file is {size} bytes, shorter than the {HEADER_SIZE}-byte header", path=path,
+                          offset=size)
+    header = decode_header(_fileio.pread_bytes(fd, HEADER_SIZE, 0, path), path=path)
+    expected = HEADER_SIZE + header.payload_length + TRAILER_SIZE
+    if size < expected:
+        raise E.Truncated(f"file is {size} bytes; its header promises {expected}", path=path, offset=size)
+    if size > expected:
+        raise E.TrailingData(f"file is {size} bytes; its header promises {expected}", path=path, offset=expected)
+    if header.payload_length < _U32_SIZE:
+        raise E.MetadataInvalid(f"payload of {header.payload_length} bytes cannot hold the metadata length",
+                                path=path, offset=48, field="payload_length")
+    raw_len = _fileio.pread_bytes(fd, _U32_SIZE, METADATA_OFFSET, path)
+    mlen = int.from_bytes(raw_len, "little")
+    if mlen > LIMIT["MAX_METADATA_BYTES"]:
+        raise E.LimitExceeded(f"metadata of {mlen} bytes is over MAX_METADATA_BYTES", path=path,
+                              offset=METADATA_OFFSET, field="metadata.length")
+    if _U32_SIZE + mlen > header.payload_length:
+        raise E.MetadataInvalid(f"metadata of {mlen} bytes runs past the payload of {header.payload_length}",
+                                path=path, offset=METADATA_OFFSET, field="metadata.length")
+    body = _fileio.pread_bytes(fd, mlen, METADATA_OFFSET + _U32_SIZE, path)
+    if identity is not None:
+        _binding_check(header, body, identity, path)
+    metadata = decode_metadata(body, header=header, path=path)
+    layout = compute_layout(mlen, metadata.layers)
+    if layout.file_size != expected:
+        raise E.MetadataInvalid(f"the geometry implies a payload of {layout.trailer_offset - HEADER_SIZE} bytes; "
+                                f"the header says {header.payload_length}", path=path, offset=48,
+                                field="payload_length")
+    pad_start = METADATA_OFFSET + _U32_SIZE + mlen
+    padding = _fileio.pread_bytes(fd, layout.data_offset - pad_start, pad_start, path)
+    if padding.count(0) != len(padding):
+        raise E.MetadataInvalid("padding before the data section is not all zero", path=path, offset=pad_start,
+                                field="padding")
+    trailer_digest = decode_trailer(_fileio.pread_bytes(fd, TRAILER_SIZE, layout.trailer_offset, path),
+                                    layout.trailer_offset, path=path)
+    if limits is not None:
+        check_limits(metadata, limits, path)
+    prefix = raw_len + body + padding
+    return _Opened(fd, path, stamp, header, metadata, layout, prefix, trailer_digest,
+                   HEADER_SIZE + len(prefix) + TRAILER_SIZE)
+
+
+def _preflight(opened: _Opened, block_size: int, memory_available: Callable[[], int | None] | None) -> None:
+    if memory_available is None:
+        return
+    need = 2 * block_size + 2 * len(opened.prefix) + opened.metadata.state.n_tokens * 32
+    have = memory_available()
+    if have is not None and need > have:
+        raise E.InsufficientMemory(f"this restore needs about {need} bytes of RAM; {have} are available",
+                                   path=opened.path)
+
+
+def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase) -> int:
+    """Read the data section in blocks (helper thread), hash each, call deliver(block_start, view, segments)."""
+    layout = opened.layout
+    blocks = _fileio.iter_blocks(layout.extents, layout.data_length, block_size)
+    reader = _fileio.ReadAhead(opened.fd, buffers, layout.data_offset, layout.data_length, block_size, opened.path)
+    done = 0
+    try:
+        for (start, view), (b_start, b_len, segments) in zip(reader, blocks, strict=False):
+            assert start == b_start and len(view) == b_len
+            hasher.update(view)
+            if deliver is not None:
+                deliver(view, segments)
+            done += len(view)
+            if progress:
+                progress(Progress(phase, done, layout.data_length))
+    finally:
+        reader.close()
+    return done
+
+
+def _check_digest(opened: _Opened, hasher, when: str) -> bytes:
+    digest = hasher.digest()
+    if digest != opened.trailer_digest:
+        raise E.PayloadCorrupt(f"payload hash {digest.hex()} does not match the trailer's "
+                               f"{opened.trailer_digest.hex()} ({when})", path=opened.path,
+                               offset=opened.layout.trailer_offset, field="payload_hash")
+    return digest
+
+
+def _check_unchanged(opened: _Opened, when: str) -> None:
+    now = _fileio.stamp_of(opened.fd)
+    if now != opened.stamp:
+        what = ("grew" if now.size > opened.stamp.size else "shrank" if now.size < opened.stamp.size
+                else "was modified")
+        raise E.FileChanged(f"the file {what} {when} (size {opened.stamp.size} -> {now.size})", path=opened.path)
+
+
+def _hash_pass(opened: _Opened, buffers, block_size: int, progress) -> bytes:
+    hasher = xxhash.xxh3_128()
+    hasher.update(opened.prefix)
+    opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, None, progress, Phase.READ)
+    digest = _check_digest(opened, hasher, "read pass")
+    _check_unchanged(opened, "during the read pass")
+    return digest
+
+
+def inspect(path: str | os.PathLike, *, verify: bool = True, identity: EngineIdentity | None = None,
+            limits: EngineLimits | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> Inspection:
+    """The read pass alone: validate the file (and, if given, its binding to an engine) without applying it."""
+    path = os.fspath(path)
+    fd = _fileio.open_session_file(path)
+    try:
+        opened = _open_metadata(fd, path, identity, limits)
+        digest = None
+        if verify:
+            digest = _hash_pass(opened, [memoryview(bytearray(block_size)) for _ in range(2)], block_size, None)
+        return Inspection(path, opened.header, opened.metadata, opened.layout, verify, digest)
+    finally:
+        os.close(fd)
+
+
+def _fail_stop(adapter: SessionTarget, exc: BaseException, path: str) -> E.FailStop:
+    if not isinstance(exc, E.SessionFileError):
+        exc = E.AdapterFailed(f"{type(exc).__name__}: {exc}", path=path)
+    try:
+        adapter.fail_stop(exc)
+    except Exception:  # the engine is going down anyway; the original error is what matters
+        pass
+    return E.FailStop(exc, path=path)
+
+
+def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan, buffers, block_size, progress):
+    # Before the gate: the file must be exactly what the read pass validated.
+    _check_unchanged(opened, "between the read pass and the apply pass")
+    prefix_again = _fileio.pread_bytes(opened.fd, len(opened.prefix), METADATA_OFFSET, opened.path,
+                                       short_error=E.FileChanged)
+    trailer_again = _fileio.pread_bytes(opened.fd, TRAILER_SIZE, opened.layout.trailer_offset, opened.path,
+                                        short_error=E.FileChanged)
+    if prefix_again != opened.prefix or decode_trailer(trailer_again, opened.layout.trailer_offset) != \
+            opened.trailer_digest:
+        raise E.FileChanged("the metadata or trailer changed between the read pass and the apply pass",
+                            path=opened.path)
+    opened.bytes_read += len(opened.prefix) + TRAILER_SIZE
+    hasher = xxhash.xxh3_128()
+    hasher.update(opened.prefix)
+    gate = [False]
+
+    def open_gate() -> None:
+        gate[0] = True
+        _adapter_call(adapter.begin_apply, plan)
+
+    def deliver(view: memoryview, segments) -> None:
+        if not gate[0]:
+            open_gate()
+        for layer, part, part_offset, length, buf_offset in segments:
+            _adapter_call(adapter.copy_in, layer, part, part_offset,
+                          view[buf_offset:buf_offset + length].toreadonly())
+
+    try:
+        opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY)
+        if not gate[0]:
+            open_gate()
+        _check_digest(opened, hasher, "apply pass")
+        _check_unchanged(opened, "during the apply pass")
+        _adapter_call(adapter.commit, plan.state)
+    except BaseException as exc:
+        if gate[0]:
+            raise _fail_stop(adapter, exc, opened.path) from exc
+        raise
+
+
+def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, buffers, block_size, progress):
+    hasher = xxhash.xxh3_128()
+    hasher.update(opened.prefix)
+
+    def deliver(view: memoryview, segments) -> None:
+        for layer, part, part_offset, length, buf_offset in segments:
+            _adapter_call(adapter.stage_in, layer, part, part_offset,
+                          view[buf_offset:buf_offset + length].toreadonly())
+
+    try:
+        _adapter_call(adapter.begin_staging, plan)
+        opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY)
+        _check_digest(opened, hasher, "staged pass")
+        _check_unchanged(opened, "during the staged pass")
+        _adapter_call(adapter.commit_staged, plan.state)
+    except BaseException:
+        try:
+            adapter.discard_staged()
+        except Exception:
+            pass
+        raise
+
+
+def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMode | str = RestoreMode.AUTO,
+            block_size: int = DEFAULT_BLOCK_SIZE, progress: Callable[[Progress], None] | None = None,
+            memory_available: Callable[[], int | None] | None = _fileio.memory_available) -> RestoreReport:
+    """Validate ``path`` against the adapter's engine and apply it (see the module docstring)."""
+    if block_size < MIN_BLOCK_SIZE:
+        raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
+    mode = RestoreMode(mode)
+    t0 = time.perf_counter()
+    path = os.fspath(path)
+    identity = _adapter_call(adapter.identity)
+    limits = _adapter_call(adapter.limits)
+    fd = _fileio.open_session_file(path)
+    try:
+        opened = _open_metadata(fd, path, identity, limits)
+        _preflight(opened, block_size, memory_available)
+        staged = False
+        if mode is not RestoreMode.STREAMING and isinstance(adapter, StagingTarget):
+            probe = RestorePlan(path, opened.header, opened.metadata, opened.layout, opened.stamp, RestoreMode.STAGED)
+            staged = bool(_adapter_call(adapter.can_stage, probe))
+        if mode is RestoreMode.STAGED and not staged:
+            raise E.StagingUnavailable("staged restore requested but the adapter cannot stage this session",
+                                       path=path)
+        plan = RestorePlan(path, opened.header, opened.metadata, opened.layout, opened.stamp,
+                           RestoreMode.STAGED if staged else RestoreMode.STREAMING)
+        buffers = block_buffers(adapter, block_size)
+        if staged:
+            _adapter_call(adapter.check_plan, plan)
+            t_read = time.perf_counter()
+            _apply_staged(opened, adapter, plan, buffers, block_size, progress)
+        else:
+            _hash_pass(opened, buffers, block_size, progress)
+            _adapter_call(adapter.check_plan, plan)
+            t_read = time.perf_counter()
+            _apply_streaming(opened, adapter, plan, buffers, block_size, progress)
+        t_end = time.perf_counter()
+        return RestoreReport(path, plan.mode, plan.state.n_tokens, opened.bytes_read, opened.stamp.size,
+                             t_end - t0, t_read - t0, t_end - t_read)
+    finally:
+        os.close(fd)

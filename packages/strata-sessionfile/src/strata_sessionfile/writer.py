@@ -1,0 +1,149 @@
+"""save(): stream an adapter's snapshot into a new file, crash-safely.
+
+Steps (spec "Writing"): encode the metadata; create ``.<name>.<random>.strata-tmp`` in the target's
+folder with O_CREAT|O_EXCL (mode 0600); reserve the space (posix_fallocate, so a full disk fails
+before any copy); write header, metadata and padding; stream the data section in blocks (the adapter
+fills one buffer while the helper thread hashes and writes the other); write the trailer; fsync the
+file; rename it over the target; fsync the folder. Before the rename any failure removes the
+temporary and leaves the old file untouched; a failed folder fsync after it raises DirSyncFailed
+(the new file is in place).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import time
+from collections.abc import Callable
+
+import xxhash
+
+from . import _fileio
+from . import errors as E
+from .adapter import BufferProvider, SessionSource
+from .codec import compute_layout, encode_header, encode_metadata, encode_trailer, payload_length_of
+from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE
+from .records import Phase, Progress, SaveReport
+
+TEMP_SUFFIX = ".strata-tmp"
+MIN_BLOCK_SIZE = 4096
+
+
+def _adapter_call(fn, *args):
+    try:
+        return fn(*args)
+    except E.SessionFileError:
+        raise
+    except Exception as exc:
+        raise E.AdapterFailed(f"adapter {getattr(fn, '__name__', fn)} raised {type(exc).__name__}: {exc}") from exc
+
+
+def block_buffers(adapter, block_size: int) -> list[memoryview]:
+    """Two block buffers: the adapter's own (BufferProvider) or two fresh bytearrays."""
+    if isinstance(adapter, BufferProvider):
+        bufs = list(_adapter_call(adapter.block_buffers, 2, block_size))
+        if len(bufs) < 2 or any(len(b) < block_size or b.readonly for b in bufs[:2]):
+            raise E.AdapterFailed(f"block_buffers must return 2 writable memoryviews of {block_size} bytes")
+        return [memoryview(b).cast("B") for b in bufs[:2]]
+    return [memoryview(bytearray(block_size)) for _ in range(2)]
+
+
+def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
+         progress: Callable[[Progress], None] | None = None) -> SaveReport:
+    """Write the adapter's session to ``path`` (atomically replacing any file there)."""
+    if block_size < MIN_BLOCK_SIZE:
+        raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
+    t0 = time.perf_counter()
+    path = os.fspath(path)
+    identity = _adapter_call(adapter.identity)
+    snapshot = _adapter_call(adapter.snapshot)
+    try:
+        metadata = encode_metadata(identity.model, identity.config, snapshot.state, snapshot.layers)
+    except E.SessionFileError as exc:
+        exc.path = path
+        raise
+    layout = compute_layout(len(metadata) - 4, snapshot.layers)
+    payload_length = payload_length_of(layout)
+    header = encode_header(identity.model.fingerprint, identity.config.fingerprint, payload_length)
+    prefix = header + metadata + bytes(layout.data_offset - HEADER_SIZE - len(metadata))
+    total = layout.file_size
+
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise E.write_error_from_os(exc, "creating the temporary file", path) from exc
+    pipeline = None
+    stage = "writing"
+    try:
+        try:
+            os.posix_fallocate(fd, 0, total)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+        hasher = xxhash.xxh3_128()
+        hasher.update(memoryview(prefix)[HEADER_SIZE:])
+        _fileio.write_all(fd, prefix)
+        done = len(prefix)
+        if progress:
+            progress(Progress(Phase.COPY, done, total))
+        if layout.data_length:
+            buffers = block_buffers(adapter, block_size)
+            pipeline = _fileio.WriteBehind(fd, buffers, hasher)
+            for _start, length, segments in _fileio.iter_blocks(layout.extents, layout.data_length, block_size):
+                buf = pipeline.acquire()
+                for layer, part, part_offset, seg_len, buf_offset in segments:
+                    _adapter_call(adapter.copy_out, layer, part, part_offset,
+                                  buf[buf_offset:buf_offset + seg_len])
+                pipeline.submit(length)
+                done += length
+                if progress:
+                    progress(Progress(Phase.COPY, done, total))
+            pipeline.finish()
+            pipeline = None
+        digest = hasher.digest()
+        _fileio.write_all(fd, encode_trailer(digest))
+        if progress:
+            progress(Progress(Phase.COPY, total, total))
+        t_copy = time.perf_counter()
+        stage = "flushing"
+        if progress:
+            progress(Progress(Phase.FLUSH, total, total))
+        _fileio.fsync(fd)
+        t_flush = time.perf_counter()
+        os.close(fd)
+        fd = -1
+        stage = "renaming"
+        if progress:
+            progress(Progress(Phase.RENAME, total, total))
+        _fileio.replace(tmp, path)
+        t_rename = time.perf_counter()
+    except BaseException as exc:
+        if pipeline is not None:
+            pipeline.abort()
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise E.write_error_from_os(exc, f"{stage} the temporary file", path) from exc
+        if isinstance(exc, E.SessionFileError) and exc.path is None:
+            exc.path = path
+        raise
+    report = SaveReport(path=path, n_tokens=snapshot.state.n_tokens, bytes_written=total,
+                        elapsed_s=time.perf_counter() - t0, copy_s=t_copy - t0, flush_s=t_flush - t_copy,
+                        rename_s=t_rename - t_flush, payload_hash=digest)
+    try:
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _fileio.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        raise E.DirSyncFailed(f"the new file is in place but flushing its folder failed: {exc.strerror or exc}",
+                              path=path, report=report) from exc
+    return report

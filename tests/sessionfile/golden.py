@@ -1,0 +1,215 @@
+"""The golden and bad files of spec/: their definitions, and `python tests/sessionfile/golden.py` to write them.
+
+Golden files are written by the library's own writer from fully specified sessions (MemoryAdapter with
+explicit part bytes); each gets a JSON of its expected decoded content. Bad files are golden bytes with
+one rule broken (hashes refreshed where needed so the intended rule, not an earlier one, trips).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+import xxhash
+from strata_sessionfile import errors as E
+from strata_sessionfile import save
+from strata_sessionfile.format import HEADER_SIZE, LAYER_STRUCT, TRAILER_SIZE, DType, LayerRole, Part
+from strata_sessionfile.identity import config_fingerprint, model_identity_from_files
+from strata_sessionfile.reader import inspect
+from strata_sessionfile.records import (
+    Checkpoint,
+    EngineIdentity,
+    LayerGeometry,
+    LayerSpec,
+    ModelFile,
+    RunningState,
+    Snapshot,
+)
+from strata_sessionfile.testing import MemoryAdapter, pattern_bytes
+
+SPEC = Path(__file__).resolve().parents[2] / "spec"
+GOLDEN_DIR = SPEC / "golden"
+BAD_DIR = SPEC / "bad"
+
+
+def _identity(config: dict) -> EngineIdentity:
+    model = model_identity_from_files([ModelFile("model", 98362432, bytes(range(16)))])
+    return EngineIdentity(model, config_fingerprint(config))
+
+
+GOLDEN_CONFIG = {"engine": "golden", "engine_version": "1.0.0", "backend": "numpy", "kv_type": "f16",
+                 "n_ctx": 64, "rope": [{"base": 10000.0, "scale": 1.0}], "flash": False}
+
+
+def golden_sessions() -> dict[str, tuple[EngineIdentity, Snapshot, list[list[bytes]]]]:
+    """name -> (identity, snapshot, part bytes per layer per part)."""
+    out = {}
+    f16 = [LayerSpec(i, LayerRole.MAIN, 2, 4, 4, DType.F16, DType.F16) for i in range(2)]
+
+    def parts_for(layers, seed):
+        return [[pattern_bytes(g.part_size(p), seed * 100 + li * 5 + p) for p in Part] for li, g in enumerate(layers)]
+
+    ident = _identity(GOLDEN_CONFIG)
+    layers = tuple(LayerGeometry(s, 0) for s in f16)
+    out["empty"] = (ident, Snapshot(RunningState([]), layers), parts_for(layers, 1))
+
+    layers = tuple(LayerGeometry(s, 5) for s in f16)
+    state = RunningState([1, 9038, 2, 17, 4], 5, b"", Checkpoint(3, b""), b"")
+    out["small_f16"] = (ident, Snapshot(state, layers), parts_for(layers, 2))
+
+    mixed_specs = [
+        LayerSpec(0, LayerRole.MAIN, 1, 8, 8, DType.I8, DType.I8, 4),  # sliding window of 4, int8 with scales
+        LayerSpec(1, LayerRole.MAIN, 1, 8, 8, DType.I8, DType.I8, 0),
+        LayerSpec(2, LayerRole.MAIN, 1, 4, 4, DType.F32, DType.BF16, 0, 12),  # extra (recurrent) state
+        LayerSpec(0, LayerRole.DRAFT, 1, 4, 4, DType.F16, DType.F16, 0),
+    ]
+    n = 6
+    layers = tuple(LayerGeometry(s, s.capacity(n) - (1 if s.role == LayerRole.DRAFT else 0)) for s in mixed_specs)
+    state = RunningState([105, 2364, 107, 3, 3, 236764], 7, b"\x01rng-state\x02", Checkpoint(5, b"cp"),
+                         b'{"n_discarded":1}')
+    mixed_ident = _identity({**GOLDEN_CONFIG, "kv_type": "i8", "sliding_window": 4})
+    out["mixed_i8_window_draft"] = (mixed_ident, Snapshot(state, layers), parts_for(layers, 3))
+    return out
+
+
+def _adapter(ident, snap, parts) -> MemoryAdapter:
+    a = MemoryAdapter(ident, [g.spec for g in snap.layers], max_tokens=64, vocab_size=300000)
+    a.state, a.layers = snap.state, snap.layers
+    a.parts = [[bytearray(p) for p in layer] for layer in parts]
+    return a
+
+
+def expected_json(ident: EngineIdentity, snap: Snapshot, parts, data: bytes) -> dict:
+    hdr = data[:HEADER_SIZE]
+    st = snap.state
+    return {
+        "file_size": len(data),
+        "header": {
+            "magic": hdr[:8].hex(), "format_version": 1, "flags": 0,
+            "model_fingerprint": ident.model.fingerprint.hex(), "config_fingerprint": ident.config.fingerprint.hex(),
+            "payload_length": len(data) - HEADER_SIZE - TRAILER_SIZE,
+            "header_hash": hdr[56:64][::-1].hex(),
+        },
+        "model_files": [{"role": f.role, "size": f.size, "digest": f.digest.hex()} for f in ident.model.files],
+        "config": ident.config.mapping,
+        "state": {"tokens": list(st.tokens), "position": st.position, "sampler_state": st.sampler_state.hex(),
+                  "checkpoint": {"token_index": st.checkpoint.token_index, "data": st.checkpoint.data.hex()},
+                  "engine_fields": st.engine_fields.hex()},
+        "layers": [{"index": g.spec.index, "role": g.spec.role.name.lower(), "n_kv_heads": g.spec.n_kv_heads,
+                    "head_dim_k": g.spec.head_dim_k, "head_dim_v": g.spec.head_dim_v,
+                    "k_dtype": g.spec.k_dtype.name.lower(), "v_dtype": g.spec.v_dtype.name.lower(),
+                    "window": g.spec.window, "tokens_held": g.tokens_held, "extra_bytes": g.spec.extra_bytes,
+                    "parts": {p.name.lower(): parts[li][p][:g.part_size(p)].hex() for p in Part}}
+                   for li, g in enumerate(snap.layers)],
+        "payload_hash": data[-TRAILER_SIZE:-8].hex(),
+    }
+
+
+def golden_bytes(name: str) -> tuple[bytes, dict]:
+    ident, snap, parts = golden_sessions()[name]
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / f"{name}.ssf"
+        save(path, _adapter(ident, snap, parts), block_size=4096)
+        data = path.read_bytes()
+    return data, expected_json(ident, snap, parts, data)
+
+
+# --- bad files --------------------------------------------------------------------------------------
+def refresh(data: bytes | bytearray, *, header: bool = True, payload: bool = True) -> bytes:
+    """Recompute the header hash and/or the payload hash of (edited) file bytes."""
+    b = bytearray(data)
+    if payload:
+        b[-TRAILER_SIZE:-8] = xxhash.xxh3_128_digest(bytes(b[HEADER_SIZE:-TRAILER_SIZE]))
+    if header:
+        b[56:64] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(b[:56])))
+    return bytes(b)
+
+
+def _layer_record_offset(data: bytes, i: int) -> int:
+    """File offset of layer record i: the records are the last n_layers * 36 bytes of the metadata."""
+    mlen = struct.unpack_from("<I", data, 64)[0]
+    return 68 + mlen - LAYER_STRUCT.size * (_n_layers(data) - i)
+
+
+def _n_layers(data: bytes) -> int:
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "x.ssf"
+        p.write_bytes(data)
+        return len(inspect(p, verify=False).metadata.layers)
+
+
+def bad_files() -> dict[str, tuple[bytes, type[E.SessionFileError]]]:
+    small, _ = golden_bytes("small_f16")
+    mixed, _ = golden_bytes("mixed_i8_window_draft")
+    out: dict[str, tuple[bytes, type[E.SessionFileError]]] = {}
+
+    def edit(base: bytes, offset: int, new: bytes, **kw) -> bytes:
+        b = bytearray(base)
+        b[offset:offset + len(new)] = new
+        return refresh(b, **kw) if kw.get("header", True) or kw.get("payload", True) else bytes(b)
+
+    out["empty_file"] = (b"", E.Truncated)
+    out["truncated_header"] = (small[:40], E.Truncated)
+    out["truncated_payload"] = (small[:len(small) - 100], E.Truncated)
+    out["truncated_trailer"] = (small[:-1], E.Truncated)
+    out["trailing_data"] = (small + b"\x00", E.TrailingData)
+    out["bad_magic"] = (edit(small, 0, b"\x89STRSEZ\n"), E.BadMagic)
+    out["header_hash"] = (edit(small, 56, b"\x00", header=False, payload=False), E.HeaderCorrupt)
+    out["header_bit_flip"] = (edit(small, 20, bytes([small[20] ^ 4]), header=False, payload=False), E.HeaderCorrupt)
+    out["unsupported_version"] = (edit(small, 8, struct.pack("<H", 2)), E.UnsupportedVersion)
+    out["unsupported_flags"] = (edit(small, 10, struct.pack("<H", 1)), E.UnsupportedFlags)
+    out["reserved_header"] = (edit(small, 12, struct.pack("<I", 7)), E.HeaderCorrupt)
+    out["payload_too_large"] = (edit(small, 48, struct.pack("<Q", 1 << 50)), E.LimitExceeded)
+    out["payload_flip"] = (edit(small, len(small) - 30, bytes([small[-30] ^ 1]), header=False, payload=False),
+                           E.PayloadCorrupt)
+    out["end_marker"] = (edit(small, len(small) - 1, b"\x00", header=False, payload=False), E.BadEndMarker)
+    out["metadata_overrun"] = (edit(small, 64, struct.pack("<I", 1 << 20)), E.MetadataInvalid)
+    out["metadata_too_large"] = (edit(small, 64, struct.pack("<I", 1 << 30)), E.LimitExceeded)
+    rec = _layer_record_offset(small, 1)
+    out["unknown_dtype"] = (edit(small, rec + 5, b"\x09"), E.MetadataInvalid)
+    out["unknown_role"] = (edit(small, rec + 4, b"\x07"), E.MetadataInvalid)
+    out["layer_reserved_nonzero"] = (edit(small, rec + 7, b"\x01"), E.MetadataInvalid)
+    out["layer_holds_too_many"] = (edit(small, rec + 24, struct.pack("<I", 6)), E.InconsistentState)
+    out["zero_heads"] = (edit(small, rec + 8, struct.pack("<I", 0)), E.InconsistentState)
+    # position below n_tokens: the first state field after the config
+    cfg_len_off = 68 + 4 + 2 + len("model") + 24
+    cfg_len = struct.unpack_from("<I", small, cfg_len_off)[0]
+    state_off = cfg_len_off + 4 + cfg_len
+    out["position_below_tokens"] = (edit(small, state_off + 4, struct.pack("<Q", 2)), E.InconsistentState)
+    out["negative_token"] = (edit(small, state_off + 12, struct.pack("<i", -5)), E.MetadataInvalid)
+    cp_off = state_off + 12 + 4 * 5 + 4
+    out["checkpoint_past_end"] = (edit(small, cp_off, struct.pack("<I", 6)), E.InconsistentState)
+    out["config_not_canonical"] = (edit(small, cfg_len_off + 4, b" "), E.MetadataInvalid)
+    out["model_list_mismatch"] = (edit(small, 68 + 4 + 2 + len("model"), struct.pack("<Q", 1)), E.MetadataInvalid)
+    mlen = struct.unpack_from("<I", small, 64)[0]
+    out["padding_nonzero"] = (edit(small, 68 + mlen, b"\x01"), E.MetadataInvalid)
+    # A window layer that claims to hold a full history: consistent layout sizes are kept by swapping
+    # the record's window to 0 while it holds 4 of 6 tokens.
+    mrec = _layer_record_offset(mixed, 0)
+    out["window_inconsistent"] = (edit(mixed, mrec + 20, struct.pack("<I", 0)), E.InconsistentState)
+    out["extra_size_mismatch"] = (edit(mixed, _layer_record_offset(mixed, 2) + 28, struct.pack("<Q", 13)),
+                                  E.MetadataInvalid)  # the geometry no longer adds up to the payload length
+    out["too_many_layers"] = (edit(small, _layer_record_offset(small, 0) - 4, struct.pack("<I", 5000)), E.LimitExceeded)
+    return out
+
+
+def write_all() -> None:
+    GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
+    BAD_DIR.mkdir(parents=True, exist_ok=True)
+    for name in golden_sessions():
+        data, expected = golden_bytes(name)
+        (GOLDEN_DIR / f"{name}.ssf").write_bytes(data)
+        (GOLDEN_DIR / f"{name}.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
+    table = {}
+    for name, (data, cls) in bad_files().items():
+        (BAD_DIR / f"{name}.ssf").write_bytes(data)
+        table[f"{name}.ssf"] = cls.reason
+    (BAD_DIR / "expected.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    write_all()
+    print(f"wrote {GOLDEN_DIR} and {BAD_DIR}", file=sys.stderr)

@@ -1,0 +1,96 @@
+"""spec/golden and spec/bad: every golden file decodes to its JSON and re-encodes byte for byte; every bad
+file raises exactly its named error; both sets are reproducible from tests/sessionfile/golden.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from strata_sessionfile import errors as E
+from strata_sessionfile import inspect, restore, save
+from strata_sessionfile.format import Part
+from strata_sessionfile.testing import MemoryAdapter
+
+from . import golden
+
+GOLDEN = sorted(golden.golden_sessions())
+BAD = json.loads((golden.BAD_DIR / "expected.json").read_text())
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_file_is_reproducible(name):
+    data, expected = golden.golden_bytes(name)
+    assert (golden.GOLDEN_DIR / f"{name}.ssf").read_bytes() == data
+    assert json.loads((golden.GOLDEN_DIR / f"{name}.json").read_text()) == expected
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_file_decodes_to_its_json(name):
+    path = golden.GOLDEN_DIR / f"{name}.ssf"
+    expected = json.loads((golden.GOLDEN_DIR / f"{name}.json").read_text())
+    info = inspect(path)
+    assert info.payload_verified
+    assert info.layout.file_size == expected["file_size"] == path.stat().st_size
+    h = expected["header"]
+    assert info.header.model_fingerprint.hex() == h["model_fingerprint"]
+    assert info.header.config_fingerprint.hex() == h["config_fingerprint"]
+    assert info.header.payload_length == h["payload_length"]
+    assert f"{info.header.header_hash:016x}" == h["header_hash"]
+    assert info.payload_hash.hex() == expected["payload_hash"]
+    md = info.metadata
+    assert md.config.mapping == expected["config"]
+    assert [(f.role, f.size, f.digest.hex()) for f in md.model.files] == \
+        [(f["role"], f["size"], f["digest"]) for f in expected["model_files"]]
+    st = expected["state"]
+    assert list(md.state.tokens) == st["tokens"]
+    assert md.state.position == st["position"]
+    assert md.state.sampler_state.hex() == st["sampler_state"]
+    assert md.state.checkpoint.token_index == st["checkpoint"]["token_index"]
+    assert md.state.checkpoint.data.hex() == st["checkpoint"]["data"]
+    assert md.state.engine_fields.hex() == st["engine_fields"]
+    assert len(md.layers) == len(expected["layers"])
+    data = path.read_bytes()
+    extents = {(e.layer, e.part): e for e in info.layout.extents}
+    for li, (g, want) in enumerate(zip(md.layers, expected["layers"], strict=True)):
+        assert g.spec.index == want["index"] and g.spec.role.name.lower() == want["role"]
+        assert (g.spec.n_kv_heads, g.spec.head_dim_k, g.spec.head_dim_v) == \
+            (want["n_kv_heads"], want["head_dim_k"], want["head_dim_v"])
+        assert (g.spec.k_dtype.name.lower(), g.spec.v_dtype.name.lower()) == (want["k_dtype"], want["v_dtype"])
+        assert (g.spec.window, g.tokens_held, g.spec.extra_bytes) == \
+            (want["window"], want["tokens_held"], want["extra_bytes"])
+        for part in Part:
+            hexed = want["parts"][part.name.lower()]
+            ext = extents.get((li, part))
+            got = b"" if ext is None else data[info.layout.data_offset + ext.data_offset:][:ext.size]
+            assert got.hex() == hexed, (li, part)
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+@pytest.mark.parametrize("mode", ["streaming", "staged"])
+def test_golden_file_restores_and_reencodes_byte_for_byte(name, mode, tmp_path):
+    ident, snap, _parts = golden.golden_sessions()[name]
+    target = MemoryAdapter(ident, [g.spec for g in snap.layers], max_tokens=64, vocab_size=300000,
+                           staging=(mode == "staged"))
+    report = restore(golden.GOLDEN_DIR / f"{name}.ssf", target, mode=mode, block_size=4096)
+    assert report.mode == mode and report.n_tokens == snap.state.n_tokens
+    out = tmp_path / "again.ssf"
+    save(out, target, block_size=4096)
+    assert out.read_bytes() == (golden.GOLDEN_DIR / f"{name}.ssf").read_bytes()
+
+
+def test_bad_files_are_reproducible():
+    produced = golden.bad_files()
+    assert sorted(f"{n}.ssf" for n in produced) == sorted(BAD)
+    for name, (data, cls) in produced.items():
+        assert (golden.BAD_DIR / f"{name}.ssf").read_bytes() == data, name
+        assert BAD[f"{name}.ssf"] == cls.reason
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_file_raises_its_named_error(name):
+    reason = BAD[name]
+    cls = E.all_reasons()[reason]
+    with pytest.raises(E.SessionFileError) as info:
+        inspect(golden.BAD_DIR / name)
+    assert type(info.value) is cls, f"{name}: {type(info.value).__name__}: {info.value}"
+    assert info.value.reason == reason

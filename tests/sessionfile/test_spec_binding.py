@@ -1,0 +1,81 @@
+"""Binds spec/session-file-v1.md's tables (magic, version, header offsets, limits, dtypes, reasons) to the
+code's constants, so the spec and the implementation cannot drift apart."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from strata_sessionfile import errors as E
+from strata_sessionfile import format as F
+
+SPEC = (Path(__file__).resolve().parents[2] / "spec" / "session-file-v1.md").read_text()
+
+
+def section(title: str) -> str:
+    start = SPEC.index(title)
+    level = len(title) - len(title.lstrip("#"))
+    nxt = re.search(rf"^#{{1,{level}}} ", SPEC[start + len(title):], re.M)
+    return SPEC[start: start + len(title) + (nxt.start() if nxt else len(SPEC))]
+
+
+def table_rows(text: str) -> list[list[str]]:
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|") and not set(line) <= set("|- "):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows[1:] if rows else rows
+
+
+def hex_bytes(s: str) -> bytes:
+    return bytes.fromhex(re.search(r"`([0-9a-f ]+)`", s).group(1))
+
+
+def test_header_table_matches_code():
+    rows = table_rows(section("## 2. Header"))
+    assert [(int(r[0]), int(r[1]), r[3]) for r in rows] == [(o, s, n) for o, s, _c, n in F.HEADER_FIELDS]
+    assert sum(int(r[1]) for r in rows) == F.HEADER_SIZE == 64
+    assert hex_bytes(rows[0][4]) == F.MAGIC
+    assert "MUST be 1" in rows[1][4] and F.FORMAT_VERSION == 1
+    assert "[0, 56)" in rows[-1][4] and F.HEADER_HASHED_SIZE == 56
+
+
+def test_trailer_and_alignment_match_code():
+    rows = table_rows(section("## 4. Trailer"))
+    assert [(int(r[0]), int(r[1]), r[2]) for r in rows] == [(0, 16, "payload_hash"), (16, 8, "end_marker")]
+    assert hex_bytes(rows[1][3]) == F.END_MARKER
+    assert F.TRAILER_SIZE == 24 and "multiple of 4096" in SPEC and F.DATA_ALIGNMENT == 4096
+
+
+def test_limits_table_matches_code():
+    rows = table_rows(section("## 5. Limits"))
+    assert {r[0]: int(r[1]) for r in rows} == {lim.name: lim.value for lim in F.LIMITS}
+
+
+def test_dtype_role_and_part_codes_match_code():
+    meta = section("### 3.1 Metadata")
+    dtype_rows = table_rows(meta[meta.index("DType codes"):])
+    assert {int(r[0]): (r[1], int(r[2])) for r in dtype_rows} == \
+        {int(c): (i.name, i.itemsize) for c, i in F.DTYPES.items()}
+    for code, info in F.DTYPES.items():
+        scale = int(dtype_rows[[int(r[0]) for r in dtype_rows].index(int(code))][3].split()[0])
+        assert scale == info.scale_itemsize
+    assert "`0` MAIN, `1` DRAFT" in meta and [int(r) for r in F.LayerRole] == [0, 1]
+    assert "`<IBBBBIIIIIQ`" in meta and F.LAYER_STRUCT.format == "<IBBBBIIIIIQ" and F.LAYER_STRUCT.size == 36
+    record_rows = table_rows(meta[meta.index("Layer record"):meta.index("LayerRole codes")])
+    assert sum(int(r[1]) for r in record_rows) == 36
+    part_rows = table_rows(section("### 3.2 Data section"))
+    assert [(int(r[0]), r[1]) for r in part_rows] == [(int(p), p.name) for p in F.Part]
+
+
+def test_reasons_table_lists_every_reason():
+    rows = table_rows(section("## 10. Reasons"))
+    assert {r[0]: r[1] for r in rows} == {reason: cls.__name__ for reason, cls in E.all_reasons().items()}
+
+
+def test_every_validation_rule_names_a_known_reason():
+    rows = table_rows(section("### 8.1 Validation rules"))
+    reasons = set(E.all_reasons())
+    for rule, _check, named in rows:
+        for token in re.findall(r"`([a-z_]+)`", named):
+            assert token in reasons, (rule, token)
