@@ -1,0 +1,66 @@
+"""Run a real ``strata-server`` (gunicorn) as a child process on a free loopback port, for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *flags: str, log_path: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://{LOOPBACK}:{self.port}"
+        self.argv = [sys.executable, "-m", "strata_server.cli", "--host", LOOPBACK, "--port", str(self.port),
+                     *flags]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait_healthy: float = 120.0) -> ServerProcess:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
+        if wait_healthy:
+            self.wait_healthy(wait_healthy)
+        return self
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server not healthy after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 40.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            code = self.proc.wait(10)
+        self._log.close()
+        return code

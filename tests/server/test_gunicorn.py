@@ -1,0 +1,77 @@
+"""The real gunicorn entry with the fake engine process: boot, serve, engine kill -9 mid-stream,
+graceful shutdown that QUITs the engine, and a server that stops when the engine cannot start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+import requests
+from conftest import FAKE_ENGINE
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def engine_command(*extra: str) -> str:
+    return " ".join([sys.executable, str(FAKE_ENGINE), "serve", *extra])
+
+
+@pytest.fixture
+def server(tmp_path, fake_model, slot_dir):
+    pid_file = tmp_path / "engine-pids"
+    proc = ServerProcess("--model", str(fake_model), "--engine-command",
+                         engine_command("--token-delay", "0.01", "--pid-file", str(pid_file)),
+                         "--slot-save-path", str(slot_dir), "--metrics", log_path=tmp_path / "server.log").start(60)
+    proc.pid_file = pid_file
+    yield proc
+    proc.stop()
+
+
+def engine_pids(server) -> list[int]:
+    return [int(p) for p in server.pid_file.read_text().split()]
+
+
+def test_serves_and_quits_engine_on_sigterm(server):
+    body = requests.post(server.url + "/completion", json={"prompt": "hi", "n_predict": 3}, timeout=30).json()
+    assert body["tokens_predicted"] == 3
+    engine = psutil.Process(engine_pids(server)[-1])
+    assert server.stop(signal.SIGTERM) == 0
+    engine.wait(10)  # the engine exited (QUIT), not orphaned
+    assert "stopping the engine" in server.log()
+
+
+def test_engine_kill_9_mid_stream(server):
+    with requests.post(server.url + "/completion", json={"prompt": "go", "n_predict": 2000, "stream": True},
+                       stream=True, timeout=30) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = next(line for line in lines if line)
+        assert json.loads(first[len(b"data: "):])["stop"] is False
+        os.kill(engine_pids(server)[-1], signal.SIGKILL)
+        rest = [line for line in lines if line]
+    error = json.loads(rest[-1][len(b"data: "):])["error"]
+    assert error["code"] == 500 and error["type"] == "server_error" and "restarted" in error["message"]
+    deadline = time.monotonic() + 30
+    while requests.get(server.url + "/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert len(engine_pids(server)) == 2
+    after = requests.post(server.url + "/completion", json={"prompt": "again", "n_predict": 2}, timeout=30)
+    assert after.status_code == 200
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    assert "strata:engine_restarts_total 1" in metrics
+
+
+def test_server_stops_when_engine_cannot_load(tmp_path, fake_model):
+    proc = ServerProcess("--model", str(fake_model), "--engine-command", engine_command("--fail-load"),
+                         log_path=tmp_path / "server.log").start(wait_healthy=0)
+    code = proc.proc.wait(60)
+    proc.stop()
+    assert code == 3
+    assert "cannot load model" in proc.log()
