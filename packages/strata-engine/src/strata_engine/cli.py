@@ -1,0 +1,171 @@
+"""`strata-engine`: `serve` (the engine protocol on stdin/stdout) and `generate` (text for people)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import EngineError
+from .serve import ExitStatus, serve
+from .settings import BACKENDS, COMPUTE_DTYPES, KV_TYPES, EngineSettings
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print and exit; the caller reports it instead
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _add_settings(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "-m", required=True, type=Path, help="the GGUF model file")
+    parser.add_argument("--ctx-size", "-c", type=int, default=None,
+                        help="context size in tokens (default: the model's, at most 8192)")
+    parser.add_argument("--kv-type", choices=KV_TYPES, default="f16", help="K/V storage type (default f16)")
+    parser.add_argument("--kv-resident", type=int, default=None,
+                        help="keep the K/V in a host pool with an N-token resident ring in front of it")
+    parser.add_argument("--no-prompt-cache", action="store_true",
+                        help="do not reuse the held conversation's prefix on the next request")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill batch (default 512)")
+    parser.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="f32", help="activations (default f32)")
+    parser.add_argument("--backend", choices=BACKENDS, default="numpy", help="compute backend (default numpy)")
+    parser.add_argument("--log-level", default="WARNING", help="log level on stderr (default WARNING)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="strata-engine", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    serve_parser = commands.add_parser(
+        "serve", help="serve spec/engine-protocol.md on stdin/stdout",
+        description="Load a model and serve the engine protocol: one command per line on stdin, JSON lines "
+        "on stdout. Exit statuses: 0 clean, 1 fatal, 2 bad settings, 3 model not loadable, 4 fail-stop.",
+    )
+    _add_settings(serve_parser)
+    generate = commands.add_parser("generate", help="complete a prompt and stream the text to stdout")
+    _add_settings(generate)
+    generate.add_argument("--prompt", "-p", required=True, help="the prompt (or the user message with --chat)")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument("--system", default=None, help="a system message (with --chat)")
+    generate.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until a stop)")
+    generate.add_argument("--temperature", type=float, default=0.8)
+    generate.add_argument("--top-k", type=int, default=40)
+    generate.add_argument("--top-p", type=float, default=0.95)
+    generate.add_argument("--min-p", type=float, default=0.05)
+    generate.add_argument("--repeat-penalty", type=float, default=1.0)
+    generate.add_argument("--repeat-last-n", type=int, default=64)
+    generate.add_argument("--seed", type=int, default=-1)
+    generate.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> EngineSettings:
+    return EngineSettings(
+        model_path=args.model,
+        n_ctx=args.ctx_size,
+        kv_type=args.kv_type,
+        compute_dtype=args.compute_dtype,
+        kv_resident=args.kv_resident,
+        prompt_cache=not args.no_prompt_cache,
+        prefill_chunk=args.prefill_chunk,
+        backend=args.backend,
+    )
+
+
+def _generate(args: argparse.Namespace) -> ExitStatus:
+    from .chat import ChatTemplate
+    from .completion import Completer, parse_request
+    from .runner import ModelRunner
+    from .tokenizer import Tokenizer
+
+    settings = _settings(args)
+    try:
+        settings.validate()
+    except EngineError as exc:
+        print(f"strata-engine generate: {exc}", file=sys.stderr)
+        return ExitStatus.USAGE
+    if not settings.model_path.is_file():
+        print(f"strata-engine generate: model file not found: {settings.model_path}", file=sys.stderr)
+        return ExitStatus.MODEL_LOAD
+    start = time.perf_counter()
+    try:
+        runner = ModelRunner.load(settings)
+        tokenizer = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
+        template = ChatTemplate.for_model(runner.gguf.metadata, tokenizer)
+    except (EngineError, OSError, ValueError) as exc:
+        print(f"strata-engine generate: cannot load {settings.model_path}: {exc}", file=sys.stderr)
+        return ExitStatus.MODEL_LOAD
+    print(f"[loaded {settings.model_path.name} in {time.perf_counter() - start:.1f} s]", file=sys.stderr)
+    request_obj: dict = {
+        "n_predict": args.n_predict, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+        "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "repeat_last_n": args.repeat_last_n,
+        "seed": args.seed, "stop": args.stop, "ignore_eos": args.ignore_eos,
+    }  # fmt: skip
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        request_obj["messages"] = messages
+    else:
+        request_obj["prompt"] = args.prompt
+    try:
+        request = parse_request(request_obj)
+        completer = Completer(runner, tokenizer, template)
+
+        def show(event) -> None:
+            sys.stdout.write(event.content)
+            sys.stdout.flush()
+
+        result = completer.complete(request, on_token=show)
+    except EngineError as exc:
+        print(f"\nstrata-engine generate: {exc}", file=sys.stderr)
+        return ExitStatus.USAGE
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return ExitStatus.CLEAN
+    t = result.timings
+    sys.stdout.write("\n")
+    print(
+        f"[stop: {result.stop_type.value}{' ' + json.dumps(result.stopping_word) if result.stopping_word else ''}; "
+        f"prompt {t.prompt_n} tokens in {t.prompt_ms:.0f} ms ({t.prompt_per_second:.1f} tok/s); "
+        f"generated {t.predicted_n} tokens in {t.predicted_ms:.0f} ms ({t.predicted_per_second:.1f} tok/s)]",
+        file=sys.stderr,
+    )
+    return ExitStatus.CLEAN
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        if argv is None and len(sys.argv) > 1 and sys.argv[1] == "serve":
+            # the server reads stdout: say it there too
+            sys.stdout.write(json.dumps({"event": "fatal", "message": str(exc)}) + "\n")
+            sys.stdout.flush()
+        return ExitStatus.USAGE
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        status = serve(_settings(args))
+    else:
+        status = _generate(args)
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader is gone; keep the interpreter from complaining at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return int(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""The completion loop: a validated request, the prompt (text, token ids, or chat messages), prefill
+through the runner (prompt cache inside), then sample / stream / decode until a stop condition.
+
+Stop conditions, checked on every sampled token, in this order: a stop string completed by the token's
+text (`word`), an end-of-generation token (`eos`, unless `ignore_eos`), `n_predict` reached or the
+context full (`limit`), a cancellation (`cancelled`). The token that ends the generation is reported
+like the others but is never evaluated, so the runner holds prompt + generated - 1 tokens.
+
+Streamed text is safe to show: bytes of an incomplete UTF-8 character and any tail that could still
+become a stop string are held back, and released with a later token or dropped when a stop string
+matches (`StopStringFilter`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+
+from .chat import ChatTemplate
+from .errors import ContextOverflow, EngineError
+from .sampling import Sampler, SamplerState, SamplingParams, random_seed, top_n_logprobs
+from .tokenizer import Tokenizer, Utf8Stream
+
+MAX_N_PROBS = 100
+MAX_STOP_STRINGS = 16
+
+
+class InvalidRequest(EngineError):
+    """A request field is missing or has a bad value; `problems` lists every one found."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__("invalid request: " + "; ".join(self.problems))
+
+
+class StopType(enum.Enum):
+    EOS = "eos"
+    LIMIT = "limit"
+    WORD = "word"
+    CANCELLED = "cancelled"
+
+
+# -- the request --------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CompletionRequest:
+    """Exactly one of `prompt` (a string, or a tuple of strings and token ids) and `messages`."""
+
+    prompt: str | tuple[str | int, ...] | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
+    add_special: bool | None = None  # None: the model's add_bos
+    n_predict: int = -1
+    sampling: SamplingParams = SamplingParams()
+    seed: int = -1
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+    n_probs: int = 0
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+# field -> (check, what a good value is, default). Unknown fields are ignored, as llama-server does.
+_SCALAR_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "add_special": (lambda v: isinstance(v, bool), "a boolean"),
+    "n_predict": (lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
+    "temperature": (_is_number, "a finite number"),
+    "top_k": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "min_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "repeat_penalty": (lambda v: _is_number(v) and v > 0.0, "a number > 0"),
+    "repeat_last_n": (lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
+    "seed": (lambda v: _is_int(v) and -1 <= v < 2**64, "an integer in [-1, 2^64)"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
+    "cache_prompt": (lambda v: isinstance(v, bool), "a boolean"),
+    "n_probs": (lambda v: _is_int(v) and 0 <= v <= MAX_N_PROBS, f"an integer in [0, {MAX_N_PROBS}]"),
+}
+
+
+def parse_request(obj: Any) -> CompletionRequest:
+    """A `CompletionRequest` from the protocol's JSON object; every bad field is reported together."""
+    if not isinstance(obj, Mapping):
+        raise InvalidRequest(["the request must be a JSON object"])
+    problems: list[str] = []
+    for name, (check, good) in _SCALAR_FIELDS.items():
+        if name in obj and obj[name] is not None and not check(obj[name]):
+            problems.append(f"{name} must be {good}, got {obj[name]!r}")
+
+    prompt: str | tuple[str | int, ...] | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
+    has_prompt, has_messages = obj.get("prompt") is not None, obj.get("messages") is not None
+    if has_prompt == has_messages:
+        problems.append("exactly one of prompt and messages must be given")
+    if has_prompt:
+        raw = obj["prompt"]
+        if isinstance(raw, str):
+            prompt = raw
+        elif isinstance(raw, list) and raw and all(isinstance(p, str) or _is_int(p) for p in raw):
+            prompt = tuple(raw)
+        else:
+            problems.append("prompt must be a string or a non-empty list of strings and token ids")
+    if has_messages:
+        raw = obj["messages"]
+        if isinstance(raw, list) and raw and all(isinstance(m, Mapping) for m in raw):
+            messages = tuple(raw)
+        else:
+            problems.append("messages must be a non-empty list of {role, content} objects")
+
+    stop: tuple[str, ...] = ()
+    raw_stop = obj.get("stop")
+    if raw_stop is not None:
+        if (
+            isinstance(raw_stop, list)
+            and len(raw_stop) <= MAX_STOP_STRINGS
+            and all(isinstance(s, str) and s for s in raw_stop)
+        ):
+            stop = tuple(raw_stop)
+        else:
+            problems.append(f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings")
+    if problems:
+        raise InvalidRequest(problems)
+
+    def get(name: str, default: Any) -> Any:
+        value = obj.get(name)
+        return default if value is None else value
+
+    defaults = SamplingParams()
+    sampling = SamplingParams(
+        temperature=float(get("temperature", defaults.temperature)),
+        top_k=get("top_k", defaults.top_k),
+        top_p=float(get("top_p", defaults.top_p)),
+        min_p=float(get("min_p", defaults.min_p)),
+        repeat_penalty=float(get("repeat_penalty", defaults.repeat_penalty)),
+        repeat_last_n=get("repeat_last_n", defaults.repeat_last_n),
+    )
+    return CompletionRequest(
+        prompt=prompt,
+        messages=messages,
+        add_special=obj.get("add_special"),
+        n_predict=get("n_predict", -1),
+        sampling=sampling,
+        seed=get("seed", -1),
+        stop=stop,
+        ignore_eos=get("ignore_eos", False),
+        cache_prompt=get("cache_prompt", True),
+        n_probs=get("n_probs", 0),
+    )
+
+
+# -- streamed text ------------------------------------------------------------------------------------
+
+
+class StopStringFilter:
+    """Turns token bytes into text that is safe to show: holds incomplete UTF-8 characters and any
+    tail that is a prefix of a stop string; reports the stop string a push completed."""
+
+    def __init__(self, stops: Sequence[str]):
+        self._stops = tuple(stops)
+        self._utf8 = Utf8Stream()
+        self._pending = ""
+
+    def push(self, data: bytes) -> tuple[str, str | None]:
+        """(text released now, the stop string that matched or None). After a match, the matched
+        string and everything after it are dropped."""
+        self._pending += self._utf8.push(data)
+        text = self._pending
+        first: tuple[int, str] | None = None
+        for stop in self._stops:
+            at = text.find(stop)
+            if at >= 0 and (first is None or at < first[0]):
+                first = (at, stop)
+        if first is not None:
+            self._pending = ""
+            return text[: first[0]], first[1]
+        hold = self._partial_stop_len(text)
+        self._pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], None
+
+    def finish(self) -> str:
+        """Everything still held (an incomplete character shows as U+FFFD)."""
+        text = self._pending + self._utf8.finish()
+        self._pending = ""
+        return text
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+
+# -- events and results --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TokenProb:
+    id: int
+    token: str
+    logprob: float
+    prob: float
+
+
+@attrs.frozen
+class TokenEvent:
+    id: int
+    piece: str
+    content: str
+    probs: tuple[TokenProb, ...] | None = None
+
+
+@attrs.frozen
+class Timings:
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+
+    @classmethod
+    def measure(cls, cache_n: int, prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float) -> Timings:
+        def per_token_ms(n: int, s: float) -> float:
+            return 1000.0 * s / n if n else 0.0
+
+        def per_second(n: int, s: float) -> float:
+            return n / s if s > 0 else 0.0
+
+        return cls(
+            cache_n=cache_n,
+            prompt_n=prompt_n,
+            prompt_ms=1000.0 * prompt_s,
+            prompt_per_token_ms=per_token_ms(prompt_n, prompt_s),
+            prompt_per_second=per_second(prompt_n, prompt_s),
+            predicted_n=predicted_n,
+            predicted_ms=1000.0 * predicted_s,
+            predicted_per_token_ms=per_token_ms(predicted_n, predicted_s),
+            predicted_per_second=per_second(predicted_n, predicted_s),
+        )
+
+
+@attrs.frozen
+class CompletionResult:
+    content: str
+    tokens: tuple[int, ...]
+    stop_type: StopType
+    stopping_word: str
+    truncated: bool  # prompts are never truncated here; kept for llama-server's shape
+    tokens_evaluated: int  # prompt tokens
+    tokens_cached: int  # tokens held after the request
+    n_tokens_held: int
+    seed: int
+    timings: Timings
+
+
+# -- the loop -------------------------------------------------------------------------------------------
+
+
+class Runner(Protocol):
+    """What the loop needs of `ModelRunner`."""
+
+    n_ctx: int
+
+    @property
+    def n_held(self) -> int: ...
+
+    def prefill(self, tokens: Sequence[int]) -> Any: ...  # .logits, .cache_n, .prompt_n
+
+    def decode(self, token: int) -> np.ndarray: ...
+
+    def erase(self) -> int: ...
+
+
+class Completer:
+    """Runs completions on one runner (slot 0). Holds the sampler state between requests: a request
+    with `seed` >= 0 starts from that seed, one with -1 continues from where the last one ended."""
+
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, template: ChatTemplate,
+                 clock: Callable[[], float] = time.perf_counter, sampler_state: SamplerState | None = None):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.template = template
+        self._clock = clock
+        self.sampler_state = sampler_state or SamplerState.seeded(random_seed())
+
+    def prompt_tokens(self, request: CompletionRequest) -> list[int]:
+        tok = self.tokenizer
+        add_special = tok.add_bos if request.add_special is None else request.add_special
+        if request.messages is not None:
+            text = self.template.render(list(request.messages), add_generation_prompt=True)
+            tokens = tok.encode(text, add_special=add_special, parse_special=True)
+        elif isinstance(request.prompt, str):
+            tokens = tok.encode(request.prompt, add_special=add_special, parse_special=True)
+        else:
+            assert request.prompt is not None
+            # llama-server's tokenize_mixed: only a leading string gets the BOS
+            tokens = []
+            for i, part in enumerate(request.prompt):
+                if isinstance(part, str):
+                    tokens.extend(tok.encode(part, add_special=add_special and i == 0, parse_special=True))
+                else:
+                    tokens.append(part)
+            bad = [t for t in tokens if not 0 <= t < tok.n_vocab]
+            if bad:
+                raise InvalidRequest([f"prompt token ids outside the vocabulary [0, {tok.n_vocab}): {bad[:8]}"])
+        if not tokens:
+            raise InvalidRequest(["the prompt is empty (no tokens)"])
+        return tokens
+
+    def complete(
+        self,
+        request: CompletionRequest,
+        on_token: Callable[[TokenEvent], None] = lambda event: None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> CompletionResult:
+        runner, tok = self.runner, self.tokenizer
+        prompt = self.prompt_tokens(request)
+        if len(prompt) > runner.n_ctx:
+            raise ContextOverflow(len(prompt), runner.n_ctx)
+        if not request.cache_prompt:
+            runner.erase()
+        state = SamplerState.seeded(request.seed) if request.seed >= 0 else self.sampler_state
+        sampler = Sampler(request.sampling, state)
+
+        start = self._clock()
+        prefill = runner.prefill(prompt)
+        prompt_done = self._clock()
+
+        history = list(prompt)  # the repetition penalty's window reads it
+        generated: list[int] = []
+        text = StopStringFilter(request.stop)
+        content: list[str] = []
+        stop_type, stopping_word = StopType.LIMIT, ""
+        logits = prefill.logits
+        while request.n_predict != 0:
+            penalized = sampler.penalized(logits, history)
+            token = sampler.sample(penalized)
+            generated.append(token)
+            history.append(token)
+            end_of_generation = not request.ignore_eos and tok.is_end_of_generation(token)
+            released, matched = text.push(tok.token_bytes(token, special=False))
+            stop: StopType | None = None
+            if matched is not None:
+                stop, stopping_word = StopType.WORD, matched
+            elif end_of_generation:
+                stop = StopType.EOS
+            elif 0 < request.n_predict <= len(generated) or runner.n_held >= runner.n_ctx:
+                stop = StopType.LIMIT
+            elif cancelled():
+                stop = StopType.CANCELLED
+            if stop is not None and stop is not StopType.WORD:
+                released += text.finish()
+            content.append(released)
+            probs = None
+            if request.n_probs:
+                probs = tuple(
+                    TokenProb(i, tok.piece(i), lp, math.exp(lp)) for i, lp in top_n_logprobs(penalized, request.n_probs)
+                )
+            on_token(TokenEvent(token, tok.piece(token), released, probs))
+            if stop is not None:
+                stop_type = stop
+                break
+            logits = runner.decode(token)
+        end = self._clock()
+        self.sampler_state = sampler.state
+        held = runner.n_held
+        return CompletionResult(
+            content="".join(content),
+            tokens=tuple(generated),
+            stop_type=stop_type,
+            stopping_word=stopping_word,
+            truncated=False,
+            tokens_evaluated=len(prompt),
+            tokens_cached=held,
+            n_tokens_held=held,
+            seed=sampler.state.seed,
+            timings=Timings.measure(prefill.cache_n, prefill.prompt_n, prompt_done - start, len(generated), end - prompt_done),
+        )
