@@ -27,6 +27,7 @@ SPECIALS = {"<|im_start|>": BOS, "<|im_end|>": EOS}
 N_VOCAB = 300
 ALPHABET = "abcdefghij klmnop\n"
 MAGIC = "FAKE-STRATA-SESSION"
+FAKE_ENGINE_PATH = os.path.abspath(__file__)
 
 
 class FailStop(Exception):

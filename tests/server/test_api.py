@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from server_fixtures import *  # noqa: F403 (pytest fixtures)
 from strata_server.engine.client import EngineState
 
 GREEDY = {"temperature": 0, "n_predict": 8}

@@ -12,7 +12,8 @@ import time
 import psutil
 import pytest
 import requests
-from conftest import FAKE_ENGINE
+from fake_engine import FAKE_ENGINE_PATH as FAKE_ENGINE
+from server_fixtures import *  # noqa: F403 (pytest fixtures)
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 from fake_engine import mark_fail_after_gate
+from server_fixtures import *  # noqa: F403 (pytest fixtures)
 from test_api import assert_error
 
 GREEDY = {"temperature": 0, "n_predict": 6}

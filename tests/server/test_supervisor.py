@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAKE_ENGINE
+from fake_engine import FAKE_ENGINE_PATH as FAKE_ENGINE
 from fake_engine import mark_fail_after_gate
+from server_fixtures import *  # noqa: F403 (pytest fixtures)
 from strata_server.engine.client import EngineState
 from strata_server.engine.supervisor import EngineSupervisor, RestartPolicy, SupervisorSettings
 from strata_server.errors import EngineDied, EngineReplyError, EngineUnavailable, SlotBusy

@@ -1,4 +1,5 @@
-"""Fixtures for the server's tests: a fake engine (in-process and as a process) and a falcon client."""
+"""Fixtures for the server's tests: a fake engine and a falcon client. Test modules import them
+(``from server_fixtures import ...``): a conftest.py here would shadow the root one's ``conftest`` module."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # fake_engine / fakes are plain modules beside the tests
+__all__ = ["fake_model", "slot_dir", "make_api"]
 
-FAKE_ENGINE = HERE / "fake_engine.py"
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # fake_engine / fakes are plain modules beside the tests
 
 
 @pytest.fixture

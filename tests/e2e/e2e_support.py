@@ -1,0 +1,41 @@
+"""End-to-end helpers: a real strata-server (gunicorn + the real engine + the real default model) on
+loopback."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+SERVER_TESTS = Path(__file__).resolve().parent.parent / "server"
+if str(SERVER_TESTS) not in sys.path:
+    sys.path.insert(0, str(SERVER_TESTS))
+
+from server_process import ServerProcess  # noqa: E402
+
+E2E_CTX = "2048"
+
+
+def start_server(tmp: Path, *flags: str, name: str = "server") -> ServerProcess:
+    return ServerProcess("-c", E2E_CTX, *flags, log_path=tmp / f"{name}.log").start(wait_healthy=180)
+
+
+def other_model_copy(smollm2_path: Path, folder: Path) -> Path:
+    """SmolLM2 with one byte of its metadata changed: it loads and runs the same, but its model
+    fingerprint (which covers the metadata block) differs — "another model" for restore purposes."""
+    data = bytearray(smollm2_path.read_bytes())
+    at = data.find(b"general.name")
+    assert 0 < at < 4096, "general.name not found in the GGUF header"
+    value = at + len(b"general.name") + 4 + 8  # type u32, length u64, then the string
+    data[value] = ord("X") if data[value] != ord("X") else ord("Y")
+    path = folder / "smollm2-other.gguf"
+    path.write_bytes(bytes(data))
+    return path
+
+
+def reference_tokenizations() -> list[tuple[str, list[int]]]:
+    """llama.cpp's /tokenize (add_special true) of the reference texts for SmolLM2."""
+    import json
+
+    reference = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "llamacpp-smollm2-135m.json"
+    data = json.loads(reference.read_text(encoding="utf-8"))
+    return [(t["text"], t["tokens"]) for t in data["tokenize"] if t.get("add_special")]
