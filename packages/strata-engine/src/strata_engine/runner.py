@@ -129,6 +129,18 @@ class ModelRunner:
     def restore_state(self, state: RunnerState) -> None:
         """Adopt `state` after its K/V was written into the pool (`pool.write`): validates it against
         this runner's limits, sets the pool's extent, and refills the placement's resident rings."""
+        problems = self.state_problems(state)
+        if problems:
+            raise KVStateError("; ".join(problems))
+        self.pool.set_extent(len(state.tokens), state.ring_start)
+        self._tokens = list(state.tokens)
+        self._checkpoints = list(state.checkpoints)
+        self.placement.truncated(0)
+        self.placement.refill()
+
+    def state_problems(self, state: RunnerState) -> list[str]:
+        """Why `restore_state(state)` would refuse `state` (empty: it would adopt it). Touches nothing,
+        so the session adapter can check a restore's running state before its gate."""
         problems = []
         if len(state.tokens) > self.n_ctx:
             problems.append(f"{len(state.tokens)} tokens exceed the context size {self.n_ctx}")
@@ -143,13 +155,14 @@ class ModelRunner:
         for c in state.checkpoints:
             if set(c.layers) != set(self.kv_geometry.ring_layers):
                 problems.append(f"checkpoint at {c.position} does not cover the ring layers")
-        if problems:
-            raise KVStateError("; ".join(problems))
-        self.pool.set_extent(len(state.tokens), state.ring_start)
-        self._tokens = list(state.tokens)
-        self._checkpoints = list(state.checkpoints)
-        self.placement.truncated(0)
-        self.placement.refill()
+        cap = self.kv_geometry.ring_capacity
+        if cap is None and state.ring_start != 0:
+            problems.append(f"ring_start {state.ring_start} given for a pool without rings")
+        elif cap is not None and not (0 <= state.ring_start <= len(state.tokens)
+                                      and len(state.tokens) - state.ring_start <= cap):
+            problems.append(f"ring_start {state.ring_start} invalid for {len(state.tokens)} tokens and ring "
+                            f"capacity {cap}")
+        return problems
 
     def erase(self) -> int:
         """Drop the held conversation (and its checkpoints); returns the number of tokens dropped."""
