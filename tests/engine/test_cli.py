@@ -1,0 +1,68 @@
+"""`strata-engine` command line: exit statuses (2 bad settings, 3 model not loadable) with a fatal line
+on stdout for `serve`, and `generate` streaming text for people."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import smollm2_model_path
+from strata_engine.cli import main
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "strata_engine.cli", *args], capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--ctx-size", "0"], "n_ctx"),
+        (["--prefill-chunk", "-1", "--kv-resident", "0"], "prefill_chunk"),
+        (["--kv-type", "f8"], "--kv-type"),
+        (["--ctx-size", "many"], "--ctx-size"),
+        (["--no-such-flag"], "unrecognized"),
+    ],
+)
+def test_bad_settings_exit_2(args, fragment):
+    done = run_cli("serve", "--model", str(smollm2_model_path()), *args)
+    assert done.returncode == 2
+    fatal = json.loads(done.stdout.splitlines()[-1])
+    assert fatal["event"] == "fatal" and fragment in fatal["message"]
+    if "prefill_chunk" in args[0]:
+        assert "kv_resident" in fatal["message"]  # every problem at once
+
+
+def test_missing_model_exits_3(tmp_path):
+    done = run_cli("serve", "--model", str(tmp_path / "absent.gguf"))
+    assert done.returncode == 3
+    fatal = json.loads(done.stdout)
+    assert fatal["event"] == "fatal" and "not found" in fatal["message"]
+
+
+def test_unloadable_model_exits_3(tmp_path):
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    done = run_cli("serve", "--model", str(bogus))
+    assert done.returncode == 3
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["event"] == "fatal"
+
+
+def test_generate_usage_errors_exit_2(capsys):
+    assert main(["generate", "--model", str(smollm2_model_path())]) == 2  # no --prompt
+    assert "--prompt" in capsys.readouterr().err
+
+
+def test_generate_streams_text():
+    done = run_cli(
+        "generate", "--model", str(smollm2_model_path()), "-c", "64", "--prompt", "The capital of France is",
+        "-n", "3", "--temperature", "0",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode() == " Paris.\n\n"
+    assert b"stop: limit" in done.stderr

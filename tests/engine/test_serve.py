@@ -1,0 +1,211 @@
+"""The serve protocol end to end: `strata-engine serve` in a child process on the real SmolLM2 model."""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+
+import pytest
+from conftest import load_reference, smollm2_model_path
+
+N_CTX = 256
+TIMEOUT_S = 60
+
+
+class EngineProcess:
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(smollm2_model_path()), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self.lines: queue.Queue[bytes | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.stderr: list[bytes] = []
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def next_line(self) -> dict:
+        raw = self.lines.get(timeout=TIMEOUT_S)
+        assert raw is not None, "engine closed stdout; stderr: " + b"".join(self.stderr).decode(errors="replace")
+        assert raw.endswith(b"\n")
+        return json.loads(raw)
+
+    def send(self, line: str | bytes) -> None:
+        self.proc.stdin.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+        self.proc.stdin.flush()
+
+    def until_terminal(self) -> list[dict]:
+        out = []
+        while True:
+            obj = self.next_line()
+            out.append(obj)
+            if obj["event"] in ("result", "error"):
+                return out
+
+    def command(self, line: str | bytes) -> list[dict]:
+        self.send(line)
+        return self.until_terminal()
+
+    def complete(self, request: dict) -> list[dict]:
+        return self.command("COMPLETE " + json.dumps(request))
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    process = EngineProcess("--ctx-size", str(N_CTX))
+    process.ready = process.next_line()
+    yield process
+    process.close()
+
+
+def test_ready_line(engine):
+    ready = engine.ready
+    assert ready["event"] == "ready" and ready["protocol"] == 1 and ready["engine"] == "strata-engine"
+    assert (ready["architecture"], ready["n_ctx"], ready["n_ctx_train"]) == ("llama", N_CTX, 8192)
+    assert (ready["n_vocab"], ready["n_layer"], ready["n_embd"], ready["n_params"]) == (49152, 30, 576, 134515008)
+    assert (ready["bos_token"], ready["eos_token"], ready["add_bos"]) == ("<|im_start|>", "<|im_end|>", False)
+    assert ready["kv_type"] == "f16" and ready["backend"] == "numpy" and ready["prompt_cache"] is True
+    assert "<|im_start|>" in ready["chat_template"]
+
+
+def test_complete_greedy_matches_the_references(engine):
+    case = load_reference("transformers-smollm2-135m.json")["complete"][0]
+    peer = load_reference("llamacpp-smollm2-135m.json")["complete"][0]
+    n = 8
+    lines = engine.complete({"prompt": case["prompt"], "n_predict": n, "temperature": 0, "n_probs": 2})
+    tokens, result = lines[:-1], lines[-1]
+    assert [t["event"] for t in tokens] == ["token"] * n and result["event"] == "result"
+    ids = [t["id"] for t in tokens]
+    assert ids == case["tokens"][:n] == result["tokens"]  # transformers f32: the strict oracle
+    # llama.cpp: equal up to the first step where its top-1 margin is 0.5 or less
+    for step, top5 in enumerate(peer["top5"][:n]):
+        if top5[0][1] - top5[1][1] <= 0.5:
+            break
+        assert ids[step] == peer["tokens"][step]
+    assert "".join(t["content"] for t in tokens) == result["content"]
+    assert all(t["probs"][0]["id"] == t["id"] and len(t["probs"]) == 2 for t in tokens)
+    assert result["stop_type"] == "limit" and result["tokens_evaluated"] == len(case["prompt_tokens"])
+    assert result["n_tokens_held"] == len(case["prompt_tokens"]) + n - 1 == result["tokens_cached"]
+    timings = result["timings"]
+    assert timings["prompt_n"] == len(case["prompt_tokens"]) and timings["predicted_n"] == n
+    assert timings["prompt_ms"] > 0 and timings["predicted_per_second"] > 0
+
+    status = engine.command("STATUS")[-1]
+    assert status["event"] == "result" and status["n_tokens_held"] == result["n_tokens_held"]
+    assert status["is_processing"] is False and len(status["tokens_held_digest"]) == 16
+
+    # the next turn reuses the held prefix
+    again = engine.complete({"prompt": case["prompt"] + result["content"], "n_predict": 1, "temperature": 0})
+    assert again[-1]["timings"]["cache_n"] >= len(case["prompt_tokens"])
+
+
+def test_chat_messages_and_stop(engine):
+    lines = engine.complete({
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "n_predict": 12, "temperature": 0, "stop": ["Paris"],
+    })  # fmt: skip
+    result = lines[-1]
+    assert result["stop_type"] in ("word", "limit", "eos")
+    assert "Paris" not in result["content"]
+    if result["stop_type"] == "word":
+        assert result["stopping_word"] == "Paris"
+
+
+def test_tokenize_detokenize_template(engine):
+    text = "<|im_start|>user\nhi<|im_end|>"
+    assert engine.command("TOKENIZE " + json.dumps({"content": text}))[-1]["tokens"] == [1, 4093, 198, 6004, 2]
+    unparsed = engine.command("TOKENIZE " + json.dumps({"content": text, "parse_special": False}))[-1]["tokens"]
+    assert 1 not in unparsed
+    pieces = engine.command("TOKENIZE " + json.dumps({"content": "Hi 🚀", "with_pieces": True}))[-1]["tokens"]
+    assert "".join(p["piece"] if isinstance(p["piece"], str) else bytes(p["piece"]).decode("latin-1") for p in pieces)
+    assert engine.command("DETOKENIZE " + json.dumps({"tokens": [1, 4093, 198, 6004, 2]}))[-1]["content"] == text
+    prompt = engine.command("APPLY_TEMPLATE " + json.dumps({"messages": [{"role": "user", "content": "hi"}]}))[-1]
+    assert prompt["prompt"].endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    ("line", "fragment"),
+    [
+        (b"BOGUS", "unknown verb"),
+        (b"status", "unknown verb"),
+        (b"", "empty line"),
+        (b"STATUS now", "takes no argument"),
+        (b"COMPLETE", "needs an argument"),
+        (b"COMPLETE {not json", "bad JSON"),
+        (b"COMPLETE [1]", "JSON object"),
+        (b'COMPLETE {"prompt": "x", "top_p": 2, "n_predict": -7}', "top_p"),
+        (b'TOKENIZE {"content": 5}', "content"),
+        (b'DETOKENIZE {"tokens": [99999999]}', "outside the vocabulary"),
+        (b"TOKENIZE \xff\xfe", "not UTF-8"),
+        (b"SAVE /tmp/strata-test.session", "not available"),
+    ],
+)
+def test_malformed_lines_get_an_error_and_the_engine_keeps_serving(engine, line, fragment):
+    answer = engine.command(line)
+    assert len(answer) == 1 and answer[0]["event"] == "error"
+    assert answer[0]["error"]["type"] == "invalid_request" and fragment in answer[0]["error"]["message"]
+    if fragment == "top_p":
+        assert "n_predict" in answer[0]["error"]["message"]  # every bad field at once
+    assert engine.command("STATUS")[-1]["event"] == "result"
+
+
+def test_prompt_too_long(engine):
+    answer = engine.complete({"prompt": list(range(100, 100 + N_CTX + 1))})[-1]
+    assert answer["event"] == "error" and answer["error"]["type"] == "exceed_context_size"
+    assert answer["error"]["n_prompt_tokens"] == N_CTX + 1 and answer["error"]["n_ctx"] == N_CTX
+
+
+def test_cancel_mid_generation_then_erase(engine):
+    assert engine.command("CANCEL")[-1] == {"event": "result", "cancelled": False}
+    engine.send("COMPLETE " + json.dumps({"prompt": "Once upon a time", "n_predict": 100, "temperature": 0}))
+    first = engine.next_line()
+    assert first["event"] == "token"
+    engine.send("CANCEL")
+    rest = engine.until_terminal()
+    result = rest[-1]
+    assert result["event"] == "result" and result["stop_type"] == "cancelled"
+    assert len(result["tokens"]) < 100 and len(result["tokens"]) == 1 + len(rest) - 1
+    held = engine.command("STATUS")[-1]["n_tokens_held"]
+    assert held == result["n_tokens_held"]
+    assert engine.command("ERASE")[-1]["n_erased"] == held
+    assert engine.command("STATUS")[-1]["n_tokens_held"] == 0
+
+
+def test_quit_exits_zero():
+    process = EngineProcess("--ctx-size", "64")
+    try:
+        assert process.next_line()["event"] == "ready"
+        # a command sent before the previous one ends is served after it
+        process.send("COMPLETE " + json.dumps({"prompt": "Hi", "n_predict": 2, "temperature": 0}) + "\nSTATUS")
+        assert process.until_terminal()[-1]["stop_type"] == "limit"
+        assert process.until_terminal()[-1]["n_tokens_held"] == 2
+        assert process.command("QUIT")[-1] == {"event": "result"}
+        assert process.proc.wait(timeout=30) == 0
+        assert process.lines.get(timeout=10) is None  # nothing after the QUIT result
+    finally:
+        process.close()
+
+
+def test_end_of_input_completes_then_exits_zero():
+    request = json.dumps({"prompt": "Hi", "n_predict": 2, "temperature": 0})
+    done = subprocess.run(
+        [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(smollm2_model_path()), "-c", "64"],
+        input=f"COMPLETE {request}\n".encode(), capture_output=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["event"] for line in lines] == ["ready", "token", "token", "result"]
