@@ -1,0 +1,69 @@
+"""The feature end to end: save -> stop the server -> start it -> restore -> the next turn reuses the
+held conversation (timings.cache_n) and generates the same greedy tokens as a server that never
+stopped."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import requests
+from e2e_fixtures import *  # noqa: F403 (pytest fixtures)
+from e2e_support import start_server
+
+pytest.importorskip("strata_engine.cli", reason="the engine's `serve` command has not landed")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SYSTEM = ("You are a careful assistant. Here are the facts you must remember: "
+          + " ".join(f"Item {i} is stored in box {i * 7 % 31} on shelf {i % 5}." for i in range(40)))
+TURN1 = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nWhere is item 12?<|im_end|>\n" \
+        "<|im_start|>assistant\n"
+TURN2_SUFFIX = "<|im_end|>\n<|im_start|>user\nAnd item 30?<|im_end|>\n<|im_start|>assistant\n"
+GREEDY = {"temperature": 0, "n_predict": 8, "ignore_eos": True, "return_tokens": True}
+
+
+def call(url: str, path: str, body: dict) -> requests.Response:
+    return requests.post(url + path, json=body, timeout=300)
+
+
+def tokenize(url: str, text: str) -> list[int]:
+    return call(url, "/tokenize", {"content": text}).json()["tokens"]
+
+
+def test_save_stop_start_restore_next_turn(module_tmp):
+    slots = module_tmp / "slots"
+    slots.mkdir()
+    first = start_server(module_tmp, "--slot-save-path", str(slots), name="first")
+    try:
+        turn1_ids = tokenize(first.url, TURN1)
+        assert len(turn1_ids) > 500
+        turn1 = call(first.url, "/completion", {"prompt": turn1_ids, **GREEDY}).json()
+        generated = turn1["tokens"]
+        assert len(generated) == 8
+        held = len(turn1_ids) + len(generated) - 1  # the last sampled token is not evaluated yet
+        saved = call(first.url, "/slots/0?action=save", {"filename": "conversation.bin"})
+        if saved.status_code != 200 and "not available" in saved.json()["error"]["message"].lower():
+            pytest.skip("the engine answers SAVE with 'not available' (session adapter not landed)")
+        assert saved.status_code == 200, saved.text
+        saved = saved.json()
+        assert saved["n_saved"] == held
+        assert saved["n_written"] == os.path.getsize(slots / "conversation.bin")
+        turn2_ids = turn1_ids + generated + tokenize(first.url, TURN2_SUFFIX)
+        reference = call(first.url, "/completion", {"prompt": turn2_ids, **GREEDY}).json()
+        assert reference["timings"]["cache_n"] == held  # the server that never stopped
+    finally:
+        assert first.stop() == 0
+
+    second = start_server(module_tmp, "--slot-save-path", str(slots), name="second")
+    try:
+        restored = call(second.url, "/slots/0?action=restore", {"filename": "conversation.bin"})
+        assert restored.status_code == 200, restored.text
+        restored = restored.json()
+        assert restored["n_restored"] == held and restored["n_read"] == saved["n_written"]
+        resumed = call(second.url, "/completion", {"prompt": turn2_ids, **GREEDY}).json()
+        assert resumed["timings"]["cache_n"] >= 0.999 * held, resumed["timings"]
+        assert resumed["timings"]["prompt_n"] == len(turn2_ids) - resumed["timings"]["cache_n"]
+        assert resumed["tokens"] == reference["tokens"]
+        assert resumed["content"] == reference["content"]
+    finally:
+        assert second.stop() == 0
