@@ -138,28 +138,30 @@ def test_tokenize_detokenize_template(engine):
 
 
 @pytest.mark.parametrize(
-    ("line", "fragment"),
+    ("line", "fragment", "reason"),
     [
-        (b"BOGUS", "unknown verb"),
-        (b"status", "unknown verb"),
-        (b"", "empty line"),
-        (b"STATUS now", "takes no argument"),
-        (b"COMPLETE", "needs an argument"),
-        (b"COMPLETE {not json", "bad JSON"),
-        (b"COMPLETE [1]", "JSON object"),
-        (b'COMPLETE {"prompt": "x", "top_p": 2, "n_predict": -7}', "top_p"),
-        (b'TOKENIZE {"content": 5}', "content"),
-        (b'DETOKENIZE {"tokens": [99999999]}', "outside the vocabulary"),
-        (b"TOKENIZE \xff\xfe", "not UTF-8"),
-        (b"SAVE /tmp/strata-test.session", "not available"),
+        (b"BOGUS", "unknown verb", "unknown_verb"),
+        (b"status", "unknown verb", "unknown_verb"),
+        (b"", "empty line", "bad_line"),
+        (b"STATUS now", "takes no argument", "bad_argument"),
+        (b"COMPLETE", "needs an argument", "bad_argument"),
+        (b"COMPLETE {not json", "bad JSON", "bad_json"),
+        (b"COMPLETE [1]", "JSON object", "bad_argument"),
+        (b'COMPLETE {"prompt": "x", "top_p": 2, "n_predict": -7}', "top_p", "bad_field"),
+        (b'COMPLETE {"messages": [{"role": "user", "content": 3}]}', "content", "chat_template"),
+        (b'TOKENIZE {"content": 5}', "content", "bad_field"),
+        (b'DETOKENIZE {"tokens": [99999999]}', "outside the vocabulary", "bad_token"),
+        (b"TOKENIZE \xff\xfe", "not UTF-8", "bad_line"),
+        (b"SAVE /tmp/strata-test.session", "not available", "not_available"),
     ],
 )
-def test_malformed_lines_get_an_error_and_the_engine_keeps_serving(engine, line, fragment):
+def test_malformed_lines_get_an_error_and_the_engine_keeps_serving(engine, line, fragment, reason):
     answer = engine.command(line)
     assert len(answer) == 1 and answer[0]["event"] == "error"
-    assert answer[0]["error"]["type"] == "invalid_request" and fragment in answer[0]["error"]["message"]
+    error = answer[0]["error"]
+    assert error["type"] == "invalid_request" and fragment in error["message"] and error["reason"] == reason
     if fragment == "top_p":
-        assert "n_predict" in answer[0]["error"]["message"]  # every bad field at once
+        assert "n_predict" in error["message"]  # every bad field at once
     assert engine.command("STATUS")[-1]["event"] == "result"
 
 

@@ -73,6 +73,15 @@ class FailStop(EngineError):
         super().__init__(message)
 
 
+# exception -> the `reason` of its invalid_request error line (most specific first)
+_INVALID_REQUEST_REASONS: tuple[tuple[type[Exception], str], ...] = (
+    (InvalidRequest, "bad_field"),
+    (ChatTemplateError, "chat_template"),
+    (InvalidTokenId, "bad_token"),
+    (TokenizerError, "tokenizer"),
+)
+
+
 def error_payload(exc: BaseException) -> dict[str, Any]:
     """The `error` object of an error line for anything a handler raised (the one place errors are mapped)."""
     if isinstance(exc, ProtocolError):
@@ -85,8 +94,9 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
             "n_prompt_tokens": exc.n_prompt_tokens,
             "n_ctx": exc.n_ctx,
         }
-    if isinstance(exc, (InvalidRequest, ChatTemplateError, InvalidTokenId, TokenizerError)):
-        return {"type": "invalid_request", "message": str(exc), "reason": type(exc).__name__}
+    for kind, reason in _INVALID_REQUEST_REASONS:
+        if isinstance(exc, kind):
+            return {"type": "invalid_request", "message": str(exc), "reason": reason}
     if isinstance(exc, FailStop):
         return {"type": "fail_stop", "message": str(exc), "reason": exc.reason}
     if isinstance(exc, EngineError):
