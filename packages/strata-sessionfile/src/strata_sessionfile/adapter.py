@@ -1,6 +1,7 @@
 """The adapter protocol: what an engine implements so this library can save and restore its session.
 
-The library drives, the engine answers. Every adapter method is called on the thread that called
+The library drives, the engine answers. ``identity()`` is called on every save and restore: compute the
+fingerprints once (at model load) and return the cached value. Every adapter method is called on the thread that called
 ``save``/``restore``; the library's own helper thread only reads, writes and hashes file bytes.
 
 Save (``SessionSource``): ``identity()``, ``snapshot()`` (frozen for the duration of the save), then

@@ -151,7 +151,8 @@ class EngineLimits:
     """
 
     max_tokens: int
-    layers: tuple[LayerSpec, ...] | None = attrs.field(default=None)
+    layers: tuple[LayerSpec, ...] | None = attrs.field(default=None,
+                                                       converter=attrs.converters.optional(tuple))
     vocab_size: int | None = None
     max_sampler_state_bytes: int | None = None
     max_checkpoint_data_bytes: int | None = None

@@ -134,9 +134,11 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
         if isinstance(exc, E.SessionFileError) and exc.path is None:
             exc.path = path
         raise
-    report = SaveReport(path=path, n_tokens=snapshot.state.n_tokens, bytes_written=total,
-                        elapsed_s=time.perf_counter() - t0, copy_s=t_copy - t0, flush_s=t_flush - t_copy,
-                        rename_s=t_rename - t_flush, payload_hash=digest)
+    def report() -> SaveReport:
+        return SaveReport(path=path, n_tokens=snapshot.state.n_tokens, bytes_written=total,
+                          elapsed_s=time.perf_counter() - t0, copy_s=t_copy - t0, flush_s=t_flush - t_copy,
+                          rename_s=t_rename - t_flush, payload_hash=digest)
+
     try:
         dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -145,5 +147,5 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
             os.close(dfd)
     except OSError as exc:
         raise E.DirSyncFailed(f"the new file is in place but flushing its folder failed: {exc.strerror or exc}",
-                              path=path, report=report) from exc
-    return report
+                              path=path, report=report()) from exc
+    return report()
