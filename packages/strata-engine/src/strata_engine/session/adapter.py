@@ -1,0 +1,461 @@
+"""`EngineSession`: the session-file adapter over a `ModelRunner`'s K/V pool and running state.
+
+It implements strata_sessionfile's SessionSource (save), SessionTarget (two-pass streaming restore)
+and StagingTarget (staged restore). The library drives; this class only answers.
+
+What a file holds for this engine
+---------------------------------
+* One file layer per model layer (no draft layers). A full-attention layer holds the conversation's
+  n tokens; a sliding-window layer holds its last min(n, window) tokens in logical order (the ring is
+  unrolled), which is exactly what continuing from n needs. The layer spec's window is the attention
+  window, not the ring's capacity (which is an engine detail with slack).
+* Parts are the pool's own bytes: K and V rows ``[Hkv, D]`` of the storage type; for int8 the K/V
+  scales. The pool keeps one float32 scale per block of `scale_block` values along D, and the format's
+  i8 type has one scale per (token, head): an int8 layer is therefore described as
+  ``Hkv * D / scale_block`` sub-heads of ``scale_block`` values, which is byte-for-byte the pool's
+  layout and exactly the format's rule (one scale per sub-head). The config mapping records the real
+  ``n_head_kv``, ``head_dim`` and ``kv_int8_scale_block``.
+* Running state: the tokens held (position = their count), the sampler state (45 bytes), the deepest
+  ring checkpoint (the end of the latest prompt: the next turn's resume point when its prompt leaves the
+  last reply early) as ``Checkpoint(position, data)`` with data = every ring layer's K, V (and scales) of
+  positions [max(0, position - window + 1), position) in ring-layer order, and ``engine_fields`` = a
+  small canonical JSON object ``{"layout": 1, "ring_start": int, "checkpoint": {"position", "start"} |
+  null}``.
+
+Byte movement never materializes the K/V: `copy_out` / `copy_in` memcpy between the pool's slot arrays
+and the library's block buffers. A ring's logical byte offset o maps to slot byte
+``(start_slot * row_bytes + o) mod (capacity * row_bytes)``: at most two contiguous copies.
+
+Restore order (streaming): `check_plan` parses and validates everything engine-specific (engine fields,
+checkpoint bytes, sampler state, the runner's own state rules) without touching anything; the gate
+(`begin_apply`) marks the live conversation as overwritten; `copy_in` writes straight into the
+authoritative pool; `commit` adopts the running state through `ModelRunner.restore_state`, which sets the
+pool's extent and refills every layer's resident ring from the pool. Staged: `stage_in` lands the bytes
+in a staging area while the library hashes them; `commit_staged` (after every check) copies them into
+the pool and commits the same way. A refused restore touches nothing; once the live pool was written
+(`live_touched`), any failure must end in a fail-stop (`fail_stop` drops the conversation in-process;
+the serve verb then exits with status 4).
+
+Fault injection for tests (`faults`): a `FaultPoint` given by the serve verbs from the
+``STRATA_ENGINE_SESSION_FAULT`` environment variable; never reachable from a request.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+from strata_sessionfile import (
+    Checkpoint,
+    DType,
+    EngineIdentity,
+    EngineLimits,
+    LayerGeometry,
+    LayerRole,
+    LayerSpec,
+    Part,
+    RestorePlan,
+    RunningState,
+    Snapshot,
+)
+from strata_sessionfile import errors as E
+from strata_sessionfile.format import LIMIT
+
+from ..kv import KVParts, RingCheckpoint
+from ..runner import RunnerState
+from ..sampling import SamplerState, SamplerStateError
+from .identity import SESSION_LAYOUT_VERSION, runner_identity
+
+log = logging.getLogger(__name__)
+
+# K/V storage type name (EngineSettings.kv_type) -> the format's dtype code.
+DTYPE_OF_KV_TYPE: dict[str, DType] = {"f32": DType.F32, "f16": DType.F16, "int8": DType.I8}
+# File part -> the LayerKV attribute holding it.
+PART_ATTR: dict[Part, str] = {Part.K: "k", Part.V: "v", Part.K_SCALES: "k_scale", Part.V_SCALES: "v_scale"}
+# Staging is used only when this much RAM stays free beside the staged bytes.
+STAGING_HEADROOM = 256 << 20
+MAX_ENGINE_FIELDS_BYTES = 4096
+
+
+class FaultPoint(enum.Enum):
+    """Where a test makes a save or restore fail (values are the environment variable's words)."""
+
+    RESTORE_BEFORE_GATE = "restore-before-gate"  # check_plan raises: a clean refusal
+    RESTORE_AFTER_GATE = "restore-after-gate"  # the second copy_in raises: the first block is applied
+    RESTORE_AT_COMMIT = "restore-at-commit"  # commit / commit_staged raise after the pool was written
+    SAVE_DURING_COPY = "save-during-copy"  # copy_out raises: the old file must stay
+
+
+class InjectedFault(RuntimeError):
+    """The failure a FaultPoint injects."""
+
+
+@attrs.define
+class SamplerAccess:
+    """How the adapter reads and replaces the sampler state (the serve loop's completer holds it)."""
+
+    get: Callable[[], SamplerState]
+    set: Callable[[SamplerState], None]
+
+    @classmethod
+    def holder(cls, state: SamplerState | None = None) -> SamplerAccess:
+        box = [state or SamplerState.seeded(0)]
+        return cls(lambda: box[0], lambda s: box.__setitem__(0, s))
+
+    @classmethod
+    def of_completer(cls, completer: Any) -> SamplerAccess:
+        return cls(lambda: completer.sampler_state, lambda s: setattr(completer, "sampler_state", s))
+
+
+@attrs.frozen
+class _Prepared:
+    """What check_plan established for the plan it was given: ready to commit."""
+
+    plan_id: int
+    runner_state: RunnerState
+    sampler: SamplerState | None
+    starts: tuple[int, ...]  # per layer: the first position the file's part holds
+
+
+def _sync(pool: Any) -> None:
+    sync = getattr(pool.ops, "synchronize", None)
+    if sync is not None:
+        sync()
+
+
+def _to_host(src: Any, dest: np.ndarray) -> None:
+    if isinstance(src, np.ndarray):
+        dest[...] = src
+    else:  # a device array (cupy): one device -> host copy into the library's buffer
+        src.get(out=dest)
+
+
+def _from_host(dest: Any, src: np.ndarray) -> None:
+    if isinstance(dest, np.ndarray):
+        dest[...] = src
+    else:
+        dest.set(src)
+
+
+class EngineSession:
+    """The adapter (see the module docstring). One per runner; not thread-safe (the serve loop is one
+    thread). `identity` may be given (tests write files under another engine version that way)."""
+
+    def __init__(
+        self,
+        runner: Any,
+        sampler: SamplerAccess | None = None,
+        *,
+        identity: EngineIdentity | None = None,
+        staging: bool = True,
+        memory_available: Callable[[], int | None] | None = None,
+        fault: FaultPoint | None = None,
+    ):
+        from strata_sessionfile._fileio import memory_available as meminfo
+
+        self.runner = runner
+        self.sampler = sampler or SamplerAccess.holder()
+        self._identity = identity
+        self.staging = staging
+        self.memory_available = memory_available or meminfo
+        self.fault = fault
+        geometry = runner.kv_geometry
+        self.kv_dtype = DTYPE_OF_KV_TYPE[geometry.kv_type.value]
+        self.specs = tuple(self._layer_spec(i) for i in range(geometry.n_layers))
+        self.ring_layers = tuple(geometry.ring_layers)
+        self.window = geometry.max_window  # None without sliding-window layers
+        # Restore bookkeeping.
+        self.live_touched = False  # the live pool was written by a restore that has not committed
+        self.fail_stopped: BaseException | None = None
+        self._prepared: _Prepared | None = None
+        self._staged: list[list[np.ndarray | None]] | None = None
+        self._copies_in = 0
+        self._save_starts: tuple[int, ...] = ()
+
+    # ---- identity and geometry -----------------------------------------------------------------
+    def identity(self) -> EngineIdentity:
+        if self._identity is None:
+            self._identity = runner_identity(self.runner)
+        return self._identity
+
+    def _layer_spec(self, i: int) -> LayerSpec:
+        g = self.runner.kv_geometry.layers[i]
+        layer = self.runner.pool.layer(i)
+        heads, dim = g.n_kv_heads, g.head_dim
+        if layer.k_scale is not None:  # int8: one sub-head per scale (see the module docstring)
+            n_scales = int(np.prod(layer.k_scale.shape[1:]))
+            heads, dim = n_scales, g.n_kv_heads * g.head_dim // n_scales
+        return LayerSpec(
+            index=g.index,
+            role=LayerRole.MAIN,
+            n_kv_heads=heads,
+            head_dim_k=dim,
+            head_dim_v=dim,
+            k_dtype=self.kv_dtype,
+            v_dtype=self.kv_dtype,
+            window=g.window or 0,
+        )
+
+    def limits(self) -> EngineLimits:
+        return EngineLimits(
+            max_tokens=self.runner.n_ctx,
+            layers=self.specs,
+            vocab_size=self.runner.config.n_vocab,
+            max_sampler_state_bytes=len(SamplerState.seeded(0).to_bytes()),
+            max_checkpoint_data_bytes=LIMIT["MAX_CHECKPOINT_DATA_BYTES"],
+            max_engine_fields_bytes=MAX_ENGINE_FIELDS_BYTES,
+        )
+
+    def _starts(self, n: int) -> tuple[int, ...]:
+        return tuple(n - spec.capacity(n) for spec in self.specs)
+
+    def _ring_start(self, n: int) -> int:
+        return n - min(n, self.window) if self.ring_layers else 0
+
+    def _checkpoint_token_bytes(self) -> int:
+        geometry = self.runner.kv_geometry
+        return sum(geometry.token_bytes(i) for i in self.ring_layers)
+
+    # ---- the pool's bytes ----------------------------------------------------------------------
+    def _slot_array(self, layer: int, part: Part) -> Any:
+        pool = self.runner.pool
+        host_layer = getattr(pool, "host_layer", None)  # a device-mapped host pool: its numpy views
+        views = host_layer(layer) if host_layer is not None else pool.layer(layer)
+        arr = getattr(views, PART_ATTR[part])
+        if arr is None:
+            raise E.GeometryMismatch(f"layer {layer} has no {part.name} part", field=f"layers[{layer}]")
+        return arr
+
+    def _segments(self, layer: int, part: Part, start: int, offset: int, length: int):
+        """(flat slot-byte view, [(slot_byte_lo, slot_byte_hi, dest_lo)]) for bytes [offset, offset+length)
+        of the part whose first logical position is `start`."""
+        arr = self._slot_array(layer, part)
+        flat = arr.reshape(-1).view("u1")  # numpy or cupy: a flat byte view, no copy
+        capacity = int(arr.shape[0])
+        total = int(flat.shape[0])
+        row = total // capacity
+        phys = ((start % capacity) * row + offset) % total
+        first = min(length, total - phys)
+        segs = [(phys, phys + first, 0)]
+        if first < length:
+            segs.append((0, length - first, first))
+        return flat, segs
+
+    # ---- SessionSource (save) -------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        runner = self.runner
+        state: RunnerState = runner.snapshot_state()
+        n = state.position
+        layers = tuple(LayerGeometry(spec, spec.capacity(n)) for spec in self.specs)
+        starts = self._starts(n)
+        for i in self.ring_layers:
+            if starts[i] < runner.pool.ring_start:
+                raise E.InvalidSnapshot(
+                    f"layer {i} must save positions [{starts[i]}, {n}) but its ring holds from "
+                    f"{runner.pool.ring_start} only", field=f"layers[{i}]")
+        checkpoint, cp_fields = self._encode_checkpoint(state.deepest_checkpoint)
+        fields = {"layout": SESSION_LAYOUT_VERSION, "ring_start": self._ring_start(n), "checkpoint": cp_fields}
+        running = RunningState(
+            tokens=state.tokens,
+            position=n,
+            sampler_state=self.sampler.get().to_bytes(),
+            checkpoint=checkpoint,
+            engine_fields=json.dumps(fields, sort_keys=True, separators=(",", ":")).encode(),
+        )
+        self._save_starts = starts
+        return Snapshot(running, layers)
+
+    def _encode_checkpoint(self, cp: RingCheckpoint | None) -> tuple[Checkpoint, dict | None]:
+        if cp is None or not self.ring_layers:
+            return Checkpoint(0, b""), None
+        n_bytes = (cp.position - cp.start) * self._checkpoint_token_bytes()
+        if n_bytes > LIMIT["MAX_CHECKPOINT_DATA_BYTES"]:
+            log.warning("the deepest checkpoint (%d bytes) is over the format's limit: not saved", n_bytes)
+            return Checkpoint(0, b""), None
+        chunks = []
+        for i in self.ring_layers:
+            for arr in cp.layers[i].arrays():
+                chunks.append(np.ascontiguousarray(arr).tobytes())
+        return Checkpoint(cp.position, b"".join(chunks)), {"position": cp.position, "start": cp.start}
+
+    def copy_out(self, layer: int, part: Part, offset: int, dest: memoryview) -> None:
+        if self.fault is FaultPoint.SAVE_DURING_COPY:
+            raise InjectedFault("injected fault: save, during the copy")
+        _sync(self.runner.pool)
+        out = np.frombuffer(dest, dtype=np.uint8)
+        flat, segs = self._segments(layer, part, self._save_starts[layer], offset, len(dest))
+        for lo, hi, d in segs:
+            _to_host(flat[lo:hi], out[d : d + hi - lo])
+
+    # ---- SessionTarget (restore) ----------------------------------------------------------------
+    def check_plan(self, plan: RestorePlan) -> None:
+        if self.fault is FaultPoint.RESTORE_BEFORE_GATE:
+            raise InjectedFault("injected fault: restore, before the gate")
+        st = plan.state
+        n = st.n_tokens
+        where = {"path": plan.path}
+        if st.position != n:
+            raise E.InconsistentState(f"position {st.position} differs from the {n} tokens held",
+                                      field="state.position", **where)
+        try:
+            fields = json.loads(st.engine_fields.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise E.InconsistentState(f"engine fields are not JSON: {exc}", field="state.engine_fields",
+                                      **where) from None
+        if not isinstance(fields, dict) or fields.get("layout") != SESSION_LAYOUT_VERSION:
+            raise E.InconsistentState(f"engine fields {fields!r} are not layout {SESSION_LAYOUT_VERSION}",
+                                      field="state.engine_fields", **where)
+        ring_start = self._ring_start(n)
+        if fields.get("ring_start") != ring_start:
+            raise E.InconsistentState(f"ring_start {fields.get('ring_start')!r} should be {ring_start}",
+                                      field="state.engine_fields.ring_start", **where)
+        checkpoints = self._decode_checkpoint(st, fields.get("checkpoint", "missing"), where)
+        sampler = None
+        if st.sampler_state:
+            try:
+                sampler = SamplerState.from_bytes(st.sampler_state)
+            except SamplerStateError as exc:
+                raise E.InconsistentState(str(exc), field="state.sampler_state", **where) from None
+        runner_state = RunnerState(tuple(st.tokens), ring_start, checkpoints)
+        problems = self.runner.state_problems(runner_state)
+        if problems:
+            raise E.InconsistentState("; ".join(problems), field="state", **where)
+        self._prepared = _Prepared(id(plan), runner_state, sampler, self._starts(n))
+
+    def _decode_checkpoint(self, st: RunningState, cp_fields: Any, where: dict) -> tuple[RingCheckpoint, ...]:
+        data, index = st.checkpoint.data, st.checkpoint.token_index
+        if cp_fields is None:
+            if data or index:
+                raise E.InconsistentState("checkpoint data without its engine fields", field="state.checkpoint",
+                                          **where)
+            return ()
+        if (not isinstance(cp_fields, dict) or not self.ring_layers
+                or cp_fields.get("position") != index
+                or cp_fields.get("start") != max(0, index - self.window + 1)):
+            raise E.InconsistentState(f"checkpoint fields {cp_fields!r} do not match token index {index}",
+                                      field="state.engine_fields.checkpoint", **where)
+        start = cp_fields["start"]
+        count = index - start
+        expected = count * self._checkpoint_token_bytes()
+        if len(data) != expected:
+            raise E.InconsistentState(f"checkpoint data is {len(data)} bytes; {count} tokens of the ring layers "
+                                      f"are {expected}", field="state.checkpoint.data", **where)
+        geometry = self.runner.kv_geometry
+        sdt = geometry.kv_type.storage_dtype
+        buf = np.frombuffer(bytearray(data), dtype=np.uint8)  # one owned copy, sliced below
+        pos = 0
+        layers: dict[int, KVParts] = {}
+
+        def take(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+            nonlocal pos
+            dt = np.dtype(dtype)
+            nbytes = int(np.prod(shape)) * dt.itemsize
+            arr = buf[pos : pos + nbytes].view(dt).reshape(shape)
+            arr.flags.writeable = False
+            pos += nbytes
+            return arr
+
+        for i in self.ring_layers:
+            layer = self.runner.pool.layer(i)
+            row = tuple(int(d) for d in layer.k.shape[1:])
+            k, v = take((count, *row), sdt), take((count, *row), sdt)
+            ks = vs = None
+            if layer.k_scale is not None:
+                srow = tuple(int(d) for d in layer.k_scale.shape[1:])
+                ks, vs = take((count, *srow), np.float32), take((count, *srow), np.float32)
+            layers[i] = KVParts(k, v, ks, vs)
+        assert pos == len(data)
+        return (RingCheckpoint(position=index, start=start, layers=layers),)
+
+    def _require_prepared(self, plan: RestorePlan) -> _Prepared:
+        if self._prepared is None or self._prepared.plan_id != id(plan):
+            raise E.AdapterFailed("the engine was asked to apply a plan it did not check")
+        return self._prepared
+
+    def begin_apply(self, plan: RestorePlan) -> None:
+        self._require_prepared(plan)
+        self.live_touched = True
+        self._copies_in = 0
+        self._apply_plan = plan
+
+    def copy_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
+        self._copies_in += 1
+        if self.fault is FaultPoint.RESTORE_AFTER_GATE and self._copies_in > 1:
+            raise InjectedFault("injected fault: restore, after the first applied block")
+        self._write_pool(layer, part, offset, np.frombuffer(src, dtype=np.uint8), self._prepared.starts)
+
+    def _write_pool(self, layer: int, part: Part, offset: int, src: np.ndarray, starts: tuple[int, ...]) -> None:
+        self.live_touched = True
+        flat, segs = self._segments(layer, part, starts[layer], offset, len(src))
+        for lo, hi, d in segs:
+            _from_host(flat[lo:hi], src[d : d + hi - lo])
+
+    def commit(self, state: RunningState) -> None:
+        prepared = self._prepared
+        if prepared is None or tuple(state.tokens) != prepared.runner_state.tokens:
+            raise E.AdapterFailed("commit with a running state that check_plan did not see")
+        if self.fault is FaultPoint.RESTORE_AT_COMMIT:
+            raise InjectedFault("injected fault: restore, at the commit")
+        # The pool was written in place; the extent, the resident rings (refill), the tokens and the
+        # checkpoints follow in one call, then the sampler.
+        self.runner.restore_state(prepared.runner_state)
+        if prepared.sampler is not None:
+            self.sampler.set(prepared.sampler)
+        self.live_touched = False
+        self._prepared = None
+
+    def fail_stop(self, error: Exception) -> None:
+        """The live pool holds bytes nobody vouches for: drop the conversation so nothing decodes from
+        it (the serve verb then exits with the fail-stop status)."""
+        self.fail_stopped = error
+        self._staged = None
+        self._prepared = None
+        try:
+            self.runner.erase()
+        except Exception:  # the process is going down; the original error is what matters
+            log.exception("erase after a fail-stop failed")
+
+    # ---- StagingTarget (staged restore) --------------------------------------------------------
+    def staging_bytes(self, plan: RestorePlan) -> int:
+        return sum(g.n_bytes for g in plan.layers)
+
+    def can_stage(self, plan: RestorePlan) -> bool:
+        if not self.staging:
+            return False
+        have = self.memory_available()
+        return have is None or self.staging_bytes(plan) + STAGING_HEADROOM <= have
+
+    def begin_staging(self, plan: RestorePlan) -> None:
+        self._require_prepared(plan)
+        self._staged = [
+            [np.empty(g.part_size(p), dtype=np.uint8) if g.part_size(p) else None for p in Part]
+            for g in plan.layers
+        ]
+
+    def stage_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
+        assert self._staged is not None
+        dest = self._staged[layer][part]
+        dest[offset : offset + len(src)] = np.frombuffer(src, dtype=np.uint8)
+
+    def commit_staged(self, state: RunningState) -> None:
+        staged, prepared = self._staged, self._prepared
+        if staged is None or prepared is None or tuple(state.tokens) != prepared.runner_state.tokens:
+            raise E.AdapterFailed("commit_staged without a staged session that check_plan saw")
+        # The switch: every check passed; from the first byte written the live conversation is replaced
+        # (a failure from here on is a fail-stop, see live_touched).
+        for layer, parts in enumerate(staged):
+            for part, data in enumerate(parts):
+                if data is not None:
+                    self._write_pool(layer, Part(part), 0, data, prepared.starts)
+        self._staged = None
+        self.commit(state)
+
+    def discard_staged(self) -> None:
+        self._staged = None
+        if not self.live_touched:
+            self._prepared = None

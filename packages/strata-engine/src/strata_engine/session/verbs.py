@@ -1,0 +1,134 @@
+"""The serve protocol's `SAVE <path>` and `RESTORE <path>` verbs (spec/engine-protocol.md).
+
+`register_session_verbs(registry, options)` installs both handlers. Each call builds an `EngineSession`
+over the serve context's runner and completer (the identity is computed once per runner and cached).
+
+Answers: SAVE -> `{"n_saved", "n_written", "save_ms"}` after `progress` lines (copy / flush / rename);
+RESTORE -> `{"n_restored", "n_read", "restore_ms", "mode"}` after `progress` lines (read / apply).
+Failures: a save error -> `session_write_failed` (the old file is untouched); a refused restore ->
+`session_refused` with the format package's `reason` (the held conversation is exactly as it was); a
+failure once the live pool was written -> `FailStop` (the loop writes the `fail_stop` error line and
+exits with status 4).
+
+Settings: the restore mode (`--restore-mode auto|staged|streaming`; auto stages when RAM allows), the
+block size, and, for tests only, a fault point read from the environment variable
+``STRATA_ENGINE_SESSION_FAULT`` (one of `FaultPoint`'s values) when the engine starts. No request can
+set it: the HTTP server and the protocol never touch the engine's environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import strata_sessionfile as sf
+from strata_sessionfile import errors as E
+
+from ..serve import ArgumentKind, CommandRegistry, FailStop, ProtocolError, ServeContext
+from .adapter import EngineSession, FaultPoint, SamplerAccess
+from .identity import runner_identity
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "STRATA_ENGINE_SESSION_FAULT"
+RESTORE_MODES = tuple(m.value for m in sf.RestoreMode)
+
+
+def _restore_mode(value: Any) -> sf.RestoreMode:
+    return sf.RestoreMode(value)
+
+
+@attrs.frozen
+class SessionOptions:
+    restore_mode: sf.RestoreMode = attrs.field(default=sf.RestoreMode.AUTO, converter=_restore_mode)
+    block_size: int = sf.DEFAULT_BLOCK_SIZE
+    fault: FaultPoint | None = None
+
+    @classmethod
+    def from_environ(cls, restore_mode: str = "auto", environ: Mapping[str, str] | None = None) -> SessionOptions:
+        """The options for `strata-engine serve`; a fault point only from FAULT_ENV (tests)."""
+        env = os.environ if environ is None else environ
+        raw = env.get(FAULT_ENV, "").strip()
+        fault = None
+        if raw:
+            try:
+                fault = FaultPoint(raw)
+            except ValueError:
+                raise ValueError(f"{FAULT_ENV}={raw!r}: expected one of "
+                                 f"{', '.join(f.value for f in FaultPoint)}") from None
+            log.warning("session fault injection armed: %s (tests only)", fault.value)
+        return cls(restore_mode=restore_mode, fault=fault)
+
+
+class SessionVerbs:
+    """The SAVE / RESTORE handlers and what they keep between calls (the runner's identity)."""
+
+    def __init__(self, options: SessionOptions):
+        self.options = options
+        self._identity_of: tuple[int, sf.EngineIdentity] | None = None
+
+    def adapter(self, ctx: ServeContext) -> EngineSession:
+        runner = ctx.runner
+        if self._identity_of is None or self._identity_of[0] != id(runner):
+            self._identity_of = (id(runner), runner_identity(runner))
+        return EngineSession(
+            runner,
+            SamplerAccess.of_completer(ctx.completer),
+            identity=self._identity_of[1],
+            staging=self.options.restore_mode is not sf.RestoreMode.STREAMING,
+            fault=self.options.fault,
+        )
+
+    @staticmethod
+    def _progress(ctx: ServeContext):
+        last = [None]
+
+        def report(p: sf.Progress) -> None:
+            key = (p.phase, p.bytes_done)
+            if key == last[0]:
+                return
+            last[0] = key
+            ctx.emit({"event": "progress", "phase": p.phase.value, "bytes_done": p.bytes_done,
+                      "bytes_total": p.bytes_total})
+
+        return report
+
+    def save(self, ctx: ServeContext, path: str) -> Mapping[str, Any]:
+        adapter = self.adapter(ctx)
+        try:
+            report = sf.save(path, adapter, block_size=self.options.block_size, progress=self._progress(ctx))
+        except E.DirSyncFailed as exc:
+            raise ProtocolError("session_write_failed", str(exc), reason=exc.reason,
+                                extra={"file_in_place": True}) from exc
+        except E.SessionFileError as exc:
+            raise ProtocolError("session_write_failed", str(exc), reason=exc.reason) from exc
+        return {"n_saved": report.n_tokens, "n_written": report.bytes_written,
+                "save_ms": round(report.elapsed_s * 1000.0, 3)}
+
+    def restore(self, ctx: ServeContext, path: str) -> Mapping[str, Any]:
+        adapter = self.adapter(ctx)
+        try:
+            report = sf.restore(path, adapter, mode=self.options.restore_mode, block_size=self.options.block_size,
+                                progress=self._progress(ctx))
+        except E.FailStop as exc:
+            raise FailStop(str(exc), reason=exc.cause_reason) from exc
+        except BaseException as exc:
+            if adapter.live_touched:  # e.g. a staged switch that failed half-way: nothing vouches for the K/V
+                adapter.fail_stop(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+                reason = exc.reason if isinstance(exc, E.SessionFileError) else "adapter_failed"
+                raise FailStop(f"restore failed after the live K/V was written: {exc}", reason=reason) from exc
+            if isinstance(exc, E.SessionFileError):
+                raise ProtocolError("session_refused", str(exc), reason=exc.reason) from exc
+            raise
+        return {"n_restored": report.n_tokens, "n_read": report.bytes_read,
+                "restore_ms": round(report.elapsed_s * 1000.0, 3), "mode": report.mode.value}
+
+
+def register_session_verbs(registry: CommandRegistry, options: SessionOptions | None = None) -> SessionVerbs:
+    verbs = SessionVerbs(options or SessionOptions())
+    registry.register("SAVE", ArgumentKind.PATH, verbs.save)
+    registry.register("RESTORE", ArgumentKind.PATH, verbs.restore)
+    return verbs
