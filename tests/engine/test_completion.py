@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import smollm2_model_path
+from conftest import gemma3_model_path, load_reference, smollm2_model_path
 from strata_engine.chat import ChatTemplate
 from strata_engine.completion import (
     Completer,
@@ -274,3 +274,36 @@ def test_stop_filter_prefers_earliest_match():
     f = StopStringFilter(["cd", "bcd"])
     assert f.push(b"ab") == ("a", None)
     assert f.push(b"cd") == ("", "bcd")  # "bcd" starts before "cd"
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    metadata = read_gguf(gemma3_model_path()).metadata
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    return tokenizer, ChatTemplate.for_model(metadata, tokenizer)
+
+
+def test_gemma3_end_of_turn_stops(gemma3):
+    tokenizer, template = gemma3
+    runner = ScriptedRunner([*tokenizer.encode(" Paris"), 106], n_vocab=tokenizer.n_vocab)
+    completer = Completer(runner, tokenizer, template)
+    result = completer.complete(
+        parse_request({"messages": [{"role": "user", "content": "Capital of France?"}], "temperature": 0})
+    )
+    assert result.stop_type is StopType.EOS and result.tokens[-1] == 106 and result.content == " Paris"
+    assert runner.held[0] == 2  # gemma3 asks for a BOS
+
+
+@pytest.mark.slow
+def test_gemma3_real_runner_greedy_matches_transformers(gemma3):
+    from strata_engine.runner import ModelRunner
+    from strata_engine.settings import EngineSettings
+
+    tokenizer, template = gemma3
+    case = load_reference("transformers-gemma3-270m.json")["complete"][0]
+    runner = ModelRunner.load(EngineSettings(model_path=gemma3_model_path(), n_ctx=64))
+    completer = Completer(runner, tokenizer, template)
+    result = completer.complete(parse_request({"prompt": case["prompt"], "n_predict": 4, "temperature": 0}))
+    assert completer.prompt_tokens(parse_request({"prompt": case["prompt"]})) == case["prompt_tokens"]
+    assert list(result.tokens) == case["tokens"][:4]
+    assert result.content == tokenizer.decode(case["tokens"][:4])

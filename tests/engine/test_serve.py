@@ -152,7 +152,7 @@ def test_tokenize_detokenize_template(engine):
         (b'TOKENIZE {"content": 5}', "content", "bad_field"),
         (b'DETOKENIZE {"tokens": [99999999]}', "outside the vocabulary", "bad_token"),
         (b"TOKENIZE \xff\xfe", "not UTF-8", "bad_line"),
-        (b"SAVE /tmp/strata-test.session", "not available", "not_available"),
+        (b"RESTORE", "needs an argument", "bad_argument"),  # SAVE / RESTORE are real verbs now
     ],
 )
 def test_malformed_lines_get_an_error_and_the_engine_keeps_serving(engine, line, fragment, reason):
@@ -211,3 +211,32 @@ def test_end_of_input_completes_then_exits_zero():
     assert done.returncode == 0
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert [line["event"] for line in lines] == ["ready", "token", "token", "result"]
+
+
+def test_line_reader_lines_polling_and_overlong_lines():
+    import os
+
+    from strata_engine.serve import CommandRegistry, LineReader, OverlongLine, ProtocolError, parse_line
+
+    read_fd, write_fd = os.pipe()
+    try:
+        reader = LineReader(read_fd, max_line_bytes=16)
+        assert reader.poll_line() is None  # nothing arrived: no blocking
+        os.write(write_fd, b"STATUS\r\nERA")
+        assert reader.poll_line() == b"STATUS\r" and reader.poll_line() is None
+        os.write(write_fd, b"SE\n" + b"x" * 40 + b"\n")
+        assert reader.read_line() == b"ERASE"
+        overlong = reader.read_line()
+        assert isinstance(overlong, OverlongLine)
+        with pytest.raises(ProtocolError, match="longer than"):
+            parse_line(overlong, CommandRegistry())
+        os.write(write_fd, b"y" * 20)  # overlong before its newline has arrived
+        assert isinstance(reader.read_line(), OverlongLine)
+        os.write(write_fd, b"yyy\nSTATUS\n")
+        assert reader.read_line() == b"STATUS"
+        os.write(write_fd, b"QUIT")
+        os.close(write_fd)
+        assert reader.read_line() == b"QUIT"  # a last line without its newline
+        assert reader.read_line() is None and reader.eof
+    finally:
+        os.close(read_fd)

@@ -107,14 +107,20 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 # -- input and output ---------------------------------------------------------------------------------
 
 
+class OverlongLine(bytes):
+    """Stands for a line longer than MAX_LINE_BYTES (its first bytes); the rest of it is discarded."""
+
+
 class LineReader:
     """Lines from a file descriptor with our own buffer, so that `poll` (select with no wait) sees
     exactly what has arrived; Python's buffered stdin would hide lines from select."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, max_line_bytes: int = MAX_LINE_BYTES):
         self._fd = fd
+        self._max = max_line_bytes
         self._buffer = bytearray()
         self._lines: deque[bytes] = deque()
+        self._discarding = False  # inside an overlong line: drop bytes up to its newline
         self.eof = False
 
     def _fill(self, block: bool) -> None:
@@ -127,19 +133,26 @@ class LineReader:
         data = os.read(self._fd, 1 << 16)
         if not data:
             self.eof = True
-            if self._buffer:  # a last line without its newline
+            if self._buffer and not self._discarding:  # a last line without its newline
                 self._lines.append(bytes(self._buffer))
-                self._buffer.clear()
+            self._buffer.clear()
             return
         self._buffer += data
         while True:
             cut = self._buffer.find(b"\n")
             if cut < 0:
                 break
-            self._lines.append(bytes(self._buffer[:cut]))
+            if self._discarding:
+                self._discarding = False
+            elif cut > self._max:
+                self._lines.append(OverlongLine(self._buffer[:64]))
+            else:
+                self._lines.append(bytes(self._buffer[:cut]))
             del self._buffer[: cut + 1]
-        if len(self._buffer) > MAX_LINE_BYTES:
-            self._lines.append(bytes(self._buffer[:MAX_LINE_BYTES]) + b"\x00TOO-LONG")
+        if len(self._buffer) > self._max:
+            if not self._discarding:
+                self._lines.append(OverlongLine(self._buffer[:64]))
+                self._discarding = True
             self._buffer.clear()
 
     def read_line(self) -> bytes | None:
@@ -153,9 +166,6 @@ class LineReader:
         if not self._lines:
             self._fill(block=False)
         return self._lines.popleft() if self._lines else None
-
-    def push_back(self, line: bytes) -> None:
-        self._lines.appendleft(line)
 
 
 class LineWriter:
@@ -363,7 +373,8 @@ def _not_in_this_build(verb: str) -> Handler:
     return handler
 
 
-def build_registry() -> CommandRegistry:
+def build_registry(session_options: Any = None) -> CommandRegistry:
+    """Every verb; `session_options` (a `session.SessionOptions`, None = defaults) configures SAVE/RESTORE."""
     registry = CommandRegistry()
     registry.register("COMPLETE", ArgumentKind.JSON, handle_complete)
     registry.register("TOKENIZE", ArgumentKind.JSON, handle_tokenize)
@@ -373,9 +384,10 @@ def build_registry() -> CommandRegistry:
     registry.register("ERASE", ArgumentKind.NONE, handle_erase)
     registry.register("CANCEL", ArgumentKind.NONE, handle_cancel)
     registry.register("QUIT", ArgumentKind.NONE, handle_quit)
-    # The session adapter registers its own SAVE / RESTORE handlers here (ArgumentKind.PATH).
-    registry.register("SAVE", ArgumentKind.PATH, _not_in_this_build("SAVE"))
-    registry.register("RESTORE", ArgumentKind.PATH, _not_in_this_build("RESTORE"))
+    # SAVE / RESTORE come from the session adapter (imported here: it imports this module).
+    from .session.verbs import register_session_verbs
+
+    register_session_verbs(registry, session_options)
     return registry
 
 
@@ -384,7 +396,7 @@ def build_registry() -> CommandRegistry:
 
 def parse_line(line: bytes, registry: CommandRegistry) -> tuple[Command, Any]:
     """The command and its parsed argument; ProtocolError for a malformed line."""
-    if line.endswith(b"\x00TOO-LONG"):
+    if isinstance(line, OverlongLine):
         raise ProtocolError("invalid_request", f"line longer than {MAX_LINE_BYTES} bytes", reason="line_too_long")
     try:
         text = line.decode("utf-8").rstrip("\r")
@@ -479,7 +491,8 @@ def ready_line(runner: Any, tokenizer: Tokenizer, template: ChatTemplate) -> dic
     }
 
 
-def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = None) -> ExitStatus:
+def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = None,
+          session_options: Any = None) -> ExitStatus:
     """Load the model, write the ready line, serve until QUIT or end of input."""
     from .runner import ModelRunner
 
@@ -510,4 +523,4 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
     )
     writer.write(ready_line(runner, tokenizer, template))
     log.info("ready: %s", settings.model_path)
-    return serve_loop(ctx, build_registry())
+    return serve_loop(ctx, build_registry(session_options))
