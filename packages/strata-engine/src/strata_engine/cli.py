@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
         "on stdout. Exit statuses: 0 clean, 1 fatal, 2 bad settings, 3 model not loadable, 4 fail-stop.",
     )
     _add_settings(serve_parser)
+    serve_parser.add_argument(
+        "--restore-mode", choices=("auto", "staged", "streaming"), default="auto",
+        help="RESTORE: staged (one read into a staging area, then a switch), streaming (two passes, bounded "
+        "RAM) or auto (staged when RAM allows; default)",
+    )
     generate = commands.add_parser("generate", help="complete a prompt and stream the text to stdout")
     _add_settings(generate)
     generate.add_argument("--prompt", "-p", required=True, help="the prompt (or the user message with --chat)")
@@ -156,7 +161,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        status = serve(_settings(args))
+        from .session import SessionOptions
+
+        try:
+            session_options = SessionOptions.from_environ(args.restore_mode)
+        except ValueError as exc:
+            print(f"strata-engine serve: {exc}", file=sys.stderr)
+            sys.stdout.write(json.dumps({"event": "fatal", "message": str(exc)}) + "\n")
+            return ExitStatus.USAGE
+        status = serve(_settings(args), session_options=session_options)
     else:
         status = _generate(args)
     try:
