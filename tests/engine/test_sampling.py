@@ -136,3 +136,13 @@ def test_penalty_window():
     assert out[1] == LOGITS[1] and out[3] == pytest.approx(1.0) and out[4] == pytest.approx(0.25)
     whole = Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=-1), SamplerState.seeded(0))
     assert whole.penalized(LOGITS, [1, 3, 4])[1] == pytest.approx(1.5)
+
+
+def test_top_p_on_a_large_vocabulary_equals_the_full_sort():
+    rng = np.random.default_rng(3)
+    for scale in (0.5, 3.0, 10.0):
+        logits = (rng.normal(size=50_000) * scale).astype(np.float32)
+        for p in (0.1, 0.9, 0.999):
+            fast = top_p(Candidates.from_logits(logits), p)
+            full = top_p(sort_descending(Candidates.from_logits(logits)), p)
+            assert fast.ids.tolist() == full.ids.tolist() and fast.sorted
