@@ -87,3 +87,13 @@ def test_raise_exception_and_sandbox():
         mutate.render([{"role": "user", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="does not parse"):
         ChatTemplate.from_source("{% for %}", origin="test")
+
+
+def test_unparsable_file_template_falls_back(templates):
+    _, tokenizer = templates["smollm2"]
+    metadata = {"tokenizer.chat_template": "{% for %}", "general.architecture": "llama"}
+    template = ChatTemplate.for_model(metadata, tokenizer)
+    assert template.origin == "builtin:chatml"
+    assert template.render([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )

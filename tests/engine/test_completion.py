@@ -307,3 +307,9 @@ def test_gemma3_real_runner_greedy_matches_transformers(gemma3):
     assert completer.prompt_tokens(parse_request({"prompt": case["prompt"]})) == case["prompt_tokens"]
     assert list(result.tokens) == case["tokens"][:4]
     assert result.content == tokenizer.decode(case["tokens"][:4])
+
+
+def test_prompt_of_exactly_the_context_gets_one_token(tokenizer, template):
+    runner = ScriptedRunner(ids_of(tokenizer, " a", " b"), n_ctx=3)
+    result = Completer(runner, tokenizer, template).complete(parse_request({"prompt": [5, 6, 7], "temperature": 0}))
+    assert result.stop_type is StopType.LIMIT and len(result.tokens) == 1 and runner.n_held == 3

@@ -4,6 +4,7 @@ transformers renders it), or, for a file without one, the built-in turn format o
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -14,6 +15,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import EngineError
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class ChatTemplateError(EngineError):
@@ -130,7 +133,11 @@ class ChatTemplate:
         eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
         source = metadata.get("tokenizer.chat_template")
         if isinstance(source, str) and source.strip():
-            return cls.from_source(source, origin="file", bos_token=bos, eos_token=eos)
+            try:
+                return cls.from_source(source, origin="file", bos_token=bos, eos_token=eos)
+            except ChatTemplateError as exc:
+                # a template this renderer cannot parse must not make the model unusable
+                log.warning("%s; using the built-in template instead", exc)
         arch = str(metadata.get("general.architecture", ""))
         if arch in BUILTIN_TEMPLATES:
             return cls.from_source(BUILTIN_TEMPLATES[arch], origin=f"builtin:{arch}", bos_token=bos, eos_token=eos)
