@@ -373,8 +373,10 @@ def _not_in_this_build(verb: str) -> Handler:
     return handler
 
 
-def build_registry(session_options: Any = None) -> CommandRegistry:
-    """Every verb; `session_options` (a `session.SessionOptions`, None = defaults) configures SAVE/RESTORE."""
+def build_registry(session_options: Any = None, ctx: ServeContext | None = None) -> CommandRegistry:
+    """Every verb; `session_options` (a `session.SessionOptions`, None = defaults) configures SAVE/RESTORE;
+    with `ctx`, the session identity (which fingerprints the model files) is computed now, not in the
+    first SAVE/RESTORE."""
     registry = CommandRegistry()
     registry.register("COMPLETE", ArgumentKind.JSON, handle_complete)
     registry.register("TOKENIZE", ArgumentKind.JSON, handle_tokenize)
@@ -387,7 +389,7 @@ def build_registry(session_options: Any = None) -> CommandRegistry:
     # SAVE / RESTORE come from the session adapter (imported here: it imports this module).
     from .session.verbs import register_session_verbs
 
-    register_session_verbs(registry, session_options)
+    register_session_verbs(registry, session_options, ctx)
     return registry
 
 
@@ -521,6 +523,7 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
         reader=LineReader(stdin_fd if stdin_fd is not None else sys.stdin.fileno()),
         writer=writer,
     )
+    registry = build_registry(session_options, ctx)
     writer.write(ready_line(runner, tokenizer, template))
     log.info("ready: %s", settings.model_path)
-    return serve_loop(ctx, build_registry(session_options))
+    return serve_loop(ctx, registry)
