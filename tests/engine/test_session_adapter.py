@@ -1,0 +1,370 @@
+"""The engine's session adapter in-process: the format package's conformance kit, the file's layout
+(rings in logical order, int8 sub-heads, the deepest checkpoint), round trips in both restore modes, the
+gate (faults before and after it), refusals of plans the engine cannot take, and the residency refill.
+
+Most tests run on "synthetic" runners: the real models' configurations (gemma3 with its windows shrunk
+to 8 so rings wrap within a few dozen tokens) over a real K/V pool filled with random bytes, without
+weights; the refill test runs the real SmolLM2 model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import attrs
+import numpy as np
+import pytest
+import strata_sessionfile as sf
+from conftest import gemma3_model_path, smollm2_model_path
+from strata_engine.config import ModelConfig
+from strata_engine.gguf import read_gguf
+from strata_engine.kv import KVGeometry, KVParts, KVPool, KVType, make_placement, take_checkpoint
+from strata_engine.ops import get_ops
+from strata_engine.runner import ModelRunner, RunnerState
+from strata_engine.sampling import SamplerState
+from strata_engine.session import (
+    EngineSession,
+    FaultPoint,
+    SamplerAccess,
+    SessionOptions,
+    config_mapping,
+    runner_identity,
+)
+from strata_engine.settings import EngineSettings
+from strata_sessionfile import Part
+from strata_sessionfile import errors as E
+from strata_sessionfile.testing import run_conformance
+
+SMALL_WINDOW = 8  # synthetic gemma3: ring capacity 16
+
+
+@pytest.fixture(scope="module")
+def models():
+    out = {}
+    for name, path in (("gemma3", gemma3_model_path()), ("smollm2", smollm2_model_path())):
+        gguf = read_gguf(path)
+        config = ModelConfig.from_gguf(gguf)
+        # Fewer layers (gemma3: one period of 5 sliding-window layers and a global one) keep the files
+        # small; the conformance kit saves and restores a few hundred of them.
+        layers = config.layers[:6] if name == "gemma3" else config.layers[:4]
+        if name == "gemma3":
+            layers = tuple(attrs.evolve(lc, window=SMALL_WINDOW if lc.window is not None else None) for lc in layers)
+        out[name] = (path, gguf, attrs.evolve(config, layers=tuple(layers), n_layer=len(layers)))
+    return out
+
+
+@pytest.fixture
+def tmp_path(tmp_path):
+    """A scratch folder on tmpfs where there is one: the library fsyncs every save, which on a disk
+    dominates these tests' time without testing anything the sessionfile tests do not."""
+    shm = "/dev/shm"
+    if not (os.path.isdir(shm) and os.access(shm, os.W_OK)):
+        yield tmp_path
+        return
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="strata-session-test-", dir=shm))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def synthetic_runner(models, name: str, kv_type: str = "f16", n_ctx: int = 64,
+                     kv_resident: int | None = None) -> ModelRunner:
+    path, gguf, config = models[name]
+    settings = EngineSettings(path, n_ctx=n_ctx, kv_type=kv_type, kv_resident=kv_resident)
+    pool = KVPool(KVGeometry.from_config(config, n_ctx, KVType(kv_type)), get_ops("numpy", "f32"))
+    return ModelRunner(settings, gguf, config, None, pool, make_placement(pool, kv_resident))
+
+
+def _random_parts(rng: np.random.Generator, pool: KVPool, i: int, m: int) -> KVParts:
+    layer = pool.layer(i)
+    row = layer.k.shape[1:]
+    if layer.k_scale is None:
+        def values():
+            return rng.standard_normal((m, *row)).astype(layer.k.dtype)
+
+        return KVParts(values(), values())
+
+    def q():
+        return rng.integers(-127, 128, (m, *row), dtype=np.int8)
+
+    def s():
+        return rng.random((m, *layer.k_scale.shape[1:]), dtype=np.float32)
+
+    return KVParts(q(), q(), s(), s())
+
+
+def fill(runner: ModelRunner, n: int, seed: int, checkpoint_at: int | None = None) -> ModelRunner:
+    """Give the runner a conversation of n random tokens with random K/V (and a ring checkpoint)."""
+    rng = np.random.default_rng(seed)
+    runner.erase()
+    pool = runner.pool
+    tokens = tuple(int(t) for t in rng.integers(0, 1000, n))
+    checkpoints = []
+
+    def append(lo: int, hi: int) -> None:
+        for pos in range(lo, hi, 5):
+            m = min(5, hi - pos)
+            pool.begin_append(pos, m)
+            for i in range(pool.geometry.n_layers):
+                pool.write(i, pos, _random_parts(rng, pool, i, m))
+            pool.commit_append(m)
+
+    cut = n if checkpoint_at is None else checkpoint_at
+    append(0, cut)
+    if checkpoint_at is not None and pool.geometry.max_window is not None:
+        checkpoints.append(take_checkpoint(pool))
+    append(cut, n)
+    runner.restore_state(RunnerState(tokens, pool.ring_start, tuple(checkpoints)))
+    return runner
+
+
+def live_digest(runner: ModelRunner, sampler: SamplerAccess | None = None) -> tuple:
+    """Everything a restore could change: tokens, extent, checkpoints, every held K/V byte, the sampler."""
+    pool = runner.pool
+    held = []
+    for i in range(pool.geometry.n_layers):
+        lo, hi = pool.held_range(i)
+        held.append(b"".join(a.tobytes() for a in pool.read(i, lo, hi).arrays()))
+    cps = [(c.position, c.start, b"".join(a.tobytes() for p in c.layers.values() for a in p.arrays()))
+           for c in runner.checkpoints]
+    return (tuple(runner.tokens_held), pool.n_tokens, pool.ring_start, tuple(held), tuple(cps),
+            sampler.get().to_bytes() if sampler else None)
+
+
+def _factory(models, name: str, kv_type: str, staging: bool):
+    identity = runner_identity(synthetic_runner(models, name, kv_type))
+
+    def factory(seed: int) -> EngineSession:
+        n = 40 + seed % 7
+        runner = fill(synthetic_runner(models, name, kv_type), n, seed, checkpoint_at=n - 2 - seed % 3)
+        return EngineSession(runner, SamplerAccess.holder(SamplerState.seeded(seed)), identity=identity,
+                             staging=staging)
+
+    return factory
+
+
+@pytest.mark.parametrize(("name", "kv_type", "staging"), [("gemma3", "f16", True), ("smollm2", "int8", False)])
+def test_conformance_kit_passes(models, tmp_path, name, kv_type, staging):
+    ran = run_conformance(_factory(models, name, kv_type, staging), tmp_path, random_truncations=8,
+                          random_flips=24)
+    assert {"round_trip", "truncation", "binding", "gate_before", "gate_after", "file_types"} <= set(ran)
+    assert ("staged" in ran) == staging
+
+
+def test_file_layout_rings_in_logical_order_and_deepest_checkpoint(models, tmp_path):
+    runner = fill(synthetic_runner(models, "gemma3"), 50, seed=3, checkpoint_at=46)
+    pool = runner.pool
+    ring = pool.geometry.ring_layers[0]
+    start = 50 - SMALL_WINDOW
+    assert start % pool.geometry.layers[ring].capacity + SMALL_WINDOW > pool.geometry.layers[ring].capacity, \
+        "the saved window must wrap around the ring for this test to mean something"
+    path = tmp_path / "s.ssf"
+    sf.save(path, EngineSession(runner))
+    info = sf.inspect(path)
+    data = path.read_bytes()
+    by_layer = {}
+    for ext in info.layout.extents:
+        a = info.layout.data_offset + ext.data_offset
+        by_layer[(ext.layer, ext.part)] = data[a : a + ext.size]
+    for i, g in enumerate(info.metadata.layers):
+        expect_lo = start if g.spec.window else 0
+        assert g.spec.window == (SMALL_WINDOW if i in pool.geometry.ring_layers else 0)
+        assert g.tokens_held == 50 - expect_lo
+        parts = pool.read(i, expect_lo, 50)
+        assert by_layer[(i, Part.K)] == parts.k.tobytes() and by_layer[(i, Part.V)] == parts.v.tobytes()
+    state = info.metadata.state
+    fields = json.loads(state.engine_fields)
+    assert fields == {"layout": 1, "ring_start": start, "checkpoint": {"position": 46, "start": 46 - SMALL_WINDOW + 1}}
+    cp = runner.checkpoints[-1]
+    assert state.checkpoint.token_index == 46
+    assert state.checkpoint.data == b"".join(cp.layers[i].k.tobytes() + cp.layers[i].v.tobytes()
+                                             for i in pool.geometry.ring_layers)
+    assert tuple(state.tokens) == tuple(runner.tokens_held) and state.position == 50
+
+
+def test_int8_layers_are_sub_heads_of_one_scale_each(models, tmp_path):
+    runner = fill(synthetic_runner(models, "smollm2", "int8"), 20, seed=1)
+    geometry = runner.kv_geometry.layers[0]
+    n_scales = int(np.prod(runner.pool.layer(0).k_scale.shape[1:]))
+    spec = EngineSession(runner).specs[0]
+    assert spec.k_dtype is sf.DType.I8 and spec.n_kv_heads == n_scales
+    assert spec.n_kv_heads * spec.head_dim_k == geometry.n_kv_heads * geometry.head_dim
+    sf.save(tmp_path / "q.ssf", EngineSession(runner))
+    g = sf.inspect(tmp_path / "q.ssf").metadata.layers[0]
+    assert g.part_size(Part.K_SCALES) == runner.pool.read(0, 0, 20).k_scale.nbytes
+    assert config_mapping(runner)["kv_int8_scale_block"] == geometry.n_kv_heads * geometry.head_dim // n_scales
+
+
+@pytest.mark.parametrize("mode", ["streaming", "staged"])
+def test_round_trip_restores_pool_state_checkpoint_and_sampler(models, tmp_path, mode):
+    source = fill(synthetic_runner(models, "gemma3", kv_resident=4), 50, seed=5, checkpoint_at=47)
+    source_sampler = SamplerAccess.holder(SamplerState.seeded(1234))
+    sf.save(tmp_path / "s.ssf", EngineSession(source, source_sampler))
+    target = fill(synthetic_runner(models, "gemma3"), 37, seed=6, checkpoint_at=30)
+    target_sampler = SamplerAccess.holder(SamplerState.seeded(99))
+    report = sf.restore(tmp_path / "s.ssf", EngineSession(target, target_sampler), mode=mode)
+    assert report.mode.value == mode and report.n_tokens == 50
+    restored = live_digest(target, target_sampler)
+    original = live_digest(source, source_sampler)
+    # Only the last `window` tokens of a ring layer are saved: compare the ranges the file holds.
+    assert restored[0] == original[0] and restored[1] == 50 and restored[2] == 50 - SMALL_WINDOW
+    for i in range(source.kv_geometry.n_layers):
+        lo, _ = target.pool.held_range(i)
+        a, b = source.pool.read(i, lo, 50), target.pool.read(i, lo, 50)
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(a.arrays(), b.arrays(), strict=True))
+    assert restored[4] == original[4][-1:]  # the deepest checkpoint, byte for byte
+    assert restored[5] == original[5]
+
+
+def test_empty_conversation_saves_and_restores_as_empty(models, tmp_path):
+    empty = synthetic_runner(models, "smollm2")
+    report = sf.save(tmp_path / "e.ssf", EngineSession(empty))
+    assert report.n_tokens == 0
+    target = fill(synthetic_runner(models, "smollm2"), 12, seed=2)
+    sf.restore(tmp_path / "e.ssf", EngineSession(target))
+    assert target.n_held == 0 and target.pool.n_tokens == 0
+
+
+def test_save_failure_keeps_the_old_file(models, tmp_path):
+    runner = fill(synthetic_runner(models, "smollm2"), 30, seed=4)
+    path = tmp_path / "s.ssf"
+    sf.save(path, EngineSession(runner))
+    before = path.read_bytes()
+    with pytest.raises(E.AdapterFailed, match="injected"):
+        sf.save(path, EngineSession(fill(runner, 31, seed=5), fault=FaultPoint.SAVE_DURING_COPY))
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["s.ssf"]
+
+
+@pytest.mark.parametrize("mode", ["streaming", "staged"])
+def test_fault_before_the_gate_leaves_the_live_conversation_exactly(models, tmp_path, mode):
+    sf.save(tmp_path / "s.ssf", EngineSession(fill(synthetic_runner(models, "gemma3"), 44, seed=7, checkpoint_at=40)))
+    live = fill(synthetic_runner(models, "gemma3", kv_resident=4), 33, seed=8, checkpoint_at=31)
+    sampler = SamplerAccess.holder(SamplerState.seeded(5))
+    before = live_digest(live, sampler)
+    session = EngineSession(live, sampler, fault=FaultPoint.RESTORE_BEFORE_GATE)
+    with pytest.raises(E.AdapterFailed, match="before the gate"):
+        sf.restore(tmp_path / "s.ssf", session, mode=mode)
+    assert live_digest(live, sampler) == before and not session.live_touched
+
+
+@pytest.mark.parametrize(("mode", "fault"), [("streaming", FaultPoint.RESTORE_AFTER_GATE),
+                                             ("streaming", FaultPoint.RESTORE_AT_COMMIT)])
+def test_fault_after_the_gate_fail_stops_and_drops_the_conversation(models, tmp_path, mode, fault):
+    sf.save(tmp_path / "s.ssf", EngineSession(fill(synthetic_runner(models, "smollm2"), 44, seed=7)))
+    live = fill(synthetic_runner(models, "smollm2"), 33, seed=8)
+    session = EngineSession(live, fault=fault)
+    with pytest.raises(E.FailStop):
+        sf.restore(tmp_path / "s.ssf", session, mode=mode, block_size=64 << 10)
+    assert session.fail_stopped is not None and live.n_held == 0 and live.pool.n_tokens == 0
+
+
+def test_staged_commit_failure_marks_the_live_pool_touched(models, tmp_path):
+    """A staged restore whose switch fails after writing the pool is no clean refusal: the serve verb
+    turns it into a fail-stop because `live_touched` says the live K/V was written."""
+    sf.save(tmp_path / "s.ssf", EngineSession(fill(synthetic_runner(models, "smollm2"), 44, seed=7)))
+    live = fill(synthetic_runner(models, "smollm2"), 33, seed=8)
+    session = EngineSession(live, fault=FaultPoint.RESTORE_AT_COMMIT)
+    with pytest.raises(E.AdapterFailed, match="at the commit"):
+        sf.restore(tmp_path / "s.ssf", session, mode="staged")
+    assert session.live_touched
+
+
+class _Tampered:
+    """Writes the source's session with a modified running state (valid hashes: only the engine can tell)."""
+
+    def __init__(self, inner: EngineSession, change):
+        self.inner, self.change = inner, change
+
+    def identity(self):
+        return self.inner.identity()
+
+    def snapshot(self):
+        snap = self.inner.snapshot()
+        return attrs.evolve(snap, state=self.change(snap.state))
+
+    def copy_out(self, *args):
+        return self.inner.copy_out(*args)
+
+
+@pytest.mark.parametrize("change", [
+    pytest.param(lambda st: attrs.evolve(st, engine_fields=b'{"layout":1,"ring_start":0,"checkpoint":null}'),
+                 id="ring_start"),
+    pytest.param(lambda st: attrs.evolve(st, checkpoint=sf.Checkpoint(st.checkpoint.token_index,
+                                                                      st.checkpoint.data[:-4])), id="checkpoint_size"),
+    pytest.param(lambda st: attrs.evolve(st, sampler_state=b"\x00" * 45), id="sampler_state"),
+    pytest.param(lambda st: attrs.evolve(st, position=st.position + 1), id="position"),
+    pytest.param(lambda st: attrs.evolve(st, engine_fields=b"not json"), id="engine_fields"),
+])
+def test_plans_the_engine_cannot_take_are_refused_before_the_gate(models, tmp_path, change):
+    source = EngineSession(fill(synthetic_runner(models, "gemma3"), 44, seed=7, checkpoint_at=41))
+    sf.save(tmp_path / "t.ssf", _Tampered(source, change))
+    live = fill(synthetic_runner(models, "gemma3"), 30, seed=8, checkpoint_at=29)
+    before = live_digest(live)
+    with pytest.raises(E.InconsistentState):
+        sf.restore(tmp_path / "t.ssf", EngineSession(live))
+    assert live_digest(live) == before
+
+
+def test_session_options_fault_only_from_the_environment():
+    assert SessionOptions.from_environ("streaming", {}).fault is None
+    options = SessionOptions.from_environ("staged", {"STRATA_ENGINE_SESSION_FAULT": "restore-after-gate"})
+    assert options.fault is FaultPoint.RESTORE_AFTER_GATE and options.restore_mode is sf.RestoreMode.STAGED
+    with pytest.raises(ValueError, match="STRATA_ENGINE_SESSION_FAULT"):
+        SessionOptions.from_environ("auto", {"STRATA_ENGINE_SESSION_FAULT": "bogus"})
+
+
+# ---- the residency refill, on the real model ----------------------------------------------------------
+
+N_REFILL = 64
+N_RESIDENT = 16
+
+
+@pytest.fixture(scope="module")
+def real_smollm2():
+    def load(**kw) -> ModelRunner:
+        return ModelRunner.load(EngineSettings(smollm2_model_path(), n_ctx=256, **kw))
+
+    return load
+
+
+def test_residency_refill_is_necessary(real_smollm2, tmp_path):
+    rng = np.random.default_rng(11)
+    conv_x = [int(t) for t in rng.integers(100, 20000, N_REFILL)]
+    conv_y = [int(t) for t in rng.integers(100, 20000, N_REFILL)]
+    following = conv_x + [1001, 1002, 1003]
+
+    source = real_smollm2()
+    source.prefill(conv_x)
+    sf.save(tmp_path / "x.ssf", EngineSession(source))
+    expected = source.prefill(following)
+
+    def restored_turn(skip: tuple[str, ...]):
+        target = real_smollm2(kv_resident=N_RESIDENT)
+        target.prefill(conv_y)  # its resident rings now hold Y's last tokens at the same positions
+        for name in skip:
+            setattr(target.placement, name, lambda *a, **k: None)
+        sf.restore(tmp_path / "x.ssf", EngineSession(target))
+        pool_same = all(
+            a.tobytes() == b.tobytes()
+            for i in range(source.kv_geometry.n_layers)
+            for a, b in zip(target.pool.read(i, 0, N_REFILL).arrays(),
+                            source.pool.read(i, 0, N_REFILL).arrays(), strict=True))
+        return target, pool_same
+
+    target, pool_same = restored_turn(())
+    got = target.prefill(following)
+    assert pool_same and got.cache_n == expected.cache_n == N_REFILL
+    assert np.array_equal(got.logits, expected.logits)
+
+    # Skip the refill (and the reset of the rings' extent): the pool bytes and the reuse count look right,
+    # yet decoding reads Y's stale slots.
+    target, pool_same = restored_turn(("refill", "truncated"))
+    stale = target.prefill(following)
+    assert pool_same and stale.cache_n == expected.cache_n
+    assert not np.allclose(stale.logits, expected.logits, atol=1e-2)
