@@ -1,0 +1,317 @@
+"""The engine's numeric operations on an NVIDIA GPU through CuPy: the twin of `numpy_ops.NumpyOps`.
+
+Same methods, same shapes, same meaning; `xp` is `cupy`. Weights live on the device in the compute
+dtype (f32, f16, or bf16 where this CuPy has a bfloat16 dtype). Matrix products go to cuBLAS through
+`cupy.matmul`; the element-wise and normalisation steps are fused CuPy kernels (`_Kernels`) that
+compute in float32 whatever the storage dtype; attention always computes in float32 and walks the
+keys in blocks with an online softmax (flash-style), so a 32K-token prefill never materialises a
+[H, T, S] score matrix larger than `ATTENTION_SCORE_BUDGET` bytes.
+
+`cupy` is imported when a `CupyOps` is made, never at module import, so this module (and
+`blocked_attention`, the algorithm, which runs on numpy too and is tested here on the CPU) imports
+on machines without CuPy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..config import Activation, RopeStyle
+from ..errors import SettingsError
+from .numpy_ops import _GELU_C, NumpyOps
+
+# Bytes of float32 attention scores one key block may occupy ([Hkv, G*T, block]).
+ATTENTION_SCORE_BUDGET = 256 << 20
+MIN_KEY_BLOCK = 256
+
+
+def blocked_attention(
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    q_pos0: int,
+    k_pos0: int,
+    window: int | None,
+    scale: float,
+    key_block: int,
+    out_dtype: Any,
+) -> Any:
+    """Causal (optionally sliding-window) GQA attention over key blocks with an online softmax.
+
+    q [T, H, D]; k, v [S, Hkv, D] (any float dtype; computed in float32). A query at position p sees
+    keys at j <= p with p - j < window. Key blocks wholly outside every query's view are skipped.
+    Returns [T, H*D] in `out_dtype`. Per block: s = q k^T * scale + mask; m' = max(m, rowmax s);
+    acc = acc * e^(m - m') + e^(s - m') v; l = l * e^(m - m') + rowsum e^(s - m'); out = acc / l."""
+    f32 = xp.float32
+    n_q, n_head, d = q.shape
+    n_k, n_kv, _ = k.shape
+    group = n_head // n_kv
+    rows = group * n_q
+    # [T, Hkv, G, D] -> [Hkv, G*T, D]: row r of a K/V head is query position q_pos0 + r % T.
+    qg = q.astype(f32).reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3).reshape(n_kv, rows, d)
+    q_first, q_last = q_pos0, q_pos0 + n_q - 1
+    # Keys any query can see: [lo_vis, hi_vis] in positions.
+    lo_vis = k_pos0 if window is None else max(k_pos0, q_first - window + 1)
+    hi_vis = min(k_pos0 + n_k - 1, q_last)
+    m = xp.full((n_kv, rows, 1), -np.inf, dtype=f32)
+    l_sum = xp.zeros((n_kv, rows, 1), dtype=f32)
+    acc = xp.zeros((n_kv, rows, d), dtype=f32)
+    qpos = xp.arange(q_first, q_last + 1)[:, None]  # [T, 1]
+    start = lo_vis - k_pos0
+    stop = hi_vis - k_pos0 + 1
+    for b0 in range(start, max(start, stop), key_block):
+        b1 = min(b0 + key_block, stop)
+        kb = k[b0:b1].astype(f32, copy=False).transpose(1, 2, 0)  # [Hkv, D, B]
+        vb = v[b0:b1].astype(f32, copy=False).transpose(1, 0, 2)  # [Hkv, B, D]
+        s = xp.matmul(qg, kb)  # [Hkv, G*T, B]
+        s *= f32(scale)
+        kpos0, kpos1 = k_pos0 + b0, k_pos0 + b1 - 1
+        needs_mask = kpos1 > q_first or (window is not None and q_last - kpos0 >= window)
+        if needs_mask:
+            kpos = xp.arange(kpos0, kpos1 + 1)[None, :]  # [1, B]
+            visible = kpos <= qpos
+            if window is not None:
+                visible &= (qpos - kpos) < window
+            bias = xp.where(visible, f32(0), f32(-np.inf)).astype(f32)  # [T, B]
+            s = s.reshape(n_kv, group, n_q, b1 - b0)
+            s += bias
+            s = s.reshape(n_kv, rows, b1 - b0)
+        m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
+        # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp() gives 0, not NaN.
+        shift = xp.where(m_new == f32(-np.inf), f32(0), m_new)
+        s -= shift
+        xp.exp(s, out=s)
+        correction = xp.exp(m - shift)
+        l_sum *= correction
+        l_sum += s.sum(axis=-1, keepdims=True)
+        acc *= correction
+        acc += xp.matmul(s, vb)
+        m = m_new
+    acc /= l_sum
+    out = acc.reshape(n_kv, group, n_q, d).transpose(2, 0, 1, 3).reshape(n_q, n_head * d)
+    return out.astype(out_dtype, copy=False)
+
+
+def key_block_for(n_kv: int, rows: int, budget: int = ATTENTION_SCORE_BUDGET) -> int:
+    """Keys per block so that one block's float32 scores [Hkv, rows, block] fit the budget."""
+    return max(MIN_KEY_BLOCK, budget // (4 * n_kv * max(rows, 1)))
+
+
+_ROPE_BODY = r"""
+const int d = i % dim;
+const int t = i / (dim * heads);
+float out;
+if (d >= 2 * half) {
+    out = (float)x[i];
+} else if (neox) {
+    const int j = d < half ? d : d - half;
+    const float c = cos_t[t * half + j];
+    const float s = sin_t[t * half + j];
+    if (d < half) {
+        out = (float)x[i] * c - (float)x[i + half] * s;
+    } else {
+        out = (float)x[i] * c + (float)x[i - half] * s;
+    }
+} else {
+    const int j = d >> 1;
+    const float c = cos_t[t * half + j];
+    const float s = sin_t[t * half + j];
+    if ((d & 1) == 0) {
+        out = (float)x[i] * c - (float)x[i + 1] * s;
+    } else {
+        out = (float)x[i] * c + (float)x[i - 1] * s;
+    }
+}
+y = (T)out;
+"""
+
+
+class _Kernels:
+    """The fused CuPy kernels (compiled on first use by CuPy's kernel cache)."""
+
+    def __init__(self, cp: Any):
+        self.sum_squares = cp.ReductionKernel(
+            "T x", "float32 y", "(float)x * (float)x", "a + b", "y = a", "0", "strata_sum_squares"
+        )
+        self.scale_rows = cp.ElementwiseKernel(
+            "T x, float32 ms, T w, float32 eps",
+            "T y",
+            "y = (T)((float)x * (1.0f / sqrtf(ms + eps)) * (float)w)",
+            "strata_rms_scale",
+        )
+        self.silu_mul = cp.ElementwiseKernel(
+            "T g, T u",
+            "T y",
+            "const float gf = (float)g; y = (T)(gf / (1.0f + expf(-gf)) * (float)u)",
+            "strata_silu_mul",
+        )
+        self.gelu_tanh_mul = cp.ElementwiseKernel(
+            "T g, T u",
+            "T y",
+            f"const float gf = (float)g;"
+            f"y = (T)(0.5f * gf * (1.0f + tanhf({_GELU_C!r}f * (gf + 0.044715f * gf * gf * gf))) * (float)u)",
+            "strata_gelu_tanh_mul",
+        )
+        self.rope = cp.ElementwiseKernel(
+            "raw T x, raw float32 cos_t, raw float32 sin_t, int32 heads, int32 dim, int32 half, bool neox",
+            "T y",
+            _ROPE_BODY,
+            "strata_rope",
+        )
+        self.dequant_int8 = cp.ElementwiseKernel(
+            "raw int8 q, raw float32 scale, int32 block",
+            "T y",
+            "y = (T)((float)q[i] * scale[i / block])",
+            "strata_dequant_int8",
+        )
+
+
+def _device_dtypes(cp: Any) -> dict[str, np.dtype]:
+    out = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
+    try:  # bfloat16 needs ml_dtypes and a CuPy that accepts it
+        import ml_dtypes
+
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        probe = cp.ones((2, 2), dtype=bf16)
+        cp.matmul(probe, probe)
+        out["bf16"] = bf16
+    except Exception:  # noqa: BLE001 - any failure means: not available here
+        pass
+    return out
+
+
+class CupyOps(NumpyOps):
+    """`NumpyOps` on the GPU. Host inputs (token ids, float32 weights) are uploaded; `logits` and
+    `to_host` download. Internal arithmetic is float32 where the dtype is f16/bf16."""
+
+    name = "cupy"
+
+    def __init__(self, dtype: str = "f32"):
+        try:
+            import cupy as cp
+        except ImportError as e:  # pragma: no cover - exercised on machines without CuPy
+            raise SettingsError([f"backend 'cupy' needs the cupy package: {e}"]) from None
+        if cp.cuda.runtime.getDeviceCount() < 1:  # pragma: no cover
+            raise SettingsError(["backend 'cupy' found no CUDA device"])
+        self.xp = cp
+        dtypes = _device_dtypes(cp)
+        if dtype not in dtypes:
+            raise SettingsError(
+                [f"compute dtype {dtype!r} is not available on the cupy backend (have: {', '.join(dtypes)})"]
+            )
+        self.dtype = dtypes[dtype]
+        self.kernels = _Kernels(cp)
+        self.score_budget = ATTENTION_SCORE_BUDGET  # bytes of float32 scores per attention key block
+
+    # ---- data movement -------------------------------------------------------------------------
+    def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:
+        host = np.asarray(host)
+        if dtype is not None and host.dtype != dtype:
+            host = host.astype(dtype)  # convert on the host: half the bytes cross the bus for f16
+        return self.xp.ascontiguousarray(self.xp.asarray(host))
+
+    def to_host(self, arr: Any) -> np.ndarray:
+        return self.xp.asnumpy(arr) if isinstance(arr, self.xp.ndarray) else np.asarray(arr)
+
+    def weight(self, host_f32: np.ndarray) -> Any:
+        return self.asarray(host_f32, self.dtype)
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work (before a host clock is read or host memory is shared)."""
+        self.xp.cuda.get_current_stream().synchronize()
+
+    # ---- elementwise and normalisation ---------------------------------------------------------
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        cp = self.xp
+        x = cp.ascontiguousarray(x)
+        ms = self.kernels.sum_squares(x, axis=-1, keepdims=True)
+        ms /= np.float32(x.shape[-1])
+        out = cp.empty_like(x)
+        self.kernels.scale_rows(x, ms, weight.astype(x.dtype, copy=False), np.float32(eps), out)
+        return out
+
+    def silu(self, x: Any) -> Any:
+        return self.kernels.silu_mul(x, self.xp.ones_like(x))
+
+    def gelu_tanh(self, x: Any) -> Any:
+        return self.kernels.gelu_tanh_mul(x, self.xp.ones_like(x))
+
+    def gated_mlp(self, x: Any, w_gate: Any, w_up: Any, w_down: Any, activation: Activation) -> Any:
+        gate = self.matmul(x, w_gate)
+        up = self.matmul(x, w_up)
+        fused = self.kernels.silu_mul if activation is Activation.SILU else self.kernels.gelu_tanh_mul
+        fused(gate, up, gate)  # in place: act(gate) * up
+        return self.matmul(gate, w_down)
+
+    # ---- rotary position embedding -------------------------------------------------------------
+    def rope_tables(self, pos0: int, n: int, base: float, rope_dim: int) -> tuple[Any, Any]:
+        """float32 device tables whatever the compute dtype (the kernel rotates in float32)."""
+        inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+        angles = np.arange(pos0, pos0 + n, dtype=np.float64)[:, None] * inv_freq[None, :]
+        return self.asarray(np.cos(angles), np.float32), self.asarray(np.sin(angles), np.float32)
+
+    def rope(self, x: Any, cos: Any, sin: Any, style: RopeStyle) -> Any:
+        cp = self.xp
+        x = cp.ascontiguousarray(x)
+        n_tok, heads, dim = x.shape
+        half = cos.shape[-1]
+        assert cos.shape[0] == n_tok and 2 * half <= dim
+        out = cp.empty_like(x)
+        self.kernels.rope(x, cos, sin, heads, dim, half, style is RopeStyle.NEOX, out)
+        return out
+
+    # ---- attention -----------------------------------------------------------------------------
+    def attention(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        *,
+        q_pos0: int,
+        k_pos0: int,
+        window: int | None,
+        scale: float,
+    ) -> Any:
+        n_q, n_head, _ = q.shape
+        n_kv = k.shape[1]
+        block = key_block_for(n_kv, (n_head // n_kv) * n_q, self.score_budget)
+        return blocked_attention(
+            self.xp,
+            q,
+            k,
+            v,
+            q_pos0=q_pos0,
+            k_pos0=k_pos0,
+            window=window,
+            scale=scale,
+            key_block=block,
+            out_dtype=self.dtype,
+        )
+
+    # ---- int8 K/V ------------------------------------------------------------------------------
+    def dequantize_int8(self, q: Any, scale: Any) -> Any:
+        cp = self.xp
+        block = q.shape[-1] // scale.shape[-1]
+        out = cp.empty(q.shape, dtype=self.dtype)
+        self.kernels.dequant_int8(
+            cp.ascontiguousarray(q), cp.ascontiguousarray(scale, dtype=cp.float32), block, out
+        )
+        return out
+
+    # ---- output --------------------------------------------------------------------------------
+    def logits(self, x: Any, w_out: Any) -> np.ndarray:
+        return self.to_host(self.matmul(x, w_out)).astype(np.float32, copy=False)
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy as cp
+
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no cupy, no driver, no device: all mean "no"
+        return False

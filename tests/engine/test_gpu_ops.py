@@ -1,0 +1,204 @@
+"""CuPy operations against their NumPy twins (GPU), and the blocked attention algorithm (CPU too).
+
+Tolerances (relative L2 error ||gpu - numpy|| / ||numpy|| on fresh random inputs, float32 reference):
+  f32: 1e-5 (element-wise ops and reductions in a different order); matmul/attention 1e-5 (cuBLAS
+  f32 without TF32: CuPy leaves TF32 off unless CUPY_TF32=1).
+  f16: 2e-3 (one rounding to a 10-bit mantissa per stored value);  bf16: 1.6e-2 (7-bit mantissa).
+int8 K/V: dequantize(quantize(x)) is bit-identical to numpy's (same float32 products and rint).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from strata_engine.config import Activation, RopeStyle
+from strata_engine.ops.cupy_ops import blocked_attention, key_block_for
+from strata_engine.ops.numpy_ops import NumpyOps
+
+TOL = {"f32": 1e-5, "f16": 2e-3, "bf16": 1.6e-2}
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert np.all(np.isfinite(got)), "non-finite output"
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _attention_case(rng, n_q, n_k, n_head, n_kv, d, q_pos0):
+    q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((n_k, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n_k, n_kv, d)).astype(np.float32)
+    return q, k, v, q_pos0, q_pos0 + n_q - n_k
+
+
+# ---- the algorithm, on numpy (runs everywhere) -------------------------------------------------
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "n_head", "n_kv", "d", "q_pos0", "window", "block"),
+    [
+        (37, 37, 9, 3, 64, 0, None, 8),  # prefill from 0, many blocks, GQA 3
+        (16, 300, 4, 1, 32, 284, None, 64),  # chunk after a held prefix
+        (16, 300, 4, 1, 32, 284, 50, 32),  # sliding window: early blocks skipped, partial masks
+        (1, 513, 4, 1, 16, 900, 512, 100),  # decode in a window
+        (64, 64, 2, 2, 8, 5, 3, 7),  # tiny window, blocks smaller than the window
+    ],
+)
+def test_blocked_attention_matches_numpy_attention(n_q, n_k, n_head, n_kv, d, q_pos0, window, block):
+    rng = np.random.default_rng(n_q * 1000 + n_k)
+    q, k, v, q0, k0 = _attention_case(rng, n_q, n_k, n_head, n_kv, d, q_pos0)
+    ref = NumpyOps("f64").attention(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+        q_pos0=q0, k_pos0=k0, window=window, scale=0.125,
+    )  # fmt: skip
+    got = blocked_attention(
+        np, q, k, v, q_pos0=q0, k_pos0=k0, window=window, scale=0.125, key_block=block, out_dtype=np.float32
+    )
+    assert got.shape == (n_q, n_head * d)
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_key_block_respects_the_score_budget():
+    assert key_block_for(1, 4 * 512, budget=256 << 20) == (256 << 20) // (4 * 4 * 512)
+    assert key_block_for(64, 10**6, budget=1 << 20) == 256  # never below the minimum block
+
+
+# ---- CuPy twins (GPU) ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cp():
+    return pytest.importorskip("cupy")
+
+
+def _ops(dtype: str):
+    from strata_engine.ops.cupy_ops import CupyOps
+
+    try:
+        return CupyOps(dtype)
+    except Exception as e:  # bf16 where this CuPy lacks the dtype
+        pytest.skip(f"cupy compute dtype {dtype} unavailable: {e}")
+
+
+DTYPES = ["f32", "f16", "bf16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_silu_gelu_match_numpy(cp, dtype):
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((33, 640)) * 3).astype(np.float32)
+    w = rng.standard_normal(640).astype(np.float32)
+    xd, wd = ops.asarray(x, ops.dtype), ops.weight(w)
+    xr = ops.to_host(xd).astype(np.float32)  # the same rounded inputs for the reference
+    wr = ops.to_host(wd).astype(np.float32)
+    assert rel_err(ops.to_host(ops.rms_norm(xd, wd, 1e-6)), ref.rms_norm(xr, wr, 1e-6)) < TOL[dtype]
+    assert rel_err(ops.to_host(ops.silu(xd)), ref.silu(xr)) < TOL[dtype]
+    assert rel_err(ops.to_host(ops.gelu_tanh(xd)), ref.gelu_tanh(xr)) < TOL[dtype]
+    # per-head norm over the last axis of a 3-D tensor (gemma3's q/k norms)
+    x3 = rng.standard_normal((5, 4, 256)).astype(np.float32)
+    w3 = rng.standard_normal(256).astype(np.float32)
+    got = ops.to_host(ops.rms_norm(ops.asarray(x3, ops.dtype), ops.weight(w3), 1e-6))
+    want = ref.rms_norm(
+        ops.to_host(ops.asarray(x3, ops.dtype)).astype(np.float32),
+        ops.to_host(ops.weight(w3)).astype(np.float32),
+        1e-6,
+    )
+    assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", list(Activation))
+def test_matmul_and_gated_mlp_match_numpy(cp, dtype, activation):
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((17, 576)).astype(np.float32)
+    wg, wu = (
+        (rng.standard_normal((1536, 576)) / 24).astype(np.float32),
+        (rng.standard_normal((1536, 576)) / 24).astype(np.float32),
+    )
+    wd = (rng.standard_normal((576, 1536)) / 40).astype(np.float32)
+    dev = [ops.asarray(a, ops.dtype) for a in (x, wg, wu, wd)]
+    host = [ops.to_host(a).astype(np.float32) for a in dev]
+    assert rel_err(ops.to_host(ops.matmul(dev[0], dev[1])), ref.matmul(host[0], host[1])) < TOL[dtype]
+    got = ops.to_host(ops.gated_mlp(*dev, activation))
+    want = ref.gated_mlp(*host, activation)
+    assert rel_err(got, want) < 2 * TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("style", "heads", "dim", "rope_dim"),
+    [(RopeStyle.INTERLEAVED, 9, 64, 64), (RopeStyle.NEOX, 4, 256, 256), (RopeStyle.NEOX, 3, 64, 32)],
+)
+def test_rope_matches_numpy(cp, dtype, style, heads, dim, rope_dim):
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((21, heads, dim)).astype(np.float32)
+    xd = ops.asarray(x, ops.dtype)
+    xr = ops.to_host(xd).astype(np.float32)
+    cos, sin = ops.rope_tables(4090, 21, 10000.0, rope_dim)
+    rc, rs = ref.rope_tables(4090, 21, 10000.0, rope_dim)
+    assert rel_err(ops.to_host(cos), rc) < 1e-7 and rel_err(ops.to_host(sin), rs) < 1e-7
+    assert rel_err(ops.to_host(ops.rope(xd, cos, sin, style)), ref.rope(xr, rc, rs, style)) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "n_head", "n_kv", "d", "q_pos0", "window"),
+    [
+        (512, 512, 9, 3, 64, 0, None),  # smollm2 prefill chunk
+        (1, 4097, 9, 3, 64, 4096, None),  # smollm2 decode
+        (512, 1023, 4, 1, 256, 3000, 512),  # gemma3 local layer chunk
+        (512, 8192, 4, 1, 256, 7680, None),  # gemma3 global layer, several key blocks at a small budget
+    ],
+)
+def test_attention_matches_numpy(cp, dtype, n_q, n_k, n_head, n_kv, d, q_pos0, window):
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(4)
+    q, k, v, q0, k0 = _attention_case(rng, n_q, n_k, n_head, n_kv, d, q_pos0)
+    dev = [ops.asarray(a, ops.dtype) for a in (q, k, v)]
+    host = [ops.to_host(a).astype(np.float32) for a in dev]
+    want = ref.attention(*host, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5)
+    ops.score_budget = 8 << 20  # several key blocks on the long cases
+    got = ops.to_host(ops.attention(*dev, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5))
+    assert rel_err(got, want) < max(TOL[dtype], 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [32, None])
+def test_int8_quantize_dequantize_match_numpy(cp, dtype, group):
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((40, 3, 64)) * rng.uniform(0.1, 8, (40, 3, 1))).astype(np.float32)
+    x[3, 1] = 0.0  # an all-zero block keeps scale 0 and decodes to 0
+    xd = ops.asarray(x, ops.dtype)
+    xr = ops.to_host(xd).astype(np.float32)
+    q, s = ops.quantize_int8(xd, group)
+    qr, sr = ref.quantize_int8(xr, group)
+    qh, sh = ops.to_host(q), ops.to_host(s)
+    assert qh.dtype == np.int8 and sh.dtype == np.float32
+    if dtype == "f32":
+        np.testing.assert_array_equal(sh, sr)
+        assert (
+            np.abs(qh.astype(int) - qr.astype(int)).max() <= 1
+        )  # rint ties after a different division order
+    back = ops.to_host(ops.dequantize_int8(q, s)).astype(np.float32)
+    np.testing.assert_allclose(back, ref.dequantize_int8(qh, sh), rtol=TOL[dtype], atol=0)
+    assert np.all(back[3, 1] == 0)
+    assert rel_err(back, xr) < 1e-2  # int8 itself: < 1 % of the signal
+
+
+@pytest.mark.gpu
+def test_embed_and_logits(cp):
+    ops, ref = _ops("f32"), NumpyOps("f32")
+    rng = np.random.default_rng(6)
+    table = rng.standard_normal((1000, 64)).astype(np.float32)
+    ids = np.array([0, 999, 5, 5, 123])
+    got = ops.to_host(ops.embed(ops.weight(table), ids, scale=8.0))
+    np.testing.assert_array_equal(got, ref.embed(table.copy(), ids, scale=8.0))
+    logits = ops.logits(ops.asarray(got[-1:]), ops.weight(table))
+    assert isinstance(logits, np.ndarray) and logits.dtype == np.float32 and logits.shape == (1, 1000)
+    assert rel_err(logits, got[-1:] @ table.T) < 1e-5
