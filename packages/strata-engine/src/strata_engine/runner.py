@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 
 from .config import ModelConfig
-from .errors import ContextOverflow, EngineError, InvalidToken, KVStateError
+from .errors import ContextOverflow, EngineError, InvalidToken, KVStateError, SettingsError
 from .gguf import GGUFFile, read_gguf
 from .kv import (
     KVGeometry,
@@ -27,12 +27,12 @@ from .kv import (
     KVType,
     PoolPlacement,
     RingCheckpoint,
-    make_placement,
     restore_checkpoint,
     take_checkpoint,
 )
+from .kv.device import make_placement_for, make_pool
 from .models import Model, build_model
-from .ops import get_ops
+from .ops import get_ops, resolve_backend
 from .settings import DEFAULT_N_CTX_CAP, EngineSettings
 
 
@@ -101,13 +101,30 @@ class ModelRunner:
     @classmethod
     def load(cls, settings: EngineSettings) -> ModelRunner:
         settings.validate()
+        # "auto" is resolved here, so the settings held (and the config fingerprint) name the backend.
+        settings = attrs.evolve(settings, backend=resolve_backend(settings.backend))
         gguf_file = read_gguf(settings.model_path)
         config = ModelConfig.from_gguf(gguf_file)
-        n_ctx = settings.n_ctx if settings.n_ctx is not None else min(config.n_ctx_train, DEFAULT_N_CTX_CAP)
         ops = get_ops(settings.backend, settings.compute_dtype)
         model = build_model(config, ops, gguf_file)
-        pool = KVPool(KVGeometry.from_config(config, n_ctx, KVType(settings.kv_type)), ops)
-        placement = make_placement(pool, settings.kv_resident)
+        return cls._assemble(settings, gguf_file, config, model)
+
+    def sibling(self, **changes: object) -> ModelRunner:
+        """A runner on the same loaded model (weights shared, nothing reloaded) with its own K/V pool,
+        placement and conversation; `changes` may alter the K/V settings (n_ctx, kv_type,
+        kv_resident, prompt_cache, prefill_chunk, max_checkpoints), not what the weights depend on."""
+        fixed = {"model_path", "compute_dtype", "backend"} & set(changes)
+        if fixed:
+            raise SettingsError([f"{name} cannot differ from the loaded model's" for name in sorted(fixed)])
+        settings = attrs.evolve(self.settings, **changes).validate()
+        return self._assemble(settings, self.gguf, self.config, self.model)
+
+    @classmethod
+    def _assemble(cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model) -> ModelRunner:
+        n_ctx = settings.n_ctx if settings.n_ctx is not None else min(config.n_ctx_train, DEFAULT_N_CTX_CAP)
+        geometry = KVGeometry.from_config(config, n_ctx, KVType(settings.kv_type))
+        pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
+        placement = make_placement_for(pool, settings.kv_resident)
         return cls(settings, gguf_file, config, model, pool, placement)
 
     # ---- state ---------------------------------------------------------------------------------

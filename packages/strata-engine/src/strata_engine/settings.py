@@ -9,8 +9,8 @@ import attrs
 from .errors import SettingsError
 
 KV_TYPES = ("f32", "f16", "int8")
-COMPUTE_DTYPES = ("f32", "f64")
-BACKENDS = ("numpy",)  # the GPU issue adds "cupy"
+COMPUTE_DTYPES = ("f32", "f64", "f16", "bf16")  # f16/bf16: cupy backend only
+BACKENDS = ("numpy", "cupy", "auto")  # auto: cupy where a CUDA device is usable
 # A context size the engine picks when none is given: the model's training context, capped here so a
 # 32K-context model does not preallocate 32K tokens of K/V by default (llama-server caps the same way
 # only when asked; the cap is stated in --help and in `ModelRunner.n_ctx`).
@@ -25,13 +25,15 @@ class EngineSettings:
     n_ctx: tokens of context (K/V capacity of full-attention layers); None = min(the model's training
         context, 8192).
     kv_type: storage type of the K/V pool: "f32", "f16" (default) or "int8" (per-token-per-head scales).
-    compute_dtype: activations and dequantized weights: "f32" (default) or "f64" (a numerics check).
+    compute_dtype: activations and dequantized weights: "f32" (default), "f64" (a numerics check; numpy),
+        "f16" or "bf16" (cupy; bf16 where this CuPy has the dtype).
     kv_resident: None = the pool is read directly (pool placement); N = the pool is a host pool and
         an N-token resident ring per layer sits in front of it (reads of recent tokens hit the ring).
     prompt_cache: reuse the longest valid common prefix of the held conversation on the next prefill.
     prefill_chunk: tokens evaluated per batched forward pass during prefill.
     max_checkpoints: sliding-window ring checkpoints kept (the most recent, i.e. deepest, ones).
-    backend: "numpy" (the GPU issue adds "cupy").
+    backend: "numpy", "cupy", or "auto" (cupy where a CUDA device is usable; `ModelRunner.load`
+        resolves it, so `runner.settings.backend` names the backend actually running).
     """
 
     model_path: Path = attrs.field(converter=Path)
@@ -62,6 +64,8 @@ class EngineSettings:
             out.append(f"max_checkpoints must be a non-negative integer, got {self.max_checkpoints!r}")
         if self.backend not in BACKENDS:
             out.append(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        elif self.backend == "numpy" and self.compute_dtype in ("f16", "bf16"):
+            out.append(f"compute_dtype {self.compute_dtype!r} needs the cupy backend")
         return out
 
     def validate(self) -> EngineSettings:
