@@ -11,12 +11,13 @@ Identity
     ``model_fingerprint(files) -> ModelIdentity`` from ``(role, path)`` pairs in load order;
     ``config_fingerprint(mapping) -> ConfigIdentity``; ``engine_identity(files, mapping)``.
 Writing
-    ``save(path, adapter, *, block_size=16 MiB, progress=None) -> SaveReport`` (crash-safe: temp file,
-    fsync, rename, folder fsync).
+    ``save(path, adapter, *, block_size=16 MiB, progress=None, buffers=None) -> SaveReport`` (crash-safe:
+    temp file, fsync, rename, folder fsync). ``BlockBuffers(block_size)``: two reusable block buffers an
+    engine may keep and pass as ``buffers=`` to every save and restore.
 Reading
     ``inspect(path, *, verify=True, identity=None, limits=None) -> Inspection`` (the read pass alone);
     ``restore(path, adapter, *, mode="auto"|"streaming"|"staged", block_size, progress,
-    memory_available) -> RestoreReport``.
+    memory_available, buffers) -> RestoreReport``.
 Adapter protocol (``strata_sessionfile.adapter``)
     ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
     restore), ``BufferProvider`` (optional own block buffers), ``SessionAdapter`` (source + target).
@@ -55,10 +56,10 @@ from .records import (
     SaveReport,
     Snapshot,
 )
-from .writer import save
+from .writer import BlockBuffers, save
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "BufferProvider", "Checkpoint", "ConfigIdentity", "DType",
+    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "BlockBuffers", "BufferProvider", "Checkpoint", "ConfigIdentity", "DType",
     "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
     "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
     "SaveReport", "SessionAdapter", "SessionFileError", "SessionSource", "SessionTarget", "Snapshot",

@@ -11,7 +11,7 @@ import os
 import queue
 import stat
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from . import errors as E
 from .records import FileStamp, PartExtent
@@ -143,6 +143,9 @@ def iter_blocks(extents: Sequence[PartExtent], data_length: int, block_size: int
 _STOP = object()
 
 
+HASH_SLICE = 1 << 20  # the write helper hashes a slice while it is cache-hot, then writes it
+
+
 class ReadAhead:
     """A helper thread reads block k+1 into one buffer while the caller consumes block k from the other.
 
@@ -150,7 +153,7 @@ class ReadAhead:
     """
 
     def __init__(self, fd: int, buffers: Sequence[memoryview], file_offset: int, length: int, block_size: int,
-                 path: str, on_bytes: Callable[[int], None] | None = None) -> None:
+                 path: str) -> None:
         assert len(buffers) >= 2 and all(len(b) >= block_size for b in buffers[:2])
         self.fd, self.buffers, self.file_offset, self.length = fd, buffers[:2], file_offset, length
         self.block_size, self.path = block_size, path
@@ -201,8 +204,7 @@ class ReadAhead:
 class WriteBehind:
     """A helper thread hashes and writes block k while the caller fills block k+1 in the other buffer."""
 
-    def __init__(self, fd: int, buffers: Sequence[memoryview], hasher, on_written: Callable[[int], None] | None = None
-                 ) -> None:
+    def __init__(self, fd: int, buffers: Sequence[memoryview], hasher) -> None:
         self.fd, self.buffers, self.hasher = fd, buffers[:2], hasher
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         self.full: queue.SimpleQueue = queue.SimpleQueue()
@@ -221,8 +223,10 @@ class WriteBehind:
             if self.error is None:
                 try:
                     view = self.buffers[idx][:n]
-                    self.hasher.update(view)
-                    write_all(self.fd, view)
+                    for lo in range(0, n, HASH_SLICE):  # hash each slice while it is cache-hot, then write it
+                        piece = view[lo:lo + HASH_SLICE]
+                        self.hasher.update(piece)
+                        write_all(self.fd, piece)
                 except BaseException as exc:
                     self.error = exc
             self.free.put(idx)

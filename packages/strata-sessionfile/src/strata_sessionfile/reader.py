@@ -44,7 +44,7 @@ from .records import (
     RestoreReport,
     SessionMetadata,
 )
-from .writer import MIN_BLOCK_SIZE, _adapter_call, block_buffers
+from .writer import MIN_BLOCK_SIZE, BlockBuffers, _adapter_call, block_buffers
 
 _U32_SIZE = 4
 
@@ -172,7 +172,7 @@ def _preflight(opened: _Opened, block_size: int, memory_available: Callable[[], 
 
 
 def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase) -> int:
-    """Read the data section in blocks (helper thread), hash each, call deliver(block_start, view, segments)."""
+    """Read the data section in blocks (helper thread), hash each, call deliver(view, segments) per block."""
     layout = opened.layout
     blocks = _fileio.iter_blocks(layout.extents, layout.data_length, block_size)
     reader = _fileio.ReadAhead(opened.fd, buffers, layout.data_offset, layout.data_length, block_size, opened.path)
@@ -180,7 +180,7 @@ def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, pro
     try:
         for (start, view), (b_start, b_len, segments) in zip(reader, blocks, strict=False):
             assert start == b_start and len(view) == b_len
-            hasher.update(view)
+            hasher.update(view)  # on this thread, while the helper reads the next block
             if deliver is not None:
                 deliver(view, segments)
             done += len(view)
@@ -226,7 +226,7 @@ def inspect(path: str | os.PathLike, *, verify: bool = True, identity: EngineIde
         opened = _open_metadata(fd, path, identity, limits)
         digest = None
         if verify:
-            digest = _hash_pass(opened, [memoryview(bytearray(block_size)) for _ in range(2)], block_size, None)
+            digest = _hash_pass(opened, BlockBuffers(block_size).views, block_size, None)
         return Inspection(path, opened.header, opened.metadata, opened.layout, verify, digest)
     finally:
         os.close(fd)
@@ -307,8 +307,13 @@ def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, bu
 
 def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMode | str = RestoreMode.AUTO,
             block_size: int = DEFAULT_BLOCK_SIZE, progress: Callable[[Progress], None] | None = None,
-            memory_available: Callable[[], int | None] | None = _fileio.memory_available) -> RestoreReport:
-    """Validate ``path`` against the adapter's engine and apply it (see the module docstring)."""
+            memory_available: Callable[[], int | None] | None = _fileio.memory_available,
+            buffers: BlockBuffers | None = None) -> RestoreReport:
+    """Validate ``path`` against the adapter's engine and apply it (see the module docstring).
+
+    ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
+    ``memory_available``: a probe of the free RAM in bytes for the preflight (None skips it).
+    """
     if block_size < MIN_BLOCK_SIZE:
         raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
     mode = RestoreMode(mode)
@@ -329,16 +334,16 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
                                        path=path)
         plan = RestorePlan(path, opened.header, opened.metadata, opened.layout, opened.stamp,
                            RestoreMode.STAGED if staged else RestoreMode.STREAMING)
-        buffers = block_buffers(adapter, block_size)
+        views = block_buffers(adapter, block_size, buffers)
         if staged:
             _adapter_call(adapter.check_plan, plan)
             t_read = time.perf_counter()
-            _apply_staged(opened, adapter, plan, buffers, block_size, progress)
+            _apply_staged(opened, adapter, plan, views, block_size, progress)
         else:
-            _hash_pass(opened, buffers, block_size, progress)
+            _hash_pass(opened, views, block_size, progress)
             _adapter_call(adapter.check_plan, plan)
             t_read = time.perf_counter()
-            _apply_streaming(opened, adapter, plan, buffers, block_size, progress)
+            _apply_streaming(opened, adapter, plan, views, block_size, progress)
         t_end = time.perf_counter()
         return RestoreReport(path, plan.mode, plan.state.n_tokens, opened.bytes_read, opened.stamp.size,
                              t_end - t0, t_read - t0, t_end - t_read)

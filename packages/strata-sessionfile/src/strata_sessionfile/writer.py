@@ -12,6 +12,7 @@ temporary and leaves the old file untouched; a failed folder fsync after it rais
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import secrets
 import time
@@ -39,19 +40,44 @@ def _adapter_call(fn, *args):
         raise E.AdapterFailed(f"adapter {getattr(fn, '__name__', fn)} raised {type(exc).__name__}: {exc}") from exc
 
 
-def block_buffers(adapter, block_size: int) -> list[memoryview]:
-    """Two block buffers: the adapter's own (BufferProvider) or two fresh bytearrays."""
+class BlockBuffers:
+    """Two block buffers (anonymous memory maps) that a caller may keep and pass to every save/restore,
+    so no call pays for allocating and faulting in fresh buffers."""
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if block_size < MIN_BLOCK_SIZE:
+            raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
+        self.block_size = block_size
+        self._maps = [mmap.mmap(-1, block_size) for _ in range(2)]
+        self.views = [memoryview(m) for m in self._maps]
+
+    def close(self) -> None:
+        for v in self.views:
+            v.release()
+        for m in self._maps:
+            m.close()
+
+
+def block_buffers(adapter, block_size: int, buffers: BlockBuffers | None = None) -> list[memoryview]:
+    """Two block buffers: the caller's (BlockBuffers), the adapter's own (BufferProvider), or fresh maps."""
+    if buffers is not None:
+        if buffers.block_size < block_size:
+            raise ValueError(f"the given buffers hold {buffers.block_size} bytes, block_size is {block_size}")
+        return buffers.views
     if isinstance(adapter, BufferProvider):
         bufs = list(_adapter_call(adapter.block_buffers, 2, block_size))
         if len(bufs) < 2 or any(len(b) < block_size or b.readonly for b in bufs[:2]):
             raise E.AdapterFailed(f"block_buffers must return 2 writable memoryviews of {block_size} bytes")
         return [memoryview(b).cast("B") for b in bufs[:2]]
-    return [memoryview(bytearray(block_size)) for _ in range(2)]
+    return BlockBuffers(block_size).views
 
 
 def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
-         progress: Callable[[Progress], None] | None = None) -> SaveReport:
-    """Write the adapter's session to ``path`` (atomically replacing any file there)."""
+         progress: Callable[[Progress], None] | None = None, buffers: BlockBuffers | None = None) -> SaveReport:
+    """Write the adapter's session to ``path`` (atomically replacing any file there).
+
+    ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
+    """
     if block_size < MIN_BLOCK_SIZE:
         raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
     t0 = time.perf_counter()
@@ -90,8 +116,8 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
         if progress:
             progress(Progress(Phase.COPY, done, total))
         if layout.data_length:
-            buffers = block_buffers(adapter, block_size)
-            pipeline = _fileio.WriteBehind(fd, buffers, hasher)
+            views = block_buffers(adapter, block_size, buffers)
+            pipeline = _fileio.WriteBehind(fd, views, hasher)
             for _start, length, segments in _fileio.iter_blocks(layout.extents, layout.data_length, block_size):
                 buf = pipeline.acquire()
                 for layer, part, part_offset, seg_len, buf_offset in segments:
