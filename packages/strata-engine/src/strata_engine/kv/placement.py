@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from .layout import KVGeometry, LayerGeometry
+from .layout import KVGeometry
 from .pool import KVParts, KVPool
 
 
@@ -82,13 +82,7 @@ class ResidentRingPlacement(PoolPlacement):
                 kv_type=geo.kv_type,
                 n_ctx=geo.n_ctx,
                 layers=tuple(
-                    LayerGeometry(
-                        g.index,
-                        g.n_kv_heads,
-                        g.head_dim,
-                        window=n_resident,
-                        capacity=min(n_resident, g.capacity),
-                    )
+                    attrs.evolve(g, window=n_resident, capacity=min(n_resident, g.capacity))
                     for g in geo.layers
                 ),
             ),

@@ -29,7 +29,8 @@ _ALIGN = 64
 @attrs.frozen(eq=False)
 class KVParts:
     """Encoded K/V of a token range in logical order: k, v ``[n, Hkv, D]`` of the storage dtype; for
-    int8, k_scale and v_scale ``[n, Hkv]`` float32 (value = int8 * scale), else None."""
+    int8, k_scale and v_scale ``[n, Hkv, D / scale_block]`` float32 (value = int8 * scale of its
+    block of `scale_block` values along D), else None."""
 
     k: Any
     v: Any
@@ -78,14 +79,15 @@ def ring_spans(lo: int, hi: int, capacity: int) -> list[tuple[int, int, int]]:
 class KVCodec:
     """Encode compute-dtype K/V to the storage type and decode it back (int8 through `ops`)."""
 
-    def __init__(self, kv_type: KVType, ops: NumpyOps):
+    def __init__(self, kv_type: KVType, ops: NumpyOps, scale_block: int = 0):
         self.kv_type = kv_type
         self.ops = ops
+        self.scale_block = scale_block
 
     def encode(self, k: Any, v: Any) -> KVParts:
         if self.kv_type is KVType.INT8:
-            kq, ks = self.ops.quantize_int8(k)
-            vq, vs = self.ops.quantize_int8(v)
+            kq, ks = self.ops.quantize_int8(k, self.scale_block)
+            vq, vs = self.ops.quantize_int8(v, self.scale_block)
             return KVParts(kq, vq, ks, vs)
         dt = self.kv_type.storage_dtype
         return KVParts(k.astype(dt), v.astype(dt))
@@ -105,7 +107,9 @@ class KVPool:
     def __init__(self, geometry: KVGeometry, ops: NumpyOps):
         self.geometry = geometry
         self.ops = ops
-        self.codec = KVCodec(geometry.kv_type, ops)
+        blocks = {g.scale_block for g in geometry.layers}
+        assert len(blocks) <= 1, "one int8 scale block size for the whole pool"
+        self.codec = KVCodec(geometry.kv_type, ops, blocks.pop() if blocks else 0)
         xp = ops.xp
         offsets: list[list[tuple[int, int, tuple[int, ...], np.dtype]]] = []
         total = 0
@@ -114,7 +118,7 @@ class KVPool:
             parts = []
             shapes = [((g.capacity, *g.row_shape), sdt)] * 2
             if geometry.kv_type.has_scales:
-                shapes += [((g.capacity, g.n_kv_heads), SCALE_DTYPE)] * 2
+                shapes += [((g.capacity, *g.scale_shape), SCALE_DTYPE)] * 2
             for shape, dt in shapes:
                 n = int(np.prod(shape)) * dt.itemsize
                 parts.append((total, n, shape, dt))
@@ -261,8 +265,8 @@ class KVPool:
         for name, arr, shape, dt in (
             ("k", parts.k, expected, sdt),
             ("v", parts.v, expected, sdt),
-            ("k_scale", parts.k_scale, expected[:2], SCALE_DTYPE),
-            ("v_scale", parts.v_scale, expected[:2], SCALE_DTYPE),
+            ("k_scale", parts.k_scale, (n, *g.scale_shape), SCALE_DTYPE),
+            ("v_scale", parts.v_scale, (n, *g.scale_shape), SCALE_DTYPE),
         ):
             if name.endswith("scale") and not self.geometry.kv_type.has_scales:
                 if arr is not None:

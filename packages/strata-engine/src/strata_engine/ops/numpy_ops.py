@@ -155,16 +155,24 @@ class NumpyOps:
         return xp.where(visible, self.dtype.type(0), self.dtype.type(-np.inf)).astype(self.dtype)
 
     # ---- int8 K/V ------------------------------------------------------------------------------
-    def quantize_int8(self, x: Any) -> tuple[Any, Any]:
-        """Symmetric int8 over the last axis: x ~ q * scale, scale = max|x| / 127 (float32)."""
+    def quantize_int8(self, x: Any, group: int | None = None) -> tuple[Any, Any]:
+        """Symmetric int8 over blocks of `group` values of the last axis (None: the whole axis):
+        x ~ q * scale with scale = max|block| / 127 (float32, shape x.shape[:-1] + (n_blocks,))."""
         xp = self.xp
-        scale = (xp.abs(x).max(axis=-1) / INT8_MAX).astype(xp.float32)
+        d = x.shape[-1]
+        g = d if group is None else group
+        blocks = x.reshape(*x.shape[:-1], d // g, g)
+        scale = (xp.abs(blocks).max(axis=-1) / INT8_MAX).astype(xp.float32)
         safe = xp.where(scale > 0, scale, xp.float32(1.0))
-        q = xp.rint(x / safe[..., None]).clip(-INT8_MAX, INT8_MAX).astype(xp.int8)
-        return q, scale
+        q = xp.rint(blocks / safe[..., None]).clip(-INT8_MAX, INT8_MAX).astype(xp.int8)
+        return q.reshape(x.shape), scale
 
     def dequantize_int8(self, q: Any, scale: Any) -> Any:
-        return q.astype(self.dtype) * scale[..., None].astype(self.dtype)
+        d = q.shape[-1]
+        n_blocks = scale.shape[-1]
+        blocks = q.reshape(*q.shape[:-1], n_blocks, d // n_blocks).astype(self.dtype)
+        blocks *= scale[..., None].astype(self.dtype)
+        return blocks.reshape(q.shape)
 
     # ---- output --------------------------------------------------------------------------------
     def logits(self, x: Any, w_out: Any) -> np.ndarray:
