@@ -58,9 +58,13 @@ class StrataGunicorn(BaseApplication):
             "loglevel": config.log_level,
             "errorlog": "-",
             "worker_exit": _worker_exit,
+            # gunicorn's control socket (one shared path under $HOME) is not needed: no runtime
+            # reconfiguration, and two servers on one machine must not fight over it.
+            "control_socket_disable": True,
         }
         for key, value in settings.items():
-            self.cfg.set(key, value)
+            if key in self.cfg.settings:  # control_socket_disable exists from gunicorn 24 on
+                self.cfg.set(key, value)
 
     def load(self) -> Any:
         logging.basicConfig(level=self.config.log_level.upper(), stream=sys.stderr,
