@@ -364,15 +364,6 @@ def handle_quit(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
     return {}
 
 
-def _not_in_this_build(verb: str) -> Handler:
-    def handler(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
-        raise ProtocolError(
-            "invalid_request", f"{verb} is not available in this build of the engine", reason="not_available"
-        )
-
-    return handler
-
-
 def build_registry(session_options: Any = None, ctx: ServeContext | None = None) -> CommandRegistry:
     """Every verb; `session_options` (a `session.SessionOptions`, None = defaults) configures SAVE/RESTORE;
     with `ctx`, the session identity (which fingerprints the model files) is computed now, not in the
