@@ -228,3 +228,27 @@ def test_inspect_does_not_need_an_engine(factory, tmp_path):
     assert not info.payload_verified and info.payload_hash is None
     assert info.layout.data_offset % 4096 == 0
     assert os.path.getsize(path) == info.layout.file_size
+
+
+def test_reused_block_buffers(factory, tmp_path):
+    from strata_sessionfile import BlockBuffers
+
+    bufs = BlockBuffers(8192)
+    path = tmp_path / "s.ssf"
+    save(path, factory(1), block_size=8192, buffers=bufs)
+    target = factory(2)
+    restore(path, target, block_size=8192, buffers=bufs)
+    restore(path, factory(3), block_size=4096, buffers=bufs)  # smaller blocks fit too
+    assert target.live_digest() == factory(1).live_digest()
+    with pytest.raises(ValueError):
+        save(path, factory(1), block_size=16384, buffers=bufs)
+    with pytest.raises(ValueError):
+        BlockBuffers(100)
+
+
+def test_reference_adapter_satisfies_every_protocol(factory):
+    from strata_sessionfile import SessionAdapter, SessionSource, SessionTarget, StagingTarget
+
+    a = factory(1)
+    assert isinstance(a, SessionSource) and isinstance(a, SessionTarget)
+    assert isinstance(a, StagingTarget) and isinstance(a, SessionAdapter)
