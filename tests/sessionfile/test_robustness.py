@@ -109,17 +109,6 @@ _meta_op = st.tuples(st.sampled_from(["flip", "u32", "u64"]), st.integers(min_va
                      st.one_of(st.integers(min_value=0, max_value=(1 << 64) - 1), _interesting))
 
 
-class _Watch:
-    """Wraps a MemoryAdapter: asserts that nothing is delivered before the whole read pass is done."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.validated = False
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 def _restore_invariant(path, staging: bool):
     target = (SMALL_STAGING if staging else SMALL)(2)
     before = target.live_digest()

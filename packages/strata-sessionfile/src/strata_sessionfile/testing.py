@@ -190,6 +190,8 @@ def memory_adapter_factory(specs: Sequence[LayerSpec] | None = None, *, n_tokens
 
 
 # --- the conformance run ----------------------------------------------------------------------------
+TRAILER_BACK = 24 + 1  # the last data byte lies just before the 24-byte trailer
+
 class ConformanceFailure(AssertionError):
     def __init__(self, failures: list[str]) -> None:
         super().__init__("conformance failed:\n  " + "\n  ".join(failures))
@@ -493,8 +495,6 @@ def run_conformance(adapter_factory: Callable[[int], object], workdir: str | os.
         raise ConformanceFailure(failures)
     return ran
 
-
-TRAILER_BACK = 24 + 1  # the last data byte lies just before the 24-byte trailer
 
 
 # --- synthetic sessions of any size (RSS test, benchmark) -------------------------------------------
