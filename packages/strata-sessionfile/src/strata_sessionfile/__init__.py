@@ -17,7 +17,8 @@ Writing
 Reading
     ``inspect(path, *, verify=True, identity=None, limits=None) -> Inspection`` (the read pass alone);
     ``restore(path, adapter, *, mode="auto"|"streaming"|"staged", block_size, progress,
-    memory_available, buffers) -> RestoreReport``.
+    memory_available, buffers) -> RestoreReport``; ``memory_available()`` is the default RAM probe
+    (MemAvailable) of the preflight.
 Adapter protocol (``strata_sessionfile.adapter``)
     ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
     restore), ``BufferProvider`` (optional own block buffers), ``SessionAdapter`` (source + target).
@@ -32,6 +33,7 @@ Testing (``strata_sessionfile.testing``)
 """
 
 from . import errors
+from ._fileio import memory_available
 from .adapter import BufferProvider, SessionAdapter, SessionSource, SessionTarget, StagingTarget
 from .errors import SessionFileError
 from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, DType, LayerRole, Part
@@ -63,6 +65,6 @@ __all__ = [
     "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
     "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
     "SaveReport", "SessionAdapter", "SessionFileError", "SessionSource", "SessionTarget", "Snapshot",
-    "StagingTarget", "check_limits", "config_fingerprint", "engine_identity", "errors", "inspect",
+    "StagingTarget", "check_limits", "config_fingerprint", "memory_available", "engine_identity", "errors", "inspect",
     "model_fingerprint", "restore", "save",
 ]
