@@ -73,7 +73,7 @@ def _is_number(value: Any) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
-# field -> (check, what a good value is, default). Unknown fields are ignored, as llama-server does.
+# field -> (check, what a good value is). Unknown fields are ignored, as llama-server does.
 _SCALAR_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "add_special": (lambda v: isinstance(v, bool), "a boolean"),
     "n_predict": (lambda v: _is_int(v) and v >= -1, "an integer >= -1"),

@@ -14,7 +14,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-from .unicode import bytes_to_unicode, gpt2_pattern, single_number_pattern, split_matches_and_gaps
+from .unicode import (
+    bytes_to_unicode,
+    gpt2_pattern,
+    single_number_pattern,
+    split_matches_and_gaps,
+    unicode_to_bytes,
+)
 from .vocab import TokenizerError, UnsupportedTokenizer, Vocabulary
 
 # A pre-tokenizer is a sequence of regex splits applied in turn: each one splits every piece of the
@@ -129,8 +135,6 @@ class BytePairEncoder:
 
     def normal_token_bytes(self, text: str) -> bytes:
         """The bytes a NORMAL token stands for (GPT-2 characters back to bytes)."""
-        from .unicode import unicode_to_bytes
-
         table = unicode_to_bytes()
         try:
             return bytes(table[ch] for ch in text)
