@@ -76,3 +76,45 @@ def test_server_stops_when_engine_cannot_load(tmp_path, fake_model):
     proc.stop()
     assert code == 3
     assert "cannot load model" in proc.log()
+
+
+def test_pings_while_prompt_is_slow_then_disconnect_cancels(tmp_path, fake_model):
+    proc = ServerProcess("--model", str(fake_model), "--sse-ping-interval", "0.2", "--engine-command",
+                         engine_command("--prompt-delay", "0.7", "--token-delay", "0.02"),
+                         log_path=tmp_path / "server.log").start(60)
+    try:
+        with requests.post(proc.url + "/completion", json={"prompt": "slow", "n_predict": 5, "stream": True},
+                           stream=True, timeout=30) as response:
+            frames = response.content.decode().split("\n\n")
+        assert frames[0] == ":" and frames[1] == ":"  # keep-alives while the prompt is evaluated
+        assert json.loads(frames[-2][6:])["stop"] is True
+        # A client that goes away mid-stream: the generation is cancelled, the slot freed at once.
+        response = requests.post(proc.url + "/completion", json={"prompt": "x", "n_predict": 100000,
+                                                                  "stream": True}, stream=True, timeout=30)
+        next(line for line in response.iter_lines() if line and line != b":")
+        response.close()
+        started = time.monotonic()
+        after = requests.post(proc.url + "/tokenize", json={"content": "hi"}, timeout=30)
+        assert after.status_code == 200 and time.monotonic() - started < 5
+    finally:
+        assert proc.stop() == 0
+
+
+def test_concurrent_requests_take_turns(server):
+    import threading
+
+    results = []
+
+    def one(prompt: str) -> None:
+        results.append(requests.post(server.url + "/completion", json={"prompt": prompt, "n_predict": 30, "ignore_eos": True},
+                                     timeout=60))
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in ("first", "second", "third")]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [r.status_code for r in results] == [200, 200, 200]
+    assert time.monotonic() - started >= 3 * 30 * 0.01  # one slot: they ran one after another
+    assert all(r.json()["tokens_predicted"] == 30 for r in results)

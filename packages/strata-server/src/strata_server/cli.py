@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--threads", metavar="N", help="gunicorn gthread threads for I/O (default: 8)")
     add("--timeout", metavar="S", help="gunicorn worker timeout in seconds (default: 600)")
     add("--slot-wait", metavar="S", help="seconds a request waits for the busy slot before a 503 (default: 600)")
+    add("--engine-timeout", metavar="S", help="seconds of engine silence inside one command after which it is "
+        "killed and restarted (default: 0 = never; a huge prompt on a CPU is silent for long)")
     add("--sse-ping-interval", metavar="S", help="keep-alive comment on a silent stream every S seconds "
         "(default: 30; 0: off)")
     add("--engine-command", metavar="CMD", help="command that starts the engine, before --model ... "

@@ -65,6 +65,7 @@ class ServerConfig:
     threads: int = 8
     timeout: int = 600  # gunicorn worker timeout (seconds)
     slot_wait: float = 600.0  # seconds a request waits for the busy slot before a 503
+    engine_timeout: float = 0.0  # silence inside one engine command that means "hung": kill, restart; 0: never
     sse_ping_interval: float = 30.0  # ":" keep-alive comment on a silent stream; 0 turns it off
     max_body_bytes: int = 64 * 1024 * 1024
     engine_command: tuple[str, ...] = ()  # empty: <this python> -m strata_engine.cli serve
@@ -215,6 +216,8 @@ def _check_values(config: ServerConfig) -> list[str]:
         problems.append(f"timeout: {config.timeout} must be at least 1 second")
     if config.slot_wait < 0:
         problems.append(f"slot_wait: {config.slot_wait} is negative")
+    if config.engine_timeout < 0:
+        problems.append(f"engine_timeout: {config.engine_timeout} is negative (0 means never)")
     if config.sse_ping_interval < 0:
         problems.append(f"sse_ping_interval: {config.sse_ping_interval} is negative (0 turns it off)")
     if config.max_body_bytes < 1024:

@@ -18,7 +18,7 @@ from gunicorn.app.base import BaseApplication
 
 from .app import create_app
 from .config import ServerConfig
-from .engine.supervisor import EngineSupervisor
+from .engine.supervisor import EngineSupervisor, SupervisorSettings
 
 log = logging.getLogger("strata_server")
 WORKER_BOOT_ERROR = 3  # gunicorn's Arbiter.WORKER_BOOT_ERROR: the arbiter halts with this status
@@ -69,7 +69,9 @@ class StrataGunicorn(BaseApplication):
     def load(self) -> Any:
         logging.basicConfig(level=self.config.log_level.upper(), stream=sys.stderr,
                             format="%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s")
-        self.supervisor = EngineSupervisor(self.config.engine_argv(), on_give_up=_give_up)
+        settings = SupervisorSettings(slot_wait_s=self.config.slot_wait,
+                                      command_timeout_s=self.config.engine_timeout or None)
+        self.supervisor = EngineSupervisor(self.config.engine_argv(), settings=settings, on_give_up=_give_up)
         app = create_app(self.supervisor, self.config)
         self.supervisor.start()
         return app

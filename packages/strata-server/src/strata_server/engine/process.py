@@ -155,7 +155,7 @@ class ProcessLease(EngineLease):
     """A lease on one engine process. A command left unfinished is finished (or the engine killed)
     before the next command and on release, so the channel never falls out of step."""
 
-    def __init__(self, gate: SlotGate, process: EngineProcess, *, command_timeout_s: float,
+    def __init__(self, gate: SlotGate, process: EngineProcess, *, command_timeout_s: float | None,
                  recover_timeout_s: float = 30.0) -> None:
         super().__init__(gate)
         self.process = process
@@ -177,7 +177,8 @@ class ProcessLease(EngineLease):
 
     def _answers(self, idle_s: float | None) -> Iterator[dict]:
         silent = 0.0
-        step = min(idle_s, self.command_timeout_s) if idle_s else self.command_timeout_s
+        limit = self.command_timeout_s  # None: a long silence (a huge prompt on a CPU) is legitimate
+        step = min(x for x in (idle_s, limit) if x) if (idle_s or limit) else None
         while True:
             try:
                 event = self.process.next_event(timeout=step)
@@ -189,11 +190,12 @@ class ProcessLease(EngineLease):
                 self._open_verb = None
                 raise
             if event is None:
+                assert step is not None
                 silent += step
-                if silent >= self.command_timeout_s:
+                if limit is not None and silent >= limit:
                     self._open_verb = None
                     self.process.kill()
-                    raise EngineDied(f"no answer for {self.command_timeout_s:g} s; the engine was killed")
+                    raise EngineDied(f"no answer for {limit:g} s; the engine was killed")
                 if idle_s:
                     yield IDLE_EVENT
                 continue

@@ -56,7 +56,7 @@ class RestartPolicy:
 @attrs.frozen
 class SupervisorSettings:
     slot_wait_s: float = 600.0  # how long a request waits for the busy slot before a 503
-    command_timeout_s: float = 3600.0  # silence from the engine during one command that means "hung"
+    command_timeout_s: float | None = None  # silence during one command that means "hung" (None: never)
     stop_timeout_s: float = 10.0  # after QUIT, how long before the engine is terminated
 
 
