@@ -52,6 +52,23 @@ class DevicePool(KVPool):
         cp = self.ops.xp
         super().write(i, pos0, _map_parts(parts, cp.asarray))
 
+    # ---- what the session adapter uses on the GPU ------------------------------------------------
+    def pinned_buffers(self, count: int, nbytes: int) -> list[memoryview]:
+        """Block buffers in pinned host memory: device<->host copies into them run as DMA at PCIe
+        speed (~55 GB/s on the H200) instead of through the driver's pageable bounce buffer."""
+        import cupyx
+
+        return [memoryview(cupyx.empty_pinned((nbytes,), dtype=np.uint8)) for _ in range(count)]
+
+    def staging_array(self, nbytes: int) -> Any:
+        """A device byte array for a staged restore (the file's K/V lands in VRAM while it is hashed)."""
+        return self.ops.xp.empty(nbytes, dtype=self.ops.xp.uint8)
+
+    def device_free_bytes(self) -> int:
+        cp = self.ops.xp
+        free, _ = cp.cuda.runtime.memGetInfo()
+        return int(free) + int(cp.get_default_memory_pool().free_bytes())
+
 
 class MappedHostBuffer:
     """`nbytes` of pinned, device-mapped host memory seen as a cupy array (`device`) and a numpy
