@@ -135,11 +135,13 @@ def _to_host(src: Any, dest: np.ndarray) -> None:
         src.get(out=dest)
 
 
-def _from_host(dest: Any, src: np.ndarray) -> None:
+def _from_host(dest: Any, src: Any) -> None:
     if isinstance(dest, np.ndarray):
         dest[...] = src
-    else:
+    elif isinstance(src, np.ndarray):  # host -> device (synchronous for pageable and pinned sources)
         dest.set(src)
+    else:  # device -> device: a staged restore's switch
+        dest[...] = src
 
 
 class EngineSession:
@@ -394,6 +396,7 @@ class EngineSession:
         flat, segs = self._segments(layer, part, starts[layer], offset, len(src))
         for lo, hi, d in segs:
             _from_host(flat[lo:hi], src[d : d + hi - lo])
+        _sync(self.runner.pool)  # the library reuses `src`'s buffer once this returns
 
     def commit(self, state: RunningState) -> None:
         prepared = self._prepared
@@ -427,20 +430,29 @@ class EngineSession:
     def can_stage(self, plan: RestorePlan) -> bool:
         if not self.staging:
             return False
-        have = self.memory_available()
+        device_free = getattr(self.runner.pool, "device_free_bytes", None)  # a device pool stages in VRAM
+        have = device_free() if device_free is not None else self.memory_available()
         return have is None or self.staging_bytes(plan) + STAGING_HEADROOM <= have
 
     def begin_staging(self, plan: RestorePlan) -> None:
         self._require_prepared(plan)
-        self._staged = [
-            [np.empty(g.part_size(p), dtype=np.uint8) if g.part_size(p) else None for p in Part]
-            for g in plan.layers
-        ]
+        # A device pool stages in VRAM (the switch is then a device copy); others in host memory.
+        alloc = getattr(self.runner.pool, "staging_array", None) or (lambda n: np.empty(n, dtype=np.uint8))
+        self._staged = [[alloc(g.part_size(p)) if g.part_size(p) else None for p in Part] for g in plan.layers]
 
     def stage_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
         assert self._staged is not None
         dest = self._staged[layer][part]
-        dest[offset : offset + len(src)] = np.frombuffer(src, dtype=np.uint8)
+        _from_host(dest[offset : offset + len(src)], np.frombuffer(src, dtype=np.uint8))
+        _sync(self.runner.pool)
+
+    def block_buffers(self, count: int, nbytes: int) -> list[memoryview]:
+        """The library's block buffers: pinned host memory for a device pool (its copies run as DMA),
+        plain memory otherwise."""
+        pinned = getattr(self.runner.pool, "pinned_buffers", None)
+        if pinned is not None:
+            return pinned(count, nbytes)
+        return [memoryview(bytearray(nbytes)) for _ in range(count)]
 
     def commit_staged(self, state: RunningState) -> None:
         staged, prepared = self._staged, self._prepared
