@@ -341,3 +341,32 @@ def test_busy_slot_waits_bounded_then_503(make_api):
     finally:
         lease.release()
     assert client.simulate_post("/tokenize", json={"content": "x"}).status_code == 200
+
+
+def test_chat_logprobs(make_api):
+    client, _, _ = make_api()
+    messages = [{"role": "user", "content": "hi"}]
+    body = client.simulate_post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0,
+                                                              "logprobs": True, "top_logprobs": 2}).json
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(entry["top_logprobs"]) == 2 for entry in content)
+    assert content[0]["logprob"] == content[0]["top_logprobs"][0]["logprob"]
+    assert "".join(entry["token"] for entry in content) == body["choices"][0]["message"]["content"]
+    stream = sse_events(client.simulate_post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 4, "temperature": 0, "logprobs": True, "stream": True}).text)
+    streamed = [e["choices"][0]["logprobs"]["content"] for e in stream[1:-2]]
+    assert sum(len(c) for c in streamed) == 4 and all(c[0]["top_logprobs"] == [] for c in streamed)
+    assert_error(client.simulate_post("/v1/chat/completions", json={"messages": messages, "top_logprobs": 3}),
+                 400, "invalid_request_error")
+    assert_error(client.simulate_post("/v1/chat/completions", json={"messages": messages, "logprobs": True,
+                                                                    "top_logprobs": 50}), 400, "invalid_request_error")
+    assert_error(client.simulate_post("/v1/completions", json={"prompt": "x", "logprobs": 2}), 501,
+                 "not_supported_error")
+
+
+def test_apply_template(make_api):
+    client, engine, _ = make_api()
+    messages = [{"role": "user", "content": "hi"}]
+    assert client.simulate_post("/apply-template", json={"messages": messages}).json == \
+        {"prompt": engine.engine.render(messages)}
+    assert_error(client.simulate_post("/apply-template", json={"messages": "x"}), 400, "invalid_request_error")

@@ -168,8 +168,23 @@ class TextCompletionFormat(ResponseFormat):
             usage=self.usage(result), timings=result.get("timings", {}))
 
 
+def openai_logprobs(probs: list[dict], top: int) -> dict:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    return {"content": [
+        {"token": p["token"], "logprob": p["logprob"], "bytes": p["bytes"],
+         "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]}
+                          for t in p["top_logprobs"][:top]]}
+        for p in probs]}
+
+
 class ChatCompletionFormat(ResponseFormat):
     """``POST /v1/chat/completions`` (OpenAI chat): role chunk, content deltas, finish, usage."""
+
+    def _with_logprobs(self, chunk: dict, probs: list[dict]) -> dict:
+        top = self.info.options.top_logprobs
+        if top is not None and chunk["choices"]:
+            chunk["choices"][0]["logprobs"] = openai_logprobs(probs, top)
+        return chunk
 
     def start_chunks(self) -> list[dict]:
         return [self._chunk({"role": "assistant", "content": None}, None)]
@@ -179,7 +194,7 @@ class ChatCompletionFormat(ResponseFormat):
             {"finish_reason": finish, "index": 0, "delta": delta}], **extra)
 
     def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict:
-        return self._chunk({"content": content}, None)
+        return self._with_logprobs(self._chunk({"content": content}, None), probs)
 
     def final_chunks(self, result: dict, lease: EngineLease) -> list[dict]:
         finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
@@ -191,10 +206,10 @@ class ChatCompletionFormat(ResponseFormat):
 
     def response(self, result: dict, probs: list[dict], lease: EngineLease) -> dict:
         finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
-        return self.openai_envelope("chat.completion", choices=[
+        return self._with_logprobs(self.openai_envelope("chat.completion", choices=[
             {"finish_reason": finish, "index": 0,
              "message": {"role": "assistant", "content": result.get("content", "")}}],
-            usage=self.usage(result), timings=result.get("timings", {}))
+            usage=self.usage(result), timings=result.get("timings", {})), probs)
 
 
 class CompletionRun:

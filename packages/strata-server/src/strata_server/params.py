@@ -86,8 +86,7 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "lora": lambda v: v in (None, []),
     "presence_penalty": lambda v: v in (None, 0, 0.0),
     "frequency_penalty": lambda v: v in (None, 0, 0.0),
-    "logprobs": lambda v: v in (None, False, 0),
-    "top_logprobs": lambda v: v in (None, 0),
+    "logprobs": lambda v: v in (None, False, 0),  # chat's boolean form is handled by parse_chat_logprobs
     "post_sampling_probs": lambda v: v in (None, False),
 }
 
@@ -101,13 +100,33 @@ class CompletionOptions:
     include_usage: bool = False
     return_tokens: bool = False
     model: str | None = None
+    top_logprobs: int | None = None  # chat: OpenAI logprobs asked for, with this many alternatives
 
     def settings(self) -> dict[str, Any]:
         """generation_settings as reported back: the engine defaults overlaid with the request's."""
         return {**ENGINE_DEFAULTS, **self.sampling}
 
 
-def parse_options(body: Mapping[str, Any], *, n_vocab: int | None = None) -> CompletionOptions:
+MAX_TOP_LOGPROBS = 20
+
+
+def parse_chat_logprobs(body: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """OpenAI chat's ``logprobs: true`` + ``top_logprobs: N``: the body without them, and N (None: off)."""
+    rest = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+    wanted = body.get("logprobs")
+    top = body.get("top_logprobs")
+    if wanted is None or wanted is False:
+        if top not in (None, 0):
+            raise invalid_request("'top_logprobs' needs 'logprobs': true")
+        return rest, None
+    _bool("logprobs", wanted)
+    n = 0 if top is None else _int("top_logprobs", top)
+    if not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise invalid_request(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {n}")
+    return rest, n
+
+
+def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None) -> CompletionOptions:
     sampling: dict[str, Any] = {}
     for field in SAMPLING_FIELDS:
         for key in field.keys:
@@ -126,12 +145,16 @@ def parse_options(body: Mapping[str, Any], *, n_vocab: int | None = None) -> Com
     if not isinstance(stream_options, dict):
         raise invalid_request("'stream_options' must be an object")
     model = body.get("model")
+    if top_logprobs is not None:
+        # The engine reports the top-N of each step; the chosen token is among them when greedy.
+        sampling["n_probs"] = max(top_logprobs, 1, int(sampling.get("n_probs", 0)))
     return CompletionOptions(
         sampling=sampling,
         stream=_bool("stream", body["stream"]) if body.get("stream") is not None else False,
         include_usage=_bool("stream_options.include_usage", stream_options.get("include_usage", False)),
         return_tokens=_bool("return_tokens", body.get("return_tokens", False)),
         model=model if isinstance(model, str) and model else None,
+        top_logprobs=top_logprobs,
     )
 
 

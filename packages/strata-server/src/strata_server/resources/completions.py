@@ -13,7 +13,7 @@ from ..generation import (
     RunInfo,
     TextCompletionFormat,
 )
-from ..params import parse_messages, parse_options, parse_prompt, read_json
+from ..params import parse_chat_logprobs, parse_messages, parse_options, parse_prompt, read_json
 
 
 def prompt_text(prompt: str | list, lease: EngineLease) -> str:
@@ -71,9 +71,9 @@ class ChatCompletionResource:
         self.ctx = ctx
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_json(req, self.ctx.config.max_body_bytes)
+        body, top_logprobs = parse_chat_logprobs(read_json(req, self.ctx.config.max_body_bytes))
         messages = parse_messages(body)
-        options = parse_options(body)
+        options = parse_options(body, top_logprobs=top_logprobs)
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
         CompletionRun(self.ctx, {"messages": messages, **options.sampling}, options,
                       ChatCompletionFormat(info)).respond(resp)

@@ -6,7 +6,7 @@ import falcon
 
 from ..context import ServerContext
 from ..errors import invalid_request
-from ..params import read_json
+from ..params import parse_messages, read_json
 
 
 def _flag(body: dict, key: str, default: bool) -> bool:
@@ -51,3 +51,16 @@ class DetokenizeResource:
         with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
             result = lease.call("DETOKENIZE", {"tokens": tokens})
         resp.media = {"content": result.get("content", "")}
+
+
+class ApplyTemplateResource:
+    """``POST /apply-template``: the chat template applied, without generating (the peer's endpoint)."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        messages = parse_messages(read_json(req, self.ctx.config.max_body_bytes))
+        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+            result = lease.call("APPLY_TEMPLATE", {"messages": messages, "add_generation_prompt": True})
+        resp.media = {"prompt": result.get("prompt", "")}
