@@ -238,7 +238,7 @@ def test_prompt_longer_than_context(tokenizer, template):
 def test_request_validation_reports_every_problem():
     with pytest.raises(InvalidRequest) as info:
         parse_request(
-            {"prompt": "x", "messages": [], "n_predict": -2, "temperature": "hot", "top_p": 1.5, "top_k": True,
+            {"prompt": "x", "messages": [], "n_predict": -3, "temperature": "hot", "top_p": "high", "top_k": True,
              "seed": -5, "stop": ["", 3], "n_probs": 101, "ignore_eos": 1}
         )  # fmt: skip
     problems = " ".join(info.value.problems)
@@ -313,3 +313,11 @@ def test_prompt_of_exactly_the_context_gets_one_token(tokenizer, template):
     runner = ScriptedRunner(ids_of(tokenizer, " a", " b"), n_ctx=3)
     result = Completer(runner, tokenizer, template).complete(parse_request({"prompt": [5, 6, 7], "temperature": 0}))
     assert result.stop_type is StopType.LIMIT and len(result.tokens) == 1 and runner.n_held == 3
+
+
+def test_llama_server_values_are_accepted_with_its_meaning(tokenizer, template):
+    request = parse_request({"prompt": "x", "top_k": -1, "top_p": 1.5, "min_p": -0.1, "n_predict": -2})
+    assert request.n_predict == -1 and request.sampling.top_k == -1
+    script = ids_of(tokenizer, " a", " b")
+    result, _, _ = run(tokenizer, template, script, top_k=-1, top_p=0.0, min_p=2.0, n_predict=2, temperature=1.0)
+    assert result.tokens == tuple(script)  # top_p <= 0 / min_p > 1 keep the best token only

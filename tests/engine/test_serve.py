@@ -147,7 +147,7 @@ def test_tokenize_detokenize_template(engine):
         (b"COMPLETE", "needs an argument", "bad_argument"),
         (b"COMPLETE {not json", "bad JSON", "bad_json"),
         (b"COMPLETE [1]", "JSON object", "bad_argument"),
-        (b'COMPLETE {"prompt": "x", "top_p": 2, "n_predict": -7}', "top_p", "bad_field"),
+        (b'COMPLETE {"prompt": "x", "top_p": null, "min_p": "low", "n_predict": -7}', "min_p", "bad_field"),
         (b'COMPLETE {"messages": [{"role": "user", "content": 3}]}', "content", "chat_template"),
         (b'TOKENIZE {"content": 5}', "content", "bad_field"),
         (b'DETOKENIZE {"tokens": [99999999]}', "outside the vocabulary", "bad_token"),
@@ -160,7 +160,7 @@ def test_malformed_lines_get_an_error_and_the_engine_keeps_serving(engine, line,
     assert len(answer) == 1 and answer[0]["event"] == "error"
     error = answer[0]["error"]
     assert error["type"] == "invalid_request" and fragment in error["message"] and error["reason"] == reason
-    if fragment == "top_p":
+    if fragment == "min_p":
         assert "n_predict" in error["message"]  # every bad field at once
     assert engine.command("STATUS")[-1]["event"] == "result"
 

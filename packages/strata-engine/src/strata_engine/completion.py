@@ -73,14 +73,16 @@ def _is_number(value: Any) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
-# field -> (check, what a good value is). Unknown fields are ignored, as llama-server does.
+# field -> (check, what a good value is). Unknown fields are ignored, as llama-server does; values
+# llama-server accepts are accepted with its meaning (top_k <= 0, top_p >= 1, min_p <= 0 disable a filter;
+# n_predict -2, "until the context is full", is the same as -1 here).
 _SCALAR_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "add_special": (lambda v: isinstance(v, bool), "a boolean"),
-    "n_predict": (lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
+    "n_predict": (lambda v: _is_int(v) and v >= -2, "an integer >= -2"),
     "temperature": (_is_number, "a finite number"),
-    "top_k": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    "top_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
-    "min_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "top_k": (_is_int, "an integer"),
+    "top_p": (_is_number, "a finite number"),
+    "min_p": (_is_number, "a finite number"),
     "repeat_penalty": (lambda v: _is_number(v) and v > 0.0, "a number > 0"),
     "repeat_last_n": (lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
     "seed": (lambda v: _is_int(v) and -1 <= v < 2**64, "an integer in [-1, 2^64)"),
@@ -150,7 +152,7 @@ def parse_request(obj: Any) -> CompletionRequest:
         prompt=prompt,
         messages=messages,
         add_special=obj.get("add_special"),
-        n_predict=get("n_predict", -1),
+        n_predict=max(get("n_predict", -1), -1),
         sampling=sampling,
         seed=get("seed", -1),
         stop=stop,

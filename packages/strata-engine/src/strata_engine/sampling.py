@@ -105,6 +105,8 @@ def top_p(c: Candidates, p: float, min_keep: int = 1) -> Candidates:
     if p >= 1.0:
         return c
     n = len(c)
+    if n == 0:
+        return c
     probs = softmax(c.logits)
     k = n if c.sorted else min(n, 256)
     while True:
