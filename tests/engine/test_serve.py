@@ -9,16 +9,17 @@ import sys
 import threading
 
 import pytest
-from conftest import load_reference, smollm2_model_path
+from conftest import gemma3_model_path, load_reference, smollm2_model_path
 
 N_CTX = 256
 TIMEOUT_S = 180  # a cap for a loaded CI machine; a healthy run takes seconds
 
 
 class EngineProcess:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, model=None):
+        model = model or smollm2_model_path()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(smollm2_model_path()), *args],
+            [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(model), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -240,3 +241,20 @@ def test_line_reader_lines_polling_and_overlong_lines():
         assert reader.read_line() is None and reader.eof
     finally:
         os.close(read_fd)
+
+
+@pytest.mark.slow
+def test_gemma3_serves_with_its_builtin_turns():
+    process = EngineProcess("--ctx-size", "64", model=gemma3_model_path())
+    try:
+        ready = process.next_line()
+        assert (ready["architecture"], ready["n_vocab"], ready["add_bos"]) == ("gemma3", 262144, True)
+        assert (ready["bos_token"], ready["eos_token"], ready["chat_template_origin"]) == ("<bos>", "<eos>", "builtin:gemma3")
+        prompt = process.command("APPLY_TEMPLATE " + json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+        assert prompt[-1]["prompt"] == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+        case = load_reference("transformers-gemma3-270m.json")["complete"][0]
+        lines = process.complete({"prompt": case["prompt"], "n_predict": 3, "temperature": 0})
+        assert lines[-1]["tokens"] == case["tokens"][:3] and lines[-1]["tokens_evaluated"] == len(case["prompt_tokens"])
+        assert process.command("QUIT")[-1] == {"event": "result"} and process.proc.wait(timeout=30) == 0
+    finally:
+        process.close()
