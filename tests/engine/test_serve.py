@@ -258,3 +258,71 @@ def test_gemma3_serves_with_its_builtin_turns():
         assert process.command("QUIT")[-1] == {"event": "result"} and process.proc.wait(timeout=30) == 0
     finally:
         process.close()
+
+
+def test_unexpected_failure_during_complete_erases_and_keeps_serving():
+    """In process, with a runner whose decode breaks: an `internal` error line, the held conversation
+    erased (its K/V may be half-written), and the loop serves the next line."""
+    import io
+    import os
+    from types import SimpleNamespace
+
+    import numpy as np
+    from strata_engine.chat import ChatTemplate
+    from strata_engine.completion import Completer
+    from strata_engine.gguf.reader import read_gguf
+    from strata_engine.serve import (
+        ExitStatus,
+        LineReader,
+        LineWriter,
+        ServeContext,
+        build_registry,
+        serve_loop,
+    )
+    from strata_engine.tokenizer import Tokenizer
+
+    class BrokenRunner:
+        n_ctx = 64
+        settings = SimpleNamespace(kv_type="f16", backend="numpy", compute_dtype="f32", kv_resident=None,
+                                   prompt_cache=True, model_path="fake.gguf")  # fmt: skip
+        checkpoints = ()
+
+        def __init__(self):
+            self.tokens_held = ()
+
+        @property
+        def n_held(self):
+            return len(self.tokens_held)
+
+        def prefill(self, tokens):
+            self.tokens_held = tuple(tokens)
+            logits = np.zeros(49152, dtype=np.float32)
+            logits[42] = 1.0
+            return SimpleNamespace(logits=logits, cache_n=0, prompt_n=len(tokens))
+
+        def decode(self, token):
+            raise RuntimeError("device lost")
+
+        def erase(self):
+            n, self.tokens_held = len(self.tokens_held), ()
+            return n
+
+    metadata = read_gguf(smollm2_model_path()).metadata
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    template = ChatTemplate.for_model(metadata, tokenizer)
+    runner = BrokenRunner()
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, b'COMPLETE {"prompt": "Hi there", "n_predict": 4, "temperature": 0}\nSTATUS\n')
+    os.close(write_fd)
+    out = io.BytesIO()
+    ctx = ServeContext(runner=runner, tokenizer=tokenizer, template=template,
+                       completer=Completer(runner, tokenizer, template), reader=LineReader(read_fd),
+                       writer=LineWriter(out))  # fmt: skip
+    try:
+        assert serve_loop(ctx, build_registry()) is ExitStatus.CLEAN
+    finally:
+        os.close(read_fd)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == ["token", "error", "result"]
+    assert lines[1]["error"]["type"] == "internal" and "device lost" in lines[1]["error"]["message"]
+    assert lines[2]["n_tokens_held"] == 0  # erased
