@@ -207,7 +207,8 @@ class ServeContext:
         self.writer.write(obj)
 
 
-Handler = Callable[[ServeContext, Any], Mapping[str, Any]]
+# A handler returns the terminal `result` payload, or None for a verb that is never answered (CANCEL).
+Handler = Callable[[ServeContext, Any], Mapping[str, Any] | None]
 
 
 @attrs.frozen
@@ -355,8 +356,11 @@ def handle_erase(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
     return {"n_erased": ctx.runner.erase()}
 
 
-def handle_cancel(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
-    return {"cancelled": False}  # nothing is running: a CANCEL during COMPLETE never reaches here
+def handle_cancel(ctx: ServeContext, argument: Any) -> None:
+    # Nothing is running (a CANCEL during a COMPLETE is consumed by it). No answer: a CANCEL that
+    # arrives just after its COMPLETE ended must not leave a line the client would read as the answer
+    # to its next command.
+    return None
 
 
 def handle_quit(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
@@ -445,7 +449,8 @@ def _serve_lines(ctx: ServeContext, registry: CommandRegistry) -> ExitStatus:
                 log.exception("unexpected failure")
             ctx.writer.write({"event": "error", "error": error_payload(exc)})
             continue
-        ctx.writer.write({"event": "result", **payload})
+        if payload is not None:
+            ctx.writer.write({"event": "result", **payload})
     return ExitStatus.CLEAN
 
 
