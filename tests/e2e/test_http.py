@@ -110,6 +110,11 @@ def test_openai_sdk_chat(server):
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    with_logprobs = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, temperature=0,
+                                                   logprobs=True, top_logprobs=2)
+    entries = with_logprobs.choices[0].logprobs.content
+    assert len(entries) == with_logprobs.usage.completion_tokens and len(entries[0].top_logprobs) == 2
+    assert entries[0].logprob == entries[0].top_logprobs[0].logprob  # greedy: the chosen token is the top one
     completion = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=4, temperature=0)
     assert completion.choices[0].text and completion.usage.completion_tokens == 4
     with pytest.raises(openai.AuthenticationError):

@@ -156,7 +156,8 @@ class FakeEngine:
         yield {"event": "result", "n_erased": n}
 
     def do_cancel(self, arg: dict) -> Iterator[dict]:
-        yield {"event": "result", "cancelled": False}
+        """Outside a COMPLETE a CANCEL is ignored: no answer line (spec/engine-protocol.md)."""
+        yield from ()
 
     def do_quit(self, arg: dict) -> Iterator[dict]:
         yield {"event": "result"}

@@ -194,3 +194,15 @@ def test_slot_actions_need_json_and_no_foreign_origin(make_api, slot_dir):
         assert slot_post(client, "save", body, headers={"Origin": origin}).status_code == 200
     assert slot_post(client, "save", body, content_type="application/json; charset=utf-8").status_code == 200
     assert not list(slot_dir.glob(".strata-tmp-*"))
+
+
+def test_save_folder_flush_failure_says_file_in_place(api, monkeypatch):
+    client, engine, _ = api
+
+    def flush_failed(path):
+        yield {"event": "error", "error": {"type": "session_write_failed", "reason": "dir_fsync_failed",
+                                           "message": "fsync of the folder failed", "file_in_place": True}}
+
+    monkeypatch.setattr(engine.engine, "do_save", flush_failed)
+    error = assert_error(slot_post(client, "save", {"filename": "x.bin"}), 500, "server_error")
+    assert "is in place" in error["message"] and error["reason"] == "dir_fsync_failed"

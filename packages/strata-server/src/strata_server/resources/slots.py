@@ -92,9 +92,13 @@ class SlotsResource:
             except EngineReplyError as exc:
                 self.ctx.metrics.record_save_failure()
                 if exc.kind == "session_write_failed":
-                    raise ApiError(ErrorType.SERVER, f"Unable to save slot: {exc.message}; any previous "
-                                   f"file named {filename!r} is untouched", reason=exc.reason or "write_failed") \
-                        from None
+                    if exc.error.get("file_in_place"):
+                        outcome = (f"the new {filename!r} is in place, but flushing the folder failed, so it "
+                                   "may not survive a power loss")
+                    else:
+                        outcome = f"any previous file named {filename!r} is untouched"
+                    raise ApiError(ErrorType.SERVER, f"Unable to save slot: {exc.message}; {outcome}",
+                                   reason=exc.reason or "write_failed") from None
                 raise
         n_written = int(result.get("n_written", 0))
         save_ms = float(result.get("save_ms", 0.0))
