@@ -192,3 +192,38 @@ def test_any_text_round_trips(tokenizers, text):
 def test_bytes_without_a_token_are_dropped_like_llamacpp(tokenizers):
     smol = tokenizers["smollm2-135m"]
     assert smol.decode(smol.encode("a\x04b")) == "ab"
+
+
+def _partition_as_llamacpp(vocab, text: str, parse_special: bool) -> list:
+    """llama.cpp's tokenizer_st_partition, written plainly: every special token, longest first, splits
+    every raw fragment at each of its non-overlapping occurrences."""
+    fragments = [text] if text else []
+    for special in vocab.special_tokens:
+        if special.needs_parse_special and not parse_special:
+            continue
+        out = []
+        for fragment in fragments:
+            if isinstance(fragment, int):
+                out.append(fragment)
+                continue
+            start = 0
+            while (at := fragment.find(special.text, start)) >= 0:
+                if at > start:
+                    out.append(fragment[start:at])
+                out.append(special.id)
+                start = at + len(special.text)
+            if start < len(fragment):
+                out.append(fragment[start:])
+        fragments = out
+    return fragments
+
+
+def test_special_token_partition_equals_llamacpps_algorithm(tokenizers):
+    rng = random.Random(11)
+    pieces = ["<start_of_turn>", "<end_of_turn>", "<unused12>", "<unused1", "<b>", "</b", "<", ">", "[multimodal]",
+              "<|im_start|>", "<|im_end|>", "<|endoftext|>", "\n", " ", "  ", "\t", "x", "user", "<bos>", "<eos>"]  # fmt: skip
+    for tok in tokenizers.values():
+        for _ in range(80):
+            text = "".join(rng.choice(pieces) * rng.choice([1, 1, 2, 7, 40]) for _ in range(rng.randint(0, 12)))
+            for parse_special in (True, False):
+                assert tok.vocab.partition(text, parse_special) == _partition_as_llamacpp(tok.vocab, text, parse_special)

@@ -57,6 +57,56 @@ class SpecialToken:
     text: str
     id: int
     needs_parse_special: bool
+    rank: int = 0  # position in `Vocabulary.special_tokens` (longest first)
+
+
+# Above this many special tokens sharing a first character (gemma3 has ~6,400 starting with "<"), their
+# presence in a text is found by looking up the text at each position of that character rather than by
+# one substring search per token.
+_SCAN_GROUP_SIZE = 64
+
+
+@attrs.frozen(eq=False)
+class _SpecialIndex:
+    """Special tokens grouped by first character, to find the ones a text contains quickly."""
+
+    by_text: Mapping[str, SpecialToken]
+    groups: Mapping[str, tuple[SpecialToken, ...]]
+    lengths: Mapping[str, tuple[int, ...]]  # distinct text lengths per first character
+
+    @classmethod
+    def build(cls, specials: Sequence[SpecialToken]) -> _SpecialIndex:
+        groups: dict[str, list[SpecialToken]] = {}
+        for special in specials:
+            groups.setdefault(special.text[0], []).append(special)
+        return cls(
+            by_text={s.text: s for s in specials},
+            groups={c: tuple(g) for c, g in groups.items()},
+            lengths={c: tuple(sorted({len(s.text) for s in g})) for c, g in groups.items()},
+        )
+
+    def present(self, text: str) -> list[SpecialToken]:
+        """The special tokens occurring in `text`, longest first."""
+        found: list[SpecialToken] = []
+        for first in set(text).intersection(self.groups):
+            group = self.groups[first]
+            if len(group) <= _SCAN_GROUP_SIZE:
+                found.extend(s for s in group if s.text in text)
+                continue
+            seen: set[str] = set()
+            lengths = self.lengths[first]
+            at = text.find(first)
+            while at >= 0:
+                for n in lengths:
+                    candidate = text[at : at + n]
+                    if len(candidate) < n:
+                        break
+                    if candidate in self.by_text:
+                        seen.add(candidate)
+                at = text.find(first, at + 1)
+            found.extend(self.by_text[t] for t in seen)
+        found.sort(key=lambda s: s.rank)
+        return found
 
 
 @attrs.frozen(eq=False)
@@ -74,6 +124,7 @@ class Vocabulary:
     end_of_generation: frozenset[int]
     # Longest text first: a longer special token wins over a shorter one it contains.
     special_tokens: tuple[SpecialToken, ...] = attrs.field(repr=False)
+    _special_index: _SpecialIndex = attrs.field(repr=False, alias="_special_index")
 
     @property
     def n_vocab(self) -> int:
@@ -94,11 +145,8 @@ class Vocabulary:
         are recognised only with `parse_special`, user-defined ones always.
         """
         fragments: list[str | int] = [text] if text else []
-        present = set(text)
-        for special in self.special_tokens:
+        for special in self._special_index.present(text):
             if special.needs_parse_special and not parse_special:
-                continue
-            if special.text[0] not in present or special.text not in text:
                 continue
             split: list[str | int] = []
             for fragment in fragments:
@@ -176,10 +224,11 @@ class Vocabulary:
                     types[token_id] = TokenType.CONTROL
 
         partition_ids = np.nonzero(np.isin(types, [t.value for t in _PARTITION_TYPES]))[0].tolist()
-        specials = sorted(
-            (SpecialToken(tokens[i], i, int(types[i]) != TokenType.USER_DEFINED) for i in partition_ids),
-            key=lambda s: -len(s.text.encode("utf-8")),
-        )
+        by_length = sorted(partition_ids, key=lambda i: -len(tokens[i].encode("utf-8")))
+        specials = [
+            SpecialToken(tokens[i], i, int(types[i]) != TokenType.USER_DEFINED, rank)
+            for rank, i in enumerate(by_length)
+        ]
         types.setflags(write=False)
         return cls(
             tokens=tokens,
@@ -194,4 +243,5 @@ class Vocabulary:
             add_space_prefix=add_space_prefix,
             end_of_generation=frozenset(end_of_generation),
             special_tokens=tuple(specials),
+            _special_index=_SpecialIndex.build(specials),
         )
