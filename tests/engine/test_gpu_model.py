@@ -39,7 +39,7 @@ def model_path(name: str) -> Path:
     if os.environ.get(env):
         return Path(os.environ[env])
     try:
-        from tests.conftest import gemma3_model_path, smollm2_model_path
+        from conftest import gemma3_model_path, smollm2_model_path
 
         return smollm2_model_path() if name == "smollm2" else gemma3_model_path()
     except Exception as e:  # noqa: BLE001 - model package not installed here
@@ -47,7 +47,7 @@ def model_path(name: str) -> Path:
 
 
 def reference(name: str) -> list[dict]:
-    from tests.conftest import REFERENCE_DIR
+    from conftest import REFERENCE_DIR
 
     folder = Path(os.environ.get("STRATA_REFERENCE_DIR", REFERENCE_DIR))
     path = folder / f"transformers-{MODELS[name][1]}.json"

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# What a device-machine call runs (see bench/GPU-NOTES.md). Usage: bench/gpu_run.sh STEP...
+#   probe  nvidia-smi, CuPy version, mapped host memory and bf16 availability
+#   ops    tests/engine/test_gpu_ops.py
+#   tests  every tests/engine/test_gpu*.py
+#   bench  bench/bench_gpu.py (engine vs transformers), then bench/bench_gpu_session.py
+# Model files travel in pieces under .gpu-carry/ (git-ignored) and are reassembled here, checked
+# against .gpu-carry/meta/*.sha256. Output goes to $OUT/<step>.log (and the tail to stdout).
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/packages/strata-sessionfile/src:$PWD/packages/strata-engine/src
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export STRATA_REFERENCE_DIR=$PWD/.gpu-carry/meta/reference
+MODELS=()
+for m in smollm2 gemma3; do
+  ls .gpu-carry/$m.part* >/dev/null 2>&1 || continue
+  if [ ! -f /tmp/$m.gguf ]; then cat .gpu-carry/$m.part* > /tmp/$m.gguf; fi
+  if [ "$(sha256sum < /tmp/$m.gguf | cut -d' ' -f1)" = "$(cat .gpu-carry/meta/$m.sha256)" ]; then
+    export STRATA_${m^^}_PATH=/tmp/$m.gguf; MODELS+=(--model $m=/tmp/$m.gguf); echo "model $m ok"
+  else
+    echo "model $m: checksum mismatch (pieces missing?)"; rm -f /tmp/$m.gguf
+  fi
+done
+rc=0
+for step in "$@"; do
+  case $step in
+    probe) { nvidia-smi; python3 - <<'PY'
+import cupy as cp, numpy as np, time
+print("cupy", cp.__version__, "device", cp.cuda.runtime.getDeviceProperties(0)["name"])
+from strata_engine.ops.cupy_ops import _device_dtypes
+print("compute dtypes", list(_device_dtypes(cp)))
+from strata_engine.kv.device import MappedHostBuffer
+b = MappedHostBuffer(1 << 30); b.host[:] = 7
+cp.cuda.Device().synchronize(); t = time.perf_counter(); s = int(b.device.sum()); cp.cuda.Device().synchronize()
+print("mapped read 1 GiB by a kernel:", s == 7 << 30, f"{(1 << 30) / (time.perf_counter() - t) / 1e9:.1f} GB/s")
+d = cp.ones(1 << 30, dtype=cp.uint8); cp.cuda.Device().synchronize(); t = time.perf_counter(); int(d.sum()); cp.cuda.Device().synchronize()
+print(f"device read 1 GiB: {(1 << 30) / (time.perf_counter() - t) / 1e9:.1f} GB/s")
+PY
+      } 2>&1 | tee "$OUT/probe.log" || rc=1 ;;
+    ops) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_ops.py 2>&1 | tee "$OUT/ops.log" || rc=1 ;;
+    tests) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_ops.py tests/engine/test_gpu_model.py tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/tests.log" || rc=1 ;;
+    model) python3 -m pytest -p no:cacheprovider -q -rA -x --durations=15 tests/engine/test_gpu_model.py 2>&1 | tee "$OUT/model.log" || rc=1 ;;
+    session) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/session.log" || rc=1 ;;
+    bench) python3 bench/bench_gpu.py "${MODELS[@]}" --lengths 512,4096 --long 32768 --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" || rc=1 ;;
+    bench-session) python3 bench/bench_gpu_session.py "${MODELS[@]}" --json "$OUT/bench_gpu_session.json" 2>&1 | tee "$OUT/bench_gpu_session.log" || rc=1 ;;
+    *) echo "unknown step $step"; rc=2 ;;
+  esac
+done
+exit $rc
