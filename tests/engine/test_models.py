@@ -1,0 +1,106 @@
+"""ModelConfig from the real GGUFs (the facts DESIGN.md lists) and clear errors for what is unsupported."""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+import pytest
+from strata_engine.config import Activation, ModelConfig, RopeStyle
+from strata_engine.errors import MissingTensor, ModelConfigError, SettingsError, UnsupportedArchitecture
+from strata_engine.gguf import read_gguf
+from strata_engine.runner import ModelRunner
+from strata_engine.settings import EngineSettings
+
+
+def test_smollm2_config(smollm2_path):
+    c = ModelConfig.from_gguf(read_gguf(smollm2_path))
+    assert (c.architecture, c.n_layer, c.n_embd, c.n_ff, c.n_head, c.n_head_kv, c.head_dim) == (
+        "llama",
+        30,
+        576,
+        1536,
+        9,
+        3,
+        64,
+    )
+    assert (c.n_ctx_train, c.n_vocab) == (8192, 49152)
+    assert c.rope_style is RopeStyle.INTERLEAVED and c.activation is Activation.SILU
+    assert all(layer.rope_base == 100000.0 and layer.window is None for layer in c.layers)
+    assert c.rms_eps == pytest.approx(1e-5) and c.tied_output and not c.has_sliding_window
+    assert c.attn_scale == pytest.approx(1 / 8) and c.embed_scale == 1.0
+
+
+def test_gemma3_config(gemma3_path):
+    c = ModelConfig.from_gguf(read_gguf(gemma3_path))
+    assert (c.architecture, c.n_layer, c.n_embd, c.n_ff, c.n_head, c.n_head_kv, c.head_dim) == (
+        "gemma3",
+        18,
+        640,
+        2048,
+        4,
+        1,
+        256,
+    )
+    assert (c.n_ctx_train, c.n_vocab) == (32768, 262144)
+    assert c.rope_style is RopeStyle.NEOX and c.activation is Activation.GELU_TANH
+    for il, layer in enumerate(c.layers):
+        if il % 6 == 5:
+            assert (layer.rope_base, layer.window) == (1e6, None)
+        else:
+            assert (layer.rope_base, layer.window) == (10000.0, 512)
+    assert c.attn_scale == pytest.approx(1 / 16) and c.embed_scale == pytest.approx(math.sqrt(640))
+    assert c.qk_norm and c.post_norms and c.tied_output and c.rms_eps == pytest.approx(1e-6)
+    assert len(c.rope_fingerprint()) == 18
+
+
+def _tiny_gguf(path, arch, kv=None, tensors=()):
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (kv or {}).items():
+        w.add_uint32(key, value)
+    for name, shape in tensors:
+        w.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = _tiny_gguf(tmp_path / "m.gguf", "mamba")
+    with pytest.raises(UnsupportedArchitecture, match="'mamba'"):
+        ModelConfig.from_gguf(read_gguf(path))
+
+
+def test_config_problems_are_reported_together(tmp_path):
+    path = _tiny_gguf(
+        tmp_path / "m.gguf", "llama", {"llama.attention.head_count": 6, "llama.attention.head_count_kv": 4}
+    )
+    with pytest.raises(ModelConfigError) as exc:
+        ModelConfig.from_gguf(read_gguf(path))
+    text = "; ".join(exc.value.problems)
+    for expected in ("embedding_length is missing", "block_count is missing", "not a multiple", "token_embd"):
+        assert expected in text
+
+
+def test_missing_tensor_is_named(tmp_path):
+    kv = {
+        "llama.embedding_length": 8,
+        "llama.feed_forward_length": 16,
+        "llama.block_count": 1,
+        "llama.attention.head_count": 2,
+        "llama.context_length": 64,
+    }
+    path = _tiny_gguf(
+        tmp_path / "m.gguf", "llama", kv, [("token_embd.weight", (10, 8)), ("output_norm.weight", (8,))]
+    )
+    with pytest.raises(MissingTensor, match="blk.0.attn_norm.weight"):
+        ModelRunner.load(EngineSettings(model_path=path))
+
+
+def test_settings_problems_are_collected():
+    with pytest.raises(SettingsError) as exc:
+        EngineSettings(model_path="x", kv_type="q4", prefill_chunk=0, n_ctx=-1).validate()
+    assert len(exc.value.problems) == 3
