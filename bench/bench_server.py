@@ -118,7 +118,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300, help="total requests (default 300)")
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
-    parser.add_argument("--n-predict", type=int, default=16, help="tokens per generation (default 16)")
+    parser.add_argument("--n-predict", type=int, default=4, help="tokens per generation (default 4)")
     parser.add_argument("--max-seconds", type=float, default=420, help="stop issuing requests after this long")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
@@ -202,6 +202,16 @@ def main() -> int:
         for thread in threads:
             thread.join()
         run_s = time.monotonic() - run_start
+        # Unloaded round trips: what the HTTP layer and the engine protocol add, without queueing.
+        idle: dict[str, list[float]] = defaultdict(list)
+        for _ in range(30):
+            for kind, call in (("health (idle)", lambda: requests.get(url + "/health", timeout=30)),
+                               ("tokenize (idle)", lambda: requests.post(url + "/tokenize", json={"content": "hi"},
+                                                                          timeout=30))):
+                t0 = time.perf_counter()
+                if call().status_code != 200:
+                    errors.append(f"{kind}: not 200")
+                idle[kind].append(time.perf_counter() - t0)
         stop.set()
         sampler.join()
         metrics = requests.get(url + "/metrics", timeout=30).text
@@ -224,6 +234,14 @@ def main() -> int:
         values = [v * 1000 for v in latencies[kind]]
         print(f"{kind:<18}{len(values):>5}{statistics.median(values):>10.1f}{percentile(values, 0.99):>10.1f}"
               f"{max(values):>10.1f}  {dict(outcomes[kind])}")
+    for kind, values in idle.items():
+        ms = [v * 1000 for v in values]
+        print(f"{kind:<18}{len(ms):>5}{statistics.median(ms):>10.2f}{percentile(ms, 0.99):>10.2f}{max(ms):>10.2f}  "
+              "(one client, nothing queued)")
+    gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+              if line.startswith(("llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds"))}
+    print(f"engine throughput over the run: prompt {gauges.get('llamacpp:prompt_tokens_seconds', 0):.1f} tok/s, "
+          f"generation {gauges.get('llamacpp:predicted_tokens_seconds', 0):.2f} tok/s")
     n_503 = sum(o.get(503, 0) for o in outcomes.values())
     print(f"errors other than documented 503s: {len(errors)}; documented 503s: {n_503}")
     for line in errors[:10]:
