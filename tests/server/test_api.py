@@ -159,7 +159,7 @@ def test_completion_bad_requests(make_api, body, message_part):
 
 def test_completion_malformed_bodies(make_api):
     client, _, _ = make_api(max_body_bytes=2048)
-    for raw in (b"", b"{not json", b"[1, 2]"):
+    for raw in (b"", b"{not json", b"[1, 2]", b"[" * 1000 + b"]" * 1000, b"\xff\xfe", b'{"prompt": NaN}'):
         assert_error(client.simulate_post("/completion", body=raw, content_type="application/json"), 400,
                      "invalid_request_error")
     big = json.dumps({"prompt": "x" * 4000})
@@ -370,3 +370,10 @@ def test_apply_template(make_api):
     assert client.simulate_post("/apply-template", json={"messages": messages}).json == \
         {"prompt": engine.engine.render(messages)}
     assert_error(client.simulate_post("/apply-template", json={"messages": "x"}), 400, "invalid_request_error")
+
+
+def test_deeply_nested_json_is_400(make_api):
+    client, _, _ = make_api()
+    raw = b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    assert_error(client.simulate_post("/completion", body=raw, content_type="application/json"), 400,
+                 "invalid_request_error")

@@ -234,6 +234,8 @@ def read_json(req: falcon.Request, max_bytes: int, *, allow_empty: bool = False)
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid_request("the request body nests too deeply") from None
     if not isinstance(body, dict):
         raise invalid_request("the request body must be a JSON object")
     return body
