@@ -28,6 +28,10 @@ def test_file_then_flags(tmp_path, fake_model, slot_dir):
     assert config.port == 9100 and config.ctx_size == 1024 and config.metrics is True
     assert config.slot_save_path == slot_dir.resolve() and config.api_key == ("z",)
     assert "--ctx-size" in config.engine_argv() and "1024" in config.engine_argv()
+    tuned = load_config(["--model", str(fake_model), "--kv-resident", "256", "--no-prompt-cache", "--restore-mode",
+                         "streaming", "--kv-type", "int8"]).engine_argv()
+    assert tuned[tuned.index("--kv-type"):] == ["--kv-type", "int8", "--kv-resident", "256", "--no-prompt-cache",
+                                                "--restore-mode", "streaming"]
     json_path = tmp_path / "strata.json"
     json_path.write_text(json.dumps({"model": str(fake_model), "allowed_hosts": "a.lan,b.lan"}), encoding="utf-8")
     assert load_config(["--config", str(json_path)]).allowed_hosts == ("a.lan", "b.lan")

