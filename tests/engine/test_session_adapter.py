@@ -327,8 +327,10 @@ N_RESIDENT = 16
 
 @pytest.fixture(scope="module")
 def real_smollm2():
+    from engine_models import base_runner  # one load of the weights per test process
+
     def load(**kw) -> ModelRunner:
-        return ModelRunner.load(EngineSettings(smollm2_model_path(), n_ctx=256, **kw))
+        return base_runner("smollm2").sibling(n_ctx=256, kv_type="f16", **kw)
 
     return load
 
