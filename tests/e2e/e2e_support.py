@@ -15,8 +15,8 @@ from server_process import ServerProcess  # noqa: E402
 E2E_CTX = "2048"
 
 
-def start_server(tmp: Path, *flags: str, name: str = "server") -> ServerProcess:
-    return ServerProcess("-c", E2E_CTX, *flags, log_path=tmp / f"{name}.log").start(wait_healthy=180)
+def start_server(tmp: Path, *flags: str, name: str = "server", env: dict[str, str] | None = None) -> ServerProcess:
+    return ServerProcess("-c", E2E_CTX, *flags, log_path=tmp / f"{name}.log", env=env).start(wait_healthy=180)
 
 
 def other_model_copy(smollm2_path: Path, folder: Path) -> Path:

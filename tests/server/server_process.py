@@ -22,17 +22,19 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, log_path: Path, port: int | None = None) -> None:
+    def __init__(self, *flags: str, log_path: Path, port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         self.argv = [sys.executable, "-m", "strata_server.cli", "--host", LOOPBACK, "--port", str(self.port),
                      *flags]
         self.log_path = log_path
+        self.env = {**os.environ, **env} if env else None
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait_healthy: float = 120.0) -> ServerProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         if wait_healthy:
             self.wait_healthy(wait_healthy)
         return self

@@ -208,3 +208,19 @@ def test_engine_silence_is_treated_as_hung(supervised):
     with supervisor.acquire() as lease, pytest.raises(EngineDied, match="no answer"):
         lease.call("COMPLETE", {"prompt": "x", "n_predict": 3})
     wait_for(lambda: supervisor.status().restarts == 1 and supervisor.status().state is EngineState.READY)
+
+
+def test_not_ready_as_soon_as_fail_stop_is_announced(supervised, tmp_path):
+    supervisor = supervised()
+    supervisor.wait_ready(20)
+    path = tmp_path / "s.bin"
+    with supervisor.acquire() as lease:
+        lease.call("SAVE", str(path))
+    mark_fail_after_gate(str(path))
+    with supervisor.acquire() as lease, pytest.raises(EngineReplyError):
+        lease.call("RESTORE", str(path))
+    # Before the supervising thread has even reaped the exit, nobody is handed the doomed process.
+    assert supervisor.status().state is not EngineState.READY
+    with pytest.raises(EngineUnavailable):
+        supervisor.acquire()
+    wait_for(lambda: supervisor.status().state is EngineState.READY)

@@ -35,6 +35,7 @@ class EngineProcess:
             env=dict(env) if env is not None else None, start_new_session=True, bufsize=0,
         )
         self.pid = self.proc.pid
+        self.doomed = False  # it announced its exit (fail_stop): no new command may start on it
         self._reader = threading.Thread(target=self._read_lines, name=f"engine-stdout-{self.pid}", daemon=True)
         self._reader.start()
 
@@ -202,6 +203,8 @@ class ProcessLease(EngineLease):
             silent = 0.0
             if event["event"] in TERMINAL_EVENTS:
                 self._open_verb = None
+                if event["event"] == "error" and (event.get("error") or {}).get("type") == "fail_stop":
+                    self.process.doomed = True  # exit 4 follows; the supervisor restarts it
                 raise_for_error(event)
                 yield event
                 return

@@ -84,7 +84,12 @@ class EngineSupervisor:
     # --- EngineClient ---------------------------------------------------------------------------
 
     def status(self) -> EngineStatus:
-        return self._status
+        with self._mutex:
+            status, process = self._status, self._process
+        if status.state is EngineState.READY and (process is None or process.doomed or not process.alive()):
+            # Exited (or announced its exit) but not yet reaped by the supervising thread.
+            return attrs.evolve(status, state=EngineState.RESTARTING, message="Loading model")
+        return status
 
     def acquire(self, wait_s: float | None = None) -> ProcessLease:
         wait = self.settings.slot_wait_s if wait_s is None else wait_s
@@ -101,7 +106,7 @@ class EngineSupervisor:
     def _ready_process(self) -> EngineProcess:
         with self._mutex:
             status, process = self._status, self._process
-        if status.state is not EngineState.READY or process is None or not process.alive():
+        if status.state is not EngineState.READY or process is None or process.doomed or not process.alive():
             raise EngineUnavailable(status.message if status.state is EngineState.FAILED else "Loading model")
         return process
 
