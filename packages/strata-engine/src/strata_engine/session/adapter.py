@@ -381,9 +381,9 @@ class EngineSession:
 
     def begin_apply(self, plan: RestorePlan) -> None:
         self._require_prepared(plan)
+        _sync(self.runner.pool)  # queued device work must not race the host writes that follow
         self.live_touched = True
         self._copies_in = 0
-        self._apply_plan = plan
 
     def copy_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
         self._copies_in += 1
@@ -460,6 +460,7 @@ class EngineSession:
             raise E.AdapterFailed("commit_staged without a staged session that check_plan saw")
         # The switch: every check passed; from the first byte written the live conversation is replaced
         # (a failure from here on is a fail-stop, see live_touched).
+        _sync(self.runner.pool)
         for layer, parts in enumerate(staged):
             for part, data in enumerate(parts):
                 if data is not None:
