@@ -3,11 +3,15 @@
 Golden files are written by the library's own writer from fully specified sessions (MemoryAdapter with
 explicit part bytes); each gets a JSON of its expected decoded content. Bad files are golden bytes with
 one rule broken (hashes refreshed where needed so the intended rule, not an earlier one, trips).
+
+Compressed golden files (``*_zstd``) are written with a fixed level, one thread and 4 KiB blocks; their
+bytes depend on libzstd's output, so their JSON records the libzstd version that wrote them.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import struct
 import sys
 import tempfile
@@ -16,7 +20,17 @@ from pathlib import Path
 import xxhash
 from strata_sessionfile import errors as E
 from strata_sessionfile import save
-from strata_sessionfile.format import HEADER_SIZE, LAYER_STRUCT, TRAILER_SIZE, DType, LayerRole, Part
+from strata_sessionfile.compression import Compression
+from strata_sessionfile.format import (
+    BLOCK_ENTRY_STRUCT,
+    END_MARKER,
+    HEADER_SIZE,
+    LAYER_STRUCT,
+    TRAILER_SIZE,
+    DType,
+    LayerRole,
+    Part,
+)
 from strata_sessionfile.identity import config_fingerprint, model_identity_from_files
 from strata_sessionfile.reader import inspect
 from strata_sessionfile.records import (
@@ -42,6 +56,24 @@ def _identity(config: dict) -> EngineIdentity:
 
 GOLDEN_CONFIG = {"engine": "golden", "engine_version": "1.0.0", "backend": "numpy", "kv_type": "f16",
                  "n_ctx": 64, "rope": [{"base": 10000.0, "scale": 1.0}], "flash": False}
+
+
+GOLDEN_BLOCK_SIZE = 4096
+# name -> how that golden file is compressed (absent: not compressed).
+GOLDEN_COMPRESSION = {"empty_zstd": Compression("zstd", level=3), "kv_f16_zstd": Compression("zstd", level=3)}
+
+
+def kv_like_f16(n_values: int, seed: int, *, scale: float, sparsity: float = 0.0) -> bytes:
+    """K/V-like f16 bytes: values from a normal distribution (a fraction ``sparsity`` of them zero)."""
+    rng = random.Random(seed)
+    values = [0.0 if rng.random() < sparsity else rng.gauss(0.0, scale) for _ in range(n_values)]
+    return struct.pack(f"<{n_values}e", *values)
+
+
+def zstd_version() -> str:
+    import zstandard
+
+    return ".".join(map(str, zstandard.ZSTD_VERSION))
 
 
 def golden_sessions() -> dict[str, tuple[EngineIdentity, Snapshot, list[list[bytes]]]]:
@@ -72,6 +104,18 @@ def golden_sessions() -> dict[str, tuple[EngineIdentity, Snapshot, list[list[byt
                          b'{"n_discarded":1}')
     mixed_ident = _identity({**GOLDEN_CONFIG, "kv_type": "i8", "sliding_window": 4})
     out["mixed_i8_window_draft"] = (mixed_ident, Snapshot(state, layers), parts_for(layers, 3))
+
+    # Compressed: an empty session (no blocks), and 25 tokens of K/V-like f16 in 4 blocks (the last one short):
+    # K dense normal values (compress poorly), V with most values zero (compresses well).
+    out["empty_zstd"] = out["empty"]
+    kv_specs = [LayerSpec(i, LayerRole.MAIN, 2, 32, 32, DType.F16, DType.F16) for i in range(2)]
+    n = 25
+    layers = tuple(LayerGeometry(s, n) for s in kv_specs)
+    values = n * 2 * 32
+    kv_parts = [[kv_like_f16(values, 10 + li, scale=1.0), kv_like_f16(values, 20 + li, scale=0.5, sparsity=0.9),
+                 b"", b"", b""] for li in range(2)]
+    state = RunningState(list(range(100, 100 + n)), n, b"", Checkpoint(n, b""), b"")
+    out["kv_f16_zstd"] = (ident, Snapshot(state, layers), kv_parts)
     return out
 
 
@@ -88,7 +132,7 @@ def expected_json(ident: EngineIdentity, snap: Snapshot, parts, data: bytes) -> 
     return {
         "file_size": len(data),
         "header": {
-            "magic": hdr[:8].hex(), "format_version": 1, "flags": 0,
+            "magic": hdr[:8].hex(), "format_version": 1, "flags": struct.unpack_from("<H", hdr, 10)[0],
             "model_fingerprint": ident.model.fingerprint.hex(), "config_fingerprint": ident.config.fingerprint.hex(),
             "payload_length": len(data) - HEADER_SIZE - TRAILER_SIZE,
             "header_hash": hdr[56:64][::-1].hex(),
@@ -110,11 +154,18 @@ def expected_json(ident: EngineIdentity, snap: Snapshot, parts, data: bytes) -> 
 
 def golden_bytes(name: str) -> tuple[bytes, dict]:
     ident, snap, parts = golden_sessions()[name]
+    compression = GOLDEN_COMPRESSION.get(name)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / f"{name}.ssf"
-        save(path, _adapter(ident, snap, parts), block_size=4096)
+        save(path, _adapter(ident, snap, parts), block_size=GOLDEN_BLOCK_SIZE, compression=compression)
         data = path.read_bytes()
-    return data, expected_json(ident, snap, parts, data)
+        expected = expected_json(ident, snap, parts, data)
+        if compression is not None:
+            comp = inspect(path, verify=False).layout.compressed
+            expected["compression"] = {"codec": compression.codec, "level": compression.level,
+                                       "block_size": comp.block_size, "n_blocks": comp.n_blocks,
+                                       "frame_sizes": list(comp.frame_sizes), "libzstd": zstd_version()}
+    return data, expected
 
 
 # --- bad files --------------------------------------------------------------------------------------
@@ -160,7 +211,8 @@ def bad_files() -> dict[str, tuple[bytes, type[E.SessionFileError]]]:
     out["header_hash"] = (edit(small, 56, b"\x00", header=False, payload=False), E.HeaderCorrupt)
     out["header_bit_flip"] = (edit(small, 20, bytes([small[20] ^ 4]), header=False, payload=False), E.HeaderCorrupt)
     out["unsupported_version"] = (edit(small, 8, struct.pack("<H", 2)), E.UnsupportedVersion)
-    out["unsupported_flags"] = (edit(small, 10, struct.pack("<H", 1)), E.UnsupportedFlags)
+    out["unsupported_flags"] = (edit(small, 10, struct.pack("<H", 2)), E.UnsupportedFlags)  # bit 0 is known
+    out["compressed_flag_on_plain_data"] = (edit(small, 10, struct.pack("<H", 1)), E.UnsupportedCompression)
     out["reserved_header"] = (edit(small, 12, struct.pack("<I", 7)), E.HeaderCorrupt)
     out["payload_too_large"] = (edit(small, 48, struct.pack("<Q", 1 << 50)), E.LimitExceeded)
     out["payload_flip"] = (edit(small, len(small) - 30, bytes([small[-30] ^ 1]), header=False, payload=False),
@@ -193,6 +245,68 @@ def bad_files() -> dict[str, tuple[bytes, type[E.SessionFileError]]]:
     out["extra_size_mismatch"] = (edit(mixed, _layer_record_offset(mixed, 2) + 28, struct.pack("<Q", 13)),
                                   E.MetadataInvalid)  # the geometry no longer adds up to the payload length
     out["too_many_layers"] = (edit(small, _layer_record_offset(small, 0) - 4, struct.pack("<I", 5000)), E.LimitExceeded)
+    out.update(bad_compressed_files())
+    return out
+
+
+# --- bad compressed files -----------------------------------------------------------------------------
+def _zstd_split(data: bytes) -> tuple[bytes, list[bytes], list[int]]:
+    """(bytes up to the first frame, the frames, the block table) of a compressed file."""
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "x.ssf"
+        p.write_bytes(data)
+        comp = inspect(p, verify=False).layout.compressed
+    return data[:comp.frames_offset], [data[o:o + n] for o, n in comp.frames()], list(comp.frame_sizes)
+
+
+def _zstd_rebuild(head: bytes, frames: list[bytes], table: list[int] | None = None) -> bytes:
+    """A compressed file from its parts: payload length, payload hash and header hash made consistent."""
+    table = [len(f) for f in frames] if table is None else table
+    b = bytearray(head + b"".join(frames) + b"".join(BLOCK_ENTRY_STRUCT.pack(n) for n in table))
+    b += bytes(16) + END_MARKER
+    struct.pack_into("<Q", b, 48, len(b) - HEADER_SIZE - TRAILER_SIZE)
+    return refresh(b)
+
+
+def bad_compressed_files() -> dict[str, tuple[bytes, type[E.SessionFileError]]]:
+    import zstandard
+
+    data, _ = golden_bytes("kv_f16_zstd")
+    head, frames, table = _zstd_split(data)
+    section = len(head) - 16  # the compression header's offset
+    out: dict[str, tuple[bytes, type[E.SessionFileError]]] = {}
+
+    def head_edit(rel: int, new: bytes) -> bytes:
+        h = bytearray(head)
+        h[section + rel:section + rel + len(new)] = new
+        return bytes(h)
+
+    out["zstd_unknown_codec"] = (_zstd_rebuild(head_edit(0, struct.pack("<H", 2)), frames), E.UnsupportedCompression)
+    out["zstd_reserved_nonzero"] = (_zstd_rebuild(head_edit(2, struct.pack("<H", 1)), frames), E.CompressionInvalid)
+    out["zstd_block_size_too_small"] = (_zstd_rebuild(head_edit(8, struct.pack("<I", 2048)), frames),
+                                        E.CompressionInvalid)
+    out["zstd_block_size_over_limit"] = (_zstd_rebuild(head_edit(8, struct.pack("<I", 1 << 27)), frames),
+                                         E.LimitExceeded)
+    out["zstd_block_count_mismatch"] = (_zstd_rebuild(head_edit(12, struct.pack("<I", len(frames) + 1)), frames),
+                                        E.CompressionInvalid)
+    out["zstd_too_many_blocks"] = (_zstd_rebuild(head_edit(12, struct.pack("<I", 1 << 23)), frames), E.LimitExceeded)
+    out["zstd_table_does_not_fit"] = (_zstd_rebuild(head, [], []), E.CompressionInvalid)
+    out["zstd_index_out_of_range"] = (_zstd_rebuild(head, frames, [table[0], 0x7FFFFFFF, *table[2:]]),
+                                      E.CompressionInvalid)
+    out["zstd_index_zero"] = (_zstd_rebuild(head, frames, [0, *table[1:]]), E.CompressionInvalid)
+    out["zstd_sizes_do_not_add_up"] = (_zstd_rebuild(head, frames, [table[0] - 1, *table[1:]]), E.CompressionInvalid)
+    broken = bytes([frames[1][0] ^ 0xFF]) + frames[1][1:]  # the frame's magic number
+    out["zstd_bad_frame"] = (_zstd_rebuild(head, [frames[0], broken, *frames[2:]]), E.FrameCorrupt)
+    out["zstd_frame_trailing_bytes"] = (_zstd_rebuild(head, [frames[0], frames[1] + b"\0", *frames[2:]]),
+                                        E.FrameCorrupt)
+    # Block 1 re-encoded one byte short: a valid frame that declares 4095 bytes where the block holds 4096.
+    block1 = zstandard.ZstdDecompressor().decompress(frames[1])
+    short = zstandard.ZstdCompressor(level=3, write_checksum=False).compress(block1[:-1])
+    out["zstd_decompressed_size_mismatch"] = (_zstd_rebuild(head, [frames[0], short, *frames[2:]]),
+                                              E.DecompressedSizeMismatch)
+    unsized = zstandard.ZstdCompressor(level=3, write_content_size=False).compress(block1)
+    out["zstd_frame_size_not_declared"] = (_zstd_rebuild(head, [frames[0], unsized, *frames[2:]]),
+                                           E.DecompressedSizeMismatch)
     return out
 
 

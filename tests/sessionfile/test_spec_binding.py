@@ -32,7 +32,8 @@ def hex_bytes(s: str) -> bytes:
 
 
 def test_header_table_matches_code():
-    rows = table_rows(section("## 2. Header"))
+    header = section("## 2. Header")
+    rows = table_rows(header[:header.index("Flags:")])
     assert [(int(r[0]), int(r[1]), r[3]) for r in rows] == [(o, s, n) for o, s, _c, n in F.HEADER_FIELDS]
     assert sum(int(r[1]) for r in rows) == F.HEADER_SIZE == 64
     assert hex_bytes(rows[0][4]) == F.MAGIC
@@ -79,3 +80,31 @@ def test_every_validation_rule_names_a_known_reason():
     for rule, _check, named in rows:
         for token in re.findall(r"`([a-z_]+)`", named):
             assert token in reasons, (rule, token)
+
+
+def test_flags_table_matches_code():
+    header = section("## 2. Header")
+    rows = table_rows(header[header.index("Flags:"):])
+    assert {r[2]: (1 << int(r[0]), int(r[1], 16)) for r in rows} == \
+        {f.name: (f.value, f.value) for f in F.Flags if f.value}
+    assert F.KNOWN_FLAGS == sum(int(r[1], 16) for r in rows)
+
+
+def test_compressed_section_tables_match_code():
+    from strata_sessionfile.compression import CODECS, COMPRESSION_HEADER_SIZE, zstd_frame_bound
+
+    text = section("### 3.3 Compressed data section")
+    head = text[text.index("Compression header"):text.index("Codec codes")]
+    assert f"`{F.COMPRESSION_HEADER_STRUCT.format}`" in head
+    rows = table_rows(head)
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(0, 2), (2, 2), (4, 4), (8, 4), (12, 4)]
+    assert sum(int(r[1]) for r in rows) == COMPRESSION_HEADER_SIZE == F.COMPRESSION_HEADER_STRUCT.size == 16
+    assert [r[3] for r in rows] == ["codec", "reserved", "level", "block_size", "n_blocks"]
+    assert f"{F.MIN_COMPRESSED_BLOCK_SIZE}..MAX_COMPRESSED_BLOCK_BYTES" in rows[3][4]
+    codec_rows = table_rows(text[text.index("Codec codes"):])
+    assert {int(r[0]): r[1] for r in codec_rows} == {int(c): codec.name for c, codec in CODECS.items()}
+    bound = codec_rows[0][3]
+    formula = re.search(r"`([^`]+)`", bound).group(1)
+    for n in (0, 1, 4096, 131071, 131072, 1 << 20, 64 << 20):
+        assert eval(formula, {"n": n}) == zstd_frame_bound(n)  # the spec's formula is the code's
+    assert F.BLOCK_ENTRY_STRUCT.size == 4 and "4 × n_blocks" in text

@@ -1,6 +1,6 @@
 """Low-level file I/O: safe open, exact reads and writes, the two-buffer pipelines, block planning.
 
-``write``, ``fsync``, ``replace``, ``pread_into`` are module attributes on purpose: the fault-injection
+``write``, ``pwrite``, ``fsync``, ``replace``, ``pread_into`` are module attributes on purpose: the fault-injection
 tests (ENOSPC, EIO) replace them.
 """
 
@@ -11,12 +11,13 @@ import os
 import queue
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from . import errors as E
 from .records import FileStamp, PartExtent
 
 write = os.write
+pwrite = os.pwrite
 fsync = os.fsync
 replace = os.replace
 
@@ -100,6 +101,17 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
+def pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            n = pwrite(fd, view, offset)
+        except InterruptedError:
+            continue
+        view = view[n:]
+        offset += n
+
+
 def memory_available() -> int | None:
     """MemAvailable from /proc/meminfo in bytes, or None where unknown."""
     try:
@@ -146,17 +158,23 @@ _STOP = object()
 HASH_SLICE = 1 << 20  # the write helper hashes a slice while it is cache-hot, then writes it
 
 
-class ReadAhead:
-    """A helper thread reads block k+1 into one buffer while the caller consumes block k from the other.
+def block_chunks(file_offset: int, length: int, block_size: int) -> Iterator[tuple[int, int]]:
+    """(file offset, length) of each block of [file_offset, file_offset + length)."""
+    for pos in range(0, length, block_size):
+        yield file_offset + pos, min(block_size, length - pos)
 
-    Iterate to get (block_start, memoryview) in order; a view is valid until the next iteration.
+
+class ReadAhead:
+    """A helper thread reads chunk k+1 into one buffer while the caller consumes chunk k from the other.
+
+    ``chunks``: (file offset, length) pairs in order, each at most the buffers' size (fixed blocks of the
+    data section, or the frames of a compressed one). Iterate to get (file offset, memoryview) in order;
+    a view is valid until the next iteration.
     """
 
-    def __init__(self, fd: int, buffers: Sequence[memoryview], file_offset: int, length: int, block_size: int,
-                 path: str) -> None:
-        assert len(buffers) >= 2 and all(len(b) >= block_size for b in buffers[:2])
-        self.fd, self.buffers, self.file_offset, self.length = fd, buffers[:2], file_offset, length
-        self.block_size, self.path = block_size, path
+    def __init__(self, fd: int, buffers: Sequence[memoryview], chunks: Iterable[tuple[int, int]], path: str) -> None:
+        assert len(buffers) >= 2
+        self.fd, self.buffers, self.chunks, self.path = fd, buffers[:2], chunks, path
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         self.full: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(2):
@@ -165,33 +183,30 @@ class ReadAhead:
         self.started = False
 
     def _run(self) -> None:
-        pos = 0
         try:
-            while pos < self.length:
+            for offset, n in self.chunks:
                 idx = self.free.get()
                 if idx is _STOP:
                     return
-                n = min(self.block_size, self.length - pos)
+                assert n <= len(self.buffers[idx])
                 view = self.buffers[idx][:n]
-                read_exact(self.fd, view, self.file_offset + pos, self.path, short_error=E.FileChanged)
-                self.full.put((pos, idx, n))
-                pos += n
+                read_exact(self.fd, view, offset, self.path, short_error=E.FileChanged)
+                self.full.put((offset, idx, n))
+            self.full.put(_STOP)
         except BaseException as exc:  # handed to the consumer, which raises it on its own thread
             self.full.put(exc)
 
     def __iter__(self) -> Iterator[tuple[int, memoryview]]:
-        if self.length == 0:
-            return
         self.thread.start()
         self.started = True
-        received = 0
-        while received < self.length:
+        while True:
             item = self.full.get()
+            if item is _STOP:
+                return
             if isinstance(item, BaseException):
                 raise item
-            pos, idx, n = item
-            yield pos, self.buffers[idx][:n]
-            received += n
+            offset, idx, n = item
+            yield offset, self.buffers[idx][:n]
             self.free.put(idx)
 
     def close(self) -> None:
@@ -202,10 +217,16 @@ class ReadAhead:
 
 
 class WriteBehind:
-    """A helper thread hashes and writes block k while the caller fills block k+1 in the other buffer."""
+    """A helper thread hashes and writes block k while the caller fills block k+1 in the other buffer.
 
-    def __init__(self, fd: int, buffers: Sequence[memoryview], hasher) -> None:
-        self.fd, self.buffers, self.hasher = fd, buffers[:2], hasher
+    With ``encode`` (a compressed save) the helper first encodes the block into one frame, frees the
+    buffer, then hashes and writes the frame; ``frame_sizes`` lists every frame's size in order.
+    """
+
+    def __init__(self, fd: int, buffers: Sequence[memoryview], hasher,
+                 encode: Callable[[memoryview], bytes] | None = None) -> None:
+        self.fd, self.buffers, self.hasher, self.encode = fd, buffers[:2], hasher, encode
+        self.frame_sizes: list[int] = []
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         self.full: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(2):
@@ -220,16 +241,23 @@ class WriteBehind:
             if item is _STOP:
                 return
             idx, n = item
+            freed = False
             if self.error is None:
                 try:
                     view = self.buffers[idx][:n]
-                    for lo in range(0, n, HASH_SLICE):  # hash each slice while it is cache-hot, then write it
+                    if self.encode is not None:
+                        view = memoryview(self.encode(view))
+                        self.frame_sizes.append(len(view))
+                        self.free.put(idx)  # the caller may refill it while this frame is written
+                        freed = True
+                    for lo in range(0, len(view), HASH_SLICE):  # hash each slice while cache-hot, then write it
                         piece = view[lo:lo + HASH_SLICE]
                         self.hasher.update(piece)
                         write_all(self.fd, piece)
                 except BaseException as exc:
                     self.error = exc
-            self.free.put(idx)
+            if not freed:
+                self.free.put(idx)
 
     def acquire(self) -> memoryview:
         """A free buffer to fill (blocks while both are in flight); raises the helper's error if any."""

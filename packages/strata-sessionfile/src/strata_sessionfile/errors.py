@@ -113,6 +113,30 @@ class BadEndMarker(InvalidFile):
     reason = "bad_end_marker"
 
 
+class UnsupportedCompression(InvalidFile):
+    """The compressed data section names a codec this reader does not know."""
+
+    reason = "unsupported_compression"
+
+
+class CompressionInvalid(InvalidFile):
+    """The compression header or the block table breaks a rule (an entry out of range, sizes that do not add up)."""
+
+    reason = "compression_invalid"
+
+
+class FrameCorrupt(InvalidFile):
+    """A compressed block does not decode as exactly one frame of its codec."""
+
+    reason = "frame_corrupt"
+
+
+class DecompressedSizeMismatch(InvalidFile):
+    """A compressed block declares or decodes to a size other than its block's."""
+
+    reason = "decompressed_size_mismatch"
+
+
 class InconsistentState(InvalidFile):
     """The snapshot contradicts itself (a layer holds more tokens than the session, a checkpoint past the end...)."""
 
@@ -153,6 +177,14 @@ class FileChanged(SessionFileError):
     """The file grew, shrank or changed between (or during) the passes."""
 
     reason = "file_changed"
+
+
+class CompressionUnavailable(SessionFileError):
+    """The file (or the save) uses a codec whose module is not installed (``pip install strata-sessionfile[zstd]``).
+
+    The file may well be valid: this installation cannot decode it."""
+
+    reason = "compression_unavailable"
 
 
 class InsufficientMemory(SessionFileError):

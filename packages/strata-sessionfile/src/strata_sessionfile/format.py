@@ -49,12 +49,25 @@ CONFIG_FINGERPRINT_DOMAIN = b"strata-config-fingerprint-v1\x00"
 
 
 class Flags(enum.IntFlag):
-    """Header flags. v1 defines none: every bit is reserved and MUST be zero."""
+    """Header flags (spec table "Flags"). Every bit not listed here is reserved and MUST be zero."""
 
     NONE = 0
+    DATA_COMPRESSED = 1 << 0  # the data section is a compressed data section (spec section 3.3)
 
 
-KNOWN_FLAGS = Flags.NONE
+KNOWN_FLAGS = Flags.DATA_COMPRESSED
+
+
+class Codec(enum.IntEnum):
+    """Compression codecs of a compressed data section (the on-disk code)."""
+
+    ZSTD = 1
+
+
+# Compressed data section (spec section 3.3): a 16-byte header, the frames, the block table.
+COMPRESSION_HEADER_STRUCT = struct.Struct("<HHiII")  # codec, reserved, level, block_size, n_blocks
+BLOCK_ENTRY_STRUCT = struct.Struct("<I")  # one block table entry: the frame's compressed size
+MIN_COMPRESSED_BLOCK_SIZE = 4096
 
 
 class LayerRole(enum.IntEnum):
@@ -118,6 +131,8 @@ LIMITS: tuple[Limit, ...] = (
     Limit("MAX_EXTRA_BYTES", 1 << 32, "bytes of one layer's extra part"),
     Limit("MAX_METADATA_BYTES", 128 << 20, "metadata section bytes"),
     Limit("MAX_PAYLOAD_BYTES", 1 << 48, "payload bytes"),
+    Limit("MAX_COMPRESSED_BLOCK_BYTES", 64 << 20, "uncompressed bytes of one block of a compressed data section"),
+    Limit("MAX_COMPRESSED_BLOCKS", 1 << 22, "blocks of a compressed data section"),
 )
 LIMIT = {limit.name: limit.value for limit in LIMITS}
 MAX_TOKENS = LIMIT["MAX_TOKENS"]

@@ -13,6 +13,12 @@ adapter block by block while the hash is recomputed. The first delivered block i
 
 Staged mode: the same metadata checks, then one pass into the adapter's staging area while hashing;
 ``commit_staged`` only after every check, else ``discard_staged``.
+
+A compressed data section (header flag DATA_COMPRESSED, spec 3.3): its compression header and block
+table are validated with the metadata, before any frame is read; every pass then reads frame by frame,
+hashes the frame's bytes as they are on disk, and decodes it into exactly its block's size (a frame
+that does not decode or declares another size is refused). The read pass decodes too, so a frame that
+would fail to decode is refused before the gate.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from . import _fileio
 from . import errors as E
 from .adapter import SessionTarget, StagingTarget
 from .codec import METADATA_OFFSET, compute_layout, decode_header, decode_metadata, decode_trailer
-from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE
+from .compression import CODECS, COMPRESSION_HEADER_SIZE, decode_compressed_section
+from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags, align_up
 from .identity import config_differences, model_differences
 from .records import (
     EngineIdentity,
@@ -60,6 +67,8 @@ class _Opened:
     prefix: bytes  # payload bytes [64, data_offset): metadata length, metadata, padding
     trailer_digest: bytes
     bytes_read: int
+    section_head: bytes = b""  # a compressed data section's 16-byte compression header
+    table: bytes = b""  # and its block table, as on disk
 
 
 def _binding_check(header: Header, body: bytes, identity: EngineIdentity, path: str) -> None:
@@ -115,7 +124,8 @@ def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | No
                                  path=path, field="layers")
 
 
-def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: EngineLimits | None) -> _Opened:
+def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: EngineLimits | None,
+                   require_codec: bool = True) -> _Opened:
     stamp = _fileio.stamp_of(fd)
     size = stamp.size
     if size < HEADER_SIZE:
@@ -143,7 +153,27 @@ def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: 
         _binding_check(header, body, identity, path)
     metadata = decode_metadata(body, header=header, path=path)
     layout = compute_layout(mlen, metadata.layers)
-    if layout.file_size != expected:
+    section_head = table = b""
+    if header.flags & Flags.DATA_COMPRESSED:
+        trailer_offset = expected - TRAILER_SIZE
+        if trailer_offset < layout.data_offset:
+            raise E.MetadataInvalid(f"the payload of {header.payload_length} bytes ends before the data section at "
+                                    f"{layout.data_offset}", path=path, offset=48, field="payload_length")
+        if trailer_offset - layout.data_offset >= COMPRESSION_HEADER_SIZE:
+            section_head = _fileio.pread_bytes(fd, COMPRESSION_HEADER_SIZE, layout.data_offset, path)
+
+        def read_table(offset: int, n: int) -> bytes:
+            nonlocal table
+            table = _fileio.pread_bytes(fd, n, offset, path)
+            return table
+
+        compressed = decode_compressed_section(section_head, read_table, data_offset=layout.data_offset,
+                                               trailer_offset=trailer_offset, data_length=layout.data_length,
+                                               path=path)
+        if require_codec:
+            CODECS[compressed.codec].require()
+        layout = attrs.evolve(layout, trailer_offset=trailer_offset, file_size=expected, compressed=compressed)
+    elif layout.file_size != expected:
         raise E.MetadataInvalid(f"the geometry implies a payload of {layout.trailer_offset - HEADER_SIZE} bytes; "
                                 f"the header says {header.payload_length}", path=path, offset=48,
                                 field="payload_length")
@@ -158,13 +188,22 @@ def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: 
         check_limits(metadata, limits, path)
     prefix = raw_len + body + padding
     return _Opened(fd, path, stamp, header, metadata, layout, prefix, trailer_digest,
-                   HEADER_SIZE + len(prefix) + TRAILER_SIZE)
+                   HEADER_SIZE + len(prefix) + TRAILER_SIZE + len(section_head) + len(table), section_head, table)
+
+
+def _frame_buffer_size(opened: _Opened) -> int:
+    return align_up(max(opened.layout.compressed.max_frame, 1))
 
 
 def _preflight(opened: _Opened, block_size: int, memory_available: Callable[[], int | None] | None) -> None:
     if memory_available is None:
         return
-    need = 2 * block_size + 2 * len(opened.prefix) + opened.metadata.state.n_tokens * 32
+    need = 2 * len(opened.prefix) + opened.metadata.state.n_tokens * 32
+    comp = opened.layout.compressed
+    if comp is None:
+        need += 2 * block_size
+    else:  # two frame buffers, the decoded block and the decoder's window (each at most a block), the table
+        need += 2 * _frame_buffer_size(opened) + 2 * comp.block_size + 2 * len(opened.table)
     have = memory_available()
     if have is not None and need > have:
         raise E.InsufficientMemory(f"this restore needs about {need} bytes of RAM; {have} are available",
@@ -172,14 +211,18 @@ def _preflight(opened: _Opened, block_size: int, memory_available: Callable[[], 
 
 
 def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase) -> int:
-    """Read the data section in blocks (helper thread), hash each, call deliver(view, segments) per block."""
+    """Read the data section in blocks (helper thread), hash each, call deliver(view, segments) per block.
+    Returns the bytes read from the file."""
+    if opened.layout.compressed is not None:
+        return _stream_frames(opened, buffers, hasher, deliver, progress, phase)
     layout = opened.layout
     blocks = _fileio.iter_blocks(layout.extents, layout.data_length, block_size)
-    reader = _fileio.ReadAhead(opened.fd, buffers, layout.data_offset, layout.data_length, block_size, opened.path)
+    reader = _fileio.ReadAhead(opened.fd, buffers, _fileio.block_chunks(layout.data_offset, layout.data_length,
+                                                                         block_size), opened.path)
     done = 0
     try:
         for (start, view), (b_start, b_len, segments) in zip(reader, blocks, strict=False):
-            assert start == b_start and len(view) == b_len
+            assert start == layout.data_offset + b_start and len(view) == b_len
             hasher.update(view)  # on this thread, while the helper reads the next block
             if deliver is not None:
                 deliver(view, segments)
@@ -189,6 +232,33 @@ def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, pro
     finally:
         reader.close()
     return done
+
+
+def _stream_frames(opened: _Opened, buffers, hasher, deliver, progress, phase: Phase) -> int:
+    """A compressed data section: read frame by frame (helper thread), hash each frame's bytes as on disk, decode
+    it into exactly its block's size, call deliver(decoded, segments). The header and table were validated
+    with the metadata; they are hashed here in file order."""
+    layout = opened.layout
+    comp = layout.compressed
+    decode = CODECS[comp.codec].decoder(comp.block_size, opened.path)
+    hasher.update(opened.section_head)
+    blocks = _fileio.iter_blocks(layout.extents, layout.data_length, comp.block_size)
+    reader = _fileio.ReadAhead(opened.fd, buffers, comp.frames(), opened.path)
+    done = read = 0
+    try:
+        for index, ((offset, frame), (_b_start, b_len, segments)) in enumerate(zip(reader, blocks, strict=True)):
+            hasher.update(frame)
+            block = decode(frame, b_len, index, offset)
+            if deliver is not None:
+                deliver(memoryview(block), segments)
+            read += len(frame)
+            done += b_len
+            if progress:
+                progress(Progress(phase, done, layout.data_length))
+    finally:
+        reader.close()
+    hasher.update(opened.table)
+    return read
 
 
 def _check_digest(opened: _Opened, hasher, when: str) -> bytes:
@@ -223,10 +293,12 @@ def inspect(path: str | os.PathLike, *, verify: bool = True, identity: EngineIde
     path = os.fspath(path)
     fd = _fileio.open_session_file(path)
     try:
-        opened = _open_metadata(fd, path, identity, limits)
+        opened = _open_metadata(fd, path, identity, limits, require_codec=verify)
         digest = None
         if verify:
-            digest = _hash_pass(opened, BlockBuffers(block_size).views, block_size, None)
+            views = (BlockBuffers(_frame_buffer_size(opened)) if opened.layout.compressed is not None
+                     else BlockBuffers(block_size)).views
+            digest = _hash_pass(opened, views, block_size, None)
         return Inspection(path, opened.header, opened.metadata, opened.layout, verify, digest)
     finally:
         os.close(fd)
@@ -249,11 +321,18 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
                                        short_error=E.FileChanged)
     trailer_again = _fileio.pread_bytes(opened.fd, TRAILER_SIZE, opened.layout.trailer_offset, opened.path,
                                         short_error=E.FileChanged)
+    comp = opened.layout.compressed
+    head_again = table_again = b""
+    if comp is not None:
+        head_again = _fileio.pread_bytes(opened.fd, len(opened.section_head), comp.header_offset, opened.path,
+                                         short_error=E.FileChanged)
+        table_again = _fileio.pread_bytes(opened.fd, len(opened.table), comp.table_offset, opened.path,
+                                          short_error=E.FileChanged)
     if prefix_again != opened.prefix or decode_trailer(trailer_again, opened.layout.trailer_offset) != \
-            opened.trailer_digest:
-        raise E.FileChanged("the metadata or trailer changed between the read pass and the apply pass",
-                            path=opened.path)
-    opened.bytes_read += len(opened.prefix) + TRAILER_SIZE
+            opened.trailer_digest or head_again != opened.section_head or table_again != opened.table:
+        raise E.FileChanged("the metadata, compression header, block table or trailer changed between the read "
+                            "pass and the apply pass", path=opened.path)
+    opened.bytes_read += len(opened.prefix) + TRAILER_SIZE + len(head_again) + len(table_again)
     hasher = xxhash.xxh3_128()
     hasher.update(opened.prefix)
     gate = [False]
@@ -334,7 +413,11 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
                                        path=path)
         plan = RestorePlan(path, opened.header, opened.metadata, opened.layout, opened.stamp,
                            RestoreMode.STAGED if staged else RestoreMode.STREAMING)
-        views = block_buffers(adapter, block_size, buffers)
+        if opened.layout.compressed is None:
+            views = block_buffers(adapter, block_size, buffers)
+        else:  # frame buffers: the caller's if they are large enough (an adapter's pinned ones would be wasted)
+            need = _frame_buffer_size(opened)
+            views = buffers.views if buffers is not None and buffers.block_size >= need else BlockBuffers(need).views
         if staged:
             _adapter_call(adapter.check_plan, plan)
             t_read = time.perf_counter()

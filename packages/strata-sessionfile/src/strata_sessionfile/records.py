@@ -188,6 +188,9 @@ class Layout:
     trailer_offset: int
     file_size: int
     extents: tuple[PartExtent, ...] = attrs.field(converter=tuple, repr=False)  # non-empty parts, file order
+    # A compressed data section (spec 3.3): the frames' layout (compression.CompressedLayout). Then
+    # ``data_length`` and ``extents`` describe the uncompressed data, ``trailer_offset`` and ``file_size`` the disk.
+    compressed: object | None = None
 
 
 @attrs.frozen
@@ -226,6 +229,8 @@ class SaveReport:
     flush_s: float
     rename_s: float
     payload_hash: bytes
+    compression: str | None = None  # the codec name, None when the data section is not compressed
+    kv_bytes: int = 0  # uncompressed bytes of the data section (every layer's parts)
 
 
 class RestoreMode(enum.StrEnum):

@@ -7,6 +7,12 @@ fills one buffer while the helper thread hashes and writes the other); write the
 file; rename it over the target; fsync the folder. Before the rename any failure removes the
 temporary and leaves the old file untouched; a failed folder fsync after it raises DirSyncFailed
 (the new file is in place).
+
+Compressed (``compression=``, spec section 3.3): each block is encoded into one frame on the helper
+thread; the compression header follows the padding, the block table follows the frames, and the
+64-byte header (which holds the payload length, known only at the end, and is not hashed) is written
+last, before the fsync. No space is reserved up front (the size is unknown); a full disk still fails
+before the rename and keeps the old file.
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ from . import _fileio
 from . import errors as E
 from .adapter import BufferProvider, SessionSource
 from .codec import compute_layout, encode_header, encode_metadata, encode_trailer, payload_length_of
-from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE
+from .compression import (
+    CODECS,
+    Compression,
+    as_compression,
+    encode_block_table,
+    encode_compression_header,
+    n_blocks_for,
+)
+from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags
 from .records import Phase, Progress, SaveReport
 
 TEMP_SUFFIX = ".strata-tmp"
@@ -73,13 +87,23 @@ def block_buffers(adapter, block_size: int, buffers: BlockBuffers | None = None)
 
 
 def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
-         progress: Callable[[Progress], None] | None = None, buffers: BlockBuffers | None = None) -> SaveReport:
+         progress: Callable[[Progress], None] | None = None, buffers: BlockBuffers | None = None,
+         compression: Compression | str | None = None) -> SaveReport:
     """Write the adapter's session to ``path`` (atomically replacing any file there).
 
     ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
+    ``compression``: None (default: not compressed), ``"zstd"`` (its default level), or a ``Compression``
+    (codec, level, threads). A compressed file's blocks hold ``block_size`` uncompressed bytes each
+    (at most MAX_COMPRESSED_BLOCK_BYTES). Progress then counts uncompressed bytes.
     """
     if block_size < MIN_BLOCK_SIZE:
         raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
+    options = as_compression(compression)
+    encode = None
+    if options is not None:
+        if block_size > LIMIT["MAX_COMPRESSED_BLOCK_BYTES"]:
+            raise ValueError(f"a compressed save's block_size must be at most {LIMIT['MAX_COMPRESSED_BLOCK_BYTES']}")
+        encode = CODECS[options.code].encoder(options)  # CompressionUnavailable before any file exists
     t0 = time.perf_counter()
     path = os.fspath(path)
     identity = _adapter_call(adapter.identity)
@@ -90,10 +114,19 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
         exc.path = path
         raise
     layout = compute_layout(len(metadata) - 4, snapshot.layers)
-    payload_length = payload_length_of(layout)
-    header = encode_header(identity.model.fingerprint, identity.config.fingerprint, payload_length)
-    prefix = header + metadata + bytes(layout.data_offset - HEADER_SIZE - len(metadata))
-    total = layout.file_size
+    padding = bytes(layout.data_offset - HEADER_SIZE - len(metadata))
+    total = layout.file_size  # progress total: the uncompressed file's size
+    if options is None:
+        header = encode_header(identity.model.fingerprint, identity.config.fingerprint, payload_length_of(layout))
+        prefix = header + metadata + padding
+    else:
+        n_blocks = n_blocks_for(layout.data_length, block_size)
+        if n_blocks > LIMIT["MAX_COMPRESSED_BLOCKS"]:
+            raise E.InvalidSnapshot(f"{layout.data_length} data bytes in blocks of {block_size} make {n_blocks} "
+                                    "blocks, over MAX_COMPRESSED_BLOCKS: use a larger block_size",
+                                    path=path, field="block_size")
+        # The header is not hashed and holds the final payload length: a placeholder now, written last.
+        prefix = bytes(HEADER_SIZE) + metadata + padding + encode_compression_header(options, block_size, n_blocks)
 
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
@@ -104,20 +137,21 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
     pipeline = None
     stage = "writing"
     try:
-        try:
-            os.posix_fallocate(fd, 0, total)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
+        if options is None:
+            try:
+                os.posix_fallocate(fd, 0, total)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
         hasher = xxhash.xxh3_128()
         hasher.update(memoryview(prefix)[HEADER_SIZE:])
         _fileio.write_all(fd, prefix)
-        done = len(prefix)
+        done = layout.data_offset
         if progress:
             progress(Progress(Phase.COPY, done, total))
         if layout.data_length:
             views = block_buffers(adapter, block_size, buffers)
-            pipeline = _fileio.WriteBehind(fd, views, hasher)
+            pipeline = _fileio.WriteBehind(fd, views, hasher, encode)
             for _start, length, segments in _fileio.iter_blocks(layout.extents, layout.data_length, block_size):
                 buf = pipeline.acquire()
                 for layer, part, part_offset, seg_len, buf_offset in segments:
@@ -128,9 +162,23 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
                 if progress:
                     progress(Progress(Phase.COPY, done, total))
             pipeline.finish()
+            frame_sizes = pipeline.frame_sizes
             pipeline = None
+        else:
+            frame_sizes = []
+        written = len(prefix) + sum(frame_sizes) if options is not None else total - TRAILER_SIZE
+        if options is not None:
+            table = encode_block_table(frame_sizes)
+            hasher.update(table)
+            _fileio.write_all(fd, table)
+            written += len(table)
         digest = hasher.digest()
         _fileio.write_all(fd, encode_trailer(digest))
+        if options is not None:
+            header = encode_header(identity.model.fingerprint, identity.config.fingerprint,
+                                   written - HEADER_SIZE, flags=Flags.DATA_COMPRESSED)
+            _fileio.pwrite_all(fd, header, 0)
+        bytes_written = written + TRAILER_SIZE
         if progress:
             progress(Progress(Phase.COPY, total, total))
         t_copy = time.perf_counter()
@@ -161,9 +209,11 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
             exc.path = path
         raise
     def report() -> SaveReport:
-        return SaveReport(path=path, n_tokens=snapshot.state.n_tokens, bytes_written=total,
+        return SaveReport(path=path, n_tokens=snapshot.state.n_tokens, bytes_written=bytes_written,
                           elapsed_s=time.perf_counter() - t0, copy_s=t_copy - t0, flush_s=t_flush - t_copy,
-                          rename_s=t_rename - t_flush, payload_hash=digest)
+                          rename_s=t_rename - t_flush, payload_hash=digest,
+                          compression=options.codec if options is not None else None,
+                          kv_bytes=layout.data_length)
 
     try:
         dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
