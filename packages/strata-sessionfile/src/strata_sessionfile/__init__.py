@@ -11,9 +11,11 @@ Identity
     ``model_fingerprint(files) -> ModelIdentity`` from ``(role, path)`` pairs in load order;
     ``config_fingerprint(mapping) -> ConfigIdentity``; ``engine_identity(files, mapping)``.
 Writing
-    ``save(path, adapter, *, block_size=16 MiB, progress=None, buffers=None) -> SaveReport`` (crash-safe:
-    temp file, fsync, rename, folder fsync). ``BlockBuffers(block_size)``: two reusable block buffers an
-    engine may keep and pass as ``buffers=`` to every save and restore.
+    ``save(path, adapter, *, block_size=16 MiB, progress=None, buffers=None, compression=None) -> SaveReport``
+    (crash-safe: temp file, fsync, rename, folder fsync). ``BlockBuffers(block_size)``: two reusable block
+    buffers an engine may keep and pass as ``buffers=`` to every save and restore. ``compression``: None
+    (default), ``"zstd"`` or ``Compression(codec="zstd", level=3, threads=0)``; needs the optional
+    zstandard package (``pip install strata-sessionfile[zstd]``), as does restoring such a file.
 Reading
     ``inspect(path, *, verify=True, identity=None, limits=None) -> Inspection`` (the read pass alone);
     ``restore(path, adapter, *, mode="auto"|"streaming"|"staged", block_size, progress,
@@ -23,7 +25,7 @@ Adapter protocol (``strata_sessionfile.adapter``)
     ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
     restore), ``BufferProvider`` (optional own block buffers), ``SessionAdapter`` (source + target).
 Records
-    ``RunningState``, ``Checkpoint``, ``LayerSpec``, ``LayerGeometry``, ``Snapshot``, ``EngineLimits``,
+    ``Compression`` (save option), ``RunningState``, ``Checkpoint``, ``LayerSpec``, ``LayerGeometry``, ``Snapshot``, ``EngineLimits``,
     ``EngineIdentity``, ``RestorePlan``, ``Progress``/``Phase``, ``SaveReport``, ``RestoreReport``,
     ``Inspection``; enums ``Part``, ``DType``, ``LayerRole``, ``RestoreMode``.
 Errors (``strata_sessionfile.errors``)
@@ -35,6 +37,7 @@ Testing (``strata_sessionfile.testing``)
 from . import errors
 from ._fileio import memory_available
 from .adapter import BufferProvider, SessionAdapter, SessionSource, SessionTarget, StagingTarget
+from .compression import Compression
 from .errors import SessionFileError
 from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, DType, LayerRole, Part
 from .identity import config_fingerprint, engine_identity, model_fingerprint
@@ -61,7 +64,8 @@ from .records import (
 from .writer import BlockBuffers, save
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "BlockBuffers", "BufferProvider", "Checkpoint", "ConfigIdentity", "DType",
+    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "BlockBuffers", "BufferProvider", "Checkpoint", "Compression",
+    "ConfigIdentity", "DType",
     "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
     "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
     "SaveReport", "SessionAdapter", "SessionFileError", "SessionSource", "SessionTarget", "Snapshot",

@@ -1,6 +1,7 @@
 """``strata-sessionfile inspect FILE [--json] [--verify]``.
 
-Exit codes (spec section 11): 0 valid, 1 invalid (the reason is printed), 2 unreadable, 64 usage.
+Exit codes (spec section 11): 0 valid, 1 invalid (the reason is printed), 2 unreadable, 3 unsupported here
+(``--verify`` of a compressed file without its codec's module), 64 usage.
 """
 
 from __future__ import annotations
@@ -19,12 +20,24 @@ from .records import Inspection
 EXIT_VALID = 0
 EXIT_INVALID = 1
 EXIT_UNREADABLE = 2
+EXIT_UNSUPPORTED = 3
 EXIT_USAGE = 64
+
+
+def _compression_dict(lay) -> dict | None:
+    comp = lay.compressed
+    if comp is None:
+        return None
+    stored = comp.section_length
+    return {"codec": comp.codec.name.lower(), "level": comp.level, "block_size": comp.block_size,
+            "n_blocks": comp.n_blocks, "frames_bytes": comp.frames_length, "stored_bytes": stored,
+            "data_bytes": lay.data_length, "ratio": round(stored / lay.data_length, 4) if lay.data_length else None}
 
 
 def inspection_dict(info: Inspection) -> dict:
     h, md, lay = info.header, info.metadata, info.layout
     st = md.state
+    stored = lay.trailer_offset - lay.data_offset
     return {
         "valid": True,
         "path": info.path,
@@ -44,8 +57,9 @@ def inspection_dict(info: Inspection) -> dict:
                     "k_dtype": dtype_name(g.spec.k_dtype), "v_dtype": dtype_name(g.spec.v_dtype),
                     "window": g.spec.window, "tokens_held": g.tokens_held,
                     "part_bytes": {p.name.lower(): g.part_size(p) for p in Part}} for g in md.layers],
-        "sections": {"header": 64, "metadata": lay.data_offset - 64, "data": lay.data_length, "trailer": 24,
-                     "file_size": lay.file_size, "data_offset": lay.data_offset},
+        "sections": {"header": 64, "metadata": lay.data_offset - 64, "data": stored, "trailer": 24,
+                     "file_size": lay.file_size, "data_offset": lay.data_offset, "kv_bytes": lay.data_length},
+        "compression": _compression_dict(lay),
     }
 
 
@@ -67,6 +81,13 @@ def _print_text(d: dict, out) -> None:
     sec = d["sections"]
     w(f"  sections            header 64, metadata {sec['metadata']}, data {sec['data']} at {sec['data_offset']}, "
       f"trailer 24\n")
+    c = d["compression"]
+    if c is None:
+        w("  compression         none\n")
+    else:
+        ratio = f"{c['ratio']:.3f}" if c["ratio"] is not None else "-"
+        w(f"  compression         {c['codec']} level {c['level']}, {c['n_blocks']} blocks of {c['block_size']} bytes; "
+          f"{c['stored_bytes']} bytes stored for {c['data_bytes']} of K/V (ratio {ratio})\n")
     w(f"  {'layer':>10} {'heads':>5} {'dk':>5} {'dv':>5} {'k/v':>9} {'window':>6} {'held':>8} "
       f"{'K':>11} {'V':>11} {'Ksc':>9} {'Vsc':>9} {'extra':>9}\n")
     for g in d["layers"]:
@@ -82,6 +103,9 @@ def _cmd_inspect(args) -> int:
     except E.FileAccessError as exc:
         code, valid = EXIT_UNREADABLE, None
         err = exc
+    except E.CompressionUnavailable as exc:
+        code, valid = EXIT_UNSUPPORTED, None
+        err = exc
     except E.SessionFileError as exc:
         code, valid = EXIT_INVALID, False
         err = exc
@@ -96,7 +120,7 @@ def _cmd_inspect(args) -> int:
         print(json.dumps({"valid": valid, "readable": code != EXIT_UNREADABLE, "reason": err.reason,
                           "message": str(err), "field": err.field, "offset": err.offset}))
     else:
-        kind = "unreadable" if code == EXIT_UNREADABLE else "invalid"
+        kind = {EXIT_UNREADABLE: "unreadable", EXIT_UNSUPPORTED: "unsupported"}.get(code, "invalid")
         print(f"{kind} ({err.reason}): {err}", file=sys.stderr)
     return code
 
@@ -112,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="strata-sessionfile", description="Strata session file tools (format v1)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("inspect", help="validate a session file and print what it holds",
-                       description="Exit codes: 0 valid, 1 invalid (reason printed), 2 unreadable, 64 usage.")
+                       description="Exit codes: 0 valid, 1 invalid (reason printed), 2 unreadable, 3 unsupported here "
+                       "(--verify of a compressed file without its codec), 64 usage.")
     p.add_argument("file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verify", action="store_true", help="also stream the payload and check its hash")

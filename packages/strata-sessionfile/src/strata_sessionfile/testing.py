@@ -4,7 +4,8 @@ Another engine's test suite calls ``run_conformance(adapter_factory, workdir)`` 
 ``adapter_factory(seed) -> adapter`` that returns a fresh adapter holding a live session (sessions
 from different seeds differ; the same seed gives the same session). The kit runs the library's
 round-trip, truncation, corruption, binding, gate and file-type cases against it and raises
-``ConformanceFailure`` listing every case that failed.
+``ConformanceFailure`` listing every case that failed. ``compression="zstd"`` runs every case on
+compressed files (the adapter protocol does not change: the library decodes the frames).
 """
 
 from __future__ import annotations
@@ -290,15 +291,20 @@ def _section_boundaries(path: str) -> list[int]:
     lay = info.layout
     points = {0, 1, 8, 16, 32, 48, 56, 63, 64, 68, lay.data_offset - 1, lay.data_offset, lay.trailer_offset,
               lay.trailer_offset + 16, lay.file_size - 1}
-    for ext in lay.extents:
-        points.add(lay.data_offset + ext.data_offset)
-        points.add(lay.data_offset + ext.data_offset + ext.size // 2)
+    if lay.compressed is None:
+        for ext in lay.extents:
+            points.add(lay.data_offset + ext.data_offset)
+            points.add(lay.data_offset + ext.data_offset + ext.size // 2)
+    else:  # the compression header, every frame's first and middle byte, the block table
+        points |= {lay.data_offset + 16, lay.compressed.table_offset, lay.trailer_offset - 1}
+        for offset, size in lay.compressed.frames():
+            points |= {offset, offset + size // 2}
     return sorted(p for p in points if 0 <= p < lay.file_size)
 
 
 def run_conformance(adapter_factory: Callable[[int], object], workdir: str | os.PathLike, *,
                     block_size: int = 4096, random_truncations: int = 16, random_flips: int = 64,
-                    seed: int = 0) -> list[str]:
+                    seed: int = 0, compression=None) -> list[str]:
     """Run every conformance case; return the case names that ran; raise ConformanceFailure on any failure."""
     workdir = os.fspath(workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -312,12 +318,12 @@ def run_conformance(adapter_factory: Callable[[int], object], workdir: str | os.
 
     def saved(adapter, name: str) -> bytes:
         p = os.path.join(workdir, name)
-        save(p, adapter, block_size=block_size)
+        save(p, adapter, block_size=block_size, compression=compression)
         return file_bytes(p)
 
     source = adapter_factory(1)
     good = os.path.join(workdir, "good.ssf")
-    save(good, source, block_size=block_size)
+    save(good, source, block_size=block_size, compression=compression)
     good_bytes = file_bytes(good)
 
     def expect_refusal(case: str, path: str, expected: type[E.SessionFileError] | tuple = E.SessionFileError,
@@ -394,10 +400,12 @@ def run_conformance(adapter_factory: Callable[[int], object], workdir: str | os.
     ran.append("binding")
     ident = source.identity()
     other_model = model_identity_from_files([ModelFile("model", 1, b"\x00" * 16)])
-    save(bad, _IdentityOverride(source, EngineIdentity(other_model, ident.config)), block_size=block_size)
+    save(bad, _IdentityOverride(source, EngineIdentity(other_model, ident.config)), block_size=block_size,
+         compression=compression)
     expect_refusal("model mismatch", bad, E.ModelMismatch)
     other_config = config_fingerprint({**ident.config.mapping, "conformance_probe": 1})
-    save(bad, _IdentityOverride(source, EngineIdentity(ident.model, other_config)), block_size=block_size)
+    save(bad, _IdentityOverride(source, EngineIdentity(ident.model, other_config)), block_size=block_size,
+         compression=compression)
     exc = expect_refusal("config mismatch", bad, E.ConfigMismatch)
     if exc is not None and not any("conformance_probe" in d for d in getattr(exc, "differences", ())):
         failures.append(f"config mismatch: the refusal does not name the differing key: {exc}")
