@@ -318,3 +318,44 @@ def test_cli_shows_the_compression(capsys):
     assert json.loads(capsys.readouterr().out)["compression"] is None
     assert main(["inspect", str(golden.BAD_DIR / "zstd_bad_frame.ssf"), "--verify"]) == EXIT_INVALID
     assert "invalid (frame_corrupt)" in capsys.readouterr().err
+
+
+# --- faults during a compressed save --------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["prefix", "frame", "table", "header", "encoder"])
+def test_failures_during_a_compressed_save_keep_the_old_file(tmp_path, factory, monkeypatch, where):
+    import errno
+
+    from strata_sessionfile import _fileio
+    from strata_sessionfile import compression as C
+
+    path = tmp_path / "s.ssf"
+    save(path, factory(1), block_size=4096, compression=ZSTD)
+    old = path.read_bytes()
+    real_write = _fileio.write
+    writes = []
+
+    def write(fd, data):
+        writes.append(len(data))
+        n_frames_done = len(writes) - 1
+        if (where == "prefix" and len(writes) == 1) or (where == "frame" and n_frames_done == 3) or \
+                (where == "table" and len(data) == 4 * (len(writes) - 2)):  # after the prefix and every frame
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    def pwrite(fd, data, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    def encoder(options):
+        def encode(view):
+            raise MemoryError("out of memory in the encoder")
+        return encode
+
+    monkeypatch.setattr(_fileio, "write", write)
+    if where == "header":
+        monkeypatch.setattr(_fileio, "pwrite", pwrite)
+    if where == "encoder":
+        monkeypatch.setattr(C.ZstdCodec, "encoder", staticmethod(encoder))
+    expected = {"header": E.WriteFailed, "encoder": MemoryError}.get(where, E.NoSpace)
+    with pytest.raises(expected):
+        save(path, factory(2), block_size=4096, compression=ZSTD)
+    assert path.read_bytes() == old and files_in(tmp_path) == ["s.ssf"]

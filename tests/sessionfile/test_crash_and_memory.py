@@ -116,3 +116,27 @@ def test_restore_of_a_2_gib_session_grows_peak_rss_by_at_most_64_mib(tmp_path):
     finally:
         if path.exists():
             path.unlink()
+
+
+@pytest.mark.slow
+def test_restore_of_a_compressed_512_mib_session_grows_peak_rss_by_at_most_64_mib(tmp_path):
+    """Frames are decoded one block at a time: the decoded block, two frame buffers and the decoder's state."""
+    specs = synthetic_specs()
+    n_tokens = tokens_for_bytes(specs, 512 << 20)
+    path = tmp_path / "big-zstd.ssf"
+    try:
+        save(path, PatternSource(fake_identity(), specs, n_tokens, seed=3), compression="zstd")
+        info = inspect(path, verify=False)
+        assert info.layout.compressed is not None and info.layout.data_length >= (512 << 20) - (1 << 20)
+        proc = subprocess.run([sys.executable, "-c", RSS_CHILD, str(path), "streaming"], capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        growth = out["peak"] - out["base"]
+        print(f"512 MiB compressed restore ({info.layout.file_size / 2**20:.0f} MiB file): peak RSS growth "
+              f"{growth / 2**20:.1f} MiB")
+        assert out["received"] == info.layout.data_length and out["n_tokens"] == n_tokens
+        assert growth <= 64 << 20, f"peak RSS grew by {growth / 2**20:.1f} MiB"
+    finally:
+        if path.exists():
+            path.unlink()

@@ -251,6 +251,7 @@ def _stream_frames(opened: _Opened, buffers, hasher, deliver, progress, phase: P
             block = decode(frame, b_len, index, offset)
             if deliver is not None:
                 deliver(memoryview(block), segments)
+            del block  # before the next block is decoded: one decoded block alive at a time
             read += len(frame)
             done += b_len
             if progress:
