@@ -13,10 +13,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/packages/strata-sessionfile/src:$PWD/packages/strata-engine/src
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export STRATA_REFERENCE_DIR=$PWD/.gpu-carry/meta/reference
+# A carried folder is replaced by the next call's carry: stash each piece outside the tree first.
+mkdir -p /tmp/pieces && cp -n .gpu-carry/*.part* /tmp/pieces/ 2>/dev/null
 MODELS=()
 for m in smollm2 gemma3; do
-  ls .gpu-carry/$m.part* >/dev/null 2>&1 || continue
-  if [ ! -f /tmp/$m.gguf ]; then cat .gpu-carry/$m.part* > /tmp/$m.gguf; fi
+  ls /tmp/pieces/$m.part* >/dev/null 2>&1 && [ -f .gpu-carry/meta/$m.sha256 ] || continue
+  if [ ! -f /tmp/$m.gguf ]; then cat /tmp/pieces/$m.part* > /tmp/$m.gguf; fi
   if [ "$(sha256sum < /tmp/$m.gguf | cut -d' ' -f1)" = "$(cat .gpu-carry/meta/$m.sha256)" ]; then
     export STRATA_${m^^}_PATH=/tmp/$m.gguf; MODELS+=(--model $m=/tmp/$m.gguf); echo "model $m ok"
   else
@@ -41,7 +43,7 @@ PY
       } 2>&1 | tee "$OUT/probe.log" || rc=1 ;;
     ops) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_ops.py 2>&1 | tee "$OUT/ops.log" || rc=1 ;;
     tests) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_ops.py tests/engine/test_gpu_model.py tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/tests.log" || rc=1 ;;
-    model) python3 -m pytest -p no:cacheprovider -q -rA -x --durations=15 tests/engine/test_gpu_model.py 2>&1 | tee "$OUT/model.log" || rc=1 ;;
+    model) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_model.py 2>&1 | tee "$OUT/model.log" || rc=1 ;;
     session) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/session.log" || rc=1 ;;
     bench) python3 bench/bench_gpu.py "${MODELS[@]}" --lengths 512,4096 --long 32768 --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" || rc=1 ;;
     bench-session) python3 bench/bench_gpu_session.py "${MODELS[@]}" --json "$OUT/bench_gpu_session.json" 2>&1 | tee "$OUT/bench_gpu_session.log" || rc=1 ;;
