@@ -8,6 +8,16 @@ Cold runs evict the file from the page cache first (posix_fadvise DONTNEED after
 from the page cache. "copy" rows: the restore target copies every byte into a 64 MiB ring "pool" (a real
 memcpy per byte, as an engine's adapter does), which the plain-read baseline does not; "no copy" rows: the
 target takes each block and copies nothing, i.e. the library's own cost (read, hash, dispatch).
+
+Compression (``--compression-levels 1,3``, on by default; ``--no-plain`` skips the rows above): the same
+session shape filled with K/V-like data -- f16 values from a normal distribution (a 16 MiB pool of
+them, cycled: longer than any zstd window used here) -- saved uncompressed and with zstd at each level
+(one thread; and ``threads=-1`` at the first level), then restored from the page cache (streaming and
+staged, the target copying every byte). Printed: the file size ratio and each time as a ratio to the
+uncompressed save/restore of the same session in this run. Dense f16 normal values compress poorly
+(sign and exponent bits carry little entropy, the 10 mantissa bits are noise), so expect ~0.9.
+``--recompress FILE`` measures the same on the K/V of an existing session file (e.g. one a real engine
+saved): it is restored into memory and saved again, uncompressed and compressed.
 """
 
 from __future__ import annotations
@@ -18,9 +28,10 @@ import sys
 import tempfile
 import time
 
-from strata_sessionfile import BlockBuffers, restore, save
+from strata_sessionfile import BlockBuffers, Compression, EngineIdentity, EngineLimits, inspect, restore, save
 from strata_sessionfile.format import DEFAULT_BLOCK_SIZE
 from strata_sessionfile.testing import (
+    MemoryAdapter,
     PatternSource,
     SinkTarget,
     fake_identity,
@@ -182,11 +193,108 @@ def bench_size(folder: str, gib: float, repeat: int) -> list[tuple]:
     return rows
 
 
+# --- compression ---------------------------------------------------------------------------------------
+KV_POOL_BYTES = 16 << 20
+
+
+class KVNormalSource(PatternSource):
+    """A session of f16 values from N(0, 1) (a 16 MiB pool of them, cycled), holding none of it."""
+
+    def __init__(self, identity, specs, n_tokens: int, seed: int = 0) -> None:
+        import numpy as np
+
+        super().__init__(identity, specs, n_tokens, seed)
+        values = np.random.default_rng(seed).standard_normal(KV_POOL_BYTES // 2).astype(np.float16)
+        self._pool = memoryview(values.tobytes())
+
+    def copy_out(self, layer, part, offset, dest) -> None:
+        start = (offset + layer * 40961 * 2 + int(part) * 6133 * 2) % KV_POOL_BYTES
+        pos, n = 0, len(dest)
+        while pos < n:
+            take = min(n - pos, KV_POOL_BYTES - start)
+            dest[pos:pos + take] = self._pool[start:start + take]
+            pos += take
+            start = 0
+
+
+class FileSessionAdapter(MemoryAdapter):
+    """Holds an existing session file's session in memory (restored into it) and saves it again."""
+
+    @classmethod
+    def from_file(cls, path: str) -> FileSessionAdapter:
+        md = inspect(path, verify=False).metadata
+        adapter = cls(EngineIdentity(md.model, md.config), [g.spec for g in md.layers],
+                      max_tokens=md.state.n_tokens, vocab_size=None)
+        restore(path, adapter, mode="streaming")
+        return adapter
+
+    def limits(self) -> EngineLimits:
+        return EngineLimits(max_tokens=self.max_tokens, layers=self.specs)
+
+
+def _compression_variants(levels: list[int]) -> list[tuple[str, Compression | None]]:
+    out: list[tuple[str, Compression | None]] = [("none", None)]
+    for lv in levels:
+        out.append((f"zstd {lv}", Compression("zstd", level=lv)))
+    out.append((f"zstd {levels[0]} thr=-1", Compression("zstd", level=levels[0], threads=-1)))
+    return out
+
+
+def bench_compression(folder: str, label: str, source, restore_target, levels: list[int], repeat: int) -> list[tuple]:
+    """Rows (label, variant, file bytes, ratio, save s, x none, streaming s, x none, staged s, x none, peak MiB)."""
+    path = os.path.join(folder, "bench-z.ssf")
+    buffers = BlockBuffers(BLOCK)
+    results = {}
+    try:
+        for name, comp in _compression_variants(levels):
+            best = {"save": float("inf"), "streaming": float("inf"), "staged": float("inf")}
+            peak = 0
+            for _ in range(repeat):
+                if os.path.exists(path):
+                    os.unlink(path)
+                t = time.perf_counter()
+                report = save(path, source, buffers=buffers, compression=comp)
+                best["save"] = min(best["save"], time.perf_counter() - t)
+                size = report.bytes_written
+                for mode in ("streaming", "staged"):
+                    target = restore_target(mode)
+                    with _Peak() as pk:
+                        t = time.perf_counter()
+                        rr = restore(path, target, mode=mode, buffers=buffers)
+                        best[mode] = min(best[mode], time.perf_counter() - t)
+                    assert rr.mode == mode
+                    peak = max(peak, pk.growth)
+            results[name] = (size, best, peak)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    base_size, base, _ = results["none"]
+    rows = []
+    for name, (size, best, peak) in results.items():
+        rows.append((label, name, size, size / base_size, best["save"], best["save"] / base["save"],
+                     best["streaming"], best["streaming"] / base["streaming"], best["staged"],
+                     best["staged"] / base["staged"], peak / 2**20))
+    return rows
+
+
+def print_compression_rows(rows: list[tuple]) -> None:
+    print(f"{'session':<22} {'compression':<15} {'file MiB':>9} {'ratio':>6} {'save s':>7} {'x none':>6} "
+          f"{'stream s':>8} {'x none':>6} {'staged s':>8} {'x none':>6} {'peak RSS +MiB':>13}")
+    for label, name, size, ratio, save_s, save_x, st_s, st_x, sg_s, sg_x, peak in rows:
+        print(f"{label:<22} {name:<15} {size / 2**20:9.1f} {ratio:6.3f} {save_s:7.3f} {save_x:6.2f} {st_s:8.3f} "
+              f"{st_x:6.2f} {sg_s:8.3f} {sg_x:6.2f} {peak:13.1f}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1,4", help="session sizes in GiB, comma-separated")
     ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: the repository's)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per size; the best time of each is kept")
+    ap.add_argument("--compression-levels", default="1,3", help="zstd levels to measure ('' skips compression)")
+    ap.add_argument("--compression-sizes", default=None, help="session sizes in GiB for the compression rows "
+                    "(default: --sizes)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the uncompressed rows against the disk limit")
+    ap.add_argument("--recompress", default=None, help="also measure compression on this session file's K/V")
     args = ap.parse_args()
     folder = args.dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     folder = tempfile.mkdtemp(prefix=".bench-sessionfile-", dir=folder)
@@ -195,16 +303,48 @@ def main() -> int:
     sizes = [float(s) for s in args.sizes.split(",")]
     print(f"strata-sessionfile bench: block {BLOCK >> 20} MiB, {os.cpu_count()} CPUs, folder {folder}, "
           f"{free / 2**30:.0f} GiB free, Python {sys.version.split()[0]}")
-    print(f"{'size':>7} {'operation':<34} {'time s':>8} {'limit s':>8} {'ratio':>6} {'GB/s':>6}  "
-          f"{'limit':<18} {'peak RSS +MiB':>13}")
+    if not args.no_plain:
+        print(f"{'size':>7} {'operation':<34} {'time s':>8} {'limit s':>8} {'ratio':>6} {'GB/s':>6}  "
+              f"{'limit':<18} {'peak RSS +MiB':>13}")
     try:
-        for gib in sizes:
+        for gib in [] if args.no_plain else sizes:
             if free < 2.2 * gib * (1 << 30):
                 print(f"{gib:g} GiB: skipped, only {free / 2**30:.1f} GiB free")
                 continue
             for size, op, secs, limit, limit_name, gb, peak in bench_size(folder, gib, args.repeat):
                 print(f"{size:>7} {op:<34} {secs:8.3f} {limit:8.3f} {secs / limit:6.3f} {gb / secs:6.2f}  "
                       f"{limit_name:<18} {peak / 2**20:13.1f}", flush=True)
+        levels = [int(v) for v in args.compression_levels.split(",") if v.strip()]
+        if levels:
+            print("\ncompression (page-cache restores; ratios against the uncompressed save/restore of the same "
+                  "session in this run):")
+            specs = synthetic_specs()
+            ident = fake_identity()
+            rows = []
+            csizes = [float(v) for v in args.compression_sizes.split(",")] if args.compression_sizes else sizes
+            for gib in csizes:
+                if free < 1.2 * gib * (1 << 30):
+                    print(f"{gib:g} GiB: skipped, only {free / 2**30:.1f} GiB free")
+                    continue
+                n_tokens = tokens_for_bytes(specs, int(gib * (1 << 30)))
+                source = KVNormalSource(ident, specs, n_tokens)
+
+                def target(mode):
+                    cls = SinkTarget if mode == "streaming" else type("StagingSink", (StagingMixin, SinkTarget), {})
+                    return cls(ident, specs)
+
+                rows += bench_compression(folder, f"{gib:g} GiB f16 N(0,1)", source, target, levels, args.repeat)
+            if args.recompress:
+                held = FileSessionAdapter.from_file(args.recompress)
+
+                def file_target(mode):
+                    t = FileSessionAdapter(held.identity(), held.specs, max_tokens=held.max_tokens, vocab_size=None,
+                                           staging=(mode == "staged"))
+                    return t
+
+                label = os.path.basename(args.recompress)[:22]
+                rows += bench_compression(folder, label, held, file_target, levels, args.repeat)
+            print_compression_rows(rows)
     finally:
         os.rmdir(folder)
     return 0
