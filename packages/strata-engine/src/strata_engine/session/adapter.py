@@ -144,6 +144,19 @@ def _from_host(dest: Any, src: Any) -> None:
         dest[...] = src
 
 
+class BlockBufferCache:
+    """Block buffers kept for the life of the engine, so a SAVE or RESTORE does not allocate (and fault
+    in) 2 x 16 MiB each time; the engine serves one command at a time, so one set is enough."""
+
+    def __init__(self) -> None:
+        self._buffers: list[memoryview] = []
+
+    def get(self, count: int, nbytes: int) -> list[memoryview]:
+        if len(self._buffers) < count or any(len(b) < nbytes for b in self._buffers[:count]):
+            self._buffers = [memoryview(bytearray(nbytes)) for _ in range(count)]
+        return [b[:nbytes] for b in self._buffers[:count]]
+
+
 class EngineSession:
     """The adapter (see the module docstring). One per runner; not thread-safe (the serve loop is one
     thread). `identity` may be given (tests write files under another engine version that way)."""
@@ -157,6 +170,7 @@ class EngineSession:
         staging: bool = True,
         memory_available: Callable[[], int | None] | None = None,
         fault: FaultPoint | None = None,
+        buffers: BlockBufferCache | None = None,
     ):
         from strata_sessionfile._fileio import memory_available as meminfo
 
@@ -166,6 +180,7 @@ class EngineSession:
         self.staging = staging
         self.memory_available = memory_available or meminfo
         self.fault = fault
+        self.buffers = buffers
         geometry = runner.kv_geometry
         self.kv_dtype = DTYPE_OF_KV_TYPE[geometry.kv_type.value]
         self.specs = tuple(self._layer_spec(i) for i in range(geometry.n_layers))
@@ -452,6 +467,8 @@ class EngineSession:
         pinned = getattr(self.runner.pool, "pinned_buffers", None)
         if pinned is not None:
             return pinned(count, nbytes)
+        if self.buffers is not None:
+            return self.buffers.get(count, nbytes)
         return [memoryview(bytearray(nbytes)) for _ in range(count)]
 
     def commit_staged(self, state: RunningState) -> None:

@@ -24,11 +24,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import numpy as np
 import strata_sessionfile as sf
 from strata_sessionfile import errors as E
 
 from ..serve import ArgumentKind, CommandRegistry, FailStop, ProtocolError, ServeContext
-from .adapter import EngineSession, FaultPoint, SamplerAccess
+from .adapter import BlockBufferCache, EngineSession, FaultPoint, SamplerAccess
 from .identity import runner_identity
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,18 @@ class SessionVerbs:
     def __init__(self, options: SessionOptions):
         self.options = options
         self._identity_of: tuple[Any, sf.EngineIdentity] | None = None
+        self.buffers = BlockBufferCache()
+
+    def warm(self, ctx: ServeContext) -> None:
+        """Start-up work that would otherwise land in the first SAVE/RESTORE: the identity (fingerprinting
+        the model files), the block buffers, and faulting in the host pool's pages (the pool is allocated
+        lazily zeroed; a restored conversation would otherwise pay the page faults of every byte it lands,
+        which a process that never restarted paid during its prefill)."""
+        self.identity(ctx.runner)
+        self.buffers.get(2, self.options.block_size)
+        buffer = getattr(ctx.runner.pool, "buffer", None)
+        if isinstance(buffer, np.ndarray) and ctx.runner.pool.n_tokens == 0:
+            buffer.fill(0)  # the pool holds nothing yet: writing zeros changes no state
 
     def identity(self, runner: Any) -> sf.EngineIdentity:
         if self._identity_of is None or self._identity_of[0] is not runner:
@@ -82,6 +95,7 @@ class SessionVerbs:
             identity=self.identity(ctx.runner),
             staging=self.options.restore_mode is not sf.RestoreMode.STREAMING,
             fault=self.options.fault,
+            buffers=self.buffers,
         )
 
     @staticmethod
@@ -131,11 +145,11 @@ class SessionVerbs:
 
 def register_session_verbs(registry: CommandRegistry, options: SessionOptions | None = None,
                            ctx: ServeContext | None = None) -> SessionVerbs:
-    """Install SAVE and RESTORE. With `ctx`, the runner's identity is computed now (fingerprinting the
-    model files takes ~0.2-0.7 s on a 262K-token vocabulary: start-up time, not the first verb's)."""
+    """Install SAVE and RESTORE. With `ctx`, `SessionVerbs.warm` runs now (fingerprinting the model files
+    takes ~0.2-0.7 s on a 262K-token vocabulary: start-up time, not the first verb's)."""
     verbs = SessionVerbs(options or SessionOptions())
     if ctx is not None:
-        verbs.identity(ctx.runner)
+        verbs.warm(ctx)
     registry.register("SAVE", ArgumentKind.PATH, verbs.save)
     registry.register("RESTORE", ArgumentKind.PATH, verbs.restore)
     return verbs
