@@ -242,3 +242,13 @@ def test_engine_sigkill_mid_generation(http, server):
     after = post(http, "/completion", {"prompt": PROMPT, **GREEDY})
     assert after.status_code == 200 and after.json()["tokens_predicted"] > 0
     assert http.get(server.url + "/props", timeout=30).json()["strata"]["engine_restarts"] == restarts_before + 2
+
+
+@pytest.mark.xfail(reason="strata-sessionfile's writer names its temporary file '.<name>.<12 hex>.strata-tmp' "
+                   "(name + 25 bytes), so a valid 231..255-byte name fails with ENAMETOOLONG; reported to its owner",
+                   strict=True)
+def test_longest_valid_filename_saves(http, slots):
+    name = "x" * 255  # the peer's limit: fs_validate_filename accepts it
+    response = slot(http, "save", name)
+    assert response.status_code == 200, response.text
+    assert (slots / name).is_file()
