@@ -35,7 +35,7 @@ from strata_engine.ops.cupy_ops import _device_dtypes
 print("compute dtypes", list(_device_dtypes(cp)))
 from strata_engine.kv.device import MappedHostBuffer
 b = MappedHostBuffer(1 << 30); b.host[:] = 7
-cp.cuda.Device().synchronize(); t = time.perf_counter(); s = int(b.device.sum()); cp.cuda.Device().synchronize()
+int(b.device[:1024].sum()); cp.cuda.Device().synchronize(); t = time.perf_counter(); s = int(b.device.sum()); cp.cuda.Device().synchronize()
 print("mapped read 1 GiB by a kernel:", s == 7 << 30, f"{(1 << 30) / (time.perf_counter() - t) / 1e9:.1f} GB/s")
 d = cp.ones(1 << 30, dtype=cp.uint8); cp.cuda.Device().synchronize(); t = time.perf_counter(); int(d.sum()); cp.cuda.Device().synchronize()
 print(f"device read 1 GiB: {(1 << 30) / (time.perf_counter() - t) / 1e9:.1f} GB/s")
@@ -45,7 +45,9 @@ PY
     tests) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_ops.py tests/engine/test_gpu_model.py tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/tests.log" || rc=1 ;;
     model) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_model.py 2>&1 | tee "$OUT/model.log" || rc=1 ;;
     session) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/session.log" || rc=1 ;;
-    bench) python3 bench/bench_gpu.py "${MODELS[@]}" --lengths 512,4096 --long 32768 --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" || rc=1 ;;
+    bench)  # f16 for smollm2; gemma3 in bf16 (its residual stream overflows f16)
+      [ -n "$STRATA_SMOLLM2_PATH" ] && { python3 bench/bench_gpu.py --model smollm2=$STRATA_SMOLLM2_PATH --dtype f16 --lengths 512,4096 --json "$OUT/bench_gpu_smollm2.json" 2>&1 | tee "$OUT/bench_gpu_smollm2.log" || rc=1; }
+      [ -n "$STRATA_GEMMA3_PATH" ] && { python3 bench/bench_gpu.py --model gemma3=$STRATA_GEMMA3_PATH --dtype bf16 --lengths 512,4096 --long 32768 --json "$OUT/bench_gpu_gemma3.json" 2>&1 | tee "$OUT/bench_gpu_gemma3.log" || rc=1; } ;;
     bench-session) python3 bench/bench_gpu_session.py "${MODELS[@]}" --json "$OUT/bench_gpu_session.json" 2>&1 | tee "$OUT/bench_gpu_session.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac

@@ -41,6 +41,8 @@ def _attention_case(rng, n_q, n_k, n_head, n_kv, d, q_pos0):
         (16, 300, 4, 1, 32, 284, 50, 32),  # sliding window: early blocks skipped, partial masks
         (1, 513, 4, 1, 16, 900, 512, 100),  # decode in a window
         (64, 64, 2, 2, 8, 5, 3, 7),  # tiny window, blocks smaller than the window
+        (16, 300, 4, 1, 32, 284, 50, 10_000),  # one block: the plain-softmax path, masked
+        (1, 513, 4, 1, 16, 900, 512, 10_000),  # one block: a decode step, no mask needed
     ],
 )
 def test_blocked_attention_matches_numpy_attention(n_q, n_k, n_head, n_kv, d, q_pos0, window, block):

@@ -148,6 +148,29 @@ class HostMappedPool(KVPool):
             self._layers = device_layers
 
 
+class DevicePoolPlacement(PoolPlacement):
+    """`PoolPlacement` over a `DevicePool` that hands attention the pool's own storage where it can.
+
+    A full-attention layer of a float K/V type keeps position p in slot p, so the keys and values a
+    chunk attends to are a contiguous slice of the pool: the new K/V are stored with one casting copy
+    each and the slice [context_start, end) is returned as it is stored (f16 or f32; attention reads
+    it in float32). That skips the per-step gather into compute-dtype copies, the separate encode
+    and decode of the new rows (each a kernel launch per layer and token, which is most of a decode
+    step's cost on a model this small). Values are the same as the generic path's: f16 -> f32 is
+    exact, and the store rounds as `KVCodec.encode` does. Ring layers and int8 take the generic path."""
+
+    def attend_kv(self, layer: int, pos0: int, k_new: Any, v_new: Any) -> tuple[Any, Any, int]:
+        g = self.pool.geometry.layers[layer]
+        if g.is_ring or self.pool.geometry.kv_type.has_scales:
+            return super().attend_kv(layer, pos0, k_new, v_new)
+        end = pos0 + k_new.shape[0]
+        views = self.pool.layer(layer)
+        views.k[pos0:end] = k_new  # the cast to the storage type rounds to nearest, as encode does
+        views.v[pos0:end] = v_new
+        lo = self.context_start(layer, pos0)
+        return views.k[lo:end], views.v[lo:end], lo
+
+
 class DeviceResidentRingPlacement(ResidentRingPlacement):
     """`ResidentRingPlacement` with the ring in VRAM (a `DevicePool`) in front of a `HostMappedPool`.
 
@@ -170,7 +193,7 @@ def make_pool(geometry: KVGeometry, ops: NumpyOps, kv_resident: int | None) -> K
 
 def make_placement_for(pool: KVPool, kv_resident: int | None) -> PoolPlacement:
     if kv_resident is None:
-        return PoolPlacement(pool)
+        return DevicePoolPlacement(pool) if isinstance(pool, DevicePool) else PoolPlacement(pool)
     if isinstance(pool, HostMappedPool):
         return DeviceResidentRingPlacement(pool, kv_resident)
     return ResidentRingPlacement(pool, kv_resident)

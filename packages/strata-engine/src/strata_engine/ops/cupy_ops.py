@@ -44,7 +44,7 @@ def blocked_attention(
 
     q [T, H, D]; k, v [S, Hkv, D] (any float dtype; computed in float32). A query at position p sees
     keys at j <= p with p - j < window. Key blocks wholly outside every query's view are skipped.
-    Returns [T, H*D] in `out_dtype`. Per block: s = q k^T * scale + mask; m' = max(m, rowmax s);
+    Returns [T, H*D] in `out_dtype`. Per block: s = (q * scale) k^T + mask; m' = max(m, rowmax s);
     acc = acc * e^(m - m') + e^(s - m') v; l = l * e^(m - m') + rowsum e^(s - m'); out = acc / l."""
     f32 = xp.float32
     n_q, n_head, d = q.shape
@@ -53,33 +53,48 @@ def blocked_attention(
     rows = group * n_q
     # [T, Hkv, G, D] -> [Hkv, G*T, D]: row r of a K/V head is query position q_pos0 + r % T.
     qg = q.astype(f32).reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3).reshape(n_kv, rows, d)
+    qg *= f32(scale)  # scaling the queries once costs a pass over [rows, D], not over the scores
     q_first, q_last = q_pos0, q_pos0 + n_q - 1
     # Keys any query can see: [lo_vis, hi_vis] in positions.
     lo_vis = k_pos0 if window is None else max(k_pos0, q_first - window + 1)
     hi_vis = min(k_pos0 + n_k - 1, q_last)
-    m = xp.full((n_kv, rows, 1), -np.inf, dtype=f32)
-    l_sum = xp.zeros((n_kv, rows, 1), dtype=f32)
-    acc = xp.zeros((n_kv, rows, d), dtype=f32)
-    qpos = xp.arange(q_first, q_last + 1)[:, None]  # [T, 1]
     start = lo_vis - k_pos0
     stop = hi_vis - k_pos0 + 1
-    for b0 in range(start, max(start, stop), key_block):
-        b1 = min(b0 + key_block, stop)
-        kb = k[b0:b1].astype(f32, copy=False).transpose(1, 2, 0)  # [Hkv, D, B]
-        vb = v[b0:b1].astype(f32, copy=False).transpose(1, 0, 2)  # [Hkv, B, D]
-        s = xp.matmul(qg, kb)  # [Hkv, G*T, B]
-        s *= f32(scale)
+    qpos = xp.arange(q_first, q_last + 1)[:, None]  # [T, 1]
+
+    def block_scores(b0: int, b1: int) -> Any:
+        """Masked, scaled scores of keys [b0, b1): [Hkv, G*T, b1 - b0] float32."""
+        s = xp.matmul(qg, k[b0:b1].astype(f32, copy=False).transpose(1, 2, 0))
         kpos0, kpos1 = k_pos0 + b0, k_pos0 + b1 - 1
-        needs_mask = kpos1 > q_first or (window is not None and q_last - kpos0 >= window)
-        if needs_mask:
+        if kpos1 > q_first or (window is not None and q_last - kpos0 >= window):
             kpos = xp.arange(kpos0, kpos1 + 1)[None, :]  # [1, B]
             visible = kpos <= qpos
             if window is not None:
                 visible &= (qpos - kpos) < window
-            bias = xp.where(visible, f32(0), f32(-np.inf)).astype(f32)  # [T, B]
             s = s.reshape(n_kv, group, n_q, b1 - b0)
-            s += bias
+            s += xp.where(visible, f32(0), f32(-np.inf)).astype(f32)  # [T, B] broadcast
             s = s.reshape(n_kv, rows, b1 - b0)
+        return s
+
+    def finish(acc: Any) -> Any:
+        out = acc.reshape(n_kv, group, n_q, d).transpose(2, 0, 1, 3).reshape(n_q, n_head * d)
+        return out.astype(out_dtype, copy=False)
+
+    if stop - start <= key_block:
+        # One block (every decode step, most prefill chunks): a plain softmax, no running statistics.
+        s = block_scores(start, stop)
+        s -= s.max(axis=-1, keepdims=True)
+        xp.exp(s, out=s)
+        acc = xp.matmul(s, v[start:stop].astype(f32, copy=False).transpose(1, 0, 2))
+        acc /= s.sum(axis=-1, keepdims=True)
+        return finish(acc)
+
+    m = xp.full((n_kv, rows, 1), -np.inf, dtype=f32)
+    l_sum = xp.zeros((n_kv, rows, 1), dtype=f32)
+    acc = xp.zeros((n_kv, rows, d), dtype=f32)
+    for b0 in range(start, stop, key_block):
+        b1 = min(b0 + key_block, stop)
+        s = block_scores(b0, b1)
         m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
         # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp() gives 0, not NaN.
         shift = xp.where(m_new == f32(-np.inf), f32(0), m_new)
@@ -89,11 +104,10 @@ def blocked_attention(
         l_sum *= correction
         l_sum += s.sum(axis=-1, keepdims=True)
         acc *= correction
-        acc += xp.matmul(s, vb)
+        acc += xp.matmul(s, v[b0:b1].astype(f32, copy=False).transpose(1, 0, 2))
         m = m_new
     acc /= l_sum
-    out = acc.reshape(n_kv, group, n_q, d).transpose(2, 0, 1, 3).reshape(n_q, n_head * d)
-    return out.astype(out_dtype, copy=False)
+    return finish(acc)
 
 
 def key_block_for(n_kv: int, rows: int, budget: int = ATTENTION_SCORE_BUDGET) -> int:
@@ -138,9 +152,9 @@ class _Kernels:
             "T x", "float32 y", "(float)x * (float)x", "a + b", "y = a", "0", "strata_sum_squares"
         )
         self.scale_rows = cp.ElementwiseKernel(
-            "T x, float32 ms, T w, float32 eps",
+            "T x, float32 sum_sq, T w, float32 inv_n, float32 eps",
             "T y",
-            "y = (T)((float)x * (1.0f / sqrtf(ms + eps)) * (float)w)",
+            "y = (T)((float)x * (1.0f / sqrtf(sum_sq * inv_n + eps)) * (float)w)",
             "strata_rms_scale",
         )
         self.silu_mul = cp.ElementwiseKernel(
@@ -228,10 +242,10 @@ class CupyOps(NumpyOps):
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         cp = self.xp
         x = cp.ascontiguousarray(x)
-        ms = self.kernels.sum_squares(x, axis=-1, keepdims=True)
-        ms /= np.float32(x.shape[-1])
+        sum_sq = self.kernels.sum_squares(x, axis=-1, keepdims=True)
         out = cp.empty_like(x)
-        self.kernels.scale_rows(x, ms, weight.astype(x.dtype, copy=False), np.float32(eps), out)
+        inv_n = np.float32(1.0 / x.shape[-1])
+        self.kernels.scale_rows(x, sum_sq, weight.astype(x.dtype, copy=False), inv_n, np.float32(eps), out)
         return out
 
     def silu(self, x: Any) -> Any:
