@@ -35,6 +35,7 @@ def create_app(engine_client: EngineClient, config: ServerConfig, *, context: Se
     add_exit_listener = getattr(engine_client, "add_exit_listener", None)
     if add_exit_listener is not None:
         add_exit_listener(ctx.metrics.record_engine_exit)
+        add_exit_listener(lambda _code: ctx.slot_view.forget())  # the held conversation died with it
     app = falcon.App(middleware=[SecurityMiddleware(ctx.policy, engine_client)])
     for paths, resource_class in ROUTES:
         resource = resource_class(ctx)
