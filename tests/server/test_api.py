@@ -122,7 +122,7 @@ def test_completion_stream_framing(make_api):
     assert all(e["stop"] is False and e["id_slot"] == -1 for e in partial)
     assert "".join(e["content"] for e in partial) == plain["content"]
     assert sum(len(e["tokens"]) for e in partial) == 8
-    assert final["stop"] is True and final["id_slot"] == 0 and final["content"] == ""
+    assert final["stop"] is True and final["id_slot"] == 0 and final["content"] == "" and final["tokens"] == []
     assert final["timings"]["predicted_n"] == 8 and final["stop_type"] == "limit"
 
 

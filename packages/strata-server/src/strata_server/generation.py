@@ -124,11 +124,12 @@ class NativeCompletionFormat(ResponseFormat):
             chunk["completion_probabilities"] = probs
         return chunk
 
-    def _final(self, result: dict, content: str, probs: list[dict] | None, lease: EngineLease) -> dict:
+    def _final(self, result: dict, probs: list[dict] | None, lease: EngineLease, *, streamed: bool) -> dict:
         tokens = result.get("tokens") or []
         final = {
-            "index": 0, "content": content,
-            "tokens": tokens if self.info.options.return_tokens else [],
+            # As the peer: in a stream the text and tokens went out in the partial chunks.
+            "index": 0, "content": "" if streamed else str(result.get("content", "")),
+            "tokens": tokens if self.info.options.return_tokens and not streamed else [],
             "id_slot": 0, "stop": True, "model": self.info.options.model or self.info.model,
             "tokens_predicted": len(tokens), "tokens_evaluated": result.get("tokens_evaluated", 0),
             "generation_settings": self.info.options.settings(), "prompt": self.prompt_text(lease),
@@ -142,10 +143,10 @@ class NativeCompletionFormat(ResponseFormat):
         return final
 
     def final_chunks(self, result: dict, lease: EngineLease) -> list[dict]:
-        return [self._final(result, "", None, lease)]  # the text was streamed already
+        return [self._final(result, None, lease, streamed=True)]
 
     def response(self, result: dict, probs: list[dict], lease: EngineLease) -> dict:
-        return self._final(result, str(result.get("content", "")), probs, lease)
+        return self._final(result, probs, lease, streamed=False)
 
 
 class TextCompletionFormat(ResponseFormat):
