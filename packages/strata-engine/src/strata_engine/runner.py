@@ -232,10 +232,9 @@ class ModelRunner:
         try:
             logits = self.model.forward(np.asarray(tokens, dtype=np.int64), pos0, self.placement, want_logits)
         except BaseException:
+            # Keep a consistent state: the deepest valid resume point at or below what was held.
             self.pool.abort_append()
-            del self._tokens[self.pool.n_tokens :]
-            self._drop_checkpoints_above(self.pool.n_tokens)
-            self.placement.truncated(self.pool.n_tokens)
+            self._resume_at(pos0)
             raise
         self.pool.commit_append(len(tokens))
         self._tokens.extend(tokens)

@@ -24,7 +24,8 @@ class EngineSettings:
     model_path: the GGUF file.
     n_ctx: tokens of context (K/V capacity of full-attention layers); None = min(the model's training
         context, 8192).
-    kv_type: storage type of the K/V pool: "f32", "f16" (default) or "int8" (per-token-per-head scales).
+    kv_type: storage type of the K/V pool: "f32", "f16" (default) or "int8" (float32 scales per token,
+        per head, per 32-value block of the head dimension).
     compute_dtype: activations and dequantized weights: "f32" (default), "f64" (a numerics check; numpy),
         "f16" or "bf16" (cupy; bf16 where this CuPy has the dtype).
     kv_resident: None = the pool is read directly (pool placement); N = the pool is a host pool and

@@ -212,13 +212,11 @@ class KVPool:
         self._pending_ring_start = None
 
     def abort_append(self) -> None:
-        """After a failed forward: the rings may have been overwritten up to the pending start."""
+        """After a failed forward: positions >= n_tokens are garbage and the rings may have been
+        overwritten up to the pending start, so n_tokens may no longer be a resume point (the runner
+        then falls back to a checkpoint or to 0; see `can_resume`)."""
         if self._pending_ring_start is not None:
-            self._ring_start = self._pending_ring_start
-            if self._ring_start > self._n_tokens:
-                # Nothing of the rings is usable: only a restart from 0 (or a checkpoint) is valid.
-                self._n_tokens = 0
-                self._ring_start = 0
+            self._ring_start = min(self._pending_ring_start, self._n_tokens)
             self._pending_ring_start = None
 
     # ---- token-range reads and writes (logical order) -------------------------------------------
