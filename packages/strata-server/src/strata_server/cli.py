@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key and not config.api_key_file:
         sys.stderr.write(f"strata-server: warning: listening on {config.host} without --api-key\n")
+    if config.host in ("0.0.0.0", "::") and not config.allowed_hosts:
+        sys.stderr.write("strata-server: warning: listening on every address, but only Host headers naming a "
+                         "loopback name are accepted; add the names clients use with --allowed-hosts\n")
     sys.stderr.write(f"strata-server: http://{config.bind()} model {config.model}\n")
     StrataGunicorn(config).run()
     return 0
