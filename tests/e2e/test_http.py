@@ -252,3 +252,23 @@ def test_longest_valid_filename_saves(http, slots):
     response = slot(http, "save", name)
     assert response.status_code == 200, response.text
     assert (slots / name).is_file()
+
+
+def test_slots_erase_template_options(http, server):
+    post(http, "/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 1})
+    slots = http.get(server.url + "/slots", timeout=30).json()
+    assert slots[0]["id"] == 0 and slots[0]["n_ctx"] == 2048 and slots[0]["is_processing"] is False
+    assert slots[0]["n_prompt_tokens"] > 0 and isinstance(slots[0]["next_token"], list)
+    held = slots[0]["n_prompt_tokens"]  # prompt + 1 generated - 1
+    erased = post(http, "/slots/0?action=erase", {})
+    assert erased.json() == {"id_slot": 0, "n_erased": held}
+    again = post(http, "/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 1}).json()
+    assert again["timings"]["cache_n"] == 0
+    rendered = post(http, "/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}).json()["prompt"]
+    assert rendered.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in rendered
+    preflight = requests.options(server.url + "/v1/chat/completions", timeout=30, headers={
+        "Origin": "http://site.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200 and preflight.headers["Access-Control-Allow-Origin"] == "*"
+    assert "Access-Control-Allow-Credentials" not in preflight.headers
+    bad_slot = post(http, "/slots/1?action=erase", {})
+    assert bad_slot.status_code == 400 and "one slot" in bad_slot.json()["error"]["message"]
