@@ -15,7 +15,16 @@ from .security import SecurityPolicy
 if TYPE_CHECKING:
     from .params import CompletionOptions
 
-SERVER_VERSION = "0.1.0"
+def _server_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("strata-server")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+SERVER_VERSION = _server_version()
 
 
 class SlotView:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from .engine.client import SlotGate
 
@@ -83,7 +83,6 @@ class Metrics:
 
     def render(self, gate: SlotGate, engine_restarts: int) -> str:
         with self._lock:
-            per_second: Callable[[float, float], float] = lambda n, s: n / s if s > 0 else 0.0  # noqa: E731
             rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
                 ("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.",
                  [("", self.prompt_tokens)]),
@@ -138,6 +137,10 @@ class Metrics:
             lines.append(f"# TYPE {name} {kind}")
             lines += [f"{name}{labels} {_number(value)}" for labels, value in samples]
         return "\n".join(lines) + "\n"
+
+
+def per_second(count: float, seconds: float) -> float:
+    return count / seconds if seconds > 0 else 0.0
 
 
 def _escape(value: str) -> str:
