@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Origins (http://host:port) allowed to use slot actions besides the server's own")
     add("--cors-origins", metavar="ORIGIN[,ORIGIN...]", action="append",
         help="CORS allowed origins (default: '*', never with credentials)")
-    add("--threads", metavar="N", help="gunicorn gthread threads for I/O (default: 8)")
+    add("--threads", metavar="N", help="gunicorn gthread threads (default: 32; requests waiting for the slot each hold one)")
     add("--timeout", metavar="S", help="gunicorn worker timeout in seconds (default: 600)")
     add("--slot-wait", metavar="S", help="seconds a request waits for the busy slot before a 503 (default: 600)")
     add("--engine-timeout", metavar="S", help="seconds of engine silence inside one command after which it is "

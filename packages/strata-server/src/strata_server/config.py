@@ -67,7 +67,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     trusted_origins: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ("*",)
-    threads: int = 8
+    threads: int = 32  # requests waiting for the slot each hold one; /health must still get through
     timeout: int = 600  # gunicorn worker timeout (seconds)
     slot_wait: float = 600.0  # seconds a request waits for the busy slot before a 503
     engine_timeout: float = 0.0  # silence inside one engine command that means "hung": kill, restart; 0: never
