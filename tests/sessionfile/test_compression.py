@@ -359,3 +359,24 @@ def test_failures_during_a_compressed_save_keep_the_old_file(tmp_path, factory, 
     with pytest.raises(expected):
         save(path, factory(2), block_size=4096, compression=ZSTD)
     assert path.read_bytes() == old and files_in(tmp_path) == ["s.ssf"]
+
+
+def test_several_decode_workers_keep_file_order_and_errors(tmp_path, factory, monkeypatch):
+    """With frames decoded concurrently, blocks still arrive in file order and a bad frame is raised in order."""
+    from strata_sessionfile import reader
+
+    monkeypatch.setattr(reader, "MAX_DECODE_WORKERS", 3)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert reader.decode_workers() == 3
+    path = tmp_path / "z.ssf"
+    save(path, factory(1), block_size=4096, compression=ZSTD)
+    for mode, fac in (("streaming", factory), ("staged", memory_adapter_factory(n_tokens=200, staging=True))):
+        target = fac(2)
+        restore(path, target, mode=mode, block_size=4096)
+        save(tmp_path / "again.ssf", target, block_size=4096, compression=ZSTD)
+        assert (tmp_path / "again.ssf").read_bytes() == path.read_bytes()
+    ident, snap, parts = golden.golden_sessions()["kv_f16_zstd"]
+    target = golden._adapter(ident, snap, parts)
+    with pytest.raises(E.FrameCorrupt) as info:
+        restore(golden.BAD_DIR / "zstd_bad_frame.ssf", target, block_size=4096)
+    assert info.value.field == "frames[1]" and target.events == []
