@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_gpu_model import MODELS, model_path
 
 pytestmark = pytest.mark.gpu
