@@ -51,9 +51,13 @@ def evict(path: Path) -> None:
         os.close(fd)
 
 
-def real_conversations(models: dict[str, int], folder: Path) -> list[dict]:
+PLACEMENTS = {"device-pool": [], "host-pool+ring1024": ["--kv-resident", "1024"]}
+
+
+def real_conversations(models: dict[str, int], folder: Path, placements: list[str]) -> list[dict]:
     out = []
-    for placement, extra in (("device-pool", []), ("host-pool+ring1024", ["--kv-resident", "1024"])):
+    for placement in placements:
+        extra = PLACEMENTS[placement]
         EXTRA_ARGS[:] = ["--backend", "cupy", "--prefill-chunk", "2048", *extra]
         for model, n_prompt in models.items():
             n_ctx = n_prompt + 68
@@ -157,6 +161,7 @@ def main() -> int:
     ap.add_argument("--smollm2-tokens", type=int, default=7900)
     ap.add_argument("--gemma3-tokens", type=int, default=32700)
     ap.add_argument("--synthetic-tokens", type=int, default=131072, help="0: skip")
+    ap.add_argument("--placements", default=",".join(PLACEMENTS))
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -167,7 +172,9 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix=".bench-gpu-session-", dir=args.dir or BS.REPO))
     results: dict = {}
     try:
-        results["real"] = real_conversations({m: sizes[m] for m in MODELS}, folder)
+        results["real"] = real_conversations(
+            {m: sizes[m] for m in MODELS}, folder, args.placements.split(",")
+        )
         if args.synthetic_tokens and "smollm2" in MODELS:
             results["synthetic"] = synthetic_session(args.synthetic_tokens, folder)
             report_synthetic(results["synthetic"])

@@ -49,6 +49,7 @@ PY
       [ -n "$STRATA_SMOLLM2_PATH" ] && { python3 bench/bench_gpu.py --model smollm2=$STRATA_SMOLLM2_PATH --dtype f16 --lengths 512,4096 --json "$OUT/bench_gpu_smollm2.json" 2>&1 | tee "$OUT/bench_gpu_smollm2.log" || rc=1; }
       [ -n "$STRATA_GEMMA3_PATH" ] && { python3 bench/bench_gpu.py --model gemma3=$STRATA_GEMMA3_PATH --dtype bf16 --lengths 512,4096 --long 32768 --json "$OUT/bench_gpu_gemma3.json" 2>&1 | tee "$OUT/bench_gpu_gemma3.log" || rc=1; } ;;
     bench-session) python3 bench/bench_gpu_session.py "${MODELS[@]}" --json "$OUT/bench_gpu_session.json" 2>&1 | tee "$OUT/bench_gpu_session.log" || rc=1 ;;
+    bench-session-quick) python3 bench/bench_gpu_session.py --model smollm2=$STRATA_SMOLLM2_PATH --placements device-pool --synthetic-tokens 0 2>&1 | tee "$OUT/bench_gpu_session_quick.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done

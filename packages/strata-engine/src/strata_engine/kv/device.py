@@ -38,8 +38,16 @@ def _map_parts(parts: KVParts, fn: Any) -> KVParts:
     return KVParts(*(None if a is None else fn(a) for a in (parts.k, parts.v, parts.k_scale, parts.v_scale)))
 
 
+# The session library's default block size: the pinned block buffers are made this size at start-up.
+SESSION_BLOCK_BYTES = 16 << 20
+
+
 class DevicePool(KVPool):
     """`KVPool` in device memory; `read` gives host copies, `write` accepts host or device parts."""
+
+    def __init__(self, geometry: KVGeometry, ops: NumpyOps):
+        super().__init__(geometry, ops)
+        self._pinned: list[Any] = []
 
     def read_device(self, i: int, lo: int, hi: int) -> KVParts:
         """Device copies of positions [lo, hi) of layer i in logical order."""
@@ -55,10 +63,16 @@ class DevicePool(KVPool):
     # ---- what the session adapter uses on the GPU ------------------------------------------------
     def pinned_buffers(self, count: int, nbytes: int) -> list[memoryview]:
         """Block buffers in pinned host memory: device<->host copies into them run as DMA at PCIe
-        speed (~55 GB/s on the H200) instead of through the driver's pageable bounce buffer."""
+        speed (~55 GB/s on the H200) instead of through the driver's pageable bounce buffer.
+        Kept for the pool's life (the engine runs one SAVE or RESTORE at a time), so a restore pays
+        neither the pinning nor the page faults of fresh buffers."""
         import cupyx
 
-        return [memoryview(cupyx.empty_pinned((nbytes,), dtype=np.uint8)) for _ in range(count)]
+        if len(self._pinned) < count or any(b.nbytes < nbytes for b in self._pinned[:count]):
+            self._pinned = [cupyx.empty_pinned((nbytes,), dtype=np.uint8) for _ in range(count)]
+            for b in self._pinned:
+                b.fill(0)  # fault the pages in now
+        return [memoryview(b[:nbytes]) for b in self._pinned[:count]]
 
     def staging_array(self, nbytes: int) -> Any:
         """A device byte array for a staged restore (the file's K/V lands in VRAM while it is hashed)."""
@@ -188,7 +202,11 @@ def make_pool(geometry: KVGeometry, ops: NumpyOps, kv_resident: int | None) -> K
     or `HostMappedPool` when a resident ring is asked for."""
     if ops.name != "cupy":
         return KVPool(geometry, ops)
-    return DevicePool(geometry, ops) if kv_resident is None else HostMappedPool(geometry, ops)
+    if kv_resident is not None:
+        return HostMappedPool(geometry, ops)
+    pool = DevicePool(geometry, ops)
+    pool.pinned_buffers(2, SESSION_BLOCK_BYTES)  # at start-up, not in the first SAVE / RESTORE
+    return pool
 
 
 def make_placement_for(pool: KVPool, kv_resident: int | None) -> PoolPlacement:
