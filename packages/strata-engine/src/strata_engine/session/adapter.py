@@ -122,6 +122,18 @@ class _Prepared:
     starts: tuple[int, ...]  # per layer: the first position the file's part holds
 
 
+def memory_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where the system does not say."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _sync(pool: Any) -> None:
     sync = getattr(pool.ops, "synchronize", None)
     if sync is not None:
@@ -172,13 +184,11 @@ class EngineSession:
         fault: FaultPoint | None = None,
         buffers: BlockBufferCache | None = None,
     ):
-        from strata_sessionfile._fileio import memory_available as meminfo
-
         self.runner = runner
         self.sampler = sampler or SamplerAccess.holder()
         self._identity = identity
         self.staging = staging
-        self.memory_available = memory_available or meminfo
+        self.memory_available = memory_available or memory_available_bytes
         self.fault = fault
         self.buffers = buffers
         geometry = runner.kv_geometry
