@@ -265,7 +265,7 @@ def test_refusals_keep_the_live_conversation(engines, tmp_path):
     empty = engine.result(f"SAVE {tmp_path / 'empty.session'}")  # nothing held: a valid file of 0 tokens
     assert empty["n_saved"] == 0 and sf.inspect(tmp_path / "empty.session").metadata.state.n_tokens == 0
     live_prompt = prompt_tokens(60, seed=9)
-    first = engine.complete(live_prompt, 4)
+    first = engine.complete(live_prompt, 2)
     live = engine.status()
     for name, (path, reason) in files.items():
         answer = engine.command(f"RESTORE {path}")[-1]
@@ -279,7 +279,7 @@ def test_refusals_keep_the_live_conversation(engines, tmp_path):
         if name == "another engine version":
             assert "engine_version" in error["message"] and "0.0.0-another" in error["message"]
         assert engine.status()["tokens_held_digest"] == live["tokens_held_digest"], name
-        turn = engine.complete(live_prompt, 4)  # the same turn again: same tokens from the held prefix
+        turn = engine.complete(live_prompt, 2)  # the same turn again: same tokens from the held prefix
         assert turn["tokens"] == first["tokens"], name
         assert turn["timings"]["cache_n"] == len(live_prompt) - 1, name
     # The undamaged file itself is accepted (so each refusal was about its damage).
