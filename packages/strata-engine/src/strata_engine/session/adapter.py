@@ -36,7 +36,11 @@ the pool and commits the same way. A refused restore touches nothing; once the l
 (`live_touched`), any failure must end in a fail-stop (`fail_stop` drops the conversation in-process;
 the serve verb then exits with status 4).
 
-Fault injection for tests (`faults`): a `FaultPoint` given by the serve verbs from the
+Staging memory: host memory (numpy) for a host pool; a device pool may provide `staging_array` (VRAM,
+the switch is then a device copy), `pinned_buffers` (the block buffers) and `device_free_bytes` (what
+`can_stage` checks); auto mode stages when the K/V plus STAGING_HEADROOM fits.
+
+Fault injection for tests: a `FaultPoint` given by the serve verbs from the
 ``STRATA_ENGINE_SESSION_FAULT`` environment variable; never reachable from a request.
 """
 
