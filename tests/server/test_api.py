@@ -169,7 +169,11 @@ def test_completion_malformed_bodies(make_api):
 
 def test_unsupported_features_are_501(make_api):
     client, _, _ = make_api()
-    for extra in ({"grammar": "root ::= x"}, {"n": 2}, {"prompt": [[1], [2]]}):
+    neutral = {"prompt": "x", "n_predict": 1, "typical_p": 1.0, "mirostat": 0, "top_n_sigma": -1, "grammar": "",
+               "response_format": {"type": "text"}, "n": 1, "samplers": ["top_k"], "n_keep": 4}
+    assert client.simulate_post("/completion", json=neutral).status_code == 200
+    for extra in ({"grammar": "root ::= x"}, {"n": 2}, {"prompt": [[1], [2]]}, {"mirostat": 2}, {"typical_p": 0.5},
+                  {"dry_multiplier": 0.8}, {"t_max_predict_ms": 100}):
         body = {"prompt": "x", **extra}
         assert_error(client.simulate_post("/completion", json=body), 501, "not_supported_error")
 

@@ -87,6 +87,14 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "presence_penalty": lambda v: v in (None, 0, 0.0),
     "frequency_penalty": lambda v: v in (None, 0, 0.0),
     "logprobs": lambda v: v in (None, False, 0),  # chat's boolean form is handled by parse_chat_logprobs
+    # Samplers beyond Strata's chain (repeat penalty, top-k, top-p, min-p, temperature).
+    "typical_p": lambda v: v in (None, 1, 1.0),
+    "mirostat": lambda v: v in (None, 0),
+    "dynatemp_range": lambda v: v in (None, 0, 0.0),
+    "xtc_probability": lambda v: v in (None, 0, 0.0),
+    "dry_multiplier": lambda v: v in (None, 0, 0.0),
+    "top_n_sigma": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0),
+    "t_max_predict_ms": lambda v: v in (None, 0),
     "post_sampling_probs": lambda v: v in (None, False),
 }
 
