@@ -244,9 +244,6 @@ def test_engine_sigkill_mid_generation(http, server):
     assert http.get(server.url + "/props", timeout=30).json()["strata"]["engine_restarts"] == restarts_before + 2
 
 
-@pytest.mark.xfail(reason="strata-sessionfile's writer names its temporary file '.<name>.<12 hex>.strata-tmp' "
-                   "(name + 25 bytes), so a valid 231..255-byte name fails with ENAMETOOLONG; reported to its owner",
-                   strict=True)
 def test_longest_valid_filename_saves(http, slots):
     name = "x" * 255  # the peer's limit: fs_validate_filename accepts it
     response = slot(http, "save", name)

@@ -252,3 +252,16 @@ def test_reference_adapter_satisfies_every_protocol(factory):
     a = factory(1)
     assert isinstance(a, SessionSource) and isinstance(a, SessionTarget)
     assert isinstance(a, StagingTarget) and isinstance(a, SessionAdapter)
+
+
+@pytest.mark.parametrize("name", ["x" * 255, "é" * 127 + "x"])
+def test_a_target_name_of_the_full_255_bytes_saves(factory, tmp_path, name):
+    # The temporary's name is cut to fit NAME_MAX (on a character boundary), not the target's.
+    source = factory(1)
+    path = tmp_path / name
+    report = save(path, source)
+    assert path.stat().st_size == report.bytes_written
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    target = factory(2)
+    restore(path, target)
+    assert target.live_digest() == source.live_digest()

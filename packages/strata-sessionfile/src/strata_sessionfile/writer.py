@@ -42,6 +42,18 @@ from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags
 from .records import Phase, Progress, SaveReport
 
 TEMP_SUFFIX = ".strata-tmp"
+NAME_MAX = 255  # bytes in one path component on Linux filesystems
+
+
+def _temporary_name(name: str) -> str:
+    """``.<name>.<12 hex>.strata-tmp``, the name cut (on a character boundary) so the whole fits NAME_MAX.
+
+    A target name near NAME_MAX is valid, so its temporary must not be longer than the limit.
+    """
+    tail = f".{secrets.token_hex(6)}{TEMP_SUFFIX}"
+    room = NAME_MAX - 1 - len(tail)
+    stem = os.fsencode(name)[:room]
+    return "." + os.fsdecode(stem.decode("utf-8", "ignore").encode("utf-8")) + tail
 MIN_BLOCK_SIZE = 4096
 
 
@@ -129,7 +141,7 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
         prefix = bytes(HEADER_SIZE) + metadata + padding + encode_compression_header(options, block_size, n_blocks)
 
     folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
+    tmp = os.path.join(folder, _temporary_name(name))
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
