@@ -4,8 +4,9 @@ process, RESTORE, the next turn.
 * For both real models, f16 and int8 K/V, and both placements (each conversation is saved under one
   placement and restored under the other; both restore modes are used): the restored process reuses at
   least 99.9 % of the held tokens (`timings.cache_n`) and its greedy tokens equal those of the process
-  that never restarted. For gemma3 (sliding windows) a second turn that leaves the last reply early
-  resumes from the deepest checkpoint the file carried.
+  that never restarted; a sampled turn that continues the engine's generator (seed -1) draws the same
+  tokens too (the sampler state travels in the file). For gemma3 (sliding windows) a turn that leaves
+  the last reply early resumes from the deepest checkpoint the file carried.
 * Refusals, each followed by a turn that shows the live conversation intact: another model, another K/V
   type, a smaller context than the file holds, another engine version, a flipped byte (data and header),
   a truncated file, a symlink, a second hard link.
@@ -172,6 +173,11 @@ def test_conversation_survives_a_restart(engines, tmp_path, case):
     # first prompt (the deepest checkpoint); the never-restarted process has it too.
     diverging = prompt + [1499]
     expected_diverging = never_restarted.complete(diverging, N_NEXT) if case.model == "gemma3" else None
+    # Greedy turns draw nothing: the sampler state is still the saved one, so a sampled turn with seed -1
+    # (continue the engine's generator) must draw the same tokens after the restart.
+    sampled_turn = {"prompt": next_turn + expected["tokens"], "n_predict": N_NEXT, "temperature": 1.0,
+                    "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": -1, "ignore_eos": True}
+    expected_sampled = never_restarted.result("COMPLETE " + json.dumps(sampled_turn))
     assert never_restarted.quit() == 0
 
     restarted = engines(case.model, *settings, *case.restore_args)
@@ -188,6 +194,9 @@ def test_conversation_survives_a_restart(engines, tmp_path, case):
         got_diverging = restarted.complete(diverging, N_NEXT)
         assert got_diverging["timings"]["cache_n"] == expected_diverging["timings"]["cache_n"] == case.n_prompt
         assert got_diverging["tokens"] == expected_diverging["tokens"]
+    got_sampled = restarted.result("COMPLETE " + json.dumps(sampled_turn))
+    assert got_sampled["tokens"] == expected_sampled["tokens"]
+    assert got_sampled["seed"] == expected_sampled["seed"]
 
 
 # ---- refusals keep the live conversation ------------------------------------------------------------
