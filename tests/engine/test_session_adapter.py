@@ -370,3 +370,26 @@ def test_residency_refill_is_necessary(real_smollm2, tmp_path):
     stale = target.prefill(following)
     assert pool_same and stale.cache_n == expected.cache_n
     assert not np.allclose(stale.logits, expected.logits, atol=1e-2)
+
+
+def test_identity_covers_what_changes_the_kv_bytes_and_nothing_else(models):
+    base = synthetic_runner(models, "gemma3")
+    ident = runner_identity(base)
+    assert ident.model.files[0].role == "model" and len(ident.model.files) == 1
+    same = synthetic_runner(models, "gemma3", kv_resident=4)  # the placement does not change the bytes
+    assert runner_identity(same).config.fingerprint == ident.config.fingerprint
+    path, gguf, config = models["gemma3"]
+
+    def with_config(cfg=config, **settings) -> ModelRunner:
+        s = attrs.evolve(base.settings, **settings)
+        pool = KVPool(KVGeometry.from_config(cfg, s.n_ctx, KVType(s.kv_type)), get_ops("numpy", "f32"))
+        return ModelRunner(s, gguf, cfg, None, pool, make_placement(pool, None))
+
+    rope = attrs.evolve(config, layers=tuple(attrs.evolve(lc, rope_base=lc.rope_base * 2) for lc in config.layers))
+    for changed, key in ((with_config(compute_dtype="f64"), "arithmetic"), (with_config(kv_type="int8"), "kv_type"),
+                         (with_config(n_ctx=128), "n_ctx"), (with_config(rope), "rope")):
+        other = config_mapping(changed)
+        assert runner_identity(changed).config.fingerprint != ident.config.fingerprint, key
+        assert other[key] != config_mapping(base)[key], key
+    assert runner_identity(base, engine_version_override="9.9.9").config.mapping["engine_version"] == "9.9.9"
+    assert config_mapping(base)["adapters_digest"] == "none"
