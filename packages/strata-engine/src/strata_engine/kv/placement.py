@@ -36,9 +36,16 @@ class PoolPlacement:
     def attend_kv(self, layer: int, pos0: int, k_new: Any, v_new: Any) -> tuple[Any, Any, int]:
         """Store the chunk's K/V [T, Hkv, D] at positions pos0.. and return the keys and values its
         queries attend to, decoded from storage (so prefill, decode and resumed runs all see the same
-        rounded values): (k [S, Hkv, D], v [S, Hkv, D], position of the first key)."""
+        rounded values): (k [S, Hkv, D], v [S, Hkv, D], position of the first key). For a full layer
+        whose storage dtype is the compute dtype (f32 K/V) they are slices of the pool itself."""
         lo = self.context_start(layer, pos0)
         n_new = k_new.shape[0]
+        if self.reads_pool_directly(layer):
+            # Storage is the compute dtype and slot = position: the pool slice is the context itself.
+            end = pos0 + n_new
+            self.write(layer, pos0, self.pool.codec.encode(k_new, v_new))
+            views = self.pool.layer(layer)
+            return views.k[lo:end], views.v[lo:end], lo
         shape = (pos0 + n_new - lo, *k_new.shape[1:])
         xp = self.ops.xp
         k_ctx = xp.empty(shape, dtype=self.ops.dtype)
@@ -49,6 +56,11 @@ class PoolPlacement:
         self.write(layer, pos0, parts)
         self.pool.codec.decode_into(parts, k_ctx[n_old:], v_ctx[n_old:])
         return k_ctx, v_ctx, lo
+
+    def reads_pool_directly(self, layer: int) -> bool:
+        """Whether attention may read the pool's own slots (full layer, storage = compute dtype)."""
+        g = self.pool.geometry.layers[layer]
+        return not g.is_ring and self.pool.geometry.kv_type.storage_dtype == self.ops.dtype
 
     def gather_into(self, layer: int, lo: int, hi: int, k_out: Any, v_out: Any) -> None:
         self.pool.decode_into(layer, lo, hi, k_out, v_out)
@@ -92,6 +104,9 @@ class ResidentRingPlacement(PoolPlacement):
         self.resident_start = [0] * geo.n_layers
         self.host_tokens_read = 0
         self.resident_tokens_read = 0
+
+    def reads_pool_directly(self, layer: int) -> bool:
+        return False  # reads must go through the resident ring
 
     def stats(self) -> ResidencyStats:
         return ResidencyStats(self.host_tokens_read, self.resident_tokens_read)
