@@ -75,11 +75,16 @@ class LlamaModel:
             q = ops.rope(q, cos, sin, c.rope_style)
             k = ops.rope(k, cos, sin, c.rope_style)
             k_ctx, v_ctx, k_pos0 = kv.attend_kv(il, pos0, k, v)
-            attn = ops.attention(q, k_ctx, v_ctx, q_pos0=pos0, k_pos0=k_pos0, window=None, scale=c.attn_scale)
+            q_pos0 = pos0
+            if il == c.n_layer - 1:  # past the last K/V write only the logits' row matters
+                if not want_logits:
+                    return None
+                q, x, q_pos0 = q[-1:], x[-1:], pos0 + T - 1
+            attn = ops.attention(
+                q, k_ctx, v_ctx, q_pos0=q_pos0, k_pos0=k_pos0, window=None, scale=c.attn_scale
+            )
             x = x + ops.matmul(attn, layer.wo)
             h = ops.rms_norm(x, layer.ffn_norm, c.rms_eps)
             x = x + ops.gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, c.activation)
-        if not want_logits:
-            return None
         x_last = ops.rms_norm(x[-1:], self.output_norm, c.rms_eps)
         return ops.logits(x_last, self.output)[0]
