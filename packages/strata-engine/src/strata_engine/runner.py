@@ -120,7 +120,9 @@ class ModelRunner:
         return self._assemble(settings, self.gguf, self.config, self.model)
 
     @classmethod
-    def _assemble(cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model) -> ModelRunner:
+    def _assemble(
+        cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model
+    ) -> ModelRunner:
         n_ctx = settings.n_ctx if settings.n_ctx is not None else min(config.n_ctx_train, DEFAULT_N_CTX_CAP)
         geometry = KVGeometry.from_config(config, n_ctx, KVType(settings.kv_type))
         pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
@@ -175,10 +177,13 @@ class ModelRunner:
         cap = self.kv_geometry.ring_capacity
         if cap is None and state.ring_start != 0:
             problems.append(f"ring_start {state.ring_start} given for a pool without rings")
-        elif cap is not None and not (0 <= state.ring_start <= len(state.tokens)
-                                      and len(state.tokens) - state.ring_start <= cap):
-            problems.append(f"ring_start {state.ring_start} invalid for {len(state.tokens)} tokens and ring "
-                            f"capacity {cap}")
+        elif cap is not None and not (
+            0 <= state.ring_start <= len(state.tokens) and len(state.tokens) - state.ring_start <= cap
+        ):
+            problems.append(
+                f"ring_start {state.ring_start} invalid for {len(state.tokens)} tokens and ring "
+                f"capacity {cap}"
+            )
         return problems
 
     def erase(self) -> int:
