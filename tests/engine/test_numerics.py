@@ -29,6 +29,13 @@ INT8_LOGIT_BOUND = 1.5
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _drop_cached_runs():
+    """The cached runs hold every step's logits (~0.5 GB for gemma3's vocabulary): free them after."""
+    yield
+    greedy_runs.cache_clear()
+
+
 def _margin(top5: list[list[float]]) -> float:
     values = sorted((v for _, v in top5), reverse=True)
     return values[0] - values[1]
