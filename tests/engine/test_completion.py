@@ -47,7 +47,7 @@ class ScriptedRunner:
         self.step += 1
         return logits
 
-    def prefill(self, tokens):
+    def prefill(self, tokens, should_stop=None):
         common = 0
         while common < min(len(tokens), len(self.held)) - 0 and tokens[common] == self.held[common]:
             common += 1

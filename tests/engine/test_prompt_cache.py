@@ -60,6 +60,26 @@ def test_reused_prefix_equals_cold_run(smollm2):
     assert list(warm.tokens_held) == third
 
 
+def test_a_stopped_prefill_keeps_its_chunks_and_the_next_one_resumes(smollm2):
+    runner, cold = smollm2.sibling(), smollm2.sibling()
+    prompt = [1] + _ids(4, 300)
+    asked = []
+
+    def stop_after_two_chunks() -> bool:
+        asked.append(runner.n_held)
+        return len(asked) > 2
+
+    runner.erase()
+    stopped = runner.prefill(prompt, should_stop=stop_after_two_chunks)
+    assert stopped.stopped and stopped.logits is None
+    assert asked == [64, 128, 192]  # asked between chunks only, never before the first
+    assert (stopped.cache_n, stopped.prompt_n) == (0, 192) and list(runner.tokens_held) == prompt[:192]
+    resumed = runner.prefill(prompt)
+    assert (resumed.cache_n, resumed.prompt_n) == (192, len(prompt) - 192)
+    cold.erase()
+    np.testing.assert_allclose(resumed.logits, cold.prefill(prompt).logits, atol=LOGIT_ATOL)
+
+
 def test_whole_prompt_held_re_evaluates_the_last_token(smollm2):
     prompt = [1] + _ids(4, 70)
     smollm2.erase()

@@ -189,6 +189,26 @@ def test_cancel_mid_generation_then_erase(engine):
     assert engine.command("STATUS")[-1]["n_tokens_held"] == 0
 
 
+def test_cancel_while_the_prompt_is_read_keeps_what_was_read():
+    process = EngineProcess("--ctx-size", "2048", "--prefill-chunk", "16")
+    try:
+        assert process.next_line()["event"] == "ready"
+        prompt = " ".join(f"word{i}" for i in range(400))  # ~1,000 tokens: dozens of chunks
+        process.send("COMPLETE " + json.dumps({"prompt": prompt, "n_predict": 8, "temperature": 0}) + "\nCANCEL")
+        result = process.until_terminal()[-1]
+        assert result["event"] == "result" and result["stop_type"] == "cancelled"
+        assert result["tokens"] == [] and result["content"] == ""
+        read = result["timings"]["prompt_n"]
+        assert 16 <= read < result["tokens_evaluated"] and read % 16 == 0
+        assert result["n_tokens_held"] == read
+        # the next request for the same prompt starts where the cancelled one stopped
+        process.send("COMPLETE " + json.dumps({"prompt": prompt, "n_predict": 1, "temperature": 0}))
+        again = process.until_terminal()[-1]
+        assert again["stop_type"] == "limit" and again["timings"]["cache_n"] == read
+    finally:
+        process.close()
+
+
 def test_quit_exits_zero():
     process = EngineProcess("--ctx-size", "64")
     try:
@@ -295,7 +315,7 @@ def test_unexpected_failure_during_complete_erases_and_keeps_serving():
         def n_held(self):
             return len(self.tokens_held)
 
-        def prefill(self, tokens):
+        def prefill(self, tokens, should_stop=None):
             self.tokens_held = tuple(tokens)
             logits = np.zeros(49152, dtype=np.float32)
             logits[42] = 1.0

@@ -285,7 +285,8 @@ class Runner(Protocol):
     @property
     def n_held(self) -> int: ...
 
-    def prefill(self, tokens: Sequence[int]) -> Any: ...  # .logits, .cache_n, .prompt_n
+    # .logits (None when should_stop ended it early), .cache_n, .prompt_n
+    def prefill(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> Any: ...
 
     def decode(self, token: int) -> np.ndarray: ...
 
@@ -344,8 +345,15 @@ class Completer:
         sampler = Sampler(request.sampling, state)
 
         start = self._clock()
-        prefill = runner.prefill(prompt)
+        prefill = runner.prefill(prompt, should_stop=cancelled)
         prompt_done = self._clock()
+        if prefill.logits is None:  # cancelled while reading the prompt: what was read stays held
+            held = runner.n_held
+            return CompletionResult(
+                content="", tokens=(), stop_type=StopType.CANCELLED, stopping_word="", truncated=False,
+                tokens_evaluated=len(prompt), tokens_cached=held, n_tokens_held=held, seed=sampler.state.seed,
+                timings=Timings.measure(prefill.cache_n, prefill.prompt_n, prompt_done - start, 0, 0.0),
+            )
 
         history = list(prompt)  # the repetition penalty's window reads it
         generated: list[int] = []

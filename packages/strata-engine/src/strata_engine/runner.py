@@ -13,7 +13,7 @@ When the whole prompt is already held the last token is evaluated again for its 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -38,9 +38,14 @@ from .settings import DEFAULT_N_CTX_CAP, EngineSettings
 
 @attrs.frozen
 class PrefillResult:
-    logits: np.ndarray = attrs.field(repr=False)  # float32 [n_vocab], of the prompt's last token
+    # float32 [n_vocab], of the prompt's last token; None when should_stop ended the prefill early
+    logits: np.ndarray | None = attrs.field(repr=False)
     cache_n: int  # prompt tokens reused from the held conversation
     prompt_n: int  # prompt tokens evaluated
+
+    @property
+    def stopped(self) -> bool:
+        return self.logits is None
 
 
 @attrs.frozen(eq=False)
@@ -196,7 +201,11 @@ class ModelRunner:
         return n
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def prefill(self, tokens: Sequence[int]) -> PrefillResult:
+    def prefill(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> PrefillResult:
+        """Evaluate the prompt after the longest reusable held prefix, in chunks of prefill_chunk.
+
+        should_stop is asked between chunks: when it says yes, the prefill ends there (logits None);
+        the chunks already evaluated stay held, so the next request for this prompt reuses them."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise EngineError("empty prompt: at least one token is needed")
@@ -209,12 +218,14 @@ class ModelRunner:
         pos = resume
         chunk = self.settings.prefill_chunk
         while pos < len(tokens):
+            if pos > resume and should_stop is not None and should_stop():
+                break
             end = min(pos + chunk, len(tokens))
             logits = self._forward(tokens[pos:end], want_logits=end == len(tokens))
             pos = end
-        assert logits is not None
+        assert logits is not None or pos < len(tokens)
         self._checkpoint()
-        return PrefillResult(logits=logits, cache_n=resume, prompt_n=len(tokens) - resume)
+        return PrefillResult(logits=logits, cache_n=resume, prompt_n=pos - resume)
 
     def decode(self, token: int) -> np.ndarray:
         """Evaluate one token after the held conversation; returns its logits (float32 [n_vocab])."""
