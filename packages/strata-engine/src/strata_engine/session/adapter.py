@@ -68,6 +68,7 @@ from strata_sessionfile import (
     Snapshot,
 )
 from strata_sessionfile import errors as E
+from strata_sessionfile import memory_available as sessionfile_memory_available
 from strata_sessionfile.format import LIMIT
 
 from ..kv import KVParts, RingCheckpoint
@@ -126,18 +127,6 @@ class _Prepared:
     starts: tuple[int, ...]  # per layer: the first position the file's part holds
 
 
-def memory_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, or None where the system does not say."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def _sync(pool: Any) -> None:
     sync = getattr(pool.ops, "synchronize", None)
     if sync is not None:
@@ -192,7 +181,7 @@ class EngineSession:
         self.sampler = sampler or SamplerAccess.holder()
         self._identity = identity
         self.staging = staging
-        self.memory_available = memory_available or memory_available_bytes
+        self.memory_available = memory_available or sessionfile_memory_available
         self.fault = fault
         self.buffers = buffers
         geometry = runner.kv_geometry
