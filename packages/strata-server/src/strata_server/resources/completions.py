@@ -34,6 +34,15 @@ def prompt_text(prompt: str | list, lease: EngineLease) -> str:
     return "".join(parts)
 
 
+def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Response, make_format) -> None:
+    """A prompt-based completion: parse the body, run it on slot 0, answer in the endpoint's format."""
+    body = read_json(req, ctx.config.max_body_bytes)
+    prompt = parse_prompt(body, n_vocab=ctx.engine_info().get("n_vocab"))
+    options = parse_options(body)
+    info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
+    CompletionRun(ctx, {"prompt": prompt, **options.sampling}, options, make_format(info, prompt)).respond(resp)
+
+
 class CompletionResource:
     """``POST /completion``: the peer's native completion."""
 
@@ -41,12 +50,8 @@ class CompletionResource:
         self.ctx = ctx
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_json(req, self.ctx.config.max_body_bytes)
-        prompt = parse_prompt(body, n_vocab=self.ctx.engine_info().get("n_vocab"))
-        options = parse_options(body)
-        info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
-        fmt = NativeCompletionFormat(info, lambda lease: prompt_text(prompt, lease))
-        CompletionRun(self.ctx, {"prompt": prompt, **options.sampling}, options, fmt).respond(resp)
+        _respond_to_prompt(self.ctx, req, resp, lambda info, prompt: NativeCompletionFormat(
+            info, lambda lease: prompt_text(prompt, lease)))
 
 
 class TextCompletionResource:
@@ -56,12 +61,7 @@ class TextCompletionResource:
         self.ctx = ctx
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_json(req, self.ctx.config.max_body_bytes)
-        prompt = parse_prompt(body, n_vocab=self.ctx.engine_info().get("n_vocab"))
-        options = parse_options(body)
-        info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
-        CompletionRun(self.ctx, {"prompt": prompt, **options.sampling}, options,
-                      TextCompletionFormat(info)).respond(resp)
+        _respond_to_prompt(self.ctx, req, resp, lambda info, prompt: TextCompletionFormat(info))
 
 
 class ChatCompletionResource:
