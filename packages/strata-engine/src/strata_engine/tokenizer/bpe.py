@@ -7,13 +7,13 @@ lowest merge rank is merged (ties: leftmost first) until no ranked pair is left.
 
 from __future__ import annotations
 
-import heapq
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
+from .merge import merge_symbols
 from .unicode import (
     bytes_to_unicode,
     gpt2_pattern,
@@ -89,38 +89,8 @@ class BytePairEncoder:
         whole = token_to_id.get(word)
         if len(word) == 1 and whole is not None:
             return (whole,)
-        symbols = list(word)
-        n = len(symbols)
-        prev = list(range(-1, n - 1))
-        next_ = list(range(1, n + 1))
-        next_[-1] = -1
         ranks = self._ranks
-        heap: list[tuple[int, int, int, str]] = []
-        for i in range(n - 1):
-            rank = ranks.get((symbols[i], symbols[i + 1]))
-            if rank is not None:
-                heap.append((rank, i, i + 1, symbols[i] + symbols[i + 1]))
-        heapq.heapify(heap)
-        while heap:
-            _, left, right, merged = heapq.heappop(heap)
-            left_text, right_text = symbols[left], symbols[right]
-            if not left_text or not right_text or left_text + right_text != merged:
-                continue  # outdated: one side was merged into something else meanwhile
-            symbols[left] = merged
-            symbols[right] = ""
-            after = next_[right]
-            next_[left] = after
-            if after >= 0:
-                prev[after] = left
-            before = prev[left]
-            if before >= 0:
-                rank = ranks.get((symbols[before], merged))
-                if rank is not None:
-                    heapq.heappush(heap, (rank, before, left, symbols[before] + merged))
-            if after >= 0:
-                rank = ranks.get((merged, symbols[after]))
-                if rank is not None:
-                    heapq.heappush(heap, (rank, left, after, merged + symbols[after]))
+        symbols = merge_symbols(list(word), lambda left, right: ranks.get((left, right)))
         ids: list[int] = []
         for symbol in symbols:
             if not symbol:

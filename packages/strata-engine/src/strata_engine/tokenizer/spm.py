@@ -7,8 +7,7 @@ symbol that is not a token is emitted as its UTF-8 bytes through the `<0xNN>` by
 
 from __future__ import annotations
 
-import heapq
-
+from .merge import merge_symbols
 from .vocab import TokenizerError, Vocabulary
 
 SPACE_MARK = "\u2581"
@@ -34,41 +33,11 @@ class SentencePieceEncoder:
             return
         token_to_id = self.vocab.token_to_id
         scores = self._scores
-        symbols = list(text)
-        n = len(symbols)
-        prev = list(range(-1, n - 1))
-        next_ = list(range(1, n + 1))
-        next_[-1] = -1
-        # max-heap on score, then leftmost: (-score, left, right, merged length)
-        heap: list[tuple[float, int, int, int]] = []
-        for i in range(n - 1):
-            token_id = token_to_id.get(symbols[i] + symbols[i + 1])
-            if token_id is not None:
-                heap.append((-scores[token_id], i, i + 1, 2))
-        heapq.heapify(heap)
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            left_text, right_text = symbols[left], symbols[right]
-            if not left_text or not right_text or len(left_text) + len(right_text) != size:
-                continue  # outdated
-            merged = left_text + right_text
-            symbols[left] = merged
-            symbols[right] = ""
-            after = next_[right]
-            next_[left] = after
-            if after >= 0:
-                prev[after] = left
-            before = prev[left]
-            if before >= 0:
-                candidate = symbols[before] + merged
-                token_id = token_to_id.get(candidate)
-                if token_id is not None:
-                    heapq.heappush(heap, (-scores[token_id], before, left, len(candidate)))
-            if after >= 0:
-                candidate = merged + symbols[after]
-                token_id = token_to_id.get(candidate)
-                if token_id is not None:
-                    heapq.heappush(heap, (-scores[token_id], left, after, len(candidate)))
+        def priority(left: str, right: str) -> float | None:
+            token_id = token_to_id.get(left + right)
+            return None if token_id is None else -scores[token_id]  # the best score first
+
+        symbols = merge_symbols(list(text), priority)
         for symbol in symbols:
             if not symbol:
                 continue
