@@ -2,6 +2,7 @@
 # What a device-machine call runs (see bench/GPU-NOTES.md). Usage: bench/gpu_run.sh STEP...
 #   probe  nvidia-smi, CuPy version, mapped host memory and bf16 availability
 #   ops    tests/engine/test_gpu_ops.py
+#   kernels  bench/bench_gpu_kernels.py (the flash attention kernel vs torch SDPA)
 #   tests  every tests/engine/test_gpu*.py
 #   bench  bench/bench_gpu.py (engine vs transformers), then bench/bench_gpu_session.py
 # Model files travel in pieces under .gpu-carry/ (git-ignored) and are reassembled here, checked
@@ -42,6 +43,7 @@ print(f"device read 1 GiB: {(1 << 30) / (time.perf_counter() - t) / 1e9:.1f} GB/
 PY
       } 2>&1 | tee "$OUT/probe.log" || rc=1 ;;
     ops) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_ops.py 2>&1 | tee "$OUT/ops.log" || rc=1 ;;
+    kernels) python3 bench/bench_gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" || rc=1 ;;
     tests) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_ops.py tests/engine/test_gpu_model.py tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/tests.log" || rc=1 ;;
     model) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_model.py 2>&1 | tee "$OUT/model.log" || rc=1 ;;
     session) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/session.log" || rc=1 ;;

@@ -4,6 +4,7 @@ Tolerances (relative L2 error ||gpu - numpy|| / ||numpy|| on fresh random inputs
   f32: 1e-5 (element-wise ops and reductions in a different order); matmul/attention 1e-5 (cuBLAS
   f32 without TF32: CuPy leaves TF32 off unless CUPY_TF32=1).
   f16: 2e-3 (one rounding to a 10-bit mantissa per stored value);  bf16: 1.6e-2 (7-bit mantissa).
+  Attention in f16 / bf16 (the flash kernel): 3e-3 / 1.6e-2 (probabilities are rounded to f16 too).
 int8 K/V: dequantize(quantize(x)) is bit-identical to numpy's (same float32 products and rint).
 """
 
@@ -16,6 +17,8 @@ from strata_engine.ops.cupy_ops import blocked_attention, key_block_for
 from strata_engine.ops.numpy_ops import NumpyOps
 
 TOL = {"f32": 1e-5, "f16": 2e-3, "bf16": 1.6e-2}
+# Attention in f16 / bf16 runs on the tensor cores: f16 operands and probabilities, f32 accumulation.
+FLASH_TOL = {"f16": 3e-3, "bf16": 1.6e-2}
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
@@ -119,12 +122,67 @@ def test_matmul_and_gated_mlp_match_numpy(cp, dtype, activation):
         (rng.standard_normal((1536, 576)) / 24).astype(np.float32),
     )
     wd = (rng.standard_normal((576, 1536)) / 40).astype(np.float32)
-    dev = [ops.asarray(a, ops.dtype) for a in (x, wg, wu, wd)]
+    dev = [ops.asarray(a, ops.dtype) for a in (x, np.concatenate([wg, wu]), wd)]
     host = [ops.to_host(a).astype(np.float32) for a in dev]
     assert rel_err(ops.to_host(ops.matmul(dev[0], dev[1])), ref.matmul(host[0], host[1])) < TOL[dtype]
     got = ops.to_host(ops.gated_mlp(*dev, activation))
     want = ref.gated_mlp(*host, activation)
     assert rel_err(got, want) < 2 * TOL[dtype]
+    parts = ops.project(dev[0], dev[1], (1000, 536, 1536))  # column views of one product
+    for got_part, want_part in zip(parts, ref.project(host[0], host[1], (1000, 536, 1536)), strict=True):
+        assert rel_err(ops.to_host(got_part), want_part) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("post", [False, True])
+def test_add_rms_norm_matches_numpy(cp, dtype, post):
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(11)
+    arrays = [(rng.standard_normal((33, 640)) * 3).astype(np.float32) for _ in range(2)]
+    weights = [rng.standard_normal(640).astype(np.float32) for _ in range(2)]
+    x, y = (ops.asarray(a, ops.dtype) for a in arrays)
+    w_post, w_next = (ops.weight(w) for w in weights)
+    host = [ops.to_host(a).astype(np.float32) for a in (x, y, w_post, w_next)]
+    got_x, got_h = ops.add_rms_norm(x, y, w_post if post else None, w_next, 1e-6)
+    want_x, want_h = ref.add_rms_norm(host[0], host[1], host[2] if post else None, host[3], 1e-6)
+    assert rel_err(ops.to_host(got_x), want_x) < TOL[dtype]
+    assert rel_err(ops.to_host(got_h), want_h) < 2 * TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("style", "n_head", "n_kv", "dim", "rope_dim", "norm"),
+    [
+        (RopeStyle.INTERLEAVED, 9, 3, 64, 64, False),  # smollm2
+        (RopeStyle.NEOX, 4, 1, 256, 256, True),  # gemma3 (per-head q/k norms)
+        (RopeStyle.NEOX, 3, 3, 64, 32, True),  # partial rotary dims
+    ],
+)
+def test_qk_norm_rope_matches_numpy(cp, dtype, style, n_head, n_kv, dim, rope_dim, norm):
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(12)
+    n_tok = 21
+    x = rng.standard_normal((n_tok, 96)).astype(np.float32)
+    w = (rng.standard_normal(((n_head + 2 * n_kv) * dim, 96)) / 10).astype(np.float32)
+    norms = [rng.standard_normal(dim).astype(np.float32) for _ in range(2)]
+    sizes = (n_head * dim, n_kv * dim, n_kv * dim)
+    xd, wd = ops.asarray(x, ops.dtype), ops.weight(w)
+    qd, kd, _ = ops.project(xd, wd, sizes)  # strided column views, as the models pass them
+    qn, kn = (ops.weight(a) for a in norms) if norm else (None, None)
+    cos, sin = ops.rope_tables(4090, n_tok, 10000.0, rope_dim)
+    got_q, got_k = ops.qk_norm_rope(qd, kd, dim, qn, kn, cos, sin, style, 1e-6)
+    hq, hk = (
+        ops.to_host(cp.ascontiguousarray(qd)).astype(np.float32),
+        ops.to_host(cp.ascontiguousarray(kd)).astype(np.float32),
+    )
+    rc, rs = ref.rope_tables(4090, n_tok, 10000.0, rope_dim)
+    hn = [ops.to_host(a).astype(np.float32) for a in (qn, kn)] if norm else [None, None]
+    want_q, want_k = ref.qk_norm_rope(hq, hk, dim, hn[0], hn[1], rc, rs, style, 1e-6)
+    assert got_q.shape == (n_tok, n_head, dim) and got_k.shape == (n_tok, n_kv, dim)
+    assert rel_err(ops.to_host(got_q), want_q) < 2 * TOL[dtype]
+    assert rel_err(ops.to_host(got_k), want_k) < 2 * TOL[dtype]
 
 
 @pytest.mark.gpu
@@ -165,7 +223,73 @@ def test_attention_matches_numpy(cp, dtype, n_q, n_k, n_head, n_kv, d, q_pos0, w
     want = ref.attention(*host, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5)
     ops.score_budget = 8 << 20  # several key blocks on the long cases
     got = ops.to_host(ops.attention(*dev, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5))
-    assert rel_err(got, want) < max(TOL[dtype], 1e-5)
+    assert rel_err(got, want) < FLASH_TOL.get(dtype, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("kv_dtype", ["compute", "f16", "f32"])
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "n_head", "n_kv", "d", "q_pos0", "window"),
+    [
+        (4096, 4096, 9, 3, 64, 0, None),  # smollm2 one-chunk prefill: many row tiles, causal skipping
+        (37, 100, 9, 3, 64, 63, None),  # ragged rows (G*T not a tile multiple), a held prefix
+        (1, 32768, 4, 1, 256, 32767, None),  # gemma3 decode at 32K: key splits merged by the combine
+        (2048, 2559, 4, 1, 256, 30000, 512),  # gemma3 local chunk: window edge inside tiles
+        (3, 600, 4, 1, 256, 597, 512),  # a short chunk in a window: splits and window together
+        (1, 1, 4, 1, 128, 0, None),  # the first token: one key
+    ],
+)
+def test_flash_attention_matches_numpy(cp, dtype, kv_dtype, n_q, n_k, n_head, n_kv, d, q_pos0, window):
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(n_q + n_k + d)
+    q, k, v, q0, k0 = _attention_case(rng, n_q, n_k, n_head, n_kv, d, q_pos0)
+    kv_dt = ops.dtype if kv_dtype == "compute" else np.dtype({"f16": np.float16, "f32": np.float32}[kv_dtype])
+    qd = ops.asarray(q, ops.dtype)
+    kd, vd = ops.asarray(k, kv_dt), ops.asarray(v, kv_dt)
+    host = [ops.to_host(a).astype(np.float32) for a in (qd, kd, vd)]
+    want = ref.attention(*host, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5)
+    got = ops.to_host(ops.flash_attention(qd, kd, vd, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5))
+    assert got.shape == (n_q, n_head * d)
+    assert rel_err(got, want) < FLASH_TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize(("n_q", "q_pos0"), [(1, 5000), (1, 700), (200, 3000), (1, 3)])
+def test_flash_attention_over_a_ring_matches_the_gathered_context(cp, dtype, n_q, q_pos0):
+    """Keys read in place from a 1,024-slot ring (position % capacity), as the device placement does for
+    sliding-window layers; slots outside the window hold NaN so a wrong slot cannot pass."""
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(q_pos0)
+    cap, window, n_head, d = 1024, 512, 4, 256
+    k_pos0 = max(0, q_pos0 - window + 1)
+    positions = np.arange(k_pos0, q_pos0 + n_q)
+    k = rng.standard_normal((len(positions), 1, d)).astype(np.float16)
+    v = rng.standard_normal((len(positions), 1, d)).astype(np.float16)
+    ring_k = np.full((cap, 1, d), np.nan, dtype=np.float16)
+    ring_v = np.full((cap, 1, d), np.nan, dtype=np.float16)
+    ring_k[positions % cap], ring_v[positions % cap] = k, v
+    q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
+    qd = ops.asarray(q, ops.dtype)
+    want = ref.attention(
+        ops.to_host(qd).astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+        q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=d**-0.5,
+    )  # fmt: skip
+    got = ops.attention(
+        qd, ops.asarray(ring_k), ops.asarray(ring_v), q_pos0=q_pos0, k_pos0=k_pos0, window=window,
+        scale=d**-0.5, ring_capacity=cap,
+    )  # fmt: skip
+    assert rel_err(ops.to_host(got), want) < FLASH_TOL[dtype]
+
+
+def test_flash_tiles_and_splits():
+    from strata_engine.ops.cupy_ops import flash_splits, flash_tiles
+
+    assert flash_tiles(64, 3) == (1, 64) and flash_tiles(256, 4096) == (4, 32)
+    assert flash_splits(400, 4096, 64, 132) == 1  # enough row tiles: no split
+    assert flash_splits(1, 32768, 32, 132) == 256  # decode at 32K: 264 wanted, 4 key tiles each at least
+    assert flash_splits(3, 100, 64, 132) == 1  # too few keys to split
 
 
 @pytest.mark.gpu

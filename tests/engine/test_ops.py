@@ -112,7 +112,60 @@ def test_gated_mlp(ops, activation):
     wg, wu, wd = rng.standard_normal((16, 8)), rng.standard_normal((16, 8)), rng.standard_normal((8, 16))
     act = ops.silu if activation is Activation.SILU else ops.gelu_tanh
     expected = (act(x @ wg.T) * (x @ wu.T)) @ wd.T
-    np.testing.assert_allclose(ops.gated_mlp(x, wg, wu, wd, activation), expected, rtol=1e-12)
+    np.testing.assert_allclose(ops.gated_mlp(x, np.concatenate([wg, wu]), wd, activation), expected, rtol=1e-12)
+
+
+def test_project_equals_the_separate_products_bit_for_bit(ops):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((7, 24))
+    ws = [rng.standard_normal((n, 24)) for n in (36, 12, 12)]
+    parts = ops.project(x, np.concatenate(ws), (36, 12, 12))
+    for got, w in zip(parts, ws, strict=True):
+        np.testing.assert_array_equal(got, ops.matmul(x, w))
+
+
+@pytest.mark.parametrize("post", [False, True])
+def test_add_rms_norm_is_the_residual_add_then_the_next_norm(ops, post):
+    rng = np.random.default_rng(6)
+    x, y = rng.standard_normal((3, 16)), rng.standard_normal((3, 16))
+    w_post, w_next = rng.standard_normal(16), rng.standard_normal(16)
+    branch = ops.rms_norm(y, w_post, 1e-6) if post else y
+    x_new, h = ops.add_rms_norm(x, y, w_post if post else None, w_next, 1e-6)
+    np.testing.assert_array_equal(x_new, x + branch)
+    np.testing.assert_array_equal(h, ops.rms_norm(x + branch, w_next, 1e-6))
+
+
+@pytest.mark.parametrize("style", list(RopeStyle))
+@pytest.mark.parametrize("norm", [False, True])
+def test_qk_norm_rope_is_per_head_norm_then_rope(ops, style, norm):
+    rng = np.random.default_rng(7)
+    n_tok, n_head, n_kv, d = 5, 4, 2, 8
+    q, k = rng.standard_normal((n_tok, n_head * d)), rng.standard_normal((n_tok, n_kv * d))
+    qn, kn = (rng.standard_normal(d), rng.standard_normal(d)) if norm else (None, None)
+    cos, sin = ops.rope_tables(3, n_tok, 10000.0, d)
+    got_q, got_k = ops.qk_norm_rope(q, k, d, qn, kn, cos, sin, style, 1e-6)
+    q3, k3 = q.reshape(n_tok, n_head, d), k.reshape(n_tok, n_kv, d)
+    if norm:
+        q3, k3 = ops.rms_norm(q3, qn, 1e-6), ops.rms_norm(k3, kn, 1e-6)
+    np.testing.assert_array_equal(got_q, ops.rope(q3, cos, sin, style))
+    np.testing.assert_array_equal(got_k, ops.rope(k3, cos, sin, style))
+
+
+def test_attention_over_a_ring_reads_position_modulo_capacity(ops):
+    rng = np.random.default_rng(8)
+    cap, window, n_q, q_pos0 = 16, 6, 3, 40
+    k_pos0 = q_pos0 - window + 1
+    keys = np.arange(k_pos0, q_pos0 + n_q)
+    k_ctx = rng.standard_normal((len(keys), 1, 4))
+    v_ctx = rng.standard_normal((len(keys), 1, 4))
+    ring_k, ring_v = np.full((cap, 1, 4), np.nan), np.full((cap, 1, 4), np.nan)  # unseen slots: NaN
+    ring_k[keys % cap], ring_v[keys % cap] = k_ctx, v_ctx
+    q = rng.standard_normal((n_q, 2, 4))
+    want = ops.attention(q, k_ctx, v_ctx, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=0.5)
+    got = ops.attention(
+        q, ring_k, ring_v, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=0.5, ring_capacity=cap
+    )
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("group", [None, 32])

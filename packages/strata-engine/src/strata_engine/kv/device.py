@@ -25,7 +25,7 @@ import numpy as np
 from ..ops import NumpyOps
 from .layout import KVGeometry
 from .placement import PoolPlacement, ResidentRingPlacement
-from .pool import KVParts, KVPool, LayerKV
+from .pool import KVParts, KVPool, LayerKV, ring_spans
 
 CUDA_HOST_ALLOC_MAPPED = 2  # cudaHostAllocMapped
 
@@ -171,7 +171,45 @@ class DevicePoolPlacement(PoolPlacement):
     it in float32). That skips the per-step gather into compute-dtype copies, the separate encode
     and decode of the new rows (each a kernel launch per layer and token, which is most of a decode
     step's cost on a model this small). Values are the same as the generic path's: f16 -> f32 is
-    exact, and the store rounds as `KVCodec.encode` does. Ring layers and int8 take the generic path."""
+    exact, and the store rounds as `KVCodec.encode` does.
+
+    A ring layer (sliding window) is attended in place too when the chunk cannot overwrite a key its
+    own first query still sees (T <= capacity - window + 1: every decode step, chunks up to 513 tokens
+    for a 512 window in a 1,024-slot ring): the new K/V go to their slots and attention addresses the
+    ring by position % capacity. Longer chunks and int8 take the generic path (gather, then write)."""
+
+    def attend(
+        self,
+        layer: int,
+        pos0: int,
+        q: Any | None,
+        k_new: Any,
+        v_new: Any,
+        *,
+        q_pos0: int,
+        window: int | None,
+        scale: float,
+    ) -> Any | None:
+        g = self.pool.geometry.layers[layer]
+        n_new = k_new.shape[0]
+        if not g.is_ring or self.pool.geometry.kv_type.has_scales or n_new > g.capacity - g.window + 1:
+            return super().attend(layer, pos0, q, k_new, v_new, q_pos0=q_pos0, window=window, scale=scale)
+        views = self.pool.layer(layer)
+        for a, b, off in ring_spans(pos0, pos0 + n_new, g.capacity):
+            views.k[a:b] = k_new[off : off + b - a]  # the cast to the storage type rounds as encode does
+            views.v[a:b] = v_new[off : off + b - a]
+        if q is None:
+            return None
+        return self.ops.attention(
+            q,
+            views.k,
+            views.v,
+            q_pos0=q_pos0,
+            k_pos0=self.context_start(layer, pos0),
+            window=window,
+            scale=scale,
+            ring_capacity=g.capacity,
+        )
 
     def attend_kv(self, layer: int, pos0: int, k_new: Any, v_new: Any) -> tuple[Any, Any, int]:
         g = self.pool.geometry.layers[layer]

@@ -33,6 +33,25 @@ class PoolPlacement:
         window = self.pool.geometry.layers[layer].window
         return 0 if window is None else max(0, pos0 - window + 1)
 
+    def attend(
+        self,
+        layer: int,
+        pos0: int,
+        q: Any | None,
+        k_new: Any,
+        v_new: Any,
+        *,
+        q_pos0: int,
+        window: int | None,
+        scale: float,
+    ) -> Any | None:
+        """Store the chunk's K/V [T, Hkv, D] at positions pos0..; with q [T', H, D] (queries at q_pos0..)
+        return their attention [T', H*D] over every key they may see; without q, only store."""
+        k_ctx, v_ctx, k_pos0 = self.attend_kv(layer, pos0, k_new, v_new)
+        if q is None:
+            return None
+        return self.ops.attention(q, k_ctx, v_ctx, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale)
+
     def attend_kv(self, layer: int, pos0: int, k_new: Any, v_new: Any) -> tuple[Any, Any, int]:
         """Store the chunk's K/V [T, Hkv, D] at positions pos0.. and return the keys and values its
         queries attend to, decoded from storage (so prefill, decode and resumed runs all see the same

@@ -4,15 +4,29 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..errors import MissingTensor
 from ..gguf import GGUFFile, dequantize_tensor
 from ..ops import NumpyOps
 
 
 class KVAccess(Protocol):
-    """What a forward pass needs from the K/V placement (see kv.placement)."""
+    """What a forward pass needs from the K/V placement (see kv.placement): store the chunk's K/V
+    [T, Hkv, D] at positions pos0.., then (q given) attend over everything the queries may see."""
 
-    def attend_kv(self, layer: int, pos0: int, k_new: Any, v_new: Any) -> tuple[Any, Any, int]: ...
+    def attend(
+        self,
+        layer: int,
+        pos0: int,
+        q: Any | None,
+        k_new: Any,
+        v_new: Any,
+        *,
+        q_pos0: int,
+        window: int | None,
+        scale: float,
+    ) -> Any | None: ...
 
 
 class WeightLoader:
@@ -23,9 +37,16 @@ class WeightLoader:
         self.ops = ops
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> Any:
+        return self.ops.weight(self._host(name, shape))
+
+    def fused(self, *named: tuple[str, tuple[int, ...]]) -> Any:
+        """Weights with one input size stacked by rows ([W_1; W_2; ...]): one product computes all."""
+        return self.ops.weight(np.concatenate([self._host(name, shape) for name, shape in named]))
+
+    def _host(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         info = self.file.tensors.get(name)
         if info is None:
             raise MissingTensor(f"{self.file.path}: tensor {name!r} is missing")
         if info.shape != shape:
             raise MissingTensor(f"{self.file.path}: tensor {name!r} has shape {info.shape}, expected {shape}")
-        return self.ops.weight(dequantize_tensor(self.file, name))
+        return dequantize_tensor(self.file, name)

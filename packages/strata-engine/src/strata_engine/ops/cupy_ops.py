@@ -2,10 +2,14 @@
 
 Same methods, same shapes, same meaning; `xp` is `cupy`. Weights live on the device in the compute
 dtype (f32, f16, or bf16 where this CuPy has a bfloat16 dtype). Matrix products go to cuBLAS through
-`cupy.matmul`; the element-wise and normalisation steps are fused CuPy kernels (`_Kernels`) that
-compute in float32 whatever the storage dtype; attention always computes in float32 and walks the
-keys in blocks with an online softmax (flash-style), so a 32K-token prefill never materialises a
-[H, T, S] score matrix larger than `ATTENTION_SCORE_BUDGET` bytes.
+`cupy.matmul` (a fused [Wq; Wk; Wv] or [Wg; Wu] weight is one product); normalisation, RoPE and the
+residual steps are hand-written kernels in `kernels.cu` (`_RawKernels`), fused so that a decode step
+issues about a dozen launches per layer; they compute in float32 whatever the storage dtype.
+
+Attention in f16 / bf16 runs `strata_flash_attn` on the tensor cores (f16 operands, f32 accumulation
+and softmax; keys read where the pool stores them, rings included); in f32 it keeps the exact path,
+`blocked_attention` (float32 matmuls over key blocks with an online softmax, so a 32K-token prefill
+never materialises a [H, T, S] score matrix larger than `ATTENTION_SCORE_BUDGET` bytes).
 
 `cupy` is imported when a `CupyOps` is made, never at module import, so this module (and
 `blocked_attention`, the algorithm, which runs on numpy too and is tested here on the CPU) imports
@@ -21,6 +25,9 @@ import numpy as np
 from ..config import Activation, RopeStyle
 from ..errors import SettingsError
 from .numpy_ops import _GELU_C, NumpyOps
+
+_LOG2E = 1.4426950408889634  # the flash kernel keeps scores in base 2 (exp2)
+_NULL = np.uint64(0)  # a null pointer argument for the raw kernels
 
 # Bytes of float32 attention scores one key block may occupy ([Hkv, G*T, block]).
 ATTENTION_SCORE_BUDGET = 256 << 20
@@ -184,6 +191,56 @@ class _Kernels:
         )
 
 
+# ---- the hand-written kernels (kernels.cu) -------------------------------------------------------
+_C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+FLASH_HEAD_DIMS = (64, 128, 256)  # head sizes strata_flash_attn is instantiated for
+
+
+def flash_tiles(head_dim: int, rows: int) -> tuple[int, int]:
+    """(warps per block, keys per tile) of strata_flash_attn: a block holds 16 query rows per warp;
+    one warp when the rows fit it (decode), else four. Head size 256 takes 32-key tiles so a warp's
+    128 output and 16 score accumulators stay in registers (ptxas: 237 registers, no spills)."""
+    warps = 1 if rows <= 16 else 4
+    return warps, (32 if head_dim > 128 else 64)
+
+
+def flash_splits(n_blocks: int, n_keys: int, key_tile: int, n_sm: int) -> int:
+    """Key splits per row tile: enough blocks to fill the device twice over when the row tiles alone
+    do not (decode, short chunks), but never under four key tiles per split."""
+    if n_blocks >= 2 * n_sm:
+        return 1
+    want = -(-2 * n_sm // n_blocks)
+    return max(1, min(want, n_keys // (4 * key_tile)))
+
+
+class _RawKernels:
+    """strata_* kernels of kernels.cu, one compiled instance per template signature (NVRTC through
+    cupy.RawModule; CuPy caches the binaries on disk)."""
+
+    def __init__(self, cp: Any):
+        from importlib.resources import files
+
+        self.cp = cp
+        self.source = (files(__package__) / "kernels.cu").read_text()
+        self._cache: dict[str, Any] = {}
+        self.n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+
+    def get(self, name: str, *template_args: object) -> Any:
+        expr = f"{name}<{', '.join(str(a) for a in template_args)}>"
+        kernel = self._cache.get(expr)
+        if kernel is None:
+            module = self.cp.RawModule(code=self.source, options=("--std=c++17",), name_expressions=[expr])
+            kernel = self._cache[expr] = module.get_function(expr)
+        return kernel
+
+
+def c_type(dtype: Any) -> str:
+    return _C_TYPES[np.dtype(dtype).name]
+
+
+WARP_ROWS_PER_BLOCK = 8  # the row kernels run one warp per row, 8 warps per block
+
+
 def _device_dtypes(cp: Any) -> dict[str, np.dtype]:
     out = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
     try:  # bfloat16 needs ml_dtypes and a CuPy that accepts it
@@ -219,6 +276,7 @@ class CupyOps(NumpyOps):
             )
         self.dtype = dtypes[dtype]
         self.kernels = _Kernels(cp)
+        self.raw = _RawKernels(cp)
         self.score_budget = ATTENTION_SCORE_BUDGET  # bytes of float32 scores per attention key block
 
     # ---- data movement -------------------------------------------------------------------------
@@ -239,14 +297,34 @@ class CupyOps(NumpyOps):
         self.xp.cuda.get_current_stream().synchronize()
 
     # ---- elementwise and normalisation ---------------------------------------------------------
+    def _row_grid(self, n_rows: int) -> tuple[tuple[int], tuple[int]]:
+        return ((n_rows + WARP_ROWS_PER_BLOCK - 1) // WARP_ROWS_PER_BLOCK,), (32 * WARP_ROWS_PER_BLOCK,)
+
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         cp = self.xp
         x = cp.ascontiguousarray(x)
-        sum_sq = self.kernels.sum_squares(x, axis=-1, keepdims=True)
+        n = x.shape[-1]
         out = cp.empty_like(x)
-        inv_n = np.float32(1.0 / x.shape[-1])
-        self.kernels.scale_rows(x, sum_sq, weight.astype(x.dtype, copy=False), inv_n, np.float32(eps), out)
+        n_rows = x.size // n
+        kernel = self.raw.get("strata_rms_norm", c_type(x.dtype))
+        w = cp.ascontiguousarray(weight.astype(x.dtype, copy=False))
+        kernel(
+            *self._row_grid(n_rows), (x, w, out, np.int32(n_rows), np.int32(n), np.int32(n), np.float32(eps))
+        )
         return out
+
+    def add_rms_norm(self, x: Any, y: Any, w_post: Any | None, w_next: Any, eps: float) -> tuple[Any, Any]:
+        cp = self.xp
+        x = cp.ascontiguousarray(x)
+        y = cp.ascontiguousarray(y, dtype=x.dtype)
+        n = x.shape[-1]
+        n_rows = x.size // n
+        x_out, h = cp.empty_like(x), cp.empty_like(x)
+        kernel = self.raw.get("strata_add_rms_norm", c_type(x.dtype))
+        post = _NULL if w_post is None else w_post
+        args = (x, y, post, w_next, x_out, h, np.int32(n_rows), np.int32(n), np.int32(n), np.float32(eps))
+        kernel(*self._row_grid(n_rows), args)
+        return x_out, h
 
     def silu(self, x: Any) -> Any:
         return self.kernels.silu_mul(x, self.xp.ones_like(x))
@@ -254,12 +332,18 @@ class CupyOps(NumpyOps):
     def gelu_tanh(self, x: Any) -> Any:
         return self.kernels.gelu_tanh_mul(x, self.xp.ones_like(x))
 
-    def gated_mlp(self, x: Any, w_gate: Any, w_up: Any, w_down: Any, activation: Activation) -> Any:
-        gate = self.matmul(x, w_gate)
-        up = self.matmul(x, w_up)
+    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...]) -> list[Any]:
+        y = self.matmul(x, w_fused)  # one product; the parts are column views of it
+        out, col = [], 0
+        for n in sizes:
+            out.append(y[:, col : col + n])
+            col += n
+        return out
+
+    def gated_mlp(self, x: Any, w_gate_up: Any, w_down: Any, activation: Activation) -> Any:
+        gate, up = self.project(x, w_gate_up, (w_down.shape[1],) * 2)
         fused = self.kernels.silu_mul if activation is Activation.SILU else self.kernels.gelu_tanh_mul
-        fused(gate, up, gate)  # in place: act(gate) * up
-        return self.matmul(gate, w_down)
+        return self.matmul(fused(gate, up), w_down)  # act(gate) * up, one kernel over the two views
 
     # ---- rotary position embedding -------------------------------------------------------------
     def rope_tables(self, pos0: int, n: int, base: float, rope_dim: int) -> tuple[Any, Any]:
@@ -278,6 +362,46 @@ class CupyOps(NumpyOps):
         self.kernels.rope(x, cos, sin, heads, dim, half, style is RopeStyle.NEOX, out)
         return out
 
+    def qk_norm_rope(
+        self,
+        q: Any,
+        k: Any,
+        head_dim: int,
+        q_norm: Any | None,
+        k_norm: Any | None,
+        cos: Any,
+        sin: Any,
+        style: RopeStyle,
+        eps: float,
+    ) -> tuple[Any, Any]:
+        cp = self.xp
+        n_tok = q.shape[0]
+        q, k = self._fused_columns(q, k)
+        stride = q.strides[0] // q.itemsize
+        n_head, n_kv = q.shape[1] // head_dim, k.shape[1] // head_dim
+        q_out = cp.empty((n_tok, n_head, head_dim), dtype=q.dtype)
+        k_out = cp.empty((n_tok, n_kv, head_dim), dtype=q.dtype)
+        half = cos.shape[-1]
+        assert cos.shape[0] == n_tok and 2 * half <= head_dim
+        kernel = self.raw.get("strata_qk_norm_rope", c_type(q.dtype))
+        args = (
+            q, k, q_out, k_out,
+            _NULL if q_norm is None else q_norm, _NULL if k_norm is None else k_norm,
+            cp.ascontiguousarray(cos, dtype=cp.float32), cp.ascontiguousarray(sin, dtype=cp.float32),
+            np.int32(n_tok), np.int32(n_head), np.int32(n_kv), np.int32(head_dim), np.int32(half),
+            np.int32(style is RopeStyle.NEOX), np.int32(stride), np.float32(eps),
+        )  # fmt: skip
+        kernel(*self._row_grid(n_tok * (n_head + n_kv)), args)
+        return q_out, k_out
+
+    def _fused_columns(self, q: Any, k: Any) -> tuple[Any, Any]:
+        """q, k as the kernel reads them: unit column stride and one row stride for both (the views
+        `project` returns); anything else is copied into that form."""
+        if q.strides[1] == q.itemsize and k.strides[1] == k.itemsize and q.strides[0] == k.strides[0]:
+            return q, k
+        both = self.xp.concatenate([q, k], axis=1)
+        return both[:, : q.shape[1]], both[:, q.shape[1] :]
+
     # ---- attention -----------------------------------------------------------------------------
     def attention(
         self,
@@ -289,9 +413,17 @@ class CupyOps(NumpyOps):
         k_pos0: int,
         window: int | None,
         scale: float,
+        ring_capacity: int = 0,
     ) -> Any:
-        n_q, n_head, _ = q.shape
+        n_q, n_head, d = q.shape
         n_kv = k.shape[1]
+        if self.dtype != np.float32 and d in FLASH_HEAD_DIMS and n_head % n_kv == 0:
+            return self.flash_attention(
+                q, k, v, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale, ring_capacity=ring_capacity
+            )
+        if ring_capacity:  # the exact path reads a contiguous context: gather it from the ring
+            slots = self.xp.arange(k_pos0, q_pos0 + n_q) % ring_capacity
+            k, v = k[slots], v[slots]
         block = key_block_for(n_kv, (n_head // n_kv) * n_q, self.score_budget)
         return blocked_attention(
             self.xp,
@@ -305,6 +437,61 @@ class CupyOps(NumpyOps):
             key_block=block,
             out_dtype=self.dtype,
         )
+
+    def flash_attention(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        *,
+        q_pos0: int,
+        k_pos0: int,
+        window: int | None,
+        scale: float,
+        ring_capacity: int = 0,
+    ) -> Any:
+        """`attention` on the tensor cores (strata_flash_attn; f16 operands, f32 accumulation), with a
+        split over the keys merged by strata_attn_combine when the query rows alone cannot fill the
+        device. Same arguments and result; k, v may be f16, bf16 or f32 whatever the compute dtype."""
+        cp = self.xp
+        n_q, n_head, d = q.shape
+        n_kv = k.shape[1]
+        q = cp.ascontiguousarray(q)
+        k, v = cp.ascontiguousarray(k), cp.ascontiguousarray(v, dtype=k.dtype)
+        n_keys = q_pos0 + n_q - k_pos0 if ring_capacity else k.shape[0]
+        rows = (n_head // n_kv) * n_q
+        warps, key_tile = flash_tiles(d, rows)
+        block_rows = 16 * warps
+        row_tiles = -(-rows // block_rows)
+        splits = flash_splits(row_tiles * n_kv, n_keys, key_tile, self.raw.n_sm)
+        out = cp.empty((n_q, n_head * d), dtype=self.dtype)
+        rows_pad = row_tiles * block_rows
+        part_o = part_ml = _NULL
+        if splits > 1:
+            part_o = cp.empty((splits, n_kv, rows_pad, d), dtype=cp.float32)
+            part_ml = cp.empty((splits, n_kv, rows_pad, 2), dtype=cp.float32)
+        kernel = self.raw.get(
+            "strata_flash_attn", c_type(q.dtype), c_type(k.dtype), c_type(out.dtype), d, warps, key_tile
+        )
+        smem = (block_rows + 2 * key_tile) * (d + 8) * 2
+        if smem > 48 << 10:
+            kernel.max_dynamic_shared_size_bytes = smem
+        args = (
+            q, k, v, out, part_o, part_ml, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(q_pos0),
+            np.int32(k_pos0), np.int32(n_keys), np.int32(ring_capacity), np.int32(window or 0),
+            np.float32(scale * _LOG2E), np.int32(splits), np.int32(rows_pad),
+        )  # fmt: skip
+        kernel((row_tiles, n_kv, splits), (32 * warps,), args, shared_mem=smem)
+        if splits > 1:
+            combine = self.raw.get("strata_attn_combine", c_type(out.dtype))
+            total = n_kv * rows * d
+            combine(
+                (-(-total // 256),),
+                (256,),
+                (part_o, part_ml, out, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(d),
+                 np.int32(splits), np.int32(rows_pad)),
+            )  # fmt: skip
+        return out
 
     # ---- int8 K/V ------------------------------------------------------------------------------
     def dequantize_int8(self, q: Any, scale: Any) -> Any:

@@ -57,6 +57,14 @@ class NumpyOps:
         ms = xp.mean(xp.square(x), axis=-1, keepdims=True)
         return x * (1.0 / xp.sqrt(ms + self.dtype.type(eps))) * weight
 
+    def add_rms_norm(self, x: Any, y: Any, w_post: Any | None, w_next: Any, eps: float) -> tuple[Any, Any]:
+        """The residual step between blocks: x' = x + (rms_norm(y) * w_post if w_post is given, else y)
+        (gemma3 normalises each branch, llama adds it as it is); returns (x', rms_norm(x') * w_next)."""
+        if w_post is not None:
+            y = self.rms_norm(y, w_post, eps)
+        x = x + y
+        return x, self.rms_norm(x, w_next, eps)
+
     def silu(self, x: Any) -> Any:
         return x / (1.0 + self.xp.exp(-x))
 
@@ -69,11 +77,22 @@ class NumpyOps:
         """x [T, in] @ W^T for W [out, in] -> [T, out]."""
         return x @ w.T
 
-    def gated_mlp(self, x: Any, w_gate: Any, w_up: Any, w_down: Any, activation: Activation) -> Any:
-        """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh gelu)."""
-        gate = self.matmul(x, w_gate)
+    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...]) -> list[Any]:
+        """x @ W^T for a fused weight W = [W_1; W_2; ...] whose blocks have `sizes` rows: one product
+        per block here (each block is a contiguous row range, so BLAS computes exactly what it would
+        for the separate weight); the GPU twin makes one product and returns column views."""
+        out, row = [], 0
+        for n in sizes:
+            out.append(self.matmul(x, w_fused[row : row + n]))
+            row += n
+        return out
+
+    def gated_mlp(self, x: Any, w_gate_up: Any, w_down: Any, activation: Activation) -> Any:
+        """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh gelu); w_gate_up = [W_gate; W_up]."""
+        n_ff = w_down.shape[1]
+        gate, up = self.project(x, w_gate_up, (n_ff, n_ff))
         act = self.silu(gate) if activation is Activation.SILU else self.gelu_tanh(gate)
-        act *= self.matmul(x, w_up)
+        act *= up
         return self.matmul(act, w_down)
 
     # ---- rotary position embedding -------------------------------------------------------------
@@ -104,6 +123,28 @@ class NumpyOps:
             out[..., 1:rot:2] = b * c + a * s
         return out
 
+    def qk_norm_rope(
+        self,
+        q: Any,
+        k: Any,
+        head_dim: int,
+        q_norm: Any | None,
+        k_norm: Any | None,
+        cos: Any,
+        sin: Any,
+        style: RopeStyle,
+        eps: float,
+    ) -> tuple[Any, Any]:
+        """q [T, H*D], k [T, Hkv*D] (projections) -> rotated q [T, H, D], k [T, Hkv, D], each head first
+        RMS-normalised with q_norm / k_norm when given (gemma3)."""
+        n_tok = q.shape[0]
+        q = q.reshape(n_tok, -1, head_dim)
+        k = k.reshape(n_tok, -1, head_dim)
+        if q_norm is not None:
+            q = self.rms_norm(q, q_norm, eps)
+            k = self.rms_norm(k, k_norm, eps)
+        return self.rope(q, cos, sin, style), self.rope(k, cos, sin, style)
+
     # ---- attention -----------------------------------------------------------------------------
     def attention(
         self,
@@ -115,12 +156,18 @@ class NumpyOps:
         k_pos0: int,
         window: int | None,
         scale: float,
+        ring_capacity: int = 0,
     ) -> Any:
         """Causal (optionally sliding-window) grouped-query attention.
 
         q [T, H, D] for positions q_pos0 .. q_pos0+T-1; k, v [S, Hkv, D] for positions k_pos0 ..
-        k_pos0+S-1. A query at p sees keys at j <= p with p - j < window. Returns [T, H*D]."""
+        k_pos0+S-1. A query at p sees keys at j <= p with p - j < window. Returns [T, H*D].
+        With `ring_capacity` > 0, k and v are a whole ring [capacity, Hkv, D] holding position p in slot
+        p % capacity, and the keys are positions k_pos0 .. q_pos0+T-1."""
         xp = self.xp
+        if ring_capacity:
+            slots = xp.arange(k_pos0, q_pos0 + q.shape[0]) % ring_capacity
+            k, v = k[slots], v[slots]
         n_q, n_head, d = q.shape
         n_k, n_kv, _ = k.shape
         group = n_head // n_kv

@@ -1,0 +1,432 @@
+// The CuPy backend's hand-written kernels (compiled by NVRTC through cupy.RawModule; see cupy_ops.py).
+//
+// * strata_flash_attn: causal / sliding-window GQA attention on the tensor cores (mma.sync m16n8k16,
+//   f16 operands, f32 accumulation), FlashAttention-2 style: a warp owns 16 query rows, keeps its
+//   scores, running max / sum and output accumulator in registers, and walks the keys in tiles staged
+//   through shared memory. Rows are (position, head-in-group) pairs of one K/V head, so the G query
+//   heads that share a K/V head share each K/V tile. Keys are read where they are stored (a pool slice
+//   or a ring addressed by position % capacity), in f16, bf16 or f32, converted to f16 on the way in.
+//   With several key splits (decode, short chunks) each split writes an unnormalised partial result
+//   and strata_attn_combine merges them.
+// * strata_rms_norm / strata_add_rms_norm: one warp per row; the fused form adds the residual (after
+//   an optional norm of the branch, gemma3's post-norms) and normalises the sum for the next block.
+// * strata_qk_norm_rope: one warp per (token, head): optional per-head RMS norm, then RoPE (neox or
+//   interleaved), for the Q and K heads of one fused QKV projection.
+//
+// Arithmetic is float32 whatever the storage type; every stored value is rounded once, to the
+// storage type, at the point where the NumPy twin rounds it.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef unsigned int u32;
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// The value as the storage type T would hold it (the NumPy twin rounds intermediate arrays to T).
+template <typename T> __device__ __forceinline__ float round_to(float x) { return to_f32(from_f32<T>(x)); }
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// ---- RMS norm ----------------------------------------------------------------------------------
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows of n values; x and out rows `stride` apart.
+template <typename T>
+__global__ void strata_rms_norm(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out,
+                                int n_rows, int n, int x_stride, float eps) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n_rows) return;
+    const T* xr = x + (size_t)row * x_stride;
+    T* outr = out + (size_t)row * n;
+    float ss = 0.f;
+    for (int i = lane; i < n; i += 32) { const float v = to_f32(xr[i]); ss += v * v; }
+    const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)n + eps);
+    for (int i = lane; i < n; i += 32) outr[i] = from_f32<T>(to_f32(xr[i]) * inv * to_f32(w[i]));
+}
+
+// x_out = x + (w_post ? rms_norm(y) * w_post : y);  h = rms_norm(x_out) * w_next.
+template <typename T>
+__global__ void strata_add_rms_norm(const T* __restrict__ x, const T* __restrict__ y,
+                                    const T* __restrict__ w_post, const T* __restrict__ w_next,
+                                    T* __restrict__ x_out, T* __restrict__ h, int n_rows, int n,
+                                    int x_stride, float eps) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n_rows) return;
+    const T* xr = x + (size_t)row * x_stride;
+    const T* yr = y + (size_t)row * n;
+    T* xo = x_out + (size_t)row * n;
+    T* hr = h + (size_t)row * n;
+    float inv_y = 1.f;
+    if (w_post != nullptr) {
+        float ss = 0.f;
+        for (int i = lane; i < n; i += 32) { const float v = to_f32(yr[i]); ss += v * v; }
+        inv_y = 1.0f / sqrtf(warp_sum(ss) / (float)n + eps);
+    }
+    float ss = 0.f;
+    for (int i = lane; i < n; i += 32) {
+        float branch = to_f32(yr[i]);
+        if (w_post != nullptr) branch = round_to<T>(branch * inv_y * to_f32(w_post[i]));
+        const float s = round_to<T>(to_f32(xr[i]) + branch);
+        xo[i] = from_f32<T>(s);
+        ss += s * s;
+    }
+    const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)n + eps);
+    for (int i = lane; i < n; i += 32) hr[i] = from_f32<T>(to_f32(xo[i]) * inv * to_f32(w_next[i]));
+}
+
+// ---- per-head norm + RoPE on a fused QKV projection ----------------------------------------------
+// q_src rows hold H query heads, k_src rows Hkv key heads, of D values (rows `stride` values apart:
+// both are column blocks of one fused projection). Writes q [T, H, D] and k [T, Hkv, D].
+// cos/sin [T, half] float32; the first 2*half dims rotate: neox pairs (j, j + half), interleaved
+// pairs (2j, 2j + 1).
+template <typename T>
+__global__ void strata_qk_norm_rope(const T* __restrict__ q_src, const T* __restrict__ k_src,
+                                    T* __restrict__ q_out, T* __restrict__ k_out,
+                                    const T* __restrict__ q_norm, const T* __restrict__ k_norm,
+                                    const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                    int n_tok, int H, int Hkv, int D, int half, int neox, int stride,
+                                    float eps) {
+    const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    const int heads = H + Hkv;
+    if (item >= n_tok * heads) return;
+    const int t = item / heads, hd = item % heads;
+    const bool is_q = hd < H;
+    const T* src = is_q ? q_src + (size_t)t * stride + (size_t)hd * D : k_src + (size_t)t * stride + (size_t)(hd - H) * D;
+    T* dst = is_q ? q_out + ((size_t)t * H + hd) * D : k_out + ((size_t)t * Hkv + (hd - H)) * D;
+    const T* wn = is_q ? q_norm : k_norm;
+    float inv = 1.f;
+    if (wn != nullptr) {
+        float ss = 0.f;
+        for (int i = lane; i < D; i += 32) { const float v = to_f32(src[i]); ss += v * v; }
+        inv = 1.0f / sqrtf(warp_sum(ss) / (float)D + eps);
+    }
+    // the normed value as the twin stores it (rounded to T) before rotating
+#define STRATA_VAL(i) (wn != nullptr ? round_to<T>(to_f32(src[i]) * inv * to_f32(wn[i])) : to_f32(src[i]))
+    for (int j = lane; j < half; j += 32) {
+        const int i0 = neox ? j : 2 * j;
+        const int i1 = neox ? j + half : 2 * j + 1;
+        const float c = cos_t[t * half + j], s = sin_t[t * half + j];
+        const float a = STRATA_VAL(i0), b = STRATA_VAL(i1);
+        dst[i0] = from_f32<T>(a * c - b * s);
+        dst[i1] = from_f32<T>(b * c + a * s);
+    }
+    for (int i = 2 * half + lane; i < D; i += 32) dst[i] = from_f32<T>(STRATA_VAL(i));
+#undef STRATA_VAL
+}
+
+// ---- flash attention -----------------------------------------------------------------------------
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&h);
+}
+
+__device__ __forceinline__ u32 pack_halves(__half lo, __half hi) {
+    __half2 h = __halves2half2(lo, hi);
+    return *reinterpret_cast<u32*>(&h);
+}
+
+// d[0..3] += A (16x16, row) * B (16x8, col), f16 operands, f32 accumulators.
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// 8 consecutive values of a row, converted to f16 (scaled by `mul`), stored at dst (16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void load8_to_half(const T* __restrict__ src, __half* dst, float mul) {
+#pragma unroll
+    for (int e = 0; e < 8; e++) dst[e] = __float2half_rn(to_f32(src[e]) * mul);
+}
+template <>
+__device__ __forceinline__ void load8_to_half<__half>(const __half* __restrict__ src, __half* dst, float mul) {
+    if (mul == 1.f) {
+        *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(src));
+        return;
+    }
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
+    const __half* h = reinterpret_cast<const __half*>(&raw);
+#pragma unroll
+    for (int e = 0; e < 8; e++) dst[e] = __float2half_rn(__half2float(h[e]) * mul);
+}
+template <>
+__device__ __forceinline__ void load8_to_half<__nv_bfloat16>(const __nv_bfloat16* __restrict__ src, __half* dst,
+                                                             float mul) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
+    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+    for (int e = 0; e < 8; e++) dst[e] = __float2half_rn(__bfloat162float(h[e]) * mul);
+}
+
+__device__ __forceinline__ void zero8(__half* dst) { *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0); }
+
+// Grid: x = query row tile (BR = 16 * NW rows of one K/V head), y = K/V head, z = key split.
+// q [T, H, D]; k, v: key slots of [Hkv, D] each; key index j (0 <= j < n_keys) is position
+// k_pos0 + j, stored in slot j (ring_cap == 0) or slot (k_pos0 + j) % ring_cap. A query at position p
+// sees keys at kp <= p with p - kp < window (window 0: unlimited). out [T, H, D] when n_splits == 1;
+// else part_o [n_splits, Hkv, rows_pad, D] (unnormalised) and part_ml [n_splits, Hkv, rows_pad, 2].
+// `scale_log2` is the softmax scale times log2(e): scores are kept in base 2.
+template <typename QT, typename KT, typename OT, int D, int NW, int BC>
+__global__ void __launch_bounds__(NW * 32)
+strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
+                  OT* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+                  int n_q, int H, int Hkv, int q_pos0, int k_pos0, int n_keys, int ring_cap, int window,
+                  float scale_log2, int n_splits, int rows_pad) {
+    constexpr int BR = 16 * NW;
+    constexpr int LD = D + 8;  // row pitch in halves: 16-byte aligned rows, staggered banks
+    constexpr int NT_S = BC / 8;  // score n-tiles per warp
+    constexpr int NT_O = D / 8;   // output n-tiles per warp
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __half* Qs = reinterpret_cast<__half*>(smem_raw);
+    __half* Ks = Qs + BR * LD;
+    __half* Vs = Ks + BC * LD;
+
+    const int G = H / Hkv;
+    const int rows = n_q * G;
+    const int tile = gridDim.x - 1 - blockIdx.x;  // the costliest (latest) tiles start first
+    const int kvh = blockIdx.y;
+    const int split = blockIdx.z;
+    const int r0 = tile * BR;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int grp = lane >> 2, tig = lane & 3;
+
+    // Keys any row of this tile can see, then this split's share (whole BC tiles).
+    const int t_lo = r0 / G;
+    const int t_hi = min(n_q - 1, (r0 + BR - 1) / G);
+    int j_lo = 0;
+    if (window > 0) j_lo = max(0, q_pos0 + t_lo - window + 1 - k_pos0);
+    const int j_hi = min(n_keys, q_pos0 + t_hi - k_pos0 + 1);
+    const int n_tiles = j_hi > j_lo ? (j_hi - j_lo + BC - 1) / BC : 0;
+    const int tile_a = (int)(((long long)n_tiles * split) / n_splits);
+    const int tile_b = (int)(((long long)n_tiles * (split + 1)) / n_splits);
+
+    // Q tile, scaled, to f16.
+    for (int idx = threadIdx.x; idx < BR * (D / 8); idx += NW * 32) {
+        const int r = idx / (D / 8), c8 = (idx % (D / 8)) * 8;
+        const int R = r0 + r;
+        __half* dst = Qs + r * LD + c8;
+        if (R < rows) {
+            const int t = R / G, g = R % G;
+            load8_to_half<QT>(q + ((size_t)t * H + kvh * G + g) * D + c8, dst, scale_log2);
+        } else {
+            zero8(dst);
+        }
+    }
+
+    // This thread's two rows (grp and grp + 8 of the warp's 16) and their query positions.
+    const int row_a = r0 + warp * 16 + grp, row_b = row_a + 8;
+    const int qp_a = row_a < rows ? q_pos0 + row_a / G : -0x40000000;
+    const int qp_b = row_b < rows ? q_pos0 + row_b / G : -0x40000000;
+    float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+    float o[NT_O][4];
+#pragma unroll
+    for (int i = 0; i < NT_O; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+
+    for (int kt = tile_a; kt < tile_b; kt++) {
+        const int jb = j_lo + kt * BC;
+        __syncthreads();  // the previous tile's K/V are no longer read (and Q is staged, first time)
+        for (int idx = threadIdx.x; idx < BC * (D / 8); idx += NW * 32) {
+            const int r = idx / (D / 8), c8 = (idx % (D / 8)) * 8;
+            const int j = jb + r;
+            if (j < j_hi) {
+                const int kp = k_pos0 + j;
+                const size_t slot = ring_cap > 0 ? (size_t)(kp % ring_cap) : (size_t)j;
+                const size_t off = (slot * Hkv + kvh) * D + c8;
+                load8_to_half<KT>(k + off, Ks + r * LD + c8, 1.f);
+                load8_to_half<KT>(v + off, Vs + r * LD + c8, 1.f);
+            } else {
+                zero8(Ks + r * LD + c8);
+                zero8(Vs + r * LD + c8);
+            }
+        }
+        __syncthreads();
+
+        // S = Q K^T for the warp's 16 rows x BC keys.
+        float s[NT_S][4];
+#pragma unroll
+        for (int i = 0; i < NT_S; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        const __half* qw = Qs + (warp * 16) * LD;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            u32 a[4];
+            a[0] = *reinterpret_cast<const u32*>(qw + grp * LD + kk * 16 + tig * 2);
+            a[1] = *reinterpret_cast<const u32*>(qw + (grp + 8) * LD + kk * 16 + tig * 2);
+            a[2] = *reinterpret_cast<const u32*>(qw + grp * LD + kk * 16 + 8 + tig * 2);
+            a[3] = *reinterpret_cast<const u32*>(qw + (grp + 8) * LD + kk * 16 + 8 + tig * 2);
+#pragma unroll
+            for (int nt = 0; nt < NT_S; nt++) {
+                u32 b[2];
+                const __half* kr = Ks + (nt * 8 + grp) * LD + kk * 16 + tig * 2;
+                b[0] = *reinterpret_cast<const u32*>(kr);
+                b[1] = *reinterpret_cast<const u32*>(kr + 8);
+                mma_16816(s[nt], a, b);
+            }
+        }
+
+        // Mask, running max, exponentials (base 2), running sum, rescale of the accumulator.
+        float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; nt++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int j = jb + nt * 8 + tig * 2 + e;
+                const int kp = k_pos0 + j;
+                const bool in = j < j_hi;
+                if (!(in && kp <= qp_a && (window == 0 || qp_a - kp < window))) s[nt][e] = -INFINITY;
+                if (!(in && kp <= qp_b && (window == 0 || qp_b - kp < window))) s[nt][2 + e] = -INFINITY;
+                mx_a = fmaxf(mx_a, s[nt][e]);
+                mx_b = fmaxf(mx_b, s[nt][2 + e]);
+            }
+        }
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+        // A row with no visible key so far keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
+        const float sh_a = mn_a == -INFINITY ? 0.f : mn_a;
+        const float sh_b = mn_b == -INFINITY ? 0.f : mn_b;
+        const float al_a = exp2f(m_a - sh_a), al_b = exp2f(m_b - sh_b);
+        m_a = mn_a;
+        m_b = mn_b;
+        float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; nt++) {
+            s[nt][0] = exp2f(s[nt][0] - sh_a);
+            s[nt][1] = exp2f(s[nt][1] - sh_a);
+            s[nt][2] = exp2f(s[nt][2] - sh_b);
+            s[nt][3] = exp2f(s[nt][3] - sh_b);
+            sum_a += s[nt][0] + s[nt][1];
+            sum_b += s[nt][2] + s[nt][3];
+        }
+        l_a = l_a * al_a + sum_a;
+        l_b = l_b * al_b + sum_b;
+#pragma unroll
+        for (int i = 0; i < NT_O; i++) {
+            o[i][0] *= al_a;
+            o[i][1] *= al_a;
+            o[i][2] *= al_b;
+            o[i][3] *= al_b;
+        }
+
+        // O += P V: the score accumulators of two adjacent n-tiles are the A fragment of one k-step.
+#pragma unroll
+        for (int ks = 0; ks < BC / 16; ks++) {
+            u32 a[4];
+            a[0] = pack_half2(s[2 * ks][0], s[2 * ks][1]);
+            a[1] = pack_half2(s[2 * ks][2], s[2 * ks][3]);
+            a[2] = pack_half2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            a[3] = pack_half2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+            const __half* v0 = Vs + (ks * 16 + tig * 2) * LD;
+#pragma unroll
+            for (int dt = 0; dt < NT_O; dt++) {
+                const int d = dt * 8 + grp;
+                u32 b[2];
+                b[0] = pack_halves(v0[d], v0[LD + d]);
+                b[1] = pack_halves(v0[8 * LD + d], v0[9 * LD + d]);
+                mma_16816(o[dt], a, b);
+            }
+        }
+    }
+
+    // Row sums: each thread summed its own columns; the 4 threads of a row group hold the rest.
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+
+    if (n_splits == 1) {
+        const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+        if (row_a < rows) {
+            OT* dst = out + ((size_t)(row_a / G) * H + kvh * G + row_a % G) * D;
+#pragma unroll
+            for (int dt = 0; dt < NT_O; dt++) {
+                dst[dt * 8 + tig * 2] = from_f32<OT>(o[dt][0] * inv_a);
+                dst[dt * 8 + tig * 2 + 1] = from_f32<OT>(o[dt][1] * inv_a);
+            }
+        }
+        if (row_b < rows) {
+            OT* dst = out + ((size_t)(row_b / G) * H + kvh * G + row_b % G) * D;
+#pragma unroll
+            for (int dt = 0; dt < NT_O; dt++) {
+                dst[dt * 8 + tig * 2] = from_f32<OT>(o[dt][2] * inv_b);
+                dst[dt * 8 + tig * 2 + 1] = from_f32<OT>(o[dt][3] * inv_b);
+            }
+        }
+        return;
+    }
+    const size_t base = ((size_t)split * Hkv + kvh) * rows_pad;
+    if (row_a < rows) {
+        float* dst = part_o + (base + row_a) * D;
+#pragma unroll
+        for (int dt = 0; dt < NT_O; dt++) {
+            dst[dt * 8 + tig * 2] = o[dt][0];
+            dst[dt * 8 + tig * 2 + 1] = o[dt][1];
+        }
+        if (tig == 0) {
+            part_ml[(base + row_a) * 2] = m_a;
+            part_ml[(base + row_a) * 2 + 1] = l_a;
+        }
+    }
+    if (row_b < rows) {
+        float* dst = part_o + (base + row_b) * D;
+#pragma unroll
+        for (int dt = 0; dt < NT_O; dt++) {
+            dst[dt * 8 + tig * 2] = o[dt][2];
+            dst[dt * 8 + tig * 2 + 1] = o[dt][3];
+        }
+        if (tig == 0) {
+            part_ml[(base + row_b) * 2] = m_b;
+            part_ml[(base + row_b) * 2 + 1] = l_b;
+        }
+    }
+}
+
+// Merge the key splits: out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s.
+// One thread per (K/V head, row, d).
+template <typename OT>
+__global__ void strata_attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                    OT* __restrict__ out, int n_q, int H, int Hkv, int D, int n_splits,
+                                    int rows_pad) {
+    const int G = H / Hkv;
+    const int rows = n_q * G;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)Hkv * rows * D) return;
+    const int d = (int)(i % D);
+    const int R = (int)((i / D) % rows);
+    const int kvh = (int)(i / ((long long)D * rows));
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; s++) M = fmaxf(M, part_ml[(((size_t)s * Hkv + kvh) * rows_pad + R) * 2]);
+    float num = 0.f, den = 0.f;
+    if (M != -INFINITY) {
+        for (int s = 0; s < n_splits; s++) {
+            const size_t at = ((size_t)s * Hkv + kvh) * rows_pad + R;
+            const float m = part_ml[at * 2];
+            if (m == -INFINITY) continue;
+            const float w = exp2f(m - M);
+            den += part_ml[at * 2 + 1] * w;
+            num += part_o[at * D + d] * w;
+        }
+    }
+    out[((size_t)(R / G) * H + kvh * G + R % G) * D + d] = from_f32<OT>(den > 0.f ? num / den : 0.f);
+}
