@@ -30,6 +30,9 @@ def timed(fn, cp, repeat: int = 20) -> float:
     return float(np.median(times))
 
 
+TILE_VARIANTS = {64: [(4, 64), (8, 64), (8, 32)], 256: [(4, 16), (8, 16), (4, 32), (2, 32)]}
+
+
 def main() -> int:
     import cupy as cp
     from strata_engine.ops.cupy_ops import CupyOps
@@ -55,9 +58,14 @@ def main() -> int:
         k = cp.asarray(rng.standard_normal((n_k, n_kv, d)), dtype=cp.float16)
         v = cp.asarray(rng.standard_normal((n_k, n_kv, d)), dtype=cp.float16)
         q_pos0 = n_k - n_q
-        ours = timed(
-            partial(ops.flash_attention, q, k, v, q_pos0=q_pos0, k_pos0=0, window=window, scale=d**-0.5), cp
-        )
+        run = partial(ops.flash_attention, q, k, v, q_pos0=q_pos0, k_pos0=0, window=window, scale=d**-0.5)
+        ours = timed(run, cp)
+        if n_q > 1:  # the other tile shapes, for the record
+            for tiles in TILE_VARIANTS[d]:
+                print(
+                    f"  {name}: tiles {tiles}: {timed(partial(run, tiles=tiles), cp) * 1e3:.3f} ms",
+                    flush=True,
+                )
         visible = sum(min(q_pos0 + t + 1, window or 10**9) for t in range(n_q))
         flops = 4 * n_head * d * visible
         theirs = None

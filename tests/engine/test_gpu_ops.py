@@ -286,9 +286,13 @@ def test_flash_attention_over_a_ring_matches_the_gathered_context(cp, dtype, n_q
 def test_flash_tiles_and_splits():
     from strata_engine.ops.cupy_ops import flash_splits, flash_tiles
 
-    assert flash_tiles(64, 3) == (1, 64) and flash_tiles(256, 4096) == (4, 32)
+    assert (
+        flash_tiles(64, 3) == (1, 64)
+        and flash_tiles(256, 4096) == (8, 16)
+        and flash_tiles(64, 12288) == (4, 64)
+    )
     assert flash_splits(400, 4096, 64, 132) == 1  # enough row tiles: no split
-    assert flash_splits(1, 32768, 32, 132) == 256  # decode at 32K: 264 wanted, 4 key tiles each at least
+    assert flash_splits(1, 32768, 16, 132) == 264  # decode at 32K: 2 x 132 SMs
     assert flash_splits(3, 100, 64, 132) == 1  # too few keys to split
 
 

@@ -138,11 +138,6 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
     return *reinterpret_cast<u32*>(&h);
 }
 
-__device__ __forceinline__ u32 pack_halves(__half lo, __half hi) {
-    __half2 h = __halves2half2(lo, hi);
-    return *reinterpret_cast<u32*>(&h);
-}
-
 // d[0..3] += A (16x16, row) * B (16x8, col), f16 operands, f32 accumulators.
 __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
     asm volatile(
@@ -150,6 +145,22 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) 
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Four 8x8 b16 matrices from shared memory into mma fragments; lane l gives the address of row l % 8
+// of matrix l / 8. Plain: thread t gets (row t/4, cols 2(t%4), +1) of each; .trans: (rows 2(t%4), +1,
+// col t/4), i.e. the B fragment of a row-major [k][n] tile.
+__device__ __forceinline__ void ldsm_x4(u32* r, const __half* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32* r, const __half* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
 }
 
 // 8 consecutive values of a row, converted to f16 (scaled by `mul`), stored at dst (16-byte aligned).
@@ -180,6 +191,48 @@ __device__ __forceinline__ void load8_to_half<__nv_bfloat16>(const __nv_bfloat16
 
 __device__ __forceinline__ void zero8(__half* dst) { *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0); }
 
+template <typename T> struct is_half { static constexpr bool value = false; };
+template <> struct is_half<__half> { static constexpr bool value = true; };
+
+// 16 bytes global -> shared without passing through registers (sm_80+); zero-filled when !valid.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Stage keys [jb, jb + BC) of one K/V head into shared memory as f16 (zeros past j_hi). f16 storage
+// (the pool's) is copied asynchronously, so the next tile loads while this one is multiplied; other
+// types are converted on the way through registers.
+template <typename KT, int D, int NW, int BC>
+__device__ __forceinline__ void stage_kv_tile(const KT* __restrict__ k, const KT* __restrict__ v, __half* Ks,
+                                              __half* Vs, int jb, int j_hi, int k_pos0, int ring_cap, int Hkv,
+                                              int kvh) {
+    constexpr int LD = D + 8;
+    for (int idx = threadIdx.x; idx < BC * (D / 8); idx += NW * 32) {
+        const int r = idx / (D / 8), c8 = (idx % (D / 8)) * 8;
+        const int j = jb + r;
+        const bool valid = j < j_hi;
+        size_t off = 0;
+        if (valid) {
+            const int kp = k_pos0 + j;
+            const size_t slot = ring_cap > 0 ? (size_t)(kp % ring_cap) : (size_t)j;
+            off = (slot * Hkv + kvh) * D + c8;
+        }
+        if constexpr (is_half<KT>::value) {
+            cp_async16(Ks + r * LD + c8, k + off, valid);
+            cp_async16(Vs + r * LD + c8, v + off, valid);
+        } else if (valid) {
+            load8_to_half<KT>(k + off, Ks + r * LD + c8, 1.f);
+            load8_to_half<KT>(v + off, Vs + r * LD + c8, 1.f);
+        } else {
+            zero8(Ks + r * LD + c8);
+            zero8(Vs + r * LD + c8);
+        }
+    }
+}
+
 // Grid: x = query row tile (BR = 16 * NW rows of one K/V head), y = K/V head, z = key split.
 // q [T, H, D]; k, v: key slots of [Hkv, D] each; key index j (0 <= j < n_keys) is position
 // k_pos0 + j, stored in slot j (ring_cap == 0) or slot (k_pos0 + j) % ring_cap. A query at position p
@@ -197,9 +250,9 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
     constexpr int NT_S = BC / 8;  // score n-tiles per warp
     constexpr int NT_O = D / 8;   // output n-tiles per warp
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    __half* Qs = reinterpret_cast<__half*>(smem_raw);
-    __half* Ks = Qs + BR * LD;
-    __half* Vs = Ks + BC * LD;
+    __half* Qs = reinterpret_cast<__half*>(smem_raw);  // [BR][LD], then K and V tiles [2][BC][LD] each
+    __half* Kbuf = Qs + BR * LD;
+    __half* Vbuf = Kbuf + 2 * BC * LD;
 
     const int G = H / Hkv;
     const int rows = n_q * G;
@@ -242,44 +295,43 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
 #pragma unroll
     for (int i = 0; i < NT_O; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
 
-    for (int kt = tile_a; kt < tile_b; kt++) {
-        const int jb = j_lo + kt * BC;
-        __syncthreads();  // the previous tile's K/V are no longer read (and Q is staged, first time)
-        for (int idx = threadIdx.x; idx < BC * (D / 8); idx += NW * 32) {
-            const int r = idx / (D / 8), c8 = (idx % (D / 8)) * 8;
-            const int j = jb + r;
-            if (j < j_hi) {
-                const int kp = k_pos0 + j;
-                const size_t slot = ring_cap > 0 ? (size_t)(kp % ring_cap) : (size_t)j;
-                const size_t off = (slot * Hkv + kvh) * D + c8;
-                load8_to_half<KT>(k + off, Ks + r * LD + c8, 1.f);
-                load8_to_half<KT>(v + off, Vs + r * LD + c8, 1.f);
-            } else {
-                zero8(Ks + r * LD + c8);
-                zero8(Vs + r * LD + c8);
-            }
+    // Double-buffered key tiles: tile i + 1 is in flight while tile i is multiplied.
+    const int n_mine = tile_b - tile_a;
+    if (n_mine > 0) {
+        stage_kv_tile<KT, D, NW, BC>(k, v, Kbuf, Vbuf, j_lo + tile_a * BC, j_hi, k_pos0, ring_cap, Hkv, kvh);
+        cp_async_commit();
+    }
+    for (int i = 0; i < n_mine; i++) {
+        const int jb = j_lo + (tile_a + i) * BC;
+        const __half* Ks = Kbuf + (i & 1) * BC * LD;
+        const __half* Vs = Vbuf + (i & 1) * BC * LD;
+        if (i + 1 < n_mine) {
+            const int nb = (i + 1) & 1;
+            stage_kv_tile<KT, D, NW, BC>(k, v, Kbuf + nb * BC * LD, Vbuf + nb * BC * LD, jb + BC, j_hi, k_pos0,
+                                         ring_cap, Hkv, kvh);
+            cp_async_commit();
+            cp_async_wait<1>();  // this tile's group has landed; the next one may still be in flight
+        } else {
+            cp_async_wait<0>();
         }
-        __syncthreads();
+        __syncthreads();  // every thread's part of this tile (and of Q, the first time) is staged
 
         // S = Q K^T for the warp's 16 rows x BC keys.
         float s[NT_S][4];
 #pragma unroll
         for (int i = 0; i < NT_S; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
         const __half* qw = Qs + (warp * 16) * LD;
+        const int mat = lane >> 3, mrow = lane & 7;  // the ldmatrix row this lane addresses
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            u32 a[4];
-            a[0] = *reinterpret_cast<const u32*>(qw + grp * LD + kk * 16 + tig * 2);
-            a[1] = *reinterpret_cast<const u32*>(qw + (grp + 8) * LD + kk * 16 + tig * 2);
-            a[2] = *reinterpret_cast<const u32*>(qw + grp * LD + kk * 16 + 8 + tig * 2);
-            a[3] = *reinterpret_cast<const u32*>(qw + (grp + 8) * LD + kk * 16 + 8 + tig * 2);
+            u32 a[4];  // rows +0/+8 by mat & 1, columns +0/+8 by mat >> 1
+            ldsm_x4(a, qw + (mrow + 8 * (mat & 1)) * LD + kk * 16 + 8 * (mat >> 1));
 #pragma unroll
-            for (int nt = 0; nt < NT_S; nt++) {
-                u32 b[2];
-                const __half* kr = Ks + (nt * 8 + grp) * LD + kk * 16 + tig * 2;
-                b[0] = *reinterpret_cast<const u32*>(kr);
-                b[1] = *reinterpret_cast<const u32*>(kr + 8);
+            for (int nt = 0; nt < NT_S; nt += 2) {
+                u32 b[4];  // keys of n-tile nt (mat 0, 1) and nt + 1 (mat 2, 3); dims +0/+8 by mat & 1
+                ldsm_x4(b, Ks + ((nt + (mat >> 1)) * 8 + mrow) * LD + kk * 16 + 8 * (mat & 1));
                 mma_16816(s[nt], a, b);
+                mma_16816(s[nt + 1], a, b + 2);
             }
         }
 
@@ -337,16 +389,15 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
             a[1] = pack_half2(s[2 * ks][2], s[2 * ks][3]);
             a[2] = pack_half2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
             a[3] = pack_half2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-            const __half* v0 = Vs + (ks * 16 + tig * 2) * LD;
 #pragma unroll
-            for (int dt = 0; dt < NT_O; dt++) {
-                const int d = dt * 8 + grp;
-                u32 b[2];
-                b[0] = pack_halves(v0[d], v0[LD + d]);
-                b[1] = pack_halves(v0[8 * LD + d], v0[9 * LD + d]);
+            for (int dt = 0; dt < NT_O; dt += 2) {
+                u32 b[4];  // keys +0/+8 by mat & 1; dims of n-tile dt (mat 0, 1) and dt + 1 (mat 2, 3)
+                ldsm_x4_trans(b, Vs + (ks * 16 + mrow + 8 * (mat & 1)) * LD + (dt + (mat >> 1)) * 8);
                 mma_16816(o[dt], a, b);
+                mma_16816(o[dt + 1], a, b + 2);
             }
         }
+        __syncthreads();  // done reading this buffer: the next iteration stages into it
     }
 
     // Row sums: each thread summed its own columns; the 4 threads of a row group hold the rest.
