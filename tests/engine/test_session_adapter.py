@@ -24,6 +24,7 @@ from strata_engine.ops import get_ops
 from strata_engine.runner import ModelRunner, RunnerState
 from strata_engine.sampling import SamplerState
 from strata_engine.session import (
+    BlockBufferCache,
     EngineSession,
     FaultPoint,
     SamplerAccess,
@@ -201,15 +202,42 @@ def test_int8_layers_are_sub_heads_of_one_scale_each(models, tmp_path):
     assert config_mapping(runner)["kv_int8_scale_block"] == geometry.n_kv_heads * geometry.head_dim // n_scales
 
 
+class _CopyingSession(EngineSession):
+    """The copying restore path (the one a device pool takes): nothing lands straight in host memory."""
+
+    def can_land(self, plan) -> bool:
+        return False
+
+
+class _Spy:
+    """Records which byte-moving calls a restore made."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for name in ("copy_in", "stage_in", "landing_views"):
+            real = getattr(EngineSession, name)
+
+            def spy(session, *args, _real=real, _name=name):
+                self.calls.append(_name)
+                return _real(session, *args)
+
+            monkeypatch.setattr(EngineSession, name, spy)
+
+
+@pytest.mark.parametrize("landing", [True, False], ids=["landing", "copying"])
 @pytest.mark.parametrize("mode", ["streaming", "staged"])
-def test_round_trip_restores_pool_state_checkpoint_and_sampler(models, tmp_path, mode):
+def test_round_trip_restores_pool_state_checkpoint_and_sampler(models, tmp_path, mode, landing, monkeypatch):
     source = fill(synthetic_runner(models, "gemma3", kv_resident=4), 50, seed=5, checkpoint_at=47)
     source_sampler = SamplerAccess.holder(SamplerState.seeded(1234))
     sf.save(tmp_path / "s.ssf", EngineSession(source, source_sampler))
     target = fill(synthetic_runner(models, "gemma3"), 37, seed=6, checkpoint_at=30)
     target_sampler = SamplerAccess.holder(SamplerState.seeded(99))
-    report = sf.restore(tmp_path / "s.ssf", EngineSession(target, target_sampler), mode=mode)
+    spy = _Spy(monkeypatch)
+    session = (EngineSession if landing else _CopyingSession)(target, target_sampler, buffers=BlockBufferCache())
+    report = sf.restore(tmp_path / "s.ssf", session, mode=mode, block_size=4096)
     assert report.mode.value == mode and report.n_tokens == 50
+    expected = "landing_views" if landing else ("stage_in" if mode == "staged" else "copy_in")
+    assert set(spy.calls) == {expected}
     restored = live_digest(target, target_sampler)
     original = live_digest(source, source_sampler)
     # Only the last `window` tokens of a ring layer are saved: compare the ranges the file holds.
@@ -262,6 +290,40 @@ def test_fault_after_the_gate_fail_stops_and_drops_the_conversation(models, tmp_
     with pytest.raises(E.FailStop):
         sf.restore(tmp_path / "s.ssf", session, mode=mode, block_size=64 << 10)
     assert session.fail_stopped is not None and live.n_held == 0 and live.pool.n_tokens == 0
+
+
+def test_staged_restores_reuse_one_staging_area_and_a_refused_one_keeps_the_live_conversation(models, tmp_path):
+    """The staging area is mapped once (sized for the whole pool) and reused; a file that fails its hash
+    lands in it, never in the pool."""
+    buffers = BlockBufferCache()
+    short, deep = tmp_path / "short.ssf", tmp_path / "deep.ssf"
+    sf.save(short, EngineSession(fill(synthetic_runner(models, "smollm2"), 20, seed=1)))
+    sf.save(deep, EngineSession(fill(synthetic_runner(models, "smollm2"), 60, seed=2)))
+    live = fill(synthetic_runner(models, "smollm2"), 33, seed=3)
+    sf.restore(short, EngineSession(live, buffers=buffers), mode="staged", block_size=4096)
+    area = buffers.staging(1).ctypes.data
+    sf.restore(deep, EngineSession(live, buffers=buffers), mode="staged", block_size=4096)
+    assert buffers.staging(1).ctypes.data == area and live.n_held == 60
+    data = bytearray(deep.read_bytes())
+    lay = sf.inspect(deep).layout
+    data[lay.data_offset + lay.data_length - 5] ^= 0x10
+    bad = tmp_path / "bad.ssf"
+    bad.write_bytes(bytes(data))
+    live = fill(live, 41, seed=4)
+    before = live_digest(live)
+    session = EngineSession(live, buffers=buffers)
+    with pytest.raises(E.PayloadCorrupt):
+        sf.restore(bad, session, mode="staged", block_size=4096)
+    assert live_digest(live) == before and not session.live_touched
+    assert buffers.staging(1).ctypes.data == area
+
+
+def test_landing_after_the_gate_only(models, tmp_path):
+    """The adapter refuses to hand out the live pool's memory before begin_apply."""
+    sf.save(tmp_path / "s.ssf", EngineSession(fill(synthetic_runner(models, "smollm2"), 20, seed=1)))
+    session = EngineSession(fill(synthetic_runner(models, "smollm2"), 10, seed=2))
+    with pytest.raises(E.AdapterFailed, match="before the gate"):
+        session.landing_views(0, Part.K, 0, 16)
 
 
 def test_staged_commit_failure_marks_the_live_pool_touched(models, tmp_path):

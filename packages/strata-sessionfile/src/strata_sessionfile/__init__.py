@@ -23,7 +23,8 @@ Reading
     (MemAvailable) of the preflight.
 Adapter protocol (``strata_sessionfile.adapter``)
     ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
-    restore), ``BufferProvider`` (optional own block buffers), ``SessionAdapter`` (source + target).
+    restore), ``BufferProvider`` (optional own block buffers), ``LandingTarget`` (optional: a restore reads
+    straight into the engine's host memory), ``SessionAdapter`` (source + target).
 Records
     ``Compression`` (save option), ``RunningState``, ``Checkpoint``, ``LayerSpec``, ``LayerGeometry``, ``Snapshot``, ``EngineLimits``,
     ``EngineIdentity``, ``RestorePlan``, ``Progress``/``Phase``, ``SaveReport``, ``RestoreReport``,
@@ -36,7 +37,14 @@ Testing (``strata_sessionfile.testing``)
 
 from . import errors
 from ._fileio import memory_available
-from .adapter import BufferProvider, SessionAdapter, SessionSource, SessionTarget, StagingTarget
+from .adapter import (
+    BufferProvider,
+    LandingTarget,
+    SessionAdapter,
+    SessionSource,
+    SessionTarget,
+    StagingTarget,
+)
 from .compression import Compression
 from .errors import SessionFileError
 from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, DType, LayerRole, Part
@@ -67,7 +75,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "BlockBuffers", "BufferProvider", "Checkpoint", "Compression",
     "ConfigIdentity", "DType",
     "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
-    "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
+    "LandingTarget", "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
     "SaveReport", "SessionAdapter", "SessionFileError", "SessionSource", "SessionTarget", "Snapshot",
     "StagingTarget", "check_limits", "config_fingerprint", "memory_available", "engine_identity", "errors", "inspect",
     "model_fingerprint", "restore", "save",

@@ -282,3 +282,51 @@ class WriteBehind:
         if self.thread.is_alive():
             self.full.put(_STOP)
             self.thread.join()
+
+
+class ReadInto:
+    """A helper thread reads file ranges straight into their final memory (the engine's K/V or staging
+    area), while the caller hashes what already landed and asks the engine where the next bytes go.
+
+    ``submit(file_offset, views)`` queues one job: the views filled in order from ``file_offset``;
+    ``wait()`` returns the oldest job's views once read (raising the read's error, if any, in order).
+    ``close()`` stops the helper after its current job and joins it, so nothing is written after it
+    returns. A short file raises FileChanged (the read pass or the metadata promised these bytes).
+    """
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd, self.path = fd, path
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="strata-read-into", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is _STOP or self.stopping:
+                return
+            offset, views = job
+            try:
+                for view in views:
+                    read_exact(self.fd, view, offset, self.path, short_error=E.FileChanged)
+                    offset += len(view)
+            except BaseException as exc:  # handed to the consumer, which raises it on its own thread
+                self.done.put(exc)
+                return
+            self.done.put(views)
+
+    def submit(self, file_offset: int, views: Sequence[memoryview]) -> None:
+        self.jobs.put((file_offset, views))
+
+    def wait(self) -> Sequence[memoryview]:
+        item = self.done.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.stopping = True
+        self.jobs.put(_STOP)
+        self.thread.join()

@@ -22,6 +22,15 @@ was. One read of the file.
 
 Buffers (``BufferProvider``, optional): ``block_buffers(count, nbytes)`` returns ``count`` writable
 memoryviews of ``nbytes`` each (e.g. pinned host memory) that the library uses as its block buffers.
+
+Landing (``LandingTarget``, optional, for a restore into host memory; not used for a compressed data
+section): ``can_land(plan)`` (before the gate; touches nothing) says whether every piece of this restore
+can be read straight into the engine's memory; if so, ``landing_views(layer, part, offset, length)``
+replaces ``copy_in`` (streaming: called only after ``begin_apply``; the views are the live K/V) or
+``stage_in`` (staged: after ``begin_staging``; the views are the staging area, never the live K/V), and
+returns writable views in order (e.g. two for a ring that wraps) whose lengths add up to ``length``. The
+library reads the file into them and hashes them there; every check, the gate and fail-stop apply
+exactly as with the copying calls.
 """
 
 from __future__ import annotations
@@ -83,6 +92,16 @@ class StagingTarget(SessionTarget, Protocol):
 @runtime_checkable
 class BufferProvider(Protocol):
     def block_buffers(self, count: int, nbytes: int) -> Sequence[memoryview]: ...
+
+
+@runtime_checkable
+class LandingTarget(Protocol):
+    def can_land(self, plan: RestorePlan) -> bool:
+        """Whether every piece of this plan (in its mode) can be read straight into the engine's memory."""
+
+    def landing_views(self, layer: int, part: Part, offset: int, length: int) -> Sequence[memoryview]:
+        """Writable views where bytes [offset, offset + length) of the part go (live K/V after the gate in
+        streaming mode, the staging area in staged mode), in order."""
 
 
 class SessionAdapter(SessionSource, SessionTarget, Protocol):

@@ -176,10 +176,10 @@ def encode_metadata(model: ModelIdentity, config: ConfigIdentity, state: Running
         s = g.spec
         parts.append(LAYER_STRUCT.pack(s.index, s.role, s.k_dtype, s.v_dtype, 0, s.n_kv_heads, s.head_dim_k,
                                        s.head_dim_v, s.window, g.tokens_held, s.extra_bytes))
-    body = b"".join(parts)
-    if len(body) > LIMIT["MAX_METADATA_BYTES"]:
-        raise E.InvalidSnapshot(f"metadata is {len(body)} bytes, over MAX_METADATA_BYTES", field="metadata")
-    return _U32.pack(len(body)) + body
+    body_length = sum(len(p) for p in parts)
+    if body_length > LIMIT["MAX_METADATA_BYTES"]:
+        raise E.InvalidSnapshot(f"metadata is {body_length} bytes, over MAX_METADATA_BYTES", field="metadata")
+    return b"".join([_U32.pack(body_length), *parts])  # one copy of the (possibly MiB-sized) checkpoint
 
 
 # --- metadata: decode -------------------------------------------------------------------------------

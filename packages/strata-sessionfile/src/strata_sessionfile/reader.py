@@ -35,7 +35,7 @@ import xxhash
 
 from . import _fileio
 from . import errors as E
-from .adapter import SessionTarget, StagingTarget
+from .adapter import LandingTarget, SessionTarget, StagingTarget
 from .codec import METADATA_OFFSET, compute_layout, decode_header, decode_metadata, decode_trailer
 from .compression import CODECS, COMPRESSION_HEADER_SIZE, decode_compressed_section
 from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags
@@ -72,6 +72,7 @@ class _Opened:
     bytes_read: int
     section_head: bytes = b""  # a compressed data section's 16-byte compression header
     table: bytes = b""  # and its block table, as on disk
+    prefix_hasher: object = None  # the payload hash after the prefix (the read pass's), reused by the apply pass
 
 
 def _binding_check(header: Header, body: bytes, identity: EngineIdentity, path: str) -> None:
@@ -302,6 +303,53 @@ def _stream_frames(opened: _Opened, hasher, deliver, progress, phase: Phase) -> 
     return read
 
 
+def _landing_views(landing_views, layer: int, part, offset: int, length: int) -> list[memoryview]:
+    """The adapter's views of one piece as flat writable byte views; their lengths must add up to ``length``."""
+    out = []
+    for v in _adapter_call(landing_views, layer, part, offset, length):
+        mv = memoryview(v)
+        if not mv.c_contiguous or mv.readonly:
+            raise E.AdapterFailed("landing_views must return writable contiguous memoryviews")
+        out.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+    if sum(len(v) for v in out) != length:
+        raise E.AdapterFailed(f"landing_views returned {sum(len(v) for v in out)} bytes for a piece of {length}")
+    return out
+
+
+def _land_data(opened: _Opened, landing_views, block_size: int, hasher, progress, phase: Phase) -> int:
+    """Read the data section straight into the adapter's memory (``landing_views`` per piece), hashing each
+    block there once it landed: the helper reads block k+1 while this thread hashes block k. Returns the
+    bytes read. The helper is stopped and joined before this returns or raises."""
+    layout = opened.layout
+    lander = _fileio.ReadInto(opened.fd, opened.path)
+    pending: collections.deque = collections.deque()
+    done = 0
+
+    def settle_oldest() -> None:
+        nonlocal done
+        length = pending.popleft()
+        for view in lander.wait():
+            hasher.update(view)
+        done += length
+        if progress:
+            progress(Progress(phase, done, layout.data_length))
+
+    try:
+        for start, length, segments in _fileio.iter_blocks(layout.extents, layout.data_length, block_size):
+            views: list[memoryview] = []
+            for layer, part, part_offset, seg_len, _buf_offset in segments:
+                views.extend(_landing_views(landing_views, layer, part, part_offset, seg_len))
+            lander.submit(layout.data_offset + start, views)
+            pending.append(length)
+            if len(pending) > 1:
+                settle_oldest()
+        while pending:
+            settle_oldest()
+    finally:
+        lander.close()
+    return done
+
+
 def _check_digest(opened: _Opened, hasher, when: str) -> bytes:
     digest = hasher.digest()
     if digest != opened.trailer_digest:
@@ -322,6 +370,7 @@ def _check_unchanged(opened: _Opened, when: str) -> None:
 def _hash_pass(opened: _Opened, buffers, block_size: int, progress) -> bytes:
     hasher = xxhash.xxh3_128()
     hasher.update(opened.prefix)
+    opened.prefix_hasher = hasher.copy()
     opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, None, progress, Phase.READ)
     digest = _check_digest(opened, hasher, "read pass")
     _check_unchanged(opened, "during the read pass")
@@ -354,7 +403,8 @@ def _fail_stop(adapter: SessionTarget, exc: BaseException, path: str) -> E.FailS
     return E.FailStop(exc, path=path)
 
 
-def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan, buffers, block_size, progress):
+def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan, buffers, block_size, progress,
+                     landing: bool = False):
     # Before the gate: the file must be exactly what the read pass validated.
     _check_unchanged(opened, "between the read pass and the apply pass")
     prefix_again = _fileio.pread_bytes(opened.fd, len(opened.prefix), METADATA_OFFSET, opened.path,
@@ -373,8 +423,8 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
         raise E.FileChanged("the metadata, compression header, block table or trailer changed between the read "
                             "pass and the apply pass", path=opened.path)
     opened.bytes_read += len(opened.prefix) + TRAILER_SIZE + len(head_again) + len(table_again)
-    hasher = xxhash.xxh3_128()
-    hasher.update(opened.prefix)
+    # The prefix re-read is byte-identical to the one the read pass hashed (checked above): start from there.
+    hasher = opened.prefix_hasher.copy() if opened.prefix_hasher is not None else xxhash.xxh3_128(opened.prefix)
     gate = [False]
 
     def open_gate() -> None:
@@ -389,7 +439,12 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
                           view[buf_offset:buf_offset + length].toreadonly())
 
     try:
-        opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY)
+        if landing:  # the gate first: from here on the file's bytes land in the live K/V
+            open_gate()
+            opened.bytes_read += _land_data(opened, adapter.landing_views, block_size, hasher, progress,
+                                            Phase.APPLY)
+        else:
+            opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY)
         if not gate[0]:
             open_gate()
         _check_digest(opened, hasher, "apply pass")
@@ -401,7 +456,8 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
         raise
 
 
-def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, buffers, block_size, progress):
+def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, buffers, block_size, progress,
+                  landing: bool = False):
     hasher = xxhash.xxh3_128()
     hasher.update(opened.prefix)
 
@@ -412,7 +468,11 @@ def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, bu
 
     try:
         _adapter_call(adapter.begin_staging, plan)
-        opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY)
+        if landing:  # straight into the staging area
+            opened.bytes_read += _land_data(opened, adapter.landing_views, block_size, hasher, progress,
+                                            Phase.APPLY)
+        else:
+            opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY)
         _check_digest(opened, hasher, "staged pass")
         _check_unchanged(opened, "during the staged pass")
         _adapter_call(adapter.commit_staged, plan.state)
@@ -453,19 +513,22 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
                                        path=path)
         plan = RestorePlan(path, opened.header, opened.metadata, opened.layout, opened.stamp,
                            RestoreMode.STAGED if staged else RestoreMode.STREAMING)
-        if opened.layout.compressed is None:
+        # Zero-copy: the adapter's memory takes the bytes straight from the file (never compressed data).
+        landing = (opened.layout.compressed is None and isinstance(adapter, LandingTarget)
+                   and bool(_adapter_call(adapter.can_land, plan)))
+        if opened.layout.compressed is not None or (staged and landing):
+            views = None  # decode workers read frames into their own buffers; landing needs none
+        else:
             views = block_buffers(adapter, block_size, buffers)
-        else:  # the decode workers read each frame into its own buffer and decode it into a new block
-            views = None
         if staged:
             _adapter_call(adapter.check_plan, plan)
             t_read = time.perf_counter()
-            _apply_staged(opened, adapter, plan, views, block_size, progress)
+            _apply_staged(opened, adapter, plan, views, block_size, progress, landing)
         else:
             _hash_pass(opened, views, block_size, progress)
             _adapter_call(adapter.check_plan, plan)
             t_read = time.perf_counter()
-            _apply_streaming(opened, adapter, plan, views, block_size, progress)
+            _apply_streaming(opened, adapter, plan, views, block_size, progress, landing)
         t_end = time.perf_counter()
         return RestoreReport(path, plan.mode, plan.state.n_tokens, opened.bytes_read, opened.stamp.size,
                              t_end - t0, t_read - t0, t_end - t_read)

@@ -19,7 +19,7 @@ import attrs
 import xxhash
 
 from . import errors as E
-from .adapter import StagingTarget
+from .adapter import LandingTarget, StagingTarget
 from .format import Part
 from .identity import config_fingerprint, model_identity_from_files
 from .reader import restore
@@ -73,16 +73,20 @@ def make_snapshot(specs: Sequence[LayerSpec], n_tokens: int, seed: int = 0, *, v
 class MemoryAdapter:
     """The reference adapter: K/V parts held as bytearrays; records every call in ``events``.
 
-    Implements SessionSource, SessionTarget and (with ``staging=True``) StagingTarget.
+    Implements SessionSource, SessionTarget, (with ``staging=True``) StagingTarget, and (with
+    ``zero_copy=True``) LandingTarget: every piece then lands in two views (split in the middle), so the
+    library's handling of several views per piece is exercised too.
     """
 
     def __init__(self, identity: EngineIdentity, specs: Sequence[LayerSpec], *, max_tokens: int = 4096,
-                 vocab_size: int | None = 1000, staging: bool = False) -> None:
+                 vocab_size: int | None = 1000, staging: bool = False, zero_copy: bool = False) -> None:
         self._identity = identity
         self.specs = tuple(specs)
         self.max_tokens = max_tokens
         self.vocab_size = vocab_size
         self.staging = staging
+        self.zero_copy = zero_copy
+        self._applying = False
         self.state = RunningState([])
         self.layers = tuple(LayerGeometry(s, 0) for s in self.specs)
         self.parts: list[list[bytearray]] = [[bytearray(0) for _ in Part] for _ in self.specs]
@@ -118,6 +122,23 @@ class MemoryAdapter:
     def copy_out(self, layer: int, part: Part, offset: int, dest: memoryview) -> None:
         dest[:] = self.parts[layer][part][offset:offset + len(dest)]
 
+    @staticmethod
+    def _halves(data: bytearray, offset: int, length: int) -> list[memoryview]:
+        view = memoryview(data)[offset:offset + length]
+        return [view[:length // 2], view[length // 2:]]
+
+    # -- LandingTarget (only with zero_copy=True) ----------------------------------------------------
+    def can_land(self, plan: RestorePlan) -> bool:
+        return self.zero_copy
+
+    def landing_views(self, layer: int, part: Part, offset: int, length: int) -> list[memoryview]:
+        self.events.append("landing_views")
+        if self._staged is not None:
+            return self._halves(self._staged[1][layer][part], offset, length)
+        # The live K/V: only after the gate.
+        assert self._applying, "landing_views for the live session before begin_apply"
+        return self._halves(self.parts[layer][part], offset, length)
+
     # -- SessionTarget -----------------------------------------------------------------------------
     def limits(self) -> EngineLimits:
         return EngineLimits(max_tokens=self.max_tokens, layers=self.specs, vocab_size=self.vocab_size,
@@ -129,6 +150,7 @@ class MemoryAdapter:
 
     def begin_apply(self, plan: RestorePlan) -> None:
         self.events.append("begin_apply")
+        self._applying = True
         # The live pools are overwritten in place from here on (as a real engine does).
         self.layers = plan.layers
         self.parts = [[bytearray(g.part_size(p)) for p in Part] for g in plan.layers]
@@ -141,6 +163,7 @@ class MemoryAdapter:
     def commit(self, state: RunningState) -> None:
         self.events.append("commit")
         self.state = state
+        self._applying = False
 
     def fail_stop(self, error: Exception) -> None:
         self.events.append("fail_stop")
@@ -172,8 +195,8 @@ class MemoryAdapter:
 
 
 def memory_adapter_factory(specs: Sequence[LayerSpec] | None = None, *, n_tokens: int = 40,
-                           staging: bool = False, identity: EngineIdentity | None = None
-                           ) -> Callable[[int], MemoryAdapter]:
+                           staging: bool = False, identity: EngineIdentity | None = None,
+                           zero_copy: bool = False) -> Callable[[int], MemoryAdapter]:
     """A factory for run_conformance: seed -> MemoryAdapter holding a session derived from the seed."""
     from .format import DType, LayerRole
 
@@ -184,7 +207,7 @@ def memory_adapter_factory(specs: Sequence[LayerSpec] | None = None, *, n_tokens
     ident = identity or fake_identity()
 
     def factory(seed: int) -> MemoryAdapter:
-        adapter = MemoryAdapter(ident, specs, staging=staging)
+        adapter = MemoryAdapter(ident, specs, staging=staging, zero_copy=zero_copy)
         return adapter.load_snapshot(make_snapshot(specs, n_tokens + seed % 7, seed), seed)
 
     return factory
@@ -263,8 +286,29 @@ class _StagingRecorder(_Recorder):
         return self._call("discard_staged")
 
 
+class _LandingMixin:
+    """Forwards the LandingTarget calls of an adapter that has them."""
+
+    def can_land(self, plan):
+        return self._inner.can_land(plan)
+
+    def landing_views(self, *a):
+        return self._call("landing_views", *a)
+
+
+class _LandingRecorder(_LandingMixin, _Recorder):
+    pass
+
+
+class _LandingStagingRecorder(_LandingMixin, _StagingRecorder):
+    pass
+
+
 def recorder(adapter, hooks: dict[str, Callable] | None = None) -> _Recorder:
-    return (_StagingRecorder if isinstance(adapter, StagingTarget) else _Recorder)(adapter, hooks)
+    staging, landing = isinstance(adapter, StagingTarget), isinstance(adapter, LandingTarget)
+    cls = {(False, False): _Recorder, (True, False): _StagingRecorder, (False, True): _LandingRecorder,
+           (True, True): _LandingStagingRecorder}[staging, landing]
+    return cls(adapter, hooks)
 
 
 @attrs.define
@@ -453,7 +497,7 @@ def run_conformance(adapter_factory: Callable[[int], object], workdir: str | os.
                 f.seek(-TRAILER_BACK, os.SEEK_END)
                 f.write(bytes([byte[0] ^ 1]))
 
-    rec = recorder(victim, {"copy_in": flip_last})
+    rec = recorder(victim, {"copy_in": flip_last, "landing_views": flip_last})
     try:
         restore(bad, rec, block_size=block_size, mode="streaming")
         failures.append("gate_after: a file changed during the apply pass was accepted")
@@ -477,7 +521,7 @@ def run_conformance(adapter_factory: Callable[[int], object], workdir: str | os.
         shutil.copyfile(good, bad)
         flipped.clear()
         expect_refusal("staged, changed during the pass", bad, (E.PayloadCorrupt, E.FileChanged),
-                       hooks={"stage_in": flip_last}, mode="staged")
+                       hooks={"stage_in": flip_last, "landing_views": flip_last}, mode="staged")
 
     # 7. what is not a plain regular file with one name.
     ran.append("file_types")

@@ -130,7 +130,7 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
     total = layout.file_size  # progress total: the uncompressed file's size
     if options is None:
         header = encode_header(identity.model.fingerprint, identity.config.fingerprint, payload_length_of(layout))
-        prefix = header + metadata + padding
+        prefix = [header, metadata, padding]  # written piece by piece: no copy of a large metadata
     else:
         n_blocks = n_blocks_for(layout.data_length, block_size)
         if n_blocks > LIMIT["MAX_COMPRESSED_BLOCKS"]:
@@ -138,7 +138,8 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
                                     "blocks, over MAX_COMPRESSED_BLOCKS: use a larger block_size",
                                     path=path, field="block_size")
         # The header is not hashed and holds the final payload length: a placeholder now, written last.
-        prefix = bytes(HEADER_SIZE) + metadata + padding + encode_compression_header(options, block_size, n_blocks)
+        prefix = [bytes(HEADER_SIZE) + metadata + padding + encode_compression_header(options, block_size, n_blocks)]
+    prefix_length = sum(len(p) for p in prefix)
 
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, _temporary_name(name))
@@ -156,8 +157,11 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
                 if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     raise
         hasher = xxhash.xxh3_128()
-        hasher.update(memoryview(prefix)[HEADER_SIZE:])
-        _fileio.write_all(fd, prefix)
+        unhashed = HEADER_SIZE  # the payload hash starts after the header
+        for piece in prefix:
+            hasher.update(memoryview(piece)[unhashed:])
+            unhashed = max(0, unhashed - len(piece))
+            _fileio.write_all(fd, piece)
         done = layout.data_offset
         if progress:
             progress(Progress(Phase.COPY, done, total))
@@ -178,7 +182,7 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
             pipeline = None
         else:
             frame_sizes = []
-        written = len(prefix) + sum(frame_sizes) if options is not None else total - TRAILER_SIZE
+        written = prefix_length + sum(frame_sizes) if options is not None else total - TRAILER_SIZE
         if options is not None:
             table = encode_block_table(frame_sizes)
             hasher.update(table)

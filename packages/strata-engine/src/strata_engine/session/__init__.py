@@ -14,12 +14,13 @@ In-process use::
     strata_sessionfile.restore(path, EngineSession(other_runner), mode="auto")
 """
 
-from .adapter import EngineSession, FaultPoint, InjectedFault, SamplerAccess
+from .adapter import BlockBufferCache, EngineSession, FaultPoint, InjectedFault, SamplerAccess
 from .identity import config_mapping, engine_version, model_files, runner_identity
 from .verbs import FAULT_ENV, RESTORE_MODES, SessionOptions, SessionVerbs, register_session_verbs
 
 __all__ = [
     "FAULT_ENV",
+    "BlockBufferCache",
     "RESTORE_MODES",
     "EngineSession",
     "FaultPoint",
