@@ -53,6 +53,27 @@ def test_model_fingerprint_sees_size_samples_role_and_order(tmp_path):
     assert diffs and "sampled digest differs" in diffs[0]
 
 
+def test_model_digest_is_cached_per_unchanged_file_and_recomputed_when_it_changes(tmp_path, monkeypatch):
+    from strata_sessionfile import identity
+
+    data = bytearray(os.urandom(2 << 20))
+    path = _write(tmp_path / "m.bin", bytes(data))
+    reads = []
+    real = identity._sampled_digest
+    monkeypatch.setattr(identity, "_sampled_digest", lambda f, size: reads.append(size) or real(f, size))
+    first = model_fingerprint([("model", path)])
+    assert model_fingerprint([("model", path)]) == first and len(reads) == 1  # the second came from the cache
+    data[100] ^= 1  # same size, same name, rewritten in place: mtime/ctime move, the digest is recomputed
+    with open(path, "r+b") as f:
+        f.write(data)
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    changed = model_fingerprint([("model", path)])
+    assert len(reads) == 2 and changed.fingerprint != first.fingerprint
+    os.replace(_write(tmp_path / "new.bin", bytes(data[:-7])), path)  # replaced: another inode
+    assert model_fingerprint([("model", path)]).files[0].size == len(data) - 7 and len(reads) == 3
+
+
 def test_fingerprint_of_a_sparse_100_gb_file_is_fast(tmp_path):
     big = tmp_path / "huge.gguf"
     with open(big, "wb") as f:
