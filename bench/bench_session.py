@@ -19,7 +19,9 @@ Run (unset the two OpenBLAS variables these machines set, they slow a current nu
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_session.py [--quick]
 
-The cold prefills take minutes on 2 cores; `--quick` runs small sizes to check the script.
+The cold prefills take minutes on 2 cores; `--quick` runs small sizes to check the script;
+`--prepared DIR` keeps each conversation after its cold turn and restores it in later runs instead.
+Each restore is measured twice: in a fresh process (what a restart pays) and again in the same process.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -188,19 +191,33 @@ def synthetic_file(path: Path, model: str, n_ctx: int, n_tokens: int) -> None:
     sf.save(path, EngineSession(runner))
 
 
-def bench_model(model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep: bool) -> dict:
+def bench_model(model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep: bool,
+                prepared: Path | None = None) -> dict:
     settings = ("--ctx-size", str(n_ctx))
     prompt = prompt_tokens(n_prompt)
     path = folder / f"{model}.session"
     out: dict = {"model": model, "n_prompt": n_prompt, "n_ctx": n_ctx}
 
     a = Engine(model, *settings)
-    cold, cold_s = a.complete(prompt)
-    out["cold_turn_s"], out["cold_timings"] = cold_s, cold["timings"]
+    kept = prepared / f"{model}-{n_prompt}-{n_ctx}" if prepared is not None else None
+    if kept is not None and kept.with_suffix(".session").is_file() and kept.with_suffix(".json").is_file():
+        # The conversation from an earlier run's cold turn (restored, not prefilled again: minutes on 2
+        # cores); its cold figures are that run's.
+        cold = json.loads(kept.with_suffix(".json").read_text())
+        a.command(f"RESTORE {kept.with_suffix('.session')}")
+        out["cold_turn_s"], out["cold_timings"], out["cold_from_prepared"] = cold["cold_turn_s"], cold["timings"], True
+    else:
+        cold, cold_s = a.complete(prompt)
+        out["cold_turn_s"], out["cold_timings"] = cold_s, cold["timings"]
     out["n_held"] = cold["n_tokens_held"]
     save, save_wall = a.command(f"SAVE {path}")
     out["save"] = {**save, "wall_s": save_wall}
     out["file_bytes"] = path.stat().st_size
+    if kept is not None and not out.get("cold_from_prepared"):
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, kept.with_suffix(".session"))
+        kept.with_suffix(".json").write_text(json.dumps({"tokens": cold["tokens"], "n_tokens_held": cold["n_tokens_held"],
+                                                         "cold_turn_s": out["cold_turn_s"], "timings": cold["timings"]}))
     next_prompt = prompt + cold["tokens"] + [1500, 1501, 1502, 1503]
     warm, warm_s = a.complete(next_prompt)
     out["never_restarted_turn_s"], out["never_restarted_timings"] = warm_s, warm["timings"]
@@ -218,6 +235,8 @@ def bench_model(model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep
         out[f"restored_turn_{mode}_s"] = turn_s
         out[f"restored_timings_{mode}"] = turn["timings"]
         out[f"same_tokens_{mode}"] = turn["tokens"] == warm["tokens"]
+        # A second RESTORE in the same process: what a long-running engine pays (memory it keeps is warm).
+        out[f"restore_{mode}_again"] = b.restore_measured(path)
         b.quit()
 
     if depth_sweep:
@@ -256,11 +275,16 @@ def report(r: dict, peer: dict | None) -> None:
         print(f"restore {mode:9s} {rs['restore_ms']:9.1f} ms   ({rs['mode']}) plain reads x{n_reads} {base * 1000:.1f} ms "
               f"(x{rs['restore_ms'] / 1000 / base:.2f})" + (f"   peer {pf['restore']['timings']['restore_ms']:.1f} ms" if pf else ""))
         print(f"   RSS: peak above before {mib(rs['peak_above_before'])}, transient {mib(rs['transient'])}, "
-              f"kept {mib(rs['rss_after'] - rs['rss_before'])} (pool pages filled)")
+              f"kept {mib(rs['rss_after'] - rs['rss_before'])} (pool pages filled, staging area kept)")
+        again = r.get(f"restore_{mode}_again")
+        if again:
+            print(f"   again in the same process {again['restore_ms']:9.1f} ms (x{again['restore_ms'] / 1000 / base:.2f}), "
+                  f"peak above before {mib(again['peak_above_before'])}")
     print(f"next turn       after restore (auto) {r['restored_turn_auto_s']:.2f} s (cache_n {r['restored_timings_auto']['cache_n']}, "
           f"same tokens {r['same_tokens_auto']}), streaming {r['restored_turn_streaming_s']:.2f} s (same tokens "
           f"{r['same_tokens_streaming']}); never restarted {r['never_restarted_turn_s']:.2f} s "
-          f"(cache_n {r['never_restarted_timings']['cache_n']}); cold {r['cold_turn_s']:.1f} s")
+          f"(cache_n {r['never_restarted_timings']['cache_n']}); cold {r['cold_turn_s']:.1f} s"
+          + (" (from the run that prepared the file)" if r.get("cold_from_prepared") else ""))
     if pf:
         print(f"   peer: after restore {pf['restored_next_turn_s']:.2f} s, never restarted {pf['warm_next_turn_s']:.2f} s, "
               f"cold {pf['cold_turn_s']:.1f} s")
@@ -278,6 +302,10 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="folder for the files (default: a temporary folder in .)")
     parser.add_argument("--no-depth-sweep", action="store_true")
     parser.add_argument("--json", default=None, help="also write the raw figures here")
+    parser.add_argument("--prepared", default=None,
+                        help="folder keeping each model's conversation after its cold turn: a later run with the "
+                             "same folder and sizes restores it instead of prefilling again (cold figures then "
+                             "come from the run that prepared it)")
     args = parser.parse_args()
     sizes = {"smollm2": (args.smollm2_tokens, 8192), "gemma3": (args.gemma3_tokens, 16384)}
     if args.quick:
@@ -288,7 +316,8 @@ def main() -> int:
     try:
         for model in args.models.split(","):
             n_prompt, n_ctx = sizes[model]
-            r = bench_model(model, n_prompt, n_ctx, folder, not args.no_depth_sweep)
+            r = bench_model(model, n_prompt, n_ctx, folder, not args.no_depth_sweep,
+                            Path(args.prepared) if args.prepared else None)
             results.append(r)
             peer_file = REFERENCE / peers[model]
             peer = json.loads(peer_file.read_text()) if peer_file.is_file() and not args.quick else None

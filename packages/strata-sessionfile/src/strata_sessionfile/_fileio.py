@@ -153,6 +153,7 @@ def iter_blocks(extents: Sequence[PartExtent], data_length: int, block_size: int
 
 # --- two-buffer pipelines ---------------------------------------------------------------------------
 _STOP = object()
+_RAW = object()  # a WriteBehind job of bytes to write as they are
 
 
 HASH_SLICE = 1 << 20  # the write helper hashes a slice while it is cache-hot, then writes it
@@ -240,6 +241,15 @@ class WriteBehind:
             item = self.full.get()
             if item is _STOP:
                 return
+            if item[0] is _RAW:
+                _, data, hashed_from = item
+                if self.error is None:
+                    try:
+                        self.hasher.update(memoryview(data)[hashed_from:])
+                        write_all(self.fd, data)
+                    except BaseException as exc:
+                        self.error = exc
+                continue
             idx, n = item
             freed = False
             if self.error is None:
@@ -258,6 +268,11 @@ class WriteBehind:
                     self.error = exc
             if not freed:
                 self.free.put(idx)
+
+    def submit_raw(self, data: bytes, hashed_from: int = 0) -> None:
+        """Write ``data`` (e.g. the header and metadata, so the caller starts on the first block at once),
+        hashing ``data[hashed_from:]``."""
+        self.full.put((_RAW, data, hashed_from))
 
     def acquire(self) -> memoryview:
         """A free buffer to fill (blocks while both are in flight); raises the helper's error if any."""

@@ -157,17 +157,21 @@ def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = D
                 if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     raise
         hasher = xxhash.xxh3_128()
+        if layout.data_length:
+            views = block_buffers(adapter, block_size, buffers)
+            pipeline = _fileio.WriteBehind(fd, views, hasher, encode)
         unhashed = HEADER_SIZE  # the payload hash starts after the header
-        for piece in prefix:
-            hasher.update(memoryview(piece)[unhashed:])
+        for piece in prefix:  # the helper writes the prefix while this thread fills the first block
+            if pipeline is not None:
+                pipeline.submit_raw(piece, unhashed)
+            else:
+                hasher.update(memoryview(piece)[unhashed:])
+                _fileio.write_all(fd, piece)
             unhashed = max(0, unhashed - len(piece))
-            _fileio.write_all(fd, piece)
         done = layout.data_offset
         if progress:
             progress(Progress(Phase.COPY, done, total))
         if layout.data_length:
-            views = block_buffers(adapter, block_size, buffers)
-            pipeline = _fileio.WriteBehind(fd, views, hasher, encode)
             for _start, length, segments in _fileio.iter_blocks(layout.extents, layout.data_length, block_size):
                 buf = pipeline.acquire()
                 for layer, part, part_offset, seg_len, buf_offset in segments:

@@ -323,6 +323,7 @@ class EngineSession:
             engine_fields=json.dumps(fields, sort_keys=True, separators=(",", ":")).encode(),
         )
         self._save_starts = starts
+        _sync(runner.pool)  # queued device work lands before copy_out reads the pool (once per save)
         return Snapshot(running, layers)
 
     def _encode_checkpoint(self, cp: RingCheckpoint | None) -> tuple[Checkpoint, dict | None]:
@@ -339,7 +340,6 @@ class EngineSession:
     def copy_out(self, layer: int, part: Part, offset: int, dest: memoryview) -> None:
         if self.fault is FaultPoint.SAVE_DURING_COPY:
             raise InjectedFault("injected fault: save, during the copy")
-        _sync(self.runner.pool)
         out = np.frombuffer(dest, dtype=np.uint8)
         flat, segs = self._segments(layer, part, self._save_starts[layer], offset, len(dest))
         for lo, hi, d in segs:

@@ -42,18 +42,19 @@ def _restore_mode(value: Any) -> sf.RestoreMode:
     return sf.RestoreMode(value)
 
 
-# The engine's block size for SAVE / RESTORE (the library's default is 16 MiB). Smaller blocks fill and
-# drain the two-buffer pipelines sooner (the first block's copy and the last block's hash + write do not
-# overlap anything): measured on the CPU machine, median save 81 -> 70 ms (gemma3, 65 MB) and streaming
-# restore 83 -> 71 ms (smollm2, 182 MB) from 16 to 4 MiB; 1-2 MiB were no better. A device pool's
-# pinned buffers (16 MiB, made at start-up) serve any block size up to theirs.
-ENGINE_BLOCK_SIZE = 4 << 20
+# The engine's block size for SAVE / RESTORE of a host pool (the library's default is 16 MiB). Smaller
+# blocks fill and drain the two-buffer pipelines sooner (the first block's copy and the last block's hash +
+# write overlap nothing): measured on the CPU machine, median save 81 -> 70 ms (gemma3, 65 MB) and streaming
+# restore 83 -> 71 ms (smollm2, 182 MB) from 16 to 4 MiB; 1-2 MiB were no better. A device pool keeps the
+# library's default, its pinned buffers' size, with which its figures were measured on the H200 (each
+# block there costs device synchronisations; 4 MiB is unmeasured on the GPU).
+HOST_POOL_BLOCK_SIZE = 4 << 20
 
 
 @attrs.frozen
 class SessionOptions:
     restore_mode: sf.RestoreMode = attrs.field(default=sf.RestoreMode.AUTO, converter=_restore_mode)
-    block_size: int = ENGINE_BLOCK_SIZE
+    block_size: int | None = None  # None: HOST_POOL_BLOCK_SIZE, or the library's default for a device pool
     fault: FaultPoint | None = None
 
     @classmethod
@@ -86,10 +87,16 @@ class SessionVerbs:
         lazily zeroed; a restored conversation would otherwise pay the page faults of every byte it lands,
         which a process that never restarted paid during its prefill)."""
         self.identity(ctx.runner)
-        self.buffers.get(2, self.options.block_size)
+        self.buffers.get(2, self.block_size(ctx.runner))
         buffer = getattr(ctx.runner.pool, "buffer", None)
         if isinstance(buffer, np.ndarray) and ctx.runner.pool.n_tokens == 0:
             buffer.fill(0)  # the pool holds nothing yet: writing zeros changes no state
+
+    def block_size(self, runner: Any) -> int:
+        if self.options.block_size is not None:
+            return self.options.block_size
+        device_pool = getattr(runner.pool, "pinned_buffers", None) is not None
+        return sf.DEFAULT_BLOCK_SIZE if device_pool else HOST_POOL_BLOCK_SIZE
 
     def identity(self, runner: Any) -> sf.EngineIdentity:
         if self._identity_of is None or self._identity_of[0] is not runner:
@@ -123,7 +130,7 @@ class SessionVerbs:
     def save(self, ctx: ServeContext, path: str) -> Mapping[str, Any]:
         adapter = self.adapter(ctx)
         try:
-            report = sf.save(path, adapter, block_size=self.options.block_size, progress=self._progress(ctx))
+            report = sf.save(path, adapter, block_size=self.block_size(ctx.runner), progress=self._progress(ctx))
         except E.DirSyncFailed as exc:
             raise ProtocolError("session_write_failed", str(exc), reason=exc.reason,
                                 extra={"file_in_place": True}) from exc
@@ -135,7 +142,7 @@ class SessionVerbs:
     def restore(self, ctx: ServeContext, path: str) -> Mapping[str, Any]:
         adapter = self.adapter(ctx)
         try:
-            report = sf.restore(path, adapter, mode=self.options.restore_mode, block_size=self.options.block_size,
+            report = sf.restore(path, adapter, mode=self.options.restore_mode, block_size=self.block_size(ctx.runner),
                                 progress=self._progress(ctx))
         except E.FailStop as exc:
             raise FailStop(str(exc), reason=exc.cause_reason) from exc
