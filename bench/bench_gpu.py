@@ -5,7 +5,8 @@ with the same (dequantized GGUF) weights in the same dtype, measured in one run.
         [--long 32768] [--dtype f16] [--decode 64]
 
 Per model and prompt length L: the engine's prefill of L deterministic token ids (chunks of
---chunk tokens) and 64 greedy decode steps after it; transformers (LlamaForCausalLM /
+--chunk tokens, by default the engine's) and 64 greedy decode steps after it (replayed CUDA graphs
+unless the engine falls back to op by op; the line says which); transformers (LlamaForCausalLM /
 Gemma3ForCausalLM built from the GGUF metadata, sdpa attention, logits of the last token only) the same.
 Both synchronise the device before reading the clock; a 256-token run of each is a warm-up (kernel
 compilation, cuBLAS handles), and each length is run --repeat times (best reported). The first greedy token of both is printed as a sanity check (the same
@@ -45,7 +46,11 @@ def time_engine(runner, tokens: list[int], n_decode: int) -> dict:
     for _ in range(n_decode):
         tok = int(np.argmax(runner.decode(tok)))
     t_decode = time.perf_counter() - t0
-    return {"prefill_s": t_prefill, "decode_s": t_decode, "first_token": first}
+    graph = runner.decode_graph
+    return {
+        "prefill_s": t_prefill, "decode_s": t_decode, "first_token": first,
+        "decode_graph": graph is not None and graph.launches > 0,
+    }  # fmt: skip
 
 
 # ---- transformers with the GGUF's weights ------------------------------------------------------------
@@ -173,7 +178,9 @@ def main() -> int:
     ap.add_argument("--long", default="", help="extra lengths for gemma3 only, e.g. 32768")
     ap.add_argument("--dtype", default="f16")
     ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument(
+        "--chunk", type=int, default=None, help="prefill chunk (default: the engine's, 4096 on cupy)"
+    )
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--repeat", type=int, default=2, help="runs per length; the best is reported")
     ap.add_argument("--json", default=None)
@@ -206,7 +213,8 @@ def main() -> int:
             row = {"model": name, "dtype": args.dtype, "n_prompt": n, "engine": e, "hf": h}
             rows.append(row)
             pf, dc = n / e["prefill_s"], args.decode / e["decode_s"]
-            line = f"{name:8s} {args.dtype} L={n:6d}  engine prefill {pf:9.0f} tok/s  decode {dc:7.1f} tok/s"
+            graphs = "graph" if e["decode_graph"] else "eager"
+            line = f"{name:8s} {args.dtype} L={n:6d}  engine prefill {pf:9.0f} tok/s  decode {dc:7.1f} tok/s ({graphs})"
             if h:
                 hpf, hdc = n / h["prefill_s"], args.decode / h["decode_s"]
                 line += (f" | transformers prefill {hpf:9.0f} tok/s  decode {hdc:7.1f} tok/s"

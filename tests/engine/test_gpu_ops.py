@@ -332,3 +332,29 @@ def test_embed_and_logits(cp):
     logits = ops.logits(ops.asarray(got[-1:]), ops.weight(table))
     assert isinstance(logits, np.ndarray) and logits.dtype == np.float32 and logits.shape == (1, 1000)
     assert rel_err(logits, got[-1:] @ table.T) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("ring", "pos0", "n_tok"), [(0, 37, 5), (1024, 1020, 9), (1024, 5000, 1)])
+@pytest.mark.parametrize("from_device", [False, True])
+def test_store_kv_matches_numpy(cp, dtype, ring, pos0, n_tok, from_device):
+    """K/V rows into pool slots (ring slots by position % capacity), the position given as an argument
+    or read from device memory (a captured step); V arrives as a strided column view, as the models
+    pass it. Stored values are rounded once to the pool's f16."""
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(pos0)
+    slots, n_kv, d = ring or 6000, 3, 64
+    k = ops.asarray(rng.standard_normal((n_tok, n_kv, d)).astype(np.float32), ops.dtype)
+    kv_cols = ops.asarray(rng.standard_normal((n_tok, 3 * n_kv * d)).astype(np.float32), ops.dtype)
+    v = kv_cols[:, n_kv * d : 2 * n_kv * d].reshape(n_tok, n_kv, d)
+    k_pool = cp.full((slots, n_kv, d), np.nan, dtype=cp.float16)
+    v_pool = cp.full((slots, n_kv, d), np.nan, dtype=cp.float16)
+    dyn = cp.asarray([pos0], dtype=cp.int32) if from_device else None
+    ops.store_kv(k, v, k_pool, v_pool, -1 if from_device else pos0, ring_capacity=ring, dyn=dyn)
+    want_k = np.full((slots, n_kv, d), np.nan, dtype=np.float16)
+    want_v = want_k.copy()
+    host = [ops.to_host(cp.ascontiguousarray(a)).astype(np.float32) for a in (k, v)]
+    ref.store_kv(host[0], host[1], want_k, want_v, pos0, ring_capacity=ring)
+    np.testing.assert_array_equal(ops.to_host(k_pool), want_k)  # NaN where nothing was written, on both
+    np.testing.assert_array_equal(ops.to_host(v_pool), want_v)

@@ -27,16 +27,46 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True, type=Path, help="the GGUF model file")
-    parser.add_argument("--ctx-size", "-c", type=int, default=None,
-                        help="context size in tokens (default: the model's, at most 8192)")
+    parser.add_argument(
+        "--ctx-size",
+        "-c",
+        type=int,
+        default=None,
+        help="context size in tokens (default: the model's, at most 8192)",
+    )
     parser.add_argument("--kv-type", choices=KV_TYPES, default="f16", help="K/V storage type (default f16)")
-    parser.add_argument("--kv-resident", type=int, default=None,
-                        help="keep the K/V in a host pool with an N-token resident ring in front of it")
-    parser.add_argument("--no-prompt-cache", action="store_true",
-                        help="do not reuse the held conversation's prefix on the next request")
-    parser.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill batch (default 512)")
-    parser.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="f32", help="activations (default f32)")
-    parser.add_argument("--backend", choices=BACKENDS, default="numpy", help="compute backend (default numpy)")
+    parser.add_argument(
+        "--kv-resident",
+        type=int,
+        default=None,
+        help="keep the K/V in a host pool with an N-token resident ring in front of it",
+    )
+    parser.add_argument(
+        "--no-prompt-cache",
+        action="store_true",
+        help="do not reuse the held conversation's prefix on the next request",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="tokens per prefill batch (default 512 on numpy, 4096 on cupy)",
+    )
+    parser.add_argument(
+        "--compute-dtype",
+        choices=COMPUTE_DTYPES,
+        default=None,
+        help="activations (default f32 on numpy, bf16 on cupy)",
+    )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run every decode step op by op instead of replaying a captured CUDA graph (cupy)",
+    )
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default="numpy", help="compute backend (default numpy)"
+    )
     parser.add_argument("--log-level", default="WARNING", help="log level on stderr (default WARNING)")
 
 
@@ -44,22 +74,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="strata-engine", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     serve_parser = commands.add_parser(
-        "serve", help="serve spec/engine-protocol.md on stdin/stdout",
+        "serve",
+        help="serve spec/engine-protocol.md on stdin/stdout",
         description="Load a model and serve the engine protocol: one command per line on stdin, JSON lines "
         "on stdout. Exit statuses: 0 clean, 1 fatal, 2 bad settings, 3 model not loadable, 4 fail-stop.",
     )
     _add_settings(serve_parser)
     serve_parser.add_argument(
-        "--restore-mode", choices=("auto", "staged", "streaming"), default="auto",
+        "--restore-mode",
+        choices=("auto", "staged", "streaming"),
+        default="auto",
         help="RESTORE: staged (one read into a staging area, then a switch), streaming (two passes, bounded "
         "RAM) or auto (staged when RAM allows; default)",
     )
     generate = commands.add_parser("generate", help="complete a prompt and stream the text to stdout")
     _add_settings(generate)
-    generate.add_argument("--prompt", "-p", required=True, help="the prompt (or the user message with --chat)")
+    generate.add_argument(
+        "--prompt", "-p", required=True, help="the prompt (or the user message with --chat)"
+    )
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.add_argument("--system", default=None, help="a system message (with --chat)")
-    generate.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until a stop)")
+    generate.add_argument(
+        "-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until a stop)"
+    )
     generate.add_argument("--temperature", type=float, default=0.8)
     generate.add_argument("--top-k", type=int, default=40)
     generate.add_argument("--top-p", type=float, default=0.95)
@@ -81,6 +118,7 @@ def _settings(args: argparse.Namespace) -> EngineSettings:
         kv_resident=args.kv_resident,
         prompt_cache=not args.no_prompt_cache,
         prefill_chunk=args.prefill_chunk,
+        cuda_graphs=args.cuda_graphs,
         backend=args.backend,
     )
 
@@ -158,8 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(json.dumps({"event": "fatal", "message": str(exc)}) + "\n")
             sys.stdout.flush()
         return ExitStatus.USAGE
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if args.command == "serve":
         from .session import SessionOptions
 

@@ -13,6 +13,7 @@ When the whole prompt is already held the last token is evaluated again for its 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -21,6 +22,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import ContextOverflow, EngineError, InvalidToken, KVStateError, SettingsError
 from .gguf import GGUFFile, read_gguf
+from .graph import DecodeGraph, GraphCaptureFailed, make_decode_graph
 from .kv import (
     KVGeometry,
     KVPool,
@@ -32,7 +34,7 @@ from .kv import (
 )
 from .kv.device import make_placement_for, make_pool
 from .models import Model, build_model
-from .ops import get_ops, resolve_backend
+from .ops import get_ops
 from .settings import DEFAULT_N_CTX_CAP, EngineSettings
 
 
@@ -92,7 +94,7 @@ class ModelRunner:
         pool: KVPool,
         placement: PoolPlacement,
     ):
-        self.settings = settings
+        self.settings = settings.with_backend_defaults()  # what runs is what the settings (and files) say
         self.gguf = gguf_file
         self.config = config
         self.model = model
@@ -102,12 +104,13 @@ class ModelRunner:
         self.n_ctx = pool.geometry.n_ctx
         self._tokens: list[int] = []
         self._checkpoints: list[RingCheckpoint] = []
+        self.decode_graph: DecodeGraph | None = None  # `_assemble` adds one where the step can be captured
 
     @classmethod
     def load(cls, settings: EngineSettings) -> ModelRunner:
-        settings.validate()
-        # "auto" is resolved here, so the settings held (and the config fingerprint) name the backend.
-        settings = attrs.evolve(settings, backend=resolve_backend(settings.backend))
+        # "auto" and the backend's defaults are resolved here, so the settings held (and the config
+        # fingerprint) name the backend, compute dtype and chunk actually running.
+        settings = settings.validate().with_backend_defaults()
         gguf_file = read_gguf(settings.model_path)
         config = ModelConfig.from_gguf(gguf_file)
         ops = get_ops(settings.backend, settings.compute_dtype)
@@ -132,7 +135,9 @@ class ModelRunner:
         geometry = KVGeometry.from_config(config, n_ctx, KVType(settings.kv_type))
         pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
         placement = make_placement_for(pool, settings.kv_resident)
-        return cls(settings, gguf_file, config, model, pool, placement)
+        runner = cls(settings, gguf_file, config, model, pool, placement)
+        runner.decode_graph = make_decode_graph(model, placement, settings.cuda_graphs)
+        return runner
 
     # ---- state ---------------------------------------------------------------------------------
     @property
@@ -246,7 +251,16 @@ class ModelRunner:
         pos0 = len(self._tokens)
         self.pool.begin_append(pos0, len(tokens))
         try:
-            logits = self.model.forward(np.asarray(tokens, dtype=np.int64), pos0, self.placement, want_logits)
+            logits = None
+            if self.decode_graph is not None and len(tokens) == 1 and want_logits:
+                try:
+                    logits = self.decode_graph.step(tokens[0], pos0)
+                except GraphCaptureFailed as e:  # the step is redone op by op (it is idempotent)
+                    print(f"strata-engine: {e}; decoding op by op", file=sys.stderr, flush=True)
+                    self.decode_graph = None
+            if logits is None:
+                ids = np.asarray(tokens, dtype=np.int64)
+                logits = self.model.forward(ids, pos0, self.placement, want_logits)
         except BaseException:
             # Keep a consistent state: the deepest valid resume point at or below what was held.
             self.pool.abort_append()

@@ -18,6 +18,21 @@ DEFAULT_N_CTX_CAP = 8192
 
 
 @attrs.frozen
+class BackendDefaults:
+    compute_dtype: str
+    prefill_chunk: int
+
+
+# What a backend runs with unless told otherwise. The GPU computes in bf16 (f16's range is too narrow
+# for gemma3's residual stream) and prefills in larger chunks: its cost per chunk is mostly the
+# ~12 kernel launches per layer issued from Python, not the arithmetic.
+BACKEND_DEFAULTS = {
+    "numpy": BackendDefaults(compute_dtype="f32", prefill_chunk=512),
+    "cupy": BackendDefaults(compute_dtype="bf16", prefill_chunk=4096),
+}
+
+
+@attrs.frozen
 class EngineSettings:
     """What the engine runs with.
 
@@ -26,12 +41,14 @@ class EngineSettings:
         context, 8192).
     kv_type: storage type of the K/V pool: "f32", "f16" (default) or "int8" (float32 scales per token,
         per head, per 32-value block of the head dimension).
-    compute_dtype: activations and dequantized weights: "f32" (default), "f64" (a numerics check; numpy),
-        "f16" or "bf16" (cupy; bf16 where this CuPy has the dtype).
+    compute_dtype: activations and dequantized weights: "f32", "f64" (a numerics check; numpy), "f16"
+        or "bf16" (cupy; bf16 where this CuPy has the dtype); None = the backend's default (`BACKEND_DEFAULTS`).
     kv_resident: None = the pool is read directly (pool placement); N = the pool is a host pool and
         an N-token resident ring per layer sits in front of it (reads of recent tokens hit the ring).
     prompt_cache: reuse the longest valid common prefix of the held conversation on the next prefill.
-    prefill_chunk: tokens evaluated per batched forward pass during prefill.
+    prefill_chunk: tokens evaluated per batched forward pass during prefill; None = the backend's default.
+    cuda_graphs: replay decode steps as captured CUDA graphs where the backend can (cupy, device pool,
+        float K/V, f16/bf16 compute); False runs every step op by op (a check on the graphs).
     max_checkpoints: sliding-window ring checkpoints kept (the most recent, i.e. deepest, ones).
     backend: "numpy", "cupy", or "auto" (cupy where a CUDA device is usable; `ModelRunner.load`
         resolves it, so `runner.settings.backend` names the backend actually running).
@@ -40,12 +57,26 @@ class EngineSettings:
     model_path: Path = attrs.field(converter=Path)
     n_ctx: int | None = None
     kv_type: str = "f16"
-    compute_dtype: str = "f32"
+    compute_dtype: str | None = None
     kv_resident: int | None = None
     prompt_cache: bool = True
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None
     max_checkpoints: int = 8
     backend: str = "numpy"
+    cuda_graphs: bool = True
+
+    def with_backend_defaults(self) -> EngineSettings:
+        """The settings with "auto" resolved and every None default filled in for that backend."""
+        from .ops import resolve_backend  # imports cupy only to look for a device
+
+        backend = resolve_backend(self.backend)
+        defaults = BACKEND_DEFAULTS[backend]
+        return attrs.evolve(
+            self,
+            backend=backend,
+            compute_dtype=self.compute_dtype or defaults.compute_dtype,
+            prefill_chunk=self.prefill_chunk or defaults.prefill_chunk,
+        )
 
     def problems(self) -> list[str]:
         out: list[str] = []
@@ -53,14 +84,16 @@ class EngineSettings:
             out.append(f"n_ctx must be a positive integer or None, got {self.n_ctx!r}")
         if self.kv_type not in KV_TYPES:
             out.append(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
+        if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
             out.append(
                 f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute_dtype!r}"
             )
         if self.kv_resident is not None and (not isinstance(self.kv_resident, int) or self.kv_resident < 1):
             out.append(f"kv_resident must be a positive integer or None, got {self.kv_resident!r}")
-        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
-            out.append(f"prefill_chunk must be a positive integer, got {self.prefill_chunk!r}")
+        if self.prefill_chunk is not None and (
+            not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1
+        ):
+            out.append(f"prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
         if not isinstance(self.max_checkpoints, int) or self.max_checkpoints < 0:
             out.append(f"max_checkpoints must be a non-negative integer, got {self.max_checkpoints!r}")
         if self.backend not in BACKENDS:

@@ -25,7 +25,7 @@ import numpy as np
 from ..ops import NumpyOps
 from .layout import KVGeometry
 from .placement import PoolPlacement, ResidentRingPlacement
-from .pool import KVParts, KVPool, LayerKV, ring_spans
+from .pool import KVParts, KVPool, LayerKV
 
 CUDA_HOST_ALLOC_MAPPED = 2  # cudaHostAllocMapped
 
@@ -195,9 +195,7 @@ class DevicePoolPlacement(PoolPlacement):
         if not g.is_ring or self.pool.geometry.kv_type.has_scales or n_new > g.capacity - g.window + 1:
             return super().attend(layer, pos0, q, k_new, v_new, q_pos0=q_pos0, window=window, scale=scale)
         views = self.pool.layer(layer)
-        for a, b, off in ring_spans(pos0, pos0 + n_new, g.capacity):
-            views.k[a:b] = k_new[off : off + b - a]  # the cast to the storage type rounds as encode does
-            views.v[a:b] = v_new[off : off + b - a]
+        self.ops.store_kv(k_new, v_new, views.k, views.v, pos0, ring_capacity=g.capacity)  # rounds as encode
         if q is None:
             return None
         return self.ops.attention(
@@ -217,8 +215,7 @@ class DevicePoolPlacement(PoolPlacement):
             return super().attend_kv(layer, pos0, k_new, v_new)
         end = pos0 + k_new.shape[0]
         views = self.pool.layer(layer)
-        views.k[pos0:end] = k_new  # the cast to the storage type rounds to nearest, as encode does
-        views.v[pos0:end] = v_new
+        self.ops.store_kv(k_new, v_new, views.k, views.v, pos0)  # rounds to nearest, as encode does
         lo = self.context_start(layer, pos0)
         return views.k[lo:end], views.v[lo:end], lo
 

@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..config import ModelConfig
 from ..errors import MissingTensor
 from ..gguf import GGUFFile, dequantize_tensor
 from ..ops import NumpyOps
@@ -27,6 +28,17 @@ class KVAccess(Protocol):
         window: int | None,
         scale: float,
     ) -> Any | None: ...
+
+
+RopeTables = dict[float, tuple[Any, Any]]  # RoPE base -> (cos, sin) [T, rope_dim / 2]
+
+
+def rope_tables(ops: NumpyOps, config: ModelConfig, pos0: int, n: int) -> RopeTables:
+    """The cos / sin tables of positions pos0 .. pos0 + n - 1 for every RoPE base the layers use."""
+    return {
+        base: ops.rope_tables(pos0, n, base, config.rope_dim)
+        for base in {lc.rope_base for lc in config.layers}
+    }
 
 
 class WeightLoader:

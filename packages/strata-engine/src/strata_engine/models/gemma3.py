@@ -28,7 +28,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..gguf import GGUFFile
 from ..ops import NumpyOps
-from .common import KVAccess, WeightLoader
+from .common import KVAccess, RopeTables, WeightLoader, rope_tables
 
 
 @attrs.frozen(eq=False)
@@ -77,11 +77,17 @@ class Gemma3Model:
 
     def forward(self, tokens: np.ndarray, pos0: int, kv: KVAccess, want_logits: bool) -> np.ndarray | None:
         """Evaluate tokens at positions pos0..; store their K/V; logits [V] of the last one if asked."""
+        tables = rope_tables(self.ops, self.config, pos0, len(tokens))
+        h = self.hidden(tokens, pos0, tables, kv, want_logits)
+        return None if h is None else self.ops.logits(h, self.output)[0]
+
+    def hidden(
+        self, tokens: Any, pos0: int, tables: RopeTables, kv: KVAccess, want_logits: bool
+    ) -> Any | None:
+        """The forward pass up to the output norm: h [1, E] of the last token (None without logits).
+        tokens: ids [T] on the host or the device; tables: cos, sin [T, rope_dim/2] per RoPE base."""
         c, ops = self.config, self.ops
         T = len(tokens)
-        tables = {
-            base: ops.rope_tables(pos0, T, base, c.rope_dim) for base in {lc.rope_base for lc in c.layers}
-        }
         x = ops.embed(self.tok_embd, tokens, scale=c.embed_scale)  # [T, E]
         h = ops.rms_norm(x, self.layers[0].attn_norm, c.rms_eps)
         for il, layer in enumerate(self.layers):
@@ -105,4 +111,4 @@ class Gemma3Model:
             m = ops.gated_mlp(h, layer.w_gate_up, layer.w_down, c.activation)
             next_norm = self.layers[il + 1].attn_norm if il + 1 < c.n_layer else self.output_norm
             x, h = ops.add_rms_norm(x, m, layer.post_ffn_norm, next_norm, c.rms_eps)
-        return ops.logits(h[-1:], self.output)[0]  # h: the last row, output-normed
+        return h  # the last row, output-normed

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..config import Activation, RopeStyle
 from ..errors import SettingsError
-from .numpy_ops import _GELU_C, NumpyOps
+from .numpy_ops import _GELU_C, NumpyOps, rope_angles
 
 _LOG2E = 1.4426950408889634  # the flash kernel keeps scores in base 2 (exp2)
 _NULL = np.uint64(0)  # a null pointer argument for the raw kernels
@@ -229,7 +229,14 @@ class _RawKernels:
         self.cp = cp
         self.source = (files(__package__) / "kernels.cu").read_text()
         self._cache: dict[str, Any] = {}
+        self._smem_opt_in: dict[int, int] = {}
         self.n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+
+    def allow_shared_memory(self, kernel: Any, nbytes: int) -> None:
+        """Opt a kernel in to more than 48 KiB of dynamic shared memory (once per kernel and size)."""
+        if nbytes > 48 << 10 and self._smem_opt_in.get(id(kernel), 0) < nbytes:
+            kernel.max_dynamic_shared_size_bytes = nbytes
+            self._smem_opt_in[id(kernel)] = nbytes
 
     def get(self, name: str, *template_args: object) -> Any:
         expr = f"{name}<{', '.join(str(a) for a in template_args)}>"
@@ -354,8 +361,7 @@ class CupyOps(NumpyOps):
     # ---- rotary position embedding -------------------------------------------------------------
     def rope_tables(self, pos0: int, n: int, base: float, rope_dim: int) -> tuple[Any, Any]:
         """float32 device tables whatever the compute dtype (the kernel rotates in float32)."""
-        inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
-        angles = np.arange(pos0, pos0 + n, dtype=np.float64)[:, None] * inv_freq[None, :]
+        angles = rope_angles(pos0, n, base, rope_dim)
         return self.asarray(np.cos(angles), np.float32), self.asarray(np.sin(angles), np.float32)
 
     def rope(self, x: Any, cos: Any, sin: Any, style: RopeStyle) -> Any:
@@ -408,6 +414,25 @@ class CupyOps(NumpyOps):
         both = self.xp.concatenate([q, k], axis=1)
         return both[:, : q.shape[1]], both[:, q.shape[1] :]
 
+    # ---- K/V store -----------------------------------------------------------------------------
+    def store_kv(
+        self, k: Any, v: Any, k_pool: Any, v_pool: Any, pos0: int, ring_capacity: int = 0, dyn: Any = None
+    ) -> None:
+        n_tok = k.shape[0]
+        assert not ring_capacity or n_tok <= ring_capacity, "two positions of one store would share a slot"
+        row = k_pool.shape[1] * k_pool.shape[2]
+        k2, v2 = (a.reshape(n_tok, row) for a in (k, v))  # views: rows of Hkv*D values, any row stride
+        for a in (k2, v2):
+            assert a.strides[1] == a.itemsize, "K/V rows must be contiguous within a token"
+        kernel = self.raw.get("strata_store_kv", c_type(k.dtype), c_type(k_pool.dtype))
+        total = n_tok * row
+        args = (
+            k2, v2, k_pool, v_pool, np.int32(n_tok), np.int32(row), np.int32(k2.strides[0] // k2.itemsize),
+            np.int32(v2.strides[0] // v2.itemsize), np.int32(pos0), np.int32(ring_capacity),
+            _NULL if dyn is None else dyn,
+        )  # fmt: skip
+        kernel((-(-total // 256),), (256,), args)
+
     # ---- attention -----------------------------------------------------------------------------
     def attention(
         self,
@@ -456,18 +481,25 @@ class CupyOps(NumpyOps):
         scale: float,
         ring_capacity: int = 0,
         tiles: tuple[int, int] | None = None,
+        dyn: Any = None,
     ) -> Any:
         """`attention` on the tensor cores (strata_flash_attn; f16 operands, f32 accumulation), with a
         split over the keys merged by strata_attn_combine when the query rows alone cannot fill the
         device. Same arguments and result; k, v may be f16, bf16 or f32 whatever the compute dtype.
-        `tiles` (warps, keys per tile) overrides `flash_tiles` (for benchmarks comparing shapes)."""
+        `tiles` (warps, keys per tile) overrides `flash_tiles` (for benchmarks comparing shapes).
+        `dyn` (a device int32 [1] holding the first query's position) makes the call position-free for
+        a CUDA graph: the kernel reads q_pos0 there, and attends from slot 0 of a full layer's pool `k`
+        (or the window's start in a ring); splits are sized for the most keys the step could see."""
         cp = self.xp
         n_q, n_head, d = q.shape
         n_kv = k.shape[1]
         # The kernel moves 16-byte vectors: contiguous rows starting on a 16-byte boundary.
         q, k, v = (a if a.flags.c_contiguous and a.data.ptr % 16 == 0 else a.copy() for a in (q, k, v))
         v = v.astype(k.dtype, copy=False)
-        n_keys = q_pos0 + n_q - k_pos0 if ring_capacity else k.shape[0]
+        if dyn is not None:
+            n_keys = min(ring_capacity, (window or ring_capacity) + n_q - 1) if ring_capacity else k.shape[0]
+        else:
+            n_keys = q_pos0 + n_q - k_pos0 if ring_capacity else k.shape[0]
         rows = (n_head // n_kv) * n_q
         warps, key_tile = tiles or flash_tiles(d, rows)
         block_rows = 16 * warps
@@ -483,12 +515,11 @@ class CupyOps(NumpyOps):
             "strata_flash_attn", c_type(q.dtype), c_type(k.dtype), c_type(out.dtype), d, warps, key_tile
         )
         smem = (block_rows + 4 * key_tile) * (d + 8) * 2  # Q tile, two K and two V tiles, f16
-        if smem > 48 << 10:
-            kernel.max_dynamic_shared_size_bytes = smem
+        self.raw.allow_shared_memory(kernel, smem)
         args = (
             q, k, v, out, part_o, part_ml, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(q_pos0),
             np.int32(k_pos0), np.int32(n_keys), np.int32(ring_capacity), np.int32(window or 0),
-            np.float32(scale * _LOG2E), np.int32(splits), np.int32(rows_pad),
+            np.float32(scale * _LOG2E), np.int32(splits), np.int32(rows_pad), _NULL if dyn is None else dyn,
         )  # fmt: skip
         kernel((row_tiles, n_kv, splits), (32 * warps,), args, shared_mem=smem)
         if splits > 1:

@@ -8,6 +8,7 @@
 //   or a ring addressed by position % capacity), in f16, bf16 or f32, converted to f16 on the way in.
 //   With several key splits (decode, short chunks) each split writes an unnormalised partial result
 //   and strata_attn_combine merges them.
+// * strata_store_kv: the chunk's K/V into the pool's slots (ring slots by position % capacity).
 // * strata_rms_norm / strata_add_rms_norm: one warp per row; the fused form adds the residual (after
 //   an optional norm of the branch, gemma3's post-norms) and normalises the sum for the next block.
 // * strata_qk_norm_rope: one warp per (token, head): optional per-head RMS norm, then RoPE (neox or
@@ -132,6 +133,23 @@ __global__ void strata_qk_norm_rope(const T* __restrict__ q_src, const T* __rest
 #undef STRATA_VAL
 }
 
+// ---- K/V store -------------------------------------------------------------------------------------
+// New K and V rows ([n_tok, row] of the compute type, rows k_stride / v_stride values apart) into the
+// pool ([slots, row] of the storage type, rounded once): position p = pos0 + t goes to slot p, or
+// p % ring_cap in a ring. pos0 is read from dyn[0] when dyn is given (a captured decode step).
+template <typename T, typename S>
+__global__ void strata_store_kv(const T* __restrict__ k, const T* __restrict__ v, S* __restrict__ k_pool,
+                                S* __restrict__ v_pool, int n_tok, int row, int k_stride, int v_stride, int pos0,
+                                int ring_cap, const int* __restrict__ dyn) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_tok * row) return;
+    const int t = (int)(i / row), c = (int)(i % row);
+    const int p = (dyn != nullptr ? dyn[0] : pos0) + t;
+    const size_t slot = ring_cap > 0 ? (size_t)(p % ring_cap) : (size_t)p;
+    k_pool[slot * row + c] = from_f32<S>(to_f32(k[(size_t)t * k_stride + c]));
+    v_pool[slot * row + c] = from_f32<S>(to_f32(v[(size_t)t * v_stride + c]));
+}
+
 // ---- flash attention -----------------------------------------------------------------------------
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
@@ -238,13 +256,20 @@ __device__ __forceinline__ void stage_kv_tile(const KT* __restrict__ k, const KT
 // k_pos0 + j, stored in slot j (ring_cap == 0) or slot (k_pos0 + j) % ring_cap. A query at position p
 // sees keys at kp <= p with p - kp < window (window 0: unlimited). out [T, H, D] when n_splits == 1;
 // else part_o [n_splits, Hkv, rows_pad, D] (unnormalised) and part_ml [n_splits, Hkv, rows_pad, 2].
-// `scale_log2` is the softmax scale times log2(e): scores are kept in base 2.
+// `scale_log2` is the softmax scale times log2(e): scores are kept in base 2. With `dyn` (a step
+// captured in a CUDA graph) q_pos0 = dyn[0], and the keys are every position up to the last query's:
+// from slot 0 of a full layer's pool, or from the window's start in a ring.
 template <typename QT, typename KT, typename OT, int D, int NW, int BC>
 __global__ void __launch_bounds__(NW * 32)
 strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
                   OT* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
                   int n_q, int H, int Hkv, int q_pos0, int k_pos0, int n_keys, int ring_cap, int window,
-                  float scale_log2, int n_splits, int rows_pad) {
+                  float scale_log2, int n_splits, int rows_pad, const int* __restrict__ dyn) {
+    if (dyn != nullptr) {  // a captured step: the position is read at replay time
+        q_pos0 = dyn[0];
+        k_pos0 = ring_cap > 0 && window > 0 ? max(0, q_pos0 - window + 1) : 0;
+        n_keys = q_pos0 + n_q - k_pos0;
+    }
     constexpr int BR = 16 * NW;
     constexpr int LD = D + 8;  // row pitch in halves: 16-byte aligned rows, staggered banks
     constexpr int NT_S = BC / 8;  // score n-tiles per warp

@@ -22,6 +22,12 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 INT8_MAX = 127.0
 
 
+def rope_angles(pos0: int, n: int, base: float, rope_dim: int) -> np.ndarray:
+    """float64 angles [n, rope_dim/2]: position * base^(-2i/rope_dim) for positions pos0 .. pos0+n-1."""
+    inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+    return np.arange(pos0, pos0 + n, dtype=np.float64)[:, None] * inv_freq[None, :]
+
+
 class NumpyOps:
     """Operations on `xp` arrays in `dtype` (the compute dtype: float32 by default)."""
 
@@ -100,8 +106,7 @@ class NumpyOps:
         """cos, sin [n, rope_dim/2] for positions pos0 .. pos0+n-1: theta_i = pos * base^(-2i/rope_dim).
 
         Angles are formed in float64 (exact for any position below 2^53) and rounded once."""
-        inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
-        angles = np.arange(pos0, pos0 + n, dtype=np.float64)[:, None] * inv_freq[None, :]
+        angles = rope_angles(pos0, n, base, rope_dim)
         return self.asarray(np.cos(angles), self.dtype), self.asarray(np.sin(angles), self.dtype)
 
     def rope(self, x: Any, cos: Any, sin: Any, style: RopeStyle) -> Any:
@@ -144,6 +149,16 @@ class NumpyOps:
             q = self.rms_norm(q, q_norm, eps)
             k = self.rms_norm(k, k_norm, eps)
         return self.rope(q, cos, sin, style), self.rope(k, cos, sin, style)
+
+    # ---- K/V store -----------------------------------------------------------------------------
+    def store_kv(self, k: Any, v: Any, k_pool: Any, v_pool: Any, pos0: int, ring_capacity: int = 0) -> None:
+        """Write k, v [T, Hkv, D] into pool slots (storage dtype): position pos0 + t to slot pos0 + t,
+        or (pos0 + t) % ring_capacity in a ring of that many slots."""
+        slots = self.xp.arange(pos0, pos0 + k.shape[0])
+        if ring_capacity:
+            slots %= ring_capacity
+        k_pool[slots] = k
+        v_pool[slots] = v
 
     # ---- attention -----------------------------------------------------------------------------
     def attention(
