@@ -11,7 +11,10 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# The wheels travel once per warm machine (a later call may carry a model piece in their place).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+elif [ ! -d /tmp/site ]; then echo "no wheels carried and none installed"; exit 1; fi
 export PYTHONPATH=/tmp/site:$PWD/packages/strata-sessionfile/src:$PWD/packages/strata-engine/src
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export STRATA_REFERENCE_DIR=$PWD/.gpu-carry/meta/reference
