@@ -38,7 +38,7 @@ from . import errors as E
 from .adapter import LandingTarget, SessionTarget, StagingTarget
 from .codec import METADATA_OFFSET, compute_layout, decode_header, decode_metadata, decode_trailer
 from .compression import CODECS, COMPRESSION_HEADER_SIZE, decode_compressed_section
-from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags
+from .format import DATA_ALIGNMENT, DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags, align_up
 from .identity import config_differences, model_differences
 from .records import (
     EngineIdentity,
@@ -67,7 +67,7 @@ class _Opened:
     header: Header
     metadata: SessionMetadata
     layout: Layout
-    prefix: bytes  # payload bytes [64, data_offset): metadata length, metadata, padding
+    prefix: bytes | bytearray  # payload bytes [64, data_offset): metadata length, metadata, padding
     trailer_digest: bytes
     bytes_read: int
     section_head: bytes = b""  # a compressed data section's 16-byte compression header
@@ -152,7 +152,14 @@ def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: 
     if _U32_SIZE + mlen > header.payload_length:
         raise E.MetadataInvalid(f"metadata of {mlen} bytes runs past the payload of {header.payload_length}",
                                 path=path, offset=METADATA_OFFSET, field="metadata.length")
-    body = _fileio.pread_bytes(fd, mlen, METADATA_OFFSET + _U32_SIZE, path)
+    # The whole prefix [64, data_offset) in one buffer, filled in place in the order the checks need it
+    # (the metadata now, the padding after the layout was validated): no copy of a MiB-sized metadata.
+    # The padding's length follows from the metadata length alone (data_offset is aligned).
+    pad_start = METADATA_OFFSET + _U32_SIZE + mlen
+    prefix = bytearray(align_up(pad_start, DATA_ALIGNMENT) - METADATA_OFFSET)
+    prefix[:_U32_SIZE] = raw_len
+    body = memoryview(prefix)[_U32_SIZE:_U32_SIZE + mlen]
+    _fileio.read_exact(fd, body, METADATA_OFFSET + _U32_SIZE, path)
     if identity is not None:
         _binding_check(header, body, identity, path)
     metadata = decode_metadata(body, header=header, path=path)
@@ -181,16 +188,16 @@ def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: 
         raise E.MetadataInvalid(f"the geometry implies a payload of {layout.trailer_offset - HEADER_SIZE} bytes; "
                                 f"the header says {header.payload_length}", path=path, offset=48,
                                 field="payload_length")
-    pad_start = METADATA_OFFSET + _U32_SIZE + mlen
-    padding = _fileio.pread_bytes(fd, layout.data_offset - pad_start, pad_start, path)
-    if padding.count(0) != len(padding):
+    assert layout.data_offset - METADATA_OFFSET == len(prefix)
+    padding = memoryview(prefix)[pad_start - METADATA_OFFSET:]
+    _fileio.read_exact(fd, padding, pad_start, path)
+    if any(padding):
         raise E.MetadataInvalid("padding before the data section is not all zero", path=path, offset=pad_start,
                                 field="padding")
     trailer_digest = decode_trailer(_fileio.pread_bytes(fd, TRAILER_SIZE, layout.trailer_offset, path),
                                     layout.trailer_offset, path=path)
     if limits is not None:
         check_limits(metadata, limits, path)
-    prefix = raw_len + body + padding
     return _Opened(fd, path, stamp, header, metadata, layout, prefix, trailer_digest,
                    HEADER_SIZE + len(prefix) + TRAILER_SIZE + len(section_head) + len(table), section_head, table)
 
