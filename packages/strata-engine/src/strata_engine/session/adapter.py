@@ -24,7 +24,10 @@ What a file holds for this engine
 
 Byte movement never materializes the K/V: `copy_out` / `copy_in` memcpy between the pool's slot arrays
 and the library's block buffers. A ring's logical byte offset o maps to slot byte
-``(start_slot * row_bytes + o) mod (capacity * row_bytes)``: at most two contiguous copies.
+``(start_slot * row_bytes + o) mod (capacity * row_bytes)``: at most two contiguous copies. Where the
+destination is host memory (a host pool or the host side of a device-mapped pool in streaming mode, the
+host staging area in staged mode) a restore lands instead (`can_land` / `landing_views`): the library
+reads the file straight into those slots and hashes them there, one copy fewer per byte.
 
 Restore order (streaming): `check_plan` parses and validates everything engine-specific (engine fields,
 checkpoint bytes, sampler state, the runner's own state rules) without touching anything; the gate
@@ -36,9 +39,12 @@ the pool and commits the same way. A refused restore touches nothing; once the l
 (`live_touched`), any failure must end in a fail-stop (`fail_stop` drops the conversation in-process;
 the serve verb then exits with status 4).
 
-Staging memory: host memory (numpy) for a host pool; a device pool may provide `staging_array` (VRAM,
-the switch is then a device copy), `pinned_buffers` (the block buffers) and `device_free_bytes` (what
-`can_stage` checks); auto mode stages when the K/V plus STAGING_HEADROOM fits.
+Staging memory: host memory for a host pool -- one area, kept by the serve verbs' `BlockBufferCache` and
+reused by every staged restore (fresh memory costs a page fault per page on first touch, more than the
+read; between restores the kernel may take it back, MADV_FREE), so after the first staged restore the
+process holds the K/V bytes twice; a device pool may provide `staging_array` (VRAM, the switch is then a
+device copy), `pinned_buffers` (the block buffers) and `device_free_bytes` (what `can_stage` checks);
+auto mode stages when the K/V plus STAGING_HEADROOM fits.
 
 Fault injection for tests: a `FaultPoint` given by the serve verbs from the
 ``STRATA_ENGINE_SESSION_FAULT`` environment variable; never reachable from a request.
