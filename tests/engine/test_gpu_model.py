@@ -32,6 +32,7 @@ MODELS = {
 }
 N_CTX = 2048
 LOGIT_BOUND = {"f16": 2e-2, "bf16": 6e-2}
+GRAPH_BOUND = {"f16": 2e-3, "bf16": 2e-2}  # graph-replayed decode vs op by op (see the test)
 NEAR_TIE = 0.5
 
 
@@ -234,9 +235,11 @@ def test_skipping_the_residency_refill_is_detected(runners, model):
 @pytest.mark.parametrize(("model", "dtype", "n_prompt"), [("smollm2", "f16", 300), ("gemma3", "bf16", 1500)])
 def test_cuda_graph_decode_matches_op_by_op(runners, model, dtype, n_prompt):
     """Decode steps replayed from the captured graph against the same steps run op by op: greedy
-    tokens identical while the top-1 margin is clear, logits within 2e-3 relative L2 (only the order in
-    which key splits are merged differs). gemma3's 1,500-token prompt makes the steps cross its
-    1,024-slot ring's wrap, read by position in the graph."""
+    tokens identical while the top-1 margin is clear, logits within GRAPH_BOUND relative L2. Only the
+    number of key splits differs (the graph sizes them for the whole context), so the order of the
+    float32 merge; one flipped rounding of a bf16 activation moves bf16 logits by ~0.4 % (seen on the
+    H200: 0.0085 for gemma3, step 0). gemma3's 1,500-token prompt makes the steps cross its 1,024-slot
+    ring's wrap, read by position in the graph."""
     graphed = runners(model, dtype=dtype)
     eager = graphed.sibling(cuda_graphs=False)
     assert graphed.decode_graph is not None and eager.decode_graph is None
@@ -247,7 +250,7 @@ def test_cuda_graph_decode_matches_op_by_op(runners, model, dtype, n_prompt):
     token = int(np.argmax(le))
     for step in range(24):
         lg, le = graphed.decode(token), eager.decode(token)
-        assert rel_err(lg, le) < 2e-3, f"step {step}"
+        assert rel_err(lg, le) < GRAPH_BOUND[dtype], f"step {step}"
         top2 = np.partition(le, -2)[-2:]
         if top2[1] - top2[0] > NEAR_TIE:
             assert int(np.argmax(lg)) == int(np.argmax(le)), f"step {step}"
