@@ -152,18 +152,10 @@ y = (T)out;
 
 
 class _Kernels:
-    """The fused CuPy kernels (compiled on first use by CuPy's kernel cache)."""
+    """The element-wise CuPy kernels (compiled on first use by CuPy's kernel cache); the row kernels
+    (norms, RoPE on a fused projection, attention, K/V store) are in kernels.cu (`_RawKernels`)."""
 
     def __init__(self, cp: Any):
-        self.sum_squares = cp.ReductionKernel(
-            "T x", "float32 y", "(float)x * (float)x", "a + b", "y = a", "0", "strata_sum_squares"
-        )
-        self.scale_rows = cp.ElementwiseKernel(
-            "T x, float32 sum_sq, T w, float32 inv_n, float32 eps",
-            "T y",
-            "y = (T)((float)x * (1.0f / sqrtf(sum_sq * inv_n + eps)) * (float)w)",
-            "strata_rms_scale",
-        )
         self.silu_mul = cp.ElementwiseKernel(
             "T g, T u",
             "T y",
