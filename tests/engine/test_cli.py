@@ -14,7 +14,10 @@ from strata_engine.cli import main
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "strata_engine.cli", *args], capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL
+        [sys.executable, "-m", "strata_engine.cli", *args],
+        capture_output=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -66,3 +69,15 @@ def test_generate_streams_text():
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode() == " Paris.\n\n"
     assert b"stop: limit" in done.stderr
+
+
+def test_gpu_flags_reach_the_settings():
+    from strata_engine.cli import _settings, build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--model", "m.gguf", "--no-cuda-graphs", "--compute-dtype", "bf16"]
+    )
+    settings = _settings(args)
+    assert settings.cuda_graphs is False and settings.compute_dtype == "bf16"
+    defaults = _settings(build_parser().parse_args(["serve", "--model", "m.gguf"]))
+    assert defaults.cuda_graphs is True and defaults.compute_dtype is None and defaults.prefill_chunk is None

@@ -104,3 +104,22 @@ def test_settings_problems_are_collected():
     with pytest.raises(SettingsError) as exc:
         EngineSettings(model_path="x", kv_type="q4", prefill_chunk=0, n_ctx=-1).validate()
     assert len(exc.value.problems) == 3
+
+
+def test_backend_defaults_fill_only_what_was_not_given():
+    from strata_engine.settings import BACKEND_DEFAULTS
+
+    numpy_defaults = EngineSettings(model_path="x").with_backend_defaults()
+    assert (numpy_defaults.compute_dtype, numpy_defaults.prefill_chunk) == ("f32", 512)
+    given = EngineSettings(model_path="x", compute_dtype="f64", prefill_chunk=7).with_backend_defaults()
+    assert (given.compute_dtype, given.prefill_chunk) == ("f64", 7)
+    gpu = BACKEND_DEFAULTS["cupy"]  # what a cupy runner fills in (resolving "cupy" needs no device)
+    assert (gpu.compute_dtype, gpu.prefill_chunk) == ("bf16", 4096)
+
+
+def test_a_loaded_runner_names_what_runs_and_has_no_graph_on_numpy(smollm2_path):
+    runner = ModelRunner.load(EngineSettings(model_path=smollm2_path, n_ctx=64))
+    assert (runner.settings.backend, runner.settings.compute_dtype, runner.settings.prefill_chunk) == (
+        "numpy", "f32", 512,
+    )  # fmt: skip
+    assert runner.decode_graph is None  # CUDA graphs are a cupy-backend affair
