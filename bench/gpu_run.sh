@@ -3,7 +3,8 @@
 #   probe  nvidia-smi, CuPy version, mapped host memory and bf16 availability
 #   ops    tests/engine/test_gpu_ops.py
 #   kernels  bench/bench_gpu_kernels.py (the flash attention kernel vs torch SDPA)
-#   profile  bench/profile_gpu.py (host time of prefill and decode per function)
+#   profile  bench/profile_gpu.py (host time of prefill and decode per function; PROFILE_MODEL, PROFILE_PROMPT)
+#   probe-io  bench/probe_gpu_io.py (reads by 1-8 threads, XXH3, host->device copies, write+fsync)
 #   tests  every tests/engine/test_gpu*.py
 #   bench  bench/bench_gpu.py (engine vs transformers), then bench/bench_gpu_session.py
 # Model files travel in pieces under .gpu-carry/ (git-ignored) and are reassembled here, checked
@@ -49,7 +50,9 @@ PY
     ops) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_ops.py 2>&1 | tee "$OUT/ops.log" || rc=1 ;;
     kernels) python3 bench/bench_gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" || rc=1 ;;
     profile)  # host time of prefill and decode, per function (the first model present)
-      python3 bench/profile_gpu.py --model "${STRATA_GEMMA3_PATH:-$STRATA_SMOLLM2_PATH}" 2>&1 | tee "$OUT/profile.log" | grep -E "ms/token|tottime|^ +[0-9]" | head -70 || rc=1 ;;
+      m=${PROFILE_MODEL:-${STRATA_GEMMA3_PATH:-$STRATA_SMOLLM2_PATH}}; p=${PROFILE_PROMPT:-512}
+      python3 bench/profile_gpu.py --model "$m" --prompt "$p" --dtype "${PROFILE_DTYPE:-bf16}" 2>&1 | tee "$OUT/profile-$p.log" | grep -E "ms/token|tottime|^ +[0-9]|^  [a-z(]|----" | head -60 || rc=1 ;;
+    probe-io) python3 bench/probe_gpu_io.py --folder /tmp 2>&1 | tee "$OUT/probe_io.log" || rc=1 ;;
     tests) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_ops.py tests/engine/test_gpu_model.py tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/tests.log" || rc=1 ;;
     model) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_model.py 2>&1 | tee "$OUT/model.log" || rc=1 ;;
     session) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/session.log" || rc=1 ;;

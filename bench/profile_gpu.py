@@ -3,8 +3,11 @@
     python3 bench/profile_gpu.py --model PATH [--dtype bf16] [--prompt 512] [--steps 32]
 
 Prints, for a warm runner: the wall time of one prefill and of decode steps replayed from the CUDA
-graph and run op by op, then the 25 functions with the most own time in the profiled prefill and in
-the op-by-op decode steps. Host time above the device's time is launch overhead.
+graph and run op by op; the device time of one prefill per operation (`gpu_time_by_op`: the work is
+queued behind a ~0.3 s spin kernel, so the device runs it back to back and the events between the
+operations measure device time, not the host's launch gaps); then the 25 functions with the most own
+time in the profiled prefill and in the op-by-op decode steps. Host time above the device's time is
+launch overhead.
 """
 
 from __future__ import annotations
@@ -17,6 +20,73 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+# Operations of CupyOps timed by gpu_time_by_op (a call inside another is subtracted from it: self time).
+TIMED_OPS = ("embed", "rms_norm", "add_rms_norm", "project", "matmul", "gated_mlp", "qk_norm_rope", "store_kv",
+             "attention", "flash_attention", "logits")
+SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}
+"""
+
+
+def gpu_time_by_op(ops, run) -> tuple[float, float, dict[str, tuple[int, float]]]:
+    """(wall s of run() from its first launch, device ms of the whole run, {op: (calls, self device ms)})."""
+    import cupy as cp
+
+    spin = cp.RawKernel(SPIN, "spin")
+    records: list = []  # (name, start event, end event, depth)
+    depth = [0]
+
+    def timed(name, fn):
+        def call(*a, **k):
+            start = cp.cuda.Event()
+            start.record()
+            depth[0] += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                depth[0] -= 1
+                end = cp.cuda.Event()
+                end.record()
+                records.append((name, start, end, depth[0]))
+
+        return call
+
+    saved = {name: getattr(ops, name) for name in TIMED_OPS}
+    for name, fn in saved.items():
+        setattr(ops, name, timed(name, fn))
+    try:
+        ops.synchronize()
+        spin((1,), (1,), (np.int64(600_000_000),))  # ~0.3 s: the host queues the whole run meanwhile
+        first = cp.cuda.Event()
+        first.record()
+        t0 = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t0
+        last = cp.cuda.Event()
+        last.record()
+        last.synchronize()
+    finally:
+        for name in saved:
+            delattr(ops, name)
+    total = cp.cuda.get_elapsed_time(first, last)
+    out: dict[str, list] = {}
+    # Self time: a record's time minus that of the calls one level deeper made inside it (records are
+    # appended as calls end, so those are the deeper records just before it).
+    for i, (name, start, end, d) in enumerate(records):
+        inner = 0.0
+        for _inner_name, s2, e2, d2 in records[:i][::-1]:
+            if d2 <= d:
+                break
+            if d2 == d + 1:
+                inner += cp.cuda.get_elapsed_time(s2, e2)
+        entry = out.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += cp.cuda.get_elapsed_time(start, end) - inner
+    return wall, total, {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def main() -> int:
@@ -55,6 +125,15 @@ def main() -> int:
             f"{name:9s} prefill {args.prompt} tokens {pf * 1e3:8.2f} ms   decode {dc * 1e3:7.3f} ms/token",
             flush=True,
         )
+    eager.erase()
+    ops.synchronize()
+    wall, total, by_op = gpu_time_by_op(ops, lambda: eager.prefill(tokens))
+    print(f"---- device time of one {args.prompt}-token prefill, queued back to back: {total:.2f} ms "
+          f"(host queued it in {wall * 1e3:.2f} ms) ----")
+    for name, (calls, ms) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name:16s} {calls:5d} calls  {ms:8.3f} ms  {ms / total * 100:5.1f} %")
+    rest = total - sum(ms for _calls, ms in by_op.values())
+    print(f"  {'(between ops)':16s}              {rest:8.3f} ms  {rest / total * 100:5.1f} %")
     for title, steps in (("prefill", 0), ("decode op by op", args.steps)):
         prof = cProfile.Profile()
         eager.erase()

@@ -62,7 +62,7 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         "--no-cuda-graphs",
         dest="cuda_graphs",
         action="store_false",
-        help="run every decode step op by op instead of replaying a captured CUDA graph (cupy)",
+        help="run every decode step and prefill chunk op by op instead of replaying captured CUDA graphs (cupy)",
     )
     parser.add_argument(
         "--backend", choices=BACKENDS, default="numpy", help="compute backend (default numpy)"

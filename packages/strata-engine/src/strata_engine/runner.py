@@ -22,7 +22,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import ContextOverflow, EngineError, InvalidToken, KVStateError, SettingsError
 from .gguf import GGUFFile, read_gguf
-from .graph import DecodeGraph, GraphCaptureFailed, make_decode_graph
+from .graph import GraphCaptureFailed, StepGraph, make_step_graph
 from .kv import (
     KVGeometry,
     KVPool,
@@ -104,7 +104,10 @@ class ModelRunner:
         self.n_ctx = pool.geometry.n_ctx
         self._tokens: list[int] = []
         self._checkpoints: list[RingCheckpoint] = []
-        self.decode_graph: DecodeGraph | None = None  # `_assemble` adds one where the step can be captured
+        # CUDA graphs of a decode step and of a full prefill chunk: `_assemble` adds them where they can be
+        # captured (graph.py); a step of another size, or one whose capture failed, runs op by op.
+        self.decode_graph: StepGraph | None = None
+        self.chunk_graph: StepGraph | None = None
 
     @classmethod
     def load(cls, settings: EngineSettings) -> ModelRunner:
@@ -136,7 +139,9 @@ class ModelRunner:
         pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
         placement = make_placement_for(pool, settings.kv_resident)
         runner = cls(settings, gguf_file, config, model, pool, placement)
-        runner.decode_graph = make_decode_graph(model, placement, settings.cuda_graphs)
+        enabled, chunk = runner.settings.cuda_graphs, runner.settings.prefill_chunk
+        runner.decode_graph = make_step_graph(model, placement, enabled, 1)
+        runner.chunk_graph = make_step_graph(model, placement, enabled, chunk) if chunk > 1 else None
         return runner
 
     # ---- state ---------------------------------------------------------------------------------
@@ -173,8 +178,10 @@ class ModelRunner:
         problems = []
         if len(state.tokens) > self.n_ctx:
             problems.append(f"{len(state.tokens)} tokens exceed the context size {self.n_ctx}")
-        bad = [t for t in state.tokens if not 0 <= t < self.config.n_vocab]
-        if bad:
+        # min/max run in C; the list of bad ids (for the message) only when there is one
+        tokens, n_vocab = state.tokens, self.config.n_vocab
+        if tokens and not (0 <= min(tokens) and max(tokens) < n_vocab):
+            bad = [t for t in tokens if not 0 <= t < n_vocab]
             problems.append(f"token ids outside the vocabulary: {bad[:5]}")
         positions = [c.position for c in state.checkpoints]
         if positions != sorted(set(positions)) or any(p > len(state.tokens) for p in positions):
@@ -251,14 +258,18 @@ class ModelRunner:
         pos0 = len(self._tokens)
         self.pool.begin_append(pos0, len(tokens))
         try:
-            logits = None
-            if self.decode_graph is not None and len(tokens) == 1 and want_logits:
+            logits, ran = None, False
+            graph = self._graph_for(len(tokens), want_logits)
+            if graph is not None:
                 try:
-                    logits = self.decode_graph.step(tokens[0], pos0)
+                    logits, ran = graph.step(tokens, pos0, want_logits), True
                 except GraphCaptureFailed as e:  # the step is redone op by op (it is idempotent)
-                    print(f"strata-engine: {e}; decoding op by op", file=sys.stderr, flush=True)
-                    self.decode_graph = None
-            if logits is None:
+                    print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
+                    if graph is self.decode_graph:
+                        self.decode_graph = None
+                    else:
+                        self.chunk_graph = None
+            if not ran:
                 ids = np.asarray(tokens, dtype=np.int64)
                 logits = self.model.forward(ids, pos0, self.placement, want_logits)
         except BaseException:
@@ -269,6 +280,12 @@ class ModelRunner:
         self.pool.commit_append(len(tokens))
         self._tokens.extend(tokens)
         return logits
+
+    def _graph_for(self, n_tokens: int, want_logits: bool) -> StepGraph | None:
+        if n_tokens == 1 and want_logits:
+            return self.decode_graph
+        chunk = self.chunk_graph
+        return chunk if chunk is not None and chunk.n_tokens == n_tokens else None
 
     # ---- prompt cache and checkpoints ----------------------------------------------------------
     def _resume_at(self, target: int) -> int:

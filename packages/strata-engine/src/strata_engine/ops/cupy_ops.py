@@ -162,6 +162,10 @@ class _Kernels:
             "const float gf = (float)g; y = (T)(gf / (1.0f + expf(-gf)) * (float)u)",
             "strata_silu_mul",
         )
+        # rows [pos, pos + n) of a flat [rows, width] table, pos read on the device (a captured step)
+        self.rows_at = cp.ElementwiseKernel(
+            "raw int32 pos, raw T table, int32 width", "T out", "out = table[pos[0] * width + i]", "strata_rows_at"
+        )
         self.gelu_tanh_mul = cp.ElementwiseKernel(
             "T g, T u",
             "T y",
