@@ -274,7 +274,9 @@ def decode_metadata(body: memoryview | bytes, *, header: Header, path: str | Non
     tokens.frombytes(raw_tokens)
     if sys.byteorder != "little":
         tokens.byteswap()
-    if n_tokens and min(tokens) < 0:
+    # Each id is little-endian int32 on disk: its sign bit is the top bit of its 4th byte. One C pass
+    # over those bytes (~0.04 ms for 32K tokens) instead of min() over Python ints (~0.7 ms).
+    if not bytes(raw_tokens)[3::4].isascii():
         raise cur.fail(E.MetadataInvalid, "a token id is negative", "state.tokens", at + 12)
     sampler = cur.sized("state.sampler_state", "MAX_SAMPLER_STATE_BYTES")
     at = cur.offset()

@@ -99,9 +99,10 @@ def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | No
     if st.n_tokens > limits.max_tokens:
         raise E.LimitExceeded(f"the file holds {st.n_tokens} tokens; the engine's context is {limits.max_tokens}",
                               path=path, field="state.n_tokens")
-    if limits.vocab_size is not None and st.n_tokens and max(st.tokens) >= limits.vocab_size:
-        raise E.LimitExceeded(f"token id {max(st.tokens)} is outside the engine's vocabulary of "
-                              f"{limits.vocab_size}", path=path, field="state.tokens")
+    top = max(st.tokens) if limits.vocab_size is not None and st.n_tokens else None  # one C pass
+    if top is not None and top >= limits.vocab_size:
+        raise E.LimitExceeded(f"token id {top} is outside the engine's vocabulary of {limits.vocab_size}",
+                              path=path, field="state.tokens")
     for field, size, limit in (("state.sampler_state", len(st.sampler_state), limits.max_sampler_state_bytes),
                                ("state.checkpoint.data", len(st.checkpoint.data), limits.max_checkpoint_data_bytes),
                                ("state.engine_fields", len(st.engine_fields), limits.max_engine_fields_bytes)):

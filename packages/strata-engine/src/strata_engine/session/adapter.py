@@ -133,6 +133,12 @@ class _Prepared:
     runner_state: RunnerState
     sampler: SamplerState | None
     starts: tuple[int, ...]  # per layer: the first position the file's part holds
+    file_tokens: Any = None  # the plan's token array (commit compares with it: one memcmp, no tuple)
+
+    def same_tokens(self, tokens: Any) -> bool:
+        if tokens is self.file_tokens:
+            return True
+        return tuple(tokens) == self.runner_state.tokens
 
 
 def _sync(pool: Any) -> None:
@@ -384,7 +390,7 @@ class EngineSession:
         problems = self.runner.state_problems(runner_state)
         if problems:
             raise E.InconsistentState("; ".join(problems), field="state", **where)
-        self._prepared = _Prepared(id(plan), runner_state, sampler, self._starts(n))
+        self._prepared = _Prepared(id(plan), runner_state, sampler, self._starts(n), st.tokens)
 
     def _decode_checkpoint(self, st: RunningState, cp_fields: Any, where: dict) -> tuple[RingCheckpoint, ...]:
         data, index = st.checkpoint.data, st.checkpoint.token_index
@@ -480,7 +486,7 @@ class EngineSession:
 
     def commit(self, state: RunningState) -> None:
         prepared = self._prepared
-        if prepared is None or tuple(state.tokens) != prepared.runner_state.tokens:
+        if prepared is None or not prepared.same_tokens(state.tokens):
             raise E.AdapterFailed("commit with a running state that check_plan did not see")
         if self.fault is FaultPoint.RESTORE_AT_COMMIT:
             raise InjectedFault("injected fault: restore, at the commit")
@@ -557,7 +563,7 @@ class EngineSession:
 
     def commit_staged(self, state: RunningState) -> None:
         staged, prepared = self._staged, self._prepared
-        if staged is None or prepared is None or tuple(state.tokens) != prepared.runner_state.tokens:
+        if staged is None or prepared is None or not prepared.same_tokens(state.tokens):
             raise E.AdapterFailed("commit_staged without a staged session that check_plan saw")
         # The switch: every check passed; from the first byte written the live conversation is replaced
         # (a failure from here on is a fail-stop, see live_touched).
