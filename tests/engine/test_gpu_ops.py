@@ -397,3 +397,31 @@ def test_long_chunk_over_a_ring_layer_matches_the_generic_placement(cp, dtype):
         else:
             assert rel_err(outs[0], outs[1].astype(np.float32)) < FLASH_TOL[dtype]
         pos0 += n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n_head", "n_kv", "d", "window", "cap"), [(9, 3, 64, None, 0), (4, 1, 256, None, 0),
+                                                                     (4, 1, 256, 512, 1024)])  # fmt: skip
+@pytest.mark.parametrize(("pos0", "n_q"), [(0, 256), (300, 256), (1300, 256), (1300, 1)])
+def test_flash_attention_position_on_the_device_matches_the_argument(cp, n_head, n_kv, d, window, cap, pos0, n_q):
+    """A captured step's attention (`dyn`: q_pos0 read on the device, keys from slot 0 of the pool or the
+    window's start in a ring, splits sized for the whole pool) against the same call with the positions
+    as arguments, for chunks of several rows as well as one: equal up to the order the splits merge."""
+    ops = _ops("bf16")
+    rng = np.random.default_rng(pos0 + n_q)
+    slots = cap or 2048
+    k_pool = ops.asarray(rng.standard_normal((slots, n_kv, d)).astype(np.float32), np.float16)
+    v_pool = ops.asarray(rng.standard_normal((slots, n_kv, d)).astype(np.float32), np.float16)
+    q = ops.asarray(rng.standard_normal((n_q, n_head, d)).astype(np.float32), ops.dtype)
+    dyn = cp.asarray([pos0], dtype=cp.int32)
+    got = ops.flash_attention(q, k_pool, v_pool, q_pos0=0, k_pos0=0, window=window, scale=d**-0.5,
+                              ring_capacity=cap, dyn=dyn)  # fmt: skip
+    if cap:
+        k_pos0 = max(0, pos0 - window + 1)
+        want = ops.flash_attention(q, k_pool, v_pool, q_pos0=pos0, k_pos0=k_pos0, window=window, scale=d**-0.5,
+                                   ring_capacity=cap)  # fmt: skip
+    else:
+        end = pos0 + n_q
+        want = ops.flash_attention(q, k_pool[:end], v_pool[:end], q_pos0=pos0, k_pos0=0, window=window,
+                                   scale=d**-0.5)  # fmt: skip
+    assert rel_err(ops.to_host(got).astype(np.float32), ops.to_host(want).astype(np.float32)) < 1e-2

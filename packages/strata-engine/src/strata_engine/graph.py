@@ -16,9 +16,8 @@ with key splits sized for the most keys a step can see. Buffers the step allocat
 pool private to the graph and kept for its life, so their addresses stay valid.
 
 Eligible (`make_step_graph`): the cupy backend, f16/bf16 compute, a device pool placement, a float
-K/V type, and steps every ring layer can take in place (T <= capacity - window + 1: all decode steps;
-no full 4,096-token chunk of gemma3, whose 512-token windows sit in 1,024-slot rings). Anything else
-runs op by op. A graph's logits equal the op-by-op step's up to the order the key splits are merged
+K/V type; prefill chunks only for models without sliding-window rings (see `make_step_graph`).
+Anything else runs op by op. A graph's logits equal the op-by-op step's up to the order the key splits are merged
 (tests/engine/test_gpu_model.py checks greedy identity and the logits).
 """
 
@@ -172,6 +171,12 @@ def make_step_graph(model: Model, placement: PoolPlacement, enabled: bool, n_tok
     geometry = placement.pool.geometry
     if n_tokens > geometry.n_ctx:
         return None
-    if any(n_tokens > g.capacity - g.window + 1 for g in geometry.layers if g.is_ring):
-        return None  # a ring layer would need the long-chunk path, which depends on the position
+    if n_tokens > 1 and geometry.ring_layers:
+        # Not for models with sliding-window rings: a 256-token gemma3 chunk replayed from its graph
+        # gave logits 0.31 (relative L2) away from the op-by-op chunk on the H200, while each kernel
+        # with the position on the device matches its op-by-op call (tests/engine/test_gpu_ops.py) and
+        # gemma3's decode graph matches; the cause is not found yet (test_gpu_model.py keeps the case as
+        # a strict xfail). gemma3's default 4,096-token chunks could not use a graph anyway (they take
+        # the long-chunk ring path, whose context depends on the position).
+        return None
     return StepGraph(model, placement, n_tokens)
