@@ -373,6 +373,90 @@ def test_plans_the_engine_cannot_take_are_refused_before_the_gate(models, tmp_pa
     assert live_digest(live) == before
 
 
+def test_token_checks_refuse_a_bad_id_with_the_first_bad_ids(models, tmp_path):
+    runner = synthetic_runner(models, "smollm2")
+    v = runner.config.n_vocab
+    assert runner.state_problems(RunnerState((0, 5, v - 1), 0)) == []
+    bad = RunnerState((3, v, -1, 7, v + 3, v + 4, v + 5, v + 6), 0)
+    assert runner.state_problems(bad) == [f"token ids outside the vocabulary: {[v, -1, v + 3, v + 4, v + 5]}"]
+    # In a file, the library's limits check refuses it first, naming the id, before the gate.
+    source = EngineSession(fill(synthetic_runner(models, "smollm2"), 20, seed=5))
+    sf.save(tmp_path / "t.ssf", _Tampered(source, lambda st: attrs.evolve(st, tokens=[*st.tokens[:-1], v])))
+    live = fill(synthetic_runner(models, "smollm2"), 30, seed=6)
+    before = live_digest(live)
+    with pytest.raises(E.LimitExceeded, match=f"token id {v} is outside the engine's vocabulary of {v}"):
+        sf.restore(tmp_path / "t.ssf", EngineSession(live))
+    assert live_digest(live) == before
+
+
+@pytest.mark.parametrize("landing", [True, False], ids=["landing", "copying"])
+@pytest.mark.parametrize("mode", ["staged", "streaming"])
+def test_every_number_of_readers_restores_the_same_pool_bytes(models, tmp_path, mode, landing):
+    source = fill(synthetic_runner(models, "gemma3", n_ctx=256), 200, seed=11, checkpoint_at=190)
+    sf.save(tmp_path / "s.ssf", EngineSession(source), block_size=4096)
+    pools, digests = [], []
+    for threads in (1, 2, 4):
+        live = fill(synthetic_runner(models, "gemma3", n_ctx=256), 30, seed=12, checkpoint_at=29)
+        session = (EngineSession if landing else _CopyingSession)(live, buffers=BlockBufferCache())
+        report = sf.restore(tmp_path / "s.ssf", session, mode=mode, block_size=4096, read_threads=threads)
+        assert report.mode.value == mode and live.n_held == 200
+        for i in range(source.kv_geometry.n_layers):
+            lo, _ = live.pool.held_range(i)
+            a, b = source.pool.read(i, lo, 200), live.pool.read(i, lo, 200)
+            assert all(x.tobytes() == y.tobytes() for x, y in zip(a.arrays(), b.arrays(), strict=True))
+        pools.append(bytes(live.pool.buffer))
+        digests.append(live_digest(live))
+    assert pools[0] == pools[1] == pools[2] and digests[0] == digests[1] == digests[2]
+
+
+def test_block_buffers_grow_and_are_kept():
+    """A save asks for 2 block buffers, a restore for readers + 1, maybe smaller: nothing is allocated again."""
+    cache = BlockBufferCache()
+    two = cache.get(2, 8192)
+    five = cache.get(5, 8192)
+    assert [b.obj for b in five[:2]] == [b.obj for b in two] and all(len(b) == 8192 for b in five)
+    again = cache.get(3, 4096)
+    assert [b.obj for b in again] == [b.obj for b in five[:3]] and all(len(b) == 4096 for b in again)
+    bigger = cache.get(2, 16384)
+    assert all(len(b) == 16384 for b in bigger) and cache.get(5, 8192)[4].obj is five[4].obj
+
+
+def test_device_pool_pins_its_block_buffers_once(models, monkeypatch):
+    """`DevicePool.pinned_buffers` keeps what it pinned: alternating (count, size) requests pin nothing
+    again (CuPy's pinned allocator replaced by a counting one, the pool laid out on NumPy)."""
+    import sys
+    import types
+
+    from strata_engine.kv.device import DevicePool
+
+    pinned = []
+
+    def empty_pinned(shape, dtype):
+        pinned.append(shape)
+        return np.empty(shape, dtype=dtype)
+
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(empty_pinned=empty_pinned))
+    _path, _gguf, config = models["smollm2"]
+    pool = DevicePool(KVGeometry.from_config(config, 16, KVType("f16")), get_ops("numpy", "f32"))
+    first = pool.pinned_buffers(2, 16384)  # start-up
+    assert len(pinned) == 2
+    restore_bufs = pool.pinned_buffers(5, 4096)
+    assert len(pinned) == 5 and [len(b) for b in restore_bufs] == [4096] * 5
+    for _ in range(3):
+        pool.pinned_buffers(2, 16384)
+        pool.pinned_buffers(5, 4096)
+    assert len(pinned) == 5
+    assert pool.pinned_buffers(2, 16384)[0].obj is not None and first[0].obj is not None
+
+
+def test_session_block_size_is_4_mib_for_every_pool(models):
+    from strata_engine.session.verbs import SESSION_BLOCK_SIZE, SessionVerbs
+
+    runner = synthetic_runner(models, "smollm2")
+    assert SessionVerbs(SessionOptions()).block_size(runner) == SESSION_BLOCK_SIZE == 4 << 20
+    assert SessionVerbs(SessionOptions(block_size=1 << 20)).block_size(runner) == 1 << 20
+
+
 def test_session_options_fault_only_from_the_environment():
     assert SessionOptions.from_environ("streaming", {}).fault is None
     options = SessionOptions.from_environ("staged", {"STRATA_ENGINE_SESSION_FAULT": "restore-after-gate"})

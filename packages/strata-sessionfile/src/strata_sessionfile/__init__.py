@@ -12,15 +12,18 @@ Identity
     ``config_fingerprint(mapping) -> ConfigIdentity``; ``engine_identity(files, mapping)``.
 Writing
     ``save(path, adapter, *, block_size=16 MiB, progress=None, buffers=None, compression=None) -> SaveReport``
-    (crash-safe: temp file, fsync, rename, folder fsync). ``BlockBuffers(block_size)``: two reusable block
-    buffers an engine may keep and pass as ``buffers=`` to every save and restore. ``compression``: None
+    (crash-safe: temp file, fsync, rename, folder fsync; the kernel's writeback of each block is started
+    as soon as it is written). ``BlockBuffers(block_size, count=2)``: reusable block buffers an engine may
+    keep and pass as ``buffers=`` to every save and restore (a restore with N reader threads uses N + 1). ``compression``: None
     (default), ``"zstd"`` or ``Compression(codec="zstd", level=3, threads=0)``; needs the optional
     zstandard package (``pip install strata-sessionfile[zstd]``), as does restoring such a file.
 Reading
-    ``inspect(path, *, verify=True, identity=None, limits=None) -> Inspection`` (the read pass alone);
-    ``restore(path, adapter, *, mode="auto"|"streaming"|"staged", block_size, progress,
-    memory_available, buffers) -> RestoreReport``; ``memory_available()`` is the default RAM probe
-    (MemAvailable) of the preflight.
+    ``inspect(path, *, verify=True, identity=None, limits=None, read_threads=None) -> Inspection`` (the read
+    pass alone); ``restore(path, adapter, *, mode="auto"|"streaming"|"staged", block_size, progress,
+    memory_available, buffers, read_threads=None) -> RestoreReport``; ``memory_available()`` is the default
+    RAM probe (MemAvailable) of the preflight; ``default_read_threads()`` the readers a restore uses when
+    ``read_threads`` is None (min(4, cores - 1), at least 1; the payload is hashed and handed over in file
+    order on the calling thread whatever the number).
 Adapter protocol (``strata_sessionfile.adapter``)
     ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
     restore), ``BufferProvider`` (optional own block buffers), ``LandingTarget`` (optional: a restore reads
@@ -36,7 +39,7 @@ Testing (``strata_sessionfile.testing``)
 """
 
 from . import errors
-from ._fileio import memory_available
+from ._fileio import default_read_threads, memory_available
 from .adapter import (
     BufferProvider,
     LandingTarget,
@@ -77,6 +80,6 @@ __all__ = [
     "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
     "LandingTarget", "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
     "SaveReport", "SessionAdapter", "SessionFileError", "SessionSource", "SessionTarget", "Snapshot",
-    "StagingTarget", "check_limits", "config_fingerprint", "memory_available", "engine_identity", "errors", "inspect",
+    "StagingTarget", "check_limits", "config_fingerprint", "default_read_threads", "memory_available", "engine_identity", "errors", "inspect",
     "model_fingerprint", "restore", "save",
 ]

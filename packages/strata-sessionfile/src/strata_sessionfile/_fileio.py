@@ -1,17 +1,21 @@
-"""Low-level file I/O: safe open, exact reads and writes, the two-buffer pipelines, block planning.
+"""Low-level file I/O: safe open, exact reads and writes, the block pipelines, block planning.
 
-``write``, ``pwrite``, ``fsync``, ``replace``, ``pread_into`` are module attributes on purpose: the fault-injection
-tests (ENOSPC, EIO) replace them.
+``write``, ``pwrite``, ``fsync``, ``replace``, ``pread_into``, ``start_writeback`` are module attributes on
+purpose: the fault-injection tests (ENOSPC, EIO) replace them.
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import errno
 import os
 import queue
 import stat
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from . import errors as E
 from .records import FileStamp, PartExtent
@@ -24,6 +28,37 @@ replace = os.replace
 
 def pread_into(fd: int, buf: memoryview, offset: int) -> int:
     return os.preadv(fd, [buf], offset)
+
+
+SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, do not wait for it
+
+
+def _sync_file_range() -> Callable[..., int] | None:
+    """libc's sync_file_range through ctypes (Linux only; the os module does not expose it), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start the kernel's writeback of [offset, offset + length) now, without waiting for it, so the save's
+    final fsync finds most bytes on their way to the disk instead of starting all of them itself (measured:
+    116 MiB write + fsync 91-110 ms -> 63 ms on the H200 machine, 75-106 -> 50-68 ms on the CPU machine).
+
+    A hint only: its result is ignored on purpose. It changes neither what is durable nor when (the fsync
+    before the rename still decides that, and it reports any writeback error, including one of these
+    pages). Where sync_file_range does not exist this does nothing. The ctypes call releases the GIL."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, length, SYNC_FILE_RANGE_WRITE)
 
 
 def open_session_file(path: str) -> int:
@@ -151,12 +186,31 @@ def iter_blocks(extents: Sequence[PartExtent], data_length: int, block_size: int
         start = end
 
 
-# --- two-buffer pipelines ---------------------------------------------------------------------------
+# --- pipelines -------------------------------------------------------------------------------------
 _STOP = object()
 _RAW = object()  # a WriteBehind job of bytes to write as they are
 
 
 HASH_SLICE = 1 << 20  # the write helper hashes a slice while it is cache-hot, then writes it
+
+# Restores read with several threads at once: one thread reads a page-cache-warm file at ~7 GB/s, four
+# at ~24 GB/s (measured on the H200 machine, 4 MiB blocks), while the payload hash (one core, in file
+# order) runs at ~6-10 GB/s: with one reader the hash waits for the reads, with several it does not. One
+# core stays for the hashing thread; beyond four readers the gain is small (8: 3.9 ms against 5.0 ms
+# for 116 MiB) and each reader holds a block buffer.
+MAX_READ_THREADS = 4
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_read_threads() -> int:
+    """Reader threads of a restore when the caller names none: min(MAX_READ_THREADS, cores - 1), at least 1."""
+    return max(1, min(MAX_READ_THREADS, available_cpus() - 1))
 
 
 def block_chunks(file_offset: int, length: int, block_size: int) -> Iterator[tuple[int, int]]:
@@ -165,63 +219,121 @@ def block_chunks(file_offset: int, length: int, block_size: int) -> Iterator[tup
         yield file_offset + pos, min(block_size, length - pos)
 
 
-class ReadAhead:
-    """A helper thread reads chunk k+1 into one buffer while the caller consumes chunk k from the other.
+class OrderedReads:
+    """File reads in flight on up to ``threads`` helper threads at once, taken back in submission order.
 
-    ``chunks``: (file offset, length) pairs in order, each at most the buffers' size (fixed blocks of the
-    data section, or the frames of a compressed one). Iterate to get (file offset, memoryview) in order;
-    a view is valid until the next iteration.
+    ``submit(offset, views, tag)`` queues one read: ``views`` filled in order from ``offset`` by one helper
+    (reads of different submissions must not overlap in memory). ``take()`` waits for the oldest read and
+    returns its tag, or raises its error: errors surface in submission order, after every earlier read was
+    taken. ``close()`` cancels the reads not started, waits for the running ones and joins every thread,
+    so nothing is written into any submitted view after it returns. A short file raises FileChanged (the
+    read pass or the metadata promised these bytes).
     """
 
-    def __init__(self, fd: int, buffers: Sequence[memoryview], chunks: Iterable[tuple[int, int]], path: str) -> None:
-        assert len(buffers) >= 2
-        self.fd, self.buffers, self.chunks, self.path = fd, buffers[:2], chunks, path
-        self.free: queue.SimpleQueue = queue.SimpleQueue()
-        self.full: queue.SimpleQueue = queue.SimpleQueue()
-        for i in range(2):
-            self.free.put(i)
-        self.thread = threading.Thread(target=self._run, name="strata-read-ahead", daemon=True)
-        self.started = False
+    def __init__(self, fd: int, path: str, threads: int) -> None:
+        assert threads >= 1
+        self.fd, self.path = fd, path
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="strata-read")
+        self.pending: collections.deque = collections.deque()
 
-    def _run(self) -> None:
-        try:
-            for offset, n in self.chunks:
-                idx = self.free.get()
-                if idx is _STOP:
-                    return
-                assert n <= len(self.buffers[idx])
-                view = self.buffers[idx][:n]
-                read_exact(self.fd, view, offset, self.path, short_error=E.FileChanged)
-                self.full.put((offset, idx, n))
-            self.full.put(_STOP)
-        except BaseException as exc:  # handed to the consumer, which raises it on its own thread
-            self.full.put(exc)
+    def _read(self, offset: int, views: Sequence[memoryview]) -> None:
+        for view in views:
+            read_exact(self.fd, view, offset, self.path, short_error=E.FileChanged)
+            offset += len(view)
 
-    def __iter__(self) -> Iterator[tuple[int, memoryview]]:
-        self.thread.start()
-        self.started = True
-        while True:
-            item = self.full.get()
-            if item is _STOP:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            offset, idx, n = item
-            yield offset, self.buffers[idx][:n]
-            self.free.put(idx)
+    def submit(self, offset: int, views: Sequence[memoryview], tag: object = None) -> None:
+        self.pending.append((self.pool.submit(self._read, offset, views), tag))
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def take(self) -> object:
+        future, tag = self.pending.popleft()
+        future.result()
+        return tag
 
     def close(self) -> None:
-        if self.started:
-            self.free.put(_STOP)
-            self.free.put(_STOP)
-            self.thread.join()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pending.clear()
+
+
+class ReadAhead:
+    """Helper threads read the next chunks into block buffers while the caller consumes one.
+
+    ``chunks``: (file offset, length) pairs in order, each at most the buffers' size (fixed blocks of the
+    data section). Iterate to get (file offset, memoryview) in file order; a view is valid until the next
+    iteration. ``threads`` readers need ``threads + 1`` buffers (the caller holds one while the others are
+    being read); fewer buffers mean fewer readers. At most ``threads`` reads are in flight. ``close()`` stops
+    and joins every helper (see OrderedReads).
+    """
+
+    def __init__(self, fd: int, buffers: Sequence[memoryview], chunks: Iterable[tuple[int, int]], path: str,
+                 threads: int = 1) -> None:
+        assert len(buffers) >= 2 and threads >= 1
+        self.threads = min(threads, len(buffers) - 1)
+        self.fd, self.buffers, self.chunks, self.path = fd, buffers[:self.threads + 1], chunks, path
+        self.reads: OrderedReads | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, memoryview]]:
+        self.reads = reads = OrderedReads(self.fd, self.path, self.threads)
+        chunks = iter(self.chunks)
+        free = list(range(len(self.buffers)))
+
+        def submit_next() -> None:
+            item = next(chunks, None)
+            if item is not None:
+                offset, n = item
+                idx = free.pop()
+                assert n <= len(self.buffers[idx])
+                reads.submit(offset, (self.buffers[idx][:n],), (offset, idx, n))
+
+        for _ in range(self.threads):
+            submit_next()
+        while reads:
+            offset, idx, n = reads.take()
+            submit_next()  # into the buffer the caller gave back: `threads` reads in flight while it works
+            yield offset, self.buffers[idx][:n]
+            free.append(idx)
+
+    def close(self) -> None:
+        if self.reads is not None:
+            self.reads.close()
+
+
+class ReadInto:
+    """Helper threads read file ranges straight into their final memory (the engine's K/V or staging area),
+    while the caller hashes what already landed and asks the engine where the next bytes go.
+
+    ``submit(file_offset, views)`` queues one job: the views filled in order from ``file_offset`` by one
+    helper; ``wait()`` returns the oldest job's views once read (raising the read's error, if any, in
+    order); ``len()`` is the jobs submitted and not yet waited for (the caller keeps it at most ``threads``
+    once it waits). ``close()`` cancels the jobs not started and joins every helper, so nothing is written
+    after it returns.
+    """
+
+    def __init__(self, fd: int, path: str, threads: int = 1) -> None:
+        self.threads = threads
+        self.reads = OrderedReads(fd, path, threads)
+
+    def submit(self, file_offset: int, views: Sequence[memoryview]) -> None:
+        self.reads.submit(file_offset, views, views)
+
+    def __len__(self) -> int:
+        return len(self.reads)
+
+    def wait(self) -> Sequence[memoryview]:
+        return self.reads.take()
+
+    def close(self) -> None:
+        self.reads.close()
 
 
 class WriteBehind:
     """A helper thread hashes and writes block k while the caller fills block k+1 in the other buffer.
 
     With ``encode`` (a compressed save) the helper first encodes the block into one frame, frees the
-    buffer, then hashes and writes the frame; ``frame_sizes`` lists every frame's size in order.
+    buffer, then hashes and writes the frame; ``frame_sizes`` lists every frame's size in order. After each
+    block it starts the kernel's writeback of what it wrote since the last block (``start_writeback``).
     """
 
     def __init__(self, fd: int, buffers: Sequence[memoryview], hasher,
@@ -233,8 +345,21 @@ class WriteBehind:
         for i in range(2):
             self.free.put(i)
         self.error: BaseException | None = None
+        self.position = os.lseek(fd, 0, os.SEEK_CUR)  # where the next write lands (writes are sequential)
+        self.flushed = self.position  # writeback started for [.., flushed)
         self.thread = threading.Thread(target=self._run, name="strata-write-behind", daemon=True)
         self.thread.start()
+
+    def _write(self, data: memoryview | bytes) -> None:
+        write_all(self.fd, data)
+        self.position += len(data)
+
+    def _start_writeback(self) -> None:
+        try:
+            start_writeback(self.fd, self.flushed, self.position - self.flushed)
+        except OSError:  # a hint: the final fsync is the authority and reports any writeback error
+            pass
+        self.flushed = self.position
 
     def _run(self) -> None:
         while True:
@@ -246,7 +371,7 @@ class WriteBehind:
                 if self.error is None:
                     try:
                         self.hasher.update(memoryview(data)[hashed_from:])
-                        write_all(self.fd, data)
+                        self._write(data)
                     except BaseException as exc:
                         self.error = exc
                 continue
@@ -263,7 +388,8 @@ class WriteBehind:
                     for lo in range(0, len(view), HASH_SLICE):  # hash each slice while cache-hot, then write it
                         piece = view[lo:lo + HASH_SLICE]
                         self.hasher.update(piece)
-                        write_all(self.fd, piece)
+                        self._write(piece)
+                    self._start_writeback()
                 except BaseException as exc:
                     self.error = exc
             if not freed:
@@ -297,51 +423,3 @@ class WriteBehind:
         if self.thread.is_alive():
             self.full.put(_STOP)
             self.thread.join()
-
-
-class ReadInto:
-    """A helper thread reads file ranges straight into their final memory (the engine's K/V or staging
-    area), while the caller hashes what already landed and asks the engine where the next bytes go.
-
-    ``submit(file_offset, views)`` queues one job: the views filled in order from ``file_offset``;
-    ``wait()`` returns the oldest job's views once read (raising the read's error, if any, in order).
-    ``close()`` stops the helper after its current job and joins it, so nothing is written after it
-    returns. A short file raises FileChanged (the read pass or the metadata promised these bytes).
-    """
-
-    def __init__(self, fd: int, path: str) -> None:
-        self.fd, self.path = fd, path
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
-        self.stopping = False
-        self.thread = threading.Thread(target=self._run, name="strata-read-into", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is _STOP or self.stopping:
-                return
-            offset, views = job
-            try:
-                for view in views:
-                    read_exact(self.fd, view, offset, self.path, short_error=E.FileChanged)
-                    offset += len(view)
-            except BaseException as exc:  # handed to the consumer, which raises it on its own thread
-                self.done.put(exc)
-                return
-            self.done.put(views)
-
-    def submit(self, file_offset: int, views: Sequence[memoryview]) -> None:
-        self.jobs.put((file_offset, views))
-
-    def wait(self) -> Sequence[memoryview]:
-        item = self.done.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self.stopping = True
-        self.jobs.put(_STOP)
-        self.thread.join()

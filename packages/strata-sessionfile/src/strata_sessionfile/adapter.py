@@ -2,7 +2,7 @@
 
 The library drives, the engine answers. ``identity()`` is called on every save and restore: compute the
 fingerprints once (at model load) and return the cached value. Every adapter method is called on the thread that called
-``save``/``restore``; the library's own helper thread only reads, writes and hashes file bytes.
+``save``/``restore``; the library's own helper threads only read, write and hash file bytes.
 
 Save (``SessionSource``): ``identity()``, ``snapshot()`` (frozen for the duration of the save), then
 ``copy_out(layer, part, offset, dest)`` for every piece of every non-empty part, in file order. ``dest``
@@ -21,7 +21,9 @@ check ``commit_staged(state)`` -- or ``discard_staged()`` on any failure, leavin
 was. One read of the file.
 
 Buffers (``BufferProvider``, optional): ``block_buffers(count, nbytes)`` returns ``count`` writable
-memoryviews of ``nbytes`` each (e.g. pinned host memory) that the library uses as its block buffers.
+memoryviews of ``nbytes`` each (e.g. pinned host memory) that the library uses as its block buffers: 2 on
+a save, one per reader thread + 1 on a restore. Keep what was made and add to it (a save and a restore
+alternate); the views are used until the call returns, never after.
 
 Landing (``LandingTarget``, optional, for a restore into host memory; not used for a compressed data
 section): ``can_land(plan)`` (before the gate; touches nothing) says whether every piece of this restore

@@ -214,13 +214,14 @@ def decode_workers() -> int:
     return max(1, min(MAX_DECODE_WORKERS, os.cpu_count() or 1))
 
 
-def _preflight(opened: _Opened, block_size: int, memory_available: Callable[[], int | None] | None) -> None:
+def _preflight(opened: _Opened, block_size: int, n_buffers: int,
+               memory_available: Callable[[], int | None] | None) -> None:
     if memory_available is None:
         return
     need = 2 * len(opened.prefix) + opened.metadata.state.n_tokens * 32
     comp = opened.layout.compressed
     if comp is None:
-        need += 2 * block_size
+        need += n_buffers * block_size
     else:  # per decode worker a frame and its decoded block; the decoder's state (at most a block); the table
         need += decode_workers() * (comp.max_frame + comp.block_size) + comp.block_size + 2 * len(opened.table)
     have = memory_available()
@@ -229,15 +230,17 @@ def _preflight(opened: _Opened, block_size: int, memory_available: Callable[[], 
                                    path=opened.path)
 
 
-def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase) -> int:
-    """Read the data section in blocks (helper thread), hash each, call deliver(view, segments) per block.
-    Returns the bytes read from the file."""
+def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase,
+                 threads: int) -> int:
+    """Read the data section in blocks (``threads`` helpers, at most one block each in flight), hash each
+    in file order on this thread, call deliver(view, segments) per block in file order. Returns the bytes
+    read from the file."""
     if opened.layout.compressed is not None:
         return _stream_frames(opened, hasher, deliver, progress, phase)
     layout = opened.layout
     blocks = _fileio.iter_blocks(layout.extents, layout.data_length, block_size)
     reader = _fileio.ReadAhead(opened.fd, buffers, _fileio.block_chunks(layout.data_offset, layout.data_length,
-                                                                         block_size), opened.path)
+                                                                         block_size), opened.path, threads)
     done = 0
     try:
         for (start, view), (b_start, b_len, segments) in zip(reader, blocks, strict=False):
@@ -324,12 +327,14 @@ def _landing_views(landing_views, layer: int, part, offset: int, length: int) ->
     return out
 
 
-def _land_data(opened: _Opened, landing_views, block_size: int, hasher, progress, phase: Phase) -> int:
+def _land_data(opened: _Opened, landing_views, block_size: int, hasher, progress, phase: Phase,
+               threads: int) -> int:
     """Read the data section straight into the adapter's memory (``landing_views`` per piece), hashing each
-    block there once it landed: the helper reads block k+1 while this thread hashes block k. Returns the
-    bytes read. The helper is stopped and joined before this returns or raises."""
+    block there once it landed: ``threads`` helpers read blocks k+1..k+threads while this thread hashes
+    block k (in file order). Returns the bytes read. The helpers are stopped and joined before this
+    returns or raises."""
     layout = opened.layout
-    lander = _fileio.ReadInto(opened.fd, opened.path)
+    lander = _fileio.ReadInto(opened.fd, opened.path, threads)
     pending: collections.deque = collections.deque()
     done = 0
 
@@ -349,7 +354,7 @@ def _land_data(opened: _Opened, landing_views, block_size: int, hasher, progress
                 views.extend(_landing_views(landing_views, layer, part, part_offset, seg_len))
             lander.submit(layout.data_offset + start, views)
             pending.append(length)
-            if len(pending) > 1:
+            if len(pending) > threads:
                 settle_oldest()
         while pending:
             settle_oldest()
@@ -375,27 +380,39 @@ def _check_unchanged(opened: _Opened, when: str) -> None:
         raise E.FileChanged(f"the file {what} {when} (size {opened.stamp.size} -> {now.size})", path=opened.path)
 
 
-def _hash_pass(opened: _Opened, buffers, block_size: int, progress) -> bytes:
+def _hash_pass(opened: _Opened, buffers, block_size: int, progress, threads: int) -> bytes:
     hasher = xxhash.xxh3_128()
     hasher.update(opened.prefix)
     opened.prefix_hasher = hasher.copy()
-    opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, None, progress, Phase.READ)
+    opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, None, progress, Phase.READ, threads)
     digest = _check_digest(opened, hasher, "read pass")
     _check_unchanged(opened, "during the read pass")
     return digest
 
 
+def _read_threads(read_threads: int | None) -> int:
+    if read_threads is None:
+        return _fileio.default_read_threads()
+    if read_threads < 1:
+        raise ValueError("read_threads must be at least 1")
+    return read_threads
+
+
 def inspect(path: str | os.PathLike, *, verify: bool = True, identity: EngineIdentity | None = None,
-            limits: EngineLimits | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> Inspection:
-    """The read pass alone: validate the file (and, if given, its binding to an engine) without applying it."""
+            limits: EngineLimits | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+            read_threads: int | None = None) -> Inspection:
+    """The read pass alone: validate the file (and, if given, its binding to an engine) without applying it.
+
+    ``read_threads``: threads reading the data section at once (None: ``default_read_threads()``)."""
     path = os.fspath(path)
+    threads = _read_threads(read_threads)
     fd = _fileio.open_session_file(path)
     try:
         opened = _open_metadata(fd, path, identity, limits, require_codec=verify)
         digest = None
         if verify:
-            views = BlockBuffers(block_size).views if opened.layout.compressed is None else None
-            digest = _hash_pass(opened, views, block_size, None)
+            views = BlockBuffers(block_size, threads + 1).views if opened.layout.compressed is None else None
+            digest = _hash_pass(opened, views, block_size, None, threads)
         return Inspection(path, opened.header, opened.metadata, opened.layout, verify, digest)
     finally:
         os.close(fd)
@@ -412,7 +429,7 @@ def _fail_stop(adapter: SessionTarget, exc: BaseException, path: str) -> E.FailS
 
 
 def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan, buffers, block_size, progress,
-                     landing: bool = False):
+                     landing: bool, threads: int):
     # Before the gate: the file must be exactly what the read pass validated.
     _check_unchanged(opened, "between the read pass and the apply pass")
     prefix_again = _fileio.pread_bytes(opened.fd, len(opened.prefix), METADATA_OFFSET, opened.path,
@@ -450,9 +467,10 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
         if landing:  # the gate first: from here on the file's bytes land in the live K/V
             open_gate()
             opened.bytes_read += _land_data(opened, adapter.landing_views, block_size, hasher, progress,
-                                            Phase.APPLY)
+                                            Phase.APPLY, threads)
         else:
-            opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY)
+            opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY,
+                                              threads)
         if not gate[0]:
             open_gate()
         _check_digest(opened, hasher, "apply pass")
@@ -465,7 +483,7 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
 
 
 def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, buffers, block_size, progress,
-                  landing: bool = False):
+                  landing: bool, threads: int):
     hasher = xxhash.xxh3_128()
     hasher.update(opened.prefix)
 
@@ -478,9 +496,10 @@ def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, bu
         _adapter_call(adapter.begin_staging, plan)
         if landing:  # straight into the staging area
             opened.bytes_read += _land_data(opened, adapter.landing_views, block_size, hasher, progress,
-                                            Phase.APPLY)
+                                            Phase.APPLY, threads)
         else:
-            opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY)
+            opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY,
+                                              threads)
         _check_digest(opened, hasher, "staged pass")
         _check_unchanged(opened, "during the staged pass")
         _adapter_call(adapter.commit_staged, plan.state)
@@ -495,14 +514,19 @@ def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, bu
 def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMode | str = RestoreMode.AUTO,
             block_size: int = DEFAULT_BLOCK_SIZE, progress: Callable[[Progress], None] | None = None,
             memory_available: Callable[[], int | None] | None = _fileio.memory_available,
-            buffers: BlockBuffers | None = None) -> RestoreReport:
+            buffers: BlockBuffers | None = None, read_threads: int | None = None) -> RestoreReport:
     """Validate ``path`` against the adapter's engine and apply it (see the module docstring).
 
     ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
     ``memory_available``: a probe of the free RAM in bytes for the preflight (None skips it).
+    ``read_threads``: threads reading the data section at once (None: ``default_read_threads()``); blocks
+    are still hashed and delivered in file order on the calling thread. Block buffers: ``read_threads + 1``
+    (given ``buffers`` with fewer views mean fewer readers). A compressed data section uses its decode
+    workers instead.
     """
     if block_size < MIN_BLOCK_SIZE:
         raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
+    threads = _read_threads(read_threads)
     mode = RestoreMode(mode)
     t0 = time.perf_counter()
     path = os.fspath(path)
@@ -511,7 +535,7 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
     fd = _fileio.open_session_file(path)
     try:
         opened = _open_metadata(fd, path, identity, limits)
-        _preflight(opened, block_size, memory_available)
+        _preflight(opened, block_size, threads + 1, memory_available)
         staged = False
         if mode is not RestoreMode.STREAMING and isinstance(adapter, StagingTarget):
             probe = RestorePlan(path, opened.header, opened.metadata, opened.layout, opened.stamp, RestoreMode.STAGED)
@@ -527,16 +551,16 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
         if opened.layout.compressed is not None or (staged and landing):
             views = None  # decode workers read frames into their own buffers; landing needs none
         else:
-            views = block_buffers(adapter, block_size, buffers)
+            views = block_buffers(adapter, block_size, buffers, threads + 1)
         if staged:
             _adapter_call(adapter.check_plan, plan)
             t_read = time.perf_counter()
-            _apply_staged(opened, adapter, plan, views, block_size, progress, landing)
+            _apply_staged(opened, adapter, plan, views, block_size, progress, landing, threads)
         else:
-            _hash_pass(opened, views, block_size, progress)
+            _hash_pass(opened, views, block_size, progress, threads)
             _adapter_call(adapter.check_plan, plan)
             t_read = time.perf_counter()
-            _apply_streaming(opened, adapter, plan, views, block_size, progress, landing)
+            _apply_streaming(opened, adapter, plan, views, block_size, progress, landing, threads)
         t_end = time.perf_counter()
         return RestoreReport(path, plan.mode, plan.state.n_tokens, opened.bytes_read, opened.stamp.size,
                              t_end - t0, t_read - t0, t_end - t_read)

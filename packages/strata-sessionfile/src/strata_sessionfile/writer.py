@@ -67,14 +67,17 @@ def _adapter_call(fn, *args):
 
 
 class BlockBuffers:
-    """Two block buffers (anonymous memory maps) that a caller may keep and pass to every save/restore,
-    so no call pays for allocating and faulting in fresh buffers."""
+    """Block buffers (anonymous memory maps) that a caller may keep and pass to every save/restore, so no
+    call pays for allocating and faulting in fresh buffers. A save uses two; a restore with N reader
+    threads N + 1 (with fewer it reads with fewer threads)."""
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, count: int = 2) -> None:
         if block_size < MIN_BLOCK_SIZE:
             raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
+        if count < 2:
+            raise ValueError("count must be at least 2")
         self.block_size = block_size
-        self._maps = [mmap.mmap(-1, block_size) for _ in range(2)]
+        self._maps = [mmap.mmap(-1, block_size) for _ in range(count)]
         self.views = [memoryview(m) for m in self._maps]
 
     def close(self) -> None:
@@ -84,18 +87,19 @@ class BlockBuffers:
             m.close()
 
 
-def block_buffers(adapter, block_size: int, buffers: BlockBuffers | None = None) -> list[memoryview]:
-    """Two block buffers: the caller's (BlockBuffers), the adapter's own (BufferProvider), or fresh maps."""
+def block_buffers(adapter, block_size: int, buffers: BlockBuffers | None = None, count: int = 2) -> list[memoryview]:
+    """``count`` block buffers: the caller's (BlockBuffers: all it has, which may be fewer), the adapter's own
+    (BufferProvider), or fresh maps."""
     if buffers is not None:
         if buffers.block_size < block_size:
             raise ValueError(f"the given buffers hold {buffers.block_size} bytes, block_size is {block_size}")
-        return buffers.views
+        return buffers.views[:count]
     if isinstance(adapter, BufferProvider):
-        bufs = list(_adapter_call(adapter.block_buffers, 2, block_size))
-        if len(bufs) < 2 or any(len(b) < block_size or b.readonly for b in bufs[:2]):
-            raise E.AdapterFailed(f"block_buffers must return 2 writable memoryviews of {block_size} bytes")
-        return [memoryview(b).cast("B") for b in bufs[:2]]
-    return BlockBuffers(block_size).views
+        bufs = list(_adapter_call(adapter.block_buffers, count, block_size))
+        if len(bufs) < count or any(len(b) < block_size or b.readonly for b in bufs[:count]):
+            raise E.AdapterFailed(f"block_buffers must return {count} writable memoryviews of {block_size} bytes")
+        return [memoryview(b).cast("B") for b in bufs[:count]]
+    return BlockBuffers(block_size, count).views
 
 
 def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,

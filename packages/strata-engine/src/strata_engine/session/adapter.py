@@ -177,8 +177,14 @@ class BlockBufferCache:
         self._staging: np.ndarray | None = None
 
     def get(self, count: int, nbytes: int) -> list[memoryview]:
-        if len(self._buffers) < count or any(len(b) < nbytes for b in self._buffers[:count]):
-            self._buffers = [memoryview(bytearray(nbytes)) for _ in range(count)]
+        """`count` buffers of `nbytes`. Grow-only: a buffer too small is replaced, missing ones are added,
+        none is dropped, so a save (2 buffers) and a restore (one per reader thread + 1) alternate
+        without allocating."""
+        for i, b in enumerate(self._buffers[:count]):
+            if len(b) < nbytes:
+                self._buffers[i] = memoryview(bytearray(nbytes))
+        while len(self._buffers) < count:
+            self._buffers.append(memoryview(bytearray(nbytes)))
         return [b[:nbytes] for b in self._buffers[:count]]
 
     def staging(self, nbytes: int, reserve: int = 0) -> np.ndarray:
@@ -477,12 +483,14 @@ class EngineSession:
         flat, segs = self._segments(layer, part, self._prepared.starts[layer], offset, length)
         return [memoryview(flat[lo:hi]) for lo, hi, _d in segs]
 
-    def _write_pool(self, layer: int, part: Part, offset: int, src: np.ndarray, starts: tuple[int, ...]) -> None:
+    def _write_pool(self, layer: int, part: Part, offset: int, src: Any, starts: tuple[int, ...],
+                    sync: bool = True) -> None:
         self.live_touched = True
         flat, segs = self._segments(layer, part, starts[layer], offset, len(src))
         for lo, hi, d in segs:
             _from_host(flat[lo:hi], src[d : d + hi - lo])
-        _sync(self.runner.pool)  # the library reuses `src`'s buffer once this returns
+        if sync:
+            _sync(self.runner.pool)  # the library reuses `src`'s buffer once this returns
 
     def commit(self, state: RunningState) -> None:
         prepared = self._prepared
@@ -522,14 +530,14 @@ class EngineSession:
 
     def begin_staging(self, plan: RestorePlan) -> None:
         self._require_prepared(plan)
-        # A device pool stages in VRAM (the switch is then a device copy); others in host memory, one
-        # allocation carved into the parts (one mapping to fault in, not one per part).
+        # A device pool stages in VRAM (the switch is then a device copy); others in host memory. Either
+        # way one allocation carved into the parts: one mapping to fault in (host), one allocation from
+        # the device memory pool instead of one per part (device).
+        nbytes = self.staging_bytes(plan)
         alloc = getattr(self.runner.pool, "staging_array", None)
         if alloc is not None:
-            self._staged = [[alloc(g.part_size(p)) if g.part_size(p) else None for p in Part] for g in plan.layers]
-            return
-        nbytes = self.staging_bytes(plan)
-        if self.buffers is not None:
+            area = alloc(nbytes)
+        elif self.buffers is not None:
             pool_bytes = getattr(getattr(self.runner.pool, "buffer", None), "nbytes", 0)
             area = self.buffers.staging(nbytes, reserve=int(pool_bytes))
         else:
@@ -571,8 +579,9 @@ class EngineSession:
         try:
             for layer, parts in enumerate(staged):
                 for part, data in enumerate(parts):
-                    if data is not None:
-                        self._write_pool(layer, Part(part), 0, data, prepared.starts)
+                    if data is not None:  # the staging area is not reused: one sync after every part
+                        self._write_pool(layer, Part(part), 0, data, prepared.starts, sync=False)
+            _sync(self.runner.pool)
         finally:
             self._drop_staged()
         self.commit(state)

@@ -42,19 +42,23 @@ def _restore_mode(value: Any) -> sf.RestoreMode:
     return sf.RestoreMode(value)
 
 
-# The engine's block size for SAVE / RESTORE of a host pool (the library's default is 16 MiB). Smaller
-# blocks fill and drain the two-buffer pipelines sooner (the first block's copy and the last block's hash +
-# write overlap nothing): measured on the CPU machine, median save 81 -> 70 ms (gemma3, 65 MB) and streaming
-# restore 83 -> 71 ms (smollm2, 182 MB) from 16 to 4 MiB; 1-2 MiB were no better. A device pool keeps the
-# library's default, its pinned buffers' size, with which its figures were measured on the H200 (each
-# block there costs device synchronisations; 4 MiB is unmeasured on the GPU).
-HOST_POOL_BLOCK_SIZE = 4 << 20
+# The engine's block size for SAVE / RESTORE (the library's default is 16 MiB), for host and device pools.
+# Smaller blocks fill and drain the pipelines sooner (the first block's read or copy and the last block's
+# hash + hand-over overlap nothing): measured on the CPU machine, median save 81 -> 70 ms (gemma3, 65 MB)
+# and streaming restore 83 -> 71 ms (smollm2, 182 MB) from 16 to 4 MiB; 1-2 MiB were no better. A restore
+# now reads with several threads (one block each in flight): 16 MiB blocks would give a 116 MiB gemma3
+# file only 8 blocks for 4 readers, and the buffers (readers + 1) would hold 80 MiB of pinned memory. On a
+# device pool each block costs a few fixed device calls -- per piece one synchronous host -> device copy
+# from a pinned buffer (~80 us for 4 MiB at ~52 GB/s) and one stream sync -- against ~0.6 ms of hashing
+# per 4 MiB on the same thread: the per-block cost stays small at 4 MiB, and the H200 host's probe
+# figures (threaded reads, early writeback) were taken with 4 MiB blocks.
+SESSION_BLOCK_SIZE = 4 << 20
 
 
 @attrs.frozen
 class SessionOptions:
     restore_mode: sf.RestoreMode = attrs.field(default=sf.RestoreMode.AUTO, converter=_restore_mode)
-    block_size: int | None = None  # None: HOST_POOL_BLOCK_SIZE, or the library's default for a device pool
+    block_size: int | None = None  # None: SESSION_BLOCK_SIZE
     fault: FaultPoint | None = None
 
     @classmethod
@@ -87,16 +91,19 @@ class SessionVerbs:
         lazily zeroed; a restored conversation would otherwise pay the page faults of every byte it lands,
         which a process that never restarted paid during its prefill)."""
         self.identity(ctx.runner)
-        self.buffers.get(2, self.block_size(ctx.runner))
+        count = sf.default_read_threads() + 1  # a restore's buffers (a save uses the first two)
+        pinned = getattr(ctx.runner.pool, "pinned_buffers", None)  # a device pool's own, pinned
+        if pinned is not None:
+            pinned(count, self.block_size(ctx.runner))
+        else:
+            for b in self.buffers.get(count, self.block_size(ctx.runner)):
+                b[:] = bytes(len(b))  # fault the pages in now
         buffer = getattr(ctx.runner.pool, "buffer", None)
         if isinstance(buffer, np.ndarray) and ctx.runner.pool.n_tokens == 0:
             buffer.fill(0)  # the pool holds nothing yet: writing zeros changes no state
 
     def block_size(self, runner: Any) -> int:
-        if self.options.block_size is not None:
-            return self.options.block_size
-        device_pool = getattr(runner.pool, "pinned_buffers", None) is not None
-        return sf.DEFAULT_BLOCK_SIZE if device_pool else HOST_POOL_BLOCK_SIZE
+        return self.options.block_size if self.options.block_size is not None else SESSION_BLOCK_SIZE
 
     def identity(self, runner: Any) -> sf.EngineIdentity:
         if self._identity_of is None or self._identity_of[0] is not runner:

@@ -1,0 +1,275 @@
+"""Restores that read with several threads, and saves that start the kernel's writeback block by block.
+
+Several readers: the same bytes whatever their number, in every mode; a read error of block k surfaces in
+file order (every block before k delivered, none after), whichever read failed first in time; when the
+restore returns or raises, no reader thread is alive and no read is still writing into memory.
+Writeback: the hint is given once per written block, over contiguous ranges that end at the data's end,
+and a failing hint fails nothing (the final fsync is the authority).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import threading
+import time
+
+import pytest
+from strata_sessionfile import _fileio, default_read_threads, inspect, restore, save
+from strata_sessionfile import errors as E
+from strata_sessionfile.testing import memory_adapter_factory
+
+BLOCK = 4096
+LANDING = memory_adapter_factory(n_tokens=200, zero_copy=True)
+LANDING_STAGING = memory_adapter_factory(n_tokens=200, staging=True, zero_copy=True)
+COPYING = memory_adapter_factory(n_tokens=200)
+COPYING_STAGING = memory_adapter_factory(n_tokens=200, staging=True)
+FACTORIES = {"streaming-copy": (COPYING, "streaming"), "streaming-land": (LANDING, "streaming"),
+             "staged-copy": (COPYING_STAGING, "staged"), "staged-land": (LANDING_STAGING, "staged")}
+
+
+def _helpers_alive() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("strata-")]
+
+
+@pytest.fixture
+def good(tmp_path):
+    path = tmp_path / "s.ssf"
+    save(path, COPYING(1), block_size=BLOCK)
+    return path
+
+
+def test_default_read_threads_leaves_a_core_for_the_hash():
+    cores = _fileio.available_cpus()
+    assert default_read_threads() == max(1, min(_fileio.MAX_READ_THREADS, cores - 1))
+    with pytest.raises(ValueError, match="read_threads"):
+        inspect(os.devnull, read_threads=0)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_every_number_of_readers_restores_the_same_bytes(good, name):
+    factory, mode = FACTORIES[name]
+    expected = COPYING(1).live_digest()
+    n_blocks = -(-inspect(good).layout.data_length // BLOCK)
+    assert n_blocks > 8  # more blocks than readers: the ring of buffers is reused many times
+    for threads in (1, 2, 4):
+        target = factory(2)
+        assert target.live_digest() != expected
+        report = restore(good, target, mode=mode, block_size=BLOCK, read_threads=threads)
+        assert report.mode.value == mode and target.live_digest() == expected, threads
+    assert not _helpers_alive()
+
+
+def test_inspect_verifies_with_several_readers(good):
+    digests = {inspect(good, block_size=BLOCK, read_threads=n).payload_hash for n in (1, 3, 4)}
+    assert len(digests) == 1 and None not in digests
+
+
+def test_fewer_given_buffers_mean_fewer_readers_not_a_failure(good):
+    from strata_sessionfile import BlockBuffers
+
+    for count in (2, 3):
+        target = COPYING(2)
+        restore(good, target, mode="streaming", block_size=BLOCK, read_threads=4,
+                buffers=BlockBuffers(BLOCK, count))
+        assert target.live_digest() == COPYING(1).live_digest()
+    with pytest.raises(ValueError):
+        BlockBuffers(BLOCK, 1)
+
+
+def _delivered_extents(target, layout) -> list[tuple[int, int]]:
+    """(data offset, length) of every stage_in the target received, in call order."""
+    start = {(e.layer, e.part): e.data_offset for e in layout.extents}
+    return [(start[(layer, part)] + offset, n) for layer, part, offset, n in target.staged_calls]
+
+
+def _recording(target):
+    target.staged_calls = []
+    real = type(target).stage_in
+
+    def stage_in(layer, part, offset, src):
+        target.staged_calls.append((layer, part, offset, len(src)))
+        real(target, layer, part, offset, src)
+
+    target.stage_in = stage_in
+    return target
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("bad_block", [0, 3, 7])
+def test_a_read_error_surfaces_in_file_order_after_every_earlier_block(good, monkeypatch, threads, bad_block):
+    layout = inspect(good).layout
+    bad_offset = layout.data_offset + bad_block * BLOCK
+    real = _fileio.pread_into
+
+    def failing(fd, buf, offset):
+        if offset == bad_offset:  # fails at once ...
+            raise OSError(errno.EIO, "Input/output error")
+        if offset == bad_offset - BLOCK:  # ... while the block before it is still being read
+            time.sleep(0.05)
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(_fileio, "pread_into", failing)
+    target = _recording(COPYING_STAGING(2))
+    before = target.live_digest()
+    with pytest.raises(E.ReadFailed) as info:
+        restore(good, target, mode="staged", block_size=BLOCK, read_threads=threads)
+    assert info.value.offset == bad_offset
+    delivered = _delivered_extents(target, layout)
+    # Every byte of blocks < k, in file order, and nothing of block k or later.
+    assert [lo for lo, _ in delivered] == sorted(lo for lo, _ in delivered)
+    assert sum(n for _, n in delivered) == bad_block * BLOCK
+    assert all(lo + n <= bad_block * BLOCK for lo, n in delivered)
+    assert target.events[-1] == "discard_staged" and target.live_digest() == before
+    assert not _helpers_alive()
+
+
+@pytest.mark.parametrize("mode", ["streaming", "staged"])
+def test_nothing_is_written_into_landed_memory_after_the_restore_returns(good, monkeypatch, mode):
+    """Block 2 fails while block 3's read into the adapter's memory is still running (slow): the restore
+    must wait for that read before it raises, and the reads not started are never started."""
+    layout = inspect(good).layout
+    data0 = layout.data_offset
+    real = _fileio.pread_into
+    applying = threading.Event()
+    finished_after_return: list[int] = []
+    returned = threading.Event()
+    started: list[int] = []
+
+    def failing(fd, buf, offset):
+        if not applying.is_set() or offset < data0:
+            return real(fd, buf, offset)
+        started.append(offset)
+        if data0 + 2 * BLOCK <= offset < data0 + 3 * BLOCK:
+            raise OSError(errno.EIO, "Input/output error")
+        if data0 + 3 * BLOCK <= offset < data0 + 4 * BLOCK:
+            time.sleep(0.2)
+        n = real(fd, buf, offset)
+        if returned.is_set():
+            finished_after_return.append(offset)
+        return n
+
+    factory = LANDING_STAGING if mode == "staged" else LANDING
+    target = factory(2)
+    gate = "begin_staging" if mode == "staged" else "begin_apply"
+    real_gate = getattr(type(target), gate)
+
+    def open_gate(plan):
+        applying.set()
+        real_gate(target, plan)
+
+    setattr(target, gate, open_gate)
+    monkeypatch.setattr(_fileio, "pread_into", failing)
+    with pytest.raises((E.ReadFailed, E.FailStop)) as info:
+        restore(good, target, mode=mode, block_size=BLOCK, read_threads=4)
+    returned.set()
+    time.sleep(0.3)  # a read left running would finish now
+    assert finished_after_return == [] and not _helpers_alive()
+    cause = info.value.cause_reason if isinstance(info.value, E.FailStop) else info.value.reason
+    assert cause == "read_failed"
+    # Bounded: while block k (2) is waited for, at most blocks k+1..k+threads were handed to readers; the
+    # ones not started by then never start.
+    assert max(started) < data0 + (2 + 1 + 4) * BLOCK
+    if mode == "streaming":
+        assert target.events.count("fail_stop") == 1 and "commit" not in target.events
+    else:
+        assert target.events[-1] == "discard_staged" and "commit_staged" not in target.events
+
+
+# --- early writeback on save -------------------------------------------------------------------------
+def test_the_writeback_hint_follows_every_block(tmp_path, monkeypatch):
+    hints: list[tuple[int, int]] = []
+    monkeypatch.setattr(_fileio, "start_writeback", lambda fd, offset, length: hints.append((offset, length)))
+    path = tmp_path / "s.ssf"
+    save(path, COPYING(1), block_size=BLOCK)
+    layout = inspect(path).layout
+    assert len(hints) == -(-layout.data_length // BLOCK)
+    # Contiguous from the file's start (the header and metadata ride with the first block) to the data's end.
+    assert hints[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in zip(hints, hints[1:], strict=False))
+    assert hints[-1][0] + hints[-1][1] == layout.data_offset + layout.data_length
+
+
+def test_the_writeback_hint_follows_every_compressed_frame(tmp_path, monkeypatch):
+    pytest.importorskip("zstandard")
+    hints: list[tuple[int, int]] = []
+    monkeypatch.setattr(_fileio, "start_writeback", lambda fd, offset, length: hints.append((offset, length)))
+    path = tmp_path / "z.ssf"
+    save(path, COPYING(1), block_size=BLOCK, compression="zstd")
+    comp = inspect(path).layout.compressed
+    assert len(hints) == comp.n_blocks
+    assert hints[-1][0] + hints[-1][1] == comp.table_offset  # every frame, up to the block table
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.EIO, "Input/output error"), OSError(errno.ENOSYS, "no")])
+def test_a_failing_writeback_hint_fails_nothing(tmp_path, monkeypatch, failure):
+    calls = []
+
+    def failing(fd, offset, length):
+        calls.append(offset)
+        raise failure
+
+    monkeypatch.setattr(_fileio, "start_writeback", failing)
+    path = tmp_path / "s.ssf"
+    report = save(path, COPYING(1), block_size=BLOCK)
+    assert calls and report.bytes_written == path.stat().st_size
+    target = COPYING(2)
+    restore(path, target, block_size=BLOCK)
+    assert target.live_digest() == COPYING(1).live_digest()
+
+
+def test_the_real_writeback_hint_runs_here(tmp_path):
+    """On Linux the hint reaches sync_file_range; its result is ignored (a bad fd raises nothing)."""
+    if os.uname().sysname == "Linux":
+        assert _fileio._SYNC_FILE_RANGE is not None
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, b"x" * 8192)
+        _fileio.start_writeback(fd, 0, 8192)
+    finally:
+        os.close(fd)
+    _fileio.start_writeback(-1, 0, 1)
+
+
+# --- token ids ---------------------------------------------------------------------------------------
+def _token_offset(path) -> int:
+    """File offset of the first token id (after the model file list and the config)."""
+    data = path.read_bytes()
+    pos = 68
+    (n_files,) = struct.unpack_from("<I", data, pos)
+    pos += 4
+    for _ in range(n_files):
+        (rlen,) = struct.unpack_from("<H", data, pos)
+        pos += 2 + rlen + 24
+    (cfg_len,) = struct.unpack_from("<I", data, pos)
+    return pos + 4 + cfg_len + 12
+
+
+@pytest.mark.parametrize("index", [0, 1, 57, -1])
+def test_a_negative_token_id_anywhere_is_refused(tmp_path, good, index):
+    n = inspect(good).metadata.state.n_tokens
+    at = _token_offset(good) + 4 * (index % n)
+    data = bytearray(good.read_bytes())
+    assert struct.unpack_from("<i", data, at)[0] == inspect(good).metadata.state.tokens[index % n]
+    for bad in (-1, -(2 ** 31), -300):
+        struct.pack_into("<i", data, at, bad)
+        path = tmp_path / "bad.ssf"
+        path.write_bytes(bytes(data))
+        with pytest.raises(E.MetadataInvalid, match="a token id is negative"):
+            inspect(path, verify=False)
+    struct.pack_into("<i", data, at, 2 ** 31 - 1)  # the largest id is not negative
+    path.write_bytes(bytes(data))
+    assert max(inspect(path, verify=False).metadata.state.tokens) == 2 ** 31 - 1
+
+
+def test_a_token_id_over_the_vocabulary_is_refused_with_the_id(tmp_path, good):
+    import attrs
+    from strata_sessionfile import check_limits
+
+    meta = inspect(good).metadata
+    limits = COPYING(2).limits()
+    top = max(meta.state.tokens)
+    check_limits(meta, attrs.evolve(limits, vocab_size=top + 1))
+    with pytest.raises(E.LimitExceeded, match=f"token id {top} is outside the engine's vocabulary of {top}"):
+        check_limits(meta, attrs.evolve(limits, vocab_size=top))
