@@ -5,9 +5,13 @@
 Measures, on a file of --mib MiB in --folder (page cache warm for the reads, as a restore of a file just
 written): one sequential read into a reused 16 MiB buffer (the benchmarks' "plain read"); the same file
 read by 2, 4 and 8 threads at once (disjoint 4 MiB blocks, each thread its own buffer); XXH3-128 on one
-core; pinned host -> device copies; a plain write + fsync against the same writes with the kernel's
-writeback started after each 4 MiB block (sync_file_range, SYNC_FILE_RANGE_WRITE) and one fsync at the
-end. Runs without CuPy too (the device copy is then left out). Best of 3 per figure.
+core, over the whole buffer (from memory) and over each 4 MiB block right after one thread read it
+(cache-warm); the session library's restore pipeline on this file (strata_sessionfile's ReadAhead: N
+reader threads, blocks hashed in file order on the calling thread) for N = 1, 2, 4; pinned host ->
+device copies; a plain write + fsync against the same writes with the kernel's writeback started after
+each 4 MiB block (sync_file_range, SYNC_FILE_RANGE_WRITE) and one fsync at the end. Runs without CuPy
+too (the device copy is then left out), and without strata_sessionfile (its pipeline is then left out).
+Best of 3 per figure.
 """
 
 from __future__ import annotations
@@ -107,6 +111,48 @@ def main() -> int:
 
     t = best(hash_all)
     print(f"xxh3_128, one core                   {t * 1e3:7.1f} ms  {gb / t:5.1f} GB/s", flush=True)
+    block = memoryview(bytearray(BLOCK))
+
+    def hash_after_read() -> float:  # the hash's time only, each block just read into a reused buffer
+        fd = os.open(path, os.O_RDONLY)
+        h, spent = xxhash.xxh3_128(), 0.0
+        for off in range(0, size, BLOCK):
+            os.preadv(fd, [block], off)
+            t0 = time.perf_counter()
+            h.update(block)
+            spent += time.perf_counter() - t0
+        os.close(fd)
+        return spent
+
+    t = best(hash_after_read)
+    print(f"xxh3_128 of each block after its read {t * 1e3:6.1f} ms  {gb / t:5.1f} GB/s", flush=True)
+    try:
+        from strata_sessionfile import _fileio
+    except ImportError:
+        _fileio = None
+        print("no strata_sessionfile: its restore pipeline not measured")
+    if _fileio is not None:
+        for threads in (1, 2, 4):
+            bufs = [memoryview(bytearray(BLOCK)) for _ in range(threads + 1)]
+
+            def pipeline(threads: int = threads, bufs: list = bufs) -> tuple[float, float]:
+                t0 = time.perf_counter()
+                fd = os.open(path, os.O_RDONLY)
+                h, hashing = xxhash.xxh3_128(), 0.0
+                reader = _fileio.ReadAhead(fd, bufs, _fileio.block_chunks(0, size, BLOCK), path, threads)
+                try:
+                    for _offset, view in reader:
+                        t1 = time.perf_counter()
+                        h.update(view)  # on the calling thread, another core than the reader's
+                        hashing += time.perf_counter() - t1
+                finally:
+                    reader.close()
+                    os.close(fd)
+                return time.perf_counter() - t0, hashing
+
+            t, hashing = min(pipeline() for _ in range(3))
+            print(f"library read + in-order hash, {threads} reader(s) {t * 1e3:5.1f} ms  {gb / t:5.1f} GB/s"
+                  f"  (hashing {hashing * 1e3:.1f} ms of it)", flush=True)
     try:
         import cupy as cp
         import cupyx
