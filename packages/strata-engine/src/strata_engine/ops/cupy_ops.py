@@ -255,6 +255,8 @@ def c_type(dtype: Any) -> str:
     return _c_type_of(dtype if isinstance(dtype, np.dtype) else np.dtype(dtype))
 
 
+# strata_gated_act's ACT template argument per activation
+_GATED_ACT = {Activation.SILU: 0, Activation.GELU_TANH: 1}
 WARP_ROWS_PER_BLOCK = 8  # the row kernels run one warp per row, 8 warps per block
 
 # cuBLAS enums (cublas_api.h, library_types.h).
@@ -445,9 +447,13 @@ class CupyOps(NumpyOps):
         return out
 
     def gated_mlp(self, x: Any, w_gate_up: Any, w_down: Any, activation: Activation) -> Any:
-        gate, up = self.project(x, w_gate_up, (w_down.shape[1],) * 2)
-        fused = self.kernels.silu_mul if activation is Activation.SILU else self.kernels.gelu_tanh_mul
-        return self.matmul(fused(gate, up), w_down)  # act(gate) * up, one kernel over the two views
+        gate_up = self.matmul(x, w_gate_up)  # [T, 2F]: gate | up, one product
+        n_rows, n_ff = gate_up.shape[0], w_down.shape[1]
+        act = self.xp.empty((n_rows, n_ff), dtype=gate_up.dtype)
+        kernel = self.raw.get("strata_gated_act", c_type(gate_up.dtype), _GATED_ACT[activation])
+        grid = (-(-n_ff // 256), max(1, min(n_rows, 65535)))
+        kernel(grid, (256,), (gate_up, act, np.int32(n_rows), np.int32(n_ff), np.int32(gate_up.shape[1])))
+        return self.matmul(act, w_down)  # act(gate) * up in one kernel, then the down product
 
     # ---- rotary position embedding -------------------------------------------------------------
     def rope_tables(self, pos0: int, n: int, base: float, rope_dim: int) -> tuple[Any, Any]:

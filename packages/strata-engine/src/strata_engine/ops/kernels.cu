@@ -13,6 +13,7 @@
 //   an optional norm of the branch, gemma3's post-norms) and normalises the sum for the next block.
 // * strata_qk_norm_rope: one warp per (token, head): optional per-head RMS norm, then RoPE (neox or
 //   interleaved), for the Q and K heads of one fused QKV projection.
+// * strata_gated_act: act(gate) * up over the two halves of one fused [Wg; Wu] product.
 //
 // Arithmetic is float32 whatever the storage type; every stored value is rounded once, to the
 // storage type, at the point where the NumPy twin rounds it.
@@ -505,4 +506,24 @@ __global__ void strata_attn_combine(const float* __restrict__ part_o, const floa
         }
     }
     out[((size_t)(R / G) * H + kvh * G + R % G) * D + d] = from_f32<OT>(den > 0.f ? num / den : 0.f);
+}
+
+// ---- gated activation --------------------------------------------------------------------------
+// out[r, c] = act(g) * u with g = gu[r, c] and u = gu[r, F + c], the two halves of a fused [Wg; Wu]
+// product (rows `stride` apart); act is SiLU (ACT 0) or GELU in its tanh form (ACT 1), in float32 as
+// the NumPy twin computes it, rounded once. One thread per column, block rows over the token rows:
+// no index division (CuPy's element-wise kernels over the strided halves divide per element).
+constexpr float GELU_C = 0.7978845608028654f;  // sqrt(2 / pi)
+
+template <typename T, int ACT>
+__global__ void strata_gated_act(const T* __restrict__ gu, T* __restrict__ out, int n_rows, int F, int stride) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= F) return;
+    for (int r = blockIdx.y; r < n_rows; r += gridDim.y) {
+        const T* row = gu + (size_t)r * stride;
+        const float g = to_f32(row[c]), u = to_f32(row[F + c]);
+        const float a = ACT == 0 ? g / (1.0f + expf(-g))
+                                 : 0.5f * g * (1.0f + tanhf(GELU_C * (g + 0.044715f * g * g * g)));
+        out[(size_t)r * F + c] = from_f32<T>(a * u);
+    }
 }

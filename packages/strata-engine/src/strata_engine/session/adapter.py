@@ -351,8 +351,10 @@ class EngineSession:
         if n_bytes > LIMIT["MAX_CHECKPOINT_DATA_BYTES"]:
             log.warning("the deepest checkpoint (%d bytes) is over the format's limit: not saved", n_bytes)
             return Checkpoint(0, b""), None
-        # One copy: join reads each (contiguous) array's buffer directly.
-        chunks = [np.ascontiguousarray(arr) for i in self.ring_layers for arr in cp.layers[i].arrays()]
+        # One copy: join reads each (contiguous) array's buffer directly. A device pool keeps its
+        # checkpoints on the device (kv/checkpoints.py): they come to the host here, at the save.
+        to_host = self.runner.pool.ops.to_host
+        chunks = [np.ascontiguousarray(to_host(arr)) for i in self.ring_layers for arr in cp.layers[i].arrays()]
         return Checkpoint(cp.position, b"".join(chunks)), {"position": cp.position, "start": cp.start}
 
     def copy_out(self, layer: int, part: Part, offset: int, dest: memoryview) -> None:
