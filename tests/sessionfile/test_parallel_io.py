@@ -18,7 +18,7 @@ import time
 import pytest
 from strata_sessionfile import _fileio, default_read_threads, inspect, restore, save
 from strata_sessionfile import errors as E
-from strata_sessionfile.testing import memory_adapter_factory
+from strata_sessionfile.testing import memory_adapter_factory, run_conformance
 
 BLOCK = 4096
 LANDING = memory_adapter_factory(n_tokens=200, zero_copy=True)
@@ -31,6 +31,14 @@ FACTORIES = {"streaming-copy": (COPYING, "streaming"), "streaming-land": (LANDIN
 
 def _helpers_alive() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("strata-")]
+
+
+@pytest.fixture(params=[False, True], ids=["hash-inline", "hash-beside"])
+def beside(request, monkeypatch):
+    """Copying restores hash each block inline, or on a thread of its own while the adapter copies it (the
+    choice depends on the cores: both are forced here)."""
+    monkeypatch.setattr(_fileio, "hash_beside_delivery", lambda threads: request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -47,8 +55,15 @@ def test_default_read_threads_leaves_a_core_for_the_hash():
         inspect(os.devnull, read_threads=0)
 
 
+def test_hashing_beside_the_copies_needs_a_free_core(monkeypatch):
+    monkeypatch.setattr(_fileio, "available_cpus", lambda: 2)
+    assert not _fileio.hash_beside_delivery(1)
+    monkeypatch.setattr(_fileio, "available_cpus", lambda: 16)
+    assert _fileio.hash_beside_delivery(4)
+
+
 @pytest.mark.parametrize("name", sorted(FACTORIES))
-def test_every_number_of_readers_restores_the_same_bytes(good, name):
+def test_every_number_of_readers_restores_the_same_bytes(good, name, beside):
     factory, mode = FACTORIES[name]
     expected = COPYING(1).live_digest()
     n_blocks = -(-inspect(good).layout.data_length // BLOCK)
@@ -78,6 +93,31 @@ def test_fewer_given_buffers_mean_fewer_readers_not_a_failure(good):
         BlockBuffers(BLOCK, 1)
 
 
+@pytest.mark.parametrize("factory", [COPYING, COPYING_STAGING], ids=["streaming", "staged"])
+def test_conformance_with_several_readers_and_the_hash_beside_the_copies(tmp_path, monkeypatch, factory):
+    monkeypatch.setattr(_fileio, "default_read_threads", lambda: 3)
+    monkeypatch.setattr(_fileio, "hash_beside_delivery", lambda threads: True)
+    assert "gate_after" in run_conformance(factory, tmp_path)
+    assert not _helpers_alive()
+
+
+def test_an_adapter_failure_while_the_block_is_hashed_beside_it_fail_stops(good, monkeypatch):
+    monkeypatch.setattr(_fileio, "hash_beside_delivery", lambda threads: True)
+    target = COPYING(2)
+    real = type(target).copy_in
+
+    def copy_in(*args):
+        if target.events.count("copy_in") == 3:
+            raise RuntimeError("device lost")
+        real(target, *args)
+
+    target.copy_in = copy_in
+    with pytest.raises(E.FailStop) as info:
+        restore(good, target, mode="streaming", block_size=BLOCK, read_threads=4)
+    assert info.value.cause_reason == "adapter_failed" and target.events.count("fail_stop") == 1
+    assert not _helpers_alive()
+
+
 def _delivered_extents(target, layout) -> list[tuple[int, int]]:
     """(data offset, length) of every stage_in the target received, in call order."""
     start = {(e.layer, e.part): e.data_offset for e in layout.extents}
@@ -98,7 +138,8 @@ def _recording(target):
 
 @pytest.mark.parametrize("threads", [2, 4])
 @pytest.mark.parametrize("bad_block", [0, 3, 7])
-def test_a_read_error_surfaces_in_file_order_after_every_earlier_block(good, monkeypatch, threads, bad_block):
+def test_a_read_error_surfaces_in_file_order_after_every_earlier_block(good, monkeypatch, threads, bad_block,
+                                                                      beside):
     layout = inspect(good).layout
     bad_offset = layout.data_offset + bad_block * BLOCK
     real = _fileio.pread_into

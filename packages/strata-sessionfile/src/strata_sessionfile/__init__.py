@@ -23,7 +23,7 @@ Reading
     memory_available, buffers, read_threads=None) -> RestoreReport``; ``memory_available()`` is the default
     RAM probe (MemAvailable) of the preflight; ``default_read_threads()`` the readers a restore uses when
     ``read_threads`` is None (min(4, cores - 1), at least 1; the payload is hashed and handed over in file
-    order on the calling thread whatever the number).
+    order whatever the number).
 Adapter protocol (``strata_sessionfile.adapter``)
     ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
     restore), ``BufferProvider`` (optional own block buffers), ``LandingTarget`` (optional: a restore reads

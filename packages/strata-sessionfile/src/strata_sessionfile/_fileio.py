@@ -213,6 +213,13 @@ def default_read_threads() -> int:
     return max(1, min(MAX_READ_THREADS, available_cpus() - 1))
 
 
+def hash_beside_delivery(threads: int) -> bool:
+    """Whether a restore that copies each block into the adapter (copy_in / stage_in) hashes it on a thread
+    of its own meanwhile: only where a core is free for it beside the readers and the calling thread (on
+    2 cores the three would share them and each block would cost more, not less)."""
+    return available_cpus() >= threads + 2
+
+
 def block_chunks(file_offset: int, length: int, block_size: int) -> Iterator[tuple[int, int]]:
     """(file offset, length) of each block of [file_offset, file_offset + length)."""
     for pos in range(0, length, block_size):

@@ -29,6 +29,7 @@ import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 
 import attrs
 import xxhash
@@ -233,26 +234,43 @@ def _preflight(opened: _Opened, block_size: int, n_buffers: int,
 def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase,
                  threads: int) -> int:
     """Read the data section in blocks (``threads`` helpers, at most one block each in flight), hash each
-    in file order on this thread, call deliver(view, segments) per block in file order. Returns the bytes
-    read from the file."""
+    in file order, call deliver(view, segments) per block in file order. Returns the bytes read from the
+    file.
+
+    Where a core is free for it (``_fileio.hash_beside_delivery``), each block is hashed on a thread of
+    its own while ``deliver`` hands the same block to the adapter (e.g. a host -> device copy): a block
+    then costs the longer of the two instead of their sum. Both only read the buffer, and it goes back
+    to the readers only once both are done; the hash is still computed strictly in file order."""
     if opened.layout.compressed is not None:
         return _stream_frames(opened, hasher, deliver, progress, phase)
     layout = opened.layout
     blocks = _fileio.iter_blocks(layout.extents, layout.data_length, block_size)
     reader = _fileio.ReadAhead(opened.fd, buffers, _fileio.block_chunks(layout.data_offset, layout.data_length,
                                                                          block_size), opened.path, threads)
+    beside = (ThreadPoolExecutor(1, thread_name_prefix="strata-hash")
+              if deliver is not None and _fileio.hash_beside_delivery(threads) else None)
     done = 0
     try:
         for (start, view), (b_start, b_len, segments) in zip(reader, blocks, strict=False):
             assert start == layout.data_offset + b_start and len(view) == b_len
-            hasher.update(view)  # on this thread, while the helper reads the next block
-            if deliver is not None:
-                deliver(view, segments)
+            if beside is None:
+                hasher.update(view)  # on this thread, while the helpers read the next blocks
+                if deliver is not None:
+                    deliver(view, segments)
+            else:
+                hashed = beside.submit(hasher.update, view)
+                try:
+                    deliver(view, segments)
+                finally:
+                    wait_for((hashed,))  # the buffer must not go back to the readers while it is hashed
+                hashed.result()
             done += len(view)
             if progress:
                 progress(Progress(phase, done, layout.data_length))
     finally:
         reader.close()
+        if beside is not None:
+            beside.shutdown(wait=True)
     return done
 
 
@@ -520,7 +538,7 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
     ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
     ``memory_available``: a probe of the free RAM in bytes for the preflight (None skips it).
     ``read_threads``: threads reading the data section at once (None: ``default_read_threads()``); blocks
-    are still hashed and delivered in file order on the calling thread. Block buffers: ``read_threads + 1``
+    are still hashed and delivered in file order (see ``_stream_data`` for where the hash runs). Block buffers: ``read_threads + 1``
     (given ``buffers`` with fewer views mean fewer readers). A compressed data section uses its decode
     workers instead.
     """
