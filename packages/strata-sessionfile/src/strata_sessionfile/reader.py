@@ -14,6 +14,11 @@ adapter block by block while the hash is recomputed. The first delivered block i
 Staged mode: the same metadata checks, then one pass into the adapter's staging area while hashing;
 ``commit_staged`` only after every check, else ``discard_staged``.
 
+Every pass reads the data section with several threads at once (``read_threads``, by default
+``default_read_threads()``: at most that many blocks in flight, disjoint) and hashes and hands the blocks
+over strictly in file order; a read error of block k is raised after every earlier block was handed over,
+and no reader is left running when a pass returns or raises.
+
 A compressed data section (header flag DATA_COMPRESSED, spec 3.3): its compression header and block
 table are validated with the metadata, before any frame is read; every pass then reads frame by frame,
 hashes the frame's bytes as they are on disk, and decodes it into exactly its block's size (a frame

@@ -3,8 +3,8 @@
 Steps (spec "Writing"): encode the metadata; create ``.<name>.<random>.strata-tmp`` in the target's
 folder with O_CREAT|O_EXCL (mode 0600); reserve the space (posix_fallocate, so a full disk fails
 before any copy); write header, metadata and padding; stream the data section in blocks (the adapter
-fills one buffer while the helper thread hashes and writes the other); write the trailer; fsync the
-file; rename it over the target; fsync the folder. Before the rename any failure removes the
+fills one buffer while the helper thread hashes and writes the other, starting the kernel's writeback
+of each block once written); write the trailer; fsync the file; rename it over the target; fsync the folder. Before the rename any failure removes the
 temporary and leaves the old file untouched; a failed folder fsync after it raises DirSyncFailed
 (the new file is in place).
 

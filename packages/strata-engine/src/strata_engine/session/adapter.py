@@ -165,7 +165,7 @@ def _from_host(dest: Any, src: Any) -> None:
 
 class BlockBufferCache:
     """Host memory kept for the life of the engine, so a SAVE or RESTORE does not allocate (and fault in)
-    fresh memory each time: the two block buffers, and the staging area of a staged restore into host
+    fresh memory each time: the block buffers (2 for a save, readers + 1 for a restore), and the staging area of a staged restore into host
     memory (K/V-sized; mapped on the first staged restore, reused by the next ones). Fresh anonymous memory
     costs a page fault per page on first touch -- measured 50-500 ms per 182 MB on the CPU machine, more
     than the read itself -- reused memory costs the copy. The engine serves one command at a time, so one
