@@ -10,8 +10,8 @@ unless the engine falls back to op by op; the line says which); transformers (Ll
 Gemma3ForCausalLM built from the GGUF metadata, sdpa attention, logits of the last token only) the same.
 Both synchronise the device before reading the clock; a 256-token run of each is a warm-up (kernel
 compilation, cuBLAS handles), and each length is run --repeat times (best reported). A prompt with a
-full --chunk-token chunk replays the engine's chunk graph, which its first full chunk captures: the
-line then also gives the first run's prefill rate, capture included. The first greedy token of both is printed as a sanity check (the same
+full --chunk-token chunk replays the engine's chunk graph (captured when the runner is loaded, as a
+server's start-up; the capture time is printed): the line then also gives the first run's rate. The first greedy token of both is printed as a sanity check (the same
 weights should give the same token unless the top two are within rounding).
 """
 
@@ -197,6 +197,8 @@ def main() -> int:
         n_ctx = max(lengths) + args.decode + 8
         toks = np.random.default_rng(7).integers(100, 5000, max(lengths)).tolist()
         runner = engine_runner(Path(path), n_ctx, args.dtype, args.chunk)
+        print(f"[{name}] CUDA graphs captured at load in {runner.graph_capture_s * 1e3:.0f} ms (decode step"
+              f"{', ' + str(runner.chunk_graph.n_tokens) + '-token chunk' if runner.chunk_graph else ''})", flush=True)
         time_engine(runner, toks[:256], 4)  # warm-up: kernel compilation, cuBLAS handles
         hf = None
         if not args.no_hf:
@@ -219,7 +221,7 @@ def main() -> int:
             rows.append(row)
             pf, dc = n / e["prefill_s"], args.decode / e["decode_s"]
             graphs = "graph" if e["decode_graph"] else "eager"
-            # A full chunk replays the chunk graph captured by the first one (the first run pays the capture).
+            # A full chunk replays the chunk graph captured at load.
             chunked = f" (chunk graph; 1st run {n / e['first_prefill_s']:.0f} tok/s)" if e["chunk_graph"] else ""
             line = (f"{name:8s} {args.dtype} L={n:6d}  engine prefill {pf:9.0f} tok/s{chunked}  decode {dc:7.1f} tok/s "
                     f"({graphs})")  # fmt: skip

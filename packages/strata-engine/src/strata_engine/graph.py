@@ -3,9 +3,10 @@ overhead.
 
 A step of a small model is ~12 kernels per layer, each a few microseconds of GPU work (a decode step)
 or tens (a 4,096-token chunk of smollm2) behind tens of microseconds of Python and CuPy dispatch; op by
-op, the GPU waits on the interpreter. So a runner captures its first decode step, and its first full
-prefill chunk (`prefill_chunk` tokens), once each into a CUDA graph (`cupy.cuda.Stream.begin_capture`);
-every later step of that size is one graph launch plus one small copy.
+op, the GPU waits on the interpreter. So a runner captures a decode step and a full prefill chunk
+(`prefill_chunk` tokens) once each into a CUDA graph (`cupy.cuda.Stream.begin_capture`) when it is
+assembled (`ModelRunner.capture_graphs`: start-up, on placeholder tokens); every step of that size is
+then one graph launch plus one small copy.
 
 What makes one graph serve every position: nothing in the captured step depends on a host value.
 The position (and the last token's), and the token ids live in one device buffer (`_StepInputs`)
@@ -117,6 +118,16 @@ class StepGraph:
             self.stream.synchronize()  # later work on the default stream reads what the step stored
             return None
         return self.logits.get(stream=self.stream)[0]  # waits for the step
+
+    def prepare(self) -> None:
+        """Capture now, on placeholder tokens at position 0 (start-up, not the first request): the capture's
+        warm-up run stores their K/V, so the caller appends them to the pool's positions [0, n) and drops
+        them afterwards. Raises GraphCaptureFailed."""
+        if self.graph is None:
+            self.inputs.stage([0] * self.n_tokens, 0, self.stream)
+            self.ops.xp.cuda.Stream.null.synchronize()
+            self._capture()
+            self.stream.synchronize()
 
     def _run(self) -> Any:
         """The step itself: what the graph holds."""

@@ -14,6 +14,7 @@ When the whole prompt is already held the last token is evaluated again for its 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -108,6 +109,7 @@ class ModelRunner:
         # captured (graph.py); a step of another size, or one whose capture failed, runs op by op.
         self.decode_graph: StepGraph | None = None
         self.chunk_graph: StepGraph | None = None
+        self.graph_capture_s = 0.0
 
     @classmethod
     def load(cls, settings: EngineSettings) -> ModelRunner:
@@ -142,7 +144,33 @@ class ModelRunner:
         enabled, chunk = runner.settings.cuda_graphs, runner.settings.prefill_chunk
         runner.decode_graph = make_step_graph(model, placement, enabled, 1)
         runner.chunk_graph = make_step_graph(model, placement, enabled, chunk) if chunk > 1 else None
+        runner.capture_graphs()
         return runner
+
+    def capture_graphs(self) -> float:
+        """Capture the CUDA graphs now (start-up: vLLM does the same) rather than in the first decode step
+        and the first full chunk a request brings, which would pay the capture (a 4,096-token smollm2
+        chunk: ~44 ms instead of ~9 on the H200). Each runs once on placeholder tokens at position 0,
+        whose K/V are then dropped (the pool holds nothing before and after). A capture that fails is
+        said once on stderr and that step runs op by op. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        if self.n_held:
+            raise EngineError("graphs are captured before a conversation is held")
+        for name in ("chunk_graph", "decode_graph"):
+            graph = getattr(self, name)
+            if graph is None or graph.graph is not None:
+                continue
+            self.pool.begin_append(0, graph.n_tokens)
+            try:
+                graph.prepare()
+            except GraphCaptureFailed as e:
+                print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
+                setattr(self, name, None)
+            finally:
+                self.pool.abort_append()
+                self.erase()
+        self.graph_capture_s = time.perf_counter() - t0
+        return self.graph_capture_s
 
     # ---- state ---------------------------------------------------------------------------------
     @property

@@ -1,0 +1,94 @@
+"""Where an in-process SAVE / RESTORE of a device-pool session spends its time (cupy backend).
+
+    python3 bench/profile_gpu_session.py --model PATH [--tokens 7915] [--folder /tmp] [--backend cupy]
+
+A runner's device pool is filled with random f16 K/V for --tokens positions (no prefill), saved, then
+restored in-process (staged, streaming) three times each; printed per operation: the times of the
+library's report (read pass / apply), a plain read of the same file, and the functions with the most
+cumulative time in one profiled staged and one profiled streaming restore and one profiled save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def plain_read(path: Path) -> float:
+    buf = memoryview(bytearray(16 << 20))
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    while os.readv(fd, [buf]):
+        pass
+    os.close(fd)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    import strata_sessionfile as sf
+    from strata_engine.runner import ModelRunner, RunnerState
+    from strata_engine.session import EngineSession
+    from strata_engine.session.adapter import BlockBufferCache
+    from strata_engine.session.verbs import SessionOptions, SessionVerbs
+    from strata_engine.settings import EngineSettings
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokens", type=int, default=7915)
+    ap.add_argument("--folder", default="/tmp")
+    ap.add_argument("--backend", default="cupy", help="numpy runs the same on the CPU (a host pool)")
+    args = ap.parse_args()
+    n = args.tokens
+    runner = ModelRunner.load(EngineSettings(model_path=Path(args.model), n_ctx=n + 64, backend=args.backend))
+    pool, xp = runner.pool, runner.model.ops.xp
+    rng = xp.random.default_rng(1)
+    for i in range(pool.geometry.n_layers):
+        layer = pool.layer(i)
+        for arr in (layer.k, layer.v):
+            arr[...] = rng.standard_normal(arr.shape, dtype=xp.float32).astype(xp.float16)
+    getattr(runner.model.ops, "synchronize", lambda: None)()
+    tokens = tuple(int(t) for t in np.random.default_rng(2).integers(100, 5000, n))
+    runner.restore_state(RunnerState(tokens, 0))
+    verbs = SessionVerbs(SessionOptions())
+    block = verbs.block_size(runner)
+    adapter = EngineSession(runner, buffers=BlockBufferCache())
+    path = Path(args.folder) / "profile-session.ssf"
+    for _ in range(2):
+        sf.save(path, adapter, block_size=block)
+    size = path.stat().st_size
+    plain_read(path)
+    read_s = min(plain_read(path) for _ in range(3))
+    print(f"{n} tokens, file {size:,} B, block {block >> 20} MiB, plain read {read_s * 1e3:.1f} ms", flush=True)
+    for mode in ("staged", "streaming"):
+        for k in range(3):
+            t0 = time.perf_counter()
+            r = sf.restore(path, adapter, mode=mode, block_size=block)
+            wall = time.perf_counter() - t0
+            print(f"restore {mode:9s} #{k}: {wall * 1e3:6.1f} ms (read pass {r.read_pass_s * 1e3:5.1f}, apply "
+                  f"{r.apply_s * 1e3:5.1f}) x{wall / read_s:.2f} of the plain read", flush=True)
+    for k in range(3):
+        t0 = time.perf_counter()
+        sf.save(path, adapter, block_size=block)
+        print(f"save #{k}: {(time.perf_counter() - t0) * 1e3:6.1f} ms", flush=True)
+    for title, run in (("staged restore", lambda: sf.restore(path, adapter, mode="staged", block_size=block)),
+                       ("streaming restore", lambda: sf.restore(path, adapter, mode="streaming", block_size=block)),
+                       ("save", lambda: sf.save(path, adapter, block_size=block))):
+        prof = cProfile.Profile()
+        prof.enable()
+        run()
+        prof.disable()
+        print(f"---- {title} (profiled) ----")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
+    path.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
