@@ -459,6 +459,8 @@ def test_session_block_size_is_4_mib_for_every_pool(models):
     runner = synthetic_runner(models, "smollm2")
     assert SessionVerbs(SessionOptions()).block_size(runner) == SESSION_BLOCK_SIZE == 4 << 20
     assert SessionVerbs(SessionOptions(block_size=1 << 20)).block_size(runner) == 1 << 20
+    assert SessionVerbs(SessionOptions()).read_threads() == sf.default_read_threads()
+    assert SessionVerbs(SessionOptions(read_threads=3)).read_threads() == 3
 
 
 def test_session_options_fault_only_from_the_environment():

@@ -59,6 +59,7 @@ SESSION_BLOCK_SIZE = 4 << 20
 class SessionOptions:
     restore_mode: sf.RestoreMode = attrs.field(default=sf.RestoreMode.AUTO, converter=_restore_mode)
     block_size: int | None = None  # None: SESSION_BLOCK_SIZE
+    read_threads: int | None = None  # threads reading a RESTORE's file at once; None: the library's default
     fault: FaultPoint | None = None
 
     @classmethod
@@ -91,7 +92,7 @@ class SessionVerbs:
         lazily zeroed; a restored conversation would otherwise pay the page faults of every byte it lands,
         which a process that never restarted paid during its prefill)."""
         self.identity(ctx.runner)
-        count = sf.default_read_threads() + 1  # a restore's buffers (a save uses the first two)
+        count = self.read_threads() + 1  # a restore's buffers (a save uses the first two)
         pinned = getattr(ctx.runner.pool, "pinned_buffers", None)  # a device pool's own, pinned
         if pinned is not None:
             pinned(count, self.block_size(ctx.runner))
@@ -101,6 +102,9 @@ class SessionVerbs:
         buffer = getattr(ctx.runner.pool, "buffer", None)
         if isinstance(buffer, np.ndarray) and ctx.runner.pool.n_tokens == 0:
             buffer.fill(0)  # the pool holds nothing yet: writing zeros changes no state
+
+    def read_threads(self) -> int:
+        return self.options.read_threads if self.options.read_threads is not None else sf.default_read_threads()
 
     def block_size(self, runner: Any) -> int:
         return self.options.block_size if self.options.block_size is not None else SESSION_BLOCK_SIZE
@@ -150,7 +154,7 @@ class SessionVerbs:
         adapter = self.adapter(ctx)
         try:
             report = sf.restore(path, adapter, mode=self.options.restore_mode, block_size=self.block_size(ctx.runner),
-                                progress=self._progress(ctx))
+                                progress=self._progress(ctx), read_threads=self.read_threads())
         except E.FailStop as exc:
             raise FailStop(str(exc), reason=exc.cause_reason) from exc
         except BaseException as exc:
