@@ -28,7 +28,16 @@ import sys
 import tempfile
 import time
 
-from strata_sessionfile import BlockBuffers, Compression, EngineIdentity, EngineLimits, inspect, restore, save
+from strata_sessionfile import (
+    BlockBuffers,
+    Compression,
+    EngineIdentity,
+    EngineLimits,
+    default_read_threads,
+    inspect,
+    restore,
+    save,
+)
 from strata_sessionfile.format import DEFAULT_BLOCK_SIZE
 from strata_sessionfile.testing import (
     MemoryAdapter,
@@ -135,7 +144,8 @@ def bench_size(folder: str, gib: float, repeat: int) -> list[tuple]:
     path = os.path.join(folder, f"bench-{gib}g.ssf")
     base_path = os.path.join(folder, f"bench-{gib}g.plain")
     buf = memoryview(bytearray(os.urandom(1 << 20)) * (BLOCK >> 20))
-    buffers = BlockBuffers(BLOCK)  # kept across calls, as an engine would (the baselines reuse `buf`)
+    # kept across calls, as an engine would (the baselines reuse `buf`); one per reader thread + 1
+    buffers = BlockBuffers(BLOCK, default_read_threads() + 1)
     rows = []
     best: dict[str, float] = {}
     peaks: dict[str, int] = {}
@@ -243,7 +253,7 @@ def _compression_variants(levels: list[int]) -> list[tuple[str, Compression | No
 def bench_compression(folder: str, label: str, source, restore_target, levels: list[int], repeat: int) -> list[tuple]:
     """Rows (label, variant, file bytes, ratio, save s, x none, streaming s, x none, staged s, x none, peak MiB)."""
     path = os.path.join(folder, "bench-z.ssf")
-    buffers = BlockBuffers(BLOCK)
+    buffers = BlockBuffers(BLOCK, default_read_threads() + 1)
     results = {}
     try:
         for name, comp in _compression_variants(levels):

@@ -38,9 +38,6 @@ def _map_parts(parts: KVParts, fn: Any) -> KVParts:
     return KVParts(*(None if a is None else fn(a) for a in (parts.k, parts.v, parts.k_scale, parts.v_scale)))
 
 
-# The session library's default block size: the pinned block buffers are made this size at start-up.
-SESSION_BLOCK_BYTES = 16 << 20
-
 
 class DevicePool(KVPool):
     """`KVPool` in device memory; `read` gives host copies, `write` accepts host or device parts."""
@@ -285,9 +282,7 @@ def make_pool(geometry: KVGeometry, ops: NumpyOps, kv_resident: int | None) -> K
         return KVPool(geometry, ops)
     if kv_resident is not None:
         return HostMappedPool(geometry, ops)
-    pool = DevicePool(geometry, ops)
-    pool.pinned_buffers(2, SESSION_BLOCK_BYTES)  # at start-up, not in the first SAVE / RESTORE
-    return pool
+    return DevicePool(geometry, ops)  # the serve verbs pin its block buffers at start-up (SessionVerbs.warm)
 
 
 def make_placement_for(pool: KVPool, kv_resident: int | None) -> PoolPlacement:
