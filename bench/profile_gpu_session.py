@@ -20,6 +20,31 @@ from pathlib import Path
 import numpy as np
 from bench_session import plain_read  # this folder is on sys.path when the script runs
 
+ADAPTER_CALLS = ("identity", "limits", "check_plan", "can_stage", "begin_staging", "stage_in", "commit_staged",
+                 "begin_apply", "copy_in", "landing_views", "commit", "block_buffers")
+
+
+def timed_calls(adapter, runner) -> dict[str, float]:
+    """Wrap the adapter's calls (and the runner's restore_state) to sum the milliseconds spent in each."""
+    spent: dict[str, float] = {}
+
+    def wrap(owner, name):
+        fn = getattr(owner, name)
+
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        setattr(owner, name, call)
+
+    for name in ADAPTER_CALLS:
+        wrap(adapter, name)
+    wrap(runner, "restore_state")
+    return spent
+
 
 def main() -> int:
     import strata_sessionfile as sf
@@ -34,18 +59,23 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=7915)
     ap.add_argument("--folder", default="/tmp")
     ap.add_argument("--backend", default="cupy", help="numpy runs the same on the CPU (a host pool)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="a real prefill of the tokens (ring checkpoint included) instead of random K/V")
     args = ap.parse_args()
     n = args.tokens
     runner = ModelRunner.load(EngineSettings(model_path=Path(args.model), n_ctx=n + 64, backend=args.backend))
     pool, xp = runner.pool, runner.model.ops.xp
-    rng = xp.random.default_rng(1)
-    for i in range(pool.geometry.n_layers):
-        layer = pool.layer(i)
-        for arr in (layer.k, layer.v):
-            arr[...] = rng.standard_normal(arr.shape, dtype=xp.float32).astype(xp.float16)
-    getattr(runner.model.ops, "synchronize", lambda: None)()
     tokens = tuple(int(t) for t in np.random.default_rng(2).integers(100, 5000, n))
-    runner.restore_state(RunnerState(tokens, 0))
+    if args.prefill:
+        runner.prefill(list(tokens))
+    else:
+        rng = xp.random.default_rng(1)
+        for i in range(pool.geometry.n_layers):
+            layer = pool.layer(i)
+            for arr in (layer.k, layer.v):
+                arr[...] = rng.standard_normal(arr.shape, dtype=xp.float32).astype(xp.float16)
+        getattr(runner.model.ops, "synchronize", lambda: None)()
+        runner.restore_state(RunnerState(tokens, 0))
     verbs = SessionVerbs(SessionOptions())
     block = verbs.block_size(runner)
     adapter = EngineSession(runner, buffers=BlockBufferCache())
@@ -56,13 +86,16 @@ def main() -> int:
     plain_read(path)
     read_s = min(plain_read(path) for _ in range(3))
     print(f"{n} tokens, file {size:,} B, block {block >> 20} MiB, plain read {read_s * 1e3:.1f} ms", flush=True)
+    spent = timed_calls(adapter, runner)
     for mode in ("staged", "streaming"):
         for k in range(3):
+            spent.clear()
             t0 = time.perf_counter()
             r = sf.restore(path, adapter, mode=mode, block_size=block)
             wall = time.perf_counter() - t0
+            calls = ", ".join(f"{name} {ms:.1f}" for name, ms in spent.items())
             print(f"restore {mode:9s} #{k}: {wall * 1e3:6.1f} ms (read pass {r.read_pass_s * 1e3:5.1f}, apply "
-                  f"{r.apply_s * 1e3:5.1f}) x{wall / read_s:.2f} of the plain read", flush=True)
+                  f"{r.apply_s * 1e3:5.1f}) x{wall / read_s:.2f} of the plain read; ms in: {calls}", flush=True)
     for k in range(3):
         t0 = time.perf_counter()
         sf.save(path, adapter, block_size=block)
@@ -75,7 +108,7 @@ def main() -> int:
         run()
         prof.disable()
         print(f"---- {title} (profiled) ----")
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
     path.unlink()
     return 0
 
