@@ -9,9 +9,10 @@ Per model and prompt length L: the engine's prefill of L deterministic token ids
 unless the engine falls back to op by op; the line says which); transformers (LlamaForCausalLM /
 Gemma3ForCausalLM built from the GGUF metadata, sdpa attention, logits of the last token only) the same.
 Both synchronise the device before reading the clock; a 256-token run of each is a warm-up (kernel
-compilation, cuBLAS handles), and each length is run --repeat times (best reported). A prompt with a
-full --chunk-token chunk replays the engine's chunk graph (captured when the runner is loaded, as a
-server's start-up; the capture time is printed): the line then also gives the first run's rate. The first greedy token of both is printed as a sanity check (the same
+compilation, cuBLAS handles), and each length is run --repeat times (best reported). Prefill steps
+of models without sliding-window rings replay the engine's prefill graphs (captured when the runner is
+loaded, as a server's start-up; the capture time is printed): the line then says how many replays and
+gives the first run's rate too. The first greedy token of both is printed as a sanity check (the same
 weights should give the same token unless the top two are within rounding).
 """
 
@@ -39,20 +40,21 @@ def time_engine(runner, tokens: list[int], n_decode: int) -> dict:
     ops = runner.model.ops
     runner.erase()
     ops.synchronize()
+    replays = sum(g.launches for g in runner.prefill_graphs)
     t0 = time.perf_counter()
     logits = runner.prefill(tokens).logits  # logits on the host: the device work is done
     t_prefill = time.perf_counter() - t0
+    replays = sum(g.launches for g in runner.prefill_graphs) - replays
     first = int(np.argmax(logits))
     tok = first
     t0 = time.perf_counter()
     for _ in range(n_decode):
         tok = int(np.argmax(runner.decode(tok)))
     t_decode = time.perf_counter() - t0
-    graph, chunks = runner.decode_graph, runner.chunk_graph
+    graph = runner.decode_graph
     return {
         "prefill_s": t_prefill, "decode_s": t_decode, "first_token": first,
-        "decode_graph": graph is not None and graph.launches > 0,
-        "chunk_graph": chunks is not None and chunks.launches > 0,
+        "decode_graph": graph is not None and graph.launches > 0, "prefill_graph_replays": replays,
     }  # fmt: skip
 
 
@@ -197,8 +199,9 @@ def main() -> int:
         n_ctx = max(lengths) + args.decode + 8
         toks = np.random.default_rng(7).integers(100, 5000, max(lengths)).tolist()
         runner = engine_runner(Path(path), n_ctx, args.dtype, args.chunk)
-        print(f"[{name}] CUDA graphs captured at load in {runner.graph_capture_s * 1e3:.0f} ms (decode step"
-              f"{', ' + str(runner.chunk_graph.n_tokens) + '-token chunk' if runner.chunk_graph else ''})", flush=True)
+        sizes = ", ".join(str(g.n_tokens) for g in runner.prefill_graphs) or "none"
+        print(f"[{name}] CUDA graphs captured at load in {runner.graph_capture_s * 1e3:.0f} ms (decode step; "
+              f"prefill steps of {sizes} tokens)", flush=True)
         time_engine(runner, toks[:256], 4)  # warm-up: kernel compilation, cuBLAS handles
         hf = None
         if not args.no_hf:
@@ -221,8 +224,9 @@ def main() -> int:
             rows.append(row)
             pf, dc = n / e["prefill_s"], args.decode / e["decode_s"]
             graphs = "graph" if e["decode_graph"] else "eager"
-            # A full chunk replays the chunk graph captured at load.
-            chunked = f" (chunk graph; 1st run {n / e['first_prefill_s']:.0f} tok/s)" if e["chunk_graph"] else ""
+            # Prefill steps replay the graphs captured at load (padded to the next size).
+            chunked = (f" ({e['prefill_graph_replays']} graph replays; 1st run {n / e['first_prefill_s']:.0f} tok/s)"
+                       if e["prefill_graph_replays"] else "")  # fmt: skip
             line = (f"{name:8s} {args.dtype} L={n:6d}  engine prefill {pf:9.0f} tok/s{chunked}  decode {dc:7.1f} tok/s "
                     f"({graphs})")  # fmt: skip
             if h:

@@ -240,7 +240,8 @@ def test_cuda_graph_decode_matches_op_by_op(runners, model, dtype, n_prompt):
     float32 merge; one flipped rounding of a bf16 activation moves bf16 logits by ~0.4 % (seen on the
     H200: 0.0085 for gemma3, step 0). gemma3's 1,500-token prompt makes the steps cross its 1,024-slot
     ring's wrap, read by position in the graph."""
-    graphed = runners(model, dtype=dtype)
+    graphed = runners(model, dtype=dtype).sibling()
+    graphed.prefill_graphs = ()  # the prompt op by op on both: the decode steps start from the same K/V
     eager = graphed.sibling(cuda_graphs=False)
     assert graphed.decode_graph is not None and eager.decode_graph is None
     prompt = np.random.default_rng(n_prompt).integers(100, 5000, n_prompt).tolist()
@@ -268,9 +269,9 @@ GEMMA3_CHUNK_GRAPH = pytest.param(
 
 @pytest.mark.parametrize(("model", "dtype", "n_prompt"), [("smollm2", "f16", 700), GEMMA3_CHUNK_GRAPH])
 def test_cuda_graph_prefill_chunks_match_op_by_op(runners, model, dtype, n_prompt):
-    """Full prefill chunks replayed from the captured chunk graph against the same chunks run op by op
-    (both runners on 256-token chunks): the last chunk (a partial one) runs op by op on both, so the
-    logits differ only through the K/V the graphed chunks stored; they must agree within GRAPH_BOUND;
+    """Prefill chunks replayed from the captured prefill graphs against the same chunks run op by op
+    (both runners on 256-token chunks; the last, partial chunk replays the next graph size, padded):
+    the logits must agree within GRAPH_BOUND;
     the K/V held within LOGIT_BOUND (a later layer's K/V carry the earlier layers' rounding flips:
     0.0021 seen at smollm2's layer 13); greedy decoding must continue identically while the top-1
     margin is clear. gemma3 (rings: no chunk graph by default) gets one made directly; its 1,500 tokens
@@ -281,12 +282,13 @@ def test_cuda_graph_prefill_chunks_match_op_by_op(runners, model, dtype, n_promp
     graphed = base.sibling(prefill_chunk=256)
     eager = base.sibling(prefill_chunk=256, cuda_graphs=False)
     if graphed.kv_geometry.ring_layers:
-        assert graphed.chunk_graph is None
-        graphed.chunk_graph = StepGraph(graphed.model, graphed.placement, 256)
-    assert graphed.chunk_graph is not None and eager.chunk_graph is None
+        assert graphed.prefill_graphs == ()
+        graphed.prefill_graphs = (StepGraph(graphed.model, graphed.placement, 256),)
+    assert [g.n_tokens for g in graphed.prefill_graphs][-1] == 256 and eager.prefill_graphs == ()
     prompt = np.random.default_rng(n_prompt + 1).integers(100, 5000, n_prompt).tolist()
     lg, le = graphed.prefill(prompt).logits, eager.prefill(prompt).logits
-    assert graphed.chunk_graph.launches == n_prompt // 256
+    # every chunk replayed a graph: the full ones and the last, padded to the next size
+    assert sum(g.launches for g in graphed.prefill_graphs) == -(-n_prompt // 256)
     assert rel_err(lg, le) < GRAPH_BOUND[dtype]
     for i in range(graphed.kv_geometry.n_layers):
         lo, hi = graphed.pool.held_range(i)

@@ -3,21 +3,24 @@ overhead.
 
 A step of a small model is ~12 kernels per layer, each a few microseconds of GPU work (a decode step)
 or tens (a 4,096-token chunk of smollm2) behind tens of microseconds of Python and CuPy dispatch; op by
-op, the GPU waits on the interpreter. So a runner captures a decode step and a full prefill chunk
-(`prefill_chunk` tokens) once each into a CUDA graph (`cupy.cuda.Stream.begin_capture`) when it is
-assembled (`ModelRunner.capture_graphs`: start-up, on placeholder tokens); every step of that size is
-then one graph launch plus one small copy.
+op, the GPU waits on the interpreter. So a runner captures a decode step, and prefill steps of
+32, 64, ... tokens up to a full chunk (`prefill_graph_sizes`), once each into a CUDA graph
+(`cupy.cuda.Stream.begin_capture`) when it is assembled (`ModelRunner.capture_graphs`: start-up, on
+placeholder tokens); a prefill chunk then replays the smallest graph that holds it, padded, and each
+step is one graph launch plus one small copy.
 
 What makes one graph serve every position: nothing in the captured step depends on a host value.
-The position (and the last token's), and the token ids live in one device buffer (`_StepInputs`)
-written by a single host-to-device copy before each launch; the RoPE rows are gathered on the device
+The position (and the last real token's position and row), and the token ids live in one device
+buffer (`_StepInputs`) written by a single host-to-device copy before each launch; the RoPE rows are gathered on the device
 from the backend's tables at that position; the K/V store and the attention kernels read the position
 there (`dyn`), attending from slot 0 of a full layer's pool, or from the window's start in a ring,
 with key splits sized for the most keys a step can see. Buffers the step allocates come from a memory
 pool private to the graph and kept for its life, so their addresses stay valid.
 
 Eligible (`make_step_graph`): the cupy backend, f16/bf16 compute, a device pool placement, a float
-K/V type; prefill chunks only for models without sliding-window rings (see `make_step_graph`).
+K/V type; prefill steps only for models without sliding-window rings (see `make_step_graph`). Padded
+rows store their K/V past the conversation's end, in slots the next tokens overwrite before any query
+can see them (causal attention), and their results are never read.
 Anything else runs op by op. A graph's logits equal the op-by-op step's up to the order the key splits are merged
 (tests/engine/test_gpu_model.py checks greedy identity and the logits).
 """
@@ -34,6 +37,12 @@ from .kv.device import DevicePoolPlacement
 from .kv.placement import PoolPlacement
 from .models import Model
 from .ops.cupy_ops import FLASH_HEAD_DIMS
+
+# Padding of a step shorter than its graph: any valid id (its K/V land past the conversation's end, in
+# slots the next tokens overwrite before anything attends to them; its rows' results are never read).
+PAD_TOKEN = 0
+# Prefill graph sizes: powers of two from this up to the prefill chunk (and the chunk itself).
+MIN_PREFILL_GRAPH = 32
 
 
 class GraphCaptureFailed(EngineError):
@@ -68,25 +77,29 @@ class _StepKV:
 
 
 class _StepInputs:
-    """Position, last position and token ids of one step as int32 words: one pinned host buffer, one
-    device buffer, one copy between them per step."""
+    """Position, last token's position, last token's row and the token ids (padded) of one step as int32
+    words: one pinned host buffer, one device buffer, one copy between them per step."""
 
     def __init__(self, n_tokens: int):
         import cupy as cp
         import cupyx
 
-        self.host = cupyx.empty_pinned((2 + n_tokens,), dtype=np.int32)
-        self.device = cp.zeros(2 + n_tokens, dtype=cp.int32)
-        self.position, self.last_position, self.tokens = self.device[0:1], self.device[1:2], self.device[2:]
+        self.host = cupyx.empty_pinned((3 + n_tokens,), dtype=np.int32)
+        self.device = cp.zeros(3 + n_tokens, dtype=cp.int32)
+        self.position, self.last_position, self.last_row = self.device[0:1], self.device[1:2], self.device[2:3]
+        self.tokens = self.device[3:]
 
     def stage(self, tokens: Sequence[int], pos: int, stream: Any) -> None:
-        self.host[0], self.host[1] = pos, pos + len(tokens) - 1
-        self.host[2:] = tokens
+        n = len(tokens)
+        self.host[0], self.host[1], self.host[2] = pos, pos + n - 1, n - 1
+        self.host[3 : 3 + n] = tokens
+        self.host[3 + n :] = PAD_TOKEN
         self.device.set(self.host, stream=stream)
 
 
 class StepGraph:
-    """A step of `n_tokens` tokens of `model` over `placement`'s pool, captured on first use and replayed."""
+    """A step of up to `n_tokens` tokens of `model` over `placement`'s pool, captured once (`prepare`, at
+    start-up; else on first use) and replayed."""
 
     def __init__(self, model: Model, placement: DevicePoolPlacement, n_tokens: int):
         import cupy as cp
@@ -105,8 +118,10 @@ class StepGraph:
         self.launches = 0
 
     def step(self, tokens: Sequence[int], pos: int, want_logits: bool = True) -> np.ndarray | None:
-        """Logits [V] (float32, host) of the last of `tokens` at positions pos..; their K/V are stored."""
-        assert len(tokens) == self.n_tokens
+        """Logits [V] (float32, host) of the last of `tokens` at positions pos..; their K/V are stored.
+        Fewer tokens than the graph's size are padded (`PAD_TOKEN`); the caller keeps pos + n_tokens
+        within the pool."""
+        assert 0 < len(tokens) <= self.n_tokens
         cp = self.ops.xp
         self.inputs.stage(tokens, pos, self.stream)
         cp.cuda.Stream.null.synchronize()  # work queued on the default stream (prefill, restores) is done
@@ -139,7 +154,7 @@ class StepGraph:
                                     ops.xp.empty((n, t.shape[1]), dtype=t.dtype))
                 for t in (cos, sin)
             )  # fmt: skip
-        h = self.model.hidden(self.inputs.tokens, 0, rows, self.kv, want_logits=True)
+        h = self.model.hidden(self.inputs.tokens, 0, rows, self.kv, want_logits=True, last_row=self.inputs.last_row)
         return ops.matmul(h, self.model.output).astype(ops.xp.float32)  # [1, V]
 
     def _capture(self) -> None:
@@ -183,11 +198,24 @@ def make_step_graph(model: Model, placement: PoolPlacement, enabled: bool, n_tok
     if n_tokens > geometry.n_ctx:
         return None
     if n_tokens > 1 and geometry.ring_layers:
-        # Not for models with sliding-window rings: a 256-token gemma3 chunk replayed from its graph
-        # gave logits 0.31 (relative L2) away from the op-by-op chunk on the H200, while each kernel
-        # with the position on the device matches its op-by-op call (tests/engine/test_gpu_ops.py) and
-        # gemma3's decode graph matches; the cause is not found yet (test_gpu_model.py keeps the case as
-        # a strict xfail). gemma3's default 4,096-token chunks could not use a graph anyway (they take
-        # the long-chunk ring path, whose context depends on the position).
+        # Not for models with sliding-window rings. On the H200, gemma3 (bf16) prefilled through 256-token
+        # chunk graphs stayed within 1.3 % (one chunk) and 3.2 % (two) of op by op in logits, as the
+        # uncaptured step itself does (bf16 roundings in another split order); but 1,500 tokens (chunks
+        # past the 512-token window, across the ring's wrap) gave 0.31, and each kernel with the position
+        # on the device matches its op-by-op call there (tests/engine/test_gpu_ops.py): the cause is not
+        # found (test_gpu_model.py keeps the case as a strict xfail). Padding would also write ring slots
+        # the next chunk still reads, and gemma3's 4,096-token chunks take the long-chunk ring path.
         return None
     return StepGraph(model, placement, n_tokens)
+
+
+def prefill_graph_sizes(chunk: int) -> tuple[int, ...]:
+    """The prefill graphs' sizes: powers of two from MIN_PREFILL_GRAPH below the chunk, and the chunk. A
+    chunk of n tokens replays the smallest that holds it, padded: at most twice the device work of n
+    tokens, and none of the host's launch overhead (smollm2 at 512 tokens: ~4 ms of device work behind
+    11-16 ms of host time op by op, H200)."""
+    sizes, n = [], MIN_PREFILL_GRAPH
+    while n < chunk:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, chunk) if chunk > 1 else ()

@@ -23,7 +23,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import ContextOverflow, EngineError, InvalidToken, KVStateError, SettingsError
 from .gguf import GGUFFile, read_gguf
-from .graph import GraphCaptureFailed, StepGraph, make_step_graph
+from .graph import GraphCaptureFailed, StepGraph, make_step_graph, prefill_graph_sizes
 from .kv import (
     KVGeometry,
     KVPool,
@@ -105,10 +105,11 @@ class ModelRunner:
         self.n_ctx = pool.geometry.n_ctx
         self._tokens: list[int] = []
         self._checkpoints: list[RingCheckpoint] = []
-        # CUDA graphs of a decode step and of a full prefill chunk: `_assemble` adds them where they can be
-        # captured (graph.py); a step of another size, or one whose capture failed, runs op by op.
+        # CUDA graphs of a decode step and of prefill steps (ascending sizes up to a chunk): `_assemble`
+        # adds them where they can be captured (graph.py); a step none holds, or one whose capture failed,
+        # runs op by op.
         self.decode_graph: StepGraph | None = None
-        self.chunk_graph: StepGraph | None = None
+        self.prefill_graphs: tuple[StepGraph, ...] = ()
         self.graph_capture_s = 0.0
 
     @classmethod
@@ -141,9 +142,10 @@ class ModelRunner:
         pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
         placement = make_placement_for(pool, settings.kv_resident)
         runner = cls(settings, gguf_file, config, model, pool, placement)
-        enabled, chunk = runner.settings.cuda_graphs, runner.settings.prefill_chunk
+        enabled = runner.settings.cuda_graphs
         runner.decode_graph = make_step_graph(model, placement, enabled, 1)
-        runner.chunk_graph = make_step_graph(model, placement, enabled, chunk) if chunk > 1 else None
+        made = (make_step_graph(model, placement, enabled, n) for n in prefill_graph_sizes(runner.settings.prefill_chunk))
+        runner.prefill_graphs = tuple(g for g in made if g is not None)
         runner.capture_graphs()
         return runner
 
@@ -156,8 +158,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.n_held:
             raise EngineError("graphs are captured before a conversation is held")
-        for name in ("chunk_graph", "decode_graph"):
-            graph = getattr(self, name)
+        for graph in (*self.prefill_graphs, self.decode_graph):
             if graph is None or graph.graph is not None:
                 continue
             self.pool.begin_append(0, graph.n_tokens)
@@ -165,7 +166,7 @@ class ModelRunner:
                 graph.prepare()
             except GraphCaptureFailed as e:
                 print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
-                setattr(self, name, None)
+                self._drop_graph(graph)
             finally:
                 self.pool.abort_append()
                 self.erase()
@@ -289,16 +290,13 @@ class ModelRunner:
         self.pool.begin_append(pos0, len(tokens))
         try:
             logits, ran = None, False
-            graph = self._graph_for(len(tokens), want_logits)
+            graph = self._graph_for(len(tokens), pos0, want_logits)
             if graph is not None:
                 try:
                     logits, ran = graph.step(tokens, pos0, want_logits), True
                 except GraphCaptureFailed as e:  # the step is redone op by op (it is idempotent)
                     print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
-                    if graph is self.decode_graph:
-                        self.decode_graph = None
-                    else:
-                        self.chunk_graph = None
+                    self._drop_graph(graph)
             if not ran:
                 ids = np.asarray(tokens, dtype=np.int64)
                 logits = self.model.forward(ids, pos0, self.placement, want_logits)
@@ -311,11 +309,20 @@ class ModelRunner:
         self._tokens.extend(tokens)
         return logits
 
-    def _graph_for(self, n_tokens: int, want_logits: bool) -> StepGraph | None:
-        if n_tokens == 1 and want_logits:
+    def _graph_for(self, n_tokens: int, pos0: int, want_logits: bool) -> StepGraph | None:
+        """The decode graph for one token with logits; else the smallest prefill graph holding the step
+        whose padded rows stay inside the pool."""
+        if n_tokens == 1 and want_logits and self.decode_graph is not None:
             return self.decode_graph
-        chunk = self.chunk_graph
-        return chunk if chunk is not None and chunk.n_tokens == n_tokens else None
+        for graph in self.prefill_graphs:
+            if graph.n_tokens >= n_tokens and pos0 + graph.n_tokens <= self.n_ctx:
+                return graph
+        return None
+
+    def _drop_graph(self, graph: StepGraph) -> None:
+        if graph is self.decode_graph:
+            self.decode_graph = None
+        self.prefill_graphs = tuple(g for g in self.prefill_graphs if g is not graph)
 
     # ---- prompt cache and checkpoints ----------------------------------------------------------
     def _resume_at(self, target: int) -> int:

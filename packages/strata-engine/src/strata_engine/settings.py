@@ -47,9 +47,9 @@ class EngineSettings:
         an N-token resident ring per layer sits in front of it (reads of recent tokens hit the ring).
     prompt_cache: reuse the longest valid common prefix of the held conversation on the next prefill.
     prefill_chunk: tokens evaluated per batched forward pass during prefill; None = the backend's default.
-    cuda_graphs: replay decode steps and full prefill chunks as captured CUDA graphs where the backend
-        can (cupy, device pool, float K/V, f16/bf16 compute, chunks every ring layer takes in place);
-        False runs every step op by op (a check on the graphs).
+    cuda_graphs: replay decode steps, and prefill chunks of models without sliding-window rings (padded
+        to 32, 64, ... tokens), as CUDA graphs captured at start-up where the backend can (cupy, device
+        pool, float K/V, f16/bf16 compute); False runs every step op by op (a check on the graphs).
     max_checkpoints: sliding-window ring checkpoints kept (the most recent, i.e. deepest, ones).
     backend: "numpy", "cupy", or "auto" (cupy where a CUDA device is usable; `ModelRunner.load`
         resolves it, so `runner.settings.backend` names the backend actually running).

@@ -33,6 +33,12 @@ class KVAccess(Protocol):
 RopeTables = dict[float, tuple[Any, Any]]  # RoPE base -> (cos, sin) [T, rope_dim / 2]
 
 
+def logits_row(ops: NumpyOps, a: Any, row: Any | None) -> Any:
+    """The row of a [T, ...] whose logits are wanted, as [1, ...]: the last one (row None), or the one
+    a device int32 [1] names (a captured step padded past its last token: graph.py)."""
+    return a[-1:] if row is None else ops.take_row(a, row)
+
+
 def rope_tables(ops: NumpyOps, config: ModelConfig, pos0: int, n: int) -> RopeTables:
     """The cos / sin tables of positions pos0 .. pos0 + n - 1 for every RoPE base the layers use."""
     return {

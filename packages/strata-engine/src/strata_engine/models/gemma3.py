@@ -28,7 +28,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..gguf import GGUFFile
 from ..ops import NumpyOps
-from .common import KVAccess, RopeTables, WeightLoader, rope_tables
+from .common import KVAccess, RopeTables, WeightLoader, logits_row, rope_tables
 
 
 @attrs.frozen(eq=False)
@@ -82,10 +82,11 @@ class Gemma3Model:
         return None if h is None else self.ops.logits(h, self.output)[0]
 
     def hidden(
-        self, tokens: Any, pos0: int, tables: RopeTables, kv: KVAccess, want_logits: bool
+        self, tokens: Any, pos0: int, tables: RopeTables, kv: KVAccess, want_logits: bool, last_row: Any = None
     ) -> Any | None:
         """The forward pass up to the output norm: h [1, E] of the last token (None without logits).
-        tokens: ids [T] on the host or the device; tables: cos, sin [T, rope_dim/2] per RoPE base."""
+        tokens: ids [T] on the host or the device; tables: cos, sin [T, rope_dim/2] per RoPE base;
+        last_row: the row of the last real token when it is not T - 1 (`logits_row`)."""
         c, ops = self.config, self.ops
         T = len(tokens)
         x = ops.embed(self.tok_embd, tokens, scale=c.embed_scale)  # [T, E]
@@ -103,7 +104,7 @@ class Gemma3Model:
                 if not want_logits:
                     kv.attend(il, pos0, None, k, v, q_pos0=q_pos0, window=lc.window, scale=c.attn_scale)
                     return None
-                q, x, q_pos0 = q[-1:], x[-1:], pos0 + T - 1
+                q, x, q_pos0 = logits_row(ops, q, last_row), logits_row(ops, x, last_row), pos0 + T - 1
             attn = kv.attend(il, pos0, q, k, v, q_pos0=q_pos0, window=lc.window, scale=c.attn_scale)
             x, h = ops.add_rms_norm(
                 x, ops.matmul(attn, layer.wo), layer.post_attn_norm, layer.ffn_norm, c.rms_eps

@@ -24,7 +24,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..gguf import GGUFFile
 from ..ops import NumpyOps
-from .common import KVAccess, RopeTables, WeightLoader, rope_tables
+from .common import KVAccess, RopeTables, WeightLoader, logits_row, rope_tables
 
 
 @attrs.frozen(eq=False)
@@ -70,10 +70,11 @@ class LlamaModel:
         return None if h is None else self.ops.logits(h, self.output)[0]
 
     def hidden(
-        self, tokens: Any, pos0: int, tables: RopeTables, kv: KVAccess, want_logits: bool
+        self, tokens: Any, pos0: int, tables: RopeTables, kv: KVAccess, want_logits: bool, last_row: Any = None
     ) -> Any | None:
         """The forward pass up to the output norm: h [1, E] of the last token (None without logits).
-        tokens: ids [T] on the host or the device; tables: cos, sin [T, rope_dim/2] per RoPE base."""
+        tokens: ids [T] on the host or the device; tables: cos, sin [T, rope_dim/2] per RoPE base;
+        last_row: the row of the last real token when it is not T - 1 (`logits_row`)."""
         c, ops = self.config, self.ops
         T = len(tokens)
         cos, sin = tables[c.layers[0].rope_base]
@@ -88,7 +89,7 @@ class LlamaModel:
                 if not want_logits:
                     kv.attend(il, pos0, None, k, v, q_pos0=q_pos0, window=None, scale=c.attn_scale)
                     return None
-                q, x, q_pos0 = q[-1:], x[-1:], pos0 + T - 1
+                q, x, q_pos0 = logits_row(ops, q, last_row), logits_row(ops, x, last_row), pos0 + T - 1
             attn = kv.attend(il, pos0, q, k, v, q_pos0=q_pos0, window=None, scale=c.attn_scale)  # [T, H*D]
             x, h = ops.add_rms_norm(x, ops.matmul(attn, layer.wo), None, layer.ffn_norm, c.rms_eps)
             m = ops.gated_mlp(h, layer.w_gate_up, layer.w_down, c.activation)

@@ -389,6 +389,13 @@ class CupyOps(NumpyOps):
     def weight(self, host_f32: np.ndarray) -> Any:
         return self.asarray(host_f32, self.dtype)
 
+    def take_row(self, a: Any, row: Any) -> Any:
+        """Row `row` (a device int32 [1], read at run time) of a [T, ...] as a new [1, ...] array."""
+        flat = self.xp.ascontiguousarray(a).reshape(a.shape[0], -1)
+        out = self.xp.empty((1, flat.shape[1]), dtype=a.dtype)
+        self.kernels.rows_at(row, flat.ravel(), np.int32(flat.shape[1]), out)
+        return out.reshape(1, *a.shape[1:])
+
     def synchronize(self) -> None:
         """Wait for all queued device work (before a host clock is read or host memory is shared)."""
         self.xp.cuda.get_current_stream().synchronize()
