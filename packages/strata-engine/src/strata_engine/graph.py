@@ -154,7 +154,9 @@ class StepGraph:
                                     ops.xp.empty((n, t.shape[1]), dtype=t.dtype))
                 for t in (cos, sin)
             )  # fmt: skip
-        h = self.model.hidden(self.inputs.tokens, 0, rows, self.kv, want_logits=True, last_row=self.inputs.last_row)
+        # A step padded past its last token names that row on the device; a decode step's only row is it.
+        last_row = self.inputs.last_row if n > 1 else None
+        h = self.model.hidden(self.inputs.tokens, 0, rows, self.kv, want_logits=True, last_row=last_row)
         return ops.matmul(h, self.model.output).astype(ops.xp.float32)  # [1, V]
 
     def _capture(self) -> None:
