@@ -1,5 +1,5 @@
-"""Decode steps and full prefill chunks replayed as CUDA graphs: the cupy backend's answer to launch
-overhead.
+"""Decode steps and prefill steps (padded to a few fixed sizes) replayed as CUDA graphs: the cupy
+backend's answer to launch overhead.
 
 A step of a small model is ~12 kernels per layer, each a few microseconds of GPU work (a decode step)
 or tens (a 4,096-token chunk of smollm2) behind tens of microseconds of Python and CuPy dispatch; op by
