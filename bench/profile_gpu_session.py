@@ -4,8 +4,9 @@
 
 A runner's device pool is filled with random f16 K/V for --tokens positions (no prefill), saved, then
 restored in-process (staged, streaming) three times each; printed per operation: the times of the
-library's report (read pass / apply), a plain read of the same file, and the functions with the most
-cumulative time in one profiled staged and one profiled streaming restore and one profiled save.
+library's report (read pass / apply), the milliseconds in each adapter call and library step, a plain
+read of the same file; staged restores by 1-8 readers with the hash inline or beside the copies; and the
+functions with the most own time in one profiled staged and one profiled streaming restore and one save.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ import numpy as np
 from bench_session import plain_read  # this folder is on sys.path when the script runs
 
 ADAPTER_CALLS = ("identity", "limits", "check_plan", "can_stage", "begin_staging", "stage_in", "commit_staged",
-                 "begin_apply", "copy_in", "landing_views", "commit", "block_buffers")
+                 "begin_apply", "copy_in", "landing_views", "commit", "block_buffers", "wait_copies")
+
+
+LIBRARY_STEPS = ("_open_metadata", "check_limits", "_preflight", "_stream_data", "_land_data", "_check_unchanged")
 
 
 def timed_calls(adapter, runner) -> dict[str, float]:
-    """Wrap the adapter's calls (and the runner's restore_state) to sum the milliseconds spent in each."""
+    """Wrap the adapter's calls, the runner's restore_state and the library's steps (reader module) to sum
+    the milliseconds spent in each."""
+    from strata_sessionfile import reader
+
     spent: dict[str, float] = {}
 
     def wrap(owner, name):
@@ -41,8 +48,11 @@ def timed_calls(adapter, runner) -> dict[str, float]:
         setattr(owner, name, call)
 
     for name in ADAPTER_CALLS:
-        wrap(adapter, name)
+        if hasattr(adapter, name):
+            wrap(adapter, name)
     wrap(runner, "restore_state")
+    for name in LIBRARY_STEPS:
+        wrap(reader, name)
     return spent
 
 
@@ -96,6 +106,20 @@ def main() -> int:
             calls = ", ".join(f"{name} {ms:.1f}" for name, ms in spent.items())
             print(f"restore {mode:9s} #{k}: {wall * 1e3:6.1f} ms (read pass {r.read_pass_s * 1e3:5.1f}, apply "
                   f"{r.apply_s * 1e3:5.1f}) x{wall / read_s:.2f} of the plain read; ms in: {calls}", flush=True)
+    from strata_sessionfile import _fileio
+
+    beside = _fileio.hash_beside_delivery
+    for readers in (1, 2, 4, 8):
+        for hash_beside in (False, True):
+            _fileio.hash_beside_delivery = lambda threads, on=hash_beside: on
+            walls = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                sf.restore(path, adapter, mode="staged", block_size=block, read_threads=readers)
+                walls.append(time.perf_counter() - t0)
+            print(f"staged, {readers} reader(s), hash {'beside the copies' if hash_beside else 'inline':17s}: "
+                  f"best {min(walls) * 1e3:6.1f} ms, median {sorted(walls)[1] * 1e3:6.1f} ms", flush=True)
+    _fileio.hash_beside_delivery = beside
     for k in range(3):
         t0 = time.perf_counter()
         sf.save(path, adapter, block_size=block)

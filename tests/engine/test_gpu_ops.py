@@ -425,3 +425,31 @@ def test_flash_attention_position_on_the_device_matches_the_argument(cp, n_head,
         want = ops.flash_attention(q, k_pool[:end], v_pool[:end], q_pos0=pos0, k_pos0=0, window=window,
                                    scale=d**-0.5)  # fmt: skip
     assert rel_err(ops.to_host(got).astype(np.float32), ops.to_host(want).astype(np.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_copy_bytes_queues_host_and_device_copies(cp):
+    """The session adapter's byte copies: pinned and pageable host sources and a device source into a
+    device array at an offset (queued on the stream, complete after a sync), a host destination, and a
+    range that does not fit refused before anything is queued."""
+    import cupyx
+
+    ops = _ops("f32")
+    rng = np.random.default_rng(5)
+    dest = cp.zeros(1 << 20, dtype=cp.uint8)
+    expected = np.zeros(1 << 20, dtype=np.uint8)
+    pinned = cupyx.empty_pinned((300_000,), dtype=np.uint8)
+    pinned[...] = rng.integers(0, 256, pinned.shape, dtype=np.uint8)
+    pageable = rng.integers(0, 256, 70_001, dtype=np.uint8)
+    device_src = cp.asarray(rng.integers(0, 256, 12_345, dtype=np.uint8))
+    for offset, src in ((7, pinned), (400_001, pageable), (1_000_000, device_src)):
+        ops.copy_bytes(dest, offset, src)
+        host = src if isinstance(src, np.ndarray) else cp.asnumpy(src)
+        expected[offset : offset + host.nbytes] = host
+    ops.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(dest), expected)
+    host_dest = np.zeros(100, dtype=np.uint8)
+    ops.copy_bytes(host_dest, 10, pageable[:50])
+    np.testing.assert_array_equal(host_dest[10:60], pageable[:50])
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.copy_bytes(dest, (1 << 20) - 10, pageable[:11])

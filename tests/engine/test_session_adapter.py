@@ -9,6 +9,7 @@ weights; the refill test runs the real SmolLM2 model.
 
 from __future__ import annotations
 
+import array
 import json
 import os
 
@@ -379,6 +380,9 @@ def test_token_checks_refuse_a_bad_id_with_the_first_bad_ids(models, tmp_path):
     assert runner.state_problems(RunnerState((0, 5, v - 1), 0)) == []
     bad = RunnerState((3, v, -1, 7, v + 3, v + 4, v + 5, v + 6), 0)
     assert runner.state_problems(bad) == [f"token ids outside the vocabulary: {[v, -1, v + 3, v + 4, v + 5]}"]
+    # A restored file's int32 array is checked in one numpy pass, with the same answers.
+    assert runner.state_problems(RunnerState(array.array("i", bad.tokens), 0)) == runner.state_problems(bad)
+    assert runner.state_problems(RunnerState(array.array("i", (0, 5, v - 1)), 0)) == []
     # In a file, the library's limits check refuses it first, naming the id, before the gate.
     source = EngineSession(fill(synthetic_runner(models, "smollm2"), 20, seed=5))
     sf.save(tmp_path / "t.ssf", _Tampered(source, lambda st: attrs.evolve(st, tokens=[*st.tokens[:-1], v])))
@@ -461,6 +465,29 @@ def test_session_block_size_is_4_mib_for_every_pool(models):
     assert SessionVerbs(SessionOptions(block_size=1 << 20)).block_size(runner) == 1 << 20
     assert SessionVerbs(SessionOptions()).read_threads() == sf.default_read_threads()
     assert SessionVerbs(SessionOptions(read_threads=3)).read_threads() == 3
+
+
+def test_progress_lines_are_a_phase_first_and_last_and_at_most_one_per_interval(monkeypatch):
+    from strata_engine.session import verbs
+
+    lines: list[dict] = []
+    ctx = attrs.make_class("Ctx", {"emit": attrs.field()})(lines.append)
+    clock = [100.0]
+    monkeypatch.setattr(verbs.time, "monotonic", lambda: clock[0])
+    report = verbs.SessionVerbs._progress(ctx)
+    total = 30 << 22
+    for phase in (sf.Phase.READ, sf.Phase.APPLY):
+        for k in range(1, 31):  # 30 blocks, 1 ms apart, then the same report again
+            clock[0] += 0.001
+            report(sf.Progress(phase, k << 22, total))
+            report(sf.Progress(phase, k << 22, total))
+    assert [(x["phase"], x["bytes_done"]) for x in lines] == [
+        ("read", 1 << 22), ("read", total), ("apply", 1 << 22), ("apply", total)]
+    lines.clear()
+    for k in range(1, 31):  # 30 blocks, 40 ms apart: a line every 0.1 s at most
+        clock[0] += 0.04
+        report(sf.Progress(sf.Phase.APPLY, k << 22, total))
+    assert 8 <= len(lines) <= 11 and lines[-1]["bytes_done"] == total
 
 
 def test_session_options_fault_only_from_the_environment():

@@ -18,7 +18,7 @@ import time
 import pytest
 from strata_sessionfile import _fileio, default_read_threads, inspect, restore, save
 from strata_sessionfile import errors as E
-from strata_sessionfile.testing import memory_adapter_factory, run_conformance
+from strata_sessionfile.testing import MemoryAdapter, memory_adapter_factory, run_conformance
 
 BLOCK = 4096
 LANDING = memory_adapter_factory(n_tokens=200, zero_copy=True)
@@ -74,6 +74,68 @@ def test_every_number_of_readers_restores_the_same_bytes(good, name, beside):
         report = restore(good, target, mode=mode, block_size=BLOCK, read_threads=threads)
         assert report.mode.value == mode and target.live_digest() == expected, threads
     assert not _helpers_alive()
+
+
+class _DeferredCopies(MemoryAdapter):
+    """copy_in / stage_in keep `src` and copy it only later, as a device DMA queued from a pinned buffer
+    does: at wait_copies() (AsyncCopyTarget), or, for the control without it, at the commit."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.queued: list = []
+        self.waits = 0
+
+    def copy_in(self, layer, part, offset, src):
+        self.queued.append((lambda: self.parts[layer][part], offset, src))
+
+    def stage_in(self, layer, part, offset, src):
+        self.queued.append((lambda: self._staged[1][layer][part], offset, src))
+
+    def _run_queued(self) -> None:
+        for dest, offset, src in self.queued:
+            dest()[offset:offset + len(src)] = src
+        self.queued.clear()
+
+    def commit(self, state):
+        self._run_queued()
+        super().commit(state)
+
+    def commit_staged(self, state):
+        self._run_queued()
+        super().commit_staged(state)
+
+
+class _WaitsForCopies(_DeferredCopies):
+    def wait_copies(self) -> None:
+        self.waits += 1
+        self._run_queued()
+
+
+def _deferring(cls, staging: bool):
+    base = COPYING_STAGING if staging else COPYING
+
+    def factory(seed: int):
+        template = base(seed)
+        adapter = cls(template.identity(), template.specs, staging=staging)
+        adapter.state, adapter.layers, adapter.parts = template.state, template.layers, template.parts
+        return adapter
+
+    return factory
+
+
+@pytest.mark.parametrize("mode", ["streaming", "staged"])
+def test_copies_that_finish_later_are_waited_for_before_their_buffer_is_refilled(good, mode, beside):
+    expected = COPYING(1).live_digest()
+    n_blocks = -(-inspect(good).layout.data_length // BLOCK)
+    for threads in (1, 2, 4):
+        target = _deferring(_WaitsForCopies, mode == "staged")(2)
+        restore(good, target, mode=mode, block_size=BLOCK, read_threads=threads)
+        assert target.live_digest() == expected, threads
+        assert target.waits >= n_blocks - threads - 1  # before each refill, and at the end
+    # The control: the same deferred copies without wait_copies read buffers already refilled.
+    control = _deferring(_DeferredCopies, mode == "staged")(2)
+    restore(good, control, mode=mode, block_size=BLOCK, read_threads=2)
+    assert control.live_digest() != expected
 
 
 def test_inspect_verifies_with_several_readers(good):

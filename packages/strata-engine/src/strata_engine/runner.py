@@ -13,6 +13,7 @@ When the whole prompt is already held the last token is evaluated again for its 
 
 from __future__ import annotations
 
+import array
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -55,12 +56,13 @@ class PrefillResult:
 class RunnerState:
     """The running state besides the K/V bytes: what the session file's running-state section holds.
 
-    tokens: the tokens whose K/V is held (position = len(tokens)).
+    tokens: the tokens whose K/V is held (position = len(tokens)): a tuple, or a restored file's int32
+        array (array.array "i", read without making 32K Python ints).
     ring_start: the lowest position the sliding-window rings hold (0 without rings).
     checkpoints: ring checkpoints, shallowest first; `deepest_checkpoint` is the next turn's resume point.
     """
 
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]
     ring_start: int
     checkpoints: tuple[RingCheckpoint, ...] = ()
 
@@ -71,6 +73,15 @@ class RunnerState:
     @property
     def deepest_checkpoint(self) -> RingCheckpoint | None:
         return self.checkpoints[-1] if self.checkpoints else None
+
+
+def _id_span(tokens: Sequence[int]) -> tuple[int, int]:
+    """(min, max) of token ids: one numpy pass over an int32 buffer (a restored file's array; ~0.02 ms
+    for 32K ids), else min and max in C over the Python ints (~0.7 ms)."""
+    if isinstance(tokens, array.array) and tokens.itemsize == 4 and tokens.typecode in "il":
+        ids = np.frombuffer(tokens, dtype=np.int32)
+        return int(ids.min()), int(ids.max())
+    return min(tokens), max(tokens)
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -207,9 +218,9 @@ class ModelRunner:
         problems = []
         if len(state.tokens) > self.n_ctx:
             problems.append(f"{len(state.tokens)} tokens exceed the context size {self.n_ctx}")
-        # min/max run in C; the list of bad ids (for the message) only when there is one
+        # the list of bad ids (for the message) only when there is one
         tokens, n_vocab = state.tokens, self.config.n_vocab
-        if tokens and not (0 <= min(tokens) and max(tokens) < n_vocab):
+        if tokens and not (0 <= (span := _id_span(tokens))[0] and span[1] < n_vocab):
             bad = [t for t in tokens if not 0 <= t < n_vocab]
             problems.append(f"token ids outside the vocabulary: {bad[:5]}")
         positions = [c.position for c in state.checkpoints]

@@ -27,7 +27,8 @@ Reading
 Adapter protocol (``strata_sessionfile.adapter``)
     ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
     restore), ``BufferProvider`` (optional own block buffers), ``LandingTarget`` (optional: a restore reads
-    straight into the engine's host memory), ``SessionAdapter`` (source + target).
+    straight into the engine's host memory), ``AsyncCopyTarget`` (optional: ``copy_in`` / ``stage_in`` may
+    return before their copies finish), ``SessionAdapter`` (source + target).
 Records
     ``Compression`` (save option), ``RunningState``, ``Checkpoint``, ``LayerSpec``, ``LayerGeometry``, ``Snapshot``, ``EngineLimits``,
     ``EngineIdentity``, ``RestorePlan``, ``Progress``/``Phase``, ``SaveReport``, ``RestoreReport``,
@@ -41,6 +42,7 @@ Testing (``strata_sessionfile.testing``)
 from . import errors
 from ._fileio import default_read_threads, memory_available
 from .adapter import (
+    AsyncCopyTarget,
     BufferProvider,
     LandingTarget,
     SessionAdapter,
@@ -75,7 +77,7 @@ from .records import (
 from .writer import BlockBuffers, save
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "BlockBuffers", "BufferProvider", "Checkpoint", "Compression",
+    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "AsyncCopyTarget", "BlockBuffers", "BufferProvider", "Checkpoint", "Compression",
     "ConfigIdentity", "DType",
     "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
     "LandingTarget", "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",

@@ -271,20 +271,23 @@ class ReadAhead:
     data section). Iterate to get (file offset, memoryview) in file order; a view is valid until the next
     iteration. ``threads`` readers need ``threads + 1`` buffers (the caller holds one while the others are
     being read); fewer buffers mean fewer readers. At most ``threads`` reads are in flight. ``close()`` stops
-    and joins every helper (see OrderedReads).
+    and joins every helper (see OrderedReads). ``before_refill``: called before a buffer the caller was
+    given is read into again (e.g. to wait for asynchronous copies out of it).
     """
 
     def __init__(self, fd: int, buffers: Sequence[memoryview], chunks: Iterable[tuple[int, int]], path: str,
-                 threads: int = 1) -> None:
+                 threads: int = 1, before_refill: Callable[[], None] | None = None) -> None:
         assert len(buffers) >= 2 and threads >= 1
         self.threads = min(threads, len(buffers) - 1)
         self.fd, self.buffers, self.chunks, self.path = fd, buffers[:self.threads + 1], chunks, path
+        self.before_refill = before_refill
         self.reads: OrderedReads | None = None
 
     def __iter__(self) -> Iterator[tuple[int, memoryview]]:
         self.reads = reads = OrderedReads(self.fd, self.path, self.threads)
         chunks = iter(self.chunks)
         free = list(range(len(self.buffers)))
+        given: set[int] = set()  # buffers the caller has had
 
         def submit_next() -> None:
             item = next(chunks, None)
@@ -292,6 +295,8 @@ class ReadAhead:
                 offset, n = item
                 idx = free.pop()
                 assert n <= len(self.buffers[idx])
+                if idx in given and self.before_refill is not None:
+                    self.before_refill()
                 reads.submit(offset, (self.buffers[idx][:n],), (offset, idx, n))
 
         for _ in range(self.threads):
@@ -299,6 +304,7 @@ class ReadAhead:
         while reads:
             offset, idx, n = reads.take()
             submit_next()  # into the buffer the caller gave back: `threads` reads in flight while it works
+            given.add(idx)
             yield offset, self.buffers[idx][:n]
             free.append(idx)
 

@@ -33,6 +33,12 @@ replaces ``copy_in`` (streaming: called only after ``begin_apply``; the views ar
 returns writable views in order (e.g. two for a ring that wraps) whose lengths add up to ``length``. The
 library reads the file into them and hashes them there; every check, the gate and fail-stop apply
 exactly as with the copying calls.
+
+Asynchronous copies (``AsyncCopyTarget``, optional): ``copy_in`` / ``stage_in`` may return before their
+copy has read ``src`` (e.g. a host-to-device DMA queued from the adapter's pinned block buffers) when the
+adapter implements ``wait_copies()``, which returns once every copy it started has read its source. The
+library calls it before it refills or frees any memory it handed to ``copy_in`` / ``stage_in``, and once
+after the last piece of a pass (also when the pass fails), so no copy outlives the pass.
 """
 
 from __future__ import annotations
@@ -94,6 +100,12 @@ class StagingTarget(SessionTarget, Protocol):
 @runtime_checkable
 class BufferProvider(Protocol):
     def block_buffers(self, count: int, nbytes: int) -> Sequence[memoryview]: ...
+
+
+@runtime_checkable
+class AsyncCopyTarget(Protocol):
+    def wait_copies(self) -> None:
+        """Return once every copy that copy_in / stage_in started has read its source."""
 
 
 @runtime_checkable

@@ -284,7 +284,9 @@ def decode_metadata(body: memoryview | bytes, *, header: Header, path: str | Non
     if cp_len > LIMIT["MAX_CHECKPOINT_DATA_BYTES"]:
         raise cur.fail(E.LimitExceeded, f"checkpoint data of {cp_len} bytes is over MAX_CHECKPOINT_DATA_BYTES",
                        "state.checkpoint.data", at)
-    cp_data = bytes(cur.take(cp_len, "state.checkpoint.data"))
+    # A read-only view into the metadata buffer, not a copy: the checkpoint may be megabytes (a ring's
+    # window of K/V) and a fresh copy costs its page faults as well as the memcpy.
+    cp_data = cur.take(cp_len, "state.checkpoint.data").toreadonly()
     engine_fields = cur.sized("state.engine_fields", "MAX_ENGINE_FIELDS_BYTES")
     state = RunningState(tokens, position, sampler, Checkpoint(cp_index, cp_data), engine_fields)
 

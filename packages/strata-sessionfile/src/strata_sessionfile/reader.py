@@ -41,7 +41,7 @@ import xxhash
 
 from . import _fileio
 from . import errors as E
-from .adapter import LandingTarget, SessionTarget, StagingTarget
+from .adapter import AsyncCopyTarget, LandingTarget, SessionTarget, StagingTarget
 from .codec import METADATA_OFFSET, compute_layout, decode_header, decode_metadata, decode_trailer
 from .compression import CODECS, COMPRESSION_HEADER_SIZE, decode_compressed_section
 from .format import DATA_ALIGNMENT, DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags, align_up
@@ -237,21 +237,27 @@ def _preflight(opened: _Opened, block_size: int, n_buffers: int,
 
 
 def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase,
-                 threads: int) -> int:
+                 threads: int, wait_copies: Callable[[], None] | None = None) -> int:
     """Read the data section in blocks (``threads`` helpers, at most one block each in flight), hash each
     in file order, call deliver(view, segments) per block in file order. Returns the bytes read from the
-    file.
+    file. ``wait_copies`` (an AsyncCopyTarget's): called before a delivered block's memory is reused or
+    freed, and once at the end, also when the pass fails.
 
     Where a core is free for it (``_fileio.hash_beside_delivery``), each block is hashed on a thread of
     its own while ``deliver`` hands the same block to the adapter (e.g. a host -> device copy): a block
     then costs the longer of the two instead of their sum. Both only read the buffer, and it goes back
     to the readers only once both are done; the hash is still computed strictly in file order."""
     if opened.layout.compressed is not None:
-        return _stream_frames(opened, hasher, deliver, progress, phase)
+        try:
+            return _stream_frames(opened, hasher, deliver, progress, phase, wait_copies)
+        finally:
+            if wait_copies is not None:
+                wait_copies()
     layout = opened.layout
     blocks = _fileio.iter_blocks(layout.extents, layout.data_length, block_size)
     reader = _fileio.ReadAhead(opened.fd, buffers, _fileio.block_chunks(layout.data_offset, layout.data_length,
-                                                                         block_size), opened.path, threads)
+                                                                         block_size), opened.path, threads,
+                               before_refill=wait_copies)
     beside = (ThreadPoolExecutor(1, thread_name_prefix="strata-hash")
               if deliver is not None and _fileio.hash_beside_delivery(threads) else None)
     done = 0
@@ -276,10 +282,13 @@ def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, pro
         reader.close()
         if beside is not None:
             beside.shutdown(wait=True)
+        if wait_copies is not None:
+            wait_copies()
     return done
 
 
-def _stream_frames(opened: _Opened, hasher, deliver, progress, phase: Phase) -> int:
+def _stream_frames(opened: _Opened, hasher, deliver, progress, phase: Phase,
+                   wait_copies: Callable[[], None] | None) -> int:
     """A compressed data section: frames are read and decoded by up to ``decode_workers()`` threads at once
     (zstd releases the GIL), each into exactly its block's size; in file order this thread hashes each
     frame's bytes as they are on disk and calls deliver(decoded, segments). A frame's failure is raised in
@@ -325,6 +334,8 @@ def _stream_frames(opened: _Opened, hasher, deliver, progress, phase: Phase) -> 
             hasher.update(frame)
             if deliver is not None:
                 deliver(memoryview(block), segments)
+                if wait_copies is not None:
+                    wait_copies()  # the decoded block is freed next
             read += len(frame)
             done += b_len
             del frame, block, future  # before the next task: at most `workers` frames and blocks alive
@@ -451,6 +462,12 @@ def _fail_stop(adapter: SessionTarget, exc: BaseException, path: str) -> E.FailS
     return E.FailStop(exc, path=path)
 
 
+def _copy_waiter(adapter) -> Callable[[], None] | None:
+    if not isinstance(adapter, AsyncCopyTarget):
+        return None
+    return lambda: _adapter_call(adapter.wait_copies)
+
+
 def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan, buffers, block_size, progress,
                      landing: bool, threads: int):
     # Before the gate: the file must be exactly what the read pass validated.
@@ -493,7 +510,7 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
                                             Phase.APPLY, threads)
         else:
             opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY,
-                                              threads)
+                                              threads, _copy_waiter(adapter))
         if not gate[0]:
             open_gate()
         _check_digest(opened, hasher, "apply pass")
@@ -522,7 +539,7 @@ def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, bu
                                             Phase.APPLY, threads)
         else:
             opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY,
-                                              threads)
+                                              threads, _copy_waiter(adapter))
         _check_digest(opened, hasher, "staged pass")
         _check_unchanged(opened, "during the staged pass")
         _adapter_call(adapter.commit_staged, plan.state)

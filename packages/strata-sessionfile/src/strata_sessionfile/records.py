@@ -74,7 +74,8 @@ class Checkpoint:
     """The deepest checkpoint: where the next turn resumes (a token index) and any engine data for it."""
 
     token_index: int = 0
-    data: bytes = b""
+    # A decoded file's: a read-only view of its metadata bytes (shown as the bytes it holds).
+    data: bytes | memoryview = attrs.field(default=b"", repr=lambda d: repr(bytes(d)))
 
 
 @attrs.frozen(eq=True)

@@ -400,6 +400,28 @@ class CupyOps(NumpyOps):
         """Wait for all queued device work (before a host clock is read or host memory is shared)."""
         self.xp.cuda.get_current_stream().synchronize()
 
+    def copy_bytes(self, dest: Any, offset: int, src: Any) -> None:
+        """dest[offset:offset + src.nbytes] = src for flat contiguous uint8 arrays. Into device memory
+        (from host or device) the copy is only queued on the current stream, after the work before it:
+        it may still be reading a pinned host `src` when this returns (see `synchronize`); a pageable
+        one the driver has staged by then. Into host memory (a mapped pool's host side) it is a memcpy."""
+        n = int(src.nbytes)
+        if isinstance(dest, np.ndarray):
+            dest[offset : offset + n] = src
+            return
+        if offset < 0 or offset + n > dest.nbytes:
+            raise ValueError(f"{n} bytes at offset {offset} do not fit a {dest.nbytes}-byte array")
+        if not n:
+            return
+        rt = self.xp.cuda.runtime
+        if isinstance(src, np.ndarray):
+            assert src.flags.c_contiguous and dest.flags.c_contiguous
+            ptr, kind = src.ctypes.data, rt.memcpyHostToDevice
+        else:
+            assert src.flags.c_contiguous and dest.flags.c_contiguous
+            ptr, kind = src.data.ptr, rt.memcpyDeviceToDevice
+        rt.memcpyAsync(dest.data.ptr + offset, ptr, n, kind, self.xp.cuda.get_current_stream().ptr)
+
     # ---- elementwise and normalisation ---------------------------------------------------------
     def _row_grid(self, n_rows: int) -> tuple[tuple[int], tuple[int]]:
         return ((n_rows + WARP_ROWS_PER_BLOCK - 1) // WARP_ROWS_PER_BLOCK,), (32 * WARP_ROWS_PER_BLOCK,)

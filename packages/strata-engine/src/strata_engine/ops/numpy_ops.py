@@ -45,6 +45,10 @@ class NumpyOps:
     def to_host(self, arr: Any) -> np.ndarray:
         return np.asarray(arr)
 
+    def copy_bytes(self, dest: np.ndarray, offset: int, src: np.ndarray) -> None:
+        """dest[offset:offset + src.nbytes] = src for flat uint8 arrays (done when this returns)."""
+        dest[offset : offset + src.nbytes] = src
+
     def weight(self, host_f32: np.ndarray) -> Any:
         """A dequantized weight in the compute dtype on the backend."""
         return self.xp.ascontiguousarray(host_f32, dtype=self.dtype)

@@ -27,7 +27,10 @@ and the library's block buffers. A ring's logical byte offset o maps to slot byt
 ``(start_slot * row_bytes + o) mod (capacity * row_bytes)``: at most two contiguous copies. Where the
 destination is host memory (a host pool or the host side of a device-mapped pool in streaming mode, the
 host staging area in staged mode) a restore lands instead (`can_land` / `landing_views`): the library
-reads the file straight into those slots and hashes them there, one copy fewer per byte.
+reads the file straight into those slots and hashes them there, one copy fewer per byte. Into device
+memory (a device pool, a VRAM staging area) `copy_in` / `stage_in` only queue an asynchronous copy from
+the pinned block buffer and return: the library calls `wait_copies` before it refills that buffer
+(`AsyncCopyTarget`), so the copies overlap the hashing and the reads instead of each waiting for its DMA.
 
 Restore order (streaming): `check_plan` parses and validates everything engine-specific (engine fields,
 checkpoint bytes, sampler state, the runner's own state rules) without touching anything; the gate
@@ -133,12 +136,10 @@ class _Prepared:
     runner_state: RunnerState
     sampler: SamplerState | None
     starts: tuple[int, ...]  # per layer: the first position the file's part holds
-    file_tokens: Any = None  # the plan's token array (commit compares with it: one memcmp, no tuple)
 
     def same_tokens(self, tokens: Any) -> bool:
-        if tokens is self.file_tokens:
-            return True
-        return tuple(tokens) == self.runner_state.tokens
+        mine = self.runner_state.tokens  # the plan's own token array: the commit normally passes it back
+        return tokens is mine or tuple(tokens) == tuple(mine)
 
 
 def _sync(pool: Any) -> None:
@@ -152,15 +153,6 @@ def _to_host(src: Any, dest: np.ndarray) -> None:
         dest[...] = src
     else:  # a device array (cupy): one device -> host copy into the library's buffer
         src.get(out=dest)
-
-
-def _from_host(dest: Any, src: Any) -> None:
-    if isinstance(dest, np.ndarray):
-        dest[...] = src
-    elif isinstance(src, np.ndarray):  # host -> device (synchronous for pageable and pinned sources)
-        dest.set(src)
-    else:  # device -> device: a staged restore's switch
-        dest[...] = src
 
 
 class BlockBufferCache:
@@ -249,6 +241,7 @@ class EngineSession:
         self._staged: list[list[np.ndarray | None]] | None = None
         self._copies_in = 0
         self._save_starts: tuple[int, ...] = ()
+        self._flat: dict[tuple[int, Part], tuple[Any, int]] = {}
 
     # ---- identity and geometry -----------------------------------------------------------------
     def identity(self) -> EngineIdentity:
@@ -304,12 +297,20 @@ class EngineSession:
             raise E.GeometryMismatch(f"layer {layer} has no {part.name} part", field=f"layers[{layer}]")
         return arr
 
+    def _flat_slots(self, layer: int, part: Part) -> tuple[Any, int]:
+        """(flat byte view of the part's slots, slot count), made once per adapter (the pool's arrays live
+        as long as the runner; a device view costs tens of microseconds to make)."""
+        key = (layer, part)
+        got = self._flat.get(key)
+        if got is None:
+            arr = self._slot_array(layer, part)
+            got = self._flat[key] = (arr.reshape(-1).view("u1"), int(arr.shape[0]))  # numpy or cupy, no copy
+        return got
+
     def _segments(self, layer: int, part: Part, start: int, offset: int, length: int):
         """(flat slot-byte view, [(slot_byte_lo, slot_byte_hi, dest_lo)]) for bytes [offset, offset+length)
         of the part whose first logical position is `start`."""
-        arr = self._slot_array(layer, part)
-        flat = arr.reshape(-1).view("u1")  # numpy or cupy: a flat byte view, no copy
-        capacity = int(arr.shape[0])
+        flat, capacity = self._flat_slots(layer, part)
         total = int(flat.shape[0])
         row = total // capacity
         phys = ((start % capacity) * row + offset) % total
@@ -394,11 +395,11 @@ class EngineSession:
                 sampler = SamplerState.from_bytes(st.sampler_state)
             except SamplerStateError as exc:
                 raise E.InconsistentState(str(exc), field="state.sampler_state", **where) from None
-        runner_state = RunnerState(tuple(st.tokens), ring_start, checkpoints)
+        runner_state = RunnerState(st.tokens, ring_start, checkpoints)  # the file's int32 array, no copy
         problems = self.runner.state_problems(runner_state)
         if problems:
             raise E.InconsistentState("; ".join(problems), field="state", **where)
-        self._prepared = _Prepared(id(plan), runner_state, sampler, self._starts(n), st.tokens)
+        self._prepared = _Prepared(id(plan), runner_state, sampler, self._starts(n))
 
     def _decode_checkpoint(self, st: RunningState, cp_fields: Any, where: dict) -> tuple[RingCheckpoint, ...]:
         data, index = st.checkpoint.data, st.checkpoint.token_index
@@ -457,8 +458,14 @@ class EngineSession:
         self._copies_in = 0
 
     def copy_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
+        """Into a device pool the copy is only queued (see `wait_copies`)."""
         self._count_copy_in()
         self._write_pool(layer, part, offset, np.frombuffer(src, dtype=np.uint8), self._prepared.starts)
+
+    def wait_copies(self) -> None:
+        """The library's block buffers are refilled only after this: the device copies queued from them by
+        copy_in / stage_in have read them (AsyncCopyTarget)."""
+        _sync(self.runner.pool)
 
     def _count_copy_in(self) -> None:
         self._copies_in += 1
@@ -485,14 +492,14 @@ class EngineSession:
         flat, segs = self._segments(layer, part, self._prepared.starts[layer], offset, length)
         return [memoryview(flat[lo:hi]) for lo, hi, _d in segs]
 
-    def _write_pool(self, layer: int, part: Part, offset: int, src: Any, starts: tuple[int, ...],
-                    sync: bool = True) -> None:
+    def _write_pool(self, layer: int, part: Part, offset: int, src: Any, starts: tuple[int, ...]) -> None:
+        """Bytes [offset, offset + len(src)) of a part into the pool's slots; a copy into device memory is
+        only queued (synchronise before `src` is reused)."""
         self.live_touched = True
         flat, segs = self._segments(layer, part, starts[layer], offset, len(src))
+        copy = self.runner.pool.ops.copy_bytes
         for lo, hi, d in segs:
-            _from_host(flat[lo:hi], src[d : d + hi - lo])
-        if sync:
-            _sync(self.runner.pool)  # the library reuses `src`'s buffer once this returns
+            copy(flat, lo, src[d : d + hi - lo])
 
     def commit(self, state: RunningState) -> None:
         prepared = self._prepared
@@ -500,8 +507,9 @@ class EngineSession:
             raise E.AdapterFailed("commit with a running state that check_plan did not see")
         if self.fault is FaultPoint.RESTORE_AT_COMMIT:
             raise InjectedFault("injected fault: restore, at the commit")
-        # The pool was written in place; the extent, the resident rings (refill), the tokens and the
-        # checkpoints follow in one call, then the sampler.
+        # The pool was written in place (queued device copies land first); the extent, the resident rings
+        # (refill), the tokens and the checkpoints follow in one call, then the sampler.
+        _sync(self.runner.pool)
         self.runner.restore_state(prepared.runner_state)
         if prepared.sampler is not None:
             self.sampler.set(prepared.sampler)
@@ -556,10 +564,9 @@ class EngineSession:
         self._staged = staged
 
     def stage_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
+        """Into a VRAM staging area the copy is only queued (see `wait_copies`)."""
         assert self._staged is not None
-        dest = self._staged[layer][part]
-        _from_host(dest[offset : offset + len(src)], np.frombuffer(src, dtype=np.uint8))
-        _sync(self.runner.pool)
+        self.runner.pool.ops.copy_bytes(self._staged[layer][part], offset, np.frombuffer(src, dtype=np.uint8))
 
     def block_buffers(self, count: int, nbytes: int) -> list[memoryview]:
         """The library's block buffers: pinned host memory for a device pool (its copies run as DMA),
@@ -581,14 +588,15 @@ class EngineSession:
         try:
             for layer, parts in enumerate(staged):
                 for part, data in enumerate(parts):
-                    if data is not None:  # the staging area is not reused: one sync after every part
-                        self._write_pool(layer, Part(part), 0, data, prepared.starts, sync=False)
+                    if data is not None:  # queued device copies; one sync after every part
+                        self._write_pool(layer, Part(part), 0, data, prepared.starts)
             _sync(self.runner.pool)
         finally:
             self._drop_staged()
         self.commit(state)
 
     def discard_staged(self) -> None:
+        _sync(self.runner.pool)  # no queued copy may still write the staging area once it is freed
         self._drop_staged()
         if not self.live_touched:
             self._prepared = None
