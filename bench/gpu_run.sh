@@ -4,6 +4,7 @@
 #   ops    tests/engine/test_gpu_ops.py
 #   kernels  bench/bench_gpu_kernels.py (the flash attention kernel vs torch SDPA)
 #   profile  bench/profile_gpu.py (host time of prefill and decode per function; PROFILE_MODEL, PROFILE_PROMPT)
+#   profile-session  bench/profile_gpu_session.py (in-process SAVE/RESTORE, per adapter call and library step)
 #   probe-io  bench/probe_gpu_io.py (reads by 1-8 threads, XXH3, host->device copies, write+fsync)
 #   tests  every tests/engine/test_gpu*.py
 #   bench  bench/bench_gpu.py (engine vs transformers), then bench/bench_gpu_session.py
@@ -52,6 +53,9 @@ PY
     profile)  # host time of prefill and decode, per function (the first model present)
       m=${PROFILE_MODEL:-${STRATA_GEMMA3_PATH:-$STRATA_SMOLLM2_PATH}}; p=${PROFILE_PROMPT:-512}
       python3 bench/profile_gpu.py --model "$m" --prompt "$p" --dtype "${PROFILE_DTYPE:-bf16}" 2>&1 | tee "$OUT/profile-$p.log" | grep -E "ms/token|tottime|^ +[0-9]|^  [a-z(]|----" | head -60 || rc=1 ;;
+    profile-session)  # in-process SAVE/RESTORE per adapter call and library step: smollm2 random K/V, gemma3 prefilled 32K
+      [ -n "$STRATA_SMOLLM2_PATH" ] && { python3 bench/profile_gpu_session.py --model $STRATA_SMOLLM2_PATH --tokens 7915 2>&1 | tee "$OUT/profile_session_smollm2.log" | grep -v "^ " || rc=1; }
+      [ -n "$STRATA_GEMMA3_PATH" ] && { python3 bench/profile_gpu_session.py --model $STRATA_GEMMA3_PATH --tokens 32715 --prefill 2>&1 | tee "$OUT/profile_session_gemma3.log" | grep -v "^ " || rc=1; } ;;
     probe-io) python3 bench/probe_gpu_io.py --folder /tmp 2>&1 | tee "$OUT/probe_io.log" || rc=1 ;;
     tests) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_ops.py tests/engine/test_gpu_model.py tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/tests.log" || rc=1 ;;
     model) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_model.py 2>&1 | tee "$OUT/model.log" || rc=1 ;;
@@ -60,7 +64,7 @@ PY
       [ -n "$STRATA_SMOLLM2_PATH" ] && { python3 bench/bench_gpu.py --model smollm2=$STRATA_SMOLLM2_PATH --dtype f16 --lengths 512,4096 --json "$OUT/bench_gpu_smollm2.json" 2>&1 | tee "$OUT/bench_gpu_smollm2.log" || rc=1; }
       [ -n "$STRATA_GEMMA3_PATH" ] && { python3 bench/bench_gpu.py --model gemma3=$STRATA_GEMMA3_PATH --dtype bf16 --lengths 512,4096 --long 32768 --json "$OUT/bench_gpu_gemma3.json" 2>&1 | tee "$OUT/bench_gpu_gemma3.log" || rc=1; } ;;
     bench-session) python3 bench/bench_gpu_session.py "${MODELS[@]}" --json "$OUT/bench_gpu_session.json" 2>&1 | tee "$OUT/bench_gpu_session.log" || rc=1 ;;
-    bench-session-quick) python3 bench/bench_gpu_session.py --model smollm2=$STRATA_SMOLLM2_PATH --placements device-pool --synthetic-tokens 0 2>&1 | tee "$OUT/bench_gpu_session_quick.log" || rc=1 ;;
+    bench-session-quick) python3 bench/bench_gpu_session.py "${MODELS[@]}" --placements device-pool --synthetic-tokens 0 2>&1 | tee "$OUT/bench_gpu_session_quick.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done
