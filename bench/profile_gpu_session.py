@@ -5,7 +5,7 @@
 A runner's device pool is filled with random f16 K/V for --tokens positions (no prefill), saved, then
 restored in-process (staged, streaming) three times each; printed per operation: the times of the
 library's report (read pass / apply), the milliseconds in each adapter call and library step, a plain
-read of the same file; staged restores by 1-8 readers with the hash inline or beside the copies; and the
+read of the same file; staged restores by 1-8 readers; and the
 functions with the most own time in one profiled staged and one profiled streaming restore and one save.
 """
 
@@ -106,20 +106,34 @@ def main() -> int:
             calls = ", ".join(f"{name} {ms:.1f}" for name, ms in spent.items())
             print(f"restore {mode:9s} #{k}: {wall * 1e3:6.1f} ms (read pass {r.read_pass_s * 1e3:5.1f}, apply "
                   f"{r.apply_s * 1e3:5.1f}) x{wall / read_s:.2f} of the plain read; ms in: {calls}", flush=True)
-    from strata_sessionfile import _fileio
+    # The engine process also holds the tokenizer (tens of thousands of Python objects the collector scans):
+    # staged restores with it alive, then after gc.freeze() (start-up objects out of the collector's reach).
+    import gc
 
-    beside = _fileio.hash_beside_delivery
+    from strata_engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
+    for label in ("tokenizer held", "tokenizer held, gc.freeze()"):
+        if "freeze" in label:
+            gc.freeze()
+        walls, collections = [], sum(st["collections"] for st in gc.get_stats())
+        for _ in range(5):
+            t0 = time.perf_counter()
+            sf.restore(path, adapter, mode="staged", block_size=block)
+            walls.append(time.perf_counter() - t0)
+        collections = sum(st["collections"] for st in gc.get_stats()) - collections
+        print(f"staged, {label}: best {min(walls) * 1e3:6.1f} ms, median {sorted(walls)[2] * 1e3:6.1f} ms, "
+              f"{collections} collections in 5 restores; {len(gc.get_objects())} tracked objects", flush=True)
+    gc.unfreeze()
+    del tokenizer
     for readers in (1, 2, 4, 8):
-        for hash_beside in (False, True):
-            _fileio.hash_beside_delivery = lambda threads, on=hash_beside: on
-            walls = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                sf.restore(path, adapter, mode="staged", block_size=block, read_threads=readers)
-                walls.append(time.perf_counter() - t0)
-            print(f"staged, {readers} reader(s), hash {'beside the copies' if hash_beside else 'inline':17s}: "
-                  f"best {min(walls) * 1e3:6.1f} ms, median {sorted(walls)[1] * 1e3:6.1f} ms", flush=True)
-    _fileio.hash_beside_delivery = beside
+        walls = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            sf.restore(path, adapter, mode="staged", block_size=block, read_threads=readers)
+            walls.append(time.perf_counter() - t0)
+        print(f"staged, {readers} reader(s): best {min(walls) * 1e3:6.1f} ms, median {sorted(walls)[2] * 1e3:6.1f} ms",
+              flush=True)
     for k in range(3):
         t0 = time.perf_counter()
         sf.save(path, adapter, block_size=block)

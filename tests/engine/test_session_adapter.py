@@ -393,13 +393,9 @@ def test_token_checks_refuse_a_bad_id_with_the_first_bad_ids(models, tmp_path):
     assert live_digest(live) == before
 
 
-@pytest.mark.parametrize(("landing", "beside"), [(True, False), (False, False), (False, True)],
-                         ids=["landing", "copying", "copying-hash-beside"])
+@pytest.mark.parametrize("landing", [True, False], ids=["landing", "copying"])
 @pytest.mark.parametrize("mode", ["staged", "streaming"])
-def test_every_number_of_readers_restores_the_same_pool_bytes(models, tmp_path, monkeypatch, mode, landing, beside):
-    from strata_sessionfile import _fileio
-
-    monkeypatch.setattr(_fileio, "hash_beside_delivery", lambda threads: beside)
+def test_every_number_of_readers_restores_the_same_pool_bytes(models, tmp_path, mode, landing):
     source = fill(synthetic_runner(models, "gemma3", n_ctx=256), 200, seed=11, checkpoint_at=190)
     sf.save(tmp_path / "s.ssf", EngineSession(source), block_size=4096)
     pools, digests = [], []

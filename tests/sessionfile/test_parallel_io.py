@@ -33,14 +33,6 @@ def _helpers_alive() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("strata-")]
 
 
-@pytest.fixture(params=[False, True], ids=["hash-inline", "hash-beside"])
-def beside(request, monkeypatch):
-    """Copying restores hash each block inline, or on a thread of its own while the adapter copies it (the
-    choice depends on the cores: both are forced here)."""
-    monkeypatch.setattr(_fileio, "hash_beside_delivery", lambda threads: request.param)
-    return request.param
-
-
 @pytest.fixture
 def good(tmp_path):
     path = tmp_path / "s.ssf"
@@ -55,15 +47,71 @@ def test_default_read_threads_leaves_a_core_for_the_hash():
         inspect(os.devnull, read_threads=0)
 
 
-def test_hashing_beside_the_copies_needs_a_free_core(monkeypatch):
-    monkeypatch.setattr(_fileio, "available_cpus", lambda: 2)
-    assert not _fileio.hash_beside_delivery(1)
-    monkeypatch.setattr(_fileio, "available_cpus", lambda: 16)
-    assert _fileio.hash_beside_delivery(4)
+def test_readers_call_in_order_in_submission_order_one_at_a_time(good, monkeypatch):
+    """Earlier reads are made slower, so they finish last: the readers still call ``in_order`` (the hash)
+    in submission order, never two at once, each on the thread that read the bytes."""
+    real = _fileio.pread_into
+
+    def slow_early(fd, buf, offset):
+        time.sleep(0.004 * max(0, 4 - offset // BLOCK))
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(_fileio, "pread_into", slow_early)
+    calls: list[tuple[int, str]] = []
+    busy = threading.Lock()
+
+    def in_order(views):
+        assert busy.acquire(blocking=False), "two in_order calls at once"
+        try:
+            time.sleep(0.001)
+            calls.append((views[0].obj.index, threading.current_thread().name))
+        finally:
+            busy.release()
+
+    class Tagged(bytearray):
+        index = -1
+
+    fd = os.open(good, os.O_RDONLY)
+    reads = _fileio.OrderedReads(fd, str(good), 4, in_order)
+    try:
+        for k in range(8):
+            buf = Tagged(BLOCK)
+            buf.index = k
+            reads.submit(k * BLOCK, [memoryview(buf)], k)
+        assert [reads.take() for _ in range(8)] == list(range(8))
+    finally:
+        reads.close()
+        os.close(fd)
+    assert [k for k, _ in calls] == list(range(8))
+    assert all(name.startswith("strata-read") for _, name in calls)
+
+
+def test_no_in_order_call_after_a_failed_read(good, monkeypatch):
+    real = _fileio.pread_into
+
+    def fail_second(fd, buf, offset):
+        if offset == BLOCK:
+            raise OSError(errno.EIO, "I/O error")
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(_fileio, "pread_into", fail_second)
+    called: list[int] = []
+    fd = os.open(good, os.O_RDONLY)
+    reads = _fileio.OrderedReads(fd, str(good), 3, lambda views: called.append(len(called)))
+    try:
+        for k in range(3):
+            reads.submit(k * BLOCK, [memoryview(bytearray(BLOCK))], k)
+        assert reads.take() == 0
+        with pytest.raises(E.ReadFailed):
+            reads.take()
+    finally:
+        reads.close()
+        os.close(fd)
+    assert called == [0]  # block 0 only: block 2 was read, but not hashed after block 1 failed
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
-def test_every_number_of_readers_restores_the_same_bytes(good, name, beside):
+def test_every_number_of_readers_restores_the_same_bytes(good, name):
     factory, mode = FACTORIES[name]
     expected = COPYING(1).live_digest()
     n_blocks = -(-inspect(good).layout.data_length // BLOCK)
@@ -124,7 +172,7 @@ def _deferring(cls, staging: bool):
 
 
 @pytest.mark.parametrize("mode", ["streaming", "staged"])
-def test_copies_that_finish_later_are_waited_for_before_their_buffer_is_refilled(good, mode, beside):
+def test_copies_that_finish_later_are_waited_for_before_their_buffer_is_refilled(good, mode):
     expected = COPYING(1).live_digest()
     n_blocks = -(-inspect(good).layout.data_length // BLOCK)
     for threads in (1, 2, 4):
@@ -156,15 +204,13 @@ def test_fewer_given_buffers_mean_fewer_readers_not_a_failure(good):
 
 
 @pytest.mark.parametrize("factory", [COPYING, COPYING_STAGING], ids=["streaming", "staged"])
-def test_conformance_with_several_readers_and_the_hash_beside_the_copies(tmp_path, monkeypatch, factory):
+def test_conformance_with_several_readers(tmp_path, monkeypatch, factory):
     monkeypatch.setattr(_fileio, "default_read_threads", lambda: 3)
-    monkeypatch.setattr(_fileio, "hash_beside_delivery", lambda threads: True)
     assert "gate_after" in run_conformance(factory, tmp_path)
     assert not _helpers_alive()
 
 
-def test_an_adapter_failure_while_the_block_is_hashed_beside_it_fail_stops(good, monkeypatch):
-    monkeypatch.setattr(_fileio, "hash_beside_delivery", lambda threads: True)
+def test_an_adapter_failure_while_later_blocks_are_read_and_hashed_fail_stops(good):
     target = COPYING(2)
     real = type(target).copy_in
 
@@ -200,8 +246,7 @@ def _recording(target):
 
 @pytest.mark.parametrize("threads", [2, 4])
 @pytest.mark.parametrize("bad_block", [0, 3, 7])
-def test_a_read_error_surfaces_in_file_order_after_every_earlier_block(good, monkeypatch, threads, bad_block,
-                                                                      beside):
+def test_a_read_error_surfaces_in_file_order_after_every_earlier_block(good, monkeypatch, threads, bad_block):
     layout = inspect(good).layout
     bad_offset = layout.data_offset + bad_block * BLOCK
     real = _fileio.pread_into

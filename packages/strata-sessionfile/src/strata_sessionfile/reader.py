@@ -15,9 +15,10 @@ Staged mode: the same metadata checks, then one pass into the adapter's staging 
 ``commit_staged`` only after every check, else ``discard_staged``.
 
 Every pass reads the data section with several threads at once (``read_threads``, by default
-``default_read_threads()``: at most that many blocks in flight, disjoint) and hashes and hands the blocks
-over strictly in file order; a read error of block k is raised after every earlier block was handed over,
-and no reader is left running when a pass returns or raises.
+``default_read_threads()``: at most that many blocks in flight, disjoint); the hash runs strictly in file
+order (with several readers each hashes the block it read when its turn comes; with one, the calling
+thread hashes), and the calling thread hands the blocks over in file order; a read error of block k is raised after every earlier block was handed over, and no reader
+is left running when a pass returns or raises.
 
 A compressed data section (header flag DATA_COMPRESSED, spec 3.3): its compression header and block
 table are validated with the metadata, before any frame is read; every pass then reads frame by frame,
@@ -32,9 +33,8 @@ import collections
 import os
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_for
 
 import attrs
 import xxhash
@@ -236,17 +236,29 @@ def _preflight(opened: _Opened, block_size: int, n_buffers: int,
                                    path=opened.path)
 
 
+def _hash_views(hasher) -> Callable[[Sequence[memoryview]], None]:
+    def update(views: Sequence[memoryview]) -> None:
+        for view in views:
+            hasher.update(view)
+
+    return update
+
+
+def _hash_in_readers(threads: int) -> bool:
+    """Whether the readers hash (each its own block, in file order) or the calling thread does. With one
+    reader the calling thread hashes block k while the reader reads k+1 (a reader that hashed would
+    alternate reading and hashing); with several, one reader hashes while the others read, on bytes still
+    in its cache, and the calling thread only hands blocks to the engine."""
+    return threads > 1
+
+
 def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase,
                  threads: int, wait_copies: Callable[[], None] | None = None) -> int:
-    """Read the data section in blocks (``threads`` helpers, at most one block each in flight), hash each
-    in file order, call deliver(view, segments) per block in file order. Returns the bytes read from the
-    file. ``wait_copies`` (an AsyncCopyTarget's): called before a delivered block's memory is reused or
-    freed, and once at the end, also when the pass fails.
-
-    Where a core is free for it (``_fileio.hash_beside_delivery``), each block is hashed on a thread of
-    its own while ``deliver`` hands the same block to the adapter (e.g. a host -> device copy): a block
-    then costs the longer of the two instead of their sum. Both only read the buffer, and it goes back
-    to the readers only once both are done; the hash is still computed strictly in file order."""
+    """Read the data section in blocks (``threads`` helpers, at most one block each in flight), hash each in
+    file order (see ``_hash_in_readers`` for which thread), call deliver(view, segments) per block in file
+    order on this thread. Returns the bytes read from the file. ``wait_copies`` (an AsyncCopyTarget's):
+    called before a delivered block's memory is reused or freed, and once at the end, also when the pass
+    fails."""
     if opened.layout.compressed is not None:
         try:
             return _stream_frames(opened, hasher, deliver, progress, phase, wait_copies)
@@ -255,33 +267,23 @@ def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, pro
                 wait_copies()
     layout = opened.layout
     blocks = _fileio.iter_blocks(layout.extents, layout.data_length, block_size)
+    in_readers = _hash_in_readers(threads)
     reader = _fileio.ReadAhead(opened.fd, buffers, _fileio.block_chunks(layout.data_offset, layout.data_length,
                                                                          block_size), opened.path, threads,
-                               before_refill=wait_copies)
-    beside = (ThreadPoolExecutor(1, thread_name_prefix="strata-hash")
-              if deliver is not None and _fileio.hash_beside_delivery(threads) else None)
+                               before_refill=wait_copies, in_order=_hash_views(hasher) if in_readers else None)
     done = 0
     try:
         for (start, view), (b_start, b_len, segments) in zip(reader, blocks, strict=False):
             assert start == layout.data_offset + b_start and len(view) == b_len
-            if beside is None:
-                hasher.update(view)  # on this thread, while the helpers read the next blocks
-                if deliver is not None:
-                    deliver(view, segments)
-            else:
-                hashed = beside.submit(hasher.update, view)
-                try:
-                    deliver(view, segments)
-                finally:
-                    wait_for((hashed,))  # the buffer must not go back to the readers while it is hashed
-                hashed.result()
+            if not in_readers:
+                hasher.update(view)
+            if deliver is not None:
+                deliver(view, segments)
             done += len(view)
             if progress:
                 progress(Progress(phase, done, layout.data_length))
     finally:
         reader.close()
-        if beside is not None:
-            beside.shutdown(wait=True)
         if wait_copies is not None:
             wait_copies()
     return done
@@ -363,20 +365,23 @@ def _landing_views(landing_views, layer: int, part, offset: int, length: int) ->
 
 def _land_data(opened: _Opened, landing_views, block_size: int, hasher, progress, phase: Phase,
                threads: int) -> int:
-    """Read the data section straight into the adapter's memory (``landing_views`` per piece), hashing each
-    block there once it landed: ``threads`` helpers read blocks k+1..k+threads while this thread hashes
-    block k (in file order). Returns the bytes read. The helpers are stopped and joined before this
-    returns or raises."""
+    """Read the data section straight into the adapter's memory (``landing_views`` per piece): ``threads``
+    helpers read blocks k+1..k+threads, hashed there in file order (see ``_hash_in_readers``), while this
+    thread asks the adapter where the next blocks go. Returns the bytes read. The helpers are
+    stopped and joined before this returns or raises."""
     layout = opened.layout
-    lander = _fileio.ReadInto(opened.fd, opened.path, threads)
+    hash_views = _hash_views(hasher)
+    in_readers = _hash_in_readers(threads)
+    lander = _fileio.ReadInto(opened.fd, opened.path, threads, in_order=hash_views if in_readers else None)
     pending: collections.deque = collections.deque()
     done = 0
 
     def settle_oldest() -> None:
         nonlocal done
         length = pending.popleft()
-        for view in lander.wait():
-            hasher.update(view)
+        views = lander.wait()
+        if not in_readers:
+            hash_views(views)
         done += length
         if progress:
             progress(Progress(phase, done, layout.data_length))
@@ -560,7 +565,7 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
     ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
     ``memory_available``: a probe of the free RAM in bytes for the preflight (None skips it).
     ``read_threads``: threads reading the data section at once (None: ``default_read_threads()``); blocks
-    are still hashed and delivered in file order (see ``_stream_data`` for where the hash runs). Block buffers: ``read_threads + 1``
+    are still hashed and delivered in file order (each by the reader that read it). Block buffers: ``read_threads + 1``
     (given ``buffers`` with fewer views mean fewer readers). A compressed data section uses its decode
     workers instead.
     """
