@@ -273,7 +273,9 @@ def report(r: dict, peer: dict | None) -> None:
         n_reads = reads or (1 if rs["mode"] == "staged" else 2)
         base = n_reads * r["plain_read_s"]
         print(f"restore {mode:9s} {rs['restore_ms']:9.1f} ms   ({rs['mode']}) plain reads x{n_reads} {base * 1000:.1f} ms "
-              f"(x{rs['restore_ms'] / 1000 / base:.2f})" + (f"   peer {pf['restore']['timings']['restore_ms']:.1f} ms" if pf else ""))
+              f"(x{rs['restore_ms'] / 1000 / base:.2f})" + (f"   peer {pf['restore']['timings']['restore_ms']:.1f} ms" if pf else "")
+              + (f"   [checks / read pass {rs['read_pass_ms']:.1f} ms, apply {rs['apply_ms']:.1f} ms]"
+                 if "read_pass_ms" in rs else ""))
         print(f"   RSS: peak above before {mib(rs['peak_above_before'])}, transient {mib(rs['transient'])}, "
               f"kept {mib(rs['rss_after'] - rs['rss_before'])} (pool pages filled, staging area kept)")
         again = r.get(f"restore_{mode}_again")

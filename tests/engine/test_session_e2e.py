@@ -184,6 +184,7 @@ def test_conversation_survives_a_restart(engines, tmp_path, case):
     restore = restarted.result(f"RESTORE {path}")
     assert restore["n_restored"] == held and restore["n_read"] >= path.stat().st_size
     assert restore["mode"] == {"streaming": "streaming"}.get(case.restore_args[-1], "staged")
+    assert 0 < restore["read_pass_ms"] + restore["apply_ms"] <= restore["restore_ms"] * 1.001 + 0.01
     status = restarted.status()
     assert status["n_tokens_held"] == held and status["tokens_held_digest"] == held_digest
     got = restarted.complete(next_turn, N_NEXT)

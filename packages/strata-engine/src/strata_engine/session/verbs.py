@@ -4,7 +4,7 @@
 over the serve context's runner and completer (the identity is computed once per runner and cached).
 
 Answers: SAVE -> `{"n_saved", "n_written", "save_ms"}` after `progress` lines (copy / flush / rename);
-RESTORE -> `{"n_restored", "n_read", "restore_ms", "mode"}` after `progress` lines (read / apply).
+RESTORE -> `{"n_restored", "n_read", "restore_ms", "mode", "read_pass_ms", "apply_ms"}` after `progress` lines (read / apply).
 Failures: a save error -> `session_write_failed` (the old file is untouched); a refused restore ->
 `session_refused` with the format package's `reason` (the held conversation is exactly as it was); a
 failure once the live pool was written -> `FailStop` (the loop writes the `fail_stop` error line and
@@ -172,7 +172,8 @@ class SessionVerbs:
                 raise ProtocolError("session_refused", str(exc), reason=exc.reason) from exc
             raise
         return {"n_restored": report.n_tokens, "n_read": report.bytes_read,
-                "restore_ms": round(report.elapsed_s * 1000.0, 3), "mode": report.mode.value}
+                "restore_ms": round(report.elapsed_s * 1000.0, 3), "mode": report.mode.value,
+                "read_pass_ms": round(report.read_pass_s * 1000.0, 3), "apply_ms": round(report.apply_s * 1000.0, 3)}
 
 
 def register_session_verbs(registry: CommandRegistry, options: SessionOptions | None = None,
