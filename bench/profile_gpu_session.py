@@ -126,18 +126,43 @@ def main() -> int:
               f"{collections} collections in 5 restores; {len(gc.get_objects())} tracked objects", flush=True)
     gc.unfreeze()
     del tokenizer
-    for readers in (1, 2, 4, 8):
+    for readers, size in ((1, block), (2, block), (4, block), (8, block), (4, 2 * block), (4, 4 * block)):
+        sf.restore(path, adapter, mode="staged", block_size=size, read_threads=readers)  # buffers of that size
         walls = []
         for _ in range(5):
             t0 = time.perf_counter()
-            sf.restore(path, adapter, mode="staged", block_size=block, read_threads=readers)
+            sf.restore(path, adapter, mode="staged", block_size=size, read_threads=readers)
             walls.append(time.perf_counter() - t0)
-        print(f"staged, {readers} reader(s): best {min(walls) * 1e3:6.1f} ms, median {sorted(walls)[2] * 1e3:6.1f} ms",
-              flush=True)
+        print(f"staged, {readers} reader(s), {size >> 20} MiB blocks: best {min(walls) * 1e3:6.1f} ms, "
+              f"median {sorted(walls)[2] * 1e3:6.1f} ms", flush=True)
     for k in range(3):
         t0 = time.perf_counter()
         sf.save(path, adapter, block_size=block)
         print(f"save #{k}: {(time.perf_counter() - t0) * 1e3:6.1f} ms", flush=True)
+    # Idle gaps: the benchmark's RESTORE reaches an engine whose threads and cores sat idle.
+    for k in range(3):
+        time.sleep(2.0)
+        t0 = time.perf_counter()
+        r = sf.restore(path, adapter, mode="staged", block_size=block)
+        print(f"staged after 2 s idle #{k}: {(time.perf_counter() - t0) * 1e3:6.1f} ms (read pass "
+              f"{r.read_pass_s * 1e3:5.1f}, apply {r.apply_s * 1e3:5.1f})", flush=True)
+    # The same file restored by an engine process, as the benchmark does.
+    import bench_session as BS
+
+    BS.model_path = lambda name: Path(args.model)
+    engine = BS.Engine("model", "--ctx-size", str(n + 64), "--backend", args.backend)
+    try:
+        for k in range(6):
+            if k >= 3:
+                time.sleep(2.0)
+            got = engine.restore_measured(path)
+            print(f"engine process RESTORE #{k}{' after 2 s idle' if k >= 3 else ''}: {got['restore_ms']:6.1f} ms "
+                  f"(read pass {got['read_pass_ms']:5.1f}, apply {got['apply_ms']:5.1f}, {got['mode']}), "
+                  f"round trip {got['wall_s'] * 1e3:6.1f} ms", flush=True)
+    except Exception as exc:  # e.g. a refusal: the engine's settings differ from this runner's
+        print(f"engine process RESTORE failed: {exc}")
+    finally:
+        engine.quit()
     for title, run in (("staged restore", lambda: sf.restore(path, adapter, mode="staged", block_size=block)),
                        ("streaming restore", lambda: sf.restore(path, adapter, mode="streaming", block_size=block)),
                        ("save", lambda: sf.save(path, adapter, block_size=block))):
