@@ -47,69 +47,6 @@ def test_default_read_threads_leaves_a_core_for_the_hash():
         inspect(os.devnull, read_threads=0)
 
 
-def test_readers_call_in_order_in_submission_order_one_at_a_time(good, monkeypatch):
-    """Earlier reads are made slower, so they finish last: the readers still call ``in_order`` (the hash)
-    in submission order, never two at once, each on the thread that read the bytes."""
-    real = _fileio.pread_into
-
-    def slow_early(fd, buf, offset):
-        time.sleep(0.004 * max(0, 4 - offset // BLOCK))
-        return real(fd, buf, offset)
-
-    monkeypatch.setattr(_fileio, "pread_into", slow_early)
-    calls: list[tuple[int, str]] = []
-    busy = threading.Lock()
-
-    def in_order(views):
-        assert busy.acquire(blocking=False), "two in_order calls at once"
-        try:
-            time.sleep(0.001)
-            calls.append((views[0].obj.index, threading.current_thread().name))
-        finally:
-            busy.release()
-
-    class Tagged(bytearray):
-        index = -1
-
-    fd = os.open(good, os.O_RDONLY)
-    reads = _fileio.OrderedReads(fd, str(good), 4, in_order)
-    try:
-        for k in range(8):
-            buf = Tagged(BLOCK)
-            buf.index = k
-            reads.submit(k * BLOCK, [memoryview(buf)], k)
-        assert [reads.take() for _ in range(8)] == list(range(8))
-    finally:
-        reads.close()
-        os.close(fd)
-    assert [k for k, _ in calls] == list(range(8))
-    assert all(name.startswith("strata-read") for _, name in calls)
-
-
-def test_no_in_order_call_after_a_failed_read(good, monkeypatch):
-    real = _fileio.pread_into
-
-    def fail_second(fd, buf, offset):
-        if offset == BLOCK:
-            raise OSError(errno.EIO, "I/O error")
-        return real(fd, buf, offset)
-
-    monkeypatch.setattr(_fileio, "pread_into", fail_second)
-    called: list[int] = []
-    fd = os.open(good, os.O_RDONLY)
-    reads = _fileio.OrderedReads(fd, str(good), 3, lambda views: called.append(len(called)))
-    try:
-        for k in range(3):
-            reads.submit(k * BLOCK, [memoryview(bytearray(BLOCK))], k)
-        assert reads.take() == 0
-        with pytest.raises(E.ReadFailed):
-            reads.take()
-    finally:
-        reads.close()
-        os.close(fd)
-    assert called == [0]  # block 0 only: block 2 was read, but not hashed after block 1 failed
-
-
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_every_number_of_readers_restores_the_same_bytes(good, name):
     factory, mode = FACTORIES[name]
@@ -411,10 +348,15 @@ def test_a_negative_token_id_anywhere_is_refused(tmp_path, good, index):
     assert max(inspect(path, verify=False).metadata.state.tokens) == 2 ** 31 - 1
 
 
-def test_a_token_id_over_the_vocabulary_is_refused_with_the_id(tmp_path, good):
+@pytest.mark.parametrize("numpy_importable", [True, False], ids=["numpy", "no-numpy"])
+def test_a_token_id_over_the_vocabulary_is_refused_with_the_id(tmp_path, good, monkeypatch, numpy_importable):
+    import sys
+
     import attrs
     from strata_sessionfile import check_limits
 
+    if not numpy_importable:
+        monkeypatch.setitem(sys.modules, "numpy", None)  # `import numpy` raises ImportError
     meta = inspect(good).metadata
     limits = COPYING(2).limits()
     top = max(meta.state.tokens)

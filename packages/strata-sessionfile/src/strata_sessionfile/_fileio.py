@@ -193,13 +193,12 @@ _RAW = object()  # a WriteBehind job of bytes to write as they are
 
 HASH_SLICE = 1 << 20  # the write helper hashes a slice while it is cache-hot, then writes it
 
-# Restores read with several threads at once: one thread reads a page-cache-warm file at ~7 GB/s, four
-# at ~24 GB/s (measured on the H200 machine, 4 MiB blocks), while the payload hash (one core at a time,
-# in file order) runs at ~6-18 GB/s: with one reader the hash waits for the reads, with several it does
-# not. Each reader hashes the block it just read, when its turn in file order comes: the bytes are still
-# in that core's cache (XXH3 at ~17.8 GB/s there against ~12 GB/s on another core), and the caller's
-# thread is left to hand blocks to the engine. Beyond four readers the gain is small (8: 3.9 ms against
-# 5.0 ms for 116 MiB) and each reader holds a block buffer.
+# Restores read with several threads at once: one thread reads a page-cache-warm file at ~8 GB/s, four
+# at ~26 GB/s (measured on the H200 machine, 4 MiB blocks), while the payload hash (one core, in file
+# order, on the calling thread) runs at ~17-26 GB/s on blocks just read (xxhash 4.1): with one reader the
+# hash waits for the reads, with several it does not. Hashing on the readers instead (each its own block,
+# in turn) measured slower there (10.3 against 8.7 ms for 116 MiB): every block then waits for a thread
+# to wake. Beyond four readers the gain is small and each reader holds a block buffer.
 MAX_READ_THREADS = 4
 
 
@@ -230,55 +229,31 @@ class OrderedReads:
     taken. ``close()`` cancels the reads not started, waits for the running ones and joins every thread,
     so nothing is written into any submitted view after it returns. A short file raises FileChanged (the
     read pass or the metadata promised these bytes).
-
-    ``in_order`` (e.g. a hash's update): called by the helper that read a submission, with its views, once
-    the call for every earlier submission has returned -- so in submission order, one at a time, while the
-    bytes are hot in that helper's cache. After a failed read (or ``close()``) it is not called again.
     """
 
-    def __init__(self, fd: int, path: str, threads: int,
-                 in_order: Callable[[Sequence[memoryview]], object] | None = None) -> None:
+    def __init__(self, fd: int, path: str, threads: int) -> None:
         assert threads >= 1
-        self.fd, self.path, self.in_order = fd, path, in_order
+        self.fd, self.path = fd, path
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="strata-read")
         self.pending: collections.deque = collections.deque()
-        self._turn = threading.Event()  # set when the latest submission's in_order call is done (or skipped)
-        self._turn.set()
-        self._broken = False  # a read failed or close() ran: no further in_order calls
 
-    def _read(self, offset: int, views: Sequence[memoryview], my_turn: threading.Event,
-              done: threading.Event) -> None:
-        try:
-            for view in views:
-                read_exact(self.fd, view, offset, self.path, short_error=E.FileChanged)
-                offset += len(view)
-            if self.in_order is not None:
-                my_turn.wait()
-                if not self._broken:
-                    self.in_order(views)
-        except BaseException:
-            self._broken = True
-            raise
-        finally:
-            done.set()  # the next submission's turn, whatever happened here
+    def _read(self, offset: int, views: Sequence[memoryview]) -> None:
+        for view in views:
+            read_exact(self.fd, view, offset, self.path, short_error=E.FileChanged)
+            offset += len(view)
 
     def submit(self, offset: int, views: Sequence[memoryview], tag: object = None) -> None:
-        my_turn, done = self._turn, threading.Event()
-        self._turn = done
-        self.pending.append((self.pool.submit(self._read, offset, views, my_turn, done), tag, done))
+        self.pending.append((self.pool.submit(self._read, offset, views), tag))
 
     def __len__(self) -> int:
         return len(self.pending)
 
     def take(self) -> object:
-        future, tag, _done = self.pending.popleft()
+        future, tag = self.pending.popleft()
         future.result()
         return tag
 
     def close(self) -> None:
-        self._broken = True
-        for _future, _tag, done in self.pending:
-            done.set()  # a cancelled read never runs: nothing may wait for its turn
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.pending.clear()
 
@@ -290,21 +265,20 @@ class ReadAhead:
     data section). Iterate to get (file offset, memoryview) in file order; a view is valid until the next
     iteration. ``threads`` readers need ``threads + 1`` buffers (the caller holds one while the others are
     being read); fewer buffers mean fewer readers. At most ``threads`` reads are in flight. ``close()`` stops
-    and joins every helper (see OrderedReads, also for ``in_order``). ``before_refill``: called before a
-    buffer the caller was given is read into again (e.g. to wait for asynchronous copies out of it).
+    and joins every helper (see OrderedReads). ``before_refill``: called before a buffer the caller was
+    given is read into again (e.g. to wait for asynchronous copies out of it).
     """
 
     def __init__(self, fd: int, buffers: Sequence[memoryview], chunks: Iterable[tuple[int, int]], path: str,
-                 threads: int = 1, before_refill: Callable[[], None] | None = None,
-                 in_order: Callable[[Sequence[memoryview]], object] | None = None) -> None:
+                 threads: int = 1, before_refill: Callable[[], None] | None = None) -> None:
         assert len(buffers) >= 2 and threads >= 1
         self.threads = min(threads, len(buffers) - 1)
         self.fd, self.buffers, self.chunks, self.path = fd, buffers[:self.threads + 1], chunks, path
-        self.before_refill, self.in_order = before_refill, in_order
+        self.before_refill = before_refill
         self.reads: OrderedReads | None = None
 
     def __iter__(self) -> Iterator[tuple[int, memoryview]]:
-        self.reads = reads = OrderedReads(self.fd, self.path, self.threads, self.in_order)
+        self.reads = reads = OrderedReads(self.fd, self.path, self.threads)
         chunks = iter(self.chunks)
         free = list(range(len(self.buffers)))
         given: set[int] = set()  # buffers the caller has had
@@ -335,19 +309,18 @@ class ReadAhead:
 
 class ReadInto:
     """Helper threads read file ranges straight into their final memory (the engine's K/V or staging area),
-    while the caller asks the engine where the next bytes go.
+    while the caller hashes what already landed and asks the engine where the next bytes go.
 
     ``submit(file_offset, views)`` queues one job: the views filled in order from ``file_offset`` by one
-    helper; ``wait()`` returns the oldest job's views once read (and, with ``in_order``, once it was called
-    for them: see OrderedReads), raising the read's error, if any, in order; ``len()`` is the jobs submitted
-    and not yet waited for (the caller keeps it at most ``threads`` once it waits). ``close()`` cancels the
-    jobs not started and joins every helper, so nothing is written after it returns.
+    helper; ``wait()`` returns the oldest job's views once read (raising the read's error, if any, in
+    order); ``len()`` is the jobs submitted and not yet waited for (the caller keeps it at most ``threads``
+    once it waits). ``close()`` cancels the jobs not started and joins every helper, so nothing is written
+    after it returns.
     """
 
-    def __init__(self, fd: int, path: str, threads: int = 1,
-                 in_order: Callable[[Sequence[memoryview]], object] | None = None) -> None:
+    def __init__(self, fd: int, path: str, threads: int = 1) -> None:
         self.threads = threads
-        self.reads = OrderedReads(fd, path, threads, in_order)
+        self.reads = OrderedReads(fd, path, threads)
 
     def submit(self, file_offset: int, views: Sequence[memoryview]) -> None:
         self.reads.submit(file_offset, views, views)

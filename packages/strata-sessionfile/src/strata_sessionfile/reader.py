@@ -15,9 +15,8 @@ Staged mode: the same metadata checks, then one pass into the adapter's staging 
 ``commit_staged`` only after every check, else ``discard_staged``.
 
 Every pass reads the data section with several threads at once (``read_threads``, by default
-``default_read_threads()``: at most that many blocks in flight, disjoint); the hash runs strictly in file
-order (with several readers each hashes the block it read when its turn comes; with one, the calling
-thread hashes), and the calling thread hands the blocks over in file order; a read error of block k is raised after every earlier block was handed over, and no reader
+``default_read_threads()``: at most that many blocks in flight, disjoint) and the calling thread hashes
+and hands the blocks over strictly in file order; a read error of block k is raised after every earlier block was handed over, and no reader
 is left running when a pass returns or raises.
 
 A compressed data section (header flag DATA_COMPRESSED, spec 3.3): its compression header and block
@@ -29,11 +28,12 @@ would fail to decode is refused before the gate.
 
 from __future__ import annotations
 
+import array
 import collections
 import os
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import attrs
@@ -99,13 +99,25 @@ def _binding_check(header: Header, body: bytes, identity: EngineIdentity, path: 
                            path=path, offset=32, field="config_fingerprint")
 
 
+def _largest_id(tokens) -> int:
+    """The largest token id: one vectorised pass where numpy is importable (~0.01 ms for 32K ids; an engine
+    has it), else max() in C over the ids (~0.7-1.2 ms)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return max(tokens)
+    if isinstance(tokens, array.array) and tokens.itemsize == 4:
+        return int(np.frombuffer(tokens, dtype=np.int32).max())
+    return max(tokens)
+
+
 def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | None = None) -> None:
     """Every count of the file against the running engine's exact limits (rules B3-B6)."""
     st = metadata.state
     if st.n_tokens > limits.max_tokens:
         raise E.LimitExceeded(f"the file holds {st.n_tokens} tokens; the engine's context is {limits.max_tokens}",
                               path=path, field="state.n_tokens")
-    top = max(st.tokens) if limits.vocab_size is not None and st.n_tokens else None  # one C pass
+    top = _largest_id(st.tokens) if limits.vocab_size is not None and st.n_tokens else None
     if top is not None and top >= limits.vocab_size:
         raise E.LimitExceeded(f"token id {top} is outside the engine's vocabulary of {limits.vocab_size}",
                               path=path, field="state.tokens")
@@ -236,27 +248,10 @@ def _preflight(opened: _Opened, block_size: int, n_buffers: int,
                                    path=opened.path)
 
 
-def _hash_views(hasher) -> Callable[[Sequence[memoryview]], None]:
-    def update(views: Sequence[memoryview]) -> None:
-        for view in views:
-            hasher.update(view)
-
-    return update
-
-
-def _hash_in_readers(threads: int) -> bool:
-    """Whether the readers hash (each its own block, in file order) or the calling thread does. With one
-    reader the calling thread hashes block k while the reader reads k+1 (a reader that hashed would
-    alternate reading and hashing); with several, one reader hashes while the others read, on bytes still
-    in its cache, and the calling thread only hands blocks to the engine."""
-    return threads > 1
-
-
 def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase,
                  threads: int, wait_copies: Callable[[], None] | None = None) -> int:
-    """Read the data section in blocks (``threads`` helpers, at most one block each in flight), hash each in
-    file order (see ``_hash_in_readers`` for which thread), call deliver(view, segments) per block in file
-    order on this thread. Returns the bytes read from the file. ``wait_copies`` (an AsyncCopyTarget's):
+    """Read the data section in blocks (``threads`` helpers, at most one block each in flight); on this
+    thread, per block in file order, call deliver(view, segments) and hash it. Returns the bytes read from the file. ``wait_copies`` (an AsyncCopyTarget's):
     called before a delivered block's memory is reused or freed, and once at the end, also when the pass
     fails."""
     if opened.layout.compressed is not None:
@@ -267,18 +262,16 @@ def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, pro
                 wait_copies()
     layout = opened.layout
     blocks = _fileio.iter_blocks(layout.extents, layout.data_length, block_size)
-    in_readers = _hash_in_readers(threads)
     reader = _fileio.ReadAhead(opened.fd, buffers, _fileio.block_chunks(layout.data_offset, layout.data_length,
                                                                          block_size), opened.path, threads,
-                               before_refill=wait_copies, in_order=_hash_views(hasher) if in_readers else None)
+                               before_refill=wait_copies)
     done = 0
     try:
         for (start, view), (b_start, b_len, segments) in zip(reader, blocks, strict=False):
             assert start == layout.data_offset + b_start and len(view) == b_len
-            if not in_readers:
-                hasher.update(view)
             if deliver is not None:
-                deliver(view, segments)
+                deliver(view, segments)  # first: an adapter's asynchronous copy then runs beside the hash
+            hasher.update(view)  # on this thread, while the helpers read the next blocks
             done += len(view)
             if progress:
                 progress(Progress(phase, done, layout.data_length))
@@ -365,23 +358,20 @@ def _landing_views(landing_views, layer: int, part, offset: int, length: int) ->
 
 def _land_data(opened: _Opened, landing_views, block_size: int, hasher, progress, phase: Phase,
                threads: int) -> int:
-    """Read the data section straight into the adapter's memory (``landing_views`` per piece): ``threads``
-    helpers read blocks k+1..k+threads, hashed there in file order (see ``_hash_in_readers``), while this
-    thread asks the adapter where the next blocks go. Returns the bytes read. The helpers are
+    """Read the data section straight into the adapter's memory (``landing_views`` per piece), hashing each
+    block there once it landed: ``threads`` helpers read blocks k+1..k+threads while this thread hashes
+    block k (in file order). Returns the bytes read. The helpers are
     stopped and joined before this returns or raises."""
     layout = opened.layout
-    hash_views = _hash_views(hasher)
-    in_readers = _hash_in_readers(threads)
-    lander = _fileio.ReadInto(opened.fd, opened.path, threads, in_order=hash_views if in_readers else None)
+    lander = _fileio.ReadInto(opened.fd, opened.path, threads)
     pending: collections.deque = collections.deque()
     done = 0
 
     def settle_oldest() -> None:
         nonlocal done
         length = pending.popleft()
-        views = lander.wait()
-        if not in_readers:
-            hash_views(views)
+        for view in lander.wait():
+            hasher.update(view)
         done += length
         if progress:
             progress(Progress(phase, done, layout.data_length))
@@ -565,7 +555,7 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
     ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
     ``memory_available``: a probe of the free RAM in bytes for the preflight (None skips it).
     ``read_threads``: threads reading the data section at once (None: ``default_read_threads()``); blocks
-    are still hashed and delivered in file order (each by the reader that read it). Block buffers: ``read_threads + 1``
+    are still hashed and delivered in file order, on the calling thread. Block buffers: ``read_threads + 1``
     (given ``buffers`` with fewer views mean fewer readers). A compressed data section uses its decode
     workers instead.
     """
