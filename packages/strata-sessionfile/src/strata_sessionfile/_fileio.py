@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import mmap
 import os
 import queue
 import stat
@@ -124,6 +125,26 @@ def pread_bytes(fd: int, n: int, offset: int, path: str, *, short_error=E.Trunca
     buf = bytearray(n)
     read_exact(fd, memoryview(buf), offset, path, short_error=short_error)
     return bytes(buf)
+
+
+HUGE_PAGE = 2 << 20
+
+
+def fresh_buffer(n: int) -> bytearray | mmap.mmap:
+    """``n`` zero bytes to read into. From 2 MiB on an anonymous map asking for transparent huge pages:
+    fresh memory costs a page fault per 4 KiB page on first touch (measured ~2 us each in the H200
+    machine's VM: ~4.5 ms for a gemma3 32K file's 8.4 MB metadata), a 2 MiB page one fault; where huge
+    pages are off the advice does nothing."""
+    if n < HUGE_PAGE:
+        return bytearray(n)
+    area = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            area.madvise(advice)
+        except OSError:
+            pass
+    return area
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import array
 import collections
+import mmap
 import os
 import queue
 import time
@@ -73,7 +74,7 @@ class _Opened:
     header: Header
     metadata: SessionMetadata
     layout: Layout
-    prefix: bytes | bytearray  # payload bytes [64, data_offset): metadata length, metadata, padding
+    prefix: bytearray | mmap.mmap  # payload bytes [64, data_offset): metadata length, metadata, padding
     trailer_digest: bytes
     bytes_read: int
     section_head: bytes = b""  # a compressed data section's 16-byte compression header
@@ -175,7 +176,7 @@ def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: 
     # (the metadata now, the padding after the layout was validated): no copy of a MiB-sized metadata.
     # The padding's length follows from the metadata length alone (data_offset is aligned).
     pad_start = METADATA_OFFSET + _U32_SIZE + mlen
-    prefix = bytearray(align_up(pad_start, DATA_ALIGNMENT) - METADATA_OFFSET)
+    prefix = _fileio.fresh_buffer(align_up(pad_start, DATA_ALIGNMENT) - METADATA_OFFSET)
     prefix[:_U32_SIZE] = raw_len
     body = memoryview(prefix)[_U32_SIZE:_U32_SIZE + mlen]
     _fileio.read_exact(fd, body, METADATA_OFFSET + _U32_SIZE, path)
@@ -478,7 +479,7 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
                                          short_error=E.FileChanged)
         table_again = _fileio.pread_bytes(opened.fd, len(opened.table), comp.table_offset, opened.path,
                                           short_error=E.FileChanged)
-    if prefix_again != opened.prefix or decode_trailer(trailer_again, opened.layout.trailer_offset) != \
+    if memoryview(opened.prefix) != prefix_again or decode_trailer(trailer_again, opened.layout.trailer_offset) != \
             opened.trailer_digest or head_again != opened.section_head or table_again != opened.table:
         raise E.FileChanged("the metadata, compression header, block table or trailer changed between the read "
                             "pass and the apply pass", path=opened.path)
