@@ -31,7 +31,7 @@ LIBRARY_STEPS = ("_open_metadata", "check_limits", "_preflight", "_stream_data",
 def timed_calls(adapter, runner) -> dict[str, float]:
     """Wrap the adapter's calls, the runner's restore_state and the library's steps (reader module) to sum
     the milliseconds spent in each."""
-    from strata_sessionfile import reader
+    from strata_sessionfile import _fileio, reader
 
     spent: dict[str, float] = {}
 
@@ -53,6 +53,27 @@ def timed_calls(adapter, runner) -> dict[str, float]:
     wrap(runner, "restore_state")
     for name in LIBRARY_STEPS:
         wrap(reader, name)
+    wrap(_fileio.OrderedReads, "take")  # the calling thread waiting for a block's read
+    real_xxhash = reader.xxhash
+
+    class TimedHash:  # the payload hash's update calls, timed (the library hashes on the calling thread)
+        def __init__(self, *args):
+            self.inner = real_xxhash.xxh3_128(*args)
+
+        def update(self, data):
+            t0 = time.perf_counter()
+            self.inner.update(data)
+            spent["hash"] = spent.get("hash", 0.0) + (time.perf_counter() - t0) * 1e3
+
+        def copy(self):
+            twin = TimedHash()
+            twin.inner = self.inner.copy()
+            return twin
+
+        def digest(self):
+            return self.inner.digest()
+
+    reader.xxhash = type("TimedXXHash", (), {"xxh3_128": TimedHash})
     return spent
 
 
