@@ -152,6 +152,9 @@ y = (T)out;
 """
 
 
+MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyKind
+MEMCPY_DEVICE_TO_DEVICE = 3
+
 class _Kernels:
     """The element-wise CuPy kernels (compiled on first use by CuPy's kernel cache); the row kernels
     (norms, RoPE on a fused projection, attention, K/V store) are in kernels.cu (`_RawKernels`)."""
@@ -373,6 +376,7 @@ class CupyOps(NumpyOps):
         self.kernels = _Kernels(cp)
         self.raw = _RawKernels(cp)
         self.cublas = _Cublas(cp)
+        self._memcpy_async = cp.cuda.runtime.memcpyAsync  # looked up once: copy_bytes runs per block piece
         self.score_budget = ATTENTION_SCORE_BUDGET  # bytes of float32 scores per attention key block
         self._rope_cache: dict[tuple[float, int], tuple[Any, Any]] = {}
 
@@ -413,14 +417,14 @@ class CupyOps(NumpyOps):
             raise ValueError(f"{n} bytes at offset {offset} do not fit a {dest.nbytes}-byte array")
         if not n:
             return
-        rt = self.xp.cuda.runtime
+        # Both sides are flat byte arrays (the pool's flat slot views, staging slices, numpy views of the
+        # block buffers): contiguous by construction. Pointers are read without numpy's `ctypes` object.
         if isinstance(src, np.ndarray):
-            assert src.flags.c_contiguous and dest.flags.c_contiguous
-            ptr, kind = src.ctypes.data, rt.memcpyHostToDevice
+            assert src.flags.c_contiguous
+            ptr, kind = src.__array_interface__["data"][0], MEMCPY_HOST_TO_DEVICE
         else:
-            assert src.flags.c_contiguous and dest.flags.c_contiguous
-            ptr, kind = src.data.ptr, rt.memcpyDeviceToDevice
-        rt.memcpyAsync(dest.data.ptr + offset, ptr, n, kind, self.xp.cuda.get_current_stream().ptr)
+            ptr, kind = src.data.ptr, MEMCPY_DEVICE_TO_DEVICE
+        self._memcpy_async(dest.data.ptr + offset, ptr, n, kind, self.xp.cuda.get_current_stream().ptr)
 
     # ---- elementwise and normalisation ---------------------------------------------------------
     def _row_grid(self, n_rows: int) -> tuple[tuple[int], tuple[int]]:
