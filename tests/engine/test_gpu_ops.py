@@ -430,8 +430,8 @@ def test_flash_attention_position_on_the_device_matches_the_argument(cp, n_head,
 @pytest.mark.gpu
 def test_copy_bytes_queues_host_and_device_copies(cp):
     """The session adapter's byte copies: pinned and pageable host sources and a device source into a
-    device array at an offset (queued on the stream, complete after a sync), a host destination, and a
-    range that does not fit refused before anything is queued."""
+    device array at an offset (queued on the stream, complete after a sync), contiguous pieces merged,
+    a host destination, and a range that does not fit refused before anything is queued."""
     import cupyx
 
     ops = _ops("f32")
@@ -446,6 +446,12 @@ def test_copy_bytes_queues_host_and_device_copies(cp):
         ops.copy_bytes(dest, offset, src)
         host = src if isinstance(src, np.ndarray) else cp.asnumpy(src)
         expected[offset : offset + host.nbytes] = host
+    ops.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(dest), expected)
+    # pieces that continue each other on both sides become one copy; a gap starts another
+    for lo, hi in ((0, 1000), (1000, 250_000), (260_000, 300_000)):
+        ops.copy_bytes(dest, 5000 + lo, pinned[lo:hi])
+        expected[5000 + lo : 5000 + hi] = pinned[lo:hi]
     ops.synchronize()
     np.testing.assert_array_equal(cp.asnumpy(dest), expected)
     host_dest = np.zeros(100, dtype=np.uint8)

@@ -377,6 +377,7 @@ class CupyOps(NumpyOps):
         self.raw = _RawKernels(cp)
         self.cublas = _Cublas(cp)
         self._memcpy_async = cp.cuda.runtime.memcpyAsync  # looked up once: copy_bytes runs per block piece
+        self._pending_copy: list[int] | None = None  # [dest, src, nbytes, kind] not yet queued (copy_bytes)
         self.score_budget = ATTENTION_SCORE_BUDGET  # bytes of float32 scores per attention key block
         self._rope_cache: dict[tuple[float, int], tuple[Any, Any]] = {}
 
@@ -402,13 +403,25 @@ class CupyOps(NumpyOps):
 
     def synchronize(self) -> None:
         """Wait for all queued device work (before a host clock is read or host memory is shared)."""
+        self.flush_copies()
         self.xp.cuda.get_current_stream().synchronize()
+
+    def flush_copies(self) -> None:
+        """Queue the copy that copy_bytes is still extending, if any."""
+        pending = self._pending_copy
+        if pending is not None:
+            self._pending_copy = None
+            self._memcpy_async(*pending, self.xp.cuda.get_current_stream().ptr)
 
     def copy_bytes(self, dest: Any, offset: int, src: Any) -> None:
         """dest[offset:offset + src.nbytes] = src for flat contiguous uint8 arrays. Into device memory
-        (from host or device) the copy is only queued on the current stream, after the work before it:
-        it may still be reading a pinned host `src` when this returns (see `synchronize`); a pageable
-        one the driver has staged by then. Into host memory (a mapped pool's host side) it is a memcpy."""
+        (from host or device) the copy is queued on the current stream, after the work before it, at the
+        latest by the next `copy_bytes` that does not continue it or by `flush_copies` / `synchronize`:
+        a copy whose source and destination both continue the previous one's extends it instead (a
+        session block's pieces are contiguous on both sides: one DMA per block, and one call that lets
+        the reader threads take the GIL instead of two or three). It may still be reading a pinned host
+        `src` after this returns, until `synchronize`; a pageable one the driver has staged by then.
+        Into host memory (a mapped pool's host side) it is a memcpy, done when this returns."""
         n = int(src.nbytes)
         if isinstance(dest, np.ndarray):
             dest[offset : offset + n] = src
@@ -424,7 +437,14 @@ class CupyOps(NumpyOps):
             ptr, kind = src.__array_interface__["data"][0], MEMCPY_HOST_TO_DEVICE
         else:
             ptr, kind = src.data.ptr, MEMCPY_DEVICE_TO_DEVICE
-        self._memcpy_async(dest.data.ptr + offset, ptr, n, kind, self.xp.cuda.get_current_stream().ptr)
+        target = dest.data.ptr + offset
+        pending = self._pending_copy
+        if pending is not None and pending[3] == kind and pending[0] + pending[2] == target \
+                and pending[1] + pending[2] == ptr:
+            pending[2] += n
+            return
+        self.flush_copies()
+        self._pending_copy = [target, ptr, n, kind]
 
     # ---- elementwise and normalisation ---------------------------------------------------------
     def _row_grid(self, n_rows: int) -> tuple[tuple[int], tuple[int]]:

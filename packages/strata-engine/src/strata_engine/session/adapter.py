@@ -523,6 +523,7 @@ class EngineSession:
         self._staged = None
         self._prepared = None
         try:
+            _sync(self.runner.pool)  # no queued copy may land in the pool after it was erased
             self.runner.erase()
         except Exception:  # the process is going down; the original error is what matters
             log.exception("erase after a fail-stop failed")
