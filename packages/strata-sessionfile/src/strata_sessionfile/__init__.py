@@ -77,8 +77,8 @@ from .records import (
 from .writer import BlockBuffers, save
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "AsyncCopyTarget", "BlockBuffers", "BufferProvider", "Checkpoint", "Compression",
-    "ConfigIdentity", "DType",
+    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "AsyncCopyTarget", "BlockBuffers", "BufferProvider", "Checkpoint",
+    "Compression", "ConfigIdentity", "DType",
     "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
     "LandingTarget", "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
     "SaveReport", "SessionAdapter", "SessionFileError", "SessionSource", "SessionTarget", "Snapshot",

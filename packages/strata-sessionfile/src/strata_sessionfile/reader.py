@@ -16,8 +16,10 @@ Staged mode: the same metadata checks, then one pass into the adapter's staging 
 
 Every pass reads the data section with several threads at once (``read_threads``, by default
 ``default_read_threads()``: at most that many blocks in flight, disjoint) and the calling thread hashes
-and hands the blocks over strictly in file order; a read error of block k is raised after every earlier block was handed over, and no reader
-is left running when a pass returns or raises.
+and hands the blocks over strictly in file order; a read error of block k is raised after every earlier
+block was handed over, and no reader is left running when a pass returns or raises. An adapter whose
+copies finish after ``copy_in`` / ``stage_in`` return (``AsyncCopyTarget``) is waited for before a block
+buffer is refilled and at the end of each pass.
 
 A compressed data section (header flag DATA_COMPRESSED, spec 3.3): its compression header and block
 table are validated with the metadata, before any frame is read; every pass then reads frame by frame,
@@ -252,9 +254,9 @@ def _preflight(opened: _Opened, block_size: int, n_buffers: int,
 def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase,
                  threads: int, wait_copies: Callable[[], None] | None = None) -> int:
     """Read the data section in blocks (``threads`` helpers, at most one block each in flight); on this
-    thread, per block in file order, call deliver(view, segments) and hash it. Returns the bytes read from the file. ``wait_copies`` (an AsyncCopyTarget's):
-    called before a delivered block's memory is reused or freed, and once at the end, also when the pass
-    fails."""
+    thread, per block in file order, call deliver(view, segments) and hash it. Returns the bytes read from
+    the file. ``wait_copies`` (an AsyncCopyTarget's): called before a delivered block's memory is reused
+    or freed, and once at the end, also when the pass fails."""
     if opened.layout.compressed is not None:
         try:
             return _stream_frames(opened, hasher, deliver, progress, phase, wait_copies)
