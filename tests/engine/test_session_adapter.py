@@ -319,6 +319,44 @@ def test_staged_restores_reuse_one_staging_area_and_a_refused_one_keeps_the_live
     assert buffers.staging(1).ctypes.data == area
 
 
+@pytest.mark.parametrize("session_class", [EngineSession, _CopyingSession], ids=["landing", "copying"])
+def test_a_fresh_engine_stages_into_its_own_pool(models, tmp_path, session_class):
+    """An engine that holds nothing (the restart case) restores a staged file straight into its pool: no
+    staging area is mapped, rings and checkpoint included; the result is what staging gives."""
+    source = fill(synthetic_runner(models, "gemma3", n_ctx=256), 200, seed=11, checkpoint_at=190)
+    sf.save(tmp_path / "s.ssf", EngineSession(source), block_size=4096)
+    staged_once = fill(synthetic_runner(models, "gemma3", n_ctx=256), 30, seed=12)  # holds a conversation
+    sf.restore(tmp_path / "s.ssf", session_class(staged_once, buffers=BlockBufferCache()), mode="staged",
+               block_size=4096)
+    fresh, buffers = synthetic_runner(models, "gemma3", n_ctx=256), BlockBufferCache()
+    report = sf.restore(tmp_path / "s.ssf", session_class(fresh, buffers=buffers), mode="staged", block_size=4096)
+    assert report.mode is sf.RestoreMode.STAGED and buffers._staging is None
+    # (a restore's rings hold the window the file has, not the source's whole ring: compare restores)
+    assert live_digest(fresh) == live_digest(staged_once) and fresh.tokens_held == source.tokens_held
+
+
+@pytest.mark.parametrize("fault", [None, FaultPoint.RESTORE_AT_COMMIT], ids=["corrupt-file", "fault-at-commit"])
+def test_a_fresh_engine_refuses_a_bad_file_and_still_holds_nothing(models, tmp_path, fault):
+    """Staged into its own pool, a fresh engine that meets a corrupt file (or fails at the commit) has lost
+    nothing: a clean refusal, not a fail-stop; it holds nothing and restores a good file next."""
+    good = tmp_path / "good.ssf"
+    sf.save(good, EngineSession(fill(synthetic_runner(models, "smollm2"), 44, seed=7)), block_size=4096)
+    data = bytearray(good.read_bytes())
+    lay = sf.inspect(good).layout
+    if fault is None:
+        data[lay.data_offset + lay.data_length // 2] ^= 0x01
+    bad = tmp_path / "bad.ssf"
+    bad.write_bytes(bytes(data))
+    fresh = synthetic_runner(models, "smollm2")
+    session = EngineSession(fresh, fault=fault)
+    with pytest.raises((E.PayloadCorrupt, E.AdapterFailed)) as info:
+        sf.restore(bad, session, mode="staged", block_size=4096)
+    assert not isinstance(info.value, E.FailStop) and not session.live_touched and session.fail_stopped is None
+    assert fresh.n_held == 0 and fresh.pool.n_tokens == 0 and not fresh.checkpoints
+    sf.restore(good, EngineSession(fresh), mode="staged", block_size=4096)
+    assert fresh.n_held == 44
+
+
 def test_landing_after_the_gate_only(models, tmp_path):
     """The adapter refuses to hand out the live pool's memory before begin_apply."""
     sf.save(tmp_path / "s.ssf", EngineSession(fill(synthetic_runner(models, "smollm2"), 20, seed=1)))

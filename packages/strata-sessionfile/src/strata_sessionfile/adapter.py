@@ -29,7 +29,8 @@ Landing (``LandingTarget``, optional, for a restore into host memory; not used f
 section): ``can_land(plan)`` (before the gate; touches nothing) says whether every piece of this restore
 can be read straight into the engine's memory; if so, ``landing_views(layer, part, offset, length)``
 replaces ``copy_in`` (streaming: called only after ``begin_apply``; the views are the live K/V) or
-``stage_in`` (staged: after ``begin_staging``; the views are the staging area, never the live K/V), and
+``stage_in`` (staged: after ``begin_staging``; the views are the staging area, never K/V the engine serves
+from -- an engine that holds nothing may stage into its own pool), and
 returns writable views in order (e.g. two for a ring that wraps) whose lengths add up to ``length``. The
 library reads the file into them and hashes them there; every check, the gate and fail-stop apply
 exactly as with the copying calls.
