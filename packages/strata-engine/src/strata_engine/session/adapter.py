@@ -546,8 +546,8 @@ class EngineSession:
         """A staged restore into an engine that holds nothing (a fresh process: the restart this is for)
         lands in the pool itself where the pool is host memory: there is no conversation for a staging
         area to keep, so none is mapped, faulted in or copied (measured on the CPU machine: a fresh
-        process's first staged restore of smollm2 at 7,915 tokens 402 ms, ~350 of them the staging
-        area's first touch and the copy). A refused file then leaves the pool as empty as it was (its
+        process's staged restore of smollm2 at 7,915 tokens 402 ms through a staging area, 58 ms in
+        place). A refused file then leaves the pool as empty as it was (its
         bytes unreachable: nothing is held). A device pool keeps its VRAM staging area (measured path)."""
         runner = self.runner
         return (runner.n_held == 0 and not runner.checkpoints
