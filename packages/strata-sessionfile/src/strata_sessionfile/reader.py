@@ -35,6 +35,7 @@ import collections
 import mmap
 import os
 import queue
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -103,13 +104,11 @@ def _binding_check(header: Header, body: bytes, identity: EngineIdentity, path: 
 
 
 def _largest_id(tokens) -> int:
-    """The largest token id: one vectorised pass where numpy is importable (~0.01 ms for 32K ids; an engine
-    has it), else max() in C over the ids (~0.7-1.2 ms)."""
-    try:
-        import numpy as np
-    except ImportError:
-        return max(tokens)
-    if isinstance(tokens, array.array) and tokens.itemsize == 4:
+    """The largest token id: one vectorised pass where numpy is already loaded (~0.01 ms for 32K ids; an
+    engine has it), else max() in C over the ids (~0.7-1.2 ms). numpy is never imported for this: its
+    import would cost a process that does not use it ~15 MiB of RSS and tens of milliseconds."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(tokens, array.array) and tokens.itemsize == 4:
         return int(np.frombuffer(tokens, dtype=np.int32).max())
     return max(tokens)
 
