@@ -5,6 +5,8 @@
   never restarted — for the device pool and for the host-mapped pool behind a VRAM ring;
 * a fault after the gate makes the engine fail-stop (exit status 4); one before it is a refusal and
   the engine keeps serving the conversation it held;
+* an engine that holds nothing stages a restore into its own pool (no staging area): a corrupt file is
+  a refusal that leaves it holding nothing, and a good file restores next;
 * a file written by the numpy backend is refused by the cupy backend (the config fingerprint covers
   the backend), keeping the live conversation.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import strata_sessionfile as sf
 from test_gpu_model import MODELS, model_path
 
 pytestmark = pytest.mark.gpu
@@ -146,6 +149,35 @@ def test_fault_before_the_gate_keeps_serving(tmp_path, model):
     assert status["n_tokens_held"] == held["n_tokens_held"]
     again = b.complete(long_prompt(5, 100) + held["tokens"], 2)
     assert again["timings"]["cache_n"] == held["n_tokens_held"]  # the live conversation was kept
+    assert b.quit() == 0
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_a_fresh_engine_refuses_a_corrupt_file_then_restores_a_good_one(tmp_path, placement):
+    pytest.importorskip("cupy")
+    good, bad = tmp_path / "good.ssf", tmp_path / "bad.ssf"
+    prompt = long_prompt(3)
+    a = _start("smollm2", placement, tmp_path)
+    first = a.complete(prompt, 8)
+    assert a.command(f"SAVE {good}")["event"] == "result"
+    next_prompt = prompt + first["tokens"] + long_prompt(11, 40)
+    never_restarted = a.complete(next_prompt, 8)
+    assert a.quit() == 0
+    data = bytearray(good.read_bytes())
+    layout = sf.inspect(good).layout
+    data[layout.data_offset + layout.data_length - 3] ^= 0x20  # the last block: after most bytes landed
+    bad.write_bytes(bytes(data))
+
+    b = _start("smollm2", placement, tmp_path, mode="staged")  # holds nothing: stages into its own pool
+    event = b.command(f"RESTORE {bad}")
+    assert event["event"] == "error" and event["error"]["type"] == "session_refused", event
+    assert event["error"]["reason"] == "payload_corrupt", event
+    assert b.command("STATUS")["n_tokens_held"] == 0
+    restored = b.command(f"RESTORE {good}")
+    assert restored["event"] == "result" and restored["mode"] == "staged", restored
+    after_restore = b.complete(next_prompt, 8)
+    assert after_restore["timings"]["cache_n"] >= 0.999 * restored["n_restored"]
+    assert after_restore["tokens"] == never_restarted["tokens"]
     assert b.quit() == 0
 
 

@@ -48,8 +48,8 @@ read; between restores the kernel may take it back, MADV_FREE), so after the fir
 process holds the K/V bytes twice; a device pool may provide `staging_array` (VRAM, the switch is then a
 device copy), `pinned_buffers` (the block buffers) and `device_free_bytes` (what `can_stage` checks);
 auto mode stages when the K/V plus STAGING_HEADROOM fits. An engine that holds nothing (a fresh process,
-the restart case) with its pool in host memory stages into the pool itself (`_stages_in_pool`): no
-staging area, no switch copy; a refused file leaves the pool holding nothing, as before.
+the restart case) stages into the pool itself, host or device (`_stages_in_pool`): no staging area, no
+switch copy; a refused file leaves the pool holding nothing, as before.
 
 Fault injection for tests: a `FaultPoint` given by the serve verbs from the
 ``STRATA_ENGINE_SESSION_FAULT`` environment variable; never reachable from a request.
@@ -544,15 +544,12 @@ class EngineSession:
 
     def _stages_in_pool(self) -> bool:
         """A staged restore into an engine that holds nothing (a fresh process: the restart this is for)
-        lands in the pool itself where the pool is host memory: there is no conversation for a staging
-        area to keep, so none is mapped, faulted in or copied (measured on the CPU machine: a fresh
-        process's staged restore of smollm2 at 7,915 tokens 402 ms through a staging area, 58 ms in
-        place). A refused file then leaves the pool as empty as it was (its
-        bytes unreachable: nothing is held). A device pool keeps its VRAM staging area (measured path)."""
-        runner = self.runner
-        return (runner.n_held == 0 and not runner.checkpoints
-                and getattr(runner.pool, "staging_array", None) is None
-                and isinstance(self._slot_array(0, Part.K), np.ndarray))
+        lands in the pool itself: there is no conversation for a staging area to keep, so none is
+        allocated, faulted in or copied, and there is no switch. Measured on the CPU machine: a fresh
+        process's staged restore of smollm2 at 7,915 tokens 402 ms through a host staging area, 58 ms in
+        place; a device pool saves its VRAM staging area and the device-to-device switch. A refused file
+        then leaves the pool as empty as it was (its bytes unreachable: nothing is held)."""
+        return self.runner.n_held == 0 and not self.runner.checkpoints
 
     def can_stage(self, plan: RestorePlan) -> bool:
         if not self.staging:
