@@ -123,6 +123,63 @@ def test_copies_that_finish_later_are_waited_for_before_their_buffer_is_refilled
     assert control.live_digest() != expected
 
 
+class _MergesCopies(_WaitsForCopies):
+    """Holds each piece back until flush_copies or wait_copies (MergingCopyTarget), logging the order of the
+    pieces, the flushes and the library's hash updates."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[str] = []
+
+    def copy_in(self, layer, part, offset, src):
+        self.log.append("piece")
+        super().copy_in(layer, part, offset, src)
+
+    def stage_in(self, layer, part, offset, src):
+        self.log.append("piece")
+        super().stage_in(layer, part, offset, src)
+
+    def flush_copies(self) -> None:
+        self.log.append("flush")
+        self._run_queued()
+
+
+@pytest.mark.parametrize("mode", ["streaming", "staged"])
+def test_a_merging_adapter_is_told_after_each_block_before_its_hash(good, mode, monkeypatch):
+    from strata_sessionfile import MergingCopyTarget, reader
+
+    real = reader.xxhash.xxh3_128
+    target = _deferring(_MergesCopies, mode == "staged")(2)
+    assert isinstance(target, MergingCopyTarget)
+
+    class Logged:  # the payload hash, logging each update into the adapter's log
+        def __init__(self, *args):
+            self.h = real(*args)
+
+        def update(self, data):
+            target.log.append("hash")
+            self.h.update(data)
+
+        def copy(self):
+            c = Logged.__new__(Logged)
+            c.h = self.h.copy()
+            return c
+
+        def digest(self):
+            return self.h.digest()
+
+    monkeypatch.setattr(reader.xxhash, "xxh3_128", Logged)
+    restore(good, target, mode=mode, block_size=BLOCK, read_threads=2)
+    applied = "".join("p" if e == "piece" else e[0] for e in target.log)
+    monkeypatch.undo()
+    assert target.live_digest() == COPYING(1).live_digest()
+    applied = applied[applied.index("p"):]  # the pass that hands blocks over (after any read pass)
+    n_blocks = -(-inspect(good).layout.data_length // BLOCK)
+    blocks = applied.split("fh")
+    assert len(blocks) == n_blocks + 1 and blocks[-1] == ""  # pieces, then one flush, then that block's hash
+    assert all(b and set(b) == {"p"} for b in blocks[:-1]), applied
+
+
 def test_inspect_verifies_with_several_readers(good):
     digests = {inspect(good, block_size=BLOCK, read_threads=n).payload_hash for n in (1, 3, 4)}
     assert len(digests) == 1 and None not in digests

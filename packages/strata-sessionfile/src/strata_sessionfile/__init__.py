@@ -28,7 +28,8 @@ Adapter protocol (``strata_sessionfile.adapter``)
     ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
     restore), ``BufferProvider`` (optional own block buffers), ``LandingTarget`` (optional: a restore reads
     straight into the engine's host memory), ``AsyncCopyTarget`` (optional: ``copy_in`` / ``stage_in`` may
-    return before their copies finish), ``SessionAdapter`` (source + target).
+    return before their copies finish), ``MergingCopyTarget`` (optional: told when a block's pieces were all
+    handed over), ``SessionAdapter`` (source + target).
 Records
     ``Compression`` (save option), ``RunningState``, ``Checkpoint``, ``LayerSpec``, ``LayerGeometry``, ``Snapshot``, ``EngineLimits``,
     ``EngineIdentity``, ``RestorePlan``, ``Progress``/``Phase``, ``SaveReport``, ``RestoreReport``,
@@ -45,6 +46,7 @@ from .adapter import (
     AsyncCopyTarget,
     BufferProvider,
     LandingTarget,
+    MergingCopyTarget,
     SessionAdapter,
     SessionSource,
     SessionTarget,
@@ -80,7 +82,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "AsyncCopyTarget", "BlockBuffers", "BufferProvider", "Checkpoint",
     "Compression", "ConfigIdentity", "DType",
     "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
-    "LandingTarget", "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
+    "LandingTarget", "MergingCopyTarget", "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
     "SaveReport", "SessionAdapter", "SessionFileError", "SessionSource", "SessionTarget", "Snapshot",
     "StagingTarget", "check_limits", "config_fingerprint", "default_read_threads", "memory_available", "engine_identity", "errors", "inspect",
     "model_fingerprint", "restore", "save",

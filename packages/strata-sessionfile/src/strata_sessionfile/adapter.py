@@ -110,6 +110,13 @@ class AsyncCopyTarget(Protocol):
 
 
 @runtime_checkable
+class MergingCopyTarget(Protocol):
+    def flush_copies(self) -> None:
+        """Start every copy that copy_in / stage_in held back to merge it with a next piece (called after the
+        last piece of each block, so that block's copy runs while the library hashes it)."""
+
+
+@runtime_checkable
 class LandingTarget(Protocol):
     def can_land(self, plan: RestorePlan) -> bool:
         """Whether every piece of this plan (in its mode) can be read straight into the engine's memory."""

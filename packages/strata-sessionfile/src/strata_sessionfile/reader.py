@@ -19,7 +19,9 @@ Every pass reads the data section with several threads at once (``read_threads``
 and hands the blocks over strictly in file order; a read error of block k is raised after every earlier
 block was handed over, and no reader is left running when a pass returns or raises. An adapter whose
 copies finish after ``copy_in`` / ``stage_in`` return (``AsyncCopyTarget``) is waited for before a block
-buffer is refilled and at the end of each pass.
+buffer is refilled and at the end of each pass; one that holds a piece's copy back to merge it with the
+next (``MergingCopyTarget``) is told after each block's last piece, so that block's copy runs while it is
+hashed.
 
 A compressed data section (header flag DATA_COMPRESSED, spec 3.3): its compression header and block
 table are validated with the metadata, before any frame is read; every pass then reads frame by frame,
@@ -45,7 +47,7 @@ import xxhash
 
 from . import _fileio
 from . import errors as E
-from .adapter import AsyncCopyTarget, LandingTarget, SessionTarget, StagingTarget
+from .adapter import AsyncCopyTarget, LandingTarget, MergingCopyTarget, SessionTarget, StagingTarget
 from .codec import METADATA_OFFSET, compute_layout, decode_header, decode_metadata, decode_trailer
 from .compression import CODECS, COMPRESSION_HEADER_SIZE, decode_compressed_section
 from .format import DATA_ALIGNMENT, DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags, align_up
@@ -465,6 +467,13 @@ def _copy_waiter(adapter) -> Callable[[], None] | None:
     return lambda: _adapter_call(adapter.wait_copies)
 
 
+def _block_handed_over(adapter) -> Callable[[], None]:
+    """What to call after a block's last piece went to copy_in / stage_in: a MergingCopyTarget's flush."""
+    if not isinstance(adapter, MergingCopyTarget):
+        return lambda: None
+    return lambda: _adapter_call(adapter.flush_copies)
+
+
 def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan, buffers, block_size, progress,
                      landing: bool, threads: int):
     # Before the gate: the file must be exactly what the read pass validated.
@@ -488,6 +497,7 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
     # The prefix re-read is byte-identical to the one the read pass hashed (checked above): start from there.
     hasher = opened.prefix_hasher.copy() if opened.prefix_hasher is not None else xxhash.xxh3_128(opened.prefix)
     gate = [False]
+    handed_over = _block_handed_over(adapter)
 
     def open_gate() -> None:
         gate[0] = True
@@ -499,6 +509,7 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
         for layer, part, part_offset, length, buf_offset in segments:
             _adapter_call(adapter.copy_in, layer, part, part_offset,
                           view[buf_offset:buf_offset + length].toreadonly())
+        handed_over()
 
     try:
         if landing:  # the gate first: from here on the file's bytes land in the live K/V
@@ -523,11 +534,13 @@ def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, bu
                   landing: bool, threads: int):
     hasher = xxhash.xxh3_128()
     hasher.update(opened.prefix)
+    handed_over = _block_handed_over(adapter)
 
     def deliver(view: memoryview, segments) -> None:
         for layer, part, part_offset, length, buf_offset in segments:
             _adapter_call(adapter.stage_in, layer, part, part_offset,
                           view[buf_offset:buf_offset + length].toreadonly())
+        handed_over()
 
     try:
         _adapter_call(adapter.begin_staging, plan)

@@ -49,6 +49,9 @@ class NumpyOps:
         """dest[offset:offset + src.nbytes] = src for flat uint8 arrays (done when this returns)."""
         dest[offset : offset + src.nbytes] = src
 
+    def flush_copies(self) -> None:
+        """Start every copy copy_bytes held back: none here (each is done when copy_bytes returns)."""
+
     def weight(self, host_f32: np.ndarray) -> Any:
         """A dequantized weight in the compute dtype on the backend."""
         return self.xp.ascontiguousarray(host_f32, dtype=self.dtype)
