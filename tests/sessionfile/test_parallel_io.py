@@ -180,6 +180,40 @@ def test_a_merging_adapter_is_told_after_each_block_before_its_hash(good, mode, 
     assert all(b and set(b) == {"p"} for b in blocks[:-1]), applied
 
 
+def test_a_parallel_read_fills_the_buffer_and_raises_the_first_short_piece(tmp_path):
+    data = os.urandom(10 * BLOCK + 123)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        for threads in (1, 2, 4):
+            buf = bytearray(len(data) - 7)
+            _fileio.read_exact_parallel(fd, memoryview(buf), 7, "f", threads, BLOCK)
+            assert bytes(buf) == data[7:], threads
+        with pytest.raises(E.Truncated) as info:  # pieces 10 and 11 are both short: 10's error
+            _fileio.read_exact_parallel(fd, memoryview(bytearray(12 * BLOCK)), 0, "f", 4, BLOCK)
+        assert info.value.offset == len(data)
+    finally:
+        os.close(fd)
+    assert not _helpers_alive()
+
+
+class _RefusesThePlan(MemoryAdapter):
+    def check_plan(self, plan):
+        raise E.InconsistentState("refused by the engine", field="state")
+
+
+@pytest.mark.parametrize("mode", ["streaming", "staged"])
+def test_a_refusal_after_the_first_reads_started_leaves_no_reader(good, mode):
+    """The data section's first blocks are read while the plan is checked: a refusal there stops them."""
+    template = COPYING_STAGING(2)
+    target = _RefusesThePlan(template.identity(), template.specs, staging=True)
+    target.state, target.layers, target.parts = template.state, template.layers, template.parts
+    before = target.live_digest()
+    with pytest.raises(E.InconsistentState):
+        restore(good, target, mode=mode, block_size=BLOCK, read_threads=4)
+    assert not _helpers_alive() and target.live_digest() == before
+
+
 def test_inspect_verifies_with_several_readers(good):
     digests = {inspect(good, block_size=BLOCK, read_threads=n).payload_hash for n in (1, 3, 4)}
     assert len(digests) == 1 and None not in digests

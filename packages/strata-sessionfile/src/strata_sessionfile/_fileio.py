@@ -121,6 +121,21 @@ def read_exact(fd: int, buf: memoryview, offset: int, path: str, *, short_error=
         done += got
 
 
+def read_exact_parallel(fd: int, buf: memoryview, offset: int, path: str, threads: int, piece: int) -> None:
+    """``read_exact`` by up to ``threads`` threads at once, each filling whole ``piece``-sized pieces of ``buf``
+    (a fresh buffer's pages are faulted in and zeroed by the thread that first writes them: with huge pages
+    one piece per 2 MiB page). The first failing piece's error, in buffer order, is raised after every
+    piece finished: nothing writes into ``buf`` after this returns."""
+    n = len(buf)
+    if threads <= 1 or n <= piece:
+        read_exact(fd, buf, offset, path)
+        return
+    with ThreadPoolExecutor(min(threads, -(-n // piece)), thread_name_prefix="strata-read") as pool:
+        jobs = [pool.submit(read_exact, fd, buf[lo:lo + piece], offset + lo, path) for lo in range(0, n, piece)]
+    for job in jobs:
+        job.result()
+
+
 def pread_bytes(fd: int, n: int, offset: int, path: str, *, short_error=E.Truncated) -> bytes:
     buf = bytearray(n)
     read_exact(fd, memoryview(buf), offset, path, short_error=short_error)
@@ -285,43 +300,47 @@ class ReadAhead:
     ``chunks``: (file offset, length) pairs in order, each at most the buffers' size (fixed blocks of the
     data section). Iterate to get (file offset, memoryview) in file order; a view is valid until the next
     iteration. ``threads`` readers need ``threads + 1`` buffers (the caller holds one while the others are
-    being read); fewer buffers mean fewer readers. At most ``threads`` reads are in flight. ``close()`` stops
-    and joins every helper (see OrderedReads). ``before_refill``: called before a buffer the caller was
-    given is read into again (e.g. to wait for asynchronous copies out of it).
+    being read); fewer buffers mean fewer readers. At most ``threads`` reads are in flight. ``start()``
+    queues the first reads before the iteration does (e.g. while the caller still checks the metadata).
+    ``close()`` stops and joins every helper (see OrderedReads). ``before_refill``: called before a buffer
+    the caller was given is read into again (e.g. to wait for asynchronous copies out of it).
     """
 
     def __init__(self, fd: int, buffers: Sequence[memoryview], chunks: Iterable[tuple[int, int]], path: str,
                  threads: int = 1, before_refill: Callable[[], None] | None = None) -> None:
         assert len(buffers) >= 2 and threads >= 1
         self.threads = min(threads, len(buffers) - 1)
-        self.fd, self.buffers, self.chunks, self.path = fd, buffers[:self.threads + 1], chunks, path
+        self.fd, self.buffers, self.chunks, self.path = fd, buffers[:self.threads + 1], iter(chunks), path
         self.before_refill = before_refill
         self.reads: OrderedReads | None = None
+        self.free = list(range(len(self.buffers)))
+        self.given: set[int] = set()  # buffers the caller has had
+
+    def _submit_next(self) -> None:
+        item = next(self.chunks, None)
+        if item is not None:
+            offset, n = item
+            idx = self.free.pop()
+            assert n <= len(self.buffers[idx])
+            if idx in self.given and self.before_refill is not None:
+                self.before_refill()
+            self.reads.submit(offset, (self.buffers[idx][:n],), (offset, idx, n))
+
+    def start(self) -> ReadAhead:
+        if self.reads is None:
+            self.reads = OrderedReads(self.fd, self.path, self.threads)
+            for _ in range(self.threads):
+                self._submit_next()
+        return self
 
     def __iter__(self) -> Iterator[tuple[int, memoryview]]:
-        self.reads = reads = OrderedReads(self.fd, self.path, self.threads)
-        chunks = iter(self.chunks)
-        free = list(range(len(self.buffers)))
-        given: set[int] = set()  # buffers the caller has had
-
-        def submit_next() -> None:
-            item = next(chunks, None)
-            if item is not None:
-                offset, n = item
-                idx = free.pop()
-                assert n <= len(self.buffers[idx])
-                if idx in given and self.before_refill is not None:
-                    self.before_refill()
-                reads.submit(offset, (self.buffers[idx][:n],), (offset, idx, n))
-
-        for _ in range(self.threads):
-            submit_next()
+        reads = self.start().reads
         while reads:
             offset, idx, n = reads.take()
-            submit_next()  # into the buffer the caller gave back: `threads` reads in flight while it works
-            given.add(idx)
+            self._submit_next()  # into the buffer the caller gave back: `threads` reads in flight while it works
+            self.given.add(idx)
             yield offset, self.buffers[idx][:n]
-            free.append(idx)
+            self.free.append(idx)
 
     def close(self) -> None:
         if self.reads is not None:

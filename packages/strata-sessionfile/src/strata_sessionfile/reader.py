@@ -85,6 +85,7 @@ class _Opened:
     section_head: bytes = b""  # a compressed data section's 16-byte compression header
     table: bytes = b""  # and its block table, as on disk
     prefix_hasher: object = None  # the payload hash after the prefix (the read pass's), reused by the apply pass
+    ahead: _fileio.ReadAhead | None = None  # the data section's first reads, started early (see restore)
 
 
 def _binding_check(header: Header, body: bytes, identity: EngineIdentity, path: str) -> None:
@@ -152,7 +153,7 @@ def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | No
 
 
 def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: EngineLimits | None,
-                   require_codec: bool = True) -> _Opened:
+                   require_codec: bool = True, threads: int = 1) -> _Opened:
     stamp = _fileio.stamp_of(fd)
     size = stamp.size
     if size < HEADER_SIZE:
@@ -182,7 +183,10 @@ def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: 
     prefix = _fileio.fresh_buffer(align_up(pad_start, DATA_ALIGNMENT) - METADATA_OFFSET)
     prefix[:_U32_SIZE] = raw_len
     body = memoryview(prefix)[_U32_SIZE:_U32_SIZE + mlen]
-    _fileio.read_exact(fd, body, METADATA_OFFSET + _U32_SIZE, path)
+    # A large metadata (a gemma3 32K file: 8.4 MB, most of it the ring checkpoint) is read by `threads`
+    # threads at once, each faulting in and filling its own huge pages: measured on the H200 machine the
+    # read pass was 4-5 ms, most of it this one-thread read into fresh memory.
+    _fileio.read_exact_parallel(fd, body, METADATA_OFFSET + _U32_SIZE, path, threads, _fileio.HUGE_PAGE)
     if identity is not None:
         _binding_check(header, body, identity, path)
     metadata = decode_metadata(body, header=header, path=path)
@@ -252,6 +256,12 @@ def _preflight(opened: _Opened, block_size: int, n_buffers: int,
                                    path=opened.path)
 
 
+def _read_ahead(opened: _Opened, buffers, block_size: int, threads: int) -> _fileio.ReadAhead:
+    layout = opened.layout
+    return _fileio.ReadAhead(opened.fd, buffers, _fileio.block_chunks(layout.data_offset, layout.data_length,
+                                                                      block_size), opened.path, threads)
+
+
 def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase,
                  threads: int, wait_copies: Callable[[], None] | None = None) -> int:
     """Read the data section in blocks (``threads`` helpers, at most one block each in flight); on this
@@ -266,9 +276,8 @@ def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, pro
                 wait_copies()
     layout = opened.layout
     blocks = _fileio.iter_blocks(layout.extents, layout.data_length, block_size)
-    reader = _fileio.ReadAhead(opened.fd, buffers, _fileio.block_chunks(layout.data_offset, layout.data_length,
-                                                                         block_size), opened.path, threads,
-                               before_refill=wait_copies)
+    reader, opened.ahead = opened.ahead or _read_ahead(opened, buffers, block_size, threads), None
+    reader.before_refill = wait_copies
     done = 0
     try:
         for (start, view), (b_start, b_len, segments) in zip(reader, blocks, strict=False):
@@ -441,7 +450,7 @@ def inspect(path: str | os.PathLike, *, verify: bool = True, identity: EngineIde
     threads = _read_threads(read_threads)
     fd = _fileio.open_session_file(path)
     try:
-        opened = _open_metadata(fd, path, identity, limits, require_codec=verify)
+        opened = _open_metadata(fd, path, identity, limits, require_codec=verify, threads=threads)
         digest = None
         if verify:
             views = BlockBuffers(block_size, threads + 1).views if opened.layout.compressed is None else None
@@ -583,8 +592,9 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
     identity = _adapter_call(adapter.identity)
     limits = _adapter_call(adapter.limits)
     fd = _fileio.open_session_file(path)
+    opened = None
     try:
-        opened = _open_metadata(fd, path, identity, limits)
+        opened = _open_metadata(fd, path, identity, limits, threads=threads)
         _preflight(opened, block_size, threads + 1, memory_available)
         staged = False
         if mode is not RestoreMode.STREAMING and isinstance(adapter, StagingTarget):
@@ -602,6 +612,9 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
             views = None  # decode workers read frames into their own buffers; landing needs none
         else:
             views = block_buffers(adapter, block_size, buffers, threads + 1)
+            # The first blocks are read while the engine checks the plan and the prefix is hashed: the
+            # pass then starts on blocks already in memory instead of waiting for the first read.
+            opened.ahead = _read_ahead(opened, views, block_size, threads).start()
         if staged:
             _adapter_call(adapter.check_plan, plan)
             t_read = time.perf_counter()
@@ -615,4 +628,6 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
         return RestoreReport(path, plan.mode, plan.state.n_tokens, opened.bytes_read, opened.stamp.size,
                              t_end - t0, t_read - t0, t_end - t_read)
     finally:
+        if opened is not None and opened.ahead is not None:  # a refusal before the first pass: stop its reads
+            opened.ahead.close()
         os.close(fd)
