@@ -5,7 +5,8 @@
 #   kernels  bench/bench_gpu_kernels.py (the flash attention kernel vs torch SDPA)
 #   profile  bench/profile_gpu.py (host time of prefill and decode per function; PROFILE_MODEL, PROFILE_PROMPT)
 #   profile-session  bench/profile_gpu_session.py (in-process SAVE/RESTORE, per adapter call and library step)
-#   trace-restore  bench/trace_engine_restore.py (a timeline of each RESTORE in fresh engines, variants)
+#   trace-restore  bench/trace_engine_restore.py (a timeline of each RESTORE in fresh engines; smollm2 variants
+#           TRACE_VARIANTS, default "none vram-staging"; e.g. "threads=8 block=8")
 #   probe-io  bench/probe_gpu_io.py (reads by 1-8 threads, XXH3, host->device copies, write+fsync)
 #   tests  every tests/engine/test_gpu*.py
 #   bench  bench/bench_gpu.py (engine vs transformers), then bench/bench_gpu_session.py
@@ -59,9 +60,9 @@ PY
       [ -n "$STRATA_GEMMA3_PATH" ] && { python3 bench/profile_gpu_session.py --model $STRATA_GEMMA3_PATH --tokens 32715 --prefill 2>&1 | tee "$OUT/profile_session_gemma3.log" | grep -v "^ " || rc=1; } ;;
     trace-restore)  # fresh engines, 3 RESTOREs each: smollm2 7,915 tokens (variants), gemma3 32,715 (device, host+ring)
       T=bench/trace_engine_restore.py
-      { [ -n "$STRATA_SMOLLM2_PATH" ] && for v in "" vram-staging threads=8 block=8; do
+      { [ -n "$STRATA_SMOLLM2_PATH" ] && for v in ${TRACE_VARIANTS:-none vram-staging}; do
           python3 $T --model $STRATA_SMOLLM2_PATH --tokens 7915 --engines 2 --variant "$v" || rc=1; done
-        [ -n "$STRATA_GEMMA3_PATH" ] && for v in "" vram-staging; do
+        [ -n "$STRATA_GEMMA3_PATH" ] && for v in none vram-staging; do
           python3 $T --model $STRATA_GEMMA3_PATH --tokens 32715 --engines 2 --variant "$v" || rc=1; done
         [ -n "$STRATA_GEMMA3_PATH" ] && { python3 $T --model $STRATA_GEMMA3_PATH --tokens 32715 --engines 1 --restores 2 \
           --args "--kv-resident 1024" || rc=1; }

@@ -42,13 +42,15 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
     from strata_engine.session import verbs
     from strata_sessionfile import _fileio, reader
 
-    if variant == "vram-staging":
+    if variant in ("", "none"):
+        pass
+    elif variant == "vram-staging":
         adapter_mod.EngineSession._stages_in_pool = lambda self: False
     elif variant.startswith("threads="):
         verbs.SessionVerbs.read_threads = lambda self, n=int(variant[8:]): n
     elif variant.startswith("block="):
         verbs.SESSION_BLOCK_SIZE = int(variant[6:]) << 20
-    elif variant:
+    else:
         raise SystemExit(f"unknown variant {variant!r}")
 
     events: list[tuple] = []
@@ -214,7 +216,7 @@ def main() -> int:
     ap.add_argument("--folder", default="/tmp")
     ap.add_argument("--args", default="", help="more `serve` arguments, e.g. '--kv-resident 1024'")
     ap.add_argument("--mode", default="auto")
-    ap.add_argument("--variant", default="", help="vram-staging | threads=N | block=MiB (see the docstring)")
+    ap.add_argument("--variant", default="none", help="none | vram-staging | threads=N | block=MiB (see the docstring)")
     a = ap.parse_args()
     serve = ["serve", "--model", a.model, "--ctx-size", str(a.tokens + 64), "--backend", a.backend,
              "--restore-mode", a.mode, *shlex.split(a.args)]
@@ -229,7 +231,7 @@ def main() -> int:
         e.quit()
     size = path.stat().st_size
     print(f"{path.name}: {size / 1e6:.1f} MB, {a.tokens} tokens, backend {a.backend} {a.args} "
-          f"variant {a.variant or 'none'}")
+          f"variant {a.variant}")
     from bench_session import plain_read  # this folder is on sys.path when the script runs
 
     for k in range(a.engines):
