@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from strata_sessionfile import _fileio, default_read_threads, inspect, restore, save
+from strata_sessionfile import ReadThreads, _fileio, default_read_threads, inspect, restore, save
 from strata_sessionfile import errors as E
 from strata_sessionfile.testing import MemoryAdapter, memory_adapter_factory, run_conformance
 
@@ -187,14 +187,33 @@ def test_a_parallel_read_fills_the_buffer_and_raises_the_first_short_piece(tmp_p
     try:
         for threads in (1, 2, 4):
             buf = bytearray(len(data) - 7)
-            _fileio.read_exact_parallel(fd, memoryview(buf), 7, "f", threads, BLOCK)
+            with ReadThreads(threads) as readers:
+                _fileio.read_exact_parallel(fd, memoryview(buf), 7, "f", readers, BLOCK)
             assert bytes(buf) == data[7:], threads
-        with pytest.raises(E.Truncated) as info:  # pieces 10 and 11 are both short: 10's error
-            _fileio.read_exact_parallel(fd, memoryview(bytearray(12 * BLOCK)), 0, "f", 4, BLOCK)
+        with ReadThreads(4) as readers, pytest.raises(E.Truncated) as info:  # pieces 10, 11 short: 10's error
+            _fileio.read_exact_parallel(fd, memoryview(bytearray(12 * BLOCK)), 0, "f", readers, BLOCK)
         assert info.value.offset == len(data)
     finally:
         os.close(fd)
     assert not _helpers_alive()
+
+
+def test_kept_read_threads_serve_every_call_and_end_at_close(good):
+    """Threads an engine keeps (ReadThreads) are started once: every restore and inspect reads with the same
+    threads, none of them is still reading when a call returns, and close() ends them."""
+    readers = ReadThreads(3).start()
+    started = set(_helpers_alive())
+    assert len(started) == 3
+    for mode in ("streaming", "staged"):
+        target = LANDING_STAGING(2) if mode == "staged" else COPYING(2)
+        restore(good, target, mode=mode, block_size=BLOCK, read_threads=readers)
+        assert target.live_digest() == COPYING(1).live_digest()
+    assert inspect(good, block_size=BLOCK, read_threads=readers).payload_hash is not None
+    assert set(_helpers_alive()) == started  # the same threads, none added, none ended
+    readers.close()
+    assert not _helpers_alive()
+    with pytest.raises(ValueError, match="read_threads"):
+        ReadThreads(0)
 
 
 class _RefusesThePlan(MemoryAdapter):

@@ -23,7 +23,8 @@ Reading
     memory_available, buffers, read_threads=None) -> RestoreReport``; ``memory_available()`` is the default
     RAM probe (MemAvailable) of the preflight; ``default_read_threads()`` the readers a restore uses when
     ``read_threads`` is None (min(4, cores - 1), at least 1; the payload is hashed and handed over in file
-    order whatever the number).
+    order whatever the number); ``ReadThreads(n)`` reader threads an engine keeps and passes as
+    ``read_threads=`` (started once, not per call; ``close()`` ends them).
 Adapter protocol (``strata_sessionfile.adapter``)
     ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
     restore), ``BufferProvider`` (optional own block buffers), ``LandingTarget`` (optional: a restore reads
@@ -41,7 +42,7 @@ Testing (``strata_sessionfile.testing``)
 """
 
 from . import errors
-from ._fileio import default_read_threads, memory_available
+from ._fileio import ReadThreads, default_read_threads, memory_available
 from .adapter import (
     AsyncCopyTarget,
     BufferProvider,
@@ -84,6 +85,6 @@ __all__ = [
     "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
     "LandingTarget", "MergingCopyTarget", "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
     "SaveReport", "SessionAdapter", "SessionFileError", "SessionSource", "SessionTarget", "Snapshot",
-    "StagingTarget", "check_limits", "config_fingerprint", "default_read_threads", "memory_available", "engine_identity", "errors", "inspect",
+    "StagingTarget", "check_limits", "config_fingerprint", "default_read_threads", "ReadThreads", "memory_available", "engine_identity", "errors", "inspect",
     "model_fingerprint", "restore", "save",
 ]

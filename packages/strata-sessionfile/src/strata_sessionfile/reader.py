@@ -47,6 +47,7 @@ import xxhash
 
 from . import _fileio
 from . import errors as E
+from ._fileio import ReadThreads
 from .adapter import AsyncCopyTarget, LandingTarget, MergingCopyTarget, SessionTarget, StagingTarget
 from .codec import METADATA_OFFSET, compute_layout, decode_header, decode_metadata, decode_trailer
 from .compression import CODECS, COMPRESSION_HEADER_SIZE, decode_compressed_section
@@ -153,7 +154,7 @@ def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | No
 
 
 def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: EngineLimits | None,
-                   require_codec: bool = True, threads: int = 1) -> _Opened:
+                   require_codec: bool = True, readers: _fileio.ReadThreads | None = None) -> _Opened:
     stamp = _fileio.stamp_of(fd)
     size = stamp.size
     if size < HEADER_SIZE:
@@ -183,10 +184,13 @@ def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: 
     prefix = _fileio.fresh_buffer(align_up(pad_start, DATA_ALIGNMENT) - METADATA_OFFSET)
     prefix[:_U32_SIZE] = raw_len
     body = memoryview(prefix)[_U32_SIZE:_U32_SIZE + mlen]
-    # A large metadata (a gemma3 32K file: 8.4 MB, most of it the ring checkpoint) is read by `threads`
-    # threads at once, each faulting in and filling its own huge pages: measured on the H200 machine the
-    # read pass was 4-5 ms, most of it this one-thread read into fresh memory.
-    _fileio.read_exact_parallel(fd, body, METADATA_OFFSET + _U32_SIZE, path, threads, _fileio.HUGE_PAGE)
+    # A large metadata (a gemma3 32K file: 8.4 MB, most of it the ring checkpoint) is read by the reader
+    # threads at once, each faulting in and filling its own huge pages (into fresh memory one thread reads
+    # it at ~2-3 GB/s on the CPU machine).
+    if readers is None:
+        _fileio.read_exact(fd, body, METADATA_OFFSET + _U32_SIZE, path)
+    else:
+        _fileio.read_exact_parallel(fd, body, METADATA_OFFSET + _U32_SIZE, path, readers, _fileio.HUGE_PAGE)
     if identity is not None:
         _binding_check(header, body, identity, path)
     metadata = decode_metadata(body, header=header, path=path)
@@ -256,15 +260,15 @@ def _preflight(opened: _Opened, block_size: int, n_buffers: int,
                                    path=opened.path)
 
 
-def _read_ahead(opened: _Opened, buffers, block_size: int, threads: int) -> _fileio.ReadAhead:
+def _read_ahead(opened: _Opened, buffers, block_size: int, readers: _fileio.ReadThreads) -> _fileio.ReadAhead:
     layout = opened.layout
     return _fileio.ReadAhead(opened.fd, buffers, _fileio.block_chunks(layout.data_offset, layout.data_length,
-                                                                      block_size), opened.path, threads)
+                                                                      block_size), opened.path, readers)
 
 
 def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase,
-                 threads: int, wait_copies: Callable[[], None] | None = None) -> int:
-    """Read the data section in blocks (``threads`` helpers, at most one block each in flight); on this
+                 readers: _fileio.ReadThreads, wait_copies: Callable[[], None] | None = None) -> int:
+    """Read the data section in blocks (the ``readers``, at most one block each in flight); on this
     thread, per block in file order, call deliver(view, segments) and hash it. Returns the bytes read from
     the file. ``wait_copies`` (an AsyncCopyTarget's): called before a delivered block's memory is reused
     or freed, and once at the end, also when the pass fails."""
@@ -276,7 +280,7 @@ def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, pro
                 wait_copies()
     layout = opened.layout
     blocks = _fileio.iter_blocks(layout.extents, layout.data_length, block_size)
-    reader, opened.ahead = opened.ahead or _read_ahead(opened, buffers, block_size, threads), None
+    reader, opened.ahead = opened.ahead or _read_ahead(opened, buffers, block_size, readers), None
     reader.before_refill = wait_copies
     done = 0
     try:
@@ -370,13 +374,14 @@ def _landing_views(landing_views, layer: int, part, offset: int, length: int) ->
 
 
 def _land_data(opened: _Opened, landing_views, block_size: int, hasher, progress, phase: Phase,
-               threads: int) -> int:
+               readers: _fileio.ReadThreads) -> int:
     """Read the data section straight into the adapter's memory (``landing_views`` per piece), hashing each
-    block there once it landed: ``threads`` helpers read blocks k+1..k+threads while this thread hashes
+    block there once it landed: the readers read blocks k+1..k+threads while this thread hashes
     block k (in file order). Returns the bytes read. The helpers are
     stopped and joined before this returns or raises."""
     layout = opened.layout
-    lander = _fileio.ReadInto(opened.fd, opened.path, threads)
+    lander = _fileio.ReadInto(opened.fd, opened.path, readers)
+    threads = readers.threads
     pending: collections.deque = collections.deque()
     done = 0
 
@@ -422,42 +427,47 @@ def _check_unchanged(opened: _Opened, when: str) -> None:
         raise E.FileChanged(f"the file {what} {when} (size {opened.stamp.size} -> {now.size})", path=opened.path)
 
 
-def _hash_pass(opened: _Opened, buffers, block_size: int, progress, threads: int) -> bytes:
+def _hash_pass(opened: _Opened, buffers, block_size: int, progress, readers: _fileio.ReadThreads) -> bytes:
     hasher = xxhash.xxh3_128()
     hasher.update(opened.prefix)
     opened.prefix_hasher = hasher.copy()
-    opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, None, progress, Phase.READ, threads)
+    opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, None, progress, Phase.READ, readers)
     digest = _check_digest(opened, hasher, "read pass")
     _check_unchanged(opened, "during the read pass")
     return digest
 
 
-def _read_threads(read_threads: int | None) -> int:
-    if read_threads is None:
-        return _fileio.default_read_threads()
-    if read_threads < 1:
-        raise ValueError("read_threads must be at least 1")
-    return read_threads
+def _readers(read_threads: int | _fileio.ReadThreads | None) -> tuple[_fileio.ReadThreads, bool]:
+    """The threads a call reads with, and whether the call made them (and closes them)."""
+    if isinstance(read_threads, _fileio.ReadThreads):
+        return read_threads, False
+    return _fileio.ReadThreads(_fileio.default_read_threads() if read_threads is None else read_threads), True
 
 
 def inspect(path: str | os.PathLike, *, verify: bool = True, identity: EngineIdentity | None = None,
             limits: EngineLimits | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-            read_threads: int | None = None) -> Inspection:
+            read_threads: int | ReadThreads | None = None) -> Inspection:
     """The read pass alone: validate the file (and, if given, its binding to an engine) without applying it.
 
-    ``read_threads``: threads reading the data section at once (None: ``default_read_threads()``)."""
+    ``read_threads``: threads reading the file at once (None: ``default_read_threads()``), or a
+    ``ReadThreads`` to read with (kept open)."""
     path = os.fspath(path)
-    threads = _read_threads(read_threads)
-    fd = _fileio.open_session_file(path)
+    readers, own_readers = _readers(read_threads)
     try:
-        opened = _open_metadata(fd, path, identity, limits, require_codec=verify, threads=threads)
-        digest = None
-        if verify:
-            views = BlockBuffers(block_size, threads + 1).views if opened.layout.compressed is None else None
-            digest = _hash_pass(opened, views, block_size, None, threads)
-        return Inspection(path, opened.header, opened.metadata, opened.layout, verify, digest)
+        fd = _fileio.open_session_file(path)
+        try:
+            opened = _open_metadata(fd, path, identity, limits, require_codec=verify, readers=readers)
+            digest = None
+            if verify:
+                views = (BlockBuffers(block_size, readers.threads + 1).views if opened.layout.compressed is None
+                         else None)
+                digest = _hash_pass(opened, views, block_size, None, readers)
+            return Inspection(path, opened.header, opened.metadata, opened.layout, verify, digest)
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        if own_readers:
+            readers.close()
 
 
 def _fail_stop(adapter: SessionTarget, exc: BaseException, path: str) -> E.FailStop:
@@ -484,7 +494,7 @@ def _block_handed_over(adapter) -> Callable[[], None]:
 
 
 def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan, buffers, block_size, progress,
-                     landing: bool, threads: int):
+                     landing: bool, readers: ReadThreads):
     # Before the gate: the file must be exactly what the read pass validated.
     _check_unchanged(opened, "between the read pass and the apply pass")
     prefix_again = _fileio.pread_bytes(opened.fd, len(opened.prefix), METADATA_OFFSET, opened.path,
@@ -524,10 +534,10 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
         if landing:  # the gate first: from here on the file's bytes land in the live K/V
             open_gate()
             opened.bytes_read += _land_data(opened, adapter.landing_views, block_size, hasher, progress,
-                                            Phase.APPLY, threads)
+                                            Phase.APPLY, readers)
         else:
             opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY,
-                                              threads, _copy_waiter(adapter))
+                                              readers, _copy_waiter(adapter))
         if not gate[0]:
             open_gate()
         _check_digest(opened, hasher, "apply pass")
@@ -540,7 +550,7 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
 
 
 def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, buffers, block_size, progress,
-                  landing: bool, threads: int):
+                  landing: bool, readers: ReadThreads):
     hasher = xxhash.xxh3_128()
     hasher.update(opened.prefix)
     handed_over = _block_handed_over(adapter)
@@ -555,10 +565,10 @@ def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, bu
         _adapter_call(adapter.begin_staging, plan)
         if landing:  # straight into the staging area
             opened.bytes_read += _land_data(opened, adapter.landing_views, block_size, hasher, progress,
-                                            Phase.APPLY, threads)
+                                            Phase.APPLY, readers)
         else:
             opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY,
-                                              threads, _copy_waiter(adapter))
+                                              readers, _copy_waiter(adapter))
         _check_digest(opened, hasher, "staged pass")
         _check_unchanged(opened, "during the staged pass")
         _adapter_call(adapter.commit_staged, plan.state)
@@ -573,20 +583,30 @@ def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, bu
 def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMode | str = RestoreMode.AUTO,
             block_size: int = DEFAULT_BLOCK_SIZE, progress: Callable[[Progress], None] | None = None,
             memory_available: Callable[[], int | None] | None = _fileio.memory_available,
-            buffers: BlockBuffers | None = None, read_threads: int | None = None) -> RestoreReport:
+            buffers: BlockBuffers | None = None, read_threads: int | ReadThreads | None = None) -> RestoreReport:
     """Validate ``path`` against the adapter's engine and apply it (see the module docstring).
 
     ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
     ``memory_available``: a probe of the free RAM in bytes for the preflight (None skips it).
-    ``read_threads``: threads reading the data section at once (None: ``default_read_threads()``); blocks
-    are still hashed and delivered in file order, on the calling thread. Block buffers: ``read_threads + 1``
-    (given ``buffers`` with fewer views mean fewer readers). A compressed data section uses its decode
-    workers instead.
+    ``read_threads``: threads reading the file at once (None: ``default_read_threads()``), or a
+    ``ReadThreads`` to read with (kept open: an engine that restores often starts its threads once);
+    blocks are still hashed and delivered in file order, on the calling thread. Block buffers: the readers
+    + 1 (given ``buffers`` with fewer views mean fewer reads at once). A compressed data section uses its
+    decode workers instead.
     """
     if block_size < MIN_BLOCK_SIZE:
         raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
-    threads = _read_threads(read_threads)
-    mode = RestoreMode(mode)
+    readers, own_readers = _readers(read_threads)
+    try:
+        return _restore(path, adapter, RestoreMode(mode), block_size, progress, memory_available, buffers, readers)
+    finally:
+        if own_readers:
+            readers.close()
+
+
+def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, progress, memory_available,
+             buffers: BlockBuffers | None, readers: ReadThreads) -> RestoreReport:
+    threads = readers.threads
     t0 = time.perf_counter()
     path = os.fspath(path)
     identity = _adapter_call(adapter.identity)
@@ -594,7 +614,7 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
     fd = _fileio.open_session_file(path)
     opened = None
     try:
-        opened = _open_metadata(fd, path, identity, limits, threads=threads)
+        opened = _open_metadata(fd, path, identity, limits, readers=readers)
         _preflight(opened, block_size, threads + 1, memory_available)
         staged = False
         if mode is not RestoreMode.STREAMING and isinstance(adapter, StagingTarget):
@@ -614,16 +634,16 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
             views = block_buffers(adapter, block_size, buffers, threads + 1)
             # The first blocks are read while the engine checks the plan and the prefix is hashed: the
             # pass then starts on blocks already in memory instead of waiting for the first read.
-            opened.ahead = _read_ahead(opened, views, block_size, threads).start()
+            opened.ahead = _read_ahead(opened, views, block_size, readers).start()
         if staged:
             _adapter_call(adapter.check_plan, plan)
             t_read = time.perf_counter()
-            _apply_staged(opened, adapter, plan, views, block_size, progress, landing, threads)
+            _apply_staged(opened, adapter, plan, views, block_size, progress, landing, readers)
         else:
-            _hash_pass(opened, views, block_size, progress, threads)
+            _hash_pass(opened, views, block_size, progress, readers)
             _adapter_call(adapter.check_plan, plan)
             t_read = time.perf_counter()
-            _apply_streaming(opened, adapter, plan, views, block_size, progress, landing, threads)
+            _apply_streaming(opened, adapter, plan, views, block_size, progress, landing, readers)
         t_end = time.perf_counter()
         return RestoreReport(path, plan.mode, plan.state.n_tokens, opened.bytes_read, opened.stamp.size,
                              t_end - t0, t_read - t0, t_end - t_read)
