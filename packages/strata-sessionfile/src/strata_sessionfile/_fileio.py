@@ -122,19 +122,30 @@ def read_exact(fd: int, buf: memoryview, offset: int, path: str, *, short_error=
         done += got
 
 
-def read_exact_parallel(fd: int, buf: memoryview, offset: int, path: str, readers: ReadThreads, piece: int) -> None:
+def read_exact_parallel(fd: int, buf: memoryview, offset: int, path: str, readers: ReadThreads, piece: int,
+                        on_piece: Callable[[memoryview], None] | None = None) -> None:
     """``read_exact`` by the ``readers`` at once, each filling whole ``piece``-sized pieces of ``buf`` (a fresh
     buffer's pages are faulted in and zeroed by the thread that first writes them: with huge pages one
-    piece per 2 MiB page). The first failing piece's error, in buffer order, is raised after every piece
-    finished: nothing writes into ``buf`` after this returns."""
+    piece per 2 MiB page). ``on_piece(view)``: called on this thread with each piece in buffer order once
+    it was read (e.g. to hash it while later pieces are still being read). The first failing piece's
+    error, in buffer order, is raised after every piece finished: nothing writes into ``buf`` after this
+    returns."""
     n = len(buf)
     if readers.threads <= 1 or n <= piece:
         read_exact(fd, buf, offset, path)
+        if on_piece is not None:
+            on_piece(buf)
         return
     jobs = [readers.submit(read_exact, fd, buf[lo:lo + piece], offset + lo, path) for lo in range(0, n, piece)]
-    concurrent.futures.wait(jobs)
-    for job in jobs:
-        job.result()
+    try:
+        for lo, job in zip(range(0, n, piece), jobs, strict=True):
+            job.result()
+            if on_piece is not None:
+                on_piece(buf[lo:lo + piece])
+    finally:
+        for job in jobs:
+            job.cancel()
+        concurrent.futures.wait(jobs)
 
 
 def pread_bytes(fd: int, n: int, offset: int, path: str, *, short_error=E.Truncated) -> bytes:

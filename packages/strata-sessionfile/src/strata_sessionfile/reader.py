@@ -85,7 +85,7 @@ class _Opened:
     bytes_read: int
     section_head: bytes = b""  # a compressed data section's 16-byte compression header
     table: bytes = b""  # and its block table, as on disk
-    prefix_hasher: object = None  # the payload hash after the prefix (the read pass's), reused by the apply pass
+    prefix_hasher: object = None  # the payload hash after the prefix (hashed as it was read), copied by each pass
     ahead: _fileio.ReadAhead | None = None  # the data section's first reads, started early (see restore)
 
 
@@ -154,7 +154,8 @@ def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | No
 
 
 def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: EngineLimits | None,
-                   require_codec: bool = True, readers: _fileio.ReadThreads | None = None) -> _Opened:
+                   require_codec: bool = True, readers: _fileio.ReadThreads | None = None,
+                   hash_prefix: bool = True) -> _Opened:
     stamp = _fileio.stamp_of(fd)
     size = stamp.size
     if size < HEADER_SIZE:
@@ -186,11 +187,17 @@ def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: 
     body = memoryview(prefix)[_U32_SIZE:_U32_SIZE + mlen]
     # A large metadata (a gemma3 32K file: 8.4 MB, most of it the ring checkpoint) is read by the reader
     # threads at once, each faulting in and filling its own huge pages (into fresh memory one thread reads
-    # it at ~2-3 GB/s on the CPU machine).
+    # it at ~2-3 GB/s on the CPU machine), and this thread hashes each piece, in order, while later ones
+    # are still being read (the payload hash starts with the prefix: every pass continues from here).
+    hasher = xxhash.xxh3_128(raw_len) if hash_prefix else None
+    on_piece = hasher.update if hasher is not None else None
     if readers is None:
         _fileio.read_exact(fd, body, METADATA_OFFSET + _U32_SIZE, path)
+        if on_piece is not None:
+            on_piece(body)
     else:
-        _fileio.read_exact_parallel(fd, body, METADATA_OFFSET + _U32_SIZE, path, readers, _fileio.HUGE_PAGE)
+        _fileio.read_exact_parallel(fd, body, METADATA_OFFSET + _U32_SIZE, path, readers, _fileio.HUGE_PAGE,
+                                    on_piece)
     if identity is not None:
         _binding_check(header, body, identity, path)
     metadata = decode_metadata(body, header=header, path=path)
@@ -225,12 +232,15 @@ def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: 
     if any(padding):
         raise E.MetadataInvalid("padding before the data section is not all zero", path=path, offset=pad_start,
                                 field="padding")
+    if hasher is not None:
+        hasher.update(padding)
     trailer_digest = decode_trailer(_fileio.pread_bytes(fd, TRAILER_SIZE, layout.trailer_offset, path),
                                     layout.trailer_offset, path=path)
     if limits is not None:
         check_limits(metadata, limits, path)
     return _Opened(fd, path, stamp, header, metadata, layout, prefix, trailer_digest,
-                   HEADER_SIZE + len(prefix) + TRAILER_SIZE + len(section_head) + len(table), section_head, table)
+                   HEADER_SIZE + len(prefix) + TRAILER_SIZE + len(section_head) + len(table), section_head, table,
+                   hasher)
 
 
 # Frames read and decoded at once on worker threads, each holding one frame and one decoded block. One
@@ -428,9 +438,7 @@ def _check_unchanged(opened: _Opened, when: str) -> None:
 
 
 def _hash_pass(opened: _Opened, buffers, block_size: int, progress, readers: _fileio.ReadThreads) -> bytes:
-    hasher = xxhash.xxh3_128()
-    hasher.update(opened.prefix)
-    opened.prefix_hasher = hasher.copy()
+    hasher = opened.prefix_hasher.copy()
     opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, None, progress, Phase.READ, readers)
     digest = _check_digest(opened, hasher, "read pass")
     _check_unchanged(opened, "during the read pass")
@@ -456,7 +464,8 @@ def inspect(path: str | os.PathLike, *, verify: bool = True, identity: EngineIde
     try:
         fd = _fileio.open_session_file(path)
         try:
-            opened = _open_metadata(fd, path, identity, limits, require_codec=verify, readers=readers)
+            opened = _open_metadata(fd, path, identity, limits, require_codec=verify, readers=readers,
+                                    hash_prefix=verify)
             digest = None
             if verify:
                 views = (BlockBuffers(block_size, readers.threads + 1).views if opened.layout.compressed is None
@@ -514,7 +523,7 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
                             "pass and the apply pass", path=opened.path)
     opened.bytes_read += len(opened.prefix) + TRAILER_SIZE + len(head_again) + len(table_again)
     # The prefix re-read is byte-identical to the one the read pass hashed (checked above): start from there.
-    hasher = opened.prefix_hasher.copy() if opened.prefix_hasher is not None else xxhash.xxh3_128(opened.prefix)
+    hasher = opened.prefix_hasher.copy()
     gate = [False]
     handed_over = _block_handed_over(adapter)
 
@@ -551,8 +560,7 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
 
 def _apply_staged(opened: _Opened, adapter: StagingTarget, plan: RestorePlan, buffers, block_size, progress,
                   landing: bool, readers: ReadThreads):
-    hasher = xxhash.xxh3_128()
-    hasher.update(opened.prefix)
+    hasher = opened.prefix_hasher.copy()
     handed_over = _block_handed_over(adapter)
 
     def deliver(view: memoryview, segments) -> None:
