@@ -5,7 +5,7 @@
 #   kernels  bench/bench_gpu_kernels.py (the flash attention kernel vs torch SDPA)
 #   profile  bench/profile_gpu.py (host time of prefill and decode per function; PROFILE_MODEL, PROFILE_PROMPT)
 #   profile-session  bench/profile_gpu_session.py (in-process SAVE/RESTORE, per adapter call and library step)
-#   trace-restore  bench/trace_engine_restore.py (a timeline of each RESTORE in fresh engines; smollm2 variants
+#   trace-restore  bench/trace_engine_restore.py (a timeline of each RESTORE in fresh engines; variants
 #           TRACE_VARIANTS, default "none vram-staging"; e.g. "threads=8 block=8")
 #   probe-io  bench/probe_gpu_io.py (reads by 1-8 threads, XXH3, host->device copies, write+fsync)
 #   tests  every tests/engine/test_gpu*.py
@@ -62,7 +62,7 @@ PY
       T=bench/trace_engine_restore.py
       { [ -n "$STRATA_SMOLLM2_PATH" ] && for v in ${TRACE_VARIANTS:-none vram-staging}; do
           python3 $T --model $STRATA_SMOLLM2_PATH --tokens 7915 --engines 2 --variant "$v" || rc=1; done
-        [ -n "$STRATA_GEMMA3_PATH" ] && for v in none vram-staging; do
+        [ -n "$STRATA_GEMMA3_PATH" ] && for v in ${TRACE_VARIANTS:-none vram-staging}; do
           python3 $T --model $STRATA_GEMMA3_PATH --tokens 32715 --engines 2 --variant "$v" || rc=1; done
         [ -n "$STRATA_GEMMA3_PATH" ] && { python3 $T --model $STRATA_GEMMA3_PATH --tokens 32715 --engines 1 --restores 2 \
           --args "--kv-resident 1024" || rc=1; }

@@ -12,7 +12,9 @@ report per restore: totals per kind, the effective rates, and the first and last
 
 --variant changes the traced engines only (for comparisons; none of these is a setting of the engine):
 ``vram-staging`` (a fresh engine stages in a VRAM area, as before it staged into its own pool),
-``threads=N`` (N reader threads), ``block=MiB`` (the block size).
+``threads=N`` (N reader threads), ``block=MiB`` (the block size), ``spin=MS`` (the engine's thread
+busy-waits MS milliseconds before each RESTORE, outside the timeline: whether a core that was idle, not
+the code, makes a process's first restore slower).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
         verbs.SessionVerbs.read_threads = lambda self, n=int(variant[8:]): n
     elif variant.startswith("block="):
         verbs.SESSION_BLOCK_SIZE = int(variant[6:]) << 20
+    elif variant.startswith("spin="):
+        spin_s = int(variant[5:]) / 1000
     else:
         raise SystemExit(f"unknown variant {variant!r}")
 
@@ -116,6 +120,10 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
 
     def restore(self, ctx, path):
         events.clear()
+        if variant.startswith("spin="):
+            until = clock() + spin_s
+            while clock() < until:
+                pass
         origin[0] = clock()
         try:
             return real_restore(self, ctx, path)
@@ -216,7 +224,7 @@ def main() -> int:
     ap.add_argument("--folder", default="/tmp")
     ap.add_argument("--args", default="", help="more `serve` arguments, e.g. '--kv-resident 1024'")
     ap.add_argument("--mode", default="auto")
-    ap.add_argument("--variant", default="none", help="none | vram-staging | threads=N | block=MiB (see the docstring)")
+    ap.add_argument("--variant", default="none", help="none | vram-staging | threads=N | block=MiB | spin=MS (see the docstring)")
     a = ap.parse_args()
     serve = ["serve", "--model", a.model, "--ctx-size", str(a.tokens + 64), "--backend", a.backend,
              "--restore-mode", a.mode, *shlex.split(a.args)]
