@@ -138,6 +138,10 @@ class HostMappedPool(KVPool):
         """Layer i's slot-order numpy views of the host pool (synchronise before reading them)."""
         return self._host_layers[i]
 
+    def io_layer(self, i: int) -> LayerKV:
+        """Session files are copied to and from the host side (`host_layer`): plain memcpy, no device call."""
+        return self._host_layers[i]
+
     def read(self, i: int, lo: int, hi: int) -> KVParts:
         self._check_range(i, lo, hi, writing=False)
         self.ops.synchronize()

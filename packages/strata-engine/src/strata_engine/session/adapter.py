@@ -294,22 +294,20 @@ class EngineSession:
 
     # ---- the pool's bytes ----------------------------------------------------------------------
     def _slot_array(self, layer: int, part: Part) -> Any:
-        pool = self.runner.pool
-        host_layer = getattr(pool, "host_layer", None)  # a device-mapped host pool: its numpy views
-        views = host_layer(layer) if host_layer is not None else pool.layer(layer)
-        arr = getattr(views, PART_ATTR[part])
+        """The part's slot array in the memory session bytes move through (a device-mapped pool's host side)."""
+        arr = getattr(self.runner.pool.io_layer(layer), PART_ATTR[part])
         if arr is None:
             raise E.GeometryMismatch(f"layer {layer} has no {part.name} part", field=f"layers[{layer}]")
         return arr
 
     def _flat_slots(self, layer: int, part: Part) -> tuple[Any, int]:
-        """(flat byte view of the part's slots, slot count), made once per adapter (the pool's arrays live
-        as long as the runner; a device view costs tens of microseconds to make)."""
+        """(flat byte view of the part's slots, slot count): the pool's own view (`KVPool.part_bytes`, made
+        once per pool), looked up once per adapter."""
         key = (layer, part)
         got = self._flat.get(key)
         if got is None:
-            arr = self._slot_array(layer, part)
-            got = self._flat[key] = (arr.reshape(-1).view("u1"), int(arr.shape[0]))  # numpy or cupy, no copy
+            capacity = int(self._slot_array(layer, part).shape[0])
+            got = self._flat[key] = (self.runner.pool.part_bytes(layer, PART_ATTR[part]), capacity)
         return got
 
     def _segments(self, layer: int, part: Part, start: int, offset: int, length: int):

@@ -91,11 +91,16 @@ class SessionVerbs:
 
     def warm(self, ctx: ServeContext) -> None:
         """Start-up work that would otherwise land in the first SAVE/RESTORE: the identity (fingerprinting
-        the model files), the reader threads, the block buffers, and faulting in the host pool's pages (the
-        pool is allocated lazily zeroed; a restored conversation would otherwise pay the page faults of
-        every byte it lands, which a process that never restarted paid during its prefill)."""
+        the model files), the reader threads, the pool's byte views, the block buffers, and faulting in the
+        host pool's pages (the pool is allocated lazily zeroed; a restored conversation would otherwise pay
+        the page faults of every byte it lands, which a process that never restarted paid during its
+        prefill)."""
         self.identity(ctx.runner)
         self.readers().start()
+        pool = ctx.runner.pool
+        for i in range(pool.geometry.n_layers):  # tens of microseconds each on a device
+            for attr in ("k", "v", "k_scale", "v_scale"):
+                pool.part_bytes(i, attr)
         count = self.read_threads() + 1  # a restore's buffers (a save uses the first two)
         pinned = getattr(ctx.runner.pool, "pinned_buffers", None)  # a device pool's own, pinned
         if pinned is not None:
