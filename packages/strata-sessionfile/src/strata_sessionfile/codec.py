@@ -132,29 +132,35 @@ def validate_snapshot_shape(state: RunningState, layers, exc_cls=E.InvalidSnapsh
            f"checkpoint token index {state.checkpoint.token_index} is past the {n} tokens held",
            "state.checkpoint.token_index")
     _check(len(layers) <= LIMIT["MAX_LAYERS"], exc_cls, f"{len(layers)} layers is over MAX_LAYERS", "layers")
+    # Per layer the messages are formatted only for a failure (formatting all of them cost ~0.4 ms per
+    # restore of a 30-layer file).
     seen = set()
+    max_heads, max_dim, max_tokens, max_extra = (LIMIT["MAX_KV_HEADS"], LIMIT["MAX_HEAD_DIM"], LIMIT["MAX_TOKENS"],
+                                                 LIMIT["MAX_EXTRA_BYTES"])
     for i, g in enumerate(layers):
         s = g.spec
         key = (s.role, s.index)
-        _check(key not in seen, exc_cls, f"layer {s.role.name.lower()} {s.index} appears twice", f"layers[{i}]")
+        if key in seen:
+            raise exc_cls(f"layer {s.role.name.lower()} {s.index} appears twice", field=f"layers[{i}]")
         seen.add(key)
-        _check(1 <= s.n_kv_heads <= LIMIT["MAX_KV_HEADS"], exc_cls, f"n_kv_heads {s.n_kv_heads} out of range",
-               f"layers[{i}].n_kv_heads")
+        if not 1 <= s.n_kv_heads <= max_heads:
+            raise exc_cls(f"n_kv_heads {s.n_kv_heads} out of range", field=f"layers[{i}].n_kv_heads")
         for name, d in (("head_dim_k", s.head_dim_k), ("head_dim_v", s.head_dim_v)):
-            _check(1 <= d <= LIMIT["MAX_HEAD_DIM"], exc_cls, f"{name} {d} out of range", f"layers[{i}].{name}")
-        _check(0 <= s.window <= LIMIT["MAX_TOKENS"], exc_cls, f"window {s.window} out of range",
-               f"layers[{i}].window")
-        _check(0 <= s.extra_bytes <= LIMIT["MAX_EXTRA_BYTES"], exc_cls,
-               f"extra part of {s.extra_bytes} bytes is over MAX_EXTRA_BYTES", f"layers[{i}].extra_bytes")
+            if not 1 <= d <= max_dim:
+                raise exc_cls(f"{name} {d} out of range", field=f"layers[{i}].{name}")
+        if not 0 <= s.window <= max_tokens:
+            raise exc_cls(f"window {s.window} out of range", field=f"layers[{i}].window")
+        if not 0 <= s.extra_bytes <= max_extra:
+            raise exc_cls(f"extra part of {s.extra_bytes} bytes is over MAX_EXTRA_BYTES",
+                          field=f"layers[{i}].extra_bytes")
         cap = s.capacity(n)
         if s.role is LayerRole.MAIN:
-            _check(g.tokens_held == cap, exc_cls,
-                   f"main layer {s.index} holds {g.tokens_held} tokens; with {n} tokens held and window "
-                   f"{s.window} it must hold {cap}", f"layers[{i}].tokens_held")
-        else:
-            _check(0 <= g.tokens_held <= cap, exc_cls,
-                   f"draft layer {s.index} holds {g.tokens_held} tokens, more than {cap}",
-                   f"layers[{i}].tokens_held")
+            if g.tokens_held != cap:
+                raise exc_cls(f"main layer {s.index} holds {g.tokens_held} tokens; with {n} tokens held and window "
+                              f"{s.window} it must hold {cap}", field=f"layers[{i}].tokens_held")
+        elif not 0 <= g.tokens_held <= cap:
+            raise exc_cls(f"draft layer {s.index} holds {g.tokens_held} tokens, more than {cap}",
+                          field=f"layers[{i}].tokens_held")
 
 
 def encode_metadata(model: ModelIdentity, config: ConfigIdentity, state: RunningState,
@@ -225,8 +231,11 @@ class _Cursor:
 
 
 def decode_metadata(body: memoryview | bytes, *, header: Header, path: str | None = None,
-                    base: int = METADATA_OFFSET + 4) -> SessionMetadata:
-    """Decode and validate the metadata body (the bytes after its u32 length); rules M1-M12."""
+                    base: int = METADATA_OFFSET + 4, known_config: bytes | None = None) -> SessionMetadata:
+    """Decode and validate the metadata body (the bytes after its u32 length); rules M1-M12.
+
+    ``known_config``: canonical config bytes known to be canonical (the restoring engine's own): a file
+    whose config is exactly these bytes is not parsed and re-encoded to check it (~0.3-0.6 ms)."""
     cur = _Cursor(memoryview(body), base, path)
 
     at = cur.offset()
@@ -254,8 +263,10 @@ def decode_metadata(body: memoryview | bytes, *, header: Header, path: str | Non
     at = cur.offset()
     canonical = cur.sized("config", "MAX_CONFIG_BYTES")
     try:
-        mapping = json.loads(canonical.decode("utf-8"))
-        ok = isinstance(mapping, dict) and canonical_config(mapping) == canonical
+        ok = canonical == known_config
+        if not ok:
+            mapping = json.loads(canonical.decode("utf-8"))
+            ok = isinstance(mapping, dict) and canonical_config(mapping) == canonical
     except (UnicodeDecodeError, ValueError, RecursionError):
         ok = False
     if not ok:

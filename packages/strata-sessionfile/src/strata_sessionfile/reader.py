@@ -200,7 +200,8 @@ def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: 
                                     on_piece)
     if identity is not None:
         _binding_check(header, body, identity, path)
-    metadata = decode_metadata(body, header=header, path=path)
+    metadata = decode_metadata(body, header=header, path=path,
+                               known_config=identity.config.canonical if identity is not None else None)
     layout = compute_layout(mlen, metadata.layers)
     section_head = table = b""
     if header.flags & Flags.DATA_COMPRESSED:
