@@ -507,8 +507,15 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
                      landing: bool, readers: ReadThreads):
     # Before the gate: the file must be exactly what the read pass validated.
     _check_unchanged(opened, "between the read pass and the apply pass")
-    prefix_again = _fileio.pread_bytes(opened.fd, len(opened.prefix), METADATA_OFFSET, opened.path,
-                                       short_error=E.FileChanged)
+    # A bytearray on the left compares with memcmp (a memoryview compares item by item: ~25 ms for a gemma3
+    # file's 8.4 MB prefix); read by the reader threads like the first time.
+    prefix_again = bytearray(len(opened.prefix))
+    try:
+        _fileio.read_exact_parallel(opened.fd, memoryview(prefix_again), METADATA_OFFSET, opened.path, readers,
+                                    _fileio.HUGE_PAGE)
+    except E.Truncated as exc:
+        raise E.FileChanged(f"the file shrank between the read pass and the apply pass ({exc})",
+                            path=opened.path) from None
     trailer_again = _fileio.pread_bytes(opened.fd, TRAILER_SIZE, opened.layout.trailer_offset, opened.path,
                                         short_error=E.FileChanged)
     comp = opened.layout.compressed
@@ -518,10 +525,11 @@ def _apply_streaming(opened: _Opened, adapter: SessionTarget, plan: RestorePlan,
                                          short_error=E.FileChanged)
         table_again = _fileio.pread_bytes(opened.fd, len(opened.table), comp.table_offset, opened.path,
                                           short_error=E.FileChanged)
-    if memoryview(opened.prefix) != prefix_again or decode_trailer(trailer_again, opened.layout.trailer_offset) != \
+    if prefix_again != opened.prefix or decode_trailer(trailer_again, opened.layout.trailer_offset) != \
             opened.trailer_digest or head_again != opened.section_head or table_again != opened.table:
         raise E.FileChanged("the metadata, compression header, block table or trailer changed between the read "
                             "pass and the apply pass", path=opened.path)
+    del prefix_again
     opened.bytes_read += len(opened.prefix) + TRAILER_SIZE + len(head_again) + len(table_again)
     # The prefix re-read is byte-identical to the one the read pass hashed (checked above): start from there.
     hasher = opened.prefix_hasher.copy()
