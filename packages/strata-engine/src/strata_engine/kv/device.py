@@ -142,6 +142,11 @@ class HostMappedPool(KVPool):
         """Session files are copied to and from the host side (`host_layer`): plain memcpy, no device call."""
         return self._host_layers[i]
 
+    def read_device(self, i: int, lo: int, hi: int) -> KVParts:
+        """Device copies of positions [lo, hi) of layer i in logical order, read through the mapping (DMA over
+        PCIe from the pinned pool: no host copy, no pageable upload)."""
+        return super().read(i, lo, hi)
+
     def read(self, i: int, lo: int, hi: int) -> KVParts:
         self._check_range(i, lo, hi, writing=False)
         self.ops.synchronize()
@@ -277,6 +282,17 @@ class DeviceResidentRingPlacement(ResidentRingPlacement):
     def __init__(self, pool: KVPool, n_resident: int):
         super().__init__(pool, n_resident)
         self.resident = DevicePool(self.resident.geometry, pool.ops)
+
+    def refill(self) -> None:
+        """As the CPU placement's, with each layer's rows read on the device through the host pool's mapping:
+        through host copies and pageable uploads it took ~6 ms for gemma3's 18 layers of 1,024 tokens
+        after a restore on the H200."""
+        n = self.pool.n_tokens
+        for i, g in enumerate(self.resident.geometry.layers):
+            held_lo, _ = self.pool.held_range(i)
+            lo = max(held_lo, n - g.capacity)
+            self.resident.write(i, lo, self.pool.read_device(i, lo, n))
+            self.resident_start[i] = lo
 
 
 def make_pool(geometry: KVGeometry, ops: NumpyOps, kv_resident: int | None) -> KVPool:
