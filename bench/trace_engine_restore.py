@@ -34,7 +34,9 @@ import numpy as np
 ADAPTER_CALLS = ("check_plan", "can_stage", "begin_staging", "stage_in", "commit_staged", "begin_apply",
                  "copy_in", "commit", "wait_copies", "block_buffers", "discard_staged")
 LIBRARY_STEPS = ("_open_metadata", "check_limits", "_preflight", "_stream_data", "_land_data", "_hash_pass",
-                 "_apply_staged", "_apply_streaming")
+                 "_apply_staged", "_apply_streaming", "decode_metadata", "compute_layout", "_binding_check",
+                 "decode_header", "decode_trailer")
+FILEIO_STEPS = ("read_exact_parallel", "fresh_buffer")
 
 
 # ---- the traced engine (runs inside the engine process) -------------------------------------------
@@ -81,6 +83,8 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
             wrap(adapter_mod.EngineSession, name)
     for name in LIBRARY_STEPS:
         wrap(reader, name)
+    for name in FILEIO_STEPS:
+        wrap(_fileio, name)
     wrap(_fileio.OrderedReads, "take")
     real_read = _fileio.OrderedReads._read
 
