@@ -154,7 +154,7 @@ def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | No
 
 
 def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: EngineLimits | None,
-                   require_codec: bool = True, readers: _fileio.ReadThreads | None = None,
+                   require_codec: bool = True, readers: ReadThreads | None = None,
                    hash_prefix: bool = True) -> _Opened:
     stamp = _fileio.stamp_of(fd)
     size = stamp.size
@@ -271,14 +271,14 @@ def _preflight(opened: _Opened, block_size: int, n_buffers: int,
                                    path=opened.path)
 
 
-def _read_ahead(opened: _Opened, buffers, block_size: int, readers: _fileio.ReadThreads) -> _fileio.ReadAhead:
+def _read_ahead(opened: _Opened, buffers, block_size: int, readers: ReadThreads) -> _fileio.ReadAhead:
     layout = opened.layout
     return _fileio.ReadAhead(opened.fd, buffers, _fileio.block_chunks(layout.data_offset, layout.data_length,
                                                                       block_size), opened.path, readers)
 
 
 def _stream_data(opened: _Opened, buffers, block_size: int, hasher, deliver, progress, phase: Phase,
-                 readers: _fileio.ReadThreads, wait_copies: Callable[[], None] | None = None) -> int:
+                 readers: ReadThreads, wait_copies: Callable[[], None] | None = None) -> int:
     """Read the data section in blocks (the ``readers``, at most one block each in flight); on this
     thread, per block in file order, call deliver(view, segments) and hash it. Returns the bytes read from
     the file. ``wait_copies`` (an AsyncCopyTarget's): called before a delivered block's memory is reused
@@ -385,11 +385,10 @@ def _landing_views(landing_views, layer: int, part, offset: int, length: int) ->
 
 
 def _land_data(opened: _Opened, landing_views, block_size: int, hasher, progress, phase: Phase,
-               readers: _fileio.ReadThreads) -> int:
+               readers: ReadThreads) -> int:
     """Read the data section straight into the adapter's memory (``landing_views`` per piece), hashing each
     block there once it landed: the readers read blocks k+1..k+threads while this thread hashes
-    block k (in file order). Returns the bytes read. The helpers are
-    stopped and joined before this returns or raises."""
+    block k (in file order). Returns the bytes read. No read is in flight once this returns or raises."""
     layout = opened.layout
     lander = _fileio.ReadInto(opened.fd, opened.path, readers)
     threads = readers.threads
@@ -438,7 +437,7 @@ def _check_unchanged(opened: _Opened, when: str) -> None:
         raise E.FileChanged(f"the file {what} {when} (size {opened.stamp.size} -> {now.size})", path=opened.path)
 
 
-def _hash_pass(opened: _Opened, buffers, block_size: int, progress, readers: _fileio.ReadThreads) -> bytes:
+def _hash_pass(opened: _Opened, buffers, block_size: int, progress, readers: ReadThreads) -> bytes:
     hasher = opened.prefix_hasher.copy()
     opened.bytes_read += _stream_data(opened, buffers, block_size, hasher, None, progress, Phase.READ, readers)
     digest = _check_digest(opened, hasher, "read pass")
@@ -446,11 +445,11 @@ def _hash_pass(opened: _Opened, buffers, block_size: int, progress, readers: _fi
     return digest
 
 
-def _readers(read_threads: int | _fileio.ReadThreads | None) -> tuple[_fileio.ReadThreads, bool]:
+def _readers(read_threads: int | ReadThreads | None) -> tuple[ReadThreads, bool]:
     """The threads a call reads with, and whether the call made them (and closes them)."""
-    if isinstance(read_threads, _fileio.ReadThreads):
+    if isinstance(read_threads, ReadThreads):
         return read_threads, False
-    return _fileio.ReadThreads(_fileio.default_read_threads() if read_threads is None else read_threads), True
+    return ReadThreads(_fileio.default_read_threads() if read_threads is None else read_threads), True
 
 
 def inspect(path: str | os.PathLike, *, verify: bool = True, identity: EngineIdentity | None = None,
