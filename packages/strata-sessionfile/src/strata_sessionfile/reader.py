@@ -154,8 +154,7 @@ def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | No
 
 
 def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: EngineLimits | None,
-                   require_codec: bool = True, readers: ReadThreads | None = None,
-                   hash_prefix: bool = True) -> _Opened:
+                   readers: ReadThreads, require_codec: bool = True, hash_prefix: bool = True) -> _Opened:
     stamp = _fileio.stamp_of(fd)
     size = stamp.size
     if size < HEADER_SIZE:
@@ -190,14 +189,8 @@ def _open_metadata(fd: int, path: str, identity: EngineIdentity | None, limits: 
     # it at ~2-3 GB/s on the CPU machine), and this thread hashes each piece, in order, while later ones
     # are still being read (the payload hash starts with the prefix: every pass continues from here).
     hasher = xxhash.xxh3_128(raw_len) if hash_prefix else None
-    on_piece = hasher.update if hasher is not None else None
-    if readers is None:
-        _fileio.read_exact(fd, body, METADATA_OFFSET + _U32_SIZE, path)
-        if on_piece is not None:
-            on_piece(body)
-    else:
-        _fileio.read_exact_parallel(fd, body, METADATA_OFFSET + _U32_SIZE, path, readers, _fileio.HUGE_PAGE,
-                                    on_piece)
+    _fileio.read_exact_parallel(fd, body, METADATA_OFFSET + _U32_SIZE, path, readers, _fileio.HUGE_PAGE,
+                                hasher.update if hasher is not None else None)
     if identity is not None:
         _binding_check(header, body, identity, path)
     metadata = decode_metadata(body, header=header, path=path,
@@ -464,7 +457,7 @@ def inspect(path: str | os.PathLike, *, verify: bool = True, identity: EngineIde
     try:
         fd = _fileio.open_session_file(path)
         try:
-            opened = _open_metadata(fd, path, identity, limits, require_codec=verify, readers=readers,
+            opened = _open_metadata(fd, path, identity, limits, readers, require_codec=verify,
                                     hash_prefix=verify)
             digest = None
             if verify:
@@ -630,7 +623,7 @@ def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, p
     fd = _fileio.open_session_file(path)
     opened = None
     try:
-        opened = _open_metadata(fd, path, identity, limits, readers=readers)
+        opened = _open_metadata(fd, path, identity, limits, readers)
         _preflight(opened, block_size, threads + 1, memory_available)
         staged = False
         if mode is not RestoreMode.STREAMING and isinstance(adapter, StagingTarget):
