@@ -5,7 +5,7 @@ Run it with the OpenBLAS variables these machines set removed (they slow a curre
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_engine.py
 
-llama.cpp (llama-server b11549, CPU, 2 cores, f16 K/V; from ../shared/reference/peer-slots-*.json):
+llama.cpp (llama-server b11549, CPU, 2 cores, f16 K/V; from tests/reference/peer-slots-*.json):
 SmolLM2-135M prefill 205 tok/s at 7,900 tokens, decode 45 tok/s; gemma3-270m prefill 635 tok/s at
 16,000 tokens, decode 59 tok/s. Those prompts are longer than ours, which favours llama.cpp's prefill
 figure less than ours (attention grows with the prompt), so the ratios are indicative, not exact.

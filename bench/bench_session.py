@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE = REPO.parent / "shared" / "reference"
+REFERENCE = REPO / "tests" / "reference"
 BLOCK = 16 << 20
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# ../shared/reference beside the checkout (CI lays shared/ beside the clone the same way).
-REFERENCE_DIR = REPO_ROOT.parent / "shared" / "reference"
+# Kept in the repository (tests/reference/README.md says how each file was produced).
+REFERENCE_DIR = REPO_ROOT / "tests" / "reference"
 
 
 def smollm2_model_path() -> Path:
@@ -25,7 +25,7 @@ def gemma3_model_path() -> Path:
 
 
 def load_reference(name: str) -> dict:
-    """One file of ../shared/reference, e.g. load_reference("transformers-smollm2-135m.json")."""
+    """One file of tests/reference, e.g. load_reference("transformers-smollm2-135m.json")."""
     return json.loads((REFERENCE_DIR / name).read_text(encoding="utf-8"))
 
 

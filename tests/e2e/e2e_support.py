@@ -36,6 +36,6 @@ def reference_tokenizations() -> list[tuple[str, list[int]]]:
     """llama.cpp's /tokenize (add_special true) of the reference texts for SmolLM2."""
     import json
 
-    reference = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "llamacpp-smollm2-135m.json"
+    reference = Path(__file__).resolve().parents[1] / "reference" / "llamacpp-smollm2-135m.json"
     data = json.loads(reference.read_text(encoding="utf-8"))
     return [(t["text"], t["tokens"]) for t in data["tokenize"] if t.get("add_special")]

@@ -1,7 +1,7 @@
 """The whole engine on the GPU (CuPy backend) against the NumPy backend and the reference outputs.
 
 Bounds:
-  * f32: greedy tokens identical to transformers' (../shared/reference, 32 steps of every prompt) and
+  * f32: greedy tokens identical to transformers' (tests/reference, 32 steps of every prompt) and
     to the NumPy backend's; last-prompt-token logits within 1e-3 relative L2 of NumPy's.
   * f16 / bf16: last-prompt-token logits within 2e-2 / 6e-2 relative L2 of the f32 GPU logits, and
     the greedy tokens identical to f32's up to the first step where f32's top-1 margin is below 0.5

@@ -1,4 +1,4 @@
-"""The engine's numerics against the two reference implementations (../shared/reference).
+"""The engine's numerics against the two reference implementations (tests/reference).
 
 * f32 compute, f32 K/V: greedy tokens identical to transformers' f32 run (32 tokens, every prompt) and
   its top-5 logits within 1e-2 at every step.

@@ -189,7 +189,7 @@ def test_a_parallel_read_fills_the_buffer_and_raises_the_first_short_piece(tmp_p
             buf, pieces = bytearray(len(data) - 7), []
             with ReadThreads(threads) as readers:
                 _fileio.read_exact_parallel(fd, memoryview(buf), 7, "f", readers, BLOCK,
-                                            lambda view: pieces.append(bytes(view)))  # in buffer order
+                                            lambda view, pieces=pieces: pieces.append(bytes(view)))  # in buffer order
             assert bytes(buf) == data[7:] == b"".join(pieces), threads
         with ReadThreads(4) as readers, pytest.raises(E.Truncated) as info:  # pieces 10, 11 short: 10's error
             _fileio.read_exact_parallel(fd, memoryview(bytearray(12 * BLOCK)), 0, "f", readers, BLOCK)
