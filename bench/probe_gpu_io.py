@@ -127,19 +127,20 @@ def main() -> int:
     t = best(hash_after_read)
     print(f"xxh3_128 of each block after its read {t * 1e3:6.1f} ms  {gb / t:5.1f} GB/s", flush=True)
     try:
-        from strata_sessionfile import _fileio
+        from strata_sessionfile import _fileio, pipelines
     except ImportError:
-        _fileio = None
+        pipelines = None
         print("no strata_sessionfile: its restore pipeline not measured")
-    if _fileio is not None:
+    if pipelines is not None:
         for threads in (1, 2, 4, 8):
             bufs = [memoryview(bytearray(BLOCK)) for _ in range(threads + 1)]
 
             def pipeline(threads: int = threads, bufs: list = bufs) -> tuple[float, float]:
                 t0 = time.perf_counter()
-                fd = os.open(path, os.O_RDONLY)
+                source = _fileio.FileSource(path)
+                readers = pipelines.ReadThreads(threads)
                 h, hashing = xxhash.xxh3_128(), 0.0
-                reader = _fileio.ReadAhead(fd, bufs, _fileio.block_chunks(0, size, BLOCK), path, threads)
+                reader = pipelines.ReadAhead(source, bufs, pipelines.block_chunks(0, size, BLOCK), readers)
                 try:
                     for _offset, view in reader:
                         t1 = time.perf_counter()
@@ -147,7 +148,8 @@ def main() -> int:
                         hashing += time.perf_counter() - t1
                 finally:
                     reader.close()
-                    os.close(fd)
+                    readers.close()
+                    source.close()
                 return time.perf_counter() - t0, hashing
 
             t, hashing = min(pipeline() for _ in range(3))

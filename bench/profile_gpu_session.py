@@ -25,13 +25,18 @@ ADAPTER_CALLS = ("identity", "limits", "check_plan", "can_stage", "begin_staging
                  "begin_apply", "copy_in", "landing_views", "commit", "block_buffers", "wait_copies")
 
 
-LIBRARY_STEPS = ("_open_metadata", "check_limits", "_preflight", "_stream_data", "_land_data", "_check_unchanged")
+# (module, name): each library step is wrapped where its caller looks it up.
+LIBRARY_STEPS = (("reader", "open_metadata"), ("validate", "check_limits"), ("reader", "preflight"),
+                 ("datapass", "stream_data"), ("apply", "stream_data"), ("apply", "land_data"),
+                 ("datapass", "check_unchanged"), ("apply", "check_unchanged"))
 
 
 def timed_calls(adapter, runner) -> dict[str, float]:
     """Wrap the adapter's calls, the runner's restore_state and the library's steps (reader module) to sum
     the milliseconds spent in each."""
-    from strata_sessionfile import _fileio, reader
+    import importlib
+
+    from strata_sessionfile import pipelines, validate
 
     spent: dict[str, float] = {}
 
@@ -51,10 +56,10 @@ def timed_calls(adapter, runner) -> dict[str, float]:
         if hasattr(adapter, name):
             wrap(adapter, name)
     wrap(runner, "restore_state")
-    for name in LIBRARY_STEPS:
-        wrap(reader, name)
-    wrap(_fileio.OrderedReads, "take")  # the calling thread waiting for a block's read
-    real_xxhash = reader.xxhash
+    for module, name in LIBRARY_STEPS:
+        wrap(importlib.import_module(f"strata_sessionfile.{module}"), name)
+    wrap(pipelines.OrderedReads, "take")  # the calling thread waiting for a block's read
+    real_xxhash = validate.xxhash  # every pass's hasher is a copy of the one validate starts on the prefix
 
     class TimedHash:  # the payload hash's update calls, timed (the library hashes on the calling thread)
         def __init__(self, *args):
@@ -73,7 +78,7 @@ def timed_calls(adapter, runner) -> dict[str, float]:
         def digest(self):
             return self.inner.digest()
 
-    reader.xxhash = type("TimedXXHash", (), {"xxh3_128": TimedHash})
+    validate.xxhash = type("TimedXXHash", (), {"xxh3_128": TimedHash})
     return spent
 
 

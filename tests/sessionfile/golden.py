@@ -19,7 +19,7 @@ from pathlib import Path
 
 import xxhash
 from strata_sessionfile import errors as E
-from strata_sessionfile import save
+from strata_sessionfile import inspect, save
 from strata_sessionfile.compression import Compression
 from strata_sessionfile.format import (
     BLOCK_ENTRY_STRUCT,
@@ -32,7 +32,6 @@ from strata_sessionfile.format import (
     Part,
 )
 from strata_sessionfile.identity import config_fingerprint, model_identity_from_files
-from strata_sessionfile.reader import inspect
 from strata_sessionfile.records import (
     Checkpoint,
     EngineIdentity,
@@ -119,11 +118,17 @@ def golden_sessions() -> dict[str, tuple[EngineIdentity, Snapshot, list[list[byt
     return out
 
 
-def _adapter(ident, snap, parts) -> MemoryAdapter:
-    a = MemoryAdapter(ident, [g.spec for g in snap.layers], max_tokens=64, vocab_size=300000)
+def adapter_for(ident, snap, parts, *, staging: bool = False) -> MemoryAdapter:
+    """A MemoryAdapter holding exactly this session (and accepting every golden file's limits)."""
+    a = MemoryAdapter(ident, [g.spec for g in snap.layers], max_tokens=64, vocab_size=300000, staging=staging)
     a.state, a.layers = snap.state, snap.layers
     a.parts = [[bytearray(p) for p in layer] for layer in parts]
     return a
+
+
+def golden_adapter(name: str, *, staging: bool = False) -> MemoryAdapter:
+    """A MemoryAdapter holding golden session ``name`` (its engine: a golden file of that name restores into it)."""
+    return adapter_for(*golden_sessions()[name], staging=staging)
 
 
 def expected_json(ident: EngineIdentity, snap: Snapshot, parts, data: bytes) -> dict:
@@ -157,7 +162,7 @@ def golden_bytes(name: str) -> tuple[bytes, dict]:
     compression = GOLDEN_COMPRESSION.get(name)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / f"{name}.ssf"
-        save(path, _adapter(ident, snap, parts), block_size=GOLDEN_BLOCK_SIZE, compression=compression)
+        save(path, adapter_for(ident, snap, parts), block_size=GOLDEN_BLOCK_SIZE, compression=compression)
         data = path.read_bytes()
         expected = expected_json(ident, snap, parts, data)
         if compression is not None:
@@ -250,7 +255,7 @@ def bad_files() -> dict[str, tuple[bytes, type[E.SessionFileError]]]:
 
 
 # --- bad compressed files -----------------------------------------------------------------------------
-def _zstd_split(data: bytes) -> tuple[bytes, list[bytes], list[int]]:
+def zstd_split(data: bytes) -> tuple[bytes, list[bytes], list[int]]:
     """(bytes up to the first frame, the frames, the block table) of a compressed file."""
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "x.ssf"
@@ -259,7 +264,7 @@ def _zstd_split(data: bytes) -> tuple[bytes, list[bytes], list[int]]:
     return data[:comp.frames_offset], [data[o:o + n] for o, n in comp.frames()], list(comp.frame_sizes)
 
 
-def _zstd_rebuild(head: bytes, frames: list[bytes], table: list[int] | None = None) -> bytes:
+def zstd_rebuild(head: bytes, frames: list[bytes], table: list[int] | None = None) -> bytes:
     """A compressed file from its parts: payload length, payload hash and header hash made consistent."""
     table = [len(f) for f in frames] if table is None else table
     b = bytearray(head + b"".join(frames) + b"".join(BLOCK_ENTRY_STRUCT.pack(n) for n in table))
@@ -272,7 +277,7 @@ def bad_compressed_files() -> dict[str, tuple[bytes, type[E.SessionFileError]]]:
     import zstandard
 
     data, _ = golden_bytes("kv_f16_zstd")
-    head, frames, table = _zstd_split(data)
+    head, frames, table = zstd_split(data)
     section = len(head) - 16  # the compression header's offset
     out: dict[str, tuple[bytes, type[E.SessionFileError]]] = {}
 
@@ -281,31 +286,31 @@ def bad_compressed_files() -> dict[str, tuple[bytes, type[E.SessionFileError]]]:
         h[section + rel:section + rel + len(new)] = new
         return bytes(h)
 
-    out["zstd_unknown_codec"] = (_zstd_rebuild(head_edit(0, struct.pack("<H", 2)), frames), E.UnsupportedCompression)
-    out["zstd_reserved_nonzero"] = (_zstd_rebuild(head_edit(2, struct.pack("<H", 1)), frames), E.CompressionInvalid)
-    out["zstd_block_size_too_small"] = (_zstd_rebuild(head_edit(8, struct.pack("<I", 2048)), frames),
+    out["zstd_unknown_codec"] = (zstd_rebuild(head_edit(0, struct.pack("<H", 2)), frames), E.UnsupportedCompression)
+    out["zstd_reserved_nonzero"] = (zstd_rebuild(head_edit(2, struct.pack("<H", 1)), frames), E.CompressionInvalid)
+    out["zstd_block_size_too_small"] = (zstd_rebuild(head_edit(8, struct.pack("<I", 2048)), frames),
                                         E.CompressionInvalid)
-    out["zstd_block_size_over_limit"] = (_zstd_rebuild(head_edit(8, struct.pack("<I", 1 << 27)), frames),
+    out["zstd_block_size_over_limit"] = (zstd_rebuild(head_edit(8, struct.pack("<I", 1 << 27)), frames),
                                          E.LimitExceeded)
-    out["zstd_block_count_mismatch"] = (_zstd_rebuild(head_edit(12, struct.pack("<I", len(frames) + 1)), frames),
+    out["zstd_block_count_mismatch"] = (zstd_rebuild(head_edit(12, struct.pack("<I", len(frames) + 1)), frames),
                                         E.CompressionInvalid)
-    out["zstd_too_many_blocks"] = (_zstd_rebuild(head_edit(12, struct.pack("<I", 1 << 23)), frames), E.LimitExceeded)
-    out["zstd_table_does_not_fit"] = (_zstd_rebuild(head, [], []), E.CompressionInvalid)
-    out["zstd_index_out_of_range"] = (_zstd_rebuild(head, frames, [table[0], 0x7FFFFFFF, *table[2:]]),
+    out["zstd_too_many_blocks"] = (zstd_rebuild(head_edit(12, struct.pack("<I", 1 << 23)), frames), E.LimitExceeded)
+    out["zstd_table_does_not_fit"] = (zstd_rebuild(head, [], []), E.CompressionInvalid)
+    out["zstd_index_out_of_range"] = (zstd_rebuild(head, frames, [table[0], 0x7FFFFFFF, *table[2:]]),
                                       E.CompressionInvalid)
-    out["zstd_index_zero"] = (_zstd_rebuild(head, frames, [0, *table[1:]]), E.CompressionInvalid)
-    out["zstd_sizes_do_not_add_up"] = (_zstd_rebuild(head, frames, [table[0] - 1, *table[1:]]), E.CompressionInvalid)
+    out["zstd_index_zero"] = (zstd_rebuild(head, frames, [0, *table[1:]]), E.CompressionInvalid)
+    out["zstd_sizes_do_not_add_up"] = (zstd_rebuild(head, frames, [table[0] - 1, *table[1:]]), E.CompressionInvalid)
     broken = bytes([frames[1][0] ^ 0xFF]) + frames[1][1:]  # the frame's magic number
-    out["zstd_bad_frame"] = (_zstd_rebuild(head, [frames[0], broken, *frames[2:]]), E.FrameCorrupt)
-    out["zstd_frame_trailing_bytes"] = (_zstd_rebuild(head, [frames[0], frames[1] + b"\0", *frames[2:]]),
+    out["zstd_bad_frame"] = (zstd_rebuild(head, [frames[0], broken, *frames[2:]]), E.FrameCorrupt)
+    out["zstd_frame_trailing_bytes"] = (zstd_rebuild(head, [frames[0], frames[1] + b"\0", *frames[2:]]),
                                         E.FrameCorrupt)
     # Block 1 re-encoded one byte short: a valid frame that declares 4095 bytes where the block holds 4096.
     block1 = zstandard.ZstdDecompressor().decompress(frames[1])
     short = zstandard.ZstdCompressor(level=3, write_checksum=False).compress(block1[:-1])
-    out["zstd_decompressed_size_mismatch"] = (_zstd_rebuild(head, [frames[0], short, *frames[2:]]),
+    out["zstd_decompressed_size_mismatch"] = (zstd_rebuild(head, [frames[0], short, *frames[2:]]),
                                               E.DecompressedSizeMismatch)
     unsized = zstandard.ZstdCompressor(level=3, write_content_size=False).compress(block1)
-    out["zstd_frame_size_not_declared"] = (_zstd_rebuild(head, [frames[0], unsized, *frames[2:]]),
+    out["zstd_frame_size_not_declared"] = (zstd_rebuild(head, [frames[0], unsized, *frames[2:]]),
                                            E.DecompressedSizeMismatch)
     return out
 

@@ -12,7 +12,7 @@ import pytest
 from strata_sessionfile import _fileio, inspect, save
 from strata_sessionfile import errors as E
 
-from .conftest import files_in
+from .helpers import files_in, trailer_digest
 
 
 @pytest.fixture
@@ -99,7 +99,8 @@ def test_folder_fsync_failure_is_reported_as_exactly_that(factory, old_file, mon
     monkeypatch.setattr(_fileio, "fsync", fsync)
     with pytest.raises(E.DirSyncFailed) as info:
         save(path, factory(2))
-    assert info.value.report is not None and info.value.report.bytes_written == path.stat().st_size
+    report = info.value.report
+    assert report.bytes_written == path.stat().st_size and report.payload_hash == trailer_digest(path)
     assert path.read_bytes() != old and inspect(path).payload_verified  # the new file is in place, complete
     assert files_in(path.parent) == ["s.ssf"]
 

@@ -84,8 +84,9 @@ def test_fingerprint_of_a_sparse_100_gb_file_is_fast(tmp_path):
     assert ident.files[0].size == 100 << 30
 
 
-def test_gguf_metadata_walk_matches_the_gguf_reader(smollm2_path):
-    gguf = pytest.importorskip("gguf")
+def test_gguf_metadata_walk_matches_the_gguf_reader(request):
+    gguf = pytest.importorskip("gguf")  # an engine dependency: absent where the package stands alone
+    smollm2_path = request.getfixturevalue("smollm2_gguf")
     with open(smollm2_path, "rb") as f:
         end = gguf_metadata_end(f)
     reader = gguf.GGUFReader(smollm2_path)

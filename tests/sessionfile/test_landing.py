@@ -5,28 +5,14 @@ hands every piece over as two views, and asserts that live views are asked for o
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 from strata_sessionfile import _fileio, inspect, restore, save
 from strata_sessionfile import errors as E
-from strata_sessionfile.testing import memory_adapter_factory, run_conformance
+from strata_sessionfile.testing import run_conformance
 
-LANDING = memory_adapter_factory(n_tokens=200, zero_copy=True)
-LANDING_STAGING = memory_adapter_factory(n_tokens=200, staging=True, zero_copy=True)
-COPYING = memory_adapter_factory(n_tokens=200)
-LIVE_TOUCH = {"begin_apply", "copy_in", "commit", "fail_stop", "commit_staged"}
-
-
-def _helpers_alive() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("strata-")]
-
-
-@pytest.fixture
-def good(tmp_path):
-    path = tmp_path / "s.ssf"
-    save(path, COPYING(1), block_size=4096)
-    return path
+from .helpers import COPYING, COPYING_STAGING, LANDING, LANDING_STAGING, LIVE_TOUCH
+from .helpers import helpers_alive as _helpers_alive
 
 
 @pytest.mark.parametrize("factory", [LANDING, LANDING_STAGING], ids=["streaming", "staged"])
@@ -39,8 +25,7 @@ def test_conformance_with_landing(tmp_path, factory):
 @pytest.mark.parametrize("block_size", [4096, 8192, 1 << 20])
 def test_landing_restores_the_same_session_as_copying(tmp_path, good, mode, block_size):
     factory = LANDING_STAGING if mode == "staged" else LANDING
-    landed, copied = factory(2), (memory_adapter_factory(n_tokens=200, staging=True) if mode == "staged"
-                                  else COPYING)(2)
+    landed, copied = factory(2), (COPYING_STAGING if mode == "staged" else COPYING)(2)
     report = restore(good, landed, block_size=block_size, mode=mode)
     restore(good, copied, block_size=block_size, mode=mode)
     assert landed.live_digest() == copied.live_digest()

@@ -1,11 +1,10 @@
 """A NumPy adapter in the shape the reference engine uses (per-layer K/V arrays [capacity, kv_heads, head_dim],
 f16 or int8 with per-token-per-head f32 scales, sliding-window layers as a ring of the last W tokens kept in
 logical order on disk), copying straight between its arrays and the library's memoryviews. It passes the
-conformance kit; it is also a worked example for engine authors."""
+conformance kit; it is also a worked example for engine authors. Skipped where numpy is not installed."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from strata_sessionfile import (
     BlockBuffers,
@@ -22,6 +21,8 @@ from strata_sessionfile import (
     save,
 )
 from strata_sessionfile.testing import fake_identity, run_conformance
+
+np = pytest.importorskip("numpy")  # the package does not need numpy: where it stands alone, this skips
 
 NP_DTYPES = {DType.F16: np.float16, DType.F32: np.float32, DType.I8: np.int8}
 

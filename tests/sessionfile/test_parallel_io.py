@@ -9,40 +9,32 @@ and a failing hint fails nothing (the final fsync is the authority).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import struct
+import sys
 import threading
 import time
 
 import pytest
-from strata_sessionfile import ReadThreads, _fileio, default_read_threads, inspect, restore, save
+import xxhash
+from strata_sessionfile import ReadThreads, _fileio, default_read_threads, inspect, pipelines, restore, save
 from strata_sessionfile import errors as E
-from strata_sessionfile.testing import MemoryAdapter, memory_adapter_factory, run_conformance
+from strata_sessionfile.testing import MemoryAdapter, run_conformance
 
-BLOCK = 4096
-LANDING = memory_adapter_factory(n_tokens=200, zero_copy=True)
-LANDING_STAGING = memory_adapter_factory(n_tokens=200, staging=True, zero_copy=True)
-COPYING = memory_adapter_factory(n_tokens=200)
-COPYING_STAGING = memory_adapter_factory(n_tokens=200, staging=True)
+from .helpers import COPYING, COPYING_STAGING, LANDING, LANDING_STAGING, trailer_digest
+from .helpers import helpers_alive as _helpers_alive
+
+BLOCK = 4096  # the `good` fixture's block size
 FACTORIES = {"streaming-copy": (COPYING, "streaming"), "streaming-land": (LANDING, "streaming"),
              "staged-copy": (COPYING_STAGING, "staged"), "staged-land": (LANDING_STAGING, "staged")}
 
 
-def _helpers_alive() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("strata-")]
-
-
-@pytest.fixture
-def good(tmp_path):
-    path = tmp_path / "s.ssf"
-    save(path, COPYING(1), block_size=BLOCK)
-    return path
-
-
-def test_default_read_threads_leaves_a_core_for_the_hash():
-    cores = _fileio.available_cpus()
-    assert default_read_threads() == max(1, min(_fileio.MAX_READ_THREADS, cores - 1))
+@pytest.mark.parametrize("cores,readers", [(1, 1), (2, 1), (3, 2), (5, 4), (64, 4)])
+def test_default_read_threads_leaves_a_core_for_the_hash(monkeypatch, cores, readers):
+    monkeypatch.setattr(pipelines, "available_cpus", lambda: cores)
+    assert default_read_threads() == readers
     with pytest.raises(ValueError, match="read_threads"):
         inspect(os.devnull, read_threads=0)
 
@@ -146,9 +138,9 @@ class _MergesCopies(_WaitsForCopies):
 
 @pytest.mark.parametrize("mode", ["streaming", "staged"])
 def test_a_merging_adapter_is_told_after_each_block_before_its_hash(good, mode, monkeypatch):
-    from strata_sessionfile import MergingCopyTarget, reader
+    from strata_sessionfile import MergingCopyTarget
 
-    real = reader.xxhash.xxh3_128
+    real = xxhash.xxh3_128
     target = _deferring(_MergesCopies, mode == "staged")(2)
     assert isinstance(target, MergingCopyTarget)
 
@@ -168,7 +160,7 @@ def test_a_merging_adapter_is_told_after_each_block_before_its_hash(good, mode, 
         def digest(self):
             return self.h.digest()
 
-    monkeypatch.setattr(reader.xxhash, "xxh3_128", Logged)
+    monkeypatch.setattr(xxhash, "xxh3_128", Logged)
     restore(good, target, mode=mode, block_size=BLOCK, read_threads=2)
     applied = "".join("p" if e == "piece" else e[0] for e in target.log)
     monkeypatch.undo()
@@ -183,19 +175,16 @@ def test_a_merging_adapter_is_told_after_each_block_before_its_hash(good, mode, 
 def test_a_parallel_read_fills_the_buffer_and_raises_the_first_short_piece(tmp_path):
     data = os.urandom(10 * BLOCK + 123)
     (tmp_path / "f").write_bytes(data)
-    fd = os.open(tmp_path / "f", os.O_RDONLY)
-    try:
+    with _fileio.FileSource(str(tmp_path / "f")) as source:
         for threads in (1, 2, 4):
             buf, pieces = bytearray(len(data) - 7), []
             with ReadThreads(threads) as readers:
-                _fileio.read_exact_parallel(fd, memoryview(buf), 7, "f", readers, BLOCK,
-                                            lambda view, pieces=pieces: pieces.append(bytes(view)))  # in buffer order
+                pipelines.read_exact_parallel(source, memoryview(buf), 7, readers, BLOCK,
+                                              lambda view, pieces=pieces: pieces.append(bytes(view)))  # in order
             assert bytes(buf) == data[7:] == b"".join(pieces), threads
         with ReadThreads(4) as readers, pytest.raises(E.Truncated) as info:  # pieces 10, 11 short: 10's error
-            _fileio.read_exact_parallel(fd, memoryview(bytearray(12 * BLOCK)), 0, "f", readers, BLOCK)
+            pipelines.read_exact_parallel(source, memoryview(bytearray(12 * BLOCK)), 0, readers, BLOCK)
         assert info.value.offset == len(data)
-    finally:
-        os.close(fd)
     assert not _helpers_alive()
 
 
@@ -209,7 +198,7 @@ def test_kept_read_threads_serve_every_call_and_end_at_close(good):
         target = LANDING_STAGING(2) if mode == "staged" else COPYING(2)
         restore(good, target, mode=mode, block_size=BLOCK, read_threads=readers)
         assert target.live_digest() == COPYING(1).live_digest()
-    assert inspect(good, block_size=BLOCK, read_threads=readers).payload_hash is not None
+    assert inspect(good, block_size=BLOCK, read_threads=readers).payload_hash == trailer_digest(good)
     assert set(_helpers_alive()) == started  # the same threads, none added, none ended
     readers.close()
     assert not _helpers_alive()
@@ -236,7 +225,7 @@ def test_a_refusal_after_the_first_reads_started_leaves_no_reader(good, mode):
 
 def test_inspect_verifies_with_several_readers(good):
     digests = {inspect(good, block_size=BLOCK, read_threads=n).payload_hash for n in (1, 3, 4)}
-    assert len(digests) == 1 and None not in digests
+    assert digests == {trailer_digest(good)}
 
 
 def test_fewer_given_buffers_mean_fewer_readers_not_a_failure(good):
@@ -253,7 +242,7 @@ def test_fewer_given_buffers_mean_fewer_readers_not_a_failure(good):
 
 @pytest.mark.parametrize("factory", [COPYING, COPYING_STAGING], ids=["streaming", "staged"])
 def test_conformance_with_several_readers(tmp_path, monkeypatch, factory):
-    monkeypatch.setattr(_fileio, "default_read_threads", lambda: 3)
+    monkeypatch.setattr(pipelines, "default_read_threads", lambda: 3)
     assert "gate_after" in run_conformance(factory, tmp_path)
     assert not _helpers_alive()
 
@@ -415,17 +404,29 @@ def test_a_failing_writeback_hint_fails_nothing(tmp_path, monkeypatch, failure):
     assert target.live_digest() == COPYING(1).live_digest()
 
 
-def test_the_real_writeback_hint_runs_here(tmp_path):
-    """On Linux the hint reaches sync_file_range; its result is ignored (a bad fd raises nothing)."""
-    if os.uname().sysname == "Linux":
-        assert _fileio._SYNC_FILE_RANGE is not None
-    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, b"x" * 8192)
-        _fileio.start_writeback(fd, 0, 8192)
-    finally:
-        os.close(fd)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_the_real_writeback_hint_reaches_the_kernel(tmp_path, monkeypatch):
+    """Every save's hint is a real sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE) call that the
+    kernel accepts (returns 0); its result is ignored: on a bad fd the kernel says EBADF and nothing raises."""
+    real = _fileio._SYNC_FILE_RANGE
+    assert real is not None
+    calls = []
+
+    def spy(fd, offset, length, flags):
+        result = real(fd, offset, length, flags)
+        calls.append((offset, length, flags, result, ctypes.get_errno() if result else 0))
+        return result
+
+    monkeypatch.setattr(_fileio, "_SYNC_FILE_RANGE", spy)
+    path = tmp_path / "s.ssf"
+    save(path, COPYING(1), block_size=BLOCK)
+    layout = inspect(path).layout
+    assert len(calls) == -(-layout.data_length // BLOCK)
+    assert {(flags, result) for _o, _n, flags, result, _e in calls} == {(_fileio.SYNC_FILE_RANGE_WRITE, 0)}
+    assert calls[-1][0] + calls[-1][1] == layout.data_offset + layout.data_length
+    calls.clear()
     _fileio.start_writeback(-1, 0, 1)
+    assert calls == [(0, 1, _fileio.SYNC_FILE_RANGE_WRITE, -1, errno.EBADF)]
 
 
 # --- token ids ---------------------------------------------------------------------------------------
@@ -461,13 +462,12 @@ def test_a_negative_token_id_anywhere_is_refused(tmp_path, good, index):
 
 @pytest.mark.parametrize("numpy_loaded", [True, False], ids=["numpy", "no-numpy"])
 def test_a_token_id_over_the_vocabulary_is_refused_with_the_id(tmp_path, good, monkeypatch, numpy_loaded):
-    import sys
-
     import attrs
-    import numpy  # noqa: F401 - loaded: the check takes its vectorised pass
     from strata_sessionfile import check_limits
 
-    if not numpy_loaded:
+    if numpy_loaded:
+        pytest.importorskip("numpy")  # loaded: the check takes its vectorised pass
+    else:
         monkeypatch.setitem(sys.modules, "numpy", None)  # as in a process that never imported it
     meta = inspect(good).metadata
     limits = COPYING(2).limits()

@@ -6,9 +6,9 @@ The invariant everywhere: only SessionFileError subclasses escape, and an adapte
 
 from __future__ import annotations
 
+import errno
 import os
 import random
-import struct
 import threading
 
 import pytest
@@ -16,16 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strata_sessionfile import Phase, inspect, restore, save
 from strata_sessionfile import errors as E
-from strata_sessionfile.testing import memory_adapter_factory
 
-from .golden import refresh
-
-SMALL = memory_adapter_factory(n_tokens=24)
-SMALL_STAGING = memory_adapter_factory(n_tokens=24, staging=True)
-TOUCH = {"begin_apply", "copy_in", "commit", "fail_stop", "begin_staging", "stage_in", "commit_staged"}
-# Staged mode hands blocks to the staging area before the hash is checked (by design); the live session
-# is touched only by these.
-LIVE_TOUCH = {"begin_apply", "copy_in", "commit", "fail_stop", "commit_staged"}
+from .helpers import SMALL, SMALL_STAGING, check_refused_cleanly, mutate, restore_invariant
 
 
 class _Good(tuple):
@@ -38,15 +30,6 @@ def good_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("good") / "good.ssf"
     save(path, SMALL(1), block_size=4096)
     return _Good((path, path.read_bytes()))
-
-
-def _check_refused_cleanly(path, *, staging=False, expected=E.SessionFileError):
-    target = (SMALL_STAGING if staging else SMALL)(2)
-    before = target.live_digest()
-    with pytest.raises(expected):
-        restore(path, target, block_size=4096)
-    assert not (LIVE_TOUCH if staging else TOUCH) & set(target.events), target.events
-    assert target.live_digest() == before
 
 
 def test_truncation_at_every_section_boundary_and_random_offsets(good_file, tmp_path):
@@ -62,8 +45,8 @@ def test_truncation_at_every_section_boundary_and_random_offsets(good_file, tmp_
     bad = tmp_path / "t.ssf"
     for cut in sorted(cuts):
         bad.write_bytes(data[:cut])
-        _check_refused_cleanly(bad, expected=E.Truncated)
-        _check_refused_cleanly(bad, staging=True, expected=E.Truncated)
+        check_refused_cleanly(bad, expected=E.Truncated)
+        check_refused_cleanly(bad, staging=True, expected=E.Truncated)
 
 
 def test_every_single_byte_and_bit_flip_in_the_header(good_file, tmp_path):
@@ -74,31 +57,10 @@ def test_every_single_byte_and_bit_flip_in_the_header(good_file, tmp_path):
             b = bytearray(data)
             b[off] ^= mask
             bad.write_bytes(bytes(b))
-            _check_refused_cleanly(bad)
+            check_refused_cleanly(bad)
 
 
 # --- hypothesis: seeded random payload mutations ---------------------------------------------------
-def _mutate(data: bytes, ops, rehash: bool) -> bytes:
-    b = bytearray(data)
-    for kind, pos, value in ops:
-        if not b:
-            break
-        i = pos % len(b)
-        if kind == "flip":
-            b[i] ^= (value % 255) + 1
-        elif kind == "u32" and i + 4 <= len(b):
-            b[i:i + 4] = struct.pack("<I", value & 0xFFFFFFFF)
-        elif kind == "u64" and i + 8 <= len(b):
-            b[i:i + 8] = struct.pack("<Q", value & 0xFFFFFFFFFFFFFFFF)
-        elif kind == "insert":
-            b[i:i] = bytes([value & 0xFF]) * ((value % 7) + 1)
-        elif kind == "delete":
-            del b[i:i + (value % 9) + 1]
-    if rehash and len(b) >= 64 + 24:
-        b = bytearray(refresh(b))
-    return bytes(b)
-
-
 _interesting = st.sampled_from([0, 1, 2, 3, 4, 5, 255, 4096, 65535, 1 << 16, 1 << 24, 1 << 31, 0xFFFFFFFF,
                                 1 << 32, 1 << 48, (1 << 64) - 1])
 _op = st.tuples(st.sampled_from(["flip", "flip", "u32", "u64", "insert", "delete"]),
@@ -109,30 +71,6 @@ _meta_op = st.tuples(st.sampled_from(["flip", "u32", "u64"]), st.integers(min_va
                      st.one_of(st.integers(min_value=0, max_value=(1 << 64) - 1), _interesting))
 
 
-def _restore_invariant(path, staging: bool):
-    target = (SMALL_STAGING if staging else SMALL)(2)
-    before = target.live_digest()
-    phases = []
-
-    def progress(p):
-        phases.append(p.phase)
-
-    try:
-        restore(path, target, block_size=4096, progress=progress)
-    except E.FailStop as exc:
-        raise AssertionError("an unchanging file must never fail after the gate") from exc
-    except E.SessionFileError:
-        assert not (LIVE_TOUCH if staging else TOUCH) & set(target.events), target.events
-        assert target.live_digest() == before
-        return False
-    # Accepted (e.g. K/V bytes mutated and hashes refreshed): the adapter got blocks only after validation.
-    first_touch = min(i for i, e in enumerate(target.events) if e in TOUCH)
-    assert "check_plan" in target.events[:first_touch]
-    if not staging and Phase.APPLY in phases:  # the read pass finished before anything was applied
-        assert Phase.READ not in phases[phases.index(Phase.APPLY):]
-    return True
-
-
 @settings(max_examples=2000, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=st.lists(st.one_of(_op, _meta_op), min_size=1, max_size=4), rehash=st.booleans(),
@@ -140,7 +78,7 @@ def _restore_invariant(path, staging: bool):
 def test_random_mutations_only_raise_session_file_errors(good_file, tmp_path, ops, rehash, staging):
     _path, data = good_file
     bad = tmp_path / "m.ssf"
-    mutated = _mutate(data, ops, rehash)
+    mutated = mutate(data, ops, rehash)
     if bad.exists():
         bad.unlink()
     bad.write_bytes(mutated)
@@ -148,7 +86,7 @@ def test_random_mutations_only_raise_session_file_errors(good_file, tmp_path, op
         inspect(bad)
     except E.SessionFileError:
         pass
-    accepted = _restore_invariant(bad, staging)
+    accepted = restore_invariant(bad, staging)
     if mutated != data and not rehash:
         assert not accepted
 
@@ -160,16 +98,16 @@ def test_symlink_hardlink_fifo_directory_device_refused(good_file, tmp_path):
     own.write_bytes(data)
     link = tmp_path / "link.ssf"
     os.symlink(own, link)
-    _check_refused_cleanly(link, expected=E.SymlinkRefused)
+    check_refused_cleanly(link, expected=E.SymlinkRefused)
     with pytest.raises(E.SymlinkRefused):
         inspect(link)
     dirlink = tmp_path / "dirlink"
     os.symlink(tmp_path, dirlink)
-    _check_refused_cleanly(dirlink, expected=E.SymlinkRefused)
+    check_refused_cleanly(dirlink, expected=E.SymlinkRefused)
     hard = tmp_path / "hard.ssf"
     os.link(own, hard)
-    _check_refused_cleanly(own, expected=E.MultipleLinks)
-    _check_refused_cleanly(hard, expected=E.MultipleLinks)
+    check_refused_cleanly(own, expected=E.MultipleLinks)
+    check_refused_cleanly(hard, expected=E.MultipleLinks)
     os.unlink(hard)
     restore(own, SMALL(2), block_size=4096)  # one name again: accepted
     fifo = tmp_path / "fifo.ssf"
@@ -178,7 +116,7 @@ def test_symlink_hardlink_fifo_directory_device_refused(good_file, tmp_path):
 
     def guarded():  # a FIFO without a writer must not block the open
         try:
-            _check_refused_cleanly(fifo, expected=E.NotRegularFile)
+            check_refused_cleanly(fifo, expected=E.NotRegularFile)
         finally:
             done.set()
 
@@ -186,19 +124,26 @@ def test_symlink_hardlink_fifo_directory_device_refused(good_file, tmp_path):
     t.start()
     assert done.wait(10), "opening a FIFO blocked"
     t.join()
-    _check_refused_cleanly(tmp_path, expected=E.NotRegularFile)
-    _check_refused_cleanly("/dev/null", expected=E.NotRegularFile)
-    _check_refused_cleanly(tmp_path / "absent.ssf", expected=E.NotFound)
+    check_refused_cleanly(tmp_path, expected=E.NotRegularFile)
+    check_refused_cleanly("/dev/null", expected=E.NotRegularFile)
+    check_refused_cleanly(tmp_path / "absent.ssf", expected=E.NotFound)
 
 
-def test_unreadable_file_is_refused(good_file, tmp_path):
-    if os.geteuid() == 0:
-        pytest.skip("root reads everything")
+def test_unreadable_file_is_refused(good_file, tmp_path, monkeypatch):
     path, data = good_file
     p = tmp_path / "locked.ssf"
     p.write_bytes(data)
     p.chmod(0)
-    _check_refused_cleanly(p, expected=E.PermissionDenied)
+    if os.geteuid() == 0:  # root reads everything: the open's EACCES is injected instead
+        real_open = os.open
+
+        def open_(name, flags, *args, **kwargs):
+            if os.fspath(name) == str(p):
+                raise PermissionError(errno.EACCES, "Permission denied", str(p))
+            return real_open(name, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", open_)
+    check_refused_cleanly(p, expected=E.PermissionDenied)
 
 
 # --- files that change -----------------------------------------------------------------------------

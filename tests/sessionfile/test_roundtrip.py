@@ -12,9 +12,9 @@ from strata_sessionfile import Phase, inspect, restore, save
 from strata_sessionfile import errors as E
 from strata_sessionfile.identity import config_fingerprint
 from strata_sessionfile.records import EngineIdentity, LayerSpec
-from strata_sessionfile.testing import MemoryAdapter, fake_identity
+from strata_sessionfile.testing import MemoryAdapter, fake_identity, memory_adapter_factory
 
-from .conftest import files_in
+from .helpers import files_in
 
 
 @pytest.mark.parametrize("block_size", [4096, 5000, 65536, 1 << 20])
@@ -41,7 +41,7 @@ def test_round_trip_every_mode_and_block_size(factory, staging_factory, tmp_path
 
 
 def test_empty_session_round_trips(tmp_path):
-    f = __import__("strata_sessionfile.testing", fromlist=["x"]).memory_adapter_factory(n_tokens=0)
+    f = memory_adapter_factory(n_tokens=0)
     source = f(0)
     source.load_snapshot(attrs.evolve(source.snapshot(), state=attrs.evolve(source.state, tokens=[], position=0,
                                       checkpoint=attrs.evolve(source.state.checkpoint, token_index=0))))
@@ -52,8 +52,10 @@ def test_empty_session_round_trips(tmp_path):
     info = inspect(path)
     assert info.metadata.state.n_tokens == 0
     target = f(3)
+    assert target.live_digest() != source.live_digest()
     restore(path, target)
     assert target.state.n_tokens == 0 and target.events[-1] == "commit"
+    assert target.live_digest() == source.live_digest()  # every layer empty, the extra parts restored
 
 
 def test_save_progress_phases_and_restore_progress(factory, tmp_path):
@@ -78,6 +80,23 @@ def test_save_replaces_atomically_and_leaves_no_temporary(factory, tmp_path):
     assert files_in(tmp_path) == ["s.ssf"]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert inspect(path).payload_verified
+
+
+def test_the_writer_runs_its_stages_in_order_only(factory, tmp_path):
+    from strata_sessionfile.writer import SessionWriter, Stage
+
+    writer = SessionWriter(tmp_path / "s.ssf", factory(1))
+    with pytest.raises(RuntimeError, match="save stage CREATE cannot follow nothing"):
+        writer.create()
+    writer.plan()
+    with pytest.raises(RuntimeError, match="save stage WRITE cannot follow PLAN"):
+        writer.write()
+    assert writer.stage is Stage.PLAN and files_in(tmp_path) == []  # nothing on disk before CREATE
+    writer.create()
+    with pytest.raises(RuntimeError, match="save stage CREATE cannot follow CREATE"):
+        writer.create()
+    writer.discard()
+    assert files_in(tmp_path) == []
 
 
 class _Boom(Exception):
@@ -133,7 +152,7 @@ def test_buffer_provider_buffers_are_used(factory, tmp_path):
 
     a.copy_out = spy
     save(tmp_path / "s.ssf", a, block_size=8192)
-    assert len(provided) == 2 and {id(o) for o in seen} <= {id(b.obj) for b in provided}
+    assert len(provided) == 2 and seen and {id(o) for o in seen} <= {id(b.obj) for b in provided}
 
 
 # --- binding and limits --------------------------------------------------------------------------------

@@ -42,7 +42,6 @@ Testing (``strata_sessionfile.testing``)
 """
 
 from . import errors
-from ._fileio import ReadThreads, default_read_threads, memory_available
 from .adapter import (
     AsyncCopyTarget,
     BufferProvider,
@@ -57,7 +56,9 @@ from .compression import Compression
 from .errors import SessionFileError
 from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, DType, LayerRole, Part
 from .identity import config_fingerprint, engine_identity, model_fingerprint
-from .reader import check_limits, inspect, restore
+from .memory import BlockBuffers, memory_available
+from .pipelines import ReadThreads, default_read_threads
+from .reader import inspect, restore
 from .records import (
     Checkpoint,
     ConfigIdentity,
@@ -77,7 +78,8 @@ from .records import (
     SaveReport,
     Snapshot,
 )
-from .writer import BlockBuffers, save
+from .validate import check_limits
+from .writer import save
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "AsyncCopyTarget", "BlockBuffers", "BufferProvider", "Checkpoint",

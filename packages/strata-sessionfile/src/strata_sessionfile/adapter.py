@@ -47,8 +47,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from . import errors as E
 from .format import Part
 from .records import EngineIdentity, EngineLimits, RestorePlan, RunningState, Snapshot
+
+
+def adapter_call(fn, *args):
+    """Call an adapter method: a SessionFileError passes through, anything else becomes AdapterFailed."""
+    try:
+        return fn(*args)
+    except E.SessionFileError:
+        raise
+    except Exception as exc:
+        raise E.AdapterFailed(f"adapter {getattr(fn, '__name__', fn)} raised {type(exc).__name__}: {exc}") from exc
 
 
 @runtime_checkable

@@ -1,4 +1,8 @@
-"""``strata-sessionfile inspect FILE [--json] [--verify]``.
+"""``strata-sessionfile inspect FILE [--json] [--verify] [--layers]``.
+
+The human output groups what repeats (identical layers on one line, a per-layer config list such as the
+RoPE entries grouped by value) and gives sizes in decimal units beside the byte counts; ``--layers`` adds
+the full per-layer table, ``--json`` prints everything (the same object whatever the other flags).
 
 Exit codes (spec section 11): 0 valid, 1 invalid (the reason is printed), 2 unreadable, 3 unsupported here
 (``--verify`` of a compressed file without its codec's module), 64 usage.
@@ -63,31 +67,109 @@ def inspection_dict(info: Inspection) -> dict:
     }
 
 
-def _print_text(d: dict, out) -> None:
-    h = d["header"]
-    w = out.write
-    w(f"{d['path']}: strata session file v{h['format_version']}, {d['sections']['file_size']} bytes\n")
-    w(f"  model fingerprint   {h['model_fingerprint']}\n  config fingerprint  {h['config_fingerprint']}\n")
-    w(f"  payload             {h['payload_length']} bytes, hash "
-      f"{d['payload_hash'] + ' (verified)' if d['payload_verified'] else 'not verified (use --verify)'}\n")
-    for f in d["model_files"]:
-        w(f"  model file          {f['role']}: {f['size']} bytes, digest {f['digest']}\n")
-    w(f"  config              {json.dumps(d['config'], sort_keys=True)}\n")
-    s = d["state"]
-    w(f"  tokens held         {s['n_tokens']} (position {s['position']}, first {s['first_tokens']}, "
-      f"last {s['last_tokens']})\n")
-    w(f"  checkpoint          token {s['checkpoint_token_index']}, {s['checkpoint_data_bytes']} bytes of data\n")
-    w(f"  sampler state       {s['sampler_state_bytes']} bytes; engine fields {s['engine_fields_bytes']} bytes\n")
-    sec = d["sections"]
-    w(f"  sections            header 64, metadata {sec['metadata']}, data {sec['data']} at {sec['data_offset']}, "
-      f"trailer 24\n")
-    c = d["compression"]
-    if c is None:
-        w("  compression         none\n")
-    else:
-        ratio = f"{c['ratio']:.3f}" if c["ratio"] is not None else "-"
-        w(f"  compression         {c['codec']} level {c['level']}, {c['n_blocks']} blocks of {c['block_size']} bytes; "
-          f"{c['stored_bytes']} bytes stored for {c['data_bytes']} of K/V (ratio {ratio})\n")
+# --- human output -----------------------------------------------------------------------------------
+_UNITS = ("kB", "MB", "GB", "TB", "PB")
+_PART_NAMES = {"k": "K", "v": "V", "k_scales": "K scales", "v_scales": "V scales", "extra": "extra"}
+
+
+def human_size(n: int) -> str:
+    """Bytes in decimal units, three significant digits: 512 B, 4.10 kB, 1.24 MB, 74.7 MB."""
+    if n < 1000:
+        return f"{n} B"
+    value, step = n / 1000, 0
+    while value >= 999.5 and step < len(_UNITS) - 1:  # 999.5 would print as 1000 in this unit
+        value, step = value / 1000, step + 1
+    unit = _UNITS[step]
+    return f"{value:.2f} {unit}" if value < 9.995 else f"{value:.1f} {unit}" if value < 99.95 else f"{value:.0f} {unit}"
+
+
+def sized(n: int) -> str:
+    """A byte count, with its human size beside it from 1 kB on: "1,244,928 bytes (1.24 MB)"."""
+    return f"{n:,} bytes" if n < 1000 else f"{n:,} bytes ({human_size(n)})"
+
+
+def index_ranges(indices: list[int]) -> str:
+    """Sorted indices as runs: [0, 1, 2, 3, 4, 6, 7, 11] -> "0-4, 6-7, 11"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
+def _groups(items: list) -> list[tuple[list[int], object]]:
+    """(indices, item) for each distinct item (compared as canonical JSON), in order of first appearance."""
+    groups: dict[str, tuple[list[int], object]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(json.dumps(item, sort_keys=True), ([], item))[0].append(i)
+    return list(groups.values())
+
+
+def _show(value) -> str:
+    """A config value for people: scalars bare (integral floats without ".0"), a mapping as "key value, ..."."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return value or '""'
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {'(' + _show(v) + ')' if isinstance(v, dict) else _show(v)}"
+                         for k, v in value.items())
+    return "[" + ", ".join(_show(v) for v in value) + "]"
+
+
+def _show_list(items: list, n_layers: int) -> list[str]:
+    """A config list, identical entries grouped; entries count as layers when there is one per main layer."""
+    if not items:
+        return ["[]"]
+    one, many = ("layer", "layers") if len(items) == n_layers else ("entry", "entries")
+    groups = _groups(items)
+    if len(groups) == 1 and len(items) > 1:
+        return [f"all {len(items)} {many}: {_show(items[0])}"]
+    return [f"{many if len(idx) > 1 else one} {index_ranges(idx)}: {_show(item)}" for idx, item in groups]
+
+
+def config_lines(config: dict, n_layers: int) -> list[str]:
+    """The engine's config mapping, one key a line; a per-layer list (e.g. RoPE) grouped."""
+    width = max((len(k) for k in config), default=0) + 2
+    lines = []
+    for key, value in config.items():
+        shown = _show_list(value, n_layers) if isinstance(value, list) else [_show(value)]
+        lines.append(f"{key:<{width}}{shown[0]}")
+        lines += [" " * width + more for more in shown[1:]]
+    return lines
+
+
+def _layer_shape(g: dict) -> str:
+    heads = f"{g['n_kv_heads']} head{'s' if g['n_kv_heads'] != 1 else ''}"
+    dims = str(g["head_dim_k"]) if g["head_dim_k"] == g["head_dim_v"] else f"{g['head_dim_k']} K / {g['head_dim_v']} V"
+    window = f", window {g['window']:,}" if g["window"] else ""
+    parts = [f"{human_size(n)} {_PART_NAMES[p]}" for p, n in g["part_bytes"].items() if n]
+    return (f"{heads} x {dims}, {g['k_dtype']}/{g['v_dtype']}{window}, {g['tokens_held']:,} held, "
+            f"{' + '.join(parts) or 'no K/V'}")
+
+
+def layer_lines(layers: list[dict]) -> list[str]:
+    """One line per group of identical layers (the same role, shape, dtypes, window and tokens held)."""
+    def same(g):
+        return {k: v for k, v in g.items() if k != "index"}
+
+    lines = []
+    for idx, g in _groups([same(g) for g in layers]):
+        numbers = [layers[i]["index"] for i in idx]
+        role = "" if g["role"] == "main" else f"{g['role']} "
+        label = f"{role}layer{'s' if len(idx) > 1 else ''} {index_ranges(numbers)}"
+        each = " each" if len(idx) > 1 and any(g["part_bytes"].values()) else ""
+        lines.append(f"{label}: {_layer_shape(g)}{each}")
+    return lines
+
+
+def _print_layer_table(d: dict, w) -> None:
     w(f"  {'layer':>10} {'heads':>5} {'dk':>5} {'dv':>5} {'k/v':>9} {'window':>6} {'held':>8} "
       f"{'K':>11} {'V':>11} {'Ksc':>9} {'Vsc':>9} {'extra':>9}\n")
     for g in d["layers"]:
@@ -95,6 +177,41 @@ def _print_text(d: dict, out) -> None:
         w(f"  {g['role'] + ' ' + str(g['index']):>10} {g['n_kv_heads']:>5} {g['head_dim_k']:>5} {g['head_dim_v']:>5} "
           f"{g['k_dtype'] + '/' + g['v_dtype']:>9} {g['window'] or '-':>6} {g['tokens_held']:>8} {pb['k']:>11} "
           f"{pb['v']:>11} {pb['k_scales']:>9} {pb['v_scales']:>9} {pb['extra']:>9}\n")
+
+
+def _print_text(d: dict, out, *, layer_table: bool = False) -> None:
+    h = d["header"]
+    w = out.write
+    sec = d["sections"]
+    w(f"{d['path']}: strata session file v{h['format_version']}, {sized(sec['file_size'])}\n")
+    w(f"  model fingerprint   {h['model_fingerprint']}\n  config fingerprint  {h['config_fingerprint']}\n")
+    w(f"  payload             {sized(h['payload_length'])}, hash "
+      f"{d['payload_hash'] + ' (verified)' if d['payload_verified'] else 'not verified (use --verify)'}\n")
+    for f in d["model_files"]:
+        w(f"  model file          {f['role']}: {sized(f['size'])}, digest {f['digest']}\n")
+    n_main = sum(1 for g in d["layers"] if g["role"] == "main")
+    w("  config\n")
+    for line in config_lines(d["config"], n_main):
+        w(f"    {line}\n")
+    s = d["state"]
+    w(f"  tokens held         {s['n_tokens']:,} (position {s['position']:,}, first {s['first_tokens']}, "
+      f"last {s['last_tokens']})\n")
+    w(f"  checkpoint          token {s['checkpoint_token_index']:,}, {sized(s['checkpoint_data_bytes'])} of data\n")
+    w(f"  sampler state       {sized(s['sampler_state_bytes'])}; engine fields {sized(s['engine_fields_bytes'])}\n")
+    w(f"  sections            header 64, metadata {sized(sec['metadata'])}, data {sized(sec['data'])} at "
+      f"{sec['data_offset']:,}, trailer 24\n")
+    c = d["compression"]
+    if c is None:
+        w("  compression         none\n")
+    else:
+        ratio = f"{c['ratio']:.3f}" if c["ratio"] is not None else "-"
+        w(f"  compression         {c['codec']} level {c['level']}, {c['n_blocks']:,} blocks of {sized(c['block_size'])}; "
+          f"{sized(c['stored_bytes'])} stored for {sized(c['data_bytes'])} of K/V (ratio {ratio})\n")
+    w(f"  layers              {len(d['layers'])}, {sized(sec['kv_bytes'])} of K/V\n")
+    for line in layer_lines(d["layers"]):
+        w(f"    {line}\n")
+    if layer_table:
+        _print_layer_table(d, w)
 
 
 def _cmd_inspect(args) -> int:
@@ -114,7 +231,7 @@ def _cmd_inspect(args) -> int:
         if args.json:
             print(json.dumps(d, indent=1, sort_keys=True))
         else:
-            _print_text(d, sys.stdout)
+            _print_text(d, sys.stdout, layer_table=args.layers)
         return EXIT_VALID
     if args.json:
         print(json.dumps({"valid": valid, "readable": code != EXIT_UNREADABLE, "reason": err.reason,
@@ -132,7 +249,7 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = _Parser(prog="strata-sessionfile", description="Strata session file tools (format v1)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("inspect", help="validate a session file and print what it holds",
@@ -141,7 +258,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verify", action="store_true", help="also stream the payload and check its hash")
-    args = parser.parse_args(argv)
+    p.add_argument("--layers", action="store_true",
+                   help="also print every layer's row (the summary groups identical layers)")
+    return parser, p
+
+
+def inspect_parser() -> argparse.ArgumentParser:
+    """The ``inspect`` command's arguments (the spec's usage line is bound to them)."""
+    return _parsers()[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parsers()[0].parse_args(argv)
     return _cmd_inspect(args)
 
 
