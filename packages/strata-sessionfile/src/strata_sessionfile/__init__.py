@@ -38,7 +38,13 @@ Records
 Errors (``strata_sessionfile.errors``)
     ``SessionFileError`` and subclasses, each with a stable ``reason`` string (``errors.all_reasons()``).
 Testing (``strata_sessionfile.testing``)
-    ``MemoryAdapter`` (in-memory reference adapter), ``run_conformance(adapter_factory, workdir)``.
+    ``MemoryAdapter`` (in-memory reference adapter), ``run_conformance(adapter_factory, workdir)`` (one
+    function per case, listed in ``CASES``).
+
+Inside: ``writer`` (``save`` as the named stages of ``SessionWriter``), ``reader`` (``inspect``, ``restore``)
+over ``validate`` (the checks), ``datapass`` (the passes over the data section) and ``apply`` (streaming and
+staged); ``pipelines`` (reader and writer threads), ``memory`` (buffers, the RAM probe); ``_fileio``, the
+byte seam: the only module that opens, reads or writes a session file.
 """
 
 from . import errors

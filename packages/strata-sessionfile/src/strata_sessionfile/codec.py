@@ -132,8 +132,7 @@ def validate_snapshot_shape(state: RunningState, layers, exc_cls=E.InvalidSnapsh
            f"checkpoint token index {state.checkpoint.token_index} is past the {n} tokens held",
            "state.checkpoint.token_index")
     _check(len(layers) <= LIMIT["MAX_LAYERS"], exc_cls, f"{len(layers)} layers is over MAX_LAYERS", "layers")
-    # Messages are formatted only for a failure: per layer, every restore (bench/SESSIONFILE-NOTES.md,
-    # "Metadata decoding").
+    # Messages are formatted only for a failure (bench/SESSIONFILE-NOTES.md, "Metadata decoding").
     seen = set()
     max_heads, max_dim, max_tokens, max_extra = (LIMIT["MAX_KV_HEADS"], LIMIT["MAX_HEAD_DIM"], LIMIT["MAX_TOKENS"],
                                                  LIMIT["MAX_EXTRA_BYTES"])
@@ -286,8 +285,7 @@ def decode_metadata(body: memoryview | bytes, *, header: Header, path: str | Non
     tokens.frombytes(raw_tokens)
     if sys.byteorder != "little":
         tokens.byteswap()
-    # Each id is little-endian int32 on disk: its sign bit is the top bit of its 4th byte, so one C pass
-    # over those bytes finds a negative id (bench/SESSIONFILE-NOTES.md, "Token ids").
+    # A negative id's sign bit is the top bit of its 4th byte (bench/SESSIONFILE-NOTES.md, "Token ids").
     if not bytes(raw_tokens)[3::4].isascii():
         raise cur.fail(E.MetadataInvalid, "a token id is negative", "state.tokens", at + 12)
     sampler = cur.sized("state.sampler_state", "MAX_SAMPLER_STATE_BYTES")
@@ -296,8 +294,7 @@ def decode_metadata(body: memoryview | bytes, *, header: Header, path: str | Non
     if cp_len > LIMIT["MAX_CHECKPOINT_DATA_BYTES"]:
         raise cur.fail(E.LimitExceeded, f"checkpoint data of {cp_len} bytes is over MAX_CHECKPOINT_DATA_BYTES",
                        "state.checkpoint.data", at)
-    # A read-only view into the metadata buffer, not a copy: the checkpoint may be megabytes (a ring's
-    # window of K/V) and a fresh copy costs its page faults as well as the memcpy.
+    # A view, not a copy: the checkpoint may be megabytes (a ring's window of K/V).
     cp_data = cur.take(cp_len, "state.checkpoint.data").toreadonly()
     engine_fields = cur.sized("state.engine_fields", "MAX_ENGINE_FIELDS_BYTES")
     state = RunningState(tokens, position, sampler, Checkpoint(cp_index, cp_data), engine_fields)

@@ -52,11 +52,9 @@ def block_chunks(file_offset: int, length: int, block_size: int) -> Iterator[tup
 
 
 # --- how many threads -------------------------------------------------------------------------------
-# Several readers, so the in-order hash on the calling thread never waits for a read; beyond four the
-# gain is small and each holds a block buffer (bench/SESSIONFILE-NOTES.md, "Reader threads").
+# Enough readers that the in-order hash never waits for a read (bench/SESSIONFILE-NOTES.md, "Reader threads").
 MAX_READ_THREADS = 4
-# Frames read and decoded at once, each worker holding a frame and a decoded block: one overlaps the
-# next frame with this one's hash (bench/SESSIONFILE-NOTES.md, "Decode workers").
+# Frames decoded at once; each holds a frame and a block (bench/SESSIONFILE-NOTES.md, "Decode workers").
 MAX_DECODE_WORKERS = 1
 
 

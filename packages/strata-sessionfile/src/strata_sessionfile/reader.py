@@ -119,8 +119,7 @@ def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, p
             views = None  # decode workers read frames into their own buffers; landing needs none
         else:
             views = block_buffers(adapter, block_size, buffers, threads + 1)
-            # The first blocks are read while the engine checks the plan and the prefix is hashed: the
-            # pass then starts on blocks already in memory instead of waiting for the first read.
+            # Read the first blocks while the engine checks the plan: the pass starts on blocks in memory.
             opened.ahead = read_ahead(opened, views, block_size, readers).start()
         if staged:
             adapter_call(adapter.check_plan, plan)

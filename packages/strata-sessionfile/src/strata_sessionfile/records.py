@@ -189,8 +189,7 @@ class Layout:
     trailer_offset: int
     file_size: int
     extents: tuple[PartExtent, ...] = attrs.field(converter=tuple, repr=False)  # non-empty parts, file order
-    # A compressed data section (spec 3.3): the frames' layout (compression.CompressedLayout). Then
-    # ``data_length`` and ``extents`` describe the uncompressed data, ``trailer_offset`` and ``file_size`` the disk.
+    # compression.CompressedLayout of a compressed data section: data_length and extents are then uncompressed.
     compressed: object | None = None
 
 

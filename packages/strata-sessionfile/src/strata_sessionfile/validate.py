@@ -138,16 +138,12 @@ def open_metadata(source: FileSource, identity: EngineIdentity | None, limits: E
     if _U32_SIZE + mlen > header.payload_length:
         raise E.MetadataInvalid(f"metadata of {mlen} bytes runs past the payload of {header.payload_length}",
                                 path=path, offset=METADATA_OFFSET, field="metadata.length")
-    # The whole prefix [64, data_offset) in one buffer, filled in place in the order the checks need it
-    # (the metadata now, the padding after the layout was validated): no copy of a MiB-sized metadata.
-    # The padding's length follows from the metadata length alone (data_offset is aligned).
+    # One buffer for the prefix [64, data_offset), filled in the order the checks need it: no copy of it.
     pad_start = METADATA_OFFSET + _U32_SIZE + mlen
     prefix = fresh_buffer(align_up(pad_start, DATA_ALIGNMENT) - METADATA_OFFSET)
     prefix[:_U32_SIZE] = raw_len
     body = memoryview(prefix)[_U32_SIZE:_U32_SIZE + mlen]
-    # The reader threads read a large metadata at once, each into its own huge pages, while this thread
-    # hashes it piece by piece, in order (bench/SESSIONFILE-NOTES.md, "Large metadata"); the payload hash
-    # starts with the prefix: every pass continues from here.
+    # Read by the reader threads at once, hashed here in order (bench/SESSIONFILE-NOTES.md, "Large metadata").
     hasher = xxhash.xxh3_128(raw_len) if hash_prefix else None
     read_exact_parallel(source, body, METADATA_OFFSET + _U32_SIZE, readers, HUGE_PAGE,
                         hasher.update if hasher is not None else None)

@@ -32,7 +32,10 @@ def tokens_for_bytes(specs: Sequence[LayerSpec], n_bytes: int) -> int:
 
 
 class PatternSource:
-    """A SessionSource of any size that holds none of it: parts are filled from a 1 MiB pattern."""
+    """A SessionSource of any size that holds none of it: parts are filled from a 1 MiB pattern, cycled
+    (a subclass may put another pattern in ``_pattern``; each layer and part starts at its own offset)."""
+
+    LAYER_STRIDE, PART_STRIDE = 4099, 613  # where each layer's and part's bytes start in the pattern
 
     def __init__(self, identity: EngineIdentity, specs: Sequence[LayerSpec], n_tokens: int, seed: int = 0) -> None:
         self._identity = identity
@@ -47,10 +50,11 @@ class PatternSource:
         return self._snapshot
 
     def copy_out(self, layer: int, part: Part, offset: int, dest: memoryview) -> None:
-        start = (offset + layer * 4099 + int(part) * 613) % PATTERN_SIZE
+        size = len(self._pattern)
+        start = (offset + layer * self.LAYER_STRIDE + int(part) * self.PART_STRIDE) % size
         pos, n = 0, len(dest)
         while pos < n:
-            take = min(n - pos, PATTERN_SIZE - start)
+            take = min(n - pos, size - start)
             dest[pos:pos + take] = self._pattern[start:start + take]
             pos += take
             start = 0
