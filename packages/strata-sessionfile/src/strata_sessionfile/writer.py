@@ -182,23 +182,24 @@ class SessionWriter:
                                    written - HEADER_SIZE, flags=Flags.DATA_COMPRESSED)
             sink.write_at(header, 0)
         self.bytes_written = written + TRAILER_SIZE
-        if progress:
-            progress(Progress(Phase.COPY, total, total))
+        self._announce(Phase.COPY)
         self.t_copy = time.perf_counter()
+
+    def _announce(self, phase: Phase) -> None:
+        if self.progress:
+            self.progress(Progress(phase, self.total, self.total))
 
     def flush(self) -> None:
         """FLUSH: the temporary durable (progress: flush)."""
         self._enter(Stage.FLUSH)
-        if self.progress:
-            self.progress(Progress(Phase.FLUSH, self.total, self.total))
+        self._announce(Phase.FLUSH)
         self.sink.flush()
         self.t_flush = time.perf_counter()
 
     def rename(self) -> None:
         """RENAME: the temporary becomes the target (progress: rename)."""
         self._enter(Stage.RENAME)
-        if self.progress:
-            self.progress(Progress(Phase.RENAME, self.total, self.total))
+        self._announce(Phase.RENAME)
         self.sink.publish()
         self.t_rename = time.perf_counter()
 

@@ -12,78 +12,57 @@ from ..adapter import LandingTarget, StagingTarget
 from ..records import EngineIdentity
 
 
-class Recorder:
-    """Forwards to an adapter and records which restore-side calls it received."""
-
-    def __init__(self, inner, hooks: dict[str, Callable] | None = None) -> None:
-        self._inner = inner
-        self.calls: list[str] = []
-        self.hooks = hooks or {}
-
-    def _call(self, name: str, *args):
+def _recorded(name: str):
+    """A method that records the call, runs the case's hook for it, then forwards it."""
+    def method(self, *args):
         self.calls.append(name)
         hook = self.hooks.get(name)
         if hook is not None:
             hook(*args)
         return getattr(self._inner, name)(*args)
 
-    def identity(self):
-        return self._inner.identity()
+    method.__name__ = name
+    return method
 
-    def limits(self):
-        return self._inner.limits()
 
-    def snapshot(self):
-        return self._inner.snapshot()
+def _forwarded(name: str):
+    """A method that only forwards the call."""
+    def method(self, *args):
+        return getattr(self._inner, name)(*args)
 
-    def copy_out(self, *a):
-        return self._inner.copy_out(*a)
+    method.__name__ = name
+    return method
 
-    def check_plan(self, plan):
-        return self._call("check_plan", plan)
 
-    def begin_apply(self, plan):
-        return self._call("begin_apply", plan)
+class Recorder:
+    """Forwards to an adapter and records which restore-side calls it received."""
 
-    def copy_in(self, *a):
-        return self._call("copy_in", *a)
+    LIVE_CALLS = ("begin_apply", "copy_in", "commit", "fail_stop", "commit_staged")  # what changes a live session
 
-    def commit(self, state):
-        return self._call("commit", state)
+    def __init__(self, inner, hooks: dict[str, Callable] | None = None) -> None:
+        self._inner = inner
+        self.calls: list[str] = []
+        self.hooks = hooks or {}
 
-    def fail_stop(self, error):
-        return self._call("fail_stop", error)
+    identity, limits, snapshot, copy_out = (_forwarded(n) for n in ("identity", "limits", "snapshot", "copy_out"))
+    check_plan, begin_apply, copy_in, commit, fail_stop = (
+        _recorded(n) for n in ("check_plan", "begin_apply", "copy_in", "commit", "fail_stop"))
 
     @property
     def touched(self) -> bool:
-        return any(c in ("begin_apply", "copy_in", "commit", "fail_stop", "commit_staged") for c in self.calls)
+        return any(c in self.LIVE_CALLS for c in self.calls)
 
 
 class StagingRecorder(Recorder):
-    def can_stage(self, plan):
-        return self._inner.can_stage(plan)
-
-    def begin_staging(self, plan):
-        return self._call("begin_staging", plan)
-
-    def stage_in(self, *a):
-        return self._call("stage_in", *a)
-
-    def commit_staged(self, state):
-        return self._call("commit_staged", state)
-
-    def discard_staged(self):
-        return self._call("discard_staged")
+    can_stage = _forwarded("can_stage")
+    begin_staging, stage_in, commit_staged, discard_staged = (
+        _recorded(n) for n in ("begin_staging", "stage_in", "commit_staged", "discard_staged"))
 
 
 class LandingCalls:
     """Forwards the LandingTarget calls of an adapter that has them."""
 
-    def can_land(self, plan):
-        return self._inner.can_land(plan)
-
-    def landing_views(self, *a):
-        return self._call("landing_views", *a)
+    can_land, landing_views = _forwarded("can_land"), _recorded("landing_views")
 
 
 class LandingRecorder(LandingCalls, Recorder):
