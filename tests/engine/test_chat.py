@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import gemma3_model_path, smollm2_model_path
-from strata_engine.chat import ChatTemplate, ChatTemplateError
+from strata_engine.chat import ChatTemplate
+from strata_engine.errors import ChatTemplateError
 from strata_engine.gguf.reader import read_gguf
 from strata_engine.tokenizer import Tokenizer
 

@@ -11,12 +11,11 @@ from strata_engine.chat import ChatTemplate
 from strata_engine.completion import (
     Completer,
     CompletionRequest,
-    InvalidRequest,
     StopStringFilter,
     StopType,
     parse_request,
 )
-from strata_engine.errors import ContextOverflow
+from strata_engine.errors import ContextOverflow, InvalidRequest
 from strata_engine.gguf.reader import read_gguf
 from strata_engine.sampling import SamplerState
 from strata_engine.tokenizer import Tokenizer

@@ -8,7 +8,13 @@ import gguf
 import numpy as np
 import pytest
 from strata_engine.config import Activation, ModelConfig, RopeStyle
-from strata_engine.errors import MissingTensor, ModelConfigError, SettingsError, UnsupportedArchitecture
+from strata_engine.errors import (
+    MissingTensor,
+    ModelConfigError,
+    SettingsError,
+    TensorShapeMismatch,
+    UnsupportedArchitecture,
+)
 from strata_engine.gguf import read_gguf
 from strata_engine.runner import ModelRunner
 from strata_engine.settings import EngineSettings
@@ -85,18 +91,28 @@ def test_config_problems_are_reported_together(tmp_path):
         assert expected in text
 
 
+TINY_LLAMA = {
+    "llama.embedding_length": 8,
+    "llama.feed_forward_length": 16,
+    "llama.block_count": 1,
+    "llama.attention.head_count": 2,
+    "llama.context_length": 64,
+}
+
+
 def test_missing_tensor_is_named(tmp_path):
-    kv = {
-        "llama.embedding_length": 8,
-        "llama.feed_forward_length": 16,
-        "llama.block_count": 1,
-        "llama.attention.head_count": 2,
-        "llama.context_length": 64,
-    }
     path = _tiny_gguf(
-        tmp_path / "m.gguf", "llama", kv, [("token_embd.weight", (10, 8)), ("output_norm.weight", (8,))]
+        tmp_path / "m.gguf", "llama", TINY_LLAMA, [("token_embd.weight", (10, 8)), ("output_norm.weight", (8,))]
     )
     with pytest.raises(MissingTensor, match="blk.0.attn_norm.weight"):
+        ModelRunner.load(EngineSettings(model_path=path))
+
+
+def test_tensor_of_the_wrong_shape_is_not_called_missing(tmp_path):
+    path = _tiny_gguf(
+        tmp_path / "m.gguf", "llama", TINY_LLAMA, [("token_embd.weight", (10, 8)), ("output_norm.weight", (7,))]
+    )
+    with pytest.raises(TensorShapeMismatch, match=r"'output_norm.weight' has shape \(7,\), expected \(8,\)"):
         ModelRunner.load(EngineSettings(model_path=path))
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from strata_engine.errors import SamplerStateError
 from strata_engine.sampling import (
     Candidates,
     Sampler,
     SamplerState,
-    SamplerStateError,
     SamplingParams,
     draw,
     greedy,

@@ -10,14 +10,9 @@ import pytest
 from conftest import gemma3_model_path, load_reference, smollm2_model_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strata_engine.errors import InvalidToken, TokenizerError, UnsupportedTokenizer
 from strata_engine.gguf.reader import read_gguf
-from strata_engine.tokenizer import (
-    Tokenizer,
-    TokenizerError,
-    TokenType,
-    UnsupportedTokenizer,
-    Utf8Stream,
-)
+from strata_engine.tokenizer import Tokenizer, TokenType, Utf8Stream
 
 MODELS = {"smollm2-135m": smollm2_model_path, "gemma3-270m": gemma3_model_path}
 
@@ -165,7 +160,7 @@ def test_bad_metadata_is_reported(metadata):
         Tokenizer.from_gguf_metadata(bad)
     # every problem reported together
     assert "bos_token_id" in str(info.value) and "scores" in str(info.value)
-    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+    with pytest.raises(InvalidToken, match="outside the vocabulary"):
         Tokenizer.from_gguf_metadata(metadata["smollm2-135m"]).decode([49152])
 
 

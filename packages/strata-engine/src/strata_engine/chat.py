@@ -13,14 +13,10 @@ import attrs
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import EngineError
+from .errors import ChatTemplateError
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class ChatTemplateError(EngineError):
-    """The messages are malformed, or the template refused them or failed to render."""
 
 
 # Gemma's turn format (llama.cpp's LLM_CHAT_TEMPLATE_GEMMA): the assistant is "model", system text is

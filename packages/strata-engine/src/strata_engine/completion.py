@@ -23,20 +23,12 @@ import attrs
 import numpy as np
 
 from .chat import ChatTemplate
-from .errors import ContextOverflow, EngineError
+from .errors import ContextOverflow, InvalidRequest
 from .sampling import Sampler, SamplerState, SamplingParams, random_seed, top_n_logprobs
 from .tokenizer import Tokenizer, Utf8Stream
 
 MAX_N_PROBS = 100
 MAX_STOP_STRINGS = 16
-
-
-class InvalidRequest(EngineError):
-    """A request field is missing or has a bad value; `problems` lists every one found."""
-
-    def __init__(self, problems: Sequence[str]):
-        self.problems = list(problems)
-        super().__init__("invalid request: " + "; ".join(self.problems))
 
 
 class StopType(enum.Enum):

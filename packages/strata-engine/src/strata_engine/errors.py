@@ -1,14 +1,36 @@
 """The engine's exceptions: one root, `EngineError`, with subclasses named after what went wrong.
 
-The serve loop maps these to error lines in one place; nothing else in the engine needs to catch
-anything broader than `EngineError`.
+Every exception the engine raises on purpose is defined here (the protocol's own two, `ProtocolError`
+and `FailStop`, sit beside the error kinds in protocol.py), and this module imports nothing: the
+protocol module maps them to error lines in one place without importing the rest of the engine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class EngineError(Exception):
     """Root of every error the engine raises on purpose."""
+
+
+class ProblemsError(EngineError):
+    """An error that lists every problem found (`problems`), so bad input is reported in one go."""
+
+    headline = "invalid input"
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__(f"{self.headline}: " + "; ".join(self.problems))
+
+
+# ---- settings and model files ----------------------------------------------------------------------
+
+
+class SettingsError(ProblemsError):
+    """Engine settings are invalid (`problems` lists every problem found)."""
+
+    headline = "invalid engine settings"
 
 
 class GGUFError(EngineError):
@@ -23,27 +45,43 @@ class UnsupportedArchitecture(EngineError):
     """`general.architecture` names a model family this engine does not implement."""
 
 
-class ModelConfigError(EngineError):
-    """The metadata lacks a key the model family needs, or holds an impossible value.
+class ModelConfigError(ProblemsError):
+    """The metadata lacks a key the model family needs, or holds an impossible value."""
 
-    `problems` lists every problem found, so a bad file is reported in one go.
-    """
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("invalid model configuration: " + "; ".join(self.problems))
+    headline = "invalid model configuration"
 
 
 class MissingTensor(EngineError):
-    """A tensor the model family needs is absent from the file, or has the wrong shape."""
+    """A tensor the model family needs is absent from the file."""
 
 
-class SettingsError(EngineError):
-    """Engine settings are invalid (`problems` lists every problem found)."""
+class TensorShapeMismatch(EngineError):
+    """A tensor the model family needs has another shape than the configuration implies."""
 
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("invalid engine settings: " + "; ".join(self.problems))
+
+class TokenizerError(EngineError):
+    """The tokenizer metadata of a model file is missing, malformed or of an unsupported kind."""
+
+
+class UnsupportedTokenizer(TokenizerError):
+    """`tokenizer.ggml.model` or `tokenizer.ggml.pre` names a tokenizer this engine does not implement."""
+
+
+# ---- requests ----------------------------------------------------------------------------------------
+
+
+class InvalidRequest(ProblemsError):
+    """A request field is missing or has a bad value; `problems` lists every one found."""
+
+    headline = "invalid request"
+
+
+class InvalidToken(EngineError):
+    """A token id outside the vocabulary (to detokenize, to evaluate)."""
+
+
+class ChatTemplateError(EngineError):
+    """The messages are malformed, or the template refused them or failed to render."""
 
 
 class ContextOverflow(EngineError):
@@ -57,9 +95,16 @@ class ContextOverflow(EngineError):
         )
 
 
-class InvalidToken(EngineError):
-    """A token id outside the vocabulary."""
+# ---- running state -----------------------------------------------------------------------------------
 
 
 class KVStateError(EngineError):
     """A K/V write or a running-state restore does not fit the pool (range, shape, dtype, checkpoints)."""
+
+
+class SamplerStateError(EngineError):
+    """A serialized sampler state is malformed."""
+
+
+class GraphCaptureFailed(EngineError):
+    """A step could not be captured as a CUDA graph; the runner then runs it op by op (and says so once)."""

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EngineError
+from .errors import GraphCaptureFailed
 from .kv.device import DevicePoolPlacement
 from .kv.placement import PoolPlacement
 from .models import Model
@@ -43,10 +43,6 @@ from .ops.cupy_ops import FLASH_HEAD_DIMS
 PAD_TOKEN = 0
 # Prefill graph sizes: powers of two from this up to the prefill chunk (and the chunk itself).
 MIN_PREFILL_GRAPH = 32
-
-
-class GraphCaptureFailed(EngineError):
-    """A step could not be captured; the runner then runs it op by op (and says so once)."""
 
 
 class _StepKV:

@@ -15,11 +15,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from .errors import EngineError
-
-
-class SamplerStateError(EngineError):
-    """A serialized sampler state is malformed."""
+from .errors import SamplerStateError
 
 
 @attrs.frozen

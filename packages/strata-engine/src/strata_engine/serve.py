@@ -23,10 +23,14 @@ import cattrs
 import numpy as np
 import xxhash
 
-from .chat import ChatTemplate, ChatTemplateError
-from .completion import Completer, CompletionResult, InvalidRequest, TokenEvent, parse_request
+from .chat import ChatTemplate
+from .errors import ChatTemplateError
+from .completion import Completer, CompletionResult, TokenEvent, parse_request
+from .errors import InvalidRequest
 from .errors import ContextOverflow, EngineError
-from .tokenizer import InvalidTokenId, Tokenizer, TokenizerError
+from .errors import InvalidToken as InvalidTokenId
+from .errors import TokenizerError
+from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import MissingTensor
+from ..errors import MissingTensor, TensorShapeMismatch
 from ..gguf import GGUFFile, dequantize_tensor
 from ..ops import NumpyOps
 
@@ -66,5 +66,5 @@ class WeightLoader:
         if info is None:
             raise MissingTensor(f"{self.file.path}: tensor {name!r} is missing")
         if info.shape != shape:
-            raise MissingTensor(f"{self.file.path}: tensor {name!r} has shape {info.shape}, expected {shape}")
+            raise TensorShapeMismatch(f"{self.file.path}: tensor {name!r} has shape {info.shape}, expected {shape}")
         return dequantize_tensor(self.file, name)

@@ -1,23 +1,14 @@
 """Tokenizers built from GGUF metadata alone: GPT-2 byte-level BPE and SentencePiece-style BPE,
-identical to llama.cpp's tokenization for the supported kinds."""
+identical to llama.cpp's tokenization for the supported kinds (errors: `strata_engine.errors`)."""
 
 from .core import TOKENIZER_KINDS, Tokenizer
 from .stream import Utf8Stream
-from .vocab import (
-    InvalidTokenId,
-    TokenizerError,
-    TokenType,
-    UnsupportedTokenizer,
-    Vocabulary,
-)
+from .vocab import TokenType, Vocabulary
 
 __all__ = [
     "TOKENIZER_KINDS",
-    "InvalidTokenId",
     "TokenType",
     "Tokenizer",
-    "TokenizerError",
-    "UnsupportedTokenizer",
     "Utf8Stream",
     "Vocabulary",
 ]

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
+from ..errors import TokenizerError, UnsupportedTokenizer
 from .merge import merge_symbols
 from .unicode import (
     bytes_to_unicode,
@@ -21,7 +22,7 @@ from .unicode import (
     split_matches_and_gaps,
     unicode_to_bytes,
 )
-from .vocab import TokenizerError, UnsupportedTokenizer, Vocabulary
+from .vocab import Vocabulary
 
 # A pre-tokenizer is a sequence of regex splits applied in turn: each one splits every piece of the
 # previous one into matches and gaps (llama.cpp's `unicode_regex_split`).

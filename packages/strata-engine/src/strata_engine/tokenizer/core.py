@@ -7,11 +7,12 @@ from typing import Any
 
 import attrs
 
+from ..errors import TokenizerError, UnsupportedTokenizer
 from .bpe import BytePairEncoder
 from .spm import SPACE_MARK, SentencePieceEncoder
 from .stream import Utf8Stream
 from .unicode import replace_surrogates
-from .vocab import TokenizerError, TokenType, UnsupportedTokenizer, Vocabulary
+from .vocab import TokenType, Vocabulary
 
 
 @attrs.frozen

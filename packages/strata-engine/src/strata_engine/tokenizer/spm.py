@@ -7,8 +7,9 @@ symbol that is not a token is emitted as its UTF-8 bytes through the `<0xNN>` by
 
 from __future__ import annotations
 
+from ..errors import TokenizerError
 from .merge import merge_symbols
-from .vocab import TokenizerError, Vocabulary
+from .vocab import Vocabulary
 
 SPACE_MARK = "\u2581"
 

@@ -10,19 +10,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..errors import EngineError
-
-
-class TokenizerError(EngineError):
-    """The tokenizer metadata of a model file is missing, malformed or of an unsupported kind."""
-
-
-class UnsupportedTokenizer(TokenizerError):
-    """`tokenizer.ggml.model` or `tokenizer.ggml.pre` names a tokenizer this engine does not implement."""
-
-
-class InvalidTokenId(TokenizerError):
-    """A token id outside the vocabulary was given to detokenize."""
+from ..errors import InvalidToken, TokenizerError
 
 
 class TokenType(enum.IntEnum):
@@ -135,7 +123,7 @@ class Vocabulary:
 
     def check_id(self, token_id: int) -> None:
         if not (0 <= token_id < len(self.tokens)):
-            raise InvalidTokenId(f"token id {token_id} is outside the vocabulary [0, {len(self.tokens)})")
+            raise InvalidToken(f"token id {token_id} is outside the vocabulary [0, {len(self.tokens)})")
 
     def partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Split `text` into raw-text fragments and special token ids.
