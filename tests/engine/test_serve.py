@@ -238,7 +238,7 @@ def test_end_of_input_completes_then_exits_zero():
 def test_line_reader_lines_polling_and_overlong_lines():
     import os
 
-    from strata_engine.serve import CommandRegistry, LineReader, OverlongLine, ProtocolError, parse_line
+    from strata_engine.protocol import CommandRegistry, LineReader, OverlongLine, ProtocolError, parse_line
 
     read_fd, write_fd = os.pipe()
     try:
@@ -292,14 +292,8 @@ def test_unexpected_failure_during_complete_erases_and_keeps_serving():
     from strata_engine.chat import ChatTemplate
     from strata_engine.completion import Completer
     from strata_engine.gguf.reader import read_gguf
-    from strata_engine.serve import (
-        ExitStatus,
-        LineReader,
-        LineWriter,
-        ServeContext,
-        build_registry,
-        serve_loop,
-    )
+    from strata_engine.protocol import ExitStatus, LineReader, LineWriter, ServeContext, serve_loop
+    from strata_engine.serve import build_registry
     from strata_engine.tokenizer import Tokenizer
 
     class BrokenRunner:

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import EngineError
-from .serve import ExitStatus, serve
+from .protocol import ExitStatus
+from .serve import serve
 from .settings import BACKENDS, COMPUTE_DTYPES, KV_TYPES, EngineSettings
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import strata_sessionfile as sf
 from strata_sessionfile import errors as E
 
-from ..serve import ArgumentKind, CommandRegistry, FailStop, ProtocolError, ServeContext
+from ..protocol import ArgumentKind, CommandRegistry, ErrorKind, FailStop, ProtocolError, ServeContext
 from .adapter import BlockBufferCache, EngineSession, FaultPoint, SamplerAccess
 from .identity import runner_identity
 
@@ -163,10 +163,10 @@ class SessionVerbs:
         try:
             report = sf.save(path, adapter, block_size=self.block_size(ctx.runner), progress=self._progress(ctx))
         except E.DirSyncFailed as exc:
-            raise ProtocolError("session_write_failed", str(exc), reason=exc.reason,
+            raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason,
                                 extra={"file_in_place": True}) from exc
         except E.SessionFileError as exc:
-            raise ProtocolError("session_write_failed", str(exc), reason=exc.reason) from exc
+            raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason) from exc
         return {"n_saved": report.n_tokens, "n_written": report.bytes_written,
                 "save_ms": round(report.elapsed_s * 1000.0, 3)}
 
@@ -183,7 +183,7 @@ class SessionVerbs:
                 reason = exc.reason if isinstance(exc, E.SessionFileError) else "adapter_failed"
                 raise FailStop(f"restore failed after the live K/V was written: {exc}", reason=reason) from exc
             if isinstance(exc, E.SessionFileError):
-                raise ProtocolError("session_refused", str(exc), reason=exc.reason) from exc
+                raise ProtocolError(ErrorKind.SESSION_REFUSED, str(exc), reason=exc.reason) from exc
             raise
         return {"n_restored": report.n_tokens, "n_read": report.bytes_read,
                 "restore_ms": round(report.elapsed_s * 1000.0, 3), "mode": report.mode.value,

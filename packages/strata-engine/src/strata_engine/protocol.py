@@ -1,0 +1,376 @@
+"""The engine protocol's generic parts (spec/engine-protocol.md): its vocabulary (protocol and engine
+version, exit statuses, error kinds and reasons), its two errors, the command registry, the line
+channel and the loop that serves it.
+
+Of the rest of the engine this module imports only the exceptions (errors.py, which imports nothing):
+the verbs register into a `CommandRegistry` from outside (serve.py, session/verbs.py), and strata-server
+imports the vocabulary from here without loading the engine. tests/engine/test_protocol_spec.py binds
+the spec's tables to these constants.
+
+A handler gets the `ServeContext` and the parsed argument, writes its non-terminal lines through
+`ctx.emit` and returns the terminal `result` payload; what it raises becomes the error line
+(`error_payload`, the one place errors are mapped). Terminal lines go through the context too, so a
+protocol that tags each line (request ids) changes the context, not the handlers.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import select
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any, BinaryIO
+
+import attrs
+
+from .errors import (
+    ChatTemplateError,
+    ContextOverflow,
+    EngineError,
+    InvalidRequest,
+    InvalidToken,
+    TokenizerError,
+)
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+ENGINE_NAME = "strata-engine"
+MAX_LINE_BYTES = 256 * 1024 * 1024
+
+
+def engine_version() -> str:
+    """The installed strata-engine's version (the ready line's and the config fingerprint's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(ENGINE_NAME)
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+class ExitStatus(enum.IntEnum):
+    """How `strata-engine serve` ends (spec "Exit statuses")."""
+
+    CLEAN = 0
+    FATAL = 1
+    USAGE = 2
+    MODEL_LOAD = 3
+    FAIL_STOP = 4
+
+    @property
+    def meaning(self) -> str:
+        return _EXIT_MEANINGS[self]
+
+
+_EXIT_MEANINGS = {
+    ExitStatus.CLEAN: "clean exit",
+    ExitStatus.FATAL: "fatal error",
+    ExitStatus.USAGE: "bad command-line settings",
+    ExitStatus.MODEL_LOAD: "the model could not be loaded",
+    ExitStatus.FAIL_STOP: "fail-stop after a restore had begun writing",
+}
+
+
+class ErrorKind(enum.StrEnum):
+    """The `type` of an error line (spec "Errors")."""
+
+    INVALID_REQUEST = "invalid_request"
+    EXCEED_CONTEXT_SIZE = "exceed_context_size"
+    SESSION_REFUSED = "session_refused"
+    SESSION_WRITE_FAILED = "session_write_failed"
+    FAIL_STOP = "fail_stop"
+    INTERNAL = "internal"
+
+
+class Reason(enum.StrEnum):
+    """The `reason`s the protocol itself gives, each under one kind (`REASON_KINDS`). The session kinds
+    and `fail_stop` carry the format package's reasons instead; `internal` an engine exception's class
+    name, or `unexpected`."""
+
+    BAD_LINE = "bad_line"
+    LINE_TOO_LONG = "line_too_long"
+    UNKNOWN_VERB = "unknown_verb"
+    BAD_ARGUMENT = "bad_argument"
+    BAD_JSON = "bad_json"
+    BAD_FIELD = "bad_field"
+    BAD_TOKEN = "bad_token"
+    CHAT_TEMPLATE = "chat_template"
+    TOKENIZER = "tokenizer"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    UNEXPECTED = "unexpected"
+
+
+REASON_KINDS: dict[Reason, ErrorKind] = {
+    **{r: ErrorKind.INVALID_REQUEST for r in Reason if r not in (Reason.PROMPT_TOO_LONG, Reason.UNEXPECTED)},
+    Reason.PROMPT_TOO_LONG: ErrorKind.EXCEED_CONTEXT_SIZE,
+    Reason.UNEXPECTED: ErrorKind.INTERNAL,
+}
+
+
+# -- errors --------------------------------------------------------------------------------------------
+
+
+class ProtocolError(EngineError):
+    """An error line of an explicit kind (and, for some kinds, extra fields)."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, reason: str = "", extra: Mapping[str, Any] | None = None):
+        self.kind = kind
+        self.reason = reason
+        self.extra = dict(extra or {})
+        super().__init__(message)
+
+
+class FailStop(EngineError):
+    """The engine can no longer vouch for its K/V (a RESTORE failed after its gate): exit with status 4."""
+
+    def __init__(self, message: str, reason: str = ""):
+        self.reason = reason
+        super().__init__(message)
+
+
+# engine exception -> the kind and reason of its error line (most specific first)
+ERROR_LINES: tuple[tuple[type[EngineError], ErrorKind, Reason], ...] = (
+    (ContextOverflow, ErrorKind.EXCEED_CONTEXT_SIZE, Reason.PROMPT_TOO_LONG),
+    (InvalidRequest, ErrorKind.INVALID_REQUEST, Reason.BAD_FIELD),
+    (ChatTemplateError, ErrorKind.INVALID_REQUEST, Reason.CHAT_TEMPLATE),
+    (InvalidToken, ErrorKind.INVALID_REQUEST, Reason.BAD_TOKEN),
+    (TokenizerError, ErrorKind.INVALID_REQUEST, Reason.TOKENIZER),
+)
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """The `error` object of an error line for anything a handler raised (the one place errors are mapped)."""
+    if isinstance(exc, ProtocolError):
+        return {"type": exc.kind.value, "message": str(exc), "reason": exc.reason, **exc.extra}
+    if isinstance(exc, FailStop):
+        return {"type": ErrorKind.FAIL_STOP.value, "message": str(exc), "reason": exc.reason}
+    for cls, kind, reason in ERROR_LINES:
+        if isinstance(exc, cls):
+            payload = {"type": kind.value, "message": str(exc), "reason": reason.value}
+            if isinstance(exc, ContextOverflow):
+                payload |= {"n_prompt_tokens": exc.n_prompt_tokens, "n_ctx": exc.n_ctx}
+            return payload
+    if isinstance(exc, EngineError):
+        return {"type": ErrorKind.INTERNAL.value, "message": str(exc), "reason": type(exc).__name__}
+    return {"type": ErrorKind.INTERNAL.value, "message": f"{type(exc).__name__}: {exc}",
+            "reason": Reason.UNEXPECTED.value}
+
+
+def invalid_request(message: str, reason: Reason) -> ProtocolError:
+    return ProtocolError(ErrorKind.INVALID_REQUEST, message, reason=reason.value)
+
+
+# -- input and output ---------------------------------------------------------------------------------
+
+
+class OverlongLine(bytes):
+    """Stands for a line longer than MAX_LINE_BYTES (its first bytes); the rest of it is discarded."""
+
+
+class LineReader:
+    """Lines from a file descriptor with our own buffer, so that `poll` (select with no wait) sees
+    exactly what has arrived; Python's buffered stdin would hide lines from select."""
+
+    def __init__(self, fd: int, max_line_bytes: int = MAX_LINE_BYTES):
+        self._fd = fd
+        self._max = max_line_bytes
+        self._buffer = bytearray()
+        self._lines: deque[bytes] = deque()
+        self._discarding = False  # inside an overlong line: drop bytes up to its newline
+        self.eof = False
+
+    def _fill(self, block: bool) -> None:
+        if self.eof:
+            return
+        if not block:
+            ready, _, _ = select.select([self._fd], [], [], 0)
+            if not ready:
+                return
+        data = os.read(self._fd, 1 << 16)
+        if not data:
+            self.eof = True
+            if self._buffer and not self._discarding:  # a last line without its newline
+                self._lines.append(bytes(self._buffer))
+            self._buffer.clear()
+            return
+        self._buffer += data
+        while True:
+            cut = self._buffer.find(b"\n")
+            if cut < 0:
+                break
+            if self._discarding:
+                self._discarding = False
+            elif cut > self._max:
+                self._lines.append(OverlongLine(self._buffer[:64]))
+            else:
+                self._lines.append(bytes(self._buffer[:cut]))
+            del self._buffer[: cut + 1]
+        if len(self._buffer) > self._max:
+            if not self._discarding:
+                self._lines.append(OverlongLine(self._buffer[:64]))
+                self._discarding = True
+            self._buffer.clear()
+
+    def read_line(self) -> bytes | None:
+        """The next line (without its newline), blocking; None at end of input."""
+        while not self._lines and not self.eof:
+            self._fill(block=True)
+        return self._lines.popleft() if self._lines else None
+
+    def poll_line(self) -> bytes | None:
+        """A line that has already arrived, or None; never blocks."""
+        if not self._lines:
+            self._fill(block=False)
+        return self._lines.popleft() if self._lines else None
+
+
+class LineWriter:
+    def __init__(self, stream: BinaryIO):
+        self._stream = stream
+
+    def write(self, obj: Mapping[str, Any]) -> None:
+        data = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        self._stream.write(data.encode("utf-8") + b"\n")
+        self._stream.flush()
+
+
+# -- commands -------------------------------------------------------------------------------------------
+
+
+class ArgumentKind(enum.Enum):
+    NONE = "none"  # the verb alone
+    JSON = "json"  # a JSON object
+    PATH = "path"  # the rest of the line, verbatim
+
+
+@attrs.define
+class ServeContext:
+    """What handlers work with: the engine's parts the verbs act on (typed loosely: this module imports
+    no engine code) and the line channel."""
+
+    runner: Any  # runner.ModelRunner
+    tokenizer: Any  # tokenizer.Tokenizer
+    template: Any  # chat.ChatTemplate
+    completer: Any  # completion.Completer
+    reader: LineReader
+    writer: LineWriter
+    quit_requested: bool = False
+    deferred: list[bytes] = attrs.Factory(list)  # lines that arrived during a COMPLETE
+
+    def emit(self, obj: Mapping[str, Any]) -> None:
+        """A non-terminal line (token, progress)."""
+        self.writer.write(obj)
+
+    def answer(self, payload: Mapping[str, Any]) -> None:
+        self.writer.write({"event": "result", **payload})
+
+    def fail(self, exc: BaseException) -> None:
+        self.writer.write({"event": "error", "error": error_payload(exc)})
+
+    def next_line(self) -> bytes | None:
+        """The next command line: one deferred during a COMPLETE first, then stdin (None at its end)."""
+        return self.deferred.pop(0) if self.deferred else self.reader.read_line()
+
+
+# A handler returns the terminal `result` payload, or None for a verb that is never answered (CANCEL).
+Handler = Callable[[ServeContext, Any], Mapping[str, Any] | None]
+
+
+@attrs.frozen
+class Command:
+    verb: str
+    argument: ArgumentKind
+    handler: Handler
+
+
+class CommandRegistry:
+    def __init__(self) -> None:
+        self._commands: dict[str, Command] = {}
+
+    def register(self, verb: str, argument: ArgumentKind, handler: Handler) -> None:
+        """Add or replace a verb."""
+        if not verb.isupper() or " " in verb:
+            raise ValueError(f"verbs are upper-case words, got {verb!r}")
+        self._commands[verb] = Command(verb, argument, handler)
+
+    def get(self, verb: str) -> Command | None:
+        return self._commands.get(verb)
+
+    @property
+    def verbs(self) -> list[str]:
+        return sorted(self._commands)
+
+
+def parse_line(line: bytes, registry: CommandRegistry) -> tuple[Command, Any]:
+    """The command and its parsed argument; ProtocolError for a malformed line."""
+    if isinstance(line, OverlongLine):
+        raise invalid_request(f"line longer than {MAX_LINE_BYTES} bytes", Reason.LINE_TOO_LONG)
+    try:
+        text = line.decode("utf-8").rstrip("\r")
+    except UnicodeDecodeError as exc:
+        raise invalid_request(f"line is not UTF-8 (byte {exc.start})", Reason.BAD_LINE) from None
+    verb, sep, rest = text.partition(" ")
+    if not verb:
+        raise invalid_request("empty line: expected VERB or VERB ARGUMENT", Reason.BAD_LINE)
+    command = registry.get(verb)
+    if command is None:
+        raise invalid_request(f"unknown verb {verb[:64]!r} (verbs: {', '.join(registry.verbs)})",
+                              Reason.UNKNOWN_VERB)
+    if command.argument is ArgumentKind.NONE:
+        if sep:
+            raise invalid_request(f"{verb} takes no argument", Reason.BAD_ARGUMENT)
+        return command, None
+    if not rest:
+        raise invalid_request(f"{verb} needs an argument", Reason.BAD_ARGUMENT)
+    if command.argument is ArgumentKind.PATH:
+        return command, rest
+    try:
+        return command, json.loads(rest)
+    except json.JSONDecodeError as exc:
+        raise invalid_request(f"{verb}: bad JSON at character {exc.pos}: {exc.msg}", Reason.BAD_JSON) from None
+
+
+def json_object(argument: Any, verb: str) -> Mapping[str, Any]:
+    """A verb's JSON argument, which must be an object."""
+    if not isinstance(argument, Mapping):
+        raise invalid_request(f"{verb} takes a JSON object", Reason.BAD_ARGUMENT)
+    return argument
+
+
+# -- the loop -------------------------------------------------------------------------------------------
+
+
+def serve_loop(ctx: ServeContext, registry: CommandRegistry) -> ExitStatus:
+    """Serve lines until QUIT or end of input (CLEAN), or a fail-stop (FAIL_STOP)."""
+    try:
+        return _serve_lines(ctx, registry)
+    except BrokenPipeError:
+        log.info("stdout closed by the client: exiting")
+        return ExitStatus.CLEAN
+
+
+def _serve_lines(ctx: ServeContext, registry: CommandRegistry) -> ExitStatus:
+    while not ctx.quit_requested:
+        line = ctx.next_line()
+        if line is None:
+            return ExitStatus.CLEAN  # end of input is QUIT
+        try:
+            command, argument = parse_line(line, registry)
+            payload = command.handler(ctx, argument)
+        except FailStop as exc:
+            ctx.fail(exc)
+            return ExitStatus.FAIL_STOP
+        except BrokenPipeError:
+            raise
+        except Exception as exc:  # every error becomes an error line; the engine keeps serving
+            if not isinstance(exc, EngineError):
+                log.exception("unexpected failure")
+            ctx.fail(exc)
+            continue
+        if payload is not None:
+            ctx.answer(payload)
+    return ExitStatus.CLEAN
