@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 import falcon
+from strata_engine.protocol import ErrorKind
 
 log = logging.getLogger("strata_server")
 
@@ -68,11 +69,12 @@ def invalid_request(message: str, **extra: Any) -> ApiError:
 # --- engine-side failures (raised by the engine client, mapped below) -----------------------------
 
 
-class EngineError(ServerError):
-    """Root of failures talking to the engine process."""
+class EngineCallError(ServerError):
+    """Root of the failures of a call to the engine process (not the engine's own exceptions, which stay
+    in its process: its error lines arrive as `EngineReplyError`)."""
 
 
-class EngineUnavailable(EngineError):
+class EngineUnavailable(EngineCallError):
     """The engine is loading, restarting, or gave up; requests get the peer's 503."""
 
     def __init__(self, message: str = "Loading model"):
@@ -80,7 +82,7 @@ class EngineUnavailable(EngineError):
         self.message = message
 
 
-class SlotBusy(EngineError):
+class SlotBusy(EngineCallError):
     """Slot 0 stayed busy for the whole bounded wait."""
 
     def __init__(self, waited_s: float):
@@ -88,7 +90,7 @@ class SlotBusy(EngineError):
         self.waited_s = waited_s
 
 
-class EngineDied(EngineError):
+class EngineDied(EngineCallError):
     """The engine process exited (or was killed) while serving a request."""
 
     def __init__(self, detail: str):
@@ -96,30 +98,31 @@ class EngineDied(EngineError):
         self.detail = detail
 
 
-class EngineProtocolError(EngineError):
+class EngineProtocolViolation(EngineCallError):
     """The engine wrote something the protocol does not allow; the server restarts it."""
 
 
-class EngineReplyError(EngineError):
-    """A command ended with an ``{"event": "error"}`` line; ``error`` is that line's error object."""
+class EngineReplyError(EngineCallError):
+    """A command ended with an ``{"event": "error"}`` line; ``error`` is that line's error object and
+    ``kind`` its ``type`` (an ``ErrorKind`` value, compared as a string: a newer engine may add kinds)."""
 
     def __init__(self, error: dict):
         self.error = error
-        self.kind = str(error.get("type", "internal"))
+        self.kind = str(error.get("type", ErrorKind.INTERNAL))
         self.reason = error.get("reason")
         self.message = str(error.get("message", "engine error"))
         super().__init__(f"{self.kind}: {self.message}")
 
 
-# Engine error type -> how the client sees it (spec/engine-protocol.md "Errors").
+# Engine error kind -> how the client sees it (spec/engine-protocol.md "Errors"); a kind missing here is
+# a server error.
 _ENGINE_ERROR_TYPES: dict[str, ErrorType] = {
-    "invalid_request": ErrorType.INVALID_REQUEST,
-    "exceed_context_size": ErrorType.EXCEED_CONTEXT_SIZE,
-    "session_refused": ErrorType.INVALID_REQUEST,
-    "session_write_failed": ErrorType.SERVER,
-    "nothing_to_save": ErrorType.INVALID_REQUEST,
-    "fail_stop": ErrorType.SERVER,
-    "internal": ErrorType.SERVER,
+    ErrorKind.INVALID_REQUEST: ErrorType.INVALID_REQUEST,
+    ErrorKind.EXCEED_CONTEXT_SIZE: ErrorType.EXCEED_CONTEXT_SIZE,
+    ErrorKind.SESSION_REFUSED: ErrorType.INVALID_REQUEST,
+    ErrorKind.SESSION_WRITE_FAILED: ErrorType.SERVER,
+    ErrorKind.FAIL_STOP: ErrorType.SERVER,
+    ErrorKind.INTERNAL: ErrorType.SERVER,
 }
 
 
@@ -166,7 +169,7 @@ def to_api_error(exc: BaseException) -> ApiError:
         case EngineDied():
             return ApiError(ErrorType.SERVER, f"the engine stopped during this request ({exc.detail}); "
                             "it is being restarted")
-        case EngineProtocolError():
+        case EngineProtocolViolation():
             return ApiError(ErrorType.SERVER, f"engine protocol violation ({exc}); the engine is being restarted")
         case falcon.HTTPError():
             return _from_falcon(exc)
@@ -176,7 +179,7 @@ def to_api_error(exc: BaseException) -> ApiError:
 def handle_error(req: falcon.Request, resp: falcon.Response, exc: BaseException, params: dict) -> None:
     """Falcon error handler registered for ``Exception``: every error response goes through here."""
     api_error = to_api_error(exc)
-    if api_error.status >= 500 and not isinstance(exc, (EngineError, ApiError)):
+    if api_error.status >= 500 and not isinstance(exc, (EngineCallError, ApiError)):
         log.error("unhandled error on %s %s", req.method, req.path, exc_info=exc)
     resp.status = api_error.status
     resp.content_type = falcon.MEDIA_JSON

@@ -21,7 +21,7 @@ import falcon
 
 from .context import ServerContext
 from .engine.client import IDLE_EVENT, EngineLease
-from .errors import EngineError, sse_error_frame
+from .errors import EngineCallError, sse_error_frame
 from .params import CompletionOptions
 
 FINISH_REASONS = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
@@ -286,7 +286,7 @@ class CompletionRun:
                     if self.fmt.sends_done:
                         yield sse_frame("[DONE]")
                     return
-        except EngineError as exc:
+        except EngineCallError as exc:
             yield sse_error_frame(exc)
         finally:
             # A client that went away closes this generator early: release() cancels the COMPLETE

@@ -11,7 +11,9 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..errors import EngineDied, EngineProtocolError
+from strata_engine.protocol import ErrorKind, ExitStatus
+
+from ..errors import EngineDied, EngineProtocolViolation
 from .client import IDLE_EVENT, TERMINAL_EVENTS, EngineLease, SlotGate, raise_for_error
 
 log = logging.getLogger("strata_server.engine")
@@ -49,7 +51,7 @@ class EngineProcess:
                     if not isinstance(event, dict) or not isinstance(event.get("event"), str):
                         raise ValueError("not an object with an 'event' field")
                 except ValueError as exc:
-                    self._events.put(EngineProtocolError(f"unparseable line {raw[:200]!r}: {exc}"))
+                    self._events.put(EngineProtocolViolation(f"unparseable line {raw[:200]!r}: {exc}"))
                     continue
                 self._events.put(event)
         except (OSError, ValueError):
@@ -128,19 +130,14 @@ class EngineProcess:
         return describe_exit_status(code)
 
 
-EXIT_MEANINGS = {
-    0: "clean exit",
-    1: "fatal error",
-    2: "bad command-line settings",
-    3: "the model could not be loaded",
-    4: "fail-stop after a restore had begun writing",
-}
-
-
 def describe_exit_status(code: int) -> str:
     if code < 0:
         return f"killed by signal {-code}"
-    return f"exit status {code}: {EXIT_MEANINGS.get(code, 'unknown status')}"
+    try:
+        meaning = ExitStatus(code).meaning
+    except ValueError:
+        meaning = "unknown status"
+    return f"exit status {code}: {meaning}"
 
 
 def encode_command(verb: str, argument: Mapping[str, Any] | str | None) -> str:
@@ -183,7 +180,7 @@ class ProcessLease(EngineLease):
         while True:
             try:
                 event = self.process.next_event(timeout=step)
-            except EngineProtocolError:
+            except EngineProtocolViolation:
                 self._open_verb = None
                 self.process.kill()
                 raise
@@ -203,7 +200,7 @@ class ProcessLease(EngineLease):
             silent = 0.0
             if event["event"] in TERMINAL_EVENTS:
                 self._open_verb = None
-                if event["event"] == "error" and (event.get("error") or {}).get("type") == "fail_stop":
+                if event["event"] == "error" and (event.get("error") or {}).get("type") == ErrorKind.FAIL_STOP:
                     self.process.doomed = True  # exit 4 follows; the supervisor restarts it
                 raise_for_error(event)
                 yield event
@@ -230,7 +227,7 @@ class ProcessLease(EngineLease):
                                      f"{self.recover_timeout_s:g} s; the engine was killed")
                 if event["event"] in TERMINAL_EVENTS:
                     break
-        except (EngineDied, EngineProtocolError):
+        except (EngineDied, EngineProtocolViolation):
             self.process.kill()
             raise
         finally:
@@ -239,5 +236,5 @@ class ProcessLease(EngineLease):
     def _finish(self) -> None:
         try:
             self._recover()
-        except (EngineDied, EngineProtocolError) as exc:
+        except (EngineDied, EngineProtocolViolation) as exc:
             log.warning("engine channel could not be recovered on release: %s", exc)

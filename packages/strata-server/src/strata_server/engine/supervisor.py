@@ -16,14 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+from strata_engine.protocol import PROTOCOL_VERSION, ExitStatus
 
-from ..errors import EngineDied, EngineProtocolError, EngineUnavailable, SlotBusy
+from ..errors import EngineDied, EngineProtocolViolation, EngineUnavailable, SlotBusy
 from .client import EngineState, EngineStatus, SlotGate
 from .process import EngineProcess, ProcessLease, describe_exit_status
 
 log = logging.getLogger("strata_server.engine")
-
-PROTOCOL_VERSION = 1
 
 
 class ExitAction(enum.Enum):
@@ -34,8 +33,8 @@ class ExitAction(enum.Enum):
 # What an exit status means for the supervisor (spec/engine-protocol.md, "Exit statuses").
 # Anything else (0 we did not ask for, 1, 4, killed by a signal, unknown) is restarted.
 EXIT_ACTIONS: dict[int, ExitAction] = {
-    2: ExitAction.GIVE_UP,  # usage: the same settings will fail again
-    3: ExitAction.GIVE_UP,  # the model could not be loaded
+    ExitStatus.USAGE: ExitAction.GIVE_UP,  # the same settings will fail again
+    ExitStatus.MODEL_LOAD: ExitAction.GIVE_UP,
 }
 
 
@@ -227,7 +226,7 @@ class EngineSupervisor:
                 event = process.next_event(timeout=min(remaining, 1.0))
             except EngineDied:
                 return None
-            except EngineProtocolError as exc:
+            except EngineProtocolViolation as exc:
                 log.error("engine pid %d: %s; killing it", process.pid, exc)
                 process.kill()
                 return None
@@ -263,4 +262,4 @@ class EngineSupervisor:
 
 
 __all__ = ["EngineSupervisor", "RestartPolicy", "SupervisorSettings", "EXIT_ACTIONS", "ExitAction",
-           "EngineDied", "EngineProtocolError"]
+           "EngineDied", "EngineProtocolViolation"]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import falcon
+from strata_engine.protocol import ErrorKind
 
 from ..context import ServerContext
 from ..errors import ApiError, EngineDied, EngineReplyError, ErrorType, invalid_request
@@ -91,7 +92,7 @@ class SlotsResource:
                 result = lease.call("SAVE", str(path))
             except EngineReplyError as exc:
                 self.ctx.metrics.record_save_failure()
-                if exc.kind == "session_write_failed":
+                if exc.kind == ErrorKind.SESSION_WRITE_FAILED:
                     if exc.error.get("file_in_place"):
                         outcome = (f"the new {filename!r} is in place, but flushing the folder failed, so it "
                                    "may not survive a power loss")
@@ -113,12 +114,12 @@ class SlotsResource:
             try:
                 result = lease.call("RESTORE", str(path))
             except EngineReplyError as exc:
-                if exc.kind == "session_refused":
+                if exc.kind == ErrorKind.SESSION_REFUSED:
                     reason = str(exc.reason or "refused")
                     self.ctx.metrics.record_refusal(reason)
                     raise invalid_request(f"Unable to restore slot: {filename!r} was refused ({reason}): "
                                           f"{exc.message}; the conversation is kept", reason=reason) from None
-                if exc.kind == "fail_stop":
+                if exc.kind == ErrorKind.FAIL_STOP:
                     self.ctx.metrics.record_fail_stop()
                     self.ctx.slot_view.forget()
                     raise ApiError(ErrorType.SERVER, f"Unable to restore slot: {filename!r} failed after the "
