@@ -381,3 +381,27 @@ def test_deeply_nested_json_is_400(make_api):
     raw = b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
     assert_error(client.simulate_post("/completion", body=raw, content_type="application/json"), 400,
                  "invalid_request_error")
+
+
+# How each engine error kind reaches the client (spec/http-api.md); a kind added to the protocol must be
+# added here.
+HTTP_OF_ERROR_KIND = {
+    "invalid_request": (400, "invalid_request_error"),
+    "exceed_context_size": (400, "exceed_context_size_error"),
+    "session_refused": (400, "invalid_request_error"),
+    "session_write_failed": (500, "server_error"),
+    "fail_stop": (500, "server_error"),
+    "internal": (500, "server_error"),
+}
+
+
+def test_every_engine_error_kind_has_its_http_error():
+    from strata_engine.protocol import ErrorKind
+    from strata_server.errors import EngineReplyError, to_api_error
+
+    assert set(HTTP_OF_ERROR_KIND) == {k.value for k in ErrorKind}
+    for kind, (status, type_name) in HTTP_OF_ERROR_KIND.items():
+        body = to_api_error(EngineReplyError({"type": kind, "message": "m", "reason": "r"})).body()["error"]
+        assert (body["code"], body["type"]) == (status, type_name), kind
+    unknown = to_api_error(EngineReplyError({"type": "from_a_newer_engine", "message": "m"}))
+    assert unknown.status == 500

@@ -1,0 +1,77 @@
+"""Binds spec/engine-protocol.md's tables (verbs, error kinds, reasons, exit statuses) and its version to
+strata_engine.protocol's constants, so the spec and the engine cannot drift apart."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from strata_engine import protocol as P
+from strata_engine.errors import ContextOverflow
+from strata_engine.serve import build_registry
+from support.spec import code, read_spec, section, table_rows
+
+SPEC = read_spec("engine-protocol.md")
+ARGUMENT_WORDS = {"none": P.ArgumentKind.NONE, "JSON object": P.ArgumentKind.JSON, "path": P.ArgumentKind.PATH}
+
+
+def argument_kind(cell: str) -> P.ArgumentKind:
+    kinds = [kind for word, kind in ARGUMENT_WORDS.items() if cell.startswith(word)]
+    assert len(kinds) == 1, f"argument cell {cell!r} must start with one of {list(ARGUMENT_WORDS)}"
+    return kinds[0]
+
+
+def test_verbs_table_is_the_registry():
+    rows = table_rows(section(SPEC, "## Lines"))
+    registry = build_registry()
+    assert sorted(code(r[0]) for r in rows) == registry.verbs
+    for verb_cell, argument, _answer in rows:
+        verb = code(verb_cell)
+        assert argument_kind(argument) is registry.get(verb).argument, verb
+
+
+def test_error_kinds_table_is_the_enum():
+    errors = section(SPEC, "## Errors")
+    rows = table_rows(errors)
+    assert [code(r[0]) for r in rows] == [k.value for k in P.ErrorKind]
+
+
+def test_reasons_table_is_the_enum_and_its_kinds():
+    errors = section(SPEC, "## Errors")
+    rows = table_rows(errors[errors.index("The reasons the protocol itself gives"):])
+    assert {code(r[0]): code(r[1]) for r in rows} == {r.value: k.value for r, k in P.REASON_KINDS.items()}
+    assert set(P.REASON_KINDS) == set(P.Reason)
+    too_long = next(r for r in rows if code(r[0]) == P.Reason.LINE_TOO_LONG)
+    assert f"{P.MAX_LINE_BYTES >> 20} MiB" in too_long[2]
+
+
+def test_exit_statuses_table_is_the_enum():
+    rows = table_rows(section(SPEC, "## Exit statuses"))
+    assert [(int(r[0]), code(r[1])) for r in rows] == [(int(s), s.name) for s in P.ExitStatus]
+
+
+def test_ready_line_names_the_protocol_version_and_engine():
+    ready = section(SPEC, "## Start-up")
+    assert int(re.search(r'"protocol": (\d+)', ready).group(1)) == P.PROTOCOL_VERSION == 1
+    assert re.search(r'"engine": "([^"]+)"', ready).group(1) == P.ENGINE_NAME
+
+
+def test_every_mapped_exception_names_a_listed_kind_and_reason():
+    for cls, kind, reason in P.ERROR_LINES:
+        assert P.REASON_KINDS[reason] is kind, cls
+        exc = cls(10, 5) if cls is ContextOverflow else cls("x")
+        payload = P.error_payload(exc)
+        assert (payload["type"], payload["reason"]) == (kind.value, reason.value)
+    assert P.error_payload(ValueError("x"))["reason"] == P.Reason.UNEXPECTED
+
+
+def test_the_protocol_module_loads_no_other_engine_code():
+    """strata-server imports the vocabulary from it: only the exceptions (a leaf module) come with it."""
+    probe = "import json, sys, strata_engine.protocol; print(json.dumps(sorted(sys.modules)))"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert [m for m in loaded if m.startswith("strata_engine")] == \
+        ["strata_engine", "strata_engine.errors", "strata_engine.protocol"]
+    assert "numpy" not in loaded
