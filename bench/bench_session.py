@@ -166,11 +166,11 @@ def synthetic_file(path: Path, model: str, n_ctx: int, n_tokens: int) -> None:
     import strata_sessionfile as sf
     from strata_engine.config import ModelConfig
     from strata_engine.gguf import read_gguf
-    from strata_engine.kv import KVGeometry, KVParts, KVPool, KVType, make_placement
+    from strata_engine.kv import KVGeometry, KVParts, KVPool, make_placement
     from strata_engine.ops import get_ops
     from strata_engine.runner import ModelRunner, RunnerState
     from strata_engine.session import EngineSession
-    from strata_engine.settings import EngineSettings
+    from strata_engine.settings import EngineSettings, KVType
 
     p = model_path(model)
     gguf = read_gguf(p)

@@ -368,10 +368,11 @@ def test_long_chunk_over_a_ring_layer_matches_the_generic_placement(cp, dtype):
     the ring's slots end identical, and attention is identical in f32 (the same f16 values, read
     directly instead of decoded) and within the flash bound in bf16. Chunks: from 0, then one whose
     window reaches back across the ring's wrap, then one longer than the ring."""
-    from strata_engine.kv import KVGeometry, KVType
+    from strata_engine.kv import KVGeometry
     from strata_engine.kv.device import DevicePool, DevicePoolPlacement
     from strata_engine.kv.layout import LayerGeometry
     from strata_engine.kv.placement import PoolPlacement
+    from strata_engine.settings import KVType
 
     ops = _ops(dtype)
     window, cap, n_head, d = 512, 1024, 4, 256

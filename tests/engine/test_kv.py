@@ -8,10 +8,10 @@ from strata_engine.config import ModelConfig
 from strata_engine.errors import KVStateError
 from strata_engine.gguf import read_gguf
 from strata_engine.kv import (
+    KV_STORAGE,
     KVGeometry,
     KVParts,
     KVPool,
-    KVType,
     LayerGeometry,
     PoolPlacement,
     ResidentRingPlacement,
@@ -19,6 +19,7 @@ from strata_engine.kv import (
     take_checkpoint,
 )
 from strata_engine.ops import get_ops
+from strata_engine.settings import KVType
 
 HKV, D, WINDOW, CAP, NCTX = 2, 32, 8, 16, 64
 
@@ -61,7 +62,7 @@ def test_pool_layout_and_round_trip(kv_type):
     assert pool.held_range(0) == (0, 40)
     assert pool.held_range(1) == (40 - CAP, 40)
     parts = pool.read(1, 40 - CAP, 40)  # a ring read in logical order (it wraps: 40 % 16 = 8)
-    assert parts.k.dtype == kv_type.storage_dtype
+    assert parts.k.dtype == KV_STORAGE[kv_type].dtype
     k = np.empty((CAP, HKV, D), np.float32)
     v = np.empty_like(k)
     pool.codec.decode_into(parts, k, v)

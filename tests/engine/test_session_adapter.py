@@ -20,7 +20,7 @@ import strata_sessionfile as sf
 from conftest import gemma3_model_path, smollm2_model_path
 from strata_engine.config import ModelConfig
 from strata_engine.gguf import read_gguf
-from strata_engine.kv import KVGeometry, KVParts, KVPool, KVType, make_placement, take_checkpoint
+from strata_engine.kv import KVGeometry, KVParts, KVPool, make_placement, take_checkpoint
 from strata_engine.ops import get_ops
 from strata_engine.runner import ModelRunner, RunnerState
 from strata_engine.sampling import SamplerState
@@ -33,7 +33,7 @@ from strata_engine.session import (
     config_mapping,
     runner_identity,
 )
-from strata_engine.settings import EngineSettings
+from strata_engine.settings import EngineSettings, KVType
 from strata_sessionfile import Part
 from strata_sessionfile import errors as E
 from strata_sessionfile.testing import run_conformance

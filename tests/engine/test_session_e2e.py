@@ -36,11 +36,11 @@ import strata_sessionfile as sf
 from conftest import gemma3_model_path, smollm2_model_path
 from strata_engine.config import ModelConfig
 from strata_engine.gguf import read_gguf
-from strata_engine.kv import KVGeometry, KVParts, KVPool, KVType, make_placement
+from strata_engine.kv import KVGeometry, KVParts, KVPool, make_placement
 from strata_engine.ops import get_ops
 from strata_engine.runner import ModelRunner, RunnerState
 from strata_engine.session import FAULT_ENV, EngineSession, runner_identity
-from strata_engine.settings import EngineSettings
+from strata_engine.settings import EngineSettings, KVType
 
 TIMEOUT_S = 300
 FAIL_STOP_STATUS = 4

@@ -11,10 +11,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import strata_sessionfile as sf
+
 from .errors import EngineError
 from .protocol import ExitStatus
 from .serve import serve
-from .settings import BACKENDS, COMPUTE_DTYPES, KV_TYPES, EngineSettings
+from .settings import Backend, ComputeDType, EngineSettings, KVType, values
 
 
 class UsageError(Exception):
@@ -35,7 +37,7 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="context size in tokens (default: the model's, at most 8192)",
     )
-    parser.add_argument("--kv-type", choices=KV_TYPES, default="f16", help="K/V storage type (default f16)")
+    parser.add_argument("--kv-type", choices=values(KVType), default=KVType.F16.value, help="K/V storage type (default f16)")
     parser.add_argument(
         "--kv-resident",
         type=int,
@@ -55,7 +57,7 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compute-dtype",
-        choices=COMPUTE_DTYPES,
+        choices=values(ComputeDType),
         default=None,
         help="activations (default f32 on numpy, bf16 on cupy)",
     )
@@ -66,7 +68,7 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         help="run every decode step and prefill chunk op by op instead of replaying captured CUDA graphs (cupy)",
     )
     parser.add_argument(
-        "--backend", choices=BACKENDS, default="numpy", help="compute backend (default numpy)"
+        "--backend", choices=values(Backend), default=Backend.NUMPY.value, help="compute backend (default numpy)"
     )
     parser.add_argument("--log-level", default="WARNING", help="log level on stderr (default WARNING)")
 
@@ -83,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(serve_parser)
     serve_parser.add_argument(
         "--restore-mode",
-        choices=("auto", "staged", "streaming"),
-        default="auto",
+        choices=values(sf.RestoreMode),
+        default=sf.RestoreMode.AUTO.value,
         help="RESTORE: staged (one read into a staging area, then a switch), streaming (two passes, bounded "
         "RAM) or auto (staged when RAM allows; default)",
     )

@@ -188,7 +188,7 @@ def make_step_graph(model: Model, placement: PoolPlacement, enabled: bool, n_tok
     ops = model.ops
     if not enabled or ops.name != "cupy" or ops.dtype == np.float32 or n_tokens < 1:
         return None
-    if not isinstance(placement, DevicePoolPlacement) or placement.pool.geometry.kv_type.has_scales:
+    if not isinstance(placement, DevicePoolPlacement) or placement.pool.geometry.has_scales:
         return None
     if model.config.head_dim not in FLASH_HEAD_DIMS:
         return None

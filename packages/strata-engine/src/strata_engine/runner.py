@@ -28,7 +28,6 @@ from .graph import GraphCaptureFailed, StepGraph, make_step_graph, prefill_graph
 from .kv import (
     KVGeometry,
     KVPool,
-    KVType,
     PoolPlacement,
     RingCheckpoint,
     restore_checkpoint,
@@ -37,7 +36,7 @@ from .kv import (
 from .kv.device import make_placement_for, make_pool
 from .models import Model, build_model
 from .ops import get_ops
-from .settings import DEFAULT_N_CTX_CAP, EngineSettings
+from .settings import DEFAULT_N_CTX_CAP, EngineSettings, KVType
 
 
 @attrs.frozen

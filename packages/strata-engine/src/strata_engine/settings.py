@@ -1,16 +1,51 @@
-"""Engine settings: one frozen attrs object, validated as a whole (every problem reported together)."""
+"""Engine settings: one frozen attrs object, validated as a whole (every problem reported together),
+and the vocabularies its values come from (K/V types, compute dtypes, backends), defined here once for
+the engine, its command line and strata-server (this module loads no numpy). Restore modes are
+strata_sessionfile's `RestoreMode`.
+
+Settings hold the plain strings (`kv_type="f16"`): what the ready line, STATUS and the config
+fingerprint write; each vocabulary's enum is a `StrEnum` whose values are those strings.
+"""
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 
 import attrs
 
 from .errors import SettingsError
 
-KV_TYPES = ("f32", "f16", "int8")
-COMPUTE_DTYPES = ("f32", "f64", "f16", "bf16")  # f16/bf16: cupy backend only
-BACKENDS = ("numpy", "cupy", "auto")  # auto: cupy where a CUDA device is usable
+
+class KVType(enum.StrEnum):
+    """How the K/V pool stores keys and values (kv/layout.py's `KV_STORAGE` has each one's layout)."""
+
+    F32 = "f32"
+    F16 = "f16"
+    INT8 = "int8"  # float32 scales per token, per head, per 32-value block
+
+
+class ComputeDType(enum.StrEnum):
+    """The dtype of activations and dequantized weights."""
+
+    F32 = "f32"
+    F64 = "f64"  # a numerics check (numpy)
+    F16 = "f16"  # cupy only
+    BF16 = "bf16"  # cupy only, where this CuPy has the dtype
+
+
+class Backend(enum.StrEnum):
+    """Where the engine computes."""
+
+    NUMPY = "numpy"
+    CUPY = "cupy"
+    AUTO = "auto"  # cupy where a CUDA device is usable; resolved when the runner loads
+
+
+def values(vocabulary: type[enum.Enum]) -> tuple[str, ...]:
+    """A vocabulary's words in order (for --help, choices and messages)."""
+    return tuple(member.value for member in vocabulary)
+
 # A context size the engine picks when none is given: the model's training context, capped here so a
 # 32K-context model does not preallocate 32K tokens of K/V by default (llama-server caps the same way
 # only when asked; the cap is stated in --help and in `ModelRunner.n_ctx`).
@@ -27,8 +62,8 @@ class BackendDefaults:
 # for gemma3's residual stream) and prefills in larger chunks: its cost per chunk is mostly the
 # ~12 kernel launches per layer issued from Python, not the arithmetic.
 BACKEND_DEFAULTS = {
-    "numpy": BackendDefaults(compute_dtype="f32", prefill_chunk=512),
-    "cupy": BackendDefaults(compute_dtype="bf16", prefill_chunk=4096),
+    Backend.NUMPY: BackendDefaults(compute_dtype=ComputeDType.F32, prefill_chunk=512),
+    Backend.CUPY: BackendDefaults(compute_dtype=ComputeDType.BF16, prefill_chunk=4096),
 }
 
 
@@ -75,7 +110,7 @@ class EngineSettings:
         return attrs.evolve(
             self,
             backend=backend,
-            compute_dtype=self.compute_dtype or defaults.compute_dtype,
+            compute_dtype=self.compute_dtype or defaults.compute_dtype.value,
             prefill_chunk=self.prefill_chunk or defaults.prefill_chunk,
         )
 
@@ -83,11 +118,11 @@ class EngineSettings:
         out: list[str] = []
         if self.n_ctx is not None and (not isinstance(self.n_ctx, int) or self.n_ctx < 1):
             out.append(f"n_ctx must be a positive integer or None, got {self.n_ctx!r}")
-        if self.kv_type not in KV_TYPES:
-            out.append(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
-        if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
+        if self.kv_type not in values(KVType):
+            out.append(f"kv_type must be one of {', '.join(values(KVType))}, got {self.kv_type!r}")
+        if self.compute_dtype is not None and self.compute_dtype not in values(ComputeDType):
             out.append(
-                f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute_dtype!r}"
+                f"compute_dtype must be one of {', '.join(values(ComputeDType))}, got {self.compute_dtype!r}"
             )
         if self.kv_resident is not None and (not isinstance(self.kv_resident, int) or self.kv_resident < 1):
             out.append(f"kv_resident must be a positive integer or None, got {self.kv_resident!r}")
@@ -97,9 +132,9 @@ class EngineSettings:
             out.append(f"prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
         if not isinstance(self.max_checkpoints, int) or self.max_checkpoints < 0:
             out.append(f"max_checkpoints must be a non-negative integer, got {self.max_checkpoints!r}")
-        if self.backend not in BACKENDS:
-            out.append(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        elif self.backend == "numpy" and self.compute_dtype in ("f16", "bf16"):
+        if self.backend not in values(Backend):
+            out.append(f"backend must be one of {', '.join(values(Backend))}, got {self.backend!r}")
+        elif self.backend == Backend.NUMPY and self.compute_dtype in (ComputeDType.F16, ComputeDType.BF16):
             out.append(f"compute_dtype {self.compute_dtype!r} needs the cupy backend")
         return out
 

@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from strata_engine.settings import Backend, KVType, values
+from strata_sessionfile import RestoreMode
+
 from .config import (
     DEFAULT_HOST,
     DEFAULT_MODEL_FILE,
     DEFAULT_MODEL_PACKAGE,
     DEFAULT_PORT,
-    KV_TYPES,
     ConfigError,
     ServerConfig,
     build_config,
@@ -52,15 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host", metavar="ADDR", help=f"address to listen on (default: {DEFAULT_HOST}, loopback only)")
     add("--port", metavar="N", help=f"port to listen on (default: {DEFAULT_PORT})")
     add("-c", "--ctx-size", metavar="N", help="context size in tokens (default: 0 = the model's own)")
-    add("--kv-type", metavar="TYPE", help=f"K/V cache type, one of {', '.join(KV_TYPES)} (default: f16)")
+    add("--kv-type", metavar="TYPE", help=f"K/V cache type, one of {', '.join(values(KVType))} (default: f16)")
     add("-ctk", "--cache-type-k", metavar="TYPE", help="llama-server's K cache type flag; must equal the V type")
     add("-ctv", "--cache-type-v", metavar="TYPE", help="llama-server's V cache type flag; must equal the K type")
     add("--kv-resident", metavar="N", help="keep the K/V in a host pool with N tokens in a device ring "
         "(default: 0, a device pool)")
     add("--no-prompt-cache", dest="prompt_cache", action="store_false",
         help="do not reuse the held conversation's prefix between requests")
-    add("--restore-mode", metavar="MODE", help="how a restore lands the K/V: auto (default), staged, streaming")
-    add("--backend", metavar="NAME", help="engine compute backend (default: the engine's, numpy)")
+    add("--restore-mode", metavar="MODE", help="how a restore lands the K/V: one of "
+        f"{', '.join(values(RestoreMode))} (default: auto)")
+    add("--backend", metavar="NAME", help=f"engine compute backend, one of {', '.join(values(Backend))} "
+        "(default: the engine's, numpy)")
     add("--slot-save-path", metavar="DIR", help="existing folder for slot files; enables "
         "POST /slots/0?action=save|restore|erase (default: disabled, 501)")
     add("--api-key", metavar="KEY[,KEY...]", action="append", help="require one of these API keys")

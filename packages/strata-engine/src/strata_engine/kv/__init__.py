@@ -8,7 +8,7 @@ For the session adapter (save / restore), everything goes through these objects:
   - `n_tokens`, `ring_start`; `held_range(i) -> (start, end)`: layer i holds positions [start, end) in
     logical order (full layers start at 0, ring layers at `ring_start`, at most `capacity` tokens).
   - `read(i, lo, hi) -> KVParts`: copies of encoded K/V in logical order (rings unrolled):
-    k, v ``[n, Hkv, D]`` of dtype `geometry.kv_type.storage_dtype` (float32 / float16 / int8), and for
+    k, v ``[n, Hkv, D]`` of dtype `geometry.storage_dtype` (float32 / float16 / int8), and for
     int8 k_scale, v_scale ``[n, Hkv]`` float32 (value = int8 * scale). Read in blocks of tokens to bound RAM.
   - `write(i, pos0, KVParts)`: store encoded K/V for positions [pos0, pos0 + n) (validated: layer,
     range, shapes, dtypes; `KVStateError` otherwise).
@@ -20,17 +20,18 @@ For the session adapter (save / restore), everything goes through these objects:
 """
 
 from .checkpoints import RingCheckpoint, restore_checkpoint, take_checkpoint
-from .layout import SCALE_DTYPE, KVGeometry, KVType, LayerGeometry, ring_capacity
+from .layout import KV_STORAGE, SCALE_DTYPE, KVGeometry, KVStorage, LayerGeometry, ring_capacity
 from .placement import PoolPlacement, ResidencyStats, ResidentRingPlacement, make_placement
 from .pool import KVCodec, KVParts, KVPool, LayerKV
 
 __all__ = [
+    "KV_STORAGE",
     "SCALE_DTYPE",
     "KVCodec",
     "KVGeometry",
     "KVParts",
     "KVPool",
-    "KVType",
+    "KVStorage",
     "LayerGeometry",
     "LayerKV",
     "PoolPlacement",

@@ -208,7 +208,7 @@ class DevicePoolPlacement(PoolPlacement):
     ) -> Any | None:
         g = self.pool.geometry.layers[layer]
         n_new = k_new.shape[0]
-        if not g.is_ring or self.pool.geometry.kv_type.has_scales:
+        if not g.is_ring or self.pool.geometry.has_scales:
             return super().attend(layer, pos0, q, k_new, v_new, q_pos0=q_pos0, window=window, scale=scale)
         if n_new > g.capacity - g.window + 1:
             return self._attend_long_ring_chunk(layer, pos0, q, k_new, v_new, q_pos0, window, scale)
@@ -263,7 +263,7 @@ class DevicePoolPlacement(PoolPlacement):
 
     def attend_kv(self, layer: int, pos0: int, k_new: Any, v_new: Any) -> tuple[Any, Any, int]:
         g = self.pool.geometry.layers[layer]
-        if g.is_ring or self.pool.geometry.kv_type.has_scales:
+        if g.is_ring or self.pool.geometry.has_scales:
             return super().attend_kv(layer, pos0, k_new, v_new)
         end = pos0 + k_new.shape[0]
         views = self.pool.layer(layer)

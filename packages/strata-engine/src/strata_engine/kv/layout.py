@@ -9,30 +9,31 @@ gemma3's 512-token window), so a ring here is never larger than llama.cpp's for 
 
 from __future__ import annotations
 
-import enum
-
 import attrs
 import numpy as np
+from strata_sessionfile import DType
 
 from ..config import ModelConfig
+from ..settings import KVType
 
 RING_SLACK_WINDOWS = 1  # ring = window * (1 + slack)
 
 
-class KVType(enum.Enum):
-    F32 = "f32"
-    F16 = "f16"
-    INT8 = "int8"  # float32 scales per token, per head, per 32-value block (see int8_scale_block)
+@attrs.frozen
+class KVStorage:
+    """How one K/V type is stored: the pool's values, whether float32 scales go beside them, and the
+    session format's code for those values (a file holds the pool's own bytes)."""
 
-    @property
-    def storage_dtype(self) -> np.dtype:
-        return np.dtype({"f32": np.float32, "f16": np.float16, "int8": np.int8}[self.value])
-
-    @property
-    def has_scales(self) -> bool:
-        return self is KVType.INT8
+    dtype: np.dtype
+    has_scales: bool
+    file_dtype: DType
 
 
+KV_STORAGE: dict[KVType, KVStorage] = {
+    KVType.F32: KVStorage(np.dtype(np.float32), False, DType.F32),
+    KVType.F16: KVStorage(np.dtype(np.float16), False, DType.F16),
+    KVType.INT8: KVStorage(np.dtype(np.int8), True, DType.I8),
+}
 SCALE_DTYPE = np.dtype(np.float32)
 INT8_SCALE_BLOCK = 32
 
@@ -80,7 +81,7 @@ class KVGeometry:
 
     @classmethod
     def from_config(cls, config: ModelConfig, n_ctx: int, kv_type: KVType) -> KVGeometry:
-        scale_block = int8_scale_block(config.head_dim) if kv_type.has_scales else 0
+        scale_block = int8_scale_block(config.head_dim) if KV_STORAGE[kv_type].has_scales else 0
         layers = tuple(
             LayerGeometry(
                 index=i,
@@ -101,6 +102,25 @@ class KVGeometry:
         return len(self.layers)
 
     @property
+    def storage_dtype(self) -> np.dtype:
+        return KV_STORAGE[self.kv_type].dtype
+
+    @property
+    def has_scales(self) -> bool:
+        return KV_STORAGE[self.kv_type].has_scales
+
+    @property
+    def file_dtype(self) -> DType:
+        return KV_STORAGE[self.kv_type].file_dtype
+
+    @property
+    def scale_block(self) -> int:
+        """int8: values per scale along D, shared by every layer (0 for float types)."""
+        blocks = {g.scale_block for g in self.layers}
+        assert len(blocks) <= 1, "one int8 scale block size for the whole pool"
+        return blocks.pop() if blocks else 0
+
+    @property
     def ring_layers(self) -> tuple[int, ...]:
         return tuple(g.index for g in self.layers if g.is_ring)
 
@@ -118,8 +138,8 @@ class KVGeometry:
     def token_bytes(self, layer: int) -> int:
         """Bytes of one token of one layer: K and V values plus their scales (int8)."""
         g = self.layers[layer]
-        n = g.n_kv_heads * g.head_dim * self.kv_type.storage_dtype.itemsize
-        if self.kv_type.has_scales:
+        n = g.n_kv_heads * g.head_dim * self.storage_dtype.itemsize
+        if self.has_scales:
             n += g.scale_shape[0] * g.scale_shape[1] * SCALE_DTYPE.itemsize
         return 2 * n
 

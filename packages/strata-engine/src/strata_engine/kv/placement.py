@@ -79,7 +79,7 @@ class PoolPlacement:
     def reads_pool_directly(self, layer: int) -> bool:
         """Whether attention may read the pool's own slots (full layer, storage = compute dtype)."""
         g = self.pool.geometry.layers[layer]
-        return not g.is_ring and self.pool.geometry.kv_type.storage_dtype == self.ops.dtype
+        return not g.is_ring and self.pool.geometry.storage_dtype == self.ops.dtype
 
     def gather_into(self, layer: int, lo: int, hi: int, k_out: Any, v_out: Any) -> None:
         self.pool.decode_into(layer, lo, hi, k_out, v_out)

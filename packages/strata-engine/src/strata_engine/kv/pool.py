@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import KVStateError
 from ..ops import NumpyOps
-from .layout import SCALE_DTYPE, KVGeometry, KVType, LayerGeometry
+from .layout import SCALE_DTYPE, KVGeometry, LayerGeometry
 
 _ALIGN = 64
 
@@ -79,21 +79,21 @@ def ring_spans(lo: int, hi: int, capacity: int) -> list[tuple[int, int, int]]:
 class KVCodec:
     """Encode compute-dtype K/V to the storage type and decode it back (int8 through `ops`)."""
 
-    def __init__(self, kv_type: KVType, ops: NumpyOps, scale_block: int = 0):
-        self.kv_type = kv_type
+    def __init__(self, geometry: KVGeometry, ops: NumpyOps):
+        self.storage_dtype = geometry.storage_dtype
+        self.has_scales = geometry.has_scales
         self.ops = ops
-        self.scale_block = scale_block
+        self.scale_block = geometry.scale_block
 
     def encode(self, k: Any, v: Any) -> KVParts:
-        if self.kv_type is KVType.INT8:
+        if self.has_scales:
             kq, ks = self.ops.quantize_int8(k, self.scale_block)
             vq, vs = self.ops.quantize_int8(v, self.scale_block)
             return KVParts(kq, vq, ks, vs)
-        dt = self.kv_type.storage_dtype
-        return KVParts(k.astype(dt), v.astype(dt))
+        return KVParts(k.astype(self.storage_dtype), v.astype(self.storage_dtype))
 
     def decode_into(self, parts: KVParts, k_out: Any, v_out: Any) -> None:
-        if self.kv_type is KVType.INT8:
+        if self.has_scales:
             k_out[...] = self.ops.dequantize_int8(parts.k, parts.k_scale)
             v_out[...] = self.ops.dequantize_int8(parts.v, parts.v_scale)
         else:
@@ -107,17 +107,15 @@ class KVPool:
     def __init__(self, geometry: KVGeometry, ops: NumpyOps):
         self.geometry = geometry
         self.ops = ops
-        blocks = {g.scale_block for g in geometry.layers}
-        assert len(blocks) <= 1, "one int8 scale block size for the whole pool"
-        self.codec = KVCodec(geometry.kv_type, ops, blocks.pop() if blocks else 0)
+        self.codec = KVCodec(geometry, ops)
         xp = ops.xp
         offsets: list[list[tuple[int, int, tuple[int, ...], np.dtype]]] = []
         total = 0
-        sdt = geometry.kv_type.storage_dtype
+        sdt = geometry.storage_dtype
         for g in geometry.layers:
             parts = []
             shapes = [((g.capacity, *g.row_shape), sdt)] * 2
-            if geometry.kv_type.has_scales:
+            if geometry.has_scales:
                 shapes += [((g.capacity, *g.scale_shape), SCALE_DTYPE)] * 2
             for shape, dt in shapes:
                 n = int(np.prod(shape)) * dt.itemsize
@@ -274,14 +272,14 @@ class KVPool:
         layer = self._layers[i]
         g = layer.geometry
         expected = (n, *g.row_shape)
-        sdt = self.geometry.kv_type.storage_dtype
+        sdt = self.geometry.storage_dtype
         for name, arr, shape, dt in (
             ("k", parts.k, expected, sdt),
             ("v", parts.v, expected, sdt),
             ("k_scale", parts.k_scale, (n, *g.scale_shape), SCALE_DTYPE),
             ("v_scale", parts.v_scale, (n, *g.scale_shape), SCALE_DTYPE),
         ):
-            if name.endswith("scale") and not self.geometry.kv_type.has_scales:
+            if name.endswith("scale") and not self.geometry.has_scales:
                 if arr is not None:
                     raise KVStateError(f"layer {i}: {name} given for K/V type {self.geometry.kv_type.value}")
                 continue

@@ -7,7 +7,10 @@ methods. Models and the K/V code receive an ops object and never call an array l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..errors import SettingsError
+from ..settings import Backend
 from .numpy_ops import NumpyOps
 
 
@@ -17,25 +20,26 @@ def _cupy_ops(compute_dtype: str) -> NumpyOps:
     return CupyOps(compute_dtype)
 
 
-BACKENDS = {"numpy": NumpyOps, "cupy": _cupy_ops}
+# A backend (settings.Backend, "auto" resolved) -> the ops class (or factory) computing on it.
+OPS_OF_BACKEND: dict[str, Callable[[str], NumpyOps]] = {Backend.NUMPY: NumpyOps, Backend.CUPY: _cupy_ops}
 
 
 def resolve_backend(backend: str) -> str:
     """ "auto" -> "cupy" where a CUDA device is usable, else "numpy"; other names unchanged."""
-    if backend != "auto":
+    if backend != Backend.AUTO:
         return backend
     from .cupy_ops import cuda_available
 
-    return "cupy" if cuda_available() else "numpy"
+    return Backend.CUPY.value if cuda_available() else Backend.NUMPY.value
 
 
-def get_ops(backend: str = "numpy", compute_dtype: str = "f32") -> NumpyOps:
+def get_ops(backend: str = Backend.NUMPY, compute_dtype: str = "f32") -> NumpyOps:
     backend = resolve_backend(backend)
     try:
-        cls = BACKENDS[backend]
+        make = OPS_OF_BACKEND[backend]
     except KeyError:
-        raise SettingsError([f"backend {backend!r} is not available (have: {', '.join(BACKENDS)})"]) from None
-    return cls(compute_dtype)
+        raise SettingsError([f"backend {backend!r} is not available (have: {', '.join(OPS_OF_BACKEND)})"]) from None
+    return make(compute_dtype)
 
 
-__all__ = ["BACKENDS", "NumpyOps", "get_ops", "resolve_backend"]
+__all__ = ["OPS_OF_BACKEND", "NumpyOps", "get_ops", "resolve_backend"]

@@ -15,13 +15,12 @@ In-process use::
 """
 
 from .adapter import BlockBufferCache, EngineSession, FaultPoint, InjectedFault, SamplerAccess
-from .identity import config_mapping, engine_version, model_files, runner_identity
-from .verbs import FAULT_ENV, RESTORE_MODES, SessionOptions, SessionVerbs, register_session_verbs
+from .identity import config_mapping, model_files, runner_identity
+from .verbs import FAULT_ENV, SessionOptions, SessionVerbs, register_session_verbs
 
 __all__ = [
     "FAULT_ENV",
     "BlockBufferCache",
-    "RESTORE_MODES",
     "EngineSession",
     "FaultPoint",
     "InjectedFault",
@@ -29,7 +28,6 @@ __all__ = [
     "SessionOptions",
     "SessionVerbs",
     "config_mapping",
-    "engine_version",
     "model_files",
     "register_session_verbs",
     "runner_identity",

@@ -70,7 +70,6 @@ import attrs
 import numpy as np
 from strata_sessionfile import (
     Checkpoint,
-    DType,
     EngineIdentity,
     EngineLimits,
     LayerGeometry,
@@ -86,15 +85,13 @@ from strata_sessionfile import errors as E
 from strata_sessionfile import memory_available as sessionfile_memory_available
 from strata_sessionfile.format import LIMIT
 
-from ..kv import KVParts, RingCheckpoint
+from ..kv import SCALE_DTYPE, KVParts, RingCheckpoint
 from ..runner import RunnerState
 from ..sampling import SamplerState, SamplerStateError
 from .identity import SESSION_LAYOUT_VERSION, runner_identity
 
 log = logging.getLogger(__name__)
 
-# K/V storage type name (EngineSettings.kv_type) -> the format's dtype code.
-DTYPE_OF_KV_TYPE: dict[str, DType] = {"f32": DType.F32, "f16": DType.F16, "int8": DType.I8}
 # File part -> the LayerKV attribute holding it.
 PART_ATTR: dict[Part, str] = {Part.K: "k", Part.V: "v", Part.K_SCALES: "k_scale", Part.V_SCALES: "v_scale"}
 # Staging is used only when this much RAM stays free beside the staged bytes.
@@ -234,7 +231,7 @@ class EngineSession:
         self.fault = fault
         self.buffers = buffers
         geometry = runner.kv_geometry
-        self.kv_dtype = DTYPE_OF_KV_TYPE[geometry.kv_type.value]
+        self.kv_dtype = geometry.file_dtype
         self.specs = tuple(self._layer_spec(i) for i in range(geometry.n_layers))
         self.ring_layers = tuple(geometry.ring_layers)
         self.window = geometry.max_window  # None without sliding-window layers
@@ -256,11 +253,9 @@ class EngineSession:
 
     def _layer_spec(self, i: int) -> LayerSpec:
         g = self.runner.kv_geometry.layers[i]
-        layer = self.runner.pool.layer(i)
         heads, dim = g.n_kv_heads, g.head_dim
-        if layer.k_scale is not None:  # int8: one sub-head per scale (see the module docstring)
-            n_scales = int(np.prod(layer.k_scale.shape[1:]))
-            heads, dim = n_scales, g.n_kv_heads * g.head_dim // n_scales
+        if g.scale_block:  # int8: one sub-head per scale (see the module docstring)
+            heads, dim = g.n_kv_heads * g.head_dim // g.scale_block, g.scale_block
         return LayerSpec(
             index=g.index,
             role=LayerRole.MAIN,
@@ -423,7 +418,7 @@ class EngineSession:
             raise E.InconsistentState(f"checkpoint data is {len(data)} bytes; {count} tokens of the ring layers "
                                       f"are {expected}", field="state.checkpoint.data", **where)
         geometry = self.runner.kv_geometry
-        sdt = geometry.kv_type.storage_dtype
+        sdt = geometry.storage_dtype
         buf = np.frombuffer(data, dtype=np.uint8)  # bytes are immutable: read-only views, no copy
         pos = 0
         layers: dict[int, KVParts] = {}
@@ -438,13 +433,11 @@ class EngineSession:
             return arr
 
         for i in self.ring_layers:
-            layer = self.runner.pool.layer(i)
-            row = tuple(int(d) for d in layer.k.shape[1:])
-            k, v = take((count, *row), sdt), take((count, *row), sdt)
+            g = geometry.layers[i]
+            k, v = take((count, *g.row_shape), sdt), take((count, *g.row_shape), sdt)
             ks = vs = None
-            if layer.k_scale is not None:
-                srow = tuple(int(d) for d in layer.k_scale.shape[1:])
-                ks, vs = take((count, *srow), np.float32), take((count, *srow), np.float32)
+            if geometry.has_scales:
+                ks, vs = take((count, *g.scale_shape), SCALE_DTYPE), take((count, *g.scale_shape), SCALE_DTYPE)
             layers[i] = KVParts(k, v, ks, vs)
         assert pos == len(data)
         return (RingCheckpoint(position=index, start=start, layers=layers),)

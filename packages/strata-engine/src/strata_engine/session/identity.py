@@ -12,12 +12,12 @@ saved with one placement restores under another.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from strata_sessionfile import EngineIdentity, config_fingerprint, model_fingerprint
 
-ENGINE_NAME = "strata-engine"
+from ..protocol import ENGINE_NAME, engine_version
+
 # Version of what this adapter puts in the file beyond the format (engine_fields, checkpoint data).
 SESSION_LAYOUT_VERSION = 1
 # No LoRA adapter or control vector is loaded (this engine cannot load any yet): a fixed digest, so a
@@ -26,28 +26,9 @@ NO_ADAPTERS_DIGEST = "none"
 MODEL_ROLE = "model"
 
 
-def engine_version() -> str:
-    try:
-        return version(ENGINE_NAME)
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
 def model_files(runner: Any) -> list[tuple[str, str]]:
     """Every file the runner loaded, by role, in load order (one GGUF file; no adapters)."""
     return [(MODEL_ROLE, str(runner.settings.model_path))]
-
-
-def int8_scale_block(runner: Any) -> int:
-    """Values per int8 scale along the head dimension, read off the pool itself (0 for float K/V)."""
-    layer = runner.pool.layer(0)
-    if layer.k_scale is None:
-        return 0
-    n_scales = 1
-    for d in layer.k_scale.shape[1:]:
-        n_scales *= int(d)
-    g = runner.kv_geometry.layers[0]
-    return g.n_kv_heads * g.head_dim // n_scales
 
 
 def config_mapping(runner: Any, *, engine_version_override: str | None = None) -> dict[str, Any]:
@@ -58,7 +39,7 @@ def config_mapping(runner: Any, *, engine_version_override: str | None = None) -
         "session_layout": SESSION_LAYOUT_VERSION,
         "backend": settings.backend,
         "kv_type": settings.kv_type,
-        "kv_int8_scale_block": int8_scale_block(runner),
+        "kv_int8_scale_block": runner.kv_geometry.scale_block,
         "n_ctx": runner.n_ctx,
         "architecture": config.architecture,
         "n_layer": config.n_layer,

@@ -36,7 +36,6 @@ from .identity import runner_identity
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "STRATA_ENGINE_SESSION_FAULT"
-RESTORE_MODES = tuple(m.value for m in sf.RestoreMode)
 
 
 def _restore_mode(value: Any) -> sf.RestoreMode:
