@@ -204,3 +204,16 @@ def test_gemma3_memory_and_file_no_larger_than_llama_cpp(gemma3_path, reference_
     assert llama_swa_cells >= 1024
     llama_alloc = (n_global * peer["ctx"] + len(geo.ring_layers) * llama_swa_cells) * token_bytes
     assert geo.total_bytes + checkpoint_bytes <= llama_alloc
+
+
+def test_ring_byte_spans_are_the_token_spans_in_bytes():
+    from strata_engine.kv.pool import ring_byte_spans, ring_spans
+
+    cap, row = 16, 12
+    for start in (0, 5, 15, 16, 37):
+        for lo in range(0, cap + 1):
+            for hi in range(lo, cap + 1):
+                by_token = [(a * row, b * row, off * row) for a, b, off in ring_spans(start + lo, start + hi, cap)]
+                assert ring_byte_spans(start, lo * row, (hi - lo) * row, cap, row) == by_token
+    # a range that starts and ends inside rows: two pieces where it crosses the ring's end
+    assert ring_byte_spans(15, 7, 10, cap, row) == [(187, 192, 0), (0, 5, 5)]

@@ -30,10 +30,11 @@ from .kv import (
     KVPool,
     PoolPlacement,
     RingCheckpoint,
+    make_placement,
+    make_pool,
     restore_checkpoint,
     take_checkpoint,
 )
-from .kv.device import make_placement_for, make_pool
 from .models import Model, build_model
 from .ops import get_ops
 from .settings import DEFAULT_N_CTX_CAP, EngineSettings, KVType
@@ -150,7 +151,7 @@ class ModelRunner:
         n_ctx = settings.n_ctx if settings.n_ctx is not None else min(config.n_ctx_train, DEFAULT_N_CTX_CAP)
         geometry = KVGeometry.from_config(config, n_ctx, KVType(settings.kv_type))
         pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
-        placement = make_placement_for(pool, settings.kv_resident)
+        placement = make_placement(pool, settings.kv_resident)
         runner = cls(settings, gguf_file, config, model, pool, placement)
         enabled = runner.settings.cuda_graphs
         runner.decode_graph = make_step_graph(model, placement, enabled, 1)

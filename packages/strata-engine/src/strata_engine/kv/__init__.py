@@ -20,9 +20,10 @@ For the session adapter (save / restore), everything goes through these objects:
 """
 
 from .checkpoints import RingCheckpoint, restore_checkpoint, take_checkpoint
+from .factory import make_placement, make_pool
 from .layout import KV_STORAGE, SCALE_DTYPE, KVGeometry, KVStorage, LayerGeometry, ring_capacity
-from .placement import PoolPlacement, ResidencyStats, ResidentRingPlacement, make_placement
-from .pool import KVCodec, KVParts, KVPool, LayerKV
+from .placement import PoolPlacement, ResidencyStats, ResidentRingPlacement
+from .pool import KVCodec, KVParts, KVPool, LayerKV, PoolCapabilities
 
 __all__ = [
     "KV_STORAGE",
@@ -34,11 +35,13 @@ __all__ = [
     "KVStorage",
     "LayerGeometry",
     "LayerKV",
+    "PoolCapabilities",
     "PoolPlacement",
     "ResidencyStats",
     "ResidentRingPlacement",
     "RingCheckpoint",
     "make_placement",
+    "make_pool",
     "restore_checkpoint",
     "ring_capacity",
     "take_checkpoint",

@@ -45,10 +45,9 @@ def take_checkpoint(pool: KVPool) -> RingCheckpoint | None:
     # A device pool's checkpoint stays on the device: a queued copy per part, where host copies would
     # wait for the prefill to end and then copy ~8 MB (gemma3) part by part (~2 ms on the H200, at the
     # end of every prefill). Host copies (numpy) are made read-only; device ones are never handed out.
-    read = getattr(pool, "read_device", pool.read)
     layers = {}
     for i in pool.geometry.ring_layers:
-        parts = read(i, start, c)
+        parts = pool.read_device(i, start, c)
         for arr in parts.arrays():
             if isinstance(arr, np.ndarray):
                 arr.flags.writeable = False

@@ -22,15 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from ..ops import NumpyOps
+from ..ops import Ops
 from .layout import KVGeometry
 from .placement import PoolPlacement, ResidentRingPlacement
-from .pool import KVParts, KVPool, LayerKV
+from .pool import KVParts, KVPool, LayerKV, PoolCapabilities
 
 CUDA_HOST_ALLOC_MAPPED = 2  # cudaHostAllocMapped
 
 
-def _is_device_array(ops: NumpyOps, arr: Any) -> bool:
+def _is_device_array(ops: Ops, arr: Any) -> bool:
     return arr is not None and isinstance(arr, ops.xp.ndarray) and ops.xp is not np
 
 
@@ -42,7 +42,9 @@ def _map_parts(parts: KVParts, fn: Any) -> KVParts:
 class DevicePool(KVPool):
     """`KVPool` in device memory; `read` gives host copies, `write` accepts host or device parts."""
 
-    def __init__(self, geometry: KVGeometry, ops: NumpyOps):
+    capabilities = PoolCapabilities(device_staging=True, pinned_buffers=True)
+
+    def __init__(self, geometry: KVGeometry, ops: Ops):
         super().__init__(geometry, ops)
         self._pinned: list[Any] = []
 
@@ -110,7 +112,7 @@ class MappedHostBuffer:
 class HostMappedPool(KVPool):
     """`KVPool` whose buffer is device-mapped pinned host memory (see the module docstring)."""
 
-    def __init__(self, geometry: KVGeometry, ops: NumpyOps):
+    def __init__(self, geometry: KVGeometry, ops: Ops):
         super().__init__(geometry, ops)  # lays the views out over a transient device buffer
         staging = self.buffer
         base = staging.data.ptr
@@ -144,7 +146,8 @@ class HostMappedPool(KVPool):
 
     def read_device(self, i: int, lo: int, hi: int) -> KVParts:
         """Device copies of positions [lo, hi) of layer i in logical order, read through the mapping (DMA over
-        PCIe from the pinned pool: no host copy, no pageable upload)."""
+        PCIe from the pinned pool: no host copy, no pageable upload; through host copies and uploads a
+        resident ring's refill after a restore cost ~6 ms more on the H200, bench/GPU-NOTES.md v9)."""
         return super().read(i, lo, hi)
 
     def read(self, i: int, lo: int, hi: int) -> KVParts:
@@ -283,25 +286,3 @@ class DeviceResidentRingPlacement(ResidentRingPlacement):
         super().__init__(pool, n_resident)
         self.resident = DevicePool(self.resident.geometry, pool.ops)
 
-    def _rows_for_refill(self, i: int, lo: int, hi: int) -> KVParts:
-        """Read on the device through the host pool's mapping: through host copies and pageable uploads the
-        refill took ~6 ms for gemma3's 18 layers of 1,024 tokens after a restore on the H200."""
-        return self.pool.read_device(i, lo, hi)
-
-
-def make_pool(geometry: KVGeometry, ops: NumpyOps, kv_resident: int | None) -> KVPool:
-    """The authoritative pool for a backend and placement: numpy -> `KVPool`; cupy -> `DevicePool`,
-    or `HostMappedPool` when a resident ring is asked for."""
-    if ops.name != "cupy":
-        return KVPool(geometry, ops)
-    if kv_resident is not None:
-        return HostMappedPool(geometry, ops)
-    return DevicePool(geometry, ops)  # the serve verbs pin its block buffers at start-up (SessionVerbs.warm)
-
-
-def make_placement_for(pool: KVPool, kv_resident: int | None) -> PoolPlacement:
-    if kv_resident is None:
-        return DevicePoolPlacement(pool) if isinstance(pool, DevicePool) else PoolPlacement(pool)
-    if isinstance(pool, HostMappedPool):
-        return DeviceResidentRingPlacement(pool, kv_resident)
-    return ResidentRingPlacement(pool, kv_resident)

@@ -155,12 +155,5 @@ class ResidentRingPlacement(PoolPlacement):
         for i, g in enumerate(self.resident.geometry.layers):
             held_lo, _ = self.pool.held_range(i)
             lo = max(held_lo, n - g.capacity)
-            self.resident.write(i, lo, self._rows_for_refill(i, lo, n))
+            self.resident.write(i, lo, self.pool.read_device(i, lo, n))
             self.resident_start[i] = lo
-
-    def _rows_for_refill(self, i: int, lo: int, hi: int) -> KVParts:
-        return self.pool.read(i, lo, hi)
-
-
-def make_placement(pool: KVPool, kv_resident: int | None) -> PoolPlacement:
-    return PoolPlacement(pool) if kv_resident is None else ResidentRingPlacement(pool, kv_resident)

@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 
 from ..errors import KVStateError
-from ..ops import NumpyOps
+from ..ops import Ops
 from .layout import SCALE_DTYPE, KVGeometry, LayerGeometry
 
 _ALIGN = 64
@@ -63,23 +63,46 @@ class LayerKV:
         return tuple(a for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
 
 
+def wrap_spans(first: int, n: int, period: int) -> list[tuple[int, int, int]]:
+    """A run of n consecutive units starting at unit `first` of a circular buffer of `period` units
+    (n <= period) as (lo, hi, offset into the run) spans: none, one, or two where it wraps."""
+    assert 0 <= n <= period
+    if n == 0:
+        return []
+    s0 = first % period
+    if s0 + n <= period:
+        return [(s0, s0 + n, 0)]
+    head = period - s0
+    return [(s0, period, 0), (0, n - head, head)]
+
+
 def ring_spans(lo: int, hi: int, capacity: int) -> list[tuple[int, int, int]]:
     """Positions [lo, hi) (hi - lo <= capacity) as (slot_lo, slot_hi, offset into the range) spans."""
-    assert 0 <= hi - lo <= capacity
-    if hi == lo:
-        return []
-    s0 = lo % capacity
-    n = hi - lo
-    if s0 + n <= capacity:
-        return [(s0, s0 + n, 0)]
-    first = capacity - s0
-    return [(s0, capacity, 0), (0, n - first, first)]
+    return wrap_spans(lo, hi - lo, capacity)
+
+
+def ring_byte_spans(start: int, offset: int, length: int, capacity: int, row_bytes: int) -> list[tuple[int, int, int]]:
+    """Bytes [offset, offset + length) of a part whose logical byte 0 is position `start` (a ring's
+    oldest held token; 0 for a full layer), in `capacity` slots of `row_bytes` each, as (slot byte lo,
+    slot byte hi, offset into the range) spans: at most two contiguous copies."""
+    return wrap_spans(start * row_bytes + offset, length, capacity * row_bytes)
+
+
+@attrs.frozen
+class PoolCapabilities:
+    """What a pool offers the session adapter beyond KVPool's own methods, declared per pool type."""
+
+    # `staging_array(nbytes)` gives device memory for a staged restore, bounded by `device_free_bytes()`;
+    # without it a staged restore lands in host memory
+    device_staging: bool = False
+    # `pinned_buffers(count, nbytes)` gives the block buffers (pinned: the pool's copies read them by DMA)
+    pinned_buffers: bool = False
 
 
 class KVCodec:
     """Encode compute-dtype K/V to the storage type and decode it back (int8 through `ops`)."""
 
-    def __init__(self, geometry: KVGeometry, ops: NumpyOps):
+    def __init__(self, geometry: KVGeometry, ops: Ops):
         self.storage_dtype = geometry.storage_dtype
         self.has_scales = geometry.has_scales
         self.ops = ops
@@ -104,7 +127,9 @@ class KVCodec:
 class KVPool:
     """One preallocated buffer with per-layer views; the authoritative K/V of the conversation."""
 
-    def __init__(self, geometry: KVGeometry, ops: NumpyOps):
+    capabilities = PoolCapabilities()
+
+    def __init__(self, geometry: KVGeometry, ops: Ops):
         self.geometry = geometry
         self.ops = ops
         self.codec = KVCodec(geometry, ops)
@@ -160,6 +185,16 @@ class KVPool:
             arr = getattr(self.io_layer(i), attr)
             self._part_bytes[key] = None if arr is None else arr.reshape(-1).view(np.uint8)
         return self._part_bytes[key]
+
+    def warm(self) -> None:
+        """Start-up work a first SAVE/RESTORE would otherwise pay: every part's flat byte view, and, for a
+        host pool that holds nothing, its pages faulted in (allocated lazily zeroed, a restored
+        conversation would pay a page fault per page it lands; writing zeros changes no state)."""
+        for i in range(self.geometry.n_layers):
+            for attr in ("k", "v", "k_scale", "v_scale"):
+                self.part_bytes(i, attr)
+        if isinstance(self.buffer, np.ndarray) and self._n_tokens == 0:
+            self.buffer.fill(0)
 
     def held_range(self, i: int) -> tuple[int, int]:
         """Positions [start, end) layer i holds, in logical order."""
@@ -265,6 +300,11 @@ class KVPool:
             return xp.concatenate([arr[a:b] for a, b, _ in spans])
 
         return KVParts(take(layer.k), take(layer.v), take(layer.k_scale), take(layer.v_scale))
+
+    def read_device(self, i: int, lo: int, hi: int) -> KVParts:
+        """Copies of positions [lo, hi) of layer i in the backend's own arrays (what stays beside the pool,
+        as checkpoints do); a host pool's are `read`'s."""
+        return self.read(i, lo, hi)
 
     def write(self, i: int, pos0: int, parts: KVParts) -> None:
         """Store encoded K/V for positions [pos0, pos0 + n) of layer i (a ring keeps the last capacity)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from ..errors import UnsupportedArchitecture
 from ..gguf import GGUFFile
-from ..ops import NumpyOps
+from ..ops import Ops
 from .gemma3 import Gemma3Model
 from .llama import LlamaModel
 
@@ -14,7 +14,7 @@ MODEL_FAMILIES = {"llama": LlamaModel, "gemma3": Gemma3Model}
 Model = LlamaModel | Gemma3Model
 
 
-def build_model(config: ModelConfig, ops: NumpyOps, gguf_file: GGUFFile) -> Model:
+def build_model(config: ModelConfig, ops: Ops, gguf_file: GGUFFile) -> Model:
     try:
         cls = MODEL_FAMILIES[config.architecture]
     except KeyError:

@@ -9,7 +9,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import MissingTensor, TensorShapeMismatch
 from ..gguf import GGUFFile, dequantize_tensor
-from ..ops import NumpyOps
+from ..ops import Ops
 
 
 class KVAccess(Protocol):
@@ -33,13 +33,13 @@ class KVAccess(Protocol):
 RopeTables = dict[float, tuple[Any, Any]]  # RoPE base -> (cos, sin) [T, rope_dim / 2]
 
 
-def logits_row(ops: NumpyOps, a: Any, row: Any | None) -> Any:
+def logits_row(ops: Ops, a: Any, row: Any | None) -> Any:
     """The row of a [T, ...] whose logits are wanted, as [1, ...]: the last one (row None), or the one
     a device int32 [1] names (a captured step padded past its last token: graph.py)."""
     return a[-1:] if row is None else ops.take_row(a, row)
 
 
-def rope_tables(ops: NumpyOps, config: ModelConfig, pos0: int, n: int) -> RopeTables:
+def rope_tables(ops: Ops, config: ModelConfig, pos0: int, n: int) -> RopeTables:
     """The cos / sin tables of positions pos0 .. pos0 + n - 1 for every RoPE base the layers use."""
     return {
         base: ops.rope_tables(pos0, n, base, config.rope_dim)
@@ -50,7 +50,7 @@ def rope_tables(ops: NumpyOps, config: ModelConfig, pos0: int, n: int) -> RopeTa
 class WeightLoader:
     """Dequantizes named tensors to the compute dtype, checking each shape (numpy order)."""
 
-    def __init__(self, gguf_file: GGUFFile, ops: NumpyOps):
+    def __init__(self, gguf_file: GGUFFile, ops: Ops):
         self.file = gguf_file
         self.ops = ops
 

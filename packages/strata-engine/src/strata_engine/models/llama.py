@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..gguf import GGUFFile
-from ..ops import NumpyOps
+from ..ops import Ops
 from .common import KVAccess, RopeTables, WeightLoader, logits_row, rope_tables
 
 
@@ -38,7 +38,7 @@ class LlamaLayer:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, ops: NumpyOps, gguf_file: GGUFFile):
+    def __init__(self, config: ModelConfig, ops: Ops, gguf_file: GGUFFile):
         self.config = c = config
         self.ops = ops
         w = WeightLoader(gguf_file, ops)

@@ -1,7 +1,8 @@
 """The engine's numeric operations behind one interface, `get_ops(backend, compute_dtype)`.
 
-`NumpyOps` (numpy_ops.py) is the reference; `CupyOps` (cupy_ops.py) is its GPU twin with the same
-methods. Models and the K/V code receive an ops object and never call an array library for heavy work.
+`Ops` (base.py) is the interface; `NumpyOps` (numpy_ops.py) is the reference and `CupyOps`
+(cupy_ops.py) its GPU twin. Models and the K/V code receive an `Ops` and never call an array library for
+heavy work.
 "auto" resolves to "cupy" when CuPy sees a CUDA device, else "numpy" (`resolve_backend`).
 """
 
@@ -11,17 +12,18 @@ from collections.abc import Callable
 
 from ..errors import SettingsError
 from ..settings import Backend
+from .base import Ops
 from .numpy_ops import NumpyOps
 
 
-def _cupy_ops(compute_dtype: str) -> NumpyOps:
+def _cupy_ops(compute_dtype: str) -> Ops:
     from .cupy_ops import CupyOps  # imports cupy only when the GPU backend is asked for
 
     return CupyOps(compute_dtype)
 
 
 # A backend (settings.Backend, "auto" resolved) -> the ops class (or factory) computing on it.
-OPS_OF_BACKEND: dict[str, Callable[[str], NumpyOps]] = {Backend.NUMPY: NumpyOps, Backend.CUPY: _cupy_ops}
+OPS_OF_BACKEND: dict[str, Callable[[str], Ops]] = {Backend.NUMPY: NumpyOps, Backend.CUPY: _cupy_ops}
 
 
 def resolve_backend(backend: str) -> str:
@@ -33,7 +35,7 @@ def resolve_backend(backend: str) -> str:
     return Backend.CUPY.value if cuda_available() else Backend.NUMPY.value
 
 
-def get_ops(backend: str = Backend.NUMPY, compute_dtype: str = "f32") -> NumpyOps:
+def get_ops(backend: str = Backend.NUMPY, compute_dtype: str = "f32") -> Ops:
     backend = resolve_backend(backend)
     try:
         make = OPS_OF_BACKEND[backend]
@@ -42,4 +44,4 @@ def get_ops(backend: str = Backend.NUMPY, compute_dtype: str = "f32") -> NumpyOp
     return make(compute_dtype)
 
 
-__all__ = ["OPS_OF_BACKEND", "NumpyOps", "get_ops", "resolve_backend"]
+__all__ = ["OPS_OF_BACKEND", "NumpyOps", "Ops", "get_ops", "resolve_backend"]

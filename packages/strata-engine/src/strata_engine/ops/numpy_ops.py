@@ -1,8 +1,8 @@
-"""The numeric operations of the engine on NumPy arrays.
+"""The numeric operations of the engine on NumPy arrays: the reference implementation of `base.Ops`.
 
 Every heavy operation the models and the K/V code perform lives here, written against `self.xp`
-(the array module) so a CuPy twin (`cupy_ops.CupyOps`, the GPU issue) can subclass or mirror this
-class and be swapped in by `ops.get_ops`. Models never call numpy for heavy work directly.
+(the array module), so the CuPy twin (`cupy_ops.CupyOps`) subclasses it and overrides what it runs
+as its own kernels. Models never call numpy for heavy work directly.
 
 Shape conventions: T tokens in a chunk, S context (key) positions, H query heads, Hkv K/V heads,
 G = H // Hkv, D head dim. Weights are stored as ggml does, (out_features, in_features); `matmul`
@@ -51,6 +51,14 @@ class NumpyOps:
 
     def flush_copies(self) -> None:
         """Start every copy copy_bytes held back: none here (each is done when copy_bytes returns)."""
+
+    def synchronize(self) -> None:
+        """Wait for queued work: none here (numpy computes when called)."""
+
+    def take_row(self, a: Any, row: Any) -> Any:
+        """Row `row` (an int32 [1] array) of a [T, ...] as a new [1, ...] array."""
+        i = int(row[0])
+        return a[i : i + 1].copy()
 
     def weight(self, host_f32: np.ndarray) -> Any:
         """A dequantized weight in the compute dtype on the backend."""

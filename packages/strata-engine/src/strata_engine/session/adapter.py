@@ -86,6 +86,7 @@ from strata_sessionfile import memory_available as sessionfile_memory_available
 from strata_sessionfile.format import LIMIT
 
 from ..kv import SCALE_DTYPE, KVParts, RingCheckpoint
+from ..kv.pool import ring_byte_spans
 from ..runner import RunnerState
 from ..sampling import SamplerState, SamplerStateError
 from .identity import SESSION_LAYOUT_VERSION, runner_identity
@@ -143,12 +144,6 @@ class _Prepared:
         return tokens is mine or tuple(tokens) == tuple(mine)
 
 
-def _sync(pool: Any) -> None:
-    sync = getattr(pool.ops, "synchronize", None)
-    if sync is not None:
-        sync()
-
-
 def _to_host(src: Any, dest: np.ndarray) -> None:
     if isinstance(src, np.ndarray):
         dest[...] = src
@@ -197,6 +192,16 @@ class BlockBufferCache:
         no cost when it does not; the next restore then writes over them without faulting)."""
         if self._staging_map is not None:
             _madvise(self._staging_map, "MADV_FREE")
+
+
+def block_buffers(pool: Any, cache: BlockBufferCache | None, count: int, nbytes: int) -> list[memoryview]:
+    """The library's block buffers for a SAVE / RESTORE on `pool`: the pool's pinned ones where it has them
+    (its copies run as DMA), else the kept host ones (`cache`), else fresh memory."""
+    if pool.capabilities.pinned_buffers:
+        return pool.pinned_buffers(count, nbytes)
+    if cache is not None:
+        return cache.get(count, nbytes)
+    return [memoryview(bytearray(nbytes)) for _ in range(count)]
 
 
 def _madvise(area: mmap.mmap, advice: str) -> None:
@@ -306,17 +311,10 @@ class EngineSession:
         return got
 
     def _segments(self, layer: int, part: Part, start: int, offset: int, length: int):
-        """(flat slot-byte view, [(slot_byte_lo, slot_byte_hi, dest_lo)]) for bytes [offset, offset+length)
-        of the part whose first logical position is `start`."""
+        """(flat slot-byte view, `ring_byte_spans`) for bytes [offset, offset+length) of the part whose
+        first logical position is `start`."""
         flat, capacity = self._flat_slots(layer, part)
-        total = int(flat.shape[0])
-        row = total // capacity
-        phys = ((start % capacity) * row + offset) % total
-        first = min(length, total - phys)
-        segs = [(phys, phys + first, 0)]
-        if first < length:
-            segs.append((0, length - first, first))
-        return flat, segs
+        return flat, ring_byte_spans(start, offset, length, capacity, int(flat.shape[0]) // capacity)
 
     # ---- SessionSource (save) -------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -340,7 +338,7 @@ class EngineSession:
             engine_fields=json.dumps(fields, sort_keys=True, separators=(",", ":")).encode(),
         )
         self._save_starts = starts
-        _sync(runner.pool)  # queued device work lands before copy_out reads the pool (once per save)
+        runner.pool.ops.synchronize()  # queued device work lands before copy_out reads the pool (once per save)
         return Snapshot(running, layers)
 
     def _encode_checkpoint(self, cp: RingCheckpoint | None) -> tuple[Checkpoint, dict | None]:
@@ -449,7 +447,7 @@ class EngineSession:
 
     def begin_apply(self, plan: RestorePlan) -> None:
         self._require_prepared(plan)
-        _sync(self.runner.pool)  # queued device work must not race the host writes that follow
+        self.runner.pool.ops.synchronize()  # queued device work must not race the host writes that follow
         self.live_touched = True
         self._copies_in = 0
 
@@ -461,7 +459,7 @@ class EngineSession:
     def wait_copies(self) -> None:
         """The library's block buffers are refilled only after this: the device copies queued from them by
         copy_in / stage_in have read them (AsyncCopyTarget)."""
-        _sync(self.runner.pool)
+        self.runner.pool.ops.synchronize()
 
     def flush_copies(self) -> None:
         """A block's pieces were all handed over: queue the copy that `copy_bytes` still held back to merge
@@ -481,7 +479,7 @@ class EngineSession:
         host memory (staged), the pool's slots when they are (streaming: a host pool or the host side of
         a device-mapped pool). Touches nothing."""
         if plan.mode is RestoreMode.STAGED:
-            return getattr(self.runner.pool, "staging_array", None) is None
+            return not self.runner.pool.capabilities.device_staging
         return isinstance(self._slot_array(0, Part.K), np.ndarray)
 
     def landing_views(self, layer: int, part: Part, offset: int, length: int) -> list[memoryview]:
@@ -519,7 +517,7 @@ class EngineSession:
             raise InjectedFault("injected fault: restore, at the commit")
         # The pool was written in place (queued device copies land first); the extent, the resident rings
         # (refill), the tokens and the checkpoints follow in one call, then the sampler.
-        _sync(self.runner.pool)
+        self.runner.pool.ops.synchronize()
         self.runner.restore_state(prepared.runner_state)
         if prepared.sampler is not None:
             self.sampler.set(prepared.sampler)
@@ -533,7 +531,7 @@ class EngineSession:
         self._staged = None
         self._prepared = None
         try:
-            _sync(self.runner.pool)  # no queued copy may land in the pool after it was erased
+            self.runner.pool.ops.synchronize()  # no queued copy may land in the pool after it was erased
             self.runner.erase()
         except Exception:  # the process is going down; the original error is what matters
             log.exception("erase after a fail-stop failed")
@@ -556,8 +554,8 @@ class EngineSession:
             return False
         if self._stages_in_pool():
             return True
-        device_free = getattr(self.runner.pool, "device_free_bytes", None)  # a device pool stages in VRAM
-        have = device_free() if device_free is not None else self.memory_available()
+        pool = self.runner.pool
+        have = pool.device_free_bytes() if pool.capabilities.device_staging else self.memory_available()
         return have is None or self.staging_bytes(plan) + STAGING_HEADROOM <= have
 
     def begin_staging(self, plan: RestorePlan) -> None:
@@ -568,13 +566,11 @@ class EngineSession:
         # A device pool stages in VRAM (the switch is then a device copy); others in host memory. Either
         # way one allocation carved into the parts: one mapping to fault in (host), one allocation from
         # the device memory pool instead of one per part (device).
-        nbytes = self.staging_bytes(plan)
-        alloc = getattr(self.runner.pool, "staging_array", None)
-        if alloc is not None:
-            area = alloc(nbytes)
+        nbytes, pool = self.staging_bytes(plan), self.runner.pool
+        if pool.capabilities.device_staging:
+            area = pool.staging_array(nbytes)
         elif self.buffers is not None:
-            pool_bytes = getattr(getattr(self.runner.pool, "buffer", None), "nbytes", 0)
-            area = self.buffers.staging(nbytes, reserve=int(pool_bytes))
+            area = self.buffers.staging(nbytes, reserve=pool.nbytes)
         else:
             area = np.empty(nbytes, dtype=np.uint8)
         staged, lo = [], 0
@@ -598,14 +594,7 @@ class EngineSession:
         self.runner.pool.ops.copy_bytes(self._staged[layer][part], offset, data)
 
     def block_buffers(self, count: int, nbytes: int) -> list[memoryview]:
-        """The library's block buffers: pinned host memory for a device pool (its copies run as DMA),
-        plain memory otherwise."""
-        pinned = getattr(self.runner.pool, "pinned_buffers", None)
-        if pinned is not None:
-            return pinned(count, nbytes)
-        if self.buffers is not None:
-            return self.buffers.get(count, nbytes)
-        return [memoryview(bytearray(nbytes)) for _ in range(count)]
+        return block_buffers(self.runner.pool, self.buffers, count, nbytes)
 
     def commit_staged(self, state: RunningState) -> None:
         staged, prepared = self._staged, self._prepared
@@ -619,19 +608,19 @@ class EngineSession:
             raise E.AdapterFailed("commit_staged without a staged session that check_plan saw")
         # The switch: every check passed; from the first byte written the live conversation is replaced
         # (a failure from here on is a fail-stop, see live_touched).
-        _sync(self.runner.pool)
+        self.runner.pool.ops.synchronize()
         try:
             for layer, parts in enumerate(staged):
                 for part, data in enumerate(parts):
                     if data is not None:  # queued device copies; one sync after every part
                         self._write_pool(layer, Part(part), 0, data, prepared.starts)
-            _sync(self.runner.pool)
+            self.runner.pool.ops.synchronize()
         finally:
             self._drop_staged()
         self.commit(state)
 
     def discard_staged(self) -> None:
-        _sync(self.runner.pool)  # no queued copy may still write the staging area once it is freed
+        self.runner.pool.ops.synchronize()  # no queued copy may still write the staging area once it is freed
         if self._staging_in_pool:  # the pool held nothing before: it holds nothing again
             self._staging_in_pool = False
             self.runner.erase()

@@ -25,12 +25,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-import numpy as np
 import strata_sessionfile as sf
 from strata_sessionfile import errors as E
 
 from ..protocol import ArgumentKind, CommandRegistry, ErrorKind, FailStop, ProtocolError, ServeContext
-from .adapter import BlockBufferCache, EngineSession, FaultPoint, SamplerAccess
+from .adapter import BlockBufferCache, EngineSession, FaultPoint, SamplerAccess, block_buffers
 from .identity import runner_identity
 
 log = logging.getLogger(__name__)
@@ -90,26 +89,14 @@ class SessionVerbs:
 
     def warm(self, ctx: ServeContext) -> None:
         """Start-up work that would otherwise land in the first SAVE/RESTORE: the identity (fingerprinting
-        the model files), the reader threads, the pool's byte views, the block buffers, and faulting in the
-        host pool's pages (the pool is allocated lazily zeroed; a restored conversation would otherwise pay
-        the page faults of every byte it lands, which a process that never restarted paid during its
-        prefill)."""
+        the model files), the reader threads, the pool's own (`KVPool.warm`), and the block buffers with
+        their pages faulted in."""
         self.identity(ctx.runner)
         self.readers().start()
-        pool = ctx.runner.pool
-        for i in range(pool.geometry.n_layers):  # tens of microseconds each on a device
-            for attr in ("k", "v", "k_scale", "v_scale"):
-                pool.part_bytes(i, attr)
+        ctx.runner.pool.warm()
         count = self.read_threads() + 1  # a restore's buffers (a save uses the first two)
-        pinned = getattr(ctx.runner.pool, "pinned_buffers", None)  # a device pool's own, pinned
-        if pinned is not None:
-            pinned(count, self.block_size(ctx.runner))
-        else:
-            for b in self.buffers.get(count, self.block_size(ctx.runner)):
-                b[:] = bytes(len(b))  # fault the pages in now
-        buffer = getattr(ctx.runner.pool, "buffer", None)
-        if isinstance(buffer, np.ndarray) and ctx.runner.pool.n_tokens == 0:
-            buffer.fill(0)  # the pool holds nothing yet: writing zeros changes no state
+        for b in block_buffers(ctx.runner.pool, self.buffers, count, self.block_size(ctx.runner)):
+            b[:] = bytes(len(b))
 
     def read_threads(self) -> int:
         return self.options.read_threads if self.options.read_threads is not None else sf.default_read_threads()

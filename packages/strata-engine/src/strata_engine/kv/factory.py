@@ -1,0 +1,36 @@
+"""Which K/V pool and placement a runner gets, by backend and `--kv-resident` (the one place that decides).
+
+numpy: a `KVPool`, read directly or behind a host-memory resident ring. cupy: a `DevicePool`, read by the
+device placement that attends in place; with a resident ring, a `HostMappedPool` behind a VRAM ring.
+"""
+
+from __future__ import annotations
+
+from ..ops import Ops
+from ..settings import Backend
+from .device import DevicePool, DevicePoolPlacement, DeviceResidentRingPlacement, HostMappedPool
+from .layout import KVGeometry
+from .placement import PoolPlacement, ResidentRingPlacement
+from .pool import KVPool
+
+# pool type -> (its placement without a resident ring, its placement with one)
+PLACEMENTS: dict[type[KVPool], tuple[type[PoolPlacement], type[ResidentRingPlacement]]] = {
+    KVPool: (PoolPlacement, ResidentRingPlacement),
+    DevicePool: (DevicePoolPlacement, ResidentRingPlacement),
+    HostMappedPool: (PoolPlacement, DeviceResidentRingPlacement),
+}
+
+
+def make_pool(geometry: KVGeometry, ops: Ops, kv_resident: int | None) -> KVPool:
+    """The authoritative pool for a backend and placement."""
+    if ops.name != Backend.CUPY:
+        return KVPool(geometry, ops)
+    if kv_resident is not None:
+        return HostMappedPool(geometry, ops)
+    return DevicePool(geometry, ops)  # the serve verbs pin its block buffers at start-up (SessionVerbs.warm)
+
+
+def make_placement(pool: KVPool, kv_resident: int | None) -> PoolPlacement:
+    """The placement the forward pass reads `pool` through: directly, or behind an N-token resident ring."""
+    plain, with_ring = PLACEMENTS[type(pool)]
+    return plain(pool) if kv_resident is None else with_ring(pool, kv_resident)

@@ -1,0 +1,92 @@
+"""`Ops`: the interface every backend's numeric operations implement (`NumpyOps`, `CupyOps`).
+
+Models, the K/V code and the session adapter are written against this type; a backend is one class
+that implements it (`ops.OPS_OF_BACKEND`). Shapes: T tokens, S key positions, H query heads, Hkv K/V
+heads, D head dim, E embedding; weights as ggml stores them, [out, in].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..config import Activation, RopeStyle
+
+
+class Ops(Protocol):
+    name: str  # the backend (settings.Backend)
+    xp: Any  # the array module: numpy or cupy
+    dtype: np.dtype  # the compute dtype
+
+    # ---- data movement ---------------------------------------------------------------------------
+    def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:
+        """A host array on the backend (converted to `dtype` first when given)."""
+
+    def to_host(self, arr: Any) -> np.ndarray: ...
+
+    def weight(self, host_f32: np.ndarray) -> Any:
+        """A dequantized weight in the compute dtype on the backend."""
+
+    def copy_bytes(self, dest: Any, offset: int, src: Any) -> None:
+        """dest[offset:offset + src.nbytes] = src for flat uint8 arrays; a copy into device memory may only
+        be queued (it has run after `flush_copies` and `synchronize`)."""
+
+    def flush_copies(self) -> None:
+        """Start every copy `copy_bytes` still holds back."""
+
+    def synchronize(self) -> None:
+        """Wait for all queued backend work (before host memory it writes is read or reused)."""
+
+    def take_row(self, a: Any, row: Any) -> Any:
+        """Row `row` (an int32 [1] array, read at run time) of a [T, ...] as a [1, ...] array."""
+
+    # ---- the forward pass ------------------------------------------------------------------------
+    def embed(self, table: Any, ids: Any, scale: float = 1.0) -> Any:
+        """Rows of `table` [V, E] for `ids` [T] -> [T, E], times `scale`."""
+
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any: ...
+
+    def add_rms_norm(self, x: Any, y: Any, w_post: Any | None, w_next: Any, eps: float) -> tuple[Any, Any]:
+        """x' = x + (rms_norm(y) * w_post, or y), and rms_norm(x') * w_next."""
+
+    def silu(self, x: Any) -> Any: ...
+
+    def gelu_tanh(self, x: Any) -> Any: ...
+
+    def matmul(self, x: Any, w: Any) -> Any:
+        """x [T, in] @ W^T for W [out, in] -> [T, out] in the compute dtype."""
+
+    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...]) -> list[Any]:
+        """x @ W^T for W = [W_1; W_2; ...] (blocks of `sizes` rows): one [T, size] array per block."""
+
+    def gated_mlp(self, x: Any, w_gate_up: Any, w_down: Any, activation: Activation) -> Any: ...
+
+    def rope_tables(self, pos0: int, n: int, base: float, rope_dim: int) -> tuple[Any, Any]:
+        """cos, sin [n, rope_dim / 2] for positions pos0 .. pos0 + n - 1."""
+
+    def rope(self, x: Any, cos: Any, sin: Any, style: RopeStyle) -> Any: ...
+
+    def qk_norm_rope(
+        self, q: Any, k: Any, head_dim: int, q_norm: Any | None, k_norm: Any | None, cos: Any, sin: Any,
+        style: RopeStyle, eps: float,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        """Projections q [T, H*D], k [T, Hkv*D] -> rotated (and, with the norms, per-head normalised)
+        q [T, H, D], k [T, Hkv, D]."""
+
+    def store_kv(self, k: Any, v: Any, k_pool: Any, v_pool: Any, pos0: int, ring_capacity: int = 0) -> None:
+        """k, v [T, Hkv, D] into pool slots in the pool's dtype (slot = position, or position % capacity)."""
+
+    def attention(
+        self, q: Any, k: Any, v: Any, *, q_pos0: int, k_pos0: int, window: int | None, scale: float,
+        ring_capacity: int = 0,
+    ) -> Any:  # fmt: skip
+        """Causal (optionally sliding-window) GQA attention: q [T, H, D] over k, v [S, Hkv, D] -> [T, H*D]."""
+
+    def logits(self, x: Any, w_out: Any) -> np.ndarray:
+        """x [T, E] @ W_out^T accumulated in float32 whatever the compute dtype -> host float32 [T, V]."""
+
+    # ---- int8 K/V --------------------------------------------------------------------------------
+    def quantize_int8(self, x: Any, group: int | None = None) -> tuple[Any, Any]: ...
+
+    def dequantize_int8(self, q: Any, scale: Any) -> Any: ...
