@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from strata_engine.config import Activation, RopeStyle
-from strata_engine.ops.cupy_ops import blocked_attention, key_block_for
+from strata_engine.ops.attention_tiling import blocked_attention, key_block_for
 from strata_engine.ops.numpy_ops import NumpyOps
 
 TOL = {"f32": 1e-5, "f16": 2e-3, "bf16": 1.6e-2}
@@ -284,7 +284,7 @@ def test_flash_attention_over_a_ring_matches_the_gathered_context(cp, dtype, n_q
 
 
 def test_flash_tiles_and_splits():
-    from strata_engine.ops.cupy_ops import flash_splits, flash_tiles
+    from strata_engine.ops.attention_tiling import flash_splits, flash_tiles
 
     assert (
         flash_tiles(64, 3) == (1, 64)

@@ -36,7 +36,7 @@ from .errors import GraphCaptureFailed
 from .kv.device import DevicePoolPlacement
 from .kv.placement import PoolPlacement
 from .models import Model
-from .ops.cupy_ops import FLASH_HEAD_DIMS
+from .ops.attention_tiling import FLASH_HEAD_DIMS
 
 # Padding of a step shorter than its graph: any valid id (its K/V land past the conversation's end, in
 # slots the next tokens overwrite before anything attends to them; its rows' results are never read).

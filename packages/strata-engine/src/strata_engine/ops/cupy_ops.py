@@ -1,342 +1,47 @@
-"""The engine's numeric operations on an NVIDIA GPU through CuPy: the twin of `numpy_ops.NumpyOps`.
+"""The engine's numeric operations on an NVIDIA GPU through CuPy: `CupyOps`, the twin of `NumpyOps`.
 
 Same methods, same shapes, same meaning; `xp` is `cupy`. Weights live on the device in the compute
-dtype (f32, f16, or bf16 where this CuPy has a bfloat16 dtype). Matrix products go to cuBLAS through
-`cupy.matmul` (a fused [Wq; Wk; Wv] or [Wg; Wu] weight is one product); normalisation, RoPE and the
-residual steps are hand-written kernels in `kernels.cu` (`_RawKernels`), fused so that a decode step
-issues about a dozen launches per layer; they compute in float32 whatever the storage dtype.
+dtype (f32, f16, or bf16 where this CuPy has a bfloat16 dtype). Matrix products go to cuBLAS
+(cublas.py; a fused [Wq; Wk; Wv] or [Wg; Wu] weight is one product); normalisation, RoPE and the
+residual steps are hand-written kernels in `kernels.cu` (loaded by kernels.py), fused so that a decode
+step issues about a dozen launches per layer; they compute in float32 whatever the storage dtype.
 
 Attention in f16 / bf16 runs `strata_flash_attn` on the tensor cores (f16 operands, f32 accumulation
 and softmax; keys read where the pool stores them, rings included); in f32 it keeps the exact path,
-`blocked_attention` (float32 matmuls over key blocks with an online softmax, so a 32K-token prefill
-never materialises a [H, T, S] score matrix larger than `ATTENTION_SCORE_BUDGET` bytes).
+`blocked_attention` (attention_tiling.py: float32 matmuls over key blocks with an online softmax, so a
+32K-token prefill never materialises a [H, T, S] score matrix larger than `ATTENTION_SCORE_BUDGET`).
 
-`cupy` is imported when a `CupyOps` is made, never at module import, so this module (and
-`blocked_attention`, the algorithm, which runs on numpy too and is tested here on the CPU) imports
-on machines without CuPy.
+`cupy` is imported when a `CupyOps` is made, never at module import, so this module imports on
+machines without CuPy.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 
 from ..config import Activation, RopeStyle
 from ..errors import SettingsError
-from .numpy_ops import _GELU_C, NumpyOps, rope_angles
+from .attention_tiling import (
+    ATTENTION_SCORE_BUDGET,
+    FLASH_HEAD_DIMS,
+    blocked_attention,
+    flash_splits,
+    flash_tiles,
+    key_block_for,
+)
+from .cublas import Cublas
+from .kernels import ElementwiseKernels, RawKernels, c_type
+from .numpy_ops import NumpyOps, rope_angles
 
 _LOG2E = 1.4426950408889634  # the flash kernel keeps scores in base 2 (exp2)
 _NULL = np.uint64(0)  # a null pointer argument for the raw kernels
-
-# Bytes of float32 attention scores one key block may occupy ([Hkv, G*T, block]).
-ATTENTION_SCORE_BUDGET = 256 << 20
-MIN_KEY_BLOCK = 256
-
-
-def blocked_attention(
-    xp: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    q_pos0: int,
-    k_pos0: int,
-    window: int | None,
-    scale: float,
-    key_block: int,
-    out_dtype: Any,
-) -> Any:
-    """Causal (optionally sliding-window) GQA attention over key blocks with an online softmax.
-
-    q [T, H, D]; k, v [S, Hkv, D] (any float dtype; computed in float32). A query at position p sees
-    keys at j <= p with p - j < window. Key blocks wholly outside every query's view are skipped.
-    Returns [T, H*D] in `out_dtype`. Per block: s = (q * scale) k^T + mask; m' = max(m, rowmax s);
-    acc = acc * e^(m - m') + e^(s - m') v; l = l * e^(m - m') + rowsum e^(s - m'); out = acc / l."""
-    f32 = xp.float32
-    n_q, n_head, d = q.shape
-    n_k, n_kv, _ = k.shape
-    group = n_head // n_kv
-    rows = group * n_q
-    # [T, Hkv, G, D] -> [Hkv, G*T, D]: row r of a K/V head is query position q_pos0 + r % T.
-    qg = q.astype(f32).reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3).reshape(n_kv, rows, d)
-    qg *= f32(scale)  # scaling the queries once costs a pass over [rows, D], not over the scores
-    q_first, q_last = q_pos0, q_pos0 + n_q - 1
-    # Keys any query can see: [lo_vis, hi_vis] in positions.
-    lo_vis = k_pos0 if window is None else max(k_pos0, q_first - window + 1)
-    hi_vis = min(k_pos0 + n_k - 1, q_last)
-    start = lo_vis - k_pos0
-    stop = hi_vis - k_pos0 + 1
-    qpos = xp.arange(q_first, q_last + 1)[:, None]  # [T, 1]
-
-    def block_scores(b0: int, b1: int) -> Any:
-        """Masked, scaled scores of keys [b0, b1): [Hkv, G*T, b1 - b0] float32."""
-        s = xp.matmul(qg, k[b0:b1].astype(f32, copy=False).transpose(1, 2, 0))
-        kpos0, kpos1 = k_pos0 + b0, k_pos0 + b1 - 1
-        if kpos1 > q_first or (window is not None and q_last - kpos0 >= window):
-            kpos = xp.arange(kpos0, kpos1 + 1)[None, :]  # [1, B]
-            visible = kpos <= qpos
-            if window is not None:
-                visible &= (qpos - kpos) < window
-            s = s.reshape(n_kv, group, n_q, b1 - b0)
-            s += xp.where(visible, f32(0), f32(-np.inf)).astype(f32)  # [T, B] broadcast
-            s = s.reshape(n_kv, rows, b1 - b0)
-        return s
-
-    def finish(acc: Any) -> Any:
-        out = acc.reshape(n_kv, group, n_q, d).transpose(2, 0, 1, 3).reshape(n_q, n_head * d)
-        return out.astype(out_dtype, copy=False)
-
-    if stop - start <= key_block:
-        # One block (every decode step, most prefill chunks): a plain softmax, no running statistics.
-        s = block_scores(start, stop)
-        s -= s.max(axis=-1, keepdims=True)
-        xp.exp(s, out=s)
-        acc = xp.matmul(s, v[start:stop].astype(f32, copy=False).transpose(1, 0, 2))
-        acc /= s.sum(axis=-1, keepdims=True)
-        return finish(acc)
-
-    m = xp.full((n_kv, rows, 1), -np.inf, dtype=f32)
-    l_sum = xp.zeros((n_kv, rows, 1), dtype=f32)
-    acc = xp.zeros((n_kv, rows, d), dtype=f32)
-    for b0 in range(start, stop, key_block):
-        b1 = min(b0 + key_block, stop)
-        s = block_scores(b0, b1)
-        m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
-        # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp() gives 0, not NaN.
-        shift = xp.where(m_new == f32(-np.inf), f32(0), m_new)
-        s -= shift
-        xp.exp(s, out=s)
-        correction = xp.exp(m - shift)
-        l_sum *= correction
-        l_sum += s.sum(axis=-1, keepdims=True)
-        acc *= correction
-        acc += xp.matmul(s, v[b0:b1].astype(f32, copy=False).transpose(1, 0, 2))
-        m = m_new
-    acc /= l_sum
-    return finish(acc)
-
-
-def key_block_for(n_kv: int, rows: int, budget: int = ATTENTION_SCORE_BUDGET) -> int:
-    """Keys per block so that one block's float32 scores [Hkv, rows, block] fit the budget."""
-    return max(MIN_KEY_BLOCK, budget // (4 * n_kv * max(rows, 1)))
-
-
-_ROPE_BODY = r"""
-const int d = i % dim;
-const int t = i / (dim * heads);
-float out;
-if (d >= 2 * half) {
-    out = (float)x[i];
-} else if (neox) {
-    const int j = d < half ? d : d - half;
-    const float c = cos_t[t * half + j];
-    const float s = sin_t[t * half + j];
-    if (d < half) {
-        out = (float)x[i] * c - (float)x[i + half] * s;
-    } else {
-        out = (float)x[i] * c + (float)x[i - half] * s;
-    }
-} else {
-    const int j = d >> 1;
-    const float c = cos_t[t * half + j];
-    const float s = sin_t[t * half + j];
-    if ((d & 1) == 0) {
-        out = (float)x[i] * c - (float)x[i + 1] * s;
-    } else {
-        out = (float)x[i] * c + (float)x[i - 1] * s;
-    }
-}
-y = (T)out;
-"""
-
-
 MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyKind
 MEMCPY_DEVICE_TO_DEVICE = 3
-
-class _Kernels:
-    """The element-wise CuPy kernels (compiled on first use by CuPy's kernel cache); the row kernels
-    (norms, RoPE on a fused projection, attention, K/V store) are in kernels.cu (`_RawKernels`)."""
-
-    def __init__(self, cp: Any):
-        self.silu_mul = cp.ElementwiseKernel(
-            "T g, T u",
-            "T y",
-            "const float gf = (float)g; y = (T)(gf / (1.0f + expf(-gf)) * (float)u)",
-            "strata_silu_mul",
-        )
-        # rows [pos, pos + n) of a flat [rows, width] table, pos read on the device (a captured step)
-        self.rows_at = cp.ElementwiseKernel(
-            "raw int32 pos, raw T table, int32 width", "T out", "out = table[pos[0] * width + i]", "strata_rows_at"
-        )
-        self.gelu_tanh_mul = cp.ElementwiseKernel(
-            "T g, T u",
-            "T y",
-            f"const float gf = (float)g;"
-            f"y = (T)(0.5f * gf * (1.0f + tanhf({_GELU_C!r}f * (gf + 0.044715f * gf * gf * gf))) * (float)u)",
-            "strata_gelu_tanh_mul",
-        )
-        self.rope = cp.ElementwiseKernel(
-            "raw T x, raw float32 cos_t, raw float32 sin_t, int32 heads, int32 dim, int32 half, bool neox",
-            "T y",
-            _ROPE_BODY,
-            "strata_rope",
-        )
-        self.dequant_int8 = cp.ElementwiseKernel(
-            "raw int8 q, raw float32 scale, int32 block",
-            "T y",
-            "y = (T)((float)q[i] * scale[i / block])",
-            "strata_dequant_int8",
-        )
-
-
-# ---- the hand-written kernels (kernels.cu) -------------------------------------------------------
-_C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-FLASH_HEAD_DIMS = (64, 128, 256)  # head sizes strata_flash_attn is instantiated for
-
-
-def flash_tiles(head_dim: int, rows: int) -> tuple[int, int]:
-    """(warps per block, keys per tile) of strata_flash_attn: a block holds 16 query rows per warp;
-    one warp when the rows fit it (decode), else four, or eight for 256-wide heads with many rows.
-    Head size 256 takes 16-key tiles so a warp's 128 output and 8 score accumulators stay in registers
-    (ptxas, sm_90: 196 registers, no spills; 32-key tiles spill). Measured on the H200
-    (bench/bench_gpu_kernels.py): head 64 at 4,096 causal rows 0.20 ms with (4, 64) against 0.23 with
-    (8, 64); gemma3's 2,048 x 32K global chunk 1.98 ms with (8, 16) against 2.29 with (4, 16)."""
-    if rows <= 16:
-        warps = 1
-    else:
-        warps = 8 if head_dim > 128 and rows > 64 else 4
-    return warps, (16 if head_dim > 128 else 64)
-
-
-def flash_splits(n_blocks: int, n_keys: int, key_tile: int, n_sm: int) -> int:
-    """Key splits per row tile: enough blocks to fill the device twice over when the row tiles alone
-    do not (decode, short chunks), but never under four key tiles per split."""
-    if n_blocks >= 2 * n_sm:
-        return 1
-    want = -(-2 * n_sm // n_blocks)
-    return max(1, min(want, n_keys // (4 * key_tile)))
-
-
-class _RawKernels:
-    """strata_* kernels of kernels.cu, one compiled instance per template signature (NVRTC through
-    cupy.RawModule; CuPy caches the binaries on disk)."""
-
-    def __init__(self, cp: Any):
-        from importlib.resources import files
-
-        self.cp = cp
-        self.source = (files(__package__) / "kernels.cu").read_text()
-        self._cache: dict[str, Any] = {}
-        self._smem_opt_in: dict[int, int] = {}
-        self.n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-
-    def allow_shared_memory(self, kernel: Any, nbytes: int) -> None:
-        """Opt a kernel in to more than 48 KiB of dynamic shared memory (once per kernel and size)."""
-        if nbytes > 48 << 10 and self._smem_opt_in.get(id(kernel), 0) < nbytes:
-            kernel.max_dynamic_shared_size_bytes = nbytes
-            self._smem_opt_in[id(kernel)] = nbytes
-
-    def get(self, name: str, *template_args: object) -> Any:
-        key = (name, template_args)  # looked up per launch: no string formatting on a hit
-        kernel = self._cache.get(key)
-        if kernel is None:
-            expr = f"{name}<{', '.join(str(a) for a in template_args)}>"
-            module = self.cp.RawModule(code=self.source, options=("--std=c++17",), name_expressions=[expr])
-            kernel = self._cache[key] = module.get_function(expr)
-        return kernel
-
-
-@functools.cache
-def _c_type_of(dtype: np.dtype) -> str:
-    return _C_TYPES[dtype.name]
-
-
-def c_type(dtype: Any) -> str:
-    """The kernels' C type of a dtype (called per launch: cached per dtype object)."""
-    return _c_type_of(dtype if isinstance(dtype, np.dtype) else np.dtype(dtype))
-
-
 # strata_gated_act's ACT template argument per activation
 _GATED_ACT = {Activation.SILU: 0, Activation.GELU_TANH: 1}
 WARP_ROWS_PER_BLOCK = 8  # the row kernels run one warp per row, 8 warps per block
-
-# cuBLAS enums (cublas_api.h, library_types.h).
-_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
-_CUDA_TYPES = {"float32": 0, "float16": 2, "bfloat16": 14}  # CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF
-_CUBLAS_COMPUTE_32F = 68  # float32 accumulation, no TF32 (what cupy.matmul does by default)
-_CUBLAS_GEMM_DEFAULT = -1
-CUBLAS_WORKSPACE_BYTES = 32 << 20
-
-
-@functools.cache
-def _cuda_type_of(dtype: np.dtype) -> int:
-    return _CUDA_TYPES[dtype.name]
-
-
-class _Cublas:
-    """cublasGemmEx called through ctypes on a handle of our own.
-
-    CuPy refuses cuBLAS calls while a stream is being captured (cupy/cupy#6290), yet cuBLAS itself
-    supports capture; and `cupy.matmul` spends tens of microseconds in Python per call, which is most
-    of a small model's decode step. A fixed workspace keeps cuBLAS from allocating inside a capture."""
-
-    def __init__(self, cp: Any):
-        import ctypes
-
-        import cupy_backends.cuda.libs.cublas  # noqa: F401 - loads the library CuPy itself uses
-        from cuda import pathfinder
-
-        self.ctypes = ctypes
-        loaded = pathfinder.load_nvidia_dynamic_lib("cublas")
-        # The handle pathfinder holds is the library CuPy uses; dlopen by path (or soname) reuses it.
-        self.lib = ctypes.CDLL(loaded.abs_path or "libcublas.so.13")
-        handle = ctypes.c_void_p()
-        self._check(self.lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
-        self.handle = handle
-        self.workspace = cp.empty(CUBLAS_WORKSPACE_BYTES, dtype=cp.uint8)
-        self._check(
-            self.lib.cublasSetWorkspace_v2(
-                handle, ctypes.c_void_p(self.workspace.data.ptr), ctypes.c_size_t(CUBLAS_WORKSPACE_BYTES)
-            ),
-            "cublasSetWorkspace",
-        )
-        self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        self.one_ref, self.zero_ref = ctypes.byref(self.one), ctypes.byref(self.zero)
-        self.gemm_ex = self.lib.cublasGemmEx
-        self.gemm_ex.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int,
-        ]  # fmt: skip
-        self.stream = None
-
-    def _check(self, status: int, what: str) -> None:
-        if status != 0:
-            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
-
-    def linear(self, cp: Any, x: Any, w: Any) -> Any:
-        """x [T, in] (rows may be strided) @ w^T for w [out, in] (C order) -> [T, out] in x's dtype.
-        Column-major, that is C [out, T] = W^T' X': transa = T over w's rows, transb = N over x's."""
-        n_tok, n_in = x.shape
-        n_out = w.shape[0]
-        out = cp.empty((n_tok, n_out), dtype=x.dtype)
-        stream = cp.cuda.get_current_stream().ptr
-        if stream != self.stream:
-            self._check(
-                self.lib.cublasSetStream_v2(self.handle, self.ctypes.c_void_p(stream)), "cublasSetStream"
-            )
-            self.stream = stream
-        dt = _cuda_type_of(x.dtype)
-        status = self.gemm_ex(
-            self.handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n_out, n_tok, n_in, self.one_ref,
-            w.data.ptr, dt, n_in, x.data.ptr, dt, x.strides[0] // x.itemsize, self.zero_ref,
-            out.data.ptr, dt, n_out, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT,
-        )  # fmt: skip
-        self._check(status, "cublasGemmEx")
-        return out
 
 
 def _device_dtypes(cp: Any) -> dict[str, np.dtype]:
@@ -373,9 +78,9 @@ class CupyOps(NumpyOps):
                 [f"compute dtype {dtype!r} is not available on the cupy backend (have: {', '.join(dtypes)})"]
             )
         self.dtype = dtypes[dtype]
-        self.kernels = _Kernels(cp)
-        self.raw = _RawKernels(cp)
-        self.cublas = _Cublas(cp)
+        self.kernels = ElementwiseKernels(cp)
+        self.raw = RawKernels(cp)
+        self.cublas = Cublas(cp)
         self._memcpy_async = cp.cuda.runtime.memcpyAsync  # looked up once: copy_bytes runs per block piece
         self._pending_copy: list[int] | None = None  # [dest, src, nbytes, kind] not yet queued (copy_bytes)
         self.score_budget = ATTENTION_SCORE_BUDGET  # bytes of float32 scores per attention key block
@@ -483,7 +188,7 @@ class CupyOps(NumpyOps):
         return self.kernels.gelu_tanh_mul(x, self.xp.ones_like(x))
 
     def matmul(self, x: Any, w: Any) -> Any:
-        """x [T, in] @ W^T through cublasGemmEx (see `_Cublas`); other layouts through cupy.matmul."""
+        """x [T, in] @ W^T through cublasGemmEx (see cublas.py); other layouts through cupy.matmul."""
         if (
             x.ndim == 2 and w.ndim == 2 and x.dtype == w.dtype and x.strides[1] == x.itemsize
             and w.flags.c_contiguous and x.shape[1] == w.shape[1] and x.shape[0] > 0

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..config import Activation, RopeStyle
 
-_GELU_C = math.sqrt(2.0 / math.pi)
+GELU_C = math.sqrt(2.0 / math.pi)
 INT8_MAX = 127.0
 
 
@@ -91,7 +91,7 @@ class NumpyOps:
 
     def gelu_tanh(self, x: Any) -> Any:
         xp = self.xp
-        return 0.5 * x * (1.0 + xp.tanh(self.dtype.type(_GELU_C) * (x + 0.044715 * x * x * x)))
+        return 0.5 * x * (1.0 + xp.tanh(self.dtype.type(GELU_C) * (x + 0.044715 * x * x * x)))
 
     # ---- matrix products -----------------------------------------------------------------------
     def matmul(self, x: Any, w: Any) -> Any:
