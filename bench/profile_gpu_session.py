@@ -86,7 +86,7 @@ def main() -> int:
     import strata_sessionfile as sf
     from strata_engine.runner import ModelRunner, RunnerState
     from strata_engine.session import EngineSession
-    from strata_engine.session.adapter import BlockBufferCache
+    from strata_engine.session.buffers import BlockBufferCache
     from strata_engine.session.verbs import SessionOptions, SessionVerbs
     from strata_engine.settings import EngineSettings
 

@@ -1,57 +1,16 @@
 """`EngineSession`: the session-file adapter over a `ModelRunner`'s K/V pool and running state.
 
-It implements strata_sessionfile's SessionSource (save), SessionTarget (two-pass streaming restore)
-and StagingTarget (staged restore). The library drives; this class only answers.
+It implements strata_sessionfile's SessionSource (save), SessionTarget (two-pass streaming restore),
+StagingTarget (staged restore) and LandingTarget (reads straight into host memory); the library drives,
+this class answers. What a file holds for this engine: spec/engine-protocol.md, "Sessions" (one file layer
+per model layer, the pool's own bytes in logical order; engine fields and checkpoint bytes: fields.py).
 
-What a file holds for this engine
----------------------------------
-* One file layer per model layer (no draft layers). A full-attention layer holds the conversation's
-  n tokens; a sliding-window layer holds its last min(n, window) tokens in logical order (the ring is
-  unrolled), which is exactly what continuing from n needs. The layer spec's window is the attention
-  window, not the ring's capacity (which is an engine detail with slack).
-* Parts are the pool's own bytes: K and V rows ``[Hkv, D]`` of the storage type; for int8 the K/V
-  scales. The pool keeps one float32 scale per block of `scale_block` values along D, and the format's
-  i8 type has one scale per (token, head): an int8 layer is therefore described as
-  ``Hkv * D / scale_block`` sub-heads of ``scale_block`` values, which is byte-for-byte the pool's
-  layout and exactly the format's rule (one scale per sub-head). The config mapping records the real
-  ``n_head_kv``, ``head_dim`` and ``kv_int8_scale_block``.
-* Running state: the tokens held (position = their count), the sampler state (45 bytes), the deepest
-  ring checkpoint (the end of the latest prompt: the next turn's resume point when its prompt leaves the
-  last reply early) as ``Checkpoint(position, data)`` with data = every ring layer's K, V (and scales) of
-  positions [max(0, position - window + 1), position) in ring-layer order, and ``engine_fields`` = a
-  small canonical JSON object ``{"layout": 1, "ring_start": int, "checkpoint": {"position", "start"} |
-  null}``.
-
-Byte movement never materializes the K/V: `copy_out` / `copy_in` memcpy between the pool's slot arrays
-and the library's block buffers. A ring's logical byte offset o maps to slot byte
-``(start_slot * row_bytes + o) mod (capacity * row_bytes)``: at most two contiguous copies. Where the
-destination is host memory (a host pool or the host side of a device-mapped pool in streaming mode, the
-host staging area in staged mode) a restore lands instead (`can_land` / `landing_views`): the library
-reads the file straight into those slots and hashes them there, one copy fewer per byte. Into device
-memory (a device pool, a VRAM staging area) `copy_in` / `stage_in` only queue an asynchronous copy from
-the pinned block buffer and return: the library calls `wait_copies` before it refills that buffer
-(`AsyncCopyTarget`) and `flush_copies` after each block's last piece (`MergingCopyTarget`: the ops merge
-pieces that continue each other into one copy), so the copies overlap the hashing and the reads instead
-of each waiting for its DMA.
-
-Restore order (streaming): `check_plan` parses and validates everything engine-specific (engine fields,
-checkpoint bytes, sampler state, the runner's own state rules) without touching anything; the gate
-(`begin_apply`) marks the live conversation as overwritten; `copy_in` writes straight into the
-authoritative pool; `commit` adopts the running state through `ModelRunner.restore_state`, which sets the
-pool's extent and refills every layer's resident ring from the pool. Staged: `stage_in` lands the bytes
-in a staging area while the library hashes them; `commit_staged` (after every check) copies them into
-the pool and commits the same way. A refused restore touches nothing; once the live pool was written
-(`live_touched`), any failure must end in a fail-stop (`fail_stop` drops the conversation in-process;
-the serve verb then exits with status 4).
-
-Staging memory: host memory for a host pool -- one area, kept by the serve verbs' `BlockBufferCache` and
-reused by every staged restore (fresh memory costs a page fault per page on first touch, more than the
-read; between restores the kernel may take it back, MADV_FREE), so after the first staged restore the
-process holds the K/V bytes twice; a device pool may provide `staging_array` (VRAM, the switch is then a
-device copy), `pinned_buffers` (the block buffers) and `device_free_bytes` (what `can_stage` checks);
-auto mode stages when the K/V plus STAGING_HEADROOM fits. An engine that holds nothing (a fresh process,
-the restart case) stages into the pool itself, host or device (`_stages_in_pool`): no staging area, no
-switch copy; a refused file leaves the pool holding nothing, as before.
+The order a restore keeps: `check_plan` validates everything engine-specific without touching anything;
+the gate (`begin_apply`, or the first byte `commit_staged` switches) marks the live conversation as
+overwritten (`live_touched`), after which any failure ends in `fail_stop`; `commit` adopts the running
+state through `ModelRunner.restore_state`, which refills every resident ring from the pool. Copies into
+device memory are only queued (`wait_copies` / `flush_copies` order them against the block buffers).
+Staging memory and the figures behind these choices: bench/CPU-NOTES.md and bench/GPU-NOTES.md.
 
 Fault injection for tests: a `FaultPoint` given by the serve verbs from the
 ``STRATA_ENGINE_SESSION_FAULT`` environment variable; never reachable from a request.
@@ -60,16 +19,13 @@ Fault injection for tests: a `FaultPoint` given by the serve verbs from the
 from __future__ import annotations
 
 import enum
-import json
 import logging
-import mmap
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 import numpy as np
 from strata_sessionfile import (
-    Checkpoint,
     EngineIdentity,
     EngineLimits,
     LayerGeometry,
@@ -85,11 +41,13 @@ from strata_sessionfile import errors as E
 from strata_sessionfile import memory_available as sessionfile_memory_available
 from strata_sessionfile.format import LIMIT
 
-from ..kv import SCALE_DTYPE, KVParts, RingCheckpoint
+from ..errors import SamplerStateError
 from ..kv.pool import ring_byte_spans
 from ..runner import RunnerState
-from ..sampling import SamplerState, SamplerStateError
-from .identity import SESSION_LAYOUT_VERSION, runner_identity
+from ..sampling import SamplerState
+from .buffers import BlockBufferCache, block_buffers
+from .fields import MAX_ENGINE_FIELDS_BYTES, EngineFieldsCodec
+from .identity import runner_identity
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +55,6 @@ log = logging.getLogger(__name__)
 PART_ATTR: dict[Part, str] = {Part.K: "k", Part.V: "v", Part.K_SCALES: "k_scale", Part.V_SCALES: "v_scale"}
 # Staging is used only when this much RAM stays free beside the staged bytes.
 STAGING_HEADROOM = 256 << 20
-MAX_ENGINE_FIELDS_BYTES = 4096
 
 
 class FaultPoint(enum.Enum):
@@ -151,68 +108,6 @@ def _to_host(src: Any, dest: np.ndarray) -> None:
         src.get(out=dest)
 
 
-class BlockBufferCache:
-    """Host memory kept for the life of the engine, so a SAVE or RESTORE does not allocate (and fault in)
-    fresh memory each time: the block buffers (2 for a save, readers + 1 for a restore), and the staging area of a staged restore into host
-    memory (K/V-sized; mapped on the first staged restore, reused by the next ones). Fresh anonymous memory
-    costs a page fault per page on first touch -- measured 50-500 ms per 182 MB on the CPU machine, more
-    than the read itself -- reused memory costs the copy. The engine serves one command at a time, so one
-    set is enough."""
-
-    def __init__(self) -> None:
-        self._buffers: list[memoryview] = []
-        self._staging_map: mmap.mmap | None = None
-        self._staging: np.ndarray | None = None
-
-    def get(self, count: int, nbytes: int) -> list[memoryview]:
-        """`count` buffers of `nbytes`. Grow-only: a buffer too small is replaced, missing ones are added,
-        none is dropped, so a save (2 buffers) and a restore (one per reader thread + 1) alternate
-        without allocating."""
-        for i, b in enumerate(self._buffers[:count]):
-            if len(b) < nbytes:
-                self._buffers[i] = memoryview(bytearray(nbytes))
-        while len(self._buffers) < count:
-            self._buffers.append(memoryview(bytearray(nbytes)))
-        return [b[:nbytes] for b in self._buffers[:count]]
-
-    def staging(self, nbytes: int, reserve: int = 0) -> np.ndarray:
-        """`nbytes` of the kept staging area; a larger area is mapped when it is too small (`reserve`: the
-        size to map then, e.g. the pool's, so a deeper conversation later fits: only the pages a restore
-        writes become resident)."""
-        if self._staging is None or len(self._staging) < nbytes:
-            self._staging = self._staging_map = None  # unmapped once the last view of it is gone
-            size = max(nbytes, reserve, 1)
-            self._staging_map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            _madvise(self._staging_map, "MADV_HUGEPAGE")  # 2 MiB pages: 512x fewer faults on first touch
-            self._staging = np.frombuffer(self._staging_map, dtype=np.uint8)
-        return self._staging[:nbytes]
-
-    def staging_done(self) -> None:
-        """After a staged restore: the kernel may take the staged pages back under memory pressure (MADV_FREE:
-        no cost when it does not; the next restore then writes over them without faulting)."""
-        if self._staging_map is not None:
-            _madvise(self._staging_map, "MADV_FREE")
-
-
-def block_buffers(pool: Any, cache: BlockBufferCache | None, count: int, nbytes: int) -> list[memoryview]:
-    """The library's block buffers for a SAVE / RESTORE on `pool`: the pool's pinned ones where it has them
-    (its copies run as DMA), else the kept host ones (`cache`), else fresh memory."""
-    if pool.capabilities.pinned_buffers:
-        return pool.pinned_buffers(count, nbytes)
-    if cache is not None:
-        return cache.get(count, nbytes)
-    return [memoryview(bytearray(nbytes)) for _ in range(count)]
-
-
-def _madvise(area: mmap.mmap, advice: str) -> None:
-    flag = getattr(mmap, advice, None)
-    if flag is not None:
-        try:
-            area.madvise(flag)
-        except OSError:  # a kernel without it: only slower
-            pass
-
-
 class EngineSession:
     """The adapter (see the module docstring). One per runner; not thread-safe (the serve loop is one
     thread). `identity` may be given (tests write files under another engine version that way)."""
@@ -238,8 +133,7 @@ class EngineSession:
         geometry = runner.kv_geometry
         self.kv_dtype = geometry.file_dtype
         self.specs = tuple(self._layer_spec(i) for i in range(geometry.n_layers))
-        self.ring_layers = tuple(geometry.ring_layers)
-        self.window = geometry.max_window  # None without sliding-window layers
+        self.fields = EngineFieldsCodec(geometry)
         # Restore bookkeeping.
         self.live_touched = False  # the live pool was written by a restore that has not committed
         self.fail_stopped: BaseException | None = None
@@ -259,7 +153,7 @@ class EngineSession:
     def _layer_spec(self, i: int) -> LayerSpec:
         g = self.runner.kv_geometry.layers[i]
         heads, dim = g.n_kv_heads, g.head_dim
-        if g.scale_block:  # int8: one sub-head per scale (see the module docstring)
+        if g.scale_block:  # int8: one sub-head per scale, the format's rule (one scale per token and head)
             heads, dim = g.n_kv_heads * g.head_dim // g.scale_block, g.scale_block
         return LayerSpec(
             index=g.index,
@@ -284,13 +178,6 @@ class EngineSession:
 
     def _starts(self, n: int) -> tuple[int, ...]:
         return tuple(n - spec.capacity(n) for spec in self.specs)
-
-    def _ring_start(self, n: int) -> int:
-        return n - min(n, self.window) if self.ring_layers else 0
-
-    def _checkpoint_token_bytes(self) -> int:
-        geometry = self.runner.kv_geometry
-        return sum(geometry.token_bytes(i) for i in self.ring_layers)
 
     # ---- the pool's bytes ----------------------------------------------------------------------
     def _slot_array(self, layer: int, part: Part) -> Any:
@@ -323,36 +210,22 @@ class EngineSession:
         n = state.position
         layers = tuple(LayerGeometry(spec, spec.capacity(n)) for spec in self.specs)
         starts = self._starts(n)
-        for i in self.ring_layers:
+        for i in self.fields.ring_layers:
             if starts[i] < runner.pool.ring_start:
                 raise E.InvalidSnapshot(
                     f"layer {i} must save positions [{starts[i]}, {n}) but its ring holds from "
                     f"{runner.pool.ring_start} only", field=f"layers[{i}]")
-        checkpoint, cp_fields = self._encode_checkpoint(state.deepest_checkpoint)
-        fields = {"layout": SESSION_LAYOUT_VERSION, "ring_start": self._ring_start(n), "checkpoint": cp_fields}
+        checkpoint, engine_fields = self.fields.encode(n, state.deepest_checkpoint, runner.pool.ops.to_host)
         running = RunningState(
             tokens=state.tokens,
             position=n,
             sampler_state=self.sampler.get().to_bytes(),
             checkpoint=checkpoint,
-            engine_fields=json.dumps(fields, sort_keys=True, separators=(",", ":")).encode(),
+            engine_fields=engine_fields,
         )
         self._save_starts = starts
         runner.pool.ops.synchronize()  # queued device work lands before copy_out reads the pool (once per save)
         return Snapshot(running, layers)
-
-    def _encode_checkpoint(self, cp: RingCheckpoint | None) -> tuple[Checkpoint, dict | None]:
-        if cp is None or not self.ring_layers:
-            return Checkpoint(0, b""), None
-        n_bytes = (cp.position - cp.start) * self._checkpoint_token_bytes()
-        if n_bytes > LIMIT["MAX_CHECKPOINT_DATA_BYTES"]:
-            log.warning("the deepest checkpoint (%d bytes) is over the format's limit: not saved", n_bytes)
-            return Checkpoint(0, b""), None
-        # One copy: join reads each (contiguous) array's buffer directly. A device pool keeps its
-        # checkpoints on the device (kv/checkpoints.py): they come to the host here, at the save.
-        to_host = self.runner.pool.ops.to_host
-        chunks = [np.ascontiguousarray(to_host(arr)) for i in self.ring_layers for arr in cp.layers[i].arrays()]
-        return Checkpoint(cp.position, b"".join(chunks)), {"position": cp.position, "start": cp.start}
 
     def copy_out(self, layer: int, part: Part, offset: int, dest: memoryview) -> None:
         if self.fault is FaultPoint.SAVE_DURING_COPY:
@@ -372,19 +245,7 @@ class EngineSession:
         if st.position != n:
             raise E.InconsistentState(f"position {st.position} differs from the {n} tokens held",
                                       field="state.position", **where)
-        try:
-            fields = json.loads(st.engine_fields.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise E.InconsistentState(f"engine fields are not JSON: {exc}", field="state.engine_fields",
-                                      **where) from None
-        if not isinstance(fields, dict) or fields.get("layout") != SESSION_LAYOUT_VERSION:
-            raise E.InconsistentState(f"engine fields {fields!r} are not layout {SESSION_LAYOUT_VERSION}",
-                                      field="state.engine_fields", **where)
-        ring_start = self._ring_start(n)
-        if fields.get("ring_start") != ring_start:
-            raise E.InconsistentState(f"ring_start {fields.get('ring_start')!r} should be {ring_start}",
-                                      field="state.engine_fields.ring_start", **where)
-        checkpoints = self._decode_checkpoint(st, fields.get("checkpoint", "missing"), where)
+        ring_start, checkpoints = self.fields.decode(st, where)
         sampler = None
         if st.sampler_state:
             try:
@@ -396,49 +257,6 @@ class EngineSession:
         if problems:
             raise E.InconsistentState("; ".join(problems), field="state", **where)
         self._prepared = _Prepared(id(plan), runner_state, sampler, self._starts(n))
-
-    def _decode_checkpoint(self, st: RunningState, cp_fields: Any, where: dict) -> tuple[RingCheckpoint, ...]:
-        data, index = st.checkpoint.data, st.checkpoint.token_index
-        if cp_fields is None:
-            if data or index:
-                raise E.InconsistentState("checkpoint data without its engine fields", field="state.checkpoint",
-                                          **where)
-            return ()
-        if (not isinstance(cp_fields, dict) or not self.ring_layers
-                or cp_fields.get("position") != index
-                or cp_fields.get("start") != max(0, index - self.window + 1)):
-            raise E.InconsistentState(f"checkpoint fields {cp_fields!r} do not match token index {index}",
-                                      field="state.engine_fields.checkpoint", **where)
-        start = cp_fields["start"]
-        count = index - start
-        expected = count * self._checkpoint_token_bytes()
-        if len(data) != expected:
-            raise E.InconsistentState(f"checkpoint data is {len(data)} bytes; {count} tokens of the ring layers "
-                                      f"are {expected}", field="state.checkpoint.data", **where)
-        geometry = self.runner.kv_geometry
-        sdt = geometry.storage_dtype
-        buf = np.frombuffer(data, dtype=np.uint8)  # bytes are immutable: read-only views, no copy
-        pos = 0
-        layers: dict[int, KVParts] = {}
-
-        def take(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-            nonlocal pos
-            dt = np.dtype(dtype)
-            nbytes = int(np.prod(shape)) * dt.itemsize
-            arr = buf[pos : pos + nbytes].view(dt).reshape(shape)
-            arr.flags.writeable = False
-            pos += nbytes
-            return arr
-
-        for i in self.ring_layers:
-            g = geometry.layers[i]
-            k, v = take((count, *g.row_shape), sdt), take((count, *g.row_shape), sdt)
-            ks = vs = None
-            if geometry.has_scales:
-                ks, vs = take((count, *g.scale_shape), SCALE_DTYPE), take((count, *g.scale_shape), SCALE_DTYPE)
-            layers[i] = KVParts(k, v, ks, vs)
-        assert pos == len(data)
-        return (RingCheckpoint(position=index, start=start, layers=layers),)
 
     def _require_prepared(self, plan: RestorePlan) -> _Prepared:
         if self._prepared is None or self._prepared.plan_id != id(plan):
@@ -463,9 +281,8 @@ class EngineSession:
 
     def flush_copies(self) -> None:
         """A block's pieces were all handed over: queue the copy that `copy_bytes` still held back to merge
-        with a next piece, so it runs while the library hashes the block (MergingCopyTarget). Left for the
-        refill's `wait_copies`, each block's DMA ran after its hash, not beside it: ~130 us of waiting per
-        4 MiB block on the H200 (5.3 ms of a 182 MB restore)."""
+        with a next piece, so it runs while the library hashes the block (MergingCopyTarget), not after it
+        (bench/GPU-NOTES.md)."""
         self.runner.pool.ops.flush_copies()
 
     def _count_copy_in(self) -> None:
@@ -543,10 +360,8 @@ class EngineSession:
     def _stages_in_pool(self) -> bool:
         """A staged restore into an engine that holds nothing (a fresh process: the restart this is for)
         lands in the pool itself: there is no conversation for a staging area to keep, so none is
-        allocated, faulted in or copied, and there is no switch. Measured on the CPU machine: a fresh
-        process's staged restore of smollm2 at 7,915 tokens 402 ms through a host staging area, 58 ms in
-        place; a device pool saves its VRAM staging area and the device-to-device switch. A refused file
-        then leaves the pool as empty as it was (its bytes unreachable: nothing is held)."""
+        allocated, faulted in or copied, and there is no switch (bench/CPU-NOTES.md). A refused file then
+        leaves the pool as empty as it was (its bytes unreachable: nothing is held)."""
         return self.runner.n_held == 0 and not self.runner.checkpoints
 
     def can_stage(self, plan: RestorePlan) -> bool:

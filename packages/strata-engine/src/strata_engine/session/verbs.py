@@ -29,7 +29,8 @@ import strata_sessionfile as sf
 from strata_sessionfile import errors as E
 
 from ..protocol import ArgumentKind, CommandRegistry, ErrorKind, FailStop, ProtocolError, ServeContext
-from .adapter import BlockBufferCache, EngineSession, FaultPoint, SamplerAccess, block_buffers
+from .adapter import EngineSession, FaultPoint, SamplerAccess
+from .buffers import BlockBufferCache, block_buffers
 from .identity import runner_identity
 
 log = logging.getLogger(__name__)
@@ -41,16 +42,7 @@ def _restore_mode(value: Any) -> sf.RestoreMode:
     return sf.RestoreMode(value)
 
 
-# The engine's block size for SAVE / RESTORE (the library's default is 16 MiB), for host and device pools.
-# Smaller blocks fill and drain the pipelines sooner (the first block's read or copy and the last block's
-# hash + hand-over overlap nothing): measured on the CPU machine, median save 81 -> 70 ms (gemma3, 65 MB)
-# and streaming restore 83 -> 71 ms (smollm2, 182 MB) from 16 to 4 MiB; 1-2 MiB were no better. A restore
-# now reads with several threads (one block each in flight): 16 MiB blocks would give a 116 MiB gemma3
-# file only 8 blocks for 4 readers, and the buffers (readers + 1) would hold 80 MiB of pinned memory. On a
-# device pool each block costs a few fixed device calls -- per piece one queued host -> device copy from a
-# pinned buffer (~80 us of DMA for 4 MiB at ~52 GB/s) and, before the buffer is refilled, one stream sync
-# -- against ~0.25-0.6 ms of hashing per 4 MiB: the per-block cost stays small at 4 MiB, and the H200
-# host's probe figures (threaded reads, early writeback) were taken with 4 MiB blocks.
+# Smaller than the library's 16 MiB: the pipelines fill and drain sooner (bench/CPU-NOTES.md, GPU-NOTES.md).
 SESSION_BLOCK_SIZE = 4 << 20
 PROGRESS_INTERVAL_S = 0.1
 
@@ -102,8 +94,8 @@ class SessionVerbs:
         return self.options.read_threads if self.options.read_threads is not None else sf.default_read_threads()
 
     def readers(self) -> sf.ReadThreads:
-        """The threads every RESTORE reads with, kept for the process's life (starting them cost ~0.25 ms
-        each on the H200 machine, twice per restore when each pass made its own)."""
+        """The threads every RESTORE reads with, kept for the process's life (starting them per pass cost
+        time in every restore: bench/GPU-NOTES.md)."""
         if self._readers is None:
             self._readers = sf.ReadThreads(self.read_threads())
         return self._readers
