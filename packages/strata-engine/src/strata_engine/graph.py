@@ -196,22 +196,14 @@ def make_step_graph(model: Model, placement: PoolPlacement, enabled: bool, n_tok
     if n_tokens > geometry.n_ctx:
         return None
     if n_tokens > 1 and geometry.ring_layers:
-        # Not for models with sliding-window rings. On the H200, gemma3 (bf16) prefilled through 256-token
-        # chunk graphs stayed within 1.3 % (one chunk) and 3.2 % (two) of op by op in logits, as the
-        # uncaptured step itself does (bf16 roundings in another split order); but 1,500 tokens (chunks
-        # past the 512-token window, across the ring's wrap) gave 0.31, and each kernel with the position
-        # on the device matches its op-by-op call there (tests/engine/test_gpu_ops.py): the cause is not
-        # found (test_gpu_model.py keeps the case as a strict xfail). Padding would also write ring slots
-        # the next chunk still reads, and gemma3's 4,096-token chunks take the long-chunk ring path.
-        return None
+        return None  # such graphs left op by op's logits across a ring's wrap: bench/GPU-NOTES.md
     return StepGraph(model, placement, n_tokens)
 
 
 def prefill_graph_sizes(chunk: int) -> tuple[int, ...]:
     """The prefill graphs' sizes: powers of two from MIN_PREFILL_GRAPH below the chunk, and the chunk. A
     chunk of n tokens replays the smallest that holds it, padded: at most twice the device work of n
-    tokens, and none of the host's launch overhead (smollm2 at 512 tokens: ~4 ms of device work behind
-    11-16 ms of host time op by op, H200)."""
+    tokens, and none of the host's launch overhead (bench/GPU-NOTES.md)."""
     sizes, n = [], MIN_PREFILL_GRAPH
     while n < chunk:
         sizes.append(n)

@@ -76,8 +76,8 @@ class RunnerState:
 
 
 def _id_span(tokens: Sequence[int]) -> tuple[int, int]:
-    """(min, max) of token ids: one numpy pass over an int32 buffer (a restored file's array; ~0.02 ms
-    for 32K ids), else min and max in C over the Python ints (~0.7 ms)."""
+    """(min, max) of token ids: one numpy pass over an int32 buffer (a restored file's array), else min and
+    max in C over the Python ints (bench/CPU-NOTES.md)."""
     if isinstance(tokens, array.array) and tokens.itemsize == 4 and tokens.typecode in "il":
         ids = np.frombuffer(tokens, dtype=np.int32)
         return int(ids.min()), int(ids.max())
@@ -162,10 +162,10 @@ class ModelRunner:
 
     def capture_graphs(self) -> float:
         """Capture the CUDA graphs now (start-up: vLLM does the same) rather than in the first decode step
-        and the first full chunk a request brings, which would pay the capture (a 4,096-token smollm2
-        chunk: ~44 ms instead of ~9 on the H200). Each runs once on placeholder tokens at position 0,
-        whose K/V are then dropped (the pool holds nothing before and after). A capture that fails is
-        said once on stderr and that step runs op by op. Returns the seconds spent."""
+        and the first full chunk a request brings, which would pay the capture (bench/GPU-NOTES.md). Each
+        runs once on placeholder tokens at position 0, whose K/V are then dropped (the pool holds nothing
+        before and after). A capture that fails is said once on stderr and that step runs op by op.
+        Returns the seconds spent."""
         t0 = time.perf_counter()
         if self.n_held:
             raise EngineError("graphs are captured before a conversation is held")
@@ -290,7 +290,7 @@ class ModelRunner:
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
         n_vocab = self.config.n_vocab
-        if tokens and 0 <= min(tokens) and max(tokens) < n_vocab:  # in C: ~2 ms less for a 32K prompt
+        if tokens and 0 <= min(tokens) and max(tokens) < n_vocab:  # in C, not a Python loop
             return
         for t in tokens:
             if not 0 <= t < n_vocab:

@@ -42,9 +42,8 @@ def take_checkpoint(pool: KVPool) -> RingCheckpoint | None:
     start = max(0, c - window + 1)
     if start < pool.ring_start:
         raise KVStateError(f"cannot checkpoint at {c}: the rings hold from {pool.ring_start} only")
-    # A device pool's checkpoint stays on the device: a queued copy per part, where host copies would
-    # wait for the prefill to end and then copy ~8 MB (gemma3) part by part (~2 ms on the H200, at the
-    # end of every prefill). Host copies (numpy) are made read-only; device ones are never handed out.
+    # A device pool's checkpoint stays on the device: host copies would wait for the prefill to end
+    # (bench/GPU-NOTES.md). Host copies (numpy) are made read-only; device ones are never handed out.
     layers = {}
     for i in pool.geometry.ring_layers:
         parts = pool.read_device(i, start, c)

@@ -146,8 +146,7 @@ class HostMappedPool(KVPool):
 
     def read_device(self, i: int, lo: int, hi: int) -> KVParts:
         """Device copies of positions [lo, hi) of layer i in logical order, read through the mapping (DMA over
-        PCIe from the pinned pool: no host copy, no pageable upload; through host copies and uploads a
-        resident ring's refill after a restore cost ~6 ms more on the H200, bench/GPU-NOTES.md v9)."""
+        PCIe from the pinned pool: no host copy, no pageable upload; bench/GPU-NOTES.md)."""
         return super().read(i, lo, hi)
 
     def read(self, i: int, lo: int, hi: int) -> KVParts:
@@ -239,8 +238,7 @@ class DevicePoolPlacement(PoolPlacement):
         keys [lo, pos0) copied out first (at most window - 1 rows, two slices where the ring wraps),
         then the chunk's K/V stored after them by the same rounding kernel as the pool's; the chunk's
         last `capacity` rows then go to the ring. Attention reads the stored type (f16) directly: the
-        same values the generic path decodes, without its encode / decode / gather copies (~0.2 ms a
-        layer for a 4,096-token gemma3 chunk on the H200)."""
+        same values the generic path decodes, without its encode / decode / gather copies."""
         g = self.pool.geometry.layers[layer]
         views = self.pool.layer(layer)
         xp, cap = self.ops.xp, g.capacity

@@ -179,7 +179,7 @@ class KVPool:
     def part_bytes(self, i: int, attr: str) -> Any:
         """Layer i's `attr` part ("k", "v", "k_scale", "v_scale") of `io_layer(i)` as one flat byte array over
         the same memory, or None where the part does not exist. Made once per pool: a device view costs
-        tens of microseconds to make (gemma3's 36 were ~1 ms of each restore when every restore made them)."""
+        tens of microseconds to make."""
         key = (i, attr)
         if key not in self._part_bytes:
             arr = getattr(self.io_layer(i), attr)

@@ -107,10 +107,8 @@ FLASH_HEAD_DIMS = (64, 128, 256)  # head sizes strata_flash_attn is instantiated
 def flash_tiles(head_dim: int, rows: int) -> tuple[int, int]:
     """(warps per block, keys per tile) of strata_flash_attn: a block holds 16 query rows per warp;
     one warp when the rows fit it (decode), else four, or eight for 256-wide heads with many rows.
-    Head size 256 takes 16-key tiles so a warp's 128 output and 8 score accumulators stay in registers
-    (ptxas, sm_90: 196 registers, no spills; 32-key tiles spill). Measured on the H200
-    (bench/bench_gpu_kernels.py): head 64 at 4,096 causal rows 0.20 ms with (4, 64) against 0.23 with
-    (8, 64); gemma3's 2,048 x 32K global chunk 1.98 ms with (8, 16) against 2.29 with (4, 16)."""
+    Head size 256 takes 16-key tiles so a warp's accumulators stay in registers; the shapes are the
+    fastest of bench/bench_gpu_kernels.py's sweep (bench/GPU-NOTES.md)."""
     if rows <= 16:
         warps = 1
     else:

@@ -217,7 +217,7 @@ class CupyOps(NumpyOps):
     def rope_tables(self, pos0: int, n: int, base: float, rope_dim: int) -> tuple[Any, Any]:
         """float32 device tables whatever the compute dtype (the kernel rotates in float32): slices of
         per-base tables made on the device (float64 angles and cos/sin, rounded once), grown by
-        doubling. Made on the host, gemma3's 4,096-row tables cost ~20 ms a chunk (measured)."""
+        doubling (made on the host they cost a chunk milliseconds: bench/GPU-NOTES.md)."""
         key = (base, rope_dim)
         cos_all, sin_all = self._rope_cache.get(key, (None, None))
         if cos_all is None or cos_all.shape[0] < pos0 + n:
