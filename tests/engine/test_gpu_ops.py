@@ -112,6 +112,24 @@ def test_rms_norm_silu_gelu_match_numpy(cp, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_logits_are_accumulated_and_returned_in_float32(cp, dtype):
+    """The final projection of f16 / bf16 activations comes out in float32 (cuBLAS f32 output): within
+    f32 rounding of the exact products of the rounded inputs (1e-4 relative L2), where an output rounded
+    to f16 is ~3e-4 off and one rounded to bf16 ~2e-3; the graph's device path gives the same values."""
+    ops = _ops(dtype)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 640)).astype(np.float32)
+    w = (rng.standard_normal((5000, 640)) * 0.05).astype(np.float32)
+    xd, wd = ops.asarray(x, ops.dtype), ops.weight(w)
+    want = ops.to_host(xd).astype(np.float64) @ ops.to_host(wd).astype(np.float64).T
+    got = ops.logits(xd, wd)
+    assert got.dtype == np.float32 and got.shape == (3, 5000)
+    assert rel_err(got, want) < 1e-4
+    np.testing.assert_array_equal(ops.to_host(ops.logits_f32(xd, wd)), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", list(Activation))
 def test_matmul_and_gated_mlp_match_numpy(cp, dtype, activation):
     ops, ref = _ops(dtype), NumpyOps("f32")

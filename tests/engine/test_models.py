@@ -123,14 +123,24 @@ def test_settings_problems_are_collected():
 
 
 def test_backend_defaults_fill_only_what_was_not_given():
-    from strata_engine.settings import BACKEND_DEFAULTS
-
-    numpy_defaults = EngineSettings(model_path="x").with_backend_defaults()
+    numpy_defaults = EngineSettings(model_path="x").with_backend_defaults("gemma3")
     assert (numpy_defaults.compute_dtype, numpy_defaults.prefill_chunk) == ("f32", 512)
-    given = EngineSettings(model_path="x", compute_dtype="f64", prefill_chunk=7).with_backend_defaults()
+    given = EngineSettings(model_path="x", compute_dtype="f64", prefill_chunk=7).with_backend_defaults("llama")
     assert (given.compute_dtype, given.prefill_chunk) == ("f64", 7)
-    gpu = BACKEND_DEFAULTS["cupy"]  # what a cupy runner fills in (resolving "cupy" needs no device)
-    assert (gpu.compute_dtype, gpu.prefill_chunk) == ("bf16", 4096)
+    # what a cupy runner fills in (resolving "cupy" needs no device): f16 where the activations fit it
+    gpu = {arch: EngineSettings(model_path="x", backend="cupy").with_backend_defaults(arch) for arch in ("llama", "gemma3")}
+    assert {arch: (s.compute_dtype, s.prefill_chunk) for arch, s in gpu.items()} == \
+        {"llama": ("f16", 4096), "gemma3": ("bf16", 4096)}
+    assert type(gpu["llama"].compute_dtype) is str  # the plain word: what the ready line and fingerprint hold
+
+
+def test_every_architecture_has_its_default_compute_dtypes():
+    from strata_engine.config import ARCHITECTURES
+    from strata_engine.settings import DEFAULT_COMPUTE_DTYPE, DEFAULT_PREFILL_CHUNK
+
+    assert set(DEFAULT_COMPUTE_DTYPE) == set(ARCHITECTURES)
+    for row in DEFAULT_COMPUTE_DTYPE.values():
+        assert set(row) == set(DEFAULT_PREFILL_CHUNK) == {"numpy", "cupy"}
 
 
 def test_a_loaded_runner_names_what_runs_and_has_no_graph_on_numpy(smollm2_path):

@@ -59,7 +59,8 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         "--compute-dtype",
         choices=values(ComputeDType),
         default=None,
-        help="activations (default f32 on numpy, bf16 on cupy)",
+        help="activations (default f32 on numpy; on cupy f16, or bf16 for models whose activations overflow "
+        "f16: gemma3); logits are computed in f32 either way",
     )
     parser.add_argument(
         "--no-cuda-graphs",

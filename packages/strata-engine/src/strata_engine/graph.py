@@ -153,7 +153,7 @@ class StepGraph:
         # A step padded past its last token names that row on the device; a decode step's only row is it.
         last_row = self.inputs.last_row if n > 1 else None
         h = self.model.hidden(self.inputs.tokens, 0, rows, self.kv, want_logits=True, last_row=last_row)
-        return ops.matmul(h, self.model.output).astype(ops.xp.float32)  # [1, V]
+        return ops.logits_f32(h, self.model.output)  # [1, V]
 
     def _capture(self) -> None:
         try:

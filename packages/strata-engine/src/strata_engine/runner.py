@@ -106,7 +106,8 @@ class ModelRunner:
         pool: KVPool,
         placement: PoolPlacement,
     ):
-        self.settings = settings.with_backend_defaults()  # what runs is what the settings (and files) say
+        # what runs is what the settings (and files) say
+        self.settings = settings.with_backend_defaults(config.architecture)
         self.gguf = gguf_file
         self.config = config
         self.model = model
@@ -125,11 +126,12 @@ class ModelRunner:
 
     @classmethod
     def load(cls, settings: EngineSettings) -> ModelRunner:
-        # "auto" and the backend's defaults are resolved here, so the settings held (and the config
-        # fingerprint) name the backend, compute dtype and chunk actually running.
-        settings = settings.validate().with_backend_defaults()
+        # "auto" and the defaults for the backend and the model are resolved here, so the settings held (and
+        # the config fingerprint) name the backend, compute dtype and chunk actually running.
+        settings = settings.validate()
         gguf_file = read_gguf(settings.model_path)
         config = ModelConfig.from_gguf(gguf_file)
+        settings = settings.with_backend_defaults(config.architecture)
         ops = get_ops(settings.backend, settings.compute_dtype)
         model = build_model(config, ops, gguf_file)
         return cls._assemble(settings, gguf_file, config, model)

@@ -52,18 +52,17 @@ def values(vocabulary: type[enum.Enum]) -> tuple[str, ...]:
 DEFAULT_N_CTX_CAP = 8192
 
 
-@attrs.frozen
-class BackendDefaults:
-    compute_dtype: str
-    prefill_chunk: int
+# Tokens per prefill chunk unless told otherwise: the GPU's cost per chunk is mostly the ~12 kernel
+# launches per layer issued from Python, not the arithmetic.
+DEFAULT_PREFILL_CHUNK: dict[str, int] = {Backend.NUMPY: 512, Backend.CUPY: 4096}
 
-
-# What a backend runs with unless told otherwise. The GPU computes in bf16 (f16's range is too narrow
-# for gemma3's residual stream) and prefills in larger chunks: its cost per chunk is mostly the
-# ~12 kernel launches per layer issued from Python, not the arithmetic.
-BACKEND_DEFAULTS = {
-    Backend.NUMPY: BackendDefaults(compute_dtype=ComputeDType.F32, prefill_chunk=512),
-    Backend.CUPY: BackendDefaults(compute_dtype=ComputeDType.BF16, prefill_chunk=4096),
+# The compute dtype of an architecture on each backend unless told otherwise. On the GPU, f16 where the
+# model's activations fit its range (3 more mantissa bits than bf16: fewer rounding flips of the greedy
+# token), bf16 where they overflow it (gemma3's residual stream: NaN logits in f16). Logits come out in
+# float32 either way (`Ops.logits`). A new architecture gets a row here (tests/engine/test_models.py).
+DEFAULT_COMPUTE_DTYPE: dict[str, dict[str, ComputeDType]] = {
+    "llama": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.F16},
+    "gemma3": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.BF16},
 }
 
 
@@ -77,11 +76,13 @@ class EngineSettings:
     kv_type: storage type of the K/V pool: "f32", "f16" (default) or "int8" (float32 scales per token,
         per head, per 32-value block of the head dimension).
     compute_dtype: activations and dequantized weights: "f32", "f64" (a numerics check; numpy), "f16"
-        or "bf16" (cupy; bf16 where this CuPy has the dtype); None = the backend's default (`BACKEND_DEFAULTS`).
+        or "bf16" (cupy; bf16 where this CuPy has the dtype); None = the default for the backend and the
+        model's architecture (`DEFAULT_COMPUTE_DTYPE`: f32 on numpy; on cupy f16, bf16 for gemma3).
     kv_resident: None = the pool is read directly (pool placement); N = the pool is a host pool and
         an N-token resident ring per layer sits in front of it (reads of recent tokens hit the ring).
     prompt_cache: reuse the longest valid common prefix of the held conversation on the next prefill.
-    prefill_chunk: tokens evaluated per batched forward pass during prefill; None = the backend's default.
+    prefill_chunk: tokens evaluated per batched forward pass during prefill; None = the backend's default
+        (`DEFAULT_PREFILL_CHUNK`).
     cuda_graphs: replay decode steps, and prefill chunks of models without sliding-window rings (padded
         to 32, 64, ... tokens), as CUDA graphs captured at start-up where the backend can (cupy, device
         pool, float K/V, f16/bf16 compute); False runs every step op by op (a check on the graphs).
@@ -101,17 +102,17 @@ class EngineSettings:
     backend: str = "numpy"
     cuda_graphs: bool = True
 
-    def with_backend_defaults(self) -> EngineSettings:
-        """The settings with "auto" resolved and every None default filled in for that backend."""
+    def with_backend_defaults(self, architecture: str) -> EngineSettings:
+        """The settings with "auto" resolved and every None default filled in for that backend and the
+        model's architecture (`DEFAULT_COMPUTE_DTYPE`, `DEFAULT_PREFILL_CHUNK`)."""
         from .ops import resolve_backend  # imports cupy only to look for a device
 
         backend = resolve_backend(self.backend)
-        defaults = BACKEND_DEFAULTS[backend]
         return attrs.evolve(
             self,
             backend=backend,
-            compute_dtype=self.compute_dtype or defaults.compute_dtype.value,
-            prefill_chunk=self.prefill_chunk or defaults.prefill_chunk,
+            compute_dtype=self.compute_dtype or DEFAULT_COMPUTE_DTYPE[architecture][backend].value,
+            prefill_chunk=self.prefill_chunk or DEFAULT_PREFILL_CHUNK[backend],
         )
 
     def problems(self) -> list[str]:

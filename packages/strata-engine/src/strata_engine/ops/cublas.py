@@ -62,23 +62,25 @@ class Cublas:
         if status != 0:
             raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
-    def linear(self, cp: Any, x: Any, w: Any) -> Any:
-        """x [T, in] (rows may be strided) @ w^T for w [out, in] (C order) -> [T, out] in x's dtype.
+    def linear(self, cp: Any, x: Any, w: Any, out_dtype: Any = None) -> Any:
+        """x [T, in] (rows may be strided) @ w^T for w [out, in] (C order) -> [T, out] in `out_dtype` (None:
+        x's dtype), accumulated in float32 either way (float32 out of f16 / bf16 inputs is one of
+        cublasGemmEx's own type combinations: no rounding to the input dtype on the way).
         Column-major, that is C [out, T] = W^T' X': transa = T over w's rows, transb = N over x's."""
         n_tok, n_in = x.shape
         n_out = w.shape[0]
-        out = cp.empty((n_tok, n_out), dtype=x.dtype)
+        out = cp.empty((n_tok, n_out), dtype=out_dtype or x.dtype)
         stream = cp.cuda.get_current_stream().ptr
         if stream != self.stream:
             self._check(
                 self.lib.cublasSetStream_v2(self.handle, self.ctypes.c_void_p(stream)), "cublasSetStream"
             )
             self.stream = stream
-        dt = _cuda_type_of(x.dtype)
+        dt, out_dt = _cuda_type_of(x.dtype), _cuda_type_of(out.dtype)
         status = self.gemm_ex(
             self.handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n_out, n_tok, n_in, self.one_ref,
             w.data.ptr, dt, n_in, x.data.ptr, dt, x.strides[0] // x.itemsize, self.zero_ref,
-            out.data.ptr, dt, n_out, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT,
+            out.data.ptr, out_dt, n_out, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT,
         )  # fmt: skip
         self._check(status, "cublasGemmEx")
         return out

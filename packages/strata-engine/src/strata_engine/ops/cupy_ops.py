@@ -410,7 +410,15 @@ class CupyOps(NumpyOps):
 
     # ---- output --------------------------------------------------------------------------------
     def logits(self, x: Any, w_out: Any) -> np.ndarray:
-        return self.to_host(self.matmul(x, w_out)).astype(np.float32, copy=False)
+        return self.to_host(self.logits_f32(x, w_out))
+
+    def logits_f32(self, x: Any, w_out: Any) -> Any:
+        """x [T, E] @ W_out^T on the device, accumulated and returned in float32 whatever the compute dtype:
+        rounded to bf16, close candidates tie exactly and greedy decoding leaves f32's tokens."""
+        cp = self.xp
+        x = cp.ascontiguousarray(x)
+        assert x.dtype == w_out.dtype and w_out.flags.c_contiguous and x.shape[1] == w_out.shape[1]
+        return self.cublas.linear(cp, x, w_out, out_dtype=cp.float32)
 
 
 def cuda_available() -> bool:

@@ -253,5 +253,5 @@ class NumpyOps:
 
     # ---- output --------------------------------------------------------------------------------
     def logits(self, x: Any, w_out: Any) -> np.ndarray:
-        """x [T, E] @ W_out^T -> float32 host logits [T, V]."""
+        """x [T, E] @ W_out^T -> float32 host logits [T, V] (computed in the compute dtype: f32 or f64)."""
         return self.to_host(self.matmul(x, w_out)).astype(np.float32, copy=False)
