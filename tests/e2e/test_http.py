@@ -14,8 +14,8 @@ import openai
 import psutil
 import pytest
 import requests
-from e2e_fixtures import *  # noqa: F403 (pytest fixtures)
-from e2e_support import other_model_copy, start_server
+
+from .servers import other_model_copy, reference_tokenizations, start_server
 
 pytest.importorskip("strata_engine.cli", reason="the engine's `serve` command has not landed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -73,8 +73,6 @@ def test_health_props_models(http, server, smollm2_path):
 
 
 def test_tokenize_matches_reference(http):
-    from e2e_support import reference_tokenizations
-
     for text, expected in reference_tokenizations()[:6]:
         got = post(http, "/tokenize", {"content": text, "add_special": True}).json()["tokens"]
         assert got == expected, text
@@ -191,7 +189,7 @@ def _file_from_other_model(smollm2_path, folder) -> bytes:
                                    "--ctx-size", "2048"])
     supervisor.start()
     try:
-        assert supervisor.wait_ready(180).info is not None
+        assert supervisor.wait_ready(180).info["model_path"] == str(model)
         with supervisor.acquire() as lease:
             lease.call("COMPLETE", {"prompt": PROMPT, "n_predict": 2, "temperature": 0})
             lease.call("SAVE", str(folder / "other.bin"))

@@ -9,8 +9,8 @@ import time
 
 import pytest
 import requests
-from e2e_fixtures import *  # noqa: F403 (pytest fixtures)
-from e2e_support import start_server
+
+from .servers import start_server
 
 pytest.importorskip("strata_engine.cli", reason="the engine's `serve` command has not landed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

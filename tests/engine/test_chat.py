@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import gemma3_model_path, smollm2_model_path
 from strata_engine.chat import ChatTemplate
 from strata_engine.errors import ChatTemplateError
-from strata_engine.gguf.reader import read_gguf
-from strata_engine.tokenizer import Tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -17,18 +14,8 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def templates():
-    out = {}
-    for name, path in (("smollm2", smollm2_model_path), ("gemma3", gemma3_model_path)):
-        metadata = read_gguf(path()).metadata
-        tokenizer = Tokenizer.from_gguf_metadata(metadata)
-        out[name] = (ChatTemplate.for_model(metadata, tokenizer), tokenizer)
-    return out
-
-
-def test_smollm2_chatml_from_file(templates):
-    template, tokenizer = templates["smollm2"]
+def test_smollm2_chatml_from_file(templates, tokenizers):
+    template, tokenizer = templates["smollm2"], tokenizers["smollm2"]
     assert template.origin == "file" and template.bos_token == "<|im_start|>" and template.eos_token == "<|im_end|>"
     assert template.render(CONVERSATION) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n hi <|im_end|>\n"
@@ -43,8 +30,8 @@ def test_smollm2_chatml_from_file(templates):
     assert ids[0] == 1 and ids.count(1) == 5 and ids.count(2) == 4  # control tokens parsed
 
 
-def test_gemma3_builtin_turns(templates):
-    template, tokenizer = templates["gemma3"]
+def test_gemma3_builtin_turns(templates, tokenizers):
+    template, tokenizer = templates["gemma3"], tokenizers["gemma3"]
     assert template.origin == "builtin:gemma3"
     prompt = template.render(CONVERSATION)
     assert prompt == (
@@ -57,13 +44,13 @@ def test_gemma3_builtin_turns(templates):
 
 
 def test_text_parts_are_joined(templates):
-    template, _ = templates["gemma3"]
+    template = templates["gemma3"]
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert template.render(parts) == "<start_of_turn>user\nab<end_of_turn>\n<start_of_turn>model\n"
 
 
 def test_bad_messages_reported_together(templates):
-    template, _ = templates["smollm2"]
+    template = templates["smollm2"]
     with pytest.raises(ChatTemplateError) as info:
         template.render([{"role": 3, "content": "x"}, "nope", {"role": "user", "content": 5}])
     message = str(info.value)
@@ -90,8 +77,8 @@ def test_raise_exception_and_sandbox():
         ChatTemplate.from_source("{% for %}", origin="test")
 
 
-def test_unparsable_file_template_falls_back(templates):
-    _, tokenizer = templates["smollm2"]
+def test_unparsable_file_template_falls_back(tokenizers):
+    tokenizer = tokenizers["smollm2"]
     metadata = {"tokenizer.chat_template": "{% for %}", "general.architecture": "llama"}
     template = ChatTemplate.for_model(metadata, tokenizer)
     assert template.origin == "builtin:chatml"

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import smollm2_model_path
 from strata_engine.cli import main
+from support.data import smollm2_model_path
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

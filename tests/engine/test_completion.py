@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import gemma3_model_path, load_reference, smollm2_model_path
-from strata_engine.chat import ChatTemplate
 from strata_engine.completion import (
     Completer,
     CompletionRequest,
@@ -16,10 +14,9 @@ from strata_engine.completion import (
     parse_request,
 )
 from strata_engine.errors import ContextOverflow, InvalidRequest
-from strata_engine.gguf.reader import read_gguf
 from strata_engine.sampling import SamplerState
-from strata_engine.tokenizer import Tokenizer
 from strata_engine.tokenizer.unicode import bytes_to_unicode
+from support.data import gemma3_model_path, load_reference
 
 
 class ScriptedRunner:
@@ -72,14 +69,14 @@ class ScriptedRunner:
         return n
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.from_gguf_metadata(read_gguf(smollm2_model_path()).metadata)
+@pytest.fixture
+def tokenizer(tokenizers):
+    return tokenizers["smollm2"]
 
 
-@pytest.fixture(scope="module")
-def template(tokenizer):
-    return ChatTemplate.for_model(read_gguf(smollm2_model_path()).metadata, tokenizer)
+@pytest.fixture
+def template(templates):
+    return templates["smollm2"]
 
 
 def ids_of(tokenizer, *pieces):
@@ -275,11 +272,9 @@ def test_stop_filter_prefers_earliest_match():
     assert f.push(b"cd") == ("", "bcd")  # "bcd" starts before "cd"
 
 
-@pytest.fixture(scope="module")
-def gemma3():
-    metadata = read_gguf(gemma3_model_path()).metadata
-    tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    return tokenizer, ChatTemplate.for_model(metadata, tokenizer)
+@pytest.fixture
+def gemma3(tokenizers, templates):
+    return tokenizers["gemma3"], templates["gemma3"]
 
 
 def test_gemma3_end_of_turn_stops(gemma3):

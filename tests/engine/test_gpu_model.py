@@ -14,58 +14,24 @@ Bounds:
     pool; a pool restored by writing K/V then `restore_state` continues bit-identically, and the same
     restore with the residency refill skipped does not (so the first test fails if refill is skipped).
 
-Model files come from the PyPI packages (tests/conftest.py) or, on a machine without them (the GPU
-machine), from $STRATA_SMOLLM2_PATH / $STRATA_GEMMA3_PATH; the reference from $STRATA_REFERENCE_DIR.
+Model files and the reference come from gpu.py (the PyPI packages and tests/reference, or the
+$STRATA_* paths a GPU machine without them sets).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from .gpu import MODELS, greedy, long_prompt, model_path, reference, rel_err
+
 pytestmark = pytest.mark.gpu
 
-MODELS = {
-    "smollm2": ("STRATA_SMOLLM2_PATH", "smollm2-135m"),
-    "gemma3": ("STRATA_GEMMA3_PATH", "gemma3-270m"),
-}
 N_CTX = 2048
 LOGIT_BOUND = {"f16": 2e-2, "bf16": 6e-2}
 GRAPH_BOUND = {"f16": 2e-3, "bf16": 2e-2}  # graph-replayed decode vs op by op (see the test)
 NEAR_TIE = 0.5
 REFERENCE_NEAR_TIE = 0.1  # transformers' top-2 logit margin below which one rounding may flip its token
-
-
-def model_path(name: str) -> Path:
-    env, _ = MODELS[name]
-    if os.environ.get(env):
-        return Path(os.environ[env])
-    try:
-        from conftest import gemma3_model_path, smollm2_model_path
-
-        return smollm2_model_path() if name == "smollm2" else gemma3_model_path()
-    except Exception as e:  # noqa: BLE001 - model package not installed here
-        pytest.skip(f"model {name} not available (set {env}): {e}")
-
-
-def reference(name: str) -> list[dict]:
-    from conftest import REFERENCE_DIR
-
-    folder = Path(os.environ.get("STRATA_REFERENCE_DIR", REFERENCE_DIR))
-    path = folder / f"transformers-{MODELS[name][1]}.json"
-    if not path.is_file():
-        pytest.skip(f"reference {path} not found")
-    out = []
-    for case in json.loads(path.read_text(encoding="utf-8"))["complete"]:
-        decode = lambda v: json.loads(v) if isinstance(v, str) else v  # noqa: E731
-        top5 = decode(case["top5_logits"])  # per step [[token, logit], ...], best first
-        out.append({"prompt_tokens": decode(case["prompt_tokens"]), "tokens": decode(case["tokens"]),
-                    "margins": [step[0][1] - step[1][1] for step in top5]})
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -99,23 +65,6 @@ def runners():
         return runner
 
     return get
-
-
-def greedy(runner, prompt: list[int], n: int) -> tuple[list[int], list[float], np.ndarray]:
-    """n greedy tokens, the top-1 margin at each step, and the prompt's last-token logits."""
-    first = logits = runner.prefill(prompt).logits
-    tokens, margins = [], []
-    while True:
-        top2 = np.partition(logits, -2)[-2:]
-        margins.append(float(top2[1] - top2[0]))
-        tokens.append(int(np.argmax(logits)))
-        if len(tokens) == n:
-            return tokens, margins, first
-        logits = runner.decode(tokens[-1])
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b.astype(np.float64)))
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -189,11 +138,6 @@ def test_int8_kv_matches_numpy_backend(runners, model):
         got, margins, _ = greedy(gpu, case["prompt_tokens"], 16)
         want, _, _ = greedy(cpu, case["prompt_tokens"], 16)
         assert got == want
-
-
-def long_prompt(seed: int, n: int = 700) -> list[int]:
-    """Deterministic token ids (700 > gemma3's 512 window: its rings wrap)."""
-    return np.random.default_rng(seed).integers(100, 5000, n).tolist()
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -16,16 +16,11 @@ from strata_engine.config import Activation, RopeStyle
 from strata_engine.ops.attention_tiling import blocked_attention, key_block_for
 from strata_engine.ops.numpy_ops import NumpyOps
 
+from .gpu import rel_err
+
 TOL = {"f32": 1e-5, "f16": 2e-3, "bf16": 1.6e-2}
 # Attention in f16 / bf16 runs on the tensor cores: f16 operands and probabilities, f32 accumulation.
 FLASH_TOL = {"f16": 3e-3, "bf16": 1.6e-2}
-
-
-def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert np.all(np.isfinite(got)), "non-finite output"
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def _attention_case(rng, n_q, n_k, n_head, n_kv, d, q_pos0):

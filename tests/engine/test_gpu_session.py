@@ -19,18 +19,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import strata_sessionfile as sf
-from test_gpu_model import MODELS, model_path
+
+from .gpu import MODELS, long_prompt, model_path
 
 pytestmark = pytest.mark.gpu
 
 PLACEMENTS = {"device-pool": [], "host-pool+ring64": ["--kv-resident", "64"]}
-
-
-def long_prompt(seed: int, n: int = 700) -> list[int]:
-    return np.random.default_rng(seed).integers(100, 5000, n).tolist()
 
 
 class EngineProc:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_models import MODELS, greedy_runs, reference
+
+from .runners import MODELS, greedy_runs, reference, top2_margin
 
 TOP5_F32_BOUND = 1e-2
 F16_LOGIT_BOUND = 5e-2
@@ -36,11 +37,6 @@ def _drop_cached_runs():
     greedy_runs.cache_clear()
 
 
-def _margin(top5: list[list[float]]) -> float:
-    values = sorted((v for _, v in top5), reverse=True)
-    return values[0] - values[1]
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_f32_matches_transformers(name):
     ref = reference("transformers", name)["complete"]
@@ -56,7 +52,7 @@ def test_f32_matches_transformers(name):
 def test_f16_kv_within_stated_bound_of_transformers(name):
     ref = reference("transformers", name)["complete"]
     for case, (tokens, steps) in zip(ref, greedy_runs(name, "f16"), strict=True):
-        margins = [_margin(t) for t in case["top5_logits"]]
+        margins = [top2_margin(t) for t in case["top5_logits"]]
         # Up to and including the first small-margin step (its top-5 is still comparable).
         upto = next((i + 1 for i, m in enumerate(margins) if m < F16_MARGIN), len(margins))
         assert tokens[:upto] == case["tokens"][:upto], f"prompt {case['prompt']!r}"
@@ -71,7 +67,7 @@ def test_f16_kv_matches_llama_cpp_while_its_margin_is_clear(name):
     ref = reference("llamacpp", name)["complete"]
     for case, (tokens, _) in zip(ref, greedy_runs(name, "f16"), strict=True):
         upto = next(
-            (i for i, top5 in enumerate(case["top5"]) if _margin(top5) <= LLAMA_CPP_MARGIN),
+            (i for i, top5 in enumerate(case["top5"]) if top2_margin(top5) <= LLAMA_CPP_MARGIN),
             len(case["tokens"]),
         )
         assert tokens[:upto] == case["tokens"][:upto], f"prompt {case['prompt']!r} (compared {upto} steps)"

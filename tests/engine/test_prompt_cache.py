@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_models import base_runner
 from strata_engine.errors import ContextOverflow, EngineError, InvalidToken
+
+from .runners import base_runner
 
 # A resumed run evaluates tokens in other batch shapes than a cold run (decode steps, other chunk
 # boundaries), so BLAS sums differ in the last bits: with f32 K/V the logits agree to LOGIT_ATOL and the

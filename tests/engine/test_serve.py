@@ -9,7 +9,7 @@ import sys
 import threading
 
 import pytest
-from conftest import gemma3_model_path, load_reference, smollm2_model_path
+from support.data import gemma3_model_path, load_reference, smollm2_model_path
 
 N_CTX = 256
 TIMEOUT_S = 180  # a cap for a loaded CI machine; a healthy run takes seconds
@@ -281,7 +281,7 @@ def test_gemma3_serves_with_its_builtin_turns():
         process.close()
 
 
-def test_unexpected_failure_during_complete_erases_and_keeps_serving():
+def test_unexpected_failure_during_complete_erases_and_keeps_serving(tokenizers, templates):
     """In process, with a runner whose decode breaks: an `internal` error line, the held conversation
     erased (its K/V may be half-written), and the loop serves the next line."""
     import io
@@ -289,12 +289,9 @@ def test_unexpected_failure_during_complete_erases_and_keeps_serving():
     from types import SimpleNamespace
 
     import numpy as np
-    from strata_engine.chat import ChatTemplate
     from strata_engine.completion import Completer
-    from strata_engine.gguf.reader import read_gguf
     from strata_engine.protocol import ExitStatus, LineReader, LineWriter, ServeContext, serve_loop
     from strata_engine.serve import build_registry
-    from strata_engine.tokenizer import Tokenizer
 
     class BrokenRunner:
         n_ctx = 64
@@ -322,9 +319,7 @@ def test_unexpected_failure_during_complete_erases_and_keeps_serving():
             n, self.tokens_held = len(self.tokens_held), ()
             return n
 
-    metadata = read_gguf(smollm2_model_path()).metadata
-    tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    template = ChatTemplate.for_model(metadata, tokenizer)
+    tokenizer, template = tokenizers["smollm2"], templates["smollm2"]
     runner = BrokenRunner()
     read_fd, write_fd = os.pipe()
     os.write(write_fd, b'COMPLETE {"prompt": "Hi there", "n_predict": 4, "temperature": 0}\nSTATUS\n')

@@ -17,7 +17,6 @@ import attrs
 import numpy as np
 import pytest
 import strata_sessionfile as sf
-from conftest import gemma3_model_path, smollm2_model_path
 from strata_engine.config import ModelConfig
 from strata_engine.gguf import read_gguf
 from strata_engine.kv import KVGeometry, KVParts, KVPool, make_placement, take_checkpoint
@@ -37,6 +36,7 @@ from strata_engine.settings import EngineSettings, KVType
 from strata_sessionfile import Part
 from strata_sessionfile import errors as E
 from strata_sessionfile.testing import run_conformance
+from support.data import gemma3_model_path, smollm2_model_path
 
 SMALL_WINDOW = 8  # synthetic gemma3: ring capacity 16
 
@@ -488,7 +488,13 @@ def test_device_pool_pins_its_block_buffers_once(models, monkeypatch):
         pool.pinned_buffers(2, 16384)
         pool.pinned_buffers(5, 4096)
     assert len(pinned) == 5
-    assert pool.pinned_buffers(2, 16384)[0].obj is not None and first[0].obj is not None
+
+    def address(view: memoryview) -> int:
+        return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+    again = pool.pinned_buffers(2, 16384)  # the start-up buffers themselves, not copies or new ones
+    assert [address(b) for b in again] == [address(b) for b in first]
+    assert [len(b) for b in again] == [16384, 16384]
 
 
 def test_session_block_size_is_4_mib_for_every_pool(models):
@@ -540,7 +546,7 @@ N_RESIDENT = 16
 
 @pytest.fixture(scope="module")
 def real_smollm2():
-    from engine_models import base_runner  # one load of the weights per test process
+    from .runners import base_runner  # one load of the weights per test process
 
     def load(**kw) -> ModelRunner:
         return base_runner("smollm2").sibling(n_ctx=256, kv_type="f16", **kw)

@@ -33,7 +33,6 @@ import attrs
 import numpy as np
 import pytest
 import strata_sessionfile as sf
-from conftest import gemma3_model_path, smollm2_model_path
 from strata_engine.config import ModelConfig
 from strata_engine.gguf import read_gguf
 from strata_engine.kv import KVGeometry, KVParts, KVPool, make_placement
@@ -41,6 +40,7 @@ from strata_engine.ops import get_ops
 from strata_engine.runner import ModelRunner, RunnerState
 from strata_engine.session import FAULT_ENV, EngineSession, runner_identity
 from strata_engine.settings import EngineSettings, KVType
+from support.data import gemma3_model_path, smollm2_model_path
 
 TIMEOUT_S = 300
 FAIL_STOP_STATUS = 4

@@ -7,31 +7,19 @@ import random
 import time
 
 import pytest
-from conftest import gemma3_model_path, load_reference, smollm2_model_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strata_engine.errors import InvalidToken, TokenizerError, UnsupportedTokenizer
-from strata_engine.gguf.reader import read_gguf
 from strata_engine.tokenizer import Tokenizer, TokenType, Utf8Stream
 
-MODELS = {"smollm2-135m": smollm2_model_path, "gemma3-270m": gemma3_model_path}
-
-
-@pytest.fixture(scope="module")
-def metadata():
-    return {name: read_gguf(path()).metadata for name, path in MODELS.items()}
-
-
-@pytest.fixture(scope="module")
-def tokenizers(metadata):
-    return {name: Tokenizer.from_gguf_metadata(meta) for name, meta in metadata.items()}
+from .runners import MODELS, reference
 
 
 def _cases(peer: str):
     return [
         pytest.param(model, case, id=f"{model}-{i}")
         for model in MODELS
-        for i, case in enumerate(load_reference(f"{peer}-{model}.json")["tokenize"])
+        for i, case in enumerate(reference(peer, model)["tokenize"])
     ]
 
 
@@ -49,7 +37,7 @@ def test_identical_to_transformers(tokenizers, model, case):
 @pytest.mark.parametrize("model", MODELS)
 def test_round_trip_reference_texts(tokenizers, model):
     tok = tokenizers[model]
-    for case in load_reference(f"llamacpp-{model}.json")["tokenize"]:
+    for case in reference("llamacpp", model)["tokenize"]:
         text = case["text"]
         assert tok.decode(tok.encode(text)) == text
         # add_special only adds the BOS the model asks for; special=False hides control tokens
@@ -61,7 +49,7 @@ def test_round_trip_reference_texts(tokenizers, model):
 
 
 def test_facts_from_metadata(tokenizers):
-    smol, gemma = tokenizers["smollm2-135m"], tokenizers["gemma3-270m"]
+    smol, gemma = tokenizers["smollm2"], tokenizers["gemma3"]
     assert (smol.n_vocab, smol.bos_id, smol.eos_id, smol.add_bos) == (49152, 1, 2, False)
     assert (gemma.n_vocab, gemma.bos_id, gemma.eos_id, gemma.add_bos) == (262144, 2, 1, True)
     assert {2, 0} <= smol.end_of_generation  # <|im_end|> (eos), <|endoftext|>
@@ -71,7 +59,7 @@ def test_facts_from_metadata(tokenizers):
 
 
 def test_parse_special(tokenizers):
-    smol, gemma = tokenizers["smollm2-135m"], tokenizers["gemma3-270m"]
+    smol, gemma = tokenizers["smollm2"], tokenizers["gemma3"]
     text = "<|im_start|>user"
     assert smol.encode(text)[0] == 1
     assert 1 not in smol.encode(text, parse_special=False)
@@ -84,13 +72,13 @@ def test_parse_special(tokenizers):
 
 
 def test_longest_special_token_wins(tokenizers):
-    gemma = tokenizers["gemma3-270m"]
+    gemma = tokenizers["gemma3"]
     # "\n\n\n" is one user-defined token (109), not three "\n"
     assert gemma.encode("a\n\n\nb") == gemma.encode("a") + [109] + gemma.encode("b")
 
 
 def test_pieces_and_byte_fallback(tokenizers):
-    smol, gemma = tokenizers["smollm2-135m"], tokenizers["gemma3-270m"]
+    smol, gemma = tokenizers["smollm2"], tokenizers["gemma3"]
     assert smol.piece(smol.encode(" Paris")[0]) == " Paris"
     assert smol.piece(2) == "<|im_end|>" and smol.piece(2, special=False) == ""
     # a character with no token of its own goes through the <0xNN> byte tokens
@@ -150,18 +138,18 @@ def test_long_prompt_is_fast(metadata, model):
 
 def test_bad_metadata_is_reported(metadata):
     with pytest.raises(UnsupportedTokenizer, match="'bert'"):
-        Tokenizer.from_gguf_metadata({**metadata["smollm2-135m"], "tokenizer.ggml.model": "bert"})
+        Tokenizer.from_gguf_metadata({**metadata["smollm2"], "tokenizer.ggml.model": "bert"})
     with pytest.raises(UnsupportedTokenizer, match="'qwen2'"):
-        Tokenizer.from_gguf_metadata({**metadata["smollm2-135m"], "tokenizer.ggml.pre": "qwen2"})
+        Tokenizer.from_gguf_metadata({**metadata["smollm2"], "tokenizer.ggml.pre": "qwen2"})
     with pytest.raises(TokenizerError, match="tokenizer.ggml.tokens"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
-    bad = {**metadata["gemma3-270m"], "tokenizer.ggml.bos_token_id": 10**9, "tokenizer.ggml.scores": [0.0]}
+    bad = {**metadata["gemma3"], "tokenizer.ggml.bos_token_id": 10**9, "tokenizer.ggml.scores": [0.0]}
     with pytest.raises(TokenizerError) as info:
         Tokenizer.from_gguf_metadata(bad)
     # every problem reported together
     assert "bos_token_id" in str(info.value) and "scores" in str(info.value)
     with pytest.raises(InvalidToken, match="outside the vocabulary"):
-        Tokenizer.from_gguf_metadata(metadata["smollm2-135m"]).decode([49152])
+        Tokenizer.from_gguf_metadata(metadata["smollm2"]).decode([49152])
 
 
 # SmolLM2's vocabulary lacks the byte tokens of 0x04 0x06 0x13 0x14 0x16 0x1D 0xC0 0xC1 0xF1 0xF2 0xF5..0xFF:
@@ -179,13 +167,13 @@ _ROUND_TRIP_TEXT = st.text(
 @given(text=_ROUND_TRIP_TEXT)
 def test_any_text_round_trips(tokenizers, text):
     for name, tok in tokenizers.items():
-        if name == "gemma3-270m" and "\u2581" in text:
+        if name == "gemma3" and "\u2581" in text:
             continue  # SentencePiece reads U+2581 as a space
         assert tok.decode(tok.encode(text, parse_special=False)) == text
 
 
 def test_bytes_without_a_token_are_dropped_like_llamacpp(tokenizers):
-    smol = tokenizers["smollm2-135m"]
+    smol = tokenizers["smollm2"]
     assert smol.decode(smol.encode("a\x04b")) == "ab"
 
 

@@ -22,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from strata_engine.protocol import PROTOCOL_VERSION, ErrorKind, ExitStatus
+
 BOS, EOS = 1, 2
 SPECIALS = {"<|im_start|>": BOS, "<|im_end|>": EOS}
 N_VOCAB = 300
@@ -98,23 +100,23 @@ class FakeEngine:
         verb, _, argument = line.partition(" ")
         handler = getattr(self, f"do_{verb.lower()}", None) if verb.isupper() else None
         if handler is None:
-            yield self.error("invalid_request", f"unknown verb {verb!r}")
+            yield self.error(ErrorKind.INVALID_REQUEST, f"unknown verb {verb!r}")
             return
         if verb in ("SAVE", "RESTORE"):
             if not argument:
-                yield self.error("invalid_request", f"{verb} needs a path")
+                yield self.error(ErrorKind.INVALID_REQUEST, f"{verb} needs a path")
                 return
             yield from handler(argument)
             return
         try:
             arg = json.loads(argument) if argument else {}
         except ValueError as exc:
-            yield self.error("invalid_request", f"bad JSON: {exc}")
+            yield self.error(ErrorKind.INVALID_REQUEST, f"bad JSON: {exc}")
             return
         yield from handler(arg)
 
     @staticmethod
-    def error(kind: str, message: str, **extra) -> dict:
+    def error(kind: ErrorKind, message: str, **extra) -> dict:
         return {"event": "error", "error": {"type": kind, "message": message, **extra}}
 
     # --- verbs ------------------------------------------------------------------------------------
@@ -165,7 +167,7 @@ class FakeEngine:
 
     def do_complete(self, arg: dict) -> Iterator[dict]:
         if ("prompt" in arg) == ("messages" in arg):
-            yield self.error("invalid_request", "exactly one of prompt and messages")
+            yield self.error(ErrorKind.INVALID_REQUEST, "exactly one of prompt and messages")
             return
         if "messages" in arg:
             prompt = tokenize(self.render(arg["messages"]))
@@ -176,10 +178,10 @@ class FakeEngine:
             for item in arg["prompt"]:
                 prompt += tokenize(item) if isinstance(item, str) else [item]
         if not prompt:
-            yield self.error("invalid_request", "empty prompt")
+            yield self.error(ErrorKind.INVALID_REQUEST, "empty prompt")
             return
         if len(prompt) >= self.n_ctx:
-            yield self.error("exceed_context_size", "prompt too long", n_prompt_tokens=len(prompt),
+            yield self.error(ErrorKind.EXCEED_CONTEXT_SIZE, "prompt too long", n_prompt_tokens=len(prompt),
                              n_ctx=self.n_ctx)
             return
         cache_n = 0
@@ -278,7 +280,7 @@ class FakeEngine:
         except OSError as exc:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-            yield self.error("session_write_failed", f"cannot write {path}: {exc.strerror}", reason="io_error")
+            yield self.error(ErrorKind.SESSION_WRITE_FAILED, f"cannot write {path}: {exc.strerror}", reason="io_error")
             return
         yield {"event": "result", "n_saved": len(self.held), "n_written": len(data),
                "save_ms": (time.perf_counter() - t0) * 1000}
@@ -288,10 +290,10 @@ class FakeEngine:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
-            yield self.error("session_refused", f"no such file: {path}", reason="not_found")
+            yield self.error(ErrorKind.SESSION_REFUSED, f"no such file: {path}", reason="not_found")
             return
         except OSError as exc:
-            yield self.error("session_refused", f"cannot open {path}: {exc.strerror}", reason="not_regular_file")
+            yield self.error(ErrorKind.SESSION_REFUSED, f"cannot open {path}: {exc.strerror}", reason="not_regular_file")
             return
         with os.fdopen(fd, "rb") as f:
             data = f.read()
@@ -299,18 +301,18 @@ class FakeEngine:
             body = json.loads(data)
             checksum = body.pop("checksum")
         except (ValueError, KeyError, AttributeError, TypeError):
-            yield self.error("session_refused", "not a session file", reason="corrupt")
+            yield self.error(ErrorKind.SESSION_REFUSED, "not a session file", reason="corrupt")
             return
         fail_after_gate = body.pop("fail_after_gate", False)
         if body.get("magic") != MAGIC or hashlib.sha256(
                 json.dumps(body, sort_keys=True).encode()).hexdigest() != checksum:
-            yield self.error("session_refused", "checksum mismatch", reason="corrupt")
+            yield self.error(ErrorKind.SESSION_REFUSED, "checksum mismatch", reason="corrupt")
             return
         if body["model"] != self.model_name:
-            yield self.error("session_refused", f"written by model {body['model']!r}", reason="model_mismatch")
+            yield self.error(ErrorKind.SESSION_REFUSED, f"written by model {body['model']!r}", reason="model_mismatch")
             return
         if body["n_ctx"] != self.n_ctx or body["kv_type"] != self.kv_type:
-            yield self.error("session_refused", "written with other settings", reason="config_mismatch")
+            yield self.error(ErrorKind.SESSION_REFUSED, "written with other settings", reason="config_mismatch")
             return
         if fail_after_gate:
             self.held = []
@@ -341,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-delay", type=float, default=0.0)
     parser.add_argument("--load-delay", type=float, default=0.0)
     parser.add_argument("--fail-load", action="store_true")
-    parser.add_argument("--protocol", type=int, default=1)
+    parser.add_argument("--protocol", type=int, default=PROTOCOL_VERSION)
     parser.add_argument("--pid-file")
     args = parser.parse_args(argv)
     out = sys.stdout
@@ -356,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(args.load_delay)
     if args.fail_load or not os.path.isfile(args.model):
         emit({"event": "fatal", "message": f"cannot load model {args.model}"})
-        return 3
+        return ExitStatus.MODEL_LOAD
     engine = FakeEngine(args.model, args.ctx_size, args.kv_type, args.token_delay, args.prompt_delay)
     lines: queue.Queue = queue.Queue()
 
@@ -387,16 +389,17 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         line = backlog.pop(0) if backlog else lines.get()
         if line is None:
-            return 0
+            return ExitStatus.CLEAN
         cancelled.clear()
         try:
             for event in engine.handle(line):
                 emit(event)
         except FailStop as exc:
-            emit({"event": "error", "error": {"type": "fail_stop", "reason": "apply_failed", "message": str(exc)}})
-            return 4
+            emit({"event": "error", "error": {"type": ErrorKind.FAIL_STOP, "reason": "apply_failed",
+                                              "message": str(exc)}})
+            return ExitStatus.FAIL_STOP
         except SystemExit:
-            return 0
+            return ExitStatus.CLEAN
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from fake_engine import FailStop, FakeEngine
+from strata_engine.protocol import ErrorKind
 from strata_server.engine.client import EngineLease, EngineState, EngineStatus, SlotGate, raise_for_error
 from strata_server.engine.process import encode_command
 from strata_server.errors import EngineUnavailable, SlotBusy
+
+from .fake_engine import FailStop, FakeEngine
 
 
 class FakeLease(EngineLease):
@@ -42,7 +44,7 @@ class FakeLease(EngineLease):
         except FailStop as exc:
             self._open = None
             self.client.fail_stop()
-            raise_for_error({"event": "error", "error": {"type": "fail_stop", "reason": "apply_failed",
+            raise_for_error({"event": "error", "error": {"type": ErrorKind.FAIL_STOP, "reason": "apply_failed",
                                                          "message": str(exc)}})
 
     def cancel(self) -> None:

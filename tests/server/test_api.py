@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_fixtures import *  # noqa: F403 (pytest fixtures)
 from strata_server.engine.client import EngineState
+
+from .checks import assert_error
 
 GREEDY = {"temperature": 0, "n_predict": 8}
 
@@ -23,17 +24,6 @@ def sse_events(body: str) -> list:
         payload = frame[len("data: "):]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
-
-
-def assert_error(result, status: int, type_: str, message: str | None = None) -> dict:
-    assert result.status_code == status, result.text
-    body = result.json
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert error["code"] == status and error["type"] == type_
-    if message is not None:
-        assert error["message"] == message
-    return error
 
 
 # --- health, props, models -------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-from server_fixtures import *  # noqa: F403 (pytest fixtures)
 from strata_server.cli import build_parser, load_config, main
 from strata_server.config import DEFAULT_PORT, ConfigError, build_config, default_model_path
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from strata_server.filenames import InvalidFilename, resolve_slot_file, validate_filename
-from test_slots import BAD_NAMES
+
+from .checks import BAD_NAMES
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)
@@ -13,9 +14,25 @@ def test_rejected(name):
         validate_filename(name)
 
 
-@pytest.mark.parametrize("name", [".hidden", "café.bin", "x" * 255, "a.b", "日本語.bin", "a b", "a-b_c~1"])
-def test_accepted(name):
-    validate_filename(name)
+# Each accepted name beside a near miss the peer refuses: the rule between the two is what is tested.
+NEAR_MISSES = [
+    (".hidden", "."),
+    ("café.bin", "café\x00.bin"),
+    ("x" * 255, "x" * 256),
+    ("a.b", "a..b"),
+    ("日本語.bin", "日本語\u2215.bin"),
+    ("a b", "a b "),
+    ("a-b_c~1", "a-b_c~1."),
+]
+
+
+@pytest.mark.parametrize(("name", "near_miss"), NEAR_MISSES)
+def test_accepted_beside_a_refused_near_miss(tmp_path, name, near_miss):
+    assert resolve_slot_file(tmp_path, name, must_exist=False) == tmp_path / name  # validated, then resolved
+    with pytest.raises(InvalidFilename):
+        validate_filename(near_miss)
+    with pytest.raises(InvalidFilename):
+        resolve_slot_file(tmp_path, near_miss, must_exist=False)
 
 
 def test_byte_limit_counts_utf8():

@@ -6,7 +6,6 @@ import json
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_fixtures import *  # noqa: F403 (pytest fixtures)
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -12,9 +12,9 @@ import time
 import psutil
 import pytest
 import requests
-from fake_engine import FAKE_ENGINE_PATH as FAKE_ENGINE
-from server_fixtures import *  # noqa: F403 (pytest fixtures)
-from server_process import ServerProcess
+from support.server_process import ServerProcess
+
+from .fake_engine import FAKE_ENGINE_PATH as FAKE_ENGINE
 
 pytestmark = pytest.mark.timeout(120)
 

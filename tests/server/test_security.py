@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from server_fixtures import *  # noqa: F403 (pytest fixtures)
-from test_api import assert_error
+
+from .checks import assert_error
 
 REBINDING_HOSTS = ["evil.example", "evil.example:8080", "localhost.evil.example", "127.0.0.1.nip.io",
                    "127.0.0.1.evil.example:8080", "0.0.0.0:8080", "[::2]:8080", "10.0.0.7", ""]

@@ -6,9 +6,9 @@ import json
 import os
 
 import pytest
-from fake_engine import mark_fail_after_gate
-from server_fixtures import *  # noqa: F403 (pytest fixtures)
-from test_api import assert_error
+
+from .checks import BAD_NAMES, assert_error
+from .fake_engine import mark_fail_after_gate
 
 GREEDY = {"temperature": 0, "n_predict": 6}
 PROMPT = "the conversation that must survive"
@@ -86,9 +86,6 @@ def test_bad_action_and_bodies(api):
     assert_error(slot_post(client, "save", None), 400, "invalid_request_error")
 
 
-BAD_NAMES = ["", "../x", "/etc/passwd", "a/b", "a\\b", "a..b.bin", "..", ".", "x.", " x", "x ", "a:b", "a*b",
-             "a?b", 'a"b', "a<b", "a>b", "a|b", "a\x01b", "a\x7fb", "a\u0085b", "a\uff0eb", "a\u2215b",
-             "a\u2216b", "a\ufffdb", "a\ufeffb", "\ud800x", "é" * 128]
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)
@@ -135,7 +132,7 @@ def test_refusals_keep_conversation(api, slot_dir, fake_model, tmp_path):
     client, engine, first = api
     assert slot_post(client, "save", {"filename": "good.bin"}).status_code == 200
     # A file from another model.
-    from fake_engine import FakeEngine
+    from .fake_engine import FakeEngine
 
     other_model = tmp_path / "model-B.gguf"
     other_model.write_text("fake-model-B")

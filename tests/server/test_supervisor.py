@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_engine import FAKE_ENGINE_PATH as FAKE_ENGINE
-from fake_engine import mark_fail_after_gate
-from server_fixtures import *  # noqa: F403 (pytest fixtures)
 from strata_server.engine.client import EngineState
 from strata_server.engine.supervisor import EngineSupervisor, RestartPolicy, SupervisorSettings
 from strata_server.errors import EngineDied, EngineReplyError, EngineUnavailable, SlotBusy
+
+from .fake_engine import FAKE_ENGINE_PATH as FAKE_ENGINE
+from .fake_engine import mark_fail_after_gate
 
 FAST = RestartPolicy(base_s=0.05, max_s=0.5, stable_s=5.0, ready_timeout_s=20.0)
 

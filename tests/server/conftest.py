@@ -1,18 +1,11 @@
-"""Fixtures for the server's tests: a fake engine and a falcon client. Test modules import them
-(``from server_fixtures import ...``): a conftest.py here would shadow the root one's ``conftest`` module."""
+"""Fixtures of the server's tests: a fake model file, a slot folder, and a falcon test client over the
+in-process fake engine (fake_engine.py, fakes.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-__all__ = ["fake_model", "slot_dir", "make_api"]
-
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))  # fake_engine / fakes are plain modules beside the tests
 
 
 @pytest.fixture
@@ -33,9 +26,10 @@ def slot_dir(tmp_path: Path) -> Path:
 def make_api(fake_model: Path):
     """make_api(**settings) -> (falcon TestClient, FakeEngineClient, ServerConfig)."""
     import falcon.testing
-    from fake_engine import FakeEngine
-    from fakes import FakeEngineClient
     from strata_server import build_config, create_app
+
+    from .fake_engine import FakeEngine
+    from .fakes import FakeEngineClient
 
     def make(n_ctx: int = 512, **settings):
         config = build_config({}, {"model": str(fake_model), "slot_wait": 0.3, **settings})

@@ -3,14 +3,10 @@ loopback."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-SERVER_TESTS = Path(__file__).resolve().parent.parent / "server"
-if str(SERVER_TESTS) not in sys.path:
-    sys.path.insert(0, str(SERVER_TESTS))
-
-from server_process import ServerProcess  # noqa: E402
+from support.data import load_reference
+from support.server_process import ServerProcess
 
 E2E_CTX = "2048"
 
@@ -34,8 +30,5 @@ def other_model_copy(smollm2_path: Path, folder: Path) -> Path:
 
 def reference_tokenizations() -> list[tuple[str, list[int]]]:
     """llama.cpp's /tokenize (add_special true) of the reference texts for SmolLM2."""
-    import json
-
-    reference = Path(__file__).resolve().parents[1] / "reference" / "llamacpp-smollm2-135m.json"
-    data = json.loads(reference.read_text(encoding="utf-8"))
+    data = load_reference("llamacpp-smollm2-135m.json")
     return [(t["text"], t["tokens"]) for t in data["tokenize"] if t.get("add_special")]

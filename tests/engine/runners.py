@@ -1,4 +1,5 @@
-"""Loaded real models for the engine's numerics, model and prompt-cache tests, once per test process.
+"""Loaded real models for the engine's numerics, model and prompt-cache tests, once per test process,
+and reading the reference runs.
 
 `base_runner(name)` loads a model once (f32 compute, f32 K/V); tests take `.sibling(...)` runners that
 share its weights with their own K/V pool, so several K/V settings cost one load.
@@ -9,9 +10,9 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from conftest import gemma3_model_path, load_reference, smollm2_model_path
 from strata_engine.runner import ModelRunner
 from strata_engine.settings import EngineSettings
+from support.data import gemma3_model_path, load_reference, smollm2_model_path
 
 MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
 N_PREDICT = 32
@@ -25,6 +26,12 @@ def base_runner(name: str) -> ModelRunner:
 
 def reference(kind: str, name: str) -> dict:
     return load_reference(f"{kind}-{MODELS[name]}.json")
+
+
+def top2_margin(top5: list[list[float]]) -> float:
+    """How far a reference step's best candidate is ahead of the next: top5 = [[token, value], ...]."""
+    values = sorted((v for _, v in top5), reverse=True)
+    return values[0] - values[1]
 
 
 def greedy(runner: ModelRunner, prompt: list[int], n: int = N_PREDICT) -> tuple[list[int], list[np.ndarray]]:

@@ -1,0 +1,27 @@
+"""Fixtures of the engine's tests: each real model's GGUF metadata, tokenizer and chat template, read
+once per test process and keyed by model ("smollm2", "gemma3"). Loaded runners: runners.py."""
+
+from __future__ import annotations
+
+import pytest
+from strata_engine.chat import ChatTemplate
+from strata_engine.gguf.reader import read_gguf
+from strata_engine.tokenizer import Tokenizer
+from support.data import gemma3_model_path, smollm2_model_path
+
+MODEL_PATHS = {"smollm2": smollm2_model_path, "gemma3": gemma3_model_path}
+
+
+@pytest.fixture(scope="session")
+def metadata() -> dict[str, dict]:
+    return {name: read_gguf(path()).metadata for name, path in MODEL_PATHS.items()}
+
+
+@pytest.fixture(scope="session")
+def tokenizers(metadata) -> dict[str, Tokenizer]:
+    return {name: Tokenizer.from_gguf_metadata(meta) for name, meta in metadata.items()}
+
+
+@pytest.fixture(scope="session")
+def templates(metadata, tokenizers) -> dict[str, ChatTemplate]:
+    return {name: ChatTemplate.for_model(metadata[name], tokenizers[name]) for name in MODEL_PATHS}
