@@ -75,3 +75,23 @@ def test_the_protocol_module_loads_no_other_engine_code():
     assert [m for m in loaded if m.startswith("strata_engine")] == \
         ["strata_engine", "strata_engine.errors", "strata_engine.protocol"]
     assert "numpy" not in loaded
+
+
+def test_every_engine_exception_is_defined_in_errors_or_protocol():
+    """One module of exceptions (errors.py, plus the protocol's own two), all under EngineError."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import strata_engine
+    from strata_engine.errors import EngineError
+
+    defined = {}
+    for info in pkgutil.walk_packages(strata_engine.__path__, "strata_engine."):
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == info.name:
+                defined[name] = obj
+    assert {cls.__module__ for cls in defined.values()} == {"strata_engine.errors", "strata_engine.protocol"}
+    assert all(issubclass(cls, EngineError) for cls in defined.values())
+    assert {"ProtocolError", "FailStop"} == {n for n, c in defined.items() if c.__module__ == "strata_engine.protocol"}

@@ -13,14 +13,10 @@ from pathlib import Path
 
 import strata_sessionfile as sf
 
-from .errors import EngineError
+from .errors import EngineError, UsageError
 from .protocol import ExitStatus
 from .serve import serve
 from .settings import Backend, ComputeDType, EngineSettings, KVType, values
-
-
-class UsageError(Exception):
-    pass
 
 
 class _Parser(argparse.ArgumentParser):

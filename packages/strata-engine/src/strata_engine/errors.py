@@ -27,6 +27,10 @@ class ProblemsError(EngineError):
 # ---- settings and model files ----------------------------------------------------------------------
 
 
+class UsageError(EngineError):
+    """The command line does not parse (`strata-engine` exits with the usage status)."""
+
+
 class SettingsError(ProblemsError):
     """Engine settings are invalid (`problems` lists every problem found)."""
 
@@ -108,3 +112,7 @@ class SamplerStateError(EngineError):
 
 class GraphCaptureFailed(EngineError):
     """A step could not be captured as a CUDA graph; the runner then runs it op by op (and says so once)."""
+
+
+class InjectedFault(EngineError):
+    """The failure a test arms with STRATA_ENGINE_SESSION_FAULT (session.adapter.FaultPoint)."""

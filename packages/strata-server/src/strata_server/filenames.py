@@ -12,6 +12,8 @@ import os
 import stat
 from pathlib import Path
 
+from .errors import ServerError
+
 MAX_FILENAME_BYTES = 255
 
 # Code points the peer rejects anywhere in a name (besides the C0/C1 control ranges below).
@@ -19,7 +21,7 @@ _FORBIDDEN_CODE_POINTS = frozenset({0x7F, 0xFF0E, 0x2215, 0x2216, 0xFFFD, 0xFEFF
 _FORBIDDEN_CHARACTERS = frozenset(':*?"<>|/\\')
 
 
-class InvalidFilename(ValueError):
+class InvalidFilename(ServerError, ValueError):
     """The name is not one plain file name; the message says what is wrong."""
 
 

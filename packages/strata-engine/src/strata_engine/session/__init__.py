@@ -16,7 +16,7 @@ In-process use::
     strata_sessionfile.restore(path, EngineSession(other_runner), mode="auto")
 """
 
-from .adapter import EngineSession, FaultPoint, InjectedFault, SamplerAccess
+from .adapter import EngineSession, FaultPoint, SamplerAccess
 from .buffers import BlockBufferCache
 from .identity import config_mapping, model_files, runner_identity
 from .verbs import FAULT_ENV, SessionOptions, SessionVerbs, register_session_verbs
@@ -26,7 +26,6 @@ __all__ = [
     "BlockBufferCache",
     "EngineSession",
     "FaultPoint",
-    "InjectedFault",
     "SamplerAccess",
     "SessionOptions",
     "SessionVerbs",

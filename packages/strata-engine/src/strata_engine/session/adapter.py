@@ -41,7 +41,7 @@ from strata_sessionfile import errors as E
 from strata_sessionfile import memory_available as sessionfile_memory_available
 from strata_sessionfile.format import LIMIT
 
-from ..errors import SamplerStateError
+from ..errors import InjectedFault, SamplerStateError
 from ..kv.pool import ring_byte_spans
 from ..runner import RunnerState
 from ..sampling import SamplerState
@@ -64,10 +64,6 @@ class FaultPoint(enum.Enum):
     RESTORE_AFTER_GATE = "restore-after-gate"  # the second copy_in raises: the first block is applied
     RESTORE_AT_COMMIT = "restore-at-commit"  # commit / commit_staged raise after the pool was written
     SAVE_DURING_COPY = "save-during-copy"  # copy_out raises: the old file must stay
-
-
-class InjectedFault(RuntimeError):
-    """The failure a FaultPoint injects."""
 
 
 @attrs.define
