@@ -1,12 +1,12 @@
 """Fixtures of the engine's tests: each real model's GGUF metadata, tokenizer and chat template, read
-once per test process and keyed by model ("smollm2", "gemma3"). Loaded runners: runners.py."""
+once per test process and keyed by model ("smollm2", "gemma3"). Loaded runners: runners.py.
+
+The engine is imported inside the fixtures: the GPU tests collect on a machine that lacks what only
+these need (jinja2 for the templates)."""
 
 from __future__ import annotations
 
 import pytest
-from strata_engine.chat import ChatTemplate
-from strata_engine.gguf.reader import read_gguf
-from strata_engine.tokenizer import Tokenizer
 from support.data import gemma3_model_path, smollm2_model_path
 
 MODEL_PATHS = {"smollm2": smollm2_model_path, "gemma3": gemma3_model_path}
@@ -14,14 +14,20 @@ MODEL_PATHS = {"smollm2": smollm2_model_path, "gemma3": gemma3_model_path}
 
 @pytest.fixture(scope="session")
 def metadata() -> dict[str, dict]:
+    from strata_engine.gguf.reader import read_gguf
+
     return {name: read_gguf(path()).metadata for name, path in MODEL_PATHS.items()}
 
 
 @pytest.fixture(scope="session")
-def tokenizers(metadata) -> dict[str, Tokenizer]:
+def tokenizers(metadata) -> dict:
+    from strata_engine.tokenizer import Tokenizer
+
     return {name: Tokenizer.from_gguf_metadata(meta) for name, meta in metadata.items()}
 
 
 @pytest.fixture(scope="session")
-def templates(metadata, tokenizers) -> dict[str, ChatTemplate]:
+def templates(metadata, tokenizers) -> dict:
+    from strata_engine.chat import ChatTemplate
+
     return {name: ChatTemplate.for_model(metadata[name], tokenizers[name]) for name in MODEL_PATHS}
