@@ -106,6 +106,14 @@ class KVStateError(EngineError):
     """A K/V write or a running-state restore does not fit the pool (range, shape, dtype, checkpoints)."""
 
 
+class PrefixUnreachable(EngineError):
+    """A RESTORE_PREFIX cannot keep `min_keep` tokens: no resume point of the file lies in [min_keep, cut_to]."""
+
+    def __init__(self, message: str, resume_point: int):
+        self.resume_point = resume_point
+        super().__init__(message)
+
+
 class SamplerStateError(EngineError):
     """A serialized sampler state is malformed."""
 

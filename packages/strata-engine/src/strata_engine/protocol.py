@@ -101,14 +101,17 @@ class Reason(enum.StrEnum):
     CHAT_TEMPLATE = "chat_template"
     TOKENIZER = "tokenizer"
     PROMPT_TOO_LONG = "prompt_too_long"
+    PREFIX_UNREACHABLE = "prefix_unreachable"
     UNEXPECTED = "unexpected"
 
 
-REASON_KINDS: dict[Reason, ErrorKind] = {
-    **{r: ErrorKind.INVALID_REQUEST for r in Reason if r not in (Reason.PROMPT_TOO_LONG, Reason.UNEXPECTED)},
+# The reasons not under invalid_request; every other one is.
+_OTHER_REASON_KINDS: dict[Reason, ErrorKind] = {
     Reason.PROMPT_TOO_LONG: ErrorKind.EXCEED_CONTEXT_SIZE,
+    Reason.PREFIX_UNREACHABLE: ErrorKind.SESSION_REFUSED,
     Reason.UNEXPECTED: ErrorKind.INTERNAL,
 }
+REASON_KINDS: dict[Reason, ErrorKind] = {r: _OTHER_REASON_KINDS.get(r, ErrorKind.INVALID_REQUEST) for r in Reason}
 
 
 # -- errors --------------------------------------------------------------------------------------------

@@ -245,6 +245,22 @@ class ModelRunner:
             )
         return problems
 
+    def resume_point(self, state: RunnerState, target: int) -> int:
+        """The deepest position <= target the conversation `state` can continue from once adopted (what
+        `cut_back(target)` would keep after `restore_state(state)`); touches nothing. Without sliding-window
+        layers it is target itself; with them, a position whose window the rings still hold, else the
+        deepest checkpoint at or below it, else 0 (the same rule as `_resume_at`)."""
+        target = max(0, min(target, len(state.tokens)))
+        window = self.kv_geometry.max_window
+        if window is None or target == 0 or max(0, target - window + 1) >= state.ring_start:
+            return target
+        usable = [c.position for c in state.checkpoints if c.position <= target]
+        return usable[-1] if usable else 0
+
+    def cut_back(self, target: int) -> int:
+        """Keep the held conversation up to the deepest resume point <= target; returns the tokens kept."""
+        return self._resume_at(max(0, min(target, self.n_held)))
+
     def erase(self) -> int:
         """Drop the held conversation (and its checkpoints); returns the number of tokens dropped."""
         n = len(self._tokens)

@@ -18,7 +18,7 @@ import xxhash
 
 from .chat import ChatTemplate
 from .completion import Completer, CompletionResult, TokenEvent, parse_request
-from .errors import EngineError, InvalidRequest
+from .errors import ContextOverflow, EngineError, InvalidRequest
 from .protocol import (
     ENGINE_NAME,
     PROTOCOL_VERSION,
@@ -32,7 +32,7 @@ from .protocol import (
     json_object,
     serve_loop,
 )
-from .session.verbs import register_session_verbs
+from .session.verbs import SessionVerbs, register_session_verbs
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,16 @@ def handle_complete(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
     payload = _converter.unstructure(result)
     payload["tokens"] = list(result.tokens)
     return payload
+
+
+def handle_prompt_tokens(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
+    """The tokens a COMPLETE with this argument would evaluate, checked as COMPLETE checks them (a server
+    looks its prompt up in a session store with them, then sends them as the COMPLETE's prompt)."""
+    request = parse_request(json_object(argument, "PROMPT_TOKENS"))
+    tokens = ctx.completer.prompt_tokens(request)
+    if len(tokens) > ctx.runner.n_ctx:
+        raise ContextOverflow(len(tokens), ctx.runner.n_ctx)
+    return {"tokens": tokens}
 
 
 def handle_tokenize(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
@@ -173,8 +183,13 @@ def build_registry(session_options: Any = None, ctx: ServeContext | None = None)
     """Every verb; `session_options` (a `session.SessionOptions`, None = defaults) configures SAVE/RESTORE;
     with `ctx`, the session identity (which fingerprints the model files) is computed now, not in the
     first SAVE/RESTORE."""
+    return _build_registry(session_options, ctx)[0]
+
+
+def _build_registry(session_options: Any, ctx: ServeContext | None) -> tuple[CommandRegistry, SessionVerbs]:
     registry = CommandRegistry()
     registry.register("COMPLETE", ArgumentKind.JSON, handle_complete)
+    registry.register("PROMPT_TOKENS", ArgumentKind.JSON, handle_prompt_tokens)
     registry.register("TOKENIZE", ArgumentKind.JSON, handle_tokenize)
     registry.register("DETOKENIZE", ArgumentKind.JSON, handle_detokenize)
     registry.register("APPLY_TEMPLATE", ArgumentKind.JSON, handle_apply_template)
@@ -182,14 +197,16 @@ def build_registry(session_options: Any = None, ctx: ServeContext | None = None)
     registry.register("ERASE", ArgumentKind.NONE, handle_erase)
     registry.register("CANCEL", ArgumentKind.NONE, handle_cancel)
     registry.register("QUIT", ArgumentKind.NONE, handle_quit)
-    register_session_verbs(registry, session_options, ctx)
-    return registry
+    verbs = register_session_verbs(registry, session_options, ctx)
+    return registry, verbs
 
 
 # -- start-up -----------------------------------------------------------------------------------------
 
 
-def ready_line(runner: Any, tokenizer: Tokenizer, template: ChatTemplate) -> dict[str, Any]:
+def ready_line(runner: Any, tokenizer: Tokenizer, template: ChatTemplate, identity: Any = None) -> dict[str, Any]:
+    """The ready line; `identity` (the session files' `EngineIdentity`) adds the fingerprints a file written
+    by this engine carries in its header, so a client can tell its files from other engines'."""
     config, gguf_file, settings = runner.config, runner.gguf, runner.settings
     tensors = gguf_file.tensors.values()
 
@@ -221,6 +238,8 @@ def ready_line(runner: Any, tokenizer: Tokenizer, template: ChatTemplate) -> dic
         "chat_template_origin": template.origin,
         "add_bos": tokenizer.add_bos,
         "prompt_cache": settings.prompt_cache,
+        **({"session_fingerprints": {"model": identity.model.fingerprint.hex(),
+                                     "config": identity.config.fingerprint.hex()}} if identity is not None else {}),
     }
 
 
@@ -254,7 +273,7 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
         reader=LineReader(stdin_fd if stdin_fd is not None else sys.stdin.fileno()),
         writer=writer,
     )
-    registry = build_registry(session_options, ctx)
-    writer.write(ready_line(runner, tokenizer, template))
+    registry, verbs = _build_registry(session_options, ctx)
+    writer.write(ready_line(runner, tokenizer, template, verbs.identity(runner)))
     log.info("ready: %s", settings.model_path)
     return serve_loop(ctx, registry)

@@ -41,7 +41,7 @@ from strata_sessionfile import errors as E
 from strata_sessionfile import memory_available as sessionfile_memory_available
 from strata_sessionfile.format import LIMIT
 
-from ..errors import InjectedFault, SamplerStateError
+from ..errors import InjectedFault, PrefixUnreachable, SamplerStateError
 from ..kv.pool import ring_byte_spans
 from ..runner import RunnerState
 from ..sampling import SamplerState
@@ -84,6 +84,15 @@ class SamplerAccess:
 
 
 @attrs.frozen
+class PrefixCut:
+    """A restore that keeps only a prefix of the file's conversation (RESTORE_PREFIX): the deepest resume
+    point <= `cut_to`, refused before the gate when that is below `min_keep`."""
+
+    cut_to: int
+    min_keep: int = 0
+
+
+@attrs.frozen
 class _Prepared:
     """What check_plan established for the plan it was given: ready to commit."""
 
@@ -91,6 +100,7 @@ class _Prepared:
     runner_state: RunnerState
     sampler: SamplerState | None
     starts: tuple[int, ...]  # per layer: the first position the file's part holds
+    keep: int  # tokens held after the commit (the file's, or the prefix a PrefixCut keeps)
 
     def same_tokens(self, tokens: Any) -> bool:
         mine = self.runner_state.tokens  # the plan's own token array: the commit normally passes it back
@@ -118,6 +128,8 @@ class EngineSession:
         memory_available: Callable[[], int | None] | None = None,
         fault: FaultPoint | None = None,
         buffers: BlockBufferCache | None = None,
+        cut: PrefixCut | None = None,
+        discard_held: bool = False,
     ):
         self.runner = runner
         self.sampler = sampler or SamplerAccess.holder()
@@ -126,6 +138,10 @@ class EngineSession:
         self.memory_available = memory_available or sessionfile_memory_available
         self.fault = fault
         self.buffers = buffers
+        self.cut = cut
+        # The held conversation may be dropped (its owner saved it): a staged restore lands in the pool, as
+        # into an empty engine, with no staging area (a refusal during the read leaves nothing held).
+        self.discard_held = discard_held
         geometry = runner.kv_geometry
         self.kv_dtype = geometry.file_dtype
         self.specs = tuple(self._layer_spec(i) for i in range(geometry.n_layers))
@@ -252,7 +268,14 @@ class EngineSession:
         problems = self.runner.state_problems(runner_state)
         if problems:
             raise E.InconsistentState("; ".join(problems), field="state", **where)
-        self._prepared = _Prepared(id(plan), runner_state, sampler, self._starts(n))
+        keep = n
+        if self.cut is not None:
+            keep = self.runner.resume_point(runner_state, self.cut.cut_to)
+            if keep < self.cut.min_keep:
+                raise PrefixUnreachable(
+                    f"{plan.path}: the deepest resume point at or below {self.cut.cut_to} of its {n} tokens is "
+                    f"{keep}, below the {self.cut.min_keep} asked for", keep)
+        self._prepared = _Prepared(id(plan), runner_state, sampler, self._starts(n), keep)
 
     def _require_prepared(self, plan: RestorePlan) -> _Prepared:
         if self._prepared is None or self._prepared.plan_id != id(plan):
@@ -332,6 +355,8 @@ class EngineSession:
         # (refill), the tokens and the checkpoints follow in one call, then the sampler.
         self.runner.pool.ops.synchronize()
         self.runner.restore_state(prepared.runner_state)
+        if prepared.keep < self.runner.n_held:
+            self.runner.cut_back(prepared.keep)
         if prepared.sampler is not None:
             self.sampler.set(prepared.sampler)
         self.live_touched = False
@@ -357,8 +382,9 @@ class EngineSession:
         """A staged restore into an engine that holds nothing (a fresh process: the restart this is for)
         lands in the pool itself: there is no conversation for a staging area to keep, so none is
         allocated, faulted in or copied, and there is no switch (bench/CPU-NOTES.md). A refused file then
-        leaves the pool as empty as it was (its bytes unreachable: nothing is held)."""
-        return self.runner.n_held == 0 and not self.runner.checkpoints
+        leaves the pool as empty as it was (its bytes unreachable: nothing is held). So does a restore told
+        it may drop the held conversation (`discard_held`): a refusal during the read leaves nothing held."""
+        return self.discard_held or (self.runner.n_held == 0 and not self.runner.checkpoints)
 
     def can_stage(self, plan: RestorePlan) -> bool:
         if not self.staging:

@@ -1,10 +1,12 @@
-"""The serve protocol's `SAVE <path>` and `RESTORE <path>` verbs (spec/engine-protocol.md).
+"""The serve protocol's `SAVE <path>`, `RESTORE <path>` and `RESTORE_PREFIX {...}` verbs (spec/engine-protocol.md).
 
-`register_session_verbs(registry, options)` installs both handlers. Each call builds an `EngineSession`
+`register_session_verbs(registry, options)` installs the handlers. Each call builds an `EngineSession`
 over the serve context's runner and completer (the identity is computed once per runner and cached).
 
 Answers: SAVE -> `{"n_saved", "n_written", "save_ms"}` after `progress` lines (copy / flush / rename);
-RESTORE -> `{"n_restored", "n_read", "restore_ms", "mode", "read_pass_ms", "apply_ms"}` after `progress` lines (read / apply).
+RESTORE -> `{"n_restored", "n_read", "restore_ms", "mode", "read_pass_ms", "apply_ms"}` after `progress` lines (read / apply);
+RESTORE_PREFIX (a session store's restore: keep a prefix, may drop the held conversation) -> the same plus
+`n_kept`, or `session_refused` with reason `prefix_unreachable` when the prefix cannot be kept.
 Failures: a save error -> `session_write_failed` (the old file is untouched); a refused restore ->
 `session_refused` with the format package's `reason` (the held conversation is exactly as it was); a
 failure once the live pool was written -> `FailStop` (the loop writes the `fail_stop` error line and
@@ -28,8 +30,18 @@ import attrs
 import strata_sessionfile as sf
 from strata_sessionfile import errors as E
 
-from ..protocol import ArgumentKind, CommandRegistry, ErrorKind, FailStop, ProtocolError, ServeContext
-from .adapter import EngineSession, FaultPoint, SamplerAccess
+from ..errors import InvalidRequest, PrefixUnreachable
+from ..protocol import (
+    ArgumentKind,
+    CommandRegistry,
+    ErrorKind,
+    FailStop,
+    ProtocolError,
+    Reason,
+    ServeContext,
+    json_object,
+)
+from .adapter import EngineSession, FaultPoint, PrefixCut, SamplerAccess
 from .buffers import BlockBufferCache, block_buffers
 from .identity import runner_identity
 
@@ -108,7 +120,7 @@ class SessionVerbs:
             self._identity_of = (runner, runner_identity(runner))
         return self._identity_of[1]
 
-    def adapter(self, ctx: ServeContext) -> EngineSession:
+    def adapter(self, ctx: ServeContext, cut: PrefixCut | None = None, discard_held: bool = False) -> EngineSession:
         return EngineSession(
             ctx.runner,
             SamplerAccess.of_completer(ctx.completer),
@@ -116,6 +128,8 @@ class SessionVerbs:
             staging=self.options.restore_mode is not sf.RestoreMode.STREAMING,
             fault=self.options.fault,
             buffers=self.buffers,
+            cut=cut,
+            discard_held=discard_held,
         )
 
     @staticmethod
@@ -149,7 +163,17 @@ class SessionVerbs:
                 "save_ms": round(report.elapsed_s * 1000.0, 3)}
 
     def restore(self, ctx: ServeContext, path: str) -> Mapping[str, Any]:
-        adapter = self.adapter(ctx)
+        return self._restore(ctx, path, self.adapter(ctx))
+
+    def restore_prefix(self, ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
+        request = parse_restore_prefix(json_object(argument, "RESTORE_PREFIX"))
+        cut = None
+        if request.cut_to is not None or request.min_keep:
+            cut = PrefixCut(ctx.runner.n_ctx if request.cut_to is None else request.cut_to, request.min_keep)
+        answer = self._restore(ctx, request.path, self.adapter(ctx, cut, request.discard_held))
+        return {**answer, "n_kept": ctx.runner.n_held}
+
+    def _restore(self, ctx: ServeContext, path: str, adapter: EngineSession) -> Mapping[str, Any]:
         try:
             report = sf.restore(path, adapter, mode=self.options.restore_mode, block_size=self.block_size(ctx.runner),
                                 progress=self._progress(ctx), read_threads=self.readers())
@@ -160,12 +184,48 @@ class SessionVerbs:
                 adapter.fail_stop(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
                 reason = exc.reason if isinstance(exc, E.SessionFileError) else "adapter_failed"
                 raise FailStop(f"restore failed after the live K/V was written: {exc}", reason=reason) from exc
+            if isinstance(exc.__cause__, PrefixUnreachable):  # raised in check_plan, wrapped by the library
+                raise ProtocolError(ErrorKind.SESSION_REFUSED, str(exc.__cause__),
+                                    reason=Reason.PREFIX_UNREACHABLE.value,
+                                    extra={"resume_point": exc.__cause__.resume_point}) from exc
             if isinstance(exc, E.SessionFileError):
                 raise ProtocolError(ErrorKind.SESSION_REFUSED, str(exc), reason=exc.reason) from exc
             raise
         return {"n_restored": report.n_tokens, "n_read": report.bytes_read,
                 "restore_ms": round(report.elapsed_s * 1000.0, 3), "mode": report.mode.value,
                 "read_pass_ms": round(report.read_pass_s * 1000.0, 3), "apply_ms": round(report.apply_s * 1000.0, 3)}
+
+
+@attrs.frozen
+class RestorePrefixRequest:
+    path: str
+    cut_to: int | None = None  # None: keep every token of the file
+    min_keep: int = 0
+    discard_held: bool = False
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_restore_prefix(obj: Mapping[str, Any]) -> RestorePrefixRequest:
+    """RESTORE_PREFIX's object; every bad field is named in one error (unknown fields are ignored)."""
+    problems = []
+    path = obj.get("path")
+    if not isinstance(path, str) or not path or any(c in path for c in "\r\n\0"):
+        problems.append("path must be a non-empty string without line breaks or NUL")
+    cut_to = obj.get("cut_to")
+    if cut_to is not None and not _is_count(cut_to):
+        problems.append(f"cut_to must be an integer >= 0 or null, got {cut_to!r}")
+    min_keep = obj.get("min_keep", 0)
+    if not _is_count(min_keep):
+        problems.append(f"min_keep must be an integer >= 0, got {min_keep!r}")
+    discard_held = obj.get("discard_held", False)
+    if not isinstance(discard_held, bool):
+        problems.append(f"discard_held must be a boolean, got {discard_held!r}")
+    if problems:
+        raise InvalidRequest(problems)
+    return RestorePrefixRequest(path, cut_to, min_keep, discard_held)
 
 
 def register_session_verbs(registry: CommandRegistry, options: SessionOptions | None = None,
@@ -177,4 +237,5 @@ def register_session_verbs(registry: CommandRegistry, options: SessionOptions | 
         verbs.warm(ctx)
     registry.register("SAVE", ArgumentKind.PATH, verbs.save)
     registry.register("RESTORE", ArgumentKind.PATH, verbs.restore)
+    registry.register("RESTORE_PREFIX", ArgumentKind.JSON, verbs.restore_prefix)
     return verbs
