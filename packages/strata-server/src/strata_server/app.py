@@ -13,6 +13,7 @@ from .resources.info import HealthResource, MetricsResource, ModelsResource, Pro
 from .resources.slots import SlotsResource
 from .resources.text import ApplyTemplateResource, DetokenizeResource, TokenizeResource
 from .security import SecurityMiddleware, SecurityPolicy
+from .store import build_store
 
 # route -> resource class; aliases as the peer registers them (tools/server/server.cpp).
 ROUTES: tuple[tuple[tuple[str, ...], type], ...] = (
@@ -31,11 +32,14 @@ ROUTES: tuple[tuple[tuple[str, ...], type], ...] = (
 
 def create_app(engine_client: EngineClient, config: ServerConfig, *, context: ServerContext | None = None
                ) -> falcon.App:
-    ctx = context or ServerContext(engine=engine_client, config=config, policy=SecurityPolicy(config))
+    ctx = context or ServerContext(engine=engine_client, config=config, policy=SecurityPolicy(config),
+                                   store=build_store(config, engine_client))
     add_exit_listener = getattr(engine_client, "add_exit_listener", None)
     if add_exit_listener is not None:
         add_exit_listener(ctx.metrics.record_engine_exit)
         add_exit_listener(lambda _code: ctx.slot_view.forget())  # the held conversation died with it
+        if ctx.store is not None:
+            add_exit_listener(ctx.store.engine_exited)
     app = falcon.App(middleware=[SecurityMiddleware(ctx.policy, engine_client)])
     for paths, resource_class in ROUTES:
         resource = resource_class(ctx)

@@ -12,6 +12,9 @@ from strata_engine.settings import Backend, KVType, values
 from strata_sessionfile import RestoreMode
 
 from .config import (
+    DEFAULT_CACHE_DISK_MAX_MIB,
+    DEFAULT_CACHE_IDLE_SECONDS,
+    DEFAULT_CACHE_MIN_REUSE,
     DEFAULT_HOST,
     DEFAULT_MODEL_FILE,
     DEFAULT_MODEL_PACKAGE,
@@ -88,7 +91,27 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine-command", metavar="CMD", help="command that starts the engine, before --model ... "
         "(default: this Python with -m strata_engine.cli serve)")
     add("--log-level", metavar="LEVEL", help="debug, info, warning, error (default: info)")
+    add_store_flags(parser)
     return parser
+
+
+def add_store_flags(parser: argparse.ArgumentParser) -> None:
+    """The session store's flags (issue 17; strata_server/store/)."""
+    store = parser.add_argument_group(
+        "session store", "keep every conversation in a bounded folder of session files: saved when its slot "
+        "takes another conversation, when idle and at shutdown; the longest stored prefix of each prompt is "
+        "restored, so only the rest is evaluated")
+    add = store.add_argument
+    add("--cache-disk", metavar="DIR", help="the store's folder (created 0700 if missing; servers of other "
+        "models or settings may share it: their files are ignored) (default: off)")
+    add("--cache-disk-max", metavar="MiB", help="most MiB of this server's files in the store; the least "
+        f"recently used are removed after each save (default: {DEFAULT_CACHE_DISK_MAX_MIB})")
+    add("--cache-ram", metavar="MiB", help="llama-server's RAM prompt cache: a store of MiB in a private tmpfs "
+        "folder that dies with the server (not together with --cache-disk) (default: 0, off)")
+    add("--cache-min-reuse", metavar="N", help="restore a stored conversation only when it holds at least N "
+        f"more prompt tokens than the slot (default: {DEFAULT_CACHE_MIN_REUSE})")
+    add("--cache-idle-seconds", metavar="S", help="save a slot's conversation once it is idle S seconds, so a "
+        f"crash loses at most the turn in flight (default: {DEFAULT_CACHE_IDLE_SECONDS:g}; 0: never)")
 
 
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:

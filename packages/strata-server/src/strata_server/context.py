@@ -11,6 +11,7 @@ from .config import ServerConfig
 from .engine.client import EngineClient
 from .metrics import Metrics
 from .security import SecurityPolicy
+from .store import SessionStore
 
 if TYPE_CHECKING:
     from .params import CompletionOptions
@@ -69,6 +70,7 @@ class ServerContext:
     policy: SecurityPolicy
     metrics: Metrics = attrs.Factory(Metrics)
     slot_view: SlotView = attrs.Factory(SlotView)
+    store: SessionStore | None = None  # --cache-disk / --cache-ram
 
     def engine_info(self) -> dict[str, Any]:
         return dict(self.engine.status().info or {})

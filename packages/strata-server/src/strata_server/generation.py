@@ -228,7 +228,8 @@ class CompletionRun:
         lease = self.ctx.engine.acquire(self.ctx.config.slot_wait)
         try:
             ping = self.ctx.config.sse_ping_interval if self.options.stream else 0
-            events = lease.request("COMPLETE", self.command, idle_s=ping or None)
+            command = self.command if self.ctx.store is None else self.ctx.store.prepare(lease, self.command)
+            events = lease.request("COMPLETE", command, idle_s=ping or None)
             if not self.options.stream:
                 resp.media = self._collect(events, lease)
                 lease.release()
@@ -247,6 +248,8 @@ class CompletionRun:
     def _record(self, result: dict) -> None:
         self.ctx.metrics.record_completion(result)
         self.ctx.slot_view.record(result, self.options)
+        if self.ctx.store is not None:
+            self.ctx.store.completed(result)
 
     def _collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
         probs = []

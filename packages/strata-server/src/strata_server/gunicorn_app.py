@@ -18,13 +18,20 @@ from gunicorn.app.base import BaseApplication
 
 from .app import create_app
 from .config import ServerConfig
+from .context import ServerContext
 from .engine.supervisor import EngineSupervisor, SupervisorSettings
+from .security import SecurityPolicy
+from .store import SessionStore, build_store
 
 log = logging.getLogger("strata_server")
 WORKER_BOOT_ERROR = 3  # gunicorn's Arbiter.WORKER_BOOT_ERROR: the arbiter halts with this status
 
 
 def _worker_exit(server: Any, worker: Any) -> None:
+    store = getattr(worker.app, "store", None)
+    if store is not None:
+        log.info("saving the slots' conversations to the session store")
+        store.shutdown()
     supervisor = getattr(worker.app, "supervisor", None)
     if supervisor is not None:
         log.info("stopping the engine (QUIT)")
@@ -41,6 +48,7 @@ class StrataGunicorn(BaseApplication):
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.supervisor: EngineSupervisor | None = None
+        self.store: SessionStore | None = None
         super().__init__()
 
     def load_config(self) -> None:
@@ -72,6 +80,11 @@ class StrataGunicorn(BaseApplication):
         settings = SupervisorSettings(slot_wait_s=self.config.slot_wait,
                                       command_timeout_s=self.config.engine_timeout or None)
         self.supervisor = EngineSupervisor(self.config.engine_argv(), settings=settings, on_give_up=_give_up)
-        app = create_app(self.supervisor, self.config)
+        self.store = build_store(self.config, self.supervisor)
+        context = ServerContext(engine=self.supervisor, config=self.config, policy=SecurityPolicy(self.config),
+                                store=self.store)
+        app = create_app(self.supervisor, self.config, context=context)
         self.supervisor.start()
+        if self.store is not None:
+            self.store.start()  # scans the folder once the engine is ready
         return app

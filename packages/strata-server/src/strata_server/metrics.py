@@ -131,12 +131,17 @@ class Metrics:
                 ("strata:engine_exits_total", "counter", "Engine process exits, by exit status.",
                  [(f'{{status="{c}"}}', n) for c, n in sorted(self.engine_exits.items())] or [("", 0)]),
             ]
-        lines = []
-        for name, kind, help_text, samples in rows:
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
-            lines += [f"{name}{labels} {_number(value)}" for labels, value in samples]
-        return "\n".join(lines) + "\n"
+        return render_rows(rows)
+
+
+def render_rows(rows: list[tuple[str, str, str, list[tuple[str, float]]]]) -> str:
+    """Prometheus text of (name, type, help, [(suffix and labels, value)]) rows."""
+    lines = []
+    for name, kind, help_text, samples in rows:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines += [f"{name}{labels} {_number(value)}" for labels, value in samples]
+    return "\n".join(lines) + "\n"
 
 
 def per_second(count: float, seconds: float) -> float:

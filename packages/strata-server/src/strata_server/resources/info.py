@@ -7,7 +7,7 @@ import falcon
 from ..context import ServerContext
 from ..engine.client import EngineState
 from ..errors import ApiError, EngineUnavailable, ErrorType
-from ..metrics import CONTENT_TYPE
+from ..metrics import CONTENT_TYPE, render_rows
 from ..params import ENGINE_DEFAULTS
 
 
@@ -93,3 +93,5 @@ class MetricsResource:
         resp.content_type = CONTENT_TYPE
         resp.set_header("Process-Start-Time-Unix", str(int(self.ctx.metrics.start_time)))
         resp.text = self.ctx.metrics.render(self.ctx.engine.gate, self.ctx.engine.status().restarts)
+        if self.ctx.store is not None:
+            resp.text += render_rows(self.ctx.store.metric_rows())

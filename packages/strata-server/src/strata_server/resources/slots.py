@@ -44,6 +44,8 @@ class SlotsResource:
         slot = {"id": 0, "n_ctx": self.ctx.engine_info().get("n_ctx"), "speculative": False,
                 "is_processing": busy}
         slot.update(self.ctx.slot_view.snapshot() or {})
+        if self.ctx.store is not None:  # Strata's: where the slot's conversation came from
+            slot["conversation"] = self.ctx.store.slot_info(0)
         resp.media = [slot]
 
     # --- POST /slots/{id_slot} -------------------------------------------------------------------
@@ -137,6 +139,8 @@ class SlotsResource:
         restore_ms = float(result.get("restore_ms", 0.0))
         self.ctx.metrics.record_restore(n_read, restore_ms)
         self.ctx.slot_view.forget()
+        if self.ctx.store is not None:
+            self.ctx.store.slot_restored_from(0, path)
         return {"id_slot": 0, "filename": filename, "n_restored": int(result.get("n_restored", 0)),
                 "n_read": n_read, "timings": {"restore_ms": restore_ms}}
 
@@ -145,4 +149,6 @@ class SlotsResource:
             result = lease.call("ERASE")
         self.ctx.metrics.record_erase()
         self.ctx.slot_view.forget()
+        if self.ctx.store is not None:
+            self.ctx.store.slot_erased(0)
         return {"id_slot": 0, "n_erased": int(result.get("n_erased", 0))}

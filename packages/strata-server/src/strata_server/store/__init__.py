@@ -1,0 +1,46 @@
+"""The session store (`--cache-disk DIR`, or `--cache-ram MiB` in a private tmpfs folder): every conversation
+kept as a format v1 session file, the longest stored prefix of each prompt restored into the slot.
+
+* index.py: the in-memory index (chained token-block hashes, longest prefix, least-recently-used by bytes).
+* folder.py: the folder (content-hash names, reading headers and metadata, moving bad files aside).
+* policy.py: when to save and restore (pure decisions).
+* store.py: `SessionStore`, the request-path hooks, the idle saver, the shutdown saves.
+* metrics.py: its Prometheus series.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from ..config import ServerConfig
+from ..engine.client import EngineClient
+from .folder import Fingerprints
+from .index import BLOCK_TOKENS, StoreIndex
+from .store import MIB, Origin, SessionStore, StoreSettings
+
+RAM_FOLDER_ROOT = Path("/dev/shm")  # tmpfs: a RAM-only store's files live in memory
+
+
+def store_settings(config: ServerConfig) -> StoreSettings | None:
+    """The store the config asks for, or None."""
+    if config.cache_disk is not None:
+        return StoreSettings(folder=config.cache_disk, max_bytes=config.cache_disk_max * MIB,
+                             min_reuse=config.cache_min_reuse, idle_s=config.cache_idle_seconds)
+    if config.cache_ram > 0:
+        root = RAM_FOLDER_ROOT if RAM_FOLDER_ROOT.is_dir() else Path(tempfile.gettempdir())
+        # Like llama-server's RAM cache it dies with the server: no idle or shutdown saves.
+        return StoreSettings(folder=root / f"strata-cache-ram-{os.getuid()}-{config.port}",
+                             max_bytes=config.cache_ram * MIB, min_reuse=config.cache_min_reuse, idle_s=0.0,
+                             ephemeral=True)
+    return None
+
+
+def build_store(config: ServerConfig, engine: EngineClient) -> SessionStore | None:
+    settings = store_settings(config)
+    return SessionStore(settings, engine) if settings is not None else None
+
+
+__all__ = ["BLOCK_TOKENS", "Fingerprints", "Origin", "SessionStore", "StoreIndex", "StoreSettings", "build_store",
+           "store_settings"]

@@ -1,0 +1,123 @@
+"""The store's folder: the names the server gives its files, reading a file's identity and tokens
+(header and metadata only, through strata-sessionfile), moving a bad file aside, and removing one.
+
+Names are content hashes (`conversation_name`), never anything a client sent; a scan reads only names
+of that form, so nothing else in the folder is opened, and another server's files (another model or
+setting, told apart by the header's fingerprints) are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import numpy as np
+import strata_sessionfile as sf
+import xxhash
+
+from .index import StoredConversation
+
+log = logging.getLogger("strata_server.store")
+
+SUFFIX = ".ssf"
+NAME = re.compile(r"^[0-9a-f]{32}\.ssf$")
+BAD_FOLDER = ".bad"  # files that failed validation are moved here, never restored
+FOLDER_MODE = 0o700
+
+
+@attrs.frozen
+class Fingerprints:
+    """The engine's session fingerprints (its ready line's `session_fingerprints`), as hex."""
+
+    model: str
+    config: str
+
+    @classmethod
+    def of_ready_line(cls, info: dict) -> Fingerprints | None:
+        fp = info.get("session_fingerprints")
+        if not isinstance(fp, dict) or not isinstance(fp.get("model"), str) or not isinstance(fp.get("config"), str):
+            return None
+        return cls(fp["model"], fp["config"])
+
+
+def conversation_name(fingerprints: Fingerprints, tokens: np.ndarray) -> str:
+    """The file name of a conversation: XXH3-128 of the engine's fingerprints and the token ids, so two
+    engines sharing the folder never write the same name for different files."""
+    h = xxhash.xxh3_128()
+    h.update(bytes.fromhex(fingerprints.model) + bytes.fromhex(fingerprints.config))
+    h.update(tokens.astype("<i4", copy=False).tobytes())
+    return h.hexdigest() + SUFFIX
+
+
+class StoreFolder:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def create(self) -> None:
+        """The folder, created 0700 if missing (an existing one keeps its mode)."""
+        self.path.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+
+    def file(self, name: str) -> Path:
+        assert NAME.match(name), name
+        return self.path / name
+
+    def names(self) -> Iterator[str]:
+        with os.scandir(self.path) as entries:
+            for entry in entries:
+                if NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
+                    yield entry.name
+
+    def read(self, name: str) -> tuple[sf.Inspection, int]:
+        """Header and metadata of one file (its data is not read) and its size; SessionFileError when
+        they are not valid."""
+        path = self.file(name)
+        inspection = sf.inspect(path, verify=False, read_threads=1)
+        return inspection, path.stat().st_size
+
+    def conversation(self, name: str, fingerprints: Fingerprints) -> StoredConversation | None:
+        """The stored conversation of one file, or None when it belongs to another engine."""
+        inspection, size = self.read(name)
+        header = inspection.header
+        if (header.model_fingerprint.hex(), header.config_fingerprint.hex()) != (fingerprints.model,
+                                                                                  fingerprints.config):
+            return None
+        return StoredConversation(name, size, np.frombuffer(inspection.metadata.state.tokens, dtype="<i4"))
+
+    def used_at(self, name: str) -> float:
+        try:
+            return self.file(name).stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def touch(self, name: str) -> None:
+        """Record a use in the file's mtime: the least-recently-used order survives a restart."""
+        try:
+            os.utime(self.file(name))
+        except OSError:
+            pass
+
+    def remove(self, name: str) -> bool:
+        try:
+            os.unlink(self.file(name))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def move_aside(self, name: str, reason: str) -> None:
+        """A file that failed validation goes to .bad/ (removed if that fails): never restored again."""
+        bad = self.path / BAD_FOLDER
+        try:
+            bad.mkdir(mode=FOLDER_MODE, exist_ok=True)
+            os.replace(self.file(name), bad / f"{name}.{int(time.time())}.{reason}")
+            log.warning("session store: %s failed validation (%s); moved to %s", name, reason, bad)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("session store: %s failed validation (%s) and could not be moved aside (%s); removing it",
+                        name, reason, exc)
+            self.remove(name)
