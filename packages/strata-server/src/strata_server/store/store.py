@@ -172,6 +172,8 @@ class SessionStore:
         deadline = time.monotonic() + self.settings.shutdown_budget_s
         for slot_id in self.slots:
             if not self._needs_save(slot_id):
+                log.info("session store: slot %d has nothing to save at shutdown (stored already, too short or "
+                         "unknown)", slot_id)
                 continue
             try:
                 with self.engine.acquire(max(0.0, deadline - time.monotonic())) as lease:
