@@ -24,9 +24,9 @@ def digest(tokens: list[int]) -> str:
     return xxhash.xxh3_64_hexdigest(np.asarray(tokens, dtype="<i4").tobytes())
 
 
-@pytest.fixture
-def smollm2():
-    engine = ServeProcess(smollm2_model_path(), "--ctx-size", "1024")
+@pytest.fixture(params=[(), ("--kv-type", "int8", "--kv-resident", "256")], ids=["f16", "int8-resident"])
+def smollm2(request):
+    engine = ServeProcess(smollm2_model_path(), "--ctx-size", "1024", *request.param)
     yield engine
     engine.quit()
 
@@ -83,7 +83,8 @@ def test_restore_prefix_cuts_refuses_and_lands_in_place(smollm2, tmp_path):
     assert (refused["error"]["type"], refused["error"]["reason"]) == ("session_refused", "payload_corrupt")
     assert smollm2.result("STATUS")["n_tokens_held"] == 0  # refused during the in-place read: nothing held
     after = smollm2.complete(prompt[:300] + other, 8)
-    assert after["timings"]["cache_n"] == 0 and after["tokens"] == reference["tokens"]
+    cold = smollm2.complete(prompt[:300] + other, 8, cache_prompt=False)  # erased first: nothing left behind
+    assert after["timings"]["cache_n"] == 0 and after["tokens"] == cold["tokens"]
 
     for bad in ({"path": str(path), "cut_to": -1}, {"path": ""}, {"path": str(path), "discard_held": 1},
                 {"path": str(path), "min_keep": "2"}):
