@@ -144,6 +144,8 @@ def test_two_conversations_alternating_on_one_slot_hit_the_store_every_turn(modu
     try:
         chats = {"a": chat_a(), "b": chat_b()}
         held: dict[str, int] = {}  # tokens a chat's conversation held when it left the slot
+        before: dict[str, int] = {}  # ... the time before
+        last: dict[str, list[dict]] = {}  # the messages of its last turn
         hits = 0
         for round_ in range(3):
             for name, messages in chats.items():
@@ -155,8 +157,14 @@ def test_two_conversations_alternating_on_one_slot_hit_the_store_every_turn(modu
                     assert metric(server, 'strata:store_lookups_total{result="hit"}') == hits
                 else:
                     assert cached < 10  # a new chat: only the template's first tokens are shared
-                held[name] = reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
-                chats[name] = followed(messages, reply.choices[0].message.content, f"And item {round_ + 4}?")
+                before[name], held[name] = held.get(name, 0), reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
+                last[name], chats[name] = messages, followed(messages, reply.choices[0].message.content,
+                                                             f"And item {round_ + 4}?")
+        # a's last question edited (b holds the slot): a's stored conversation is restored, cut back to the edit
+        edited = chat(server, [*last["a"][:-1], {"role": "user", "content": "Where is item 29?"}])
+        cached = edited.usage.prompt_tokens_details.cached_tokens
+        assert before["a"] <= cached < edited.usage.prompt_tokens
+        assert metric(server, 'strata:store_lookups_total{result="hit"}') == hits + 1
         assert metric(server, "strata:store_bytes") > 0
         assert metric(server, 'strata:store_saves_total{trigger="replace"}') >= 5
     finally:
