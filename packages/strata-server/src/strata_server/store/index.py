@@ -150,10 +150,6 @@ class StoreIndex:
         with self._lock:
             return sum(c.nbytes for c in self._by_name.values())
 
-    def least_recently_used(self) -> list[StoredConversation]:
-        with self._lock:
-            return list(self._by_name.values())
-
     def over_limit(self, limit_bytes: int, keep: Iterable[str] = ()) -> list[StoredConversation]:
         """The least recently used conversations to evict, oldest first, so that the rest fit
         `limit_bytes`; those named in `keep` go last (only when the others do not make room)."""

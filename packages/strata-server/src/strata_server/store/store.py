@@ -156,9 +156,6 @@ class SessionStore:
                  time.monotonic() - t0)
         self._ready.set()
 
-    def wait_ready(self, timeout: float) -> bool:
-        return self._ready.wait(timeout)
-
     def shutdown(self) -> None:
         """Save every slot whose conversation is not stored yet (bounded, logged); stop the thread."""
         self._stop.set()
