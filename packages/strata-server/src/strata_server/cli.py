@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--cors-origins", metavar="ORIGIN[,ORIGIN...]", action="append",
         help="CORS allowed origins (default: '*', never with credentials)")
     add("--threads", metavar="N", help="gunicorn gthread threads (default: 32; requests waiting for the slot each hold one)")
-    add("--timeout", metavar="S", help="gunicorn worker timeout in seconds (default: 600)")
+    add("-to", "--timeout", metavar="S", help="read timeout in seconds (llama-server's): a connection whose request "
+        "has not fully arrived within S is closed; stalled clients hold no thread meanwhile (default: 600)")
     add("--slot-wait", metavar="S", help="seconds a request waits for the busy slot before a 503 (default: 600)")
     add("--engine-timeout", metavar="S", help="seconds of engine silence inside one command after which it is "
         "killed and restarted (default: 0 = never; a huge prompt on a CPU is silent for long)")

@@ -68,7 +68,7 @@ class ServerConfig:
     trusted_origins: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ("*",)
     threads: int = 32  # requests waiting for the slot each hold one; /health must still get through
-    timeout: int = 600  # gunicorn worker timeout (seconds)
+    timeout: int = 600  # read timeout of a request (worker.py) and gunicorn's worker heartbeat (seconds)
     slot_wait: float = 600.0  # seconds a request waits for the busy slot before a 503
     engine_timeout: float = 0.0  # silence inside one engine command that means "hung": kill, restart; 0: never
     sse_ping_interval: float = 30.0  # ":" keep-alive comment on a silent stream; 0 turns it off

@@ -1,4 +1,5 @@
-"""gunicorn entry: one gthread worker that owns the engine process.
+"""gunicorn entry: one worker (gthread whose requests are read by its event loop: worker.py) that owns
+the engine process.
 
 The supervisor starts in the worker (``load`` runs there, after the fork), so the engine is a child
 of the process that talks to it. ``worker_exit`` QUITs the engine on any worker shutdown (SIGTERM:
@@ -48,7 +49,7 @@ class StrataGunicorn(BaseApplication):
         settings = {
             "bind": [config.bind()],
             "workers": 1,  # the worker owns the one engine process
-            "worker_class": "gthread",
+            "worker_class": "strata_server.worker.StrataWorker",
             "threads": config.threads,
             "timeout": config.timeout,
             "graceful_timeout": 30,
