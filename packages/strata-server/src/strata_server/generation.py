@@ -9,6 +9,7 @@ streams it as SSE. A ``ResponseFormat`` turns engine lines into the peer's JSON 
 from __future__ import annotations
 
 import abc
+import itertools
 import json
 import secrets
 import string
@@ -19,9 +20,10 @@ from typing import Any
 import attrs
 import falcon
 
+from .connection import POLL_INTERVAL_S, ClientConnection, watch_client
 from .context import ServerContext
 from .engine.client import IDLE_EVENT, EngineLease
-from .errors import EngineCallError, sse_error_frame
+from .errors import ApiError, EngineCallError, ErrorType, sse_error_frame
 from .params import CompletionOptions
 
 FINISH_REASONS = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
@@ -217,18 +219,23 @@ class CompletionRun:
     """One COMPLETE from request to response (JSON or SSE)."""
 
     def __init__(self, ctx: ServerContext, command: dict, options: CompletionOptions,
-                 fmt: ResponseFormat) -> None:
+                 fmt: ResponseFormat, client: ClientConnection | None = None) -> None:
         self.ctx = ctx
         self.command = command
         self.options = options
         self.fmt = fmt
+        self.client = client or ClientConnection(None)
         self.want_probs = int(options.sampling.get("n_probs", 0)) > 0
 
     def respond(self, resp: falcon.Response) -> None:
         lease = self.ctx.engine.acquire(self.ctx.config.slot_wait)
         try:
+            if self.client.gone():  # it left while waiting for the slot: nothing to run for
+                raise ApiError(ErrorType.INVALID_REQUEST, "the client closed the connection", status=499)
             ping = self.ctx.config.sse_ping_interval if self.options.stream else 0
-            events = lease.request("COMPLETE", self.command, idle_s=ping or None)
+            # The engine's silence is broken every POLL_INTERVAL_S to see whether the client left.
+            events = watch_client(lease.request("COMPLETE", self.command, idle_s=POLL_INTERVAL_S),
+                                  self.client, lease.cancel, ping_s=ping)
             if not self.options.stream:
                 resp.media = self._collect(events, lease)
                 lease.release()
@@ -261,11 +268,12 @@ class CompletionRun:
 
     def _stream(self, lease: EngineLease, first: dict, events: Iterator[dict]) -> Iterator[bytes]:
         batch = TokenBatch()
+        ended = False
         try:
             for chunk in self.fmt.start_chunks():
                 yield sse_frame(chunk)
-            pending: Iterator[dict] = iter([first])
-            for event in _chain(pending, events):
+            # itertools.chain, not a generator: closing this stream must leave `events` open for _abandon.
+            for event in itertools.chain([first], events):
                 if event is IDLE_EVENT:
                     yield SSE_PING
                     continue
@@ -280,6 +288,7 @@ class CompletionRun:
                         ids, probs = batch.take()
                         yield sse_frame(self.fmt.token_chunk(content, ids, probs))
                 elif kind == "result":
+                    ended = True
                     self._record(event)
                     for chunk in self.fmt.final_chunks(event, lease):
                         yield sse_frame(chunk)
@@ -287,13 +296,21 @@ class CompletionRun:
                         yield sse_frame("[DONE]")
                     return
         except EngineCallError as exc:
+            ended = True
             yield sse_error_frame(exc)
         finally:
-            # A client that went away closes this generator early: release() cancels the COMPLETE
-            # and reads it to its end before the next request may use the engine.
+            # A client that went away closes this generator early: the COMPLETE is cancelled and read
+            # to its end (and counted) before the next request may use the engine.
+            if not ended:
+                self._abandon(lease, events)
             lease.release()
 
+    def _abandon(self, lease: EngineLease, events: Iterator[dict]) -> None:
+        lease.cancel()
+        try:
+            for event in events:
+                if event["event"] == "result":
+                    self._record(event)
+        except EngineCallError:
+            pass  # the engine died meanwhile: release() leaves the restart to the supervisor
 
-def _chain(*iterators: Iterator[dict]) -> Iterator[dict]:
-    for iterator in iterators:
-        yield from iterator

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import falcon
 
+from ..connection import ClientConnection
 from ..context import ServerContext
 from ..engine.client import EngineLease
 from ..generation import (
@@ -40,7 +41,8 @@ def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Res
     prompt = parse_prompt(body, n_vocab=ctx.engine_info().get("n_vocab"))
     options = parse_options(body)
     info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
-    CompletionRun(ctx, {"prompt": prompt, **options.sampling}, options, make_format(info, prompt)).respond(resp)
+    CompletionRun(ctx, {"prompt": prompt, **options.sampling}, options, make_format(info, prompt),
+                  client=ClientConnection.of(req.env)).respond(resp)
 
 
 class CompletionResource:
@@ -76,4 +78,4 @@ class ChatCompletionResource:
         options = parse_options(body, top_logprobs=top_logprobs)
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
         CompletionRun(self.ctx, {"messages": messages, **options.sampling}, options,
-                      ChatCompletionFormat(info)).respond(resp)
+                      ChatCompletionFormat(info), client=ClientConnection.of(req.env)).respond(resp)
