@@ -89,6 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine-command", metavar="CMD", help="command that starts the engine, before --model ... "
         "(default: this Python with -m strata_engine.cli serve)")
     add("--log-level", metavar="LEVEL", help="debug, info, warning, error (default: info)")
+    sampling = parser.add_argument_group("default sampling and output (what a request that does not set the "
+                                         "field gets; a request's own fields win)")
+    sampling.add_argument("--temp", metavar="T", help="temperature (default: 0.8; 0 or less: greedy)")
+    sampling.add_argument("--top-k", metavar="N", help="top-k (default: 40; 0 or less: off)")
+    sampling.add_argument("--top-p", metavar="P", help="top-p (default: 0.95; 1.0: off)")
+    sampling.add_argument("--min-p", metavar="P", help="min-p (default: 0.05; 0: off)")
+    sampling.add_argument("-s", "--seed", metavar="N", help="sampler seed (default: -1, random)")
+    sampling.add_argument("-n", "--n-predict", "--predict", dest="n_predict", metavar="N",
+                          help="tokens to generate (default: -1, until a stop or the full context); N > 0 also "
+                               "caps a request's own n_predict")
+    sampling.add_argument("--repeat-penalty", metavar="X", help="repetition penalty (default: 1.0, off)")
+    sampling.add_argument("--repeat-last-n", metavar="N", help="tokens the repetition penalty looks back over "
+                          "(default: 64; -1: the context; 0: off)")
+    sampling.add_argument("--presence-penalty", metavar="X", help="presence penalty (default: 0.0, off)")
+    sampling.add_argument("--frequency-penalty", metavar="X", help="frequency penalty (default: 0.0, off)")
     return parser
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import re
 import tomllib
@@ -75,6 +76,17 @@ class ServerConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     engine_command: tuple[str, ...] = ()  # empty: <this python> -m strata_engine.cli serve
     log_level: str = "info"
+    # What a request that does not say gets (llama-server's -n/--temp/... flags); a request's fields win.
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = -1
+    n_predict: int = -1  # -1: until a stop condition or the full context; N > 0 also caps a request's own
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def engine_argv(self) -> list[str]:
         import sys
@@ -247,6 +259,17 @@ def _check_values(config: ServerConfig) -> list[str]:
     for origin in config.cors_origins:
         if origin != "*" and not _ORIGIN.match(origin):
             problems.append(f"cors_origins: {origin!r} is not '*' or an origin like http://host:port")
+    for name in ("temp", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(config, name)):
+            problems.append(f"{name}: {getattr(config, name)} is not a finite number")
+    if not config.repeat_penalty > 0:
+        problems.append(f"repeat_penalty: {config.repeat_penalty} must be above 0 (1.0 disables it)")
+    if not -1 <= config.seed < 2**64:
+        problems.append(f"seed: {config.seed} is outside -1..2^64-1 (-1: random)")
+    if config.n_predict < -2:
+        problems.append(f"n_predict: {config.n_predict} is below -2 (-1: until a stop or the full context)")
+    if config.repeat_last_n < -1:
+        problems.append(f"repeat_last_n: {config.repeat_last_n} is below -1 (-1: the whole context, 0: off)")
     if config.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
         problems.append(f"log_level: {config.log_level!r} is not debug, info, warning, error or critical")
     return problems

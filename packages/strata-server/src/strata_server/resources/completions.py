@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import attrs
 import falcon
 
 from ..connection import ClientConnection
 from ..context import ServerContext
+from ..defaults import with_defaults
 from ..engine.client import EngineLease
 from ..generation import (
     ChatCompletionFormat,
@@ -40,6 +42,7 @@ def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Res
     body = read_json(req, ctx.config.max_body_bytes)
     prompt = parse_prompt(body, n_vocab=ctx.engine_info().get("n_vocab"))
     options = parse_options(body)
+    options = attrs.evolve(options, sampling=with_defaults(options.sampling, ctx.config))
     info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
     CompletionRun(ctx, {"prompt": prompt, **options.sampling}, options, make_format(info, prompt),
                   client=ClientConnection.of(req.env)).respond(resp)
@@ -76,6 +79,7 @@ class ChatCompletionResource:
         body, top_logprobs = parse_chat_logprobs(read_json(req, self.ctx.config.max_body_bytes))
         messages = parse_messages(body)
         options = parse_options(body, top_logprobs=top_logprobs)
+        options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
         CompletionRun(self.ctx, {"messages": messages, **options.sampling}, options,
                       ChatCompletionFormat(info), client=ClientConnection.of(req.env)).respond(resp)

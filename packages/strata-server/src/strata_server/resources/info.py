@@ -8,6 +8,7 @@ from ..context import ServerContext
 from ..engine.client import EngineState
 from ..errors import ApiError, EngineUnavailable, ErrorType
 from ..metrics import CONTENT_TYPE
+from ..defaults import sampling_defaults
 from ..params import ENGINE_DEFAULTS
 
 
@@ -30,7 +31,8 @@ class PropsResource:
         info = self.ctx.engine_info()
         config = self.ctx.config
         resp.media = {
-            "default_generation_settings": {"params": dict(ENGINE_DEFAULTS), "n_ctx": info.get("n_ctx")},
+            "default_generation_settings": {"params": {**ENGINE_DEFAULTS, **sampling_defaults(config)},
+                                            "n_ctx": info.get("n_ctx")},
             "total_slots": 1,
             "model_alias": config.alias or info.get("model_path"),
             "model_path": info.get("model_path"),

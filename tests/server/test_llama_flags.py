@@ -1,0 +1,64 @@
+"""llama-server's flags and edge behaviours through falcon.testing with the in-process fake engine:
+default sampling, aliases and tags, CORS, header names, /slots and /metrics at the edges, chat validation."""
+
+from __future__ import annotations
+
+import pytest
+from strata_server.cli import load_config
+from strata_server.config import ConfigError
+
+from .checks import assert_error
+
+# --- default sampling and output -----------------------------------------------------------------
+
+
+def test_sampling_flags_parse_and_every_bad_value_is_reported(fake_model):
+    config = load_config(["--model", str(fake_model), "--temp", "0", "--top-k", "5", "--top-p", "0.5",
+                          "--min-p", "0.1", "-s", "42", "-n", "7", "--repeat-penalty", "1.1",
+                          "--repeat-last-n", "32", "--presence-penalty", "0.25", "--frequency-penalty", "0.5"])
+    assert (config.temp, config.top_k, config.top_p, config.min_p, config.seed, config.n_predict) == \
+        (0.0, 5, 0.5, 0.1, 42, 7)
+    assert (config.repeat_penalty, config.repeat_last_n, config.presence_penalty, config.frequency_penalty) == \
+        (1.1, 32, 0.25, 0.5)
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model", str(fake_model), "--temp", "nan", "--repeat-penalty", "0", "--seed", "-5",
+                     "-n", "-3", "--top-k", "many"])
+    problems = "\n".join(info.value.problems)
+    for expected in ("temp: nan is not a finite number", "repeat_penalty: 0.0 must be above 0", "seed: -5",
+                     "n_predict: -3 is below -2", "top_k: expected an integer"):
+        assert expected in problems, expected
+
+
+def test_request_without_fields_gets_the_server_defaults(make_api):
+    client, engine, _ = make_api(temp=0, n_predict=5, top_k=3, seed=9)
+    body = client.simulate_post("/completion", json={"prompt": "hello"}).json
+    assert body["tokens_predicted"] == 5
+    settings = body["generation_settings"]
+    assert (settings["temperature"], settings["top_k"], settings["seed"], settings["n_predict"]) == (0, 3, 9, 5)
+    # The request's own fields win.
+    own = client.simulate_post("/completion", json={"prompt": "hello", "n_predict": 2, "temperature": 0.5,
+                                                    "top_k": 7}).json
+    assert own["tokens_predicted"] == 2
+    assert (own["generation_settings"]["temperature"], own["generation_settings"]["top_k"]) == (0.5, 7)
+    chat = client.simulate_post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).json
+    assert chat["usage"]["completion_tokens"] == 5
+
+
+def test_server_n_predict_caps_a_request_and_minus_one_means_the_server_s(make_api):
+    client, _, _ = make_api(temp=0, n_predict=4)
+    for asked in (100, -1):
+        body = client.simulate_post("/completion", json={"prompt": "hello", "n_predict": asked}).json
+        assert body["tokens_predicted"] == 4 and body["generation_settings"]["n_predict"] == 4
+    unlimited, _, _ = make_api(temp=0)  # llama-server's -1: until a stop or the full context
+    assert unlimited.simulate_post("/completion", json={"prompt": "hi", "ignore_eos": True}).json[
+        "stop_type"] == "limit"
+
+
+def test_props_default_generation_settings_reflect_the_flags(make_api):
+    client, _, _ = make_api(temp=0.2, top_p=0.7, n_predict=64, repeat_penalty=1.2, presence_penalty=0.1)
+    params = client.simulate_get("/props").json["default_generation_settings"]["params"]
+    assert (params["temperature"], params["top_p"], params["n_predict"], params["repeat_penalty"],
+            params["presence_penalty"], params["frequency_penalty"]) == (0.2, 0.7, 64, 1.2, 0.1, 0.0)
+    defaults = make_api()[0].simulate_get("/props").json["default_generation_settings"]["params"]
+    assert (defaults["temperature"], defaults["top_k"], defaults["top_p"], defaults["min_p"],
+            defaults["n_predict"], defaults["seed"]) == (0.8, 40, 0.95, 0.05, -1, -1)
