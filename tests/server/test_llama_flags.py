@@ -62,3 +62,52 @@ def test_props_default_generation_settings_reflect_the_flags(make_api):
     defaults = make_api()[0].simulate_get("/props").json["default_generation_settings"]["params"]
     assert (defaults["temperature"], defaults["top_k"], defaults["top_p"], defaults["min_p"],
             defaults["n_predict"], defaults["seed"]) == (0.8, 40, 0.95, 0.05, -1, -1)
+
+
+# --- header names, /slots and /metrics at the edges ----------------------------------------------
+
+
+def wsgi_header_names(app, path: str, method: str = "GET", headers: dict | None = None) -> list[str]:
+    import falcon.testing
+
+    names: list[str] = []
+    environ = falcon.testing.create_environ(path, method=method, headers={"Host": "127.0.0.1:8080", **(headers or {})})
+    b"".join(app(environ, lambda status, hdrs, exc_info=None: names.extend(k for k, _ in hdrs)))
+    return names
+
+
+def test_response_header_names_are_cased_as_the_peer_sends_them(fake_model):
+    from strata_server import build_config, create_app
+    from strata_server.wsgi import peer_header_name, with_peer_header_case
+
+    from .fake_engine import FakeEngine
+    from .fakes import FakeEngineClient
+
+    config = build_config({}, {"model": str(fake_model), "metrics": True})
+    app = with_peer_header_case(create_app(FakeEngineClient(FakeEngine(str(fake_model))), config))
+    metrics = wsgi_header_names(app, "/metrics")
+    assert "Process-Start-Time-Unix" in metrics and "Content-Type" in metrics
+    options = wsgi_header_names(app, "/completion", "OPTIONS", {"Origin": "http://x.example",
+                                                                "Access-Control-Request-Method": "POST"})
+    assert "Access-Control-Allow-Methods" in options and "Access-Control-Allow-Origin" in options
+    assert peer_header_name("x-accel-buffering") == "X-Accel-Buffering"
+
+
+def test_slots_n_remain_is_minus_one_once_a_task_ended(make_api):
+    client, _, _ = make_api(temp=0)
+    client.simulate_post("/completion", json={"prompt": "hello", "n_predict": 3})
+    next_token = client.simulate_get("/slots").json[0]["next_token"][0]
+    assert next_token == {"has_next_token": False, "has_new_line": next_token["has_new_line"], "n_remain": -1,
+                          "n_decoded": 3}
+
+
+def test_metrics_generation_rate_is_zero_after_one_token(make_api):
+    client, _, _ = make_api(temp=0, metrics=True)
+    client.simulate_post("/completion", json={"prompt": "hello", "n_predict": 1})
+    text = client.simulate_get("/metrics").text
+    assert "llamacpp:tokens_predicted_total 1\n" in text
+    assert "llamacpp:predicted_tokens_seconds 0\n" in text and "llamacpp:tokens_predicted_seconds_total 0\n" in text
+    client.simulate_post("/completion", json={"prompt": "hello", "n_predict": 4})
+    rate = next(line for line in client.simulate_get("/metrics").text.splitlines()
+                if line.startswith("llamacpp:predicted_tokens_seconds "))
+    assert float(rate.split()[1]) > 0

@@ -248,7 +248,8 @@ class Timings:
             predicted_n=predicted_n,
             predicted_ms=1000.0 * predicted_s,
             predicted_per_token_ms=per_token_ms(predicted_n, predicted_s),
-            predicted_per_second=per_second(predicted_n, predicted_s),
+            # llama-server's generation clock starts at the first token: one token has no rate.
+            predicted_per_second=per_second(predicted_n, predicted_s) if predicted_n > 1 else 0.0,
         )
 
 

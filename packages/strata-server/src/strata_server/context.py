@@ -47,10 +47,9 @@ class SlotView:
                 "n_prompt_tokens_processed": timings.get("prompt_n", 0),
                 "n_prompt_tokens_cache": timings.get("cache_n", 0),
                 "params": settings,
+                # A recorded task has ended: the peer shows n_remain -1 then, whatever n_predict was.
                 "next_token": [{"has_next_token": False, "has_new_line": "\n" in str(result.get("content", "")),
-                                "n_remain": (settings["n_predict"] - len(tokens)) if settings["n_predict"] >= 0
-                                else -1,
-                                "n_decoded": len(tokens)}],
+                                "n_remain": -1, "n_decoded": len(tokens)}],
             }
 
     def forget(self) -> None:

@@ -20,6 +20,7 @@ from gunicorn.app.base import BaseApplication
 from .app import create_app
 from .config import ServerConfig
 from .engine.supervisor import EngineSupervisor, SupervisorSettings
+from .wsgi import with_peer_header_case
 
 log = logging.getLogger("strata_server")
 WORKER_BOOT_ERROR = 3  # gunicorn's Arbiter.WORKER_BOOT_ERROR: the arbiter halts with this status
@@ -75,4 +76,4 @@ class StrataGunicorn(BaseApplication):
         self.supervisor = EngineSupervisor(self.config.engine_argv(), settings=settings, on_give_up=_give_up)
         app = create_app(self.supervisor, self.config)
         self.supervisor.start()
-        return app
+        return with_peer_header_case(app)
