@@ -7,8 +7,6 @@ import pytest
 from strata_server.cli import load_config
 from strata_server.config import ConfigError
 
-from .checks import assert_error
-
 # --- default sampling and output -----------------------------------------------------------------
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import falcon
 
 from ..context import ServerContext
+from ..defaults import sampling_defaults
 from ..engine.client import EngineState
 from ..errors import ApiError, EngineUnavailable, ErrorType
 from ..metrics import CONTENT_TYPE
-from ..defaults import sampling_defaults
 from ..params import ENGINE_DEFAULTS
 
 
