@@ -109,3 +109,35 @@ def test_metrics_generation_rate_is_zero_after_one_token(make_api):
     rate = next(line for line in client.simulate_get("/metrics").text.splitlines()
                 if line.startswith("llamacpp:predicted_tokens_seconds "))
     assert float(rate.split()[1]) > 0
+
+
+# --- CORS ------------------------------------------------------------------------------------------
+
+
+def test_cors_localhost_and_lists_behave_as_the_peer_for_listed_origins(make_api):
+    client, _, _ = make_api(cors_origins="localhost,https://app.example")
+    for origin in ("http://localhost:5173", "http://127.0.0.1:3000", "http://[::1]:8000", "https://app.example"):
+        ok = client.simulate_get("/health", headers={"Origin": origin})
+        assert ok.headers["access-control-allow-origin"] == origin, origin
+        assert ok.headers["access-control-allow-credentials"] == "true"
+        preflight = client.simulate_options("/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.headers["access-control-allow-origin"] == origin
+        assert preflight.headers["access-control-allow-credentials"] == "true"
+        assert preflight.headers["access-control-allow-headers"] == "*"
+    for origin in ("http://localhost.evil.example", "http://other.example", "null"):
+        refused = client.simulate_get("/health", headers={"Origin": origin})
+        assert "access-control-allow-origin" not in refused.headers, origin
+    # A wildcard beside listed origins: the listed ones as the peer, the rest without credentials.
+    mixed, _, _ = make_api(cors_origins=["*", "http://app.example"])
+    assert mixed.simulate_get("/health", headers={"Origin": "http://app.example"}).headers[
+        "access-control-allow-credentials"] == "true"
+    other = mixed.simulate_get("/health", headers={"Origin": "http://x.example"})
+    assert other.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-credentials" not in other.headers
+
+
+def test_cors_origin_values_are_checked(fake_model):
+    with pytest.raises(ConfigError, match="cors_origins: 'ftp://x' is not '\\*', 'localhost' or an origin"):
+        load_config(["--model", str(fake_model), "--cors-origins", "localhost,ftp://x"])

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--trusted-origins", metavar="ORIGIN[,ORIGIN...]", action="append",
         help="Origins (http://host:port) allowed to use slot actions besides the server's own")
     add("--cors-origins", metavar="ORIGIN[,ORIGIN...]", action="append",
-        help="CORS allowed origins (default: '*', never with credentials)")
+        help="CORS allowed origins: '*' (default; never with credentials), 'localhost' (any origin on a loopback "
+             "host) and/or origins like http://host:port; a listed origin is echoed with credentials, as llama-server")
     add("--threads", metavar="N", help="gunicorn gthread threads (default: 32; requests waiting for the slot each hold one)")
     add("-to", "--timeout", metavar="S", help="read timeout in seconds (llama-server's): a connection whose request "
         "has not fully arrived within S is closed; stalled clients hold no thread meanwhile (default: 600)")

@@ -257,8 +257,8 @@ def _check_values(config: ServerConfig) -> list[str]:
         if not _ORIGIN.match(origin):
             problems.append(f"trusted_origins: {origin!r} is not an origin like http://host:port")
     for origin in config.cors_origins:
-        if origin != "*" and not _ORIGIN.match(origin):
-            problems.append(f"cors_origins: {origin!r} is not '*' or an origin like http://host:port")
+        if origin not in ("*", "localhost") and not _ORIGIN.match(origin):
+            problems.append(f"cors_origins: {origin!r} is not '*', 'localhost' or an origin like http://host:port")
     for name in ("temp", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
         if not math.isfinite(getattr(config, name)):
             problems.append(f"{name}: {getattr(config, name)} is not a finite number")
