@@ -141,3 +141,27 @@ def test_cors_localhost_and_lists_behave_as_the_peer_for_listed_origins(make_api
 def test_cors_origin_values_are_checked(fake_model):
     with pytest.raises(ConfigError, match="cors_origins: 'ftp://x' is not '\\*', 'localhost' or an origin"):
         load_config(["--model", str(fake_model), "--cors-origins", "localhost,ftp://x"])
+
+
+# --- aliases, tags, hosts ----------------------------------------------------------------------------
+
+
+def test_alias_and_tags_are_lists(make_api, fake_model):
+    client, _, config = make_api(alias="tiny,small", tags=["chat", "test"])
+    assert config.alias == ("tiny", "small")
+    for path in ("/v1/models", "/models"):
+        models = client.simulate_get(path).json
+        entry = models["data"][0]
+        assert entry["id"] == "tiny" and entry["aliases"] == ["tiny", "small"] and entry["tags"] == ["chat", "test"]
+        assert models["models"][0]["name"] == "tiny" and models["models"][0]["tags"] == ["chat", "test"]
+    assert client.simulate_get("/props").json["model_alias"] == "tiny"
+    flags = load_config(["--model", str(fake_model), "-a", "a,b", "--alias", "c", "--tags", "x,y"])
+    assert flags.alias == ("a", "b", "c") and flags.tags == ("x", "y")
+    plain, _, _ = make_api()
+    entry = plain.simulate_get("/v1/models").json["data"][0]
+    assert entry["id"] == str(fake_model) and entry["aliases"] == [] and entry["tags"] == []
+
+
+def test_host_list_binds_every_address(fake_model):
+    config = load_config(["--model", str(fake_model), "--host", "127.0.0.1,::1", "--port", "9000"])
+    assert config.host == ("127.0.0.1", "::1") and config.binds() == ["127.0.0.1:9000", "[::1]:9000"]

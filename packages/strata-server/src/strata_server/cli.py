@@ -16,13 +16,14 @@ from .config import (
     DEFAULT_MODEL_FILE,
     DEFAULT_MODEL_PACKAGE,
     DEFAULT_PORT,
+    LOOPBACK_HOSTS,
     ConfigError,
     ServerConfig,
     build_config,
     read_config_file,
 )
 
-LIST_FLAGS = ("api_key", "allowed_hosts", "trusted_origins", "cors_origins")
+LIST_FLAGS = ("api_key", "allowed_hosts", "trusted_origins", "cors_origins", "alias", "tags", "host")
 
 EPILOG = """\
 Every flag can also be given in --config FILE (TOML, or JSON for a .json name) under its long name
@@ -49,9 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("-m", "--model", metavar="PATH",
         help=f"GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from the {DEFAULT_MODEL_PACKAGE} package, "
              f"{DEFAULT_MODEL_FILE})")
-    add("-a", "--alias", metavar="NAME", help="model name reported by /v1/models and in responses "
-        "(default: the model path)")
-    add("--host", metavar="ADDR", help=f"address to listen on (default: {DEFAULT_HOST}, loopback only)")
+    add("-a", "--alias", metavar="NAME[,NAME...]", action="append", help="model names: the first is the id "
+        "reported by /v1/models and in responses, all are its aliases (default: the model path)")
+    add("--tags", metavar="TAG[,TAG...]", action="append", help="model tags reported by /v1/models")
+    add("--host", metavar="ADDR[,ADDR...]", action="append",
+        help=f"addresses to listen on, each of them (default: {DEFAULT_HOST}, loopback only)")
     add("--port", metavar="N", help=f"port to listen on (default: {DEFAULT_PORT})")
     add("-c", "--ctx-size", metavar="N", help="context size in tokens (default: 0 = the model's own)")
     add("--kv-type", metavar="TYPE", help=f"K/V cache type, one of {', '.join(values(KVType))} (default: f16)")
@@ -132,12 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .gunicorn_app import StrataGunicorn
 
-    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key and not config.api_key_file:
-        sys.stderr.write(f"strata-server: warning: listening on {config.host} without --api-key\n")
-    if config.host in ("0.0.0.0", "::") and not config.allowed_hosts:
+    exposed = [h for h in config.host if h not in LOOPBACK_HOSTS]
+    if exposed and not config.api_key and not config.api_key_file:
+        sys.stderr.write(f"strata-server: warning: listening on {', '.join(exposed)} without --api-key\n")
+    if any(h in ("0.0.0.0", "::") for h in config.host) and not config.allowed_hosts:
         sys.stderr.write("strata-server: warning: listening on every address, but only Host headers naming a "
                          "loopback name are accepted; add the names clients use with --allowed-hosts\n")
-    sys.stderr.write(f"strata-server: http://{config.bind()} model {config.model}\n")
+    sys.stderr.write(f"strata-server: {' '.join('http://' + b for b in config.binds())} model {config.model}\n")
     StrataGunicorn(config).run()
     return 0
 

@@ -51,8 +51,9 @@ def default_model_path() -> Path | None:
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     model: Path | None = None  # None: the packaged default model
-    alias: str | None = None
-    host: str = DEFAULT_HOST
+    alias: tuple[str, ...] = ()  # names of the model (/v1/models id = the first; aliases = all)
+    tags: tuple[str, ...] = ()  # /v1/models tags
+    host: tuple[str, ...] = (DEFAULT_HOST,)  # every address given is listened on
     port: int = DEFAULT_PORT
     ctx_size: int = 0  # 0: the model's own context length
     kv_type: str = KVType.F16.value
@@ -113,8 +114,9 @@ class ServerConfig:
                      if line.strip()]
         return tuple(keys)
 
-    def bind(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+    def binds(self) -> list[str]:
+        """gunicorn's bind addresses, one per host (``[::1]:8080`` for IPv6)."""
+        return [f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}" for host in self.host]
 
 
 _FIELDS = {a.name for a in attrs.fields(ServerConfig)}
@@ -219,6 +221,8 @@ def _check_values(config: ServerConfig) -> list[str]:
                         "is not installed")
     elif not model.is_file():
         problems.append(f"model: not a file: {model}")
+    if not config.host:
+        problems.append("host: no address to listen on")
     if not 1 <= config.port <= 65535:
         problems.append(f"port: {config.port} is outside 1..65535")
     if config.ctx_size < 0:

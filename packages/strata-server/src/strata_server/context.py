@@ -73,7 +73,9 @@ class ServerContext:
         return dict(self.engine.status().info or {})
 
     def model_id(self) -> str:
-        return self.config.alias or str(self.engine_info().get("model_path") or self.config.model)
+        if self.config.alias:
+            return self.config.alias[0]
+        return str(self.engine_info().get("model_path") or self.config.model)
 
     def build_info(self) -> str:
         return f"strata-server-{SERVER_VERSION}+{self.engine_info().get('engine', 'engine')}-" \

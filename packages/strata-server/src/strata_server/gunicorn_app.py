@@ -48,7 +48,7 @@ class StrataGunicorn(BaseApplication):
     def load_config(self) -> None:
         config = self.config
         settings = {
-            "bind": [config.bind()],
+            "bind": config.binds(),
             "workers": 1,  # the worker owns the one engine process
             "worker_class": "strata_server.worker.StrataWorker",
             "threads": config.threads,

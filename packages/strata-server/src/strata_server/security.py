@@ -41,8 +41,7 @@ class SecurityPolicy:
     def __init__(self, config: ServerConfig) -> None:
         self.any_host = "*" in config.allowed_hosts
         hosts = set(LOOPBACK_HOSTS) | {h.lower().strip("[]").rstrip(".") for h in config.allowed_hosts}
-        if config.host not in _WILDCARD_BINDS:
-            hosts.add(config.host.lower().strip("[]"))
+        hosts |= {h.lower().strip("[]") for h in config.host if h not in _WILDCARD_BINDS}
         self.allowed_hosts = frozenset(hosts)
         self.api_keys = tuple(k.encode() for k in config.api_keys())
         self.trusted_origins = frozenset(o.lower().rstrip("/") for o in config.trusted_origins)
