@@ -165,3 +165,24 @@ def test_alias_and_tags_are_lists(make_api, fake_model):
 def test_host_list_binds_every_address(fake_model):
     config = load_config(["--model", str(fake_model), "--host", "127.0.0.1,::1", "--port", "9000"])
     assert config.host == ("127.0.0.1", "::1") and config.binds() == ["127.0.0.1:9000", "[::1]:9000"]
+
+
+# --- threads and verbosity ---------------------------------------------------------------------------
+
+
+def test_threads_are_the_engine_s_and_http_threads_are_gunicorn_s(tmp_path, fake_model):
+    config = load_config(["--model", str(fake_model), "-t", "2", "--http-threads", "8", "--verbose"])
+    argv = config.engine_argv()
+    assert argv[argv.index("--threads") + 1] == "2" and argv[argv.index("--log-level") + 1] == "DEBUG"
+    assert config.http_threads == 8 and config.effective_log_level() == "debug"
+    default = load_config(["--model", str(fake_model)])
+    assert "--threads" not in default.engine_argv() and "--log-level" not in default.engine_argv()
+    assert default.threads == -1 and default.http_threads == 32 and default.effective_log_level() == "info"
+    assert load_config(["--model", str(fake_model), "--threads-http", "4"]).http_threads == 4  # the peer's name
+    path = tmp_path / "strata.toml"
+    path.write_text(f'model = "{fake_model}"\nthreads = 3\nhttp_threads = 5\nverbose = true\n', encoding="utf-8")
+    from_file = load_config(["--config", str(path)])
+    assert (from_file.threads, from_file.http_threads, from_file.verbose) == (3, 5, True)
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model", str(fake_model), "-t", "0", "--http-threads", "0"])
+    assert len(info.value.problems) == 2

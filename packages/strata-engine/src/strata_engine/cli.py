@@ -67,6 +67,9 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=values(Backend), default=Backend.NUMPY.value, help="compute backend (default numpy)"
     )
+    parser.add_argument(
+        "--threads", "-t", type=int, default=None, help="CPU threads for the host's math (default: the libraries' choice)"
+    )
     parser.add_argument("--log-level", default="WARNING", help="log level on stderr (default WARNING)")
 
 
@@ -120,7 +123,16 @@ def _settings(args: argparse.Namespace) -> EngineSettings:
         prefill_chunk=args.prefill_chunk,
         cuda_graphs=args.cuda_graphs,
         backend=args.backend,
+        threads=args.threads,
     )
+
+
+def _limit_threads(threads: int | None) -> None:
+    """Hold the BLAS thread pools to `threads` (numpy's BLAS is loaded by now: serve imports numpy)."""
+    if threads is not None and threads > 0:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=threads, user_api="blas")
 
 
 def _generate(args: argparse.Namespace) -> ExitStatus:
@@ -201,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    _limit_threads(args.threads)
     if args.command == "serve":
         from .session import SessionOptions
 

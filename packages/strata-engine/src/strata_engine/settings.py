@@ -89,6 +89,7 @@ class EngineSettings:
     max_checkpoints: sliding-window ring checkpoints kept (the most recent, i.e. deepest, ones).
     backend: "numpy", "cupy", or "auto" (cupy where a CUDA device is usable; `ModelRunner.load`
         resolves it, so `runner.settings.backend` names the backend actually running).
+    threads: CPU threads for the host's math (BLAS); None = the libraries' own choice (llama-server's -t).
     """
 
     model_path: Path = attrs.field(converter=Path)
@@ -101,6 +102,7 @@ class EngineSettings:
     max_checkpoints: int = 8
     backend: str = "numpy"
     cuda_graphs: bool = True
+    threads: int | None = None
 
     def with_backend_defaults(self, architecture: str) -> EngineSettings:
         """The settings with "auto" resolved and every None default filled in for that backend and the
@@ -133,6 +135,8 @@ class EngineSettings:
             out.append(f"prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
         if not isinstance(self.max_checkpoints, int) or self.max_checkpoints < 0:
             out.append(f"max_checkpoints must be a non-negative integer, got {self.max_checkpoints!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            out.append(f"threads must be a positive integer or None, got {self.threads!r}")
         if self.backend not in values(Backend):
             out.append(f"backend must be one of {', '.join(values(Backend))}, got {self.backend!r}")
         elif self.backend == Backend.NUMPY and self.compute_dtype in (ComputeDType.F16, ComputeDType.BF16):

@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--cors-origins", metavar="ORIGIN[,ORIGIN...]", action="append",
         help="CORS allowed origins: '*' (default; never with credentials), 'localhost' (any origin on a loopback "
              "host) and/or origins like http://host:port; a listed origin is echoed with credentials, as llama-server")
-    add("--threads", metavar="N", help="gunicorn gthread threads (default: 32; requests waiting for the slot each hold one)")
+    add("-t", "--threads", metavar="N", help="the engine's CPU threads, as llama-server's -t (default: -1, the "
+        "engine's choice)")
+    add("--http-threads", "--threads-http", dest="http_threads", metavar="N",
+        help="HTTP threads: gunicorn gthread threads (default: 32; requests waiting for the slot each hold one)")
     add("-to", "--timeout", metavar="S", help="read timeout in seconds (llama-server's): a connection whose request "
         "has not fully arrived within S is closed; stalled clients hold no thread meanwhile (default: 600)")
     add("--slot-wait", metavar="S", help="seconds a request waits for the busy slot before a 503 (default: 600)")
@@ -93,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine-command", metavar="CMD", help="command that starts the engine, before --model ... "
         "(default: this Python with -m strata_engine.cli serve)")
     add("--log-level", metavar="LEVEL", help="debug, info, warning, error (default: info)")
+    add("-v", "--verbose", action="store_true", help="log everything (debug level), the engine's log too")
     sampling = parser.add_argument_group("default sampling and output (what a request that does not set the "
                                          "field gets; a request's own fields win)")
     sampling.add_argument("--temp", metavar="T", help="temperature (default: 0.8; 0 or less: greedy)")

@@ -69,7 +69,8 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     trusted_origins: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ("*",)
-    threads: int = 32  # requests waiting for the slot each hold one; /health must still get through
+    threads: int = -1  # the engine's CPU threads (engine -t); -1: the engine's own choice
+    http_threads: int = 32  # gunicorn gthread threads: requests waiting for the slot each hold one
     timeout: int = 600  # read timeout of a request (worker.py) and gunicorn's worker heartbeat (seconds)
     slot_wait: float = 600.0  # seconds a request waits for the busy slot before a 503
     engine_timeout: float = 0.0  # silence inside one engine command that means "hung": kill, restart; 0: never
@@ -77,6 +78,7 @@ class ServerConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     engine_command: tuple[str, ...] = ()  # empty: <this python> -m strata_engine.cli serve
     log_level: str = "info"
+    verbose: bool = False  # log everything (debug), the engine's log too
     # What a request that does not say gets (llama-server's -n/--temp/... flags); a request's fields win.
     temp: float = 0.8
     top_k: int = 40
@@ -104,7 +106,14 @@ class ServerConfig:
             argv += ["--restore-mode", self.restore_mode]
         if self.backend:
             argv += ["--backend", self.backend]
+        if self.threads > 0:
+            argv += ["--threads", str(self.threads)]
+        if self.verbose:
+            argv += ["--log-level", "DEBUG"]
         return argv
+
+    def effective_log_level(self) -> str:
+        return "debug" if self.verbose else self.log_level.lower()
 
     def api_keys(self) -> tuple[str, ...]:
         """Keys from ``api_key`` plus one per non-empty line of ``api_key_file``."""
@@ -245,8 +254,10 @@ def _check_values(config: ServerConfig) -> list[str]:
             config.api_key_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             problems.append(f"api_key_file: cannot read {config.api_key_file}: {exc}")
-    if config.threads < 1:
-        problems.append(f"threads: {config.threads} must be at least 1")
+    if config.threads == 0 or config.threads < -1:
+        problems.append(f"threads: {config.threads} must be at least 1 (or -1: the engine's choice)")
+    if config.http_threads < 1:
+        problems.append(f"http_threads: {config.http_threads} must be at least 1")
     if config.timeout < 1:
         problems.append(f"timeout: {config.timeout} must be at least 1 second")
     if config.slot_wait < 0:

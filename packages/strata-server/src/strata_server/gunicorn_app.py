@@ -51,13 +51,13 @@ class StrataGunicorn(BaseApplication):
             "bind": config.binds(),
             "workers": 1,  # the worker owns the one engine process
             "worker_class": "strata_server.worker.StrataWorker",
-            "threads": config.threads,
+            "threads": config.http_threads,
             "timeout": config.timeout,
             "graceful_timeout": 30,
             "keepalive": 5,
             "preload_app": False,
             "proc_name": "strata-server",
-            "loglevel": config.log_level,
+            "loglevel": config.effective_log_level(),
             "errorlog": "-",
             "worker_exit": _worker_exit,
             # gunicorn's control socket (one shared path under $HOME) is not needed: no runtime
@@ -69,7 +69,7 @@ class StrataGunicorn(BaseApplication):
                 self.cfg.set(key, value)
 
     def load(self) -> Any:
-        logging.basicConfig(level=self.config.log_level.upper(), stream=sys.stderr,
+        logging.basicConfig(level=self.config.effective_log_level().upper(), stream=sys.stderr,
                             format="%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s")
         settings = SupervisorSettings(slot_wait_s=self.config.slot_wait,
                                       command_timeout_s=self.config.engine_timeout or None)
