@@ -94,3 +94,18 @@ def test_threads_flag_limits_the_blas_pool():
         _limit_threads(1)
         blas = [pool for pool in threadpool_info() if pool["user_api"] == "blas"]
         assert blas and all(pool["num_threads"] == 1 for pool in blas)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--chat-template", "llama2"], "neither a built-in name (chatml, gemma) nor a jinja template"),
+        (["--chat-template", "{{ oops"], "does not parse"),
+        (["--chat-template-file", "/no/such/template.jinja"], "cannot read"),
+        (["--chat-template", "chatml", "--chat-template-file", __file__], "not allowed with"),
+    ],
+)
+def test_bad_chat_templates_exit_2(args, fragment):
+    done = run_cli("serve", "--model", str(smollm2_model_path()), *args)
+    assert done.returncode == 2
+    assert fragment in json.loads(done.stdout.splitlines()[-1])["message"]

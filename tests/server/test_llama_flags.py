@@ -186,3 +186,25 @@ def test_threads_are_the_engine_s_and_http_threads_are_gunicorn_s(tmp_path, fake
     with pytest.raises(ConfigError) as info:
         load_config(["--model", str(fake_model), "-t", "0", "--http-threads", "0"])
     assert len(info.value.problems) == 2
+
+
+# --- chat template -------------------------------------------------------------------------------------
+
+
+def test_chat_template_flags_reach_the_engine_and_bad_ones_are_reported(tmp_path, fake_model):
+    named = load_config(["--model", str(fake_model), "--chat-template", "gemma"]).engine_argv()
+    assert named[named.index("--chat-template") + 1] == "gemma"
+    jinja = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert load_config(["--model", str(fake_model), "--chat-template", jinja]).engine_argv()[-1] == jinja
+    path = tmp_path / "template.jinja"
+    path.write_text(jinja, encoding="utf-8")
+    from_file = load_config(["--model", str(fake_model), "--chat-template-file", str(path)]).engine_argv()
+    assert from_file[from_file.index("--chat-template-file") + 1] == str(path)
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model", str(fake_model), "--chat-template", "llama2"])
+    assert "chat_template: 'llama2' is neither a built-in name (chatml, gemma) nor a jinja template" in \
+        info.value.problems
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model", str(fake_model), "--chat-template", "chatml", "--chat-template-file",
+                     str(tmp_path / "missing.jinja")])
+    assert len(info.value.problems) == 2  # both given; the file unreadable

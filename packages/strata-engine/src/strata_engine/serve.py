@@ -232,6 +232,8 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
     writer = LineWriter(stdout if stdout is not None else sys.stdout.buffer)
     try:
         settings.validate()
+        if settings.chat_template is not None:
+            ChatTemplate.configured(settings.chat_template)  # a template that does not parse is a bad setting
     except EngineError as exc:
         writer.write({"event": "fatal", "message": str(exc)})
         return ExitStatus.USAGE
@@ -241,7 +243,7 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
     try:
         runner = ModelRunner.load(settings)
         tokenizer = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
-        template = ChatTemplate.for_model(runner.gguf.metadata, tokenizer)
+        template = ChatTemplate.for_model(runner.gguf.metadata, tokenizer, settings.chat_template)
     except (EngineError, OSError, MemoryError, ValueError) as exc:
         log.exception("the model could not be loaded")
         writer.write({"event": "fatal", "message": f"cannot load {settings.model_path}: {exc}"})

@@ -42,9 +42,24 @@ class Backend(enum.StrEnum):
     AUTO = "auto"  # cupy where a CUDA device is usable; resolved when the runner loads
 
 
+class ChatTemplateName(enum.StrEnum):
+    """Built-in chat templates that `--chat-template` takes by name (llama-server's names for them)."""
+
+    CHATML = "chatml"  # SmolLM2's turns
+    GEMMA = "gemma"  # gemma3's turns
+
+
 def values(vocabulary: type[enum.Enum]) -> tuple[str, ...]:
     """A vocabulary's words in order (for --help, choices and messages)."""
     return tuple(member.value for member in vocabulary)
+
+
+def chat_template_problem(value: str) -> str | None:
+    """Why `value` cannot be a --chat-template (None: it can be): neither a built-in name nor jinja. Whether
+    the jinja parses is the engine's check at start-up."""
+    if value in values(ChatTemplateName) or "{{" in value or "{%" in value:
+        return None
+    return f"{value[:64]!r} is neither a built-in name ({', '.join(values(ChatTemplateName))}) nor a jinja template"
 
 # A context size the engine picks when none is given: the model's training context, capped here so a
 # 32K-context model does not preallocate 32K tokens of K/V by default (llama-server caps the same way
@@ -90,6 +105,8 @@ class EngineSettings:
     backend: "numpy", "cupy", or "auto" (cupy where a CUDA device is usable; `ModelRunner.load`
         resolves it, so `runner.settings.backend` names the backend actually running).
     threads: CPU threads for the host's math (BLAS); None = the libraries' own choice (llama-server's -t).
+    chat_template: a `ChatTemplateName` or a jinja template used instead of the model's own; None = the
+        model's (llama-server's --chat-template; --chat-template-file puts the file's text here).
     """
 
     model_path: Path = attrs.field(converter=Path)
@@ -103,6 +120,7 @@ class EngineSettings:
     backend: str = "numpy"
     cuda_graphs: bool = True
     threads: int | None = None
+    chat_template: str | None = None
 
     def with_backend_defaults(self, architecture: str) -> EngineSettings:
         """The settings with "auto" resolved and every None default filled in for that backend and the

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from strata_engine.settings import Backend, KVType, values
+from strata_engine.settings import Backend, ChatTemplateName, KVType, values
 from strata_sessionfile import RestoreMode
 
 from .config import (
@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("-ctv", "--cache-type-v", metavar="TYPE", help="llama-server's V cache type flag; must equal the K type")
     add("--kv-resident", metavar="N", help="keep the K/V in a host pool with N tokens in a device ring "
         "(default: 0, a device pool)")
+    add("--chat-template", metavar="NAME|JINJA", help="chat template instead of the model's: a built-in name "
+        f"({', '.join(values(ChatTemplateName))}) or a jinja template; /apply-template and the chat endpoints "
+        "render with it")
+    add("--chat-template-file", metavar="FILE", help="a file with a jinja chat template (as --chat-template)")
     add("--no-prompt-cache", dest="prompt_cache", action="store_false",
         help="do not reuse the held conversation's prefix between requests")
     add("--restore-mode", metavar="MODE", help="how a restore lands the K/V: one of "

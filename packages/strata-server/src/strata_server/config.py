@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 import cattrs
-from strata_engine.settings import Backend, KVType, values
+from strata_engine.settings import Backend, KVType, chat_template_problem, values
 from strata_sessionfile import RestoreMode
 
 from .errors import ServerError
@@ -79,6 +79,8 @@ class ServerConfig:
     engine_command: tuple[str, ...] = ()  # empty: <this python> -m strata_engine.cli serve
     log_level: str = "info"
     verbose: bool = False  # log everything (debug), the engine's log too
+    chat_template: str | None = None  # a built-in name (chatml, gemma) or a jinja template (engine --chat-template)
+    chat_template_file: Path | None = None  # a file with a jinja template (engine --chat-template-file)
     # What a request that does not say gets (llama-server's -n/--temp/... flags); a request's fields win.
     temp: float = 0.8
     top_k: int = 40
@@ -106,6 +108,10 @@ class ServerConfig:
             argv += ["--restore-mode", self.restore_mode]
         if self.backend:
             argv += ["--backend", self.backend]
+        if self.chat_template is not None:
+            argv += ["--chat-template", self.chat_template]
+        if self.chat_template_file is not None:
+            argv += ["--chat-template-file", str(self.chat_template_file)]
         if self.threads > 0:
             argv += ["--threads", str(self.threads)]
         if self.verbose:
@@ -256,6 +262,15 @@ def _check_values(config: ServerConfig) -> list[str]:
             problems.append(f"api_key_file: cannot read {config.api_key_file}: {exc}")
     if config.threads == 0 or config.threads < -1:
         problems.append(f"threads: {config.threads} must be at least 1 (or -1: the engine's choice)")
+    if config.chat_template is not None and config.chat_template_file is not None:
+        problems.append("chat_template: give either chat_template or chat_template_file, not both")
+    elif config.chat_template is not None and chat_template_problem(config.chat_template):
+        problems.append(f"chat_template: {chat_template_problem(config.chat_template)}")
+    if config.chat_template_file is not None:
+        try:
+            config.chat_template_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            problems.append(f"chat_template_file: cannot read {config.chat_template_file}: {exc}")
     if config.http_threads < 1:
         problems.append(f"http_threads: {config.http_threads} must be at least 1")
     if config.timeout < 1:
