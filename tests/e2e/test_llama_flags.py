@@ -75,3 +75,16 @@ def test_aliases_tags_and_peer_header_names(server):
     metrics = requests.get(server.url + "/metrics", timeout=10, headers={"Origin": "http://localhost:3000"})
     names = list(metrics.raw.headers.keys())
     assert "Process-Start-Time-Unix" in names and "Access-Control-Allow-Origin" in names
+
+
+def test_assistant_prefill_and_input_tokens(server):
+    messages = [*HELLO, {"role": "assistant", "content": "Hello"}]
+    rendered = post(server, "/apply-template", {"messages": messages})["prompt"]
+    assert rendered == "[user] Say hello.\n[assistant] Hello"  # continued, not closed: the peer's prefill
+    counted = post(server, "/v1/chat/completions/input_tokens", {"messages": messages})["input_tokens"]
+    assert counted == len(post(server, "/tokenize", {"content": rendered})["tokens"])
+    chat = post(server, "/v1/chat/completions", {"messages": messages})
+    assert chat["usage"]["prompt_tokens"] == counted
+    refused = requests.post(server.url + "/v1/chat/completions", timeout=60,
+                            json={"messages": messages, "continue_final_message": True})
+    assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"

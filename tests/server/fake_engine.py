@@ -140,12 +140,19 @@ class FakeEngine:
         yield {"event": "result", "content": detokenize(arg.get("tokens", []))}
 
     def do_apply_template(self, arg: dict) -> Iterator[dict]:
-        yield {"event": "result", "prompt": self.render(arg["messages"])}
+        yield {"event": "result", "prompt": self.render_command(arg)}
+
+    @classmethod
+    def render_command(cls, arg: dict) -> str:
+        """ChatML, with the protocol's add_generation_prompt and continue_final_message."""
+        if arg.get("continue_final_message"):
+            return cls.render(arg["messages"][:-1]) + arg["messages"][-1]["content"]
+        return cls.render(arg["messages"], arg.get("add_generation_prompt", True))
 
     @staticmethod
-    def render(messages: list[dict]) -> str:
+    def render(messages: list[dict], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + "<|im_start|>assistant\n"
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
     def do_status(self, arg: dict) -> Iterator[dict]:
         yield {"event": "result", "n_ctx": self.n_ctx, "n_past": len(self.held), "n_tokens_held": len(self.held),
@@ -170,7 +177,7 @@ class FakeEngine:
             yield self.error(ErrorKind.INVALID_REQUEST, "exactly one of prompt and messages")
             return
         if "messages" in arg:
-            prompt = tokenize(self.render(arg["messages"]))
+            prompt = tokenize(self.render_command(arg))
         elif isinstance(arg["prompt"], str):
             prompt = tokenize(arg["prompt"])
         else:

@@ -7,6 +7,8 @@ import pytest
 from strata_server.cli import load_config
 from strata_server.config import ConfigError
 
+from .checks import assert_error
+
 # --- default sampling and output -----------------------------------------------------------------
 
 
@@ -208,3 +210,52 @@ def test_chat_template_flags_reach_the_engine_and_bad_ones_are_reported(tmp_path
         load_config(["--model", str(fake_model), "--chat-template", "chatml", "--chat-template-file",
                      str(tmp_path / "missing.jinja")])
     assert len(info.value.problems) == 2  # both given; the file unreadable
+
+
+# --- chat validation, assistant prefill, input token count -------------------------------------------
+
+CHAT_PATHS = ("/v1/chat/completions", "/apply-template", "/v1/chat/completions/input_tokens")
+
+
+def test_two_trailing_assistant_messages_are_refused(make_api):
+    client, engine, _ = make_api()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                {"role": "assistant", "content": "b"}]
+    for path in CHAT_PATHS:
+        assert_error(client.simulate_post(path, json={"messages": messages}), 400, "invalid_request_error",
+                     "Cannot have 2 or more assistant messages at the end of the list.")
+    assert engine.commands == []
+    # With --no-prefill-assistant a final assistant message is a finished turn: nothing to continue.
+    finished, _, _ = make_api(prefill_assistant=False)
+    assert finished.simulate_post("/apply-template", json={"messages": messages}).json["prompt"].endswith(
+        "<|im_start|>assistant\nb<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_continue_final_message_with_add_generation_prompt_is_refused(make_api):
+    client, _, _ = make_api()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": True}):
+        for path in CHAT_PATHS:
+            assert_error(client.simulate_post(path, json={"messages": messages, **extra}), 400,
+                         "invalid_request_error", "Cannot set both add_generation_prompt and continue_final_message "
+                         "to true.")
+    continued = client.simulate_post("/apply-template", json={"messages": messages, "continue_final_message": True,
+                                                              "add_generation_prompt": False}).json["prompt"]
+    assert continued == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nHel"
+    # A final assistant message is continued by default too (the peer's assistant prefill).
+    assert client.simulate_post("/apply-template", json={"messages": messages}).json["prompt"] == continued
+
+
+def test_chat_input_tokens_counts_the_rendered_prompt(make_api):
+    from .fake_engine import tokenize
+
+    client, _, _ = make_api()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    for path in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"):
+        body = client.simulate_post(path, json={"messages": messages, "max_tokens": 9}).json
+        prompt = client.simulate_post("/apply-template", json={"messages": messages}).json["prompt"]
+        assert body == {"input_tokens": len(tokenize(prompt))}
+    chat = client.simulate_post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json
+    assert chat["usage"]["prompt_tokens"] == body["input_tokens"]
+    assert_error(client.simulate_post("/v1/chat/completions/input_tokens", json={"messages": []}), 400,
+                 "invalid_request_error")

@@ -158,8 +158,19 @@ class ChatTemplate:
         return cls.from_source(CHATML, origin="builtin:chatml", bos_token=bos, eos_token=eos)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               **extra: Any) -> str:
+               continue_final_message: bool = False, **extra: Any) -> str:
+        """The prompt for `messages`. With `continue_final_message` the last message, the assistant's, is left
+        open for the model to continue (llama-server's assistant prefill): the others are rendered with the
+        generation prompt and the last one's text is appended."""
         normalized = normalize_messages(list(messages))
+        if not continue_final_message:
+            return self._render(normalized, add_generation_prompt, extra)
+        if normalized[-1]["role"] != "assistant":
+            raise ChatTemplateError("continue_final_message needs the last message to be the assistant's, "
+                                    f"got {normalized[-1]['role']!r}")
+        return self._render(normalized[:-1], True, extra) + normalized[-1]["content"]
+
+    def _render(self, normalized: list[dict[str, str]], add_generation_prompt: bool, extra: Mapping[str, Any]) -> str:
         try:
             return self._template.render(
                 messages=normalized,

@@ -47,6 +47,8 @@ class CompletionRequest:
 
     prompt: str | tuple[str | int, ...] | None = None
     messages: tuple[Mapping[str, Any], ...] | None = None
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn header
+    continue_final_message: bool = False  # messages: continue the last (assistant) message instead
     add_special: bool | None = None  # None: the model's add_bos
     n_predict: int = -1
     sampling: SamplingParams = SamplingParams()
@@ -70,6 +72,8 @@ def _is_number(value: Any) -> bool:
 # n_predict -2, "until the context is full", is the same as -1 here).
 _SCALAR_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "add_special": (lambda v: isinstance(v, bool), "a boolean"),
+    "add_generation_prompt": (lambda v: isinstance(v, bool), "a boolean"),
+    "continue_final_message": (lambda v: isinstance(v, bool), "a boolean"),
     "n_predict": (lambda v: _is_int(v) and v >= -2, "an integer >= -2"),
     "temperature": (_is_number, "a finite number"),
     "top_k": (_is_int, "an integer"),
@@ -144,6 +148,8 @@ def parse_request(obj: Any) -> CompletionRequest:
         prompt=prompt,
         messages=messages,
         add_special=obj.get("add_special"),
+        add_generation_prompt=get("add_generation_prompt", True),
+        continue_final_message=get("continue_final_message", False),
         n_predict=max(get("n_predict", -1), -1),
         sampling=sampling,
         seed=get("seed", -1),
@@ -302,7 +308,8 @@ class Completer:
         tok = self.tokenizer
         add_special = tok.add_bos if request.add_special is None else request.add_special
         if request.messages is not None:
-            text = self.template.render(list(request.messages), add_generation_prompt=True)
+            text = self.template.render(list(request.messages), add_generation_prompt=request.add_generation_prompt,
+                                        continue_final_message=request.continue_final_message)
             tokens = tok.encode(text, add_special=add_special, parse_special=True)
         elif isinstance(request.prompt, str):
             tokens = tok.encode(request.prompt, add_special=add_special, parse_special=True)

@@ -122,9 +122,11 @@ def handle_apply_template(ctx: ServeContext, argument: Any) -> Mapping[str, Any]
     obj = json_object(argument, "APPLY_TEMPLATE")
     problems: list[str] = []
     add_generation_prompt = _bool_field(obj, "add_generation_prompt", True, problems)
+    continue_final_message = _bool_field(obj, "continue_final_message", False, problems)
     if problems:
         raise InvalidRequest(problems)
-    return {"prompt": ctx.template.render(obj.get("messages"), add_generation_prompt=add_generation_prompt)}
+    return {"prompt": ctx.template.render(obj.get("messages"), add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message)}
 
 
 def tokens_digest(tokens) -> str:

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"({', '.join(values(ChatTemplateName))}) or a jinja template; /apply-template and the chat endpoints "
         "render with it")
     add("--chat-template-file", metavar="FILE", help="a file with a jinja chat template (as --chat-template)")
+    add("--no-prefill-assistant", dest="prefill_assistant", action="store_false",
+        help="a chat's final assistant message is a finished turn, not one for the model to continue "
+             "(default: continued, as llama-server)")
     add("--no-prompt-cache", dest="prompt_cache", action="store_false",
         help="do not reuse the held conversation's prefix between requests")
     add("--restore-mode", metavar="MODE", help="how a restore lands the K/V: one of "

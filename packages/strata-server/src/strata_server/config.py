@@ -81,6 +81,7 @@ class ServerConfig:
     verbose: bool = False  # log everything (debug), the engine's log too
     chat_template: str | None = None  # a built-in name (chatml, gemma) or a jinja template (engine --chat-template)
     chat_template_file: Path | None = None  # a file with a jinja template (engine --chat-template-file)
+    prefill_assistant: bool = True  # a final assistant message is continued, as the peer (--no-prefill-assistant)
     # What a request that does not say gets (llama-server's -n/--temp/... flags); a request's fields win.
     temp: float = 0.8
     top_k: int = 40

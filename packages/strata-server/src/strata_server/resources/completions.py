@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 import falcon
 
+from ..chat_prompt import parse_chat_prompt
 from ..connection import ClientConnection
 from ..context import ServerContext
 from ..defaults import with_defaults
@@ -16,7 +17,7 @@ from ..generation import (
     RunInfo,
     TextCompletionFormat,
 )
-from ..params import parse_chat_logprobs, parse_messages, parse_options, parse_prompt, read_json
+from ..params import parse_chat_logprobs, parse_options, parse_prompt, read_json
 
 
 def prompt_text(prompt: str | list, lease: EngineLease) -> str:
@@ -77,9 +78,9 @@ class ChatCompletionResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body, top_logprobs = parse_chat_logprobs(read_json(req, self.ctx.config.max_body_bytes))
-        messages = parse_messages(body)
+        prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
         options = parse_options(body, top_logprobs=top_logprobs)
         options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
-        CompletionRun(self.ctx, {"messages": messages, **options.sampling}, options,
+        CompletionRun(self.ctx, {**prompt.engine_fields(), **options.sampling}, options,
                       ChatCompletionFormat(info), client=ClientConnection.of(req.env)).respond(resp)
