@@ -11,7 +11,12 @@ from .errors import handle_error
 from .resources.completions import ChatCompletionResource, CompletionResource, TextCompletionResource
 from .resources.info import HealthResource, MetricsResource, ModelsResource, PropsResource
 from .resources.slots import SlotsResource
-from .resources.text import ApplyTemplateResource, ChatInputTokensResource, DetokenizeResource, TokenizeResource
+from .resources.text import (
+    ApplyTemplateResource,
+    ChatInputTokensResource,
+    DetokenizeResource,
+    TokenizeResource,
+)
 from .security import SecurityMiddleware, SecurityPolicy
 
 # route -> resource class; aliases as the peer registers them (tools/server/server.cpp).

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import falcon
 
+from ..chat_prompt import parse_chat_prompt
 from ..context import ServerContext
 from ..errors import invalid_request
-from ..chat_prompt import parse_chat_prompt
 from ..params import read_json
 
 
