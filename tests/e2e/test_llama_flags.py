@@ -88,3 +88,19 @@ def test_assistant_prefill_and_input_tokens(server):
     refused = requests.post(server.url + "/v1/chat/completions", timeout=60,
                             json={"messages": messages, "continue_final_message": True})
     assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_return_progress_reports_the_prefill_in_the_stream(server):
+    import json
+
+    body = {"prompt": "Once upon a time, in a land far away, there lived", "n_predict": 2, "stream": True,
+            "return_progress": True}
+    for expected_cache in (None, "total - 1"):
+        with requests.post(server.url + "/completion", json=body, stream=True, timeout=120) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ")]
+        progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+        assert progress and progress[-1]["processed"] == progress[-1]["total"] == events[-1]["tokens_evaluated"]
+        if expected_cache:  # the same prompt again: all but its last token reused
+            assert progress[-1]["cache"] == progress[-1]["total"] - 1
+        assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 2
+        assert events.index(next(e for e in events if "prompt_progress" in e)) == 0  # before any token

@@ -199,6 +199,9 @@ class FakeEngine:
         if self.prompt_delay:
             time.sleep(self.prompt_delay)
         prompt_ms = (time.perf_counter() - t0) * 1000 + 0.01
+        if arg.get("return_progress"):
+            yield {"event": "progress", "phase": "prompt", "total": len(prompt), "cache": cache_n,
+                   "processed": len(prompt), "time_ms": prompt_ms}
         seq = list(prompt)
         self.held = list(prompt)
         n_predict = arg.get("n_predict", -1)

@@ -259,3 +259,34 @@ def test_chat_input_tokens_counts_the_rendered_prompt(make_api):
     assert chat["usage"]["prompt_tokens"] == body["input_tokens"]
     assert_error(client.simulate_post("/v1/chat/completions/input_tokens", json={"messages": []}), 400,
                  "invalid_request_error")
+
+
+# --- return_progress -------------------------------------------------------------------------------------
+
+
+def sse_payloads(text: str) -> list:
+    import json
+
+    return [json.loads(frame[6:]) for frame in text.split("\n\n") if frame.startswith("data: {")]
+
+
+def test_return_progress_streams_prompt_progress_chunks(make_api):
+    client, _, _ = make_api(temp=0)
+    for path, body in (("/completion", {"prompt": "hello there"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]})):
+        events = sse_payloads(client.simulate_post(path, json={**body, "n_predict": 2, "stream": True,
+                                                               "return_progress": True}).text)
+        progress = [e for e in events if "prompt_progress" in e]
+        assert len(progress) == 1, path
+        shown = progress[0]["prompt_progress"]
+        assert set(shown) == {"total", "cache", "processed", "time_ms"} and shown["processed"] == shown["total"] > 0
+        if path == "/v1/chat/completions":
+            assert progress[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+        else:
+            assert progress[0]["content"] == "" and progress[0]["stop"] is False
+        plain = sse_payloads(client.simulate_post(path, json={**body, "n_predict": 2, "stream": True}).text)
+        assert not any("prompt_progress" in e for e in plain)
+    unstreamed = client.simulate_post("/completion", json={"prompt": "x", "n_predict": 1, "return_progress": True})
+    assert unstreamed.status_code == 200 and "prompt_progress" not in unstreamed.json
+    assert_error(client.simulate_post("/completion", json={"prompt": "x", "return_progress": "yes"}), 400,
+                 "invalid_request_error", "'return_progress' must be true or false")

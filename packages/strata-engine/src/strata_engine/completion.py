@@ -49,6 +49,7 @@ class CompletionRequest:
     messages: tuple[Mapping[str, Any], ...] | None = None
     add_generation_prompt: bool = True  # messages: end with the assistant's turn header
     continue_final_message: bool = False  # messages: continue the last (assistant) message instead
+    return_progress: bool = False  # report the prefill's progress after each chunk
     add_special: bool | None = None  # None: the model's add_bos
     n_predict: int = -1
     sampling: SamplingParams = SamplingParams()
@@ -74,6 +75,7 @@ _SCALAR_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "add_special": (lambda v: isinstance(v, bool), "a boolean"),
     "add_generation_prompt": (lambda v: isinstance(v, bool), "a boolean"),
     "continue_final_message": (lambda v: isinstance(v, bool), "a boolean"),
+    "return_progress": (lambda v: isinstance(v, bool), "a boolean"),
     "n_predict": (lambda v: _is_int(v) and v >= -2, "an integer >= -2"),
     "temperature": (_is_number, "a finite number"),
     "top_k": (_is_int, "an integer"),
@@ -150,6 +152,7 @@ def parse_request(obj: Any) -> CompletionRequest:
         add_special=obj.get("add_special"),
         add_generation_prompt=get("add_generation_prompt", True),
         continue_final_message=get("continue_final_message", False),
+        return_progress=get("return_progress", False),
         n_predict=max(get("n_predict", -1), -1),
         sampling=sampling,
         seed=get("seed", -1),
@@ -226,6 +229,17 @@ class TokenEvent:
 
 
 @attrs.frozen
+class PromptProgress:
+    """The prefill so far, as llama-server's `prompt_progress`: prompt tokens in all, reused from the held
+    conversation, held now (reused + evaluated), and milliseconds since the prefill began."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+
+@attrs.frozen
 class Timings:
     cache_n: int
     prompt_n: int
@@ -285,7 +299,8 @@ class Runner(Protocol):
     def n_held(self) -> int: ...
 
     # .logits (None when should_stop ended it early), .cache_n, .prompt_n
-    def prefill(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> Any: ...
+    def prefill(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None,
+                on_chunk: Callable[[int, int], None] | None = None) -> Any: ...
 
     def decode(self, token: int) -> np.ndarray: ...
 
@@ -334,6 +349,7 @@ class Completer:
         request: CompletionRequest,
         on_token: Callable[[TokenEvent], None] = lambda event: None,
         cancelled: Callable[[], bool] = lambda: False,
+        on_progress: Callable[[PromptProgress], None] = lambda progress: None,
     ) -> CompletionResult:
         runner, tok = self.runner, self.tokenizer
         prompt = self.prompt_tokens(request)
@@ -345,7 +361,14 @@ class Completer:
         sampler = Sampler(request.sampling, state)
 
         start = self._clock()
-        prefill = runner.prefill(prompt, should_stop=cancelled)
+        if request.return_progress:
+
+            def on_chunk(cache_n: int, n_held: int) -> None:
+                on_progress(PromptProgress(len(prompt), cache_n, n_held, 1000.0 * (self._clock() - start)))
+
+            prefill = runner.prefill(prompt, should_stop=cancelled, on_chunk=on_chunk)
+        else:
+            prefill = runner.prefill(prompt, should_stop=cancelled)
         prompt_done = self._clock()
         if prefill.logits is None:  # cancelled while reading the prompt: what was read stays held
             held = runner.n_held

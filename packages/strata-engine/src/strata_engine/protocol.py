@@ -52,6 +52,9 @@ def engine_version() -> str:
         return "0+unknown"
 
 
+PROMPT_PROGRESS_PHASE = "prompt"  # a COMPLETE's `progress` lines (return_progress); SAVE/RESTORE's are the format's
+
+
 class ExitStatus(enum.IntEnum):
     """How `strata-engine serve` ends (spec "Exit statuses")."""
 

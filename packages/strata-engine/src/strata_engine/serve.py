@@ -17,10 +17,11 @@ import numpy as np
 import xxhash
 
 from .chat import ChatTemplate
-from .completion import Completer, CompletionResult, TokenEvent, parse_request
+from .completion import Completer, CompletionResult, PromptProgress, TokenEvent, parse_request
 from .errors import EngineError, InvalidRequest
 from .protocol import (
     ENGINE_NAME,
+    PROMPT_PROGRESS_PHASE,
     PROTOCOL_VERSION,
     ArgumentKind,
     CommandRegistry,
@@ -70,8 +71,12 @@ def handle_complete(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
                 return True
             ctx.deferred.append(line)  # a command sent too early: served after this one
 
+    def on_progress(progress: PromptProgress) -> None:
+        ctx.emit({"event": "progress", "phase": PROMPT_PROGRESS_PHASE, **_converter.unstructure(progress)})
+
     try:
-        result: CompletionResult = ctx.completer.complete(request, on_token=on_token, cancelled=cancelled)
+        result: CompletionResult = ctx.completer.complete(request, on_token=on_token, cancelled=cancelled,
+                                                          on_progress=on_progress)
     except (EngineError, BrokenPipeError):
         raise  # the runner is between steps: its state is intact
     except Exception:

@@ -67,6 +67,12 @@ def token_probabilities(event: dict) -> dict:
             "bytes": list(piece.encode("utf-8")), "top_logprobs": [entry(p) for p in probs]}
 
 
+def prompt_progress(event: dict) -> dict:
+    """llama-server's ``prompt_progress`` object from an engine ``progress`` line."""
+    return {"total": event.get("total"), "cache": event.get("cache"), "processed": event.get("processed"),
+            "time_ms": event.get("time_ms")}
+
+
 @attrs.frozen
 class RunInfo:
     model: str
@@ -87,6 +93,10 @@ class ResponseFormat(abc.ABC):
 
     def start_chunks(self) -> list[dict]:
         return []
+
+    def progress_chunk(self, progress: dict) -> dict:
+        """A chunk carrying llama-server's ``prompt_progress`` (``return_progress`` in a stream)."""
+        return {**self.token_chunk("", [], []), "prompt_progress": progress}
 
     @abc.abstractmethod
     def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict: ...
@@ -192,6 +202,9 @@ class ChatCompletionFormat(ResponseFormat):
     def start_chunks(self) -> list[dict]:
         return [self._chunk({"role": "assistant", "content": None}, None)]
 
+    def progress_chunk(self, progress: dict) -> dict:
+        return {**self._chunk({"role": "assistant", "content": None}, None), "prompt_progress": progress}
+
     def _chunk(self, delta: dict, finish: str | None, **extra: Any) -> dict:
         return self.openai_envelope("chat.completion.chunk", choices=[
             {"finish_reason": finish, "index": 0, "delta": delta}], **extra)
@@ -287,6 +300,8 @@ class CompletionRun:
                     if content or batch.probs:
                         ids, probs = batch.take()
                         yield sse_frame(self.fmt.token_chunk(content, ids, probs))
+                elif kind == "progress":
+                    yield sse_frame(self.fmt.progress_chunk(prompt_progress(event)))
                 elif kind == "result":
                     ended = True
                     self._record(event)

@@ -10,6 +10,7 @@ from ..connection import ClientConnection
 from ..context import ServerContext
 from ..defaults import with_defaults
 from ..engine.client import EngineLease
+from ..errors import invalid_request
 from ..generation import (
     ChatCompletionFormat,
     CompletionRun,
@@ -38,6 +39,14 @@ def prompt_text(prompt: str | list, lease: EngineLease) -> str:
     return "".join(parts)
 
 
+def stream_fields(body: dict, stream: bool) -> dict:
+    """Engine fields a stream asks for: ``return_progress`` (prompt progress chunks; ignored unstreamed)."""
+    value = body.get("return_progress")
+    if value is not None and not isinstance(value, bool):
+        raise invalid_request("'return_progress' must be true or false")
+    return {"return_progress": True} if value and stream else {}
+
+
 def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Response, make_format) -> None:
     """A prompt-based completion: parse the body, run it on slot 0, answer in the endpoint's format."""
     body = read_json(req, ctx.config.max_body_bytes)
@@ -45,7 +54,8 @@ def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Res
     options = parse_options(body)
     options = attrs.evolve(options, sampling=with_defaults(options.sampling, ctx.config))
     info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
-    CompletionRun(ctx, {"prompt": prompt, **options.sampling}, options, make_format(info, prompt),
+    CompletionRun(ctx, {"prompt": prompt, **options.sampling, **stream_fields(body, options.stream)}, options,
+                  make_format(info, prompt),
                   client=ClientConnection.of(req.env)).respond(resp)
 
 
@@ -82,5 +92,6 @@ class ChatCompletionResource:
         options = parse_options(body, top_logprobs=top_logprobs)
         options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
-        CompletionRun(self.ctx, {**prompt.engine_fields(), **options.sampling}, options,
+        CompletionRun(self.ctx, {**prompt.engine_fields(), **options.sampling,
+                                 **stream_fields(body, options.stream)}, options,
                       ChatCompletionFormat(info), client=ClientConnection.of(req.env)).respond(resp)
