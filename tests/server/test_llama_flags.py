@@ -290,3 +290,27 @@ def test_return_progress_streams_prompt_progress_chunks(make_api):
     assert unstreamed.status_code == 200 and "prompt_progress" not in unstreamed.json
     assert_error(client.simulate_post("/completion", json={"prompt": "x", "return_progress": "yes"}), 400,
                  "invalid_request_error", "'return_progress' must be true or false")
+
+
+# --- verbose -> __verbose ------------------------------------------------------------------------------
+
+
+def test_verbose_adds_the_native_answer_as___verbose(make_api):
+    client, _, _ = make_api(temp=0)
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.simulate_post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3,
+                                                              "verbose": True}).json
+    native = chat["__verbose"]
+    assert native["content"] == chat["choices"][0]["message"]["content"] and native["tokens_predicted"] == 3
+    assert native["prompt"] == client.simulate_post("/apply-template", json={"messages": messages}).json["prompt"]
+    assert native["stop"] is True and "generation_settings" in native and "timings" in native
+    text = client.simulate_post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "verbose": True}).json
+    assert text["__verbose"]["prompt"] == "hello" and text["__verbose"]["content"] == text["choices"][0]["text"]
+    stream = sse_payloads(client.simulate_post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 3, "verbose": True, "stream": True}).text)
+    final = next(e for e in stream if e["choices"] and e["choices"][0]["finish_reason"])
+    assert final["__verbose"]["content"] == native["content"]
+    assert "__verbose" not in client.simulate_post("/v1/chat/completions", json={"messages": messages,
+                                                                                  "max_tokens": 1}).json
+    assert "__verbose" not in client.simulate_post("/completion", json={"prompt": "x", "n_predict": 1,
+                                                                       "verbose": True}).json

@@ -232,12 +232,14 @@ class CompletionRun:
     """One COMPLETE from request to response (JSON or SSE)."""
 
     def __init__(self, ctx: ServerContext, command: dict, options: CompletionOptions,
-                 fmt: ResponseFormat, client: ClientConnection | None = None) -> None:
+                 fmt: ResponseFormat, client: ClientConnection | None = None,
+                 verbose: NativeCompletionFormat | None = None) -> None:
         self.ctx = ctx
         self.command = command
         self.options = options
         self.fmt = fmt
         self.client = client or ClientConnection(None)
+        self.verbose = verbose  # the peer's ``verbose``: the native answer beside the OpenAI one, as __verbose
         self.want_probs = int(options.sampling.get("n_probs", 0)) > 0
 
     def respond(self, resp: falcon.Response) -> None:
@@ -276,7 +278,7 @@ class CompletionRun:
                 probs.append(token_probabilities(event))
             elif kind == "result":
                 self._record(event)
-                return self.fmt.response(event, probs, lease)
+                return self._with_verbose(self.fmt.response(event, probs, lease), event, probs, lease)
         raise AssertionError("request() ends with a result or raises")
 
     def _stream(self, lease: EngineLease, first: dict, events: Iterator[dict]) -> Iterator[bytes]:
@@ -305,7 +307,9 @@ class CompletionRun:
                 elif kind == "result":
                     ended = True
                     self._record(event)
-                    for chunk in self.fmt.final_chunks(event, lease):
+                    final = self.fmt.final_chunks(event, lease)
+                    final[0] = self._with_verbose(final[0], event, [], lease)
+                    for chunk in final:
                         yield sse_frame(chunk)
                     if self.fmt.sends_done:
                         yield sse_frame("[DONE]")
@@ -319,6 +323,11 @@ class CompletionRun:
             if not ended:
                 self._abandon(lease, events)
             lease.release()
+
+    def _with_verbose(self, answer: dict, result: dict, probs: list[dict], lease: EngineLease) -> dict:
+        if self.verbose is not None:
+            answer["__verbose"] = self.verbose.response(result, probs, lease)
+        return answer
 
     def _abandon(self, lease: EngineLease, events: Iterator[dict]) -> None:
         lease.cancel()

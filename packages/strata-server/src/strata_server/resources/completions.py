@@ -39,6 +39,14 @@ def prompt_text(prompt: str | list, lease: EngineLease) -> str:
     return "".join(parts)
 
 
+def wants_verbose(body: dict) -> bool:
+    """The peer's ``verbose``: an OpenAI answer also carries the native one as ``__verbose``."""
+    value = body.get("verbose", False)
+    if not isinstance(value, bool):
+        raise invalid_request("'verbose' must be true or false")
+    return value
+
+
 def stream_fields(body: dict, stream: bool) -> dict:
     """Engine fields a stream asks for: ``return_progress`` (prompt progress chunks; ignored unstreamed)."""
     value = body.get("return_progress")
@@ -47,16 +55,18 @@ def stream_fields(body: dict, stream: bool) -> dict:
     return {"return_progress": True} if value and stream else {}
 
 
-def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Response, make_format) -> None:
+def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Response, make_format,
+                       verbose_allowed: bool = True) -> None:
     """A prompt-based completion: parse the body, run it on slot 0, answer in the endpoint's format."""
     body = read_json(req, ctx.config.max_body_bytes)
     prompt = parse_prompt(body, n_vocab=ctx.engine_info().get("n_vocab"))
     options = parse_options(body)
     options = attrs.evolve(options, sampling=with_defaults(options.sampling, ctx.config))
     info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
+    verbose = NativeCompletionFormat(info, lambda lease: prompt_text(prompt, lease)) \
+        if wants_verbose(body) and verbose_allowed else None
     CompletionRun(ctx, {"prompt": prompt, **options.sampling, **stream_fields(body, options.stream)}, options,
-                  make_format(info, prompt),
-                  client=ClientConnection.of(req.env)).respond(resp)
+                  make_format(info, prompt), client=ClientConnection.of(req.env), verbose=verbose).respond(resp)
 
 
 class CompletionResource:
@@ -67,7 +77,7 @@ class CompletionResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         _respond_to_prompt(self.ctx, req, resp, lambda info, prompt: NativeCompletionFormat(
-            info, lambda lease: prompt_text(prompt, lease)))
+            info, lambda lease: prompt_text(prompt, lease)), verbose_allowed=False)  # it is the native answer
 
 
 class TextCompletionResource:
@@ -92,6 +102,9 @@ class ChatCompletionResource:
         options = parse_options(body, top_logprobs=top_logprobs)
         options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
+        # __verbose's prompt is the rendered chat, asked of the engine under the same lease.
+        verbose = NativeCompletionFormat(info, lambda lease: str(lease.call("APPLY_TEMPLATE", prompt.engine_fields())
+                                                                 .get("prompt", ""))) if wants_verbose(body) else None
         CompletionRun(self.ctx, {**prompt.engine_fields(), **options.sampling,
                                  **stream_fields(body, options.stream)}, options,
-                      ChatCompletionFormat(info), client=ClientConnection.of(req.env)).respond(resp)
+                      ChatCompletionFormat(info), client=ClientConnection.of(req.env), verbose=verbose).respond(resp)
