@@ -25,6 +25,11 @@ Reading
     ``read_threads`` is None (min(4, cores - 1), at least 1; the payload is hashed and handed over in file
     order whatever the number); ``ReadThreads(n)`` reader threads an engine keeps and passes as
     ``read_threads=`` (started once, not per call; ``close()`` ends them).
+Byte sources and sinks (``strata_sessionfile.seam``)
+    ``save``, ``restore`` and ``inspect`` take a local path or a ``ByteSource`` / ``ByteSink``;
+    ``strata_sessionfile.objstore`` has ``S3Source`` (ranged GETs, the object's version pinned) and
+    ``S3Sink`` (a multipart upload; the object appears when it completes), with boto3
+    (``pip install strata-sessionfile[s3]``).
 Adapter protocol (``strata_sessionfile.adapter``)
     ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
     restore), ``BufferProvider`` (optional own block buffers), ``LandingTarget`` (optional: a restore reads
@@ -43,8 +48,9 @@ Testing (``strata_sessionfile.testing``)
 
 Inside: ``writer`` (``save`` as the named stages of ``SessionWriter``), ``reader`` (``inspect``, ``restore``)
 over ``validate`` (the checks), ``datapass`` (the passes over the data section) and ``apply`` (streaming and
-staged); ``pipelines`` (reader and writer threads), ``memory`` (buffers, the RAM probe); ``_fileio``, the
-byte seam: the only module that opens, reads or writes a session file.
+staged); ``pipelines`` (reader and writer threads), ``memory`` (buffers, the RAM probe); the byte seam:
+``seam`` (the interfaces), ``_fileio`` (local files: the only module that opens, reads or writes one) and
+``objstore`` (an S3-compatible object store).
 """
 
 from . import errors
@@ -84,11 +90,13 @@ from .records import (
     SaveReport,
     Snapshot,
 )
+from .seam import ByteSink, ByteSource
 from .validate import check_limits
 from .writer import save
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "AsyncCopyTarget", "BlockBuffers", "BufferProvider", "Checkpoint",
+    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "AsyncCopyTarget", "BlockBuffers", "BufferProvider", "ByteSink",
+    "ByteSource", "Checkpoint",
     "Compression", "ConfigIdentity", "DType",
     "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
     "LandingTarget", "MergingCopyTarget", "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",

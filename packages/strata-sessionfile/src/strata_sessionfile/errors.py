@@ -63,9 +63,15 @@ class MultipleLinks(FileAccessError):
 
 
 class ReadFailed(FileAccessError):
-    """The operating system failed a read (EIO and friends)."""
+    """The operating system failed a read (EIO and friends), or the object store failed a request."""
 
     reason = "read_failed"
+
+
+class StoreUnavailable(ReadFailed):
+    """The object store did not answer (connection refused or lost, timeout, 5xx after retries)."""
+
+    reason = "store_unavailable"
 
 
 # --- the bytes are not a valid v1 session file ------------------------------------------------------
@@ -177,6 +183,13 @@ class FileChanged(SessionFileError):
     """The file grew, shrank or changed between (or during) the passes."""
 
     reason = "file_changed"
+
+
+class ObjectReplaced(FileChanged):
+    """The object's pinned version (ETag, version id) is no longer what the store holds: replaced or deleted
+    since the read pass began."""
+
+    reason = "object_replaced"
 
 
 class CompressionUnavailable(SessionFileError):

@@ -1,4 +1,5 @@
-"""inspect() and restore(): open a session file's byte source, run the read pass, choose and run an apply mode.
+"""inspect() and restore(): open a session file's byte source (a local path, or any ``seam.ByteSource``
+such as ``objstore.S3Source``), run the read pass, choose and run an apply mode.
 
 Read pass (spec "Reading"): ``validate.open_metadata`` checks everything before the data section (size,
 header and its hash, both fingerprints, the metadata, the layout, the padding, the end marker, the
@@ -18,7 +19,6 @@ from collections.abc import Callable
 
 from . import errors as E
 from . import memory, pipelines
-from ._fileio import FileSource
 from .adapter import LandingTarget, SessionTarget, StagingTarget, adapter_call
 from .apply import apply_staged, apply_streaming
 from .datapass import hash_pass, read_ahead
@@ -34,6 +34,7 @@ from .records import (
     RestorePlan,
     RestoreReport,
 )
+from .seam import ByteSource, open_source
 from .validate import open_metadata, preflight
 
 
@@ -44,35 +45,41 @@ def _readers(read_threads: int | ReadThreads | None) -> tuple[ReadThreads, bool]
     return ReadThreads(pipelines.default_read_threads() if read_threads is None else read_threads), True
 
 
-def inspect(path: str | os.PathLike, *, verify: bool = True, identity: EngineIdentity | None = None,
+def inspect(path: str | os.PathLike | ByteSource, *, verify: bool = True, identity: EngineIdentity | None = None,
             limits: EngineLimits | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
             read_threads: int | ReadThreads | None = None) -> Inspection:
     """The read pass alone: validate the file (and, if given, its binding to an engine) without applying it.
 
+    ``path``: a local file, or a ``ByteSource`` (e.g. ``objstore.S3Source``; the caller's, not closed here).
     ``read_threads``: threads reading the file at once (None: ``default_read_threads()``), or a
     ``ReadThreads`` to read with (kept open)."""
-    path = os.fspath(path)
     readers, own_readers = _readers(read_threads)
     try:
-        with FileSource(path) as source:
+        source, own_source = open_source(path)
+        try:
             opened = open_metadata(source, identity, limits, readers, require_codec=verify, hash_prefix=verify)
             digest = None
             if verify:
                 views = (BlockBuffers(block_size, readers.threads + 1).views if opened.layout.compressed is None
                          else None)
                 digest = hash_pass(opened, views, block_size, None, readers)
-            return Inspection(path, opened.header, opened.metadata, opened.layout, verify, digest)
+            return Inspection(source.path, opened.header, opened.metadata, opened.layout, verify, digest)
+        finally:
+            if own_source:
+                source.close()
     finally:
         if own_readers:
             readers.close()
 
 
-def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMode | str = RestoreMode.AUTO,
+def restore(path: str | os.PathLike | ByteSource, adapter: SessionTarget, *, mode: RestoreMode | str = RestoreMode.AUTO,
             block_size: int = DEFAULT_BLOCK_SIZE, progress: Callable[[Progress], None] | None = None,
             memory_available: Callable[[], int | None] | None = memory.memory_available,
             buffers: BlockBuffers | None = None, read_threads: int | ReadThreads | None = None) -> RestoreReport:
     """Validate ``path`` against the adapter's engine and apply it (see the module docstring).
 
+    ``path``: a local file, or a ``ByteSource`` (e.g. ``objstore.S3Source``, whose object version is pinned
+    from the read pass on; the caller's, not closed here).
     ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
     ``memory_available``: a probe of the free RAM in bytes for the preflight (None skips it).
     ``read_threads``: threads reading the file at once (None: ``default_read_threads()``), or a
@@ -95,10 +102,10 @@ def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, p
              buffers: BlockBuffers | None, readers: ReadThreads) -> RestoreReport:
     threads = readers.threads
     t0 = time.perf_counter()
-    path = os.fspath(path)
     identity = adapter_call(adapter.identity)
     limits = adapter_call(adapter.limits)
-    source = FileSource(path)
+    source, own_source = open_source(path)
+    path = source.path
     opened = None
     try:
         opened = open_metadata(source, identity, limits, readers)
@@ -136,4 +143,5 @@ def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, p
     finally:
         if opened is not None and opened.ahead is not None:  # a refusal before the first pass: stop its reads
             opened.ahead.close()
-        source.close()
+        if own_source:
+            source.close()

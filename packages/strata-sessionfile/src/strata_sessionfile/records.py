@@ -195,7 +195,8 @@ class Layout:
 
 @attrs.frozen
 class FileStamp:
-    """What fstat says; compared between and after the passes to see a file that changed."""
+    """What fstat says; compared between and after the passes to see a file that changed (a local file's
+    ``seam.Stamp``)."""
 
     dev: int
     ino: int
@@ -247,7 +248,7 @@ class RestorePlan:
     header: Header
     metadata: SessionMetadata
     layout: Layout
-    stamp: FileStamp
+    stamp: object  # the source's seam.Stamp: a FileStamp, an objstore.ObjectStamp
     mode: RestoreMode
 
     @property

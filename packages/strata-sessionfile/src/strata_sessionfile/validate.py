@@ -17,23 +17,23 @@ import attrs
 import xxhash
 
 from . import errors as E
-from ._fileio import FileSource
 from .codec import METADATA_OFFSET, compute_layout, decode_header, decode_metadata, decode_trailer
 from .compression import CODECS, COMPRESSION_HEADER_SIZE, decode_compressed_section
 from .format import DATA_ALIGNMENT, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags, align_up
 from .identity import config_differences, model_differences
 from .memory import HUGE_PAGE, fresh_buffer
 from .pipelines import ReadAhead, ReadThreads, decode_workers, read_exact_parallel
-from .records import EngineIdentity, EngineLimits, FileStamp, Header, Layout, SessionMetadata
+from .records import EngineIdentity, EngineLimits, Header, Layout, SessionMetadata
+from .seam import ByteSource, Stamp
 
 _U32_SIZE = 4
 
 
 @attrs.define
 class OpenedFile:
-    source: FileSource
+    source: ByteSource
     path: str
-    stamp: FileStamp
+    stamp: Stamp
     header: Header
     metadata: SessionMetadata
     layout: Layout
@@ -111,7 +111,7 @@ def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | No
                                  path=path, field="layers")
 
 
-def open_metadata(source: FileSource, identity: EngineIdentity | None, limits: EngineLimits | None,
+def open_metadata(source: ByteSource, identity: EngineIdentity | None, limits: EngineLimits | None,
                   readers: ReadThreads, require_codec: bool = True, hash_prefix: bool = True) -> OpenedFile:
     """Everything before the data section, validated in the spec's order (binding with ``identity``, the
     engine's limits with ``limits``; ``require_codec``: a compressed file's codec must be installed)."""

@@ -5,7 +5,8 @@ allowed only right after the one before it; a failure is reported with the stage
 ("flushing the temporary file failed: ...").
 
 PLAN         the adapter's identity and frozen snapshot; the metadata encoded, the layout computed
-CREATE       ``.<name>.<random>.strata-tmp`` created exclusively in the target's folder (the byte sink)
+CREATE       the byte sink made: for a path ``.<name>.<random>.strata-tmp`` created exclusively in the
+             target's folder; for an object (``objstore.S3Sink``) a multipart upload started
 WRITE        space reserved; header, metadata, padding; the data section block by block (the adapter
              fills one buffer while a helper thread hashes and writes the other, starting the kernel's
              writeback of each block); the trailer. Progress: ``copy``, per block
@@ -14,7 +15,8 @@ RENAME       the temporary renamed over the target. Progress: ``rename``
 SYNC_FOLDER  the folder fsynced; a failure raises DirSyncFailed (the new file is in place)
 DONE
 
-A failure in WRITE, FLUSH or RENAME removes the temporary and leaves the old file untouched.
+A failure in WRITE, FLUSH or RENAME removes the temporary (aborts the upload) and leaves the old file
+(object) untouched. The target is a path or any ``seam.ByteSink``.
 
 Compressed (``compression=``, spec section 3.3): each block is encoded into one frame on the helper
 thread; the compression header follows the padding, the block table follows the frames, and the
@@ -33,7 +35,6 @@ from collections.abc import Callable
 import xxhash
 
 from . import errors as E
-from ._fileio import FileSink
 from .adapter import SessionSource, adapter_call
 from .codec import compute_layout, encode_header, encode_metadata, encode_trailer, payload_length_of
 from .compression import (
@@ -48,6 +49,7 @@ from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags
 from .memory import MIN_BLOCK_SIZE, BlockBuffers, block_buffers
 from .pipelines import WriteBehind, iter_blocks
 from .records import Phase, Progress, SaveReport
+from .seam import ByteSink, as_sink, target_name
 
 
 class Stage(enum.Enum):
@@ -71,7 +73,7 @@ class SessionWriter:
     ``rename``, ``sync_folder`` in this order (``save`` does), then ``report``; ``discard`` after a failure
     before ``rename`` completed removes the temporary. ``stage`` is the stage running or last run."""
 
-    def __init__(self, path: str | os.PathLike, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
+    def __init__(self, path: str | os.PathLike | ByteSink, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  progress: Callable[[Progress], None] | None = None, buffers: BlockBuffers | None = None,
                  compression: Compression | str | None = None) -> None:
         if block_size < MIN_BLOCK_SIZE:
@@ -85,7 +87,7 @@ class SessionWriter:
         self.path_arg, self.adapter, self.block_size = path, adapter, block_size
         self.progress, self.buffers = progress, buffers
         self.stage: Stage | None = None
-        self.sink: FileSink | None = None
+        self.sink: ByteSink | None = None
         self.pipeline: WriteBehind | None = None
 
     def _enter(self, stage: Stage) -> None:
@@ -98,7 +100,7 @@ class SessionWriter:
         """PLAN: everything the file holds before its K/V, encoded; nothing on disk yet."""
         self._enter(Stage.PLAN)
         self.t0 = time.perf_counter()
-        self.path = path = os.fspath(self.path_arg)
+        self.path = path = target_name(self.path_arg)
         self.identity = identity = adapter_call(self.adapter.identity)
         self.snapshot = snapshot = adapter_call(self.adapter.snapshot)
         try:
@@ -123,12 +125,14 @@ class SessionWriter:
                            + encode_compression_header(self.options, self.block_size, n_blocks)]
 
     def create(self) -> None:
-        """CREATE: the temporary file, exclusively."""
+        """CREATE: the temporary file, exclusively (an object's multipart upload)."""
         self._enter(Stage.CREATE)
+        sink = as_sink(self.path_arg)
         try:
-            self.sink = FileSink(self.path)
+            sink.create()
         except OSError as exc:
             raise E.write_error_from_os(exc, "creating the temporary file", self.path) from exc
+        self.sink = sink
 
     def write(self) -> None:
         """WRITE: the whole file into the temporary (progress: copy, per block)."""
@@ -230,10 +234,11 @@ class SessionWriter:
                           kv_bytes=self.layout.data_length)
 
 
-def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
+def save(path: str | os.PathLike | ByteSink, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
          progress: Callable[[Progress], None] | None = None, buffers: BlockBuffers | None = None,
          compression: Compression | str | None = None) -> SaveReport:
-    """Write the adapter's session to ``path`` (atomically replacing any file there).
+    """Write the adapter's session to ``path`` (atomically replacing any file there): a local path, or a
+    ``ByteSink`` (e.g. ``objstore.S3Sink``: the object appears when its multipart upload completes).
 
     ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
     ``compression``: None (default: not compressed), ``"zstd"`` (its default level), or a ``Compression``
