@@ -178,6 +178,37 @@ class GeometryMismatch(BindingMismatch):
     reason = "geometry_mismatch"
 
 
+# --- keyed authentication (a reader holding a key) --------------------------------------------------
+class AuthenticationFailed(SessionFileError):
+    """The file is not authenticated by this reader's key (spec section 4.1, rules K1-K4)."""
+
+    reason = "authentication_failed"
+
+
+class MacMissing(AuthenticationFailed):
+    """The file carries no MAC, and this reader accepts only authenticated files."""
+
+    reason = "mac_missing"
+
+
+class MacWrongKey(AuthenticationFailed):
+    """The file's MAC was made with another key (its key id is not this reader's)."""
+
+    reason = "mac_wrong_key"
+
+
+class MacMismatch(AuthenticationFailed):
+    """The MAC does not match the header and the payload hashes under this reader's key."""
+
+    reason = "mac_mismatch"
+
+
+class PayloadNotAuthentic(AuthenticationFailed):
+    """The payload's SHA-256 differs from the authenticated payload digest."""
+
+    reason = "payload_not_authentic"
+
+
 # --- conditions of the restore ----------------------------------------------------------------------
 class FileChanged(SessionFileError):
     """The file grew, shrank or changed between (or during) the passes."""

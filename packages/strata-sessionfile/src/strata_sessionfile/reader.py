@@ -21,6 +21,7 @@ from . import errors as E
 from . import memory, pipelines
 from .adapter import LandingTarget, SessionTarget, StagingTarget, adapter_call
 from .apply import apply_staged, apply_streaming
+from .auth import SessionKey, as_key
 from .datapass import hash_pass, read_ahead
 from .format import DEFAULT_BLOCK_SIZE
 from .memory import MIN_BLOCK_SIZE, BlockBuffers, block_buffers
@@ -38,6 +39,15 @@ from .seam import ByteSource, open_source
 from .validate import open_metadata, preflight
 
 
+def _auth(key: SessionKey | bytes | None, require_mac: bool | None) -> tuple[SessionKey | None, bool]:
+    """The reader's key and whether it accepts only authenticated files (by default: when it has a key)."""
+    key = as_key(key)
+    require = key is not None if require_mac is None else require_mac
+    if require and key is None:
+        raise ValueError("require_mac needs a key")
+    return key, require
+
+
 def _readers(read_threads: int | ReadThreads | None) -> tuple[ReadThreads, bool]:
     """The threads a call reads with, and whether the call made them (and closes them)."""
     if isinstance(read_threads, ReadThreads):
@@ -47,23 +57,28 @@ def _readers(read_threads: int | ReadThreads | None) -> tuple[ReadThreads, bool]
 
 def inspect(path: str | os.PathLike | ByteSource, *, verify: bool = True, identity: EngineIdentity | None = None,
             limits: EngineLimits | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-            read_threads: int | ReadThreads | None = None) -> Inspection:
+            read_threads: int | ReadThreads | None = None, key: SessionKey | bytes | None = None,
+            require_mac: bool | None = None) -> Inspection:
     """The read pass alone: validate the file (and, if given, its binding to an engine) without applying it.
 
     ``path``: a local file, or a ``ByteSource`` (e.g. ``objstore.S3Source``; the caller's, not closed here).
     ``read_threads``: threads reading the file at once (None: ``default_read_threads()``), or a
-    ``ReadThreads`` to read with (kept open)."""
+    ``ReadThreads`` to read with (kept open). ``key``: verify the file's MAC (rules K1-K3; K4 with ``verify``);
+    ``require_mac`` (default: True when a key is given) refuses a file without one."""
+    key, require = _auth(key, require_mac)
     readers, own_readers = _readers(read_threads)
     try:
         source, own_source = open_source(path)
         try:
-            opened = open_metadata(source, identity, limits, readers, require_codec=verify, hash_prefix=verify)
+            opened = open_metadata(source, identity, limits, readers, require_codec=verify, hash_prefix=verify, key=key,
+                                   require_mac=require)
             digest = None
             if verify:
                 views = (BlockBuffers(block_size, readers.threads + 1).views if opened.layout.compressed is None
                          else None)
                 digest = hash_pass(opened, views, block_size, None, readers)
-            return Inspection(source.path, opened.header, opened.metadata, opened.layout, verify, digest)
+            return Inspection(source.path, opened.header, opened.metadata, opened.layout, verify, digest,
+                              opened.auth_digest is not None)
         finally:
             if own_source:
                 source.close()
@@ -75,7 +90,8 @@ def inspect(path: str | os.PathLike | ByteSource, *, verify: bool = True, identi
 def restore(path: str | os.PathLike | ByteSource, adapter: SessionTarget, *, mode: RestoreMode | str = RestoreMode.AUTO,
             block_size: int = DEFAULT_BLOCK_SIZE, progress: Callable[[Progress], None] | None = None,
             memory_available: Callable[[], int | None] | None = memory.memory_available,
-            buffers: BlockBuffers | None = None, read_threads: int | ReadThreads | None = None) -> RestoreReport:
+            buffers: BlockBuffers | None = None, read_threads: int | ReadThreads | None = None,
+            key: SessionKey | bytes | None = None, require_mac: bool | None = None) -> RestoreReport:
     """Validate ``path`` against the adapter's engine and apply it (see the module docstring).
 
     ``path``: a local file, or a ``ByteSource`` (e.g. ``objstore.S3Source``, whose object version is pinned
@@ -87,19 +103,24 @@ def restore(path: str | os.PathLike | ByteSource, adapter: SessionTarget, *, mod
     blocks are still hashed and delivered in file order, on the calling thread. Block buffers: the readers
     + 1 (given ``buffers`` with fewer views mean fewer reads at once). A compressed data section uses its
     decode workers instead.
+    ``key`` (a ``SessionKey`` or its 32 bytes): the file's MAC is checked before anything reaches the adapter
+    and its payload digest in every pass (spec 4.1); ``require_mac`` (default: True when a key is given)
+    refuses a file without a MAC. Without a key, an authenticated file restores like any other.
     """
     if block_size < MIN_BLOCK_SIZE:
         raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
+    auth = _auth(key, require_mac)
     readers, own_readers = _readers(read_threads)
     try:
-        return _restore(path, adapter, RestoreMode(mode), block_size, progress, memory_available, buffers, readers)
+        return _restore(path, adapter, RestoreMode(mode), block_size, progress, memory_available, buffers, readers,
+                        auth)
     finally:
         if own_readers:
             readers.close()
 
 
 def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, progress, memory_available,
-             buffers: BlockBuffers | None, readers: ReadThreads) -> RestoreReport:
+             buffers: BlockBuffers | None, readers: ReadThreads, auth: tuple[SessionKey | None, bool]) -> RestoreReport:
     threads = readers.threads
     t0 = time.perf_counter()
     identity = adapter_call(adapter.identity)
@@ -108,7 +129,7 @@ def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, p
     path = source.path
     opened = None
     try:
-        opened = open_metadata(source, identity, limits, readers)
+        opened = open_metadata(source, identity, limits, readers, key=auth[0], require_mac=auth[1])
         preflight(opened, block_size, threads + 1, memory_available)
         staged = False
         if mode is not RestoreMode.STREAMING and isinstance(adapter, StagingTarget):

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from .format import DTYPES, DType, LayerRole, Part
+from .format import DTYPES, DType, Flags, LayerRole, Part
 
 
 def _as_token_array(tokens: Iterable[int]) -> array.array:
@@ -282,3 +282,9 @@ class Inspection:
     layout: Layout
     payload_verified: bool
     payload_hash: bytes | None
+    mac_verified: bool = False  # the MAC was checked with the reader's key (and, if payload_verified, the payload digest)
+
+    @property
+    def authenticated(self) -> bool:
+        """The file carries a MAC (flag AUTHENTICATED), checked or not."""
+        return bool(self.header.flags & Flags.AUTHENTICATED)

@@ -32,10 +32,9 @@ import os
 import time
 from collections.abc import Callable
 
-import xxhash
-
 from . import errors as E
 from .adapter import SessionSource, adapter_call
+from .auth import SessionKey, as_key, auth_extension, payload_hasher
 from .codec import compute_layout, encode_header, encode_metadata, encode_trailer, payload_length_of
 from .compression import (
     CODECS,
@@ -45,7 +44,7 @@ from .compression import (
     encode_compression_header,
     n_blocks_for,
 )
-from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags
+from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, Flags, trailer_size
 from .memory import MIN_BLOCK_SIZE, BlockBuffers, block_buffers
 from .pipelines import WriteBehind, iter_blocks
 from .records import Phase, Progress, SaveReport
@@ -75,7 +74,7 @@ class SessionWriter:
 
     def __init__(self, path: str | os.PathLike | ByteSink, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  progress: Callable[[Progress], None] | None = None, buffers: BlockBuffers | None = None,
-                 compression: Compression | str | None = None) -> None:
+                 compression: Compression | str | None = None, key: SessionKey | bytes | None = None) -> None:
         if block_size < MIN_BLOCK_SIZE:
             raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
         self.options = as_compression(compression)
@@ -86,6 +85,8 @@ class SessionWriter:
             self.encode = CODECS[self.options.code].encoder(self.options)  # CompressionUnavailable before any file
         self.path_arg, self.adapter, self.block_size = path, adapter, block_size
         self.progress, self.buffers = progress, buffers
+        self.key = as_key(key)
+        self.auth_flag = Flags.AUTHENTICATED if self.key is not None else Flags.NONE
         self.stage: Stage | None = None
         self.sink: ByteSink | None = None
         self.pipeline: WriteBehind | None = None
@@ -108,12 +109,13 @@ class SessionWriter:
         except E.SessionFileError as exc:
             exc.path = path
             raise
-        self.layout = layout = compute_layout(len(metadata) - 4, snapshot.layers)
+        self.layout = layout = compute_layout(len(metadata) - 4, snapshot.layers, trailer_size(self.auth_flag))
         padding = bytes(layout.data_offset - HEADER_SIZE - len(metadata))
         self.total = layout.file_size  # progress total: the uncompressed file's size
         if self.options is None:
-            header = encode_header(identity.model.fingerprint, identity.config.fingerprint, payload_length_of(layout))
-            self.prefix = [header, metadata, padding]  # written piece by piece: no copy of a large metadata
+            self.header = encode_header(identity.model.fingerprint, identity.config.fingerprint,
+                                        payload_length_of(layout), flags=self.auth_flag)
+            self.prefix = [self.header, metadata, padding]  # written piece by piece: no copy of a large metadata
         else:
             n_blocks = n_blocks_for(layout.data_length, self.block_size)
             if n_blocks > LIMIT["MAX_COMPRESSED_BLOCKS"]:
@@ -141,7 +143,7 @@ class SessionWriter:
         options = self.options
         if options is None:
             sink.reserve(total)
-        hasher = xxhash.xxh3_128()
+        hasher = payload_hasher(self.key is not None)
         pipeline = None
         if layout.data_length:
             views = block_buffers(self.adapter, self.block_size, self.buffers)
@@ -172,20 +174,23 @@ class SessionWriter:
             frame_sizes = pipeline.frame_sizes
             self.pipeline = None
         prefix_length = sum(len(p) for p in self.prefix)
-        written = prefix_length + sum(frame_sizes) if options is not None else total - TRAILER_SIZE
+        written = prefix_length + sum(frame_sizes) if options is not None else layout.trailer_offset
         if options is not None:
             table = encode_block_table(frame_sizes)
             hasher.update(table)
             sink.write(table)
             written += len(table)
-        self.digest = hasher.digest()
-        sink.write(encode_trailer(self.digest))
-        if options is not None:
             identity = self.identity
-            header = encode_header(identity.model.fingerprint, identity.config.fingerprint,
-                                   written - HEADER_SIZE, flags=Flags.DATA_COMPRESSED)
-            sink.write_at(header, 0)
-        self.bytes_written = written + TRAILER_SIZE
+            self.header = encode_header(identity.model.fingerprint, identity.config.fingerprint,
+                                        written - HEADER_SIZE, flags=Flags.DATA_COMPRESSED | self.auth_flag)
+        self.digest = hasher.digest()
+        extension = (b"" if self.key is None
+                     else auth_extension(self.key, self.header, self.digest, hasher.payload_digest()))
+        trailer = encode_trailer(self.digest, extension)
+        sink.write(trailer)
+        if options is not None:
+            sink.write_at(self.header, 0)
+        self.bytes_written = written + len(trailer)
         self._announce(Phase.COPY)
         self.t_copy = time.perf_counter()
 
@@ -236,7 +241,7 @@ class SessionWriter:
 
 def save(path: str | os.PathLike | ByteSink, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
          progress: Callable[[Progress], None] | None = None, buffers: BlockBuffers | None = None,
-         compression: Compression | str | None = None) -> SaveReport:
+         compression: Compression | str | None = None, key: SessionKey | bytes | None = None) -> SaveReport:
     """Write the adapter's session to ``path`` (atomically replacing any file there): a local path, or a
     ``ByteSink`` (e.g. ``objstore.S3Sink``: the object appears when its multipart upload completes).
 
@@ -244,9 +249,11 @@ def save(path: str | os.PathLike | ByteSink, adapter: SessionSource, *, block_si
     ``compression``: None (default: not compressed), ``"zstd"`` (its default level), or a ``Compression``
     (codec, level, threads). A compressed file's blocks hold ``block_size`` uncompressed bytes each
     (at most MAX_COMPRESSED_BLOCK_BYTES). Progress then counts uncompressed bytes.
+    ``key`` (a ``SessionKey`` or its 32 bytes): the file is authenticated (flag AUTHENTICATED, spec 4.1): its
+    trailer carries the key id, the payload's SHA-256 and the MAC.
     """
     writer = SessionWriter(path, adapter, block_size=block_size, progress=progress, buffers=buffers,
-                           compression=compression)
+                           compression=compression, key=key)
     writer.plan()
     writer.create()
     try:
