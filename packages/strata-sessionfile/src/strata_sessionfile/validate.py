@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 import attrs
+
 from . import errors as E
 from .auth import SessionKey, check_authentication, payload_hasher
 from .codec import METADATA_OFFSET, compute_layout, decode_header, decode_metadata, decode_trailer

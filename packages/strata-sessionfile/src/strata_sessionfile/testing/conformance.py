@@ -16,7 +16,6 @@ import shutil
 from collections.abc import Callable
 
 import attrs
-
 import xxhash
 
 from .. import errors as E
