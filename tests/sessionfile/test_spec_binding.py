@@ -201,8 +201,9 @@ def test_inspect_usage_and_exit_codes_match_code():
 
     text = section("## 11. `strata-sessionfile inspect`")
     usage = re.search(r"`strata-sessionfile inspect FILE ([^`]*)`", text).group(1)
-    assert sorted(re.findall(r"--[a-z]+", usage)) == sorted(
+    assert sorted(re.findall(r"--[a-z-]+", usage)) == sorted(
         a.option_strings[0] for a in cli.inspect_parser()._actions if a.option_strings and a.dest != "help")
     codes = {int(r[0]): r[1].split(":")[0].split(" (")[0] for r in table_rows(text[text.index("| code |"):])}
     assert codes == {cli.EXIT_VALID: "valid", cli.EXIT_INVALID: "invalid", cli.EXIT_UNREADABLE: "unreadable",
-                     cli.EXIT_UNSUPPORTED: "unsupported here", cli.EXIT_USAGE: "usage error"}
+                     cli.EXIT_UNSUPPORTED: "unsupported here", cli.EXIT_UNAUTHENTICATED: "unauthenticated",
+                     cli.EXIT_USAGE: "usage error"}

@@ -38,8 +38,8 @@ except ImportError as exc:  # the package stands without boto3; only this module
     raise ImportError("strata_sessionfile.objstore needs boto3: pip install 'strata-sessionfile[s3]'") from exc
 
 from . import errors as E
+from .seam import S3_SCHEME, s3_location
 
-SCHEME = "s3://"
 READ_SLICE = 1 << 20  # bytes read from a response at once: urllib3 copies through a temporary of this size
 DEFAULT_RANGE_SIZE = 8 << 20  # one ranged GET (bench/SESSIONFILE-NOTES.md, "Object store")
 DEFAULT_READ_CONCURRENCY = 8  # ranged GETs of one source in flight at once
@@ -52,12 +52,7 @@ PART_GROWTH_EVERY = 1000  # the part size doubles every this many parts, so 10,0
 
 def parse_s3_url(url: str) -> tuple[str, str]:
     """``s3://BUCKET/KEY`` -> (bucket, key); ValueError for anything else."""
-    if not url.startswith(SCHEME):
-        raise ValueError(f"not an s3:// URL: {url!r}")
-    bucket, _, key = url[len(SCHEME):].partition("/")
-    if not bucket or not key:
-        raise ValueError(f"an s3:// URL names a bucket and a key: {url!r}")
-    return bucket, key
+    return s3_location(url)
 
 
 def s3_client(endpoint_url: str | None = None, *, max_pool_connections: int = 32, **client_args):
@@ -115,7 +110,7 @@ class S3Source:
     def __init__(self, client, bucket: str, key: str, *, version_id: str | None = None,
                  range_size: int = DEFAULT_RANGE_SIZE, concurrency: int = DEFAULT_READ_CONCURRENCY) -> None:
         self.client, self.bucket, self.key = client, bucket, key
-        self.path = f"{SCHEME}{bucket}/{key}"
+        self.path = f"{S3_SCHEME}{bucket}/{key}"
         self.range_size, self.concurrency = range_size, concurrency
         self._version = {"VersionId": version_id} if version_id else {}
         try:
@@ -218,7 +213,7 @@ class S3Sink:
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size must be at least {MIN_PART_SIZE} (S3's minimum part)")
         self.client, self.bucket, self.key = client, bucket, key
-        self.path = f"{SCHEME}{bucket}/{key}"
+        self.path = f"{S3_SCHEME}{bucket}/{key}"
         self.part_size, self.concurrency = part_size, concurrency
         self.position = 0
         self.upload_id: str | None = None

@@ -17,6 +17,8 @@ import os
 import time
 from collections.abc import Callable
 
+import attrs
+
 from . import errors as E
 from . import memory, pipelines
 from .adapter import LandingTarget, SessionTarget, StagingTarget, adapter_call
@@ -77,8 +79,9 @@ def inspect(path: str | os.PathLike | ByteSource, *, verify: bool = True, identi
                 views = (BlockBuffers(block_size, readers.threads + 1).views if opened.layout.compressed is None
                          else None)
                 digest = hash_pass(opened, views, block_size, None, readers)
-            return Inspection(source.path, opened.header, opened.metadata, opened.layout, verify, digest,
+            info = Inspection(source.path, opened.header, opened.metadata, opened.layout, verify, digest,
                               opened.auth_digest is not None)
+            return attrs.evolve(info, key_id=bytes(opened.trailer[16:32])) if info.authenticated else info
         finally:
             if own_source:
                 source.close()

@@ -283,6 +283,7 @@ class Inspection:
     payload_verified: bool
     payload_hash: bytes | None
     mac_verified: bool = False  # the MAC was checked with the reader's key (and, if payload_verified, the payload digest)
+    key_id: bytes | None = None  # an authenticated file's key id (spec 4.1), checked or not
 
     @property
     def authenticated(self) -> bool:

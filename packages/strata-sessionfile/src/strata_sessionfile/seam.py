@@ -78,6 +78,17 @@ class ByteSink(Protocol):
     def discard(self) -> None: ...
 
 
+S3_SCHEME = "s3://"
+
+
+def s3_location(url: str) -> tuple[str, str]:
+    """``s3://BUCKET/KEY`` -> (bucket, key); ValueError for a malformed URL (boto3 not needed)."""
+    bucket, _, key = url[len(S3_SCHEME):].partition("/") if url.startswith(S3_SCHEME) else ("", "", "")
+    if not bucket or not key:
+        raise ValueError(f"not an s3://BUCKET/KEY URL: {url!r}")
+    return bucket, key
+
+
 def open_source(target: str | os.PathLike | ByteSource) -> tuple[ByteSource, bool]:
     """The source to read ``target`` from, and whether this call made it (and closes it)."""
     if isinstance(target, ByteSource):
