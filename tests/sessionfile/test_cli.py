@@ -15,6 +15,7 @@ from strata_sessionfile.cli import (
     EXIT_INVALID,
     EXIT_UNAUTHENTICATED,
     EXIT_UNREADABLE,
+    EXIT_UNSUPPORTED,
     EXIT_USAGE,
     EXIT_VALID,
     human_size,
@@ -212,3 +213,34 @@ def test_bad_key_file_and_misplaced_endpoint_are_usage_errors(tmp_path, capsys):
     assert main(["inspect", str(GOOD), "--key-file", str(tmp_path / "none.key")]) == EXIT_USAGE
     assert main(["inspect", str(GOOD), "--endpoint-url", "http://127.0.0.1:1"]) == EXIT_USAGE
     assert main(["inspect", "s3://bucket-only"]) == EXIT_USAGE
+
+
+NO_BOTO3 = r"""
+import json, sys, tempfile
+sys.modules["boto3"] = sys.modules["botocore"] = None  # as where boto3 is not installed: import fails
+from strata_sessionfile import restore, save
+from strata_sessionfile.cli import main
+from strata_sessionfile.testing import memory_adapter_factory
+factory = memory_adapter_factory(n_tokens=24)
+with tempfile.TemporaryDirectory() as d:
+    save(d + "/s.ssf", factory(1), block_size=4096)
+    target = factory(2)
+    restore(d + "/s.ssf", target, block_size=4096)
+    restored = target.live_digest() == factory(1).live_digest()
+try:
+    import strata_sessionfile.objstore
+    message = None
+except ImportError as exc:
+    message = str(exc)
+print(json.dumps({"restored": restored, "objstore": message, "exit": main(["inspect", "s3://bucket/key"])}))
+"""
+
+
+def test_the_package_stands_without_boto3():
+    """Local save and restore need no boto3; the object store module says what to install; inspect of an
+    s3:// object exits 3 (unsupported here)."""
+    proc = subprocess.run([sys.executable, "-c", NO_BOTO3], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["restored"] and "strata-sessionfile[s3]" in out["objstore"]
+    assert out["exit"] == EXIT_UNSUPPORTED and "needs boto3" in proc.stderr

@@ -61,7 +61,8 @@ def s3_client(endpoint_url: str | None = None, *, max_pool_connections: int = 32
     store that went away is reported in seconds."""
     config = botocore.config.Config(max_pool_connections=max_pool_connections, connect_timeout=10, read_timeout=60,
                                     retries={"mode": "standard", "max_attempts": 3})
-    return boto3.client("s3", endpoint_url=endpoint_url, config=config, **client_args)
+    # A session of its own: credentials are resolved now, not cached from boto3's default session's first use.
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config, **client_args)
 
 
 def _status(exc: botocore.exceptions.ClientError) -> tuple[int, str]:
