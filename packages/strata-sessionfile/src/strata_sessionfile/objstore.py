@@ -43,6 +43,9 @@ from .seam import S3_SCHEME, s3_location
 READ_SLICE = 1 << 20  # bytes read from a response at once: urllib3 copies through a temporary of this size
 DEFAULT_RANGE_SIZE = 8 << 20  # one ranged GET (bench/SESSIONFILE-NOTES.md, "Object store")
 DEFAULT_READ_CONCURRENCY = 8  # ranged GETs of one source in flight at once
+# Reader threads of a restore or inspect of an object when the caller names none: its reads wait on the
+# network, not on a core (bench/SESSIONFILE-NOTES.md, "Object store"); N + 1 block buffers of RAM.
+OBJECT_READ_THREADS = 2
 DEFAULT_PART_SIZE = 8 << 20  # S3: at least 5 MiB, except the last part
 DEFAULT_UPLOAD_CONCURRENCY = 4  # parts uploading at once (each held in memory until it is stored)
 MIN_PART_SIZE = 5 << 20
@@ -125,6 +128,7 @@ class S3Source:
         self._pin = {"IfMatch": head["ETag"], **self._version}
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self.read_threads = OBJECT_READ_THREADS
 
     @classmethod
     def from_url(cls, client, url: str, **kw) -> S3Source:

@@ -50,11 +50,14 @@ def _auth(key: SessionKey | bytes | None, require_mac: bool | None) -> tuple[Ses
     return key, require
 
 
-def _readers(read_threads: int | ReadThreads | None) -> tuple[ReadThreads, bool]:
-    """The threads a call reads with, and whether the call made them (and closes them)."""
+def _readers(read_threads: int | ReadThreads | None, target) -> tuple[ReadThreads, bool]:
+    """The threads a call reads with, and whether the call made them (and closes them). Unnamed: the
+    default, or more for a source whose reads wait on the network (its ``read_threads``)."""
     if isinstance(read_threads, ReadThreads):
         return read_threads, False
-    return ReadThreads(pipelines.default_read_threads() if read_threads is None else read_threads), True
+    if read_threads is None:
+        read_threads = max(pipelines.default_read_threads(), getattr(target, "read_threads", 1))
+    return ReadThreads(read_threads), True
 
 
 def inspect(path: str | os.PathLike | ByteSource, *, verify: bool = True, identity: EngineIdentity | None = None,
@@ -68,7 +71,7 @@ def inspect(path: str | os.PathLike | ByteSource, *, verify: bool = True, identi
     ``ReadThreads`` to read with (kept open). ``key``: verify the file's MAC (rules K1-K3; K4 with ``verify``);
     ``require_mac`` (default: True when a key is given) refuses a file without one."""
     key, require = _auth(key, require_mac)
-    readers, own_readers = _readers(read_threads)
+    readers, own_readers = _readers(read_threads, path)
     try:
         source, own_source = open_source(path)
         try:
@@ -113,7 +116,7 @@ def restore(path: str | os.PathLike | ByteSource, adapter: SessionTarget, *, mod
     if block_size < MIN_BLOCK_SIZE:
         raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
     auth = _auth(key, require_mac)
-    readers, own_readers = _readers(read_threads)
+    readers, own_readers = _readers(read_threads, path)
     try:
         return _restore(path, adapter, RestoreMode(mode), block_size, progress, memory_available, buffers, readers,
                         auth)

@@ -31,7 +31,9 @@ class ByteSource(Protocol):
     ``stamp()`` identifies the version read now; a source that pins a version (an object's ETag) raises
     ``FileChanged`` (``ObjectReplaced``) once that version is gone. ``read_into`` fills ``buf`` with the
     bytes at ``offset`` exactly (a short source raises ``short_error``; an I/O failure ``ReadFailed``); it
-    is called by several reader threads at once, on disjoint ranges."""
+    is called by several reader threads at once, on disjoint ranges. Optional: ``read_threads``, the reader
+    threads a restore of it uses at least when the caller names none (a remote source's reads wait on the
+    network, not on a core)."""
 
     path: str
 
