@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from strata_sessionfile import inspect, restore, save
 from strata_sessionfile.auth import SessionKey
 from strata_sessionfile.cli import EXIT_UNAUTHENTICATED, EXIT_UNREADABLE, EXIT_VALID, main
 from strata_sessionfile.testing import (
+    PATTERN_SIZE,
     PatternSource,
     fake_identity,
     recorder,
@@ -67,19 +69,22 @@ def uploads_under(s3, bucket: str, prefix: str) -> list[dict]:
     return s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
 
 
-def record_gets(s3) -> list[dict]:
-    """Every GetObject the client sends from now on: its parameters (botocore's own event, no mock)."""
+def record_requests(s3, operation: str = "GetObject") -> list[dict]:
+    """Every request of ``operation`` the client sends from now on: its parameters (botocore's own event)."""
     seen: list[dict] = []
-    s3.meta.events.register("provide-client-params.s3.GetObject", lambda params, **kw: seen.append(dict(params)))
+    s3.meta.events.register(f"provide-client-params.s3.{operation}", lambda params, **kw: seen.append(dict(params)))
     return seen
 
 
 class BigSource(PatternSource):
-    """A synthetic session of about ``n_bytes`` of K/V (8 layers of 4 heads x 64)."""
+    """A synthetic session of about ``n_bytes`` of K/V (8 layers of 4 heads x 64); ``noise``: its pattern is
+    random bytes, which no codec compresses (a compressed file as large as a plain one)."""
 
-    def __init__(self, n_bytes: int, seed: int = 1) -> None:
+    def __init__(self, n_bytes: int, seed: int = 1, noise: bool = False) -> None:
         specs = synthetic_specs(8, 4, 64)
         super().__init__(fake_identity(), specs, tokens_for_bytes(specs, n_bytes), seed=seed)
+        if noise:
+            self._pattern = memoryview(random.Random(seed).randbytes(PATTERN_SIZE))
 
 
 # --- round trips ------------------------------------------------------------------------------------------
@@ -94,7 +99,8 @@ def test_round_trip_through_the_store_gives_the_local_files_bytes(s3_store, s3, 
     report = save(S3Sink(s3, bucket, name), COPYING(1), block_size=4096, compression=compression, key=key)
     assert report.path == f"s3://{bucket}/{name}" and report.bytes_written == local.stat().st_size
     assert object_bytes(s3, bucket, name) == local.read_bytes()
-    gets = record_gets(s3)
+    etag = s3.head_object(Bucket=bucket, Key=name)["ETag"]
+    gets, heads = record_requests(s3), record_requests(s3, "HeadObject")
     for mode, factory in (("streaming", COPYING), ("staged", COPYING_STAGING)):
         target = factory(2)
         with S3Source(s3, bucket, name) as source:
@@ -102,8 +108,12 @@ def test_round_trip_through_the_store_gives_the_local_files_bytes(s3_store, s3, 
         assert got.mode == mode and target.live_digest() == COPYING(1).live_digest()
         size = local.stat().st_size  # staged reads the object once, streaming twice
         assert got.bytes_read == size if mode == "staged" else size < got.bytes_read <= 2 * size
-    etag = s3.head_object(Bucket=bucket, Key=name)["ETag"]
-    assert gets and all(g["IfMatch"] == etag for g in gets)  # every read asks for the pinned version
+    # Each source's first GET pins the version it returns (and holds this whole small object); every later
+    # request (the stamps between and after the passes) asks for that version.
+    opening = [g for g in gets if "IfMatch" not in g]
+    assert len(opening) == 2 and all(g["Range"] == f"bytes=0-{objstore.HEAD_BYTES - 1}" for g in opening)
+    pinned = [r for r in gets + heads if r not in opening]
+    assert len(pinned) >= 3 and all(r["IfMatch"] == etag for r in pinned)
     assert uploads_under(s3, bucket, s3_prefix) == [] and helpers_alive() == []
 
 
@@ -114,15 +124,18 @@ def test_a_session_of_several_parts_and_ranges(s3_store, s3, s3_prefix, tmp_path
     _needs_codec(compression)
     bucket, name = s3_store.bucket, s3_prefix + "big.ssf"
     local = tmp_path / "big.ssf"
-    save(local, BigSource(12 << 20), block_size=1 << 20, compression=compression)
-    save(S3Sink(s3, bucket, name, part_size=PART), BigSource(12 << 20), block_size=1 << 20, compression=compression)
-    assert object_bytes(s3, bucket, name) == local.read_bytes()
-    gets = record_gets(s3)
+    save(local, BigSource(12 << 20, noise=True), block_size=1 << 20, compression=compression)
+    save(S3Sink(s3, bucket, name, part_size=PART), BigSource(12 << 20, noise=True), block_size=1 << 20,
+         compression=compression)
+    assert object_bytes(s3, bucket, name) == local.read_bytes() and local.stat().st_size > PART  # parts: 2 or more
+    gets = record_requests(s3)
     with S3Source(s3, bucket, name, range_size=1 << 20) as source:
         info = inspect(source, block_size=4 << 20)
     assert info.payload_verified and info.payload_hash == inspect(local).payload_hash
     sizes = [int(hi) - int(lo) + 1 for lo, hi in (g["Range"].removeprefix("bytes=").split("-") for g in gets)]
     assert max(sizes) <= 1 << 20 and sum(sizes) >= info.layout.file_size - (8 << 10)
+    etag = s3.head_object(Bucket=bucket, Key=name)["ETag"]
+    assert all(g["IfMatch"] == etag for g in gets[1:]) and len(gets) > 12
 
 
 def test_the_object_appears_only_when_the_upload_completes(s3_store, s3, s3_prefix):

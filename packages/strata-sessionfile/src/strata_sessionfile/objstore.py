@@ -46,6 +46,9 @@ DEFAULT_READ_CONCURRENCY = 8  # ranged GETs of one source in flight at once
 # Reader threads of a restore or inspect of an object when the caller names none: its reads wait on the
 # network, not on a core (bench/SESSIONFILE-NOTES.md, "Object store"); N + 1 block buffers of RAM.
 OBJECT_READ_THREADS = 2
+# The object's first bytes, fetched by the request that pins its version: the header, the metadata of most
+# sessions and its padding then cost no request of their own (each is a round trip to the store).
+HEAD_BYTES = 256 << 10
 DEFAULT_PART_SIZE = 8 << 20  # S3: at least 5 MiB, except the last part
 DEFAULT_UPLOAD_CONCURRENCY = 4  # parts uploading at once (each held in memory until it is stored)
 MIN_PART_SIZE = 5 << 20
@@ -117,15 +120,14 @@ class S3Source:
         self.path = f"{S3_SCHEME}{bucket}/{key}"
         self.range_size, self.concurrency = range_size, concurrency
         self._version = {"VersionId": version_id} if version_id else {}
-        try:
-            head = client.head_object(Bucket=bucket, Key=key, **self._version)
-        except _REQUEST_ERRORS as exc:
-            raise read_error(exc, "opening the object", self.path, pinned=False) from None
-        version_id = version_id or head.get("VersionId")
+        reply, self._first = self._open()
+        version_id = version_id or reply.get("VersionId")
         if version_id:
             self._version = {"VersionId": version_id}
-        self._stamp = ObjectStamp(int(head["ContentLength"]), head["ETag"], version_id)
-        self._pin = {"IfMatch": head["ETag"], **self._version}
+        size = int(reply["ContentRange"].rpartition("/")[2]) if "ContentRange" in reply else len(self._first)
+        self._stamp = ObjectStamp(size, reply["ETag"], version_id)
+        self._pin = {"IfMatch": reply["ETag"], **self._version}
+        self._fresh = True  # the version was seen just now: the first stamp() needs no request
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.read_threads = OBJECT_READ_THREADS
@@ -134,8 +136,26 @@ class S3Source:
     def from_url(cls, client, url: str, **kw) -> S3Source:
         return cls(client, *parse_s3_url(url), **kw)
 
+    def _open(self) -> tuple[dict, bytes]:
+        """One GET of the first HEAD_BYTES: the version (ETag, version id), the size and those bytes."""
+        try:
+            try:
+                reply = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes=0-{HEAD_BYTES - 1}",
+                                               **self._version)
+            except botocore.exceptions.ClientError as exc:
+                if _status(exc)[0] != 416:
+                    raise
+                return self.client.head_object(Bucket=self.bucket, Key=self.key, **self._version), b""  # empty
+            with reply["Body"] as body:
+                return reply, body.read()
+        except _REQUEST_ERRORS as exc:
+            raise read_error(exc, "opening the object", self.path, pinned=False) from None
+
     def stamp(self) -> ObjectStamp:
         """The pinned version, after asking the store that it still holds it (ObjectReplaced if not)."""
+        if self._fresh:
+            self._fresh = False
+            return self._stamp
         try:
             self.client.head_object(Bucket=self.bucket, Key=self.key, **self._pin)
         except _REQUEST_ERRORS as exc:
@@ -175,6 +195,9 @@ class S3Source:
         if offset + n > self._stamp.size:
             raise short_error(f"the object is {self._stamp.size} bytes; {n} bytes at offset {offset} run past its end",
                               path=self.path, offset=self._stamp.size)
+        if offset + n <= len(self._first):  # fetched with the version
+            buf[:] = self._first[offset:offset + n]
+            return
         if n <= self.range_size:
             if n:
                 self._get(buf, offset, short_error)
