@@ -319,17 +319,28 @@ class Completer:
         self._clock = clock
         self.sampler_state = sampler_state or SamplerState.seeded(random_seed())
 
+    def _refuse_unfit(self, min_tokens: int) -> None:
+        """Refuse, before tokenizing, a prompt whose length in bytes already shows it cannot fit."""
+        if min_tokens > self.runner.n_ctx:
+            raise ContextOverflow(min_tokens, self.runner.n_ctx, at_least=True)
+
     def prompt_tokens(self, request: CompletionRequest) -> list[int]:
         tok = self.tokenizer
         add_special = tok.add_bos if request.add_special is None else request.add_special
         if request.messages is not None:
             text = self.template.render(list(request.messages), add_generation_prompt=request.add_generation_prompt,
                                         continue_final_message=request.continue_final_message)
+            self._refuse_unfit(tok.min_tokens(text, add_special=add_special))
             tokens = tok.encode(text, add_special=add_special, parse_special=True)
         elif isinstance(request.prompt, str):
+            self._refuse_unfit(tok.min_tokens(request.prompt, add_special=add_special))
             tokens = tok.encode(request.prompt, add_special=add_special, parse_special=True)
         else:
             assert request.prompt is not None
+            self._refuse_unfit(sum(
+                tok.min_tokens(part, add_special=add_special and i == 0) if isinstance(part, str) else 1
+                for i, part in enumerate(request.prompt)
+            ))  # fmt: skip
             # llama-server's tokenize_mixed: only a leading string gets the BOS
             tokens = []
             for i, part in enumerate(request.prompt):

@@ -89,14 +89,15 @@ class ChatTemplateError(EngineError):
 
 
 class ContextOverflow(EngineError):
-    """A prompt (or a decode step) would hold more tokens than the context allows."""
+    """A prompt (or a decode step) would hold more tokens than the context allows. With `at_least`, the
+    prompt was refused before it was tokenized and `n_prompt_tokens` is a lower bound on its length."""
 
-    def __init__(self, n_prompt_tokens: int, n_ctx: int):
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, *, at_least: bool = False):
         self.n_prompt_tokens = n_prompt_tokens
         self.n_ctx = n_ctx
-        super().__init__(
-            f"the request needs {n_prompt_tokens} tokens of context but the context size is {n_ctx}"
-        )
+        self.at_least = at_least
+        needs = f"at least {n_prompt_tokens}" if at_least else str(n_prompt_tokens)
+        super().__init__(f"the request needs {needs} tokens of context but the context size is {n_ctx}")
 
 
 # ---- running state -----------------------------------------------------------------------------------

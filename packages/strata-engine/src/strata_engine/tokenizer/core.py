@@ -13,7 +13,7 @@ from .bpe import BytePairEncoder, normal_token_bytes
 from .reference import ReferenceBytePairEncoder, ReferenceSentencePieceEncoder
 from .spm import SPACE_MARK, SentencePieceEncoder
 from .stream import Utf8Stream
-from .unicode import replace_surrogates
+from .unicode import bytes_to_unicode, replace_surrogates
 from .vocab import TokenType, Vocabulary
 
 
@@ -72,6 +72,11 @@ class Tokenizer:
         self._kind = kind
         self.vocab = vocab
         self._encoder = encoder
+        self.max_token_bytes = self._longest_token_bytes()
+        # Byte-level BPE drops a byte whose character is not in the vocabulary (as llama.cpp does):
+        # the bytes that always yield a token, or None where all do (SentencePiece falls back to bytes).
+        kept = bytes(b for b, ch in enumerate(bytes_to_unicode()) if ch in vocab.token_to_id)
+        self._kept_bytes = kept if kind.byte_level and len(kept) < 256 else None
 
     @classmethod
     def from_gguf_metadata(
@@ -125,7 +130,36 @@ class Tokenizer:
         self.vocab.check_id(token_id)
         return self.vocab.tokens[token_id]
 
+    def _longest_token_bytes(self) -> int:
+        """The most bytes of input text one token can stand for: a merged token the bytes it decodes to
+        (SentencePiece: its text as written, since a literal U+2581 in the input matches its 3 bytes),
+        a special token the text the partition matched."""
+        tokens = self.vocab.tokens
+        if self._kind.byte_level:
+            merged = max(len(normal_token_bytes(text)) for text in tokens)
+        else:
+            merged = max(len(text.encode("utf-8")) for text in tokens)
+        return max(merged, *(len(s.text.encode("utf-8")) for s in self.vocab.special_tokens))
+
     # -- text -> tokens -----------------------------------------------------------------------------
+
+    def min_tokens(self, text: str, *, add_special: bool = False) -> int:
+        """A lower bound on ``len(self.encode(text, add_special=add_special))``, found without tokenizing:
+        each token stands for at most `max_token_bytes` bytes of the text's UTF-8, and only bytes that
+        may be dropped (those not in `_kept_bytes`) yield none. About 0.1 s for 50 MB."""
+        if self._kept_bytes is None:
+            # isascii is O(1) (CPython keeps the flag); a lone surrogate is 3 bytes, as the U+FFFD it becomes
+            n_bytes = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        else:
+            try:
+                data = text.encode("utf-8")
+            except UnicodeEncodeError:
+                data = replace_surrogates(text).encode("utf-8")
+            n_bytes = len(data) - len(data.translate(None, self._kept_bytes))
+        bound = -(-n_bytes // self.max_token_bytes)
+        if add_special:
+            bound += int(self.vocab.add_bos) + int(self.vocab.add_eos and self.vocab.eos_id is not None)
+        return bound
 
     def encode(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of `text`. `add_special` adds BOS (and EOS) where the model asks for them;
