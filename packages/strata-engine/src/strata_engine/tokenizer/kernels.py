@@ -17,7 +17,7 @@ from .unicode import CharClass
 _LETTER = int(CharClass.LETTER)
 _NUMBER = int(CharClass.NUMBER)
 _SPACE = int(CharClass.SPACE)
-_APOSTROPHE, _BLANK = ord("'"), ord(" ")
+_APOSTROPHE, _BLANK, _SPACE_MARK = ord("'"), ord(" "), ord("\u2581")
 _S, _T, _M, _D, _R, _V, _L, _E = (ord(c) for c in "stmdrvle")
 
 # A key word of a hash table slot that holds nothing (pair keys are >= 0).
@@ -226,7 +226,7 @@ def _unlink(size_of, nxt, prv, left, right, total):
     return after
 
 
-# -- output -------------------------------------------------------------------------------------------
+# -- output and the per-call word cache ------------------------------------------------------------------
 
 
 @njit(cache=True, nogil=True)
@@ -236,6 +236,65 @@ def _reserve(out, n_out, extra):
     grown = np.empty(max(2 * out.size, n_out + extra), np.int32)
     grown[:n_out] = out[:n_out]
     return grown
+
+
+@njit(cache=True, nogil=True)
+def _emit(out, n_out, token):
+    out = _reserve(out, n_out, np.int64(1))
+    out[n_out] = token
+    return out, n_out + 1
+
+
+@njit(cache=True, nogil=True)
+def _word_cache(n_chars):
+    """(hashes, rows, used) of a word cache for a text of `n_chars`: a row is (start, length, first
+    output, count) of a word's first occurrence, whose ids a repeat copies; start -1 where empty."""
+    n_slots = 256
+    while n_slots < n_chars and n_slots < _WORD_CACHE_SLOTS:
+        n_slots *= 2
+    rows = np.zeros((n_slots, 4), np.int64)
+    rows[:, 0] = _EMPTY
+    return np.zeros(n_slots, np.uint64), rows, np.zeros(1, np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _cache_slot(cache, cps, start, stop):
+    """The slot of the word cps[start:stop], or the empty slot where it would go; and its hash."""
+    hashes, rows, _ = cache
+    h = _hash_span(cps, start, stop)
+    mask = hashes.size - 1
+    slot = np.int64(h & np.uint64(mask))
+    width = stop - start
+    while rows[slot, 0] != _EMPTY:
+        if hashes[slot] == h and rows[slot, 1] == width and _same_span(cps, rows[slot, 0], cps, start, width):
+            break
+        slot = (slot + 1) & mask
+    return slot, h
+
+
+@njit(cache=True, nogil=True)
+def _cached_ids(cache, slot, out, n_out):
+    """Append the ids of the word in `slot` (its first occurrence's); False where the slot is empty."""
+    rows = cache[1]
+    if rows[slot, 0] == _EMPTY:
+        return False, out, n_out
+    first, count = rows[slot, 2], rows[slot, 3]
+    out = _reserve(out, n_out, count)
+    out[n_out : n_out + count] = out[first : first + count]
+    return True, out, n_out + count
+
+
+@njit(cache=True, nogil=True)
+def _cache_word(cache, slot, h, start, stop, first, n_out):
+    """Remember that the word cps[start:stop] gave out[first:n_out] (while the table is half empty)."""
+    hashes, rows, used = cache
+    if 2 * used[0] < hashes.size:
+        hashes[slot] = h
+        rows[slot, 0] = start
+        rows[slot, 1] = stop - start
+        rows[slot, 2] = first
+        rows[slot, 3] = n_out - first
+        used[0] += 1
 
 
 @njit(cache=True, nogil=True)
@@ -258,6 +317,14 @@ def _utf8(cp, dest, at):
     dest[at + 2] = 0x80 | ((cp >> 6) & 0x3F)
     dest[at + 3] = 0x80 | (cp & 0x3F)
     return at + 4
+
+
+@njit(cache=True, nogil=True)
+def _scratch(room):
+    """Per-word arrays for words of up to `room` symbols: symbol, size, next, previous, and the heap's
+    keys and values (at most 3 entries a symbol: one per initial pair, two per merge)."""
+    return (np.empty(room, np.int32), np.empty(room, np.int32), np.empty(room, np.int32),
+            np.empty(room, np.int32), np.empty(3 * room, np.int64), np.empty(3 * room, np.int32))
 
 
 # -- GPT-2 byte-level BPE --------------------------------------------------------------------------------
@@ -302,7 +369,7 @@ def gpt2_word_end(cps, classes, i, end):
         return _other_end(cps, classes, i + 1, end)
     if own_class == 0:
         return _other_end(cps, classes, i, end)
-    j = _run_end(cps, classes, i, end, _SPACE)  # '\s+(?!\S)|\s+'
+    j = _run_end(cps, classes, i, end, np.int64(_SPACE))  # '\s+(?!\S)|\s+'
     if j < end and j - i >= 2:
         return j - 1
     return j
@@ -312,11 +379,11 @@ def gpt2_word_end(cps, classes, i, end):
 def _bpe_merge(sym, size_of, nxt, prv, m, pair_keys, pair_values, merge_result, heap_keys, heap_values):
     """Merge the word sym[:m] (one byte each) by rank, lowest first, leftmost among equals."""
     _link(nxt, prv, m)
-    size = 0
+    size = np.int64(0)
     for k in range(m - 1):
         rank = _pair_rank(pair_keys, pair_values, sym[k], sym[k + 1])
         if rank >= 0:
-            size = _heap_push(heap_keys, heap_values, size, (rank << 32) | k, 2)
+            size = _heap_push(heap_keys, heap_values, size, (rank << 32) | k, np.int64(2))
     while size:
         key, total = heap_keys[0], heap_values[0]
         size = _heap_pop(heap_keys, heap_values, size)
@@ -348,32 +415,15 @@ def bpe_encode(cps, item_start, item_stop, item_token, classes, digits_apart, by
     word's UTF-8 bytes start as `byte_symbol[b]`; symbols >= n_vocab are merge results that are not
     tokens, emitted as `fallback_ids[fallback_off[s - n_vocab]:fallback_off[s - n_vocab + 1]]`.
     A word seen before in this call copies its first occurrence's ids (the word cache)."""
-    n = cps.size
-    out = np.empty(n // 2 + item_token.size + 16, np.int32)
-    n_out = 0
-    n_slots = 256
-    while n_slots < n and n_slots < _WORD_CACHE_SLOTS:
-        n_slots *= 2
-    mask = n_slots - 1
-    cache_hash = np.zeros(n_slots, np.uint64)
-    cache_start = np.full(n_slots, _EMPTY, np.int64)
-    cache_len = np.zeros(n_slots, np.int64)
-    cache_out = np.zeros(n_slots, np.int64)
-    cache_n = np.zeros(n_slots, np.int64)
-    cached = 0
-    room = 64
-    sym = np.empty(room, np.int32)
-    size_of = np.empty(room, np.int32)
-    nxt = np.empty(room, np.int32)
-    prv = np.empty(room, np.int32)
-    heap_keys = np.empty(3 * room, np.int64)
-    heap_values = np.empty(3 * room, np.int32)
+    out = np.empty(cps.size // 2 + item_token.size + 16, np.int32)
+    n_out = np.int64(0)
+    cache = _word_cache(cps.size)
+    room = np.int64(64)
+    sym, size_of, nxt, prv, heap_keys, heap_values = _scratch(room)
     utf8 = np.empty(4, np.uint8)
     for item in range(item_token.size):
         if item_token[item] >= 0:
-            out = _reserve(out, n_out, 1)
-            out[n_out] = item_token[item]
-            n_out += 1
+            out, n_out = _emit(out, n_out, np.int64(item_token[item]))
             continue
         stop = item_stop[item]
         segment_end = 0
@@ -389,32 +439,15 @@ def bpe_encode(cps, item_start, item_stop, item_token, classes, digits_apart, by
                         while segment_end < stop and not classes[cps[segment_end]] & _NUMBER:
                             segment_end += 1
                 j = gpt2_word_end(cps, classes, i, segment_end)
-            width = j - i
-            h = _hash_span(cps, i, j)
-            slot = np.int64(h & np.uint64(mask))
-            hit = False
-            while cache_start[slot] != _EMPTY:
-                if (cache_hash[slot] == h and cache_len[slot] == width
-                        and _same_span(cps, cache_start[slot], cps, i, width)):
-                    hit = True
-                    break
-                slot = (slot + 1) & mask
+            slot, h = _cache_slot(cache, cps, i, j)
+            hit, out, n_out = _cached_ids(cache, slot, out, n_out)
             if hit:
-                first, count = cache_out[slot], cache_n[slot]
-                out = _reserve(out, n_out, count)
-                out[n_out : n_out + count] = out[first : first + count]
-                n_out += count
                 i = j
                 continue
-            if 4 * width > room:
-                room = 4 * width
-                sym = np.empty(room, np.int32)
-                size_of = np.empty(room, np.int32)
-                nxt = np.empty(room, np.int32)
-                prv = np.empty(room, np.int32)
-                heap_keys = np.empty(3 * room, np.int64)
-                heap_values = np.empty(3 * room, np.int32)
-            m = 0
+            if 4 * (j - i) > room:
+                room = 4 * (j - i)
+                sym, size_of, nxt, prv, heap_keys, heap_values = _scratch(room)
+            m = np.int64(0)
             for k in range(i, j):
                 n_bytes = _utf8(cps[k], utf8, 0)
                 for b in range(n_bytes):
@@ -427,22 +460,14 @@ def bpe_encode(cps, item_start, item_stop, item_token, classes, digits_apart, by
             while k >= 0:
                 s = sym[k]
                 if s < n_vocab:
-                    out = _reserve(out, n_out, 1)
-                    out[n_out] = s
-                    n_out += 1
+                    out, n_out = _emit(out, n_out, np.int64(s))
                 else:
                     lo, hi = fallback_off[s - n_vocab], fallback_off[s - n_vocab + 1]
                     out = _reserve(out, n_out, hi - lo)
                     out[n_out : n_out + hi - lo] = fallback_ids[lo:hi]
                     n_out += hi - lo
                 k = nxt[k]
-            if 2 * cached < n_slots:
-                cache_hash[slot] = h
-                cache_start[slot] = i
-                cache_len[slot] = width
-                cache_out[slot] = first
-                cache_n[slot] = n_out - first
-                cached += 1
+            _cache_word(cache, slot, h, i, j, first, n_out)
             i = j
     return out[:n_out]
 
@@ -451,90 +476,106 @@ def bpe_encode(cps, item_start, item_stop, item_token, classes, digits_apart, by
 
 
 @njit(cache=True, nogil=True)
-def _spm_push(cps, left, stop, size, heap_keys, heap_values, text_hashes, text_ids, tok_cps, tok_off, score_rank):
-    """Queue the pair spanning cps[left:stop] if its concatenation is a token."""
-    token = _text_id(text_hashes, text_ids, tok_cps, tok_off, cps, left, stop)
+def _spm_push(cps, base, left, stop, size, heap_keys, heap_values, tables):
+    """Queue the pair spanning cps[base + left:base + stop] if its concatenation is a token."""
+    text_hashes, text_ids, tok_cps, tok_off, score_rank = tables
+    token = _text_id(text_hashes, text_ids, tok_cps, tok_off, cps, base + left, base + stop)
     if token < 0:
         return size
     return _heap_push(heap_keys, heap_values, size, (np.int64(score_rank[token]) << 32) | left, stop - left)
 
 
 @njit(cache=True, nogil=True)
+def _spm_merge(cps, base, m, size_of, nxt, prv, heap_keys, heap_values, tables, max_token_len):
+    """Merge the word cps[base:base + m] (one character each): the pair whose concatenation is the token
+    of the best score (`score_rank`, 0 best) first, leftmost among equals. Symbol k is the span
+    cps[base + k:base + k + size_of[k]]."""
+    _link(nxt, prv, m)
+    for k in range(m):
+        size_of[k] = 1
+    size = np.int64(0)
+    if max_token_len >= 2:
+        for k in range(m - 1):
+            size = _spm_push(cps, base, np.int64(k), np.int64(k + 2), size, heap_keys, heap_values, tables)
+    while size:
+        key, total = heap_keys[0], heap_values[0]
+        size = _heap_pop(heap_keys, heap_values, size)
+        left = key & _LOW32
+        right = nxt[left]
+        if size_of[left] == 0 or right < 0 or size_of[left] + size_of[right] != total:
+            continue  # outdated: a side has merged since
+        after = _unlink(size_of, nxt, prv, left, right, total)
+        before = prv[left]
+        if before >= 0 and size_of[before] + total <= max_token_len:
+            size = _spm_push(cps, base, np.int64(before), np.int64(left + total), size, heap_keys, heap_values, tables)
+        if after >= 0 and total + size_of[after] <= max_token_len:
+            size = _spm_push(cps, base, np.int64(left), np.int64(after + size_of[after]), size, heap_keys, heap_values,
+                             tables)
+
+
+@njit(cache=True, nogil=True)
 def spm_encode(cps, item_start, item_stop, item_token, text_hashes, text_ids, tok_cps, tok_off, max_token_len,
-               score_rank, byte_ids, unk_id):
+               score_rank, space_joiners, byte_ids, unk_id):
     """Token ids of a sequence of items (text cps[item_start[k]:item_stop[k]], spaces already U+2581, or
     the token item_token[k] where >= 0), and -1; or no ids and the byte that has neither a byte token
     nor an unknown token to stand for it.
 
-    Symbols are spans cps[k:k + size_of[k]] of one text item; the adjacent pair whose concatenation is
-    the token of the best score (`score_rank`, 0 best) merges first, leftmost among equals."""
-    n = cps.size
-    size_of = np.ones(n, np.int32)
-    nxt = np.empty(n, np.int32)
-    prv = np.empty(n, np.int32)
-    longest = 0
-    for item in range(item_token.size):
-        longest = max(longest, item_stop[item] - item_start[item])
-    heap_keys = np.empty(3 * longest, np.int64)
-    heap_values = np.empty(3 * longest, np.int32)
-    out = np.empty(n + item_token.size + 16, np.int32)
-    n_out = 0
+    A text item is merged word by word, a word starting at each U+2581 that follows a character not in
+    `space_joiners` (sorted: the characters that precede a U+2581 inside some token): no token spans
+    such a boundary, so no merge does, and the words merge exactly as the whole text would. A word
+    seen before in this call copies its first occurrence's ids (the word cache)."""
+    tables = (text_hashes, text_ids, tok_cps, tok_off, score_rank)
+    out = np.empty(cps.size // 2 + item_token.size + 16, np.int32)
+    n_out = np.int64(0)
+    cache = _word_cache(cps.size)
+    room = np.int64(64)
+    _, size_of, nxt, prv, heap_keys, heap_values = _scratch(room)
     utf8 = np.empty(4, np.uint8)
     for item in range(item_token.size):
         if item_token[item] >= 0:
-            out = _reserve(out, n_out, 1)
-            out[n_out] = item_token[item]
-            n_out += 1
+            out, n_out = _emit(out, n_out, np.int64(item_token[item]))
             continue
-        first, stop = item_start[item], item_stop[item]
-        if first == stop:
-            continue
-        for k in range(first, stop):  # positions are absolute: links point into cps
-            nxt[k] = k + 1
-            prv[k] = k - 1
-        nxt[stop - 1] = -1
-        prv[first] = -1
-        size = 0
-        if max_token_len >= 2:
-            for k in range(first, stop - 1):
-                size = _spm_push(cps, k, k + 2, size, heap_keys, heap_values, text_hashes, text_ids, tok_cps,
-                                 tok_off, score_rank)
-        while size:
-            key, total = heap_keys[0], heap_values[0]
-            size = _heap_pop(heap_keys, heap_values, size)
-            left = key & _LOW32
-            right = nxt[left]
-            if size_of[left] == 0 or right < 0 or size_of[left] + size_of[right] != total:
-                continue  # outdated: a side has merged since
-            after = _unlink(size_of, nxt, prv, left, right, total)
-            before = prv[left]
-            if before >= 0 and size_of[before] + total <= max_token_len:
-                size = _spm_push(cps, before, left + total, size, heap_keys, heap_values, text_hashes, text_ids,
-                                 tok_cps, tok_off, score_rank)
-            if after >= 0 and total + size_of[after] <= max_token_len:
-                size = _spm_push(cps, left, after + size_of[after], size, heap_keys, heap_values, text_hashes,
-                                 text_ids, tok_cps, tok_off, score_rank)
-        k = first
-        while k >= 0:
-            end = k + size_of[k]
-            token = -1
-            if size_of[k] <= max_token_len:
-                token = _text_id(text_hashes, text_ids, tok_cps, tok_off, cps, k, end)
-            if token >= 0:
-                out = _reserve(out, n_out, 1)
-                out[n_out] = token
-                n_out += 1
-            else:  # only an unmerged character can miss the vocabulary: byte fallback
-                for c in range(k, end):
-                    n_bytes = _utf8(cps[c], utf8, 0)
-                    out = _reserve(out, n_out, n_bytes)
-                    for b in range(n_bytes):
-                        byte_id = byte_ids[utf8[b]]
-                        if byte_id < 0:
-                            byte_id = unk_id
-                        if byte_id < 0:
-                            return out[:0], np.int64(utf8[b])
-                        out[n_out] = byte_id
-                        n_out += 1
-            k = nxt[k]
+        i, stop = item_start[item], item_stop[item]
+        while i < stop:
+            j = i + 1
+            while j < stop and not (cps[j] == _SPACE_MARK and not _contains(space_joiners, cps[j - 1])):
+                j += 1
+            slot, h = _cache_slot(cache, cps, i, j)
+            hit, out, n_out = _cached_ids(cache, slot, out, n_out)
+            if hit:
+                i = j
+                continue
+            m = j - i
+            if m > room:
+                room = m
+                _, size_of, nxt, prv, heap_keys, heap_values = _scratch(room)
+            _spm_merge(cps, i, m, size_of, nxt, prv, heap_keys, heap_values, tables, max_token_len)
+            first = n_out
+            k = 0
+            while k >= 0:
+                start, end = i + k, i + k + size_of[k]
+                token = -1
+                if size_of[k] <= max_token_len:
+                    token = _text_id(text_hashes, text_ids, tok_cps, tok_off, cps, start, end)
+                if token >= 0:
+                    out, n_out = _emit(out, n_out, np.int64(token))
+                else:  # only an unmerged character can miss the vocabulary: byte fallback
+                    for c in range(start, end):
+                        n_bytes = _utf8(cps[c], utf8, 0)
+                        for b in range(n_bytes):
+                            byte_id = byte_ids[utf8[b]]
+                            if byte_id < 0:
+                                byte_id = unk_id
+                            if byte_id < 0:
+                                return out[:0], np.int64(utf8[b])
+                            out, n_out = _emit(out, n_out, np.int64(byte_id))
+                k = nxt[k]
+            _cache_word(cache, slot, h, i, j, first, n_out)
+            i = j
     return out[:n_out], np.int64(-1)
+
+
+@njit(cache=True, nogil=True)
+def _contains(sorted_values, value):
+    at = np.searchsorted(sorted_values, value)
+    return at < sorted_values.size and sorted_values[at] == value

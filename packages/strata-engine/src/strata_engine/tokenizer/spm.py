@@ -4,8 +4,9 @@ Spaces become U+2581; the text starts as one symbol per character; repeatedly th
 concatenation is the vocabulary token with the highest score is merged (ties: leftmost first). A final
 symbol that is not a token is emitted as its UTF-8 bytes through the `<0xNN>` byte tokens.
 
-The loop runs compiled (kernels.spm_encode) over the text's code points, finding a pair's token in a
-hash table of every token's text; reference.py has the same algorithm on Python strings.
+The loop runs compiled (kernels.spm_encode) over the text's code points, word by word where no token
+can span two words, finding a pair's token in a hash table of every token's text; reference.py has the
+same algorithm on Python strings, on the whole text.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def byte_fallback_ids(vocab: Vocabulary) -> list[int | None]:
     return ids
 
 
+def _space_marks(text: str) -> list[int]:
+    """Positions of U+2581 in `text`."""
+    if SPACE_MARK not in text:
+        return []
+    return [at for at, ch in enumerate(text) if ch == SPACE_MARK]
+
+
 class SentencePieceEncoder:
     def __init__(self, vocab: Vocabulary):
         if vocab.scores is None:
@@ -52,6 +60,9 @@ class SentencePieceEncoder:
         self._max_token_len = int(lengths.max())
         # the best score first: rank 0; equal scores share a rank (the leftmost pair then wins)
         self._score_rank = np.unique(-np.asarray(vocab.scores, np.float64), return_inverse=True)[1].astype(np.int32)
+        # the characters that precede a U+2581 inside some token: a word boundary is a U+2581 after any other
+        joiners = {ord(text[at - 1]) for text in tokens for at in _space_marks(text) if at}
+        self._space_joiners = np.array(sorted(joiners), np.uint32)
         self._byte_ids = np.array([-1 if i is None else i for i in byte_fallback_ids(vocab)], np.int32)
         self._unk_id = -1 if vocab.unk_id is None else vocab.unk_id
         self._run([WARM_UP_TEXT, 0, WARM_UP_TEXT])  # a missing byte token is an error only where needed
@@ -60,7 +71,7 @@ class SentencePieceEncoder:
         cps, item_start, item_stop, item_token = kernels.pack_items(pieces, replace_space=SPACE_MARK)
         return kernels.spm_encode(
             cps, item_start, item_stop, item_token, self._text_hashes, self._text_ids, self._tok_cps,
-            self._tok_off, self._max_token_len, self._score_rank, self._byte_ids, self._unk_id,
+            self._tok_off, self._max_token_len, self._score_rank, self._space_joiners, self._byte_ids, self._unk_id,
         )  # fmt: skip
 
     def encode(self, pieces: Sequence[str | int]) -> list[int]:
