@@ -200,11 +200,13 @@ class LineReader:
                 self._lines.append(bytes(self._buffer))
             self._buffer.clear()
             return
+        scan = len(self._buffer)  # what was there before has no newline: a 50 MB line is read in linear time
         self._buffer += data
         while True:
-            cut = self._buffer.find(b"\n")
+            cut = self._buffer.find(b"\n", scan)
             if cut < 0:
                 break
+            scan = 0
             if self._discarding:
                 self._discarding = False
             elif cut > self._max:
