@@ -46,7 +46,8 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	touch $@
 
 # The CPU benchmarks; the GPU ones run on a GPU machine through bench/gpu_run.sh.
-CPU_BENCHES := bench/bench_sessionfile.py bench/bench_sessionfile_s3.py bench/bench_engine.py bench/bench_session.py bench/bench_server.py
+CPU_BENCHES := bench/bench_sessionfile.py bench/bench_sessionfile_s3.py bench/bench_engine.py bench/bench_session.py \
+	bench/bench_server.py bench/bench_tokenizer.py
 
 bench: $(STAMP)
 	for b in $(CPU_BENCHES); do env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/python $$b || exit 1; done
