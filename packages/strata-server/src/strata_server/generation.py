@@ -1,7 +1,8 @@
-"""Running one ``COMPLETE`` for an HTTP request, and the three ways the peer frames the answer.
+"""Running one ``COMPLETE`` of an HTTP request, and the three ways the peer frames the answer.
 
-``CompletionRun`` takes the lease, sends the command, and either collects the whole answer or
-streams it as SSE. A ``ResponseFormat`` turns engine lines into the peer's JSON for one endpoint:
+``CompletionRun`` sends the command on a lease (``batch.BatchRun`` holds it for the request's tasks) and
+either collects the whole answer or streams it as SSE. A ``ResponseFormat`` turns engine lines into the
+peer's JSON for one endpoint:
 ``/completion`` (native, no ``[DONE]``), ``/v1/completions`` and ``/v1/chat/completions`` (OpenAI,
 ``data: [DONE]`` at the end).
 """
@@ -14,16 +15,15 @@ import json
 import secrets
 import string
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import attrs
-import falcon
 
 from .connection import POLL_INTERVAL_S, ClientConnection, watch_client
 from .context import ServerContext
 from .engine.client import IDLE_EVENT, EngineLease
-from .errors import ApiError, EngineCallError, ErrorType, sse_error_frame
+from .errors import EngineCallError, sse_error_frame
 from .params import CompletionOptions
 
 FINISH_REASONS = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
@@ -229,7 +229,9 @@ class ChatCompletionFormat(ResponseFormat):
 
 
 class CompletionRun:
-    """One COMPLETE from request to response (JSON or SSE)."""
+    """One COMPLETE of a request (one task: a prompt, or one of ``n`` choices), run on a lease that
+    ``batch.BatchRun`` holds: ``start`` sends it, then ``collect`` gathers the JSON answer or
+    ``task_frames`` streams it as SSE."""
 
     def __init__(self, ctx: ServerContext, command: dict, options: CompletionOptions,
                  fmt: ResponseFormat, client: ClientConnection | None = None,
@@ -242,35 +244,18 @@ class CompletionRun:
         self.verbose = verbose  # the peer's ``verbose``: the native answer beside the OpenAI one, as __verbose
         self.want_probs = int(options.sampling.get("n_probs", 0)) > 0
 
-    def respond(self, resp: falcon.Response) -> None:
-        lease = self.ctx.engine.acquire(self.ctx.config.slot_wait)
-        try:
-            if self.client.gone():  # it left while waiting for the slot: nothing to run for
-                raise ApiError(ErrorType.INVALID_REQUEST, "the client closed the connection", status=499)
-            ping = self.ctx.config.sse_ping_interval if self.options.stream else 0
-            # The engine's silence is broken every POLL_INTERVAL_S to see whether the client left.
-            events = watch_client(lease.request("COMPLETE", self.command, idle_s=POLL_INTERVAL_S),
-                                  self.client, lease.cancel, ping_s=ping)
-            if not self.options.stream:
-                resp.media = self._collect(events, lease)
-                lease.release()
-                return
-            # The first line decides between a JSON error (e.g. context exceeded) and a stream. A
-            # long prompt yields an idle event first: then the stream starts and pings meanwhile.
-            first = next(events)
-        except BaseException:
-            lease.release()
-            raise
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = self._stream(lease, first, events)
+    def start(self, lease: EngineLease) -> Iterator[dict]:
+        """Send the COMPLETE; its events, watched for the client's departure (which cancels it)."""
+        ping = self.ctx.config.sse_ping_interval if self.options.stream else 0
+        # The engine's silence is broken every POLL_INTERVAL_S to see whether the client left.
+        return watch_client(lease.request("COMPLETE", self.command, idle_s=POLL_INTERVAL_S),
+                            self.client, lease.cancel, ping_s=ping)
 
     def _record(self, result: dict) -> None:
         self.ctx.metrics.record_completion(result)
         self.ctx.slot_view.record(result, self.options)
 
-    def _collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
+    def collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
         probs = []
         for event in events:
             kind = event["event"]
@@ -281,14 +266,17 @@ class CompletionRun:
                 return self._with_verbose(self.fmt.response(event, probs, lease), event, probs, lease)
         raise AssertionError("request() ends with a result or raises")
 
-    def _stream(self, lease: EngineLease, first: dict, events: Iterator[dict]) -> Iterator[bytes]:
+    def task_frames(self, lease: EngineLease, events: Iterator[dict], first: dict | None = None
+                    ) -> Generator[bytes, None, bool]:
+        """This task's SSE frames (``first``: its first event, already read); returns whether it ended with
+        its result (False: an error frame ended it). A client gone cancels it and reads it to its end."""
         batch = TokenBatch()
         ended = False
         try:
             for chunk in self.fmt.start_chunks():
                 yield sse_frame(chunk)
             # itertools.chain, not a generator: closing this stream must leave `events` open for _abandon.
-            for event in itertools.chain([first], events):
+            for event in itertools.chain([] if first is None else [first], events):
                 if event is IDLE_EVENT:
                     yield SSE_PING
                     continue
@@ -311,9 +299,7 @@ class CompletionRun:
                     final[0] = self._with_verbose(final[0], event, [], lease)
                     for chunk in final:
                         yield sse_frame(chunk)
-                    if self.fmt.sends_done:
-                        yield sse_frame("[DONE]")
-                    return
+                    return True
         except EngineCallError as exc:
             ended = True
             yield sse_error_frame(exc)
@@ -322,7 +308,7 @@ class CompletionRun:
             # to its end (and counted) before the next request may use the engine.
             if not ended:
                 self._abandon(lease, events)
-            lease.release()
+        return False
 
     def _with_verbose(self, answer: dict, result: dict, probs: list[dict], lease: EngineLease) -> dict:
         if self.verbose is not None:

@@ -144,9 +144,6 @@ def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None) -
     for key, neutral in UNSUPPORTED_FIELDS.items():
         if key in body and not neutral(body[key]):
             raise ApiError(ErrorType.NOT_SUPPORTED, f"'{key}' is not supported by this server")
-    for key in ("n", "n_cmpl"):
-        if key in body and body[key] is not None and _int(key, body[key]) != 1:
-            raise ApiError(ErrorType.NOT_SUPPORTED, f"'{key}' must be 1: this server has one slot")
     if "id_slot" in body and body["id_slot"] is not None and _int("id_slot", body["id_slot"]) not in (-1, 0):
         raise invalid_request("Invalid slot ID: this server has one slot, 0")
     stream_options = body.get("stream_options") or {}
@@ -166,29 +163,55 @@ def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None) -
     )
 
 
-def parse_prompt(body: Mapping[str, Any], *, n_vocab: int | None) -> str | list:
-    """A string, a token list, or a list mixing strings and token ids (one prompt; the peer's list of
-    several prompts is refused: one slot)."""
-    if "prompt" not in body:
-        raise invalid_request("\"prompt\" must be provided")
-    prompt = body["prompt"]
-    if isinstance(prompt, dict):
-        raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
-        prompt = prompt[0]
+def _is_token(item: Any) -> bool:
+    return isinstance(item, int) and not isinstance(item, bool)
+
+
+def _one_prompt(prompt: Any) -> bool:
+    """llama-server's single prompt: a string, a list of token ids, or a list mixing strings and ids."""
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list):
+        return False
+    return all(_is_token(p) for p in prompt) or (any(_is_token(p) for p in prompt) and any(isinstance(p, str)
+                                                                                           for p in prompt))
+
+
+def _checked_prompt(prompt: str | list, where: str, n_vocab: int | None) -> str | list:
     if isinstance(prompt, str):
         return prompt
-    if not isinstance(prompt, list):
-        raise invalid_request("\"prompt\" must be a string, a list of token ids, or a list of those mixed")
     for index, item in enumerate(prompt):
-        if isinstance(item, list | dict):
-            raise ApiError(ErrorType.NOT_SUPPORTED,
-                           "several prompts in one request are not supported: this server has one slot")
-        if isinstance(item, bool) or not isinstance(item, int | str):
-            raise invalid_request(f"\"prompt\"[{index}] must be a string or a token id")
-        if isinstance(item, int) and (item < 0 or (n_vocab is not None and item >= n_vocab)):
-            raise invalid_request(f"\"prompt\"[{index}]: token id {item} is out of range [0, {n_vocab})")
+        if isinstance(item, dict):
+            raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
+        if not (_is_token(item) or isinstance(item, str)):
+            raise invalid_request(f"{where}[{index}] must be a string or a token id")
+        if _is_token(item) and (item < 0 or (n_vocab is not None and item >= n_vocab)):
+            raise invalid_request(f"{where}[{index}]: token id {item} is out of range [0, {n_vocab})")
     return prompt
+
+
+def parse_prompts(body: Mapping[str, Any], *, n_vocab: int | None, key: str = "prompt") -> list[str | list]:
+    """The request's prompts, as llama-server reads them (``tokenize_input_prompts``): a string, a token
+    list or a list mixing strings and ids is one prompt; any other list is several, each one of those."""
+    if key not in body:
+        raise invalid_request(f"\"{key}\" must be provided")
+    prompt = body[key]
+    if isinstance(prompt, dict):
+        raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
+    if _one_prompt(prompt):
+        return [_checked_prompt(prompt, f'"{key}"', n_vocab)]
+    if not isinstance(prompt, list):
+        raise invalid_request(f"\"{key}\" must be a string, a list of tokens, a list of mixed strings & tokens, "
+                              "or a list of prompts")
+    prompts = []
+    for index, item in enumerate(prompt):
+        if isinstance(item, dict):
+            raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
+        if not _one_prompt(item):
+            raise invalid_request(f"element {index} of \"{key}\" must be a string, a list of tokens, or a list "
+                                  "of mixed strings & tokens")
+        prompts.append(_checked_prompt(item, f'"{key}"[{index}]', n_vocab))
+    return prompts
 
 
 def parse_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import falcon
 
+from ..batch import BatchRun, TaskSpec, build_runs, check_task_count, choice_count
 from ..chat_prompt import parse_chat_prompt
 from ..connection import ClientConnection
 from ..context import ServerContext
@@ -13,12 +16,11 @@ from ..engine.client import EngineLease
 from ..errors import invalid_request
 from ..generation import (
     ChatCompletionFormat,
-    CompletionRun,
     NativeCompletionFormat,
     RunInfo,
     TextCompletionFormat,
 )
-from ..params import parse_chat_logprobs, parse_options, parse_prompt, read_json
+from ..params import parse_chat_logprobs, parse_options, parse_prompts, read_json
 
 
 def prompt_text(prompt: str | list, lease: EngineLease) -> str:
@@ -57,16 +59,25 @@ def stream_fields(body: dict, stream: bool) -> dict:
 
 def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Response, make_format,
                        verbose_allowed: bool = True) -> None:
-    """A prompt-based completion: parse the body, run it on slot 0, answer in the endpoint's format."""
+    """A prompt-based completion: parse the body, run its prompts (n choices each) on slot 0, answer in the
+    endpoint's format."""
     body = read_json(req, ctx.config.max_body_bytes)
-    prompt = parse_prompt(body, n_vocab=ctx.engine_info().get("n_vocab"))
+    prompts = parse_prompts(body, n_vocab=ctx.engine_info().get("n_vocab"))
+    n_choices = choice_count(body)
+    check_task_count(len(prompts), n_choices)
     options = parse_options(body)
     options = attrs.evolve(options, sampling=with_defaults(options.sampling, ctx.config))
     info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
-    verbose = NativeCompletionFormat(info, lambda lease: prompt_text(prompt, lease)) \
-        if wants_verbose(body) and verbose_allowed else None
-    CompletionRun(ctx, {"prompt": prompt, **options.sampling, **stream_fields(body, options.stream)}, options,
-                  make_format(info, prompt), client=ClientConnection.of(req.env), verbose=verbose).respond(resp)
+    verbose = wants_verbose(body) and verbose_allowed
+    extra = stream_fields(body, options.stream)
+
+    def spec(prompt: str | list) -> TaskSpec:
+        echo = functools.partial(prompt_text, prompt)
+        return TaskSpec({"prompt": prompt, **options.sampling, **extra}, functools.partial(make_format, prompt=prompt),
+                        (lambda own: NativeCompletionFormat(own, echo)) if verbose else None)
+
+    client = ClientConnection.of(req.env)
+    BatchRun(ctx, build_runs(ctx, info, client, [spec(p) for p in prompts], n_choices), client).respond(resp)
 
 
 class CompletionResource:
@@ -77,7 +88,7 @@ class CompletionResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         _respond_to_prompt(self.ctx, req, resp, lambda info, prompt: NativeCompletionFormat(
-            info, lambda lease: prompt_text(prompt, lease)), verbose_allowed=False)  # it is the native answer
+            info, functools.partial(prompt_text, prompt)), verbose_allowed=False)  # it is the native answer
 
 
 class TextCompletionResource:
@@ -99,12 +110,18 @@ class ChatCompletionResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body, top_logprobs = parse_chat_logprobs(read_json(req, self.ctx.config.max_body_bytes))
         prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
+        n_choices = choice_count(body)
+        check_task_count(1, n_choices)
         options = parse_options(body, top_logprobs=top_logprobs)
         options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
-        # __verbose's prompt is the rendered chat, asked of the engine under the same lease.
-        verbose = NativeCompletionFormat(info, lambda lease: str(lease.call("APPLY_TEMPLATE", prompt.engine_fields())
-                                                                 .get("prompt", ""))) if wants_verbose(body) else None
-        CompletionRun(self.ctx, {**prompt.engine_fields(), **options.sampling,
-                                 **stream_fields(body, options.stream)}, options,
-                      ChatCompletionFormat(info), client=ClientConnection.of(req.env), verbose=verbose).respond(resp)
+
+        def verbose(own: RunInfo) -> NativeCompletionFormat:
+            # __verbose's prompt is the rendered chat, asked of the engine under the same lease.
+            return NativeCompletionFormat(own, lambda lease: str(
+                lease.call("APPLY_TEMPLATE", prompt.engine_fields()).get("prompt", "")))
+
+        spec = TaskSpec({**prompt.engine_fields(), **options.sampling, **stream_fields(body, options.stream)},
+                        ChatCompletionFormat, verbose if wants_verbose(body) else None)
+        client = ClientConnection.of(req.env)
+        BatchRun(self.ctx, build_runs(self.ctx, info, client, [spec], n_choices), client).respond(resp)
