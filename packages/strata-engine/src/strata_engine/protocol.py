@@ -55,6 +55,18 @@ def engine_version() -> str:
 PROMPT_PROGRESS_PHASE = "prompt"  # a COMPLETE's `progress` lines (return_progress); SAVE/RESTORE's are the format's
 
 
+class FimToken(enum.StrEnum):
+    """The fill-in-the-middle tokens a vocabulary may have (llama.cpp's `llama_vocab_fim_*`): the keys of the
+    ready line's `fim_tokens`."""
+
+    PRE = "pre"  # before the prefix
+    SUF = "suf"  # before the suffix
+    MID = "mid"  # after both: the model writes the middle
+    PAD = "pad"
+    REP = "rep"  # before the repository name
+    SEP = "sep"  # before a file name
+
+
 class ExitStatus(enum.IntEnum):
     """How `strata-engine serve` ends (spec "Exit statuses")."""
 

@@ -18,6 +18,7 @@ import xxhash
 
 from .chat import ChatTemplate
 from .completion import Completer, CompletionResult, PromptProgress, TokenEvent, parse_request
+from .embedding import handle_embed, model_pooling
 from .errors import EngineError, InvalidRequest
 from .protocol import (
     ENGINE_NAME,
@@ -26,6 +27,7 @@ from .protocol import (
     ArgumentKind,
     CommandRegistry,
     ExitStatus,
+    FimToken,
     LineReader,
     LineWriter,
     ServeContext,
@@ -185,6 +187,7 @@ def build_registry(session_options: Any = None, ctx: ServeContext | None = None)
     registry.register("TOKENIZE", ArgumentKind.JSON, handle_tokenize)
     registry.register("DETOKENIZE", ArgumentKind.JSON, handle_detokenize)
     registry.register("APPLY_TEMPLATE", ArgumentKind.JSON, handle_apply_template)
+    registry.register("EMBED", ArgumentKind.JSON, handle_embed)
     registry.register("STATUS", ArgumentKind.NONE, handle_status)
     registry.register("ERASE", ArgumentKind.NONE, handle_erase)
     registry.register("CANCEL", ArgumentKind.NONE, handle_cancel)
@@ -228,6 +231,8 @@ def ready_line(runner: Any, tokenizer: Tokenizer, template: ChatTemplate) -> dic
         "chat_template_origin": template.origin,
         "add_bos": tokenizer.add_bos,
         "prompt_cache": settings.prompt_cache,
+        "fim_tokens": {role.value: tokenizer.vocab.fim.get(role) for role in FimToken},
+        "pooling": model_pooling(gguf_file.metadata, config.architecture).value,
     }
 
 

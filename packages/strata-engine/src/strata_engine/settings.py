@@ -1,7 +1,7 @@
 """Engine settings: one frozen attrs object, validated as a whole (every problem reported together),
-and the vocabularies its values come from (K/V types, compute dtypes, backends), defined here once for
-the engine, its command line and strata-server (this module loads no numpy). Restore modes are
-strata_sessionfile's `RestoreMode`.
+and the vocabularies its values come from (K/V types, compute dtypes, backends, EMBED's poolings),
+defined here once for the engine, its command line and strata-server (this module loads no numpy).
+Restore modes are strata_sessionfile's `RestoreMode`.
 
 Settings hold the plain strings (`kv_type="f16"`): what the ready line, STATUS and the config
 fingerprint write; each vocabulary's enum is a `StrEnum` whose values are those strings.
@@ -47,6 +47,15 @@ class ChatTemplateName(enum.StrEnum):
 
     CHATML = "chatml"  # SmolLM2's turns
     GEMMA = "gemma"  # gemma3's turns
+
+
+class Pooling(enum.StrEnum):
+    """How EMBED pools a prompt's hidden states (llama-server's `--pooling`; its `rank` is not offered)."""
+
+    NONE = "none"  # every token's
+    MEAN = "mean"
+    CLS = "cls"  # the first token's
+    LAST = "last"
 
 
 def values(vocabulary: type[enum.Enum]) -> tuple[str, ...]:

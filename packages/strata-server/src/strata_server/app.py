@@ -9,6 +9,8 @@ from .context import ServerContext
 from .engine.client import EngineClient
 from .errors import handle_error
 from .resources.completions import ChatCompletionResource, CompletionResource, TextCompletionResource
+from .resources.embeddings import EmbeddingsResource, OpenAIEmbeddingsResource
+from .resources.infill import InfillResource
 from .resources.info import HealthResource, MetricsResource, ModelsResource, PropsResource
 from .resources.slots import SlotsResource
 from .resources.text import (
@@ -28,6 +30,9 @@ ROUTES: tuple[tuple[tuple[str, ...], type], ...] = (
     (("/completion", "/completions"), CompletionResource),
     (("/v1/completions",), TextCompletionResource),
     (("/v1/chat/completions", "/chat/completions"), ChatCompletionResource),
+    (("/infill",), InfillResource),
+    (("/embedding", "/embeddings"), EmbeddingsResource),
+    (("/v1/embeddings",), OpenAIEmbeddingsResource),
     (("/tokenize",), TokenizeResource),
     (("/detokenize",), DetokenizeResource),
     (("/apply-template",), ApplyTemplateResource),

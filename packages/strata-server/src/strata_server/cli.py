@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from strata_engine.settings import Backend, ChatTemplateName, KVType, values
+from strata_engine.settings import Backend, ChatTemplateName, KVType, Pooling, values
 from strata_sessionfile import RestoreMode
 
 from .config import (
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="strata-server", argument_default=argparse.SUPPRESS, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="llama-server-compatible HTTP API (completion, OpenAI chat, tokenize, slot "
+        description="llama-server-compatible HTTP API (completion, OpenAI chat, infill, embeddings, tokenize, slot "
                     "save/restore/erase, metrics) over a supervised Strata engine, run under gunicorn.")
     add = parser.add_argument
     add("--config", metavar="FILE", help="read settings from FILE (TOML or JSON); flags override it")
@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-prefill-assistant", dest="prefill_assistant", action="store_false",
         help="a chat's final assistant message is a finished turn, not one for the model to continue "
              "(default: continued, as llama-server)")
+    add("--embedding", "--embeddings", dest="embedding", action="store_true",
+        help="answer /embeddings and /v1/embeddings (default: off, 501), as llama-server's --embeddings; completions "
+             "still run, and an embedding leaves the slot's conversation as it was")
+    add("--pooling", metavar="TYPE", help=f"how embeddings pool the tokens' states: one of {', '.join(values(Pooling))} "
+        "(default: the model's own, none for a model that does not say)")
     add("--no-prompt-cache", dest="prompt_cache", action="store_false",
         help="do not reuse the held conversation's prefix between requests")
     add("--restore-mode", metavar="MODE", help="how a restore lands the K/V: one of "

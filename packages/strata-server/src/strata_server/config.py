@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 import cattrs
-from strata_engine.settings import Backend, KVType, chat_template_problem, values
+from strata_engine.settings import Backend, KVType, Pooling, chat_template_problem, values
 from strata_sessionfile import RestoreMode
 
 from .errors import ServerError
@@ -82,6 +82,8 @@ class ServerConfig:
     chat_template: str | None = None  # a built-in name (chatml, gemma) or a jinja template (engine --chat-template)
     chat_template_file: Path | None = None  # a file with a jinja template (engine --chat-template-file)
     prefill_assistant: bool = True  # a final assistant message is continued, as the peer (--no-prefill-assistant)
+    embedding: bool = False  # /embeddings and /v1/embeddings answer (llama-server's --embeddings)
+    pooling: str = ""  # how they pool (a Pooling); empty: the model's own (its GGUF pooling_type, else none)
     # What a request that does not say gets (llama-server's -n/--temp/... flags); a request's fields win.
     temp: float = 0.8
     top_k: int = 40
@@ -272,6 +274,8 @@ def _check_values(config: ServerConfig) -> list[str]:
             config.chat_template_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             problems.append(f"chat_template_file: cannot read {config.chat_template_file}: {exc}")
+    if config.pooling and config.pooling not in values(Pooling):
+        problems.append(f"pooling: {config.pooling!r} is not one of {', '.join(values(Pooling))}")
     if config.http_threads < 1:
         problems.append(f"http_threads: {config.http_threads} must be at least 1")
     if config.timeout < 1:
