@@ -48,7 +48,7 @@ def test_n_choices_on_the_openai_endpoints(make_api):
     messages = [{"role": "user", "content": "hi"}]
     chat = post(client, "/v1/chat/completions", {"messages": messages, "n": 2, "max_tokens": 5, "temperature": 0})
     assert [c["index"] for c in chat["choices"]] == [0, 1]
-    # greedy: both choices are the same text; the second reused the prompt the first left in the slot
+    # greedy: both choices are the same text
     assert chat["choices"][0]["message"] == chat["choices"][1]["message"]
     assert chat["usage"]["completion_tokens"] == 5  # usage and timings are the first task's, as the peer's
     text = post(client, "/v1/completions", {"prompt": ["ab", "cd"], "n": 2, **GREEDY})
@@ -58,6 +58,8 @@ def test_n_choices_on_the_openai_endpoints(make_api):
     assert text["choices"][0]["text"] == post(client, "/v1/completions", {"prompt": "ab", **GREEDY})["choices"][0]["text"]
     native = post(client, "/completion", {"prompt": "ab", "n_cmpl": 3, **GREEDY})
     assert [a["index"] for a in native] == [0, 1, 2] and len({a["content"] for a in native}) == 1
+    # each later choice reuses the prompt its predecessor left in the slot
+    assert all(a["timings"]["cache_n"] == a["tokens_evaluated"] - 1 for a in native[1:])
     engine.commands.clear()
     assert "choices" in post(client, "/v1/completions", {"prompt": "ab", "n": 0, **GREEDY})  # below 1: one
     assert engine.commands == ["COMPLETE"]

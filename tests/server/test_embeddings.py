@@ -9,6 +9,7 @@ import struct
 
 import pytest
 from strata_server import build_config
+from strata_server.cli import load_config
 from strata_server.config import ConfigError
 
 from .checks import assert_error
@@ -101,6 +102,10 @@ def test_embeddings_leave_the_conversation_alone(make_api):
     assert again["timings"]["cache_n"] == len("hello world") - 1 and again["content"] == first["content"]
 
 
-def test_pooling_flag_is_checked(fake_model):
+def test_the_flags_as_llama_servers(fake_model):
+    for flag in ("--embedding", "--embeddings"):
+        config = load_config(["--model", str(fake_model), flag, "--pooling", "cls"])
+        assert config.embedding and config.pooling == "cls"
+    assert not load_config(["--model", str(fake_model)]).embedding
     with pytest.raises(ConfigError, match="pooling: 'rank' is not one of none, mean, cls, last"):
         build_config({}, {"model": str(fake_model), "pooling": "rank"})
