@@ -22,8 +22,8 @@ from strata_engine.sampling import (
     softmax,
     sort_descending,
     temperature,
-    top_k,
     token_logprob,
+    top_k,
     top_n_logprobs,
     top_p,
 )
