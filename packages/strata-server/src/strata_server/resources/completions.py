@@ -59,13 +59,14 @@ def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Res
                        verbose_allowed: bool = True) -> None:
     """A prompt-based completion: parse the body, run it on slot 0, answer in the endpoint's format."""
     body = read_json(req, ctx.config.max_body_bytes)
-    prompt = parse_prompt(body, n_vocab=ctx.engine_info().get("n_vocab"))
-    options = parse_options(body)
+    n_vocab = ctx.engine_info().get("n_vocab")
+    prompt = parse_prompt(body, n_vocab=n_vocab)
+    options = parse_options(body, n_vocab=n_vocab)
     options = attrs.evolve(options, sampling=with_defaults(options.sampling, ctx.config))
     info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
     verbose = NativeCompletionFormat(info, lambda lease: prompt_text(prompt, lease)) \
         if wants_verbose(body) and verbose_allowed else None
-    CompletionRun(ctx, {"prompt": prompt, **options.sampling, **stream_fields(body, options.stream)}, options,
+    CompletionRun(ctx, {"prompt": prompt, **options.engine_fields(), **stream_fields(body, options.stream)}, options,
                   make_format(info, prompt), client=ClientConnection.of(req.env), verbose=verbose).respond(resp)
 
 
@@ -99,12 +100,13 @@ class ChatCompletionResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body, top_logprobs = parse_chat_logprobs(read_json(req, self.ctx.config.max_body_bytes))
         prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
-        options = parse_options(body, top_logprobs=top_logprobs)
+        options = parse_options(body, top_logprobs=top_logprobs, n_vocab=self.ctx.engine_info().get("n_vocab"),
+                                chat=True)
         options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
         # __verbose's prompt is the rendered chat, asked of the engine under the same lease.
         verbose = NativeCompletionFormat(info, lambda lease: str(lease.call("APPLY_TEMPLATE", prompt.engine_fields())
                                                                  .get("prompt", ""))) if wants_verbose(body) else None
-        CompletionRun(self.ctx, {**prompt.engine_fields(), **options.sampling,
+        CompletionRun(self.ctx, {**prompt.engine_fields(), **options.engine_fields(),
                                  **stream_fields(body, options.stream)}, options,
                       ChatCompletionFormat(info), client=ClientConnection.of(req.env), verbose=verbose).respond(resp)
