@@ -528,7 +528,8 @@ class Completer:
                 stop_type = StopType.EOS
                 break
             if constraint is not None:
-                constraint.commit(token)
+                committed = constraint.commit(token)
+                assert committed, f"token {token} was sampled although the constraint masked it"
             generated.append(token)
             history.append(token)
             end_of_generation = not request.ignore_eos and tok.is_end_of_generation(token)
