@@ -146,8 +146,8 @@ class ConstraintCompiler:
 
     @functools.cached_property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's tokenizer of this vocabulary, built on first use (0.25 s for SmolLM2's 49K tokens,
-        1.4 s for gemma3's 262K) and kept for the engine's life."""
+        """llguidance's tokenizer of this vocabulary, built on first use (about a second: bench/CPU-NOTES.md)
+        and kept for the engine's life."""
         tok = self._tokenizer
         return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_LLVocabulary(tok)),
                                       n_vocab=tok.n_vocab, eos_token=sorted(tok.end_of_generation))
