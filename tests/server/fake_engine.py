@@ -294,8 +294,10 @@ class FakeEngine:
             event = {"event": "token", "id": token, "piece": piece_bytes(token).decode("utf-8", "replace"),
                      "content": content}
             if n_probs:
-                event["probs"] = [{"id": t, "token": detokenize([t]), "logprob": lp, "prob": 2.718281828 ** lp}
-                                  for t, lp in cands[:n_probs]]
+                chosen = dict(cands).get(token, -9.0)
+                event |= {"logprob": chosen, "prob": 2.718281828 ** chosen, "bytes": list(piece_bytes(token))}
+                event["probs"] = [{"id": t, "token": detokenize([t]), "bytes": list(piece_bytes(t)), "logprob": lp,
+                                   "prob": 2.718281828 ** lp} for t, lp in cands[:n_probs]]
             yield event
         # The last sampled token is never evaluated, so it is not held (as the real engine).
         self.held = prompt + generated[:-1]

@@ -4,7 +4,9 @@ Modules: `gguf` (lean reader, dequantization), `config` (ModelConfig), `ops` (th
 numpy / cupy backends), `models` (one module per family), `embedding` (EMBED), `kv` (the K/V pools, rings, placements,
 checkpoints), `runner` (ModelRunner: prefill with prompt cache, decode, erase), `session` (the session
 file adapter and its verbs), `protocol` (the engine protocol's vocabulary, registry and loop), `serve`
-(the verbs on it), `settings` (and the vocabularies: K/V types, compute dtypes, backends), `errors`.
+(the verbs on it), `completion` (the generation loop), `sampling` (the sampler chain), `constraints`
+(structured output with llguidance), `settings` (and the vocabularies: K/V types, compute dtypes,
+backends), `errors`.
 """
 
 __version__ = "0.1.0"

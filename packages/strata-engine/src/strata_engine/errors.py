@@ -88,6 +88,19 @@ class ChatTemplateError(EngineError):
     """The messages are malformed, or the template refused them or failed to render."""
 
 
+class ConstraintError(EngineError):
+    """A request's output constraint cannot be compiled; refused before anything is evaluated. The
+    message is llama-server's for the same refusal, followed by the compiler's reason."""
+
+
+class InvalidGrammar(ConstraintError):
+    """`grammar` is not a GBNF grammar the constraint compiler accepts."""
+
+
+class InvalidJsonSchema(ConstraintError):
+    """`json_schema` is not a JSON schema the constraint compiler can enforce exactly."""
+
+
 class ContextOverflow(EngineError):
     """A prompt (or a decode step) would hold more tokens than the context allows. With `at_least`, the
     prompt was refused before it was tokenized and `n_prompt_tokens` is a lower bound on its length."""

@@ -30,6 +30,8 @@ from .errors import (
     ChatTemplateError,
     ContextOverflow,
     EngineError,
+    InvalidGrammar,
+    InvalidJsonSchema,
     InvalidRequest,
     InvalidToken,
     TokenizerError,
@@ -115,6 +117,8 @@ class Reason(enum.StrEnum):
     BAD_TOKEN = "bad_token"
     CHAT_TEMPLATE = "chat_template"
     TOKENIZER = "tokenizer"
+    BAD_GRAMMAR = "bad_grammar"
+    BAD_JSON_SCHEMA = "bad_json_schema"
     PROMPT_TOO_LONG = "prompt_too_long"
     UNEXPECTED = "unexpected"
 
@@ -154,6 +158,8 @@ ERROR_LINES: tuple[tuple[type[EngineError], ErrorKind, Reason], ...] = (
     (ChatTemplateError, ErrorKind.INVALID_REQUEST, Reason.CHAT_TEMPLATE),
     (InvalidToken, ErrorKind.INVALID_REQUEST, Reason.BAD_TOKEN),
     (TokenizerError, ErrorKind.INVALID_REQUEST, Reason.TOKENIZER),
+    (InvalidGrammar, ErrorKind.INVALID_REQUEST, Reason.BAD_GRAMMAR),
+    (InvalidJsonSchema, ErrorKind.INVALID_REQUEST, Reason.BAD_JSON_SCHEMA),
 )
 
 

@@ -59,6 +59,8 @@ def handle_complete(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
 
     def on_token(event: TokenEvent) -> None:
         line: dict[str, Any] = {"event": "token", "id": event.id, "piece": event.piece, "content": event.content}
+        if event.chosen is not None:
+            line |= {"logprob": event.chosen.logprob, "prob": event.chosen.prob, "bytes": list(event.chosen.bytes)}
         if event.probs is not None:
             line["probs"] = [_converter.unstructure(p) for p in event.probs]
         ctx.emit(line)

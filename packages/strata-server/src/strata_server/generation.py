@@ -53,18 +53,37 @@ class TokenBatch:
         return ids, probs
 
 
-def token_probabilities(event: dict) -> dict:
-    """The peer's ``completion_probabilities`` entry for one token line with ``probs``."""
-    def entry(p: dict) -> dict:
-        token = str(p.get("token", ""))
-        return {"id": p.get("id"), "token": token, "logprob": p.get("logprob"),
-                "bytes": list(token.encode("utf-8"))}
+def utf8_prefix(data: bytes) -> str:
+    """The text of `data` without an incomplete character at its end (the peer's ``validate_utf8``)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.reason == "unexpected end of data":
+            return data[: exc.start].decode("utf-8", errors="replace")
+        return data.decode("utf-8", errors="replace")
 
-    probs = event.get("probs") or []
-    chosen = next((p for p in probs if p.get("id") == event.get("id")), None)
-    piece = str(event.get("piece", ""))
-    return {"id": event.get("id"), "token": piece, "logprob": chosen.get("logprob") if chosen else None,
-            "bytes": list(piece.encode("utf-8")), "top_logprobs": [entry(p) for p in probs]}
+
+def token_probabilities(event: dict, post_sampling: bool) -> dict:
+    """The peer's probabilities entry for one token line with ``probs``: ``{id, token, bytes, logprob,
+    top_logprobs: [{id, token, bytes, logprob}]}``, or with post-sampling probabilities ``prob`` and
+    ``top_probs`` (llama-server's ``probs_vector_to_json``)."""
+    key, top_key = ("prob", "top_probs") if post_sampling else ("logprob", "top_logprobs")
+
+    def entry(p: dict, piece: str) -> dict:
+        data = bytes(p["bytes"]) if "bytes" in p else piece.encode("utf-8")
+        return {"id": p.get("id"), "token": utf8_prefix(data), "bytes": list(data), key: p.get(key)}
+
+    return {**entry(event, str(event.get("piece", ""))),
+            top_key: [entry(p, str(p.get("token", ""))) for p in event.get("probs") or []]}
+
+
+def probs_object(probs: list[dict], top: int | None = None) -> dict:
+    """The OpenAI endpoints' ``logprobs``: ``{"content": [entry, ...]}``, each entry's alternatives cut to
+    ``top`` (chat's ``top_logprobs``) when given."""
+    if top is None:
+        return {"content": probs}
+    return {"content": [{k: (v[:top] if k in ("top_logprobs", "top_probs") else v) for k, v in p.items()}
+                        for p in probs]}
 
 
 def prompt_progress(event: dict) -> dict:
@@ -162,11 +181,13 @@ class NativeCompletionFormat(ResponseFormat):
 
 
 class TextCompletionFormat(ResponseFormat):
-    """``POST /v1/completions`` (OpenAI text completion)."""
+    """``POST /v1/completions`` (OpenAI text completion); ``logprobs`` as the peer: ``{"content": [...]}``
+    with ``n_probs`` (or OpenAI's integer ``logprobs``), else null."""
 
     def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict:
         return self.openai_envelope("text_completion", choices=[
-            {"text": content, "index": 0, "logprobs": None, "finish_reason": None}])
+            {"text": content, "index": 0, "logprobs": probs_object(probs) if probs else None,
+             "finish_reason": None}])
 
     def final_chunks(self, result: dict, lease: EngineLease) -> list[dict]:
         finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
@@ -177,26 +198,18 @@ class TextCompletionFormat(ResponseFormat):
     def response(self, result: dict, probs: list[dict], lease: EngineLease) -> dict:
         finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
         return self.openai_envelope("text_completion", choices=[
-            {"text": result.get("content", ""), "index": 0, "logprobs": None, "finish_reason": finish}],
+            {"text": result.get("content", ""), "index": 0, "logprobs": probs_object(probs) if probs else None,
+             "finish_reason": finish}],
             usage=self.usage(result), timings=result.get("timings", {}))
 
 
-def openai_logprobs(probs: list[dict], top: int) -> dict:
-    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    return {"content": [
-        {"token": p["token"], "logprob": p["logprob"], "bytes": p["bytes"],
-         "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]}
-                          for t in p["top_logprobs"][:top]]}
-        for p in probs]}
-
-
 class ChatCompletionFormat(ResponseFormat):
-    """``POST /v1/chat/completions`` (OpenAI chat): role chunk, content deltas, finish, usage."""
+    """``POST /v1/chat/completions`` (OpenAI chat): role chunk, content deltas, finish, usage;
+    ``choices[0].logprobs`` with OpenAI's ``logprobs`` (alternatives cut to ``top_logprobs``) or ``n_probs``."""
 
     def _with_logprobs(self, chunk: dict, probs: list[dict]) -> dict:
-        top = self.info.options.top_logprobs
-        if top is not None and chunk["choices"]:
-            chunk["choices"][0]["logprobs"] = openai_logprobs(probs, top)
+        if probs and chunk["choices"]:
+            chunk["choices"][0]["logprobs"] = probs_object(probs, self.info.options.top_logprobs)
         return chunk
 
     def start_chunks(self) -> list[dict]:
@@ -260,7 +273,7 @@ class CompletionRun:
         for event in events:
             kind = event["event"]
             if kind == "token" and self.want_probs:
-                probs.append(token_probabilities(event))
+                probs.append(token_probabilities(event, self.options.post_sampling_probs))
             elif kind == "result":
                 self._record(event)
                 return self._with_verbose(self.fmt.response(event, probs, lease), event, probs, lease)
@@ -285,7 +298,7 @@ class CompletionRun:
                     self.fmt.n_predicted += 1
                     batch.ids.append(int(event.get("id", -1)))
                     if self.want_probs:
-                        batch.probs.append(token_probabilities(event))
+                        batch.probs.append(token_probabilities(event, self.options.post_sampling_probs))
                     content = str(event.get("content", ""))
                     if content or batch.probs:
                         ids, probs = batch.take()

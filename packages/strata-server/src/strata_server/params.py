@@ -3,12 +3,15 @@
 Each ``SamplingField`` names the engine field, the request keys that set it (the peer's aliases)
 and its parser; a wrong type is a 400 naming the field. Unknown keys are ignored as the peer ignores
 them; features that would change the output and that Strata does not have are refused by name.
+``logit_bias`` (the OpenAI object or the peer's list of pairs) and structured output (``json_schema``,
+``grammar``, ``response_format``) are normalized into the engine's one shape of each.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -62,32 +65,29 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField("min_p", _number, ("min_p",)),
     SamplingField("repeat_penalty", _number, ("repeat_penalty",)),
     SamplingField("repeat_last_n", _int, ("repeat_last_n",)),
+    SamplingField("frequency_penalty", _number, ("frequency_penalty",)),
+    SamplingField("presence_penalty", _number, ("presence_penalty",)),
     SamplingField("seed", _int, ("seed",)),
     SamplingField("stop", _stop, ("stop",)),
     SamplingField("ignore_eos", _bool, ("ignore_eos",)),
     SamplingField("cache_prompt", _bool, ("cache_prompt",)),
     SamplingField("n_probs", _int, ("n_probs",)),
+    SamplingField("post_sampling_probs", _bool, ("post_sampling_probs",)),
 )
 
 # The engine's defaults (spec/engine-protocol.md), reported in generation_settings and /props.
 ENGINE_DEFAULTS: dict[str, Any] = {
     "n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
     "repeat_penalty": 1.0, "repeat_last_n": 64, "seed": -1, "stop": [], "ignore_eos": False,
-    "cache_prompt": True, "n_probs": 0,
+    "cache_prompt": True, "n_probs": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "post_sampling_probs": False, "logit_bias": [],
 }
 
 # Peer features Strata does not implement: refused when set to anything but their neutral value.
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "grammar": lambda v: v in (None, ""),
-    "json_schema": lambda v: v in (None, {}),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
-    "logit_bias": lambda v: v in (None, {}, []),
     "tools": lambda v: v in (None, []),
     "lora": lambda v: v in (None, []),
-    "presence_penalty": lambda v: v in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v in (None, 0, 0.0),
-    "logprobs": lambda v: v in (None, False, 0),  # chat's boolean form is handled by parse_chat_logprobs
-    # Samplers beyond Strata's chain (repeat penalty, top-k, top-p, min-p, temperature).
+    # Samplers beyond Strata's chain (logit bias, penalties, top-k, top-p, min-p, temperature).
     "typical_p": lambda v: v in (None, 1, 1.0),
     "mirostat": lambda v: v in (None, 0),
     "dynatemp_range": lambda v: v in (None, 0, 0.0),
@@ -95,7 +95,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "dry_multiplier": lambda v: v in (None, 0, 0.0),
     "top_n_sigma": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0),
     "t_max_predict_ms": lambda v: v in (None, 0),
-    "post_sampling_probs": lambda v: v in (None, False),
 }
 
 
@@ -109,10 +108,93 @@ class CompletionOptions:
     return_tokens: bool = False
     model: str | None = None
     top_logprobs: int | None = None  # chat: OpenAI logprobs asked for, with this many alternatives
+    logit_bias: tuple[tuple[int | str, float | bool], ...] = ()  # the engine's [token, bias or false] pairs
+    constraint: dict[str, Any] = attrs.Factory(dict)  # the engine's json_schema or grammar field, if any
+
+    @property
+    def post_sampling_probs(self) -> bool:
+        return bool(self.sampling.get("post_sampling_probs", False))
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The COMPLETE fields besides the prompt."""
+        fields = {**self.sampling, **self.constraint}
+        if self.logit_bias:
+            fields["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        return fields
 
     def settings(self) -> dict[str, Any]:
-        """generation_settings as reported back: the engine defaults overlaid with the request's."""
-        return {**ENGINE_DEFAULTS, **self.sampling}
+        """generation_settings as reported back: the engine defaults overlaid with the request's (logit_bias
+        in the peer's shape, a ban's bias null as the peer's -inf; texts as given, not tokenized)."""
+        bias = [{"bias": None if b is False else b, "token": t} for t, b in self.logit_bias]
+        return {**ENGINE_DEFAULTS, **self.sampling, "logit_bias": bias}
+
+
+def parse_logit_bias(value: Any, n_vocab: int | None) -> tuple[tuple[int | str, float | bool], ...]:
+    """The OpenAI object (``{"15043": -100, "hello": false}``) or the peer's list of pairs (``[[15043,
+    -100], ["hello", false]]``) as the engine's pairs. As the peer: a key that is a whole integer is a
+    token id, any other a text; a bias that is neither a number nor false, an id outside the vocabulary,
+    and a malformed pair are skipped."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = [[int(k) if re.fullmatch(r"\s*[+-]?\d+", k) else k, v] for k, v in value.items()]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise invalid_request("'logit_bias' must be an object {token: bias} or a list of [token, bias] pairs")
+    pairs: list[tuple[int | str, float | bool]] = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 2):
+            continue
+        token, bias = item
+        if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                                  or not math.isfinite(bias)):
+            continue
+        if isinstance(token, int) and not isinstance(token, bool):
+            if 0 <= token and (n_vocab is None or token < n_vocab):
+                pairs.append((token, bias if bias is False else float(bias)))
+        elif isinstance(token, str) and token:
+            pairs.append((token, bias if bias is False else float(bias)))
+    return tuple(pairs)
+
+
+# response_format type -> the JSON schema it asks for, from (the response_format object, the request's
+# json_schema); None: no constraint.
+RESPONSE_FORMATS: dict[str, Callable[[dict, Any], Any]] = {
+    "text": lambda rf, schema: schema,
+    # OpenAI's json_object is any JSON object; the peer's own shape may carry a schema beside the type.
+    "json_object": lambda rf, schema: rf["schema"] if rf.get("schema") is not None else {"type": "object"},
+    # OpenAI's {"json_schema": {"name", "schema", "strict"}}; the peer's bare "schema" beside the type too.
+    "json_schema": lambda rf, schema: ((rf["json_schema"].get("schema") if isinstance(rf.get("json_schema"), dict)
+                                        else rf.get("schema")) or {}),
+}
+
+
+def parse_constraint(body: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
+    """The engine's ``json_schema`` or ``grammar`` field from ``response_format``, ``json_schema`` and
+    ``grammar``. ``response_format`` overrides ``json_schema``. With both a schema and a grammar, chat
+    answers the peer's 400 and the completion endpoints take the grammar, as the peer does."""
+    schema = body.get("json_schema")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise invalid_request("'response_format' must be an object")
+        kind = response_format.get("type") or "text"
+        if kind not in RESPONSE_FORMATS:
+            raise invalid_request(f'response_format type must be one of "text" or "json_object", but got: {kind}')
+        schema = RESPONSE_FORMATS[kind](response_format, schema)
+    grammar = body.get("grammar")
+    if grammar is not None and not isinstance(grammar, str):
+        raise invalid_request("'grammar' must be a string (a GBNF grammar)")
+    if schema is not None and not isinstance(schema, (dict, bool)):
+        raise invalid_request("'json_schema' must be a JSON schema (an object)")
+    if schema is not None and grammar:
+        if chat:
+            raise invalid_request("Cannot use both json_schema and grammar")
+        schema = None
+    if grammar:
+        return {"grammar": grammar}
+    return {"json_schema": schema} if schema is not None else {}
 
 
 MAX_TOP_LOGPROBS = 20
@@ -134,13 +216,18 @@ def parse_chat_logprobs(body: Mapping[str, Any]) -> tuple[dict[str, Any], int | 
     return rest, n
 
 
-def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None) -> CompletionOptions:
+def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None, n_vocab: int | None = None,
+                  chat: bool = False) -> CompletionOptions:
     sampling: dict[str, Any] = {}
     for field in SAMPLING_FIELDS:
         for key in field.keys:
             if key in body and body[key] is not None:
                 sampling[field.engine_name] = field.parse(key, body[key])
                 break
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False) and "n_probs" not in sampling:
+        # The peer's completion endpoints: OpenAI's integer logprobs when n_probs is not given.
+        sampling["n_probs"] = _int("logprobs", logprobs)
     for key, neutral in UNSUPPORTED_FIELDS.items():
         if key in body and not neutral(body[key]):
             raise ApiError(ErrorType.NOT_SUPPORTED, f"'{key}' is not supported by this server")
@@ -160,6 +247,8 @@ def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None) -
         return_tokens=_bool("return_tokens", body.get("return_tokens", False)),
         model=model if isinstance(model, str) and model else None,
         top_logprobs=top_logprobs,
+        logit_bias=parse_logit_bias(body.get("logit_bias"), n_vocab),
+        constraint=parse_constraint(body, chat=chat),
     )
 
 

@@ -62,10 +62,11 @@ def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Res
     """A prompt-based completion: parse the body, run its prompts (n choices each) on slot 0, answer in the
     endpoint's format."""
     body = read_json(req, ctx.config.max_body_bytes)
-    prompts = parse_prompts(body, n_vocab=ctx.engine_info().get("n_vocab"))
+    n_vocab = ctx.engine_info().get("n_vocab")
+    prompts = parse_prompts(body, n_vocab=n_vocab)
     n_choices = choice_count(body)
     check_task_count(len(prompts), n_choices)
-    options = parse_options(body)
+    options = parse_options(body, n_vocab=n_vocab)
     options = attrs.evolve(options, sampling=with_defaults(options.sampling, ctx.config))
     info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
     verbose = wants_verbose(body) and verbose_allowed
@@ -73,7 +74,7 @@ def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Res
 
     def spec(prompt: str | list) -> TaskSpec:
         echo = functools.partial(prompt_text, prompt)
-        return TaskSpec({"prompt": prompt, **options.sampling, **extra}, functools.partial(make_format, prompt=prompt),
+        return TaskSpec({"prompt": prompt, **options.engine_fields(), **extra}, functools.partial(make_format, prompt=prompt),
                         (lambda own: NativeCompletionFormat(own, echo)) if verbose else None)
 
     client = ClientConnection.of(req.env)
@@ -112,7 +113,8 @@ class ChatCompletionResource:
         prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
         n_choices = choice_count(body)
         check_task_count(1, n_choices)
-        options = parse_options(body, top_logprobs=top_logprobs)
+        options = parse_options(body, top_logprobs=top_logprobs, n_vocab=self.ctx.engine_info().get("n_vocab"),
+                                chat=True)
         options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
 
@@ -121,7 +123,7 @@ class ChatCompletionResource:
             return NativeCompletionFormat(own, lambda lease: str(
                 lease.call("APPLY_TEMPLATE", prompt.engine_fields()).get("prompt", "")))
 
-        spec = TaskSpec({**prompt.engine_fields(), **options.sampling, **stream_fields(body, options.stream)},
+        spec = TaskSpec({**prompt.engine_fields(), **options.engine_fields(), **stream_fields(body, options.stream)},
                         ChatCompletionFormat, verbose if wants_verbose(body) else None)
         client = ClientConnection.of(req.env)
         BatchRun(self.ctx, build_runs(self.ctx, info, client, [spec], n_choices), client).respond(resp)

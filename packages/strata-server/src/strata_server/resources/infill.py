@@ -32,7 +32,7 @@ class InfillResource:
         request = parse_infill(body)
         n_choices = choice_count(body)
         check_task_count(1, n_choices)
-        options = parse_options(body)
+        options = parse_options(body, n_vocab=self.ctx.engine_info().get("n_vocab"))
         options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
             def text(content: str | list, parse_special: bool = False) -> list[int]:
@@ -46,7 +46,7 @@ class InfillResource:
                 n_predict=self.ctx.config.n_predict, n_ctx=int(info.get("n_ctx", 0)))
         run_info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
         echo = functools.partial(prompt_text, tokens)
-        spec = TaskSpec({"prompt": tokens, **options.sampling, **stream_fields(body, options.stream)},
+        spec = TaskSpec({"prompt": tokens, **options.engine_fields(), **stream_fields(body, options.stream)},
                         lambda own: NativeCompletionFormat(own, echo))
         client = ClientConnection.of(req.env)
         BatchRun(self.ctx, build_runs(self.ctx, run_info, client, [spec], n_choices), client).respond(resp)
