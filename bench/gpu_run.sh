@@ -21,7 +21,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 elif [ ! -d /tmp/site ]; then echo "no wheels carried and none installed"; exit 1; fi
 export PYTHONPATH=/tmp/site:$PWD/packages/strata-sessionfile/src:$PWD/packages/strata-engine/src
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export STRATA_REFERENCE_DIR=$PWD/.gpu-carry/meta/reference
+export STRATA_REFERENCE_DIR=$PWD/tests/reference
 # A carried folder is replaced by the next call's carry: stash each piece outside the tree first.
 mkdir -p /tmp/pieces && cp -n .gpu-carry/*.part* /tmp/pieces/ 2>/dev/null
 MODELS=()

@@ -85,3 +85,25 @@ def test_unparsable_file_template_falls_back(tokenizers):
     assert template.render([{"role": "user", "content": "hi"}]) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(templates):
+    template = templates["gemma3"]
+    prefill = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is"}]
+    assert template.render(prefill, continue_final_message=True) == (
+        "<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\nIt is")
+    alone = template.render([{"role": "assistant", "content": "Once"}], continue_final_message=True)
+    assert alone == "<start_of_turn>model\nOnce"
+    with pytest.raises(ChatTemplateError, match="the last message to be the assistant's"):
+        template.render([{"role": "user", "content": "x"}], continue_final_message=True)
+
+
+@pytest.mark.parametrize(("name", "start"), [("chatml", "<|im_start|>user\nhi"), ("gemma", "<start_of_turn>user\nhi")])
+def test_configured_templates_by_name_and_jinja(name, start):
+    messages = [{"role": "user", "content": "hi"}]
+    named = ChatTemplate.configured(name)
+    assert named.origin == f"builtin:{name}" and named.render(messages).startswith(start)
+    custom = ChatTemplate.configured("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    assert custom.origin == "custom" and custom.render(messages) == "<hi>"
+    with pytest.raises(ChatTemplateError, match="neither a built-in name"):
+        ChatTemplate.configured("llama2")

@@ -29,6 +29,7 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         (["--kv-type", "f8"], "--kv-type"),
         (["--ctx-size", "many"], "--ctx-size"),
         (["--no-such-flag"], "unrecognized"),
+        (["--threads", "0"], "threads"),
     ],
 )
 def test_bad_settings_exit_2(args, fragment):
@@ -81,3 +82,30 @@ def test_gpu_flags_reach_the_settings():
     assert settings.cuda_graphs is False and settings.compute_dtype == "bf16"
     defaults = _settings(build_parser().parse_args(["serve", "--model", "m.gguf"]))
     assert defaults.cuda_graphs is True and defaults.compute_dtype is None and defaults.prefill_chunk is None
+
+
+def test_threads_flag_limits_the_blas_pool():
+    from strata_engine.cli import _limit_threads, _settings, build_parser
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    assert _settings(build_parser().parse_args(["serve", "--model", "m.gguf", "-t", "1"])).threads == 1
+    assert _settings(build_parser().parse_args(["serve", "--model", "m.gguf"])).threads is None
+    with threadpool_limits(limits=None):  # puts the pools back as they were afterwards
+        _limit_threads(1)
+        blas = [pool for pool in threadpool_info() if pool["user_api"] == "blas"]
+        assert blas and all(pool["num_threads"] == 1 for pool in blas)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--chat-template", "llama2"], "neither a built-in name (chatml, gemma) nor a jinja template"),
+        (["--chat-template", "{{ oops"], "does not parse"),
+        (["--chat-template-file", "/no/such/template.jinja"], "cannot read"),
+        (["--chat-template", "chatml", "--chat-template-file", __file__], "not allowed with"),
+    ],
+)
+def test_bad_chat_templates_exit_2(args, fragment):
+    done = run_cli("serve", "--model", str(smollm2_model_path()), *args)
+    assert done.returncode == 2
+    assert fragment in json.loads(done.stdout.splitlines()[-1])["message"]

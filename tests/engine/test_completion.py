@@ -11,6 +11,7 @@ from strata_engine.completion import (
     CompletionRequest,
     StopStringFilter,
     StopType,
+    Timings,
     parse_request,
 )
 from strata_engine.errors import ContextOverflow, InvalidRequest
@@ -315,3 +316,9 @@ def test_llama_server_values_are_accepted_with_its_meaning(tokenizer, template):
     script = ids_of(tokenizer, " a", " b")
     result, _, _ = run(tokenizer, template, script, top_k=-1, top_p=0.0, min_p=2.0, n_predict=2, temperature=1.0)
     assert result.tokens == tuple(script)  # top_p <= 0 / min_p > 1 keep the best token only
+
+
+def test_one_generated_token_has_no_generation_rate():
+    assert Timings.measure(0, 5, 0.1, 1, 0.02).predicted_per_second == 0.0  # llama-server's edge
+    assert Timings.measure(0, 5, 0.1, 2, 0.02).predicted_per_second == pytest.approx(100.0)
+    assert Timings.measure(0, 5, 0.1, 0, 0.0).predicted_per_second == 0.0

@@ -275,3 +275,17 @@ def test_cuda_graph_prefill_chunks_match_op_by_op(runners, model, dtype, n_promp
         if top2[1] - top2[0] > NEAR_TIE:
             assert int(np.argmax(lg)) == int(np.argmax(le)), f"step {step}"
         token = int(np.argmax(le))
+
+
+@pytest.mark.parametrize(("model", "dtype"), [("smollm2", "f32"), ("smollm2", "f16"), ("gemma3", "bf16")])
+def test_embeddings_match_the_numpy_backend(runners, model, dtype):
+    """EMBED's pass on scratch K/V (several chunks; past gemma3's 512-token window) against NumPy's: every
+    token's output-normed state, and the mean-pooled, normalized embedding."""
+    from strata_engine.embedding import embed, hidden_states
+    from strata_engine.settings import Pooling
+
+    gpu, cpu = runners(model, dtype=dtype), runners(model, backend="numpy")
+    tokens = long_prompt(11)
+    bound = LOGIT_BOUND.get(dtype, 1e-3)
+    assert rel_err(hidden_states(gpu.model, tokens, 256), hidden_states(cpu.model, tokens, 256)) < bound
+    assert rel_err(embed(gpu, tokens, Pooling.MEAN), embed(cpu, tokens, Pooling.MEAN)) < bound

@@ -1,4 +1,5 @@
-"""Sampling functions one by one, the chain, seeded reproducibility, and state capture/restore."""
+"""Sampling functions one by one (penalties and logit bias by llama.cpp's formulas), the chain and its
+order, the reported distributions, seeded reproducibility, and state capture/restore."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ from strata_engine.sampling import (
     Sampler,
     SamplerState,
     SamplingParams,
+    best_indices,
     draw,
+    final_probs,
     greedy,
     log_softmax,
+    logit_bias,
     min_p,
-    repetition_penalty,
+    penalties,
     softmax,
     sort_descending,
     temperature,
+    token_logprob,
     top_k,
     top_n_logprobs,
     top_p,
@@ -44,11 +49,52 @@ def test_greedy():
     assert greedy(LOGITS) == 1
 
 
-def test_repetition_penalty_divides_positive_multiplies_negative():
-    out = repetition_penalty(LOGITS, [1, 2, 2, 99, -1], 2.0)  # out-of-range ids ignored, repeats once
+def test_token_logprob_and_best_indices():
+    assert token_logprob(LOGITS, 2) == pytest.approx(float(log_softmax(LOGITS)[2]))
+    assert best_indices(np.array([1.0, 5.0, 5.0, -1.0]), 3).tolist() == [1, 2, 0]  # ties in index order
+    assert best_indices(LOGITS, 0).tolist() == []
+
+
+def test_repeat_penalty_divides_positive_multiplies_negative():
+    out = penalties(LOGITS, [1, 2, 2, 99, -1], repeat=2.0)  # out-of-range ids ignored, repeats once
     assert out[1] == pytest.approx(1.5) and out[2] == pytest.approx(-4.0)
     assert np.array_equal(np.delete(out, [1, 2]), np.delete(LOGITS, [1, 2]))
-    assert repetition_penalty(LOGITS, [1], 1.0) is LOGITS
+    assert penalties(LOGITS, [1], repeat=1.0) is LOGITS and penalties(LOGITS, [], repeat=2.0) is LOGITS
+
+
+def test_frequency_and_presence_penalties_follow_llama_cpp():
+    recent = [3, 3, 3, 0, 2]  # counts: 3 x3, 0 x1, 2 x1
+    out = penalties(LOGITS, recent, repeat=1.5, frequency=0.25, presence=0.5)
+    counts = np.bincount(recent, minlength=LOGITS.size)
+    for i, logit in enumerate(LOGITS.tolist()):
+        if counts[i] == 0:
+            assert out[i] == logit
+        else:  # llama.cpp: repeat first (divide a positive logit, multiply a negative one), then subtract
+            repeated = logit / 1.5 if logit > 0 else logit * 1.5
+            assert out[i] == pytest.approx(repeated - counts[i] * 0.25 - 0.5, rel=1e-6)
+    # the distribution moves away from the repeated tokens, by the frequency for each occurrence
+    assert softmax(out)[3] < softmax(penalties(LOGITS, [3], frequency=0.25))[3] < softmax(LOGITS)[3]
+    presence_only = penalties(LOGITS, recent, presence=0.5)
+    assert presence_only[3] == pytest.approx(LOGITS[3] - 0.5)  # presence counts a token once
+
+
+def test_logit_bias_adds_and_bans():
+    out = logit_bias(LOGITS, [(0, 2.0), (1, -np.inf), (0, 0.5), (4, -1.0)])
+    assert out[0] == pytest.approx(LOGITS[0] + 2.5) and out[1] == -np.inf and out[4] == pytest.approx(-0.5)
+    assert greedy(out) == 0 and greedy(logit_bias(LOGITS, [(1, -np.inf)])) == 5  # a ban: the next one wins
+    assert logit_bias(LOGITS, []) is LOGITS
+
+
+def test_chain_order_is_bias_then_penalties():
+    params = SamplingParams(temperature=0.0, repeat_penalty=2.0, logit_bias=((0, 3.0),))
+    out = Sampler(params, SamplerState.seeded(0)).adjusted(LOGITS, [0])
+    assert out[0] == pytest.approx((LOGITS[0] + 3.0) / 2.0)  # llama.cpp: logit bias, then penalties
+
+
+def test_final_probs():
+    c = Candidates.from_logits(LOGITS)
+    assert final_probs(c, is_greedy=False) == pytest.approx(softmax(LOGITS))
+    assert final_probs(c, is_greedy=True).tolist() == [0, 1, 0, 0, 0, 0]
 
 
 def test_top_k():
@@ -132,10 +178,12 @@ def test_bad_state_bytes_are_refused():
 
 def test_penalty_window():
     sampler = Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=2), SamplerState.seeded(0))
-    out = sampler.penalized(LOGITS, [1, 3, 4])  # only 3 and 4 are inside the window
+    out = sampler.adjusted(LOGITS, [1, 3, 4])  # only 3 and 4 are inside the window
     assert out[1] == LOGITS[1] and out[3] == pytest.approx(1.0) and out[4] == pytest.approx(0.25)
     whole = Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=-1), SamplerState.seeded(0))
-    assert whole.penalized(LOGITS, [1, 3, 4])[1] == pytest.approx(1.5)
+    assert whole.adjusted(LOGITS, [1, 3, 4])[1] == pytest.approx(1.5)
+    off = Sampler(SamplingParams(presence_penalty=1.0, repeat_last_n=0), SamplerState.seeded(0))
+    assert off.adjusted(LOGITS, [1]) is LOGITS
 
 
 def test_top_p_on_a_large_vocabulary_equals_the_full_sort():

@@ -24,16 +24,17 @@ def slot_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def make_api(fake_model: Path):
-    """make_api(**settings) -> (falcon TestClient, FakeEngineClient, ServerConfig)."""
+    """make_api(n_ctx, fim, **settings) -> (falcon TestClient, FakeEngineClient, ServerConfig); fim: the fake
+    model has fill-in-the-middle tokens."""
     import falcon.testing
     from strata_server import build_config, create_app
 
     from .fake_engine import FakeEngine
     from .fakes import FakeEngineClient
 
-    def make(n_ctx: int = 512, **settings):
+    def make(n_ctx: int = 512, fim: bool = False, **settings):
         config = build_config({}, {"model": str(fake_model), "slot_wait": 0.3, **settings})
-        engine = FakeEngineClient(FakeEngine(str(fake_model), n_ctx=n_ctx, kv_type=config.kv_type))
+        engine = FakeEngineClient(FakeEngine(str(fake_model), n_ctx=n_ctx, kv_type=config.kv_type, fim=fim))
         app = create_app(engine, config)
         client = falcon.testing.TestClient(app, headers={"Host": "127.0.0.1:8080"})
         return client, engine, config

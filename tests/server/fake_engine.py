@@ -25,8 +25,12 @@ from collections.abc import Callable, Iterator
 from strata_engine.protocol import PROTOCOL_VERSION, ErrorKind, ExitStatus
 
 BOS, EOS = 1, 2
-SPECIALS = {"<|im_start|>": BOS, "<|im_end|>": EOS}
+FIM_PRE, FIM_SUF, FIM_MID = 259, 260, 261  # reported by the ready line only with fim=True
+SPECIALS = {"<|im_start|>": BOS, "<|im_end|>": EOS, "<fim_prefix>": FIM_PRE, "<fim_suffix>": FIM_SUF,
+            "<fim_middle>": FIM_MID}
 N_VOCAB = 300
+N_EMBD = 8
+POOLINGS = ("none", "mean", "cls", "last")
 ALPHABET = "abcdefghij klmnop\n"
 MAGIC = "FAKE-STRATA-SESSION"
 FAKE_ENGINE_PATH = os.path.abspath(__file__)
@@ -72,9 +76,26 @@ def next_candidates(held: list[int]) -> list[tuple[int, float]]:
     return cands
 
 
+def token_state(prefix: list[int]) -> list[float]:
+    """A token's "hidden state": a deterministic function of the tokens up to it (causal, as the model's)."""
+    digest = hashlib.blake2b(json.dumps(prefix[-8:] + [len(prefix)]).encode(), digest_size=N_EMBD).digest()
+    return [b / 255.0 - 0.5 for b in digest]
+
+
+def normalized(v: list[float], p: int) -> list[float]:
+    """llama-server's embd_normalize: -1 none, 0 max absolute over int16's range, 2 euclidean, else p-norm."""
+    if p == -1:
+        norm = 1.0
+    elif p == 0:
+        norm = max(map(abs, v)) / 32760.0
+    else:
+        norm = sum(abs(x) ** p for x in v) ** (1.0 / p)
+    return [x / norm if norm > 0 else 0.0 for x in v]
+
+
 class FakeEngine:
     def __init__(self, model_path: str, n_ctx: int = 512, kv_type: str = "f16", token_delay: float = 0.0,
-                 prompt_delay: float = 0.0) -> None:
+                 prompt_delay: float = 0.0, fim: bool = False) -> None:
         self.model_path = model_path
         with open(model_path, encoding="utf-8") as f:
             self.model_name = f.read().strip() or "fake"
@@ -82,6 +103,7 @@ class FakeEngine:
         self.kv_type = kv_type
         self.token_delay = token_delay
         self.prompt_delay = prompt_delay
+        self.fim = fim
         self.held: list[int] = []
         self.fail_saves = False  # tests: every SAVE fails before its rename (disk full)
         self.cancel_requested: Callable[[], bool] = lambda: False
@@ -92,7 +114,9 @@ class FakeEngine:
                 "n_ctx": self.n_ctx, "n_ctx_train": 512, "n_vocab": N_VOCAB, "n_layer": 2, "n_embd": 8,
                 "n_params": 1000, "model_size": 4000, "backend": "python", "kv_type": self.kv_type,
                 "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": "chatml",
-                "add_bos": False, "prompt_cache": True}
+                "add_bos": False, "prompt_cache": True, "pooling": "none",
+                "fim_tokens": {"pre": FIM_PRE if self.fim else None, "suf": FIM_SUF if self.fim else None,
+                               "mid": FIM_MID if self.fim else None, "pad": None, "rep": None, "sep": None}}
 
     # --- dispatch ---------------------------------------------------------------------------------
 
@@ -136,16 +160,39 @@ class FakeEngine:
             tokens = pieces
         yield {"event": "result", "tokens": tokens}
 
+    def do_embed(self, arg: dict) -> Iterator[dict]:
+        """Pooled and normalized as the engine's EMBED; the held conversation untouched."""
+        tokens, pooling, p = arg.get("tokens"), arg.get("pooling", "none"), arg.get("normalize", 2)
+        if not tokens or pooling not in POOLINGS or not isinstance(p, int):
+            yield self.error(ErrorKind.INVALID_REQUEST, f"bad EMBED argument {arg!r}")
+            return
+        if len(tokens) > self.n_ctx:
+            yield self.error(ErrorKind.EXCEED_CONTEXT_SIZE, "input too long", n_prompt_tokens=len(tokens),
+                             n_ctx=self.n_ctx)
+            return
+        states = [token_state(tokens[: i + 1]) for i in range(len(tokens))]
+        pooled = {"none": states, "mean": [[sum(col) / len(states) for col in zip(*states, strict=True)]],
+                  "cls": states[:1], "last": states[-1:]}[pooling]
+        rows = pooled if pooling == "none" else [normalized(row, p) for row in pooled]
+        yield {"event": "result", "embedding": rows, "n_tokens": len(tokens)}
+
     def do_detokenize(self, arg: dict) -> Iterator[dict]:
         yield {"event": "result", "content": detokenize(arg.get("tokens", []))}
 
     def do_apply_template(self, arg: dict) -> Iterator[dict]:
-        yield {"event": "result", "prompt": self.render(arg["messages"])}
+        yield {"event": "result", "prompt": self.render_command(arg)}
+
+    @classmethod
+    def render_command(cls, arg: dict) -> str:
+        """ChatML, with the protocol's add_generation_prompt and continue_final_message."""
+        if arg.get("continue_final_message"):
+            return cls.render(arg["messages"][:-1]) + arg["messages"][-1]["content"]
+        return cls.render(arg["messages"], arg.get("add_generation_prompt", True))
 
     @staticmethod
-    def render(messages: list[dict]) -> str:
+    def render(messages: list[dict], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + "<|im_start|>assistant\n"
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
     def do_status(self, arg: dict) -> Iterator[dict]:
         yield {"event": "result", "n_ctx": self.n_ctx, "n_past": len(self.held), "n_tokens_held": len(self.held),
@@ -170,7 +217,7 @@ class FakeEngine:
             yield self.error(ErrorKind.INVALID_REQUEST, "exactly one of prompt and messages")
             return
         if "messages" in arg:
-            prompt = tokenize(self.render(arg["messages"]))
+            prompt = tokenize(self.render_command(arg))
         elif isinstance(arg["prompt"], str):
             prompt = tokenize(arg["prompt"])
         else:
@@ -192,6 +239,9 @@ class FakeEngine:
         if self.prompt_delay:
             time.sleep(self.prompt_delay)
         prompt_ms = (time.perf_counter() - t0) * 1000 + 0.01
+        if arg.get("return_progress"):
+            yield {"event": "progress", "phase": "prompt", "total": len(prompt), "cache": cache_n,
+                   "processed": len(prompt), "time_ms": prompt_ms}
         seq = list(prompt)
         self.held = list(prompt)
         n_predict = arg.get("n_predict", -1)
@@ -244,8 +294,10 @@ class FakeEngine:
             event = {"event": "token", "id": token, "piece": piece_bytes(token).decode("utf-8", "replace"),
                      "content": content}
             if n_probs:
-                event["probs"] = [{"id": t, "token": detokenize([t]), "logprob": lp, "prob": 2.718281828 ** lp}
-                                  for t, lp in cands[:n_probs]]
+                chosen = dict(cands).get(token, -9.0)
+                event |= {"logprob": chosen, "prob": 2.718281828 ** chosen, "bytes": list(piece_bytes(token))}
+                event["probs"] = [{"id": t, "token": detokenize([t]), "bytes": list(piece_bytes(t)), "logprob": lp,
+                                   "prob": 2.718281828 ** lp} for t, lp in cands[:n_probs]]
             yield event
         # The last sampled token is never evaluated, so it is not held (as the real engine).
         self.held = prompt + generated[:-1]

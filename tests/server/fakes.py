@@ -84,7 +84,8 @@ class FakeEngineClient:
     def fail_stop(self) -> None:
         """What the supervisor does after exit 4: a fresh engine, the conversation gone."""
         self.restarts += 1
-        self.engine = FakeEngine(self.engine.model_path, self.engine.n_ctx, self.engine.kv_type)
+        self.engine = FakeEngine(self.engine.model_path, self.engine.n_ctx, self.engine.kv_type,
+                                 fim=self.engine.fim)
 
     def stop(self) -> None:
         self.state = EngineState.STOPPED

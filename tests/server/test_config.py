@@ -13,7 +13,7 @@ from strata_server.config import DEFAULT_PORT, ConfigError, build_config, defaul
 
 def test_defaults(smollm2_path):
     config = build_config()
-    assert config.port == DEFAULT_PORT == 8080 and config.host == "127.0.0.1"
+    assert config.port == DEFAULT_PORT == 8080 and config.host == ("127.0.0.1",)
     assert config.model == default_model_path() == smollm2_path
     assert config.slot_save_path is None and config.metrics is False and config.slots is True
     assert config.engine_argv()[-4:] == ["--model", str(smollm2_path), "--kv-type", "f16"]

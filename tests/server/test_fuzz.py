@@ -14,9 +14,11 @@ JSON = st.recursive(
 KEYS = st.sampled_from(["prompt", "messages", "n_predict", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                         "seed", "stop", "stream", "cache_prompt", "return_tokens", "n_probs", "id_slot", "content",
                         "tokens", "filename", "with_pieces", "add_special", "logprobs", "top_logprobs",
-                        "stream_options", "grammar", "n", "model"])
+                        "stream_options", "grammar", "n", "model", "input", "input_prefix", "input_suffix",
+                        "input_extra", "encoding_format", "embd_normalize"])
 BODIES = st.dictionaries(KEYS, JSON, max_size=6)
-PATHS = st.sampled_from(["/completion", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+PATHS = st.sampled_from(["/completion", "/v1/completions", "/v1/chat/completions", "/infill", "/embeddings",
+                         "/v1/embeddings", "/tokenize", "/detokenize",
                          "/apply-template", "/slots/0?action=save", "/slots/0?action=restore",
                          "/slots/0?action=erase", "/slots/x?action=save"])
 
@@ -24,7 +26,7 @@ PATHS = st.sampled_from(["/completion", "/v1/completions", "/v1/chat/completions
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=PATHS, body=BODIES)
 def test_no_500_on_any_body(make_api, slot_dir, path, body):
-    client, _, _ = make_api(slot_save_path=str(slot_dir))
+    client, _, _ = make_api(slot_save_path=str(slot_dir), fim=True, embedding=True, pooling="mean")
     route, _, query = path.partition("?")
     small = {**body, "n_predict": 2} if "n_predict" not in body and "max_tokens" not in body else body
     result = client.simulate_post(route, query_string=query, body=json.dumps(small),

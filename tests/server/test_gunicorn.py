@@ -118,3 +118,13 @@ def test_concurrent_requests_take_turns(server):
     assert [r.status_code for r in results] == [200, 200, 200]
     assert time.monotonic() - started >= 3 * 30 * 0.01  # one slot: they ran one after another
     assert all(r.json()["tokens_predicted"] == 30 for r in results)
+
+
+def test_listens_on_every_host_given(tmp_path, fake_model):
+    proc = ServerProcess("--model", str(fake_model), "--host", "::1", "--engine-command", engine_command(),
+                         log_path=tmp_path / "server.log").start(60)
+    try:
+        for url in (proc.url, f"http://[::1]:{proc.port}"):  # --host 127.0.0.1 (ServerProcess's) and ::1
+            assert requests.get(url + "/health", timeout=10).json() == {"status": "ok"}, url
+    finally:
+        assert proc.stop() == 0

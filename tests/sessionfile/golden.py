@@ -6,10 +6,14 @@ one rule broken (hashes refreshed where needed so the intended rule, not an earl
 
 Compressed golden files (``*_zstd``) are written with a fixed level, one thread and 4 KiB blocks; their
 bytes depend on libzstd's output, so their JSON records the libzstd version that wrote them.
+
+Authenticated golden files (``*_mac``) are written with GOLDEN_KEY (bytes 0x00..0x1f); bad files named
+``mac_*`` are read with that key, every other bad file without one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import struct
@@ -20,16 +24,21 @@ from pathlib import Path
 import xxhash
 from strata_sessionfile import errors as E
 from strata_sessionfile import inspect, save
+from strata_sessionfile.auth import SessionKey
 from strata_sessionfile.compression import Compression
 from strata_sessionfile.format import (
+    AUTH_EXTENSION_STRUCT,
     BLOCK_ENTRY_STRUCT,
     END_MARKER,
     HEADER_SIZE,
     LAYER_STRUCT,
+    MAC_COVERED_TRAILER,
     TRAILER_SIZE,
     DType,
+    Flags,
     LayerRole,
     Part,
+    trailer_size,
 )
 from strata_sessionfile.identity import config_fingerprint, model_identity_from_files
 from strata_sessionfile.records import (
@@ -59,7 +68,17 @@ GOLDEN_CONFIG = {"engine": "golden", "engine_version": "1.0.0", "backend": "nump
 
 GOLDEN_BLOCK_SIZE = 4096
 # name -> how that golden file is compressed (absent: not compressed).
-GOLDEN_COMPRESSION = {"empty_zstd": Compression("zstd", level=3), "kv_f16_zstd": Compression("zstd", level=3)}
+GOLDEN_COMPRESSION = {"empty_zstd": Compression("zstd", level=3), "kv_f16_zstd": Compression("zstd", level=3),
+                      "kv_f16_zstd_mac": Compression("zstd", level=3)}
+GOLDEN_KEY = SessionKey(bytes(range(32)))
+OTHER_KEY = SessionKey(bytes([0xA5]) * 32)
+# name -> the key that golden file is authenticated with (absent: not authenticated).
+GOLDEN_KEYS = {"small_f16_mac": GOLDEN_KEY, "kv_f16_zstd_mac": GOLDEN_KEY}
+
+
+def trailer_start(data: bytes | bytearray) -> int:
+    """Where the trailer of file bytes ``data`` starts (its size from the header's flags)."""
+    return len(data) - trailer_size(struct.unpack_from("<H", data, 10)[0])
 
 
 def kv_like_f16(n_values: int, seed: int, *, scale: float, sparsity: float = 0.0) -> bytes:
@@ -115,6 +134,9 @@ def golden_sessions() -> dict[str, tuple[EngineIdentity, Snapshot, list[list[byt
                  b"", b"", b""] for li in range(2)]
     state = RunningState(list(range(100, 100 + n)), n, b"", Checkpoint(n, b""), b"")
     out["kv_f16_zstd"] = (ident, Snapshot(state, layers), kv_parts)
+    # Authenticated (GOLDEN_KEYS): a plain and a compressed file.
+    out["small_f16_mac"] = out["small_f16"]
+    out["kv_f16_zstd_mac"] = out["kv_f16_zstd"]
     return out
 
 
@@ -134,12 +156,13 @@ def golden_adapter(name: str, *, staging: bool = False) -> MemoryAdapter:
 def expected_json(ident: EngineIdentity, snap: Snapshot, parts, data: bytes) -> dict:
     hdr = data[:HEADER_SIZE]
     st = snap.state
-    return {
+    tail = trailer_start(data)
+    out = {
         "file_size": len(data),
         "header": {
             "magic": hdr[:8].hex(), "format_version": 1, "flags": struct.unpack_from("<H", hdr, 10)[0],
             "model_fingerprint": ident.model.fingerprint.hex(), "config_fingerprint": ident.config.fingerprint.hex(),
-            "payload_length": len(data) - HEADER_SIZE - TRAILER_SIZE,
+            "payload_length": tail - HEADER_SIZE,
             "header_hash": hdr[56:64][::-1].hex(),
         },
         "model_files": [{"role": f.role, "size": f.size, "digest": f.digest.hex()} for f in ident.model.files],
@@ -153,8 +176,12 @@ def expected_json(ident: EngineIdentity, snap: Snapshot, parts, data: bytes) -> 
                     "window": g.spec.window, "tokens_held": g.tokens_held, "extra_bytes": g.spec.extra_bytes,
                     "parts": {p.name.lower(): parts[li][p][:g.part_size(p)].hex() for p in Part}}
                    for li, g in enumerate(snap.layers)],
-        "payload_hash": data[-TRAILER_SIZE:-8].hex(),
+        "payload_hash": data[tail:tail + 16].hex(),
     }
+    if struct.unpack_from("<H", data, 10)[0] & Flags.AUTHENTICATED:
+        key_id, digest, mac = AUTH_EXTENSION_STRUCT.unpack_from(data, tail + 16)
+        out["authentication"] = {"key_id": key_id.hex(), "payload_digest": digest.hex(), "mac": mac.hex()}
+    return out
 
 
 def golden_bytes(name: str) -> tuple[bytes, dict]:
@@ -162,7 +189,8 @@ def golden_bytes(name: str) -> tuple[bytes, dict]:
     compression = GOLDEN_COMPRESSION.get(name)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / f"{name}.ssf"
-        save(path, adapter_for(ident, snap, parts), block_size=GOLDEN_BLOCK_SIZE, compression=compression)
+        save(path, adapter_for(ident, snap, parts), block_size=GOLDEN_BLOCK_SIZE, compression=compression,
+             key=GOLDEN_KEYS.get(name))
         data = path.read_bytes()
         expected = expected_json(ident, snap, parts, data)
         if compression is not None:
@@ -174,13 +202,18 @@ def golden_bytes(name: str) -> tuple[bytes, dict]:
 
 
 # --- bad files --------------------------------------------------------------------------------------
-def refresh(data: bytes | bytearray, *, header: bool = True, payload: bool = True) -> bytes:
-    """Recompute the header hash and/or the payload hash of (edited) file bytes."""
+def refresh(data: bytes | bytearray, *, header: bool = True, payload: bool = True,
+            key: SessionKey | None = None) -> bytes:
+    """Recompute the header hash and/or the payload hash of (edited) file bytes; with ``key``, the payload
+    digest is left as it is and the MAC recomputed (a file the key's holder made inconsistent)."""
     b = bytearray(data)
+    tail = trailer_start(b)
     if payload:
-        b[-TRAILER_SIZE:-8] = xxhash.xxh3_128_digest(bytes(b[HEADER_SIZE:-TRAILER_SIZE]))
+        b[tail:tail + 16] = xxhash.xxh3_128_digest(bytes(b[HEADER_SIZE:tail]))
     if header:
         b[56:64] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(b[:56])))
+    if key is not None:
+        b[tail + 64:tail + 96] = key.mac(bytes(b[:HEADER_SIZE]), bytes(b[tail:tail + MAC_COVERED_TRAILER]))
     return bytes(b)
 
 
@@ -216,7 +249,7 @@ def bad_files() -> dict[str, tuple[bytes, type[E.SessionFileError]]]:
     out["header_hash"] = (edit(small, 56, b"\x00", header=False, payload=False), E.HeaderCorrupt)
     out["header_bit_flip"] = (edit(small, 20, bytes([small[20] ^ 4]), header=False, payload=False), E.HeaderCorrupt)
     out["unsupported_version"] = (edit(small, 8, struct.pack("<H", 2)), E.UnsupportedVersion)
-    out["unsupported_flags"] = (edit(small, 10, struct.pack("<H", 2)), E.UnsupportedFlags)  # bit 0 is known
+    out["unsupported_flags"] = (edit(small, 10, struct.pack("<H", 4)), E.UnsupportedFlags)  # bits 0 and 1 are known
     out["compressed_flag_on_plain_data"] = (edit(small, 10, struct.pack("<H", 1)), E.UnsupportedCompression)
     out["reserved_header"] = (edit(small, 12, struct.pack("<I", 7)), E.HeaderCorrupt)
     out["payload_too_large"] = (edit(small, 48, struct.pack("<Q", 1 << 50)), E.LimitExceeded)
@@ -251,6 +284,46 @@ def bad_files() -> dict[str, tuple[bytes, type[E.SessionFileError]]]:
                                   E.MetadataInvalid)  # the geometry no longer adds up to the payload length
     out["too_many_layers"] = (edit(small, _layer_record_offset(small, 0) - 4, struct.pack("<I", 5000)), E.LimitExceeded)
     out.update(bad_compressed_files())
+    out.update(bad_authenticated_files())
+    return out
+
+
+# --- bad authenticated files (the mac_* ones are read with GOLDEN_KEY) ------------------------------------
+def authenticated_bytes(name: str, key: SessionKey) -> bytes:
+    """Golden session ``name`` written with ``key``."""
+    ident, snap, parts = golden_sessions()[name]
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "x.ssf"
+        save(path, adapter_for(ident, snap, parts), block_size=GOLDEN_BLOCK_SIZE, key=key)
+        return path.read_bytes()
+
+
+def bad_authenticated_files() -> dict[str, tuple[bytes, type[E.SessionFileError]]]:
+    small, _ = golden_bytes("small_f16")
+    mac, _ = golden_bytes("small_f16_mac")
+    tail = trailer_start(mac)
+    out: dict[str, tuple[bytes, type[E.SessionFileError]]] = {}
+
+    def flipped(offset: int) -> bytes:
+        b = bytearray(mac)
+        b[offset] ^= 1
+        return bytes(b)
+
+    # The flag set on a file whose trailer has no extension: 80 bytes short of what the header promises.
+    out["authenticated_flag_without_extension"] = (refresh(small[:10] + struct.pack("<H", Flags.AUTHENTICATED)
+                                                           + small[12:], payload=False), E.Truncated)
+    out["mac_missing"] = (small, E.MacMissing)  # a valid file, but a reader with a key requires a MAC
+    out["mac_wrong_key"] = (authenticated_bytes("small_f16", OTHER_KEY), E.MacWrongKey)
+    out["mac_flipped"] = (flipped(tail + 64), E.MacMismatch)
+    out["mac_key_id_flipped"] = (flipped(tail + 16), E.MacWrongKey)
+    out["mac_payload_digest_flipped"] = (flipped(tail + 32), E.MacMismatch)
+    out["mac_payload_hash_flipped"] = (flipped(tail), E.MacMismatch)  # the MAC is checked before the payload hash
+    # A data byte changed, the payload hash refreshed: only the MAC's payload digest (SHA-256) tells. The MAC is
+    # recomputed with the key, so K1-K3 pass and K4 refuses; without the key, XXH3 alone would accept it.
+    b = bytearray(mac)
+    b[tail - 1] ^= 1
+    out["mac_payload_digest_mismatch"] = (refresh(b, header=False, key=GOLDEN_KEY), E.PayloadNotAuthentic)
+    assert hashlib.sha256(out["mac_payload_digest_mismatch"][0][HEADER_SIZE:tail]).digest() != mac[tail + 32:tail + 64]
     return out
 
 

@@ -3,6 +3,8 @@ file raises exactly its named error; both sets are reproducible from tests/sessi
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 
 import pytest
@@ -38,8 +40,19 @@ def test_golden_file_is_reproducible(name):
 def test_golden_file_decodes_to_its_json(name):
     path = golden.GOLDEN_DIR / f"{name}.ssf"
     expected = json.loads((golden.GOLDEN_DIR / f"{name}.json").read_text())
-    info = inspect(path)
-    assert info.payload_verified
+    key = golden.GOLDEN_KEYS.get(name)
+    info = inspect(path, key=key)
+    assert info.payload_verified and info.mac_verified == (key is not None) == info.authenticated
+    if key is not None:  # the extension is what section 4.1 computes from the file's own bytes and the key
+        data = path.read_bytes()
+        tail = golden.trailer_start(data)
+        auth = expected["authentication"]
+        assert auth["key_id"] == key.key_id.hex() == data[tail + 16:tail + 32].hex()
+        assert auth["payload_digest"] == hashlib.sha256(data[64:tail]).hexdigest() == data[tail + 32:tail + 64].hex()
+        assert auth["mac"] == hmac.new(bytes(range(32)), b"strata-session-mac-v1\0" + data[:64] + data[tail:tail + 64],
+                                       "sha256").hexdigest() == data[tail + 64:tail + 96].hex()
+    else:
+        assert "authentication" not in expected
     assert info.layout.file_size == expected["file_size"] == path.stat().st_size
     h = expected["header"]
     assert info.header.flags == h["flags"]
@@ -100,11 +113,12 @@ def test_golden_file_restores_and_reencodes_byte_for_byte(name, mode, tmp_path):
     ident, snap, _parts = golden.golden_sessions()[name]
     target = MemoryAdapter(ident, [g.spec for g in snap.layers], max_tokens=64, vocab_size=300000,
                            staging=(mode == "staged"))
-    report = restore(golden.GOLDEN_DIR / f"{name}.ssf", target, mode=mode, block_size=4096)
+    key = golden.GOLDEN_KEYS.get(name)
+    report = restore(golden.GOLDEN_DIR / f"{name}.ssf", target, mode=mode, block_size=4096, key=key)
     assert report.mode == mode and report.n_tokens == snap.state.n_tokens
     _skip_if_another_libzstd(name)
     out = tmp_path / "again.ssf"
-    save(out, target, block_size=golden.GOLDEN_BLOCK_SIZE, compression=golden.GOLDEN_COMPRESSION.get(name))
+    save(out, target, block_size=golden.GOLDEN_BLOCK_SIZE, compression=golden.GOLDEN_COMPRESSION.get(name), key=key)
     assert out.read_bytes() == (golden.GOLDEN_DIR / f"{name}.ssf").read_bytes()
 
 
@@ -120,7 +134,35 @@ def test_bad_files_are_reproducible():
 def test_bad_file_raises_its_named_error(name):
     reason = BAD[name]
     cls = E.all_reasons()[reason]
+    key = golden.GOLDEN_KEY if name.startswith("mac_") else None
     with pytest.raises(E.SessionFileError) as info:
-        inspect(golden.BAD_DIR / name)
+        inspect(golden.BAD_DIR / name, key=key)
     assert type(info.value) is cls, f"{name}: {type(info.value).__name__}: {info.value}"
     assert info.value.reason == reason
+
+
+@pytest.mark.parametrize("name", sorted(n for n in BAD if n.startswith("mac_")))
+def test_bad_authenticated_file_is_refused_before_the_adapter_sees_it(name):
+    """Read with the golden key, every mac_* file is refused in either mode with the adapter's session
+    untouched: K1-K3 before the metadata is read, K4 at the end of the read pass (streaming) or before
+    commit_staged (staged)."""
+    ident, snap, _parts = golden.golden_sessions()["small_f16"]
+    for staging in (False, True):
+        target = MemoryAdapter(ident, [g.spec for g in snap.layers], max_tokens=64, vocab_size=300000,
+                               staging=staging)
+        before = target.live_digest()
+        with pytest.raises(E.AuthenticationFailed) as info:
+            restore(golden.BAD_DIR / name, target, block_size=4096, key=golden.GOLDEN_KEY)
+        assert info.value.reason == BAD[name]
+        assert not {"begin_apply", "copy_in", "commit", "fail_stop", "commit_staged"} & set(target.events)
+        if info.value.reason != "payload_not_authentic":  # K1-K3: nothing at all reached the adapter
+            assert not {"begin_staging", "stage_in"} & set(target.events), target.events
+        assert target.live_digest() == before
+
+
+def test_bad_authenticated_files_read_without_a_key():
+    """Without a key the extension is not checked: a MAC made with another key or a flipped MAC byte reads as
+    the valid file it otherwise is; the forged payload still passes XXH3 (only the key's holder can tell)."""
+    for name in ("mac_wrong_key", "mac_flipped", "mac_key_id_flipped", "mac_payload_digest_flipped",
+                 "mac_payload_digest_mismatch", "mac_missing"):
+        assert inspect(golden.BAD_DIR / f"{name}.ssf").payload_verified, name

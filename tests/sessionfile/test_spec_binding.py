@@ -42,10 +42,34 @@ def test_header_table_matches_code():
 
 
 def test_trailer_and_alignment_match_code():
-    rows = table_rows(section("## 4. Trailer"))
+    text = section("## 4. Trailer")
+    rows = table_rows(text[:text.index("### 4.1")])
     assert [(int(r[0]), int(r[1]), r[2]) for r in rows] == [(0, 16, "payload_hash"), (16, 8, "end_marker")]
     assert hex_bytes(rows[1][3]) == F.END_MARKER
     assert F.TRAILER_SIZE == 24 and "multiple of 4096" in SPEC and F.DATA_ALIGNMENT == 4096
+
+
+def test_authenticated_trailer_matches_code():
+    """Section 4.1's trailer, domain tags and key size are the code's; its MAC recipe is the code's MAC."""
+    import hashlib
+    import hmac
+
+    from strata_sessionfile.auth import SessionKey, auth_extension
+
+    text = section("### 4.1 Authenticated files")
+    rows = table_rows(text)
+    assert [(int(r[0]), int(r[1]), r[2]) for r in rows] == [
+        (0, 16, "payload_hash"), (16, 16, "key_id"), (32, 32, "payload_digest"), (64, 32, "mac"), (96, 8, "end_marker")]
+    assert sum(int(r[1]) for r in rows) == F.AUTH_TRAILER_SIZE == 104
+    assert F.AUTH_EXTENSION_STRUCT.size == 80 and f"trailer bytes [0, {F.MAC_COVERED_TRAILER})" in rows[3][3]
+    domains = [d.encode() + b"\x00" for d in re.findall(r"`(strata-session-[a-z-]+-v1)\\0`", text)]
+    assert domains == [F.KEY_ID_DOMAIN, F.MAC_DOMAIN]
+    assert f"exactly {F.KEY_SIZE} bytes" in text
+    key = bytes(range(32))
+    header, payload_hash, digest = bytes(range(64)), bytes(16), hashlib.sha256(b"").digest()
+    key_id = hmac.new(key, F.KEY_ID_DOMAIN, "sha256").digest()[:16]
+    mac = hmac.new(key, F.MAC_DOMAIN + header + payload_hash + key_id + digest, "sha256").digest()
+    assert auth_extension(SessionKey(key), header, payload_hash, digest) == key_id + digest + mac
 
 
 def test_limits_table_matches_code():
@@ -153,7 +177,8 @@ def test_only_the_byte_seam_does_file_io():
 
     package = Path(strata_sessionfile.__file__).parent
     # What else may touch files: the model files (identity), /proc/meminfo (memory), the kit's damaged files.
-    allowed = {"_fileio.py", "identity.py", "memory.py"}
+    # ... and the session key file (auth).
+    allowed = {"_fileio.py", "identity.py", "memory.py", "auth.py"}
     calls = re.compile(r"\bos\.(open|pread|preadv|pwrite|write|fsync|replace|rename|unlink|posix_fallocate)\(|"
                        r"(?<![\w.])open\(")
     offenders = [f"{path.relative_to(package)}:{n}" for path in sorted(package.rglob("*.py"))
@@ -176,8 +201,9 @@ def test_inspect_usage_and_exit_codes_match_code():
 
     text = section("## 11. `strata-sessionfile inspect`")
     usage = re.search(r"`strata-sessionfile inspect FILE ([^`]*)`", text).group(1)
-    assert sorted(re.findall(r"--[a-z]+", usage)) == sorted(
+    assert sorted(re.findall(r"--[a-z-]+", usage)) == sorted(
         a.option_strings[0] for a in cli.inspect_parser()._actions if a.option_strings and a.dest != "help")
     codes = {int(r[0]): r[1].split(":")[0].split(" (")[0] for r in table_rows(text[text.index("| code |"):])}
     assert codes == {cli.EXIT_VALID: "valid", cli.EXIT_INVALID: "invalid", cli.EXIT_UNREADABLE: "unreadable",
-                     cli.EXIT_UNSUPPORTED: "unsupported here", cli.EXIT_USAGE: "usage error"}
+                     cli.EXIT_UNSUPPORTED: "unsupported here", cli.EXIT_UNAUTHENTICATED: "unauthenticated",
+                     cli.EXIT_USAGE: "usage error"}

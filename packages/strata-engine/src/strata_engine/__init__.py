@@ -1,10 +1,12 @@
 """strata-engine: a reference GGUF inference engine on NumPy (CPU) and CuPy (GPU).
 
 Modules: `gguf` (lean reader, dequantization), `config` (ModelConfig), `ops` (the `Ops` interface and its
-numpy / cupy backends), `models` (one module per family), `kv` (the K/V pools, rings, placements,
+numpy / cupy backends), `models` (one module per family), `embedding` (EMBED), `kv` (the K/V pools, rings, placements,
 checkpoints), `runner` (ModelRunner: prefill with prompt cache, decode, erase), `session` (the session
 file adapter and its verbs), `protocol` (the engine protocol's vocabulary, registry and loop), `serve`
-(the verbs on it), `settings` (and the vocabularies: K/V types, compute dtypes, backends), `errors`.
+(the verbs on it), `completion` (the generation loop), `sampling` (the sampler chain), `constraints`
+(structured output with llguidance), `settings` (and the vocabularies: K/V types, compute dtypes,
+backends), `errors`.
 """
 
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import ChatTemplateError
+from .settings import ChatTemplateName, chat_template_problem, values
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ CHATML = (
 
 # general.architecture -> the template for files that carry none
 BUILTIN_TEMPLATES: Mapping[str, str] = {"gemma3": GEMMA_TURNS, "gemma2": GEMMA_TURNS, "gemma": GEMMA_TURNS}
+
+# --chat-template NAME -> its template
+NAMED_TEMPLATES: Mapping[ChatTemplateName, str] = {ChatTemplateName.CHATML: CHATML, ChatTemplateName.GEMMA: GEMMA_TURNS}
 
 
 def _raise_exception(message: str) -> None:
@@ -123,10 +127,24 @@ class ChatTemplate:
         return cls(source=source, origin=origin, bos_token=bos_token, eos_token=eos_token, _template=template)
 
     @classmethod
-    def for_model(cls, metadata: Mapping[str, Any], tokenizer: Tokenizer) -> ChatTemplate:
-        """The file's template, else the built-in one of its architecture, else ChatML."""
+    def configured(cls, value: str, *, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
+        """`--chat-template`'s value: a built-in name (`ChatTemplateName`) or a jinja template."""
+        if value in values(ChatTemplateName):
+            return cls.from_source(NAMED_TEMPLATES[ChatTemplateName(value)], origin=f"builtin:{value}",
+                                   bos_token=bos_token, eos_token=eos_token)
+        problem = chat_template_problem(value)
+        if problem:
+            raise ChatTemplateError(f"chat template {problem}")
+        return cls.from_source(value, origin="custom", bos_token=bos_token, eos_token=eos_token)
+
+    @classmethod
+    def for_model(cls, metadata: Mapping[str, Any], tokenizer: Tokenizer, override: str | None = None) -> ChatTemplate:
+        """`override` (`configured`) if given, else the file's template, else the built-in one of its
+        architecture, else ChatML."""
         bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
         eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+        if override is not None:
+            return cls.configured(override, bos_token=bos, eos_token=eos)
         source = metadata.get("tokenizer.chat_template")
         if isinstance(source, str) and source.strip():
             try:
@@ -140,8 +158,19 @@ class ChatTemplate:
         return cls.from_source(CHATML, origin="builtin:chatml", bos_token=bos, eos_token=eos)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               **extra: Any) -> str:
+               continue_final_message: bool = False, **extra: Any) -> str:
+        """The prompt for `messages`. With `continue_final_message` the last message, the assistant's, is left
+        open for the model to continue (llama-server's assistant prefill): the others are rendered with the
+        generation prompt and the last one's text is appended."""
         normalized = normalize_messages(list(messages))
+        if not continue_final_message:
+            return self._render(normalized, add_generation_prompt, extra)
+        if normalized[-1]["role"] != "assistant":
+            raise ChatTemplateError("continue_final_message needs the last message to be the assistant's, "
+                                    f"got {normalized[-1]['role']!r}")
+        return self._render(normalized[:-1], True, extra) + normalized[-1]["content"]
+
+    def _render(self, normalized: list[dict[str, str]], add_generation_prompt: bool, extra: Mapping[str, Any]) -> str:
         try:
             return self._template.render(
                 messages=normalized,

@@ -16,7 +16,7 @@ import strata_sessionfile as sf
 from .errors import EngineError, UsageError
 from .protocol import ExitStatus
 from .serve import serve
-from .settings import Backend, ComputeDType, EngineSettings, KVType, values
+from .settings import Backend, ChatTemplateName, ComputeDType, EngineSettings, KVType, values
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,6 +66,20 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--backend", choices=values(Backend), default=Backend.NUMPY.value, help="compute backend (default numpy)"
+    )
+    parser.add_argument(
+        "--threads", "-t", type=int, default=None, help="CPU threads for the host's math (default: the libraries' choice)"
+    )
+    template = parser.add_mutually_exclusive_group()
+    template.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME|JINJA",
+        help=f"chat template instead of the model's: a built-in name ({', '.join(values(ChatTemplateName))}) or a "
+        "jinja template",
+    )
+    template.add_argument(
+        "--chat-template-file", type=_file_text, default=None, metavar="FILE", help="a file with a jinja chat template"
     )
     parser.add_argument("--log-level", default="WARNING", help="log level on stderr (default WARNING)")
 
@@ -120,7 +134,29 @@ def _settings(args: argparse.Namespace) -> EngineSettings:
         prefill_chunk=args.prefill_chunk,
         cuda_graphs=args.cuda_graphs,
         backend=args.backend,
+        threads=args.threads,
+        chat_template=_chat_template(args),
     )
+
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    return args.chat_template_file if args.chat_template_file is not None else args.chat_template
+
+
+def _file_text(path: str) -> str:
+    """An argument that names a UTF-8 text file: its text (argparse reports a failure as a usage error)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
+
+
+def _limit_threads(threads: int | None) -> None:
+    """Hold the BLAS thread pools to `threads` (numpy's BLAS is loaded by now: serve imports numpy)."""
+    if threads is not None and threads > 0:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=threads, user_api="blas")
 
 
 def _generate(args: argparse.Namespace) -> ExitStatus:
@@ -142,7 +178,7 @@ def _generate(args: argparse.Namespace) -> ExitStatus:
     try:
         runner = ModelRunner.load(settings)
         tokenizer = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
-        template = ChatTemplate.for_model(runner.gguf.metadata, tokenizer)
+        template = ChatTemplate.for_model(runner.gguf.metadata, tokenizer, settings.chat_template)
     except (EngineError, OSError, ValueError) as exc:
         print(f"strata-engine generate: cannot load {settings.model_path}: {exc}", file=sys.stderr)
         return ExitStatus.MODEL_LOAD
@@ -201,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    _limit_threads(args.threads)
     if args.command == "serve":
         from .session import SessionOptions
 

@@ -1,10 +1,14 @@
 """The completion loop: a validated request, the prompt (text, token ids, or chat messages), prefill
 through the runner (prompt cache inside), then sample / stream / decode until a stop condition.
 
+Each step: the logits, masked by the request's constraint (constraints.py) if it has one, go through
+the sampler chain (sampling.py); the sampled token is committed to the constraint.
+
 Stop conditions, checked on every sampled token, in this order: a stop string completed by the token's
-text (`word`), an end-of-generation token (`eos`, unless `ignore_eos`), `n_predict` reached or the
-context full (`limit`), a cancellation (`cancelled`). The token that ends the generation is reported
-like the others but is never evaluated, so the runner holds prompt + generated - 1 tokens.
+text (`word`), an end-of-generation token (`eos`, unless `ignore_eos`), the constraint complete with
+nothing but end-of-generation left to allow (`eos`), `n_predict` reached or the context full
+(`limit`), a cancellation (`cancelled`). The token that ends the generation is reported like the others
+but is never evaluated, so the runner holds prompt + generated - 1 tokens.
 
 Streamed text is safe to show: bytes of an incomplete UTF-8 character and any tail that could still
 become a stop string are held back, and released with a later token or dropped when a stop string
@@ -14,6 +18,7 @@ matches (`StopStringFilter`).
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,12 +28,26 @@ import attrs
 import numpy as np
 
 from .chat import ChatTemplate
+from .constraints import ConstraintCompiler, ConstraintKind, OutputConstraint
 from .errors import ContextOverflow, InvalidRequest
-from .sampling import Sampler, SamplerState, SamplingParams, random_seed, top_n_logprobs
+from .sampling import (
+    Candidates,
+    Sampler,
+    SamplerState,
+    SamplingParams,
+    best_indices,
+    final_probs,
+    random_seed,
+    token_logprob,
+    top_n_logprobs,
+)
 from .tokenizer import Tokenizer, Utf8Stream
 
 MAX_N_PROBS = 100
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 65536  # pairs in one request
+# The log-probability reported for probability 0 (llama-server's: the lowest float, JSON has no -inf).
+LOGPROB_OF_ZERO = -3.4028234663852886e38
 
 
 class StopType(enum.Enum):
@@ -47,6 +66,9 @@ class CompletionRequest:
 
     prompt: str | tuple[str | int, ...] | None = None
     messages: tuple[Mapping[str, Any], ...] | None = None
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn header
+    continue_final_message: bool = False  # messages: continue the last (assistant) message instead
+    return_progress: bool = False  # report the prefill's progress after each chunk
     add_special: bool | None = None  # None: the model's add_bos
     n_predict: int = -1
     sampling: SamplingParams = SamplingParams()
@@ -55,6 +77,9 @@ class CompletionRequest:
     ignore_eos: bool = False
     cache_prompt: bool = True
     n_probs: int = 0
+    post_sampling_probs: bool = False
+    logit_bias: tuple[tuple[int | str, float], ...] = ()  # strings are tokenized; -inf bans
+    constraint: OutputConstraint | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -70,6 +95,9 @@ def _is_number(value: Any) -> bool:
 # n_predict -2, "until the context is full", is the same as -1 here).
 _SCALAR_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "add_special": (lambda v: isinstance(v, bool), "a boolean"),
+    "add_generation_prompt": (lambda v: isinstance(v, bool), "a boolean"),
+    "continue_final_message": (lambda v: isinstance(v, bool), "a boolean"),
+    "return_progress": (lambda v: isinstance(v, bool), "a boolean"),
     "n_predict": (lambda v: _is_int(v) and v >= -2, "an integer >= -2"),
     "temperature": (_is_number, "a finite number"),
     "top_k": (_is_int, "an integer"),
@@ -77,11 +105,56 @@ _SCALAR_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "min_p": (_is_number, "a finite number"),
     "repeat_penalty": (lambda v: _is_number(v) and v > 0.0, "a number > 0"),
     "repeat_last_n": (lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
+    "frequency_penalty": (_is_number, "a finite number"),
+    "presence_penalty": (_is_number, "a finite number"),
     "seed": (lambda v: _is_int(v) and -1 <= v < 2**64, "an integer in [-1, 2^64)"),
     "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
     "cache_prompt": (lambda v: isinstance(v, bool), "a boolean"),
     "n_probs": (lambda v: _is_int(v) and 0 <= v <= MAX_N_PROBS, f"an integer in [0, {MAX_N_PROBS}]"),
+    "post_sampling_probs": (lambda v: isinstance(v, bool), "a boolean"),
+    "grammar": (lambda v: isinstance(v, str), "a string (GBNF)"),
+    "json_schema": (lambda v: isinstance(v, (Mapping, bool)), "a JSON schema (an object or a boolean)"),
 }
+
+
+def _parse_logit_bias(raw: Any, problems: list[str]) -> tuple[tuple[int | str, float], ...]:
+    """[[token id or text, bias or false], ...]; false bans (-inf)."""
+    if raw is None:
+        return ()
+    good = f"logit_bias must be a list of at most {MAX_LOGIT_BIAS} [token id or text, number or false] pairs"
+    if not isinstance(raw, list) or len(raw) > MAX_LOGIT_BIAS:
+        problems.append(good)
+        return ()
+    pairs: list[tuple[int | str, float]] = []
+    for index, pair in enumerate(raw):
+        if not (isinstance(pair, list) and len(pair) == 2):
+            problems.append(f"{good}; item {index} is {pair!r}")
+            return ()
+        token, bias = pair
+        if not ((_is_int(token) and token >= 0) or (isinstance(token, str) and token)):
+            problems.append(f"logit_bias[{index}][0] must be a token id >= 0 or a non-empty text, got {token!r}")
+        elif bias is False:
+            pairs.append((token, -math.inf))
+        elif _is_number(bias):
+            pairs.append((token, float(bias)))
+        else:
+            problems.append(f"logit_bias[{index}][1] must be a finite number or false, got {bias!r}")
+    return tuple(pairs)
+
+
+def _parse_constraint(obj: Mapping[str, Any], problems: list[str]) -> OutputConstraint | None:
+    """The request's `json_schema` or `grammar` (an empty grammar is none); not both."""
+    schema, grammar = obj.get("json_schema"), obj.get("grammar")
+    if grammar == "":
+        grammar = None
+    if schema is not None and grammar is not None:
+        problems.append("give json_schema or grammar, not both")
+        return None
+    if schema is not None and isinstance(schema, (Mapping, bool)):
+        return OutputConstraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+    if grammar is not None and isinstance(grammar, str):
+        return OutputConstraint(ConstraintKind.GRAMMAR, grammar)
+    return None
 
 
 def parse_request(obj: Any) -> CompletionRequest:
@@ -124,6 +197,8 @@ def parse_request(obj: Any) -> CompletionRequest:
             stop = tuple(raw_stop)
         else:
             problems.append(f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings")
+    bias = _parse_logit_bias(obj.get("logit_bias"), problems)
+    constraint = _parse_constraint(obj, problems)
     if problems:
         raise InvalidRequest(problems)
 
@@ -139,11 +214,16 @@ def parse_request(obj: Any) -> CompletionRequest:
         min_p=float(get("min_p", defaults.min_p)),
         repeat_penalty=float(get("repeat_penalty", defaults.repeat_penalty)),
         repeat_last_n=get("repeat_last_n", defaults.repeat_last_n),
+        frequency_penalty=float(get("frequency_penalty", defaults.frequency_penalty)),
+        presence_penalty=float(get("presence_penalty", defaults.presence_penalty)),
     )
     return CompletionRequest(
         prompt=prompt,
         messages=messages,
         add_special=obj.get("add_special"),
+        add_generation_prompt=get("add_generation_prompt", True),
+        continue_final_message=get("continue_final_message", False),
+        return_progress=get("return_progress", False),
         n_predict=max(get("n_predict", -1), -1),
         sampling=sampling,
         seed=get("seed", -1),
@@ -151,6 +231,9 @@ def parse_request(obj: Any) -> CompletionRequest:
         ignore_eos=get("ignore_eos", False),
         cache_prompt=get("cache_prompt", True),
         n_probs=get("n_probs", 0),
+        post_sampling_probs=get("post_sampling_probs", False),
+        logit_bias=bias,
+        constraint=constraint,
     )
 
 
@@ -207,6 +290,7 @@ class StopStringFilter:
 class TokenProb:
     id: int
     token: str
+    bytes: tuple[int, ...]  # the token's own bytes (`token` shows an incomplete character as U+FFFD)
     logprob: float
     prob: float
 
@@ -216,7 +300,19 @@ class TokenEvent:
     id: int
     piece: str
     content: str
-    probs: tuple[TokenProb, ...] | None = None
+    probs: tuple[TokenProb, ...] | None = None  # with n_probs: the top candidates, best first
+    chosen: TokenProb | None = None  # with n_probs: the sampled token's own probability
+
+
+@attrs.frozen
+class PromptProgress:
+    """The prefill so far, as llama-server's `prompt_progress`: prompt tokens in all, reused from the held
+    conversation, held now (reused + evaluated), and milliseconds since the prefill began."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
 
 
 @attrs.frozen
@@ -248,7 +344,8 @@ class Timings:
             predicted_n=predicted_n,
             predicted_ms=1000.0 * predicted_s,
             predicted_per_token_ms=per_token_ms(predicted_n, predicted_s),
-            predicted_per_second=per_second(predicted_n, predicted_s),
+            # llama-server's generation clock starts at the first token: one token has no rate.
+            predicted_per_second=per_second(predicted_n, predicted_s) if predicted_n > 1 else 0.0,
         )
 
 
@@ -278,7 +375,8 @@ class Runner(Protocol):
     def n_held(self) -> int: ...
 
     # .logits (None when should_stop ended it early), .cache_n, .prompt_n
-    def prefill(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> Any: ...
+    def prefill(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None,
+                on_chunk: Callable[[int, int], None] | None = None) -> Any: ...
 
     def decode(self, token: int) -> np.ndarray: ...
 
@@ -296,17 +394,30 @@ class Completer:
         self.template = template
         self._clock = clock
         self.sampler_state = sampler_state or SamplerState.seeded(random_seed())
+        self.constraints = ConstraintCompiler(tokenizer)
+
+    def _refuse_unfit(self, min_tokens: int) -> None:
+        """Refuse, before tokenizing, a prompt whose length in bytes already shows it cannot fit."""
+        if min_tokens > self.runner.n_ctx:
+            raise ContextOverflow(min_tokens, self.runner.n_ctx, at_least=True)
 
     def prompt_tokens(self, request: CompletionRequest) -> list[int]:
         tok = self.tokenizer
         add_special = tok.add_bos if request.add_special is None else request.add_special
         if request.messages is not None:
-            text = self.template.render(list(request.messages), add_generation_prompt=True)
+            text = self.template.render(list(request.messages), add_generation_prompt=request.add_generation_prompt,
+                                        continue_final_message=request.continue_final_message)
+            self._refuse_unfit(tok.min_tokens(text, add_special=add_special))
             tokens = tok.encode(text, add_special=add_special, parse_special=True)
         elif isinstance(request.prompt, str):
+            self._refuse_unfit(tok.min_tokens(request.prompt, add_special=add_special))
             tokens = tok.encode(request.prompt, add_special=add_special, parse_special=True)
         else:
             assert request.prompt is not None
+            self._refuse_unfit(sum(
+                tok.min_tokens(part, add_special=add_special and i == 0) if isinstance(part, str) else 1
+                for i, part in enumerate(request.prompt)
+            ))  # fmt: skip
             # llama-server's tokenize_mixed: only a leading string gets the BOS
             tokens = []
             for i, part in enumerate(request.prompt):
@@ -321,23 +432,78 @@ class Completer:
             raise InvalidRequest(["the prompt is empty (no tokens)"])
         return tokens
 
+    def logit_bias(self, pairs: Sequence[tuple[int | str, float]]) -> tuple[tuple[int, float], ...]:
+        """The request's bias pairs on token ids: a text biases each of its tokens (tokenized without
+        special tokens, as llama-server does); an id outside the vocabulary is refused."""
+        tok = self.tokenizer
+        out: list[tuple[int, float]] = []
+        bad: list[int] = []
+        for token, bias in pairs:
+            if isinstance(token, str):
+                out.extend((t, bias) for t in tok.encode(token, add_special=False, parse_special=False))
+            elif token < tok.n_vocab:
+                out.append((token, bias))
+            else:
+                bad.append(token)
+        if bad:
+            raise InvalidRequest([f"logit_bias token ids outside the vocabulary [0, {tok.n_vocab}): {bad[:8]}"])
+        return tuple(out)
+
+    def token_prob(self, token: int, *, logprob: float | None = None, prob: float | None = None) -> TokenProb:
+        """A token with its probability, given as either `logprob` or `prob`."""
+        if logprob is None:
+            assert prob is not None
+            logprob = math.log(prob) if prob > 0.0 else LOGPROB_OF_ZERO
+        else:
+            prob = math.exp(logprob)
+        data = self.tokenizer.token_bytes(token)
+        return TokenProb(token, data.decode("utf-8", errors="replace"), tuple(data), logprob, prob)
+
+    def probabilities(self, request: CompletionRequest, sampler: Sampler, raw: np.ndarray, adjusted: np.ndarray,
+                      token: int) -> tuple[TokenProb, tuple[TokenProb, ...]]:
+        """The sampled token's probability and the `n_probs` best candidates': of softmax(raw logits), as
+        llama-server by default; with `post_sampling_probs`, of the chain's last distribution."""
+        n = request.n_probs
+        if not request.post_sampling_probs:
+            top = tuple(self.token_prob(i, logprob=lp) for i, lp in top_n_logprobs(raw, n))
+            return self.token_prob(token, logprob=token_logprob(raw, token)), top
+        c: Candidates = sampler.candidates(adjusted)
+        probs = final_probs(c, sampler.params.is_greedy)
+        at = np.flatnonzero(c.ids == token)
+        chosen = self.token_prob(token, prob=float(probs[at[0]]) if at.size else 0.0)
+        # the probabilities are monotone in the candidates' logits: the best logits are the best tokens
+        return chosen, tuple(self.token_prob(int(c.ids[i]), prob=float(probs[i])) for i in best_indices(c.logits, n))
+
     def complete(
         self,
         request: CompletionRequest,
         on_token: Callable[[TokenEvent], None] = lambda event: None,
         cancelled: Callable[[], bool] = lambda: False,
+        on_progress: Callable[[PromptProgress], None] = lambda progress: None,
     ) -> CompletionResult:
         runner, tok = self.runner, self.tokenizer
+        # Everything that can refuse the request does so before the held conversation is touched.
+        constraint = None if request.constraint is None else self.constraints.compile(request.constraint)
+        params = request.sampling
+        if request.logit_bias:
+            params = attrs.evolve(params, logit_bias=self.logit_bias(request.logit_bias))
         prompt = self.prompt_tokens(request)
         if len(prompt) > runner.n_ctx:
             raise ContextOverflow(len(prompt), runner.n_ctx)
         if not request.cache_prompt:
             runner.erase()
         state = SamplerState.seeded(request.seed) if request.seed >= 0 else self.sampler_state
-        sampler = Sampler(request.sampling, state)
+        sampler = Sampler(params, state)
 
         start = self._clock()
-        prefill = runner.prefill(prompt, should_stop=cancelled)
+        if request.return_progress:
+
+            def on_chunk(cache_n: int, n_held: int) -> None:
+                on_progress(PromptProgress(len(prompt), cache_n, n_held, 1000.0 * (self._clock() - start)))
+
+            prefill = runner.prefill(prompt, should_stop=cancelled, on_chunk=on_chunk)
+        else:
+            prefill = runner.prefill(prompt, should_stop=cancelled)
         prompt_done = self._clock()
         if prefill.logits is None:  # cancelled while reading the prompt: what was read stays held
             held = runner.n_held
@@ -354,8 +520,16 @@ class Completer:
         stop_type, stopping_word = StopType.LIMIT, ""
         logits = prefill.logits
         while request.n_predict != 0:
-            penalized = sampler.penalized(logits, history)
-            token = sampler.sample(penalized)
+            masked = logits if constraint is None else constraint.mask(logits)
+            adjusted = sampler.adjusted(masked, history)
+            token = sampler.sample(adjusted)
+            if not math.isfinite(adjusted[token]):
+                # the constraint allows nothing the logit bias did not ban: the output cannot go on
+                stop_type = StopType.EOS
+                break
+            if constraint is not None:
+                committed = constraint.commit(token)
+                assert committed, f"token {token} was sampled although the constraint masked it"
             generated.append(token)
             history.append(token)
             end_of_generation = not request.ignore_eos and tok.is_end_of_generation(token)
@@ -363,7 +537,7 @@ class Completer:
             stop: StopType | None = None
             if matched is not None:
                 stop, stopping_word = StopType.WORD, matched
-            elif end_of_generation:
+            elif end_of_generation or (constraint is not None and constraint.finished):
                 stop = StopType.EOS
             elif 0 < request.n_predict <= len(generated) or runner.n_held >= runner.n_ctx:
                 stop = StopType.LIMIT
@@ -372,12 +546,9 @@ class Completer:
             if stop is not None and stop is not StopType.WORD:
                 released += text.finish()
             content.append(released)
-            probs = None
-            if request.n_probs:
-                probs = tuple(
-                    TokenProb(i, tok.piece(i), lp, math.exp(lp)) for i, lp in top_n_logprobs(penalized, request.n_probs)
-                )
-            on_token(TokenEvent(token, tok.piece(token), released, probs))
+            chosen, probs = (self.probabilities(request, sampler, logits, adjusted, token) if request.n_probs
+                             else (None, None))
+            on_token(TokenEvent(token, tok.piece(token), released, probs, chosen))
             if stop is not None:
                 stop_type = stop
                 break

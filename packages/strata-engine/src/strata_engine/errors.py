@@ -88,15 +88,29 @@ class ChatTemplateError(EngineError):
     """The messages are malformed, or the template refused them or failed to render."""
 
 
-class ContextOverflow(EngineError):
-    """A prompt (or a decode step) would hold more tokens than the context allows."""
+class ConstraintError(EngineError):
+    """A request's output constraint cannot be compiled; refused before anything is evaluated. The
+    message is llama-server's for the same refusal, followed by the compiler's reason."""
 
-    def __init__(self, n_prompt_tokens: int, n_ctx: int):
+
+class InvalidGrammar(ConstraintError):
+    """`grammar` is not a GBNF grammar the constraint compiler accepts."""
+
+
+class InvalidJsonSchema(ConstraintError):
+    """`json_schema` is not a JSON schema the constraint compiler can enforce exactly."""
+
+
+class ContextOverflow(EngineError):
+    """A prompt (or a decode step) would hold more tokens than the context allows. With `at_least`, the
+    prompt was refused before it was tokenized and `n_prompt_tokens` is a lower bound on its length."""
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, *, at_least: bool = False):
         self.n_prompt_tokens = n_prompt_tokens
         self.n_ctx = n_ctx
-        super().__init__(
-            f"the request needs {n_prompt_tokens} tokens of context but the context size is {n_ctx}"
-        )
+        self.at_least = at_least
+        needs = f"at least {n_prompt_tokens}" if at_least else str(n_prompt_tokens)
+        super().__init__(f"the request needs {needs} tokens of context but the context size is {n_ctx}")
 
 
 # ---- running state -----------------------------------------------------------------------------------

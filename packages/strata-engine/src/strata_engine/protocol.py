@@ -30,6 +30,8 @@ from .errors import (
     ChatTemplateError,
     ContextOverflow,
     EngineError,
+    InvalidGrammar,
+    InvalidJsonSchema,
     InvalidRequest,
     InvalidToken,
     TokenizerError,
@@ -50,6 +52,21 @@ def engine_version() -> str:
         return version(ENGINE_NAME)
     except PackageNotFoundError:
         return "0+unknown"
+
+
+PROMPT_PROGRESS_PHASE = "prompt"  # a COMPLETE's `progress` lines (return_progress); SAVE/RESTORE's are the format's
+
+
+class FimToken(enum.StrEnum):
+    """The fill-in-the-middle tokens a vocabulary may have (llama.cpp's `llama_vocab_fim_*`): the keys of the
+    ready line's `fim_tokens`."""
+
+    PRE = "pre"  # before the prefix
+    SUF = "suf"  # before the suffix
+    MID = "mid"  # after both: the model writes the middle
+    PAD = "pad"
+    REP = "rep"  # before the repository name
+    SEP = "sep"  # before a file name
 
 
 class ExitStatus(enum.IntEnum):
@@ -100,6 +117,8 @@ class Reason(enum.StrEnum):
     BAD_TOKEN = "bad_token"
     CHAT_TEMPLATE = "chat_template"
     TOKENIZER = "tokenizer"
+    BAD_GRAMMAR = "bad_grammar"
+    BAD_JSON_SCHEMA = "bad_json_schema"
     PROMPT_TOO_LONG = "prompt_too_long"
     PREFIX_UNREACHABLE = "prefix_unreachable"
     UNEXPECTED = "unexpected"
@@ -142,6 +161,8 @@ ERROR_LINES: tuple[tuple[type[EngineError], ErrorKind, Reason], ...] = (
     (ChatTemplateError, ErrorKind.INVALID_REQUEST, Reason.CHAT_TEMPLATE),
     (InvalidToken, ErrorKind.INVALID_REQUEST, Reason.BAD_TOKEN),
     (TokenizerError, ErrorKind.INVALID_REQUEST, Reason.TOKENIZER),
+    (InvalidGrammar, ErrorKind.INVALID_REQUEST, Reason.BAD_GRAMMAR),
+    (InvalidJsonSchema, ErrorKind.INVALID_REQUEST, Reason.BAD_JSON_SCHEMA),
 )
 
 
@@ -200,11 +221,13 @@ class LineReader:
                 self._lines.append(bytes(self._buffer))
             self._buffer.clear()
             return
+        scan = len(self._buffer)  # what was there before has no newline: a 50 MB line is read in linear time
         self._buffer += data
         while True:
-            cut = self._buffer.find(b"\n")
+            cut = self._buffer.find(b"\n", scan)
             if cut < 0:
                 break
+            scan = 0
             if self._discarding:
                 self._discarding = False
             elif cut > self._max:

@@ -271,11 +271,13 @@ class ModelRunner:
         return n
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def prefill(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None) -> PrefillResult:
+    def prefill(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None,
+                on_chunk: Callable[[int, int], None] | None = None) -> PrefillResult:
         """Evaluate the prompt after the longest reusable held prefix, in chunks of prefill_chunk.
 
         should_stop is asked between chunks: when it says yes, the prefill ends there (logits None);
-        the chunks already evaluated stay held, so the next request for this prompt reuses them."""
+        the chunks already evaluated stay held, so the next request for this prompt reuses them.
+        on_chunk(cache_n, n_held) is told after each chunk (prompt progress)."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise EngineError("empty prompt: at least one token is needed")
@@ -293,6 +295,8 @@ class ModelRunner:
             end = min(pos + chunk, len(tokens))
             logits = self._forward(tokens[pos:end], want_logits=end == len(tokens))
             pos = end
+            if on_chunk is not None:
+                on_chunk(resume, pos)
         assert logits is not None or pos < len(tokens)
         self._checkpoint()
         return PrefillResult(logits=logits, cache_n=resume, prompt_n=pos - resume)

@@ -1,9 +1,13 @@
-"""Sampling as small pure functions over candidate sets, chained as llama.cpp's default sampler:
-repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw (greedy when temperature <= 0).
+"""Sampling as small pure functions over logits and candidate sets, chained as llama.cpp's default
+sampler: logit bias -> penalties (repeat, frequency, presence) -> top-k -> top-p -> min-p ->
+temperature -> draw (greedy when temperature <= 0). A request's constraint mask (constraints.py) comes
+before all of them, as llama.cpp applies its grammar first.
 
 A `Candidates` is a set of token ids with their logits; every filter returns a new one. The random
 draw uses a NumPy PCG64 generator whose state is a `SamplerState` (captured into and restored from the
 session file, 41 bytes), so a seeded generation is reproducible and resumes exactly after a restore.
+The probabilities a response reports (`n_probs`) are those of the raw logits (`top_n_logprobs`), or with
+`post_sampling_probs` those of the chain's last distribution (`final_probs`).
 """
 
 from __future__ import annotations
@@ -49,32 +53,62 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return np.exp(log_softmax(logits))
 
 
-def top_n_logprobs(logits: np.ndarray, n: int) -> list[tuple[int, float]]:
-    """The `n` most likely tokens of softmax(`logits`) with their log-probabilities, best first."""
-    size = logits.shape[-1]
+def best_indices(values: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the `n` largest `values`, largest first (ties in index order)."""
+    size = values.shape[-1]
     n = min(n, size)
     if n <= 0:
+        return np.zeros(0, dtype=np.int64)
+    best = np.argpartition(values, size - n)[size - n :]
+    return best[np.lexsort((best, -values[best]))]
+
+
+def top_n_logprobs(logits: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The `n` most likely tokens of softmax(`logits`) with their log-probabilities, best first."""
+    if n <= 0:
         return []
-    best = np.argpartition(logits, size - n)[size - n :]
-    best = best[np.argsort(-logits[best], kind="stable")]
     lse = logsumexp(logits)
-    return [(int(i), float(logits[i]) - lse) for i in best]
+    return [(int(i), float(logits[i]) - lse) for i in best_indices(logits, n)]
 
 
-# -- transforms -----------------------------------------------------------------------------------------
+def token_logprob(logits: np.ndarray, token: int) -> float:
+    """log softmax(`logits`)[`token`]."""
+    return float(logits[token]) - logsumexp(logits)
 
 
-def repetition_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
-    """llama.cpp's repeat penalty: each distinct recent token's logit is divided by `penalty` if
-    positive, multiplied by it otherwise. 1.0 leaves the logits unchanged."""
-    if penalty == 1.0 or not len(recent):
+# -- logit transforms (llama.cpp's chain before its filters) ---------------------------------------------
+
+
+def logit_bias(logits: np.ndarray, bias: Sequence[tuple[int, float]]) -> np.ndarray:
+    """llama.cpp's logit-bias sampler: each (token, bias) pair adds `bias` to the token's logit; -inf
+    bans it; a token listed twice gets both. No pairs: `logits` itself."""
+    if not bias:
         return logits
     out = np.array(logits, dtype=np.float32, copy=True)
-    ids = np.unique(np.asarray(recent, dtype=np.int64))
-    ids = ids[(ids >= 0) & (ids < out.shape[-1])]
-    values = out[ids]
-    out[ids] = np.where(values <= 0, values * penalty, values / penalty)
+    ids = np.fromiter((t for t, _ in bias), dtype=np.int64, count=len(bias))
+    values = np.fromiter((b for _, b in bias), dtype=np.float32, count=len(bias))
+    np.add.at(out, ids, values)
     return out
+
+
+def penalties(logits: np.ndarray, recent: Sequence[int], repeat: float = 1.0, frequency: float = 0.0,
+              presence: float = 0.0) -> np.ndarray:
+    """llama.cpp's penalties sampler: each token occurring c > 0 times in `recent` has its logit
+    divided by `repeat` if positive (multiplied by it otherwise), then lowered by c * `frequency` +
+    `presence`. Neutral values (1, 0, 0) or no recent tokens: `logits` itself."""
+    if (repeat == 1.0 and frequency == 0.0 and presence == 0.0) or not len(recent):
+        return logits
+    out = np.array(logits, dtype=np.float32, copy=True)
+    ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+    inside = (ids >= 0) & (ids < out.shape[-1])
+    ids, counts = ids[inside], counts[inside].astype(np.float32)
+    values = out[ids]
+    values = np.where(values <= 0, values * np.float32(repeat), values / np.float32(repeat))
+    out[ids] = values - (counts * np.float32(frequency) + np.float32(presence))
+    return out
+
+
+# -- filters over candidates ---------------------------------------------------------------------------
 
 
 def sort_descending(c: Candidates) -> Candidates:
@@ -145,6 +179,16 @@ def greedy(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
 
 
+def final_probs(c: Candidates, is_greedy: bool) -> np.ndarray:
+    """The chain's last distribution over `c` (same order): softmax of its logits, or for greedy 1 for the
+    best candidate and 0 for the rest (llama.cpp's greedy temperature keeps one token)."""
+    if not is_greedy:
+        return softmax(c.logits)
+    probs = np.zeros(len(c), dtype=np.float64)
+    probs[int(np.argmax(c.logits))] = 1.0
+    return probs
+
+
 def draw(c: Candidates, rng: np.random.Generator) -> int:
     """One token from softmax(c.logits) by inverse CDF on one uniform draw."""
     probs = softmax(c.logits)
@@ -164,6 +208,9 @@ class SamplingParams:
     min_p: float = 0.05
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans
 
     @property
     def is_greedy(self) -> bool:
@@ -239,22 +286,27 @@ class Sampler:
     def state(self) -> SamplerState:
         return SamplerState.of(self._rng, self._seed)
 
-    def penalized(self, logits: np.ndarray, recent: Sequence[int]) -> np.ndarray:
+    def adjusted(self, logits: np.ndarray, recent: Sequence[int]) -> np.ndarray:
+        """`logits` after the logit bias and the penalties over the last `repeat_last_n` of `recent`
+        (-1: all of it); `logits` itself when neither applies."""
         p = self.params
-        if p.repeat_last_n == 0 or p.repeat_penalty == 1.0:
+        logits = logit_bias(logits, p.logit_bias)
+        if p.repeat_last_n == 0:
             return logits
-        # repeat_last_n = -1: the whole history
         window = recent if p.repeat_last_n < 0 else recent[max(0, len(recent) - p.repeat_last_n) :]
-        return repetition_penalty(logits, window, p.repeat_penalty)
+        return penalties(logits, window, p.repeat_penalty, p.frequency_penalty, p.presence_penalty)
 
-    def sample(self, logits: np.ndarray) -> int:
-        """A token from `logits` (already penalized: see `penalized`)."""
+    def candidates(self, logits: np.ndarray) -> Candidates:
+        """What the filters keep of `logits` (top-k, top-p, min-p), temperature-scaled unless greedy."""
         p = self.params
-        if p.is_greedy:
-            return greedy(logits)
         c = Candidates.from_logits(logits)
         c = top_k(c, p.top_k)
         c = top_p(c, p.top_p)
         c = min_p(c, p.min_p)
-        c = temperature(c, p.temperature)
-        return draw(c, self._rng)
+        return c if p.is_greedy else temperature(c, p.temperature)
+
+    def sample(self, logits: np.ndarray) -> int:
+        """A token from `logits` (already adjusted: see `adjusted`)."""
+        if self.params.is_greedy:
+            return greedy(logits)
+        return draw(self.candidates(logits), self._rng)

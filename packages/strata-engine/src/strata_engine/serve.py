@@ -17,14 +17,17 @@ import numpy as np
 import xxhash
 
 from .chat import ChatTemplate
-from .completion import Completer, CompletionResult, TokenEvent, parse_request
+from .completion import Completer, CompletionResult, PromptProgress, TokenEvent, parse_request
+from .embedding import handle_embed, model_pooling
 from .errors import ContextOverflow, EngineError, InvalidRequest
 from .protocol import (
     ENGINE_NAME,
+    PROMPT_PROGRESS_PHASE,
     PROTOCOL_VERSION,
     ArgumentKind,
     CommandRegistry,
     ExitStatus,
+    FimToken,
     LineReader,
     LineWriter,
     ServeContext,
@@ -56,6 +59,8 @@ def handle_complete(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
 
     def on_token(event: TokenEvent) -> None:
         line: dict[str, Any] = {"event": "token", "id": event.id, "piece": event.piece, "content": event.content}
+        if event.chosen is not None:
+            line |= {"logprob": event.chosen.logprob, "prob": event.chosen.prob, "bytes": list(event.chosen.bytes)}
         if event.probs is not None:
             line["probs"] = [_converter.unstructure(p) for p in event.probs]
         ctx.emit(line)
@@ -70,8 +75,12 @@ def handle_complete(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
                 return True
             ctx.deferred.append(line)  # a command sent too early: served after this one
 
+    def on_progress(progress: PromptProgress) -> None:
+        ctx.emit({"event": "progress", "phase": PROMPT_PROGRESS_PHASE, **_converter.unstructure(progress)})
+
     try:
-        result: CompletionResult = ctx.completer.complete(request, on_token=on_token, cancelled=cancelled)
+        result: CompletionResult = ctx.completer.complete(request, on_token=on_token, cancelled=cancelled,
+                                                          on_progress=on_progress)
     except (EngineError, BrokenPipeError):
         raise  # the runner is between steps: its state is intact
     except Exception:
@@ -132,9 +141,11 @@ def handle_apply_template(ctx: ServeContext, argument: Any) -> Mapping[str, Any]
     obj = json_object(argument, "APPLY_TEMPLATE")
     problems: list[str] = []
     add_generation_prompt = _bool_field(obj, "add_generation_prompt", True, problems)
+    continue_final_message = _bool_field(obj, "continue_final_message", False, problems)
     if problems:
         raise InvalidRequest(problems)
-    return {"prompt": ctx.template.render(obj.get("messages"), add_generation_prompt=add_generation_prompt)}
+    return {"prompt": ctx.template.render(obj.get("messages"), add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message)}
 
 
 def tokens_digest(tokens) -> str:
@@ -193,6 +204,7 @@ def _build_registry(session_options: Any, ctx: ServeContext | None) -> tuple[Com
     registry.register("TOKENIZE", ArgumentKind.JSON, handle_tokenize)
     registry.register("DETOKENIZE", ArgumentKind.JSON, handle_detokenize)
     registry.register("APPLY_TEMPLATE", ArgumentKind.JSON, handle_apply_template)
+    registry.register("EMBED", ArgumentKind.JSON, handle_embed)
     registry.register("STATUS", ArgumentKind.NONE, handle_status)
     registry.register("ERASE", ArgumentKind.NONE, handle_erase)
     registry.register("CANCEL", ArgumentKind.NONE, handle_cancel)
@@ -238,6 +250,8 @@ def ready_line(runner: Any, tokenizer: Tokenizer, template: ChatTemplate, identi
         "chat_template_origin": template.origin,
         "add_bos": tokenizer.add_bos,
         "prompt_cache": settings.prompt_cache,
+        "fim_tokens": {role.value: tokenizer.vocab.fim.get(role) for role in FimToken},
+        "pooling": model_pooling(gguf_file.metadata, config.architecture).value,
         **({"session_fingerprints": {"model": identity.model.fingerprint.hex(),
                                      "config": identity.config.fingerprint.hex()}} if identity is not None else {}),
     }
@@ -251,6 +265,8 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
     writer = LineWriter(stdout if stdout is not None else sys.stdout.buffer)
     try:
         settings.validate()
+        if settings.chat_template is not None:
+            ChatTemplate.configured(settings.chat_template)  # a template that does not parse is a bad setting
     except EngineError as exc:
         writer.write({"event": "fatal", "message": str(exc)})
         return ExitStatus.USAGE
@@ -260,7 +276,7 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
     try:
         runner = ModelRunner.load(settings)
         tokenizer = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
-        template = ChatTemplate.for_model(runner.gguf.metadata, tokenizer)
+        template = ChatTemplate.for_model(runner.gguf.metadata, tokenizer, settings.chat_template)
     except (EngineError, OSError, MemoryError, ValueError) as exc:
         log.exception("the model could not be loaded")
         writer.write({"event": "fatal", "message": f"cannot load {settings.model_path}: {exc}"})

@@ -1,7 +1,7 @@
 """Engine settings: one frozen attrs object, validated as a whole (every problem reported together),
-and the vocabularies its values come from (K/V types, compute dtypes, backends), defined here once for
-the engine, its command line and strata-server (this module loads no numpy). Restore modes are
-strata_sessionfile's `RestoreMode`.
+and the vocabularies its values come from (K/V types, compute dtypes, backends, EMBED's poolings),
+defined here once for the engine, its command line and strata-server (this module loads no numpy).
+Restore modes are strata_sessionfile's `RestoreMode`.
 
 Settings hold the plain strings (`kv_type="f16"`): what the ready line, STATUS and the config
 fingerprint write; each vocabulary's enum is a `StrEnum` whose values are those strings.
@@ -42,9 +42,33 @@ class Backend(enum.StrEnum):
     AUTO = "auto"  # cupy where a CUDA device is usable; resolved when the runner loads
 
 
+class ChatTemplateName(enum.StrEnum):
+    """Built-in chat templates that `--chat-template` takes by name (llama-server's names for them)."""
+
+    CHATML = "chatml"  # SmolLM2's turns
+    GEMMA = "gemma"  # gemma3's turns
+
+
+class Pooling(enum.StrEnum):
+    """How EMBED pools a prompt's hidden states (llama-server's `--pooling`; its `rank` is not offered)."""
+
+    NONE = "none"  # every token's
+    MEAN = "mean"
+    CLS = "cls"  # the first token's
+    LAST = "last"
+
+
 def values(vocabulary: type[enum.Enum]) -> tuple[str, ...]:
     """A vocabulary's words in order (for --help, choices and messages)."""
     return tuple(member.value for member in vocabulary)
+
+
+def chat_template_problem(value: str) -> str | None:
+    """Why `value` cannot be a --chat-template (None: it can be): neither a built-in name nor jinja. Whether
+    the jinja parses is the engine's check at start-up."""
+    if value in values(ChatTemplateName) or "{{" in value or "{%" in value:
+        return None
+    return f"{value[:64]!r} is neither a built-in name ({', '.join(values(ChatTemplateName))}) nor a jinja template"
 
 # A context size the engine picks when none is given: the model's training context, capped here so a
 # 32K-context model does not preallocate 32K tokens of K/V by default (llama-server caps the same way
@@ -89,6 +113,9 @@ class EngineSettings:
     max_checkpoints: sliding-window ring checkpoints kept (the most recent, i.e. deepest, ones).
     backend: "numpy", "cupy", or "auto" (cupy where a CUDA device is usable; `ModelRunner.load`
         resolves it, so `runner.settings.backend` names the backend actually running).
+    threads: CPU threads for the host's math (BLAS); None = the libraries' own choice (llama-server's -t).
+    chat_template: a `ChatTemplateName` or a jinja template used instead of the model's own; None = the
+        model's (llama-server's --chat-template; --chat-template-file puts the file's text here).
     """
 
     model_path: Path = attrs.field(converter=Path)
@@ -101,6 +128,8 @@ class EngineSettings:
     max_checkpoints: int = 8
     backend: str = "numpy"
     cuda_graphs: bool = True
+    threads: int | None = None
+    chat_template: str | None = None
 
     def with_backend_defaults(self, architecture: str) -> EngineSettings:
         """The settings with "auto" resolved and every None default filled in for that backend and the
@@ -133,6 +162,8 @@ class EngineSettings:
             out.append(f"prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
         if not isinstance(self.max_checkpoints, int) or self.max_checkpoints < 0:
             out.append(f"max_checkpoints must be a non-negative integer, got {self.max_checkpoints!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            out.append(f"threads must be a positive integer or None, got {self.threads!r}")
         if self.backend not in values(Backend):
             out.append(f"backend must be one of {', '.join(values(Backend))}, got {self.backend!r}")
         elif self.backend == Backend.NUMPY and self.compute_dtype in (ComputeDType.F16, ComputeDType.BF16):

@@ -9,9 +9,16 @@ from .context import ServerContext
 from .engine.client import EngineClient
 from .errors import handle_error
 from .resources.completions import ChatCompletionResource, CompletionResource, TextCompletionResource
+from .resources.embeddings import EmbeddingsResource, OpenAIEmbeddingsResource
+from .resources.infill import InfillResource
 from .resources.info import HealthResource, MetricsResource, ModelsResource, PropsResource
 from .resources.slots import SlotsResource
-from .resources.text import ApplyTemplateResource, DetokenizeResource, TokenizeResource
+from .resources.text import (
+    ApplyTemplateResource,
+    ChatInputTokensResource,
+    DetokenizeResource,
+    TokenizeResource,
+)
 from .security import SecurityMiddleware, SecurityPolicy
 from .store import build_store
 
@@ -24,9 +31,13 @@ ROUTES: tuple[tuple[tuple[str, ...], type], ...] = (
     (("/completion", "/completions"), CompletionResource),
     (("/v1/completions",), TextCompletionResource),
     (("/v1/chat/completions", "/chat/completions"), ChatCompletionResource),
+    (("/infill",), InfillResource),
+    (("/embedding", "/embeddings"), EmbeddingsResource),
+    (("/v1/embeddings",), OpenAIEmbeddingsResource),
     (("/tokenize",), TokenizeResource),
     (("/detokenize",), DetokenizeResource),
     (("/apply-template",), ApplyTemplateResource),
+    (("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"), ChatInputTokensResource),
 )
 
 

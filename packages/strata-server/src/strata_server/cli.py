@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from strata_engine.settings import Backend, KVType, values
+from strata_engine.settings import Backend, ChatTemplateName, KVType, Pooling, values
 from strata_sessionfile import RestoreMode
 
 from .config import (
@@ -19,13 +19,14 @@ from .config import (
     DEFAULT_MODEL_FILE,
     DEFAULT_MODEL_PACKAGE,
     DEFAULT_PORT,
+    LOOPBACK_HOSTS,
     ConfigError,
     ServerConfig,
     build_config,
     read_config_file,
 )
 
-LIST_FLAGS = ("api_key", "allowed_hosts", "trusted_origins", "cors_origins")
+LIST_FLAGS = ("api_key", "allowed_hosts", "trusted_origins", "cors_origins", "alias", "tags", "host")
 
 EPILOG = """\
 Every flag can also be given in --config FILE (TOML, or JSON for a .json name) under its long name
@@ -45,16 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="strata-server", argument_default=argparse.SUPPRESS, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="llama-server-compatible HTTP API (completion, OpenAI chat, tokenize, slot "
+        description="llama-server-compatible HTTP API (completion, OpenAI chat, infill, embeddings, tokenize, slot "
                     "save/restore/erase, metrics) over a supervised Strata engine, run under gunicorn.")
     add = parser.add_argument
     add("--config", metavar="FILE", help="read settings from FILE (TOML or JSON); flags override it")
     add("-m", "--model", metavar="PATH",
         help=f"GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from the {DEFAULT_MODEL_PACKAGE} package, "
              f"{DEFAULT_MODEL_FILE})")
-    add("-a", "--alias", metavar="NAME", help="model name reported by /v1/models and in responses "
-        "(default: the model path)")
-    add("--host", metavar="ADDR", help=f"address to listen on (default: {DEFAULT_HOST}, loopback only)")
+    add("-a", "--alias", metavar="NAME[,NAME...]", action="append", help="model names: the first is the id "
+        "reported by /v1/models and in responses, all are its aliases (default: the model path)")
+    add("--tags", metavar="TAG[,TAG...]", action="append", help="model tags reported by /v1/models")
+    add("--host", metavar="ADDR[,ADDR...]", action="append",
+        help=f"addresses to listen on, each of them (default: {DEFAULT_HOST}, loopback only)")
     add("--port", metavar="N", help=f"port to listen on (default: {DEFAULT_PORT})")
     add("-c", "--ctx-size", metavar="N", help="context size in tokens (default: 0 = the model's own)")
     add("--kv-type", metavar="TYPE", help=f"K/V cache type, one of {', '.join(values(KVType))} (default: f16)")
@@ -62,6 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("-ctv", "--cache-type-v", metavar="TYPE", help="llama-server's V cache type flag; must equal the K type")
     add("--kv-resident", metavar="N", help="keep the K/V in a host pool with N tokens in a device ring "
         "(default: 0, a device pool)")
+    add("--chat-template", metavar="NAME|JINJA", help="chat template instead of the model's: a built-in name "
+        f"({', '.join(values(ChatTemplateName))}) or a jinja template; /apply-template and the chat endpoints "
+        "render with it")
+    add("--chat-template-file", metavar="FILE", help="a file with a jinja chat template (as --chat-template)")
+    add("--no-prefill-assistant", dest="prefill_assistant", action="store_false",
+        help="a chat's final assistant message is a finished turn, not one for the model to continue "
+             "(default: continued, as llama-server)")
+    add("--embedding", "--embeddings", dest="embedding", action="store_true",
+        help="answer /embeddings and /v1/embeddings (default: off, 501), as llama-server's --embeddings; completions "
+             "still run, and an embedding leaves the slot's conversation as it was")
+    add("--pooling", metavar="TYPE", help=f"how embeddings pool the tokens' states: one of {', '.join(values(Pooling))} "
+        "(default: the model's own, none for a model that does not say)")
     add("--no-prompt-cache", dest="prompt_cache", action="store_false",
         help="do not reuse the held conversation's prefix between requests")
     add("--restore-mode", metavar="MODE", help="how a restore lands the K/V: one of "
@@ -80,9 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--trusted-origins", metavar="ORIGIN[,ORIGIN...]", action="append",
         help="Origins (http://host:port) allowed to use slot actions besides the server's own")
     add("--cors-origins", metavar="ORIGIN[,ORIGIN...]", action="append",
-        help="CORS allowed origins (default: '*', never with credentials)")
-    add("--threads", metavar="N", help="gunicorn gthread threads (default: 32; requests waiting for the slot each hold one)")
-    add("--timeout", metavar="S", help="gunicorn worker timeout in seconds (default: 600)")
+        help="CORS allowed origins: '*' (default; never with credentials), 'localhost' (any origin on a loopback "
+             "host) and/or origins like http://host:port; a listed origin is echoed with credentials, as llama-server")
+    add("-t", "--threads", metavar="N", help="the engine's CPU threads, as llama-server's -t (default: -1, the "
+        "engine's choice)")
+    add("--http-threads", "--threads-http", dest="http_threads", metavar="N",
+        help="HTTP threads: gunicorn gthread threads (default: 32; requests waiting for the slot each hold one)")
+    add("-to", "--timeout", metavar="S", help="read timeout in seconds (llama-server's): a connection whose request "
+        "has not fully arrived within S is closed; stalled clients hold no thread meanwhile (default: 600)")
     add("--slot-wait", metavar="S", help="seconds a request waits for the busy slot before a 503 (default: 600)")
     add("--engine-timeout", metavar="S", help="seconds of engine silence inside one command after which it is "
         "killed and restarted (default: 0 = never; a huge prompt on a CPU is silent for long)")
@@ -91,6 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine-command", metavar="CMD", help="command that starts the engine, before --model ... "
         "(default: this Python with -m strata_engine.cli serve)")
     add("--log-level", metavar="LEVEL", help="debug, info, warning, error (default: info)")
+    add("-v", "--verbose", action="store_true", help="log everything (debug level), the engine's log too")
+    sampling = parser.add_argument_group("default sampling and output (what a request that does not set the "
+                                         "field gets; a request's own fields win)")
+    sampling.add_argument("--temp", metavar="T", help="temperature (default: 0.8; 0 or less: greedy)")
+    sampling.add_argument("--top-k", metavar="N", help="top-k (default: 40; 0 or less: off)")
+    sampling.add_argument("--top-p", metavar="P", help="top-p (default: 0.95; 1.0: off)")
+    sampling.add_argument("--min-p", metavar="P", help="min-p (default: 0.05; 0: off)")
+    sampling.add_argument("-s", "--seed", metavar="N", help="sampler seed (default: -1, random)")
+    sampling.add_argument("-n", "--n-predict", "--predict", dest="n_predict", metavar="N",
+                          help="tokens to generate (default: -1, until a stop or the full context); N > 0 also "
+                               "caps a request's own n_predict")
+    sampling.add_argument("--repeat-penalty", metavar="X", help="repetition penalty (default: 1.0, off)")
+    sampling.add_argument("--repeat-last-n", metavar="N", help="tokens the repetition penalty looks back over "
+                          "(default: 64; -1: the context; 0: off)")
+    sampling.add_argument("--presence-penalty", metavar="X", help="presence penalty (default: 0.0, off)")
+    sampling.add_argument("--frequency-penalty", metavar="X", help="frequency penalty (default: 0.0, off)")
     add_store_flags(parser)
     return parser
 
@@ -138,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .gunicorn_app import StrataGunicorn
 
-    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key and not config.api_key_file:
-        sys.stderr.write(f"strata-server: warning: listening on {config.host} without --api-key\n")
-    if config.host in ("0.0.0.0", "::") and not config.allowed_hosts:
+    exposed = [h for h in config.host if h not in LOOPBACK_HOSTS]
+    if exposed and not config.api_key and not config.api_key_file:
+        sys.stderr.write(f"strata-server: warning: listening on {', '.join(exposed)} without --api-key\n")
+    if any(h in ("0.0.0.0", "::") for h in config.host) and not config.allowed_hosts:
         sys.stderr.write("strata-server: warning: listening on every address, but only Host headers naming a "
                          "loopback name are accepted; add the names clients use with --allowed-hosts\n")
-    sys.stderr.write(f"strata-server: http://{config.bind()} model {config.model}\n")
+    sys.stderr.write(f"strata-server: {' '.join('http://' + b for b in config.binds())} model {config.model}\n")
     StrataGunicorn(config).run()
     return 0
 

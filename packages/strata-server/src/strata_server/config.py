@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import re
 import tomllib
@@ -18,7 +19,7 @@ from typing import Any
 
 import attrs
 import cattrs
-from strata_engine.settings import Backend, KVType, values
+from strata_engine.settings import Backend, KVType, Pooling, chat_template_problem, values
 from strata_sessionfile import RestoreMode
 
 from .errors import ServerError
@@ -53,8 +54,9 @@ def default_model_path() -> Path | None:
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     model: Path | None = None  # None: the packaged default model
-    alias: str | None = None
-    host: str = DEFAULT_HOST
+    alias: tuple[str, ...] = ()  # names of the model (/v1/models id = the first; aliases = all)
+    tags: tuple[str, ...] = ()  # /v1/models tags
+    host: tuple[str, ...] = (DEFAULT_HOST,)  # every address given is listened on
     port: int = DEFAULT_PORT
     ctx_size: int = 0  # 0: the model's own context length
     kv_type: str = KVType.F16.value
@@ -70,14 +72,32 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     trusted_origins: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ("*",)
-    threads: int = 32  # requests waiting for the slot each hold one; /health must still get through
-    timeout: int = 600  # gunicorn worker timeout (seconds)
+    threads: int = -1  # the engine's CPU threads (engine -t); -1: the engine's own choice
+    http_threads: int = 32  # gunicorn gthread threads: requests waiting for the slot each hold one
+    timeout: int = 600  # read timeout of a request (worker.py) and gunicorn's worker heartbeat (seconds)
     slot_wait: float = 600.0  # seconds a request waits for the busy slot before a 503
     engine_timeout: float = 0.0  # silence inside one engine command that means "hung": kill, restart; 0: never
     sse_ping_interval: float = 30.0  # ":" keep-alive comment on a silent stream; 0 turns it off
     max_body_bytes: int = 64 * 1024 * 1024
     engine_command: tuple[str, ...] = ()  # empty: <this python> -m strata_engine.cli serve
     log_level: str = "info"
+    verbose: bool = False  # log everything (debug), the engine's log too
+    chat_template: str | None = None  # a built-in name (chatml, gemma) or a jinja template (engine --chat-template)
+    chat_template_file: Path | None = None  # a file with a jinja template (engine --chat-template-file)
+    prefill_assistant: bool = True  # a final assistant message is continued, as the peer (--no-prefill-assistant)
+    embedding: bool = False  # /embeddings and /v1/embeddings answer (llama-server's --embeddings)
+    pooling: str = ""  # how they pool (a Pooling); empty: the model's own (its GGUF pooling_type, else none)
+    # What a request that does not say gets (llama-server's -n/--temp/... flags); a request's fields win.
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = -1
+    n_predict: int = -1  # -1: until a stop condition or the full context; N > 0 also caps a request's own
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # -- the session store (issue 17: store/) --
     cache_disk: Path | None = None  # folder of the session store; None: off
     cache_disk_max: int = DEFAULT_CACHE_DISK_MAX_MIB  # MiB of this server's files in it
@@ -100,7 +120,18 @@ class ServerConfig:
             argv += ["--restore-mode", self.restore_mode]
         if self.backend:
             argv += ["--backend", self.backend]
+        if self.chat_template is not None:
+            argv += ["--chat-template", self.chat_template]
+        if self.chat_template_file is not None:
+            argv += ["--chat-template-file", str(self.chat_template_file)]
+        if self.threads > 0:
+            argv += ["--threads", str(self.threads)]
+        if self.verbose:
+            argv += ["--log-level", "DEBUG"]
         return argv
+
+    def effective_log_level(self) -> str:
+        return "debug" if self.verbose else self.log_level.lower()
 
     def api_keys(self) -> tuple[str, ...]:
         """Keys from ``api_key`` plus one per non-empty line of ``api_key_file``."""
@@ -110,8 +141,9 @@ class ServerConfig:
                      if line.strip()]
         return tuple(keys)
 
-    def bind(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+    def binds(self) -> list[str]:
+        """gunicorn's bind addresses, one per host (``[::1]:8080`` for IPv6)."""
+        return [f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}" for host in self.host]
 
 
 _FIELDS = {a.name for a in attrs.fields(ServerConfig)}
@@ -216,6 +248,8 @@ def _check_values(config: ServerConfig) -> list[str]:
                         "is not installed")
     elif not model.is_file():
         problems.append(f"model: not a file: {model}")
+    if not config.host:
+        problems.append("host: no address to listen on")
     if not 1 <= config.port <= 65535:
         problems.append(f"port: {config.port} is outside 1..65535")
     if config.ctx_size < 0:
@@ -238,8 +272,21 @@ def _check_values(config: ServerConfig) -> list[str]:
             config.api_key_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             problems.append(f"api_key_file: cannot read {config.api_key_file}: {exc}")
-    if config.threads < 1:
-        problems.append(f"threads: {config.threads} must be at least 1")
+    if config.threads == 0 or config.threads < -1:
+        problems.append(f"threads: {config.threads} must be at least 1 (or -1: the engine's choice)")
+    if config.chat_template is not None and config.chat_template_file is not None:
+        problems.append("chat_template: give either chat_template or chat_template_file, not both")
+    elif config.chat_template is not None and chat_template_problem(config.chat_template):
+        problems.append(f"chat_template: {chat_template_problem(config.chat_template)}")
+    if config.chat_template_file is not None:
+        try:
+            config.chat_template_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            problems.append(f"chat_template_file: cannot read {config.chat_template_file}: {exc}")
+    if config.pooling and config.pooling not in values(Pooling):
+        problems.append(f"pooling: {config.pooling!r} is not one of {', '.join(values(Pooling))}")
+    if config.http_threads < 1:
+        problems.append(f"http_threads: {config.http_threads} must be at least 1")
     if config.timeout < 1:
         problems.append(f"timeout: {config.timeout} must be at least 1 second")
     if config.slot_wait < 0:
@@ -254,8 +301,19 @@ def _check_values(config: ServerConfig) -> list[str]:
         if not _ORIGIN.match(origin):
             problems.append(f"trusted_origins: {origin!r} is not an origin like http://host:port")
     for origin in config.cors_origins:
-        if origin != "*" and not _ORIGIN.match(origin):
-            problems.append(f"cors_origins: {origin!r} is not '*' or an origin like http://host:port")
+        if origin not in ("*", "localhost") and not _ORIGIN.match(origin):
+            problems.append(f"cors_origins: {origin!r} is not '*', 'localhost' or an origin like http://host:port")
+    for name in ("temp", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(config, name)):
+            problems.append(f"{name}: {getattr(config, name)} is not a finite number")
+    if not config.repeat_penalty > 0:
+        problems.append(f"repeat_penalty: {config.repeat_penalty} must be above 0 (1.0 disables it)")
+    if not -1 <= config.seed < 2**64:
+        problems.append(f"seed: {config.seed} is outside -1..2^64-1 (-1: random)")
+    if config.n_predict < -2:
+        problems.append(f"n_predict: {config.n_predict} is below -2 (-1: until a stop or the full context)")
+    if config.repeat_last_n < -1:
+        problems.append(f"repeat_last_n: {config.repeat_last_n} is below -1 (-1: the whole context, 0: off)")
     if config.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
         problems.append(f"log_level: {config.log_level!r} is not debug, info, warning, error or critical")
     return problems + _check_store(config)

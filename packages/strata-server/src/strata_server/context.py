@@ -48,10 +48,9 @@ class SlotView:
                 "n_prompt_tokens_processed": timings.get("prompt_n", 0),
                 "n_prompt_tokens_cache": timings.get("cache_n", 0),
                 "params": settings,
+                # A recorded task has ended: the peer shows n_remain -1 then, whatever n_predict was.
                 "next_token": [{"has_next_token": False, "has_new_line": "\n" in str(result.get("content", "")),
-                                "n_remain": (settings["n_predict"] - len(tokens)) if settings["n_predict"] >= 0
-                                else -1,
-                                "n_decoded": len(tokens)}],
+                                "n_remain": -1, "n_decoded": len(tokens)}],
             }
 
     def forget(self) -> None:
@@ -76,7 +75,9 @@ class ServerContext:
         return dict(self.engine.status().info or {})
 
     def model_id(self) -> str:
-        return self.config.alias or str(self.engine_info().get("model_path") or self.config.model)
+        if self.config.alias:
+            return self.config.alias[0]
+        return str(self.engine_info().get("model_path") or self.config.model)
 
     def build_info(self) -> str:
         return f"strata-server-{SERVER_VERSION}+{self.engine_info().get('engine', 'engine')}-" \

@@ -1,7 +1,8 @@
-"""Running one ``COMPLETE`` for an HTTP request, and the three ways the peer frames the answer.
+"""Running one ``COMPLETE`` of an HTTP request, and the three ways the peer frames the answer.
 
-``CompletionRun`` takes the lease, sends the command, and either collects the whole answer or
-streams it as SSE. A ``ResponseFormat`` turns engine lines into the peer's JSON for one endpoint:
+``CompletionRun`` sends the command on a lease (``batch.BatchRun`` holds it for the request's tasks) and
+either collects the whole answer or streams it as SSE. A ``ResponseFormat`` turns engine lines into the
+peer's JSON for one endpoint:
 ``/completion`` (native, no ``[DONE]``), ``/v1/completions`` and ``/v1/chat/completions`` (OpenAI,
 ``data: [DONE]`` at the end).
 """
@@ -9,16 +10,17 @@ streams it as SSE. A ``ResponseFormat`` turns engine lines into the peer's JSON 
 from __future__ import annotations
 
 import abc
+import itertools
 import json
 import secrets
 import string
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import attrs
-import falcon
 
+from .connection import POLL_INTERVAL_S, ClientConnection, watch_client
 from .context import ServerContext
 from .engine.client import IDLE_EVENT, EngineLease
 from .errors import EngineCallError, sse_error_frame
@@ -51,18 +53,43 @@ class TokenBatch:
         return ids, probs
 
 
-def token_probabilities(event: dict) -> dict:
-    """The peer's ``completion_probabilities`` entry for one token line with ``probs``."""
-    def entry(p: dict) -> dict:
-        token = str(p.get("token", ""))
-        return {"id": p.get("id"), "token": token, "logprob": p.get("logprob"),
-                "bytes": list(token.encode("utf-8"))}
+def utf8_prefix(data: bytes) -> str:
+    """The text of `data` without an incomplete character at its end (the peer's ``validate_utf8``)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.reason == "unexpected end of data":
+            return data[: exc.start].decode("utf-8", errors="replace")
+        return data.decode("utf-8", errors="replace")
 
-    probs = event.get("probs") or []
-    chosen = next((p for p in probs if p.get("id") == event.get("id")), None)
-    piece = str(event.get("piece", ""))
-    return {"id": event.get("id"), "token": piece, "logprob": chosen.get("logprob") if chosen else None,
-            "bytes": list(piece.encode("utf-8")), "top_logprobs": [entry(p) for p in probs]}
+
+def token_probabilities(event: dict, post_sampling: bool) -> dict:
+    """The peer's probabilities entry for one token line with ``probs``: ``{id, token, bytes, logprob,
+    top_logprobs: [{id, token, bytes, logprob}]}``, or with post-sampling probabilities ``prob`` and
+    ``top_probs`` (llama-server's ``probs_vector_to_json``)."""
+    key, top_key = ("prob", "top_probs") if post_sampling else ("logprob", "top_logprobs")
+
+    def entry(p: dict, piece: str) -> dict:
+        data = bytes(p["bytes"]) if "bytes" in p else piece.encode("utf-8")
+        return {"id": p.get("id"), "token": utf8_prefix(data), "bytes": list(data), key: p.get(key)}
+
+    return {**entry(event, str(event.get("piece", ""))),
+            top_key: [entry(p, str(p.get("token", ""))) for p in event.get("probs") or []]}
+
+
+def probs_object(probs: list[dict], top: int | None = None) -> dict:
+    """The OpenAI endpoints' ``logprobs``: ``{"content": [entry, ...]}``, each entry's alternatives cut to
+    ``top`` (chat's ``top_logprobs``) when given."""
+    if top is None:
+        return {"content": probs}
+    return {"content": [{k: (v[:top] if k in ("top_logprobs", "top_probs") else v) for k, v in p.items()}
+                        for p in probs]}
+
+
+def prompt_progress(event: dict) -> dict:
+    """llama-server's ``prompt_progress`` object from an engine ``progress`` line."""
+    return {"total": event.get("total"), "cache": event.get("cache"), "processed": event.get("processed"),
+            "time_ms": event.get("time_ms")}
 
 
 @attrs.frozen
@@ -85,6 +112,10 @@ class ResponseFormat(abc.ABC):
 
     def start_chunks(self) -> list[dict]:
         return []
+
+    def progress_chunk(self, progress: dict) -> dict:
+        """A chunk carrying llama-server's ``prompt_progress`` (``return_progress`` in a stream)."""
+        return {**self.token_chunk("", [], []), "prompt_progress": progress}
 
     @abc.abstractmethod
     def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict: ...
@@ -150,11 +181,13 @@ class NativeCompletionFormat(ResponseFormat):
 
 
 class TextCompletionFormat(ResponseFormat):
-    """``POST /v1/completions`` (OpenAI text completion)."""
+    """``POST /v1/completions`` (OpenAI text completion); ``logprobs`` as the peer: ``{"content": [...]}``
+    with ``n_probs`` (or OpenAI's integer ``logprobs``), else null."""
 
     def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict:
         return self.openai_envelope("text_completion", choices=[
-            {"text": content, "index": 0, "logprobs": None, "finish_reason": None}])
+            {"text": content, "index": 0, "logprobs": probs_object(probs) if probs else None,
+             "finish_reason": None}])
 
     def final_chunks(self, result: dict, lease: EngineLease) -> list[dict]:
         finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
@@ -165,30 +198,25 @@ class TextCompletionFormat(ResponseFormat):
     def response(self, result: dict, probs: list[dict], lease: EngineLease) -> dict:
         finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
         return self.openai_envelope("text_completion", choices=[
-            {"text": result.get("content", ""), "index": 0, "logprobs": None, "finish_reason": finish}],
+            {"text": result.get("content", ""), "index": 0, "logprobs": probs_object(probs) if probs else None,
+             "finish_reason": finish}],
             usage=self.usage(result), timings=result.get("timings", {}))
 
 
-def openai_logprobs(probs: list[dict], top: int) -> dict:
-    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    return {"content": [
-        {"token": p["token"], "logprob": p["logprob"], "bytes": p["bytes"],
-         "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]}
-                          for t in p["top_logprobs"][:top]]}
-        for p in probs]}
-
-
 class ChatCompletionFormat(ResponseFormat):
-    """``POST /v1/chat/completions`` (OpenAI chat): role chunk, content deltas, finish, usage."""
+    """``POST /v1/chat/completions`` (OpenAI chat): role chunk, content deltas, finish, usage;
+    ``choices[0].logprobs`` with OpenAI's ``logprobs`` (alternatives cut to ``top_logprobs``) or ``n_probs``."""
 
     def _with_logprobs(self, chunk: dict, probs: list[dict]) -> dict:
-        top = self.info.options.top_logprobs
-        if top is not None and chunk["choices"]:
-            chunk["choices"][0]["logprobs"] = openai_logprobs(probs, top)
+        if probs and chunk["choices"]:
+            chunk["choices"][0]["logprobs"] = probs_object(probs, self.info.options.top_logprobs)
         return chunk
 
     def start_chunks(self) -> list[dict]:
         return [self._chunk({"role": "assistant", "content": None}, None)]
+
+    def progress_chunk(self, progress: dict) -> dict:
+        return {**self._chunk({"role": "assistant", "content": None}, None), "prompt_progress": progress}
 
     def _chunk(self, delta: dict, finish: str | None, **extra: Any) -> dict:
         return self.openai_envelope("chat.completion.chunk", choices=[
@@ -214,36 +242,28 @@ class ChatCompletionFormat(ResponseFormat):
 
 
 class CompletionRun:
-    """One COMPLETE from request to response (JSON or SSE)."""
+    """One COMPLETE of a request (one task: a prompt, or one of ``n`` choices), run on a lease that
+    ``batch.BatchRun`` holds: ``start`` sends it, then ``collect`` gathers the JSON answer or
+    ``task_frames`` streams it as SSE."""
 
     def __init__(self, ctx: ServerContext, command: dict, options: CompletionOptions,
-                 fmt: ResponseFormat) -> None:
+                 fmt: ResponseFormat, client: ClientConnection | None = None,
+                 verbose: NativeCompletionFormat | None = None) -> None:
         self.ctx = ctx
         self.command = command
         self.options = options
         self.fmt = fmt
+        self.client = client or ClientConnection(None)
+        self.verbose = verbose  # the peer's ``verbose``: the native answer beside the OpenAI one, as __verbose
         self.want_probs = int(options.sampling.get("n_probs", 0)) > 0
 
-    def respond(self, resp: falcon.Response) -> None:
-        lease = self.ctx.engine.acquire(self.ctx.config.slot_wait)
-        try:
-            ping = self.ctx.config.sse_ping_interval if self.options.stream else 0
-            command = self.command if self.ctx.store is None else self.ctx.store.prepare(lease, self.command)
-            events = lease.request("COMPLETE", command, idle_s=ping or None)
-            if not self.options.stream:
-                resp.media = self._collect(events, lease)
-                lease.release()
-                return
-            # The first line decides between a JSON error (e.g. context exceeded) and a stream. A
-            # long prompt yields an idle event first: then the stream starts and pings meanwhile.
-            first = next(events)
-        except BaseException:
-            lease.release()
-            raise
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = self._stream(lease, first, events)
+    def start(self, lease: EngineLease) -> Iterator[dict]:
+        """Send the COMPLETE; its events, watched for the client's departure (which cancels it)."""
+        ping = self.ctx.config.sse_ping_interval if self.options.stream else 0
+        # The engine's silence is broken every POLL_INTERVAL_S to see whether the client left.
+        command = self.command if self.ctx.store is None else self.ctx.store.prepare(lease, self.command)
+        return watch_client(lease.request("COMPLETE", command, idle_s=POLL_INTERVAL_S),
+                            self.client, lease.cancel, ping_s=ping)
 
     def _record(self, result: dict) -> None:
         self.ctx.metrics.record_completion(result)
@@ -251,24 +271,28 @@ class CompletionRun:
         if self.ctx.store is not None:
             self.ctx.store.completed(result)
 
-    def _collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
+    def collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
         probs = []
         for event in events:
             kind = event["event"]
             if kind == "token" and self.want_probs:
-                probs.append(token_probabilities(event))
+                probs.append(token_probabilities(event, self.options.post_sampling_probs))
             elif kind == "result":
                 self._record(event)
-                return self.fmt.response(event, probs, lease)
+                return self._with_verbose(self.fmt.response(event, probs, lease), event, probs, lease)
         raise AssertionError("request() ends with a result or raises")
 
-    def _stream(self, lease: EngineLease, first: dict, events: Iterator[dict]) -> Iterator[bytes]:
+    def task_frames(self, lease: EngineLease, events: Iterator[dict], first: dict | None = None
+                    ) -> Generator[bytes, None, bool]:
+        """This task's SSE frames (``first``: its first event, already read); returns whether it ended with
+        its result (False: an error frame ended it). A client gone cancels it and reads it to its end."""
         batch = TokenBatch()
+        ended = False
         try:
             for chunk in self.fmt.start_chunks():
                 yield sse_frame(chunk)
-            pending: Iterator[dict] = iter([first])
-            for event in _chain(pending, events):
+            # itertools.chain, not a generator: closing this stream must leave `events` open for _abandon.
+            for event in itertools.chain([] if first is None else [first], events):
                 if event is IDLE_EVENT:
                     yield SSE_PING
                     continue
@@ -277,26 +301,42 @@ class CompletionRun:
                     self.fmt.n_predicted += 1
                     batch.ids.append(int(event.get("id", -1)))
                     if self.want_probs:
-                        batch.probs.append(token_probabilities(event))
+                        batch.probs.append(token_probabilities(event, self.options.post_sampling_probs))
                     content = str(event.get("content", ""))
                     if content or batch.probs:
                         ids, probs = batch.take()
                         yield sse_frame(self.fmt.token_chunk(content, ids, probs))
+                elif kind == "progress":
+                    yield sse_frame(self.fmt.progress_chunk(prompt_progress(event)))
                 elif kind == "result":
+                    ended = True
                     self._record(event)
-                    for chunk in self.fmt.final_chunks(event, lease):
+                    final = self.fmt.final_chunks(event, lease)
+                    final[0] = self._with_verbose(final[0], event, [], lease)
+                    for chunk in final:
                         yield sse_frame(chunk)
-                    if self.fmt.sends_done:
-                        yield sse_frame("[DONE]")
-                    return
+                    return True
         except EngineCallError as exc:
+            ended = True
             yield sse_error_frame(exc)
         finally:
-            # A client that went away closes this generator early: release() cancels the COMPLETE
-            # and reads it to its end before the next request may use the engine.
-            lease.release()
+            # A client that went away closes this generator early: the COMPLETE is cancelled and read
+            # to its end (and counted) before the next request may use the engine.
+            if not ended:
+                self._abandon(lease, events)
+        return False
 
+    def _with_verbose(self, answer: dict, result: dict, probs: list[dict], lease: EngineLease) -> dict:
+        if self.verbose is not None:
+            answer["__verbose"] = self.verbose.response(result, probs, lease)
+        return answer
 
-def _chain(*iterators: Iterator[dict]) -> Iterator[dict]:
-    for iterator in iterators:
-        yield from iterator
+    def _abandon(self, lease: EngineLease, events: Iterator[dict]) -> None:
+        lease.cancel()
+        try:
+            for event in events:
+                if event["event"] == "result":
+                    self._record(event)
+        except EngineCallError:
+            pass  # the engine died meanwhile: release() leaves the restart to the supervisor
+

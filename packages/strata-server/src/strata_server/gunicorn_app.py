@@ -1,4 +1,5 @@
-"""gunicorn entry: one gthread worker that owns the engine process.
+"""gunicorn entry: one worker (gthread whose requests are read by its event loop: worker.py) that owns
+the engine process.
 
 The supervisor starts in the worker (``load`` runs there, after the fork), so the engine is a child
 of the process that talks to it. ``worker_exit`` QUITs the engine on any worker shutdown (SIGTERM:
@@ -22,6 +23,7 @@ from .context import ServerContext
 from .engine.supervisor import EngineSupervisor, SupervisorSettings
 from .security import SecurityPolicy
 from .store import SessionStore, build_store
+from .wsgi import with_peer_header_case
 
 log = logging.getLogger("strata_server")
 WORKER_BOOT_ERROR = 3  # gunicorn's Arbiter.WORKER_BOOT_ERROR: the arbiter halts with this status
@@ -54,16 +56,16 @@ class StrataGunicorn(BaseApplication):
     def load_config(self) -> None:
         config = self.config
         settings = {
-            "bind": [config.bind()],
+            "bind": config.binds(),
             "workers": 1,  # the worker owns the one engine process
-            "worker_class": "gthread",
-            "threads": config.threads,
+            "worker_class": "strata_server.worker.StrataWorker",
+            "threads": config.http_threads,
             "timeout": config.timeout,
             "graceful_timeout": 30,
             "keepalive": 5,
             "preload_app": False,
             "proc_name": "strata-server",
-            "loglevel": config.log_level,
+            "loglevel": config.effective_log_level(),
             "errorlog": "-",
             "worker_exit": _worker_exit,
             # gunicorn's control socket (one shared path under $HOME) is not needed: no runtime
@@ -75,7 +77,7 @@ class StrataGunicorn(BaseApplication):
                 self.cfg.set(key, value)
 
     def load(self) -> Any:
-        logging.basicConfig(level=self.config.log_level.upper(), stream=sys.stderr,
+        logging.basicConfig(level=self.config.effective_log_level().upper(), stream=sys.stderr,
                             format="%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s")
         settings = SupervisorSettings(slot_wait_s=self.config.slot_wait,
                                       command_timeout_s=self.config.engine_timeout or None)
@@ -87,4 +89,4 @@ class StrataGunicorn(BaseApplication):
         self.supervisor.start()
         if self.store is not None:
             self.store.start()  # scans the folder once the engine is ready
-        return app
+        return with_peer_header_case(app)

@@ -44,7 +44,8 @@ class Metrics:
             self.prompt_tokens_cached += int(timings.get("cache_n", 0))
             self.prompt_seconds += float(timings.get("prompt_ms", 0.0)) / 1000
             self.tokens_predicted += predicted_n
-            self.tokens_predicted_seconds += float(timings.get("predicted_ms", 0.0)) / 1000
+            if predicted_n > 1:  # as the peer, whose generation clock starts at the first token
+                self.tokens_predicted_seconds += float(timings.get("predicted_ms", 0.0)) / 1000
             # One batch for the prompt, one step per generated token but the last (never evaluated).
             self.n_decode += (1 if prompt_n else 0) + max(predicted_n - 1, 0)
             self.n_tokens_max = max(self.n_tokens_max, int(result.get("n_tokens_held", 0)))

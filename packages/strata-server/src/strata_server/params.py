@@ -3,12 +3,15 @@
 Each ``SamplingField`` names the engine field, the request keys that set it (the peer's aliases)
 and its parser; a wrong type is a 400 naming the field. Unknown keys are ignored as the peer ignores
 them; features that would change the output and that Strata does not have are refused by name.
+``logit_bias`` (the OpenAI object or the peer's list of pairs) and structured output (``json_schema``,
+``grammar``, ``response_format``) are normalized into the engine's one shape of each.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -62,32 +65,29 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField("min_p", _number, ("min_p",)),
     SamplingField("repeat_penalty", _number, ("repeat_penalty",)),
     SamplingField("repeat_last_n", _int, ("repeat_last_n",)),
+    SamplingField("frequency_penalty", _number, ("frequency_penalty",)),
+    SamplingField("presence_penalty", _number, ("presence_penalty",)),
     SamplingField("seed", _int, ("seed",)),
     SamplingField("stop", _stop, ("stop",)),
     SamplingField("ignore_eos", _bool, ("ignore_eos",)),
     SamplingField("cache_prompt", _bool, ("cache_prompt",)),
     SamplingField("n_probs", _int, ("n_probs",)),
+    SamplingField("post_sampling_probs", _bool, ("post_sampling_probs",)),
 )
 
 # The engine's defaults (spec/engine-protocol.md), reported in generation_settings and /props.
 ENGINE_DEFAULTS: dict[str, Any] = {
     "n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
     "repeat_penalty": 1.0, "repeat_last_n": 64, "seed": -1, "stop": [], "ignore_eos": False,
-    "cache_prompt": True, "n_probs": 0,
+    "cache_prompt": True, "n_probs": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "post_sampling_probs": False, "logit_bias": [],
 }
 
 # Peer features Strata does not implement: refused when set to anything but their neutral value.
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "grammar": lambda v: v in (None, ""),
-    "json_schema": lambda v: v in (None, {}),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
-    "logit_bias": lambda v: v in (None, {}, []),
     "tools": lambda v: v in (None, []),
     "lora": lambda v: v in (None, []),
-    "presence_penalty": lambda v: v in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v in (None, 0, 0.0),
-    "logprobs": lambda v: v in (None, False, 0),  # chat's boolean form is handled by parse_chat_logprobs
-    # Samplers beyond Strata's chain (repeat penalty, top-k, top-p, min-p, temperature).
+    # Samplers beyond Strata's chain (logit bias, penalties, top-k, top-p, min-p, temperature).
     "typical_p": lambda v: v in (None, 1, 1.0),
     "mirostat": lambda v: v in (None, 0),
     "dynatemp_range": lambda v: v in (None, 0, 0.0),
@@ -95,7 +95,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "dry_multiplier": lambda v: v in (None, 0, 0.0),
     "top_n_sigma": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0),
     "t_max_predict_ms": lambda v: v in (None, 0),
-    "post_sampling_probs": lambda v: v in (None, False),
 }
 
 
@@ -109,10 +108,93 @@ class CompletionOptions:
     return_tokens: bool = False
     model: str | None = None
     top_logprobs: int | None = None  # chat: OpenAI logprobs asked for, with this many alternatives
+    logit_bias: tuple[tuple[int | str, float | bool], ...] = ()  # the engine's [token, bias or false] pairs
+    constraint: dict[str, Any] = attrs.Factory(dict)  # the engine's json_schema or grammar field, if any
+
+    @property
+    def post_sampling_probs(self) -> bool:
+        return bool(self.sampling.get("post_sampling_probs", False))
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The COMPLETE fields besides the prompt."""
+        fields = {**self.sampling, **self.constraint}
+        if self.logit_bias:
+            fields["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        return fields
 
     def settings(self) -> dict[str, Any]:
-        """generation_settings as reported back: the engine defaults overlaid with the request's."""
-        return {**ENGINE_DEFAULTS, **self.sampling}
+        """generation_settings as reported back: the engine defaults overlaid with the request's (logit_bias
+        in the peer's shape, a ban's bias null as the peer's -inf; texts as given, not tokenized)."""
+        bias = [{"bias": None if b is False else b, "token": t} for t, b in self.logit_bias]
+        return {**ENGINE_DEFAULTS, **self.sampling, "logit_bias": bias}
+
+
+def parse_logit_bias(value: Any, n_vocab: int | None) -> tuple[tuple[int | str, float | bool], ...]:
+    """The OpenAI object (``{"15043": -100, "hello": false}``) or the peer's list of pairs (``[[15043,
+    -100], ["hello", false]]``) as the engine's pairs. As the peer: a key that is a whole integer is a
+    token id, any other a text; a bias that is neither a number nor false, an id outside the vocabulary,
+    and a malformed pair are skipped."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = [[int(k) if re.fullmatch(r"\s*[+-]?\d+", k) else k, v] for k, v in value.items()]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise invalid_request("'logit_bias' must be an object {token: bias} or a list of [token, bias] pairs")
+    pairs: list[tuple[int | str, float | bool]] = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 2):
+            continue
+        token, bias = item
+        if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                                  or not math.isfinite(bias)):
+            continue
+        if isinstance(token, int) and not isinstance(token, bool):
+            if 0 <= token and (n_vocab is None or token < n_vocab):
+                pairs.append((token, bias if bias is False else float(bias)))
+        elif isinstance(token, str) and token:
+            pairs.append((token, bias if bias is False else float(bias)))
+    return tuple(pairs)
+
+
+# response_format type -> the JSON schema it asks for, from (the response_format object, the request's
+# json_schema); None: no constraint.
+RESPONSE_FORMATS: dict[str, Callable[[dict, Any], Any]] = {
+    "text": lambda rf, schema: schema,
+    # OpenAI's json_object is any JSON object; the peer's own shape may carry a schema beside the type.
+    "json_object": lambda rf, schema: rf["schema"] if rf.get("schema") is not None else {"type": "object"},
+    # OpenAI's {"json_schema": {"name", "schema", "strict"}}; the peer's bare "schema" beside the type too.
+    "json_schema": lambda rf, schema: ((rf["json_schema"].get("schema") if isinstance(rf.get("json_schema"), dict)
+                                        else rf.get("schema")) or {}),
+}
+
+
+def parse_constraint(body: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
+    """The engine's ``json_schema`` or ``grammar`` field from ``response_format``, ``json_schema`` and
+    ``grammar``. ``response_format`` overrides ``json_schema``. With both a schema and a grammar, chat
+    answers the peer's 400 and the completion endpoints take the grammar, as the peer does."""
+    schema = body.get("json_schema")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise invalid_request("'response_format' must be an object")
+        kind = response_format.get("type") or "text"
+        if kind not in RESPONSE_FORMATS:
+            raise invalid_request(f'response_format type must be one of "text" or "json_object", but got: {kind}')
+        schema = RESPONSE_FORMATS[kind](response_format, schema)
+    grammar = body.get("grammar")
+    if grammar is not None and not isinstance(grammar, str):
+        raise invalid_request("'grammar' must be a string (a GBNF grammar)")
+    if schema is not None and not isinstance(schema, (dict, bool)):
+        raise invalid_request("'json_schema' must be a JSON schema (an object)")
+    if schema is not None and grammar:
+        if chat:
+            raise invalid_request("Cannot use both json_schema and grammar")
+        schema = None
+    if grammar:
+        return {"grammar": grammar}
+    return {"json_schema": schema} if schema is not None else {}
 
 
 MAX_TOP_LOGPROBS = 20
@@ -134,19 +216,21 @@ def parse_chat_logprobs(body: Mapping[str, Any]) -> tuple[dict[str, Any], int | 
     return rest, n
 
 
-def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None) -> CompletionOptions:
+def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None, n_vocab: int | None = None,
+                  chat: bool = False) -> CompletionOptions:
     sampling: dict[str, Any] = {}
     for field in SAMPLING_FIELDS:
         for key in field.keys:
             if key in body and body[key] is not None:
                 sampling[field.engine_name] = field.parse(key, body[key])
                 break
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False) and "n_probs" not in sampling:
+        # The peer's completion endpoints: OpenAI's integer logprobs when n_probs is not given.
+        sampling["n_probs"] = _int("logprobs", logprobs)
     for key, neutral in UNSUPPORTED_FIELDS.items():
         if key in body and not neutral(body[key]):
             raise ApiError(ErrorType.NOT_SUPPORTED, f"'{key}' is not supported by this server")
-    for key in ("n", "n_cmpl"):
-        if key in body and body[key] is not None and _int(key, body[key]) != 1:
-            raise ApiError(ErrorType.NOT_SUPPORTED, f"'{key}' must be 1: this server has one slot")
     if "id_slot" in body and body["id_slot"] is not None and _int("id_slot", body["id_slot"]) not in (-1, 0):
         raise invalid_request("Invalid slot ID: this server has one slot, 0")
     stream_options = body.get("stream_options") or {}
@@ -163,32 +247,60 @@ def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None) -
         return_tokens=_bool("return_tokens", body.get("return_tokens", False)),
         model=model if isinstance(model, str) and model else None,
         top_logprobs=top_logprobs,
+        logit_bias=parse_logit_bias(body.get("logit_bias"), n_vocab),
+        constraint=parse_constraint(body, chat=chat),
     )
 
 
-def parse_prompt(body: Mapping[str, Any], *, n_vocab: int | None) -> str | list:
-    """A string, a token list, or a list mixing strings and token ids (one prompt; the peer's list of
-    several prompts is refused: one slot)."""
-    if "prompt" not in body:
-        raise invalid_request("\"prompt\" must be provided")
-    prompt = body["prompt"]
-    if isinstance(prompt, dict):
-        raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
-        prompt = prompt[0]
+def _is_token(item: Any) -> bool:
+    return isinstance(item, int) and not isinstance(item, bool)
+
+
+def _one_prompt(prompt: Any) -> bool:
+    """llama-server's single prompt: a string, a list of token ids, or a list mixing strings and ids."""
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list):
+        return False
+    return all(_is_token(p) for p in prompt) or (any(_is_token(p) for p in prompt) and any(isinstance(p, str)
+                                                                                           for p in prompt))
+
+
+def _checked_prompt(prompt: str | list, where: str, n_vocab: int | None) -> str | list:
     if isinstance(prompt, str):
         return prompt
-    if not isinstance(prompt, list):
-        raise invalid_request("\"prompt\" must be a string, a list of token ids, or a list of those mixed")
     for index, item in enumerate(prompt):
-        if isinstance(item, list | dict):
-            raise ApiError(ErrorType.NOT_SUPPORTED,
-                           "several prompts in one request are not supported: this server has one slot")
-        if isinstance(item, bool) or not isinstance(item, int | str):
-            raise invalid_request(f"\"prompt\"[{index}] must be a string or a token id")
-        if isinstance(item, int) and (item < 0 or (n_vocab is not None and item >= n_vocab)):
-            raise invalid_request(f"\"prompt\"[{index}]: token id {item} is out of range [0, {n_vocab})")
+        if isinstance(item, dict):
+            raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
+        if not (_is_token(item) or isinstance(item, str)):
+            raise invalid_request(f"{where}[{index}] must be a string or a token id")
+        if _is_token(item) and (item < 0 or (n_vocab is not None and item >= n_vocab)):
+            raise invalid_request(f"{where}[{index}]: token id {item} is out of range [0, {n_vocab})")
     return prompt
+
+
+def parse_prompts(body: Mapping[str, Any], *, n_vocab: int | None, key: str = "prompt") -> list[str | list]:
+    """The request's prompts, as llama-server reads them (``tokenize_input_prompts``): a string, a token
+    list or a list mixing strings and ids is one prompt; any other list is several, each one of those."""
+    if key not in body:
+        raise invalid_request(f"\"{key}\" must be provided")
+    prompt = body[key]
+    if isinstance(prompt, dict):
+        raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
+    if _one_prompt(prompt):
+        return [_checked_prompt(prompt, f'"{key}"', n_vocab)]
+    if not isinstance(prompt, list):
+        raise invalid_request(f"\"{key}\" must be a string, a list of tokens, a list of mixed strings & tokens, "
+                              "or a list of prompts")
+    prompts = []
+    for index, item in enumerate(prompt):
+        if isinstance(item, dict):
+            raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
+        if not _one_prompt(item):
+            raise invalid_request(f"element {index} of \"{key}\" must be a string, a list of tokens, or a list "
+                                  "of mixed strings & tokens")
+        prompts.append(_checked_prompt(item, f'"{key}"[{index}]', n_vocab))
+    return prompts
 
 
 def parse_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:

@@ -8,6 +8,7 @@ short-circuit (no auth) -> 503 while the engine is not ready -> API key.
 from __future__ import annotations
 
 import hmac
+from urllib.parse import urlsplit
 
 import falcon
 
@@ -17,6 +18,8 @@ from .errors import ApiError, EngineUnavailable, ErrorType
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
+CORS_ANY = "*"  # --cors-origins value: any origin, never with credentials (Strata's default)
+CORS_LOCALHOST = "localhost"  # --cors-origins value: origins on a loopback host, any scheme and port (the peer's)
 _WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
 
 
@@ -38,13 +41,27 @@ class SecurityPolicy:
     def __init__(self, config: ServerConfig) -> None:
         self.any_host = "*" in config.allowed_hosts
         hosts = set(LOOPBACK_HOSTS) | {h.lower().strip("[]").rstrip(".") for h in config.allowed_hosts}
-        if config.host not in _WILDCARD_BINDS:
-            hosts.add(config.host.lower().strip("[]"))
+        hosts |= {h.lower().strip("[]") for h in config.host if h not in _WILDCARD_BINDS}
         self.allowed_hosts = frozenset(hosts)
         self.api_keys = tuple(k.encode() for k in config.api_keys())
         self.trusted_origins = frozenset(o.lower().rstrip("/") for o in config.trusted_origins)
-        self.cors_wildcard = "*" in config.cors_origins
-        self.cors_origins = frozenset(o.lower().rstrip("/") for o in config.cors_origins if o != "*")
+        self.cors_wildcard = CORS_ANY in config.cors_origins
+        self.cors_localhost = CORS_LOCALHOST in config.cors_origins
+        self.cors_origins = frozenset(o.lower().rstrip("/") for o in config.cors_origins
+                                      if o not in (CORS_ANY, CORS_LOCALHOST))
+
+    def cors_listed(self, origin: str | None) -> bool:
+        """An Origin configured by name (or a loopback one with ``localhost``): answered as the peer does."""
+        if not origin:
+            return False
+        origin = origin.strip().lower().rstrip("/")
+        if origin in self.cors_origins:
+            return True
+        try:
+            host = urlsplit(origin).hostname
+        except ValueError:
+            return False
+        return self.cors_localhost and host in LOOPBACK_HOSTS
 
     def host_allowed(self, host_header: str | None) -> bool:
         if not host_header:
@@ -89,7 +106,8 @@ class SecurityMiddleware:
             resp.status = 200
             resp.set_header("Access-Control-Allow-Methods", CORS_METHODS)
             requested = req.get_header("Access-Control-Request-Headers")
-            resp.set_header("Access-Control-Allow-Headers", requested or "*")
+            listed = self.policy.cors_listed(req.get_header("Origin"))
+            resp.set_header("Access-Control-Allow-Headers", "*" if listed or not requested else requested)
             resp.set_header("Access-Control-Max-Age", "600")
             resp.content_length = 0
             resp.complete = True
@@ -103,13 +121,14 @@ class SecurityMiddleware:
     def process_response(self, req: falcon.Request, resp: falcon.Response, resource: object,
                          req_succeeded: bool) -> None:
         origin = req.get_header("Origin")
-        if self.policy.cors_wildcard:
-            # Never credentials with a wildcard (the peer echoes the Origin with credentials on).
-            resp.set_header("Access-Control-Allow-Origin", "*")
-        elif origin and origin.lower().rstrip("/") in self.policy.cors_origins:
+        if self.policy.cors_listed(origin):
+            # A configured origin gets the peer's answer: echoed, with credentials.
             resp.set_header("Access-Control-Allow-Origin", origin)
             resp.set_header("Access-Control-Allow-Credentials", "true")
             resp.append_header("Vary", "Origin")
+        elif self.policy.cors_wildcard:
+            # Never credentials with a wildcard (the peer echoes any Origin with credentials on).
+            resp.set_header("Access-Control-Allow-Origin", "*")
 
 
 def check_slot_action(req: falcon.Request, policy: SecurityPolicy) -> None:

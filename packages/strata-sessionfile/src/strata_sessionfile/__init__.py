@@ -11,12 +11,13 @@ Identity
     ``model_fingerprint(files) -> ModelIdentity`` from ``(role, path)`` pairs in load order;
     ``config_fingerprint(mapping) -> ConfigIdentity``; ``engine_identity(files, mapping)``.
 Writing
-    ``save(path, adapter, *, block_size=16 MiB, progress=None, buffers=None, compression=None) -> SaveReport``
+    ``save(path, adapter, *, block_size=16 MiB, progress=None, buffers=None, compression=None, key=None) -> SaveReport``
     (crash-safe: temp file, fsync, rename, folder fsync; the kernel's writeback of each block is started
     as soon as it is written). ``BlockBuffers(block_size, count=2)``: reusable block buffers an engine may
     keep and pass as ``buffers=`` to every save and restore (a restore with N reader threads uses N + 1). ``compression``: None
     (default), ``"zstd"`` or ``Compression(codec="zstd", level=3, threads=0)``; needs the optional
-    zstandard package (``pip install strata-sessionfile[zstd]``), as does restoring such a file.
+    zstandard package (``pip install strata-sessionfile[zstd]``), as does restoring such a file. ``key``: a
+    ``SessionKey`` (``SessionKey.from_file(path)``: 32 bytes) or its bytes; the file then carries a keyed MAC.
 Reading
     ``inspect(path, *, verify=True, identity=None, limits=None, read_threads=None) -> Inspection`` (the read
     pass alone); ``restore(path, adapter, *, mode="auto"|"streaming"|"staged", block_size, progress,
@@ -24,7 +25,13 @@ Reading
     RAM probe (MemAvailable) of the preflight; ``default_read_threads()`` the readers a restore uses when
     ``read_threads`` is None (min(4, cores - 1), at least 1; the payload is hashed and handed over in file
     order whatever the number); ``ReadThreads(n)`` reader threads an engine keeps and passes as
-    ``read_threads=`` (started once, not per call; ``close()`` ends them).
+    ``read_threads=`` (started once, not per call; ``close()`` ends them). Both take ``key=`` (check the MAC
+    before anything reaches the adapter) and ``require_mac=`` (default: True when a key is given).
+Byte sources and sinks (``strata_sessionfile.seam``)
+    ``save``, ``restore`` and ``inspect`` take a local path or a ``ByteSource`` / ``ByteSink``;
+    ``strata_sessionfile.objstore`` has ``S3Source`` (ranged GETs, the object's version pinned) and
+    ``S3Sink`` (a multipart upload; the object appears when it completes), with boto3
+    (``pip install strata-sessionfile[s3]``).
 Adapter protocol (``strata_sessionfile.adapter``)
     ``SessionSource`` (save), ``SessionTarget`` (restore, streaming), ``StagingTarget`` (optional staged
     restore), ``BufferProvider`` (optional own block buffers), ``LandingTarget`` (optional: a restore reads
@@ -43,8 +50,9 @@ Testing (``strata_sessionfile.testing``)
 
 Inside: ``writer`` (``save`` as the named stages of ``SessionWriter``), ``reader`` (``inspect``, ``restore``)
 over ``validate`` (the checks), ``datapass`` (the passes over the data section) and ``apply`` (streaming and
-staged); ``pipelines`` (reader and writer threads), ``memory`` (buffers, the RAM probe); ``_fileio``, the
-byte seam: the only module that opens, reads or writes a session file.
+staged); ``pipelines`` (reader and writer threads), ``memory`` (buffers, the RAM probe); the byte seam:
+``seam`` (the interfaces), ``_fileio`` (local files: the only module that opens, reads or writes one) and
+``objstore`` (an S3-compatible object store).
 """
 
 from . import errors
@@ -58,6 +66,7 @@ from .adapter import (
     SessionTarget,
     StagingTarget,
 )
+from .auth import SessionKey
 from .compression import Compression
 from .errors import SessionFileError
 from .format import DEFAULT_BLOCK_SIZE, FORMAT_VERSION, DType, LayerRole, Part
@@ -84,15 +93,17 @@ from .records import (
     SaveReport,
     Snapshot,
 )
+from .seam import ByteSink, ByteSource
 from .validate import check_limits
 from .writer import save
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "AsyncCopyTarget", "BlockBuffers", "BufferProvider", "Checkpoint",
+    "DEFAULT_BLOCK_SIZE", "FORMAT_VERSION", "AsyncCopyTarget", "BlockBuffers", "BufferProvider", "ByteSink",
+    "ByteSource", "Checkpoint",
     "Compression", "ConfigIdentity", "DType",
     "EngineIdentity", "EngineLimits", "Inspection", "LayerGeometry", "LayerRole", "LayerSpec", "ModelFile",
     "LandingTarget", "MergingCopyTarget", "ModelIdentity", "Part", "Phase", "Progress", "RestoreMode", "RestorePlan", "RestoreReport", "RunningState",
-    "SaveReport", "SessionAdapter", "SessionFileError", "SessionSource", "SessionTarget", "Snapshot",
+    "SaveReport", "SessionAdapter", "SessionFileError", "SessionKey", "SessionSource", "SessionTarget", "Snapshot",
     "StagingTarget", "check_limits", "config_fingerprint", "default_read_threads", "ReadThreads", "memory_available", "engine_identity", "errors", "inspect",
     "model_fingerprint", "restore", "save",
 ]

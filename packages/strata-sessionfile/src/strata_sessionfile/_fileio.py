@@ -1,10 +1,10 @@
-"""The byte seam: where a session file's bytes come from and go to (here: a local file).
+"""The byte seam's local files: a ``seam.ByteSource`` and ``seam.ByteSink`` over a path.
 
-Save, restore and inspect open, read and write a session file only here. A restore or ``inspect`` reads from a
-``FileSource`` (opened safely, rules F1-F5; its ``stamp()`` tells whether it changed; exact positional
-reads); a save writes to a ``FileSink`` (an exclusively created temporary beside the target, written in
-order, flushed, renamed over the target, the folder flushed). Another store (an object store's ranged
-reads and multipart upload) would be a second source and sink with the same methods.
+Save, restore and inspect open, read and write a local session file only here. A restore or ``inspect``
+reads from a ``FileSource`` (opened safely, rules F1-F5; its ``stamp()`` tells whether it changed; exact
+positional reads); a save writes to a ``FileSink`` (an exclusively created temporary beside the target,
+written in order, flushed, renamed over the target, the folder flushed). ``objstore`` is the other store:
+an S3-compatible object store's ranged reads and multipart upload, behind the same two interfaces.
 
 ``write``, ``pwrite``, ``fsync``, ``replace``, ``pread_into``, ``start_writeback`` are module attributes on
 purpose: the fault-injection tests (ENOSPC, EIO) replace them.
@@ -170,18 +170,23 @@ def _write_all(fd: int, data) -> None:
 
 
 class FileSink:
-    """Where a save writes: a new temporary in the target's folder, created with O_CREAT|O_EXCL|O_NOFOLLOW
-    (mode 0600). Written in order (``write``; ``write_at`` patches bytes already written), then ``flush``
-    (fsync, close), ``publish`` (rename over the target) and ``sync_folder``. ``discard`` removes the
-    temporary (the target untouched) at any point before ``publish``. Raises OSError; the writer names
-    the stage it happened in."""
+    """Where a save writes: ``create`` makes a new temporary in the target's folder with
+    O_CREAT|O_EXCL|O_NOFOLLOW (mode 0600). Written in order (``write``; ``write_at`` patches bytes already
+    written), then ``flush`` (fsync, close), ``publish`` (rename over the target) and ``sync_folder``.
+    ``discard`` removes the temporary (the target untouched) at any point before ``publish``. Raises
+    OSError; the writer names the stage it happened in."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.folder, name = os.path.split(os.path.abspath(path))
-        self.tmp = os.path.join(self.folder, temporary_name(name))
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        self.folder, self.name = os.path.split(os.path.abspath(path))
+        self.tmp: str | None = None
+        self.fd = -1
         self.position = 0  # bytes written in order so far
+
+    def create(self) -> None:
+        tmp = os.path.join(self.folder, temporary_name(self.name))
+        self.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        self.tmp = tmp
 
     def reserve(self, n: int) -> None:
         """Reserve ``n`` bytes now, so a full disk fails before any copy (where the filesystem can)."""

@@ -20,9 +20,8 @@ from collections.abc import Callable
 
 from . import errors as E
 from .adapter import AsyncCopyTarget, MergingCopyTarget, SessionTarget, StagingTarget, adapter_call
-from .codec import METADATA_OFFSET, decode_trailer
+from .codec import METADATA_OFFSET
 from .datapass import land_data, stream_data
-from .format import TRAILER_SIZE
 from .memory import HUGE_PAGE
 from .pipelines import ReadThreads, read_exact_parallel
 from .records import Phase, RestorePlan
@@ -63,18 +62,18 @@ def _check_prefix_again(opened: OpenedFile, readers: ReadThreads) -> None:
     except E.Truncated as exc:
         raise E.FileChanged(f"the file shrank between the read pass and the apply pass ({exc})",
                             path=opened.path) from None
-    trailer_again = source.read(TRAILER_SIZE, opened.layout.trailer_offset, short_error=E.FileChanged)
+    trailer_again = source.read(len(opened.trailer), opened.layout.trailer_offset, short_error=E.FileChanged)
     comp = opened.layout.compressed
     head_again = table_again = b""
     if comp is not None:
         head_again = source.read(len(opened.section_head), comp.header_offset, short_error=E.FileChanged)
         table_again = source.read(len(opened.table), comp.table_offset, short_error=E.FileChanged)
-    if prefix_again != opened.prefix or decode_trailer(trailer_again, opened.layout.trailer_offset) != \
-            opened.trailer_digest or head_again != opened.section_head or table_again != opened.table:
+    if prefix_again != opened.prefix or trailer_again != opened.trailer or head_again != opened.section_head \
+            or table_again != opened.table:
         raise E.FileChanged("the metadata, compression header, block table or trailer changed between the read "
                             "pass and the apply pass", path=opened.path)
     del prefix_again
-    opened.bytes_read += len(opened.prefix) + TRAILER_SIZE + len(head_again) + len(table_again)
+    opened.bytes_read += len(opened.prefix) + len(trailer_again) + len(head_again) + len(table_again)
 
 
 def apply_streaming(opened: OpenedFile, adapter: SessionTarget, plan: RestorePlan, buffers, block_size, progress,

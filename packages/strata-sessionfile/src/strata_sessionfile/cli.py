@@ -1,11 +1,16 @@
-"""``strata-sessionfile inspect FILE [--json] [--verify] [--layers]``.
+"""``strata-sessionfile inspect FILE [--json] [--verify] [--layers] [--key-file KEY] [--endpoint-url URL]``.
+
+FILE is a path or an object, ``s3://BUCKET/KEY`` (credentials and region the standard AWS way;
+``--endpoint-url`` for a non-AWS store). ``--key-file`` verifies the file's MAC with that 32-byte key (and,
+with ``--verify``, its payload digest); a file without a MAC is then refused.
 
 The human output groups what repeats (identical layers on one line, a per-layer config list such as the
 RoPE entries grouped by value) and gives sizes in decimal units beside the byte counts; ``--layers`` adds
 the full per-layer table, ``--json`` prints everything (the same object whatever the other flags).
 
 Exit codes (spec section 11): 0 valid, 1 invalid (the reason is printed), 2 unreadable, 3 unsupported here
-(``--verify`` of a compressed file without its codec's module), 64 usage.
+(``--verify`` of a compressed file without its codec's module, an ``s3://`` object without boto3), 4 not
+authenticated by the key, 64 usage.
 """
 
 from __future__ import annotations
@@ -16,16 +21,26 @@ import sys
 from collections.abc import Sequence
 
 from . import errors as E
+from .auth import SessionKey
 from .codec import dtype_name
 from .format import Part
 from .reader import inspect
 from .records import Inspection
+from .seam import S3_SCHEME, s3_location
 
 EXIT_VALID = 0
 EXIT_INVALID = 1
 EXIT_UNREADABLE = 2
 EXIT_UNSUPPORTED = 3
+EXIT_UNAUTHENTICATED = 4
 EXIT_USAGE = 64
+# The exit code of each kind of refusal, most specific first (anything else is EXIT_INVALID).
+EXIT_FOR_ERROR: tuple[tuple[type[E.SessionFileError], int], ...] = (
+    (E.FileAccessError, EXIT_UNREADABLE),
+    (E.CompressionUnavailable, EXIT_UNSUPPORTED),
+    (E.AuthenticationFailed, EXIT_UNAUTHENTICATED),
+)
+EXIT_KIND = {EXIT_UNREADABLE: "unreadable", EXIT_UNSUPPORTED: "unsupported", EXIT_UNAUTHENTICATED: "unauthenticated"}
 
 
 def _compression_dict(lay) -> dict | None:
@@ -50,6 +65,8 @@ def inspection_dict(info: Inspection) -> dict:
                    "model_fingerprint": h.model_fingerprint.hex(), "config_fingerprint": h.config_fingerprint.hex(),
                    "payload_length": h.payload_length, "header_hash": f"{h.header_hash:016x}"},
         "payload_hash": info.payload_hash.hex() if info.payload_hash else None,
+        "authentication": {"authenticated": info.authenticated, "key_id": info.key_id.hex() if info.key_id else None,
+                           "mac_verified": info.mac_verified},
         "model_files": [{"role": f.role, "size": f.size, "digest": f.digest.hex()} for f in md.model.files],
         "config": md.config.mapping,
         "state": {"n_tokens": st.n_tokens, "position": st.position, "first_tokens": list(st.tokens[:8]),
@@ -61,7 +78,8 @@ def inspection_dict(info: Inspection) -> dict:
                     "k_dtype": dtype_name(g.spec.k_dtype), "v_dtype": dtype_name(g.spec.v_dtype),
                     "window": g.spec.window, "tokens_held": g.tokens_held,
                     "part_bytes": {p.name.lower(): g.part_size(p) for p in Part}} for g in md.layers],
-        "sections": {"header": 64, "metadata": lay.data_offset - 64, "data": stored, "trailer": 24,
+        "sections": {"header": 64, "metadata": lay.data_offset - 64, "data": stored,
+                     "trailer": lay.file_size - lay.trailer_offset,
                      "file_size": lay.file_size, "data_offset": lay.data_offset, "kv_bytes": lay.data_length},
         "compression": _compression_dict(lay),
     }
@@ -187,6 +205,13 @@ def _print_text(d: dict, out, *, layer_table: bool = False) -> None:
     w(f"  model fingerprint   {h['model_fingerprint']}\n  config fingerprint  {h['config_fingerprint']}\n")
     w(f"  payload             {sized(h['payload_length'])}, hash "
       f"{d['payload_hash'] + ' (verified)' if d['payload_verified'] else 'not verified (use --verify)'}\n")
+    a = d["authentication"]
+    if a["authenticated"]:
+        checked = ("MAC verified" + (", payload digest verified" if d["payload_verified"] else "")
+                   if a["mac_verified"] else "not verified (use --key-file)")
+        w(f"  authentication      HMAC-SHA256, key id {a['key_id']}, {checked}\n")
+    else:
+        w("  authentication      none\n")
     for f in d["model_files"]:
         w(f"  model file          {f['role']}: {sized(f['size'])}, digest {f['digest']}\n")
     n_main = sum(1 for g in d["layers"] if g["role"] == "main")
@@ -199,7 +224,7 @@ def _print_text(d: dict, out, *, layer_table: bool = False) -> None:
     w(f"  checkpoint          token {s['checkpoint_token_index']:,}, {sized(s['checkpoint_data_bytes'])} of data\n")
     w(f"  sampler state       {sized(s['sampler_state_bytes'])}; engine fields {sized(s['engine_fields_bytes'])}\n")
     w(f"  sections            header 64, metadata {sized(sec['metadata'])}, data {sized(sec['data'])} at "
-      f"{sec['data_offset']:,}, trailer 24\n")
+      f"{sec['data_offset']:,}, trailer {sec['trailer']}\n")
     c = d["compression"]
     if c is None:
         w("  compression         none\n")
@@ -214,17 +239,45 @@ def _print_text(d: dict, out, *, layer_table: bool = False) -> None:
         _print_layer_table(d, w)
 
 
+def _usage(message: str) -> int:
+    print(f"strata-sessionfile inspect: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _inspect(args, key: SessionKey | None) -> Inspection:
+    """The inspection of a local path, or of an ``s3://`` object (ImportError when boto3 is missing)."""
+    if not args.file.startswith(S3_SCHEME):
+        return inspect(args.file, verify=args.verify, key=key)
+    from .objstore import S3Source, s3_client
+
+    bucket, object_key = s3_location(args.file)
+    with S3Source(s3_client(args.endpoint_url), bucket, object_key) as source:
+        return inspect(source, verify=args.verify, key=key)
+
+
 def _cmd_inspect(args) -> int:
+    key = None
+    if args.key_file is not None:
+        try:
+            key = SessionKey.from_file(args.key_file)
+        except (OSError, ValueError) as exc:
+            return _usage(f"--key-file: {exc}")
+    if args.file.startswith(S3_SCHEME):
+        try:
+            s3_location(args.file)
+        except ValueError as exc:
+            return _usage(str(exc))
+    elif args.endpoint_url is not None:
+        return _usage("--endpoint-url applies to an s3:// object only")
     try:
-        info = inspect(args.file, verify=args.verify)
-    except E.FileAccessError as exc:
-        code, valid = EXIT_UNREADABLE, None
-        err = exc
-    except E.CompressionUnavailable as exc:
-        code, valid = EXIT_UNSUPPORTED, None
-        err = exc
+        info = _inspect(args, key)
+    except ImportError:
+        print("unsupported (s3): reading s3:// objects needs boto3: pip install 'strata-sessionfile[s3]'",
+              file=sys.stderr)
+        return EXIT_UNSUPPORTED
     except E.SessionFileError as exc:
-        code, valid = EXIT_INVALID, False
+        code = next((code for cls, code in EXIT_FOR_ERROR if isinstance(exc, cls)), EXIT_INVALID)
+        valid = False if code in (EXIT_INVALID, EXIT_UNAUTHENTICATED) else None
         err = exc
     else:
         d = inspection_dict(info)
@@ -237,7 +290,7 @@ def _cmd_inspect(args) -> int:
         print(json.dumps({"valid": valid, "readable": code != EXIT_UNREADABLE, "reason": err.reason,
                           "message": str(err), "field": err.field, "offset": err.offset}))
     else:
-        kind = {EXIT_UNREADABLE: "unreadable", EXIT_UNSUPPORTED: "unsupported"}.get(code, "invalid")
+        kind = EXIT_KIND.get(code, "invalid")
         print(f"{kind} ({err.reason}): {err}", file=sys.stderr)
     return code
 
@@ -254,12 +307,17 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("inspect", help="validate a session file and print what it holds",
                        description="Exit codes: 0 valid, 1 invalid (reason printed), 2 unreadable, 3 unsupported here "
-                       "(--verify of a compressed file without its codec), 64 usage.")
-    p.add_argument("file")
+                       "(--verify of a compressed file without its codec, s3:// without boto3), 4 not authenticated "
+                       "by --key-file's key, 64 usage.")
+    p.add_argument("file", help="a session file's path, or an object: s3://BUCKET/KEY")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verify", action="store_true", help="also stream the payload and check its hash")
     p.add_argument("--layers", action="store_true",
                    help="also print every layer's row (the summary groups identical layers)")
+    p.add_argument("--key-file", metavar="KEY", help="a 32-byte session key: verify the file's MAC (refuse a file "
+                   "without one); with --verify also its payload digest")
+    p.add_argument("--endpoint-url", metavar="URL", help="the S3 endpoint of an s3:// FILE (a non-AWS store); "
+                   "credentials and region come from the standard AWS environment and config files")
     return parser, p
 
 

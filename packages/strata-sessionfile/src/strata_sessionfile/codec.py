@@ -28,7 +28,6 @@ from .format import (
     MAGIC,
     MODEL_FILE_FIXED,
     TRAILER_SIZE,
-    TRAILER_STRUCT,
     DType,
     LayerRole,
     Part,
@@ -96,17 +95,20 @@ def decode_header(raw: bytes, *, path: str | None = None) -> Header:
     return Header(version, flags, model_fp, config_fp, payload_length, stored_hash)
 
 
-def encode_trailer(payload_digest: bytes) -> bytes:
-    return TRAILER_STRUCT.pack(payload_digest, END_MARKER)
+def encode_trailer(payload_digest: bytes, extension: bytes = b"") -> bytes:
+    """The trailer: payload hash, the authentication extension of an authenticated file, end marker."""
+    return payload_digest + extension + END_MARKER
 
 
 def decode_trailer(raw: bytes, trailer_offset: int, *, path: str | None = None) -> bytes:
-    if len(raw) != TRAILER_SIZE:
-        raise E.Truncated(f"trailer is {len(raw)} bytes, expected {TRAILER_SIZE}", path=path, offset=trailer_offset)
-    digest, marker = TRAILER_STRUCT.unpack(raw)
+    """The payload hash of a trailer (24 bytes, or 104 with the authentication extension; rule M11)."""
+    if len(raw) < TRAILER_SIZE:
+        raise E.Truncated(f"trailer is {len(raw)} bytes, expected at least {TRAILER_SIZE}", path=path,
+                          offset=trailer_offset)
+    digest, marker = bytes(raw[:16]), bytes(raw[-8:])
     if marker != END_MARKER:
         raise E.BadEndMarker(f"end marker is {marker!r}, expected {END_MARKER!r}", path=path,
-                             offset=trailer_offset + 16, field="end_marker")
+                             offset=trailer_offset + len(raw) - 8, field="end_marker")
     return digest
 
 
@@ -331,8 +333,10 @@ def decode_metadata(body: memoryview | bytes, *, header: Header, path: str | Non
 
 
 # --- layout -----------------------------------------------------------------------------------------
-def compute_layout(metadata_length: int, layers: tuple[LayerGeometry, ...]) -> Layout:
-    """Offsets of the data section and every non-empty part, from the metadata length and the geometry."""
+def compute_layout(metadata_length: int, layers: tuple[LayerGeometry, ...], trailer_size: int = TRAILER_SIZE
+                   ) -> Layout:
+    """Offsets of the data section and every non-empty part, from the metadata length and the geometry (and
+    the trailer's size: larger in an authenticated file)."""
     data_offset = align_up(METADATA_OFFSET + 4 + metadata_length, DATA_ALIGNMENT)
     extents = []
     pos = 0
@@ -344,7 +348,7 @@ def compute_layout(metadata_length: int, layers: tuple[LayerGeometry, ...]) -> L
                 pos += size
     trailer_offset = data_offset + pos
     return Layout(METADATA_OFFSET, metadata_length, data_offset, pos, trailer_offset,
-                  trailer_offset + TRAILER_SIZE, tuple(extents))
+                  trailer_offset + trailer_size, tuple(extents))
 
 
 def payload_length_of(layout: Layout) -> int:

@@ -63,9 +63,15 @@ class MultipleLinks(FileAccessError):
 
 
 class ReadFailed(FileAccessError):
-    """The operating system failed a read (EIO and friends)."""
+    """The operating system failed a read (EIO and friends), or the object store failed a request."""
 
     reason = "read_failed"
+
+
+class StoreUnavailable(ReadFailed):
+    """The object store did not answer (connection refused or lost, timeout, 5xx after retries)."""
+
+    reason = "store_unavailable"
 
 
 # --- the bytes are not a valid v1 session file ------------------------------------------------------
@@ -172,11 +178,49 @@ class GeometryMismatch(BindingMismatch):
     reason = "geometry_mismatch"
 
 
+# --- keyed authentication (a reader holding a key) --------------------------------------------------
+class AuthenticationFailed(SessionFileError):
+    """The file is not authenticated by this reader's key (spec section 4.1, rules K1-K4)."""
+
+    reason = "authentication_failed"
+
+
+class MacMissing(AuthenticationFailed):
+    """The file carries no MAC, and this reader accepts only authenticated files."""
+
+    reason = "mac_missing"
+
+
+class MacWrongKey(AuthenticationFailed):
+    """The file's MAC was made with another key (its key id is not this reader's)."""
+
+    reason = "mac_wrong_key"
+
+
+class MacMismatch(AuthenticationFailed):
+    """The MAC does not match the header and the payload hashes under this reader's key."""
+
+    reason = "mac_mismatch"
+
+
+class PayloadNotAuthentic(AuthenticationFailed):
+    """The payload's SHA-256 differs from the authenticated payload digest."""
+
+    reason = "payload_not_authentic"
+
+
 # --- conditions of the restore ----------------------------------------------------------------------
 class FileChanged(SessionFileError):
     """The file grew, shrank or changed between (or during) the passes."""
 
     reason = "file_changed"
+
+
+class ObjectReplaced(FileChanged):
+    """The object's pinned version (ETag, version id) is no longer what the store holds: replaced or deleted
+    since the read pass began."""
+
+    reason = "object_replaced"
 
 
 class CompressionUnavailable(SessionFileError):

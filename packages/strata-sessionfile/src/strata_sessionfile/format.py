@@ -38,6 +38,15 @@ assert HEADER_STRUCT.size == HEADER_SIZE
 TRAILER_STRUCT = struct.Struct("<16s8s")  # payload_hash (XXH3-128 digest, big-endian as xxhash gives it), end marker
 assert TRAILER_STRUCT.size == TRAILER_SIZE
 
+# The trailer extension of an authenticated file (flag AUTHENTICATED, spec section 4.1), between the payload
+# hash and the end marker: key id, payload digest (SHA-256 of the payload), MAC (HMAC-SHA256).
+AUTH_EXTENSION_STRUCT = struct.Struct("<16s32s32s")
+AUTH_TRAILER_SIZE = TRAILER_SIZE + AUTH_EXTENSION_STRUCT.size  # 104
+MAC_COVERED_TRAILER = 64  # the MAC covers the header and trailer bytes [0, 64): payload hash, key id, payload digest
+KEY_SIZE = 32  # bytes of a session key
+KEY_ID_DOMAIN = b"strata-session-key-id-v1\x00"
+MAC_DOMAIN = b"strata-session-mac-v1\x00"
+
 # Metadata records (spec "Payload").
 LAYER_STRUCT = struct.Struct("<IBBBBIIIIIQ")  # index, role, k_dtype, v_dtype, reserved, heads, dk, dv, window, held, extra
 MODEL_FILE_FIXED = struct.Struct("<Q16s")  # size, digest (after the u16-prefixed role)
@@ -53,9 +62,15 @@ class Flags(enum.IntFlag):
 
     NONE = 0
     DATA_COMPRESSED = 1 << 0  # the data section is a compressed data section (spec section 3.3)
+    AUTHENTICATED = 1 << 1  # the trailer carries a keyed MAC (spec section 4.1)
 
 
-KNOWN_FLAGS = Flags.DATA_COMPRESSED
+KNOWN_FLAGS = Flags.DATA_COMPRESSED | Flags.AUTHENTICATED
+
+
+def trailer_size(flags: int) -> int:
+    """The trailer's size for a header's flags: 24, or 104 with the authentication extension."""
+    return AUTH_TRAILER_SIZE if flags & Flags.AUTHENTICATED else TRAILER_SIZE
 
 
 class Codec(enum.IntEnum):

@@ -1,4 +1,5 @@
-"""inspect() and restore(): open a session file's byte source, run the read pass, choose and run an apply mode.
+"""inspect() and restore(): open a session file's byte source (a local path, or any ``seam.ByteSource``
+such as ``objstore.S3Source``), run the read pass, choose and run an apply mode.
 
 Read pass (spec "Reading"): ``validate.open_metadata`` checks everything before the data section (size,
 header and its hash, both fingerprints, the metadata, the layout, the padding, the end marker, the
@@ -16,11 +17,13 @@ import os
 import time
 from collections.abc import Callable
 
+import attrs
+
 from . import errors as E
 from . import memory, pipelines
-from ._fileio import FileSource
 from .adapter import LandingTarget, SessionTarget, StagingTarget, adapter_call
 from .apply import apply_staged, apply_streaming
+from .auth import SessionKey, as_key
 from .datapass import hash_pass, read_ahead
 from .format import DEFAULT_BLOCK_SIZE
 from .memory import MIN_BLOCK_SIZE, BlockBuffers, block_buffers
@@ -34,45 +37,71 @@ from .records import (
     RestorePlan,
     RestoreReport,
 )
+from .seam import ByteSource, open_source
 from .validate import open_metadata, preflight
 
 
-def _readers(read_threads: int | ReadThreads | None) -> tuple[ReadThreads, bool]:
-    """The threads a call reads with, and whether the call made them (and closes them)."""
+def _auth(key: SessionKey | bytes | None, require_mac: bool | None) -> tuple[SessionKey | None, bool]:
+    """The reader's key and whether it accepts only authenticated files (by default: when it has a key)."""
+    key = as_key(key)
+    require = key is not None if require_mac is None else require_mac
+    if require and key is None:
+        raise ValueError("require_mac needs a key")
+    return key, require
+
+
+def _readers(read_threads: int | ReadThreads | None, target) -> tuple[ReadThreads, bool]:
+    """The threads a call reads with, and whether the call made them (and closes them). Unnamed: the
+    default, or more for a source whose reads wait on the network (its ``read_threads``)."""
     if isinstance(read_threads, ReadThreads):
         return read_threads, False
-    return ReadThreads(pipelines.default_read_threads() if read_threads is None else read_threads), True
+    if read_threads is None:
+        read_threads = max(pipelines.default_read_threads(), getattr(target, "read_threads", 1))
+    return ReadThreads(read_threads), True
 
 
-def inspect(path: str | os.PathLike, *, verify: bool = True, identity: EngineIdentity | None = None,
+def inspect(path: str | os.PathLike | ByteSource, *, verify: bool = True, identity: EngineIdentity | None = None,
             limits: EngineLimits | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-            read_threads: int | ReadThreads | None = None) -> Inspection:
+            read_threads: int | ReadThreads | None = None, key: SessionKey | bytes | None = None,
+            require_mac: bool | None = None) -> Inspection:
     """The read pass alone: validate the file (and, if given, its binding to an engine) without applying it.
 
+    ``path``: a local file, or a ``ByteSource`` (e.g. ``objstore.S3Source``; the caller's, not closed here).
     ``read_threads``: threads reading the file at once (None: ``default_read_threads()``), or a
-    ``ReadThreads`` to read with (kept open)."""
-    path = os.fspath(path)
-    readers, own_readers = _readers(read_threads)
+    ``ReadThreads`` to read with (kept open). ``key``: verify the file's MAC (rules K1-K3; K4 with ``verify``);
+    ``require_mac`` (default: True when a key is given) refuses a file without one."""
+    key, require = _auth(key, require_mac)
+    readers, own_readers = _readers(read_threads, path)
     try:
-        with FileSource(path) as source:
-            opened = open_metadata(source, identity, limits, readers, require_codec=verify, hash_prefix=verify)
+        source, own_source = open_source(path)
+        try:
+            opened = open_metadata(source, identity, limits, readers, require_codec=verify, hash_prefix=verify, key=key,
+                                   require_mac=require)
             digest = None
             if verify:
                 views = (BlockBuffers(block_size, readers.threads + 1).views if opened.layout.compressed is None
                          else None)
                 digest = hash_pass(opened, views, block_size, None, readers)
-            return Inspection(path, opened.header, opened.metadata, opened.layout, verify, digest)
+            info = Inspection(source.path, opened.header, opened.metadata, opened.layout, verify, digest,
+                              opened.auth_digest is not None)
+            return attrs.evolve(info, key_id=bytes(opened.trailer[16:32])) if info.authenticated else info
+        finally:
+            if own_source:
+                source.close()
     finally:
         if own_readers:
             readers.close()
 
 
-def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMode | str = RestoreMode.AUTO,
+def restore(path: str | os.PathLike | ByteSource, adapter: SessionTarget, *, mode: RestoreMode | str = RestoreMode.AUTO,
             block_size: int = DEFAULT_BLOCK_SIZE, progress: Callable[[Progress], None] | None = None,
             memory_available: Callable[[], int | None] | None = memory.memory_available,
-            buffers: BlockBuffers | None = None, read_threads: int | ReadThreads | None = None) -> RestoreReport:
+            buffers: BlockBuffers | None = None, read_threads: int | ReadThreads | None = None,
+            key: SessionKey | bytes | None = None, require_mac: bool | None = None) -> RestoreReport:
     """Validate ``path`` against the adapter's engine and apply it (see the module docstring).
 
+    ``path``: a local file, or a ``ByteSource`` (e.g. ``objstore.S3Source``, whose object version is pinned
+    from the read pass on; the caller's, not closed here).
     ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
     ``memory_available``: a probe of the free RAM in bytes for the preflight (None skips it).
     ``read_threads``: threads reading the file at once (None: ``default_read_threads()``), or a
@@ -80,28 +109,33 @@ def restore(path: str | os.PathLike, adapter: SessionTarget, *, mode: RestoreMod
     blocks are still hashed and delivered in file order, on the calling thread. Block buffers: the readers
     + 1 (given ``buffers`` with fewer views mean fewer reads at once). A compressed data section uses its
     decode workers instead.
+    ``key`` (a ``SessionKey`` or its 32 bytes): the file's MAC is checked before anything reaches the adapter
+    and its payload digest in every pass (spec 4.1); ``require_mac`` (default: True when a key is given)
+    refuses a file without a MAC. Without a key, an authenticated file restores like any other.
     """
     if block_size < MIN_BLOCK_SIZE:
         raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
-    readers, own_readers = _readers(read_threads)
+    auth = _auth(key, require_mac)
+    readers, own_readers = _readers(read_threads, path)
     try:
-        return _restore(path, adapter, RestoreMode(mode), block_size, progress, memory_available, buffers, readers)
+        return _restore(path, adapter, RestoreMode(mode), block_size, progress, memory_available, buffers, readers,
+                        auth)
     finally:
         if own_readers:
             readers.close()
 
 
 def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, progress, memory_available,
-             buffers: BlockBuffers | None, readers: ReadThreads) -> RestoreReport:
+             buffers: BlockBuffers | None, readers: ReadThreads, auth: tuple[SessionKey | None, bool]) -> RestoreReport:
     threads = readers.threads
     t0 = time.perf_counter()
-    path = os.fspath(path)
     identity = adapter_call(adapter.identity)
     limits = adapter_call(adapter.limits)
-    source = FileSource(path)
+    source, own_source = open_source(path)
+    path = source.path
     opened = None
     try:
-        opened = open_metadata(source, identity, limits, readers)
+        opened = open_metadata(source, identity, limits, readers, key=auth[0], require_mac=auth[1])
         preflight(opened, block_size, threads + 1, memory_available)
         staged = False
         if mode is not RestoreMode.STREAMING and isinstance(adapter, StagingTarget):
@@ -136,4 +170,5 @@ def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, p
     finally:
         if opened is not None and opened.ahead is not None:  # a refusal before the first pass: stop its reads
             opened.ahead.close()
-        source.close()
+        if own_source:
+            source.close()

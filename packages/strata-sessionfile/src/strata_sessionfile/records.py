@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from .format import DTYPES, DType, LayerRole, Part
+from .format import DTYPES, DType, Flags, LayerRole, Part
 
 
 def _as_token_array(tokens: Iterable[int]) -> array.array:
@@ -195,7 +195,8 @@ class Layout:
 
 @attrs.frozen
 class FileStamp:
-    """What fstat says; compared between and after the passes to see a file that changed."""
+    """What fstat says; compared between and after the passes to see a file that changed (a local file's
+    ``seam.Stamp``)."""
 
     dev: int
     ino: int
@@ -247,7 +248,7 @@ class RestorePlan:
     header: Header
     metadata: SessionMetadata
     layout: Layout
-    stamp: FileStamp
+    stamp: object  # the source's seam.Stamp: a FileStamp, an objstore.ObjectStamp
     mode: RestoreMode
 
     @property
@@ -281,3 +282,10 @@ class Inspection:
     layout: Layout
     payload_verified: bool
     payload_hash: bytes | None
+    mac_verified: bool = False  # the MAC was checked with the reader's key (and, if payload_verified, the payload digest)
+    key_id: bytes | None = None  # an authenticated file's key id (spec 4.1), checked or not
+
+    @property
+    def authenticated(self) -> bool:
+        """The file carries a MAC (flag AUTHENTICATED), checked or not."""
+        return bool(self.header.flags & Flags.AUTHENTICATED)

@@ -1,5 +1,6 @@
-"""The read pass's checks before the data section (spec "Reading", rules H*, M*, B*, E*, Z1-Z9) and the
-checks that close every pass (P1 the payload hash, P2 / A1 the file unchanged).
+"""The read pass's checks before the data section (spec "Reading", rules H*, K1-K3, M*, B*, E*, Z1-Z9) and the
+checks that close every pass (P1 the payload hash, K4 the authenticated payload digest, P2 / A1 the file
+unchanged).
 
 ``open_metadata`` reads a source's header, metadata, padding, compression header, block table and
 trailer, validating each before the next is trusted, and returns an ``OpenedFile``: what every later pass
@@ -14,32 +15,34 @@ import sys
 from collections.abc import Callable
 
 import attrs
-import xxhash
 
 from . import errors as E
-from ._fileio import FileSource
+from .auth import SessionKey, check_authentication, payload_hasher
 from .codec import METADATA_OFFSET, compute_layout, decode_header, decode_metadata, decode_trailer
 from .compression import CODECS, COMPRESSION_HEADER_SIZE, decode_compressed_section
-from .format import DATA_ALIGNMENT, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags, align_up
+from .format import DATA_ALIGNMENT, HEADER_SIZE, LIMIT, Flags, align_up, trailer_size
 from .identity import config_differences, model_differences
 from .memory import HUGE_PAGE, fresh_buffer
 from .pipelines import ReadAhead, ReadThreads, decode_workers, read_exact_parallel
-from .records import EngineIdentity, EngineLimits, FileStamp, Header, Layout, SessionMetadata
+from .records import EngineIdentity, EngineLimits, Header, Layout, SessionMetadata
+from .seam import ByteSource, Stamp
 
 _U32_SIZE = 4
 
 
 @attrs.define
 class OpenedFile:
-    source: FileSource
+    source: ByteSource
     path: str
-    stamp: FileStamp
+    stamp: Stamp
     header: Header
     metadata: SessionMetadata
     layout: Layout
     prefix: bytearray | mmap.mmap  # payload bytes [64, data_offset): metadata length, metadata, padding
     trailer_digest: bytes
     bytes_read: int
+    trailer: bytes = b""  # the trailer as on disk (24 bytes, 104 authenticated)
+    auth_digest: bytes | None = None  # the authenticated payload digest each pass must reproduce (rule K4)
     section_head: bytes = b""  # a compressed data section's 16-byte compression header
     table: bytes = b""  # and its block table, as on disk
     prefix_hasher: object = None  # the payload hash after the prefix (hashed as it was read), copied by each pass
@@ -111,22 +114,29 @@ def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | No
                                  path=path, field="layers")
 
 
-def open_metadata(source: FileSource, identity: EngineIdentity | None, limits: EngineLimits | None,
-                  readers: ReadThreads, require_codec: bool = True, hash_prefix: bool = True) -> OpenedFile:
+def open_metadata(source: ByteSource, identity: EngineIdentity | None, limits: EngineLimits | None,
+                  readers: ReadThreads, require_codec: bool = True, hash_prefix: bool = True,
+                  key: SessionKey | None = None, require_mac: bool = False) -> OpenedFile:
     """Everything before the data section, validated in the spec's order (binding with ``identity``, the
-    engine's limits with ``limits``; ``require_codec``: a compressed file's codec must be installed)."""
+    engine's limits with ``limits``; ``require_codec``: a compressed file's codec must be installed; ``key``
+    and ``require_mac``: the authentication rules K1-K3, before the metadata is parsed)."""
     path = source.path
     stamp = source.stamp()
     size = stamp.size
     if size < HEADER_SIZE:
         raise E.Truncated(f"file is {size} bytes, shorter than the {HEADER_SIZE}-byte header", path=path,
                           offset=size)
-    header = decode_header(source.read(HEADER_SIZE, 0), path=path)
-    expected = HEADER_SIZE + header.payload_length + TRAILER_SIZE
+    header_raw = source.read(HEADER_SIZE, 0)
+    header = decode_header(header_raw, path=path)
+    tsize = trailer_size(header.flags)
+    expected = HEADER_SIZE + header.payload_length + tsize
     if size < expected:
         raise E.Truncated(f"file is {size} bytes; its header promises {expected}", path=path, offset=size)
     if size > expected:
         raise E.TrailingData(f"file is {size} bytes; its header promises {expected}", path=path, offset=expected)
+    trailer_offset = expected - tsize
+    trailer = source.read(tsize, trailer_offset)
+    auth_digest = check_authentication(header_raw, header.flags, trailer, trailer_offset, key, require_mac, path)
     if header.payload_length < _U32_SIZE:
         raise E.MetadataInvalid(f"payload of {header.payload_length} bytes cannot hold the metadata length",
                                 path=path, offset=48, field="payload_length")
@@ -144,17 +154,16 @@ def open_metadata(source: FileSource, identity: EngineIdentity | None, limits: E
     prefix[:_U32_SIZE] = raw_len
     body = memoryview(prefix)[_U32_SIZE:_U32_SIZE + mlen]
     # Read by the reader threads at once, hashed here in order (bench/SESSIONFILE-NOTES.md, "Large metadata").
-    hasher = xxhash.xxh3_128(raw_len) if hash_prefix else None
+    hasher = payload_hasher(auth_digest is not None, raw_len) if hash_prefix else None
     read_exact_parallel(source, body, METADATA_OFFSET + _U32_SIZE, readers, HUGE_PAGE,
                         hasher.update if hasher is not None else None)
     if identity is not None:
         binding_check(header, body, identity, path)
     metadata = decode_metadata(body, header=header, path=path,
                                known_config=identity.config.canonical if identity is not None else None)
-    layout = compute_layout(mlen, metadata.layers)
+    layout = compute_layout(mlen, metadata.layers, tsize)
     section_head = table = b""
     if header.flags & Flags.DATA_COMPRESSED:
-        trailer_offset = expected - TRAILER_SIZE
         if trailer_offset < layout.data_offset:
             raise E.MetadataInvalid(f"the payload of {header.payload_length} bytes ends before the data section at "
                                     f"{layout.data_offset}", path=path, offset=48, field="payload_length")
@@ -184,13 +193,12 @@ def open_metadata(source: FileSource, identity: EngineIdentity | None, limits: E
                                 field="padding")
     if hasher is not None:
         hasher.update(padding)
-    trailer_digest = decode_trailer(source.read(TRAILER_SIZE, layout.trailer_offset), layout.trailer_offset,
-                                    path=path)
+    trailer_digest = decode_trailer(trailer, trailer_offset, path=path)
     if limits is not None:
         check_limits(metadata, limits, path)
     return OpenedFile(source, path, stamp, header, metadata, layout, prefix, trailer_digest,
-                      HEADER_SIZE + len(prefix) + TRAILER_SIZE + len(section_head) + len(table), section_head, table,
-                      hasher)
+                      HEADER_SIZE + len(prefix) + len(trailer) + len(section_head) + len(table), trailer, auth_digest,
+                      section_head, table, hasher)
 
 
 def preflight(opened: OpenedFile, block_size: int, n_buffers: int,
@@ -211,12 +219,17 @@ def preflight(opened: OpenedFile, block_size: int, n_buffers: int,
 
 
 def check_digest(opened: OpenedFile, hasher, when: str) -> bytes:
-    """Rule P1 (A3 after the gate): the payload hash a pass computed equals the trailer's."""
+    """Rules P1 and K4 (A3 after the gate): the payload hash a pass computed equals the trailer's, and an
+    authenticated file's payload SHA-256 equals its authenticated payload digest."""
     digest = hasher.digest()
     if digest != opened.trailer_digest:
         raise E.PayloadCorrupt(f"payload hash {digest.hex()} does not match the trailer's "
                                f"{opened.trailer_digest.hex()} ({when})", path=opened.path,
                                offset=opened.layout.trailer_offset, field="payload_hash")
+    if opened.auth_digest is not None and hasher.payload_digest() != opened.auth_digest:
+        raise E.PayloadNotAuthentic(f"the payload's SHA-256 does not match the authenticated payload digest ({when})",
+                                    path=opened.path, offset=opened.layout.trailer_offset + 32,
+                                    field="payload_digest")
     return digest
 
 

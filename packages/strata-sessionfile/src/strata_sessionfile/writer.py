@@ -5,7 +5,8 @@ allowed only right after the one before it; a failure is reported with the stage
 ("flushing the temporary file failed: ...").
 
 PLAN         the adapter's identity and frozen snapshot; the metadata encoded, the layout computed
-CREATE       ``.<name>.<random>.strata-tmp`` created exclusively in the target's folder (the byte sink)
+CREATE       the byte sink made: for a path ``.<name>.<random>.strata-tmp`` created exclusively in the
+             target's folder; for an object (``objstore.S3Sink``) a multipart upload started
 WRITE        space reserved; header, metadata, padding; the data section block by block (the adapter
              fills one buffer while a helper thread hashes and writes the other, starting the kernel's
              writeback of each block); the trailer. Progress: ``copy``, per block
@@ -14,7 +15,8 @@ RENAME       the temporary renamed over the target. Progress: ``rename``
 SYNC_FOLDER  the folder fsynced; a failure raises DirSyncFailed (the new file is in place)
 DONE
 
-A failure in WRITE, FLUSH or RENAME removes the temporary and leaves the old file untouched.
+A failure in WRITE, FLUSH or RENAME removes the temporary (aborts the upload) and leaves the old file
+(object) untouched. The target is a path or any ``seam.ByteSink``.
 
 Compressed (``compression=``, spec section 3.3): each block is encoded into one frame on the helper
 thread; the compression header follows the padding, the block table follows the frames, and the
@@ -30,11 +32,9 @@ import os
 import time
 from collections.abc import Callable
 
-import xxhash
-
 from . import errors as E
-from ._fileio import FileSink
 from .adapter import SessionSource, adapter_call
+from .auth import SessionKey, as_key, auth_extension, payload_hasher
 from .codec import compute_layout, encode_header, encode_metadata, encode_trailer, payload_length_of
 from .compression import (
     CODECS,
@@ -44,10 +44,11 @@ from .compression import (
     encode_compression_header,
     n_blocks_for,
 )
-from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, TRAILER_SIZE, Flags
+from .format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LIMIT, Flags, trailer_size
 from .memory import MIN_BLOCK_SIZE, BlockBuffers, block_buffers
 from .pipelines import WriteBehind, iter_blocks
 from .records import Phase, Progress, SaveReport
+from .seam import ByteSink, as_sink, target_name
 
 
 class Stage(enum.Enum):
@@ -71,9 +72,9 @@ class SessionWriter:
     ``rename``, ``sync_folder`` in this order (``save`` does), then ``report``; ``discard`` after a failure
     before ``rename`` completed removes the temporary. ``stage`` is the stage running or last run."""
 
-    def __init__(self, path: str | os.PathLike, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
+    def __init__(self, path: str | os.PathLike | ByteSink, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  progress: Callable[[Progress], None] | None = None, buffers: BlockBuffers | None = None,
-                 compression: Compression | str | None = None) -> None:
+                 compression: Compression | str | None = None, key: SessionKey | bytes | None = None) -> None:
         if block_size < MIN_BLOCK_SIZE:
             raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
         self.options = as_compression(compression)
@@ -84,8 +85,10 @@ class SessionWriter:
             self.encode = CODECS[self.options.code].encoder(self.options)  # CompressionUnavailable before any file
         self.path_arg, self.adapter, self.block_size = path, adapter, block_size
         self.progress, self.buffers = progress, buffers
+        self.key = as_key(key)
+        self.auth_flag = Flags.AUTHENTICATED if self.key is not None else Flags.NONE
         self.stage: Stage | None = None
-        self.sink: FileSink | None = None
+        self.sink: ByteSink | None = None
         self.pipeline: WriteBehind | None = None
 
     def _enter(self, stage: Stage) -> None:
@@ -98,7 +101,7 @@ class SessionWriter:
         """PLAN: everything the file holds before its K/V, encoded; nothing on disk yet."""
         self._enter(Stage.PLAN)
         self.t0 = time.perf_counter()
-        self.path = path = os.fspath(self.path_arg)
+        self.path = path = target_name(self.path_arg)
         self.identity = identity = adapter_call(self.adapter.identity)
         self.snapshot = snapshot = adapter_call(self.adapter.snapshot)
         try:
@@ -106,12 +109,13 @@ class SessionWriter:
         except E.SessionFileError as exc:
             exc.path = path
             raise
-        self.layout = layout = compute_layout(len(metadata) - 4, snapshot.layers)
+        self.layout = layout = compute_layout(len(metadata) - 4, snapshot.layers, trailer_size(self.auth_flag))
         padding = bytes(layout.data_offset - HEADER_SIZE - len(metadata))
         self.total = layout.file_size  # progress total: the uncompressed file's size
         if self.options is None:
-            header = encode_header(identity.model.fingerprint, identity.config.fingerprint, payload_length_of(layout))
-            self.prefix = [header, metadata, padding]  # written piece by piece: no copy of a large metadata
+            self.header = encode_header(identity.model.fingerprint, identity.config.fingerprint,
+                                        payload_length_of(layout), flags=self.auth_flag)
+            self.prefix = [self.header, metadata, padding]  # written piece by piece: no copy of a large metadata
         else:
             n_blocks = n_blocks_for(layout.data_length, self.block_size)
             if n_blocks > LIMIT["MAX_COMPRESSED_BLOCKS"]:
@@ -123,12 +127,14 @@ class SessionWriter:
                            + encode_compression_header(self.options, self.block_size, n_blocks)]
 
     def create(self) -> None:
-        """CREATE: the temporary file, exclusively."""
+        """CREATE: the temporary file, exclusively (an object's multipart upload)."""
         self._enter(Stage.CREATE)
+        sink = as_sink(self.path_arg)
         try:
-            self.sink = FileSink(self.path)
+            sink.create()
         except OSError as exc:
             raise E.write_error_from_os(exc, "creating the temporary file", self.path) from exc
+        self.sink = sink
 
     def write(self) -> None:
         """WRITE: the whole file into the temporary (progress: copy, per block)."""
@@ -137,7 +143,7 @@ class SessionWriter:
         options = self.options
         if options is None:
             sink.reserve(total)
-        hasher = xxhash.xxh3_128()
+        hasher = payload_hasher(self.key is not None)
         pipeline = None
         if layout.data_length:
             views = block_buffers(self.adapter, self.block_size, self.buffers)
@@ -168,20 +174,23 @@ class SessionWriter:
             frame_sizes = pipeline.frame_sizes
             self.pipeline = None
         prefix_length = sum(len(p) for p in self.prefix)
-        written = prefix_length + sum(frame_sizes) if options is not None else total - TRAILER_SIZE
+        written = prefix_length + sum(frame_sizes) if options is not None else layout.trailer_offset
         if options is not None:
             table = encode_block_table(frame_sizes)
             hasher.update(table)
             sink.write(table)
             written += len(table)
-        self.digest = hasher.digest()
-        sink.write(encode_trailer(self.digest))
-        if options is not None:
             identity = self.identity
-            header = encode_header(identity.model.fingerprint, identity.config.fingerprint,
-                                   written - HEADER_SIZE, flags=Flags.DATA_COMPRESSED)
-            sink.write_at(header, 0)
-        self.bytes_written = written + TRAILER_SIZE
+            self.header = encode_header(identity.model.fingerprint, identity.config.fingerprint,
+                                        written - HEADER_SIZE, flags=Flags.DATA_COMPRESSED | self.auth_flag)
+        self.digest = hasher.digest()
+        extension = (b"" if self.key is None
+                     else auth_extension(self.key, self.header, self.digest, hasher.payload_digest()))
+        trailer = encode_trailer(self.digest, extension)
+        sink.write(trailer)
+        if options is not None:
+            sink.write_at(self.header, 0)
+        self.bytes_written = written + len(trailer)
         self._announce(Phase.COPY)
         self.t_copy = time.perf_counter()
 
@@ -230,18 +239,21 @@ class SessionWriter:
                           kv_bytes=self.layout.data_length)
 
 
-def save(path: str | os.PathLike, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
+def save(path: str | os.PathLike | ByteSink, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
          progress: Callable[[Progress], None] | None = None, buffers: BlockBuffers | None = None,
-         compression: Compression | str | None = None) -> SaveReport:
-    """Write the adapter's session to ``path`` (atomically replacing any file there).
+         compression: Compression | str | None = None, key: SessionKey | bytes | None = None) -> SaveReport:
+    """Write the adapter's session to ``path`` (atomically replacing any file there): a local path, or a
+    ``ByteSink`` (e.g. ``objstore.S3Sink``: the object appears when its multipart upload completes).
 
     ``buffers``: block buffers to reuse (else the adapter's, if it is a BufferProvider, else fresh ones).
     ``compression``: None (default: not compressed), ``"zstd"`` (its default level), or a ``Compression``
     (codec, level, threads). A compressed file's blocks hold ``block_size`` uncompressed bytes each
     (at most MAX_COMPRESSED_BLOCK_BYTES). Progress then counts uncompressed bytes.
+    ``key`` (a ``SessionKey`` or its 32 bytes): the file is authenticated (flag AUTHENTICATED, spec 4.1): its
+    trailer carries the key id, the payload's SHA-256 and the MAC.
     """
     writer = SessionWriter(path, adapter, block_size=block_size, progress=progress, buffers=buffers,
-                           compression=compression)
+                           compression=compression, key=key)
     writer.plan()
     writer.create()
     try:

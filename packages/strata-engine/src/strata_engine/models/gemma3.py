@@ -82,11 +82,13 @@ class Gemma3Model:
         return None if h is None else self.ops.logits(h, self.output)[0]
 
     def hidden(
-        self, tokens: Any, pos0: int, tables: RopeTables, kv: KVAccess, want_logits: bool, last_row: Any = None
+        self, tokens: Any, pos0: int, tables: RopeTables, kv: KVAccess, want_logits: bool, last_row: Any = None,
+        all_rows: bool = False,
     ) -> Any | None:
         """The forward pass up to the output norm: h [1, E] of the last token (None without logits).
         tokens: ids [T] on the host or the device; tables: cos, sin [T, rope_dim/2] per RoPE base;
-        last_row: the row of the last real token when it is not T - 1 (`logits_row`)."""
+        last_row: the row of the last real token when it is not T - 1 (`logits_row`);
+        all_rows: h [T, E] of every token instead (embeddings)."""
         c, ops = self.config, self.ops
         T = len(tokens)
         x = ops.embed(self.tok_embd, tokens, scale=c.embed_scale)  # [T, E]
@@ -100,7 +102,7 @@ class Gemma3Model:
             )
             v = v.reshape(T, c.n_head_kv, c.head_dim)
             q_pos0 = pos0
-            if il == c.n_layer - 1:  # past the last K/V write only the logits' row matters
+            if il == c.n_layer - 1 and not all_rows:  # past the last K/V write only the logits' row matters
                 if not want_logits:
                     kv.attend(il, pos0, None, k, v, q_pos0=q_pos0, window=lc.window, scale=c.attn_scale)
                     return None
@@ -112,4 +114,4 @@ class Gemma3Model:
             m = ops.gated_mlp(h, layer.w_gate_up, layer.w_down, c.activation)
             next_norm = self.layers[il + 1].attn_norm if il + 1 < c.n_layer else self.output_norm
             x, h = ops.add_rms_norm(x, m, layer.post_ffn_norm, next_norm, c.rms_eps)
-        return h  # the last row, output-normed
+        return h  # the last row (or every row), output-normed

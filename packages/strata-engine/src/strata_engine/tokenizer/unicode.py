@@ -8,9 +8,12 @@ versions; a character assigned only in a newer Unicode version may be classed di
 
 from __future__ import annotations
 
+import enum
 import functools
 import re
 import unicodedata
+
+import numpy as np
 
 # White_Space code points, as llama.cpp's `unicode_set_whitespace` (not Python's str.isspace, which
 # also counts U+001C..U+001F).
@@ -41,6 +44,14 @@ def unicode_to_bytes() -> dict[str, int]:
     return {ch: b for b, ch in enumerate(bytes_to_unicode())}
 
 
+class CharClass(enum.IntFlag):
+    """The classes the GPT-2 split tells apart, as bits of `codepoint_classes()` (0: anything else)."""
+
+    LETTER = 1  # \p{L}
+    NUMBER = 2  # \p{N}
+    SPACE = 4  # llama.cpp's whitespace set
+
+
 def _class_of(ranges: list[tuple[int, int]]) -> str:
     """A regex character-class body for inclusive code point ranges."""
     parts = []
@@ -50,8 +61,8 @@ def _class_of(ranges: list[tuple[int, int]]) -> str:
 
 
 @functools.cache
-def character_classes() -> dict[str, str]:
-    """Class bodies for \\p{L}, \\p{N} and \\s (llama.cpp's whitespace set), built once per process."""
+def _class_ranges() -> dict[CharClass, tuple[tuple[int, int], ...]]:
+    """Inclusive code point ranges of each class, from one scan of `unicodedata` per process."""
     letters: list[tuple[int, int]] = []
     numbers: list[tuple[int, int]] = []
     category = unicodedata.category
@@ -71,8 +82,30 @@ def character_classes() -> dict[str, str]:
             elif number_start is not None:
                 numbers.append((number_start, cp - 1))
                 number_start = None
-    whitespace = [(cp, cp) for cp in WHITESPACE_CODEPOINTS]
-    return {"L": _class_of(letters), "N": _class_of(numbers), "S": _class_of(whitespace)}
+    whitespace = tuple((cp, cp) for cp in WHITESPACE_CODEPOINTS)
+    return {CharClass.LETTER: tuple(letters), CharClass.NUMBER: tuple(numbers), CharClass.SPACE: whitespace}
+
+
+@functools.cache
+def character_classes() -> dict[str, str]:
+    """Class bodies for \\p{L}, \\p{N} and \\s (llama.cpp's whitespace set), built once per process."""
+    ranges = _class_ranges()
+    return {
+        "L": _class_of(list(ranges[CharClass.LETTER])),
+        "N": _class_of(list(ranges[CharClass.NUMBER])),
+        "S": _class_of(list(ranges[CharClass.SPACE])),
+    }
+
+
+@functools.cache
+def codepoint_classes() -> np.ndarray:
+    """uint8 [0x110000]: each code point's `CharClass` bits, the same classes as `character_classes`."""
+    table = np.zeros(0x110000, dtype=np.uint8)
+    for cls, ranges in _class_ranges().items():
+        for lo, hi in ranges:
+            table[lo : hi + 1] |= cls.value
+    table.setflags(write=False)
+    return table
 
 
 @functools.cache

@@ -11,6 +11,7 @@ import attrs
 import numpy as np
 
 from ..errors import InvalidToken, TokenizerError
+from ..protocol import FimToken
 
 
 class TokenType(enum.IntEnum):
@@ -33,6 +34,31 @@ END_OF_GENERATION_TEXTS: frozenset[str] = frozenset(
         "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
     }
 )  # fmt: skip
+
+# Fill-in-the-middle tokens: the GGUF keys that name each (the first present wins; the last of PRE, SUF
+# and MID is llama.cpp's deprecated name), else the first of the texts the vocabulary holds (llama.cpp
+# looks these up by text, as the end-of-generation ones; a token found so is treated as a control token).
+FIM_KEYS: dict[FimToken, tuple[str, ...]] = {
+    FimToken.PRE: ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
+    FimToken.SUF: ("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
+    FimToken.MID: ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
+    FimToken.PAD: ("tokenizer.ggml.fim_pad_token_id",),
+    FimToken.REP: ("tokenizer.ggml.fim_rep_token_id",),
+    FimToken.SEP: ("tokenizer.ggml.fim_sep_token_id",),
+}
+FIM_TEXTS: dict[FimToken, tuple[str, ...]] = {
+    FimToken.PRE: ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                   "<|code_prefix|>", "<|prefix|>"),
+    FimToken.SUF: ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                   "<|code_suffix|>", "<|suffix|>"),
+    FimToken.MID: ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                   "<|code_middle|>", "<|middle|>"),
+    FimToken.PAD: ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    FimToken.REP: ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    FimToken.SEP: ("<|file_sep|>",),
+}
+# FIM tokens that end a generation (llama.cpp adds them to its end-of-generation set).
+FIM_END_OF_GENERATION = (FimToken.PAD, FimToken.REP, FimToken.SEP)
 
 # Types rendered as their literal text when special tokens are shown, and the types that only a
 # parse_special tokenization recognises in text (user-defined tokens are always recognised).
@@ -110,6 +136,7 @@ class Vocabulary:
     add_eos: bool
     add_space_prefix: bool
     end_of_generation: frozenset[int]
+    fim: Mapping[FimToken, int]  # the fill-in-the-middle tokens the vocabulary has
     # Longest text first: a longer special token wins over a shorter one it contains.
     special_tokens: tuple[SpecialToken, ...] = attrs.field(repr=False)
     _special_index: _SpecialIndex = attrs.field(repr=False, alias="_special_index")
@@ -211,6 +238,9 @@ class Vocabulary:
                 if types[token_id] not in _SPECIAL_TYPES:
                     types[token_id] = TokenType.CONTROL
 
+        fim = _fim_tokens(metadata, token_to_id, types)
+        end_of_generation.update(fim[role] for role in FIM_END_OF_GENERATION if role in fim)
+
         partition_ids = np.nonzero(np.isin(types, [t.value for t in _PARTITION_TYPES]))[0].tolist()
         by_length = sorted(partition_ids, key=lambda i: -len(tokens[i].encode("utf-8")))
         specials = [
@@ -230,6 +260,24 @@ class Vocabulary:
             add_eos=add_eos,
             add_space_prefix=add_space_prefix,
             end_of_generation=frozenset(end_of_generation),
+            fim=fim,
             special_tokens=tuple(specials),
             _special_index=_SpecialIndex.build(specials),
         )
+
+
+def _fim_tokens(metadata: Mapping[str, Any], token_to_id: Mapping[str, int], types: np.ndarray) -> dict[FimToken, int]:
+    """Each FIM token the file names (`FIM_KEYS`) or the vocabulary holds by text (`FIM_TEXTS`, made control
+    tokens). An id outside the vocabulary is ignored, as llama.cpp ignores it."""
+    found: dict[FimToken, int] = {}
+    for role, keys in FIM_KEYS.items():
+        named = [metadata[k] for k in keys if isinstance(metadata.get(k), (int, np.integer))]
+        if named and 0 <= int(named[0]) < len(types):
+            found[role] = int(named[0])
+            continue
+        text = next((t for t in FIM_TEXTS[role] if t in token_to_id), None)
+        if text is not None:
+            found[role] = token_to_id[text]
+            if types[found[role]] not in _SPECIAL_TYPES:
+                types[found[role]] = TokenType.CONTROL
+    return found

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import functools
+
+import attrs
 import falcon
 
+from ..batch import BatchRun, TaskSpec, build_runs, check_task_count, choice_count
+from ..chat_prompt import parse_chat_prompt
+from ..connection import ClientConnection
 from ..context import ServerContext
+from ..defaults import with_defaults
 from ..engine.client import EngineLease
+from ..errors import invalid_request
 from ..generation import (
     ChatCompletionFormat,
-    CompletionRun,
     NativeCompletionFormat,
     RunInfo,
     TextCompletionFormat,
 )
-from ..params import parse_chat_logprobs, parse_messages, parse_options, parse_prompt, read_json
+from ..params import parse_chat_logprobs, parse_options, parse_prompts, read_json
 
 
 def prompt_text(prompt: str | list, lease: EngineLease) -> str:
@@ -34,13 +41,44 @@ def prompt_text(prompt: str | list, lease: EngineLease) -> str:
     return "".join(parts)
 
 
-def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Response, make_format) -> None:
-    """A prompt-based completion: parse the body, run it on slot 0, answer in the endpoint's format."""
+def wants_verbose(body: dict) -> bool:
+    """The peer's ``verbose``: an OpenAI answer also carries the native one as ``__verbose``."""
+    value = body.get("verbose", False)
+    if not isinstance(value, bool):
+        raise invalid_request("'verbose' must be true or false")
+    return value
+
+
+def stream_fields(body: dict, stream: bool) -> dict:
+    """Engine fields a stream asks for: ``return_progress`` (prompt progress chunks; ignored unstreamed)."""
+    value = body.get("return_progress")
+    if value is not None and not isinstance(value, bool):
+        raise invalid_request("'return_progress' must be true or false")
+    return {"return_progress": True} if value and stream else {}
+
+
+def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Response, make_format,
+                       verbose_allowed: bool = True) -> None:
+    """A prompt-based completion: parse the body, run its prompts (n choices each) on slot 0, answer in the
+    endpoint's format."""
     body = read_json(req, ctx.config.max_body_bytes)
-    prompt = parse_prompt(body, n_vocab=ctx.engine_info().get("n_vocab"))
-    options = parse_options(body)
+    n_vocab = ctx.engine_info().get("n_vocab")
+    prompts = parse_prompts(body, n_vocab=n_vocab)
+    n_choices = choice_count(body)
+    check_task_count(len(prompts), n_choices)
+    options = parse_options(body, n_vocab=n_vocab)
+    options = attrs.evolve(options, sampling=with_defaults(options.sampling, ctx.config))
     info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
-    CompletionRun(ctx, {"prompt": prompt, **options.sampling}, options, make_format(info, prompt)).respond(resp)
+    verbose = wants_verbose(body) and verbose_allowed
+    extra = stream_fields(body, options.stream)
+
+    def spec(prompt: str | list) -> TaskSpec:
+        echo = functools.partial(prompt_text, prompt)
+        return TaskSpec({"prompt": prompt, **options.engine_fields(), **extra}, functools.partial(make_format, prompt=prompt),
+                        (lambda own: NativeCompletionFormat(own, echo)) if verbose else None)
+
+    client = ClientConnection.of(req.env)
+    BatchRun(ctx, build_runs(ctx, info, client, [spec(p) for p in prompts], n_choices), client).respond(resp)
 
 
 class CompletionResource:
@@ -51,7 +89,7 @@ class CompletionResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         _respond_to_prompt(self.ctx, req, resp, lambda info, prompt: NativeCompletionFormat(
-            info, lambda lease: prompt_text(prompt, lease)))
+            info, functools.partial(prompt_text, prompt)), verbose_allowed=False)  # it is the native answer
 
 
 class TextCompletionResource:
@@ -72,8 +110,20 @@ class ChatCompletionResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body, top_logprobs = parse_chat_logprobs(read_json(req, self.ctx.config.max_body_bytes))
-        messages = parse_messages(body)
-        options = parse_options(body, top_logprobs=top_logprobs)
+        prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
+        n_choices = choice_count(body)
+        check_task_count(1, n_choices)
+        options = parse_options(body, top_logprobs=top_logprobs, n_vocab=self.ctx.engine_info().get("n_vocab"),
+                                chat=True)
+        options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
-        CompletionRun(self.ctx, {"messages": messages, **options.sampling}, options,
-                      ChatCompletionFormat(info)).respond(resp)
+
+        def verbose(own: RunInfo) -> NativeCompletionFormat:
+            # __verbose's prompt is the rendered chat, asked of the engine under the same lease.
+            return NativeCompletionFormat(own, lambda lease: str(
+                lease.call("APPLY_TEMPLATE", prompt.engine_fields()).get("prompt", "")))
+
+        spec = TaskSpec({**prompt.engine_fields(), **options.engine_fields(), **stream_fields(body, options.stream)},
+                        ChatCompletionFormat, verbose if wants_verbose(body) else None)
+        client = ClientConnection.of(req.env)
+        BatchRun(self.ctx, build_runs(self.ctx, info, client, [spec], n_choices), client).respond(resp)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import falcon
 
 from ..context import ServerContext
+from ..defaults import sampling_defaults
 from ..engine.client import EngineState
 from ..errors import ApiError, EngineUnavailable, ErrorType
 from ..metrics import CONTENT_TYPE, render_rows
@@ -30,9 +31,10 @@ class PropsResource:
         info = self.ctx.engine_info()
         config = self.ctx.config
         resp.media = {
-            "default_generation_settings": {"params": dict(ENGINE_DEFAULTS), "n_ctx": info.get("n_ctx")},
+            "default_generation_settings": {"params": {**ENGINE_DEFAULTS, **sampling_defaults(config)},
+                                            "n_ctx": info.get("n_ctx")},
             "total_slots": 1,
-            "model_alias": config.alias or info.get("model_path"),
+            "model_alias": self.ctx.model_id(),
             "model_path": info.get("model_path"),
             "model_ftype": info.get("model_ftype"),
             "modalities": {"vision": False, "video": False, "audio": False},
@@ -65,18 +67,18 @@ class ModelsResource:
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         info = self.ctx.engine_info()
         model_id = self.ctx.model_id()
-        aliases = [self.ctx.config.alias] if self.ctx.config.alias else []
+        aliases, tags = list(self.ctx.config.alias), list(self.ctx.config.tags)
         meta = {"vocab_type": info.get("vocab_type"), "n_vocab": info.get("n_vocab"), "n_ctx": info.get("n_ctx"),
                 "n_ctx_train": info.get("n_ctx_train"), "n_embd": info.get("n_embd"),
                 "n_params": info.get("n_params"), "size": info.get("model_size"), "ftype": info.get("model_ftype")}
         resp.media = {
             "models": [{"name": model_id, "model": model_id, "modified_at": "", "size": "", "digest": "",
-                        "type": "model", "description": "", "tags": [], "capabilities": ["completion"],
+                        "type": "model", "description": "", "tags": tags, "capabilities": ["completion"],
                         "parameters": "", "details": {"parent_model": "", "format": "gguf", "family": "",
                                                       "families": [], "parameter_size": "",
                                                       "quantization_level": ""}}],
             "object": "list",
-            "data": [{"id": model_id, "aliases": aliases, "tags": [], "object": "model",
+            "data": [{"id": model_id, "aliases": aliases, "tags": tags, "object": "model",
                       "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
                       "created": int(self.ctx.metrics.start_time), "owned_by": "strata", "meta": meta}],
         }

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import falcon
 
+from ..chat_prompt import parse_chat_prompt
 from ..context import ServerContext
 from ..errors import invalid_request
-from ..params import parse_messages, read_json
+from ..params import read_json
 
 
 def _flag(body: dict, key: str, default: bool) -> bool:
@@ -60,7 +61,26 @@ class ApplyTemplateResource:
         self.ctx = ctx
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        messages = parse_messages(read_json(req, self.ctx.config.max_body_bytes))
+        body = read_json(req, self.ctx.config.max_body_bytes)
+        prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
         with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
-            result = lease.call("APPLY_TEMPLATE", {"messages": messages, "add_generation_prompt": True})
+            result = lease.call("APPLY_TEMPLATE", prompt.engine_fields())
         resp.media = {"prompt": result.get("prompt", "")}
+
+
+class ChatInputTokensResource:
+    """``POST /chat/completions/input_tokens``: how many tokens a chat request's prompt is (the peer's)."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_json(req, self.ctx.config.max_body_bytes)
+        prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
+        add_bos = bool(self.ctx.engine_info().get("add_bos"))
+        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+            rendered = lease.call("APPLY_TEMPLATE", prompt.engine_fields()).get("prompt", "")
+            # Tokenized as COMPLETE tokenizes a rendered chat: the model's BOS rule, special tokens parsed.
+            tokens = lease.call("TOKENIZE", {"content": rendered, "add_special": add_bos,
+                                             "parse_special": True})["tokens"]
+        resp.media = {"input_tokens": len(tokens)}

