@@ -101,6 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="RESTORE: staged (one read into a staging area, then a switch), streaming (two passes, bounded "
         "RAM) or auto (staged when RAM allows; default)",
     )
+    serve_parser.add_argument(
+        "--session-key-file",
+        type=_session_key,
+        default=None,
+        metavar="FILE",
+        help="a file of 32 random bytes: SAVE writes files authenticated by this key, RESTORE and RESTORE_PREFIX "
+        "refuse a file without its MAC (see --session-key-optional) before anything reaches the K/V",
+    )
+    serve_parser.add_argument(
+        "--session-key-optional",
+        action="store_true",
+        help="with --session-key-file: also restore files without a MAC (a file with one must still match the key)",
+    )
     generate = commands.add_parser("generate", help="complete a prompt and stream the text to stdout")
     _add_settings(generate)
     generate.add_argument(
@@ -149,6 +162,14 @@ def _file_text(path: str) -> str:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
+
+
+def _session_key(path: str) -> sf.SessionKey:
+    """An argument that names a session key file (exactly 32 bytes): the key."""
+    try:
+        return sf.SessionKey.from_file(path)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot use {path} as a session key: {exc}") from None
 
 
 def _limit_threads(threads: int | None) -> None:
@@ -242,7 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .session import SessionOptions
 
         try:
-            session_options = SessionOptions.from_environ(args.restore_mode)
+            if args.session_key_optional and args.session_key_file is None:
+                raise ValueError("--session-key-optional needs --session-key-file")
+            session_options = SessionOptions.from_environ(args.restore_mode, key=args.session_key_file,
+                                                          require_mac=not args.session_key_optional)
         except ValueError as exc:
             print(f"strata-engine serve: {exc}", file=sys.stderr)
             sys.stdout.write(json.dumps({"event": "fatal", "message": str(exc)}) + "\n")

@@ -13,7 +13,8 @@ failure once the live pool was written -> `FailStop` (the loop writes the `fail_
 exits with status 4).
 
 Settings: the restore mode (`--restore-mode auto|staged|streaming`; auto stages when RAM allows), the
-block size, and, for tests only, a fault point read from the environment variable
+session key (`--session-key-file`: SAVE authenticates, a restore checks the MAC before the gate and refuses a
+file without one unless `--session-key-optional`), the block size, and, for tests only, a fault point read from the environment variable
 ``STRATA_ENGINE_SESSION_FAULT`` (one of `FaultPoint`'s values) when the engine starts. No request can
 set it: the HTTP server and the protocol never touch the engine's environment.
 """
@@ -65,9 +66,12 @@ class SessionOptions:
     block_size: int | None = None  # None: SESSION_BLOCK_SIZE
     read_threads: int | None = None  # threads reading a RESTORE's file at once; None: the library's default
     fault: FaultPoint | None = None
+    key: sf.SessionKey | None = None  # SAVE authenticates with it; RESTORE checks the MAC with it
+    require_mac: bool = True  # with a key: refuse a file without a MAC (the library's default)
 
     @classmethod
-    def from_environ(cls, restore_mode: str = "auto", environ: Mapping[str, str] | None = None) -> SessionOptions:
+    def from_environ(cls, restore_mode: str = "auto", environ: Mapping[str, str] | None = None, *,
+                     key: sf.SessionKey | None = None, require_mac: bool = True) -> SessionOptions:
         """The options for `strata-engine serve`; a fault point only from FAULT_ENV (tests)."""
         env = os.environ if environ is None else environ
         raw = env.get(FAULT_ENV, "").strip()
@@ -79,7 +83,7 @@ class SessionOptions:
                 raise ValueError(f"{FAULT_ENV}={raw!r}: expected one of "
                                  f"{', '.join(f.value for f in FaultPoint)}") from None
             log.warning("session fault injection armed: %s (tests only)", fault.value)
-        return cls(restore_mode=restore_mode, fault=fault)
+        return cls(restore_mode=restore_mode, fault=fault, key=key, require_mac=require_mac)
 
 
 class SessionVerbs:
@@ -153,7 +157,8 @@ class SessionVerbs:
     def save(self, ctx: ServeContext, path: str) -> Mapping[str, Any]:
         adapter = self.adapter(ctx)
         try:
-            report = sf.save(path, adapter, block_size=self.block_size(ctx.runner), progress=self._progress(ctx))
+            report = sf.save(path, adapter, block_size=self.block_size(ctx.runner), progress=self._progress(ctx),
+                             key=self.options.key)
         except E.DirSyncFailed as exc:
             raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason,
                                 extra={"file_in_place": True}) from exc
@@ -176,7 +181,8 @@ class SessionVerbs:
     def _restore(self, ctx: ServeContext, path: str, adapter: EngineSession) -> Mapping[str, Any]:
         try:
             report = sf.restore(path, adapter, mode=self.options.restore_mode, block_size=self.block_size(ctx.runner),
-                                progress=self._progress(ctx), read_threads=self.readers())
+                                progress=self._progress(ctx), read_threads=self.readers(), key=self.options.key,
+                                require_mac=self.options.require_mac and self.options.key is not None)
         except E.FailStop as exc:
             raise FailStop(str(exc), reason=exc.cause_reason) from exc
         except BaseException as exc:
