@@ -38,7 +38,8 @@ Security: every request must carry a Host header naming a loopback name, the bou
 /v1/health and OPTIONS needs the key (Authorization: Bearer KEY, Authorization: KEY, or X-Api-Key).
 Slot actions also need Content-Type: application/json and no Origin header other than the server's
 own or a --trusted-origins entry. Restore only session files this server wrote: the file's hashes
-detect corruption, they do not authenticate it.
+detect corruption, they do not authenticate it; with --session-key-file, every file written carries a MAC
+and a file without one (unless --session-key-optional) or of another key is refused.
 """
 
 
@@ -148,6 +149,11 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
         f"more prompt tokens than the slot (default: {DEFAULT_CACHE_MIN_REUSE})")
     add("--cache-idle-seconds", metavar="S", help="save a slot's conversation once it is idle S seconds, so a "
         f"crash loses at most the turn in flight (default: {DEFAULT_CACHE_IDLE_SECONDS:g}; 0: never)")
+    add("--session-key-file", metavar="FILE", help="a file of 32 random bytes (head -c 32 /dev/urandom): every "
+        "session file written (store, slot save) carries its MAC, and a file without it or of another key is "
+        "refused before it reaches the model (default: off)")
+    add("--session-key-optional", action="store_true", help="with --session-key-file: also accept session files "
+        "without a MAC (files written by servers without a key); a file with one must still match the key")
 
 
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:

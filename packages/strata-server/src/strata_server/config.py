@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import cattrs
 from strata_engine.settings import Backend, KVType, Pooling, chat_template_problem, values
-from strata_sessionfile import RestoreMode
+from strata_sessionfile import RestoreMode, SessionKey
 
 from .errors import ServerError
 
@@ -104,6 +104,8 @@ class ServerConfig:
     cache_ram: int = 0  # MiB of a RAM-only store (llama-server's --cache-ram); 0: off
     cache_min_reuse: int = DEFAULT_CACHE_MIN_REUSE  # tokens a restore must add to what the slot holds
     cache_idle_seconds: float = DEFAULT_CACHE_IDLE_SECONDS  # save a slot idle this long; 0: never
+    session_key_file: Path | None = None  # 32 bytes: session files written are authenticated, read ones checked
+    session_key_optional: bool = False  # with a key: also restore files without a MAC
 
     def engine_argv(self) -> list[str]:
         import sys
@@ -126,6 +128,10 @@ class ServerConfig:
             argv += ["--chat-template-file", str(self.chat_template_file)]
         if self.threads > 0:
             argv += ["--threads", str(self.threads)]
+        if self.session_key_file is not None:
+            argv += ["--session-key-file", str(self.session_key_file)]
+            if self.session_key_optional:
+                argv += ["--session-key-optional"]
         if self.verbose:
             argv += ["--log-level", "DEBUG"]
         return argv
@@ -316,7 +322,19 @@ def _check_values(config: ServerConfig) -> list[str]:
         problems.append(f"repeat_last_n: {config.repeat_last_n} is below -1 (-1: the whole context, 0: off)")
     if config.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
         problems.append(f"log_level: {config.log_level!r} is not debug, info, warning, error or critical")
-    return problems + _check_store(config)
+    return problems + _check_store(config) + _check_session_key(config)
+
+
+def _check_session_key(config: ServerConfig) -> list[str]:
+    if config.session_key_file is None:
+        return ["session_key_optional: needs session_key_file"] if config.session_key_optional else []
+    try:
+        SessionKey.from_file(config.session_key_file)
+    except (OSError, ValueError) as exc:
+        return [f"session_key_file: {exc}"]
+    if any(c in str(config.session_key_file) for c in "\r\n"):
+        return ["session_key_file: the path contains a line break"]
+    return []
 
 
 def _check_store(config: ServerConfig) -> list[str]:
@@ -383,6 +401,8 @@ def build_config(file_values: Mapping[str, Any] | None = None, flag_values: Mapp
         config = attrs.evolve(config, slot_save_path=Path(os.path.realpath(config.slot_save_path)))
     if config.cache_disk is not None:
         config = attrs.evolve(config, cache_disk=Path(os.path.realpath(config.cache_disk)))
+    if config.session_key_file is not None:  # the engine runs in another working directory's terms
+        config = attrs.evolve(config, session_key_file=Path(os.path.realpath(config.session_key_file)))
     if check_files:
         problems += _check_values(config)
     if problems:

@@ -14,6 +14,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import strata_sessionfile as sf
+
 from ..config import ServerConfig
 from ..engine.client import EngineClient
 from .folder import Fingerprints
@@ -23,17 +25,23 @@ from .store import MIB, Origin, SessionStore, StoreSettings
 RAM_FOLDER_ROOT = Path("/dev/shm")  # tmpfs: a RAM-only store's files live in memory
 
 
+def session_key(config: ServerConfig) -> sf.SessionKey | None:
+    return sf.SessionKey.from_file(config.session_key_file) if config.session_key_file is not None else None
+
+
 def store_settings(config: ServerConfig) -> StoreSettings | None:
     """The store the config asks for, or None."""
+    key, require_mac = session_key(config), not config.session_key_optional
     if config.cache_disk is not None:
         return StoreSettings(folder=config.cache_disk, max_bytes=config.cache_disk_max * MIB,
-                             min_reuse=config.cache_min_reuse, idle_s=config.cache_idle_seconds)
+                             min_reuse=config.cache_min_reuse, idle_s=config.cache_idle_seconds, key=key,
+                             require_mac=require_mac)
     if config.cache_ram > 0:
         root = RAM_FOLDER_ROOT if RAM_FOLDER_ROOT.is_dir() else Path(tempfile.gettempdir())
         # Like llama-server's RAM cache it dies with the server: no idle or shutdown saves.
         return StoreSettings(folder=root / f"strata-cache-ram-{os.getuid()}-{config.port}",
                              max_bytes=config.cache_ram * MIB, min_reuse=config.cache_min_reuse, idle_s=0.0,
-                             ephemeral=True)
+                             ephemeral=True, key=key, require_mac=require_mac)
     return None
 
 

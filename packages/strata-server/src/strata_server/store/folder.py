@@ -55,8 +55,10 @@ def conversation_name(fingerprints: Fingerprints, tokens: np.ndarray) -> str:
 
 
 class StoreFolder:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, key: sf.SessionKey | None = None, require_mac: bool = False) -> None:
         self.path = path
+        self.key = key  # a file whose MAC does not check under it (or that has none, when required) is bad
+        self.require_mac = require_mac
 
     def create(self) -> None:
         """The folder, created 0700 if missing (an existing one keeps its mode)."""
@@ -76,7 +78,7 @@ class StoreFolder:
         """Header and metadata of one file (its data is not read) and its size; SessionFileError when
         they are not valid."""
         path = self.file(name)
-        inspection = sf.inspect(path, verify=False, read_threads=1)
+        inspection = sf.inspect(path, verify=False, read_threads=1, key=self.key, require_mac=self.require_mac)
         return inspection, path.stat().st_size
 
     def conversation(self, name: str, fingerprints: Fingerprints) -> StoredConversation | None:

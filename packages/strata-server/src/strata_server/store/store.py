@@ -60,6 +60,8 @@ class StoreSettings:
     min_reuse: int
     idle_s: float  # 0: no idle saves
     ephemeral: bool = False  # a RAM-only store: emptied at start, removed at shutdown, never saved at shutdown
+    key: sf.SessionKey | None = None  # --session-key-file: files are read only when their MAC checks
+    require_mac: bool = True  # with a key: a file without a MAC is bad (moved aside), as the engine refuses it
     shutdown_budget_s: float = SHUTDOWN_BUDGET_S
     scan_budget_s: float = SCAN_BUDGET_S
 
@@ -89,7 +91,7 @@ class SessionStore:
     def __init__(self, settings: StoreSettings, engine: EngineClient, n_slots: int = 1) -> None:
         self.settings = settings
         self.engine = engine
-        self.folder = StoreFolder(settings.folder)
+        self.folder = StoreFolder(settings.folder, settings.key, settings.require_mac and settings.key is not None)
         self.index = StoreIndex()
         self.metrics = StoreMetrics()
         self.fingerprints: Fingerprints | None = None
