@@ -104,6 +104,8 @@ class ServerConfig:
     cache_ram: int = 0  # MiB of a RAM-only store (llama-server's --cache-ram); 0: off
     cache_min_reuse: int = DEFAULT_CACHE_MIN_REUSE  # tokens a restore must add to what the slot holds
     cache_idle_seconds: float = DEFAULT_CACHE_IDLE_SECONDS  # save a slot idle this long; 0: never
+    cache_store: str | None = None  # s3://BUCKET/PREFIX: the object-store tier behind the store's folder
+    cache_store_endpoint: str | None = None  # its endpoint URL (a non-AWS store); None: AWS's, resolved by boto3
     session_key_file: Path | None = None  # 32 bytes: session files written are authenticated, read ones checked
     session_key_optional: bool = False  # with a key: also restore files without a MAC
 
@@ -352,6 +354,18 @@ def _check_store(config: ServerConfig) -> list[str]:
         problems.append(f"cache_ram: {config.cache_ram} MiB is negative (0 turns it off)")
     if config.cache_min_reuse < 1:
         problems.append(f"cache_min_reuse: {config.cache_min_reuse} must be at least 1 token")
+    if config.cache_store is not None:
+        if not config.cache_store.startswith("s3://") or not config.cache_store[5:].partition("/")[0]:
+            problems.append(f"cache_store: {config.cache_store!r} is not an s3://BUCKET/PREFIX URL")
+        if config.cache_disk is None:
+            problems.append("cache_store: the object store is a tier behind the store's folder, which is not built "
+                            "without one; give --cache-disk DIR too")
+        try:
+            import boto3  # noqa: F401
+        except ImportError:
+            problems.append("cache_store: needs boto3 (pip install 'strata-sessionfile[s3]')")
+    elif config.cache_store_endpoint is not None:
+        problems.append("cache_store_endpoint: needs cache_store")
     if config.cache_idle_seconds < 0:
         problems.append(f"cache_idle_seconds: {config.cache_idle_seconds} is negative (0: no idle saves)")
     return problems

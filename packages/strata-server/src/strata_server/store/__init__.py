@@ -5,6 +5,7 @@ kept as a format v1 session file, the longest stored prefix of each prompt resto
 * folder.py: the folder (content-hash names, reading headers and metadata, moving bad files aside).
 * policy.py: when to save and restore (pure decisions).
 * store.py: `SessionStore`, the request-path hooks, the idle saver, the shutdown saves.
+* remote.py: the object-store tier behind the folder (`--cache-store s3://BUCKET/PREFIX`).
 * metrics.py: its Prometheus series.
 """
 
@@ -20,6 +21,7 @@ from ..config import ServerConfig
 from ..engine.client import EngineClient
 from .folder import Fingerprints
 from .index import BLOCK_TOKENS, StoreIndex
+from .remote import RemoteSettings
 from .store import MIB, Origin, SessionStore, StoreSettings
 
 RAM_FOLDER_ROOT = Path("/dev/shm")  # tmpfs: a RAM-only store's files live in memory
@@ -32,10 +34,12 @@ def session_key(config: ServerConfig) -> sf.SessionKey | None:
 def store_settings(config: ServerConfig) -> StoreSettings | None:
     """The store the config asks for, or None."""
     key, require_mac = session_key(config), not config.session_key_optional
+    remote = (RemoteSettings.parse(config.cache_store, config.cache_store_endpoint)
+              if config.cache_store is not None else None)
     if config.cache_disk is not None:
         return StoreSettings(folder=config.cache_disk, max_bytes=config.cache_disk_max * MIB,
                              min_reuse=config.cache_min_reuse, idle_s=config.cache_idle_seconds, key=key,
-                             require_mac=require_mac)
+                             require_mac=require_mac, remote=remote)
     if config.cache_ram > 0:
         root = RAM_FOLDER_ROOT if RAM_FOLDER_ROOT.is_dir() else Path(tempfile.gettempdir())
         # Like llama-server's RAM cache it dies with the server: no idle or shutdown saves.

@@ -60,6 +60,9 @@ class StoreMetrics:
         self.evictions = 0
         self.evicted_bytes = 0
         self.bad_files: Counter[str] = Counter()
+        self.fetches = 0  # conversations downloaded from the object store (--cache-store)
+        self.fetch_bytes = 0
+        self.remote_failures = 0  # object-store lookups or downloads that failed (the prompt went on locally)
         self.save_seconds = Histogram()
         self.restore_seconds = Histogram()
 
@@ -93,6 +96,15 @@ class StoreMetrics:
         with self._lock:
             self.bad_files[reason] += 1
 
+    def fetched(self, nbytes: int) -> None:
+        with self._lock:
+            self.fetches += 1
+            self.fetch_bytes += nbytes
+
+    def remote_failed(self) -> None:
+        with self._lock:
+            self.remote_failures += 1
+
     def rows(self, bytes_held: int, files_held: int, limit_bytes: int) -> list[Row]:
         with self._lock:
             return [
@@ -114,6 +126,12 @@ class StoreMetrics:
                  [("", self.evicted_bytes)]),
                 ("strata:store_bad_files_total", "counter", "Store files that failed validation and were moved aside, "
                  "by reason.", [(f'{{reason="{r}"}}', n) for r, n in sorted(self.bad_files.items())] or [("", 0)]),
+                ("strata:store_fetches_total", "counter", "Conversations downloaded from the object store "
+                 "(--cache-store).", [("", self.fetches)]),
+                ("strata:store_fetch_bytes_total", "counter", "Bytes downloaded from the object store.",
+                 [("", self.fetch_bytes)]),
+                ("strata:store_remote_failures_total", "counter", "Object-store lookups or downloads that failed.",
+                 [("", self.remote_failures)]),
                 ("strata:store_bytes", "gauge", "Bytes of this server's files in the session store.", [("", bytes_held)]),
                 ("strata:store_files", "gauge", "This server's files in the session store.", [("", files_held)]),
                 ("strata:store_limit_bytes", "gauge", "The session store's byte limit (--cache-disk-max).",

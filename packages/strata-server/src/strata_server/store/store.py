@@ -32,9 +32,10 @@ from strata_engine.protocol import ErrorKind, Reason
 from ..engine.client import EngineClient, EngineLease, EngineState
 from ..errors import EngineCallError, EngineDied, EngineReplyError
 from .folder import Fingerprints, StoreFolder, conversation_name
-from .index import StoredConversation, StoreIndex, as_tokens
+from .index import StoredConversation, StoreIndex, as_tokens, common_prefix
 from .metrics import Lookup, Row, SaveTrigger, StoreMetrics
 from .policy import Plan, plan, worth_saving
+from .remote import RemoteSettings, RemoteTier
 
 log = logging.getLogger("strata_server.store")
 
@@ -62,6 +63,7 @@ class StoreSettings:
     ephemeral: bool = False  # a RAM-only store: emptied at start, removed at shutdown, never saved at shutdown
     key: sf.SessionKey | None = None  # --session-key-file: files are read only when their MAC checks
     require_mac: bool = True  # with a key: a file without a MAC is bad (moved aside), as the engine refuses it
+    remote: RemoteSettings | None = None  # --cache-store: the object-store tier behind the folder
     shutdown_budget_s: float = SHUTDOWN_BUDGET_S
     scan_budget_s: float = SCAN_BUDGET_S
 
@@ -91,7 +93,9 @@ class SessionStore:
     def __init__(self, settings: StoreSettings, engine: EngineClient, n_slots: int = 1) -> None:
         self.settings = settings
         self.engine = engine
-        self.folder = StoreFolder(settings.folder, settings.key, settings.require_mac and settings.key is not None)
+        require_mac = settings.require_mac and settings.key is not None
+        self.folder = StoreFolder(settings.folder, settings.key, require_mac)
+        self.remote = RemoteTier(settings.remote, settings.key, require_mac) if settings.remote is not None else None
         self.index = StoreIndex()
         self.metrics = StoreMetrics()
         self.fingerprints: Fingerprints | None = None
@@ -179,6 +183,8 @@ class SessionStore:
                     self._save(lease, slot_id, SaveTrigger.SHUTDOWN)
             except EngineCallError as exc:
                 log.warning("session store: slot %d not saved at shutdown: %s", slot_id, exc)
+        if self.remote is not None:
+            self.remote.close(max(1.0, deadline - time.monotonic()))
 
     # --- hooks of the request path (under the slot's lease) --------------------------------------
 
@@ -189,6 +195,8 @@ class SessionStore:
         with self._lock:
             held = self.slots[slot_id].tokens
         ready = self._ready.is_set()
+        if ready and cache_prompt and self.remote is not None:
+            self._fetch_remote(prompt, held)
         match = self.index.longest_prefix(prompt) if ready and cache_prompt else None
         decision = plan(prompt, held, match, min_reuse=self.settings.min_reuse, cache_prompt=cache_prompt)
         if ready and decision.save_first:
@@ -278,6 +286,8 @@ class SessionStore:
             with self._lock:
                 self.slots[slot_id].tokens = stored.tokens
         self.index.add(stored)
+        if self.remote is not None:
+            self.remote.upload(self.folder.file(name), self.fingerprints, stored.tokens)
         for older in self.index.strict_prefixes_of(stored.tokens):
             self._drop(older)
         self.metrics.saved(trigger, int(result.get("n_written", stored.nbytes)), seconds)
@@ -312,6 +322,38 @@ class SessionStore:
                             "(%.1f MiB); not kept", victim.nbytes / MIB, self.settings.max_bytes / MIB)
 
     # --- restoring --------------------------------------------------------------------------------
+
+    def _fetch_remote(self, prompt: np.ndarray, held: np.ndarray | None) -> None:
+        """Download the object store's longest match for `prompt` into the folder when it holds at least
+        --cache-min-reuse tokens more than the slot and the folder already have (it is then a local hit)."""
+        assert self.remote is not None and self.fingerprints is not None
+        local = self.index.longest_prefix(prompt)
+        have = max(local.n_tokens if local is not None else 0, common_prefix(prompt, held) if held is not None else 0)
+        candidate = None
+        try:
+            candidate = self.remote.best(prompt, self.fingerprints, have + self.settings.min_reuse)
+            if candidate is None or self.index.get(candidate.name) is not None:
+                return
+            t0 = time.perf_counter()
+            self.remote.download(candidate, self.folder.path)
+            stored = self.folder.conversation(candidate.name, self.fingerprints)
+        except sf.SessionFileError as exc:
+            if candidate is not None:
+                self._bad_file(candidate.name, exc.reason)
+            return
+        except Exception as exc:  # noqa: BLE001 -- the store unreachable: evaluated from what is local
+            log.warning("session store: the object store's lookup failed: %s", exc)
+            self.metrics.remote_failed()
+            return
+        if stored is None:
+            self.folder.remove(candidate.name)
+            return
+        self.index.add(stored)
+        self.metrics.fetched(stored.nbytes)
+        log.info("session store: fetched %s (%d tokens, %d of the prompt's, %.1f MiB) from the object store in "
+                 "%.0f ms", candidate.key, stored.n_tokens, candidate.n_match, stored.nbytes / MIB,
+                 (time.perf_counter() - t0) * 1000)
+        self._evict(keep=candidate.name)
 
     def _restore(self, lease: EngineLease, slot_id: int, prompt: np.ndarray, decision: Plan) -> bool:
         match = decision.restore

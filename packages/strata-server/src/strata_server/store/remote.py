@@ -1,0 +1,179 @@
+"""The object-store tier behind the store's folder (`--cache-store s3://BUCKET/PREFIX`): every file the store
+saves is uploaded, and a prompt that misses locally is looked up among the objects of the whole fleet.
+
+Keys: PREFIX/<model fp>/<config fp>/<first block hash>/<file name>, the file name being the folder's content
+hash, so the prompt's first 256-token block names the one prefix to list (no shared database). A listing is
+cached for LISTING_TTL_S; the tokens of an object are read once (its header and metadata, ranged GETs through
+S3Source, the MAC checked with the session key) and kept, since a name never changes content. The longest
+verified prefix is downloaded into the folder (boto3's managed transfer into a temporary, then a rename) and
+restored from there as a local hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import attrs
+import numpy as np
+import strata_sessionfile as sf
+
+from .folder import NAME, Fingerprints, conversation_name
+from .index import BLOCK_TOKENS, chain_hashes, common_prefix
+
+log = logging.getLogger("strata_server.store")
+
+LISTING_TTL_S = 2.0  # a conversation another server uploaded is found this soon
+MAX_CANDIDATES = 64  # objects whose metadata one lookup reads at most (newest first)
+S3_SCHEME = "s3://"
+
+
+@attrs.frozen
+class RemoteSettings:
+    bucket: str
+    prefix: str  # without a trailing slash; may be empty
+    endpoint_url: str | None = None
+
+    @classmethod
+    def parse(cls, url: str, endpoint_url: str | None = None) -> RemoteSettings:
+        """``s3://BUCKET`` or ``s3://BUCKET/PREFIX``; ValueError naming the URL otherwise."""
+        bucket, _, prefix = url[len(S3_SCHEME):].partition("/") if url.startswith(S3_SCHEME) else ("", "", "")
+        if not bucket:
+            raise ValueError(f"not an s3://BUCKET/PREFIX URL: {url!r}")
+        return cls(bucket, prefix.strip("/"), endpoint_url or None)
+
+
+@attrs.frozen
+class Candidate:
+    key: str
+    name: str  # the file name in the folder
+    tokens: np.ndarray
+    n_match: int  # prompt tokens it holds
+
+
+class RemoteTier:
+    def __init__(self, settings: RemoteSettings, key: sf.SessionKey | None, require_mac: bool) -> None:
+        from strata_sessionfile.objstore import s3_client
+
+        self.settings = settings
+        self.key, self.require_mac = key, require_mac
+        self.client = s3_client(settings.endpoint_url)
+        self._lock = threading.Lock()
+        self._listings: dict[str, tuple[float, list[str]]] = {}  # prefix -> (time listed, keys newest first)
+        self._tokens: dict[str, np.ndarray | None] = {}  # key -> its tokens (None: not ours or bad)
+        self._uploads: queue.Queue[tuple[Path, str] | None] = queue.Queue()
+        self._uploader = threading.Thread(target=self._upload_loop, name="session-store-upload", daemon=True)
+        self._uploader.start()
+
+    # --- keys ---------------------------------------------------------------------------------
+
+    def block_prefix(self, fingerprints: Fingerprints, tokens: np.ndarray) -> str | None:
+        hashes = chain_hashes(tokens[:BLOCK_TOKENS])
+        if not hashes:
+            return None
+        parts = [self.settings.prefix] if self.settings.prefix else []
+        return "/".join([*parts, fingerprints.model, fingerprints.config, f"{hashes[0]:016x}"]) + "/"
+
+    # --- uploads (a thread of their own: a save never waits on the network) -------------------
+
+    def upload(self, path: Path, fingerprints: Fingerprints, tokens: np.ndarray) -> None:
+        prefix = self.block_prefix(fingerprints, tokens)
+        if prefix is not None:
+            self._uploads.put((path, prefix + path.name))
+
+    def _upload_loop(self) -> None:
+        while (job := self._uploads.get()) is not None:
+            path, key = job
+            try:
+                t0 = time.perf_counter()
+                # boto3's managed transfer: multipart for large files, the object appears only when complete.
+                self.client.upload_file(str(path), self.settings.bucket, key)
+                log.info("session store: uploaded %s (%.1f MiB) in %.0f ms", key, path.stat().st_size / (1 << 20),
+                         (time.perf_counter() - t0) * 1000)
+            except FileNotFoundError:
+                pass  # evicted before its upload
+            except Exception as exc:  # noqa: BLE001 -- the store's server keeps serving; the file stays local
+                log.warning("session store: uploading %s failed: %s", key, exc)
+            finally:
+                self._uploads.task_done()
+
+    def drain(self, budget_s: float) -> bool:
+        """Wait (at most budget_s) for the queued uploads; whether all finished."""
+        deadline = time.monotonic() + budget_s
+        while self._uploads.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self._uploads.unfinished_tasks
+
+    def close(self, budget_s: float) -> None:
+        if not self.drain(budget_s):
+            log.warning("session store: %d uploads unfinished at shutdown", self._uploads.unfinished_tasks)
+        self._uploads.put(None)
+
+    # --- lookups ------------------------------------------------------------------------------
+
+    def _list(self, prefix: str) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            cached = self._listings.get(prefix)
+        if cached is not None and now - cached[0] < LISTING_TTL_S:
+            return cached[1]
+        objects = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.settings.bucket, Prefix=prefix):
+            objects += [o for o in page.get("Contents", []) if NAME.match(o["Key"].rpartition("/")[2])]
+        keys = [o["Key"] for o in sorted(objects, key=lambda o: o["LastModified"], reverse=True)]
+        with self._lock:
+            self._listings[prefix] = (now, keys)
+        return keys
+
+    def _object_tokens(self, key: str, fingerprints: Fingerprints) -> np.ndarray | None:
+        with self._lock:
+            if key in self._tokens:
+                return self._tokens[key]
+        from strata_sessionfile.objstore import S3Source
+
+        tokens = None
+        try:
+            with S3Source(self.client, self.settings.bucket, key) as source:
+                inspection = sf.inspect(source, verify=False, read_threads=1, key=self.key,
+                                        require_mac=self.require_mac)
+            header = inspection.header
+            if (header.model_fingerprint.hex(), header.config_fingerprint.hex()) == (fingerprints.model,
+                                                                                      fingerprints.config):
+                tokens = np.frombuffer(inspection.metadata.state.tokens, dtype="<i4").copy()
+        except sf.SessionFileError as exc:
+            log.warning("session store: object %s refused (%s); not used", key, exc.reason)
+        with self._lock:
+            self._tokens[key] = tokens
+        return tokens
+
+    def best(self, prompt: np.ndarray, fingerprints: Fingerprints, at_least: int) -> Candidate | None:
+        """The object sharing the longest prefix with `prompt`, if it holds at least `at_least` of its tokens."""
+        prefix = self.block_prefix(fingerprints, prompt)
+        if prefix is None:
+            return None
+        best: Candidate | None = None
+        for key in self._list(prefix)[:MAX_CANDIDATES]:
+            tokens = self._object_tokens(key, fingerprints)
+            name = key.rpartition("/")[2]
+            if tokens is None or name != conversation_name(fingerprints, tokens):
+                continue  # not ours, refused, or named for other tokens: never downloaded
+            n = common_prefix(prompt, tokens)
+            if n >= max(at_least, BLOCK_TOKENS) and (best is None or (n, -len(tokens)) > (best.n_match,
+                                                                                          -len(best.tokens))):
+                best = Candidate(key, name, tokens, n)
+        return best
+
+    def download(self, candidate: Candidate, folder: Path) -> Path:
+        """The object into the folder under its name (a temporary renamed into place)."""
+        target = folder / candidate.name
+        temporary = folder / f".{candidate.name}.{os.getpid()}.download"
+        try:
+            self.client.download_file(self.settings.bucket, candidate.key, str(temporary))
+            os.replace(temporary, target)
+        finally:
+            temporary.unlink(missing_ok=True)
+        return target
