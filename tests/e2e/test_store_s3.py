@@ -1,0 +1,107 @@
+"""The session store's object-store tier (--cache-store s3://BUCKET/PREFIX behind --cache-disk) against a real
+SeaweedFS: a conversation started on server A continues on server B (its own folder, the same bucket) with
+cached_tokens >= 99 % of what A stored and the greedy reply A gives; the objects carry the fingerprints and the
+first block's hash in their keys; with a session key, B refuses A's unauthenticated objects."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import requests
+import strata_sessionfile as sf
+from strata_sessionfile.objstore import S3Source
+
+from .servers import start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+FACTS = " ".join(f"Item {i} is stored in box {i * 7 % 31} on shelf {i % 5}." for i in range(30))
+REPLY_TOKENS = 12
+
+
+def chat(server, messages: list[dict]) -> dict:
+    response = requests.post(server.url + "/v1/chat/completions", json={
+        "model": "smollm2", "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0}, timeout=300)
+    response.raise_for_status()
+    return response.json()
+
+
+def reply_of(body: dict) -> str:
+    return body["choices"][0]["message"]["content"]
+
+
+def cached_tokens(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def metric(server, name: str) -> float:
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def objects(s3_store, prefix: str) -> list[str]:
+    listing = s3_store.client().list_objects_v2(Bucket=s3_store.bucket, Prefix=prefix)
+    return [o["Key"] for o in listing.get("Contents", [])]
+
+
+def test_a_conversation_started_on_a_continues_on_b(module_tmp, s3_store):
+    store_url = f"s3://{s3_store.bucket}/fleet"
+    flags = ("--cache-store", store_url, "--cache-store-endpoint", s3_store.endpoint_url, "--metrics")
+    messages = [{"role": "system", "content": "You are a careful assistant. Facts: " + FACTS},
+                {"role": "user", "content": "Where is item 12?"}]
+
+    a = start_server(module_tmp, "--cache-disk", str(module_tmp / "disk-a"), *flags, name="s3-a",
+                     env=s3_store.env())
+    try:
+        first = chat(a, messages)
+        following = [*messages, {"role": "assistant", "content": reply_of(first)},
+                     {"role": "user", "content": "And item 7?"}]
+        reference = chat(a, following)  # A continues the chat it holds: the reply B must give
+        assert cached_tokens(reference) >= first["usage"]["prompt_tokens"]
+    finally:
+        assert a.stop() == 0  # the shutdown save, uploaded before the server exits
+    (key,) = objects(s3_store, "fleet/")
+    with S3Source(s3_store.client(), s3_store.bucket, key) as source:
+        header = sf.inspect(source, verify=False).header
+        n_stored = sf.inspect(source, verify=False).metadata.state.n_tokens
+    model, config, block, name = key.split("/")[1:]
+    assert (model, config) == (header.model_fingerprint.hex(), header.config_fingerprint.hex())
+    assert re.fullmatch(r"[0-9a-f]{16}", block) and re.fullmatch(r"[0-9a-f]{32}\.ssf", name)
+    assert n_stored >= first["usage"]["prompt_tokens"] + REPLY_TOKENS - 2
+
+    b = start_server(module_tmp, "--cache-disk", str(module_tmp / "disk-b"), *flags, name="s3-b",
+                     env=s3_store.env())
+    try:
+        again = chat(b, following)
+        assert cached_tokens(again) >= 0.99 * min(n_stored, reference["usage"]["prompt_tokens"])
+        assert reply_of(again) == reply_of(reference)
+        assert metric(b, "strata:store_fetches_total") == 1
+        assert metric(b, 'strata:store_lookups_total{result="hit"}') == 1
+        assert (module_tmp / "disk-b" / name).is_file()  # downloaded into B's folder
+    finally:
+        assert b.stop() == 0
+
+    # A server with a session key refuses A's objects (no MAC): evaluated cold, the same reply.
+    key_path = module_tmp / "fleet.key"
+    key_path.write_bytes(bytes(range(32)))
+    c = start_server(module_tmp, "--cache-disk", str(module_tmp / "disk-c"), *flags, "--session-key-file",
+                     str(key_path), name="s3-c", env=s3_store.env())
+    try:
+        cold = chat(c, following)
+        assert cached_tokens(cold) == 0 and reply_of(cold) == reply_of(reference)
+        assert metric(c, "strata:store_fetches_total") == 0
+    finally:
+        assert c.stop() == 0
+
+
+def test_cache_store_without_cache_disk_is_a_config_error():
+    from strata_server.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError) as caught:
+        build_config(flag_values={"cache_store": "s3://bucket/prefix"})
+    assert any(p.startswith("cache_store:") and "--cache-disk" in p for p in caught.value.problems)
+    with pytest.raises(ConfigError) as caught:
+        build_config(flag_values={"cache_store": "http://x", "cache_disk": "/tmp/x", "cache_store_endpoint": "u"})
+    assert any("s3://BUCKET/PREFIX" in p for p in caught.value.problems)
