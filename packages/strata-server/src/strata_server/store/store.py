@@ -41,6 +41,7 @@ log = logging.getLogger("strata_server.store")
 
 MIB = 1 << 20
 SCAN_BUDGET_S = 60.0  # start-up scan: files not read by then stay unindexed (logged)
+READY_WAIT_S = 2.0  # how long a request waits for the start-up scan before it goes on without the store
 SHUTDOWN_BUDGET_S = 20.0  # saving every slot at shutdown (inside gunicorn's 30 s graceful timeout)
 EMPTY = as_tokens([])
 
@@ -194,7 +195,8 @@ class SessionStore:
         cache_prompt = command.get("cache_prompt", True) is not False
         with self._lock:
             held = self.slots[slot_id].tokens
-        ready = self._ready.is_set()
+        # A request right after start-up waits briefly for the scan (ms for a few files): a returning chat is found.
+        ready = self._ready.wait(READY_WAIT_S)
         if ready and cache_prompt and self.remote is not None:
             self._fetch_remote(prompt, held)
         match = self.index.longest_prefix(prompt) if ready and cache_prompt else None
