@@ -363,7 +363,7 @@ def _check_store(config: ServerConfig) -> list[str]:
         try:
             import boto3  # noqa: F401
         except ImportError:
-            problems.append("cache_store: needs boto3 (pip install 'strata-sessionfile[s3]')")
+            problems.append("cache_store: needs boto3 (pip install 'strata-server[s3]')")
     elif config.cache_store_endpoint is not None:
         problems.append("cache_store_endpoint: needs cache_store")
     if config.cache_idle_seconds < 0:
