@@ -111,3 +111,23 @@ def test_cache_store_without_cache_disk_is_a_config_error():
     with pytest.raises(ConfigError) as caught:
         build_config(flag_values={"cache_store": "http://x", "cache_disk": "/tmp/x", "cache_store_endpoint": "u"})
     assert any("s3://BUCKET/PREFIX" in p for p in caught.value.problems)
+
+
+def test_an_unreachable_object_store_leaves_the_server_serving(module_tmp):
+    from strata_sessionfile.testing.s3server import free_ports
+
+    (port,) = free_ports(1)  # nothing listens there
+    env = {"AWS_ACCESS_KEY_ID": "unused", "AWS_SECRET_ACCESS_KEY": "unused", "AWS_DEFAULT_REGION": "us-east-1"}
+    server = start_server(module_tmp, "--cache-disk", str(module_tmp / "disk-down"), "--metrics", "--cache-store",
+                          "s3://gone/fleet", "--cache-store-endpoint", f"http://127.0.0.1:{port}", name="s3-down",
+                          env=env)
+    try:
+        prompt = "Inventory notes, read carefully. " + FACTS
+        body = requests.post(server.url + "/completion", json={"prompt": prompt, "n_predict": 4, "temperature": 0},
+                             timeout=300).json()
+        assert body["timings"]["cache_n"] == 0 and body["tokens_evaluated"] > 256
+        assert metric(server, "strata:store_remote_failures_total") >= 1
+        assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        assert server.stop() == 0  # the shutdown save is kept locally; its upload fails and is logged
+    assert list((module_tmp / "disk-down").glob("*.ssf"))
