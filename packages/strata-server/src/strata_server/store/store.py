@@ -331,6 +331,8 @@ class SessionStore:
         assert self.remote is not None and self.fingerprints is not None
         local = self.index.longest_prefix(prompt)
         have = max(local.n_tokens if local is not None else 0, common_prefix(prompt, held) if held is not None else 0)
+        if len(prompt) < have + self.settings.min_reuse:
+            return  # no object could add enough: no request (the usual next turn of a chat held here)
         candidate = None
         try:
             candidate = self.remote.best(prompt, self.fingerprints, have + self.settings.min_reuse)
