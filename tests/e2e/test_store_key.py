@@ -84,17 +84,3 @@ def test_a_keyed_store_moves_unauthenticated_files_aside_and_restores_its_own(mo
         assert body["timings"]["cache_n"] > 400 and body["content"] == cold["content"]  # taken without a MAC
     finally:
         assert optional.stop() == 0
-
-
-def test_a_bad_key_file_is_a_config_error(module_tmp):
-    from strata_server.config import ConfigError, build_config
-
-    short = module_tmp / "short.key"
-    short.write_bytes(b"k" * 16)
-    with pytest.raises(ConfigError) as caught:
-        build_config(flag_values={"session_key_file": str(short), "cache_disk_max": 0})
-    assert any(p.startswith("session_key_file:") and "32 bytes" in p for p in caught.value.problems)
-    assert any(p.startswith("cache_disk_max:") for p in caught.value.problems)  # reported together
-    with pytest.raises(ConfigError) as caught:
-        build_config(flag_values={"session_key_optional": True})
-    assert caught.value.problems == ["session_key_optional: needs session_key_file"]

@@ -102,16 +102,6 @@ def test_a_conversation_started_on_a_continues_on_b(module_tmp, s3_store):
         assert c.stop() == 0
 
 
-def test_cache_store_without_cache_disk_is_a_config_error():
-    from strata_server.config import ConfigError, build_config
-
-    with pytest.raises(ConfigError) as caught:
-        build_config(flag_values={"cache_store": "s3://bucket/prefix"})
-    assert any(p.startswith("cache_store:") and "--cache-disk" in p for p in caught.value.problems)
-    with pytest.raises(ConfigError) as caught:
-        build_config(flag_values={"cache_store": "http://x", "cache_disk": "/tmp/x", "cache_store_endpoint": "u"})
-    assert any("s3://BUCKET/PREFIX" in p for p in caught.value.problems)
-
 
 def test_an_unreachable_object_store_leaves_the_server_serving(module_tmp):
     from strata_sessionfile.testing.s3server import free_ports

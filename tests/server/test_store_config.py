@@ -45,3 +45,33 @@ def test_every_store_problem_reported_together(tmp_path, fake_model):
                      "cache_ram: a RAM tier in front of --cache-disk is not built"):
         assert expected in problems, expected
     assert len(info.value.problems) == 5
+
+
+def test_the_object_store_and_the_session_key(tmp_path, fake_model):
+    key = tmp_path / "session.key"
+    key.write_bytes(bytes(range(32)))
+    config = load_config(["--model", str(fake_model), "--cache-disk", str(tmp_path / "store"), "--cache-store",
+                          "s3://bucket/fleet/a/", "--cache-store-endpoint", "http://127.0.0.1:8333",
+                          "--session-key-file", str(key), "--session-key-optional"])
+    settings = store_settings(config)
+    assert (settings.remote.bucket, settings.remote.prefix, settings.remote.endpoint_url) == (
+        "bucket", "fleet/a", "http://127.0.0.1:8333")
+    assert settings.key is not None and not settings.require_mac
+    argv = config.engine_argv()
+    assert argv[argv.index("--session-key-file") + 1] == str(key.resolve()) and "--session-key-optional" in argv
+    assert "--session-key-file" not in load_config(["--model", str(fake_model)]).engine_argv()
+
+
+def test_object_store_and_key_problems_reported_together(tmp_path, fake_model):
+    short = tmp_path / "short.key"
+    short.write_bytes(b"k" * 16)
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model", str(fake_model), "--cache-store", "http://x", "--session-key-file", str(short)])
+    problems = info.value.problems
+    assert any(p.startswith("cache_store:") and "s3://BUCKET/PREFIX" in p for p in problems)
+    assert any(p.startswith("cache_store:") and "--cache-disk" in p for p in problems)
+    assert any(p.startswith("session_key_file:") and "32 bytes" in p for p in problems)
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model", str(fake_model), "--session-key-optional", "--cache-store-endpoint", "http://e"])
+    assert sorted(info.value.problems) == ["cache_store_endpoint: needs cache_store",
+                                           "session_key_optional: needs session_key_file"]
