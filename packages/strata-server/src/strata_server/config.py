@@ -21,6 +21,7 @@ import attrs
 import cattrs
 from strata_engine.settings import Backend, KVType, Pooling, chat_template_problem, values
 from strata_sessionfile import RestoreMode, SessionKey
+from strata_sessionfile.seam import S3_SCHEME
 
 from .errors import ServerError
 
@@ -355,7 +356,7 @@ def _check_store(config: ServerConfig) -> list[str]:
     if config.cache_min_reuse < 1:
         problems.append(f"cache_min_reuse: {config.cache_min_reuse} must be at least 1 token")
     if config.cache_store is not None:
-        if not config.cache_store.startswith("s3://") or not config.cache_store[5:].partition("/")[0]:
+        if not config.cache_store.startswith(S3_SCHEME) or not config.cache_store[len(S3_SCHEME):].partition("/")[0]:
             problems.append(f"cache_store: {config.cache_store!r} is not an s3://BUCKET/PREFIX URL")
         if config.cache_disk is None:
             problems.append("cache_store: the object store is a tier behind the store's folder, which is not built "

@@ -21,6 +21,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 import strata_sessionfile as sf
+from strata_sessionfile.seam import S3_SCHEME
 
 from .folder import NAME, Fingerprints, conversation_name
 from .index import BLOCK_TOKENS, chain_hashes, common_prefix
@@ -29,7 +30,6 @@ log = logging.getLogger("strata_server.store")
 
 LISTING_TTL_S = 2.0  # a conversation another server uploaded is found this soon
 MAX_CANDIDATES = 64  # objects whose metadata one lookup reads at most (newest first)
-S3_SCHEME = "s3://"
 
 
 @attrs.frozen
