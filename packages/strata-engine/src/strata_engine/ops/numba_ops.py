@@ -1,0 +1,235 @@
+"""`NumbaOps`: the numpy backend with compiled kernels (`--cpu-kernels numba`, the default).
+
+Weights stay packed (`packed.py`: int8 with float32 scales per block, made once at load from the GGUF's
+blocks: a token reads ~1.2 bytes per weight instead of a float32 copy's 4). Products of a few token rows
+(decode, short prompts) run in numba kernels over all threads; larger ones dequantize the weight a row
+chunk at a time and hand each chunk to BLAS. Attention reads the K/V pool's own storage (f16, int8 with
+scales, f32), converting a tile of keys at a time (kv/cpu.py hands it the pool's views). Everything
+else is `NumpyOps`, the oracle these kernels are tested against (tests/engine/test_ops.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from . import numba_kernels as nk
+from .attention_tiling import blocked_attention
+from .numpy_ops import NumpyOps
+from .packed import PackedWeight
+
+F32 = np.float32
+# Token rows up to which a product runs in the packed kernel; above, dequantized chunks through BLAS
+# (the crossover measured by bench/bench_cpu_kernels.py: bench/CPU-NOTES.md).
+PACKED_MAX_ROWS = 16
+# Weight rows dequantized per BLAS call: a float32 chunk of about 2 MiB stays in cache for the product.
+DEQUANT_CHUNK_BYTES = 2 << 20
+# Query tokens up to which attention runs in the tiled kernel; above, key blocks through BLAS.
+ATTN_KERNEL_MAX_TOKENS = 16
+# Keys per block of the BLAS path (scores [Hkv, G*T, block] float32 stay a few MiB).
+ATTN_BLAS_KEY_BLOCK = 512
+# Keys per split of the attention kernel at least (fewer splits than threads * 2 otherwise).
+ATTN_MIN_SPLIT = 64
+_DUMMY_2D = np.zeros((1, 1), dtype=F32)
+_DUMMY_3D = np.zeros((1, 1, 1), dtype=F32)
+
+
+def default_threads() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def set_threads(n: int) -> int:
+    """Run numba's kernels and BLAS on n threads (at most the cores numba started with); returns n."""
+    import numba
+
+    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # BLAS keeps OPENBLAS_NUM_THREADS / its default
+        return n
+    threadpool_limits(n, user_api="blas")
+    return n
+
+
+def storage_view(a: np.ndarray) -> np.ndarray:
+    """A K/V storage array as the kernels read it: f16 as its uint16 bits (numba has no f16 on the CPU)."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+class StoredRows:
+    """Rows [n, Hkv, D] of stored K or V in logical order, decoded to float32 a slice at a time (what
+    `blocked_attention` reads): `values` [slots, Hkv, D] of the storage type with int8 `scales`
+    [slots, Hkv, D / block] or None; logical row i is slot (first + i) % capacity, or first + i."""
+
+    def __init__(self, values: np.ndarray, scales: np.ndarray | None, first: int, n: int, capacity: int):
+        self.values, self.scales = values, scales
+        self.first, self.capacity = first, capacity
+        self.shape = (n, *values.shape[1:])
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        lo, hi, _ = rows.indices(self.shape[0])
+        where: Any = slice(self.first + lo, self.first + hi)
+        if self.capacity:
+            where = np.arange(self.first + lo, self.first + hi) % self.capacity
+        values = self.values[where]
+        scales = None if self.scales is None else self.scales[where]
+        out = values.astype(F32)
+        if scales is not None:
+            n_blocks = scales.shape[-1]
+            out = (out.reshape(*out.shape[:-1], n_blocks, -1) * scales[..., None]).reshape(out.shape)
+        return out
+
+
+class NumbaOps(NumpyOps):
+    """`NumpyOps` whose weights are `PackedWeight`s and whose products and attention are compiled."""
+
+    kernels = "numba"
+    packs_weights = True
+    attends_in_place = True
+
+    def __init__(self, dtype: str = "f32", threads: int | None = None):
+        super().__init__(dtype)
+        if self.dtype != F32:
+            raise ValueError(f"the numba kernels compute in f32, not {dtype}")
+        self.threads = set_threads(threads if threads is not None else default_threads())
+
+    # ---- weights --------------------------------------------------------------------------------
+    def embed(self, table: Any, ids: np.ndarray, scale: float = 1.0) -> Any:
+        if not isinstance(table, PackedWeight):
+            return super().embed(table, ids, scale)
+        x = table.take(np.asarray(ids)).dequantize()
+        if scale != 1.0:
+            x *= F32(scale)
+        return x
+
+    def dequantize(self, w: PackedWeight, out: np.ndarray | None = None) -> np.ndarray:
+        """float32 [N, K] of a packed weight (into `out` when given)."""
+        if out is None:
+            out = np.empty(w.shape, dtype=F32)
+        has_min = w.min is not None
+        nk.dequantize_packed(w.values, w.scale, w.min if has_min else _DUMMY_2D, has_min, out)
+        return out
+
+    # ---- products -------------------------------------------------------------------------------
+    def packed_matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
+        """x [M, K] float32 (C order) @ W^T in the packed kernel -> [M, N]."""
+        m, k = x.shape
+        y = np.empty((m, w.shape[0]), dtype=F32)
+        has_min = w.min is not None
+        if has_min:
+            xsum = x.reshape(m, k // w.block, w.block).sum(axis=-1)
+            nk.matmul_packed(x, xsum, w.values, w.scale, w.min, True, y)
+        else:
+            nk.matmul_packed(x, _DUMMY_2D, w.values, w.scale, _DUMMY_2D, False, y)
+        return y
+
+    def blas_matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
+        """x @ W^T through BLAS, the weight dequantized a chunk of rows at a time (one buffer reused)."""
+        n, k = w.shape
+        y = np.empty((x.shape[0], n), dtype=F32)
+        step = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
+        buf = np.empty((min(step, n), k), dtype=F32)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            chunk = self.dequantize(w.rows(lo, hi), buf[: hi - lo])
+            np.matmul(x, chunk.T, out=y[:, lo:hi])
+        return y
+
+    def matmul(self, x: Any, w: Any) -> Any:
+        if not isinstance(w, PackedWeight):
+            return super().matmul(x, w)
+        x = np.ascontiguousarray(x, dtype=F32)
+        return self.packed_matmul(x, w) if x.shape[0] <= PACKED_MAX_ROWS else self.blas_matmul(x, w)
+
+    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...]) -> list[Any]:
+        """One product over the fused weight, returned as column views per block."""
+        if not isinstance(w_fused, PackedWeight):
+            return super().project(x, w_fused, sizes)
+        y = self.matmul(x, w_fused)
+        out, col = [], 0
+        for n in sizes:
+            out.append(y[:, col : col + n])
+            col += n
+        return out
+
+    # ---- attention ------------------------------------------------------------------------------
+    def attention(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        *,
+        q_pos0: int,
+        k_pos0: int,
+        window: int | None,
+        scale: float,
+        ring_capacity: int = 0,
+        k_scale: Any = None,
+        v_scale: Any = None,
+    ) -> Any:
+        """`NumpyOps.attention` over K/V as stored (f32, f16, or int8 with k_scale / v_scale [S, Hkv,
+        D / block]): the tiled kernel for up to ATTN_KERNEL_MAX_TOKENS queries, key blocks through BLAS
+        above; neither converts more than a block of keys to float32 at once."""
+        n_tok = q.shape[0]
+        k_hi = q_pos0 + n_tok if ring_capacity else k_pos0 + k.shape[0]
+        k_lo = k_pos0 if window is None else max(k_pos0, q_pos0 - window + 1)
+        if n_tok > ATTN_KERNEL_MAX_TOKENS:
+            n = k_hi - k_pos0
+            keys = StoredRows(k, k_scale, k_pos0 if ring_capacity else 0, n, ring_capacity)
+            values = StoredRows(v, v_scale, k_pos0 if ring_capacity else 0, n, ring_capacity)
+            return blocked_attention(
+                np, q, keys, values, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale,
+                key_block=ATTN_BLAS_KEY_BLOCK, out_dtype=F32,
+            )  # fmt: skip
+        return self.attention_kernel(
+            q, k, v, k_scale, v_scale, q_pos0=q_pos0, k_lo=k_lo, k_hi=k_hi, base=k_pos0,
+            capacity=ring_capacity, window=window or 0, scale=scale,
+        )  # fmt: skip
+
+    def attention_kernel(
+        self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, *, q_pos0: int, k_lo: int, k_hi: int,
+        base: int, capacity: int, window: int, scale: float,
+    ) -> np.ndarray:  # fmt: skip
+        n_tok, n_head, d = q.shape
+        n_kv = k.shape[1]
+        rows = (n_head // n_kv) * n_tok
+        span = max(1, k_hi - k_lo)
+        n_split = max(1, min(-(-2 * self.threads // n_kv), span // ATTN_MIN_SPLIT))
+        acc = np.empty((n_kv, n_split, rows, d), dtype=F32)
+        m = np.empty((n_kv, n_split, rows), dtype=F32)
+        l_sum = np.empty((n_kv, n_split, rows), dtype=F32)
+        qs = np.ascontiguousarray(q, dtype=F32) * F32(scale)
+        has_scales = k_scale is not None
+        nk.attention_partials(
+            qs, storage_view(k), storage_view(v), k_scale if has_scales else _DUMMY_3D,
+            v_scale if has_scales else _DUMMY_3D, has_scales, q_pos0, k_lo, base, capacity, window, n_split,
+            acc, m, l_sum,
+        )  # fmt: skip
+        out = np.empty((n_tok, n_head * d), dtype=F32)
+        nk.attention_merge(acc, m, l_sum, n_tok, out)
+        return out
+
+    # ---- start-up -------------------------------------------------------------------------------
+    def warm(self) -> float:
+        """Compile (or load from the disk cache) every kernel for the types the engine passes, now rather
+        than in the first request; returns the seconds spent."""
+        t0 = time.perf_counter()
+        w = PackedWeight(np.zeros((4, 64), np.int8), np.ones((4, 2), F32), np.zeros((4, 2), F32), 32)
+        x = np.ones((2, 64), F32)
+        self.packed_matmul(x, w)
+        self.packed_matmul(x, PackedWeight(w.values, w.scale, None, 32))
+        self.dequantize(w)
+        q = np.ones((2, 2, 32), F32)
+        for dtype in (np.float32, np.float16, np.int8):
+            kv = np.ones((8, 1, 32), dtype)
+            scales = np.ones((8, 1, 1), F32) if dtype == np.int8 else None
+            self.attention(q, kv, kv, q_pos0=6, k_pos0=0, window=None, scale=1.0, k_scale=scales, v_scale=scales)
+        return time.perf_counter() - t0
