@@ -16,7 +16,7 @@ import strata_sessionfile as sf
 from .errors import EngineError, UsageError
 from .protocol import ExitStatus
 from .serve import serve
-from .settings import Backend, ComputeDType, EngineSettings, KVType, values
+from .settings import Backend, ComputeDType, CpuKernels, EngineSettings, KVType, values
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,6 +66,20 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--backend", choices=values(Backend), default=Backend.NUMPY.value, help="compute backend (default numpy)"
+    )
+    parser.add_argument(
+        "--cpu-kernels",
+        choices=values(CpuKernels),
+        default=None,
+        help="the numpy backend's kernels: numba (packed weights, compiled; the default for f32) or numpy "
+        "(float32 weights and BLAS: the reference)",
+    )
+    parser.add_argument(
+        "--threads",
+        "-t",
+        type=int,
+        default=None,
+        help="CPU threads for the kernels and BLAS (default: the cores this process may use)",
     )
     parser.add_argument("--log-level", default="WARNING", help="log level on stderr (default WARNING)")
 
@@ -120,6 +134,8 @@ def _settings(args: argparse.Namespace) -> EngineSettings:
         prefill_chunk=args.prefill_chunk,
         cuda_graphs=args.cuda_graphs,
         backend=args.backend,
+        cpu_kernels=args.cpu_kernels,
+        threads=args.threads,
     )
 
 

@@ -10,8 +10,6 @@ else is `NumpyOps`, the oracle these kernels are tested against (tests/engine/te
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
 import numpy as np
@@ -20,6 +18,7 @@ from . import numba_kernels as nk
 from .attention_tiling import blocked_attention
 from .numpy_ops import NumpyOps
 from .packed import PackedWeight
+from .threads import default_threads, set_threads
 
 F32 = np.float32
 # Token rows up to which a product runs in the packed kernel; above, dequantized chunks through BLAS
@@ -35,28 +34,6 @@ ATTN_BLAS_KEY_BLOCK = 512
 ATTN_MIN_SPLIT = 64
 _DUMMY_2D = np.zeros((1, 1), dtype=F32)
 _DUMMY_3D = np.zeros((1, 1, 1), dtype=F32)
-
-
-def default_threads() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def set_threads(n: int) -> int:
-    """Run numba's kernels and BLAS on n threads (at most the cores numba started with); returns n."""
-    import numba
-
-    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(n)
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # BLAS keeps OPENBLAS_NUM_THREADS / its default
-        return n
-    threadpool_limits(n, user_api="blas")
-    return n
 
 
 def storage_view(a: np.ndarray) -> np.ndarray:
@@ -91,9 +68,9 @@ class StoredRows:
 class NumbaOps(NumpyOps):
     """`NumpyOps` whose weights are `PackedWeight`s and whose products and attention are compiled."""
 
-    kernels = "numba"
     packs_weights = True
     attends_in_place = True
+    compiles_kernels = True
 
     def __init__(self, dtype: str = "f32", threads: int | None = None):
         super().__init__(dtype)
@@ -216,20 +193,3 @@ class NumbaOps(NumpyOps):
         out = np.empty((n_tok, n_head * d), dtype=F32)
         nk.attention_merge(acc, m, l_sum, n_tok, out)
         return out
-
-    # ---- start-up -------------------------------------------------------------------------------
-    def warm(self) -> float:
-        """Compile (or load from the disk cache) every kernel for the types the engine passes, now rather
-        than in the first request; returns the seconds spent."""
-        t0 = time.perf_counter()
-        w = PackedWeight(np.zeros((4, 64), np.int8), np.ones((4, 2), F32), np.zeros((4, 2), F32), 32)
-        x = np.ones((2, 64), F32)
-        self.packed_matmul(x, w)
-        self.packed_matmul(x, PackedWeight(w.values, w.scale, None, 32))
-        self.dequantize(w)
-        q = np.ones((2, 2, 32), F32)
-        for dtype in (np.float32, np.float16, np.int8):
-            kv = np.ones((8, 1, 32), dtype)
-            scales = np.ones((8, 1, 1), F32) if dtype == np.int8 else None
-            self.attention(q, kv, kv, q_pos0=6, k_pos0=0, window=None, scale=1.0, k_scale=scales, v_scale=scales)
-        return time.perf_counter() - t0
