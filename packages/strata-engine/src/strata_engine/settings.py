@@ -123,7 +123,6 @@ class EngineSettings:
         """The settings with "auto" resolved and every None default filled in for that backend and the
         model's architecture (`DEFAULT_COMPUTE_DTYPE`, `DEFAULT_PREFILL_CHUNK`)."""
         from .ops import resolve_backend  # imports cupy only to look for a device
-
         from .ops.threads import default_threads
 
         backend = resolve_backend(self.backend)

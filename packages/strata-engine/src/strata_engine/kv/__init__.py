@@ -19,8 +19,8 @@ For the session adapter (save / restore), everything goes through these objects:
   incl. the deepest one) and `runner.restore_state(state)` (validates, sets the pool's extent, refills).
 """
 
-from .cpu import InPlacePlacement
 from .checkpoints import RingCheckpoint, restore_checkpoint, take_checkpoint
+from .cpu import InPlacePlacement
 from .factory import make_placement, make_pool
 from .layout import KV_STORAGE, SCALE_DTYPE, KVGeometry, KVStorage, LayerGeometry, ring_capacity
 from .placement import PoolPlacement, ResidencyStats, ResidentRingPlacement

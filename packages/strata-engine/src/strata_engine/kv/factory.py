@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from ..ops import Ops
 from ..settings import Backend
-from .device import DevicePool, DevicePoolPlacement, DeviceResidentRingPlacement, HostMappedPool
 from .cpu import InPlacePlacement
+from .device import DevicePool, DevicePoolPlacement, DeviceResidentRingPlacement, HostMappedPool
 from .layout import KVGeometry
 from .placement import PoolPlacement, ResidentRingPlacement
 from .pool import KVPool

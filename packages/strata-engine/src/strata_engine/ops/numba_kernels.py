@@ -5,8 +5,8 @@ Every kernel is `@njit(..., fastmath=True, cache=True)`: compiled once per argum
 disk (NUMBA_CACHE_DIR, else __pycache__ beside this file), compiled or loaded at the engine's warm-up
 (`NumbaOps.warm`). Callers pass C-contiguous arrays of fixed dtypes so each kernel keeps one signature.
 
-Shapes: x [M, K] float32 activations; a Q4 weight's values uint8 [N, K / 2], a Q8 weight's int8 [N, K];
-scale, mins float32 [N, K / block]; y [M, N] float32.
+Shapes: x [M, K] float32 activations; a packed weight's values int8 [N, K] or 4-bit pairs uint8 [N, K / 2],
+its scale and mins float32 or f16 bits (uint16) [N, K / block]; y [M, N] float32.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 F32 = np.float32
@@ -38,53 +39,169 @@ def widen(typingctx, value):
         def codegen(context, builder, sig, args):
             return builder.sitofp(args[0], ir.FloatType())
 
+    elif value in (types.uint8, types.uint32):
+
+        def codegen(context, builder, sig, args):
+            return builder.uitofp(args[0], ir.FloatType())
+
     else:
         return None
     return types.float32(value), codegen
 
 
 # ---- products with packed weights -------------------------------------------------------------------
-# The block loops take their length from the arrays, not a constant: LLVM fully unrolls a constant
-# 32-step loop and then vectorizes the loop over blocks with gathers, 10x slower (bench/CPU-NOTES.md).
+# A row's dot product is written in LLVM vector IR (`row_dot`): the same loop in Python gets vectorized 8
+# wide with a horizontal sum per 32-value block (or, with a constant block length, unrolled and gathered
+# across blocks), 2x slower (bench/CPU-NOTES.md).
+
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_F32 = ir.FloatType()
+_LANES = 16  # float32 lanes of the accumulator (one AVX-512 register, two AVX2 ones)
+
+
+def _indices(values: list[int]) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I32, len(values)), values)
+
+
+def _load_vector(builder, base, offset, elem, n):
+    ptr = builder.gep(base, [offset])
+    return builder.load(builder.bitcast(ptr, ir.VectorType(elem, n).as_pointer()), align=1)
+
+
+def _scale_at(builder, scale_array, index, half):
+    """scale[index] as float32 (an f16 scale is stored as its uint16 bits)."""
+    value = builder.load(builder.gep(scale_array.data, [index]))
+    return builder.fpext(builder.bitcast(value, ir.HalfType()), _F32) if half else value
+
+
+def _lanes(nibbles: bool, block: int) -> int:
+    """The accumulator's float32 lanes for a block: 16, or fewer for a short block of 4-bit pairs."""
+    return min(_LANES, block // 2 if nibbles else block)
+
+
+def _block_products(builder, values, x, offset_q, offset_x, nibbles, block):
+    """One block's products q * x folded to `_lanes` lanes: <lanes x float>."""
+    if nibbles:  # block / 2 bytes: value j in the low nibble of byte j, value j + block / 2 in its high one
+        n = block // 2
+        vf = ir.VectorType(_F32, n)
+        raw = builder.zext(_load_vector(builder, values, offset_q, ir.IntType(8), n), ir.VectorType(_I32, n))
+        lo = builder.uitofp(builder.and_(raw, ir.Constant(raw.type, [15] * n)), vf)
+        hi = builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * n)), vf)
+        x_lo = _load_vector(builder, x, offset_x, _F32, n)
+        x_hi = _load_vector(builder, x, builder.add(offset_x, ir.Constant(_I64, n)), _F32, n)
+        prod = builder.fadd(builder.fmul(lo, x_lo), builder.fmul(hi, x_hi))
+    else:
+        q = builder.sitofp(_load_vector(builder, values, offset_q, ir.IntType(8), block), ir.VectorType(_F32, block))
+        prod = builder.fmul(q, _load_vector(builder, x, offset_x, _F32, block))
+    width = prod.type.count
+    while width > _LANES:  # fold halves
+        width //= 2
+        prod = builder.fadd(
+            builder.shuffle_vector(prod, prod, _indices(list(range(width)))),
+            builder.shuffle_vector(prod, prod, _indices(list(range(width, 2 * width)))),
+        )
+    return prod
+
+
+@intrinsic
+def row_dot(typingctx, values, x, scale, block):
+    """sum over blocks b of scale[b] * sum_j q[b, j] x[b * block + j] for one packed row: values int8
+    [K] or 4-bit pairs uint8 [K / 2]; x float32 [K]; scale float32 or uint16 (f16 bits) [K / block];
+    block an integer literal (16 or 32). One vector accumulator, one horizontal sum at the end."""
+    if not isinstance(block, types.IntegerLiteral) or block.literal_value not in (16, 32):
+        return None
+    nibbles = values.dtype == types.uint8
+    half = scale.dtype == types.uint16
+    sig = types.float32(values, x, scale, block)
+
+    def codegen(context, builder, signature, args):
+        n = block.literal_value
+        q_arr, x_arr, s_arr = (
+            context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)
+        )
+        lanes = _lanes(nibbles, n)
+        vf = ir.VectorType(_F32, lanes)
+        zero = ir.Constant(vf, [0.0] * lanes)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
+        n_blocks = builder.extract_value(s_arr.shape, 0)
+        entry = builder.block
+        loop = builder.append_basic_block("row_dot.loop")
+        done = builder.append_basic_block("row_dot.done")
+        builder.cbranch(builder.icmp_signed(">", n_blocks, ir.Constant(_I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        b = builder.phi(_I64)
+        acc = builder.phi(vf)
+        offset_x = builder.mul(b, ir.Constant(_I64, n))
+        offset_q = builder.mul(b, ir.Constant(_I64, n // 2 if nibbles else n))
+        prod = _block_products(builder, q_arr.data, x_arr.data, offset_q, offset_x, nibbles, n)
+        scale_b = _scale_at(builder, s_arr, b, half)
+        splat = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(vf, ir.Undefined), scale_b, ir.Constant(_I32, 0)),
+            ir.Constant(vf, ir.Undefined), _indices([0] * lanes),
+        )  # fmt: skip
+        acc_next = builder.call(fma, [prod, splat, acc])
+        b_next = builder.add(b, ir.Constant(_I64, 1))
+        b.add_incoming(ir.Constant(_I64, 0), entry)
+        b.add_incoming(b_next, loop)
+        acc.add_incoming(zero, entry)
+        acc.add_incoming(acc_next, loop)
+        builder.cbranch(builder.icmp_signed("<", b_next, n_blocks), loop, done)
+        builder.position_at_end(done)
+        total = builder.phi(vf)
+        total.add_incoming(zero, entry)
+        total.add_incoming(acc_next, loop)
+        width = lanes
+        while width > 1:
+            width //= 2
+            total = builder.fadd(
+                builder.shuffle_vector(total, total, _indices(list(range(width)))),
+                builder.shuffle_vector(total, total, _indices(list(range(width, 2 * width)))),
+            )
+        return builder.extract_element(total, ir.Constant(_I32, 0))
+
+    return sig, codegen
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def matmul_packed(x, xsum, values, scale, mins, has_min, y):
-    """y = x W^T: per block, scale * sum(q x) (+ min * sum(x), xsum [M, K / block], with has_min)."""
+def matmul_packed(x, xsum, values, scale, mins, has_min, block, y):
+    """y = x W^T for a packed weight (`row_dot`), plus min * sum(x) per block where it has mins (xsum
+    [M, K / block])."""
     n_tok = x.shape[0]
     n_blocks = scale.shape[1]
-    block = values.shape[1] // n_blocks
     for n in prange(values.shape[0]):
         row = values[n]
         sc = scale[n]
         for m in range(n_tok):
-            xr = x[m]
-            acc = F32(0)
-            for b in range(n_blocks):
-                o = b * block
-                s = F32(0)
-                for j in range(block):
-                    s += F32(row[o + j]) * xr[o + j]
-                acc += s * sc[b]
-                if has_min:
-                    acc += mins[n, b] * xsum[m, b]
+            acc = row_dot(row, x[m], sc, 32) if block == 32 else row_dot(row, x[m], sc, 16)
+            if has_min:
+                for b in range(n_blocks):
+                    acc += widen(mins[n, b]) * xsum[m, b]
             y[m, n] = acc
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def dequantize_packed(values, scale, mins, has_min, out):
-    """out [N, K] float32 = q * scale + min."""
+    """out [N, K] float32 = q * scale + min (values int8 [N, K], or 4-bit pairs uint8 [N, K / 2])."""
     n_blocks = scale.shape[1]
-    block = values.shape[1] // n_blocks
+    block = out.shape[1] // n_blocks
+    nibbles = values.shape[1] != out.shape[1]
+    half = block // 2
     for n in prange(values.shape[0]):
         row = values[n]
         o_row = out[n]
         for b in range(n_blocks):
-            d = scale[n, b]
-            mn = mins[n, b] if has_min else F32(0)
+            d = widen(scale[n, b])
+            mn = widen(mins[n, b]) if has_min else F32(0)
             o = b * block
-            for j in range(block):
-                o_row[o + j] = F32(row[o + j]) * d + mn
+            if nibbles:
+                for j in range(half):
+                    v = row[b * half + j]
+                    o_row[o + j] = F32(v & 15) * d + mn
+                    o_row[o + half + j] = F32(v >> 4) * d + mn
+            else:
+                for j in range(block):
+                    o_row[o + j] = F32(row[o + j]) * d + mn
 
 
 # ---- attention over the K/V pool's storage -------------------------------------------------------------

@@ -36,6 +36,11 @@ _DUMMY_2D = np.zeros((1, 1), dtype=F32)
 _DUMMY_3D = np.zeros((1, 1, 1), dtype=F32)
 
 
+def _mins(w: PackedWeight) -> np.ndarray:
+    """The weight's mins, or a placeholder of the scales' dtype (one kernel signature either way)."""
+    return w.min if w.min is not None else np.zeros((1, 1), dtype=w.scale.dtype)
+
+
 def storage_view(a: np.ndarray) -> np.ndarray:
     """A K/V storage array as the kernels read it: f16 as its uint16 bits (numba has no f16 on the CPU)."""
     return a.view(np.uint16) if a.dtype == np.float16 else a
@@ -91,8 +96,7 @@ class NumbaOps(NumpyOps):
         """float32 [N, K] of a packed weight (into `out` when given)."""
         if out is None:
             out = np.empty(w.shape, dtype=F32)
-        has_min = w.min is not None
-        nk.dequantize_packed(w.values, w.scale, w.min if has_min else _DUMMY_2D, has_min, out)
+        nk.dequantize_packed(w.values, w.scale, _mins(w), w.min is not None, out)
         return out
 
     # ---- products -------------------------------------------------------------------------------
@@ -101,11 +105,8 @@ class NumbaOps(NumpyOps):
         m, k = x.shape
         y = np.empty((m, w.shape[0]), dtype=F32)
         has_min = w.min is not None
-        if has_min:
-            xsum = x.reshape(m, k // w.block, w.block).sum(axis=-1)
-            nk.matmul_packed(x, xsum, w.values, w.scale, w.min, True, y)
-        else:
-            nk.matmul_packed(x, _DUMMY_2D, w.values, w.scale, _DUMMY_2D, False, y)
+        xsum = x.reshape(m, k // w.block, w.block).sum(axis=-1) if has_min else _DUMMY_2D
+        nk.matmul_packed(x, xsum, w.values, w.scale, _mins(w), has_min, w.block, y)
         return y
 
     def blas_matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:

@@ -1,19 +1,23 @@
 """Weights kept compact: a GGUF tensor's quantized blocks repacked once at load into the layout the
 compiled CPU kernels read (`numba_kernels.py`), without changing a single weight's value.
 
-    values int8 [N, K]; scale, min float32 [N, K / block]; w = q * scale + min (min None: 0)
+    w = q * scale + min (min None: 0), per block of 32 values (16 for Q6_K, whose sub-blocks carry
+    their own scale); scale and min [N, K / block] as f16 (their uint16 bits) where every one is an
+    f16 (the GGUF's own d and m), else float32.
+    4-bit types: q in 0..15, two a byte, uint8 [N, K / 2] (byte j of a block holds value j in its low
+        nibble and value j + 16 in its high one, as Q4_0 / Q4_1 store them);
+    the others: q int8 [N, K].
 
-Blocks are 32 values (16 for Q6_K, whose sub-blocks carry their own scale). Every supported ggml type
-maps exactly (PACKERS):
+Every supported ggml type maps exactly (PACKERS):
 
-    Q8_0 -> q                      Q4_0 -> q, min = -8 scale       Q4_1 -> q, min
-    Q5_0 -> q - 16                 Q5_1, Q5_K -> q, min            Q4_K -> q, scale = d sc, min = -dmin m
-    Q6_K -> q - 32, 16-value blocks, scale = d sc
+    Q4_0 -> 4-bit, min = -8 scale     Q4_1 -> 4-bit, min          Q4_K -> 4-bit, scale = d sc, min = -dmin m
+    Q8_0 -> int8                      Q5_0 -> int8 q - 16         Q5_1, Q5_K -> int8, min
+    Q6_K -> int8 q - 32, 16-value blocks, scale = d sc
 
 Each block's scale and min are computed as `gguf.quants`' dequantization computes them (float32 d * sc),
-so `PackedWeight.dequantize()` equals `dequantize_tensor` bit for bit (tests/engine/test_ops.py). 4-bit
-types take twice their file size here: the kernels widen int8 twice as fast as they unpack nibbles
-(bench/CPU-NOTES.md). Float tensors (F32, F16, BF16) are not packed: they stay dense float32.
+so `PackedWeight.dequantize()` equals `dequantize_tensor` bit for bit (tests/engine/test_ops.py). A
+token reads about what the file holds (SmolLM2: 96 MB packed against a 98 MB file). Float tensors
+(F32, F16, BF16) are not packed: they stay dense float32.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ QK = 32  # values per block of the 32-value types
 
 @attrs.frozen(eq=False)
 class PackedWeight:
-    """A [N, K] weight: int8 `values` [N, K], float32 `scale` and `min` [N, K / block] (min None: zero).
-    Row i of the weight is row i of every array."""
+    """A [N, K] weight: `values` int8 [N, K] or 4-bit pairs uint8 [N, K / 2] (block 32); `scale` and `min`
+    [N, K / block], float32 or f16 bits (uint16); min None: zero. Row i of the weight is row i of every
+    array."""
 
     values: np.ndarray
     scale: np.ndarray
@@ -43,8 +48,12 @@ class PackedWeight:
     block: int
 
     @property
+    def four_bit(self) -> bool:
+        return self.values.dtype == np.uint8
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return self.values.shape
+        return (self.values.shape[0], self.scale.shape[1] * self.block)
 
     @property
     def nbytes(self) -> int:
@@ -60,25 +69,49 @@ class PackedWeight:
         mins = None if self.min is None else self.min[rows]
         return PackedWeight(self.values[rows], self.scale[rows], mins, self.block)
 
-    def with_block(self, block: int) -> PackedWeight:
-        """The same weight with scales per `block` values (a divisor of this one's block; exact)."""
-        if block == self.block:
-            return self
-        rep = self.block // block
-        mins = None if self.min is None else np.repeat(self.min, rep, axis=1)
-        return PackedWeight(self.values, np.repeat(self.scale, rep, axis=1), mins, block)
+    def int_values(self) -> np.ndarray:
+        """q as int8 [N, K] (4-bit pairs unpacked)."""
+        if not self.four_bit:
+            return self.values
+        n = self.values.shape[0]
+        pairs = self.values.reshape(n, -1, 16)
+        return np.concatenate([pairs & 15, pairs >> 4], axis=-1).astype(np.int8).reshape(n, -1)
 
-    def with_min(self) -> PackedWeight:
-        return self if self.min is not None else attrs.evolve(self, min=np.zeros_like(self.scale))
+    def float_scales(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """scale and min as float32."""
+        return _as_f32(self.scale), None if self.min is None else _as_f32(self.min)
+
+    def unpacked(self, block: int, with_min: bool) -> PackedWeight:
+        """The same weight as int8 values with float32 scales per `block` values (a divisor of this
+        one's block) and a min (zeros where it has none) if asked: every value unchanged."""
+        scale, mins = self.float_scales()
+        rep = self.block // block
+        if with_min and mins is None:
+            mins = np.zeros_like(scale)
+        if rep > 1:
+            scale = np.repeat(scale, rep, axis=1)
+            mins = None if mins is None else np.repeat(mins, rep, axis=1)
+        return PackedWeight(self.int_values(), scale, mins, block)
 
     def dequantize(self) -> np.ndarray:
         """float32 [N, K]: q * scale + min per value (numpy; the kernels' twin is NumbaOps.dequantize)."""
         n, k = self.shape
-        w = self.values.astype(F32).reshape(n, k // self.block, self.block)
-        w *= self.scale[..., None]
-        if self.min is not None:
-            w += self.min[..., None]
+        scale, mins = self.float_scales()
+        w = self.int_values().astype(F32).reshape(n, k // self.block, self.block)
+        w *= scale[..., None]
+        if mins is not None:
+            w += mins[..., None]
         return w.reshape(n, k)
+
+
+def _as_f32(a: np.ndarray) -> np.ndarray:
+    return a.view(np.float16).astype(F32) if a.dtype == np.uint16 else a
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """float32 scales as f16 bits (uint16) where every one is an f16, else as they are."""
+    half = a.astype(np.float16)
+    return half.view(np.uint16) if np.array_equal(half.astype(F32), a) else a
 
 
 def _f16(col: np.ndarray) -> np.ndarray:
@@ -157,10 +190,11 @@ def _q6_k(b: np.ndarray) -> Packed:
     return q.reshape(-1, 16), scale.reshape(-1), None
 
 
-# ggml type -> its packer and the values per scale it gives.
-PACKERS: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Packed], int]] = {
-    T.Q8_0: (_q8_0, QK), T.Q4_0: (_q4_0, QK), T.Q4_1: (_q4_1, QK), T.Q5_0: (_q5_0, QK),
-    T.Q5_1: (_q5_1, QK), T.Q4_K: (_q4_k, QK), T.Q5_K: (_q5_k, QK), T.Q6_K: (_q6_k, 16),
+# ggml type -> its packer, the values per scale it gives, and whether they are 4-bit (0..15: two a byte).
+PACKERS: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Packed], int, bool]] = {
+    T.Q4_0: (_q4_0, QK, True), T.Q4_1: (_q4_1, QK, True), T.Q4_K: (_q4_k, QK, True),
+    T.Q8_0: (_q8_0, QK, False), T.Q5_0: (_q5_0, QK, False), T.Q5_1: (_q5_1, QK, False),
+    T.Q5_K: (_q5_k, QK, False), T.Q6_K: (_q6_k, 16, False),
 }  # fmt: skip
 DENSE_TYPES = frozenset({T.F32, T.F16, T.BF16})  # kept as float32 arrays
 
@@ -174,28 +208,39 @@ def pack_tensor(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[i
             f"tensor {name!r} ({ggml_type.name}, shape {shape}) cannot be packed for the CPU kernels "
             f"(packed: {', '.join(sorted(t.name for t in PACKERS))}, 2-D only)"
         )
-    packer, block = PACKERS[ggml_type]
+    packer, block, four_bit = PACKERS[ggml_type]
     _, type_size = GGML_QUANT_SIZES[ggml_type]
     n, k = shape
     values, scale, mins = packer(np.ascontiguousarray(raw).reshape(-1, type_size))
+    if four_bit:  # [n_sub, 32] in 0..15 -> 16 bytes a block
+        values = values.astype(np.uint8)
+        values = values[:, :16] | (values[:, 16:] << 4)
+    scale = _compact(scale.reshape(n, k // block).astype(F32))
+    if mins is not None:
+        mins = mins.reshape(n, k // block).astype(F32)
+        if scale.dtype == np.uint16 and (half_mins := _compact(mins)).dtype == np.uint16:
+            mins = half_mins
+        else:  # one dtype for both
+            scale = _as_f32(scale)
     return PackedWeight(
-        np.ascontiguousarray(values.reshape(n, k)),
-        np.ascontiguousarray(scale.reshape(n, k // block), dtype=F32),
-        None if mins is None else np.ascontiguousarray(mins.reshape(n, k // block), dtype=F32),
+        np.ascontiguousarray(values.reshape(n, -1)),
+        np.ascontiguousarray(scale),
+        None if mins is None else np.ascontiguousarray(mins),
         block,
     )
 
 
 def stack_rows(parts: Sequence[PackedWeight]) -> PackedWeight:
-    """[W_1; W_2; ...] with one block size (the smallest) and a min where any part has one; every value
-    unchanged."""
-    block = min(p.block for p in parts)
-    parts = [p.with_block(block) for p in parts]
-    if any(p.min is not None for p in parts):
-        parts = [p.with_min() for p in parts]
+    """[W_1; W_2; ...] in one layout: the parts' own when they share it, else int8 values with float32
+    scales per the smallest block and a min where any part has one; every value unchanged."""
+    layouts = {(p.values.dtype, p.scale.dtype, p.block, p.min is None) for p in parts}
+    if len(layouts) > 1:
+        block = min(p.block for p in parts)
+        with_min = any(p.min is not None for p in parts)
+        parts = [p.unpacked(block, with_min) for p in parts]
     return PackedWeight(
         np.concatenate([p.values for p in parts]),
         np.concatenate([p.scale for p in parts]),
         None if parts[0].min is None else np.concatenate([p.min for p in parts]),
-        block,
+        parts[0].block,
     )
