@@ -188,6 +188,7 @@ def test_int8_round_trip_error_is_bounded_by_half_a_step(group):
 # under 1e-6 on both models' weights). Attention: |out - oracle| <= ATTENTION_RTOL * max|v|.
 PRODUCT_RTOL = 1e-5
 ATTENTION_RTOL = 1e-5
+STEP_RTOL = 1e-5
 # The f16 fields (byte offsets) of each packed ggml type's block, set to finite values in random blocks.
 F16_FIELDS = {
     "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
@@ -365,3 +366,41 @@ def test_attention_over_stored_kv_matches_the_oracle(numba_ops, kv_type, n_tok, 
         k_scale=ring(kscale), v_scale=ring(vscale),
     )  # fmt: skip
     np.testing.assert_allclose(got_ring, want, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("style", list(RopeStyle))
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("activation", list(Activation))
+def test_fused_steps_match_the_oracle(numba_ops, style, norm, activation):
+    """The numba ops' one-call steps (norms, the residual add, per-head norm + RoPE from the projection's
+    column views, the gated activation) against NumpyOps, within STEP_RTOL."""
+    from strata_engine.ops.packed import QK, PackedWeight
+
+    oracle = get_ops("numpy", "f32")
+    rng = np.random.default_rng(15)
+    n_tok, n_head, n_kv, d, e = 3, 4, 2, 16, 64
+    x, y = rng.standard_normal((2, n_tok, e)).astype(np.float32)
+    w_post, w_next = rng.standard_normal((2, e)).astype(np.float32)
+    np.testing.assert_allclose(numba_ops.rms_norm(x, w_next, 1e-6), oracle.rms_norm(x, w_next, 1e-6), rtol=STEP_RTOL, atol=STEP_RTOL)
+    for got, want in zip(
+        numba_ops.add_rms_norm(x, y, w_post if norm else None, w_next, 1e-6),
+        oracle.add_rms_norm(x, y, w_post if norm else None, w_next, 1e-6),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, want, rtol=STEP_RTOL, atol=STEP_RTOL)
+    qkv = rng.standard_normal((n_tok, (n_head + 2 * n_kv) * d)).astype(np.float32)
+    q, k = qkv[:, : n_head * d], qkv[:, n_head * d : (n_head + n_kv) * d]  # column views, as `project` gives
+    qn, kn = rng.standard_normal((2, d)).astype(np.float32) if norm else (None, None)
+    cos, sin = oracle.rope_tables(7, n_tok, 10000.0, d)
+    for got, want in zip(
+        numba_ops.qk_norm_rope(q, k, d, qn, kn, cos, sin, style, 1e-6),
+        oracle.qk_norm_rope(q, k, d, qn, kn, cos, sin, style, 1e-6),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, want, rtol=STEP_RTOL, atol=STEP_RTOL)
+    n_ff = 64
+    w_gu = PackedWeight(rng.integers(-127, 128, (2 * n_ff, e), dtype=np.int8), rng.random((2 * n_ff, e // QK), dtype=np.float32) / 50, None, QK)
+    w_down = PackedWeight(rng.integers(-127, 128, (e, n_ff), dtype=np.int8), rng.random((e, n_ff // QK), dtype=np.float32) / 50, None, QK)
+    got = numba_ops.gated_mlp(x, w_gu, w_down, activation)
+    want = oracle.gated_mlp(x, w_gu.dequantize(), w_down.dequantize(), activation)
+    np.testing.assert_allclose(got, want, rtol=STEP_RTOL, atol=STEP_RTOL * np.abs(want).max())

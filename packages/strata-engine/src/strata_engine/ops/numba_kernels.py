@@ -1,7 +1,7 @@
 """The compiled CPU kernels (numba): products with packed weights (`packed.py`) and attention over the K/V
 pool's own storage (f32, f16 seen as uint16 bits, int8 with per-block scales), converting per tile.
 
-Every kernel is `@njit(..., fastmath=True, cache=True)`: compiled once per argument types, cached on
+Every kernel is `@njit(..., fastmath=..., cache=True)`: compiled once per argument types, cached on
 disk (NUMBA_CACHE_DIR, else __pycache__ beside this file), compiled or loaded at the engine's warm-up
 (`NumbaOps.warm`). Callers pass C-contiguous arrays of fixed dtypes so each kernel keeps one signature.
 
@@ -18,6 +18,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 F32 = np.float32
+# fastmath without nnan / ninf: attention compares scores with -inf.
+SAFE_FAST = {"reassoc", "contract", "arcp", "nsz"}
 
 
 @intrinsic
@@ -225,7 +227,7 @@ def _load_tile(src, scales, has_scales, slot, head, dst):
             dst[j] = widen(row[j])
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
 def attention_partials(
     q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
 ):
@@ -303,7 +305,7 @@ def attention_partials(
                         ar[j] += e * vr[j]
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=SAFE_FAST, cache=True)
 def attention_merge(acc, m_in, l_in, n_tok, out):
     """out [T, H * D] from the splits' partials: sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)."""
     n_kv, n_split, rows, d = acc.shape
@@ -328,3 +330,82 @@ def attention_merge(acc, m_in, l_in, n_tok, out):
                     o[j] += w * a[j]
             for j in range(d):
                 o[j] /= total
+
+
+# ---- the small steps between products (one call each instead of several numpy passes) ------------------
+GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _norm_row(x, w, eps, out):
+    ms = F32(0)
+    for j in range(x.shape[0]):
+        ms += x[j] * x[j]
+    r = F32(1) / np.sqrt(ms / F32(x.shape[0]) + eps)
+    for j in range(x.shape[0]):
+        out[j] = x[j] * r * w[j]
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def rms_norm_rows(x, w, eps, out):
+    """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w for each row of x [R, E]."""
+    for i in range(x.shape[0]):
+        _norm_row(x[i], w, eps, out[i])
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def add_rms_norm_rows(x, y, w_post, has_post, w_next, eps, x_out, h_out):
+    """x_out = x + (rms_norm(y) * w_post, or y); h_out = rms_norm(x_out) * w_next (rows of [R, E])."""
+    for i in range(x.shape[0]):
+        xo = x_out[i]
+        if has_post:
+            _norm_row(y[i], w_post, eps, xo)
+            for j in range(xo.shape[0]):
+                xo[j] += x[i, j]
+        else:
+            for j in range(xo.shape[0]):
+                xo[j] = x[i, j] + y[i, j]
+        _norm_row(xo, w_next, eps, h_out[i])
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _rope_row(src, norm, has_norm, eps, cos_t, sin_t, neox, out):
+    """One head [D]: RMS-normalised with `norm` if has_norm, then rotated (first 2 * len(cos_t) dims)."""
+    if has_norm:
+        _norm_row(src, norm, eps, out)
+    else:
+        for j in range(src.shape[0]):
+            out[j] = src[j]
+    half = cos_t.shape[0]
+    for i in range(half):
+        ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        a = out[ia]
+        b = out[ib]
+        out[ia] = a * cos_t[i] - b * sin_t[i]
+        out[ib] = b * cos_t[i] + a * sin_t[i]
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def qk_norm_rope(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, q_out, k_out):
+    """q [T, H * D], k [T, Hkv * D] -> q_out [T, H, D], k_out [T, Hkv, D]: each head normalised (gemma3)
+    and rotated by the tables cos, sin [T, rope_dim / 2] (neox: rotate-half, else interleaved pairs)."""
+    d = q_out.shape[2]
+    for t in range(q.shape[0]):
+        for h in range(q_out.shape[1]):
+            _rope_row(q[t, h * d : (h + 1) * d], q_norm, has_norm, eps, cos[t], sin[t], neox, q_out[t, h])
+        for h in range(k_out.shape[1]):
+            _rope_row(k[t, h * d : (h + 1) * d], k_norm, has_norm, eps, cos[t], sin[t], neox, k_out[t, h])
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def gated_activation(gate_up, gelu, out):
+    """out = act(gate) * up for gate_up = [gate | up] [T, 2F]: silu, or gelu (tanh form) with gelu."""
+    n_ff = out.shape[1]
+    for t in range(out.shape[0]):
+        for j in range(n_ff):
+            g = gate_up[t, j]
+            if gelu:
+                a = F32(0.5) * g * (F32(1) + np.tanh(GELU_C * (g + F32(0.044715) * g * g * g)))
+            else:
+                a = g / (F32(1) + np.exp(-g))
+            out[t, j] = a * gate_up[t, n_ff + j]

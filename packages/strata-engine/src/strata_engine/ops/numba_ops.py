@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import Activation, RopeStyle
 from . import numba_kernels as nk
 from .attention_tiling import blocked_attention
 from .numpy_ops import NumpyOps
@@ -33,6 +34,7 @@ ATTN_BLAS_KEY_BLOCK = 512
 # Keys per split of the attention kernel at least (fewer splits than threads * 2 otherwise).
 ATTN_MIN_SPLIT = 64
 _DUMMY_2D = np.zeros((1, 1), dtype=F32)
+_NO_NORM = np.ones(1, dtype=F32)
 _DUMMY_3D = np.zeros((1, 1, 1), dtype=F32)
 
 
@@ -98,6 +100,47 @@ class NumbaOps(NumpyOps):
             out = np.empty(w.shape, dtype=F32)
         nk.dequantize_packed(w.values, w.scale, _mins(w), w.min is not None, out)
         return out
+
+    # ---- the steps between products ---------------------------------------------------------------
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        if x.ndim != 2:
+            return super().rms_norm(x, weight, eps)
+        x = np.ascontiguousarray(x, dtype=F32)
+        out = np.empty_like(x)
+        nk.rms_norm_rows(x, weight, F32(eps), out)
+        return out
+
+    def add_rms_norm(self, x: Any, y: Any, w_post: Any | None, w_next: Any, eps: float) -> tuple[Any, Any]:
+        x = np.ascontiguousarray(x, dtype=F32)
+        x_out, h_out = np.empty_like(x), np.empty_like(x)
+        has_post = w_post is not None
+        nk.add_rms_norm_rows(
+            x, np.ascontiguousarray(y, dtype=F32), w_post if has_post else w_next, has_post, w_next, F32(eps),
+            x_out, h_out,
+        )  # fmt: skip
+        return x_out, h_out
+
+    def qk_norm_rope(
+        self, q: Any, k: Any, head_dim: int, q_norm: Any | None, k_norm: Any | None, cos: Any, sin: Any,
+        style: RopeStyle, eps: float,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        n_tok = q.shape[0]
+        q_out = np.empty((n_tok, q.shape[1] // head_dim, head_dim), dtype=F32)
+        k_out = np.empty((n_tok, k.shape[1] // head_dim, head_dim), dtype=F32)
+        has_norm = q_norm is not None
+        nk.qk_norm_rope(
+            q, k, q_norm if has_norm else _NO_NORM, k_norm if has_norm else _NO_NORM, has_norm, cos, sin,
+            style is RopeStyle.NEOX, F32(eps), q_out, k_out,
+        )  # fmt: skip
+        return q_out, k_out
+
+    def gated_mlp(self, x: Any, w_gate_up: Any, w_down: Any, activation: Activation) -> Any:
+        if not isinstance(w_gate_up, PackedWeight):
+            return super().gated_mlp(x, w_gate_up, w_down, activation)
+        gate_up = self.matmul(x, w_gate_up)  # [T, 2F]: one product
+        act = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=F32)
+        nk.gated_activation(gate_up, activation is Activation.GELU_TANH, act)
+        return self.matmul(act, w_down)
 
     # ---- products -------------------------------------------------------------------------------
     def packed_matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
