@@ -1,8 +1,8 @@
 """`InPlacePlacement`: the host pool read where it lies by ops that attend over stored K/V
 (`Ops.attends_in_place`: the numba kernels).
 
-Each chunk's K/V is encoded into the pool first (f16 rounding, or int8 with its scales, exactly as
-`KVCodec.encode` does for every placement) and attention then reads the pool's own storage: a full
+Each chunk's K/V is stored into the pool first (rounded to f16 by a casting copy, or int8 with its scales
+by `KVCodec.encode`: the bytes every placement stores) and attention then reads the pool's own storage: a full
 layer's slots [context start, end), or a ring whole, addressed by position % capacity. No float32 copy
 of the context is made; the kernels convert a tile of keys at a time (ops/numba_kernels.py). A ring
 chunk too long to attend in place (its stores would overwrite keys its first query still sees: more
@@ -33,10 +33,13 @@ class InPlacePlacement(PoolPlacement):
         n_new = k_new.shape[0]
         if g.is_ring and n_new > g.capacity - g.window + 1:
             return super().attend(layer, pos0, q, k_new, v_new, q_pos0=q_pos0, window=window, scale=scale)
-        self.write(layer, pos0, self.pool.codec.encode(k_new, v_new))
+        views = self.pool.layer(layer)
+        if self.pool.geometry.has_scales:
+            self.write(layer, pos0, self.pool.codec.encode(k_new, v_new))
+        else:  # a casting copy into the slots, rounding as KVCodec.encode does
+            self.ops.store_kv(k_new, v_new, views.k, views.v, pos0, ring_capacity=g.capacity if g.is_ring else 0)
         if q is None:
             return None
-        views = self.pool.layer(layer)
         lo = self.context_start(layer, pos0)
         if g.is_ring:
             k, v, k_scale, v_scale, capacity = views.k, views.v, views.k_scale, views.v_scale, g.capacity

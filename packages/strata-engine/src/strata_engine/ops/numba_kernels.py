@@ -207,24 +207,220 @@ def dequantize_packed(values, scale, mins, has_min, out):
 
 
 # ---- attention over the K/V pool's storage -------------------------------------------------------------
-ATTN_TILE = 32  # keys converted to float32 at a time (two [32, D] tiles stay in L1)
+# Per query row, its visible keys are one position range: scores by `key_dots`, a softmax with
+# `fast_exp`, the weighted sum of values by `value_sums` (both in LLVM vector IR: the row's accumulators
+# stay in registers). Keys and values are read as stored (f16 bits, int8 with per-block scales, f32)
+# and converted in registers, never into a float32 copy.
+_HEAD_DIMS = (64, 128, 256)  # head sizes the IR is generated for (others: a plain loop)
 
 
-@njit(inline="always")
-def _load_tile(src, scales, has_scales, slot, head, dst):
-    """One stored K or V row [D] (f32, f16 bits or int8 with scales [D / block]) -> float32 `dst`."""
-    row = src[slot, head]
-    d = row.shape[0]
-    if has_scales:
-        srow = scales[slot, head]
-        block = d // srow.shape[0]
-        for b in range(srow.shape[0]):
-            s = srow[b]
-            for j in range(block):
-                dst[b * block + j] = widen(row[b * block + j]) * s
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """The float32 whose bits are the low 32 bits of the integer `bits`."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        low = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], _I32)
+        return builder.bitcast(low, _F32)
+
+    return types.float32(bits), codegen
+
+
+@njit(fastmath={"contract"}, cache=True)
+def fast_exp(x):
+    """e^x for x <= 0 (Cephes' expf: relative error ~2e-7; 2^-126 below -87): arithmetic only, so a loop
+    of it vectorizes, where numba calls libm's scalar expf once a value."""
+    x = max(x, F32(-87.0))
+    n = np.floor(x * F32(1.4426950408889634) + F32(0.5))
+    r = x - n * F32(0.693359375)
+    r = r + n * F32(2.12194440e-4)
+    p = F32(1.9875691500e-4)
+    p = p * r + F32(1.3981999507e-3)
+    p = p * r + F32(8.3334519073e-3)
+    p = p * r + F32(4.1665795894e-2)
+    p = p * r + F32(1.6666665459e-1)
+    p = p * r + F32(5.0000001201e-1)
+    y = p * (r * r) + r + F32(1)
+    return y * f32_from_bits((np.int64(n) + 127) << 23)
+
+
+def _row_ptr(builder, arr, index, elem):
+    """Pointer to row `index` of a 2-D array (any strides) as elem*."""
+    stride = builder.extract_value(arr.strides, 0)
+    raw = builder.gep(builder.bitcast(arr.data, ir.IntType(8).as_pointer()), [builder.mul(index, stride)])
+    return builder.bitcast(raw, elem.as_pointer())
+
+
+def _stored_chunk(builder, row, scale_row, c, dtype):
+    """Values [16c, 16c + 16) of a stored K/V row as <16 x float> (int8 times its 32-value block's scale)."""
+    vf = ir.VectorType(_F32, _LANES)
+    off = ir.Constant(_I64, c * _LANES)
+    if dtype == types.uint16:
+        bits = _load_vector(builder, row, off, ir.IntType(16), _LANES)
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _LANES)), vf)
+    if dtype == types.float32:
+        return _load_vector(builder, row, off, _F32, _LANES)
+    q = builder.sitofp(_load_vector(builder, row, off, ir.IntType(8), _LANES), vf)
+    scale = builder.load(builder.gep(scale_row, [ir.Constant(_I64, c * _LANES // 32)]))
+    return builder.fmul(q, _splat(builder, scale, _LANES))
+
+
+def _splat(builder, value, lanes):
+    vf = ir.VectorType(value.type, lanes)
+    return builder.shuffle_vector(
+        builder.insert_element(ir.Constant(vf, ir.Undefined), value, ir.Constant(_I32, 0)),
+        ir.Constant(vf, ir.Undefined), _indices([0] * lanes),
+    )  # fmt: skip
+
+
+def _hsum(builder, v):
+    width = v.type.count
+    while width > 1:
+        width //= 2
+        v = builder.fadd(
+            builder.shuffle_vector(v, v, _indices(list(range(width)))),
+            builder.shuffle_vector(v, v, _indices(list(range(width, 2 * width)))),
+        )
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _counted_loop(builder, n, body, carried):
+    """for i in range(n): carried = body(i, carried); returns the final carried values (a list of IR
+    values; their initial values are `carried`)."""
+    entry = builder.block
+    loop = builder.append_basic_block("loop")
+    done = builder.append_basic_block("done")
+    builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+    builder.position_at_end(loop)
+    i = builder.phi(_I64)
+    phis = [builder.phi(v.type) for v in carried]
+    nxt = body(i, phis)
+    i_next = builder.add(i, ir.Constant(_I64, 1))
+    tail = builder.block
+    i.add_incoming(ir.Constant(_I64, 0), entry)
+    i.add_incoming(i_next, tail)
+    for phi, start, end in zip(phis, carried, nxt, strict=True):
+        phi.add_incoming(start, entry)
+        phi.add_incoming(end, tail)
+    builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+    builder.position_at_end(done)
+    out = []
+    for start, end in zip(carried, nxt, strict=True):
+        phi = builder.phi(start.type)
+        phi.add_incoming(start, entry)
+        phi.add_incoming(end, tail)
+        out.append(phi)
+    return out
+
+
+def _kv_intrinsic_args(context, builder, signature, args):
+    return [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)]
+
+
+@intrinsic
+def key_dots(typingctx, q, keys, scales, lo, n, out, d):
+    """out[i] = q . keys[lo + i] for i < n: q float32 [D]; keys a stored head's rows [slots, D] (uint16 f16
+    bits, float32, or int8 with `scales` [slots, D / 32]); out float32; d the literal D."""
+    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS:
+        return None
+    if keys.dtype not in (types.uint16, types.float32, types.int8):
+        return None
+    sig = types.void(q, keys, scales, lo, n, out, d)
+
+    def codegen(context, builder, signature, args):
+        q_arr, k_arr, s_arr = _kv_intrinsic_args(context, builder, signature, args)
+        out_arr = context.make_array(signature.args[5])(context, builder, args[5])
+        chunks = d.literal_value // _LANES
+        vf = ir.VectorType(_F32, _LANES)
+        qv = [_load_vector(builder, q_arr.data, ir.Constant(_I64, c * _LANES), _F32, _LANES) for c in range(chunks)]
+        elem = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}[keys.dtype]
+
+        def body(i, carried):
+            idx = builder.add(args[3], i)
+            row = _row_ptr(builder, k_arr, idx, elem)
+            scale_row = _row_ptr(builder, s_arr, idx, _F32)
+            acc = ir.Constant(vf, [0.0] * _LANES)
+            for c in range(chunks):
+                acc = builder.fadd(acc, builder.fmul(qv[c], _stored_chunk(builder, row, scale_row, c, keys.dtype)))
+            builder.store(_hsum(builder, acc), builder.gep(out_arr.data, [i]))
+            return []
+
+        _counted_loop(builder, args[4], body, [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def value_sums(typingctx, acc, weights, values, scales, lo, n, d):
+    """acc[:] += sum_i weights[i] * values[lo + i] for i < n: acc float32 [D] (kept in registers over the
+    loop), values a stored head's rows as in `key_dots`."""
+    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS:
+        return None
+    if values.dtype not in (types.uint16, types.float32, types.int8):
+        return None
+    sig = types.void(acc, weights, values, scales, lo, n, d)
+
+    def codegen(context, builder, signature, args):
+        acc_arr, w_arr, v_arr = _kv_intrinsic_args(context, builder, signature, args)
+        s_arr = context.make_array(signature.args[3])(context, builder, args[3])
+        chunks = d.literal_value // _LANES
+        elem = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}[values.dtype]
+        start = [_load_vector(builder, acc_arr.data, ir.Constant(_I64, c * _LANES), _F32, _LANES) for c in range(chunks)]
+        vf = ir.VectorType(_F32, _LANES)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
+
+        def body(i, carried):
+            idx = builder.add(args[4], i)
+            row = _row_ptr(builder, v_arr, idx, elem)
+            scale_row = _row_ptr(builder, s_arr, idx, _F32)
+            w = _splat(builder, builder.load(builder.gep(w_arr.data, [i])), _LANES)
+            return [
+                builder.call(fma, [_stored_chunk(builder, row, scale_row, c, values.dtype), w, carried[c]])
+                for c in range(chunks)
+            ]
+
+        final = _counted_loop(builder, args[5], body, start)
+        for c in range(chunks):
+            ptr = builder.gep(acc_arr.data, [ir.Constant(_I64, c * _LANES)])
+            builder.store(final[c], builder.bitcast(ptr, vf.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _dots(q, keys, scales, has_scales, lo, n, out):
+    d = q.shape[0]
+    if d == 64:
+        key_dots(q, keys, scales, lo, n, out, 64)
+    elif d == 128:
+        key_dots(q, keys, scales, lo, n, out, 128)
+    elif d == 256:
+        key_dots(q, keys, scales, lo, n, out, 256)
     else:
-        for j in range(d):
-            dst[j] = widen(row[j])
+        for i in range(n):
+            s = F32(0)
+            for j in range(d):
+                s += q[j] * widen(keys[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
+            out[i] = s
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _sums(acc, weights, values, scales, has_scales, lo, n):
+    d = acc.shape[0]
+    if d == 64:
+        value_sums(acc, weights, values, scales, lo, n, 64)
+    elif d == 128:
+        value_sums(acc, weights, values, scales, lo, n, 128)
+    elif d == 256:
+        value_sums(acc, weights, values, scales, lo, n, 256)
+    else:
+        for i in range(n):
+            w = weights[i]
+            for j in range(d):
+                acc[j] += w * widen(values[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
 
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
@@ -232,77 +428,62 @@ def attention_partials(
     q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
 ):
     """Causal (sliding-window) GQA attention of queries q [T, H, D] (already times the softmax scale) over
-    the keys at positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D]: position p sits in
-    slot p % capacity (a ring, capacity > 0) or p - base. A query at position p sees keys j <= p with
-    p - j < window (window 0: no window). Work item (kv head, split) covers one of n_split equal key
-    ranges and leaves, per row r = g * T + t (query head kv_head * G + g, token t), the running max
-    m_out, the sum l_out of exp(s - m) and acc = sum exp(s - m) v, merged by `attention_merge`."""
+    the keys at positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale,
+    v_scale [slots, Hkv, D / 32]): position p sits in slot p % capacity (a ring, capacity > 0) or
+    p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). Work
+    item (kv head, split) covers one of n_split equal key ranges and leaves, per row r = g * T + t
+    (query head kv_head * G + g, token t), the max m_out of its scores, the sum l_out of exp(s - m)
+    and acc = sum exp(s - m) v, merged by `attention_merge`."""
     n_tok, n_head, d = q.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
     rows = group * n_tok
     k_hi = q_pos0 + n_tok
-    span = k_hi - k_lo
-    per_split = (span + n_split - 1) // n_split
-    neg_inf = -np.inf
+    per_split = (k_hi - k_lo + n_split - 1) // n_split
     for item in prange(n_kv * n_split):
         hk = item // n_split
         sp = item % n_split
         s_lo = k_lo + sp * per_split
         s_hi = min(k_hi, s_lo + per_split)
-        a = acc[hk, sp]
-        m = m_out[hk, sp]
-        l_sum = l_out[hk, sp]
-        a[:] = 0
-        m[:] = neg_inf
-        l_sum[:] = 0
-        kt = np.empty((ATTN_TILE, d), dtype=F32)
-        vt = np.empty((ATTN_TILE, d), dtype=F32)
-        p_tile = np.empty((rows, ATTN_TILE), dtype=F32)
-        for p0 in range(s_lo, s_hi, ATTN_TILE):
-            nt = min(ATTN_TILE, s_hi - p0)
-            for i in range(nt):
-                p = p0 + i
+        keys, values = k[:, hk], v[:, hk]
+        key_scales, value_scales = k_scale[:, min(hk, k_scale.shape[1] - 1)], v_scale[:, min(hk, v_scale.shape[1] - 1)]
+        scores = np.empty(max(1, s_hi - s_lo), dtype=F32)
+        for r in range(rows):
+            g = r // n_tok
+            t = r % n_tok
+            qp = q_pos0 + t
+            lo = s_lo if window <= 0 else max(s_lo, qp - window + 1)
+            hi = min(s_hi, qp + 1)
+            a = acc[hk, sp, r]
+            a[:] = 0
+            m_out[hk, sp, r] = -np.inf
+            l_out[hk, sp, r] = 0
+            if hi <= lo:
+                continue
+            qr = q[t, hk * group + g]
+            n = hi - lo
+            p = lo
+            while p < hi:  # slot runs: one, or two where a ring wraps
                 slot = p % capacity if capacity > 0 else p - base
-                _load_tile(k, k_scale, has_scales, slot, hk, kt[i])
-                _load_tile(v, v_scale, has_scales, slot, hk, vt[i])
-            for r in range(rows):
-                g = r // n_tok
-                t = r % n_tok
-                qp = q_pos0 + t
-                qr = q[t, hk * group + g]
-                pr = p_tile[r]
-                tile_max = neg_inf
-                for i in range(nt):
-                    p = p0 + i
-                    if p > qp or (window > 0 and qp - p >= window):
-                        pr[i] = neg_inf
-                        continue
-                    s = F32(0)
-                    kr = kt[i]
-                    for j in range(d):
-                        s += qr[j] * kr[j]
-                    pr[i] = s
-                    tile_max = max(tile_max, s)
-                if tile_max == neg_inf:
-                    continue  # no key of this tile is visible to this row
-                m_new = max(m[r], tile_max)
-                if m[r] != neg_inf and m_new != m[r]:
-                    corr = np.exp(m[r] - m_new)
-                    l_sum[r] *= corr
-                    ar = a[r]
-                    for j in range(d):
-                        ar[j] *= corr
-                m[r] = m_new
-                ar = a[r]
-                for i in range(nt):
-                    if pr[i] == neg_inf:
-                        continue
-                    e = np.exp(pr[i] - m_new)
-                    l_sum[r] += e
-                    vr = vt[i]
-                    for j in range(d):
-                        ar[j] += e * vr[j]
+                run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
+                _dots(qr, keys, key_scales, has_scales, slot, run, scores[p - lo : p - lo + run])
+                p += run
+            top = scores[0]
+            for i in range(1, n):
+                top = max(top, scores[i])
+            total = F32(0)
+            for i in range(n):
+                e = fast_exp(scores[i] - top)
+                scores[i] = e
+                total += e
+            p = lo
+            while p < hi:
+                slot = p % capacity if capacity > 0 else p - base
+                run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
+                _sums(a, scores[p - lo : p - lo + run], values, value_scales, has_scales, slot, run)
+                p += run
+            m_out[hk, sp, r] = top
+            l_out[hk, sp, r] = total
 
 
 @njit(fastmath=SAFE_FAST, cache=True)

@@ -138,8 +138,14 @@ class NumbaOps(NumpyOps):
         if not isinstance(w_gate_up, PackedWeight):
             return super().gated_mlp(x, w_gate_up, w_down, activation)
         gate_up = self.matmul(x, w_gate_up)  # [T, 2F]: one product
-        act = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=F32)
-        nk.gated_activation(gate_up, activation is Activation.GELU_TANH, act)
+        n_tok, n_ff = gate_up.shape[0], gate_up.shape[1] // 2
+        if n_tok > PACKED_MAX_ROWS:  # numpy's exp and tanh are vectorized, numba's scalar
+            gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]
+            act = self.silu(gate) if activation is Activation.SILU else self.gelu_tanh(gate)
+            act *= up
+        else:
+            act = np.empty((n_tok, n_ff), dtype=F32)
+            nk.gated_activation(gate_up, activation is Activation.GELU_TANH, act)
         return self.matmul(act, w_down)
 
     # ---- products -------------------------------------------------------------------------------
@@ -180,6 +186,17 @@ class NumbaOps(NumpyOps):
             out.append(y[:, col : col + n])
             col += n
         return out
+
+    # ---- K/V store and attention ----------------------------------------------------------------
+    def store_kv(self, k: Any, v: Any, k_pool: Any, v_pool: Any, pos0: int, ring_capacity: int = 0) -> None:
+        """`NumpyOps.store_kv` as slice copies where the slots are one run (every decode step)."""
+        n = k.shape[0]
+        first = pos0 % ring_capacity if ring_capacity else pos0
+        if ring_capacity and first + n > ring_capacity:
+            super().store_kv(k, v, k_pool, v_pool, pos0, ring_capacity)
+            return
+        k_pool[first : first + n] = k
+        v_pool[first : first + n] = v
 
     # ---- attention ------------------------------------------------------------------------------
     def attention(
