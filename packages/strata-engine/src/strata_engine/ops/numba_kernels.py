@@ -11,6 +11,9 @@ its scale and mins float32 or f16 bits (uint16) [N, K / block]; y [M, N] float32
 
 from __future__ import annotations
 
+import os
+
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -18,6 +21,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 F32 = np.float32
+# numba's workqueue threads sleep between parallel regions; OpenMP's spin, and on a shared machine (or
+# beside BLAS's own threads) a spinning thread holds the core another one needs: decode fell from ~37 to
+# ~7 tok/s (bench/CPU-NOTES.md). NUMBA_THREADING_LAYER still chooses when set.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
 # fastmath without nnan / ninf: attention compares scores with -inf.
 SAFE_FAST = {"reassoc", "contract", "arcp", "nsz"}
 
