@@ -190,28 +190,41 @@ def matmul_packed(x, xsum, values, scale, mins, has_min, block, y):
             y[m, n] = acc
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _dequantize_row(row, scale, mins, has_min, o_row):
+    n_blocks = scale.shape[0]
+    block = o_row.shape[0] // n_blocks
+    nibbles = row.shape[0] != o_row.shape[0]
+    half = block // 2
+    for b in range(n_blocks):
+        d = widen(scale[b])
+        mn = widen(mins[b]) if has_min else F32(0)
+        o = b * block
+        if nibbles:
+            for j in range(half):
+                v = row[b * half + j]
+                o_row[o + j] = F32(v & 15) * d + mn
+                o_row[o + half + j] = F32(v >> 4) * d + mn
+        else:
+            for j in range(block):
+                o_row[o + j] = F32(row[o + j]) * d + mn
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def dequantize_packed(values, scale, mins, has_min, out):
     """out [N, K] float32 = q * scale + min (values int8 [N, K], or 4-bit pairs uint8 [N, K / 2])."""
-    n_blocks = scale.shape[1]
-    block = out.shape[1] // n_blocks
-    nibbles = values.shape[1] != out.shape[1]
-    half = block // 2
     for n in prange(values.shape[0]):
-        row = values[n]
-        o_row = out[n]
-        for b in range(n_blocks):
-            d = widen(scale[n, b])
-            mn = widen(mins[n, b]) if has_min else F32(0)
-            o = b * block
-            if nibbles:
-                for j in range(half):
-                    v = row[b * half + j]
-                    o_row[o + j] = F32(v & 15) * d + mn
-                    o_row[o + half + j] = F32(v >> 4) * d + mn
-            else:
-                for j in range(block):
-                    o_row[o + j] = F32(row[o + j]) * d + mn
+        if has_min:
+            _dequantize_row(values[n], scale[n], mins[n], True, out[n])
+        else:
+            _dequantize_row(values[n], scale[n], mins[0], False, out[n])
+
+
+@njit(fastmath=True, cache=True)
+def dequantize_packed_serial(values, scale, mins, has_min, out):
+    """`dequantize_packed` on the calling thread: between BLAS calls, whose threads still spin."""
+    for n in range(values.shape[0]):
+        _dequantize_row(values[n], scale[n], mins[n if has_min else 0], has_min, out[n])
 
 
 # ---- attention over the K/V pool's storage -------------------------------------------------------------

@@ -94,11 +94,12 @@ class NumbaOps(NumpyOps):
             x *= F32(scale)
         return x
 
-    def dequantize(self, w: PackedWeight, out: np.ndarray | None = None) -> np.ndarray:
-        """float32 [N, K] of a packed weight (into `out` when given)."""
+    def dequantize(self, w: PackedWeight, out: np.ndarray | None = None, *, parallel: bool = True) -> np.ndarray:
+        """float32 [N, K] of a packed weight (into `out` when given), on all threads or this one."""
         if out is None:
             out = np.empty(w.shape, dtype=F32)
-        nk.dequantize_packed(w.values, w.scale, _mins(w), w.min is not None, out)
+        kernel = nk.dequantize_packed if parallel else nk.dequantize_packed_serial
+        kernel(w.values, w.scale, _mins(w), w.min is not None, out)
         return out
 
     # ---- the steps between products ---------------------------------------------------------------
@@ -159,14 +160,15 @@ class NumbaOps(NumpyOps):
         return y
 
     def blas_matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
-        """x @ W^T through BLAS, the weight dequantized a chunk of rows at a time (one buffer reused)."""
+        """x @ W^T through BLAS, the weight dequantized a chunk of rows at a time (one buffer reused) on this
+        thread: a numba parallel region between BLAS calls would compete with BLAS's spinning threads."""
         n, k = w.shape
         y = np.empty((x.shape[0], n), dtype=F32)
         step = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
         buf = np.empty((min(step, n), k), dtype=F32)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            chunk = self.dequantize(w.rows(lo, hi), buf[: hi - lo])
+            chunk = self.dequantize(w.rows(lo, hi), buf[: hi - lo], parallel=False)
             np.matmul(x, chunk.T, out=y[:, lo:hi])
         return y
 
