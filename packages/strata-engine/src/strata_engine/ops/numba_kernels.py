@@ -21,11 +21,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 F32 = np.float32
-# numba's workqueue threads sleep between parallel regions; OpenMP's spin, and on a shared machine (or
-# beside BLAS's own threads) a spinning thread holds the core another one needs: decode fell from ~37 to
-# ~7 tok/s (bench/CPU-NOTES.md). NUMBA_THREADING_LAYER still chooses when set.
+# OpenMP (GNU libgomp) before numba's workqueue: a decode step runs ~150 parallel regions, and workqueue's
+# sleeping threads take ~100 us to start each (decode 37 against 118 tok/s); libgomp's spin between regions,
+# bounded by GOMP_SPINCOUNT so that on a busy machine a waiting thread soon yields the core another
+# needs (unbounded spinning fell to 7 tok/s there). bench/CPU-NOTES.md has the figures.
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 # fastmath without nnan / ninf: attention compares scores with -inf.
 SAFE_FAST = {"reassoc", "contract", "arcp", "nsz"}
 
@@ -611,3 +613,40 @@ def gated_activation(gate_up, gelu, out):
             else:
                 a = g / (F32(1) + np.exp(-g))
             out[t, j] = a * gate_up[t, n_ff + j]
+
+
+@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
+def softmax_block(s, m, l_sum, acc, q_pos0, n_tok, k_pos0, window):
+    """One key block of the BLAS attention path, in place: s [Hkv, R, B] holds the scaled scores of rows
+    r (token r % n_tok, at position q_pos0 + r % n_tok) against keys at positions k_pos0 ..; each row's
+    running max m and sum l_sum [Hkv, R] are updated, its accumulator acc [Hkv, R, D] rescaled, and s
+    becomes exp(s - m) (0 for keys the row may not see: later positions, or outside the window)."""
+    n_kv, rows, n_keys = s.shape
+    for item in prange(n_kv * rows):
+        hk = item // rows
+        r = item % rows
+        qp = q_pos0 + r % n_tok
+        sr = s[hk, r]
+        hi = min(n_keys, qp - k_pos0 + 1)  # keys [lo, hi) of the block are visible
+        lo = 0 if window <= 0 else min(max(0, qp - window + 1 - k_pos0), n_keys)
+        top = m[hk, r]
+        for i in range(lo, hi):
+            top = max(top, sr[i])
+        for i in range(lo):
+            sr[i] = 0
+        for i in range(max(hi, lo), n_keys):
+            sr[i] = 0
+        if hi <= lo:
+            continue
+        corr = fast_exp(m[hk, r] - top) if m[hk, r] != -np.inf else F32(0)
+        total = F32(0)
+        for i in range(lo, hi):
+            e = fast_exp(sr[i] - top)
+            sr[i] = e
+            total += e
+        l_sum[hk, r] = l_sum[hk, r] * corr + total
+        m[hk, r] = top
+        if corr != F32(1):
+            a = acc[hk, r]
+            for j in range(a.shape[0]):
+                a[j] *= corr
