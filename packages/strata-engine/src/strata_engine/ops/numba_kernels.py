@@ -175,21 +175,31 @@ def row_dot(typingctx, values, x, scale, block):
     return sig, codegen
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
+    row = values[n]
+    sc = scale[n]
+    for m in range(x.shape[0]):
+        acc = row_dot(row, x[m], sc, 32) if block == 32 else row_dot(row, x[m], sc, 16)
+        if has_min:
+            for b in range(scale.shape[1]):
+                acc += widen(mins[n, b]) * xsum[m, b]
+        y[m, n] = acc
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def matmul_packed(x, xsum, values, scale, mins, has_min, block, y):
     """y = x W^T for a packed weight (`row_dot`), plus min * sum(x) per block where it has mins (xsum
-    [M, K / block])."""
-    n_tok = x.shape[0]
-    n_blocks = scale.shape[1]
+    [M, K / block]); rows over all threads."""
     for n in prange(values.shape[0]):
-        row = values[n]
-        sc = scale[n]
-        for m in range(n_tok):
-            acc = row_dot(row, x[m], sc, 32) if block == 32 else row_dot(row, x[m], sc, 16)
-            if has_min:
-                for b in range(n_blocks):
-                    acc += widen(mins[n, b]) * xsum[m, b]
-            y[m, n] = acc
+        _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+
+
+@njit(fastmath=True, cache=True)
+def matmul_packed_serial(x, xsum, values, scale, mins, has_min, block, y):
+    """`matmul_packed` on the calling thread (a product too small to be worth a parallel region)."""
+    for n in range(values.shape[0]):
+        _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -446,6 +456,59 @@ def _sums(acc, weights, values, scales, has_scales, lo, n):
                 acc[j] += w * widen(values[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
 
 
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _attention_item(
+    item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
+):
+    n_tok, n_head, d = q.shape
+    group = n_head // k.shape[1]
+    k_hi = q_pos0 + n_tok
+    per_split = (k_hi - k_lo + n_split - 1) // n_split
+    hk = item // n_split
+    sp = item % n_split
+    s_lo = k_lo + sp * per_split
+    s_hi = min(k_hi, s_lo + per_split)
+    keys, values = k[:, hk], v[:, hk]
+    key_scales, value_scales = k_scale[:, min(hk, k_scale.shape[1] - 1)], v_scale[:, min(hk, v_scale.shape[1] - 1)]
+    scores = np.empty(max(1, s_hi - s_lo), dtype=F32)
+    for r in range(group * n_tok):
+        g = r // n_tok
+        t = r % n_tok
+        qp = q_pos0 + t
+        lo = s_lo if window <= 0 else max(s_lo, qp - window + 1)
+        hi = min(s_hi, qp + 1)
+        a = acc[hk, sp, r]
+        a[:] = 0
+        m_out[hk, sp, r] = -np.inf
+        l_out[hk, sp, r] = 0
+        if hi <= lo:
+            continue
+        qr = q[t, hk * group + g]
+        n = hi - lo
+        p = lo
+        while p < hi:  # slot runs: one, or two where a ring wraps
+            slot = p % capacity if capacity > 0 else p - base
+            run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
+            _dots(qr, keys, key_scales, has_scales, slot, run, scores[p - lo : p - lo + run])
+            p += run
+        top = scores[0]
+        for i in range(1, n):
+            top = max(top, scores[i])
+        total = F32(0)
+        for i in range(n):
+            e = fast_exp(scores[i] - top)
+            scores[i] = e
+            total += e
+        p = lo
+        while p < hi:
+            slot = p % capacity if capacity > 0 else p - base
+            run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
+            _sums(a, scores[p - lo : p - lo + run], values, value_scales, has_scales, slot, run)
+            p += run
+        m_out[hk, sp, r] = top
+        l_out[hk, sp, r] = total
+
+
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
 def attention_partials(
     q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
@@ -456,57 +519,24 @@ def attention_partials(
     p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). Work
     item (kv head, split) covers one of n_split equal key ranges and leaves, per row r = g * T + t
     (query head kv_head * G + g, token t), the max m_out of its scores, the sum l_out of exp(s - m)
-    and acc = sum exp(s - m) v, merged by `attention_merge`."""
-    n_tok, n_head, d = q.shape
-    n_kv = k.shape[1]
-    group = n_head // n_kv
-    rows = group * n_tok
-    k_hi = q_pos0 + n_tok
-    per_split = (k_hi - k_lo + n_split - 1) // n_split
-    for item in prange(n_kv * n_split):
-        hk = item // n_split
-        sp = item % n_split
-        s_lo = k_lo + sp * per_split
-        s_hi = min(k_hi, s_lo + per_split)
-        keys, values = k[:, hk], v[:, hk]
-        key_scales, value_scales = k_scale[:, min(hk, k_scale.shape[1] - 1)], v_scale[:, min(hk, v_scale.shape[1] - 1)]
-        scores = np.empty(max(1, s_hi - s_lo), dtype=F32)
-        for r in range(rows):
-            g = r // n_tok
-            t = r % n_tok
-            qp = q_pos0 + t
-            lo = s_lo if window <= 0 else max(s_lo, qp - window + 1)
-            hi = min(s_hi, qp + 1)
-            a = acc[hk, sp, r]
-            a[:] = 0
-            m_out[hk, sp, r] = -np.inf
-            l_out[hk, sp, r] = 0
-            if hi <= lo:
-                continue
-            qr = q[t, hk * group + g]
-            n = hi - lo
-            p = lo
-            while p < hi:  # slot runs: one, or two where a ring wraps
-                slot = p % capacity if capacity > 0 else p - base
-                run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
-                _dots(qr, keys, key_scales, has_scales, slot, run, scores[p - lo : p - lo + run])
-                p += run
-            top = scores[0]
-            for i in range(1, n):
-                top = max(top, scores[i])
-            total = F32(0)
-            for i in range(n):
-                e = fast_exp(scores[i] - top)
-                scores[i] = e
-                total += e
-            p = lo
-            while p < hi:
-                slot = p % capacity if capacity > 0 else p - base
-                run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
-                _sums(a, scores[p - lo : p - lo + run], values, value_scales, has_scales, slot, run)
-                p += run
-            m_out[hk, sp, r] = top
-            l_out[hk, sp, r] = total
+    and acc = sum exp(s - m) v, merged by `attention_merge`. Work items over all threads."""
+    for item in prange(k.shape[1] * n_split):
+        _attention_item(
+            item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc,
+            m_out, l_out,
+        )  # fmt: skip
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def attention_partials_serial(
+    q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
+):
+    """`attention_partials` on the calling thread (too few keys to be worth a parallel region)."""
+    for item in range(k.shape[1] * n_split):
+        _attention_item(
+            item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc,
+            m_out, l_out,
+        )  # fmt: skip
 
 
 @njit(fastmath=SAFE_FAST, cache=True)

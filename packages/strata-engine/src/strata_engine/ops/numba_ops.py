@@ -26,6 +26,11 @@ F32 = np.float32
 PACKED_MAX_ROWS = 16
 # Weight rows dequantized per BLAS call: a float32 chunk of about 2 MiB stays in cache for the product.
 DEQUANT_CHUNK_BYTES = 2 << 20
+# Work from which a kernel runs over all threads (below, on the calling thread): each parallel region is a
+# fork and a join, and on a busy machine the join waits for a descheduled thread (bench/CPU-NOTES.md).
+# Products: weight bytes times token rows; attention: keys times query heads times query tokens.
+PARALLEL_MIN_BYTES = 1 << 20
+PARALLEL_MIN_SCORES = 8192
 # Query tokens up to which attention runs in the tiled kernel; above, key blocks through BLAS.
 ATTN_KERNEL_MAX_TOKENS = 16
 # Keys per block of the BLAS path (scores [Hkv, G*T, block] float32 stay a few MiB).
@@ -156,7 +161,9 @@ class NumbaOps(NumpyOps):
         y = np.empty((m, w.shape[0]), dtype=F32)
         has_min = w.min is not None
         xsum = x.reshape(m, k // w.block, w.block).sum(axis=-1) if has_min else _DUMMY_2D
-        nk.matmul_packed(x, xsum, w.values, w.scale, _mins(w), has_min, w.block, y)
+        parallel = self.threads > 1 and m * w.nbytes >= PARALLEL_MIN_BYTES
+        kernel = nk.matmul_packed if parallel else nk.matmul_packed_serial
+        kernel(x, xsum, w.values, w.scale, _mins(w), has_min, w.block, y)
         return y
 
     def blas_matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
@@ -265,13 +272,15 @@ class NumbaOps(NumpyOps):
         n_kv = k.shape[1]
         rows = (n_head // n_kv) * n_tok
         span = max(1, k_hi - k_lo)
-        n_split = max(1, min(-(-2 * self.threads // n_kv), span // ATTN_MIN_SPLIT))
+        parallel = self.threads > 1 and span * n_head * n_tok >= PARALLEL_MIN_SCORES
+        n_split = max(1, min(-(-2 * self.threads // n_kv), span // ATTN_MIN_SPLIT)) if parallel else 1
         acc = np.empty((n_kv, n_split, rows, d), dtype=F32)
         m = np.empty((n_kv, n_split, rows), dtype=F32)
         l_sum = np.empty((n_kv, n_split, rows), dtype=F32)
         qs = np.ascontiguousarray(q, dtype=F32) * F32(scale)
         has_scales = k_scale is not None
-        nk.attention_partials(
+        kernel = nk.attention_partials if parallel else nk.attention_partials_serial
+        kernel(
             qs, storage_view(k), storage_view(v), k_scale if has_scales else _DUMMY_3D,
             v_scale if has_scales else _DUMMY_3D, has_scales, q_pos0, k_lo, base, capacity, window, n_split,
             acc, m, l_sum,
