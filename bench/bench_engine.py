@@ -1,22 +1,23 @@
-"""strata-engine throughput on the CPU: prefill and decode tokens/s for both real models at 512 and
-4,096 prompt tokens, and the process RSS, printed beside llama.cpp's figures on this kind of machine.
+"""strata-engine throughput on the CPU, measured as llama-bench measures it, beside llama.cpp's figures on
+this machine (tests/reference/peer-engine-cpu.json: llama-bench b11549, 2 threads, f16 K/V) with ratios:
 
-Run it with the OpenBLAS variables these machines set removed (they slow a current numpy):
+    prefill  512 tokens at 0 and at 4,096 tokens held (llama-bench -p 512 -d 0,4096)
+    decode    32 tokens at 0 and at 4,096 tokens held (llama-bench -n 32 -d 0,4096)
+
+for both models, and the process RSS against the limit (model file + K/V pool + 300 MiB). Run it on a
+quiet machine with the OpenBLAS variables these machines set removed (they slow a current numpy); it
+waits until the 1-minute load average is below --max-load:
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_engine.py
-
-llama.cpp (llama-server b11549, CPU, 2 cores, f16 K/V; from tests/reference/peer-slots-*.json):
-SmolLM2-135M prefill 205 tok/s at 7,900 tokens, decode 45 tok/s; gemma3-270m prefill 635 tok/s at
-16,000 tokens, decode 59 tok/s. Those prompts are longer than ours, which favours llama.cpp's prefill
-figure less than ours (attention grows with the prompt), so the ratios are indicative, not exact.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
-import resource
+import sys
 import time
 from pathlib import Path
 
@@ -25,10 +26,10 @@ import psutil
 from strata_engine.runner import ModelRunner
 from strata_engine.settings import EngineSettings
 
-LLAMA_CPP = {  # (prefill tok/s, at prompt tokens, decode tok/s)
-    "smollm2": (205.0, 7900, 45.0),
-    "gemma3": (635.0, 16000, 59.0),
-}
+REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "reference" / "peer-engine-cpu.json"
+PEER_FILES = {"smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf", "gemma3": "gemma-3-270m-q4_k_m.gguf"}
+DEPTH, PROMPT, GEN = 4096, 512, 32
+RSS_SLACK = 300 * 2**20
 
 
 def model_path(name: str) -> Path:
@@ -40,81 +41,102 @@ def model_path(name: str) -> Path:
     return Path(assemble())
 
 
-def rss_mib() -> float:
-    return psutil.Process().memory_info().rss / 2**20
+def peer_figures(name: str) -> dict[tuple[str, int], float]:
+    """(kind, depth) -> llama.cpp's tok/s for the model: kind "prefill" (n_prompt 512) or "decode" (n_gen 32)."""
+    rows = json.loads(REFERENCE.read_text())["llama_bench"]
+    out = {}
+    for r in rows:
+        if r["model"] == PEER_FILES[name]:
+            out["prefill" if r["n_prompt"] else "decode", r["n_depth"]] = r["tok_per_s"]
+    return out
 
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def wait_for_quiet(max_load: float, patience_s: float) -> float:
+    """Wait (up to patience_s) until the 1-minute load average is below max_load; returns it."""
+    t0 = time.monotonic()
+    while (load := os.getloadavg()[0]) >= max_load and time.monotonic() - t0 < patience_s:
+        print(f"  load average {load:.2f} >= {max_load}: waiting", file=sys.stderr, flush=True)
+        time.sleep(30)
+    return load
 
 
-def bench_model(name: str, sizes: list[int], n_decode: int, kv_type: str) -> list[dict]:
+def tokens(seed: int, n: int, bos: int) -> list[int]:
+    return [bos] + [int(t) for t in np.random.default_rng(seed).integers(100, 20000, n - 1)]
+
+
+def decode_rate(runner: ModelRunner, first: int) -> float:
+    token, t = first, time.perf_counter()
+    for _ in range(GEN):
+        token = int(np.argmax(runner.decode(token)))
+    return GEN / (time.perf_counter() - t)
+
+
+def bench_model(name: str, kernels: str, threads: int | None, kv_type: str) -> dict[tuple[str, int], float]:
+    path = model_path(name)
     t0 = time.perf_counter()
     runner = ModelRunner.load(
-        EngineSettings(model_path=model_path(name), kv_type=kv_type, n_ctx=max(sizes) + n_decode + 8)
+        EngineSettings(
+            model_path=path, kv_type=kv_type, n_ctx=DEPTH + PROMPT + GEN + 8, cpu_kernels=kernels, threads=threads
+        )
     )
-    load_s = time.perf_counter() - t0
-    print(f"{name}: loaded in {load_s:.1f} s, RSS {rss_mib():.0f} MiB", flush=True)
-    bos = runner.gguf.metadata.get("tokenizer.ggml.bos_token_id", 1)
-    rows = []
-    for n in sizes:
-        prompt = [bos] + [int(t) for t in np.random.default_rng(n).integers(100, 20000, n - 1)]
-        runner.erase()
-        t = time.perf_counter()
-        res = runner.prefill(prompt)
-        prefill_s = time.perf_counter() - t
-        token = int(np.argmax(res.logits))
-        t = time.perf_counter()
-        for _ in range(n_decode):
-            token = int(np.argmax(runner.decode(token)))
-        decode_s = time.perf_counter() - t
-        rows.append(
-            dict(
-                model=name,
-                n=n,
-                prefill=n / prefill_s,
-                decode=n_decode / decode_s,
-                rss=rss_mib(),
-                peak=peak_rss_mib(),
-            )
-        )
-        r = rows[-1]
-        print(
-            f"  {n:>5} tokens: prefill {r['prefill']:7.1f} tok/s, decode {r['decode']:6.1f} tok/s, RSS {r['rss']:.0f} MiB",
-            flush=True,
-        )
+    s = runner.settings
+    print(
+        f"{name} ({kernels}, {s.threads} threads): loaded in {time.perf_counter() - t0:.1f} s "
+        f"(kernel warm-up {runner.kernel_warm_s:.1f} s)",
+        flush=True,
+    )
+    bos = int(runner.gguf.metadata.get("tokenizer.ggml.bos_token_id", 1))
+    held, more = tokens(1, DEPTH, bos), tokens(2, PROMPT + 1, bos)[1:]
+    out: dict[tuple[str, int], float] = {}
+    runner.prefill(held)  # 4,096 held
+    out["decode", DEPTH] = decode_rate(runner, more[0] + 1)  # not the prompt's next token: it is dropped
+    t = time.perf_counter()
+    res = runner.prefill(held + more)  # back to the 4,096 held, then 512 more
+    assert (res.cache_n, res.prompt_n) == (DEPTH, PROMPT), (res.cache_n, res.prompt_n)
+    out["prefill", DEPTH] = PROMPT / (time.perf_counter() - t)
     runner.erase()
-    return rows
+    t = time.perf_counter()
+    runner.prefill(tokens(3, PROMPT, bos))
+    out["prefill", 0] = PROMPT / (time.perf_counter() - t)
+    runner.erase()
+    runner.prefill([bos])
+    out["decode", 0] = decode_rate(runner, more[0])
+    rss = psutil.Process().memory_info().rss
+    limit = path.stat().st_size + runner.pool.nbytes + RSS_SLACK
+    print(f"  RSS {rss / 2**20:.0f} MiB, limit {limit / 2**20:.0f} MiB (file + K/V pool + 300 MiB)", flush=True)
+    out["rss", 0], out["rss_limit", 0] = rss / 2**20, limit / 2**20
+    runner.erase()
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3"], choices=sorted(LLAMA_CPP))
-    ap.add_argument("--sizes", nargs="+", type=int, default=[512, 4096])
-    ap.add_argument("--decode", type=int, default=32, help="tokens decoded after each prefill")
+    ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3"], choices=sorted(PEER_FILES))
+    ap.add_argument("--cpu-kernels", nargs="+", default=["numba"], choices=["numba", "numpy"])
+    ap.add_argument("-t", "--threads", type=int, default=None, help="default: the cores this process may use")
     ap.add_argument("--kv-type", default="f16", choices=["f32", "f16", "int8"])
+    ap.add_argument("--max-load", type=float, default=1.5, help="wait until the load average is below this")
+    ap.add_argument("--patience", type=float, default=1800, help="seconds to wait for that at most")
     args = ap.parse_args()
-    blas_env = {
-        k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS")
-    }
-    print(
-        f"cpu cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}, BLAS env {blas_env}, K/V {args.kv_type}"
-    )
-    rows = []
+    load = wait_for_quiet(args.max_load, args.patience)
+    blas_env = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS")}
+    print(f"cpu cores: {os.cpu_count()}, load average {load:.2f}, BLAS env {blas_env}, K/V {args.kv_type}", flush=True)
+    results = []
     for name in args.models:
-        rows += bench_model(name, args.sizes, args.decode, args.kv_type)
-    print()
-    print(
-        f"{'model':8} {'prompt':>6} {'prefill tok/s':>14} {'llama.cpp':>10} {'ratio':>6} "
-        f"{'decode tok/s':>13} {'llama.cpp':>10} {'ratio':>6} {'RSS MiB':>8}"
-    )
-    for r in rows:
-        lp, at, ld = LLAMA_CPP[r["model"]]
-        print(
-            f"{r['model']:8} {r['n']:>6} {r['prefill']:>14.1f} {lp:>7.0f}@{at // 1000}K {r['prefill'] / lp:>6.2f} "
-            f"{r['decode']:>13.1f} {ld:>10.0f} {r['decode'] / ld:>6.2f} {r['rss']:>8.0f}"
-        )
-    print(f"peak RSS {peak_rss_mib():.0f} MiB (both models loaded one after the other in this process)")
+        for kernels in args.cpu_kernels:
+            results.append((name, kernels, bench_model(name, kernels, args.threads, args.kv_type)))
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+    print(f"{'model':8} {'kernels':7} {'test':16} {'tok/s':>8} {'llama.cpp':>10} {'ratio':>6}")
+    for name, kernels, figures in results:
+        peer = peer_figures(name)
+        for kind in ("prefill", "decode"):
+            for depth in (0, DEPTH):
+                n = PROMPT if kind == "prefill" else GEN
+                ours, theirs = figures[kind, depth], peer[kind, depth]
+                test = f"{kind} {n} @ {depth}"
+                print(f"{name:8} {kernels:7} {test:16} {ours:>8.1f} {theirs:>10.1f} {ours / theirs:>6.2f}")
+        rss, limit = figures["rss", 0], figures["rss_limit", 0]
+        print(f"{name:8} {kernels:7} {'RSS MiB':16} {rss:>8.0f} {'limit':>10} {limit:>6.0f}")
 
 
 if __name__ == "__main__":

@@ -85,13 +85,14 @@ def test_gpu_flags_reach_the_settings():
 
 
 def test_threads_flag_limits_the_blas_pool():
-    from strata_engine.cli import _limit_threads, _settings, build_parser
+    from strata_engine.cli import _settings, build_parser
+    from strata_engine.ops.threads import set_threads
     from threadpoolctl import threadpool_info, threadpool_limits
 
     assert _settings(build_parser().parse_args(["serve", "--model", "m.gguf", "-t", "1"])).threads == 1
     assert _settings(build_parser().parse_args(["serve", "--model", "m.gguf"])).threads is None
     with threadpool_limits(limits=None):  # puts the pools back as they were afterwards
-        _limit_threads(1)
+        set_threads(1)
         blas = [pool for pool in threadpool_info() if pool["user_api"] == "blas"]
         assert blas and all(pool["num_threads"] == 1 for pool in blas)
 

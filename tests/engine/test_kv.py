@@ -9,6 +9,7 @@ from strata_engine.errors import KVStateError
 from strata_engine.gguf import read_gguf
 from strata_engine.kv import (
     KV_STORAGE,
+    InPlacePlacement,
     KVGeometry,
     KVParts,
     KVPool,
@@ -168,6 +169,43 @@ def test_resident_ring_reads_equal_pool_reads_and_refill(n_resident):
     placement.refill()
     placement.gather_into(0, 0, 30, got, np.empty_like(got))
     np.testing.assert_array_equal(got, fresh.astype(np.float32))
+
+
+# (chunk sizes) appended one after the other: a prefill past the kernel's 16 queries, decode steps that
+# wrap the 16-slot ring several times, a short prompt, and a chunk too long for the ring to attend in place.
+IN_PLACE_CHUNKS = (20, 1, 1, 5, 1, 3, 1, 1, 12, 1)
+
+
+@pytest.mark.parametrize("kv_type", list(KVType))
+def test_in_place_attention_equals_the_gathered_context(kv_type):
+    """The numba ops attend over the pool's own storage (InPlacePlacement: a full layer's slots, a ring
+    by position % capacity); the numpy ops over a decoded float32 copy (PoolPlacement). Same stored
+    bytes, the same attention within the kernels' bound (tests/engine/test_ops.py)."""
+    numba_ops = get_ops("numpy", "f32", "numba")
+    oracle_ops = get_ops()
+    fast, slow = KVPool(_geometry(kv_type), numba_ops), KVPool(_geometry(kv_type), oracle_ops)
+    fast_place, slow_place = InPlacePlacement(fast), PoolPlacement(slow)
+    rng = np.random.default_rng(13)
+    pos0 = 0
+    for n in IN_PLACE_CHUNKS:
+        k = rng.standard_normal((n, HKV, D)).astype(np.float32)
+        v = rng.standard_normal((n, HKV, D)).astype(np.float32)
+        q = rng.standard_normal((n, 2 * HKV, D)).astype(np.float32)
+        for pool in (fast, slow):
+            pool.begin_append(pos0, n)
+        for layer, window in ((0, None), (1, WINDOW)):
+            args = dict(q_pos0=pos0, window=window, scale=0.2)
+            got = fast_place.attend(layer, pos0, q, k, v, **args)
+            want = slow_place.attend(layer, pos0, q, k, v, **args)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(v).max(), err_msg=f"{pos0} {layer}")
+        for pool in (fast, slow):
+            pool.commit_append(n)
+        pos0 += n
+        for layer in range(2):
+            lo, hi = slow.held_range(layer)
+            for a, b in zip(fast.read(layer, lo, hi).arrays(), slow.read(layer, lo, hi).arrays(), strict=True):
+                np.testing.assert_array_equal(a, b)
+    assert pos0 > 2 * CAP
 
 
 def test_set_extent_validation():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import gguf
 import numpy as np
@@ -18,6 +19,11 @@ from strata_engine.errors import (
 from strata_engine.gguf import read_gguf
 from strata_engine.runner import ModelRunner
 from strata_engine.settings import EngineSettings
+
+# |logit difference| between the numba and numpy CPU kernels per K/V type: f32 sums in another order
+# (measured up to 7e-5); with f16 K/V, values near a rounding boundary round to neighbouring f16s
+# (measured up to 8e-3).
+KERNEL_LOGIT_BOUND = {"f32": 1e-3, "f16": 2.5e-2}
 
 
 def test_smollm2_config(smollm2_path):
@@ -118,15 +124,20 @@ def test_tensor_of_the_wrong_shape_is_not_called_missing(tmp_path):
 
 def test_settings_problems_are_collected():
     with pytest.raises(SettingsError) as exc:
-        EngineSettings(model_path="x", kv_type="q4", prefill_chunk=0, n_ctx=-1).validate()
-    assert len(exc.value.problems) == 3
+        EngineSettings(model_path="x", kv_type="q4", prefill_chunk=0, n_ctx=-1, cpu_kernels="c", threads=0).validate()
+    assert len(exc.value.problems) == 5
+    with pytest.raises(SettingsError, match="cpu_kernels 'numba' computes in f32"):
+        EngineSettings(model_path="x", cpu_kernels="numba", compute_dtype="f64").validate()
 
 
 def test_backend_defaults_fill_only_what_was_not_given():
     numpy_defaults = EngineSettings(model_path="x").with_backend_defaults("gemma3")
-    assert (numpy_defaults.compute_dtype, numpy_defaults.prefill_chunk) == ("f32", 512)
-    given = EngineSettings(model_path="x", compute_dtype="f64", prefill_chunk=7).with_backend_defaults("llama")
-    assert (given.compute_dtype, given.prefill_chunk) == ("f64", 7)
+    assert (numpy_defaults.compute_dtype, numpy_defaults.prefill_chunk, numpy_defaults.cpu_kernels) == (
+        "f32", 512, "numba",
+    )  # fmt: skip
+    assert numpy_defaults.threads == len(os.sched_getaffinity(0))
+    given = EngineSettings(model_path="x", compute_dtype="f64", prefill_chunk=7, threads=1).with_backend_defaults("llama")
+    assert (given.compute_dtype, given.prefill_chunk, given.cpu_kernels, given.threads) == ("f64", 7, "numpy", 1)
     # what a cupy runner fills in (resolving "cupy" needs no device): f16 where the activations fit it
     gpu = {arch: EngineSettings(model_path="x", backend="cupy").with_backend_defaults(arch) for arch in ("llama", "gemma3")}
     assert {arch: (s.compute_dtype, s.prefill_chunk) for arch, s in gpu.items()} == \
@@ -149,3 +160,37 @@ def test_a_loaded_runner_names_what_runs_and_has_no_graph_on_numpy(smollm2_path)
         "numpy", "f32", 512,
     )  # fmt: skip
     assert runner.decode_graph is None  # CUDA graphs are a cupy-backend affair
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_numba_kernels_agree_with_the_numpy_oracle(request, name):
+    """The same prompt through both CPU kernels (packed weights and compiled kernels against float32
+    weights and BLAS), f32 and f16 K/V: a 40-token prefill (BLAS products, key blocks), a 5-token turn
+    (packed products, the attention kernel) and 8 decode steps give the same greedy tokens and logits
+    within KERNEL_LOGIT_BOUND. Their session identity is the same: a file saved with one restores with
+    the other."""
+    from strata_engine.session.identity import runner_identity
+
+    path = request.getfixturevalue(f"{name}_path")
+    loaded = [ModelRunner.load(EngineSettings(model_path=path, n_ctx=128, cpu_kernels=k)) for k in ("numba", "numpy")]
+    assert [r.settings.cpu_kernels for r in loaded] == ["numba", "numpy"]
+    assert runner_identity(loaded[0]) == runner_identity(loaded[1])
+    for kv_type, bound in KERNEL_LOGIT_BOUND.items():
+        _agree([r.sibling(kv_type=kv_type) for r in loaded], bound)
+
+
+def _agree(runners: list[ModelRunner], bound: float) -> None:
+    rng = np.random.default_rng(14)
+    prompt = [2] + rng.integers(100, 5000, 39).tolist()
+    runs = []
+    for runner in runners:
+        logits = [runner.prefill(prompt).logits, runner.prefill(prompt + [301, 302, 303, 304, 305]).logits]
+        tokens = []
+        for _ in range(8):
+            tokens.append(int(np.argmax(logits[-1])))
+            logits.append(runner.decode(tokens[-1]))
+        runs.append((tokens, logits))
+    (fast_tokens, fast), (slow_tokens, slow) = runs
+    assert fast_tokens == slow_tokens
+    for step, (a, b) in enumerate(zip(fast, slow, strict=True)):
+        assert np.abs(a - b).max() <= bound, f"step {step}: {np.abs(a - b).max():.2e}"

@@ -181,3 +181,226 @@ def test_int8_round_trip_error_is_bounded_by_half_a_step(group):
     step = np.repeat(scale, x.shape[-1] // scale.shape[-1], axis=-1)
     assert np.all(np.abs(y - x) <= step / 2 + 1e-6)
     assert np.all(y[0, 0] == 0)
+
+
+# ---- the numba kernels (--cpu-kernels numba) against the numpy oracle ------------------------------------
+# Products: |y - y_oracle| <= PRODUCT_RTOL * (|x| @ |W|^T) per output, an f32 sum reassociated (measured:
+# under 1e-6 on both models' weights). Attention: |out - oracle| <= ATTENTION_RTOL * max|v|.
+PRODUCT_RTOL = 1e-5
+ATTENTION_RTOL = 1e-5
+STEP_RTOL = 1e-5
+# The f16 fields (byte offsets) of each packed ggml type's block, set to finite values in random blocks.
+F16_FIELDS = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def numba_ops():
+    return get_ops("numpy", "f32", "numba")
+
+
+@pytest.fixture(scope="module")
+def model_files(smollm2_path, gemma3_path):
+    from strata_engine.gguf import read_gguf
+
+    return {"smollm2": read_gguf(smollm2_path), "gemma3": read_gguf(gemma3_path)}
+
+
+def _random_packed(qtype, n, k, rng):
+    """A random [n, k] tensor of ggml type `qtype` (finite f16 scales): (packed, gguf's float32)."""
+    import gguf
+    from strata_engine.gguf.dequant import dequantize_raw
+    from strata_engine.gguf.reader import TensorInfo
+    from strata_engine.ops.packed import pack_tensor
+
+    block_values, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n * k // block_values, type_size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype.name]:
+        raw[:, off : off + 2] = rng.uniform(-2, 2, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    info = TensorInfo(name="w", shape=(n, k), ggml_type=qtype, offset=0, n_bytes=raw.nbytes)
+    return pack_tensor(raw.reshape(-1), qtype, (n, k), "w"), dequantize_raw(raw.reshape(-1), info)
+
+
+def test_every_packed_type_is_exact_and_the_kernels_read_it(numba_ops):
+    """Random blocks of every type the kernels take, packed (4-bit pairs or int8; f16 or float32 scales),
+    give gguf's dequantization bit for bit, and the kernels' products and dequantization agree with it;
+    so do rows of different types stacked into one weight."""
+    from strata_engine.ops.packed import PACKERS, stack_rows
+
+    assert {t.name for t in PACKERS} == set(F16_FIELDS)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    parts = []
+    for qtype, (_, block, four_bit) in PACKERS.items():
+        packed, dense = _random_packed(qtype, 6, 512, rng)
+        assert (packed.four_bit, packed.block, packed.values.dtype) == (four_bit, block, np.uint8 if four_bit else np.int8)
+        np.testing.assert_array_equal(packed.dequantize(), dense, err_msg=qtype.name)
+        np.testing.assert_array_equal(numba_ops.dequantize(packed), dense, err_msg=qtype.name)
+        bound = PRODUCT_RTOL * (np.abs(x) @ np.abs(dense).T)
+        assert np.all(np.abs(numba_ops.matmul(x, packed) - x @ dense.T) <= bound), qtype.name
+        parts.append((packed, dense))
+    stacked = stack_rows([p for p, _ in parts])
+    dense = np.concatenate([d for _, d in parts])
+    np.testing.assert_array_equal(stacked.dequantize(), dense)
+    assert np.all(np.abs(numba_ops.matmul(x, stacked) - x @ dense.T) <= PRODUCT_RTOL * (np.abs(x) @ np.abs(dense).T))
+
+
+def _real_weights(gguf_file, head_rows: int):
+    """Both models' real weight shapes: layer 0's stacked QKV and gate/up, its down and output
+    projections (packed as the loader packs them), and `head_rows` rows of the output head."""
+    from strata_engine.gguf import dequantize_tensor
+    from strata_engine.ops.packed import pack_tensor, stack_rows
+
+    def packed(name):
+        info = gguf_file.tensors[name]
+        return pack_tensor(gguf_file.tensor_bytes(name), info.ggml_type, info.shape, name)
+
+    def dense(*names):
+        return np.concatenate([dequantize_tensor(gguf_file, n) for n in names])
+
+    groups = [
+        ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"),
+        ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"),
+        ("blk.0.ffn_down.weight",),
+        ("blk.0.attn_output.weight",),
+    ]
+    out = [(stack_rows([packed(n) for n in names]), dense(*names)) for names in groups]
+    head = packed("token_embd.weight").rows(0, head_rows)
+    out.append((head, dequantize_tensor(gguf_file, "token_embd.weight", rows=np.arange(head_rows))))
+    return out
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("n_tok", [1, 3, 16, 17, 100])
+def test_packed_products_match_the_oracle_on_real_weights(numba_ops, model_files, name, n_tok):
+    """The packed kernel (up to 16 rows) and the dequantize-then-BLAS path (above) against numpy's
+    product with the weights dequantized, for both models' weight shapes (the head's first 8,192 rows)."""
+    rng = np.random.default_rng(10)
+    for packed, dense in _real_weights(model_files[name], 8192):
+        x = rng.standard_normal((n_tok, dense.shape[1])).astype(np.float32)
+        got = numba_ops.matmul(x, packed)
+        want = x.astype(np.float64) @ dense.T.astype(np.float64)
+        bound = PRODUCT_RTOL * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert np.all(np.abs(got - want) <= bound), f"{name} {dense.shape}: {np.max(np.abs(got - want) / bound):.2f}"
+
+
+def test_packed_kernels_keep_one_signature(numba_ops):
+    """A product kernel compiles once per weight layout: calls with and without mins, with one row or
+    many, pass the same types (another signature would compile in a request)."""
+    from strata_engine.ops import numba_kernels as nk
+    from strata_engine.ops.packed import PackedWeight
+
+    rng = np.random.default_rng(11)
+    before = len(nk.matmul_packed.signatures), len(nk.dequantize_packed.signatures)
+    for mins in (None, np.ones((5, 2), np.float32)):
+        w = PackedWeight(rng.integers(-9, 9, (5, 64), dtype=np.int8), np.ones((5, 2), np.float32), mins, 32)
+        for n_tok in (1, 2, 20):
+            numba_ops.matmul(rng.standard_normal((n_tok, 64)), w)
+    after = len(nk.matmul_packed.signatures), len(nk.dequantize_packed.signatures)
+    assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1
+
+
+# (query tokens, held positions, K/V heads, query heads, head dim, window): both models' head layouts,
+# decode and short prompts (the tiled kernel, key splits), a prefill chunk (key blocks through BLAS).
+ATTENTION_CASES = [
+    (1, 1, 3, 9, 64, None),
+    (1, 700, 3, 9, 64, None),
+    (5, 300, 3, 9, 64, None),
+    (40, 1200, 3, 9, 64, None),
+    (1, 900, 1, 4, 256, 512),
+    (16, 1000, 1, 4, 256, 512),
+    (33, 600, 1, 4, 256, 512),
+]
+
+
+def _stored(ops, x, kv_type):
+    """x [S, Hkv, D] as the pool stores it and as the oracle sees it: (stored, scales, decoded f32)."""
+    if kv_type == "int8":
+        q, s = ops.quantize_int8(x, 32)
+        return q, s, ops.dequantize_int8(q, s)
+    dtype = np.float16 if kv_type == "f16" else np.float32
+    stored = x.astype(dtype)
+    return stored, None, stored.astype(np.float32)
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "int8"])
+@pytest.mark.parametrize(("n_tok", "held", "n_kv", "n_head", "d", "window"), ATTENTION_CASES)
+def test_attention_over_stored_kv_matches_the_oracle(numba_ops, kv_type, n_tok, held, n_kv, n_head, d, window):
+    """Attention reading K/V as stored (f32, f16, int8 with scales), a full layer's slice and the same
+    keys in a ring that wraps, against NumpyOps.attention over the decoded float32 context."""
+    oracle = get_ops("numpy", "f32")
+    rng = np.random.default_rng(12)
+    s = held + n_tok
+    q_pos0 = held
+    lo = 0 if window is None else max(0, q_pos0 - window + 1)
+    q = rng.standard_normal((n_tok, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((s, n_kv, d)).astype(np.float32) * 2
+    v = rng.standard_normal((s, n_kv, d)).astype(np.float32)
+    (ks, kscale, kf), (vs, vscale, vf) = _stored(oracle, k, kv_type), _stored(oracle, v, kv_type)
+    want = oracle.attention(q, kf[lo:], vf[lo:], q_pos0=q_pos0, k_pos0=lo, window=window, scale=0.125)
+    atol = ATTENTION_RTOL * float(np.abs(vf).max())
+
+    def cut(a):
+        return None if a is None else a[lo:]
+
+    got = numba_ops.attention(
+        q, ks[lo:], vs[lo:], q_pos0=q_pos0, k_pos0=lo, window=window, scale=0.125, k_scale=cut(kscale),
+        v_scale=cut(vscale),
+    )  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+    cap = s - lo + 7  # a ring holding every visible key, wrapping at a position that is no tile boundary
+    slots = np.arange(lo, s) % cap
+
+    def ring(a):
+        if a is None:
+            return None
+        out = np.zeros((cap, *a.shape[1:]), dtype=a.dtype)
+        out[slots] = a[lo:]
+        return out
+
+    got_ring = numba_ops.attention(
+        q, ring(ks), ring(vs), q_pos0=q_pos0, k_pos0=lo, window=window, scale=0.125, ring_capacity=cap,
+        k_scale=ring(kscale), v_scale=ring(vscale),
+    )  # fmt: skip
+    np.testing.assert_allclose(got_ring, want, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("style", list(RopeStyle))
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("activation", list(Activation))
+def test_fused_steps_match_the_oracle(numba_ops, style, norm, activation):
+    """The numba ops' one-call steps (norms, the residual add, per-head norm + RoPE from the projection's
+    column views, the gated activation) against NumpyOps, within STEP_RTOL."""
+    from strata_engine.ops.packed import QK, PackedWeight
+
+    oracle = get_ops("numpy", "f32")
+    rng = np.random.default_rng(15)
+    n_tok, n_head, n_kv, d, e = 3, 4, 2, 16, 64
+    x, y = rng.standard_normal((2, n_tok, e)).astype(np.float32)
+    w_post, w_next = rng.standard_normal((2, e)).astype(np.float32)
+    np.testing.assert_allclose(numba_ops.rms_norm(x, w_next, 1e-6), oracle.rms_norm(x, w_next, 1e-6), rtol=STEP_RTOL, atol=STEP_RTOL)
+    for got, want in zip(
+        numba_ops.add_rms_norm(x, y, w_post if norm else None, w_next, 1e-6),
+        oracle.add_rms_norm(x, y, w_post if norm else None, w_next, 1e-6),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, want, rtol=STEP_RTOL, atol=STEP_RTOL)
+    qkv = rng.standard_normal((n_tok, (n_head + 2 * n_kv) * d)).astype(np.float32)
+    q, k = qkv[:, : n_head * d], qkv[:, n_head * d : (n_head + n_kv) * d]  # column views, as `project` gives
+    qn, kn = rng.standard_normal((2, d)).astype(np.float32) if norm else (None, None)
+    cos, sin = oracle.rope_tables(7, n_tok, 10000.0, d)
+    for got, want in zip(
+        numba_ops.qk_norm_rope(q, k, d, qn, kn, cos, sin, style, 1e-6),
+        oracle.qk_norm_rope(q, k, d, qn, kn, cos, sin, style, 1e-6),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, want, rtol=STEP_RTOL, atol=STEP_RTOL)
+    n_ff = 64
+    w_gu = PackedWeight(rng.integers(-127, 128, (2 * n_ff, e), dtype=np.int8), rng.random((2 * n_ff, e // QK), dtype=np.float32) / 50, None, QK)
+    w_down = PackedWeight(rng.integers(-127, 128, (e, n_ff), dtype=np.int8), rng.random((e, n_ff // QK), dtype=np.float32) / 50, None, QK)
+    got = numba_ops.gated_mlp(x, w_gu, w_down, activation)
+    want = oracle.gated_mlp(x, w_gu.dequantize(), w_down.dequantize(), activation)
+    np.testing.assert_allclose(got, want, rtol=STEP_RTOL, atol=STEP_RTOL * np.abs(want).max())

@@ -202,14 +202,14 @@ def test_failed_forward_keeps_a_consistent_conversation(smollm2, monkeypatch):
     runner = smollm2.sibling()
     prompt = [1] + _ids(9, 100)
     runner.prefill(prompt)
-    real = runner.placement.attend_kv
+    real = runner.placement.attend
 
-    def failing(layer, pos0, k, v):
+    def failing(layer, *args, **kwargs):
         if layer == 7:
             raise KeyboardInterrupt("cancelled mid-forward")
-        return real(layer, pos0, k, v)
+        return real(layer, *args, **kwargs)
 
-    monkeypatch.setattr(runner.placement, "attend_kv", failing)
+    monkeypatch.setattr(runner.placement, "attend", failing)
     with pytest.raises(KeyboardInterrupt):
         runner.prefill(prompt + _ids(10, 150))
     monkeypatch.undo()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -80,6 +81,7 @@ def test_ready_line(engine):
     assert (ready["n_vocab"], ready["n_layer"], ready["n_embd"], ready["n_params"]) == (49152, 30, 576, 134515008)
     assert (ready["bos_token"], ready["eos_token"], ready["add_bos"]) == ("<|im_start|>", "<|im_end|>", False)
     assert ready["kv_type"] == "f16" and ready["backend"] == "numpy" and ready["prompt_cache"] is True
+    assert ready["cpu_kernels"] == "numba" and ready["threads"] == len(os.sched_getaffinity(0))
     assert "<|im_start|>" in ready["chat_template"]
 
 
@@ -295,8 +297,8 @@ def test_unexpected_failure_during_complete_erases_and_keeps_serving(tokenizers,
 
     class BrokenRunner:
         n_ctx = 64
-        settings = SimpleNamespace(kv_type="f16", backend="numpy", compute_dtype="f32", kv_resident=None,
-                                   prompt_cache=True, model_path="fake.gguf")  # fmt: skip
+        settings = SimpleNamespace(kv_type="f16", backend="numpy", compute_dtype="f32", cpu_kernels="numba",
+                                   threads=2, kv_resident=None, prompt_cache=True, model_path="fake.gguf")  # fmt: skip
         checkpoints = ()
 
         def __init__(self):

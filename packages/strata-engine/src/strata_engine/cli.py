@@ -16,7 +16,7 @@ import strata_sessionfile as sf
 from .errors import EngineError, UsageError
 from .protocol import ExitStatus
 from .serve import serve
-from .settings import Backend, ChatTemplateName, ComputeDType, EngineSettings, KVType, values
+from .settings import Backend, ChatTemplateName, ComputeDType, CpuKernels, EngineSettings, KVType, values
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,7 +68,18 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         "--backend", choices=values(Backend), default=Backend.NUMPY.value, help="compute backend (default numpy)"
     )
     parser.add_argument(
-        "--threads", "-t", type=int, default=None, help="CPU threads for the host's math (default: the libraries' choice)"
+        "--cpu-kernels",
+        choices=values(CpuKernels),
+        default=None,
+        help="the numpy backend's kernels: numba (packed weights, compiled; the default for f32) or numpy "
+        "(float32 weights and BLAS: the reference)",
+    )
+    parser.add_argument(
+        "--threads",
+        "-t",
+        type=int,
+        default=None,
+        help="CPU threads for the kernels and BLAS (default: the cores this process may use)",
     )
     template = parser.add_mutually_exclusive_group()
     template.add_argument(
@@ -147,6 +158,7 @@ def _settings(args: argparse.Namespace) -> EngineSettings:
         prefill_chunk=args.prefill_chunk,
         cuda_graphs=args.cuda_graphs,
         backend=args.backend,
+        cpu_kernels=args.cpu_kernels,
         threads=args.threads,
         chat_template=_chat_template(args),
     )
@@ -170,14 +182,6 @@ def _session_key(path: str) -> sf.SessionKey:
         return sf.SessionKey.from_file(path)
     except (OSError, ValueError) as exc:
         raise argparse.ArgumentTypeError(f"cannot use {path} as a session key: {exc}") from None
-
-
-def _limit_threads(threads: int | None) -> None:
-    """Hold the BLAS thread pools to `threads` (numpy's BLAS is loaded by now: serve imports numpy)."""
-    if threads is not None and threads > 0:
-        from threadpoolctl import threadpool_limits
-
-        threadpool_limits(limits=threads, user_api="blas")
 
 
 def _generate(args: argparse.Namespace) -> ExitStatus:
@@ -258,7 +262,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    _limit_threads(args.threads)
     if args.command == "serve":
         from .session import SessionOptions
 

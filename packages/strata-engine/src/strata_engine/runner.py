@@ -39,6 +39,10 @@ from .models import Model, build_model
 from .ops import get_ops
 from .settings import DEFAULT_N_CTX_CAP, EngineSettings, KVType
 
+# Tokens of the warm-up's second forward pass: more rows than the packed products take (they go to BLAS)
+# and more queries than the attention kernel takes (key blocks through BLAS), so every path is compiled.
+WARM_UP_TOKENS = 24
+
 
 @attrs.frozen
 class PrefillResult:
@@ -123,6 +127,7 @@ class ModelRunner:
         self.decode_graph: StepGraph | None = None
         self.prefill_graphs: tuple[StepGraph, ...] = ()
         self.graph_capture_s = 0.0
+        self.kernel_warm_s = 0.0
 
     @classmethod
     def load(cls, settings: EngineSettings) -> ModelRunner:
@@ -132,7 +137,7 @@ class ModelRunner:
         gguf_file = read_gguf(settings.model_path)
         config = ModelConfig.from_gguf(gguf_file)
         settings = settings.with_backend_defaults(config.architecture)
-        ops = get_ops(settings.backend, settings.compute_dtype)
+        ops = get_ops(settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads)
         model = build_model(config, ops, gguf_file)
         return cls._assemble(settings, gguf_file, config, model)
 
@@ -140,7 +145,7 @@ class ModelRunner:
         """A runner on the same loaded model (weights shared, nothing reloaded) with its own K/V pool,
         placement and conversation; `changes` may alter the K/V settings (n_ctx, kv_type,
         kv_resident, prompt_cache, prefill_chunk, max_checkpoints), not what the weights depend on."""
-        fixed = {"model_path", "compute_dtype", "backend"} & set(changes)
+        fixed = {"model_path", "compute_dtype", "backend", "cpu_kernels", "threads"} & set(changes)
         if fixed:
             raise SettingsError([f"{name} cannot differ from the loaded model's" for name in sorted(fixed)])
         settings = attrs.evolve(self.settings, **changes).validate()
@@ -160,6 +165,7 @@ class ModelRunner:
         made = (make_step_graph(model, placement, enabled, n) for n in prefill_graph_sizes(runner.settings.prefill_chunk))
         runner.prefill_graphs = tuple(g for g in made if g is not None)
         runner.capture_graphs()
+        runner.warm_kernels()
         return runner
 
     def capture_graphs(self) -> float:
@@ -185,6 +191,26 @@ class ModelRunner:
                 self.erase()
         self.graph_capture_s = time.perf_counter() - t0
         return self.graph_capture_s
+
+    def warm_kernels(self) -> float:
+        """Compile (or load from numba's disk cache) the kernels a request would run, now: a forward pass
+        of one token and one of a short prompt past the packed products' row limit, on placeholder
+        tokens at position 0 whose K/V are then dropped. Nothing for ops without compiled kernels.
+        Returns the seconds spent."""
+        t0 = time.perf_counter()
+        if not self.model.ops.compiles_kernels:
+            return 0.0
+        if self.n_held:
+            raise EngineError("kernels are warmed up before a conversation is held")
+        for n in sorted({1, min(WARM_UP_TOKENS, self.n_ctx)}):
+            self.pool.begin_append(0, n)
+            try:
+                self.model.forward(np.zeros(n, dtype=np.int64), 0, self.placement, want_logits=True)
+            finally:
+                self.pool.abort_append()
+                self.erase()
+        self.kernel_warm_s = time.perf_counter() - t0
+        return self.kernel_warm_s
 
     # ---- state ---------------------------------------------------------------------------------
     @property

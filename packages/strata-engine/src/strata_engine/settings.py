@@ -58,6 +58,13 @@ class Pooling(enum.StrEnum):
     LAST = "last"
 
 
+class CpuKernels(enum.StrEnum):
+    """What computes the numpy backend's products and attention."""
+
+    NUMBA = "numba"  # packed int8 weights, compiled kernels over all threads, attention over stored K/V
+    NUMPY = "numpy"  # float32 weights and numpy/BLAS everywhere: the oracle the kernels are tested against
+
+
 def values(vocabulary: type[enum.Enum]) -> tuple[str, ...]:
     """A vocabulary's words in order (for --help, choices and messages)."""
     return tuple(member.value for member in vocabulary)
@@ -69,6 +76,11 @@ def chat_template_problem(value: str) -> str | None:
     if value in values(ChatTemplateName) or "{{" in value or "{%" in value:
         return None
     return f"{value[:64]!r} is neither a built-in name ({', '.join(values(ChatTemplateName))}) nor a jinja template"
+
+
+# The numpy backend's kernels unless told otherwise, per compute dtype: the compiled kernels compute in
+# f32 only; f64 (a numerics check) runs on numpy.
+DEFAULT_CPU_KERNELS: dict[str, CpuKernels] = {ComputeDType.F32: CpuKernels.NUMBA, ComputeDType.F64: CpuKernels.NUMPY}
 
 # A context size the engine picks when none is given: the model's training context, capped here so a
 # 32K-context model does not preallocate 32K tokens of K/V by default (llama-server caps the same way
@@ -113,9 +125,12 @@ class EngineSettings:
     max_checkpoints: sliding-window ring checkpoints kept (the most recent, i.e. deepest, ones).
     backend: "numpy", "cupy", or "auto" (cupy where a CUDA device is usable; `ModelRunner.load`
         resolves it, so `runner.settings.backend` names the backend actually running).
-    threads: CPU threads for the host's math (BLAS); None = the libraries' own choice (llama-server's -t).
+    cpu_kernels: the numpy backend's kernels: "numba" (compiled, packed weights) or "numpy" (the oracle);
+        None = `DEFAULT_CPU_KERNELS` for the compute dtype ("numpy" on cupy, where they do not run).
+    threads: CPU threads for the kernels and BLAS; None = the cores this process may run on.
     chat_template: a `ChatTemplateName` or a jinja template used instead of the model's own; None = the
         model's (llama-server's --chat-template; --chat-template-file puts the file's text here).
+    Neither cpu_kernels nor threads changes what a session file holds: the config fingerprint leaves them out.
     """
 
     model_path: Path = attrs.field(converter=Path)
@@ -128,6 +143,7 @@ class EngineSettings:
     max_checkpoints: int = 8
     backend: str = "numpy"
     cuda_graphs: bool = True
+    cpu_kernels: str | None = None
     threads: int | None = None
     chat_template: str | None = None
 
@@ -135,13 +151,19 @@ class EngineSettings:
         """The settings with "auto" resolved and every None default filled in for that backend and the
         model's architecture (`DEFAULT_COMPUTE_DTYPE`, `DEFAULT_PREFILL_CHUNK`)."""
         from .ops import resolve_backend  # imports cupy only to look for a device
+        from .ops.threads import default_threads
 
         backend = resolve_backend(self.backend)
+        compute_dtype = self.compute_dtype or DEFAULT_COMPUTE_DTYPE[architecture][backend].value
+        on_cpu = backend == Backend.NUMPY
         return attrs.evolve(
             self,
             backend=backend,
-            compute_dtype=self.compute_dtype or DEFAULT_COMPUTE_DTYPE[architecture][backend].value,
+            compute_dtype=compute_dtype,
             prefill_chunk=self.prefill_chunk or DEFAULT_PREFILL_CHUNK[backend],
+            cpu_kernels=self.cpu_kernels
+            or (DEFAULT_CPU_KERNELS[compute_dtype] if on_cpu else CpuKernels.NUMPY).value,
+            threads=self.threads or default_threads(),
         )
 
     def problems(self) -> list[str]:
@@ -168,6 +190,10 @@ class EngineSettings:
             out.append(f"backend must be one of {', '.join(values(Backend))}, got {self.backend!r}")
         elif self.backend == Backend.NUMPY and self.compute_dtype in (ComputeDType.F16, ComputeDType.BF16):
             out.append(f"compute_dtype {self.compute_dtype!r} needs the cupy backend")
+        if self.cpu_kernels is not None and self.cpu_kernels not in values(CpuKernels):
+            out.append(f"cpu_kernels must be one of {', '.join(values(CpuKernels))}, got {self.cpu_kernels!r}")
+        elif self.cpu_kernels == CpuKernels.NUMBA and self.compute_dtype not in (None, ComputeDType.F32):
+            out.append(f"cpu_kernels 'numba' computes in f32, not compute_dtype {self.compute_dtype!r}")
         return out
 
     def validate(self) -> EngineSettings:

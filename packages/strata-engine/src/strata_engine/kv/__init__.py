@@ -20,6 +20,7 @@ For the session adapter (save / restore), everything goes through these objects:
 """
 
 from .checkpoints import RingCheckpoint, restore_checkpoint, take_checkpoint
+from .cpu import InPlacePlacement
 from .factory import make_placement, make_pool
 from .layout import KV_STORAGE, SCALE_DTYPE, KVGeometry, KVStorage, LayerGeometry, ring_capacity
 from .placement import PoolPlacement, ResidencyStats, ResidentRingPlacement
@@ -32,6 +33,7 @@ __all__ = [
     "KVGeometry",
     "KVParts",
     "KVPool",
+    "InPlacePlacement",
     "KVStorage",
     "LayerGeometry",
     "LayerKV",

@@ -1,23 +1,27 @@
 """Which K/V pool and placement a runner gets, by backend and `--kv-resident` (the one place that decides).
 
-numpy: a `KVPool`, read directly or behind a host-memory resident ring. cupy: a `DevicePool`, read by the
-device placement that attends in place; with a resident ring, a `HostMappedPool` behind a VRAM ring.
+numpy: a `KVPool`, read directly (by the numba kernels where it lies: `InPlacePlacement`) or behind a
+host-memory resident ring. cupy: a `DevicePool`, read by the device placement that attends in place; with
+a resident ring, a `HostMappedPool` behind a VRAM ring.
 """
 
 from __future__ import annotations
 
 from ..ops import Ops
 from ..settings import Backend
+from .cpu import InPlacePlacement
 from .device import DevicePool, DevicePoolPlacement, DeviceResidentRingPlacement, HostMappedPool
 from .layout import KVGeometry
 from .placement import PoolPlacement, ResidentRingPlacement
 from .pool import KVPool
 
-# pool type -> (its placement without a resident ring, its placement with one)
-PLACEMENTS: dict[type[KVPool], tuple[type[PoolPlacement], type[ResidentRingPlacement]]] = {
-    KVPool: (PoolPlacement, ResidentRingPlacement),
-    DevicePool: (DevicePoolPlacement, ResidentRingPlacement),
-    HostMappedPool: (PoolPlacement, DeviceResidentRingPlacement),
+# (pool type, whether the ops attend over stored K/V) -> (its placement without a resident ring, its
+# placement with one)
+PLACEMENTS: dict[tuple[type[KVPool], bool], tuple[type[PoolPlacement], type[ResidentRingPlacement]]] = {
+    (KVPool, False): (PoolPlacement, ResidentRingPlacement),
+    (KVPool, True): (InPlacePlacement, ResidentRingPlacement),
+    (DevicePool, False): (DevicePoolPlacement, ResidentRingPlacement),
+    (HostMappedPool, False): (PoolPlacement, DeviceResidentRingPlacement),
 }
 
 
@@ -32,5 +36,5 @@ def make_pool(geometry: KVGeometry, ops: Ops, kv_resident: int | None) -> KVPool
 
 def make_placement(pool: KVPool, kv_resident: int | None) -> PoolPlacement:
     """The placement the forward pass reads `pool` through: directly, or behind an N-token resident ring."""
-    plain, with_ring = PLACEMENTS[type(pool)]
+    plain, with_ring = PLACEMENTS[type(pool), pool.ops.attends_in_place]
     return plain(pool) if kv_resident is None else with_ring(pool, kv_resident)

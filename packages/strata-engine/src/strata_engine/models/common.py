@@ -10,6 +10,7 @@ from ..config import ModelConfig
 from ..errors import MissingTensor, TensorShapeMismatch
 from ..gguf import GGUFFile, dequantize_tensor
 from ..ops import Ops
+from ..ops.packed import PackedWeight, pack_tensor, stack_rows
 
 
 class KVAccess(Protocol):
@@ -48,23 +49,39 @@ def rope_tables(ops: Ops, config: ModelConfig, pos0: int, n: int) -> RopeTables:
 
 
 class WeightLoader:
-    """Dequantizes named tensors to the compute dtype, checking each shape (numpy order)."""
+    """Loads named tensors, checking each shape (numpy order): dequantized to the compute dtype, or, for
+    ops that pack weights (`Ops.packs_weights`), quantized matrices repacked from their GGUF blocks."""
 
     def __init__(self, gguf_file: GGUFFile, ops: Ops):
         self.file = gguf_file
         self.ops = ops
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> Any:
-        return self.ops.weight(self._host(name, shape))
+        packed = self._packed(name, shape)
+        return packed if packed is not None else self.ops.weight(self._host(name, shape))
 
     def fused(self, *named: tuple[str, tuple[int, ...]]) -> Any:
         """Weights with one input size stacked by rows ([W_1; W_2; ...]): one product computes all."""
+        packed = [self._packed(name, shape) for name, shape in named]
+        if all(p is not None for p in packed):
+            return stack_rows(packed)
         return self.ops.weight(np.concatenate([self._host(name, shape) for name, shape in named]))
 
-    def _host(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def _info(self, name: str, shape: tuple[int, ...]) -> Any:
         info = self.file.tensors.get(name)
         if info is None:
             raise MissingTensor(f"{self.file.path}: tensor {name!r} is missing")
         if info.shape != shape:
             raise TensorShapeMismatch(f"{self.file.path}: tensor {name!r} has shape {info.shape}, expected {shape}")
+        return info
+
+    def _packed(self, name: str, shape: tuple[int, ...]) -> PackedWeight | None:
+        """The tensor packed (None: the ops do not pack, or it is a vector or a float tensor)."""
+        info = self._info(name, shape)
+        if not self.ops.packs_weights or len(shape) != 2:
+            return None
+        return pack_tensor(self.file.tensor_bytes(name), info.ggml_type, shape, name)
+
+    def _host(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        self._info(name, shape)
         return dequantize_tensor(self.file, name)

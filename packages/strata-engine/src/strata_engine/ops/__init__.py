@@ -1,8 +1,8 @@
 """The engine's numeric operations behind one interface, `get_ops(backend, compute_dtype)`.
 
-`Ops` (base.py) is the interface; `NumpyOps` (numpy_ops.py) is the reference and `CupyOps`
-(cupy_ops.py) its GPU twin. Models and the K/V code receive an `Ops` and never call an array library for
-heavy work.
+`Ops` (base.py) is the interface; `NumpyOps` (numpy_ops.py) is the reference, `NumbaOps` (numba_ops.py:
+packed weights, compiled kernels, `--cpu-kernels numba`) its faster CPU twin and `CupyOps` (cupy_ops.py)
+its GPU twin. Models and the K/V code receive an `Ops` and never call an array library for heavy work.
 "auto" resolves to "cupy" when CuPy sees a CUDA device, else "numpy" (`resolve_backend`).
 """
 
@@ -11,19 +11,37 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import SettingsError
-from ..settings import Backend
+from ..settings import Backend, CpuKernels
 from .base import Ops
 from .numpy_ops import NumpyOps
+from .threads import set_threads
 
 
-def _cupy_ops(compute_dtype: str) -> Ops:
+def _numpy_ops(compute_dtype: str, threads: int | None) -> Ops:
+    if threads is not None:
+        set_threads(threads)
+    return NumpyOps(compute_dtype)
+
+
+def _numba_ops(compute_dtype: str, threads: int | None) -> Ops:
+    from .numba_ops import NumbaOps  # imports numba only when its kernels are asked for
+
+    return NumbaOps(compute_dtype, threads)
+
+
+def _cupy_ops(compute_dtype: str, threads: int | None) -> Ops:
     from .cupy_ops import CupyOps  # imports cupy only when the GPU backend is asked for
 
     return CupyOps(compute_dtype)
 
 
-# A backend (settings.Backend, "auto" resolved) -> the ops class (or factory) computing on it.
-OPS_OF_BACKEND: dict[str, Callable[[str], Ops]] = {Backend.NUMPY: NumpyOps, Backend.CUPY: _cupy_ops}
+# The numpy backend's kernels (settings.CpuKernels) -> the ops factory (compute dtype, threads).
+CPU_OPS: dict[str, Callable[[str, int | None], Ops]] = {CpuKernels.NUMPY: _numpy_ops, CpuKernels.NUMBA: _numba_ops}
+# A backend (settings.Backend, "auto" resolved) -> the ops factory computing on it, given the CPU kernels.
+OPS_OF_BACKEND: dict[str, Callable[[str, str, int | None], Ops]] = {
+    Backend.NUMPY: lambda dtype, kernels, threads: CPU_OPS[kernels](dtype, threads),
+    Backend.CUPY: lambda dtype, kernels, threads: _cupy_ops(dtype, threads),
+}
 
 
 def resolve_backend(backend: str) -> str:
@@ -35,13 +53,17 @@ def resolve_backend(backend: str) -> str:
     return Backend.CUPY.value if cuda_available() else Backend.NUMPY.value
 
 
-def get_ops(backend: str = Backend.NUMPY, compute_dtype: str = "f32") -> Ops:
+def get_ops(
+    backend: str = Backend.NUMPY, compute_dtype: str = "f32", cpu_kernels: str = CpuKernels.NUMPY,
+    threads: int | None = None,
+) -> Ops:  # fmt: skip
+    """The ops of a backend; on numpy, of `cpu_kernels`, on `threads` threads (None: as they are)."""
     backend = resolve_backend(backend)
     try:
         make = OPS_OF_BACKEND[backend]
     except KeyError:
         raise SettingsError([f"backend {backend!r} is not available (have: {', '.join(OPS_OF_BACKEND)})"]) from None
-    return make(compute_dtype)
+    return make(compute_dtype, cpu_kernels, threads)
 
 
-__all__ = ["OPS_OF_BACKEND", "NumpyOps", "Ops", "get_ops", "resolve_backend"]
+__all__ = ["CPU_OPS", "OPS_OF_BACKEND", "NumpyOps", "Ops", "get_ops", "resolve_backend"]

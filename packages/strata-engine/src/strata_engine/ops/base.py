@@ -18,6 +18,9 @@ class Ops(Protocol):
     name: str  # the backend (settings.Backend)
     xp: Any  # the array module: numpy or cupy
     dtype: np.dtype  # the compute dtype
+    packs_weights: bool  # weights are `packed.PackedWeight`s made from the GGUF blocks
+    attends_in_place: bool  # `attention` reads the pool's storage (f16, int8 + scales) itself (kv/cpu.py)
+    compiles_kernels: bool  # the first call of a kernel compiles it (or loads it from disk): warm up first
 
     # ---- data movement ---------------------------------------------------------------------------
     def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:
@@ -79,9 +82,10 @@ class Ops(Protocol):
 
     def attention(
         self, q: Any, k: Any, v: Any, *, q_pos0: int, k_pos0: int, window: int | None, scale: float,
-        ring_capacity: int = 0,
+        ring_capacity: int = 0, k_scale: Any = None, v_scale: Any = None,
     ) -> Any:  # fmt: skip
-        """Causal (optionally sliding-window) GQA attention: q [T, H, D] over k, v [S, Hkv, D] -> [T, H*D]."""
+        """Causal (optionally sliding-window) GQA attention: q [T, H, D] over k, v [S, Hkv, D] -> [T, H*D].
+        With `attends_in_place`, k and v may be the pool's storage (f16; int8 with k_scale, v_scale)."""
 
     def logits(self, x: Any, w_out: Any) -> np.ndarray:
         """x [T, E] @ W_out^T accumulated in float32 whatever the compute dtype -> host float32 [T, V]."""

@@ -32,6 +32,9 @@ class NumpyOps:
     """Operations on `xp` arrays in `dtype` (the compute dtype: float32 by default)."""
 
     name = "numpy"
+    packs_weights = False
+    attends_in_place = False
+    compiles_kernels = False
 
     def __init__(self, dtype: str = "f32"):
         self.xp: Any = np

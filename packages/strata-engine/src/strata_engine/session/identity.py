@@ -6,8 +6,9 @@ its version, the backend, the K/V storage type (and int8's scale block), the con
 K/V shape, the resolved RoPE per layer (style, base, rotated dims, sliding window), the digest of loaded
 adapters / control vectors (this engine loads none: a fixed value), and the arithmetic switches
 (compute dtype). It deliberately leaves out what does not change those bytes: the placement
-(`--kv-resident`), the prompt cache, the prefill chunk and the number of checkpoints kept, so a file
-saved with one placement restores under another.
+(`--kv-resident`), the prompt cache, the prefill chunk, the number of checkpoints kept, the CPU kernels
+(`--cpu-kernels`: both compute in f32 and store the same K/V encoding) and the threads, so a file saved
+with one placement or kernel choice restores under another.
 """
 
 from __future__ import annotations

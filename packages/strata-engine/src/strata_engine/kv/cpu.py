@@ -1,0 +1,54 @@
+"""`InPlacePlacement`: the host pool read where it lies by ops that attend over stored K/V
+(`Ops.attends_in_place`: the numba kernels).
+
+Each chunk's K/V is stored into the pool first (rounded to f16 by a casting copy, or int8 with its scales
+by `KVCodec.encode`: the bytes every placement stores) and attention then reads the pool's own storage: a full
+layer's slots [context start, end), or a ring whole, addressed by position % capacity. No float32 copy
+of the context is made; the kernels convert a tile of keys at a time (ops/numba_kernels.py). A ring
+chunk too long to attend in place (its stores would overwrite keys its first query still sees: more
+than capacity - window + 1 tokens) takes the generic path (gather, then write).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .placement import PoolPlacement
+
+
+class InPlacePlacement(PoolPlacement):
+    def attend(
+        self,
+        layer: int,
+        pos0: int,
+        q: Any | None,
+        k_new: Any,
+        v_new: Any,
+        *,
+        q_pos0: int,
+        window: int | None,
+        scale: float,
+    ) -> Any | None:
+        g = self.pool.geometry.layers[layer]
+        n_new = k_new.shape[0]
+        if g.is_ring and n_new > g.capacity - g.window + 1:
+            return super().attend(layer, pos0, q, k_new, v_new, q_pos0=q_pos0, window=window, scale=scale)
+        views = self.pool.layer(layer)
+        if self.pool.geometry.has_scales:
+            self.write(layer, pos0, self.pool.codec.encode(k_new, v_new))
+        else:  # a casting copy into the slots, rounding as KVCodec.encode does
+            self.ops.store_kv(k_new, v_new, views.k, views.v, pos0, ring_capacity=g.capacity if g.is_ring else 0)
+        if q is None:
+            return None
+        lo = self.context_start(layer, pos0)
+        if g.is_ring:
+            k, v, k_scale, v_scale, capacity = views.k, views.v, views.k_scale, views.v_scale, g.capacity
+        else:
+            end = pos0 + n_new
+            k, v, capacity = views.k[lo:end], views.v[lo:end], 0
+            k_scale = None if views.k_scale is None else views.k_scale[lo:end]
+            v_scale = None if views.v_scale is None else views.v_scale[lo:end]
+        return self.ops.attention(
+            q, k, v, q_pos0=q_pos0, k_pos0=lo, window=window, scale=scale, ring_capacity=capacity,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip

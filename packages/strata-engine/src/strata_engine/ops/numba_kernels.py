@@ -1,0 +1,682 @@
+"""The compiled CPU kernels (numba): products with packed weights (`packed.py`) and attention over the K/V
+pool's own storage (f32, f16 seen as uint16 bits, int8 with per-block scales), converting per tile.
+
+Every kernel is `@njit(..., fastmath=..., cache=True)`: compiled once per argument types, cached on
+disk (NUMBA_CACHE_DIR, else __pycache__ beside this file), compiled or loaded at the engine's warm-up
+(`NumbaOps.warm`). Callers pass C-contiguous arrays of fixed dtypes so each kernel keeps one signature.
+
+Shapes: x [M, K] float32 activations; a packed weight's values int8 [N, K] or 4-bit pairs uint8 [N, K / 2],
+its scale and mins float32 or f16 bits (uint16) [N, K / block]; y [M, N] float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+F32 = np.float32
+# OpenMP (GNU libgomp) before numba's workqueue: a decode step runs ~150 parallel regions, and workqueue's
+# sleeping threads take ~100 us to start each (decode 37 against 118 tok/s); libgomp's spin between regions,
+# bounded by GOMP_SPINCOUNT so that on a busy machine a waiting thread soon yields the core another
+# needs (unbounded spinning fell to 7 tok/s there). bench/CPU-NOTES.md has the figures.
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+# fastmath without nnan / ninf: attention compares scores with -inf.
+SAFE_FAST = {"reassoc", "contract", "arcp", "nsz"}
+
+
+@intrinsic
+def widen(typingctx, value):
+    """A stored K/V element as float32: uint16 holds f16 bits (`fpext half`: vcvtph2ps where the CPU has
+    it), int8 and float32 convert as numbers. numba has no float16 type on the CPU."""
+    if value == types.uint16:
+
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    elif value == types.float32:
+
+        def codegen(context, builder, sig, args):
+            return args[0]
+
+    elif value in (types.int8, types.int16, types.int32):
+
+        def codegen(context, builder, sig, args):
+            return builder.sitofp(args[0], ir.FloatType())
+
+    elif value in (types.uint8, types.uint32):
+
+        def codegen(context, builder, sig, args):
+            return builder.uitofp(args[0], ir.FloatType())
+
+    else:
+        return None
+    return types.float32(value), codegen
+
+
+# ---- products with packed weights -------------------------------------------------------------------
+# A row's dot product is written in LLVM vector IR (`row_dot`): the same loop in Python gets vectorized 8
+# wide with a horizontal sum per 32-value block (or, with a constant block length, unrolled and gathered
+# across blocks), 2x slower (bench/CPU-NOTES.md).
+
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_F32 = ir.FloatType()
+_LANES = 16  # float32 lanes of the accumulator (one AVX-512 register, two AVX2 ones)
+
+
+def _indices(values: list[int]) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I32, len(values)), values)
+
+
+def _load_vector(builder, base, offset, elem, n):
+    ptr = builder.gep(base, [offset])
+    return builder.load(builder.bitcast(ptr, ir.VectorType(elem, n).as_pointer()), align=1)
+
+
+def _scale_at(builder, scale_array, index, half):
+    """scale[index] as float32 (an f16 scale is stored as its uint16 bits)."""
+    value = builder.load(builder.gep(scale_array.data, [index]))
+    return builder.fpext(builder.bitcast(value, ir.HalfType()), _F32) if half else value
+
+
+def _lanes(nibbles: bool, block: int) -> int:
+    """The accumulator's float32 lanes for a block: 16, or fewer for a short block of 4-bit pairs."""
+    return min(_LANES, block // 2 if nibbles else block)
+
+
+def _block_products(builder, values, x, offset_q, offset_x, nibbles, block):
+    """One block's products q * x folded to `_lanes` lanes: <lanes x float>."""
+    if nibbles:  # block / 2 bytes: value j in the low nibble of byte j, value j + block / 2 in its high one
+        n = block // 2
+        vf = ir.VectorType(_F32, n)
+        raw = builder.zext(_load_vector(builder, values, offset_q, ir.IntType(8), n), ir.VectorType(_I32, n))
+        lo = builder.uitofp(builder.and_(raw, ir.Constant(raw.type, [15] * n)), vf)
+        hi = builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * n)), vf)
+        x_lo = _load_vector(builder, x, offset_x, _F32, n)
+        x_hi = _load_vector(builder, x, builder.add(offset_x, ir.Constant(_I64, n)), _F32, n)
+        prod = builder.fadd(builder.fmul(lo, x_lo), builder.fmul(hi, x_hi))
+    else:
+        q = builder.sitofp(_load_vector(builder, values, offset_q, ir.IntType(8), block), ir.VectorType(_F32, block))
+        prod = builder.fmul(q, _load_vector(builder, x, offset_x, _F32, block))
+    width = prod.type.count
+    while width > _LANES:  # fold halves
+        width //= 2
+        prod = builder.fadd(
+            builder.shuffle_vector(prod, prod, _indices(list(range(width)))),
+            builder.shuffle_vector(prod, prod, _indices(list(range(width, 2 * width)))),
+        )
+    return prod
+
+
+@intrinsic
+def row_dot(typingctx, values, x, scale, block):
+    """sum over blocks b of scale[b] * sum_j q[b, j] x[b * block + j] for one packed row: values int8
+    [K] or 4-bit pairs uint8 [K / 2]; x float32 [K]; scale float32 or uint16 (f16 bits) [K / block];
+    block an integer literal (16 or 32). One vector accumulator, one horizontal sum at the end."""
+    if not isinstance(block, types.IntegerLiteral) or block.literal_value not in (16, 32):
+        return None
+    nibbles = values.dtype == types.uint8
+    half = scale.dtype == types.uint16
+    sig = types.float32(values, x, scale, block)
+
+    def codegen(context, builder, signature, args):
+        n = block.literal_value
+        q_arr, x_arr, s_arr = (
+            context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)
+        )
+        lanes = _lanes(nibbles, n)
+        vf = ir.VectorType(_F32, lanes)
+        zero = ir.Constant(vf, [0.0] * lanes)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
+        n_blocks = builder.extract_value(s_arr.shape, 0)
+        entry = builder.block
+        loop = builder.append_basic_block("row_dot.loop")
+        done = builder.append_basic_block("row_dot.done")
+        builder.cbranch(builder.icmp_signed(">", n_blocks, ir.Constant(_I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        b = builder.phi(_I64)
+        acc = builder.phi(vf)
+        offset_x = builder.mul(b, ir.Constant(_I64, n))
+        offset_q = builder.mul(b, ir.Constant(_I64, n // 2 if nibbles else n))
+        prod = _block_products(builder, q_arr.data, x_arr.data, offset_q, offset_x, nibbles, n)
+        scale_b = _scale_at(builder, s_arr, b, half)
+        splat = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(vf, ir.Undefined), scale_b, ir.Constant(_I32, 0)),
+            ir.Constant(vf, ir.Undefined), _indices([0] * lanes),
+        )  # fmt: skip
+        acc_next = builder.call(fma, [prod, splat, acc])
+        b_next = builder.add(b, ir.Constant(_I64, 1))
+        b.add_incoming(ir.Constant(_I64, 0), entry)
+        b.add_incoming(b_next, loop)
+        acc.add_incoming(zero, entry)
+        acc.add_incoming(acc_next, loop)
+        builder.cbranch(builder.icmp_signed("<", b_next, n_blocks), loop, done)
+        builder.position_at_end(done)
+        total = builder.phi(vf)
+        total.add_incoming(zero, entry)
+        total.add_incoming(acc_next, loop)
+        width = lanes
+        while width > 1:
+            width //= 2
+            total = builder.fadd(
+                builder.shuffle_vector(total, total, _indices(list(range(width)))),
+                builder.shuffle_vector(total, total, _indices(list(range(width, 2 * width)))),
+            )
+        return builder.extract_element(total, ir.Constant(_I32, 0))
+
+    return sig, codegen
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
+    row = values[n]
+    sc = scale[n]
+    for m in range(x.shape[0]):
+        acc = row_dot(row, x[m], sc, 32) if block == 32 else row_dot(row, x[m], sc, 16)
+        if has_min:
+            for b in range(scale.shape[1]):
+                acc += widen(mins[n, b]) * xsum[m, b]
+        y[m, n] = acc
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul_packed(x, xsum, values, scale, mins, has_min, block, y):
+    """y = x W^T for a packed weight (`row_dot`), plus min * sum(x) per block where it has mins (xsum
+    [M, K / block]); rows over all threads."""
+    for n in prange(values.shape[0]):
+        _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+
+
+@njit(fastmath=True, cache=True)
+def matmul_packed_serial(x, xsum, values, scale, mins, has_min, block, y):
+    """`matmul_packed` on the calling thread (a product too small to be worth a parallel region)."""
+    for n in range(values.shape[0]):
+        _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _dequantize_row(row, scale, mins, has_min, o_row):
+    n_blocks = scale.shape[0]
+    block = o_row.shape[0] // n_blocks
+    nibbles = row.shape[0] != o_row.shape[0]
+    half = block // 2
+    for b in range(n_blocks):
+        d = widen(scale[b])
+        mn = widen(mins[b]) if has_min else F32(0)
+        o = b * block
+        if nibbles:
+            for j in range(half):
+                v = row[b * half + j]
+                o_row[o + j] = F32(v & 15) * d + mn
+                o_row[o + half + j] = F32(v >> 4) * d + mn
+        else:
+            for j in range(block):
+                o_row[o + j] = F32(row[o + j]) * d + mn
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def dequantize_packed(values, scale, mins, has_min, out):
+    """out [N, K] float32 = q * scale + min (values int8 [N, K], or 4-bit pairs uint8 [N, K / 2])."""
+    for n in prange(values.shape[0]):
+        if has_min:
+            _dequantize_row(values[n], scale[n], mins[n], True, out[n])
+        else:
+            _dequantize_row(values[n], scale[n], mins[0], False, out[n])
+
+
+@njit(fastmath=True, cache=True)
+def dequantize_packed_serial(values, scale, mins, has_min, out):
+    """`dequantize_packed` on the calling thread: between BLAS calls, whose threads still spin."""
+    for n in range(values.shape[0]):
+        _dequantize_row(values[n], scale[n], mins[n if has_min else 0], has_min, out[n])
+
+
+# ---- attention over the K/V pool's storage -------------------------------------------------------------
+# Per query row, its visible keys are one position range: scores by `key_dots`, a softmax with
+# `fast_exp`, the weighted sum of values by `value_sums` (both in LLVM vector IR: the row's accumulators
+# stay in registers). Keys and values are read as stored (f16 bits, int8 with per-block scales, f32)
+# and converted in registers, never into a float32 copy.
+_HEAD_DIMS = (64, 128, 256)  # head sizes the IR is generated for (others: a plain loop)
+
+
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """The float32 whose bits are the low 32 bits of the integer `bits`."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        low = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], _I32)
+        return builder.bitcast(low, _F32)
+
+    return types.float32(bits), codegen
+
+
+@njit(fastmath={"contract"}, cache=True)
+def fast_exp(x):
+    """e^x for x <= 0 (Cephes' expf: relative error ~2e-7; 2^-126 below -87): arithmetic only, so a loop
+    of it vectorizes, where numba calls libm's scalar expf once a value."""
+    x = max(x, F32(-87.0))
+    n = np.floor(x * F32(1.4426950408889634) + F32(0.5))
+    r = x - n * F32(0.693359375)
+    r = r + n * F32(2.12194440e-4)
+    p = F32(1.9875691500e-4)
+    p = p * r + F32(1.3981999507e-3)
+    p = p * r + F32(8.3334519073e-3)
+    p = p * r + F32(4.1665795894e-2)
+    p = p * r + F32(1.6666665459e-1)
+    p = p * r + F32(5.0000001201e-1)
+    y = p * (r * r) + r + F32(1)
+    return y * f32_from_bits((np.int64(n) + 127) << 23)
+
+
+def _row_ptr(builder, arr, index, elem):
+    """Pointer to row `index` of a 2-D array (any strides) as elem*."""
+    stride = builder.extract_value(arr.strides, 0)
+    raw = builder.gep(builder.bitcast(arr.data, ir.IntType(8).as_pointer()), [builder.mul(index, stride)])
+    return builder.bitcast(raw, elem.as_pointer())
+
+
+def _stored_chunk(builder, row, scale_row, c, dtype):
+    """Values [16c, 16c + 16) of a stored K/V row as <16 x float> (int8 times its 32-value block's scale)."""
+    vf = ir.VectorType(_F32, _LANES)
+    off = ir.Constant(_I64, c * _LANES)
+    if dtype == types.uint16:
+        bits = _load_vector(builder, row, off, ir.IntType(16), _LANES)
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _LANES)), vf)
+    if dtype == types.float32:
+        return _load_vector(builder, row, off, _F32, _LANES)
+    q = builder.sitofp(_load_vector(builder, row, off, ir.IntType(8), _LANES), vf)
+    scale = builder.load(builder.gep(scale_row, [ir.Constant(_I64, c * _LANES // 32)]))
+    return builder.fmul(q, _splat(builder, scale, _LANES))
+
+
+def _splat(builder, value, lanes):
+    vf = ir.VectorType(value.type, lanes)
+    return builder.shuffle_vector(
+        builder.insert_element(ir.Constant(vf, ir.Undefined), value, ir.Constant(_I32, 0)),
+        ir.Constant(vf, ir.Undefined), _indices([0] * lanes),
+    )  # fmt: skip
+
+
+def _hsum(builder, v):
+    width = v.type.count
+    while width > 1:
+        width //= 2
+        v = builder.fadd(
+            builder.shuffle_vector(v, v, _indices(list(range(width)))),
+            builder.shuffle_vector(v, v, _indices(list(range(width, 2 * width)))),
+        )
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _counted_loop(builder, n, body, carried):
+    """for i in range(n): carried = body(i, carried); returns the final carried values (a list of IR
+    values; their initial values are `carried`)."""
+    entry = builder.block
+    loop = builder.append_basic_block("loop")
+    done = builder.append_basic_block("done")
+    builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+    builder.position_at_end(loop)
+    i = builder.phi(_I64)
+    phis = [builder.phi(v.type) for v in carried]
+    nxt = body(i, phis)
+    i_next = builder.add(i, ir.Constant(_I64, 1))
+    tail = builder.block
+    i.add_incoming(ir.Constant(_I64, 0), entry)
+    i.add_incoming(i_next, tail)
+    for phi, start, end in zip(phis, carried, nxt, strict=True):
+        phi.add_incoming(start, entry)
+        phi.add_incoming(end, tail)
+    builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+    builder.position_at_end(done)
+    out = []
+    for start, end in zip(carried, nxt, strict=True):
+        phi = builder.phi(start.type)
+        phi.add_incoming(start, entry)
+        phi.add_incoming(end, tail)
+        out.append(phi)
+    return out
+
+
+def _kv_intrinsic_args(context, builder, signature, args):
+    return [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)]
+
+
+@intrinsic
+def key_dots(typingctx, q, keys, scales, lo, n, out, d):
+    """out[i] = q . keys[lo + i] for i < n: q float32 [D]; keys a stored head's rows [slots, D] (uint16 f16
+    bits, float32, or int8 with `scales` [slots, D / 32]); out float32; d the literal D."""
+    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS:
+        return None
+    if keys.dtype not in (types.uint16, types.float32, types.int8):
+        return None
+    sig = types.void(q, keys, scales, lo, n, out, d)
+
+    def codegen(context, builder, signature, args):
+        q_arr, k_arr, s_arr = _kv_intrinsic_args(context, builder, signature, args)
+        out_arr = context.make_array(signature.args[5])(context, builder, args[5])
+        chunks = d.literal_value // _LANES
+        vf = ir.VectorType(_F32, _LANES)
+        qv = [_load_vector(builder, q_arr.data, ir.Constant(_I64, c * _LANES), _F32, _LANES) for c in range(chunks)]
+        elem = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}[keys.dtype]
+
+        def body(i, carried):
+            idx = builder.add(args[3], i)
+            row = _row_ptr(builder, k_arr, idx, elem)
+            scale_row = _row_ptr(builder, s_arr, idx, _F32)
+            acc = ir.Constant(vf, [0.0] * _LANES)
+            for c in range(chunks):
+                acc = builder.fadd(acc, builder.fmul(qv[c], _stored_chunk(builder, row, scale_row, c, keys.dtype)))
+            builder.store(_hsum(builder, acc), builder.gep(out_arr.data, [i]))
+            return []
+
+        _counted_loop(builder, args[4], body, [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def value_sums(typingctx, acc, weights, values, scales, lo, n, d):
+    """acc[:] += sum_i weights[i] * values[lo + i] for i < n: acc float32 [D] (kept in registers over the
+    loop), values a stored head's rows as in `key_dots`."""
+    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS:
+        return None
+    if values.dtype not in (types.uint16, types.float32, types.int8):
+        return None
+    sig = types.void(acc, weights, values, scales, lo, n, d)
+
+    def codegen(context, builder, signature, args):
+        acc_arr, w_arr, v_arr = _kv_intrinsic_args(context, builder, signature, args)
+        s_arr = context.make_array(signature.args[3])(context, builder, args[3])
+        chunks = d.literal_value // _LANES
+        elem = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}[values.dtype]
+        start = [_load_vector(builder, acc_arr.data, ir.Constant(_I64, c * _LANES), _F32, _LANES) for c in range(chunks)]
+        vf = ir.VectorType(_F32, _LANES)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
+
+        def body(i, carried):
+            idx = builder.add(args[4], i)
+            row = _row_ptr(builder, v_arr, idx, elem)
+            scale_row = _row_ptr(builder, s_arr, idx, _F32)
+            w = _splat(builder, builder.load(builder.gep(w_arr.data, [i])), _LANES)
+            return [
+                builder.call(fma, [_stored_chunk(builder, row, scale_row, c, values.dtype), w, carried[c]])
+                for c in range(chunks)
+            ]
+
+        final = _counted_loop(builder, args[5], body, start)
+        for c in range(chunks):
+            ptr = builder.gep(acc_arr.data, [ir.Constant(_I64, c * _LANES)])
+            builder.store(final[c], builder.bitcast(ptr, vf.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _dots(q, keys, scales, has_scales, lo, n, out):
+    d = q.shape[0]
+    if d == 64:
+        key_dots(q, keys, scales, lo, n, out, 64)
+    elif d == 128:
+        key_dots(q, keys, scales, lo, n, out, 128)
+    elif d == 256:
+        key_dots(q, keys, scales, lo, n, out, 256)
+    else:
+        for i in range(n):
+            s = F32(0)
+            for j in range(d):
+                s += q[j] * widen(keys[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
+            out[i] = s
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _sums(acc, weights, values, scales, has_scales, lo, n):
+    d = acc.shape[0]
+    if d == 64:
+        value_sums(acc, weights, values, scales, lo, n, 64)
+    elif d == 128:
+        value_sums(acc, weights, values, scales, lo, n, 128)
+    elif d == 256:
+        value_sums(acc, weights, values, scales, lo, n, 256)
+    else:
+        for i in range(n):
+            w = weights[i]
+            for j in range(d):
+                acc[j] += w * widen(values[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _attention_item(
+    item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
+):
+    n_tok, n_head, d = q.shape
+    group = n_head // k.shape[1]
+    k_hi = q_pos0 + n_tok
+    per_split = (k_hi - k_lo + n_split - 1) // n_split
+    hk = item // n_split
+    sp = item % n_split
+    s_lo = k_lo + sp * per_split
+    s_hi = min(k_hi, s_lo + per_split)
+    keys, values = k[:, hk], v[:, hk]
+    key_scales, value_scales = k_scale[:, min(hk, k_scale.shape[1] - 1)], v_scale[:, min(hk, v_scale.shape[1] - 1)]
+    scores = np.empty(max(1, s_hi - s_lo), dtype=F32)
+    for r in range(group * n_tok):
+        g = r // n_tok
+        t = r % n_tok
+        qp = q_pos0 + t
+        lo = s_lo if window <= 0 else max(s_lo, qp - window + 1)
+        hi = min(s_hi, qp + 1)
+        a = acc[hk, sp, r]
+        a[:] = 0
+        m_out[hk, sp, r] = -np.inf
+        l_out[hk, sp, r] = 0
+        if hi <= lo:
+            continue
+        qr = q[t, hk * group + g]
+        n = hi - lo
+        p = lo
+        while p < hi:  # slot runs: one, or two where a ring wraps
+            slot = p % capacity if capacity > 0 else p - base
+            run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
+            _dots(qr, keys, key_scales, has_scales, slot, run, scores[p - lo : p - lo + run])
+            p += run
+        top = scores[0]
+        for i in range(1, n):
+            top = max(top, scores[i])
+        total = F32(0)
+        for i in range(n):
+            e = fast_exp(scores[i] - top)
+            scores[i] = e
+            total += e
+        p = lo
+        while p < hi:
+            slot = p % capacity if capacity > 0 else p - base
+            run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
+            _sums(a, scores[p - lo : p - lo + run], values, value_scales, has_scales, slot, run)
+            p += run
+        m_out[hk, sp, r] = top
+        l_out[hk, sp, r] = total
+
+
+@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
+def attention_partials(
+    q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
+):
+    """Causal (sliding-window) GQA attention of queries q [T, H, D] (already times the softmax scale) over
+    the keys at positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale,
+    v_scale [slots, Hkv, D / 32]): position p sits in slot p % capacity (a ring, capacity > 0) or
+    p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). Work
+    item (kv head, split) covers one of n_split equal key ranges and leaves, per row r = g * T + t
+    (query head kv_head * G + g, token t), the max m_out of its scores, the sum l_out of exp(s - m)
+    and acc = sum exp(s - m) v, merged by `attention_merge`. Work items over all threads."""
+    for item in prange(k.shape[1] * n_split):
+        _attention_item(
+            item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc,
+            m_out, l_out,
+        )  # fmt: skip
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def attention_partials_serial(
+    q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
+):
+    """`attention_partials` on the calling thread (too few keys to be worth a parallel region)."""
+    for item in range(k.shape[1] * n_split):
+        _attention_item(
+            item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc,
+            m_out, l_out,
+        )  # fmt: skip
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def attention_merge(acc, m_in, l_in, n_tok, out):
+    """out [T, H * D] from the splits' partials: sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)."""
+    n_kv, n_split, rows, d = acc.shape
+    group = rows // n_tok
+    for hk in range(n_kv):
+        for r in range(rows):
+            g = r // n_tok
+            t = r % n_tok
+            top = -np.inf
+            for sp in range(n_split):
+                top = max(top, m_in[hk, sp, r])
+            o = out[t, (hk * group + g) * d : (hk * group + g + 1) * d]
+            o[:] = 0
+            total = F32(0)
+            for sp in range(n_split):
+                if m_in[hk, sp, r] == -np.inf:
+                    continue
+                w = np.exp(m_in[hk, sp, r] - top)
+                total += w * l_in[hk, sp, r]
+                a = acc[hk, sp, r]
+                for j in range(d):
+                    o[j] += w * a[j]
+            for j in range(d):
+                o[j] /= total
+
+
+# ---- the small steps between products (one call each instead of several numpy passes) ------------------
+GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _norm_row(x, w, eps, out):
+    ms = F32(0)
+    for j in range(x.shape[0]):
+        ms += x[j] * x[j]
+    r = F32(1) / np.sqrt(ms / F32(x.shape[0]) + eps)
+    for j in range(x.shape[0]):
+        out[j] = x[j] * r * w[j]
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def rms_norm_rows(x, w, eps, out):
+    """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w for each row of x [R, E]."""
+    for i in range(x.shape[0]):
+        _norm_row(x[i], w, eps, out[i])
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def add_rms_norm_rows(x, y, w_post, has_post, w_next, eps, x_out, h_out):
+    """x_out = x + (rms_norm(y) * w_post, or y); h_out = rms_norm(x_out) * w_next (rows of [R, E])."""
+    for i in range(x.shape[0]):
+        xo = x_out[i]
+        if has_post:
+            _norm_row(y[i], w_post, eps, xo)
+            for j in range(xo.shape[0]):
+                xo[j] += x[i, j]
+        else:
+            for j in range(xo.shape[0]):
+                xo[j] = x[i, j] + y[i, j]
+        _norm_row(xo, w_next, eps, h_out[i])
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _rope_row(src, norm, has_norm, eps, cos_t, sin_t, neox, out):
+    """One head [D]: RMS-normalised with `norm` if has_norm, then rotated (first 2 * len(cos_t) dims)."""
+    if has_norm:
+        _norm_row(src, norm, eps, out)
+    else:
+        for j in range(src.shape[0]):
+            out[j] = src[j]
+    half = cos_t.shape[0]
+    for i in range(half):
+        ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        a = out[ia]
+        b = out[ib]
+        out[ia] = a * cos_t[i] - b * sin_t[i]
+        out[ib] = b * cos_t[i] + a * sin_t[i]
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def qk_norm_rope(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, q_out, k_out):
+    """q [T, H * D], k [T, Hkv * D] -> q_out [T, H, D], k_out [T, Hkv, D]: each head normalised (gemma3)
+    and rotated by the tables cos, sin [T, rope_dim / 2] (neox: rotate-half, else interleaved pairs)."""
+    d = q_out.shape[2]
+    for t in range(q.shape[0]):
+        for h in range(q_out.shape[1]):
+            _rope_row(q[t, h * d : (h + 1) * d], q_norm, has_norm, eps, cos[t], sin[t], neox, q_out[t, h])
+        for h in range(k_out.shape[1]):
+            _rope_row(k[t, h * d : (h + 1) * d], k_norm, has_norm, eps, cos[t], sin[t], neox, k_out[t, h])
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def gated_activation(gate_up, gelu, out):
+    """out = act(gate) * up for gate_up = [gate | up] [T, 2F]: silu, or gelu (tanh form) with gelu."""
+    n_ff = out.shape[1]
+    for t in range(out.shape[0]):
+        for j in range(n_ff):
+            g = gate_up[t, j]
+            if gelu:
+                a = F32(0.5) * g * (F32(1) + np.tanh(GELU_C * (g + F32(0.044715) * g * g * g)))
+            else:
+                a = g / (F32(1) + np.exp(-g))
+            out[t, j] = a * gate_up[t, n_ff + j]
+
+
+@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
+def softmax_block(s, m, l_sum, acc, q_pos0, n_tok, k_pos0, window):
+    """One key block of the BLAS attention path, in place: s [Hkv, R, B] holds the scaled scores of rows
+    r (token r % n_tok, at position q_pos0 + r % n_tok) against keys at positions k_pos0 ..; each row's
+    running max m and sum l_sum [Hkv, R] are updated, its accumulator acc [Hkv, R, D] rescaled, and s
+    becomes exp(s - m) (0 for keys the row may not see: later positions, or outside the window)."""
+    n_kv, rows, n_keys = s.shape
+    for item in prange(n_kv * rows):
+        hk = item // rows
+        r = item % rows
+        qp = q_pos0 + r % n_tok
+        sr = s[hk, r]
+        hi = min(n_keys, qp - k_pos0 + 1)  # keys [lo, hi) of the block are visible
+        lo = 0 if window <= 0 else min(max(0, qp - window + 1 - k_pos0), n_keys)
+        top = m[hk, r]
+        for i in range(lo, hi):
+            top = max(top, sr[i])
+        for i in range(lo):
+            sr[i] = 0
+        for i in range(max(hi, lo), n_keys):
+            sr[i] = 0
+        if hi <= lo:
+            continue
+        corr = fast_exp(m[hk, r] - top) if m[hk, r] != -np.inf else F32(0)
+        total = F32(0)
+        for i in range(lo, hi):
+            e = fast_exp(sr[i] - top)
+            sr[i] = e
+            total += e
+        l_sum[hk, r] = l_sum[hk, r] * corr + total
+        m[hk, r] = top
+        if corr != F32(1):
+            a = acc[hk, r]
+            for j in range(a.shape[0]):
+                a[j] *= corr

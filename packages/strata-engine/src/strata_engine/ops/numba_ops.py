@@ -1,0 +1,290 @@
+"""`NumbaOps`: the numpy backend with compiled kernels (`--cpu-kernels numba`, the default).
+
+Weights stay packed (`packed.py`: int8 with float32 scales per block, made once at load from the GGUF's
+blocks: a token reads ~1.2 bytes per weight instead of a float32 copy's 4). Products of a few token rows
+(decode, short prompts) run in numba kernels over all threads; larger ones dequantize the weight a row
+chunk at a time and hand each chunk to BLAS. Attention reads the K/V pool's own storage (f16, int8 with
+scales, f32), converting a tile of keys at a time (kv/cpu.py hands it the pool's views). Everything
+else is `NumpyOps`, the oracle these kernels are tested against (tests/engine/test_ops.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..config import Activation, RopeStyle
+from . import numba_kernels as nk
+from .numpy_ops import NumpyOps
+from .packed import PackedWeight
+from .threads import default_threads, set_threads
+
+F32 = np.float32
+# Token rows up to which a product runs in the packed kernel; above, dequantized chunks through BLAS
+# (the crossover measured by bench/bench_cpu_kernels.py: bench/CPU-NOTES.md).
+PACKED_MAX_ROWS = 16
+# Weight rows dequantized per BLAS call: a float32 chunk of about 2 MiB stays in cache for the product.
+DEQUANT_CHUNK_BYTES = 2 << 20
+# Work from which a kernel runs over all threads (below, on the calling thread): each parallel region is a
+# fork and a join, and on a busy machine the join waits for a descheduled thread (bench/CPU-NOTES.md).
+# Products: weight bytes times token rows; attention: keys times query heads times query tokens.
+PARALLEL_MIN_BYTES = 1 << 20
+PARALLEL_MIN_SCORES = 8192
+# Query tokens up to which attention runs in the tiled kernel; above, key blocks through BLAS.
+ATTN_KERNEL_MAX_TOKENS = 16
+# Keys per block of the BLAS path (scores [Hkv, G*T, block] float32 stay a few MiB).
+ATTN_BLAS_KEY_BLOCK = 512
+# Keys per split of the attention kernel at least (fewer splits than threads * 2 otherwise).
+ATTN_MIN_SPLIT = 64
+_DUMMY_2D = np.zeros((1, 1), dtype=F32)
+_NO_NORM = np.ones(1, dtype=F32)
+_DUMMY_3D = np.zeros((1, 1, 1), dtype=F32)
+
+
+def _mins(w: PackedWeight) -> np.ndarray:
+    """The weight's mins, or a placeholder of the scales' dtype (one kernel signature either way)."""
+    return w.min if w.min is not None else np.zeros((1, 1), dtype=w.scale.dtype)
+
+
+def storage_view(a: np.ndarray) -> np.ndarray:
+    """A K/V storage array as the kernels read it: f16 as its uint16 bits (numba has no f16 on the CPU)."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+class StoredRows:
+    """Rows [n, Hkv, D] of stored K or V in logical order, decoded to float32 a slice at a time (what
+    `NumbaOps.blas_attention` reads): `values` [slots, Hkv, D] of the storage type with int8 `scales`
+    [slots, Hkv, D / block] or None; logical row i is slot (first + i) % capacity, or first + i."""
+
+    def __init__(self, values: np.ndarray, scales: np.ndarray | None, first: int, n: int, capacity: int):
+        self.values, self.scales = values, scales
+        self.first, self.capacity = first, capacity
+        self.shape = (n, *values.shape[1:])
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        """float32 [n, Hkv, D] of logical rows `rows`."""
+        lo, hi, _ = rows.indices(self.shape[0])
+        where: Any = slice(self.first + lo, self.first + hi)
+        if self.capacity:
+            where = np.arange(self.first + lo, self.first + hi) % self.capacity
+        values = self.values[where]
+        scales = None if self.scales is None else self.scales[where]
+        out = values.astype(F32)
+        if scales is not None:
+            n_blocks = scales.shape[-1]
+            out = (out.reshape(*out.shape[:-1], n_blocks, -1) * scales[..., None]).reshape(out.shape)
+        return out
+
+
+class NumbaOps(NumpyOps):
+    """`NumpyOps` whose weights are `PackedWeight`s and whose products and attention are compiled."""
+
+    packs_weights = True
+    attends_in_place = True
+    compiles_kernels = True
+
+    def __init__(self, dtype: str = "f32", threads: int | None = None):
+        super().__init__(dtype)
+        if self.dtype != F32:
+            raise ValueError(f"the numba kernels compute in f32, not {dtype}")
+        self.threads = set_threads(threads if threads is not None else default_threads())
+
+    # ---- weights --------------------------------------------------------------------------------
+    def embed(self, table: Any, ids: np.ndarray, scale: float = 1.0) -> Any:
+        if not isinstance(table, PackedWeight):
+            return super().embed(table, ids, scale)
+        x = table.take(np.asarray(ids)).dequantize()
+        if scale != 1.0:
+            x *= F32(scale)
+        return x
+
+    def dequantize(self, w: PackedWeight, out: np.ndarray | None = None, *, parallel: bool = True) -> np.ndarray:
+        """float32 [N, K] of a packed weight (into `out` when given), on all threads or this one."""
+        if out is None:
+            out = np.empty(w.shape, dtype=F32)
+        kernel = nk.dequantize_packed if parallel else nk.dequantize_packed_serial
+        kernel(w.values, w.scale, _mins(w), w.min is not None, out)
+        return out
+
+    # ---- the steps between products ---------------------------------------------------------------
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        if x.ndim != 2:
+            return super().rms_norm(x, weight, eps)
+        x = np.ascontiguousarray(x, dtype=F32)
+        out = np.empty_like(x)
+        nk.rms_norm_rows(x, weight, F32(eps), out)
+        return out
+
+    def add_rms_norm(self, x: Any, y: Any, w_post: Any | None, w_next: Any, eps: float) -> tuple[Any, Any]:
+        x = np.ascontiguousarray(x, dtype=F32)
+        x_out, h_out = np.empty_like(x), np.empty_like(x)
+        has_post = w_post is not None
+        nk.add_rms_norm_rows(
+            x, np.ascontiguousarray(y, dtype=F32), w_post if has_post else w_next, has_post, w_next, F32(eps),
+            x_out, h_out,
+        )  # fmt: skip
+        return x_out, h_out
+
+    def qk_norm_rope(
+        self, q: Any, k: Any, head_dim: int, q_norm: Any | None, k_norm: Any | None, cos: Any, sin: Any,
+        style: RopeStyle, eps: float,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        n_tok = q.shape[0]
+        q_out = np.empty((n_tok, q.shape[1] // head_dim, head_dim), dtype=F32)
+        k_out = np.empty((n_tok, k.shape[1] // head_dim, head_dim), dtype=F32)
+        has_norm = q_norm is not None
+        nk.qk_norm_rope(
+            q, k, q_norm if has_norm else _NO_NORM, k_norm if has_norm else _NO_NORM, has_norm, cos, sin,
+            style is RopeStyle.NEOX, F32(eps), q_out, k_out,
+        )  # fmt: skip
+        return q_out, k_out
+
+    def gated_mlp(self, x: Any, w_gate_up: Any, w_down: Any, activation: Activation) -> Any:
+        if not isinstance(w_gate_up, PackedWeight):
+            return super().gated_mlp(x, w_gate_up, w_down, activation)
+        gate_up = self.matmul(x, w_gate_up)  # [T, 2F]: one product
+        n_tok, n_ff = gate_up.shape[0], gate_up.shape[1] // 2
+        if n_tok > PACKED_MAX_ROWS:  # numpy's exp and tanh are vectorized, numba's scalar
+            gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]
+            act = self.silu(gate) if activation is Activation.SILU else self.gelu_tanh(gate)
+            act *= up
+        else:
+            act = np.empty((n_tok, n_ff), dtype=F32)
+            nk.gated_activation(gate_up, activation is Activation.GELU_TANH, act)
+        return self.matmul(act, w_down)
+
+    # ---- products -------------------------------------------------------------------------------
+    def packed_matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
+        """x [M, K] float32 (C order) @ W^T in the packed kernel -> [M, N]."""
+        m, k = x.shape
+        y = np.empty((m, w.shape[0]), dtype=F32)
+        has_min = w.min is not None
+        xsum = x.reshape(m, k // w.block, w.block).sum(axis=-1) if has_min else _DUMMY_2D
+        parallel = self.threads > 1 and m * w.nbytes >= PARALLEL_MIN_BYTES
+        kernel = nk.matmul_packed if parallel else nk.matmul_packed_serial
+        kernel(x, xsum, w.values, w.scale, _mins(w), has_min, w.block, y)
+        return y
+
+    def blas_matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
+        """x @ W^T through BLAS, the weight dequantized a chunk of rows at a time (one buffer reused) on this
+        thread: a numba parallel region between BLAS calls would compete with BLAS's spinning threads."""
+        n, k = w.shape
+        y = np.empty((x.shape[0], n), dtype=F32)
+        step = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
+        buf = np.empty((min(step, n), k), dtype=F32)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            chunk = self.dequantize(w.rows(lo, hi), buf[: hi - lo], parallel=False)
+            np.matmul(x, chunk.T, out=y[:, lo:hi])
+        return y
+
+    def matmul(self, x: Any, w: Any) -> Any:
+        if not isinstance(w, PackedWeight):
+            return super().matmul(x, w)
+        x = np.ascontiguousarray(x, dtype=F32)
+        return self.packed_matmul(x, w) if x.shape[0] <= PACKED_MAX_ROWS else self.blas_matmul(x, w)
+
+    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...]) -> list[Any]:
+        """One product over the fused weight, returned as column views per block."""
+        if not isinstance(w_fused, PackedWeight):
+            return super().project(x, w_fused, sizes)
+        y = self.matmul(x, w_fused)
+        out, col = [], 0
+        for n in sizes:
+            out.append(y[:, col : col + n])
+            col += n
+        return out
+
+    # ---- K/V store and attention ----------------------------------------------------------------
+    def store_kv(self, k: Any, v: Any, k_pool: Any, v_pool: Any, pos0: int, ring_capacity: int = 0) -> None:
+        """`NumpyOps.store_kv` as slice copies where the slots are one run (every decode step)."""
+        n = k.shape[0]
+        first = pos0 % ring_capacity if ring_capacity else pos0
+        if ring_capacity and first + n > ring_capacity:
+            super().store_kv(k, v, k_pool, v_pool, pos0, ring_capacity)
+            return
+        k_pool[first : first + n] = k
+        v_pool[first : first + n] = v
+
+    # ---- attention ------------------------------------------------------------------------------
+    def attention(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        *,
+        q_pos0: int,
+        k_pos0: int,
+        window: int | None,
+        scale: float,
+        ring_capacity: int = 0,
+        k_scale: Any = None,
+        v_scale: Any = None,
+    ) -> Any:
+        """`NumpyOps.attention` over K/V as stored (f32, f16, or int8 with k_scale / v_scale [S, Hkv,
+        D / block]): the tiled kernel for up to ATTN_KERNEL_MAX_TOKENS queries, key blocks through BLAS
+        above; neither converts more than a block of keys to float32 at once."""
+        n_tok = q.shape[0]
+        k_hi = q_pos0 + n_tok if ring_capacity else k_pos0 + k.shape[0]
+        k_lo = k_pos0 if window is None else max(k_pos0, q_pos0 - window + 1)
+        if n_tok > ATTN_KERNEL_MAX_TOKENS:
+            n = k_hi - k_pos0
+            first = k_pos0 if ring_capacity else 0
+            keys = StoredRows(k, k_scale, first, n, ring_capacity)
+            values = StoredRows(v, v_scale, first, n, ring_capacity)
+            return self.blas_attention(q, keys, values, q_pos0=q_pos0, k_pos0=k_pos0, k_lo=k_lo, window=window, scale=scale)
+        return self.attention_kernel(
+            q, k, v, k_scale, v_scale, q_pos0=q_pos0, k_lo=k_lo, k_hi=k_hi, base=k_pos0,
+            capacity=ring_capacity, window=window or 0, scale=scale,
+        )  # fmt: skip
+
+    def blas_attention(
+        self, q: np.ndarray, keys: StoredRows, values: StoredRows, *, q_pos0: int, k_pos0: int, k_lo: int,
+        window: int | None, scale: float,
+    ) -> np.ndarray:  # fmt: skip
+        """Attention of many queries (a prefill chunk) over key blocks: the two products of a block through
+        BLAS, its masked online softmax in one parallel pass (`softmax_block`), keys and values decoded
+        to float32 a block at a time."""
+        n_tok, n_head, d = q.shape
+        n_kv = keys.shape[1]
+        group = n_head // n_kv
+        rows = group * n_tok
+        # [T, Hkv, G, D] -> [Hkv, G*T, D]: row r of a K/V head is query token r % T.
+        qg = (q.reshape(n_tok, n_kv, group, d).transpose(1, 2, 0, 3) * F32(scale)).reshape(n_kv, rows, d)
+        m = np.full((n_kv, rows), -np.inf, dtype=F32)
+        l_sum = np.zeros((n_kv, rows), dtype=F32)
+        acc = np.zeros((n_kv, rows, d), dtype=F32)
+        stop = min(keys.shape[0], q_pos0 + n_tok - k_pos0)  # keys past the last query are never seen
+        for b0 in range(k_lo - k_pos0, stop, ATTN_BLAS_KEY_BLOCK):
+            b1 = min(stop, b0 + ATTN_BLAS_KEY_BLOCK)
+            s = np.matmul(qg, keys[b0:b1].transpose(1, 2, 0))  # [Hkv, rows, B]
+            nk.softmax_block(s, m, l_sum, acc, q_pos0, n_tok, k_pos0 + b0, window or 0)
+            acc += np.matmul(s, values[b0:b1].transpose(1, 0, 2))
+        acc /= l_sum[..., None]
+        return acc.reshape(n_kv, group, n_tok, d).transpose(2, 0, 1, 3).reshape(n_tok, n_head * d)
+
+    def attention_kernel(
+        self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, *, q_pos0: int, k_lo: int, k_hi: int,
+        base: int, capacity: int, window: int, scale: float,
+    ) -> np.ndarray:  # fmt: skip
+        n_tok, n_head, d = q.shape
+        n_kv = k.shape[1]
+        rows = (n_head // n_kv) * n_tok
+        span = max(1, k_hi - k_lo)
+        parallel = self.threads > 1 and span * n_head * n_tok >= PARALLEL_MIN_SCORES
+        n_split = max(1, min(-(-2 * self.threads // n_kv), span // ATTN_MIN_SPLIT)) if parallel else 1
+        acc = np.empty((n_kv, n_split, rows, d), dtype=F32)
+        m = np.empty((n_kv, n_split, rows), dtype=F32)
+        l_sum = np.empty((n_kv, n_split, rows), dtype=F32)
+        qs = np.ascontiguousarray(q, dtype=F32) * F32(scale)
+        has_scales = k_scale is not None
+        kernel = nk.attention_partials if parallel else nk.attention_partials_serial
+        kernel(
+            qs, storage_view(k), storage_view(v), k_scale if has_scales else _DUMMY_3D,
+            v_scale if has_scales else _DUMMY_3D, has_scales, q_pos0, k_lo, base, capacity, window, n_split,
+            acc, m, l_sum,
+        )  # fmt: skip
+        out = np.empty((n_tok, n_head * d), dtype=F32)
+        nk.attention_merge(acc, m, l_sum, n_tok, out)
+        return out
