@@ -12,7 +12,7 @@ any depth, time <= 1.2x the empty engine's.
 Part 2, a workload (strata-server, SmolLM2, one slot): --chats chats with --history-token histories take
 --turns turns each in rounds (chat 1, 2, ..., K, then again), greedy, streamed; time to first token
 (TTFT) of the returning turns:
-  * cold: a server without the store: every returning chat re-evaluates its history;
+  * cold: a server without the store: a returning chat re-evaluates its history (one returning round);
   * store, back to back: the next request comes at once, so the displaced chat is saved in its path;
   * store, with think time: --think seconds between requests and --cache-idle-seconds below it, so the
     displaced chat was saved while the slot was idle;
@@ -145,32 +145,33 @@ def synthetic_file(path: Path, n_ctx: int, n_tokens: int) -> None:
 
 
 def restore_into_a_live_slot(folder: Path, depths: list[int], repeat: int) -> list[dict]:
-    """Per depth: the first restore of each kind in its process (what it adds to the RSS: above the RSS
-    before at the peak, and kept after), and the median wall time of `repeat` more."""
+    """Per depth, one engine per kind of restore, measured in turns (drift on a shared machine hits every
+    kind alike): what the first restore of each kind adds to its process's RSS (above the RSS before: at
+    the peak, and kept after), and the median wall time of `repeat` restores."""
     rows = []
     for depth in depths:
         path = folder / f"depth-{depth}.ssf"
         synthetic_file(path, 8192, depth)
-        row: dict = {"depth": depth, "file_bytes": path.stat().st_size}
         arms = {"empty": ("RESTORE_PREFIX", {"path": str(path)}),  # after an ERASE: nothing held
                 "staged": ("RESTORE", str(path)),  # the plain RESTORE into a live engine
                 "in place": ("RESTORE_PREFIX", {"path": str(path), "discard_held": True})}
-        for arm, (verb, argument) in arms.items():
-            engine = Engine("--ctx-size", "8192")
-            try:
+        engines = {arm: Engine("--ctx-size", "8192") for arm in arms}
+        runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+        try:
+            for engine in engines.values():
                 engine.command("RESTORE_PREFIX", {"path": str(path)})  # the pool's pages resident, a conversation held
-                if arm == "empty":
-                    engine.command("ERASE")
-                first = engine.measured(verb, argument)
-                walls = []
-                for _ in range(repeat):
+            for _ in range(repeat + 1):
+                for arm, (verb, argument) in arms.items():
                     if arm == "empty":
-                        engine.command("ERASE")
-                    walls.append(engine.measured(verb, argument))
-            finally:
+                        engines[arm].command("ERASE")
+                    runs[arm].append(engines[arm].measured(verb, argument))
+        finally:
+            for engine in engines.values():
                 engine.quit()
-            row[arm] = {"wall_ms": statistics.median(r["wall_ms"] for r in walls), "mode": first["mode"],
-                        "restore_ms": statistics.median(r["restore_ms"] for r in walls),
+        row: dict = {"depth": depth, "file_bytes": path.stat().st_size}
+        for arm, (first, *rest) in runs.items():
+            row[arm] = {"wall_ms": statistics.median(r["wall_ms"] for r in rest), "mode": first["mode"],
+                        "restore_ms": statistics.median(r["restore_ms"] for r in rest),
                         "peak_above": first["peak_above"], "kept": first["kept"]}
         rows.append(row)
         path.unlink()
@@ -300,8 +301,8 @@ class Workload:
     def run(self) -> dict:
         total = range(self.n_rounds + 1)
         server = Server(self.folder / "cold.log", *self.common)
-        try:
-            self.rounds(server, Chats(self.k, self.n_history, self.n_predict), total, "cold (no store)", 0.0, False)
+        try:  # one returning round: each re-evaluates its whole history
+            self.rounds(server, Chats(self.k, self.n_history, self.n_predict), range(2), "cold (no store)", 0.0, False)
         finally:
             server.stop()
         server = Server(self.folder / "b2b.log", *self.common, "--cache-disk", str(self.folder / "store-b2b"),
@@ -311,6 +312,8 @@ class Workload:
         finally:
             server.stop()
         store = self.folder / "store-think"
+        # Its first visits restore the histories the back-to-back run stored (cut back): no cold prefills again.
+        shutil.copytree(self.folder / "store-b2b", store)
         flags = (*self.common, "--cache-disk", str(store), "--cache-idle-seconds", str(self.think / 2))
         chats = Chats(self.k, self.n_history, self.n_predict)
         half = (self.n_rounds + 1) // 2 + 1
@@ -336,7 +339,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, to check the script")
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--history", type=int, default=2000, help="tokens of each chat's history")
-    parser.add_argument("--rounds", type=int, default=3, help="returning rounds after the first")
+    parser.add_argument("--rounds", type=int, default=2, help="returning rounds after the first")
     parser.add_argument("--predict", type=int, default=8)
     parser.add_argument("--think", type=float, default=1.0, help="seconds between requests (think-time arms)")
     parser.add_argument("--repeat", type=int, default=5)
