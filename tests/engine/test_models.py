@@ -128,6 +128,9 @@ def test_settings_problems_are_collected():
     assert len(exc.value.problems) == 5
     with pytest.raises(SettingsError, match="cpu_kernels 'numba' computes in f32"):
         EngineSettings(model_path="x", cpu_kernels="numba", compute_dtype="f64").validate()
+    with pytest.raises(SettingsError, match="cpu_kernels 'numba' does not run int8 K/V"):
+        EngineSettings(model_path="x", cpu_kernels="numba", kv_type="int8").validate()
+    assert EngineSettings(model_path="x", kv_type="int8").with_backend_defaults("llama").cpu_kernels == "numpy"
 
 
 def test_backend_defaults_fill_only_what_was_not_given():

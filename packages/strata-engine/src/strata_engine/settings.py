@@ -126,7 +126,8 @@ class EngineSettings:
     backend: "numpy", "cupy", or "auto" (cupy where a CUDA device is usable; `ModelRunner.load`
         resolves it, so `runner.settings.backend` names the backend actually running).
     cpu_kernels: the numpy backend's kernels: "numba" (compiled, packed weights) or "numpy" (the oracle);
-        None = `DEFAULT_CPU_KERNELS` for the compute dtype ("numpy" on cupy, where they do not run).
+        None = `DEFAULT_CPU_KERNELS` for the compute dtype ("numpy" on cupy, where they do not run, and for
+        int8 K/V, which the numba kernels do not run yet).
     threads: CPU threads for the kernels and BLAS; None = the cores this process may run on.
     chat_template: a `ChatTemplateName` or a jinja template used instead of the model's own; None = the
         model's (llama-server's --chat-template; --chat-template-file puts the file's text here).
@@ -162,7 +163,7 @@ class EngineSettings:
             compute_dtype=compute_dtype,
             prefill_chunk=self.prefill_chunk or DEFAULT_PREFILL_CHUNK[backend],
             cpu_kernels=self.cpu_kernels
-            or (DEFAULT_CPU_KERNELS[compute_dtype] if on_cpu else CpuKernels.NUMPY).value,
+            or (DEFAULT_CPU_KERNELS[compute_dtype] if on_cpu and self.kv_type != KVType.INT8 else CpuKernels.NUMPY).value,
             threads=self.threads or default_threads(),
         )
 
@@ -194,6 +195,9 @@ class EngineSettings:
             out.append(f"cpu_kernels must be one of {', '.join(values(CpuKernels))}, got {self.cpu_kernels!r}")
         elif self.cpu_kernels == CpuKernels.NUMBA and self.compute_dtype not in (None, ComputeDType.F32):
             out.append(f"cpu_kernels 'numba' computes in f32, not compute_dtype {self.compute_dtype!r}")
+        elif self.cpu_kernels == CpuKernels.NUMBA and self.kv_type == KVType.INT8:
+            # A restored int8 conversation does not reproduce its sampled tokens there yet (bench/CPU-NOTES.md).
+            out.append("cpu_kernels 'numba' does not run int8 K/V yet: use kv_type f16 or f32, or cpu_kernels numpy")
         return out
 
     def validate(self) -> EngineSettings:
