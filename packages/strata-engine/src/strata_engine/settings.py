@@ -80,7 +80,7 @@ def chat_template_problem(value: str) -> str | None:
 
 # The numpy backend's kernels unless told otherwise, per compute dtype: the compiled kernels compute in
 # f32 only; f64 (a numerics check) runs on numpy.
-DEFAULT_CPU_KERNELS: dict[str, CpuKernels] = {ComputeDType.F32: CpuKernels.NUMBA, ComputeDType.F64: CpuKernels.NUMPY}
+DEFAULT_CPU_KERNELS: dict[str, CpuKernels] = {ComputeDType.F32: CpuKernels.NUMPY, ComputeDType.F64: CpuKernels.NUMPY}
 
 # A context size the engine picks when none is given: the model's training context, capped here so a
 # 32K-context model does not preallocate 32K tokens of K/V by default (llama-server caps the same way
@@ -195,9 +195,6 @@ class EngineSettings:
             out.append(f"cpu_kernels must be one of {', '.join(values(CpuKernels))}, got {self.cpu_kernels!r}")
         elif self.cpu_kernels == CpuKernels.NUMBA and self.compute_dtype not in (None, ComputeDType.F32):
             out.append(f"cpu_kernels 'numba' computes in f32, not compute_dtype {self.compute_dtype!r}")
-        elif self.cpu_kernels == CpuKernels.NUMBA and self.kv_type == KVType.INT8:
-            # A restored int8 conversation does not reproduce its sampled tokens there yet (bench/CPU-NOTES.md).
-            out.append("cpu_kernels 'numba' does not run int8 K/V yet: use kv_type f16 or f32, or cpu_kernels numpy")
         return out
 
     def validate(self) -> EngineSettings:
