@@ -218,11 +218,11 @@ class Server:
 
 
 def history(chat: int, n_tokens: int) -> str:
-    """About n_tokens of SmolLM2 tokens of chat-specific notes (about 16 tokens a sentence)."""
+    """About n_tokens of SmolLM2 tokens of chat-specific notes (about 25 tokens a sentence)."""
     rng = np.random.default_rng(chat)
     return f"Chat {chat}. Remember these notes. " + " ".join(
         f"Entry {i} of ledger {chat}: item {rng.integers(1000)} is in box {rng.integers(100)} on shelf "
-        f"{rng.integers(9)}." for i in range(n_tokens // 16))
+        f"{rng.integers(9)}." for i in range(n_tokens // 25))
 
 
 def ttft(server: Server, messages: list[dict], n_predict: int) -> tuple[float, str, int]:
