@@ -218,11 +218,11 @@ class Server:
 
 
 def history(chat: int, n_tokens: int) -> str:
-    """About n_tokens of SmolLM2 tokens of chat-specific notes (about 16 tokens a sentence)."""
+    """About n_tokens of SmolLM2 tokens of chat-specific notes (about 25 tokens a sentence)."""
     rng = np.random.default_rng(chat)
     return f"Chat {chat}. Remember these notes. " + " ".join(
         f"Entry {i} of ledger {chat}: item {rng.integers(1000)} is in box {rng.integers(100)} on shelf "
-        f"{rng.integers(9)}." for i in range(n_tokens // 16))
+        f"{rng.integers(9)}." for i in range(n_tokens // 25))
 
 
 def ttft(server: Server, messages: list[dict], n_predict: int) -> tuple[float, str, int]:
@@ -299,21 +299,23 @@ class Workload:
                 self.record(first_arm if first_arm and r == rounds.start else arm, seconds, held)
 
     def run(self) -> dict:
-        total = range(self.n_rounds + 1)
         server = Server(self.folder / "cold.log", *self.common)
         try:  # one returning round: each re-evaluates its whole history
             self.rounds(server, Chats(self.k, self.n_history, self.n_predict), range(2), "cold (no store)", 0.0, False)
         finally:
             server.stop()
+        store = self.folder / "store-think"
         server = Server(self.folder / "b2b.log", *self.common, "--cache-disk", str(self.folder / "store-b2b"),
                         "--cache-idle-seconds", "0")
         try:
-            self.rounds(server, Chats(self.k, self.n_history, self.n_predict), total, "store, back to back", 0.0)
+            chats = Chats(self.k, self.n_history, self.n_predict)
+            self.rounds(server, chats, range(1), "store, back to back", 0.0)
+            # The think-time run starts from the histories stored by now (all chats but the last, after their
+            # first visit): no cold prefills again, and no file holding more than that run's prompts.
+            shutil.copytree(self.folder / "store-b2b", store)
+            self.rounds(server, chats, range(1, self.n_rounds + 1), "store, back to back", 0.0)
         finally:
             server.stop()
-        store = self.folder / "store-think"
-        # Its first visits restore the histories the back-to-back run stored (cut back): no cold prefills again.
-        shutil.copytree(self.folder / "store-b2b", store)
         flags = (*self.common, "--cache-disk", str(store), "--cache-idle-seconds", str(self.think / 2))
         chats = Chats(self.k, self.n_history, self.n_predict)
         half = (self.n_rounds + 1) // 2 + 1
