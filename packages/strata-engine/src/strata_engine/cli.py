@@ -71,8 +71,8 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         "--cpu-kernels",
         choices=values(CpuKernels),
         default=None,
-        help="the numpy backend's kernels: numba (packed weights, compiled; the default for f32) or numpy "
-        "(float32 weights and BLAS: the reference)",
+        help="the numpy backend's kernels: numpy (float32 weights and BLAS: the reference; "
+        "the default) or numba (packed weights, compiled kernels, f32 compute only; opt-in)",
     )
     parser.add_argument(
         "--threads",
