@@ -116,11 +116,10 @@ def flash_tiles(head_dim: int, rows: int) -> tuple[int, int]:
     return warps, (16 if head_dim > 128 else 64)
 
 
-def flash_splits(n_blocks: int, n_keys: int, key_tile: int, n_sm: int, min_tiles: int = 4) -> int:
+def flash_splits(n_blocks: int, n_keys: int, key_tile: int, n_sm: int) -> int:
     """Key splits per row tile: enough blocks to fill the device twice over when the row tiles alone
-    do not (decode, short chunks), but never under `min_tiles` key tiles per split (a decode step's
-    one-warp blocks take one: with four, 512 held keys gave 6 blocks of 4 tiles each, bench/GPU-NOTES.md)."""
+    do not (decode, short chunks), but never under four key tiles per split."""
     if n_blocks >= 2 * n_sm:
         return 1
     want = -(-2 * n_sm // n_blocks)
-    return max(1, min(want, n_keys // (min_tiles * key_tile)))
+    return max(1, min(want, n_keys // (4 * key_tile)))

@@ -404,7 +404,7 @@ class CupyOps(NumpyOps):
         warps, key_tile = tiles or flash_tiles(d, rows)
         block_rows = 16 * warps
         row_tiles = -(-rows // block_rows)
-        splits = flash_splits(row_tiles * n_kv, n_keys, key_tile, self.raw.n_sm, min_tiles=1 if warps == 1 else 4)
+        splits = flash_splits(row_tiles * n_kv, n_keys, key_tile, self.raw.n_sm)
         out = cp.empty((n_q, n_head * d), dtype=self.dtype)
         rows_pad = row_tiles * block_rows
         part_o = part_ml = _NULL
@@ -453,7 +453,9 @@ class CupyOps(NumpyOps):
         cp = self.xp
         x = cp.ascontiguousarray(x)
         assert x.dtype == w_out.dtype and w_out.flags.c_contiguous and x.shape[1] == w_out.shape[1]
-        return self.cublas.linear(cp, x, w_out, out_dtype=cp.float32)  # strata_gemv measured slower here
+        if self._gemv_fits(x, w_out):
+            return self._gemv(x, w_out, w_out.shape[0], cp.float32, -1)
+        return self.cublas.linear(cp, x, w_out, out_dtype=cp.float32)
 
 
 def cuda_available() -> bool:
