@@ -123,14 +123,3 @@ def flash_splits(n_blocks: int, n_keys: int, key_tile: int, n_sm: int) -> int:
         return 1
     want = -(-2 * n_sm // n_blocks)
     return max(1, min(want, n_keys // (4 * key_tile)))
-
-
-# strata_decode_attn: K/V head groups it is compiled for, and the fewest keys a split is given.
-DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
-DECODE_MIN_KEYS_PER_SPLIT = 32
-
-
-def decode_splits(n_kv: int, max_keys: int, n_sm: int) -> int:
-    """Key splits of strata_decode_attn: one wave of blocks over the K/V heads (more splits cost their
-    merge more than they gain: bench/GPU-NOTES.md), never under DECODE_MIN_KEYS_PER_SPLIT keys each."""
-    return max(1, min(-(-n_sm // n_kv), max_keys // DECODE_MIN_KEYS_PER_SPLIT))

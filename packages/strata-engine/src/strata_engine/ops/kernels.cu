@@ -14,7 +14,6 @@
 // * strata_qk_norm_rope: one warp per (token, head): optional per-head RMS norm, then RoPE (neox or
 //   interleaved), for the Q and K heads of one fused QKV projection.
 // * strata_gated_act: act(gate) * up over the two halves of one fused [Wg; Wu] product.
-// * strata_decode_attn: one query token's attention, keys split evenly whatever the position (decode).
 // * strata_add_rms_norm_row / strata_gemv: the same norm and the products for steps of a few token rows
 //   (decode): a block per row, a warp per output column (the gated activation fused into the gate/up one).
 //
@@ -660,94 +659,6 @@ __global__ void strata_gemv(const T* __restrict__ x, const T* __restrict__ w, O*
                 }
                 y[(size_t)t * n_out + o] = from_f32<O>(v);
             }
-        }
-    }
-}
-
-// One query token (decode) over its keys, without tensor cores: a flash-decoding split of the keys
-// visible to the query, equal shares among the splits whatever the position (a captured step reads it
-// from dyn), so every block works; the G query heads of a K/V head share each key row read. Grid:
-// x = K/V head, y = split; 4 warps, each walking every 4th key of the split with the D values spread
-// over its lanes (E = D / 32 each), online softmax in float32, base 2. Arguments and the partial
-// results' layout are strata_flash_attn's for n_q = 1 (rows_pad = G); with one split it writes out.
-template <typename QT, typename KT, typename OT, int D, int G>
-__global__ void __launch_bounds__(128)
-strata_decode_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
-                   OT* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int Hkv,
-                   int q_pos0, int k_pos0, int n_keys, int ring_cap, int window, float scale_log2, int n_splits,
-                   const int* __restrict__ dyn) {
-    constexpr int E = D / 32, NW = 4;
-    __shared__ float s_acc[NW][G][D];
-    __shared__ float s_m[NW][G], s_l[NW][G];
-    if (dyn != nullptr) {
-        q_pos0 = dyn[0];
-        k_pos0 = ring_cap > 0 && window > 0 ? max(0, q_pos0 - window + 1) : 0;
-        n_keys = q_pos0 + 1 - k_pos0;
-    }
-    const int kvh = blockIdx.x, split = blockIdx.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int j_lo = window > 0 ? max(0, q_pos0 - window + 1 - k_pos0) : 0;
-    const int j_hi = min(n_keys, q_pos0 - k_pos0 + 1);
-    const int total = max(0, j_hi - j_lo);
-    const int a = j_lo + (int)(((long long)total * split) / n_splits);
-    const int b = j_lo + (int)(((long long)total * (split + 1)) / n_splits);
-    float qv[G][E], acc[G][E], m[G], l[G];
-#pragma unroll
-    for (int g = 0; g < G; g++) {
-        const QT* qr = q + (size_t)(kvh * G + g) * D + lane * E;
-#pragma unroll
-        for (int e = 0; e < E; e++) { qv[g][e] = to_f32(qr[e]) * scale_log2; acc[g][e] = 0.f; }
-        m[g] = -INFINITY;
-        l[g] = 0.f;
-    }
-    for (int j = a + warp; j < b; j += NW) {
-        const size_t slot = ring_cap > 0 ? (size_t)((k_pos0 + j) % ring_cap) : (size_t)j;
-        const size_t off = (slot * Hkv + kvh) * D + lane * E;
-        float kv[E], vv[E];
-#pragma unroll
-        for (int e = 0; e < E; e++) { kv[e] = to_f32(k[off + e]); vv[e] = to_f32(v[off + e]); }
-#pragma unroll
-        for (int g = 0; g < G; g++) {
-            float s = 0.f;
-#pragma unroll
-            for (int e = 0; e < E; e++) s = fmaf(qv[g][e], kv[e], s);
-            s = warp_sum(s);
-            const float m_new = fmaxf(m[g], s);
-            const float corr = exp2f(m[g] - m_new), p = exp2f(s - m_new);
-            l[g] = l[g] * corr + p;
-#pragma unroll
-            for (int e = 0; e < E; e++) acc[g][e] = fmaf(p, vv[e], acc[g][e] * corr);
-            m[g] = m_new;
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < G; g++) {
-#pragma unroll
-        for (int e = 0; e < E; e++) s_acc[warp][g][lane * E + e] = acc[g][e];
-        if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
-        float M = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < NW; w++) M = fmaxf(M, s_m[w][g]);
-        float o = 0.f, den = 0.f;
-        if (M != -INFINITY) {
-#pragma unroll
-            for (int w = 0; w < NW; w++) {
-                if (s_m[w][g] == -INFINITY) continue;
-                const float c = exp2f(s_m[w][g] - M);
-                o += s_acc[w][g][d] * c;
-                den += s_l[w][g] * c;
-            }
-        }
-        if (n_splits == 1) {
-            out[(size_t)(kvh * G + g) * D + d] = from_f32<OT>(den > 0.f ? o / den : 0.f);
-        } else {
-            const size_t at = ((size_t)split * Hkv + kvh) * G + g;
-            part_o[at * D + d] = o;
-            if (d == 0) { part_ml[at * 2] = M; part_ml[at * 2 + 1] = den; }
         }
     }
 }
