@@ -495,11 +495,9 @@ __global__ void strata_attn_combine(const float* __restrict__ part_o, const floa
     const int R = (int)((i / D) % rows);
     const int kvh = (int)(i / ((long long)D * rows));
     float M = -INFINITY;
-#pragma unroll 8
     for (int s = 0; s < n_splits; s++) M = fmaxf(M, part_ml[(((size_t)s * Hkv + kvh) * rows_pad + R) * 2]);
     float num = 0.f, den = 0.f;
     if (M != -INFINITY) {
-#pragma unroll 8
         for (int s = 0; s < n_splits; s++) {
             const size_t at = ((size_t)s * Hkv + kvh) * rows_pad + R;
             const float m = part_ml[at * 2];
