@@ -14,6 +14,8 @@
 // * strata_qk_norm_rope: one warp per (token, head): optional per-head RMS norm, then RoPE (neox or
 //   interleaved), for the Q and K heads of one fused QKV projection.
 // * strata_gated_act: act(gate) * up over the two halves of one fused [Wg; Wu] product.
+// * strata_decode_attn / strata_attn_merge: one query token's attention, its keys split evenly whatever
+//   the position, a key per lane; the splits merged by a block per row.
 // * strata_add_rms_norm_row / strata_gemv: the same norm and the products for steps of a few token rows
 //   (decode): a block per row, a warp per output column (the gated activation fused into the gate/up one).
 //
@@ -661,4 +663,170 @@ __global__ void strata_gemv(const T* __restrict__ x, const T* __restrict__ w, O*
             }
         }
     }
+}
+
+template <> __device__ __forceinline__ void load8<float>(const float* __restrict__ p, float* v) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+// One query token (decode) over its keys: the keys visible to the query split evenly among the blocks
+// whatever the position (a captured step reads it from dyn, so every block works at any depth). Grid:
+// x = K/V head, y = split; 4 warps take 32 keys at a time, a key per lane: its score against the G query
+// heads of the K/V head without warp reductions (q in shared memory, K rows read whole by their lane),
+// then the values with the lanes over the D dims, each key's probability passed along by a shuffle.
+// Online softmax in float32, base 2. Arguments are strata_flash_attn's for n_q = 1; partial results in
+// its layout with rows_pad = G (strata_attn_merge merges them); with one split it writes out.
+template <typename QT, typename KT, typename OT, int D, int G>
+__global__ void __launch_bounds__(128)
+strata_decode_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
+                   OT* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int Hkv,
+                   int q_pos0, int k_pos0, int n_keys, int ring_cap, int window, float scale_log2, int n_splits,
+                   const int* __restrict__ dyn) {
+    constexpr int NW = 4, E = D / 32;
+    __shared__ float s_q[G][D];
+    __shared__ float s_acc[NW][G][D];
+    __shared__ float s_m[NW][G], s_l[NW][G];
+    if (dyn != nullptr) {
+        q_pos0 = dyn[0];
+        k_pos0 = ring_cap > 0 && window > 0 ? max(0, q_pos0 - window + 1) : 0;
+        n_keys = q_pos0 + 1 - k_pos0;
+    }
+    const int kvh = blockIdx.x, split = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int j_lo = window > 0 ? max(0, q_pos0 - window + 1 - k_pos0) : 0;
+    const int j_hi = min(n_keys, q_pos0 - k_pos0 + 1);
+    const int total = max(0, j_hi - j_lo);
+    const int a = j_lo + (int)(((long long)total * split) / n_splits);
+    const int b = j_lo + (int)(((long long)total * (split + 1)) / n_splits);
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x)
+        s_q[i / D][i % D] = to_f32(q[(size_t)(kvh * G) * D + i]) * scale_log2;
+    __syncthreads();
+    float acc[G][E], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[g][e] = 0.f;
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+    }
+    for (int base = a + warp * 32; base < b; base += NW * 32) {
+        const int j = base + lane;
+        float s[G], p[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) s[g] = 0.f;
+        if (j < b) {
+            const size_t slot = ring_cap > 0 ? (size_t)((k_pos0 + j) % ring_cap) : (size_t)j;
+            const KT* kr = k + (slot * Hkv + kvh) * D;
+#pragma unroll 4
+            for (int c = 0; c < D; c += 8) {
+                float kv[8];
+                load8<KT>(kr + c, kv);
+#pragma unroll
+                for (int g = 0; g < G; g++)
+#pragma unroll
+                    for (int e = 0; e < 8; e++) s[g] = fmaf(s_q[g][c + e], kv[e], s[g]);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const float m_new = fmaxf(m[g], warp_max(j < b ? s[g] : -INFINITY));
+            const float corr = exp2f(m[g] - m_new);
+            p[g] = j < b ? exp2f(s[g] - m_new) : 0.f;
+            l[g] = l[g] * corr + p[g];
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[g][e] *= corr;
+            m[g] = m_new;
+        }
+        const int n_here = min(32, b - base);
+#pragma unroll 4
+        for (int jj = 0; jj < n_here; jj++) {
+            const int jv = base + jj;
+            const size_t slot = ring_cap > 0 ? (size_t)((k_pos0 + jv) % ring_cap) : (size_t)jv;
+            const KT* vr = v + (slot * Hkv + kvh) * D + lane * E;
+            float vv[E];
+#pragma unroll
+            for (int e = 0; e < E; e++) vv[e] = to_f32(vr[e]);
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                const float pj = __shfl_sync(0xffffffffu, p[g], jj);
+#pragma unroll
+                for (int e = 0; e < E; e++) acc[g][e] = fmaf(pj, vv[e], acc[g][e]);
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        const float lt = warp_sum(l[g]);
+#pragma unroll
+        for (int e = 0; e < E; e++) s_acc[warp][g][lane * E + e] = acc[g][e];
+        if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = lt; }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NW; w++) M = fmaxf(M, s_m[w][g]);
+        float o = 0.f, den = 0.f;
+        if (M != -INFINITY) {
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                if (s_m[w][g] == -INFINITY) continue;
+                const float c = exp2f(s_m[w][g] - M);
+                o += s_acc[w][g][d] * c;
+                den += s_l[w][g] * c;
+            }
+        }
+        if (n_splits == 1) {
+            out[(size_t)(kvh * G + g) * D + d] = from_f32<OT>(den > 0.f ? o / den : 0.f);
+        } else {
+            const size_t at = ((size_t)split * Hkv + kvh) * G + g;
+            part_o[at * D + d] = o;
+            if (d == 0) { part_ml[at * 2] = M; part_ml[at * 2 + 1] = den; }
+        }
+    }
+}
+
+// strata_attn_combine for up to MERGE_MAX_SPLITS splits, a block per (K/V head, row) with a thread per
+// d: the splits' weights are made once, in parallel, and each thread's sum over the splits reads
+// independent addresses (the one-thread-per-value merge walks the splits' maxima and sums one load at
+// a time).
+constexpr int MERGE_MAX_SPLITS = 256;
+template <typename OT>
+__global__ void strata_attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                  OT* __restrict__ out, int n_q, int H, int Hkv, int D, int n_splits, int rows_pad) {
+    __shared__ float s_w[MERGE_MAX_SPLITS];
+    __shared__ float sh[32];
+    const int G = H / Hkv, rows = n_q * G;
+    const int R = blockIdx.x % rows, kvh = blockIdx.x / rows;
+    const int d = threadIdx.x;
+    float mx = -INFINITY;
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x)
+        mx = fmaxf(mx, part_ml[(((size_t)s * Hkv + kvh) * rows_pad + R) * 2]);
+    mx = warp_max(mx);
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    float M = -INFINITY;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) M = fmaxf(M, sh[w]);
+    __syncthreads();
+    float den_part = 0.f;
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+        const size_t at = ((size_t)s * Hkv + kvh) * rows_pad + R;
+        const float m = part_ml[at * 2];
+        const float w = (M == -INFINITY || m == -INFINITY) ? 0.f : exp2f(m - M);
+        s_w[s] = w;
+        den_part += part_ml[at * 2 + 1] * w;
+    }
+    const float den = block_sum(den_part, sh);  // its barrier also publishes s_w
+    float num = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < n_splits; s++) num += part_o[(((size_t)s * Hkv + kvh) * rows_pad + R) * D + d] * s_w[s];
+    if (d < D) out[((size_t)(R / G) * H + kvh * G + R % G) * D + d] = from_f32<OT>(den > 0.f ? num / den : 0.f);
 }
