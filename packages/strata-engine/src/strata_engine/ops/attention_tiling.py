@@ -123,16 +123,3 @@ def flash_splits(n_blocks: int, n_keys: int, key_tile: int, n_sm: int) -> int:
         return 1
     want = -(-2 * n_sm // n_blocks)
     return max(1, min(want, n_keys // (4 * key_tile)))
-
-
-# strata_decode_attn: the query heads per K/V head it is compiled for, the fewest keys a split gets on
-# average, and the most splits strata_attn_merge takes.
-DECODE_GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
-DECODE_KEYS_PER_SPLIT = 64
-MERGE_MAX_SPLITS = 256
-
-
-def decode_splits(n_kv: int, max_keys: int, n_sm: int) -> int:
-    """Key splits of strata_decode_attn: one wave of blocks over the K/V heads, at least
-    DECODE_KEYS_PER_SPLIT of the most keys the step can see each."""
-    return max(1, min(-(-n_sm // n_kv), max_keys // DECODE_KEYS_PER_SPLIT, MERGE_MAX_SPLITS))

@@ -25,10 +25,8 @@ from ..config import Activation, RopeStyle
 from ..errors import SettingsError
 from .attention_tiling import (
     ATTENTION_SCORE_BUDGET,
-    DECODE_GROUPS,
     FLASH_HEAD_DIMS,
     blocked_attention,
-    decode_splits,
     flash_splits,
     flash_tiles,
     key_block_for,
@@ -402,9 +400,6 @@ class CupyOps(NumpyOps):
             n_keys = min(ring_capacity, (window or ring_capacity) + n_q - 1) if ring_capacity else k.shape[0]
         else:
             n_keys = q_pos0 + n_q - k_pos0 if ring_capacity else k.shape[0]
-        if n_q == 1 and tiles is None and n_head // n_kv in DECODE_GROUPS:
-            max_keys = min(n_keys, window) if window else n_keys
-            return self._decode_attention(q, k, v, q_pos0, k_pos0, n_keys, max_keys, window, scale, ring_capacity, dyn)
         rows = (n_head // n_kv) * n_q
         warps, key_tile = tiles or flash_tiles(d, rows)
         block_rows = 16 * warps
@@ -435,38 +430,6 @@ class CupyOps(NumpyOps):
                 (256,),
                 (part_o, part_ml, out, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(d),
                  np.int32(splits), np.int32(rows_pad)),
-            )  # fmt: skip
-        return out
-
-    def _decode_attention(
-        self, q: Any, k: Any, v: Any, q_pos0: int, k_pos0: int, n_keys: int, max_keys: int, window: int | None,
-        scale: float, ring_capacity: int, dyn: Any,
-    ) -> Any:  # fmt: skip
-        """`flash_attention` of one query token: strata_decode_attn, its splits merged by strata_attn_merge
-        (in float32; the keys split evenly whatever the position, a key per lane)."""
-        cp = self.xp
-        _, n_head, d = q.shape
-        n_kv = k.shape[1]
-        group = n_head // n_kv
-        splits = decode_splits(n_kv, max_keys, self.raw.n_sm)
-        out = cp.empty((1, n_head * d), dtype=self.dtype)
-        part_o = part_ml = _NULL
-        if splits > 1:
-            part_o = cp.empty((splits, n_kv, group, d), dtype=cp.float32)
-            part_ml = cp.empty((splits, n_kv, group, 2), dtype=cp.float32)
-        kernel = self.raw.get("strata_decode_attn", c_type(q.dtype), c_type(k.dtype), c_type(out.dtype), d, group)
-        args = (
-            q, k, v, out, part_o, part_ml, np.int32(n_kv), np.int32(q_pos0), np.int32(k_pos0), np.int32(n_keys),
-            np.int32(ring_capacity), np.int32(window or 0), np.float32(scale * _LOG2E), np.int32(splits),
-            _NULL if dyn is None else dyn,
-        )  # fmt: skip
-        kernel((n_kv, splits), (128,), args)
-        if splits > 1:
-            merge = self.raw.get("strata_attn_merge", c_type(out.dtype))
-            merge(
-                (n_kv * group,), (d,),
-                (part_o, part_ml, out, np.int32(1), np.int32(n_head), np.int32(n_kv), np.int32(d),
-                 np.int32(splits), np.int32(group)),
             )  # fmt: skip
         return out
 
