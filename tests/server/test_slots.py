@@ -168,12 +168,12 @@ def test_save_failure_is_500_and_keeps_old_file(api, slot_dir):
     assert slot_post(client, "save", {"filename": "keep.bin"}).status_code == 200
     before = (slot_dir / "keep.bin").read_bytes()
     client.simulate_post("/completion", json={"prompt": "something else entirely", **GREEDY})
-    engine.engine.fail_saves = True
+    engine.slot_engines[0].fail_saves = True
     error = assert_error(slot_post(client, "save", {"filename": "keep.bin"}), 500, "server_error")
     assert error["message"].startswith("Unable to save slot") and "untouched" in error["message"]
     assert (slot_dir / "keep.bin").read_bytes() == before
     assert sorted(os.listdir(slot_dir)) == ["keep.bin"]
-    engine.engine.fail_saves = False
+    engine.slot_engines[0].fail_saves = False
     assert client.simulate_post("/completion", json={"prompt": "still serving", **GREEDY}).status_code == 200
 
 
@@ -200,6 +200,6 @@ def test_save_folder_flush_failure_says_file_in_place(api, monkeypatch):
         yield {"event": "error", "error": {"type": "session_write_failed", "reason": "dir_fsync_failed",
                                            "message": "fsync of the folder failed", "file_in_place": True}}
 
-    monkeypatch.setattr(engine.engine, "do_save", flush_failed)
+    monkeypatch.setattr(engine.slot_engines[0], "do_save", flush_failed)
     error = assert_error(slot_post(client, "save", {"filename": "x.bin"}), 500, "server_error")
     assert "is in place" in error["message"] and error["reason"] == "dir_fsync_failed"

@@ -169,7 +169,7 @@ def test_busy_slot_bounded_wait(supervised):
     waiter = threading.Thread(target=lambda: got.append(supervisor.acquire(5.0)))
     waiter.start()
     time.sleep(0.1)
-    assert supervisor.gate.waiting == 1
+    assert supervisor.slots.waiting == 1
     lease.release()
     waiter.join(5)
     got[0].release()

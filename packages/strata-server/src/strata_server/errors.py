@@ -83,10 +83,10 @@ class EngineUnavailable(EngineCallError):
 
 
 class SlotBusy(EngineCallError):
-    """Slot 0 stayed busy for the whole bounded wait."""
+    """No slot (or the slot the request named) became idle within the bounded wait."""
 
     def __init__(self, waited_s: float):
-        super().__init__(f"no slot available: slot 0 stayed busy for {waited_s:g} s")
+        super().__init__(f"no slot available: every slot it could take stayed busy for {waited_s:g} s")
         self.waited_s = waited_s
 
 
