@@ -39,7 +39,7 @@ from .errors import (
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 ENGINE_NAME = "strata-engine"
 MAX_LINE_BYTES = 256 * 1024 * 1024
 
@@ -97,8 +97,10 @@ class ErrorKind(enum.StrEnum):
 
     INVALID_REQUEST = "invalid_request"
     EXCEED_CONTEXT_SIZE = "exceed_context_size"
+    SLOT_BUSY = "slot_busy"  # the slot named runs a COMPLETE: the client chooses slots, the engine queues nothing
     SESSION_REFUSED = "session_refused"
     SESSION_WRITE_FAILED = "session_write_failed"
+    SLOT_FAILED = "slot_failed"  # a restore failed after the slot's gate: that slot erased, the others untouched
     FAIL_STOP = "fail_stop"
     INTERNAL = "internal"
 
@@ -114,6 +116,8 @@ class Reason(enum.StrEnum):
     BAD_ARGUMENT = "bad_argument"
     BAD_JSON = "bad_json"
     BAD_FIELD = "bad_field"
+    DUPLICATE_ID = "duplicate_id"
+    SLOT_BUSY = "slot_busy"
     BAD_TOKEN = "bad_token"
     CHAT_TEMPLATE = "chat_template"
     TOKENIZER = "tokenizer"
@@ -127,6 +131,7 @@ class Reason(enum.StrEnum):
 # The reasons not under invalid_request; every other one is.
 _OTHER_REASON_KINDS: dict[Reason, ErrorKind] = {
     Reason.PROMPT_TOO_LONG: ErrorKind.EXCEED_CONTEXT_SIZE,
+    Reason.SLOT_BUSY: ErrorKind.SLOT_BUSY,
     Reason.PREFIX_UNREACHABLE: ErrorKind.SESSION_REFUSED,
     Reason.UNEXPECTED: ErrorKind.INTERNAL,
 }
