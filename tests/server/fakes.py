@@ -12,7 +12,7 @@ from strata_server.engine.process import encode_command
 from strata_server.errors import EngineUnavailable
 from strata_server.slot_manager import SlotManager
 
-from .fake_engine import FailStop, FakeEngine
+from .fake_engine import FailStop, FakeEngine, status_of
 
 
 class FakeLease(EngineLease):
@@ -33,7 +33,11 @@ class FakeLease(EngineLease):
         engine.cancel_requested = self._cancel.is_set
         line = encode_command(verb, argument)
         assert "\n" not in line
-        self._open = self._answers(engine.handle(line))
+        if verb == "STATUS":  # every slot's, as protocol v2's
+            busy = frozenset(slot.id for slot in self.client.slots.snapshot() if slot.busy)
+            self._open = self._answers(iter([status_of(self.client.slot_engines, busy)]))
+        else:
+            self._open = self._answers(engine.handle(line))
         return self._open
 
     def _answers(self, lines: Iterator[dict]) -> Iterator[dict]:

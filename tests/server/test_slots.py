@@ -138,7 +138,7 @@ def test_refusals_keep_conversation(api, slot_dir, fake_model, tmp_path):
     other_model.write_text("fake-model-B")
     other = FakeEngine(str(other_model))
     other.held = [5, 6, 7]
-    list(other.do_save(str(slot_dir / "other-model.bin")))
+    list(other.do_save({"path": str(slot_dir / "other-model.bin")}))
     # A corrupted file: one byte changed.
     data = bytearray((slot_dir / "good.bin").read_bytes())
     data[data.index(b'"tokens"') + 12] ^= 0x01
@@ -155,7 +155,7 @@ def test_refusals_keep_conversation(api, slot_dir, fake_model, tmp_path):
 def test_fail_stop_after_gate_is_500_then_served(api, slot_dir):
     client, engine, _ = api
     assert slot_post(client, "save", {"filename": "doomed.bin"}).status_code == 200
-    mark_fail_after_gate(str(slot_dir / "doomed.bin"))
+    mark_fail_after_gate(str(slot_dir / "doomed.bin"), fail_stop=True)
     error = assert_error(slot_post(client, "restore", {"filename": "doomed.bin"}), 500, "server_error")
     assert "restarting" in error["message"] and "lost" in error["message"]
     assert engine.restarts == 1
@@ -196,7 +196,7 @@ def test_slot_actions_need_json_and_no_foreign_origin(make_api, slot_dir):
 def test_save_folder_flush_failure_says_file_in_place(api, monkeypatch):
     client, engine, _ = api
 
-    def flush_failed(path):
+    def flush_failed(arg):
         yield {"event": "error", "error": {"type": "session_write_failed", "reason": "dir_fsync_failed",
                                            "message": "fsync of the folder failed", "file_in_place": True}}
 

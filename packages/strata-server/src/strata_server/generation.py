@@ -73,7 +73,8 @@ def token_probabilities(event: dict, post_sampling: bool) -> dict:
         data = bytes(p["bytes"]) if "bytes" in p else piece.encode("utf-8")
         return {"id": p.get("id"), "token": utf8_prefix(data), "bytes": list(data), key: p.get(key)}
 
-    return {**entry(event, str(event.get("piece", ""))),
+    chosen = {**event, "id": event.get("token")}  # a token line's "id" is its request's (protocol v2)
+    return {**entry(chosen, str(event.get("piece", ""))),
             top_key: [entry(p, str(p.get("token", ""))) for p in event.get("probs") or []]}
 
 
@@ -311,7 +312,7 @@ class CompletionRun:
                 kind = event["event"]
                 if kind == "token":
                     self.fmt.n_predicted += 1
-                    batch.ids.append(int(event.get("id", -1)))
+                    batch.ids.append(int(event.get("token", -1)))
                     if self.want_probs:
                         batch.probs.append(token_probabilities(event, self.options.post_sampling_probs))
                     content = str(event.get("content", ""))

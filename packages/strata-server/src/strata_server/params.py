@@ -19,6 +19,7 @@ import attrs
 import falcon
 
 from .errors import ApiError, ErrorType, invalid_request
+from .slot_manager import invalid_slot_message
 
 
 def _int(key: str, value: Any) -> int:
@@ -236,7 +237,7 @@ def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None, n
     if id_slot == -1:
         id_slot = None
     if id_slot is not None and not 0 <= id_slot < n_slots:
-        raise invalid_request(f"Invalid slot ID: {id_slot}; this server has slots 0..{n_slots - 1}")
+        raise invalid_request(invalid_slot_message(id_slot, n_slots))
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise invalid_request("'stream_options' must be an object")

@@ -21,6 +21,12 @@ from .errors import SlotBusy
 DEFAULT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity default
 
 
+def invalid_slot_message(id_slot: object, n_slots: int) -> str:
+    """The 400's message for a slot id outside 0..n_slots-1 (the peer wraps ids around; Strata refuses)."""
+    have = "one slot, 0" if n_slots == 1 else f"slots 0..{n_slots - 1}"
+    return f"Invalid slot ID: {id_slot}; this server has {have}"
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -96,9 +102,14 @@ class SlotManager:
             with self._lock:
                 if waiter.granted is None:  # not granted meanwhile: leave the queue
                     self._queue.remove(waiter)
-                    raise SlotBusy(wait_s)
+                    raise SlotBusy(wait_s, self._describe(id_slot))
         assert waiter.granted is not None
         return waiter.granted
+
+    def _describe(self, id_slot: int | None) -> str:
+        if id_slot is not None or self.n_slots == 1:
+            return f"slot {id_slot or 0}"
+        return f"every slot (0..{self.n_slots - 1})"
 
     def _dispatch(self) -> None:
         """Grant idle slots to waiters in arrival order (each takes the slot it would choose)."""

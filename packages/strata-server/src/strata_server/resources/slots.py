@@ -22,6 +22,7 @@ from ..errors import ApiError, EngineDied, EngineReplyError, ErrorType, invalid_
 from ..filenames import InvalidFilename, resolve_slot_file
 from ..params import read_json
 from ..security import check_slot_action
+from ..slot_manager import invalid_slot_message
 
 _SLOT_ID = re.compile(r"^[+-]?\d+$")
 SLOT_ACTIONS_DISABLED = "This server does not support slots action. Start it with `--slot-save-path`"
@@ -71,7 +72,7 @@ class SlotsResource:
             raise invalid_request("Invalid slot ID")
         n_slots = self.ctx.n_slots()
         if not 0 <= int(id_slot) < n_slots:
-            raise invalid_request(f"Invalid slot ID: {id_slot}; this server has slots 0..{n_slots - 1}")
+            raise invalid_request(invalid_slot_message(id_slot, n_slots))
         action = self.actions.get(req.get_param("action") or "")
         if action is None:
             raise invalid_request("Invalid action")
@@ -105,7 +106,7 @@ class SlotsResource:
         path = self._path(filename, must_exist=False)
         with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:
             try:
-                result = lease.call("SAVE", str(path))
+                result = lease.call("SAVE", {"path": str(path)})
             except EngineReplyError as exc:
                 self.ctx.metrics.record_save_failure()
                 if exc.kind == ErrorKind.SESSION_WRITE_FAILED:
@@ -128,13 +129,20 @@ class SlotsResource:
         path = self._path(filename, must_exist=True)
         with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:
             try:
-                result = lease.call("RESTORE", str(path))
+                result = lease.call("RESTORE", {"path": str(path)})
             except EngineReplyError as exc:
                 if exc.kind == ErrorKind.SESSION_REFUSED:
                     reason = str(exc.reason or "refused")
                     self.ctx.metrics.record_refusal(reason)
                     raise invalid_request(f"Unable to restore slot: {filename!r} was refused ({reason}): "
                                           f"{exc.message}; the conversation is kept", reason=reason) from None
+                if exc.kind == ErrorKind.SLOT_FAILED:  # protocol v2: that slot erased, the others go on
+                    self.ctx.metrics.record_fail_stop()
+                    self._lost(slot_id)
+                    raise ApiError(ErrorType.SERVER, f"Unable to restore slot: {filename!r} failed after the "
+                                   f"restore began writing ({exc.reason or 'slot_failed'}): {exc.message}; slot "
+                                   f"{slot_id} was erased (its conversation is lost), the other slots are untouched",
+                                   reason=exc.reason or "slot_failed") from None
                 if exc.kind == ErrorKind.FAIL_STOP:
                     self.ctx.metrics.record_fail_stop()
                     self.ctx.slot_view.forget(slot_id)
@@ -159,9 +167,15 @@ class SlotsResource:
         return {"id_slot": slot_id, "filename": filename, "n_restored": int(result.get("n_restored", 0)),
                 "n_read": n_read, "timings": {"restore_ms": restore_ms}}
 
+    def _lost(self, slot_id: int) -> None:
+        self.ctx.slot_view.forget(slot_id)
+        self.ctx.engine.slots.set_tokens(slot_id, ())
+        if self.ctx.store is not None:
+            self.ctx.store.slot_erased(slot_id)
+
     def _erase(self, req: falcon.Request, slot_id: int) -> dict:
         with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:
-            result = lease.call("ERASE")
+            result = lease.call("ERASE", {})
         self.ctx.metrics.record_erase()
         self.ctx.slot_view.forget(slot_id)
         self.ctx.engine.slots.set_tokens(slot_id, ())
