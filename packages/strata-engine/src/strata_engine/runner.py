@@ -155,13 +155,16 @@ class ModelRunner:
         """A runner on the same loaded model (weights shared, nothing reloaded) with its own K/V pool,
         placement and conversation; `changes` may alter the K/V settings (n_ctx, kv_type,
         kv_resident, prompt_cache, prefill_chunk, max_checkpoints), not what the weights depend on."""
+        if changes.get("n_slots", 1) != 1:
+            raise SettingsError([f"a sibling holds one slot, not n_slots {changes['n_slots']}"])
+        return self._assemble(self.kv_settings(**changes), self.gguf, self.config, self.model)
+
+    def kv_settings(self, **changes: object) -> EngineSettings:
+        """This runner's settings with K/V settings changed (`sibling`), validated."""
         fixed = {"model_path", "compute_dtype", "backend", "cpu_kernels", "threads"} & set(changes)
         if fixed:
             raise SettingsError([f"{name} cannot differ from the loaded model's" for name in sorted(fixed)])
-        if changes.get("n_slots", 1) != 1:
-            raise SettingsError([f"a sibling holds one slot, not n_slots {changes['n_slots']}"])
-        settings = attrs.evolve(self.settings, **changes).validate()
-        return self._assemble(settings, self.gguf, self.config, self.model)
+        return attrs.evolve(self.settings, **changes).validate()
 
     @classmethod
     def _assemble(

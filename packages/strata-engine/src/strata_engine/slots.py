@@ -51,7 +51,17 @@ class SlotSet:
     @classmethod
     def load(cls, settings: EngineSettings) -> SlotSet:
         """Load the model once and carve settings.n_slots slots of n_ctx // n_slots tokens each out of one pool."""
-        settings, gguf_file, config, model = ModelRunner.load_model(settings)
+        return cls.assemble(*ModelRunner.load_model(settings))
+
+    @classmethod
+    def sharing(cls, runner: ModelRunner, **changes: object) -> SlotSet:
+        """Slots on the model `runner` loaded (weights shared, nothing reloaded): its settings with `changes`
+        (n_slots, n_ctx: the total, and the K/V settings `ModelRunner.sibling` takes)."""
+        return cls.assemble(runner.kv_settings(**changes), runner.gguf, runner.config, runner.model)
+
+    @classmethod
+    def assemble(cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model) -> SlotSet:
+        """settings.n_slots slots on a loaded model (settings resolved as `ModelRunner.load_model` does)."""
         total = settings.n_ctx_total(config.n_ctx_train)
         if (problem := settings.slot_problem(total)) is not None:
             raise SettingsError([problem])
