@@ -269,3 +269,21 @@ def test_settings_share_the_context_among_the_slots():
         ModelRunner.load(EngineSettings(path, n_ctx=64, n_slots=2))
     with pytest.raises(SettingsError):
         base_runner("smollm2").sibling(n_slots=2)
+
+
+def test_resident_rings_of_the_slots_share_one_arena_and_read_what_the_pool_holds():
+    base = base_runner("smollm2")
+    direct = SlotSet.sharing(base, n_slots=2, n_ctx=2 * N_CTX_SLOT, kv_type="f16")
+    resident = SlotSet.sharing(base, n_slots=2, n_ctx=2 * N_CTX_SLOT, kv_type="f16", kv_resident=8)
+    rings = [r.placement.resident for r in resident.runners]
+    assert rings[0].arena is rings[1].arena and rings[0].arena.n_slots == 2
+    assert not np.shares_memory(rings[0].layer(0).k, rings[1].layer(0).k)
+    outs = []
+    for slots in (direct, resident):
+        tokens = [int(np.argmax(slots.runners[s].prefill(_ids(30 + s, 10 + 7 * s)).logits)) for s in range(2)]
+        steps = []
+        for _ in range(12):  # past the 8-token resident rings
+            steps.append(slots.decode(list(enumerate(tokens))))
+            tokens = [int(np.argmax(row)) for row in steps[-1]]
+        outs.append(np.stack(steps))
+    assert np.array_equal(outs[0], outs[1])  # the same K/V bytes reach attention either way

@@ -169,14 +169,14 @@ class ModelRunner:
     @classmethod
     def _assemble(
         cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model,
-        pool: KVPool | None = None,
+        placement: PoolPlacement | None = None,
     ) -> ModelRunner:  # fmt: skip
-        """A runner over `pool` (a slot's region of a shared arena), else over a pool of its own."""
-        if pool is None:
+        """A runner over `placement` (a slot's region of a shared pool: `SlotSet`), else over a pool of its own."""
+        if placement is None:
             geometry = KVGeometry.from_config(config, settings.n_ctx_slot(config.n_ctx_train), KVType(settings.kv_type))
             pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
-        placement = make_placement(pool, settings.kv_resident)
-        runner = cls(settings, gguf_file, config, model, pool, placement)
+            placement = make_placement(pool, settings.kv_resident)
+        runner = cls(settings, gguf_file, config, model, placement.pool, placement)
         enabled = runner.settings.cuda_graphs
         runner.decode_graph = make_step_graph(model, placement, enabled, 1)
         made = (make_step_graph(model, placement, enabled, n) for n in prefill_graph_sizes(runner.settings.prefill_chunk))

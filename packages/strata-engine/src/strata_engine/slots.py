@@ -23,7 +23,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import InvalidRequest, SettingsError
 from .gguf import GGUFFile
-from .kv import KVGeometry, make_arena
+from .kv import KVGeometry, make_arena, make_placements
 from .models import Model
 from .models.common import Rows, Span
 from .runner import ModelRunner
@@ -69,9 +69,8 @@ class SlotSet:
         slot_settings = attrs.evolve(settings, n_ctx=n_ctx_slot, n_slots=1)
         geometry = KVGeometry.from_config(config, n_ctx_slot, KVType(settings.kv_type))
         arena = make_arena(geometry, model.ops, settings.kv_resident, settings.n_slots)
-        runners = [
-            ModelRunner._assemble(slot_settings, gguf_file, config, model, pool=pool) for pool in arena.pools(model.ops)
-        ]
+        placements = make_placements(arena.pools(model.ops), settings.kv_resident)
+        runners = [ModelRunner._assemble(slot_settings, gguf_file, config, model, placement) for placement in placements]
         return cls(attrs.evolve(settings, n_ctx=total), runners)
 
     def decode(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:

@@ -7,6 +7,8 @@ a resident ring, a `HostMappedPool` behind a VRAM ring.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..ops import Ops
 from ..settings import Backend
 from .cpu import InPlacePlacement
@@ -46,5 +48,16 @@ def make_pool(geometry: KVGeometry, ops: Ops, kv_resident: int | None) -> KVPool
 
 def make_placement(pool: KVPool, kv_resident: int | None) -> PoolPlacement:
     """The placement the forward pass reads `pool` through: directly, or behind an N-token resident ring."""
-    plain, with_ring = PLACEMENTS[type(pool), pool.ops.attends_in_place]
-    return plain(pool) if kv_resident is None else with_ring(pool, kv_resident)
+    return make_placements([pool], kv_resident)[0]
+
+
+def make_placements(pools: Sequence[KVPool], kv_resident: int | None) -> list[PoolPlacement]:
+    """The placements of the slots' pools (regions of one arena); their resident rings, if any, are regions of
+    one arena too."""
+    ops = pools[0].ops
+    plain, with_ring = PLACEMENTS[type(pools[0]), ops.attends_in_place]
+    if kv_resident is None:
+        return [plain(pool) for pool in pools]
+    geometry = with_ring.resident_geometry(pools[0].geometry, kv_resident)
+    arena = PoolArena(with_ring.resident_pool_type, geometry, ops, len(pools))
+    return [with_ring(pool, kv_resident, arena) for pool in pools]

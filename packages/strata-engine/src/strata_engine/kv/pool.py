@@ -1,5 +1,8 @@
 """The K/V pool: one preallocated buffer carved into per-layer K, V (and int8 scale) views.
 
+The buffer (`PoolArena`) holds every slot's pool: each part of each layer is [n_slots, capacity, ...] and a
+slot's `KVPool` sees its own [capacity, ...] row of each (`PoolLayout`); everything below is per slot.
+
 Storage is token-major: layer i's K is ``[capacity, Hkv, D]`` of the K/V type, so a token range is a
 contiguous slice (or two, for a ring that wraps). Full layers map position p to slot p; sliding-window
 layers to slot p % capacity.

@@ -87,7 +87,7 @@ class Rows:
             return a[-1:] if row is None else ops.take_row(a, row)
         if all(s.n == 1 for s in self.spans):
             return a
-        return a[np.cumsum([s.n for s in self.spans]) - 1]
+        return a[ops.xp.asarray(np.cumsum([s.n for s in self.spans]) - 1)]
 
 
 def rope_tables(ops: Ops, config: ModelConfig, rows: Rows) -> RopeTables:

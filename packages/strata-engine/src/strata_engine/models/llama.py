@@ -12,6 +12,10 @@ logits = (rms_norm(x_last) * output_norm) W_out^T           (W_out = token_embd 
 
 Wq, Wk, Wv are stored stacked as one [Wq; Wk; Wv] and Wg, Wu as [Wg; Wu] (one product each on the
 GPU); each residual add is fused with the norm that follows it (`add_rms_norm`).
+
+The rows may belong to several conversations (`Rows`: a batched decode step has one row per slot): every
+step is row-wise except the K/V store and attention, which each conversation's rows do in and over its own
+slot's K/V, with RoPE at each row's own position.
 """
 
 from __future__ import annotations
