@@ -8,17 +8,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import xxhash
+from strata_engine.slots import SlotSet
 
 from .inprocess import InProcessEngine
 from .runners import base_runner
-from .standin import StandInSlots
 
 CHUNK = 16
 N_CTX_SLOT = 512
 
 
 def make_slots(n_slots: int):
-    return StandInSlots(base_runner("smollm2"), n_slots, n_ctx=N_CTX_SLOT, prefill_chunk=CHUNK, kv_type="f16")
+    return SlotSet.sharing(base_runner("smollm2"), n_slots=n_slots, n_ctx=N_CTX_SLOT * n_slots, prefill_chunk=CHUNK,
+                           kv_type="f16")
 
 
 @pytest.fixture
