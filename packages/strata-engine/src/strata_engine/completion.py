@@ -418,8 +418,6 @@ class Generation:
         self._cancelled = cancelled
         self._clock = completer._clock
         request = prepared.request
-        if not request.cache_prompt:
-            self.runner.erase()
         state = SamplerState.seeded(request.seed) if request.seed >= 0 else completer.sampler_state
         self.sampler = Sampler(prepared.params, state)
         self.history = list(prepared.prompt)  # the repetition penalty's window reads it
@@ -441,7 +439,9 @@ class Generation:
                 on_progress(PromptProgress(len(prompt), cache_n, n_held, 1000.0 * (self._clock() - self.start)))
 
         self.phase = Phase.PREFILL
-        self._prefill = self.runner.prefill_steps(list(prompt), on_chunk=on_chunk)
+        self._prefill = self.runner.prefill_steps(list(prompt), on_chunk=on_chunk)  # checks the prompt first
+        if not request.cache_prompt:
+            self.runner.erase()  # the prompt cache's cut-back happens at the first chunk: nothing is reused
 
     @property
     def done(self) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ContextOverflow, InvalidRequest, InvalidToken
-from .models.common import rope_tables
+from .models.common import Rows, rope_tables
 from .protocol import Request, ServeContext
 from .settings import Pooling, values
 
@@ -86,8 +86,8 @@ def hidden_state_steps(model: Any, tokens: Sequence[int], chunk: int) -> Generat
     rows = []
     for pos in range(0, len(tokens), chunk):
         ids = np.asarray(tokens[pos : pos + chunk], dtype=np.int64)
-        tables = rope_tables(model.ops, model.config, pos, len(ids))
-        h = model.hidden(ids, pos, tables, kv, want_logits=True, all_rows=True)
+        span = Rows.chunk(kv, pos, len(ids))
+        h = model.hidden(ids, span, rope_tables(model.ops, model.config, span), want_logits=True, all_rows=True)
         rows.append(model.ops.to_host(h).astype(np.float32))
         if pos + chunk < len(tokens):
             yield

@@ -231,9 +231,13 @@ class Scheduler:
         def on_progress(progress: PromptProgress) -> None:
             request.emit({"event": "progress", "phase": PROMPT_PROGRESS_PHASE, **self.unstructure(progress)})
 
-        job.generation = Generation(self.ctx.completer_of(job.slot), done.result(),
-                                    on_token=lambda event: request.emit(token_line(event, self.unstructure)),
-                                    on_progress=on_progress, cancelled=lambda: job.cancel)
+        try:
+            job.generation = Generation(self.ctx.completer_of(job.slot), done.result(),
+                                        on_token=lambda event: request.emit(token_line(event, self.unstructure)),
+                                        on_progress=on_progress, cancelled=lambda: job.cancel)
+        except EngineError as exc:  # the runner refused the prompt before touching the slot
+            self._end(job, exc)
+            return
         if job.cancel:
             job.generation.cancel_prefill()
             self._end(job)

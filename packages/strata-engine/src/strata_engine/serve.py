@@ -280,10 +280,14 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
     ctx = serve_context(slots, tokenizer, template)
     registry, verbs = _build_registry(session_options, ctx)
     reader = LineReader(stdin_fd if stdin_fd is not None else sys.stdin.fileno())
-    scheduler = Scheduler(ctx, registry, reader, writer, _converter.unstructure)
+    scheduler = scheduler_for(ctx, registry, reader, writer)
     writer.write(ready_line(slots, tokenizer, template, verbs.identity(runner)))
     log.info("ready: %s, %d slot(s)", settings.model_path, len(slots.runners))
     return scheduler.run()
+
+
+def scheduler_for(ctx: ServeContext, registry: CommandRegistry, reader: LineReader, writer: LineWriter) -> Scheduler:
+    return Scheduler(ctx, registry, reader, writer, _converter.unstructure)
 
 
 def serve_context(slots: Any, tokenizer: Tokenizer, template: ChatTemplate) -> ServeContext:
