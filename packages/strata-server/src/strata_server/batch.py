@@ -152,11 +152,12 @@ class BatchRun:
         self.native = isinstance(_inner(runs[0].fmt), NativeCompletionFormat)
 
     def _acquire(self) -> EngineLease:
-        """A slot: the one the request names, else (several slots) the one whose held tokens share most
-        of the prompt (SlotManager's rule), for which the prompt is tokenized first, once."""
+        """A slot: the one the request names, else the one whose held tokens share most of the prompt
+        (SlotManager's rule); with several slots the prompt is tokenized first, once."""
         id_slot = self.runs[0].options.id_slot
         prompt = None
-        if id_slot is None and self.ctx.n_slots() > 1 and self.ctx.config.slot_prompt_similarity > 0:
+        # Tokenized with a named slot too: what that slot then holds is known to later requests' choice.
+        if self.ctx.n_slots() > 1 and self.ctx.config.slot_prompt_similarity > 0:
             prompt = self._tokenize_first_prompt()
         return self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=id_slot, prompt=prompt)
 
