@@ -143,6 +143,8 @@ class Scheduler:
         self.gate_whole = ctx.runner_of(0).settings.backend != "numpy"
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        self._wake_lock = threading.Lock()  # a task ending after the loop closed the pipe writes nothing
+        self._wake_open = True
         self.quit: Request | None = None
         self.exit: ExitStatus | None = None
         self.steps = 0  # steps taken (tests count them)
@@ -158,8 +160,10 @@ class Scheduler:
         finally:
             self.worker.shutdown(wait=False, cancel_futures=True)
             self.session_worker.shutdown(wait=False, cancel_futures=True)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            with self._wake_lock:
+                self._wake_open = False
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     def _closing(self) -> bool:
         """No line will be taken any more: QUIT was read, or the input ended and every line was taken."""
@@ -241,7 +245,7 @@ class Scheduler:
         """Run `work` on the worker thread; `then(future)` runs in the loop at the first boundary after it
         is done (tasks are taken in the order they were submitted)."""
         future = self.worker.submit(work)
-        future.add_done_callback(lambda _: os.write(self._wake_w, b"."))
+        future.add_done_callback(lambda _: self._wake())
         self.pending.append((future, then))
 
     def _collect(self) -> None:
@@ -259,7 +263,9 @@ class Scheduler:
         request.fail(exc)
 
     def _wake(self) -> None:
-        os.write(self._wake_w, b".")
+        with self._wake_lock:
+            if self._wake_open:
+                os.write(self._wake_w, b".")
 
     def _start_session(self, handler: Callable[[ServeContext, Request], Any], request: Request) -> None:
         """A session verb: its slot busy, run on the session thread; its lines are queued for the loop."""
