@@ -293,3 +293,28 @@ def test_gemma3_serves_with_its_builtin_turns():
         assert process.command("QUIT")[-1] == {"event": "result"} and process.proc.wait(timeout=30) == 0
     finally:
         process.close()
+
+
+def test_two_slots_stream_at_once_and_each_gets_its_tokens_alone():
+    process = EngineProcess("--ctx-size", "512", "--parallel", "2", "--prefill-chunk", "16")
+    try:
+        ready = process.next_line()
+        assert (ready["protocol"], ready["n_slots"], ready["n_ctx_slot"], ready["n_ctx"]) == (2, 2, 256, 512)
+        requests = {rid: {"id": rid, "slot": slot, "prompt": prompt, "n_predict": 6, "temperature": 0,
+                          "ignore_eos": True}
+                    for slot, (rid, prompt) in enumerate((("a", "Once upon a time"), ("b", "The capital of France")))}
+        alone = {rid: process.complete({**r, "slot": 0, "cache_prompt": False})[-1]["tokens"]
+                 for rid, r in requests.items()}
+        for request in requests.values():
+            process.send("COMPLETE " + json.dumps(request))
+        lines: list[dict] = []
+        while sum(line["event"] == "result" for line in lines) < 2:
+            lines.append(process.next_line())
+        for rid in requests:
+            mine = [line for line in lines if line["id"] == rid]
+            assert [line["token"] for line in mine[:-1]] == mine[-1]["tokens"] == alone[rid]
+            assert mine[-1]["slot"] == requests[rid]["slot"]
+        order = [line["id"] for line in lines if line["event"] == "token"]
+        assert order != sorted(order)  # interleaved, not one after the other
+    finally:
+        process.close()
