@@ -315,6 +315,6 @@ def test_two_slots_stream_at_once_and_each_gets_its_tokens_alone():
             assert [line["token"] for line in mine[:-1]] == mine[-1]["tokens"] == alone[rid]
             assert mine[-1]["slot"] == requests[rid]["slot"]
         order = [line["id"] for line in lines if line["event"] == "token"]
-        assert order != sorted(order)  # interleaved, not one after the other
+        assert sum(x != y for x, y in zip(order, order[1:], strict=False)) > 1  # interleaved, not one after the other
     finally:
         process.close()
