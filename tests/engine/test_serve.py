@@ -200,7 +200,7 @@ def test_cancel_while_the_prompt_is_read_keeps_what_was_read():
     process = EngineProcess("--ctx-size", "2048", "--prefill-chunk", "16")
     try:
         assert process.next_line()["event"] == "ready"
-        prompt = " ".join(f"word{i}" for i in range(400))  # ~1,000 tokens: dozens of chunks
+        prompt = " ".join(f"word{i}" for i in range(100))  # ~250 tokens: a dozen chunks and more
         process.send("COMPLETE " + json.dumps({"id": "p", "prompt": prompt, "n_predict": 8, "temperature": 0,
                                                "return_progress": True}))
         assert process.next_line()["event"] == "progress"  # the prompt is being read
