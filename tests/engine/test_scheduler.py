@@ -123,8 +123,9 @@ def test_commands_are_answered_between_steps_and_a_huge_tokenize_stalls_no_decod
     assert e.terminal("d")["content"] == tokenizers["smollm2"].decode([1, 2, 3])
     sent_at = e.of("s", "result")[0][0]
     answered_at = e.of("t", "result")[0][0]
-    # the generation went on while the text was tokenized on the worker thread
-    assert sum(sent_at <= step <= answered_at for step, _ in e.of("g", "token")) >= 3
+    # the generation went on, a token every step, while the text was tokenized on the worker thread
+    assert answered_at > sent_at
+    assert sum(sent_at < step <= answered_at for step, _ in e.of("g", "token")) == answered_at - sent_at
     assert not e.of("g", "result")  # ... and the answer did not wait for the generation's end
     e.send("CANCEL", {"id": "g"})
     assert e.terminal("g")["stop_type"] == "cancelled"
@@ -172,3 +173,27 @@ def test_save_one_slot_while_another_streams_and_a_refused_restore_keeps_the_slo
     restored = e.command("RESTORE", {"id": "r0", "slot": 0, "path": str(path)})
     assert restored["n_restored"] == 64
     assert e.command("STATUS")["slots"][0]["tokens_held_digest"] == digest1
+
+
+class DeviceLost(SlotSet):
+    """A slot set whose decode step fails as a lost device would (after the prefill worked)."""
+
+    def decode(self, steps):
+        raise RuntimeError("device lost")
+
+
+def test_an_unexpected_failure_in_a_step_erases_that_slot_and_the_engine_serves_on(tokenizers, templates):
+    slots = DeviceLost.sharing(base_runner("smollm2"), n_slots=2, n_ctx=2 * N_CTX_SLOT, prefill_chunk=CHUNK)
+    slots.runners[1].prefill(prompt(10, 12))
+    kept = digest(slots.runners[1].tokens_held)
+    e = InProcessEngine(slots, tokenizers["smollm2"], templates["smollm2"])
+    try:
+        e.send("COMPLETE", greedy(id="a", slot=0, prompt=prompt(6, 13), n_predict=4))
+        failed = e.terminal("a")
+        assert [line["event"] for _, line in e.of("a")] == ["token", "error"]  # the prefill's token, then the step
+        assert failed["slot"] == 0 and failed["error"]["type"] == "internal"
+        assert "device lost" in failed["error"]["message"] and "slot 0 was erased" in failed["error"]["message"]
+        status = e.command("STATUS", {"id": "s"})
+        assert status["slots"][0]["n_tokens_held"] == 0 and status["slots"][1]["tokens_held_digest"] == kept
+    finally:
+        e.close()

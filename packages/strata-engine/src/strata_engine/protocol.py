@@ -305,6 +305,8 @@ class Dispatch(enum.Enum):
     NOW = "now"  # in the loop, between two steps (it touches a slot or the scheduler's state)
     WORKER = "worker"  # on the worker thread beside the steps (it touches no slot); answered at a step boundary
     JOB = "job"  # the handler starts a job the scheduler steps; the job writes the terminal line
+    SESSION = "session"  # on the session thread, one at a time, its slot busy; it writes the live pool only
+    # after `request.gate.enter()`, which waits for a step boundary and holds the steps until it ends
 
 
 @attrs.frozen
@@ -316,6 +318,7 @@ class Request:
     id: str | None = None
     slot: int | None = None  # a slot verb's slot; None for the others
     writer: LineWriter | None = attrs.field(default=None, eq=False, repr=False)
+    gate: Any = attrs.field(default=None, eq=False, repr=False)  # Dispatch.SESSION: the scheduler's Gate
 
     def tag(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """A line for this request: its `event` first, then its id (and slot on terminal lines)."""

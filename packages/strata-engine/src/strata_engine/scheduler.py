@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import select
+import threading
 from collections import deque
 from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,6 +70,49 @@ class CompleteJob:
     cancel: bool = False  # a CANCEL arrived: the next sampled token is the last
 
 
+class Gate:
+    """The pool between two steps, for a session verb running on the session thread: `enter` asks for it and
+    waits until the loop hands it over at a step boundary; the loop then takes no step until `release` (the
+    verb's end). Validation before `enter` runs beside the steps."""
+
+    def __init__(self, wake: Callable[[], None]):
+        self._wake = wake
+        self.asked = threading.Event()
+        self.granted = threading.Event()
+        self.released = threading.Event()
+
+    def enter(self) -> None:
+        if self.asked.is_set():
+            return
+        self.asked.set()
+        self._wake()
+        self.granted.wait()
+
+    def release(self) -> None:
+        self.released.set()
+
+
+class QueuedLines(LineWriter):
+    """A session verb's lines (progress), kept for the loop to write: one thread writes stdout."""
+
+    def __init__(self) -> None:
+        self.lines: queue.SimpleQueue[Mapping[str, Any]] = queue.SimpleQueue()
+
+    def write(self, obj: Mapping[str, Any]) -> None:
+        self.lines.put(obj)
+
+
+@attrs.define(eq=False)
+class SessionJob:
+    """SAVE / RESTORE / RESTORE_PREFIX of a slot on the session thread."""
+
+    request: Request  # the loop's (its lines go to stdout)
+    slot: int
+    gate: Gate
+    lines: QueuedLines
+    future: Future | None = None
+
+
 @attrs.define(eq=False)
 class ChunkJob:
     """Slot-less chunked work (EMBED): each next() of `steps` evaluates one chunk; its return value goes
@@ -87,13 +132,19 @@ class Scheduler:
         self.writer = writer
         self.unstructure = unstructure
         ctx.scheduler = self
-        self.busy: dict[int, CompleteJob] = {}  # slot -> its COMPLETE
+        self.busy: dict[int, CompleteJob | SessionJob] = {}  # slot -> its COMPLETE or session verb
         self.ids: dict[str, CompleteJob | ChunkJob] = {}  # the ids of jobs in flight
         self.chunks: deque[CompleteJob | ChunkJob] = deque()  # jobs with chunks to evaluate, in turn
         self.pending: deque[tuple[Future, Callable[[Future], None]]] = deque()  # worker tasks, in order
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="strata-worker")
+        self.sessions: list[SessionJob] = []
+        self.session_worker = ThreadPoolExecutor(1, thread_name_prefix="strata-session")
+        # off the numpy backend a session verb takes the pool from its start (device copies beside the steps)
+        self.gate_whole = ctx.runner_of(0).settings.backend != "numpy"
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        self._wake_lock = threading.Lock()  # a task ending after the loop closed the pipe writes nothing
+        self._wake_open = True
         self.quit: Request | None = None
         self.exit: ExitStatus | None = None
         self.steps = 0  # steps taken (tests count them)
@@ -108,8 +159,11 @@ class Scheduler:
             return ExitStatus.CLEAN
         finally:
             self.worker.shutdown(wait=False, cancel_futures=True)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self.session_worker.shutdown(wait=False, cancel_futures=True)
+            with self._wake_lock:
+                self._wake_open = False
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     def _closing(self) -> bool:
         """No line will be taken any more: QUIT was read, or the input ended and every line was taken."""
@@ -131,6 +185,7 @@ class Scheduler:
             while self.quit is None and self.exit is None and (line := self.reader.poll_line()) is not None:
                 self._take(line)
             self._collect()
+            self._serve_sessions()
             if self.exit is not None:
                 return self.exit
             self._step()
@@ -155,9 +210,9 @@ class Scheduler:
             request.fail(parsed.error)
             return
         if command.slotted and request.slot in self.busy:
-            owner = self.busy[request.slot].request.id
-            request.fail(ProtocolError(ErrorKind.SLOT_BUSY, f"slot {request.slot} is busy with a COMPLETE"
-                                       + (f" (id {owner!r})" if owner is not None else ""),
+            owner = self.busy[request.slot].request
+            request.fail(ProtocolError(ErrorKind.SLOT_BUSY, f"slot {request.slot} is busy with a {owner.verb}"
+                                       + (f" (id {owner.id!r})" if owner.id is not None else ""),
                                        reason=Reason.SLOT_BUSY.value))
             return
         if command.dispatch is Dispatch.JOB and request.id is not None and request.id in self.ids:
@@ -166,6 +221,9 @@ class Scheduler:
             return
         if command.dispatch is Dispatch.WORKER:
             self.submit(lambda: command.handler(self.ctx, request), lambda done: self._answer(request, done))
+            return
+        if command.dispatch is Dispatch.SESSION:
+            self._start_session(command.handler, request)
             return
         try:
             payload = command.handler(self.ctx, request)
@@ -187,7 +245,7 @@ class Scheduler:
         """Run `work` on the worker thread; `then(future)` runs in the loop at the first boundary after it
         is done (tasks are taken in the order they were submitted)."""
         future = self.worker.submit(work)
-        future.add_done_callback(lambda _: os.write(self._wake_w, b"."))
+        future.add_done_callback(lambda _: self._wake())
         self.pending.append((future, then))
 
     def _collect(self) -> None:
@@ -203,6 +261,65 @@ class Scheduler:
         if not isinstance(exc, EngineError):
             log.error("unexpected failure in %s", request.verb, exc_info=exc)
         request.fail(exc)
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_open:
+                os.write(self._wake_w, b".")
+
+    def _start_session(self, handler: Callable[[ServeContext, Request], Any], request: Request) -> None:
+        """A session verb: its slot busy, run on the session thread; its lines are queued for the loop."""
+        assert request.slot is not None
+        job = SessionJob(request, request.slot, Gate(self._wake), QueuedLines())
+        self.busy[job.slot] = job
+        there = attrs.evolve(request, writer=job.lines, gate=job.gate)
+
+        def run() -> Any:
+            try:
+                if self.gate_whole:
+                    job.gate.enter()
+                return handler(self.ctx, there)
+            finally:
+                job.gate.release()
+
+        job.future = self.session_worker.submit(run)
+        job.future.add_done_callback(lambda _: self._wake())
+        self.sessions.append(job)
+
+    def _serve_sessions(self) -> None:
+        """At a step boundary: write the session verbs' queued lines, hand the pool to one that asks (and wait
+        for its end), answer those that ended."""
+        for job in list(self.sessions):
+            self._flush(job)
+            if job.gate.asked.is_set() and not job.gate.granted.is_set():
+                job.gate.granted.set()
+                job.gate.released.wait()  # no step until the verb is done with the pool
+                job.future.exception()  # wait for the answer too (it follows the release at once)
+                self._flush(job)
+            assert job.future is not None
+            if not job.future.done():
+                continue
+            self.sessions.remove(job)
+            del self.busy[job.slot]
+            self._flush(job)
+            exc = job.future.exception()
+            if isinstance(exc, FailStop):
+                job.request.fail(exc)
+                self.exit = ExitStatus.FAIL_STOP
+            elif exc is not None:
+                if not isinstance(exc, EngineError):
+                    log.error("unexpected failure in %s", job.request.verb, exc_info=exc)
+                job.request.fail(exc)
+            else:
+                job.request.answer(job.future.result())
+
+    def _flush(self, job: SessionJob) -> None:
+        while True:
+            try:
+                line = job.lines.lines.get_nowait()
+            except queue.Empty:
+                return
+            self.writer.write(line)  # tagged already
 
     def request_quit(self, request: Request) -> None:
         """QUIT: read no more lines; answer it and exit once every request in flight has ended."""
@@ -283,8 +400,8 @@ class Scheduler:
 
     # ---- a step -----------------------------------------------------------------------------------
     def _decoding(self) -> list[CompleteJob]:
-        return [job for job in self.busy.values()
-                if job.generation is not None and job.generation.phase is Phase.DECODE]
+        return [job for job in self.busy.values() if isinstance(job, CompleteJob)
+                and job.generation is not None and job.generation.phase is Phase.DECODE]
 
     def _step(self) -> None:
         decoding = self._decoding()

@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import attrs
@@ -89,6 +90,29 @@ class SessionOptions:
         return cls(restore_mode=restore_mode, fault=fault, key=key, require_mac=require_mac)
 
 
+class GatedSession(EngineSession):
+    """The adapter of a verb on the scheduler's session thread: the checks and the read pass (into a staging
+    area) run beside the steps; the first write to the live pool waits for the gate (a step boundary), and
+    the steps wait for the verb's end. A restore into the slot's own region in place (an empty slot, or
+    `discard_held`) writes only that slot's region of a host pool, which no step reads."""
+
+    def __init__(self, *args: Any, gate: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.gate = gate
+
+    def begin_apply(self, plan: Any) -> None:
+        self.gate.enter()
+        super().begin_apply(plan)
+
+    def commit_staged(self, state: Any) -> None:
+        self.gate.enter()
+        super().commit_staged(state)
+
+    def commit(self, state: Any) -> None:
+        self.gate.enter()
+        super().commit(state)
+
+
 class SessionVerbs:
     """The SAVE / RESTORE handlers and what they keep between calls (the runner's identity)."""
 
@@ -132,9 +156,9 @@ class SessionVerbs:
         return self._identity_of[1]
 
     def adapter(self, ctx: ServeContext, slot: int, cut: PrefixCut | None = None,
-                discard_held: bool = False) -> EngineSession:
+                discard_held: bool = False, gate: Any = None) -> EngineSession:
         runner = ctx.runner_of(slot)
-        return EngineSession(
+        return (EngineSession if gate is None else partial(GatedSession, gate=gate))(
             runner,
             SamplerAccess.of_completer(ctx.completer_of(slot)),
             identity=self.identity(runner),
@@ -165,7 +189,7 @@ class SessionVerbs:
 
     def save(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         path = parse_path(request.args)
-        adapter = self.adapter(ctx, request.slot)
+        adapter = self.adapter(ctx, request.slot, gate=request.gate)
         try:
             report = sf.save(path, adapter, block_size=self.block_size(adapter.runner), progress=self._progress(request),
                              key=self.options.key)
@@ -178,7 +202,7 @@ class SessionVerbs:
                 "save_ms": round(report.elapsed_s * 1000.0, 3)}
 
     def restore(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
-        return self._restore(request, parse_path(request.args), self.adapter(ctx, request.slot))
+        return self._restore(request, parse_path(request.args), self.adapter(ctx, request.slot, gate=request.gate))
 
     def restore_prefix(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         parsed = parse_restore_prefix(request.args)
@@ -186,7 +210,8 @@ class SessionVerbs:
         cut = None
         if parsed.cut_to is not None or parsed.min_keep:
             cut = PrefixCut(runner.n_ctx if parsed.cut_to is None else parsed.cut_to, parsed.min_keep)
-        answer = self._restore(request, parsed.path, self.adapter(ctx, request.slot, cut, parsed.discard_held))
+        answer = self._restore(request, parsed.path,
+                               self.adapter(ctx, request.slot, cut, parsed.discard_held, request.gate))
         return {**answer, "n_kept": runner.n_held}
 
     def _restore(self, request: Request, path: str, adapter: EngineSession) -> Mapping[str, Any]:
@@ -277,5 +302,5 @@ def register_session_verbs(registry: CommandRegistry, options: SessionOptions | 
     if ctx is not None:
         verbs.warm(ctx)
     for verb, handler in (("SAVE", verbs.save), ("RESTORE", verbs.restore), ("RESTORE_PREFIX", verbs.restore_prefix)):
-        registry.register(verb, ArgumentKind.JSON, handler, Dispatch.NOW, slotted=True)
+        registry.register(verb, ArgumentKind.JSON, handler, Dispatch.SESSION, slotted=True)
     return verbs
