@@ -192,3 +192,13 @@ def test_a_restore_failing_after_its_gate_erases_that_slot_only(api4, slot_dir):
     again = client.simulate_post("/completion", json={"prompt": "kept", **GREEDY, "id_slot": 0}).json
     assert again["timings"]["cache_n"] == kept["tokens_evaluated"] - 1
     assert client.simulate_post("/slots/1", params={"action": "erase"}, json={}).json["n_erased"] == 0
+
+
+def test_slot_actions_leave_the_least_recently_used_order(api4):
+    client, _, _ = api4
+    for slot in (0, 1, 2, 3):
+        client.simulate_post("/completion", json={"prompt": f"{slot} only", **GREEDY, "id_slot": slot})
+    assert slot_post(client, 0, "save", {"filename": "zero.bin"}).status_code == 200
+    assert slot_post(client, 0, "erase").status_code == 200
+    body = client.simulate_post("/completion", json={"prompt": "something new", **GREEDY}).json
+    assert body["id_slot"] == 0  # still the least recently used: the actions were no use of it

@@ -122,12 +122,15 @@ class SlotManager:
             self._queue.remove(waiter)
             waiter.event.set()
 
-    def release(self, slot_id: int) -> None:
+    def release(self, slot_id: int, *, used: bool = True) -> None:
+        """``used`` False (a slot action, the store's idle save): its last use stays what it was, as the
+        peer's slot tasks leave ``t_last_used``."""
         with self._lock:
             slot = self.slots[slot_id]
             assert slot.busy, f"slot {slot_id} released twice"
             slot.busy = False
-            slot.last_used = time.monotonic()
+            if used:
+                slot.last_used = time.monotonic()
             self._dispatch()
 
     # --- what the slots hold ---------------------------------------------------------------------

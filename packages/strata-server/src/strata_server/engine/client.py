@@ -49,6 +49,7 @@ class EngineLease(abc.ABC):
     def __init__(self, slots: SlotManager | None, slot: int | None) -> None:
         self._slots = slots
         self.slot = slot
+        self.used = True  # False: releasing it leaves the slot's last use (LRU order) as it was
         self._released = False
         self.acquired_at = time.monotonic()
 
@@ -88,7 +89,7 @@ class EngineLease(abc.ABC):
             self._finish()
         finally:
             if self._slots is not None and self.slot is not None:
-                self._slots.release(self.slot)
+                self._slots.release(self.slot, used=self.used)
 
     def __enter__(self) -> EngineLease:
         return self

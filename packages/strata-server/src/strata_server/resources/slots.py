@@ -105,6 +105,7 @@ class SlotsResource:
         filename = self._filename(req)
         path = self._path(filename, must_exist=False)
         with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:
+            lease.used = False
             try:
                 result = lease.call("SAVE", {"path": str(path)})
             except EngineReplyError as exc:
@@ -128,6 +129,7 @@ class SlotsResource:
         filename = self._filename(req)
         path = self._path(filename, must_exist=True)
         with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:
+            lease.used = False
             try:
                 result = lease.call("RESTORE", {"path": str(path)})
             except EngineReplyError as exc:
@@ -175,6 +177,7 @@ class SlotsResource:
 
     def _erase(self, req: falcon.Request, slot_id: int) -> dict:
         with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:
+            lease.used = False
             result = lease.call("ERASE", {})
         self.ctx.metrics.record_erase()
         self.ctx.slot_view.forget(slot_id)

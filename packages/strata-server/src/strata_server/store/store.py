@@ -309,6 +309,7 @@ class SessionStore:
             except EngineCallError:
                 continue  # busy (it is not idle after all) or restarting
             with lease:
+                lease.used = False  # an idle save is no use of the slot (its LRU order stays)
                 self._save(lease, slot_id, SaveTrigger.IDLE)
 
     def _drop(self, conversation: StoredConversation) -> None:
