@@ -112,7 +112,7 @@ class Engine:
     def restore_measured(self, path: Path) -> dict:
         rss_before = self.status_kib("VmRSS")
         exact = self.reset_peak()
-        result, wall = self.command(f"RESTORE {path}")
+        result, wall = self.command("RESTORE " + json.dumps({"path": str(path)}))
         rss_after = self.status_kib("VmRSS")
         peak = self.status_kib("VmHWM") if exact else max(rss_after, rss_before)
         return {**result, "wall_s": wall, "rss_before": rss_before, "rss_after": rss_after, "rss_peak": peak,
@@ -204,13 +204,13 @@ def bench_model(model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep
         # The conversation from an earlier run's cold turn (restored, not prefilled again: minutes on 2
         # cores); its cold figures are that run's.
         cold = json.loads(kept.with_suffix(".json").read_text())
-        a.command(f"RESTORE {kept.with_suffix('.session')}")
+        a.command("RESTORE " + json.dumps({"path": str(kept.with_suffix('.session'))}))
         out["cold_turn_s"], out["cold_timings"], out["cold_from_prepared"] = cold["cold_turn_s"], cold["timings"], True
     else:
         cold, cold_s = a.complete(prompt)
         out["cold_turn_s"], out["cold_timings"] = cold_s, cold["timings"]
     out["n_held"] = cold["n_tokens_held"]
-    save, save_wall = a.command(f"SAVE {path}")
+    save, save_wall = a.command("SAVE " + json.dumps({"path": str(path)}))
     out["save"] = {**save, "wall_s": save_wall}
     out["file_bytes"] = path.stat().st_size
     if kept is not None and not out.get("cold_from_prepared"):

@@ -242,7 +242,7 @@ def main() -> int:
         e = Engine([sys.executable, "-m", "strata_engine.cli", *serve])
         prompt = np.random.default_rng(5).integers(100, 5000, a.tokens).tolist()
         e.command("COMPLETE " + json.dumps({"prompt": prompt, "n_predict": 1, "temperature": 0}))
-        e.command(f"SAVE {path}")
+        e.command("SAVE " + json.dumps({"path": str(path)}))
         e.quit()
     size = path.stat().st_size
     print(f"{path.name}: {size / 1e6:.1f} MB, {a.tokens} tokens, backend {a.backend} {a.args} "
@@ -255,7 +255,7 @@ def main() -> int:
         base = min(plain_read(path) for _ in range(3)) * 1e3
         print(f"engine {k}: plain read {base:.2f} ms")
         for r in range(a.restores):
-            res = e.command(f"RESTORE {path}")
+            res = e.command("RESTORE " + json.dumps({"path": str(path)}))
             with open(f"{out}.{r}.json") as f:
                 events = json.load(f)
             summarize(events, f"RESTORE #{r} restore_ms {res['restore_ms']:.2f} (x{res['restore_ms'] / base:.2f}) "

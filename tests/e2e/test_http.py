@@ -192,7 +192,7 @@ def _file_from_other_model(smollm2_path, folder) -> bytes:
         assert supervisor.wait_ready(180).info["model_path"] == str(model)
         with supervisor.acquire() as lease:
             lease.call("COMPLETE", {"prompt": PROMPT, "n_predict": 2, "temperature": 0})
-            lease.call("SAVE", str(folder / "other.bin"))
+            lease.call("SAVE", {"path": str(folder / "other.bin")})
     finally:
         supervisor.stop()
     return (folder / "other.bin").read_bytes()

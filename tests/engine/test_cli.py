@@ -30,6 +30,8 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         (["--ctx-size", "many"], "--ctx-size"),
         (["--no-such-flag"], "unrecognized"),
         (["--threads", "0"], "threads"),
+        (["--parallel", "0"], "n_slots"),
+        (["-c", "60", "-np", "4"], "15 tokens of context, fewer than 16"),
     ],
 )
 def test_bad_settings_exit_2(args, fragment):

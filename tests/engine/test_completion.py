@@ -59,6 +59,13 @@ class ScriptedRunner:
         result.logits, result.cache_n, result.prompt_n = self._logits(), common, len(tokens) - common
         return result
 
+    def prefill_steps(self, tokens, on_chunk=None):
+        result = self.prefill(tokens)  # one chunk
+        if on_chunk is not None:
+            on_chunk(result.cache_n, len(tokens))
+        yield
+        return result
+
     def decode(self, token):
         assert len(self.held) < self.n_ctx
         self.held.append(token)

@@ -8,11 +8,13 @@ import pytest
 from strata_engine.chat import ChatTemplate
 from strata_engine.embedding import embed, hidden_states, model_pooling, normalize
 from strata_engine.errors import ContextOverflow, InvalidRequest, InvalidToken
-from strata_engine.protocol import FimToken, ServeContext
-from strata_engine.serve import build_registry, ready_line
+from strata_engine.protocol import FimToken, Request
+from strata_engine.serve import build_registry, ready_line, serve_context
 from strata_engine.settings import Pooling
+from strata_engine.slots import SlotSet
 from strata_engine.tokenizer import Tokenizer
 
+from .inprocess import InProcessEngine
 from .runners import base_runner
 
 TEXT = "The capital of France is Paris, and the capital of Italy is"
@@ -76,13 +78,18 @@ def test_normalize_is_llamacpps_embd_normalize():
 
 def test_embed_leaves_the_held_conversation_as_it_was(smollm2):
     runner, tok = smollm2
-    slot = runner.sibling(n_ctx=256)
+    slots = SlotSet.sharing(runner, n_ctx=256, prefill_chunk=4)
+    slot = slots.runners[0]
     held = tok.encode("<|im_start|>user\nHello there<|im_end|>\n", add_special=True)
     slot.prefill(held)
     before = (slot.tokens_held, slot.snapshot_state().ring_start, np.array(slot.pool.layer(0).k, copy=True))
-    template = ChatTemplate.for_model(slot.gguf.metadata, tok)
-    ctx = ServeContext(runner=slot, tokenizer=tok, template=template, completer=None, reader=None, writer=None)
-    answer = build_registry().get("EMBED").handler(ctx, {"tokens": tok.encode(TEXT), "pooling": "mean"})
+    engine = InProcessEngine(slots, tok, ChatTemplate.for_model(slot.gguf.metadata, tok))
+    try:
+        answer = engine.command("EMBED", {"id": "e", "tokens": tok.encode(TEXT), "pooling": "mean"})
+    finally:
+        engine.close()
+    assert engine.scheduler.steps == -(-len(tok.encode(TEXT)) // 4)  # a chunk per step
+    np.testing.assert_allclose(answer["embedding"][0], embed(slot, tok.encode(TEXT), Pooling.MEAN)[0], rtol=1e-5)
     assert len(answer["embedding"]) == 1 and len(answer["embedding"][0]) == runner.config.n_embd
     assert answer["n_tokens"] == len(tok.encode(TEXT))
     assert slot.tokens_held == before[0] and slot.snapshot_state().ring_start == before[1]
@@ -92,23 +99,26 @@ def test_embed_leaves_the_held_conversation_as_it_was(smollm2):
 
 def test_embed_refuses_bad_arguments(smollm2):
     runner, tok = smollm2
-    ctx = ServeContext(runner=runner.sibling(n_ctx=16), tokenizer=tok, template=None, completer=None, reader=None,
-                       writer=None)
+    ctx = serve_context(SlotSet.sharing(runner, n_ctx=16), tok, None)
     handler = build_registry().get("EMBED").handler
+
+    def call(args):
+        return handler(ctx, Request("EMBED", args))
+
     with pytest.raises(InvalidRequest) as exc:
-        handler(ctx, {"tokens": "abc", "pooling": "rank", "normalize": -2})
+        call({"tokens": "abc", "pooling": "rank", "normalize": -2})
     assert len(exc.value.problems) == 3
     with pytest.raises(InvalidRequest):
-        handler(ctx, {"tokens": []})
+        call({"tokens": []})
     with pytest.raises(InvalidToken):
-        handler(ctx, {"tokens": [1, 10**6]})
+        call({"tokens": [1, 10**6]})
     with pytest.raises(ContextOverflow):
-        handler(ctx, {"tokens": [1] * 17})
+        call({"tokens": [1] * 17})
 
 
 def test_ready_line_names_fim_tokens_and_pooling(smollm2):
     runner, tok = smollm2
-    ready = ready_line(runner, tok, ChatTemplate.for_model(runner.gguf.metadata, tok))
+    ready = ready_line(SlotSet.sharing(runner, n_ctx=64), tok, ChatTemplate.for_model(runner.gguf.metadata, tok))
     assert ready["fim_tokens"] == {role.value: (4 if role is FimToken.REP else None) for role in FimToken}
     assert ready["pooling"] == "none"  # SmolLM2 names none: llama.cpp's default
     meta = {"llama.pooling_type": 1}

@@ -95,14 +95,14 @@ def test_save_new_process_restore_next_turn(tmp_path, model, placement):
     a = _start(model, placement, tmp_path)
     assert a.ready["backend"] == "cupy"
     first = a.complete(prompt, 8)
-    saved = a.command(f"SAVE {path}")
+    saved = a.command("SAVE " + json.dumps({"path": str(path)}))
     assert saved["event"] == "result" and saved["n_saved"] == first["n_tokens_held"]
     next_prompt = prompt + first["tokens"] + long_prompt(11, 40)
     never_restarted = a.complete(next_prompt, 16)
     assert a.quit() == 0
 
     b = _start(model, placement, tmp_path)
-    restored = b.command(f"RESTORE {path}")
+    restored = b.command("RESTORE " + json.dumps({"path": str(path)}))
     assert restored["event"] == "result", restored
     assert restored["n_restored"] == first["n_tokens_held"]
     after_restore = b.complete(next_prompt, 16)
@@ -120,11 +120,11 @@ def test_fault_after_the_gate_fail_stops_with_status_4(tmp_path, model, fault, m
     path = tmp_path / "s.ssf"
     a = _start(model, "device-pool", tmp_path)
     a.complete(long_prompt(3), 4)
-    assert a.command(f"SAVE {path}")["event"] == "result"
+    assert a.command("SAVE " + json.dumps({"path": str(path)}))["event"] == "result"
     a.quit()
     b = _start(model, "device-pool", tmp_path, env={"STRATA_ENGINE_SESSION_FAULT": fault}, mode=mode)
     b.complete(long_prompt(5, 100), 2)
-    event = b.command(f"RESTORE {path}")
+    event = b.command("RESTORE " + json.dumps({"path": str(path)}))
     assert event["event"] == "error" and event["error"]["type"] == "fail_stop", event
     assert b.proc.wait(timeout=60) == 4
 
@@ -135,11 +135,11 @@ def test_fault_before_the_gate_keeps_serving(tmp_path, model):
     path = tmp_path / "s.ssf"
     a = _start(model, "device-pool", tmp_path)
     a.complete(long_prompt(3), 4)
-    assert a.command(f"SAVE {path}")["event"] == "result"
+    assert a.command("SAVE " + json.dumps({"path": str(path)}))["event"] == "result"
     a.quit()
     b = _start(model, "device-pool", tmp_path, env={"STRATA_ENGINE_SESSION_FAULT": "restore-before-gate"})
     held = b.complete(long_prompt(5, 100), 2)
-    event = b.command(f"RESTORE {path}")
+    event = b.command("RESTORE " + json.dumps({"path": str(path)}))
     assert event["event"] == "error" and event["error"]["type"] == "session_refused", event
     status = b.command("STATUS")
     assert status["n_tokens_held"] == held["n_tokens_held"]
@@ -155,7 +155,7 @@ def test_a_fresh_engine_refuses_a_corrupt_file_then_restores_a_good_one(tmp_path
     prompt = long_prompt(3)
     a = _start("smollm2", placement, tmp_path)
     first = a.complete(prompt, 8)
-    assert a.command(f"SAVE {good}")["event"] == "result"
+    assert a.command("SAVE " + json.dumps({"path": str(good)}))["event"] == "result"
     next_prompt = prompt + first["tokens"] + long_prompt(11, 40)
     never_restarted = a.complete(next_prompt, 8)
     assert a.quit() == 0
@@ -165,11 +165,11 @@ def test_a_fresh_engine_refuses_a_corrupt_file_then_restores_a_good_one(tmp_path
     bad.write_bytes(bytes(data))
 
     b = _start("smollm2", placement, tmp_path, mode="staged")  # holds nothing: stages into its own pool
-    event = b.command(f"RESTORE {bad}")
+    event = b.command("RESTORE " + json.dumps({"path": str(bad)}))
     assert event["event"] == "error" and event["error"]["type"] == "session_refused", event
     assert event["error"]["reason"] == "payload_corrupt", event
-    assert b.command("STATUS")["n_tokens_held"] == 0
-    restored = b.command(f"RESTORE {good}")
+    assert b.command("STATUS")["slots"][0]["n_tokens_held"] == 0
+    restored = b.command("RESTORE " + json.dumps({"path": str(good)}))
     assert restored["event"] == "result" and restored["mode"] == "staged", restored
     after_restore = b.complete(next_prompt, 8)
     assert after_restore["timings"]["cache_n"] >= 0.999 * restored["n_restored"]
@@ -183,12 +183,12 @@ def test_numpy_backend_file_is_refused_by_the_cupy_backend(tmp_path, model):
     path = tmp_path / "n.ssf"
     n = _start(model, "device-pool", tmp_path, backend="numpy")
     n.complete(long_prompt(3, 40), 2)
-    assert n.command(f"SAVE {path}")["event"] == "result"
+    assert n.command("SAVE " + json.dumps({"path": str(path)}))["event"] == "result"
     n.quit()
     g = _start(model, "device-pool", tmp_path)
     held = g.complete(long_prompt(5, 60), 2)
-    event = g.command(f"RESTORE {path}")
+    event = g.command("RESTORE " + json.dumps({"path": str(path)}))
     assert event["event"] == "error" and event["error"]["type"] == "session_refused", event
     assert event["error"]["reason"] == "config_mismatch", event
-    assert g.command("STATUS")["n_tokens_held"] == held["n_tokens_held"]
+    assert g.command("STATUS")["slots"][0]["n_tokens_held"] == held["n_tokens_held"]
     assert g.quit() == 0

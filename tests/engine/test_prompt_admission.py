@@ -97,8 +97,8 @@ def test_a_prompt_within_the_bound_is_measured_by_its_tokens(completer):
 
 
 def test_serve_refuses_a_50_mb_prompt_and_goes_on():
-    request = json.dumps({"prompt": "The quick brown fox. " * (HUGE // 21), "n_predict": 1})
-    lines = f"COMPLETE {request}\nSTATUS\nQUIT\n".encode()
+    request = json.dumps({"id": "c", "prompt": "The quick brown fox. " * (HUGE // 21), "n_predict": 1})
+    lines = f'COMPLETE {request}\nSTATUS {{"id": "s"}}\nQUIT {{"id": "q"}}\n'.encode()
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(smollm2_model_path()),
@@ -107,10 +107,12 @@ def test_serve_refuses_a_50_mb_prompt_and_goes_on():
     )  # fmt: skip
     print(f"serve: a {len(request) / 1e6:.0f} MB COMPLETE answered, with start-up, in {time.perf_counter() - start:.1f} s")
     assert done.returncode == 0, done.stderr.decode(errors="replace")
-    ready, refused, status, quit_ = (json.loads(line) for line in done.stdout.splitlines())
-    assert ready["event"] == "ready"
+    ready, *answers = (json.loads(line) for line in done.stdout.splitlines())
+    by_id = {line["id"]: line for line in answers}
+    refused, status, quit_ = by_id["c"], by_id["s"], by_id["q"]
+    assert ready["event"] == "ready" and len(answers) == 3 and answers[-1] is quit_
     assert refused["event"] == "error" and refused["error"]["type"] == "exceed_context_size"
     assert refused["error"]["reason"] == "prompt_too_long" and "at least" in refused["error"]["message"]
     assert refused["error"]["n_prompt_tokens"] > N_CTX == refused["error"]["n_ctx"]
-    assert status["event"] == "result" and status["n_tokens_held"] == 0
+    assert status["event"] == "result" and status["slots"][0]["n_tokens_held"] == 0
     assert quit_["event"] == "result"

@@ -14,7 +14,7 @@ from strata_engine.serve import build_registry
 from support.spec import code, read_spec, section, table_rows
 
 SPEC = read_spec("engine-protocol.md")
-ARGUMENT_WORDS = {"none": P.ArgumentKind.NONE, "JSON object": P.ArgumentKind.JSON, "path": P.ArgumentKind.PATH}
+ARGUMENT_WORDS = {kind.value: kind for kind in P.ArgumentKind}  # "JSON object", "optional JSON object"
 
 
 def argument_kind(cell: str) -> P.ArgumentKind:
@@ -54,8 +54,27 @@ def test_exit_statuses_table_is_the_enum():
 
 def test_ready_line_names_the_protocol_version_and_engine():
     ready = section(SPEC, "## Start-up")
-    assert int(re.search(r'"protocol": (\d+)', ready).group(1)) == P.PROTOCOL_VERSION == 1
+    assert int(re.search(r'"protocol": (\d+)', ready).group(1)) == P.PROTOCOL_VERSION == 2
+    assert f"protocol version **{P.PROTOCOL_VERSION}**" in SPEC
     assert re.search(r'"engine": "([^"]+)"', ready).group(1) == P.ENGINE_NAME
+
+
+def test_slot_verbs_are_the_registry_s_slotted_verbs():
+    """The verbs Lines says act on one slot are the ones the registry marks so (they take `slot`, slot_busy)."""
+    lines = " ".join(section(SPEC, "## Lines").split())
+    named = lines[lines.index("- `slot`: for the verbs that act on one slot"):].split(")", 1)[0]
+    registry = build_registry()
+    assert sorted(re.findall(r"`([A-Z_]+)`", named)) == sorted(v for v in registry.verbs if registry.get(v).slotted)
+
+
+def test_the_verbs_answered_off_the_step_loop_are_the_worker_s():
+    """Scheduling names the verbs run on the worker thread, and those that start stepped jobs."""
+    scheduling = " ".join(section(SPEC, "## Scheduling").split())
+    worker = scheduling[scheduling.index("- `TOKENIZE`"):].split("run on a worker thread", 1)[0]
+    registry = build_registry()
+    on_worker = sorted(v for v in registry.verbs if registry.get(v).dispatch is P.Dispatch.WORKER)
+    assert sorted(set(re.findall(r"`([A-Z_]+)`", worker)) - {"COMPLETE"}) == on_worker
+    assert sorted(v for v in registry.verbs if registry.get(v).dispatch is P.Dispatch.JOB) == ["COMPLETE", "EMBED"]
 
 
 def test_every_mapped_exception_names_a_listed_kind_and_reason():

@@ -49,7 +49,7 @@ def test_restore_prefix_cuts_refuses_and_lands_in_place(smollm2, tmp_path):
     prompt, other = random_tokens(600, 2), random_tokens(40, 3)
     smollm2.complete(prompt, 4)
     path = tmp_path / "chat.ssf"
-    assert smollm2.result("SAVE", str(path))["n_saved"] == 603
+    assert smollm2.result("SAVE", {"path": str(path)})["n_saved"] == 603
     header = sf.inspect(path, verify=False).header
     assert smollm2.ready["session_fingerprints"] == {"model": header.model_fingerprint.hex(),
                                                       "config": header.config_fingerprint.hex()}
@@ -60,17 +60,17 @@ def test_restore_prefix_cuts_refuses_and_lands_in_place(smollm2, tmp_path):
     restored = smollm2.result("RESTORE_PREFIX", {"path": str(path), "cut_to": 300, "discard_held": True})
     assert (restored["n_restored"], restored["n_kept"]) == (603, 300)
     assert restored["mode"] == "staged"
-    status = smollm2.result("STATUS")
+    status = smollm2.result("STATUS")["slots"][0]
     assert (status["n_tokens_held"], status["tokens_held_digest"]) == (300, digest(prompt[:300]))
     turn = smollm2.complete(prompt[:300] + other, 8)
     assert turn["timings"]["cache_n"] == 300 and turn["tokens"] == reference["tokens"]
 
-    held = smollm2.result("STATUS")["tokens_held_digest"]
+    held = smollm2.result("STATUS")["slots"][0]["tokens_held_digest"]
     refused = smollm2.command("RESTORE_PREFIX", {"path": str(path), "cut_to": 100, "min_keep": 200,
                                                  "discard_held": True})
     assert refused["error"]["type"] == "session_refused"
     assert (refused["error"]["reason"], refused["error"]["resume_point"]) == ("prefix_unreachable", 100)
-    assert smollm2.result("STATUS")["tokens_held_digest"] == held  # refused before the gate: kept
+    assert smollm2.result("STATUS")["slots"][0]["tokens_held_digest"] == held  # refused before the gate: kept
 
     whole = smollm2.result("RESTORE_PREFIX", {"path": str(path)})  # no cut, the held conversation staged
     assert (whole["n_restored"], whole["n_kept"]) == (603, 603)
@@ -81,7 +81,7 @@ def test_restore_prefix_cuts_refuses_and_lands_in_place(smollm2, tmp_path):
     corrupt.write_bytes(bytes(data))
     refused = smollm2.command("RESTORE_PREFIX", {"path": str(corrupt), "discard_held": True})
     assert (refused["error"]["type"], refused["error"]["reason"]) == ("session_refused", "payload_corrupt")
-    assert smollm2.result("STATUS")["n_tokens_held"] == 0  # refused during the in-place read: nothing held
+    assert smollm2.result("STATUS")["slots"][0]["n_tokens_held"] == 0  # refused during the in-place read: nothing held
     after = smollm2.complete(prompt[:300] + other, 8)
     cold = smollm2.complete(prompt[:300] + other, 8, cache_prompt=False)  # erased first: nothing left behind
     assert after["timings"]["cache_n"] == 0 and after["tokens"] == cold["tokens"]
@@ -100,7 +100,7 @@ def test_restore_prefix_with_sliding_windows_keeps_a_resume_point_or_refuses(tmp
         prompt, other = random_tokens(700, 4), random_tokens(20, 5)
         engine.complete(prompt, 4)
         path = tmp_path / "gemma.ssf"
-        assert engine.result("SAVE", str(path))["n_saved"] == 703
+        assert engine.result("SAVE", {"path": str(path)})["n_saved"] == 703
         reference = engine.complete(prompt + other, 6)  # leaves the reply at 700: resumes at the checkpoint
         assert reference["timings"]["cache_n"] == 700
         refused = engine.command("RESTORE_PREFIX", {"path": str(path), "cut_to": 650, "min_keep": 1})

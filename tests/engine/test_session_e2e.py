@@ -91,8 +91,8 @@ class Engine:
         request = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True}
         return self.result("COMPLETE " + json.dumps(request))
 
-    def status(self) -> dict:
-        return self.result("STATUS")
+    def status(self, slot: int = 0) -> dict:
+        return self.result("STATUS")["slots"][slot]
 
     def wait(self) -> int:
         return self.proc.wait(timeout=TIMEOUT_S)
@@ -163,7 +163,7 @@ def test_conversation_survives_a_restart(engines, tmp_path, case):
     held = first["n_tokens_held"]
     assert held == case.n_prompt + N_FIRST - 1
     held_digest = never_restarted.status()["tokens_held_digest"]
-    save = never_restarted.command(f"SAVE {path}")
+    save = never_restarted.command("SAVE " + json.dumps({"path": str(path)}))
     assert save[-1]["event"] == "result", save[-1]
     assert save[-1]["n_saved"] == held and save[-1]["n_written"] == path.stat().st_size
     assert {"copy", "flush", "rename"} <= {line["phase"] for line in save if line["event"] == "progress"}
@@ -181,7 +181,7 @@ def test_conversation_survives_a_restart(engines, tmp_path, case):
     assert never_restarted.quit() == 0
 
     restarted = engines(case.model, *settings, *case.restore_args)
-    restore = restarted.result(f"RESTORE {path}")
+    restore = restarted.result("RESTORE " + json.dumps({"path": str(path)}))
     assert restore["n_restored"] == held and restore["n_read"] >= path.stat().st_size
     assert restore["mode"] == {"streaming": "streaming"}.get(case.restore_args[-1], "staged")
     assert 0 < restore["read_pass_ms"] + restore["apply_ms"] <= restore["restore_ms"] * 1.001 + 0.01
@@ -272,13 +272,13 @@ def test_refusals_keep_the_live_conversation(engines, tmp_path):
     files["a second hard link"] = (linked, "multiple_links")
 
     engine = engines("smollm2", "--ctx-size", str(REFUSAL_CTX))
-    empty = engine.result(f"SAVE {tmp_path / 'empty.session'}")  # nothing held: a valid file of 0 tokens
+    empty = engine.result("SAVE " + json.dumps({"path": str(tmp_path / 'empty.session')}))  # nothing held: a valid file of 0 tokens
     assert empty["n_saved"] == 0 and sf.inspect(tmp_path / "empty.session").metadata.state.n_tokens == 0
     live_prompt = prompt_tokens(60, seed=9)
     first = engine.complete(live_prompt, 2)
     live = engine.status()
     for name, (path, reason) in files.items():
-        answer = engine.command(f"RESTORE {path}")[-1]
+        answer = engine.command("RESTORE " + json.dumps({"path": str(path)}))[-1]
         assert answer["event"] == "error", f"{name}: accepted"
         error = answer["error"]
         assert (error["type"], error["reason"]) == ("session_refused", reason), f"{name}: {error}"
@@ -293,7 +293,7 @@ def test_refusals_keep_the_live_conversation(engines, tmp_path):
         assert turn["tokens"] == first["tokens"], name
         assert turn["timings"]["cache_n"] == len(live_prompt) - 1, name
     # The undamaged file itself is accepted (so each refusal was about its damage).
-    assert engine.result(f"RESTORE {good}")["n_restored"] == 40
+    assert engine.result("RESTORE " + json.dumps({"path": str(good)}))["n_restored"] == 40
     assert engine.quit() == 0
 
 
@@ -301,13 +301,30 @@ def test_refusals_keep_the_live_conversation(engines, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("fault", "mode"), [("restore-after-gate", "streaming"), ("restore-at-commit", "staged")])
-def test_a_fault_after_the_gate_exits_with_the_fail_stop_status(engines, tmp_path, fault, mode):
+def test_a_fault_after_the_gate_erases_that_slot_only_and_the_other_streams_on(engines, tmp_path, fault, mode):
     good = synthetic_file(tmp_path / "good.session", "smollm2", seed=2)
-    engine = engines("smollm2", "--ctx-size", str(REFUSAL_CTX), "--restore-mode", mode, env={FAULT_ENV: fault})
-    engine.complete(prompt_tokens(20, seed=3), 2)
-    answer = engine.command(f"RESTORE {good}")[-1]
-    assert answer["event"] == "error" and answer["error"]["type"] == "fail_stop", answer
-    assert engine.wait() == FAIL_STOP_STATUS
+    engine = engines("smollm2", "--parallel", "2", "--ctx-size", str(2 * REFUSAL_CTX), "--restore-mode", mode,
+                     env={FAULT_ENV: fault})
+    engine.complete(prompt_tokens(20, seed=3), 2)  # slot 0 holds a conversation
+    stream = {"id": "s", "slot": 1, "prompt": prompt_tokens(12, seed=4), "n_predict": 12, "temperature": 0,
+              "ignore_eos": True}
+    engine.proc.stdin.write(("COMPLETE " + json.dumps(stream) + "\n").encode())
+    engine.proc.stdin.flush()
+    assert engine.next_line()["id"] == "s"  # slot 1 streams
+    engine.proc.stdin.write(("RESTORE " + json.dumps({"id": "r", "slot": 0, "path": str(good)}) + "\n").encode())
+    engine.proc.stdin.flush()
+    terminal: dict[str, dict] = {}
+    while len(terminal) < 2:
+        line = engine.next_line()
+        if line["event"] in ("result", "error"):
+            terminal[line["id"]] = line
+    error, result = terminal["r"], terminal["s"]
+    assert (error["event"], error["slot"], error["error"]["type"]) == ("error", 0, "slot_failed"), error
+    assert "slot 0 was erased" in error["error"]["message"]
+    assert engine.status(0)["n_tokens_held"] == 0 and engine.proc.poll() is None  # that slot only; still serving
+    alone = engine.result("COMPLETE " + json.dumps({**stream, "id": "again", "cache_prompt": False}))
+    assert result["stop_type"] == "limit" and result["tokens"] == alone["tokens"]  # the stream was intact
+    assert engine.quit() == 0
 
 
 @pytest.mark.slow
@@ -317,7 +334,7 @@ def test_a_fault_before_the_gate_is_a_clean_refusal(engines, tmp_path):
     live_prompt = prompt_tokens(20, seed=3)
     first = engine.complete(live_prompt, 3)
     digest = engine.status()["tokens_held_digest"]
-    answer = engine.command(f"RESTORE {good}")[-1]
+    answer = engine.command("RESTORE " + json.dumps({"path": str(good)}))[-1]
     assert answer["event"] == "error" and answer["error"]["type"] == "session_refused", answer
     assert answer["error"]["reason"] == "adapter_failed" and "before the gate" in answer["error"]["message"]
     assert engine.status()["tokens_held_digest"] == digest

@@ -57,7 +57,7 @@ def test_keyed_save_restores_and_unauthenticated_files_are_refused_before_the_ga
     for name, engine in engines.items():
         engine.complete(prompt, 4)
         files[name] = tmp_path / f"{name}.ssf"
-        assert engine.result("SAVE", str(files[name]))["n_saved"] == 403
+        assert engine.result("SAVE", {"path": str(files[name])})["n_saved"] == 403
     key_a = sf.SessionKey.from_file(tmp_path / "a.key")
     assert sf.inspect(files["keyed"], key=key_a).header.flags & Flags.AUTHENTICATED
     assert not sf.inspect(files["plain"]).header.flags & Flags.AUTHENTICATED
@@ -75,25 +75,25 @@ def test_keyed_save_restores_and_unauthenticated_files_are_refused_before_the_ga
     data = bytearray(files["keyed"].read_bytes())
     data[-24] ^= 0x01  # a byte of the trailer's MAC
     flipped.write_bytes(bytes(data))
-    held = keyed.result("STATUS")["tokens_held_digest"]
-    refusals = [(keyed, "RESTORE", str(files["plain"]), "mac_missing"),
+    held = keyed.result("STATUS")["slots"][0]["tokens_held_digest"]
+    refusals = [(keyed, "RESTORE", {"path": str(files["plain"])}, "mac_missing"),
                 (keyed, "RESTORE_PREFIX", {"path": str(files["plain"]), "discard_held": True}, "mac_missing"),
-                (keyed, "RESTORE", str(files["other"]), "mac_wrong_key"),
+                (keyed, "RESTORE", {"path": str(files["other"])}, "mac_wrong_key"),
                 (keyed, "RESTORE_PREFIX", {"path": str(flipped), "discard_held": True}, "mac_mismatch"),
-                (other, "RESTORE", str(files["keyed"]), "mac_wrong_key")]
-    other_held = other.result("STATUS")["tokens_held_digest"]
+                (other, "RESTORE", {"path": str(files["keyed"])}, "mac_wrong_key")]
+    other_held = other.result("STATUS")["slots"][0]["tokens_held_digest"]
     for engine, verb, argument, reason in refusals:
         error = engine.command(verb, argument)["error"]
         assert (error["type"], error["reason"]) == ("session_refused", reason), (verb, argument)
-    assert keyed.result("STATUS")["tokens_held_digest"] == held  # refused before the gate: kept
-    assert other.result("STATUS")["tokens_held_digest"] == other_held
+    assert keyed.result("STATUS")["slots"][0]["tokens_held_digest"] == held  # refused before the gate: kept
+    assert other.result("STATUS")["slots"][0]["tokens_held_digest"] == other_held
 
     # --session-key-optional restores a file without a MAC; an engine without a key restores a keyed file.
     other.result("ERASE")
-    assert other.result("RESTORE", str(files["plain"]))["n_restored"] == 403
-    assert other.result("STATUS")["tokens_held_digest"] == digest(file_tokens(files["plain"]))
+    assert other.result("RESTORE", {"path": str(files["plain"])})["n_restored"] == 403
+    assert other.result("STATUS")["slots"][0]["tokens_held_digest"] == digest(file_tokens(files["plain"]))
     plain.result("ERASE")
-    assert plain.result("RESTORE", str(files["keyed"]))["n_restored"] == 403
+    assert plain.result("RESTORE", {"path": str(files["keyed"])})["n_restored"] == 403
 
 
 def file_tokens(path) -> list[int]:

@@ -95,7 +95,7 @@ def normalized(v: list[float], p: int) -> list[float]:
 
 class FakeEngine:
     def __init__(self, model_path: str, n_ctx: int = 512, kv_type: str = "f16", token_delay: float = 0.0,
-                 prompt_delay: float = 0.0, fim: bool = False) -> None:
+                 prompt_delay: float = 0.0, fim: bool = False, n_slots: int = 1) -> None:
         self.model_path = model_path
         with open(model_path, encoding="utf-8") as f:
             self.model_name = f.read().strip() or "fake"
@@ -104,14 +104,15 @@ class FakeEngine:
         self.token_delay = token_delay
         self.prompt_delay = prompt_delay
         self.fim = fim
+        self.n_slots = n_slots  # the ready line's; one FakeEngine holds one slot's conversation
         self.held: list[int] = []
         self.fail_saves = False  # tests: every SAVE fails before its rename (disk full)
         self.cancel_requested: Callable[[], bool] = lambda: False
 
     def ready_line(self) -> dict:
-        return {"event": "ready", "protocol": 1, "engine": "fake-engine", "engine_version": "0.0.1",
+        return {"event": "ready", "protocol": PROTOCOL_VERSION, "engine": "fake-engine", "engine_version": "0.0.1",
                 "model_path": self.model_path, "model_name": self.model_name, "architecture": "fake",
-                "n_ctx": self.n_ctx, "n_ctx_train": 512, "n_vocab": N_VOCAB, "n_layer": 2, "n_embd": 8,
+                "n_ctx": self.n_ctx * self.n_slots, "n_slots": self.n_slots, "n_ctx_slot": self.n_ctx, "n_ctx_train": 512, "n_vocab": N_VOCAB, "n_layer": 2, "n_embd": 8,
                 "n_params": 1000, "model_size": 4000, "backend": "python", "kv_type": self.kv_type,
                 "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": "chatml",
                 "add_bos": False, "prompt_cache": True, "pooling": "none",
@@ -125,12 +126,6 @@ class FakeEngine:
         handler = getattr(self, f"do_{verb.lower()}", None) if verb.isupper() else None
         if handler is None:
             yield self.error(ErrorKind.INVALID_REQUEST, f"unknown verb {verb!r}")
-            return
-        if verb in ("SAVE", "RESTORE"):
-            if not argument:
-                yield self.error(ErrorKind.INVALID_REQUEST, f"{verb} needs a path")
-                return
-            yield from handler(argument)
             return
         try:
             arg = json.loads(argument) if argument else {}
@@ -194,10 +189,13 @@ class FakeEngine:
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
+    def slot_status(self, slot: int, busy: bool = False) -> dict:
+        return {"slot": slot, "n_ctx": self.n_ctx, "n_past": len(self.held), "n_tokens_held": len(self.held),
+                "tokens_held_digest": hashlib.sha256(json.dumps(self.held).encode()).hexdigest()[:16],
+                "is_processing": busy}
+
     def do_status(self, arg: dict) -> Iterator[dict]:
-        yield {"event": "result", "n_ctx": self.n_ctx, "n_past": len(self.held), "n_tokens_held": len(self.held),
-               "tokens_held_digest": hashlib.sha256(json.dumps(self.held).encode()).hexdigest()[:16],
-               "is_processing": False, "kv_type": self.kv_type, "backend": "python"}
+        yield status_of([self])
 
     def do_erase(self, arg: dict) -> Iterator[dict]:
         n = len(self.held)
@@ -216,14 +214,7 @@ class FakeEngine:
         if ("prompt" in arg) == ("messages" in arg):
             yield self.error(ErrorKind.INVALID_REQUEST, "exactly one of prompt and messages")
             return
-        if "messages" in arg:
-            prompt = tokenize(self.render_command(arg))
-        elif isinstance(arg["prompt"], str):
-            prompt = tokenize(arg["prompt"])
-        else:
-            prompt = []
-            for item in arg["prompt"]:
-                prompt += tokenize(item) if isinstance(item, str) else [item]
+        prompt = self.prompt_of(arg)
         if not prompt:
             yield self.error(ErrorKind.INVALID_REQUEST, "empty prompt")
             return
@@ -272,7 +263,7 @@ class FakeEngine:
             if token == EOS and not arg.get("ignore_eos"):
                 generated.append(token)
                 stop_type = "eos"
-                yield {"event": "token", "id": token, "piece": "<|im_end|>", "content": ""}
+                yield {"event": "token", "token": token, "piece": "<|im_end|>", "content": ""}
                 break
             generated.append(token)
             seq.append(token)
@@ -284,14 +275,14 @@ class FakeEngine:
                 text = text[:cut]
                 content = text[released:]
                 released = len(text)
-                yield {"event": "token", "id": token, "piece": piece_bytes(token).decode("utf-8", "replace"),
+                yield {"event": "token", "token": token, "piece": piece_bytes(token).decode("utf-8", "replace"),
                        "content": content}
                 break
             hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             safe = len(text) - hold
             content = text[released:safe] if safe > released else ""
             released = max(released, safe)
-            event = {"event": "token", "id": token, "piece": piece_bytes(token).decode("utf-8", "replace"),
+            event = {"event": "token", "token": token, "piece": piece_bytes(token).decode("utf-8", "replace"),
                      "content": content}
             if n_probs:
                 chosen = dict(cands).get(token, -9.0)
@@ -313,7 +304,29 @@ class FakeEngine:
                            "predicted_per_token_ms": predicted_ms / max(n_gen, 1),
                            "predicted_per_second": 1000 * n_gen / predicted_ms}}
 
-    def do_save(self, path: str) -> Iterator[dict]:
+    def do_prompt_tokens(self, arg: dict) -> Iterator[dict]:
+        prompt = self.prompt_of(arg)
+        if len(prompt) >= self.n_ctx:
+            yield self.error(ErrorKind.EXCEED_CONTEXT_SIZE, "prompt too long", n_prompt_tokens=len(prompt),
+                             n_ctx=self.n_ctx)
+            return
+        yield {"event": "result", "tokens": prompt}
+
+    def prompt_of(self, arg: dict) -> list[int]:
+        if "messages" in arg:
+            return tokenize(self.render_command(arg))
+        if isinstance(arg["prompt"], str):
+            return tokenize(arg["prompt"])
+        prompt = []
+        for item in arg["prompt"]:
+            prompt += tokenize(item) if isinstance(item, str) else [item]
+        return prompt
+
+    def do_save(self, arg: dict) -> Iterator[dict]:
+        path = arg.get("path")
+        if not path:
+            yield self.error(ErrorKind.INVALID_REQUEST, "SAVE needs a path")
+            return
         t0 = time.perf_counter()
         body = {"magic": MAGIC, "model": self.model_name, "n_ctx": self.n_ctx, "kv_type": self.kv_type,
                 "tokens": self.held}
@@ -337,7 +350,11 @@ class FakeEngine:
         yield {"event": "result", "n_saved": len(self.held), "n_written": len(data),
                "save_ms": (time.perf_counter() - t0) * 1000}
 
-    def do_restore(self, path: str) -> Iterator[dict]:
+    def do_restore(self, arg: dict) -> Iterator[dict]:
+        path = arg.get("path")
+        if not path:
+            yield self.error(ErrorKind.INVALID_REQUEST, "RESTORE needs a path")
+            return
         t0 = time.perf_counter()
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -355,7 +372,7 @@ class FakeEngine:
         except (ValueError, KeyError, AttributeError, TypeError):
             yield self.error(ErrorKind.SESSION_REFUSED, "not a session file", reason="corrupt")
             return
-        fail_after_gate = body.pop("fail_after_gate", False)
+        fail_after_gate = body.pop("fail_after_gate", None)
         if body.get("magic") != MAGIC or hashlib.sha256(
                 json.dumps(body, sort_keys=True).encode()).hexdigest() != checksum:
             yield self.error(ErrorKind.SESSION_REFUSED, "checksum mismatch", reason="corrupt")
@@ -368,28 +385,48 @@ class FakeEngine:
             return
         if fail_after_gate:
             self.held = []
-            raise FailStop("apply pass failed after the first block")
+            if fail_after_gate == "fail_stop":  # erasing the slot failed too: the engine exits 4
+                raise FailStop("apply pass failed after the first block, and so did erasing the slot")
+            yield self.error(ErrorKind.SLOT_FAILED, "apply pass failed after the first block; the slot was erased",
+                             reason="apply_failed")
+            return
         self.held = list(body["tokens"])
         yield {"event": "result", "n_restored": len(self.held), "n_read": len(data),
                "restore_ms": (time.perf_counter() - t0) * 1000}
 
 
-def mark_fail_after_gate(path: str) -> None:
-    """Rewrite a fake session file so its restore passes validation and then fail-stops."""
+def mark_fail_after_gate(path: str, fail_stop: bool = False) -> None:
+    """Rewrite a fake session file so its restore passes validation and then fails: the slot erased
+    (``slot_failed``), or with ``fail_stop`` the engine exiting with status 4."""
     with open(path, encoding="utf-8") as f:
         body = json.load(f)
     body.pop("checksum")
     body["checksum"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-    body["fail_after_gate"] = True
+    body["fail_after_gate"] = "fail_stop" if fail_stop else "slot_failed"
     with open(path, "w", encoding="utf-8") as f:
         json.dump(body, f)
 
 
+def status_of(engines: list[FakeEngine], busy: frozenset[int] = frozenset()) -> dict:
+    """STATUS of an engine whose slot i is ``engines[i]`` (protocol v2: one entry per slot)."""
+    first = engines[0]
+    return {"event": "result", "n_ctx": first.n_ctx * len(engines), "n_slots": len(engines), "n_ctx_slot": first.n_ctx,
+            "is_processing": bool(busy), "kv_type": first.kv_type, "backend": "python", "model_path": first.model_path,
+            "slots": [e.slot_status(i, i in busy) for i, e in enumerate(engines)]}
+
+
+SLOT_VERBS = frozenset({"COMPLETE", "ERASE", "SAVE", "RESTORE", "RESTORE_PREFIX"})
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``strata-engine serve`` as a fake speaking protocol v2: every command on a thread of its own (so
+    TOKENIZE answers while a COMPLETE streams), lines tagged with the command's id and slot, a slot busy
+    with a COMPLETE refusing other slot commands, CANCEL by id."""
     parser = argparse.ArgumentParser()
     parser.add_argument("serve", nargs="?")
     parser.add_argument("--model", required=True)
     parser.add_argument("--ctx-size", type=int, default=512)
+    parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--kv-type", default="f16")
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--prompt-delay", type=float, default=0.0)
@@ -399,10 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pid-file")
     args = parser.parse_args(argv)
     out = sys.stdout
+    out_lock = threading.Lock()
 
     def emit(event: dict) -> None:
-        out.write(json.dumps(event) + "\n")
-        out.flush()
+        with out_lock:
+            out.write(json.dumps(event) + "\n")
+            out.flush()
 
     if args.pid_file:
         with open(args.pid_file, "a", encoding="utf-8") as f:
@@ -411,47 +450,94 @@ def main(argv: list[str] | None = None) -> int:
     if args.fail_load or not os.path.isfile(args.model):
         emit({"event": "fatal", "message": f"cannot load model {args.model}"})
         return ExitStatus.MODEL_LOAD
-    engine = FakeEngine(args.model, args.ctx_size, args.kv_type, args.token_delay, args.prompt_delay)
+    n_ctx_slot = args.ctx_size // args.parallel
+    engines = [FakeEngine(args.model, n_ctx_slot, args.kv_type, args.token_delay, args.prompt_delay,
+                          n_slots=args.parallel) for _ in range(args.parallel)]
+    tools = FakeEngine(args.model, n_ctx_slot, args.kv_type, n_slots=args.parallel)  # slot-less verbs
+    lock = threading.Lock()
+    busy: dict[int, str | None] = {}  # slot -> the id of the COMPLETE holding it
+    cancelled: set[str] = set()
+    running: list[threading.Thread] = []
+    ready = tools.ready_line()
+    ready["protocol"] = args.protocol
+    emit(ready)
+
+    def run(verb: str, line: str, tags: dict, engine: FakeEngine, slot: int | None) -> None:
+        request_id = tags.get("id")
+        release = release_of(slot, request_id)
+        if verb == "COMPLETE":
+            engine.cancel_requested = lambda: request_id in cancelled
+        try:
+            for event in engine.handle(line):
+                if event["event"] in ("result", "error") and slot is not None:
+                    event = {**event, "slot": slot}
+                    if verb == "COMPLETE":  # idle from its terminal line on, as the engine's slots
+                        release()
+                emit({**event, **tags})
+        except FailStop as exc:
+            emit({"event": "error", **tags, "error": {"type": ErrorKind.FAIL_STOP, "reason": "apply_failed",
+                                                      "message": str(exc)}})
+            os._exit(ExitStatus.FAIL_STOP)
+        finally:
+            if verb == "COMPLETE" and slot is not None:
+                release()
+
+    def release_of(slot: int | None, request_id: str | None) -> Callable[[], None]:
+        def release() -> None:
+            with lock:
+                if slot is not None and busy.get(slot, "") == request_id:
+                    busy.pop(slot)
+                cancelled.discard(request_id or "")
+        return release
+
     lines: queue.Queue = queue.Queue()
 
     def read_stdin() -> None:
-        for line in sys.stdin:
-            lines.put(line.rstrip("\n"))
+        for raw in sys.stdin:
+            lines.put(raw.rstrip("\n"))
         lines.put(None)
 
     threading.Thread(target=read_stdin, daemon=True).start()
-    cancelled = threading.Event()
-    backlog: list[str | None] = []
-
-    def cancel_requested() -> bool:
-        while True:
-            try:
-                item = lines.get_nowait()
-            except queue.Empty:
-                return cancelled.is_set()
-            if item == "CANCEL":
-                cancelled.set()
-            else:
-                backlog.append(item)
-
-    engine.cancel_requested = cancel_requested
-    ready = engine.ready_line()
-    ready["protocol"] = args.protocol
-    emit(ready)
     while True:
-        line = backlog.pop(0) if backlog else lines.get()
-        if line is None:
+        line = lines.get()
+        if line is None or line.split(" ", 1)[0] == "QUIT":
+            for thread in running:
+                thread.join()
+            if line is not None:
+                arg = json.loads(line.partition(" ")[2] or "{}")
+                emit({"event": "result", **({"id": arg["id"]} if "id" in arg else {})})
             return ExitStatus.CLEAN
-        cancelled.clear()
+        verb, _, argument = line.partition(" ")
         try:
-            for event in engine.handle(line):
-                emit(event)
-        except FailStop as exc:
-            emit({"event": "error", "error": {"type": ErrorKind.FAIL_STOP, "reason": "apply_failed",
-                                              "message": str(exc)}})
-            return ExitStatus.FAIL_STOP
-        except SystemExit:
-            return ExitStatus.CLEAN
+            arg = json.loads(argument) if argument else {}
+        except ValueError:
+            emit(FakeEngine.error(ErrorKind.INVALID_REQUEST, "bad JSON", reason="bad_json"))
+            continue
+        tags = {"id": arg["id"]} if "id" in arg else {}
+        if verb == "CANCEL":
+            with lock:
+                if arg.get("id") in busy.values():
+                    cancelled.add(arg["id"])
+            continue
+        if verb == "STATUS":
+            with lock:
+                emit({**status_of(engines, frozenset(busy)), **tags})
+            continue
+        slot = None
+        engine = tools
+        if verb in SLOT_VERBS:
+            slot = int(arg.get("slot", 0))
+            with lock:
+                if slot in busy:
+                    emit({**FakeEngine.error(ErrorKind.SLOT_BUSY, f"slot {slot} is busy", reason="slot_busy"),
+                          "slot": slot, **tags})
+                    continue
+                if verb == "COMPLETE":
+                    busy[slot] = arg.get("id")
+            engine = engines[slot]
+        thread = threading.Thread(target=run, args=(verb, line, tags, engine, slot), daemon=True)
+        running[:] = [t for t in running if t.is_alive()] + [thread]
+        thread.start()
 
 
 if __name__ == "__main__":

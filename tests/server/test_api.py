@@ -317,10 +317,15 @@ def test_busy_slot_waits_bounded_then_503(make_api):
     try:
         error = assert_error(client.simulate_post("/completion", json={"prompt": "x"}), 503, "unavailable_error")
         assert "slot 0" in error["message"]
-        assert_error(client.simulate_post("/tokenize", json={"content": "x"}), 503, "unavailable_error")
+        # What needs no slot does not wait for one.
+        for path, body in (("/tokenize", {"content": "x"}), ("/detokenize", {"tokens": [100]}),
+                           ("/apply-template", {"messages": [{"role": "user", "content": "x"}]})):
+            assert client.simulate_post(path, json=body).status_code == 200, path
+        for path in ("/props", "/slots", "/health"):
+            assert client.simulate_get(path).status_code == 200, path
     finally:
         lease.release()
-    assert client.simulate_post("/tokenize", json={"content": "x"}).status_code == 200
+    assert client.simulate_post("/completion", json={"prompt": "x", "n_predict": 1}).status_code == 200
 
 
 def test_chat_logprobs(make_api):
@@ -367,6 +372,8 @@ HTTP_OF_ERROR_KIND = {
     "exceed_context_size": (400, "exceed_context_size_error"),
     "session_refused": (400, "invalid_request_error"),
     "session_write_failed": (500, "server_error"),
+    "slot_busy": (503, "unavailable_error"),
+    "slot_failed": (500, "server_error"),
     "fail_stop": (500, "server_error"),
     "internal": (500, "server_error"),
 }

@@ -74,3 +74,22 @@ def test_console_script_help():
     result = subprocess.run([sys.executable, "-m", "strata_server.cli", "--help"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and "default: 8080" in result.stdout
+
+
+def test_parallel_flags_file_and_checks(tmp_path, fake_model):
+    config = load_config(["--model", str(fake_model), "-np", "4", "-sps", "0.5", "-c", "4096"])
+    assert config.parallel == 4 and config.slot_prompt_similarity == 0.5
+    argv = config.engine_argv()
+    assert argv[argv.index("--parallel") + 1] == "4" and argv[argv.index("--ctx-size") + 1] == "4096"
+    assert "--parallel" not in load_config(["--model", str(fake_model)]).engine_argv()  # 1: the engine's default
+    path = tmp_path / "strata.toml"
+    path.write_text(f'model = "{fake_model}"\nparallel = 2\nslot_prompt_similarity = 0.0\n', encoding="utf-8")
+    from_file = load_config(["--config", str(path)])
+    assert from_file.parallel == 2 and from_file.slot_prompt_similarity == 0.0
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model", str(fake_model), "--parallel", "0", "--slot-prompt-similarity", "1.5"])
+    assert info.value.problems == ["parallel: 0 must be at least 1",
+                                   "slot_prompt_similarity: 1.5 is outside 0..1 (0: off)"]
+    help_text = build_parser().format_help()
+    for text in ("-np N, --parallel N", "-sps F, --slot-prompt-similarity F", "N / --parallel"):
+        assert text in help_text, text

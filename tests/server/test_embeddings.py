@@ -95,9 +95,9 @@ def test_checks_in_the_peer_order(make_api):
 def test_embeddings_leave_the_conversation_alone(make_api):
     client, engine, _ = make_api(embedding=True, pooling="mean")
     first = client.simulate_post("/completion", json={"prompt": "hello world", "n_predict": 4, "temperature": 0}).json
-    held = list(engine.engine.held)
+    held = list(engine.slot_engines[0].held)
     client.simulate_post("/v1/embeddings", json={"input": ["something else entirely", "more"]})
-    assert engine.engine.held == held
+    assert engine.slot_engines[0].held == held
     again = client.simulate_post("/completion", json={"prompt": "hello world", "n_predict": 4, "temperature": 0}).json
     assert again["timings"]["cache_n"] == len("hello world") - 1 and again["content"] == first["content"]
 

@@ -138,7 +138,7 @@ def test_refusals_keep_conversation(api, slot_dir, fake_model, tmp_path):
     other_model.write_text("fake-model-B")
     other = FakeEngine(str(other_model))
     other.held = [5, 6, 7]
-    list(other.do_save(str(slot_dir / "other-model.bin")))
+    list(other.do_save({"path": str(slot_dir / "other-model.bin")}))
     # A corrupted file: one byte changed.
     data = bytearray((slot_dir / "good.bin").read_bytes())
     data[data.index(b'"tokens"') + 12] ^= 0x01
@@ -155,7 +155,7 @@ def test_refusals_keep_conversation(api, slot_dir, fake_model, tmp_path):
 def test_fail_stop_after_gate_is_500_then_served(api, slot_dir):
     client, engine, _ = api
     assert slot_post(client, "save", {"filename": "doomed.bin"}).status_code == 200
-    mark_fail_after_gate(str(slot_dir / "doomed.bin"))
+    mark_fail_after_gate(str(slot_dir / "doomed.bin"), fail_stop=True)
     error = assert_error(slot_post(client, "restore", {"filename": "doomed.bin"}), 500, "server_error")
     assert "restarting" in error["message"] and "lost" in error["message"]
     assert engine.restarts == 1
@@ -168,12 +168,12 @@ def test_save_failure_is_500_and_keeps_old_file(api, slot_dir):
     assert slot_post(client, "save", {"filename": "keep.bin"}).status_code == 200
     before = (slot_dir / "keep.bin").read_bytes()
     client.simulate_post("/completion", json={"prompt": "something else entirely", **GREEDY})
-    engine.engine.fail_saves = True
+    engine.slot_engines[0].fail_saves = True
     error = assert_error(slot_post(client, "save", {"filename": "keep.bin"}), 500, "server_error")
     assert error["message"].startswith("Unable to save slot") and "untouched" in error["message"]
     assert (slot_dir / "keep.bin").read_bytes() == before
     assert sorted(os.listdir(slot_dir)) == ["keep.bin"]
-    engine.engine.fail_saves = False
+    engine.slot_engines[0].fail_saves = False
     assert client.simulate_post("/completion", json={"prompt": "still serving", **GREEDY}).status_code == 200
 
 
@@ -196,10 +196,10 @@ def test_slot_actions_need_json_and_no_foreign_origin(make_api, slot_dir):
 def test_save_folder_flush_failure_says_file_in_place(api, monkeypatch):
     client, engine, _ = api
 
-    def flush_failed(path):
+    def flush_failed(arg):
         yield {"event": "error", "error": {"type": "session_write_failed", "reason": "dir_fsync_failed",
                                            "message": "fsync of the folder failed", "file_in_place": True}}
 
-    monkeypatch.setattr(engine.engine, "do_save", flush_failed)
+    monkeypatch.setattr(engine.slot_engines[0], "do_save", flush_failed)
     error = assert_error(slot_post(client, "save", {"filename": "x.bin"}), 500, "server_error")
     assert "is in place" in error["message"] and error["reason"] == "dir_fsync_failed"

@@ -118,10 +118,10 @@ def test_fail_stop_exit_4_restarts(supervised, tmp_path):
     complete(supervisor, "keep this conversation")
     path = tmp_path / "s.bin"
     with supervisor.acquire() as lease:
-        lease.call("SAVE", str(path))
-    mark_fail_after_gate(str(path))
+        lease.call("SAVE", {"path": str(path)})
+    mark_fail_after_gate(str(path), fail_stop=True)
     with supervisor.acquire() as lease, pytest.raises(EngineReplyError) as info:
-        lease.call("RESTORE", str(path))
+        lease.call("RESTORE", {"path": str(path)})
     assert info.value.kind == "fail_stop"
     wait_for(lambda: supervisor.status().restarts == 1 and supervisor.status().state is EngineState.READY)
     assert supervisor.status().last_exit == 4
@@ -129,7 +129,7 @@ def test_fail_stop_exit_4_restarts(supervised, tmp_path):
 
 
 @pytest.mark.parametrize(("extra", "needle"), [(("--fail-load",), "cannot load model"),
-                                               (("--protocol", "2"), "protocol 2")])
+                                               (("--protocol", "1"), "protocol 1")])
 def test_give_up_statuses_not_restarted(fake_model, tmp_path, extra, needle):
     pid_file = tmp_path / "pids"
     reports = []
@@ -169,7 +169,7 @@ def test_busy_slot_bounded_wait(supervised):
     waiter = threading.Thread(target=lambda: got.append(supervisor.acquire(5.0)))
     waiter.start()
     time.sleep(0.1)
-    assert supervisor.gate.waiting == 1
+    assert supervisor.slots.waiting == 1
     lease.release()
     waiter.join(5)
     got[0].release()
@@ -215,10 +215,10 @@ def test_not_ready_as_soon_as_fail_stop_is_announced(supervised, tmp_path):
     supervisor.wait_ready(20)
     path = tmp_path / "s.bin"
     with supervisor.acquire() as lease:
-        lease.call("SAVE", str(path))
-    mark_fail_after_gate(str(path))
+        lease.call("SAVE", {"path": str(path)})
+    mark_fail_after_gate(str(path), fail_stop=True)
     with supervisor.acquire() as lease, pytest.raises(EngineReplyError):
-        lease.call("RESTORE", str(path))
+        lease.call("RESTORE", {"path": str(path)})
     # Before the supervising thread has even reaped the exit, nobody is handed the doomed process.
     assert supervisor.status().state is not EngineState.READY
     with pytest.raises(EngineUnavailable):

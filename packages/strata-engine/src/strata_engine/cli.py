@@ -16,7 +16,16 @@ import strata_sessionfile as sf
 from .errors import EngineError, UsageError
 from .protocol import ExitStatus
 from .serve import serve
-from .settings import Backend, ChatTemplateName, ComputeDType, CpuKernels, EngineSettings, KVType, values
+from .settings import (
+    MIN_N_CTX_SLOT,
+    Backend,
+    ChatTemplateName,
+    ComputeDType,
+    CpuKernels,
+    EngineSettings,
+    KVType,
+    values,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,7 +40,17 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         "-c",
         type=int,
         default=None,
-        help="context size in tokens (default: the model's, at most 8192)",
+        help="context size in tokens, the total of all slots: each of the --parallel N slots gets CTX_SIZE / N, "
+        "rounded down, as llama-server's (default: the model's, at most 8192)",
+    )
+    parser.add_argument(
+        "--parallel",
+        "-np",
+        type=int,
+        default=1,
+        metavar="N",
+        help=f"slots: conversations held at once, each with CTX_SIZE / N tokens of context (at least {MIN_N_CTX_SLOT} "
+        "when N > 1; default 1)",
     )
     parser.add_argument("--kv-type", choices=values(KVType), default=KVType.F16.value, help="K/V storage type (default f16)")
     parser.add_argument(
@@ -151,6 +170,7 @@ def _settings(args: argparse.Namespace) -> EngineSettings:
     return EngineSettings(
         model_path=args.model,
         n_ctx=args.ctx_size,
+        n_slots=args.parallel,
         kv_type=args.kv_type,
         compute_dtype=args.compute_dtype,
         kv_resident=args.kv_resident,
@@ -187,7 +207,7 @@ def _session_key(path: str) -> sf.SessionKey:
 def _generate(args: argparse.Namespace) -> ExitStatus:
     from .chat import ChatTemplate
     from .completion import Completer, parse_request
-    from .runner import ModelRunner
+    from .slots import SlotSet
     from .tokenizer import Tokenizer
 
     settings = _settings(args)
@@ -201,7 +221,7 @@ def _generate(args: argparse.Namespace) -> ExitStatus:
         return ExitStatus.MODEL_LOAD
     start = time.perf_counter()
     try:
-        runner = ModelRunner.load(settings)
+        runner = SlotSet.load(settings).runners[0]  # the prompt goes to slot 0, with its share of the context
         tokenizer = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
         template = ChatTemplate.for_model(runner.gguf.metadata, tokenizer, settings.chat_template)
     except (EngineError, OSError, ValueError) as exc:

@@ -1,4 +1,4 @@
-"""The completion loop: a validated request, the prompt (text, token ids, or chat messages), prefill
+"""Completions: a validated request, the prompt (text, token ids, or chat messages), prefill a chunk at a time
 through the runner (prompt cache inside), then sample / stream / decode until a stop condition.
 
 Each step: the logits, masked by the request's constraint (constraints.py) if it has one, go through
@@ -21,7 +21,7 @@ import enum
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -367,34 +367,190 @@ class CompletionResult:
 
 
 class Runner(Protocol):
-    """What the loop needs of `ModelRunner`."""
+    """What a generation needs of its slot's `ModelRunner`."""
 
     n_ctx: int
 
     @property
     def n_held(self) -> int: ...
 
-    # .logits (None when should_stop ended it early), .cache_n, .prompt_n
-    def prefill(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None,
-                on_chunk: Callable[[int, int], None] | None = None) -> Any: ...
+    # each next() evaluates one chunk; the return value (StopIteration.value) is the PrefillResult
+    # (.logits, .cache_n, .prompt_n); closing it early keeps the chunks evaluated
+    def prefill_steps(self, tokens: Sequence[int],
+                      on_chunk: Callable[[int, int], None] | None = None) -> Generator[None, None, Any]: ...
 
     def decode(self, token: int) -> np.ndarray: ...
 
     def erase(self) -> int: ...
 
 
+@attrs.frozen
+class Prepared:
+    """A request checked and made ready, touching no slot: what can refuse it has (the constraint compiled,
+    the logit bias resolved, the prompt tokenized and measured)."""
+
+    request: CompletionRequest
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    constraint: Any  # constraints.Constraint (it holds the parser's state) or None
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"  # the prompt is being evaluated, a chunk at a time
+    DECODE = "decode"  # `pending` is the next token to evaluate
+    DONE = "done"  # `result` is set
+
+
+class Generation:
+    """One request's state in its slot, advanced a step at a time by whoever owns the runner: a prefill
+    chunk (`prefill_chunk`), then per token the logits of the last evaluated token (`accept`), which are
+    sampled, checked against the stop conditions and streamed (`on_token`). Single-slot use is
+    `Completer.complete`; the serve loop's scheduler interleaves many (scheduler.py)."""
+
+    def __init__(self, completer: Completer, prepared: Prepared, *,
+                 on_token: Callable[[TokenEvent], None] = lambda event: None,
+                 on_progress: Callable[[PromptProgress], None] | None = None,
+                 cancelled: Callable[[], bool] = lambda: False):
+        self.completer = completer
+        self.runner = completer.runner
+        self.prepared = prepared
+        self._on_token = on_token
+        self._cancelled = cancelled
+        self._clock = completer._clock
+        request = prepared.request
+        state = SamplerState.seeded(request.seed) if request.seed >= 0 else completer.sampler_state
+        self.sampler = Sampler(prepared.params, state)
+        self.history = list(prepared.prompt)  # the repetition penalty's window reads it
+        self.generated: list[int] = []
+        self.text = StopStringFilter(request.stop)
+        self.content: list[str] = []
+        self.stop_type, self.stopping_word = StopType.LIMIT, ""
+        self.pending: int | None = None
+        self.result: CompletionResult | None = None
+        self.start = self._clock()
+        self.prompt_done = self.start
+        # the prefill so far (from on_chunk): a cancelled prefill's timings, and whether the last chunk is in
+        self._cache_n, self._prompt_n, self._n_held_read = 0, 0, None
+        prompt = prepared.prompt
+
+        def on_chunk(cache_n: int, n_held: int) -> None:
+            self._cache_n, self._n_held_read = cache_n, n_held
+            if on_progress is not None and request.return_progress:
+                on_progress(PromptProgress(len(prompt), cache_n, n_held, 1000.0 * (self._clock() - self.start)))
+
+        self.phase = Phase.PREFILL
+        self._prefill = self.runner.prefill_steps(list(prompt), on_chunk=on_chunk)  # checks the prompt first
+        if not request.cache_prompt:
+            self.runner.erase()  # the prompt cache's cut-back happens at the first chunk: nothing is reused
+
+    @property
+    def done(self) -> bool:
+        return self.phase is Phase.DONE
+
+    def prefill_chunk(self) -> bool:
+        """Evaluate the prompt's next chunk; at its end, sample the first token. True once done."""
+        assert self.phase is Phase.PREFILL
+        try:
+            next(self._prefill)
+            if self._n_held_read != len(self.prepared.prompt):
+                return False
+            next(self._prefill)  # every chunk is in: this only returns the result
+            raise AssertionError("prefill_steps yielded after its last chunk")
+        except StopIteration as end:
+            prefill = end.value
+        self.prompt_done = self._clock()
+        self._cache_n, self._prompt_n = prefill.cache_n, prefill.prompt_n
+        if self.prepared.request.n_predict == 0:
+            return self._finish()
+        return self.accept(prefill.logits)
+
+    def cancel_prefill(self) -> bool:
+        """End a generation whose prompt is being evaluated (CANCEL): what was read stays held. False when
+        it is past its prefill (the next sampled token then ends it, as `cancelled` says)."""
+        if self.phase is not Phase.PREFILL:
+            return False
+        self._prefill.close()
+        self.prompt_done = self._clock()
+        self._prompt_n = 0 if self._n_held_read is None else self._n_held_read - self._cache_n
+        self.stop_type = StopType.CANCELLED
+        return self._finish()
+
+    def accept(self, logits: np.ndarray) -> bool:
+        """Sample from the logits of the last evaluated token, stream the token; True once done (else
+        `pending` is the token to evaluate next)."""
+        request, tok, sampler, constraint = self.prepared.request, self.completer.tokenizer, self.sampler, \
+            self.prepared.constraint
+        masked = logits if constraint is None else constraint.mask(logits)
+        adjusted = sampler.adjusted(masked, self.history)
+        token = sampler.sample(adjusted)
+        if not math.isfinite(adjusted[token]):
+            # the constraint allows nothing the logit bias did not ban: the output cannot go on
+            self.stop_type = StopType.EOS
+            return self._finish()
+        if constraint is not None:
+            committed = constraint.commit(token)
+            assert committed, f"token {token} was sampled although the constraint masked it"
+        self.generated.append(token)
+        self.history.append(token)
+        end_of_generation = not request.ignore_eos and tok.is_end_of_generation(token)
+        released, matched = self.text.push(tok.token_bytes(token, special=False))
+        runner = self.runner
+        stop: StopType | None = None
+        if matched is not None:
+            stop, self.stopping_word = StopType.WORD, matched
+        elif end_of_generation or (constraint is not None and constraint.finished):
+            stop = StopType.EOS
+        elif 0 < request.n_predict <= len(self.generated) or runner.n_held >= runner.n_ctx:
+            stop = StopType.LIMIT
+        elif self._cancelled():
+            stop = StopType.CANCELLED
+        if stop is not None and stop is not StopType.WORD:
+            released += self.text.finish()
+        self.content.append(released)
+        chosen, probs = (self.completer.probabilities(request, sampler, logits, adjusted, token) if request.n_probs
+                         else (None, None))
+        self._on_token(TokenEvent(token, tok.piece(token), released, probs, chosen))
+        if stop is not None:
+            self.stop_type = stop
+            return self._finish()
+        self.phase, self.pending = Phase.DECODE, token
+        return False
+
+    def _finish(self) -> bool:
+        end = self._clock()
+        self.completer.sampler_state = self.sampler.state
+        held = self.runner.n_held
+        self.phase, self.pending = Phase.DONE, None
+        self.result = CompletionResult(
+            content="".join(self.content),
+            tokens=tuple(self.generated),
+            stop_type=self.stop_type,
+            stopping_word=self.stopping_word,
+            truncated=False,
+            tokens_evaluated=len(self.prepared.prompt),
+            tokens_cached=held,
+            n_tokens_held=held,
+            seed=self.sampler.state.seed,
+            timings=Timings.measure(self._cache_n, self._prompt_n, self.prompt_done - self.start,
+                                    len(self.generated), end - self.prompt_done),
+        )
+        return True
+
+
 class Completer:
-    """Runs completions on one runner (slot 0). Holds the sampler state between requests: a request
-    with `seed` >= 0 starts from that seed, one with -1 continues from where the last one ended."""
+    """Completions on one runner (a slot). Holds the slot's sampler state between requests: a request
+    with `seed` >= 0 starts from that seed, one with -1 continues from where the last one ended.
+    `prepare` touches no runner state (the serve loop runs it on its worker thread)."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, template: ChatTemplate,
-                 clock: Callable[[], float] = time.perf_counter, sampler_state: SamplerState | None = None):
+                 clock: Callable[[], float] = time.perf_counter, sampler_state: SamplerState | None = None,
+                 constraints: ConstraintCompiler | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.template = template
         self._clock = clock
         self.sampler_state = sampler_state or SamplerState.seeded(random_seed())
-        self.constraints = ConstraintCompiler(tokenizer)
+        self.constraints = constraints or ConstraintCompiler(tokenizer)
 
     def _refuse_unfit(self, min_tokens: int) -> None:
         """Refuse, before tokenizing, a prompt whose length in bytes already shows it cannot fit."""
@@ -474,6 +630,17 @@ class Completer:
         # the probabilities are monotone in the candidates' logits: the best logits are the best tokens
         return chosen, tuple(self.token_prob(int(c.ids[i]), prob=float(probs[i])) for i in best_indices(c.logits, n))
 
+    def prepare(self, request: CompletionRequest) -> Prepared:
+        """Everything that can refuse the request, before any slot is touched."""
+        constraint = None if request.constraint is None else self.constraints.compile(request.constraint)
+        params = request.sampling
+        if request.logit_bias:
+            params = attrs.evolve(params, logit_bias=self.logit_bias(request.logit_bias))
+        prompt = self.prompt_tokens(request)
+        if len(prompt) > self.runner.n_ctx:
+            raise ContextOverflow(len(prompt), self.runner.n_ctx)
+        return Prepared(request, tuple(prompt), params, constraint)
+
     def complete(
         self,
         request: CompletionRequest,
@@ -481,90 +648,19 @@ class Completer:
         cancelled: Callable[[], bool] = lambda: False,
         on_progress: Callable[[PromptProgress], None] = lambda progress: None,
     ) -> CompletionResult:
-        runner, tok = self.runner, self.tokenizer
-        # Everything that can refuse the request does so before the held conversation is touched.
-        constraint = None if request.constraint is None else self.constraints.compile(request.constraint)
-        params = request.sampling
-        if request.logit_bias:
-            params = attrs.evolve(params, logit_bias=self.logit_bias(request.logit_bias))
-        prompt = self.prompt_tokens(request)
-        if len(prompt) > runner.n_ctx:
-            raise ContextOverflow(len(prompt), runner.n_ctx)
-        if not request.cache_prompt:
-            runner.erase()
-        state = SamplerState.seeded(request.seed) if request.seed >= 0 else self.sampler_state
-        sampler = Sampler(params, state)
-
-        start = self._clock()
-        if request.return_progress:
-
-            def on_chunk(cache_n: int, n_held: int) -> None:
-                on_progress(PromptProgress(len(prompt), cache_n, n_held, 1000.0 * (self._clock() - start)))
-
-            prefill = runner.prefill(prompt, should_stop=cancelled, on_chunk=on_chunk)
-        else:
-            prefill = runner.prefill(prompt, should_stop=cancelled)
-        prompt_done = self._clock()
-        if prefill.logits is None:  # cancelled while reading the prompt: what was read stays held
-            held = runner.n_held
-            return CompletionResult(
-                content="", tokens=(), stop_type=StopType.CANCELLED, stopping_word="", truncated=False,
-                tokens_evaluated=len(prompt), tokens_cached=held, n_tokens_held=held, seed=sampler.state.seed,
-                timings=Timings.measure(prefill.cache_n, prefill.prompt_n, prompt_done - start, 0, 0.0),
-            )
-
-        history = list(prompt)  # the repetition penalty's window reads it
-        generated: list[int] = []
-        text = StopStringFilter(request.stop)
-        content: list[str] = []
-        stop_type, stopping_word = StopType.LIMIT, ""
-        logits = prefill.logits
-        while request.n_predict != 0:
-            masked = logits if constraint is None else constraint.mask(logits)
-            adjusted = sampler.adjusted(masked, history)
-            token = sampler.sample(adjusted)
-            if not math.isfinite(adjusted[token]):
-                # the constraint allows nothing the logit bias did not ban: the output cannot go on
-                stop_type = StopType.EOS
+        """One request start to end on this runner (`strata-engine generate`; tests). `cancelled` is asked
+        between prefill chunks (after the first) and at each sampled token."""
+        gen = Generation(self, self.prepare(request), on_token=on_token, on_progress=on_progress,
+                         cancelled=cancelled)
+        chunks = 0
+        while gen.phase is Phase.PREFILL:
+            if chunks and cancelled():
+                gen.cancel_prefill()
                 break
-            if constraint is not None:
-                committed = constraint.commit(token)
-                assert committed, f"token {token} was sampled although the constraint masked it"
-            generated.append(token)
-            history.append(token)
-            end_of_generation = not request.ignore_eos and tok.is_end_of_generation(token)
-            released, matched = text.push(tok.token_bytes(token, special=False))
-            stop: StopType | None = None
-            if matched is not None:
-                stop, stopping_word = StopType.WORD, matched
-            elif end_of_generation or (constraint is not None and constraint.finished):
-                stop = StopType.EOS
-            elif 0 < request.n_predict <= len(generated) or runner.n_held >= runner.n_ctx:
-                stop = StopType.LIMIT
-            elif cancelled():
-                stop = StopType.CANCELLED
-            if stop is not None and stop is not StopType.WORD:
-                released += text.finish()
-            content.append(released)
-            chosen, probs = (self.probabilities(request, sampler, logits, adjusted, token) if request.n_probs
-                             else (None, None))
-            on_token(TokenEvent(token, tok.piece(token), released, probs, chosen))
-            if stop is not None:
-                stop_type = stop
-                break
-            logits = runner.decode(token)
-        end = self._clock()
-        self.sampler_state = sampler.state
-        held = runner.n_held
-        return CompletionResult(
-            content="".join(content),
-            tokens=tuple(generated),
-            stop_type=stop_type,
-            stopping_word=stopping_word,
-            truncated=False,
-            tokens_evaluated=len(prompt),
-            tokens_cached=held,
-            n_tokens_held=held,
-            seed=sampler.state.seed,
-            timings=Timings.measure(prefill.cache_n, prefill.prompt_n, prompt_done - start, len(generated), end - prompt_done),
-        )
+            gen.prefill_chunk()
+            chunks += 1
+        while not gen.done:
+            assert gen.pending is not None
+            gen.accept(self.runner.decode(gen.pending))
+        assert gen.result is not None
+        return gen.result

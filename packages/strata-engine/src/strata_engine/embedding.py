@@ -14,14 +14,14 @@ normalized with llama-server's `embd_normalize` (`normalize`); per-token states 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .errors import ContextOverflow, InvalidRequest, InvalidToken
-from .models.common import rope_tables
-from .protocol import ServeContext, json_object
+from .models.common import Rows, rope_tables
+from .protocol import Request, ServeContext
 from .settings import Pooling, values
 
 # llama.cpp's `llama_pooling_type` codes in a GGUF's `<arch>.pooling_type` (its `rank` has no pooling here).
@@ -79,20 +79,31 @@ class ScratchKV:
         return self.ops.attention(q, k[lo:], v[lo:], q_pos0=q_pos0, k_pos0=lo, window=window, scale=scale)
 
 
-def hidden_states(model: Any, tokens: Sequence[int], chunk: int) -> np.ndarray:
-    """Every token's output-normed hidden state [T, E] (float32, host), from position 0 on scratch K/V."""
+def hidden_state_steps(model: Any, tokens: Sequence[int], chunk: int) -> Generator[None, None, np.ndarray]:
+    """Every token's output-normed hidden state [T, E] (float32, host), from position 0 on scratch K/V: each
+    next() evaluates one chunk; the return value is the states."""
     kv = ScratchKV(model.ops, model.config.n_layer)
     rows = []
     for pos in range(0, len(tokens), chunk):
         ids = np.asarray(tokens[pos : pos + chunk], dtype=np.int64)
-        tables = rope_tables(model.ops, model.config, pos, len(ids))
-        h = model.hidden(ids, pos, tables, kv, want_logits=True, all_rows=True)
+        span = Rows.chunk(kv, pos, len(ids))
+        h = model.hidden(ids, span, rope_tables(model.ops, model.config, span), want_logits=True, all_rows=True)
         rows.append(model.ops.to_host(h).astype(np.float32))
+        if pos + chunk < len(tokens):
+            yield
     return np.concatenate(rows)
 
 
-def embed(runner: Any, tokens: Sequence[int], pooling: Pooling, p: int = EUCLIDEAN) -> np.ndarray:
-    """The embedding rows of `tokens`: one per token (pooling none, not normalized), else one, normalized."""
+def hidden_states(model: Any, tokens: Sequence[int], chunk: int) -> np.ndarray:
+    steps = hidden_state_steps(model, tokens, chunk)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+def _check(runner: Any, tokens: Sequence[int]) -> None:
     if not tokens:
         raise InvalidRequest(["tokens must not be empty"])
     if len(tokens) > runner.n_ctx:
@@ -101,17 +112,29 @@ def embed(runner: Any, tokens: Sequence[int], pooling: Pooling, p: int = EUCLIDE
     if not 0 <= min(tokens) <= max(tokens) < n_vocab:
         raise InvalidToken(f"token ids outside the vocabulary [0, {n_vocab}): "
                            f"{[t for t in tokens if not 0 <= t < n_vocab][:8]}")
-    pooled = POOLERS[pooling](hidden_states(runner.model, tokens, runner.settings.prefill_chunk))
+
+
+def pool_rows(states: np.ndarray, pooling: Pooling, p: int) -> np.ndarray:
+    """The embedding rows: one per token (pooling none, not normalized), else one, normalized."""
+    pooled = POOLERS[pooling](states)
     return pooled if pooling is Pooling.NONE else np.stack([normalize(row, p) for row in pooled])
 
 
-def handle_embed(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
-    obj = json_object(argument, "EMBED")
+def embed(runner: Any, tokens: Sequence[int], pooling: Pooling, p: int = EUCLIDEAN) -> np.ndarray:
+    """The embedding rows of `tokens`, evaluated start to end."""
+    _check(runner, tokens)
+    return pool_rows(hidden_states(runner.model, tokens, runner.settings.prefill_chunk), pooling, p)
+
+
+def handle_embed(ctx: ServeContext, request: Request) -> None:
+    """EMBED: checked now, then evaluated a chunk per step by the scheduler (slot 0's runner lends its
+    model and context size; no slot is touched)."""
+    obj = request.args
     problems: list[str] = []
     tokens = obj.get("tokens")
     if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
         problems.append("tokens must be a list of token ids")
-    runner = ctx.runner
+    runner = ctx.runner_of(0)
     pooling = obj.get("pooling", model_pooling(runner.gguf.metadata, runner.config.architecture))
     if pooling not in values(Pooling):
         problems.append(f"pooling must be one of {', '.join(values(Pooling))}, got {pooling!r}")
@@ -120,5 +143,10 @@ def handle_embed(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
         problems.append(f"normalize must be an integer >= -1, got {p!r}")
     if problems:
         raise InvalidRequest(problems)
-    rows = embed(runner, tokens, Pooling(pooling), p)
-    return {"embedding": rows.tolist(), "n_tokens": len(tokens)}
+    _check(runner, tokens)
+
+    def finish(states: np.ndarray) -> Mapping[str, Any]:
+        return {"embedding": pool_rows(states, Pooling(pooling), p).tolist(), "n_tokens": len(tokens)}
+
+    ctx.scheduler.start_chunks(request, hidden_state_steps(runner.model, tokens, runner.settings.prefill_chunk),
+                               finish)

@@ -81,7 +81,12 @@ class InvalidRequest(ProblemsError):
 
 
 class InvalidToken(EngineError):
-    """A token id outside the vocabulary (to detokenize, to evaluate)."""
+    """A token id outside the vocabulary (to detokenize, to evaluate); `slot` names the slot of a batched
+    decode step it was given for (None otherwise)."""
+
+    def __init__(self, message: str, *, slot: int | None = None):
+        self.slot = slot
+        super().__init__(message if slot is None else f"slot {slot}: {message}")
 
 
 class ChatTemplateError(EngineError):
@@ -103,14 +108,17 @@ class InvalidJsonSchema(ConstraintError):
 
 class ContextOverflow(EngineError):
     """A prompt (or a decode step) would hold more tokens than the context allows. With `at_least`, the
-    prompt was refused before it was tokenized and `n_prompt_tokens` is a lower bound on its length."""
+    prompt was refused before it was tokenized and `n_prompt_tokens` is a lower bound on its length.
+    `slot` names the slot of a batched decode step that would overflow (None otherwise)."""
 
-    def __init__(self, n_prompt_tokens: int, n_ctx: int, *, at_least: bool = False):
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, *, at_least: bool = False, slot: int | None = None):
         self.n_prompt_tokens = n_prompt_tokens
         self.n_ctx = n_ctx
         self.at_least = at_least
+        self.slot = slot
         needs = f"at least {n_prompt_tokens}" if at_least else str(n_prompt_tokens)
-        super().__init__(f"the request needs {needs} tokens of context but the context size is {n_ctx}")
+        where = "" if slot is None else f"slot {slot}: "
+        super().__init__(f"{where}the request needs {needs} tokens of context but the context size is {n_ctx}")
 
 
 # ---- running state -----------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from .errors import GraphCaptureFailed
 from .kv.device import DevicePoolPlacement
 from .kv.placement import PoolPlacement
 from .models import Model
+from .models.common import Rows
 from .ops.attention_tiling import FLASH_HEAD_DIMS
 
 # Padding of a step shorter than its graph: any valid id (its K/V land past the conversation's end, in
@@ -143,16 +144,17 @@ class StepGraph:
     def _run(self) -> Any:
         """The step itself: what the graph holds."""
         ops, n = self.ops, self.n_tokens
-        rows = {}
+        tables = {}
         for base, (cos, sin) in self.tables.items():
-            rows[base] = tuple(
+            tables[base] = tuple(
                 ops.kernels.rows_at(self.inputs.position, t.ravel(), np.int32(t.shape[1]),
                                     ops.xp.empty((n, t.shape[1]), dtype=t.dtype))
                 for t in (cos, sin)
             )  # fmt: skip
         # A step padded past its last token names that row on the device; a decode step's only row is it.
         last_row = self.inputs.last_row if n > 1 else None
-        h = self.model.hidden(self.inputs.tokens, 0, rows, self.kv, want_logits=True, last_row=last_row)
+        rows = Rows.chunk(self.kv, 0, n)  # the position is on the device (`_StepKV`), not this 0
+        h = self.model.hidden(self.inputs.tokens, rows, tables, want_logits=True, last_row=last_row)
         return ops.logits_f32(h, self.model.output)  # [1, V]
 
     def _capture(self) -> None:

@@ -1,16 +1,16 @@
 """The engine protocol's generic parts (spec/engine-protocol.md): its vocabulary (protocol and engine
-version, exit statuses, error kinds and reasons), its two errors, the command registry, the line
-channel and the loop that serves it.
+version, exit statuses, error kinds and reasons), its two errors, the command registry and the line
+channel.
 
 Of the rest of the engine this module imports only the exceptions (errors.py, which imports nothing):
 the verbs register into a `CommandRegistry` from outside (serve.py, session/verbs.py), and strata-server
 imports the vocabulary from here without loading the engine. tests/engine/test_protocol_spec.py binds
-the spec's tables to these constants.
+the spec's tables to these constants. The loop that serves the lines is scheduler.py's.
 
-A handler gets the `ServeContext` and the parsed argument, writes its non-terminal lines through
-`ctx.emit` and returns the terminal `result` payload; what it raises becomes the error line
-(`error_payload`, the one place errors are mapped). Terminal lines go through the context too, so a
-protocol that tags each line (request ids) changes the context, not the handlers.
+A handler gets the `ServeContext` and the `Request` (its object, id and slot), writes its non-terminal
+lines through `request.emit` and returns the terminal `result` payload; what it raises becomes the error
+line (`error_payload`, the one place errors are mapped). `Request.tag` puts the id (and a slot verb's
+slot) on every line written for it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .errors import (
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 ENGINE_NAME = "strata-engine"
 MAX_LINE_BYTES = 256 * 1024 * 1024
 
@@ -97,8 +97,10 @@ class ErrorKind(enum.StrEnum):
 
     INVALID_REQUEST = "invalid_request"
     EXCEED_CONTEXT_SIZE = "exceed_context_size"
+    SLOT_BUSY = "slot_busy"  # the slot named runs a COMPLETE: the client chooses slots, the engine queues nothing
     SESSION_REFUSED = "session_refused"
     SESSION_WRITE_FAILED = "session_write_failed"
+    SLOT_FAILED = "slot_failed"  # a restore failed after the slot's gate: that slot erased, the others untouched
     FAIL_STOP = "fail_stop"
     INTERNAL = "internal"
 
@@ -114,6 +116,8 @@ class Reason(enum.StrEnum):
     BAD_ARGUMENT = "bad_argument"
     BAD_JSON = "bad_json"
     BAD_FIELD = "bad_field"
+    DUPLICATE_ID = "duplicate_id"
+    SLOT_BUSY = "slot_busy"
     BAD_TOKEN = "bad_token"
     CHAT_TEMPLATE = "chat_template"
     TOKENIZER = "tokenizer"
@@ -127,6 +131,7 @@ class Reason(enum.StrEnum):
 # The reasons not under invalid_request; every other one is.
 _OTHER_REASON_KINDS: dict[Reason, ErrorKind] = {
     Reason.PROMPT_TOO_LONG: ErrorKind.EXCEED_CONTEXT_SIZE,
+    Reason.SLOT_BUSY: ErrorKind.SLOT_BUSY,
     Reason.PREFIX_UNREACHABLE: ErrorKind.SESSION_REFUSED,
     Reason.UNEXPECTED: ErrorKind.INTERNAL,
 }
@@ -247,6 +252,24 @@ class LineReader:
             self._fill(block=True)
         return self._lines.popleft() if self._lines else None
 
+    def wait(self, other_fd: int) -> None:
+        """Block until a line has arrived, the end of input is seen, or `other_fd` is readable; after the
+        end of input, until `other_fd` is readable."""
+        if self.eof:
+            if not self._lines:
+                select.select([other_fd], [], [])
+            return
+        while not self._lines and not self.eof:
+            ready, _, _ = select.select([self._fd, other_fd], [], [])
+            if self._fd in ready:
+                self._fill(block=True)
+            if other_fd in ready:
+                return
+
+    def has_line(self) -> bool:
+        """Whether a whole line is waiting (poll_line would return it)."""
+        return bool(self._lines)
+
     def poll_line(self) -> bytes | None:
         """A line that has already arrived, or None; never blocks."""
         if not self._lines:
@@ -266,44 +289,86 @@ class LineWriter:
 
 # -- commands -------------------------------------------------------------------------------------------
 
+MAX_ID_CHARS = 256  # a request id's length
+
 
 class ArgumentKind(enum.Enum):
-    NONE = "none"  # the verb alone
-    JSON = "json"  # a JSON object
-    PATH = "path"  # the rest of the line, verbatim
+    """A verb's argument (spec "Lines", the table's `argument` column starts with the value)."""
+
+    JSON = "JSON object"  # required
+    OPTIONAL = "optional JSON object"  # the verb alone is the same as {}
+
+
+class Dispatch(enum.Enum):
+    """Where the scheduler runs a verb's handler (spec "Scheduling")."""
+
+    NOW = "now"  # in the loop, between two steps (it touches a slot or the scheduler's state)
+    WORKER = "worker"  # on the worker thread beside the steps (it touches no slot); answered at a step boundary
+    JOB = "job"  # the handler starts a job the scheduler steps; the job writes the terminal line
+    SESSION = "session"  # on the session thread, one at a time, its slot busy; it writes the live pool only
+    # after `request.gate.enter()`, which waits for a step boundary and holds the steps until it ends
+
+
+@attrs.frozen
+class Request:
+    """One command line, read: its verb, its object, the client's `id` and, for a slot verb, the slot."""
+
+    verb: str
+    args: Mapping[str, Any] = attrs.field(factory=dict)
+    id: str | None = None
+    slot: int | None = None  # a slot verb's slot; None for the others
+    writer: LineWriter | None = attrs.field(default=None, eq=False, repr=False)
+    gate: Any = attrs.field(default=None, eq=False, repr=False)  # Dispatch.SESSION: the scheduler's Gate
+
+    def tag(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """A line for this request: its `event` first, then its id (and slot on terminal lines)."""
+        head: dict[str, Any] = {"event": obj["event"]}
+        if self.id is not None:
+            head["id"] = self.id
+        if self.slot is not None and obj["event"] in TERMINAL_EVENTS:
+            head["slot"] = self.slot
+        return head | dict(obj)
+
+    def emit(self, obj: Mapping[str, Any]) -> None:
+        """A non-terminal line (token, progress); written by the loop's thread only."""
+        assert self.writer is not None
+        self.writer.write(self.tag(obj))
+
+    def answer(self, payload: Mapping[str, Any]) -> None:
+        self.emit({"event": "result", **payload})
+
+    def fail(self, exc: BaseException) -> None:
+        self.emit({"event": "error", "error": error_payload(exc)})
+
+
+TERMINAL_EVENTS = ("result", "error")
 
 
 @attrs.define
 class ServeContext:
     """What handlers work with: the engine's parts the verbs act on (typed loosely: this module imports
-    no engine code) and the line channel."""
+    no engine code). Slot i's runner is `slots.runners[i]`, its completer (which holds its sampler state)
+    `completers[i]`."""
 
-    runner: Any  # runner.ModelRunner
+    slots: Any  # slots.SlotSet
     tokenizer: Any  # tokenizer.Tokenizer
     template: Any  # chat.ChatTemplate
-    completer: Any  # completion.Completer
-    reader: LineReader
-    writer: LineWriter
-    quit_requested: bool = False
-    deferred: list[bytes] = attrs.Factory(list)  # lines that arrived during a COMPLETE
+    completers: tuple[Any, ...] = ()  # completion.Completer per slot
+    scheduler: Any = None  # scheduler.Scheduler: the requests in flight
 
-    def emit(self, obj: Mapping[str, Any]) -> None:
-        """A non-terminal line (token, progress)."""
-        self.writer.write(obj)
+    @property
+    def n_slots(self) -> int:
+        return len(self.slots.runners)
 
-    def answer(self, payload: Mapping[str, Any]) -> None:
-        self.writer.write({"event": "result", **payload})
+    def runner_of(self, slot: int) -> Any:
+        return self.slots.runners[slot]
 
-    def fail(self, exc: BaseException) -> None:
-        self.writer.write({"event": "error", "error": error_payload(exc)})
-
-    def next_line(self) -> bytes | None:
-        """The next command line: one deferred during a COMPLETE first, then stdin (None at its end)."""
-        return self.deferred.pop(0) if self.deferred else self.reader.read_line()
+    def completer_of(self, slot: int) -> Any:
+        return self.completers[slot]
 
 
-# A handler returns the terminal `result` payload, or None for a verb that is never answered (CANCEL).
-Handler = Callable[[ServeContext, Any], Mapping[str, Any] | None]
+# A handler returns the terminal `result` payload; None for a verb never answered (CANCEL) or a JOB.
+Handler = Callable[[ServeContext, Request], Mapping[str, Any] | None]
 
 
 @attrs.frozen
@@ -311,17 +376,20 @@ class Command:
     verb: str
     argument: ArgumentKind
     handler: Handler
+    dispatch: Dispatch = Dispatch.NOW
+    slotted: bool = False  # it acts on one slot: its object may name `slot`, it is refused while the slot is busy
 
 
 class CommandRegistry:
     def __init__(self) -> None:
         self._commands: dict[str, Command] = {}
 
-    def register(self, verb: str, argument: ArgumentKind, handler: Handler) -> None:
+    def register(self, verb: str, argument: ArgumentKind, handler: Handler, dispatch: Dispatch = Dispatch.NOW,
+                 *, slotted: bool = False) -> None:
         """Add or replace a verb."""
         if not verb.isupper() or " " in verb:
             raise ValueError(f"verbs are upper-case words, got {verb!r}")
-        self._commands[verb] = Command(verb, argument, handler)
+        self._commands[verb] = Command(verb, argument, handler, dispatch, slotted)
 
     def get(self, verb: str) -> Command | None:
         return self._commands.get(verb)
@@ -331,72 +399,56 @@ class CommandRegistry:
         return sorted(self._commands)
 
 
-def parse_line(line: bytes, registry: CommandRegistry) -> tuple[Command, Any]:
-    """The command and its parsed argument; ProtocolError for a malformed line."""
+@attrs.frozen
+class ParsedLine:
+    """A line read: the command and its request, or the error to answer (with the id when it was read)."""
+
+    command: Command | None
+    request: Request
+    error: ProtocolError | None = None
+
+
+def _is_slot(value: Any, n_slots: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n_slots
+
+
+def parse_line(line: bytes, registry: CommandRegistry, n_slots: int = 1, writer: LineWriter | None = None) -> ParsedLine:
+    """The command and its request; a malformed line gives the error to answer instead."""
+    def refused(message: str, reason: Reason, request: Request | None = None) -> ParsedLine:
+        return ParsedLine(None, request or Request("", writer=writer), invalid_request(message, reason))
+
     if isinstance(line, OverlongLine):
-        raise invalid_request(f"line longer than {MAX_LINE_BYTES} bytes", Reason.LINE_TOO_LONG)
+        return refused(f"line longer than {MAX_LINE_BYTES} bytes", Reason.LINE_TOO_LONG)
     try:
         text = line.decode("utf-8").rstrip("\r")
     except UnicodeDecodeError as exc:
-        raise invalid_request(f"line is not UTF-8 (byte {exc.start})", Reason.BAD_LINE) from None
+        return refused(f"line is not UTF-8 (byte {exc.start})", Reason.BAD_LINE)
     verb, sep, rest = text.partition(" ")
     if not verb:
-        raise invalid_request("empty line: expected VERB or VERB ARGUMENT", Reason.BAD_LINE)
+        return refused("empty line: expected VERB or VERB ARGUMENT", Reason.BAD_LINE)
+    args: Any = {}
+    if rest:
+        try:
+            args = json.loads(rest)
+        except json.JSONDecodeError as exc:
+            return refused(f"{verb[:64]}: bad JSON at character {exc.pos}: {exc.msg}", Reason.BAD_JSON)
+        if not isinstance(args, Mapping):
+            return refused(f"{verb[:64]} takes a JSON object", Reason.BAD_ARGUMENT)
+    raw_id = args.get("id")
+    if raw_id is not None and not (isinstance(raw_id, str) and 1 <= len(raw_id) <= MAX_ID_CHARS):
+        return refused(f"id must be a string of 1 to {MAX_ID_CHARS} characters, got {str(raw_id)[:64]!r}",
+                       Reason.BAD_FIELD)
     command = registry.get(verb)
     if command is None:
-        raise invalid_request(f"unknown verb {verb[:64]!r} (verbs: {', '.join(registry.verbs)})",
-                              Reason.UNKNOWN_VERB)
-    if command.argument is ArgumentKind.NONE:
-        if sep:
-            raise invalid_request(f"{verb} takes no argument", Reason.BAD_ARGUMENT)
-        return command, None
-    if not rest:
-        raise invalid_request(f"{verb} needs an argument", Reason.BAD_ARGUMENT)
-    if command.argument is ArgumentKind.PATH:
-        return command, rest
-    try:
-        return command, json.loads(rest)
-    except json.JSONDecodeError as exc:
-        raise invalid_request(f"{verb}: bad JSON at character {exc.pos}: {exc.msg}", Reason.BAD_JSON) from None
-
-
-def json_object(argument: Any, verb: str) -> Mapping[str, Any]:
-    """A verb's JSON argument, which must be an object."""
-    if not isinstance(argument, Mapping):
-        raise invalid_request(f"{verb} takes a JSON object", Reason.BAD_ARGUMENT)
-    return argument
-
-
-# -- the loop -------------------------------------------------------------------------------------------
-
-
-def serve_loop(ctx: ServeContext, registry: CommandRegistry) -> ExitStatus:
-    """Serve lines until QUIT or end of input (CLEAN), or a fail-stop (FAIL_STOP)."""
-    try:
-        return _serve_lines(ctx, registry)
-    except BrokenPipeError:
-        log.info("stdout closed by the client: exiting")
-        return ExitStatus.CLEAN
-
-
-def _serve_lines(ctx: ServeContext, registry: CommandRegistry) -> ExitStatus:
-    while not ctx.quit_requested:
-        line = ctx.next_line()
-        if line is None:
-            return ExitStatus.CLEAN  # end of input is QUIT
-        try:
-            command, argument = parse_line(line, registry)
-            payload = command.handler(ctx, argument)
-        except FailStop as exc:
-            ctx.fail(exc)
-            return ExitStatus.FAIL_STOP
-        except BrokenPipeError:
-            raise
-        except Exception as exc:  # every error becomes an error line; the engine keeps serving
-            if not isinstance(exc, EngineError):
-                log.exception("unexpected failure")
-            ctx.fail(exc)
-            continue
-        if payload is not None:
-            ctx.answer(payload)
-    return ExitStatus.CLEAN
+        return refused(f"unknown verb {verb[:64]!r} (verbs: {', '.join(registry.verbs)})", Reason.UNKNOWN_VERB,
+                       Request(verb, args, raw_id, writer=writer))
+    slot = None
+    if command.slotted:
+        slot = args.get("slot", 0)
+        if not _is_slot(slot, n_slots):
+            return refused(f"slot must be an integer in [0, {n_slots}), got {str(slot)[:64]}", Reason.BAD_FIELD,
+                           Request(verb, args, raw_id, writer=writer))
+    request = Request(verb, args, raw_id, slot, writer)
+    if command.argument is ArgumentKind.JSON and not (sep and rest):
+        return refused(f"{verb} needs an argument", Reason.BAD_ARGUMENT, request)
+    return ParsedLine(command, request)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import array
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import attrs
 import numpy as np
@@ -36,8 +36,9 @@ from .kv import (
     take_checkpoint,
 )
 from .models import Model, build_model
+from .models.common import Rows
 from .ops import get_ops
-from .settings import DEFAULT_N_CTX_CAP, EngineSettings, KVType
+from .settings import EngineSettings, KVType
 
 # Tokens of the warm-up's second forward pass: more rows than the packed products take (they go to BLAS)
 # and more queries than the attention kernel takes (key blocks through BLAS), so every path is compiled.
@@ -121,6 +122,7 @@ class ModelRunner:
         self.n_ctx = pool.geometry.n_ctx
         self._tokens: list[int] = []
         self._checkpoints: list[RingCheckpoint] = []
+        self._epoch = 0  # bumped by every change of the held conversation (see `_prefill_chunks`)
         # CUDA graphs of a decode step and of prefill steps (ascending sizes up to a chunk): `_assemble`
         # adds them where they can be captured (graph.py); a step none holds, or one whose capture failed,
         # runs op by op.
@@ -131,35 +133,50 @@ class ModelRunner:
 
     @classmethod
     def load(cls, settings: EngineSettings) -> ModelRunner:
-        # "auto" and the defaults for the backend and the model are resolved here, so the settings held (and
-        # the config fingerprint) name the backend, compute dtype and chunk actually running.
+        """One conversation on a model loaded from `settings` (n_slots 1; several slots: `SlotSet.load`)."""
+        if settings.n_slots != 1:
+            raise SettingsError([f"a ModelRunner holds one slot, not n_slots {settings.n_slots}: use SlotSet.load"])
+        settings, gguf_file, config, model = cls.load_model(settings)
+        return cls._assemble(settings, gguf_file, config, model)
+
+    @staticmethod
+    def load_model(settings: EngineSettings) -> tuple[EngineSettings, GGUFFile, ModelConfig, Model]:
+        """Read the GGUF file and build the model. "auto" and the defaults for the backend and the model are
+        resolved here, so the settings held (and the config fingerprint) name the backend, compute dtype and
+        chunk actually running."""
         settings = settings.validate()
         gguf_file = read_gguf(settings.model_path)
         config = ModelConfig.from_gguf(gguf_file)
         settings = settings.with_backend_defaults(config.architecture)
         ops = get_ops(settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads)
-        model = build_model(config, ops, gguf_file)
-        return cls._assemble(settings, gguf_file, config, model)
+        return settings, gguf_file, config, build_model(config, ops, gguf_file)
 
     def sibling(self, **changes: object) -> ModelRunner:
         """A runner on the same loaded model (weights shared, nothing reloaded) with its own K/V pool,
         placement and conversation; `changes` may alter the K/V settings (n_ctx, kv_type,
         kv_resident, prompt_cache, prefill_chunk, max_checkpoints), not what the weights depend on."""
+        if changes.get("n_slots", 1) != 1:
+            raise SettingsError([f"a sibling holds one slot, not n_slots {changes['n_slots']}"])
+        return self._assemble(self.kv_settings(**changes), self.gguf, self.config, self.model)
+
+    def kv_settings(self, **changes: object) -> EngineSettings:
+        """This runner's settings with K/V settings changed (`sibling`), validated."""
         fixed = {"model_path", "compute_dtype", "backend", "cpu_kernels", "threads"} & set(changes)
         if fixed:
             raise SettingsError([f"{name} cannot differ from the loaded model's" for name in sorted(fixed)])
-        settings = attrs.evolve(self.settings, **changes).validate()
-        return self._assemble(settings, self.gguf, self.config, self.model)
+        return attrs.evolve(self.settings, **changes).validate()
 
     @classmethod
     def _assemble(
-        cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model
-    ) -> ModelRunner:
-        n_ctx = settings.n_ctx if settings.n_ctx is not None else min(config.n_ctx_train, DEFAULT_N_CTX_CAP)
-        geometry = KVGeometry.from_config(config, n_ctx, KVType(settings.kv_type))
-        pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
-        placement = make_placement(pool, settings.kv_resident)
-        runner = cls(settings, gguf_file, config, model, pool, placement)
+        cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model,
+        placement: PoolPlacement | None = None,
+    ) -> ModelRunner:  # fmt: skip
+        """A runner over `placement` (a slot's region of a shared pool: `SlotSet`), else over a pool of its own."""
+        if placement is None:
+            geometry = KVGeometry.from_config(config, settings.n_ctx_slot(config.n_ctx_train), KVType(settings.kv_type))
+            pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
+            placement = make_placement(pool, settings.kv_resident)
+        runner = cls(settings, gguf_file, config, model, placement.pool, placement)
         enabled = runner.settings.cuda_graphs
         runner.decode_graph = make_step_graph(model, placement, enabled, 1)
         made = (make_step_graph(model, placement, enabled, n) for n in prefill_graph_sizes(runner.settings.prefill_chunk))
@@ -205,7 +222,7 @@ class ModelRunner:
         for n in sorted({1, min(WARM_UP_TOKENS, self.n_ctx)}):
             self.pool.begin_append(0, n)
             try:
-                self.model.forward(np.zeros(n, dtype=np.int64), 0, self.placement, want_logits=True)
+                self.model.forward(np.zeros(n, dtype=np.int64), Rows.chunk(self.placement, 0, n), want_logits=True)
             finally:
                 self.pool.abort_append()
                 self.erase()
@@ -235,6 +252,7 @@ class ModelRunner:
         if problems:
             raise KVStateError("; ".join(problems))
         self.pool.set_extent(len(state.tokens), state.ring_start)
+        self._epoch += 1
         self._tokens = list(state.tokens)
         self._checkpoints = list(state.checkpoints)
         self.placement.truncated(0)
@@ -290,6 +308,7 @@ class ModelRunner:
     def erase(self) -> int:
         """Drop the held conversation (and its checkpoints); returns the number of tokens dropped."""
         n = len(self._tokens)
+        self._epoch += 1
         self._tokens = []
         self._checkpoints = []
         self.pool.reset()
@@ -299,54 +318,98 @@ class ModelRunner:
     # ---- evaluation ----------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None,
                 on_chunk: Callable[[int, int], None] | None = None) -> PrefillResult:
-        """Evaluate the prompt after the longest reusable held prefix, in chunks of prefill_chunk.
+        """Evaluate the prompt after the longest reusable held prefix, in chunks of prefill_chunk
+        (`prefill_steps`, run to its end).
 
         should_stop is asked between chunks: when it says yes, the prefill ends there (logits None);
         the chunks already evaluated stay held, so the next request for this prompt reuses them.
         on_chunk(cache_n, n_held) is told after each chunk (prompt progress)."""
+        progress: list[int] = []  # cache_n, n_held after the latest chunk
+
+        def told(cache_n: int, n_held: int) -> None:
+            progress[:] = (cache_n, n_held)
+            if on_chunk is not None:
+                on_chunk(cache_n, n_held)
+
+        steps = self.prefill_steps(tokens, told)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            if should_stop is not None and should_stop():
+                steps.close()
+                cache_n, n_held = progress
+                return PrefillResult(logits=None, cache_n=cache_n, prompt_n=n_held - cache_n)
+
+    def prefill_steps(
+        self, tokens: Sequence[int], on_chunk: Callable[[int, int], None] | None = None
+    ) -> Generator[None, None, PrefillResult]:
+        """`prefill` a chunk at a time, for a scheduler that interleaves other slots' steps between chunks.
+
+        The prompt is checked now (EngineError, ContextOverflow, InvalidToken: nothing held changes); the
+        prompt cache's cut-back happens at the first next(). Each next() evaluates one chunk
+        (prefill_chunk tokens), tells on_chunk(cache_n, n_held), and yields None; the one that evaluates the
+        last chunk returns the PrefillResult (StopIteration.value). Closing the generator early keeps the
+        chunks already evaluated (and takes the turn's ring checkpoint), as should_stop does."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise EngineError("empty prompt: at least one token is needed")
         if len(tokens) > self.n_ctx:
             raise ContextOverflow(len(tokens), self.n_ctx)
         self._check_tokens(tokens)
+        return self._prefill_chunks(tokens, on_chunk)
+
+    def _prefill_chunks(
+        self, tokens: list[int], on_chunk: Callable[[int, int], None] | None
+    ) -> Generator[None, None, PrefillResult]:
         n_common = common_prefix_len(tokens, self._tokens) if self.settings.prompt_cache else 0
-        resume = self._resume_at(min(n_common, len(tokens) - 1))
-        logits = None
-        pos = resume
+        resume = pos = self._resume_at(min(n_common, len(tokens) - 1))
         chunk = self.settings.prefill_chunk
-        while pos < len(tokens):
-            if pos > resume and should_stop is not None and should_stop():
-                break
+        while True:
             end = min(pos + chunk, len(tokens))
             logits = self._forward(tokens[pos:end], want_logits=end == len(tokens))
             pos = end
             if on_chunk is not None:
                 on_chunk(resume, pos)
-        assert logits is not None or pos < len(tokens)
+            if pos == len(tokens):
+                break
+            epoch = self._epoch
+            try:
+                yield
+            except GeneratorExit:  # stopped between chunks: what was evaluated stays held
+                if self._epoch == epoch:  # not when collected after the conversation moved on
+                    self._checkpoint()
+                raise
+        assert logits is not None
         self._checkpoint()
         return PrefillResult(logits=logits, cache_n=resume, prompt_n=pos - resume)
 
     def decode(self, token: int) -> np.ndarray:
         """Evaluate one token after the held conversation; returns its logits (float32 [n_vocab])."""
-        if len(self._tokens) + 1 > self.n_ctx:
-            raise ContextOverflow(len(self._tokens) + 1, self.n_ctx)
-        self._check_tokens([token])
+        self.check_decode(token)
         logits = self._forward([int(token)], want_logits=True)
         assert logits is not None
         return logits
 
-    def _check_tokens(self, tokens: Sequence[int]) -> None:
+    def check_decode(self, token: int, slot: int | None = None) -> None:
+        """Why one more token cannot be decoded (ContextOverflow, InvalidToken naming `slot`), else nothing."""
+        if len(self._tokens) + 1 > self.n_ctx:
+            raise ContextOverflow(len(self._tokens) + 1, self.n_ctx, slot=slot)
+        self._check_tokens([token], slot)
+
+    def _check_tokens(self, tokens: Sequence[int], slot: int | None = None) -> None:
         n_vocab = self.config.n_vocab
         if tokens and 0 <= min(tokens) and max(tokens) < n_vocab:  # in C, not a Python loop
             return
         for t in tokens:
             if not 0 <= t < n_vocab:
-                raise InvalidToken(f"token id {t} is outside the vocabulary [0, {n_vocab})")
+                raise InvalidToken(f"token id {t} is outside the vocabulary [0, {n_vocab})", slot=slot)
 
     def _forward(self, tokens: list[int], want_logits: bool) -> np.ndarray | None:
-        pos0 = len(self._tokens)
-        self.pool.begin_append(pos0, len(tokens))
+        """Evaluate tokens after the held conversation (a graph where one holds the step); logits [V] of the
+        last one if asked."""
+        pos0 = self.begin_step(len(tokens))
         try:
             logits, ran = None, False
             graph = self._graph_for(len(tokens), pos0, want_logits)
@@ -358,15 +421,31 @@ class ModelRunner:
                     self._drop_graph(graph)
             if not ran:
                 ids = np.asarray(tokens, dtype=np.int64)
-                logits = self.model.forward(ids, pos0, self.placement, want_logits)
+                out = self.model.forward(ids, Rows.chunk(self.placement, pos0, len(tokens)), want_logits)
+                logits = None if out is None else out[0]
         except BaseException:
-            # Keep a consistent state: the deepest valid resume point at or below what was held.
-            self.pool.abort_append()
-            self._resume_at(pos0)
+            self.abort_step(pos0)
             raise
+        self.commit_step(tokens)
+        return logits
+
+    # A step of several slots (`SlotSet.decode`) runs one forward pass between these, on each of its runners.
+    def begin_step(self, n_tokens: int) -> int:
+        """Open the pool for n_tokens after the held conversation; returns their first position."""
+        pos0 = len(self._tokens)
+        self.pool.begin_append(pos0, n_tokens)
+        self._epoch += 1
+        return pos0
+
+    def commit_step(self, tokens: Sequence[int]) -> None:
+        """The step's K/V were stored: hold its tokens."""
         self.pool.commit_append(len(tokens))
         self._tokens.extend(tokens)
-        return logits
+
+    def abort_step(self, pos0: int) -> None:
+        """The step failed: keep a consistent state, the deepest valid resume point at or below pos0."""
+        self.pool.abort_append()
+        self._resume_at(pos0)
 
     def _graph_for(self, n_tokens: int, pos0: int, want_logits: bool) -> StepGraph | None:
         """The decode graph for one token with logits; else the smallest prefill graph holding the step
@@ -400,6 +479,7 @@ class ModelRunner:
                 r = usable[-1].position
             else:
                 r = 0
+        self._epoch += 1
         if r < self.pool.n_tokens:
             self.pool.truncate(r)
         del self._tokens[r:]

@@ -1,8 +1,8 @@
 """`strata-engine serve`: the engine's verbs on the protocol of spec/engine-protocol.md.
 
-The generic parts -- registry, line channel, loop, error mapping, exit statuses -- are protocol.py's;
-this module has the verbs of the loaded model (`build_registry`; SAVE / RESTORE come from
-session/verbs.py), the ready line and `serve`, which loads the model and runs the loop.
+The generic parts -- registry, line channel, error mapping, exit statuses -- are protocol.py's, the loop
+is scheduler.py's; this module has the verbs of the loaded model (`build_registry`; SAVE / RESTORE come
+from session/verbs.py), the ready line and `serve`, which loads the slots and runs the scheduler.
 """
 
 from __future__ import annotations
@@ -17,24 +17,25 @@ import numpy as np
 import xxhash
 
 from .chat import ChatTemplate
-from .completion import Completer, CompletionResult, PromptProgress, TokenEvent, parse_request
+from .completion import Completer, parse_request
+from .constraints import ConstraintCompiler
 from .embedding import handle_embed, model_pooling
 from .errors import ContextOverflow, EngineError, InvalidRequest
 from .protocol import (
     ENGINE_NAME,
-    PROMPT_PROGRESS_PHASE,
     PROTOCOL_VERSION,
     ArgumentKind,
     CommandRegistry,
+    Dispatch,
     ExitStatus,
     FimToken,
     LineReader,
     LineWriter,
+    Request,
     ServeContext,
     engine_version,
-    json_object,
-    serve_loop,
 )
+from .scheduler import Scheduler
 from .session.verbs import SessionVerbs, register_session_verbs
 from .tokenizer import Tokenizer
 
@@ -54,58 +55,24 @@ def _bool_field(obj: Mapping[str, Any], name: str, default: bool, problems: list
     return value
 
 
-def handle_complete(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
-    request = parse_request(json_object(argument, "COMPLETE"))
-
-    def on_token(event: TokenEvent) -> None:
-        line: dict[str, Any] = {"event": "token", "id": event.id, "piece": event.piece, "content": event.content}
-        if event.chosen is not None:
-            line |= {"logprob": event.chosen.logprob, "prob": event.chosen.prob, "bytes": list(event.chosen.bytes)}
-        if event.probs is not None:
-            line["probs"] = [_converter.unstructure(p) for p in event.probs]
-        ctx.emit(line)
-
-    def cancelled() -> bool:
-        while True:
-            line = ctx.reader.poll_line()
-            if line is None:
-                # end of input does not cancel: `printf 'COMPLETE {...}' | strata-engine serve` completes
-                return False
-            if line.rstrip(b"\r") == b"CANCEL":
-                return True
-            ctx.deferred.append(line)  # a command sent too early: served after this one
-
-    def on_progress(progress: PromptProgress) -> None:
-        ctx.emit({"event": "progress", "phase": PROMPT_PROGRESS_PHASE, **_converter.unstructure(progress)})
-
-    try:
-        result: CompletionResult = ctx.completer.complete(request, on_token=on_token, cancelled=cancelled,
-                                                          on_progress=on_progress)
-    except (EngineError, BrokenPipeError):
-        raise  # the runner is between steps: its state is intact
-    except Exception:
-        # the runner may be half-way through a step: drop the conversation rather than keep K/V we
-        # cannot vouch for, and say so
-        dropped = ctx.runner.erase()
-        log.exception("COMPLETE failed unexpectedly; the held conversation (%d tokens) was erased", dropped)
-        raise
-    payload = _converter.unstructure(result)
-    payload["tokens"] = list(result.tokens)
-    return payload
+def handle_complete(ctx: ServeContext, request: Request) -> None:
+    ctx.scheduler.start_complete(request)
 
 
-def handle_prompt_tokens(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
+def handle_prompt_tokens(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
     """The tokens a COMPLETE with this argument would evaluate, checked as COMPLETE checks them (a server
-    looks its prompt up in a session store with them, then sends them as the COMPLETE's prompt)."""
-    request = parse_request(json_object(argument, "PROMPT_TOKENS"))
-    tokens = ctx.completer.prompt_tokens(request)
-    if len(tokens) > ctx.runner.n_ctx:
-        raise ContextOverflow(len(tokens), ctx.runner.n_ctx)
+    looks its prompt up in a session store with them, then sends them as the COMPLETE's prompt). Every slot
+    has the same context: slot 0's completer measures it."""
+    completer = ctx.completer_of(0)
+    tokens = completer.prompt_tokens(parse_request(request.args))
+    n_ctx = completer.runner.n_ctx
+    if len(tokens) > n_ctx:
+        raise ContextOverflow(len(tokens), n_ctx)
     return {"tokens": tokens}
 
 
-def handle_tokenize(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
-    obj = json_object(argument, "TOKENIZE")
+def handle_tokenize(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
+    obj = request.args
     problems: list[str] = []
     content = obj.get("content")
     if not isinstance(content, str):
@@ -129,16 +96,15 @@ def handle_tokenize(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
     return {"tokens": pieces}
 
 
-def handle_detokenize(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
-    obj = json_object(argument, "DETOKENIZE")
-    tokens = obj.get("tokens")
+def handle_detokenize(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
+    tokens = request.args.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise InvalidRequest(["tokens must be a list of token ids"])
     return {"content": ctx.tokenizer.decode(tokens)}
 
 
-def handle_apply_template(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
-    obj = json_object(argument, "APPLY_TEMPLATE")
+def handle_apply_template(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
+    obj = request.args
     problems: list[str] = []
     add_generation_prompt = _bool_field(obj, "add_generation_prompt", True, problems)
     continue_final_message = _bool_field(obj, "continue_final_message", False, problems)
@@ -153,16 +119,31 @@ def tokens_digest(tokens) -> str:
     return xxhash.xxh3_64_hexdigest(np.asarray(tokens, dtype="<i4").tobytes())
 
 
-def handle_status(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
-    runner = ctx.runner
+def slot_status(ctx: ServeContext, slot: int) -> dict[str, Any]:
+    runner = ctx.runner_of(slot)
     held = runner.tokens_held
-    settings = runner.settings
+    job = ctx.scheduler.busy.get(slot) if ctx.scheduler is not None else None
     return {
+        "slot": slot,
         "n_ctx": runner.n_ctx,
         "n_past": len(held),
         "n_tokens_held": len(held),
         "tokens_held_digest": tokens_digest(held),
-        "is_processing": False,
+        "is_processing": job is not None,
+        "request_id": None if job is None else job.request.id,
+        "n_checkpoints": len(runner.checkpoints),
+        "sampler_seed": ctx.completer_of(slot).sampler_state.seed,
+    }
+
+
+def handle_status(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
+    slots = [slot_status(ctx, i) for i in range(ctx.n_slots)]
+    settings = ctx.runner_of(0).settings
+    return {
+        "n_ctx": slots[0]["n_ctx"] * len(slots),
+        "n_slots": len(slots),
+        "n_ctx_slot": slots[0]["n_ctx"],
+        "is_processing": any(s["is_processing"] for s in slots),
         "kv_type": settings.kv_type,
         "backend": settings.backend,
         "compute_dtype": settings.compute_dtype,
@@ -170,26 +151,41 @@ def handle_status(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
         "threads": settings.threads,
         "kv_resident": settings.kv_resident,
         "prompt_cache": settings.prompt_cache,
-        "n_checkpoints": len(runner.checkpoints),
-        "sampler_seed": ctx.completer.sampler_state.seed,
         "model_path": str(settings.model_path),
+        "slots": slots,
     }
 
 
-def handle_erase(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
-    return {"n_erased": ctx.runner.erase()}
+def handle_erase(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
+    return {"n_erased": ctx.runner_of(request.slot).erase()}
 
 
-def handle_cancel(ctx: ServeContext, argument: Any) -> None:
-    # Nothing is running (a CANCEL during a COMPLETE is consumed by it). No answer: a CANCEL that
-    # arrives just after its COMPLETE ended must not leave a line the client would read as the answer
-    # to its next command.
+def handle_cancel(ctx: ServeContext, request: Request) -> None:
+    # No answer: a CANCEL that arrives just after its COMPLETE ended must leave no line behind.
+    if request.id is None:
+        raise InvalidRequest(["CANCEL needs the id of the COMPLETE to end"])
+    ctx.scheduler.cancel(request.id)
     return None
 
 
-def handle_quit(ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
-    ctx.quit_requested = True
-    return {}
+def handle_quit(ctx: ServeContext, request: Request) -> None:
+    ctx.scheduler.request_quit(request)  # answered once every request in flight has ended
+    return None
+
+
+# verb -> (argument, handler, where it runs, whether it names a slot)
+VERBS: dict[str, tuple[ArgumentKind, Any, Dispatch, bool]] = {
+    "COMPLETE": (ArgumentKind.JSON, handle_complete, Dispatch.JOB, True),
+    "PROMPT_TOKENS": (ArgumentKind.JSON, handle_prompt_tokens, Dispatch.WORKER, False),
+    "TOKENIZE": (ArgumentKind.JSON, handle_tokenize, Dispatch.WORKER, False),
+    "DETOKENIZE": (ArgumentKind.JSON, handle_detokenize, Dispatch.WORKER, False),
+    "APPLY_TEMPLATE": (ArgumentKind.JSON, handle_apply_template, Dispatch.WORKER, False),
+    "EMBED": (ArgumentKind.JSON, handle_embed, Dispatch.JOB, False),
+    "STATUS": (ArgumentKind.OPTIONAL, handle_status, Dispatch.NOW, False),
+    "ERASE": (ArgumentKind.OPTIONAL, handle_erase, Dispatch.NOW, True),
+    "CANCEL": (ArgumentKind.JSON, handle_cancel, Dispatch.NOW, False),
+    "QUIT": (ArgumentKind.OPTIONAL, handle_quit, Dispatch.NOW, False),
+}
 
 
 def build_registry(session_options: Any = None, ctx: ServeContext | None = None) -> CommandRegistry:
@@ -201,16 +197,8 @@ def build_registry(session_options: Any = None, ctx: ServeContext | None = None)
 
 def _build_registry(session_options: Any, ctx: ServeContext | None) -> tuple[CommandRegistry, SessionVerbs]:
     registry = CommandRegistry()
-    registry.register("COMPLETE", ArgumentKind.JSON, handle_complete)
-    registry.register("PROMPT_TOKENS", ArgumentKind.JSON, handle_prompt_tokens)
-    registry.register("TOKENIZE", ArgumentKind.JSON, handle_tokenize)
-    registry.register("DETOKENIZE", ArgumentKind.JSON, handle_detokenize)
-    registry.register("APPLY_TEMPLATE", ArgumentKind.JSON, handle_apply_template)
-    registry.register("EMBED", ArgumentKind.JSON, handle_embed)
-    registry.register("STATUS", ArgumentKind.NONE, handle_status)
-    registry.register("ERASE", ArgumentKind.NONE, handle_erase)
-    registry.register("CANCEL", ArgumentKind.NONE, handle_cancel)
-    registry.register("QUIT", ArgumentKind.NONE, handle_quit)
+    for verb, (argument, handler, dispatch, slotted) in VERBS.items():
+        registry.register(verb, argument, handler, dispatch, slotted=slotted)
     verbs = register_session_verbs(registry, session_options, ctx)
     return registry, verbs
 
@@ -218,9 +206,10 @@ def _build_registry(session_options: Any, ctx: ServeContext | None) -> tuple[Com
 # -- start-up -----------------------------------------------------------------------------------------
 
 
-def ready_line(runner: Any, tokenizer: Tokenizer, template: ChatTemplate, identity: Any = None) -> dict[str, Any]:
+def ready_line(slots: Any, tokenizer: Tokenizer, template: ChatTemplate, identity: Any = None) -> dict[str, Any]:
     """The ready line; `identity` (the session files' `EngineIdentity`) adds the fingerprints a file written
     by this engine carries in its header, so a client can tell its files from other engines'."""
+    runner = slots.runners[0]
     config, gguf_file, settings = runner.config, runner.gguf, runner.settings
     tensors = gguf_file.tensors.values()
 
@@ -235,7 +224,9 @@ def ready_line(runner: Any, tokenizer: Tokenizer, template: ChatTemplate, identi
         "model_path": str(settings.model_path),
         "model_name": str(gguf_file.metadata.get("general.name", "")),
         "architecture": config.architecture,
-        "n_ctx": runner.n_ctx,
+        "n_ctx": runner.n_ctx * len(slots.runners),
+        "n_slots": len(slots.runners),
+        "n_ctx_slot": runner.n_ctx,
         "n_ctx_train": config.n_ctx_train,
         "n_vocab": config.n_vocab,
         "n_layer": config.n_layer,
@@ -263,8 +254,8 @@ def ready_line(runner: Any, tokenizer: Tokenizer, template: ChatTemplate, identi
 
 def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = None,
           session_options: Any = None) -> ExitStatus:
-    """Load the model, write the ready line, serve until QUIT or end of input."""
-    from .runner import ModelRunner
+    """Load the model into its slots, write the ready line, serve until QUIT or end of input."""
+    from .slots import SlotSet
 
     writer = LineWriter(stdout if stdout is not None else sys.stdout.buffer)
     try:
@@ -278,22 +269,30 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
         writer.write({"event": "fatal", "message": f"model file not found: {settings.model_path}"})
         return ExitStatus.MODEL_LOAD
     try:
-        runner = ModelRunner.load(settings)
+        slots = SlotSet.load(settings)
+        runner = slots.runners[0]
         tokenizer = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
         template = ChatTemplate.for_model(runner.gguf.metadata, tokenizer, settings.chat_template)
     except (EngineError, OSError, MemoryError, ValueError) as exc:
         log.exception("the model could not be loaded")
         writer.write({"event": "fatal", "message": f"cannot load {settings.model_path}: {exc}"})
         return ExitStatus.MODEL_LOAD
-    ctx = ServeContext(
-        runner=runner,
-        tokenizer=tokenizer,
-        template=template,
-        completer=Completer(runner, tokenizer, template),
-        reader=LineReader(stdin_fd if stdin_fd is not None else sys.stdin.fileno()),
-        writer=writer,
-    )
+    ctx = serve_context(slots, tokenizer, template)
     registry, verbs = _build_registry(session_options, ctx)
-    writer.write(ready_line(runner, tokenizer, template, verbs.identity(runner)))
-    log.info("ready: %s", settings.model_path)
-    return serve_loop(ctx, registry)
+    reader = LineReader(stdin_fd if stdin_fd is not None else sys.stdin.fileno())
+    scheduler = scheduler_for(ctx, registry, reader, writer)
+    writer.write(ready_line(slots, tokenizer, template, verbs.identity(runner)))
+    log.info("ready: %s, %d slot(s)", settings.model_path, len(slots.runners))
+    return scheduler.run()
+
+
+def scheduler_for(ctx: ServeContext, registry: CommandRegistry, reader: LineReader, writer: LineWriter) -> Scheduler:
+    return Scheduler(ctx, registry, reader, writer, _converter.unstructure)
+
+
+def serve_context(slots: Any, tokenizer: Tokenizer, template: ChatTemplate) -> ServeContext:
+    """The verbs' context over loaded slots: a completer per slot (its own sampler generator), one
+    constraint compiler for all."""
+    constraints = ConstraintCompiler(tokenizer)
+    completers = tuple(Completer(runner, tokenizer, template, constraints=constraints) for runner in slots.runners)
+    return ServeContext(slots=slots, tokenizer=tokenizer, template=template, completers=completers)

@@ -87,6 +87,10 @@ DEFAULT_CPU_KERNELS = CpuKernels.NUMPY
 # only when asked; the cap is stated in --help and in `ModelRunner.n_ctx`).
 DEFAULT_N_CTX_CAP = 8192
 
+# The least context a slot of several may get (n_ctx // n_slots): less holds no chat turn worth serving, and
+# is almost surely a mistyped -c or -np. One slot keeps any positive n_ctx (tests provoke overflows with tiny ones).
+MIN_N_CTX_SLOT = 16
+
 
 # Tokens per prefill chunk unless told otherwise: the GPU's cost per chunk is mostly the ~12 kernel
 # launches per layer issued from Python, not the arithmetic.
@@ -107,8 +111,10 @@ class EngineSettings:
     """What the engine runs with.
 
     model_path: the GGUF file.
-    n_ctx: tokens of context (K/V capacity of full-attention layers); None = min(the model's training
-        context, 8192).
+    n_ctx: tokens of context of all slots together (K/V capacity of full-attention layers); None = min(the
+        model's training context, 8192). Each slot gets n_ctx // n_slots (llama-server's rule: `n_ctx_slot`).
+    n_slots: conversations held at once (llama-server's --parallel), each in its own region of the one
+        K/V pool (`SlotSet`); a slot's context must be at least MIN_N_CTX_SLOT when there are several.
     kv_type: storage type of the K/V pool: "f32", "f16" (default) or "int8" (float32 scales per token,
         per head, per 32-value block of the head dimension).
     compute_dtype: activations and dequantized weights: "f32", "f64" (a numerics check; numpy), "f16"
@@ -135,6 +141,7 @@ class EngineSettings:
 
     model_path: Path = attrs.field(converter=Path)
     n_ctx: int | None = None
+    n_slots: int = 1
     kv_type: str = "f16"
     compute_dtype: str | None = None
     kv_resident: int | None = None
@@ -165,10 +172,29 @@ class EngineSettings:
             threads=self.threads or default_threads(),
         )
 
+    def n_ctx_total(self, n_ctx_train: int) -> int:
+        """The context of all slots together: n_ctx, or the model's training context capped."""
+        return self.n_ctx if self.n_ctx is not None else min(n_ctx_train, DEFAULT_N_CTX_CAP)
+
+    def n_ctx_slot(self, n_ctx_train: int) -> int:
+        """Each slot's context: the total // n_slots."""
+        return self.n_ctx_total(n_ctx_train) // self.n_slots
+
+    def slot_problem(self, n_ctx: int) -> str | None:
+        """Why a total context of n_ctx cannot be shared by the slots (None: it can)."""
+        if self.n_slots > 1 and n_ctx // self.n_slots < MIN_N_CTX_SLOT:
+            return (f"n_ctx {n_ctx} gives each of the {self.n_slots} slots {n_ctx // self.n_slots} tokens of context, "
+                    f"fewer than {MIN_N_CTX_SLOT}")  # fmt: skip
+        return None
+
     def problems(self) -> list[str]:
         out: list[str] = []
         if self.n_ctx is not None and (not isinstance(self.n_ctx, int) or self.n_ctx < 1):
             out.append(f"n_ctx must be a positive integer or None, got {self.n_ctx!r}")
+        if not isinstance(self.n_slots, int) or isinstance(self.n_slots, bool) or self.n_slots < 1:
+            out.append(f"n_slots must be a positive integer, got {self.n_slots!r}")
+        elif isinstance(self.n_ctx, int) and self.n_ctx >= 1 and (problem := self.slot_problem(self.n_ctx)):
+            out.append(problem)
         if self.kv_type not in values(KVType):
             out.append(f"kv_type must be one of {', '.join(values(KVType))}, got {self.kv_type!r}")
         if self.compute_dtype is not None and self.compute_dtype not in values(ComputeDType):

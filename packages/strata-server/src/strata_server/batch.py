@@ -1,10 +1,11 @@
 """The tasks of one completion request -- several prompts, ``n`` choices each -- run one after another on
-the slot, and answered as llama-server answers them.
+one slot, and answered as llama-server answers them.
 
 llama-server makes one task per prompt and ``n_cmpl - 1`` child tasks per prompt (``n`` is its alias),
 numbered in that order (prompt ``i``'s choice ``j`` is task ``i * n + j``); each child's sampler seed is
-the request's plus ``j`` (a random seed stays random). Strata has one slot, so the tasks run in turn
-under one lease; a later choice reuses the prompt the one before left in the slot (prompt cache).
+the request's plus ``j`` (a random seed stays random). Strata runs a request's tasks in turn on one slot,
+under one lease (llama-server spreads them over its slots); a later choice reuses the prompt the one
+before left in the slot (prompt cache).
 
 The answer (``tools/server/server-context.cpp``, ``handle_completions_impl``): one task answers as
 before. Several answer, on ``/completion``, a JSON list of the native objects, each with its ``index``;
@@ -23,7 +24,7 @@ import falcon
 
 from .connection import ClientConnection
 from .context import ServerContext
-from .engine.client import EngineLease
+from .engine.client import EngineLease, engine_call
 from .errors import ApiError, ErrorType, invalid_request
 from .generation import CompletionRun, NativeCompletionFormat, ResponseFormat, RunInfo, sse_frame
 
@@ -140,7 +141,7 @@ def build_runs(ctx: ServerContext, info: RunInfo, client: ClientConnection, spec
 
 
 class BatchRun:
-    """A request's tasks under one lease on slot 0, answered as one JSON body or one SSE stream."""
+    """A request's tasks under one lease on one slot, answered as one JSON body or one SSE stream."""
 
     def __init__(self, ctx: ServerContext, runs: list[CompletionRun], client: ClientConnection) -> None:
         assert runs, "a request has at least one task"
@@ -150,8 +151,31 @@ class BatchRun:
         self.stream = runs[0].options.stream
         self.native = isinstance(_inner(runs[0].fmt), NativeCompletionFormat)
 
+    def _acquire(self) -> EngineLease:
+        """A slot: the one the request names, else the one whose held tokens share most of the prompt
+        (SlotManager's rule); with several slots the prompt is tokenized first, once."""
+        id_slot = self.runs[0].options.id_slot
+        prompt = None
+        # Tokenized with a named slot too: what that slot then holds is known to later requests' choice.
+        if self.ctx.n_slots() > 1 and self.ctx.config.slot_prompt_similarity > 0:
+            prompt = self._tokenize_first_prompt()
+        return self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=id_slot, prompt=prompt)
+
+    def _tokenize_first_prompt(self) -> list[int]:
+        """The first prompt's tokens (PROMPT_TOKENS, slot-less), sent as its runs' prompt from here on:
+        the engine evaluates them exactly as the original prompt (spec/engine-protocol.md)."""
+        first = self.runs[0].command
+        tokens = [int(t) for t in engine_call(self.ctx.engine, "PROMPT_TOKENS", first)["tokens"]]
+        text_keys = ("messages", "prompt")
+        same = {k: first.get(k) for k in text_keys}
+        for run in self.runs:
+            if {k: run.command.get(k) for k in text_keys} == same:
+                run.command = {**{k: v for k, v in run.command.items() if k not in text_keys}, "prompt": tokens}
+                run.prompt = tokens
+        return tokens
+
     def respond(self, resp: falcon.Response) -> None:
-        lease = self.ctx.engine.acquire(self.ctx.config.slot_wait)
+        lease = self._acquire()
         try:
             self._check_client()
             if not self.stream:

@@ -60,7 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host", metavar="ADDR[,ADDR...]", action="append",
         help=f"addresses to listen on, each of them (default: {DEFAULT_HOST}, loopback only)")
     add("--port", metavar="N", help=f"port to listen on (default: {DEFAULT_PORT})")
-    add("-c", "--ctx-size", metavar="N", help="context size in tokens (default: 0 = the model's own)")
+    add("-c", "--ctx-size", metavar="N", help="context size in tokens, the total of all slots: each slot gets "
+        "N / --parallel, as llama-server (default: 0 = the model's own)")
+    add("-np", "--parallel", metavar="N", help="slots: conversations held and generated at once, batched in one "
+        "engine (default: 1)")
+    add("-sps", "--slot-prompt-similarity", metavar="F", help="a request that names no id_slot goes to the idle "
+        "slot whose held tokens share the longest prefix with its prompt when that prefix is more than F of the "
+        "prompt, else to the least recently used idle slot; 0 turns the similarity rule off (default: 0.1, as "
+        "llama-server)")
     add("--kv-type", metavar="TYPE", help=f"K/V cache type, one of {', '.join(values(KVType))} (default: f16)")
     add("-ctk", "--cache-type-k", metavar="TYPE", help="llama-server's K cache type flag; must equal the V type")
     add("-ctv", "--cache-type-v", metavar="TYPE", help="llama-server's V cache type flag; must equal the K type")
@@ -85,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--backend", metavar="NAME", help=f"engine compute backend, one of {', '.join(values(Backend))} "
         "(default: the engine's, numpy)")
     add("--slot-save-path", metavar="DIR", help="existing folder for slot files; enables "
-        "POST /slots/0?action=save|restore|erase (default: disabled, 501)")
+        "POST /slots/{id}?action=save|restore|erase (default: disabled, 501)")
     add("--api-key", metavar="KEY[,KEY...]", action="append", help="require one of these API keys")
     add("--api-key-file", metavar="FILE", help="file with one API key per line")
     add("--metrics", action="store_true", help="enable GET /metrics (Prometheus text; default: disabled, 501)")
@@ -104,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP threads: gunicorn gthread threads (default: 32; requests waiting for the slot each hold one)")
     add("-to", "--timeout", metavar="S", help="read timeout in seconds (llama-server's): a connection whose request "
         "has not fully arrived within S is closed; stalled clients hold no thread meanwhile (default: 600)")
-    add("--slot-wait", metavar="S", help="seconds a request waits for the busy slot before a 503 (default: 600)")
+    add("--slot-wait", metavar="S", help="seconds a request waits its turn for a slot (every slot busy, or the one it named) before a "
+        "503 (default: 600)")
     add("--engine-timeout", metavar="S", help="seconds of engine silence inside one command after which it is "
         "killed and restarted (default: 0 = never; a huge prompt on a CPU is silent for long)")
     add("--sse-ping-interval", metavar="S", help="keep-alive comment on a silent stream every S seconds "

@@ -59,7 +59,9 @@ class ServerConfig:
     tags: tuple[str, ...] = ()  # /v1/models tags
     host: tuple[str, ...] = (DEFAULT_HOST,)  # every address given is listened on
     port: int = DEFAULT_PORT
-    ctx_size: int = 0  # 0: the model's own context length
+    ctx_size: int = 0  # 0: the model's own context length; the total, each slot gets ctx_size // parallel
+    parallel: int = 1  # slots: conversations held and generated at once (llama-server's -np)
+    slot_prompt_similarity: float = 0.1  # a prompt goes to the idle slot sharing more than this of it (0: off)
     kv_type: str = KVType.F16.value
     kv_resident: int = 0  # >0: K/V in a host pool with this many tokens in a device ring (engine --kv-resident)
     prompt_cache: bool = True  # reuse the held conversation's prefix (engine --no-prompt-cache when false)
@@ -117,6 +119,8 @@ class ServerConfig:
         argv = base + ["--model", str(self.model), "--kv-type", self.kv_type]
         if self.ctx_size:
             argv += ["--ctx-size", str(self.ctx_size)]
+        if self.parallel > 1:
+            argv += ["--parallel", str(self.parallel)]
         if self.kv_resident:
             argv += ["--kv-resident", str(self.kv_resident)]
         if not self.prompt_cache:
@@ -263,6 +267,10 @@ def _check_values(config: ServerConfig) -> list[str]:
         problems.append(f"port: {config.port} is outside 1..65535")
     if config.ctx_size < 0:
         problems.append(f"ctx_size: {config.ctx_size} is negative (0 means the model's own)")
+    if config.parallel < 1:
+        problems.append(f"parallel: {config.parallel} must be at least 1")
+    if not 0.0 <= config.slot_prompt_similarity <= 1.0:
+        problems.append(f"slot_prompt_similarity: {config.slot_prompt_similarity} is outside 0..1 (0: off)")
     if config.kv_type not in values(KVType):
         problems.append(f"kv_type: {config.kv_type!r} is not one of {', '.join(values(KVType))}")
     if config.kv_resident < 0:

@@ -29,20 +29,20 @@ SERVER_VERSION = _server_version()
 
 
 class SlotView:
-    """What ``GET /slots`` shows about slot 0's last task, kept without asking the busy engine."""
+    """What ``GET /slots`` shows about each slot's last task, kept without asking the engine."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.id_task = -1
-        self.last: dict[str, Any] | None = None
+        self.id_task = -1  # one counter for the server, as the peer's task ids
+        self.last: dict[int, dict[str, Any]] = {}
 
-    def record(self, result: dict, options: CompletionOptions) -> None:
+    def record(self, slot_id: int, result: dict, options: CompletionOptions) -> None:
         timings = result.get("timings") or {}
         tokens = result.get("tokens") or []
         settings = options.settings()
         with self._lock:
             self.id_task += 1
-            self.last = {
+            self.last[slot_id] = {
                 "id_task": self.id_task,
                 "n_prompt_tokens": result.get("tokens_evaluated", 0),
                 "n_prompt_tokens_processed": timings.get("prompt_n", 0),
@@ -53,13 +53,18 @@ class SlotView:
                                 "n_remain": -1, "n_decoded": len(tokens)}],
             }
 
-    def forget(self) -> None:
+    def forget(self, slot_id: int | None = None) -> None:
+        """Slot ``slot_id``'s conversation is gone (erase, restore); None: every slot's (an engine restart)."""
         with self._lock:
-            self.last = None
+            if slot_id is None:
+                self.last.clear()
+            else:
+                self.last.pop(slot_id, None)
 
-    def snapshot(self) -> dict[str, Any] | None:
+    def snapshot(self, slot_id: int) -> dict[str, Any] | None:
         with self._lock:
-            return dict(self.last) if self.last else None
+            last = self.last.get(slot_id)
+            return dict(last) if last else None
 
 
 @attrs.frozen
@@ -73,6 +78,16 @@ class ServerContext:
 
     def engine_info(self) -> dict[str, Any]:
         return dict(self.engine.status().info or {})
+
+    def n_slots(self) -> int:
+        return self.engine.slots.n_slots
+
+    def n_ctx_slot(self) -> int:
+        """Each slot's context: the engine's ``n_ctx_slot`` (the total over the slots, as llama-server)."""
+        info = self.engine_info()
+        if info.get("n_ctx_slot") is not None:
+            return int(info["n_ctx_slot"])
+        return int(info.get("n_ctx") or 0) // self.n_slots()
 
     def model_id(self) -> str:
         if self.config.alias:

@@ -83,10 +83,10 @@ class EngineUnavailable(EngineCallError):
 
 
 class SlotBusy(EngineCallError):
-    """Slot 0 stayed busy for the whole bounded wait."""
+    """No slot (or the slot the request named) became idle within the bounded wait."""
 
-    def __init__(self, waited_s: float):
-        super().__init__(f"no slot available: slot 0 stayed busy for {waited_s:g} s")
+    def __init__(self, waited_s: float, slots: str = "slot 0"):
+        super().__init__(f"no slot available: {slots} stayed busy for {waited_s:g} s")
         self.waited_s = waited_s
 
 
@@ -121,6 +121,8 @@ _ENGINE_ERROR_TYPES: dict[str, ErrorType] = {
     ErrorKind.EXCEED_CONTEXT_SIZE: ErrorType.EXCEED_CONTEXT_SIZE,
     ErrorKind.SESSION_REFUSED: ErrorType.INVALID_REQUEST,
     ErrorKind.SESSION_WRITE_FAILED: ErrorType.SERVER,
+    ErrorKind.SLOT_BUSY: ErrorType.UNAVAILABLE,  # the server chooses idle slots: only a lost race gets here
+    ErrorKind.SLOT_FAILED: ErrorType.SERVER,
     ErrorKind.FAIL_STOP: ErrorType.SERVER,
     ErrorKind.INTERNAL: ErrorType.SERVER,
 }

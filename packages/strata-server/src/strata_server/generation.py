@@ -73,7 +73,8 @@ def token_probabilities(event: dict, post_sampling: bool) -> dict:
         data = bytes(p["bytes"]) if "bytes" in p else piece.encode("utf-8")
         return {"id": p.get("id"), "token": utf8_prefix(data), "bytes": list(data), key: p.get(key)}
 
-    return {**entry(event, str(event.get("piece", ""))),
+    chosen = {**event, "id": event.get("token")}  # a token line's "id" is its request's (protocol v2)
+    return {**entry(chosen, str(event.get("piece", ""))),
             top_key: [entry(p, str(p.get("token", ""))) for p in event.get("probs") or []]}
 
 
@@ -161,7 +162,7 @@ class NativeCompletionFormat(ResponseFormat):
             # As the peer: in a stream the text and tokens went out in the partial chunks.
             "index": 0, "content": "" if streamed else str(result.get("content", "")),
             "tokens": tokens if self.info.options.return_tokens and not streamed else [],
-            "id_slot": 0, "stop": True, "model": self.info.options.model or self.info.model,
+            "id_slot": lease.slot, "stop": True, "model": self.info.options.model or self.info.model,
             "tokens_predicted": len(tokens), "tokens_evaluated": result.get("tokens_evaluated", 0),
             "generation_settings": self.info.options.settings(), "prompt": self.prompt_text(lease),
             "has_new_line": "\n" in str(result.get("content", "")), "truncated": bool(result.get("truncated")),
@@ -241,6 +242,14 @@ class ChatCompletionFormat(ResponseFormat):
             usage=self.usage(result), timings=result.get("timings", {})), probs)
 
 
+def held_tokens(prompt: Any, result: dict) -> list[int] | None:
+    """What the slot holds after a COMPLETE of ``prompt``: (prompt + generated)[:n_tokens_held], when the
+    prompt was token ids; None (unknown) for a text prompt, which the engine tokenized."""
+    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+        return None
+    return (prompt + list(result.get("tokens") or []))[: int(result.get("n_tokens_held", 0))]
+
+
 class CompletionRun:
     """One COMPLETE of a request (one task: a prompt, or one of ``n`` choices), run on a lease that
     ``batch.BatchRun`` holds: ``start`` sends it, then ``collect`` gathers the JSON answer or
@@ -256,20 +265,24 @@ class CompletionRun:
         self.client = client or ClientConnection(None)
         self.verbose = verbose  # the peer's ``verbose``: the native answer beside the OpenAI one, as __verbose
         self.want_probs = int(options.sampling.get("n_probs", 0)) > 0
+        self.prompt: Any = command.get("prompt")  # the prompt sent (token ids when the server tokenized it)
 
     def start(self, lease: EngineLease) -> Iterator[dict]:
         """Send the COMPLETE; its events, watched for the client's departure (which cancels it)."""
         ping = self.ctx.config.sse_ping_interval if self.options.stream else 0
         # The engine's silence is broken every POLL_INTERVAL_S to see whether the client left.
-        command = self.command if self.ctx.store is None else self.ctx.store.prepare(lease, self.command)
+        command = self.command if self.ctx.store is None else self.ctx.store.prepare(lease, self.command, lease.slot)
+        self.prompt = command.get("prompt")
+        self.ctx.engine.slots.set_tokens(lease.slot, None)  # unknown until its result
         return watch_client(lease.request("COMPLETE", command, idle_s=POLL_INTERVAL_S),
                             self.client, lease.cancel, ping_s=ping)
 
-    def _record(self, result: dict) -> None:
+    def _record(self, result: dict, lease: EngineLease) -> None:
         self.ctx.metrics.record_completion(result)
-        self.ctx.slot_view.record(result, self.options)
+        self.ctx.slot_view.record(lease.slot, result, self.options)
+        self.ctx.engine.slots.set_tokens(lease.slot, held_tokens(self.prompt, result))
         if self.ctx.store is not None:
-            self.ctx.store.completed(result)
+            self.ctx.store.completed(result, lease.slot)
 
     def collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
         probs = []
@@ -278,7 +291,7 @@ class CompletionRun:
             if kind == "token" and self.want_probs:
                 probs.append(token_probabilities(event, self.options.post_sampling_probs))
             elif kind == "result":
-                self._record(event)
+                self._record(event, lease)
                 return self._with_verbose(self.fmt.response(event, probs, lease), event, probs, lease)
         raise AssertionError("request() ends with a result or raises")
 
@@ -299,7 +312,7 @@ class CompletionRun:
                 kind = event["event"]
                 if kind == "token":
                     self.fmt.n_predicted += 1
-                    batch.ids.append(int(event.get("id", -1)))
+                    batch.ids.append(int(event.get("token", -1)))
                     if self.want_probs:
                         batch.probs.append(token_probabilities(event, self.options.post_sampling_probs))
                     content = str(event.get("content", ""))
@@ -310,7 +323,7 @@ class CompletionRun:
                     yield sse_frame(self.fmt.progress_chunk(prompt_progress(event)))
                 elif kind == "result":
                     ended = True
-                    self._record(event)
+                    self._record(event, lease)
                     final = self.fmt.final_chunks(event, lease)
                     final[0] = self._with_verbose(final[0], event, [], lease)
                     for chunk in final:
@@ -336,7 +349,7 @@ class CompletionRun:
         try:
             for event in events:
                 if event["event"] == "result":
-                    self._record(event)
+                    self._record(event, lease)
         except EngineCallError:
             pass  # the engine died meanwhile: release() leaves the restart to the supervisor
 

@@ -1,5 +1,8 @@
 """gunicorn entry: one worker (gthread whose requests are read by its event loop: worker.py) that owns
-the engine process.
+the engine process. Its threads serve many requests at once: each slot's request on a thread of its own
+(the engine batches them), slot-less ones (tokenize, props, ...) beside them; one worker, because the
+engine and its slots belong to one process, and threads, because a request's work is waiting on the
+engine's lines (the GIL is free meanwhile) and the blocking code stays as it is.
 
 The supervisor starts in the worker (``load`` runs there, after the fork), so the engine is a child
 of the process that talks to it. ``worker_exit`` QUITs the engine on any worker shutdown (SIGTERM:
@@ -80,7 +83,9 @@ class StrataGunicorn(BaseApplication):
         logging.basicConfig(level=self.config.effective_log_level().upper(), stream=sys.stderr,
                             format="%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s")
         settings = SupervisorSettings(slot_wait_s=self.config.slot_wait,
-                                      command_timeout_s=self.config.engine_timeout or None)
+                                      command_timeout_s=self.config.engine_timeout or None,
+                                      n_slots=self.config.parallel,
+                                      slot_prompt_similarity=self.config.slot_prompt_similarity)
         self.supervisor = EngineSupervisor(self.config.engine_argv(), settings=settings, on_give_up=_give_up)
         self.store = build_store(self.config, self.supervisor)
         context = ServerContext(engine=self.supervisor, config=self.config, policy=SecurityPolicy(self.config),

@@ -7,7 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
-from .engine.client import SlotGate
+from .slot_manager import SlotManager
 
 CONTENT_TYPE = "text/plain; version=0.0.4"
 
@@ -82,7 +82,9 @@ class Metrics:
         with self._lock:
             self.engine_exits[code] += 1
 
-    def render(self, gate: SlotGate, engine_restarts: int) -> str:
+    def render(self, slots: SlotManager, engine_restarts: int) -> str:
+        states = slots.snapshot()
+        waiting = slots.waiting
         with self._lock:
             rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
                 ("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.",
@@ -106,10 +108,16 @@ class Metrics:
                 ("llamacpp:predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
                  [("", per_second(self.tokens_predicted, self.tokens_predicted_seconds))]),
                 ("llamacpp:requests_processing", "gauge", "Number of requests processing.",
-                 [("", 1 if gate.busy else 0)]),
-                ("llamacpp:requests_deferred", "gauge", "Number of requests deferred.", [("", gate.waiting)]),
+                 [("", sum(s.busy for s in states))]),
+                ("llamacpp:requests_deferred", "gauge", "Number of requests deferred.", [("", waiting)]),
                 ("llamacpp:n_busy_slots_per_decode", "gauge", "Average number of busy slots per llama_decode() call",
                  [("", 1.0 if self.n_decode else 0.0)]),
+                # Strata's per slot (llama-server has no per-slot series): busy or idle, and tokens held.
+                ("strata:slot_is_processing", "gauge", "Whether the slot is serving a request (1) or idle (0).",
+                 [(f'{{id_slot="{s.id}"}}', int(s.busy)) for s in states]),
+                ("strata:slot_tokens_held", "gauge", "Tokens the slot holds as far as the server knows "
+                 "(absent: unknown).", [(f'{{id_slot="{s.id}"}}', len(s.tokens)) for s in states
+                                        if s.tokens is not None]),
                 ("strata:slot_saves_total", "counter", "Slot saves completed.", [("", self.saves)]),
                 ("strata:slot_save_bytes_total", "counter", "Bytes written by slot saves.", [("", self.save_bytes)]),
                 ("strata:slot_save_milliseconds_total", "counter", "Time spent in slot saves.",

@@ -19,6 +19,7 @@ import attrs
 import falcon
 
 from .errors import ApiError, ErrorType, invalid_request
+from .slot_manager import invalid_slot_message
 
 
 def _int(key: str, value: Any) -> int:
@@ -110,6 +111,7 @@ class CompletionOptions:
     top_logprobs: int | None = None  # chat: OpenAI logprobs asked for, with this many alternatives
     logit_bias: tuple[tuple[int | str, float | bool], ...] = ()  # the engine's [token, bias or false] pairs
     constraint: dict[str, Any] = attrs.Factory(dict)  # the engine's json_schema or grammar field, if any
+    id_slot: int | None = None  # the slot the request names; None (or the peer's -1): the server chooses
 
     @property
     def post_sampling_probs(self) -> bool:
@@ -217,7 +219,7 @@ def parse_chat_logprobs(body: Mapping[str, Any]) -> tuple[dict[str, Any], int | 
 
 
 def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None, n_vocab: int | None = None,
-                  chat: bool = False) -> CompletionOptions:
+                  chat: bool = False, n_slots: int = 1) -> CompletionOptions:
     sampling: dict[str, Any] = {}
     for field in SAMPLING_FIELDS:
         for key in field.keys:
@@ -231,8 +233,11 @@ def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None, n
     for key, neutral in UNSUPPORTED_FIELDS.items():
         if key in body and not neutral(body[key]):
             raise ApiError(ErrorType.NOT_SUPPORTED, f"'{key}' is not supported by this server")
-    if "id_slot" in body and body["id_slot"] is not None and _int("id_slot", body["id_slot"]) not in (-1, 0):
-        raise invalid_request("Invalid slot ID: this server has one slot, 0")
+    id_slot = None if body.get("id_slot") is None else _int("id_slot", body["id_slot"])
+    if id_slot == -1:
+        id_slot = None
+    if id_slot is not None and not 0 <= id_slot < n_slots:
+        raise invalid_request(invalid_slot_message(id_slot, n_slots))
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise invalid_request("'stream_options' must be an object")
@@ -249,6 +254,7 @@ def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None, n
         top_logprobs=top_logprobs,
         logit_bias=parse_logit_bias(body.get("logit_bias"), n_vocab),
         constraint=parse_constraint(body, chat=chat),
+        id_slot=id_slot,
     )
 
 

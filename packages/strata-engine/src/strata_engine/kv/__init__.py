@@ -21,10 +21,10 @@ For the session adapter (save / restore), everything goes through these objects:
 
 from .checkpoints import RingCheckpoint, restore_checkpoint, take_checkpoint
 from .cpu import InPlacePlacement
-from .factory import make_placement, make_pool
+from .factory import make_arena, make_placement, make_placements, make_pool
 from .layout import KV_STORAGE, SCALE_DTYPE, KVGeometry, KVStorage, LayerGeometry, ring_capacity
 from .placement import PoolPlacement, ResidencyStats, ResidentRingPlacement
-from .pool import KVCodec, KVParts, KVPool, LayerKV, PoolCapabilities
+from .pool import KVCodec, KVParts, KVPool, LayerKV, PoolArena, PoolCapabilities, PoolLayout
 
 __all__ = [
     "KV_STORAGE",
@@ -37,12 +37,16 @@ __all__ = [
     "KVStorage",
     "LayerGeometry",
     "LayerKV",
+    "PoolArena",
     "PoolCapabilities",
+    "PoolLayout",
     "PoolPlacement",
     "ResidencyStats",
     "ResidentRingPlacement",
     "RingCheckpoint",
+    "make_arena",
     "make_placement",
+    "make_placements",
     "make_pool",
     "restore_checkpoint",
     "ring_capacity",

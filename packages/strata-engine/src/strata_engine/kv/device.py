@@ -25,7 +25,7 @@ import numpy as np
 from ..ops import Ops
 from .layout import KVGeometry
 from .placement import PoolPlacement, ResidentRingPlacement
-from .pool import KVParts, KVPool, LayerKV, PoolCapabilities
+from .pool import KVParts, KVPool, LayerKV, PoolArena, PoolCapabilities
 
 CUDA_HOST_ALLOC_MAPPED = 2  # cudaHostAllocMapped
 
@@ -110,31 +110,24 @@ class MappedHostBuffer:
 
 
 class HostMappedPool(KVPool):
-    """`KVPool` whose buffer is device-mapped pinned host memory (see the module docstring)."""
+    """`KVPool` whose buffer is device-mapped pinned host memory (see the module docstring); the arena's
+    memory is one `MappedHostBuffer`, each slot's views carved from its device and its host side."""
 
-    def __init__(self, geometry: KVGeometry, ops: Ops):
-        super().__init__(geometry, ops)  # lays the views out over a transient device buffer
-        staging = self.buffer
-        base = staging.data.ptr
-        self.mapped = MappedHostBuffer(self.nbytes)
-        self.mapped.host[:] = 0
-        self.buffer = self.mapped.device
+    def __init__(self, geometry: KVGeometry, ops: Ops, arena: PoolArena | None = None, slot: int = 0):
+        super().__init__(geometry, ops, arena, slot)  # the device views (`_flat`: the mapping's device side)
+        self.mapped = self.arena.memory
         self.host_buffer = self.mapped.host
+        self._host_layers = self.arena.layout.carve(self.mapped.host, slot)
 
-        def carve(view: Any, flat: Any) -> Any:
-            if view is None:
-                return None
-            off = view.data.ptr - base
-            return flat[off : off + view.nbytes].view(view.dtype).reshape(view.shape)
+    @staticmethod
+    def allocate(ops: Ops, nbytes: int) -> MappedHostBuffer:
+        mapped = MappedHostBuffer(nbytes)
+        mapped.host[:] = 0
+        return mapped
 
-        device_layers, host_layers = [], []
-        for layer in self._layers:
-            views = (layer.k, layer.v, layer.k_scale, layer.v_scale)
-            device_layers.append(LayerKV(layer.geometry, *(carve(a, self.mapped.device) for a in views)))
-            host_layers.append(LayerKV(layer.geometry, *(carve(a, self.mapped.host) for a in views)))
-        self._layers = device_layers
-        self._host_layers = host_layers
-        del staging
+    @staticmethod
+    def _flat(memory: MappedHostBuffer) -> Any:
+        return memory.device
 
     def host_layer(self, i: int) -> LayerKV:
         """Layer i's slot-order numpy views of the host pool (synchronise before reading them)."""

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from .layout import KVGeometry
-from .pool import KVParts, KVPool
+from .pool import KVParts, KVPool, PoolArena
 
 
 class PoolPlacement:
@@ -102,27 +102,31 @@ class ResidencyStats:
 
 class ResidentRingPlacement(PoolPlacement):
     kind = "resident"
+    resident_pool_type: type[KVPool] = KVPool  # the rings' memory
 
-    def __init__(self, pool: KVPool, n_resident: int):
+    def __init__(self, pool: KVPool, n_resident: int, arena: PoolArena | None = None):
+        """`arena`: the resident rings of every slot (`resident_geometry`), this pool's slot's region used;
+        None: an arena of this pool's own."""
         super().__init__(pool)
         self.n_resident = n_resident
         geo = pool.geometry
+        if arena is None:
+            arena = PoolArena(self.resident_pool_type, self.resident_geometry(geo, n_resident), pool.ops, 1)
         # The resident ring is itself a pool whose every layer is a ring of min(N, capacity) slots.
-        self.resident = KVPool(
-            KVGeometry(
-                kv_type=geo.kv_type,
-                n_ctx=geo.n_ctx,
-                layers=tuple(
-                    attrs.evolve(g, window=n_resident, capacity=min(n_resident, g.capacity))
-                    for g in geo.layers
-                ),
-            ),
-            pool.ops,
-        )
+        self.resident = self.resident_pool_type(arena.layout.geometry, pool.ops, arena=arena,
+                                                slot=pool.slot if arena.n_slots > 1 else 0)  # fmt: skip
         # Per layer: the lowest position the resident ring holds validly (it holds [start, n_tokens)).
         self.resident_start = [0] * geo.n_layers
         self.host_tokens_read = 0
         self.resident_tokens_read = 0
+
+    @staticmethod
+    def resident_geometry(geo: KVGeometry, n_resident: int) -> KVGeometry:
+        return KVGeometry(
+            kv_type=geo.kv_type,
+            n_ctx=geo.n_ctx,
+            layers=tuple(attrs.evolve(g, window=n_resident, capacity=min(n_resident, g.capacity)) for g in geo.layers),
+        )
 
     def reads_pool_directly(self, layer: int) -> bool:
         return False  # reads must go through the resident ring

@@ -1,5 +1,8 @@
 """The K/V pool: one preallocated buffer carved into per-layer K, V (and int8 scale) views.
 
+The buffer (`PoolArena`) holds every slot's pool: each part of each layer is [n_slots, capacity, ...] and a
+slot's `KVPool` sees its own [capacity, ...] row of each (`PoolLayout`); everything below is per slot.
+
 Storage is token-major: layer i's K is ``[capacity, Hkv, D]`` of the K/V type, so a token range is a
 contiguous slice (or two, for a ring that wraps). Full layers map position p to slot p; sliding-window
 layers to slot p % capacity.
@@ -124,41 +127,101 @@ class KVCodec:
             v_out[...] = parts.v
 
 
+@attrs.frozen(eq=False)
+class PoolLayout:
+    """Where every slot's parts lie in one buffer holding the pools of `n_slots` slots of one geometry.
+
+    Layer-major: each part of each layer is one array [n_slots, capacity, ...] (64-byte aligned), so a
+    slot's region of a layer is a contiguous [capacity, ...] view and the slots of a layer sit at one
+    stride (what a kernel batched over slots reads)."""
+
+    geometry: KVGeometry
+    n_slots: int
+    parts: tuple[tuple[tuple[int, tuple[int, ...], np.dtype], ...], ...]  # per layer: (offset, shape, dtype)
+    nbytes: int
+
+    @classmethod
+    def of(cls, geometry: KVGeometry, n_slots: int) -> PoolLayout:
+        layers, total = [], 0
+        sdt = geometry.storage_dtype
+        for g in geometry.layers:
+            shapes = [((n_slots, g.capacity, *g.row_shape), sdt)] * 2
+            if geometry.has_scales:
+                shapes += [((n_slots, g.capacity, *g.scale_shape), SCALE_DTYPE)] * 2
+            parts = []
+            for shape, dt in shapes:
+                parts.append((total, shape, dt))
+                total += -(-int(np.prod(shape)) * dt.itemsize // _ALIGN) * _ALIGN
+            layers.append(tuple(parts))
+        return cls(geometry, n_slots, tuple(layers), total)
+
+    def carve(self, flat: Any, slot: int) -> list[LayerKV]:
+        """Slot `slot`'s per-layer views into `flat` (a uint8 array of `nbytes`: host or device)."""
+        assert 0 <= slot < self.n_slots
+        out = []
+        for g, parts in zip(self.geometry.layers, self.parts, strict=True):
+            arrays = [
+                flat[o : o + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)[slot] for o, shape, dt in parts
+            ]
+            out.append(LayerKV(g, *arrays, *([None, None] if len(arrays) == 2 else [])))
+        return out
+
+    def slot_bytes(self) -> int:
+        """Bytes one slot's region takes (its share of every layer's parts)."""
+        return sum(int(np.prod(shape[1:])) * dt.itemsize for parts in self.parts for _, shape, dt in parts)
+
+
+class PoolArena:
+    """The one preallocated buffer of every slot's pool (`layout`); made by the pool type that carves it
+    (`KVPool.allocate`: device memory, host memory, or device-mapped host memory)."""
+
+    def __init__(self, pool_type: type[KVPool], geometry: KVGeometry, ops: Ops, n_slots: int):
+        self.pool_type = pool_type
+        self.layout = PoolLayout.of(geometry, n_slots)
+        self.memory = pool_type.allocate(ops, self.layout.nbytes)
+
+    @property
+    def n_slots(self) -> int:
+        return self.layout.n_slots
+
+    def pools(self, ops: Ops) -> list[KVPool]:
+        """One pool per slot, each over its own region of the buffer."""
+        return [self.pool_type(self.layout.geometry, ops, arena=self, slot=s) for s in range(self.n_slots)]
+
+
 class KVPool:
-    """One preallocated buffer with per-layer views; the authoritative K/V of the conversation."""
+    """A slot's K/V: per-layer views into its region of one preallocated buffer (`PoolArena`, shared by
+    every slot; a pool made alone gets an arena of one slot); the authoritative K/V of its conversation."""
 
     capabilities = PoolCapabilities()
 
-    def __init__(self, geometry: KVGeometry, ops: Ops):
+    def __init__(self, geometry: KVGeometry, ops: Ops, arena: PoolArena | None = None, slot: int = 0):
+        if arena is None:
+            arena = PoolArena(type(self), geometry, ops, 1)
+        if arena.layout.geometry != geometry:
+            raise KVStateError("the arena was laid out for another K/V geometry")
         self.geometry = geometry
         self.ops = ops
         self.codec = KVCodec(geometry, ops)
-        xp = ops.xp
-        offsets: list[list[tuple[int, int, tuple[int, ...], np.dtype]]] = []
-        total = 0
-        sdt = geometry.storage_dtype
-        for g in geometry.layers:
-            parts = []
-            shapes = [((g.capacity, *g.row_shape), sdt)] * 2
-            if geometry.has_scales:
-                shapes += [((g.capacity, *g.scale_shape), SCALE_DTYPE)] * 2
-            for shape, dt in shapes:
-                n = int(np.prod(shape)) * dt.itemsize
-                parts.append((total, n, shape, dt))
-                total += -(-n // _ALIGN) * _ALIGN
-            offsets.append(parts)
-        self.nbytes = total
-        self.buffer = xp.zeros(total, dtype=xp.uint8)
-        self._layers: list[LayerKV] = []
-        for g, parts in zip(geometry.layers, offsets, strict=True):
-            arrays = [self.buffer[o : o + n].view(dt).reshape(shape) for o, n, shape, dt in parts]
-            if len(arrays) == 2:
-                arrays += [None, None]
-            self._layers.append(LayerKV(g, *arrays))
+        self.arena = arena
+        self.slot = slot
+        self.nbytes = arena.layout.slot_bytes()
+        self.buffer = self._flat(arena.memory)  # every slot's bytes: write only through this slot's views
+        self._layers: list[LayerKV] = arena.layout.carve(self.buffer, slot)
         self._n_tokens = 0
         self._ring_start = 0
         self._pending_ring_start: int | None = None
         self._part_bytes: dict[tuple[int, str], Any] = {}
+
+    @staticmethod
+    def allocate(ops: Ops, nbytes: int) -> Any:
+        """The arena's memory: zeroed backend memory."""
+        return ops.xp.zeros(nbytes, dtype=ops.xp.uint8)
+
+    @staticmethod
+    def _flat(memory: Any) -> Any:
+        """The arena's memory as the flat uint8 array the forward pass reads."""
+        return memory
 
     # ---- extent --------------------------------------------------------------------------------
     @property
@@ -194,7 +257,9 @@ class KVPool:
             for attr in ("k", "v", "k_scale", "v_scale"):
                 self.part_bytes(i, attr)
         if isinstance(self.buffer, np.ndarray) and self._n_tokens == 0:
-            self.buffer.fill(0)
+            for i in range(self.geometry.n_layers):
+                for arr in self._layers[i].slot_arrays():
+                    arr.fill(0)  # this slot's region only: the others may hold conversations
 
     def held_range(self, i: int) -> tuple[int, int]:
         """Positions [start, end) layer i holds, in logical order."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import attrs
 import numpy as np
 
 from ..config import ModelConfig
@@ -34,18 +35,68 @@ class KVAccess(Protocol):
 RopeTables = dict[float, tuple[Any, Any]]  # RoPE base -> (cos, sin) [T, rope_dim / 2]
 
 
-def logits_row(ops: Ops, a: Any, row: Any | None) -> Any:
-    """The row of a [T, ...] whose logits are wanted, as [1, ...]: the last one (row None), or the one
-    a device int32 [1] names (a captured step padded past its last token: graph.py)."""
-    return a[-1:] if row is None else ops.take_row(a, row)
+@attrs.frozen
+class Span:
+    """One conversation's consecutive rows of a forward pass: n tokens at positions pos0 .. pos0 + n - 1,
+    whose K/V go to (and whose queries attend over) `kv`: that conversation's slot."""
+
+    kv: KVAccess
+    pos0: int
+    n: int
 
 
-def rope_tables(ops: Ops, config: ModelConfig, pos0: int, n: int) -> RopeTables:
-    """The cos / sin tables of positions pos0 .. pos0 + n - 1 for every RoPE base the layers use."""
-    return {
-        base: ops.rope_tables(pos0, n, base, config.rope_dim)
-        for base in {lc.rope_base for lc in config.layers}
-    }
+@attrs.frozen
+class Rows:
+    """The rows of a forward pass, conversation by conversation, in row order: a prefill chunk is one span
+    of T rows; a batched decode step is B spans of one row each (one per slot). Everything but attention
+    is row-wise, so the model computes it over all rows at once; attention runs span by span."""
+
+    spans: tuple[Span, ...]
+
+    @classmethod
+    def chunk(cls, kv: KVAccess, pos0: int, n: int) -> Rows:
+        return cls((Span(kv, pos0, n),))
+
+    @property
+    def n_rows(self) -> int:
+        return sum(s.n for s in self.spans)
+
+    def attend(
+        self, ops: Ops, layer: int, q: Any | None, k: Any, v: Any, *, window: int | None, scale: float,
+        last_only: bool = False,
+    ) -> Any | None:  # fmt: skip
+        """Store each span's K/V rows k, v [T, Hkv, D] in its slot and (q given) attend its queries over that
+        slot's keys: q [T, H, D] (every row), or [B, H, D] (each span's last row: `last_only`) -> [T or B, H*D]."""
+        if len(self.spans) == 1:  # one chunk: its rows as they are
+            s = self.spans[0]
+            q_pos0 = s.pos0 + s.n - 1 if last_only else s.pos0
+            return s.kv.attend(layer, s.pos0, q, k, v, q_pos0=q_pos0, window=window, scale=scale)
+        out, r = [], 0
+        for b, s in enumerate(self.spans):
+            q_s = None if q is None else q[b : b + 1] if last_only else q[r : r + s.n]
+            q_pos0 = s.pos0 + s.n - 1 if last_only else s.pos0
+            out.append(s.kv.attend(layer, s.pos0, q_s, k[r : r + s.n], v[r : r + s.n], q_pos0=q_pos0,
+                                   window=window, scale=scale))  # fmt: skip
+            r += s.n
+        return None if q is None else ops.xp.concatenate(out)
+
+    def last_of_each(self, ops: Ops, a: Any, row: Any | None = None) -> Any:
+        """The rows of a [T, ...] whose logits are wanted, each span's last, as [B, ...]. A single span's may
+        be named by `row`, a device int32 [1] (a captured step padded past its last token: graph.py)."""
+        if len(self.spans) == 1:
+            return a[-1:] if row is None else ops.take_row(a, row)
+        if all(s.n == 1 for s in self.spans):
+            return a
+        return a[ops.xp.asarray(np.cumsum([s.n for s in self.spans]) - 1)]
+
+
+def rope_tables(ops: Ops, config: ModelConfig, rows: Rows) -> RopeTables:
+    """The cos / sin tables of every row's position [T, rope_dim / 2], for every RoPE base the layers use."""
+    tables = {}
+    for base in {lc.rope_base for lc in config.layers}:
+        per_span = [ops.rope_tables(s.pos0, s.n, base, config.rope_dim) for s in rows.spans]
+        tables[base] = per_span[0] if len(per_span) == 1 else tuple(ops.xp.concatenate([t[i] for t in per_span]) for i in (0, 1))
+    return tables
 
 
 class WeightLoader:

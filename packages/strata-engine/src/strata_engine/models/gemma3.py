@@ -16,6 +16,10 @@ logits = (rms_norm(x_last) * output_norm) token_embd^T            (tied output)
 
 Wq, Wk, Wv are stored stacked as one [Wq; Wk; Wv] and Wg, Wu as [Wg; Wu] (one product each on the
 GPU); each residual add is fused with the norm that follows it (`add_rms_norm`).
+
+The rows may belong to several conversations (`Rows`: a batched decode step has one row per slot): every
+step is row-wise except the K/V store and attention, which each conversation's rows do in and over its own
+slot's K/V, with RoPE at each row's own position.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..gguf import GGUFFile
 from ..ops import Ops
-from .common import KVAccess, RopeTables, WeightLoader, logits_row, rope_tables
+from .common import RopeTables, Rows, WeightLoader, rope_tables
 
 
 @attrs.frozen(eq=False)
@@ -75,19 +79,19 @@ class Gemma3Model:
             for i in range(c.n_layer)
         ]
 
-    def forward(self, tokens: np.ndarray, pos0: int, kv: KVAccess, want_logits: bool) -> np.ndarray | None:
-        """Evaluate tokens at positions pos0..; store their K/V; logits [V] of the last one if asked."""
-        tables = rope_tables(self.ops, self.config, pos0, len(tokens))
-        h = self.hidden(tokens, pos0, tables, kv, want_logits)
-        return None if h is None else self.ops.logits(h, self.output)[0]
+    def forward(self, tokens: np.ndarray, rows: Rows, want_logits: bool) -> np.ndarray | None:
+        """Evaluate tokens [T] (rows: whose conversation and position each is); store their K/V; logits
+        [B, V] of each span's last token if asked (a chunk: B = 1; a batched decode step: B = T)."""
+        h = self.hidden(tokens, rows, rope_tables(self.ops, self.config, rows), want_logits)
+        return None if h is None else self.ops.logits(h, self.output)
 
     def hidden(
-        self, tokens: Any, pos0: int, tables: RopeTables, kv: KVAccess, want_logits: bool, last_row: Any = None,
+        self, tokens: Any, rows: Rows, tables: RopeTables, want_logits: bool, last_row: Any = None,
         all_rows: bool = False,
     ) -> Any | None:
-        """The forward pass up to the output norm: h [1, E] of the last token (None without logits).
+        """The forward pass up to the output norm: h [B, E] of each span's last token (None without logits).
         tokens: ids [T] on the host or the device; tables: cos, sin [T, rope_dim/2] per RoPE base;
-        last_row: the row of the last real token when it is not T - 1 (`logits_row`);
+        last_row: the row of a single span's last real token when it is not T - 1 (`Rows.last_of_each`);
         all_rows: h [T, E] of every token instead (embeddings)."""
         c, ops = self.config, self.ops
         T = len(tokens)
@@ -101,17 +105,17 @@ class Gemma3Model:
                 q, k, c.head_dim, layer.q_norm, layer.k_norm, cos, sin, c.rope_style, c.rms_eps
             )
             v = v.reshape(T, c.n_head_kv, c.head_dim)
-            q_pos0 = pos0
-            if il == c.n_layer - 1 and not all_rows:  # past the last K/V write only the logits' row matters
+            last_only = il == c.n_layer - 1 and not all_rows  # past the last K/V write only the logits' rows matter
+            if last_only:
                 if not want_logits:
-                    kv.attend(il, pos0, None, k, v, q_pos0=q_pos0, window=lc.window, scale=c.attn_scale)
+                    rows.attend(ops, il, None, k, v, window=lc.window, scale=c.attn_scale)
                     return None
-                q, x, q_pos0 = logits_row(ops, q, last_row), logits_row(ops, x, last_row), pos0 + T - 1
-            attn = kv.attend(il, pos0, q, k, v, q_pos0=q_pos0, window=lc.window, scale=c.attn_scale)
+                q, x = rows.last_of_each(ops, q, last_row), rows.last_of_each(ops, x, last_row)  # [B, H, D], [B, E]
+            attn = rows.attend(ops, il, q, k, v, window=lc.window, scale=c.attn_scale, last_only=last_only)  # [T|B, H*D]
             x, h = ops.add_rms_norm(
                 x, ops.matmul(attn, layer.wo), layer.post_attn_norm, layer.ffn_norm, c.rms_eps
             )
             m = ops.gated_mlp(h, layer.w_gate_up, layer.w_down, c.activation)
             next_norm = self.layers[il + 1].attn_norm if il + 1 < c.n_layer else self.output_norm
             x, h = ops.add_rms_norm(x, m, layer.post_ffn_norm, next_norm, c.rms_eps)
-        return h  # the last row (or every row), output-normed
+        return h  # each span's last row (or every row), output-normed

@@ -68,7 +68,7 @@ class FaultPoint(enum.Enum):
 
 @attrs.define
 class SamplerAccess:
-    """How the adapter reads and replaces the sampler state (the serve loop's completer holds it)."""
+    """How the adapter reads and replaces the sampler state (the slot's completer holds it)."""
 
     get: Callable[[], SamplerState]
     set: Callable[[SamplerState], None]
@@ -115,8 +115,8 @@ def _to_host(src: Any, dest: np.ndarray) -> None:
 
 
 class EngineSession:
-    """The adapter (see the module docstring). One per runner; not thread-safe (the serve loop is one
-    thread). `identity` may be given (tests write files under another engine version that way)."""
+    """The adapter (see the module docstring). One per runner; not thread-safe (one verb at a time
+    uses it, on the scheduler's session thread, its slot busy meanwhile). `identity` may be given (tests write files under another engine version that way)."""
 
     def __init__(
         self,

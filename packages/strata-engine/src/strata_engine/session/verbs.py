@@ -1,16 +1,18 @@
-"""The serve protocol's `SAVE <path>`, `RESTORE <path>` and `RESTORE_PREFIX {...}` verbs (spec/engine-protocol.md).
+"""The serve protocol's `SAVE`, `RESTORE` and `RESTORE_PREFIX` verbs (spec/engine-protocol.md), each on one
+slot (`{"slot": i, "path": ...}`), run by the scheduler between two steps.
 
 `register_session_verbs(registry, options)` installs the handlers. Each call builds an `EngineSession`
-over the serve context's runner and completer (the identity is computed once per runner and cached).
+over the slot's runner and completer (the identity, the same for every slot, is computed once).
 
 Answers: SAVE -> `{"n_saved", "n_written", "save_ms"}` after `progress` lines (copy / flush / rename);
 RESTORE -> `{"n_restored", "n_read", "restore_ms", "mode", "read_pass_ms", "apply_ms"}` after `progress` lines (read / apply);
 RESTORE_PREFIX (a session store's restore: keep a prefix, may drop the held conversation) -> the same plus
 `n_kept`, or `session_refused` with reason `prefix_unreachable` when the prefix cannot be kept.
 Failures: a save error -> `session_write_failed` (the old file is untouched); a refused restore ->
-`session_refused` with the format package's `reason` (the held conversation is exactly as it was); a
-failure once the live pool was written -> `FailStop` (the loop writes the `fail_stop` error line and
-exits with status 4).
+`session_refused` with the format package's `reason` (the slot's conversation is exactly as it was); a
+failure once the slot's region was written -> the slot is erased and the error is `slot_failed` (the
+other slots were never touched); only when that erase fails too -> `FailStop` (the loop writes the
+`fail_stop` error line and exits with status 4).
 
 Settings: the restore mode (`--restore-mode auto|staged|streaming`; auto stages when RAM allows), the
 session key (`--session-key-file`: SAVE authenticates, a restore checks the MAC before the gate and refuses a
@@ -25,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import attrs
@@ -35,12 +38,13 @@ from ..errors import InvalidRequest, PrefixUnreachable
 from ..protocol import (
     ArgumentKind,
     CommandRegistry,
+    Dispatch,
     ErrorKind,
     FailStop,
     ProtocolError,
     Reason,
+    Request,
     ServeContext,
-    json_object,
 )
 from .adapter import EngineSession, FaultPoint, PrefixCut, SamplerAccess
 from .buffers import BlockBufferCache, block_buffers
@@ -86,6 +90,29 @@ class SessionOptions:
         return cls(restore_mode=restore_mode, fault=fault, key=key, require_mac=require_mac)
 
 
+class GatedSession(EngineSession):
+    """The adapter of a verb on the scheduler's session thread: the checks and the read pass (into a staging
+    area) run beside the steps; the first write to the live pool waits for the gate (a step boundary), and
+    the steps wait for the verb's end. A restore into the slot's own region in place (an empty slot, or
+    `discard_held`) writes only that slot's region of a host pool, which no step reads."""
+
+    def __init__(self, *args: Any, gate: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.gate = gate
+
+    def begin_apply(self, plan: Any) -> None:
+        self.gate.enter()
+        super().begin_apply(plan)
+
+    def commit_staged(self, state: Any) -> None:
+        self.gate.enter()
+        super().commit_staged(state)
+
+    def commit(self, state: Any) -> None:
+        self.gate.enter()
+        super().commit(state)
+
+
 class SessionVerbs:
     """The SAVE / RESTORE handlers and what they keep between calls (the runner's identity)."""
 
@@ -99,11 +126,13 @@ class SessionVerbs:
         """Start-up work that would otherwise land in the first SAVE/RESTORE: the identity (fingerprinting
         the model files), the reader threads, the pool's own (`KVPool.warm`), and the block buffers with
         their pages faulted in."""
-        self.identity(ctx.runner)
+        runner = ctx.runner_of(0)
+        self.identity(runner)
         self.readers().start()
-        ctx.runner.pool.warm()
+        for slot in range(ctx.n_slots):
+            ctx.runner_of(slot).pool.warm()
         count = self.read_threads() + 1  # a restore's buffers (a save uses the first two)
-        for b in block_buffers(ctx.runner.pool, self.buffers, count, self.block_size(ctx.runner)):
+        for b in block_buffers(runner.pool, self.buffers, count, self.block_size(runner)):
             b[:] = bytes(len(b))
 
     def read_threads(self) -> int:
@@ -120,15 +149,19 @@ class SessionVerbs:
         return self.options.block_size if self.options.block_size is not None else SESSION_BLOCK_SIZE
 
     def identity(self, runner: Any) -> sf.EngineIdentity:
-        if self._identity_of is None or self._identity_of[0] is not runner:
-            self._identity_of = (runner, runner_identity(runner))
+        """The runner's identity; every slot of one engine has the same (one model, one per-slot context)."""
+        key = (runner.model, runner.n_ctx)
+        if self._identity_of is None or self._identity_of[0] != key:
+            self._identity_of = (key, runner_identity(runner))
         return self._identity_of[1]
 
-    def adapter(self, ctx: ServeContext, cut: PrefixCut | None = None, discard_held: bool = False) -> EngineSession:
-        return EngineSession(
-            ctx.runner,
-            SamplerAccess.of_completer(ctx.completer),
-            identity=self.identity(ctx.runner),
+    def adapter(self, ctx: ServeContext, slot: int, cut: PrefixCut | None = None,
+                discard_held: bool = False, gate: Any = None) -> EngineSession:
+        runner = ctx.runner_of(slot)
+        return (EngineSession if gate is None else partial(GatedSession, gate=gate))(
+            runner,
+            SamplerAccess.of_completer(ctx.completer_of(slot)),
+            identity=self.identity(runner),
             staging=self.options.restore_mode is not sf.RestoreMode.STREAMING,
             fault=self.options.fault,
             buffers=self.buffers,
@@ -137,7 +170,7 @@ class SessionVerbs:
         )
 
     @staticmethod
-    def _progress(ctx: ServeContext):
+    def _progress(request: Request):
         """Progress lines: a phase's first and last, and between them at most one per PROGRESS_INTERVAL_S (a
         line per 4 MiB block would be ~30 lines for a 116 MB restore that takes tens of milliseconds)."""
         last: list = [None, None, 0.0]  # phase, bytes_done, time of the last line
@@ -149,15 +182,16 @@ class SessionVerbs:
             if p.phase == last[0] and p.bytes_done < p.bytes_total and now - last[2] < PROGRESS_INTERVAL_S:
                 return
             last[:] = [p.phase, p.bytes_done, now]
-            ctx.emit({"event": "progress", "phase": p.phase.value, "bytes_done": p.bytes_done,
-                      "bytes_total": p.bytes_total})
+            request.emit({"event": "progress", "phase": p.phase.value, "bytes_done": p.bytes_done,
+                          "bytes_total": p.bytes_total})
 
         return report
 
-    def save(self, ctx: ServeContext, path: str) -> Mapping[str, Any]:
-        adapter = self.adapter(ctx)
+    def save(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
+        path = parse_path(request.args)
+        adapter = self.adapter(ctx, request.slot, gate=request.gate)
         try:
-            report = sf.save(path, adapter, block_size=self.block_size(ctx.runner), progress=self._progress(ctx),
+            report = sf.save(path, adapter, block_size=self.block_size(adapter.runner), progress=self._progress(request),
                              key=self.options.key)
         except E.DirSyncFailed as exc:
             raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason,
@@ -167,29 +201,32 @@ class SessionVerbs:
         return {"n_saved": report.n_tokens, "n_written": report.bytes_written,
                 "save_ms": round(report.elapsed_s * 1000.0, 3)}
 
-    def restore(self, ctx: ServeContext, path: str) -> Mapping[str, Any]:
-        return self._restore(ctx, path, self.adapter(ctx))
+    def restore(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
+        return self._restore(request, parse_path(request.args), self.adapter(ctx, request.slot, gate=request.gate))
 
-    def restore_prefix(self, ctx: ServeContext, argument: Any) -> Mapping[str, Any]:
-        request = parse_restore_prefix(json_object(argument, "RESTORE_PREFIX"))
+    def restore_prefix(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
+        parsed = parse_restore_prefix(request.args)
+        runner = ctx.runner_of(request.slot)
         cut = None
-        if request.cut_to is not None or request.min_keep:
-            cut = PrefixCut(ctx.runner.n_ctx if request.cut_to is None else request.cut_to, request.min_keep)
-        answer = self._restore(ctx, request.path, self.adapter(ctx, cut, request.discard_held))
-        return {**answer, "n_kept": ctx.runner.n_held}
+        if parsed.cut_to is not None or parsed.min_keep:
+            cut = PrefixCut(runner.n_ctx if parsed.cut_to is None else parsed.cut_to, parsed.min_keep)
+        answer = self._restore(request, parsed.path,
+                               self.adapter(ctx, request.slot, cut, parsed.discard_held, request.gate))
+        return {**answer, "n_kept": runner.n_held}
 
-    def _restore(self, ctx: ServeContext, path: str, adapter: EngineSession) -> Mapping[str, Any]:
+    def _restore(self, request: Request, path: str, adapter: EngineSession) -> Mapping[str, Any]:
         try:
-            report = sf.restore(path, adapter, mode=self.options.restore_mode, block_size=self.block_size(ctx.runner),
-                                progress=self._progress(ctx), read_threads=self.readers(), key=self.options.key,
+            report = sf.restore(path, adapter, mode=self.options.restore_mode, block_size=self.block_size(adapter.runner),
+                                progress=self._progress(request), read_threads=self.readers(), key=self.options.key,
                                 require_mac=self.options.require_mac and self.options.key is not None)
         except E.FailStop as exc:
-            raise FailStop(str(exc), reason=exc.cause_reason) from exc
+            self._slot_failed(adapter, request.slot, str(exc), exc.cause_reason, exc)
         except BaseException as exc:
             if adapter.live_touched:  # e.g. a staged switch that failed half-way: nothing vouches for the K/V
                 adapter.fail_stop(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
                 reason = exc.reason if isinstance(exc, E.SessionFileError) else "adapter_failed"
-                raise FailStop(f"restore failed after the live K/V was written: {exc}", reason=reason) from exc
+                self._slot_failed(adapter, request.slot, f"restore failed after the slot's K/V was written: {exc}",
+                                  reason, exc)
             if isinstance(exc.__cause__, PrefixUnreachable):  # raised in check_plan, wrapped by the library
                 raise ProtocolError(ErrorKind.SESSION_REFUSED, str(exc.__cause__),
                                     reason=Reason.PREFIX_UNREACHABLE.value,
@@ -200,6 +237,21 @@ class SessionVerbs:
         return {"n_restored": report.n_tokens, "n_read": report.bytes_read,
                 "restore_ms": round(report.elapsed_s * 1000.0, 3), "mode": report.mode.value,
                 "read_pass_ms": round(report.read_pass_s * 1000.0, 3), "apply_ms": round(report.apply_s * 1000.0, 3)}
+
+
+    @staticmethod
+    def _slot_failed(adapter: EngineSession, slot: int | None, message: str, reason: str, cause: BaseException):
+        """A restore failed after the gate: only this slot's region was written, so erasing the slot confines
+        the failure to it (`slot_failed`); if even the erase fails, nothing vouches for the pool (`FailStop`)."""
+        try:
+            adapter.runner.pool.ops.synchronize()  # no queued copy may land in the region after the erase
+            adapter.runner.erase()
+        except Exception as exc:
+            log.exception("erasing slot %s after a failed restore failed", slot)
+            raise FailStop(f"{message}; erasing slot {slot} failed too: {exc}", reason=reason) from cause
+        log.error("slot %s erased after a restore failed past its gate: %s", slot, message)
+        raise ProtocolError(ErrorKind.SLOT_FAILED, f"{message} (slot {slot} was erased; the other slots are intact)",
+                            reason=reason) from cause
 
 
 @attrs.frozen
@@ -234,6 +286,14 @@ def parse_restore_prefix(obj: Mapping[str, Any]) -> RestorePrefixRequest:
     return RestorePrefixRequest(path, cut_to, min_keep, discard_held)
 
 
+def parse_path(obj: Mapping[str, Any]) -> str:
+    """SAVE's and RESTORE's `path`."""
+    path = obj.get("path")
+    if not isinstance(path, str) or not path or any(c in path for c in "\r\n\0"):
+        raise InvalidRequest(["path must be a non-empty string without line breaks or NUL"])
+    return path
+
+
 def register_session_verbs(registry: CommandRegistry, options: SessionOptions | None = None,
                            ctx: ServeContext | None = None) -> SessionVerbs:
     """Install SAVE and RESTORE. With `ctx`, `SessionVerbs.warm` runs now (fingerprinting the model files
@@ -241,7 +301,6 @@ def register_session_verbs(registry: CommandRegistry, options: SessionOptions | 
     verbs = SessionVerbs(options or SessionOptions())
     if ctx is not None:
         verbs.warm(ctx)
-    registry.register("SAVE", ArgumentKind.PATH, verbs.save)
-    registry.register("RESTORE", ArgumentKind.PATH, verbs.restore)
-    registry.register("RESTORE_PREFIX", ArgumentKind.JSON, verbs.restore_prefix)
+    for verb, handler in (("SAVE", verbs.save), ("RESTORE", verbs.restore), ("RESTORE_PREFIX", verbs.restore_prefix)):
+        registry.register(verb, ArgumentKind.JSON, handler, Dispatch.SESSION, slotted=True)
     return verbs

@@ -1,24 +1,23 @@
-"""What the HTTP layer needs from an engine: its state, and exclusive leases on slot 0.
+"""What the HTTP layer needs from an engine: its state, leases on its slots, and slot-less commands.
 
 ``EngineClient`` is implemented by ``EngineSupervisor`` (a child process speaking
-spec/engine-protocol.md) and, in tests, by an in-process fake. A lease gives one request the
-engine's command channel until it is released: the protocol is strictly sequential, so every
-command — a generation, a tokenize, a save — runs under a lease, one at a time, and others wait
-(bounded) as llama-server defers requests for a busy slot.
+spec/engine-protocol.md, version 2) and, in tests, by an in-process fake. A lease gives one request one
+slot until it is released (``SlotManager`` chooses it; requests finding every slot busy wait their turn,
+bounded, as llama-server defers them); commands that need no slot run on a slot-less lease at once.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
-import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
 
 from ..errors import EngineReplyError
+from ..slot_manager import SlotManager
 
 TERMINAL_EVENTS = frozenset({"result", "error"})
 IDLE_EVENT = {"event": "idle"}  # yielded by ``request`` while the engine has been silent for ``idle_s``
@@ -41,38 +40,16 @@ class EngineStatus:
     message: str = ""  # why it is not ready (for FAILED: the engine's own words)
 
 
-class SlotGate:
-    """Exclusive use of slot 0 with a bounded wait; counts what is processing and what waits."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts = threading.Lock()
-        self.waiting = 0
-
-    @property
-    def busy(self) -> bool:
-        return self._lock.locked()
-
-    def acquire(self, wait_s: float) -> bool:
-        if self._lock.acquire(blocking=False):
-            return True
-        with self._counts:
-            self.waiting += 1
-        try:
-            return self._lock.acquire(timeout=max(wait_s, 0.0))
-        finally:
-            with self._counts:
-                self.waiting -= 1
-
-    def release(self) -> None:
-        self._lock.release()
-
-
 class EngineLease(abc.ABC):
-    """One request's exclusive use of the engine. Release it exactly once (``with`` does)."""
+    """One request's use of the engine: of slot ``slot`` (exclusive, from ``EngineClient.acquire``), or of
+    no slot (``slot`` None, from ``EngineClient.command``: TOKENIZE and the like, which never wait behind
+    generation). Commands on one lease run one after another; leases run at once (protocol v2: every
+    command carries an id, and the engine answers each by it). Release it exactly once (``with`` does)."""
 
-    def __init__(self, gate: SlotGate) -> None:
-        self._gate = gate
+    def __init__(self, slots: SlotManager | None, slot: int | None) -> None:
+        self._slots = slots
+        self.slot = slot
+        self.used = True  # False: releasing it leaves the slot's last use (LRU order) as it was
         self._released = False
         self.acquired_at = time.monotonic()
 
@@ -89,7 +66,7 @@ class EngineLease(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self) -> None:
-        """Ask the engine to end the COMPLETE in flight (``CANCEL``); keep iterating to its result."""
+        """Ask the engine to end the COMPLETE in flight (``CANCEL`` by its id); keep iterating to its result."""
 
     def call(self, verb: str, argument: Mapping[str, Any] | str | None = None) -> dict:
         """Run one command to its ``result`` line and return it."""
@@ -102,7 +79,7 @@ class EngineLease(abc.ABC):
 
     @abc.abstractmethod
     def _finish(self) -> None:
-        """Bring the command channel back to idle: finish (cancel) a command left unread."""
+        """Bring the lease back to idle: finish (cancel) a command left unread."""
 
     def release(self) -> None:
         if self._released:
@@ -111,7 +88,8 @@ class EngineLease(abc.ABC):
         try:
             self._finish()
         finally:
-            self._gate.release()
+            if self._slots is not None and self.slot is not None:
+                self._slots.release(self.slot, used=self.used)
 
     def __enter__(self) -> EngineLease:
         return self
@@ -121,15 +99,25 @@ class EngineLease(abc.ABC):
 
 
 class EngineClient(Protocol):
+    slots: SlotManager
+
     def status(self) -> EngineStatus: ...
 
-    def acquire(self, wait_s: float | None = None) -> EngineLease:
-        """A lease on slot 0; raises ``EngineUnavailable`` (not ready) or ``SlotBusy`` (waited too long)."""
+    def acquire(self, wait_s: float | None = None, *, id_slot: int | None = None,
+                prompt: Sequence[int] | None = None) -> EngineLease:
+        """A lease on a slot (``id_slot``, else the one ``SlotManager`` chooses for ``prompt``); raises
+        ``EngineUnavailable`` (not ready) or ``SlotBusy`` (waited its turn too long)."""
 
-    @property
-    def gate(self) -> SlotGate: ...
+    def command(self) -> EngineLease:
+        """A lease on no slot, for commands that need none; raises ``EngineUnavailable``."""
 
     def stop(self) -> None: ...
+
+
+def engine_call(engine: EngineClient, verb: str, argument: Mapping[str, Any] | str | None = None) -> dict:
+    """One slot-less command (TOKENIZE, DETOKENIZE, APPLY_TEMPLATE, PROMPT_TOKENS, ...) to its result."""
+    with engine.command() as lease:
+        return lease.call(verb, argument)
 
 
 def raise_for_error(event: dict) -> None:

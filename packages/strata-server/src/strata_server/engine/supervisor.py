@@ -18,8 +18,9 @@ from typing import Any
 import attrs
 from strata_engine.protocol import PROTOCOL_VERSION, ExitStatus
 
-from ..errors import EngineDied, EngineProtocolViolation, EngineUnavailable, SlotBusy
-from .client import EngineState, EngineStatus, SlotGate
+from ..errors import EngineDied, EngineProtocolViolation, EngineUnavailable
+from ..slot_manager import DEFAULT_SIMILARITY, SlotManager
+from .client import EngineState, EngineStatus
 from .process import EngineProcess, ProcessLease, describe_exit_status
 
 log = logging.getLogger("strata_server.engine")
@@ -54,7 +55,9 @@ class RestartPolicy:
 
 @attrs.frozen
 class SupervisorSettings:
-    slot_wait_s: float = 600.0  # how long a request waits for the busy slot before a 503
+    slot_wait_s: float = 600.0  # how long a request waits its turn for a slot before a 503
+    n_slots: int = 1  # the engine's --parallel; its ready line must report as many
+    slot_prompt_similarity: float = DEFAULT_SIMILARITY
     command_timeout_s: float | None = None  # silence during one command that means "hung" (None: never)
     stop_timeout_s: float = 10.0  # after QUIT, how long before the engine is terminated
 
@@ -70,7 +73,7 @@ class EngineSupervisor:
         self.policy = policy
         self.settings = settings
         self.on_give_up = on_give_up
-        self.gate = SlotGate()
+        self.slots = SlotManager(settings.n_slots, settings.slot_prompt_similarity)
         self._mutex = threading.Lock()
         self._wake = threading.Event()
         self._status = EngineStatus(EngineState.STARTING, message="Loading model")
@@ -90,17 +93,20 @@ class EngineSupervisor:
             return attrs.evolve(status, state=EngineState.RESTARTING, message="Loading model")
         return status
 
-    def acquire(self, wait_s: float | None = None) -> ProcessLease:
+    def acquire(self, wait_s: float | None = None, *, id_slot: int | None = None,
+                prompt: Sequence[int] | None = None) -> ProcessLease:
         wait = self.settings.slot_wait_s if wait_s is None else wait_s
         self._ready_process()
-        if not self.gate.acquire(wait):
-            raise SlotBusy(wait)
+        slot = self.slots.acquire(wait, id_slot=id_slot, prompt=prompt)  # SlotBusy after the wait
         try:
             process = self._ready_process()  # it may have died while we waited
         except BaseException:
-            self.gate.release()
+            self.slots.release(slot)
             raise
-        return ProcessLease(self.gate, process, command_timeout_s=self.settings.command_timeout_s)
+        return ProcessLease(self.slots, slot, process, command_timeout_s=self.settings.command_timeout_s)
+
+    def command(self) -> ProcessLease:
+        return ProcessLease(None, None, self._ready_process(), command_timeout_s=self.settings.command_timeout_s)
 
     def _ready_process(self) -> EngineProcess:
         with self._mutex:
@@ -136,23 +142,19 @@ class EngineSupervisor:
             process = self._process
         self._wake.set()
         if process is not None and process.alive():
-            got_slot = self.gate.acquire(min(self.settings.stop_timeout_s, 5.0))
+            # QUIT lets the requests in flight end first; they get a few seconds to.
+            self.slots.wait_all_idle(min(self.settings.stop_timeout_s, 5.0))
             try:
-                if got_slot:
-                    try:
-                        process.send("QUIT")
-                    except EngineDied:
-                        pass
-                process.close_input()  # end of input is QUIT too, once a running command ends
-                if process.wait(self.settings.stop_timeout_s) is None:
-                    log.warning("engine did not exit after QUIT; terminating it")
-                    process.terminate()
-                    if process.wait(5.0) is None:
-                        process.kill()
-                        process.wait(5.0)
-            finally:
-                if got_slot:
-                    self.gate.release()
+                process.send("QUIT")
+            except EngineDied:
+                pass
+            process.close_input()
+            if process.wait(self.settings.stop_timeout_s) is None:
+                log.warning("engine did not exit after QUIT; terminating it")
+                process.terminate()
+                if process.wait(5.0) is None:
+                    process.kill()
+                    process.wait(5.0)
         if self._thread is not None:
             self._thread.join(timeout=10.0)
         self._set(EngineState.STOPPED, message="Loading model")
@@ -189,6 +191,7 @@ class EngineSupervisor:
             fatal_message = self._await_ready(process)
             code = process.wait()
             assert code is not None
+            self.slots.forget_all()  # every slot's conversation died with it
             for listener in self._exit_listeners:
                 listener(code)
             if self._stopping:
@@ -249,8 +252,14 @@ class EngineSupervisor:
                                       f"this server speaks {PROTOCOL_VERSION}")
                 process.kill()
                 return None
-            log.info("engine pid %d ready: %s (%s, n_ctx %s, kv %s)", process.pid, event.get("model_path"),
-                     event.get("backend"), event.get("n_ctx"), event.get("kv_type"))
+            if event.get("n_slots", 1) != self.slots.n_slots:
+                self._incompatible = (f"the engine holds {event.get('n_slots')!r} slots, the server was started "
+                                      f"with --parallel {self.slots.n_slots}")
+                process.kill()
+                return None
+            log.info("engine pid %d ready: %s (%s, %s slot(s) of n_ctx %s, kv %s)", process.pid,
+                     event.get("model_path"), event.get("backend"), event.get("n_slots", 1),
+                     event.get("n_ctx_slot", event.get("n_ctx")), event.get("kv_type"))
             self._set(EngineState.READY, info=event, message="")
             return None
 

@@ -66,7 +66,7 @@ def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Res
     prompts = parse_prompts(body, n_vocab=n_vocab)
     n_choices = choice_count(body)
     check_task_count(len(prompts), n_choices)
-    options = parse_options(body, n_vocab=n_vocab)
+    options = parse_options(body, n_vocab=n_vocab, n_slots=ctx.n_slots())
     options = attrs.evolve(options, sampling=with_defaults(options.sampling, ctx.config))
     info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
     verbose = wants_verbose(body) and verbose_allowed
@@ -114,7 +114,7 @@ class ChatCompletionResource:
         n_choices = choice_count(body)
         check_task_count(1, n_choices)
         options = parse_options(body, top_logprobs=top_logprobs, n_vocab=self.ctx.engine_info().get("n_vocab"),
-                                chat=True)
+                                chat=True, n_slots=self.ctx.n_slots())
         options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
 

@@ -58,7 +58,7 @@ class EmbeddingsResource:
         if isinstance(normalize, bool) or not isinstance(normalize, int):
             raise invalid_request("'embd_normalize' must be an integer")
         prompts = parse_prompts(body, n_vocab=self.ctx.engine_info().get("n_vocab"), key=key)
-        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+        with self.ctx.engine.command() as lease:
             inputs = [tokenize_mixed(lease, p, add_special=True, parse_special=True) for p in prompts]
             if any(not tokens for tokens in inputs):
                 raise invalid_request("Input content cannot be empty")

@@ -32,8 +32,8 @@ class PropsResource:
         config = self.ctx.config
         resp.media = {
             "default_generation_settings": {"params": {**ENGINE_DEFAULTS, **sampling_defaults(config)},
-                                            "n_ctx": info.get("n_ctx")},
-            "total_slots": 1,
+                                            "n_ctx": self.ctx.n_ctx_slot()},
+            "total_slots": self.ctx.n_slots(),
             "model_alias": self.ctx.model_id(),
             "model_path": info.get("model_path"),
             "model_ftype": info.get("model_ftype"),
@@ -94,6 +94,6 @@ class MetricsResource:
                            "This server does not support metrics endpoint. Start it with `--metrics`")
         resp.content_type = CONTENT_TYPE
         resp.set_header("Process-Start-Time-Unix", str(int(self.ctx.metrics.start_time)))
-        resp.text = self.ctx.metrics.render(self.ctx.engine.gate, self.ctx.engine.status().restarts)
+        resp.text = self.ctx.metrics.render(self.ctx.engine.slots, self.ctx.engine.status().restarts)
         if self.ctx.store is not None:
             resp.text += render_rows(self.ctx.store.metric_rows())

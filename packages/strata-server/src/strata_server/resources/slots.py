@@ -1,7 +1,7 @@
 """``GET /slots`` and ``POST /slots/{id}?action=save|restore|erase``.
 
 Order of checks as the peer's, with Strata's additions marked: 501 without --slot-save-path ->
-(Strata) Origin and JSON Content-Type -> slot id (Strata: only 0) -> action -> body -> filename
+(Strata) Origin and JSON Content-Type -> slot id (Strata: 0..N-1; the peer wraps it modulo N) -> action -> body -> filename
 (Strata: never a symlink) -> the engine. A refused restore keeps the live conversation (the engine
 validates before its gate); the peer wipes it.
 """
@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import falcon
+import numpy as np
+import strata_sessionfile as sf
 from strata_engine.protocol import ErrorKind
 
 from ..context import ServerContext
@@ -20,16 +22,25 @@ from ..errors import ApiError, EngineDied, EngineReplyError, ErrorType, invalid_
 from ..filenames import InvalidFilename, resolve_slot_file
 from ..params import read_json
 from ..security import check_slot_action
+from ..slot_manager import invalid_slot_message
 
 _SLOT_ID = re.compile(r"^[+-]?\d+$")
 SLOT_ACTIONS_DISABLED = "This server does not support slots action. Start it with `--slot-save-path`"
 SLOTS_ENDPOINT_DISABLED = "This server does not support slots endpoint. Start it with `--slots`"
 
 
+def file_tokens(path: Path) -> list[int] | None:
+    """The tokens a restored session file put in the slot (for the next request's slot choice); None: unknown."""
+    try:
+        return list(np.frombuffer(sf.inspect(path, verify=False, read_threads=1).metadata.state.tokens, dtype="<i4"))
+    except (sf.SessionFileError, OSError):
+        return None
+
+
 class SlotsResource:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
-        self.actions: dict[str, Callable[[falcon.Request], dict]] = {
+        self.actions: dict[str, Callable[[falcon.Request, int], dict]] = {
             "save": self._save, "restore": self._restore, "erase": self._erase,
         }
 
@@ -38,15 +49,18 @@ class SlotsResource:
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         if not self.ctx.config.slots:
             raise ApiError(ErrorType.NOT_SUPPORTED, SLOTS_ENDPOINT_DISABLED)
-        busy = self.ctx.engine.gate.busy
-        if busy and req.get_param_as_bool("fail_on_no_slot", default=False):
+        slots = self.ctx.engine.slots.snapshot()
+        if all(s.busy for s in slots) and req.get_param_as_bool("fail_on_no_slot", default=False):
             raise ApiError(ErrorType.UNAVAILABLE, "no slot available")
-        slot = {"id": 0, "n_ctx": self.ctx.engine_info().get("n_ctx"), "speculative": False,
-                "is_processing": busy}
-        slot.update(self.ctx.slot_view.snapshot() or {})
-        if self.ctx.store is not None:  # Strata's: where the slot's conversation came from
-            slot["conversation"] = self.ctx.store.slot_info(0)
-        resp.media = [slot]
+        n_ctx = self.ctx.n_ctx_slot()
+        answer = []
+        for s in slots:
+            slot = {"id": s.id, "n_ctx": n_ctx, "speculative": False, "is_processing": s.busy}
+            slot.update(self.ctx.slot_view.snapshot(s.id) or {})
+            if self.ctx.store is not None:  # Strata's: where the slot's conversation came from
+                slot["conversation"] = self.ctx.store.slot_info(s.id)
+            answer.append(slot)
+        resp.media = answer
 
     # --- POST /slots/{id_slot} -------------------------------------------------------------------
 
@@ -56,12 +70,13 @@ class SlotsResource:
         check_slot_action(req, self.ctx.policy)
         if not _SLOT_ID.match(id_slot):
             raise invalid_request("Invalid slot ID")
-        if int(id_slot) != 0:
-            raise invalid_request(f"Invalid slot ID: {id_slot}; this server has one slot, 0")
+        n_slots = self.ctx.n_slots()
+        if not 0 <= int(id_slot) < n_slots:
+            raise invalid_request(invalid_slot_message(id_slot, n_slots))
         action = self.actions.get(req.get_param("action") or "")
         if action is None:
             raise invalid_request("Invalid action")
-        resp.media = action(req)
+        resp.media = action(req, int(id_slot))
 
     def _filename(self, req: falcon.Request) -> str:
         body = read_json(req, self.ctx.config.max_body_bytes)
@@ -86,12 +101,13 @@ class SlotsResource:
             raise invalid_request(f"Unable to restore slot: no file named {filename!r} in the slot save folder; "
                                   "the conversation is kept", reason="not_found") from None
 
-    def _save(self, req: falcon.Request) -> dict:
+    def _save(self, req: falcon.Request, slot_id: int) -> dict:
         filename = self._filename(req)
         path = self._path(filename, must_exist=False)
-        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+        with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:
+            lease.used = False
             try:
-                result = lease.call("SAVE", str(path))
+                result = lease.call("SAVE", {"path": str(path)})
             except EngineReplyError as exc:
                 self.ctx.metrics.record_save_failure()
                 if exc.kind == ErrorKind.SESSION_WRITE_FAILED:
@@ -106,24 +122,32 @@ class SlotsResource:
         n_written = int(result.get("n_written", 0))
         save_ms = float(result.get("save_ms", 0.0))
         self.ctx.metrics.record_save(n_written, save_ms)
-        return {"id_slot": 0, "filename": filename, "n_saved": int(result.get("n_saved", 0)),
+        return {"id_slot": slot_id, "filename": filename, "n_saved": int(result.get("n_saved", 0)),
                 "n_written": n_written, "timings": {"save_ms": save_ms}}
 
-    def _restore(self, req: falcon.Request) -> dict:
+    def _restore(self, req: falcon.Request, slot_id: int) -> dict:
         filename = self._filename(req)
         path = self._path(filename, must_exist=True)
-        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+        with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:
+            lease.used = False
             try:
-                result = lease.call("RESTORE", str(path))
+                result = lease.call("RESTORE", {"path": str(path)})
             except EngineReplyError as exc:
                 if exc.kind == ErrorKind.SESSION_REFUSED:
                     reason = str(exc.reason or "refused")
                     self.ctx.metrics.record_refusal(reason)
                     raise invalid_request(f"Unable to restore slot: {filename!r} was refused ({reason}): "
                                           f"{exc.message}; the conversation is kept", reason=reason) from None
+                if exc.kind == ErrorKind.SLOT_FAILED:  # protocol v2: that slot erased, the others go on
+                    self.ctx.metrics.record_fail_stop()
+                    self._lost(slot_id)
+                    raise ApiError(ErrorType.SERVER, f"Unable to restore slot: {filename!r} failed after the "
+                                   f"restore began writing ({exc.reason or 'slot_failed'}): {exc.message}; slot "
+                                   f"{slot_id} was erased (its conversation is lost), the other slots are untouched",
+                                   reason=exc.reason or "slot_failed") from None
                 if exc.kind == ErrorKind.FAIL_STOP:
                     self.ctx.metrics.record_fail_stop()
-                    self.ctx.slot_view.forget()
+                    self.ctx.slot_view.forget(slot_id)
                     raise ApiError(ErrorType.SERVER, f"Unable to restore slot: {filename!r} failed after the "
                                    f"restore began writing ({exc.reason or 'fail_stop'}): {exc.message}; the "
                                    "engine is restarting and the conversation is lost",
@@ -131,24 +155,33 @@ class SlotsResource:
                 raise
             except EngineDied as exc:
                 self.ctx.metrics.record_fail_stop()
-                self.ctx.slot_view.forget()
+                self.ctx.slot_view.forget(slot_id)
                 raise ApiError(ErrorType.SERVER, f"Unable to restore slot: the engine stopped during the restore "
                                f"({exc.detail}); it is restarting and the conversation is lost",
                                reason="engine_died") from None
         n_read = int(result.get("n_read", 0))
         restore_ms = float(result.get("restore_ms", 0.0))
         self.ctx.metrics.record_restore(n_read, restore_ms)
-        self.ctx.slot_view.forget()
+        self.ctx.slot_view.forget(slot_id)
+        self.ctx.engine.slots.set_tokens(slot_id, file_tokens(path))
         if self.ctx.store is not None:
-            self.ctx.store.slot_restored_from(0, path)
-        return {"id_slot": 0, "filename": filename, "n_restored": int(result.get("n_restored", 0)),
+            self.ctx.store.slot_restored_from(slot_id, path)
+        return {"id_slot": slot_id, "filename": filename, "n_restored": int(result.get("n_restored", 0)),
                 "n_read": n_read, "timings": {"restore_ms": restore_ms}}
 
-    def _erase(self, req: falcon.Request) -> dict:
-        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
-            result = lease.call("ERASE")
-        self.ctx.metrics.record_erase()
-        self.ctx.slot_view.forget()
+    def _lost(self, slot_id: int) -> None:
+        self.ctx.slot_view.forget(slot_id)
+        self.ctx.engine.slots.set_tokens(slot_id, ())
         if self.ctx.store is not None:
-            self.ctx.store.slot_erased(0)
-        return {"id_slot": 0, "n_erased": int(result.get("n_erased", 0))}
+            self.ctx.store.slot_erased(slot_id)
+
+    def _erase(self, req: falcon.Request, slot_id: int) -> dict:
+        with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:
+            lease.used = False
+            result = lease.call("ERASE", {})
+        self.ctx.metrics.record_erase()
+        self.ctx.slot_view.forget(slot_id)
+        self.ctx.engine.slots.set_tokens(slot_id, ())
+        if self.ctx.store is not None:
+            self.ctx.store.slot_erased(slot_id)
+        return {"id_slot": slot_id, "n_erased": int(result.get("n_erased", 0))}

@@ -29,7 +29,7 @@ class TokenizeResource:
         command = {"content": content, "add_special": _flag(body, "add_special", False),
                    "parse_special": _flag(body, "parse_special", True),
                    "with_pieces": _flag(body, "with_pieces", False)}
-        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+        with self.ctx.engine.command() as lease:
             result = lease.call("TOKENIZE", command)
         resp.media = {"tokens": result.get("tokens", [])}
 
@@ -49,7 +49,7 @@ class DetokenizeResource:
                 raise invalid_request(f"'tokens'[{index}] must be an integer token id")
             if token < 0 or (n_vocab is not None and token >= n_vocab):
                 raise invalid_request(f"'tokens'[{index}]: token id {token} is out of range [0, {n_vocab})")
-        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+        with self.ctx.engine.command() as lease:
             result = lease.call("DETOKENIZE", {"tokens": tokens})
         resp.media = {"content": result.get("content", "")}
 
@@ -63,7 +63,7 @@ class ApplyTemplateResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.ctx.config.max_body_bytes)
         prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
-        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+        with self.ctx.engine.command() as lease:
             result = lease.call("APPLY_TEMPLATE", prompt.engine_fields())
         resp.media = {"prompt": result.get("prompt", "")}
 
@@ -78,7 +78,7 @@ class ChatInputTokensResource:
         body = read_json(req, self.ctx.config.max_body_bytes)
         prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
         add_bos = bool(self.ctx.engine_info().get("add_bos"))
-        with self.ctx.engine.acquire(self.ctx.config.slot_wait) as lease:
+        with self.ctx.engine.command() as lease:
             rendered = lease.call("APPLY_TEMPLATE", prompt.engine_fields()).get("prompt", "")
             # Tokenized as COMPLETE tokenizes a rendered chat: the model's BOS rule, special tokens parsed.
             tokens = lease.call("TOKENIZE", {"content": rendered, "add_special": add_bos,

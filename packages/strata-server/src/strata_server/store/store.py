@@ -180,7 +180,7 @@ class SessionStore:
                          "unknown)", slot_id)
                 continue
             try:
-                with self.engine.acquire(max(0.0, deadline - time.monotonic())) as lease:
+                with self.engine.acquire(max(0.0, deadline - time.monotonic()), id_slot=slot_id) as lease:
                     self._save(lease, slot_id, SaveTrigger.SHUTDOWN)
             except EngineCallError as exc:
                 log.warning("session store: slot %d not saved at shutdown: %s", slot_id, exc)
@@ -267,7 +267,7 @@ class SessionStore:
         name = conversation_name(self.fingerprints, tokens)
         t0 = time.perf_counter()
         try:
-            result = lease.call("SAVE", str(self.folder.file(name)))
+            result = lease.call("SAVE", {"path": str(self.folder.file(name))})
         except EngineReplyError as exc:
             self.metrics.save_failed()
             log.warning("session store: saving slot %d (%d tokens, %s) failed: %s", slot_id, len(tokens),
@@ -305,10 +305,11 @@ class SessionStore:
             if not idle or not self._needs_save(slot_id):
                 continue
             try:
-                lease = self.engine.acquire(0.0)
+                lease = self.engine.acquire(0.0, id_slot=slot_id)
             except EngineCallError:
                 continue  # busy (it is not idle after all) or restarting
             with lease:
+                lease.used = False  # an idle save is no use of the slot (its LRU order stays)
                 self._save(lease, slot_id, SaveTrigger.IDLE)
 
     def _drop(self, conversation: StoredConversation) -> None:
@@ -373,9 +374,12 @@ class SessionStore:
             if exc.kind == ErrorKind.SESSION_REFUSED and exc.reason == Reason.PREFIX_UNREACHABLE:
                 return False  # refused before the gate: the slot is as it was; evaluated cold
             self._bad_file(name, str(exc.reason or exc.kind))
+            if exc.kind == ErrorKind.SLOT_FAILED:  # that slot alone was erased: the prompt is evaluated cold
+                self.slot_replaced(slot_id, EMPTY, Origin.NONE)
+                return False
             if exc.kind != ErrorKind.SESSION_REFUSED:
                 raise  # fail_stop: the engine restarts (engine_exited empties the slot)
-            held = int(lease.call("STATUS").get("n_tokens_held", 0))
+            held = int(lease.call("STATUS")["slots"][slot_id].get("n_tokens_held", 0))
             if held == 0:  # refused during the in-place read: nothing is held any more
                 self.slot_replaced(slot_id, EMPTY, Origin.NONE)
             return False

@@ -1,0 +1,182 @@
+"""Concurrent clients on one strata-server started with --parallel N: aggregate decode tok/s and each
+request's time to first token and inter-token latency (p50/p99), at 1, 2, 4 and 8 clients, with ratios
+against one client and against llama.cpp's batched bench (tests/reference/peer-engine-cpu.json:
+SmolLM2, 512-token prompts, 32 tokens each; 254 tok/s aggregate decode at 8 sequences).
+
+Each client streams one /completion of its own 512-token prompt (token ids, distinct per client and
+round, cache_prompt false) with n_predict 32, greedy, ignore_eos; all clients of a round start together.
+"Aggregate decode" is the batched bench's S_TG in server terms: tokens that arrived while every client
+of the round was decoding (from the last first token to the first last token), per second of that
+window; "end to end" is every generated token over the round's wall time (prefills included).
+
+It starts its own server (default model, -np = the largest level, -c = slots x 1024) on a free
+loopback port unless --url is given. Run it on a quiet machine (load average < 1.5), as:
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_parallel.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+LOOPBACK = "127.0.0.1"
+REFERENCE = Path(__file__).resolve().parent.parent / "tests" / "reference" / "peer-engine-cpu.json"
+WORDS = ("river mountain quiet lantern orange music garden winter silver market paper window story "
+         "engine forest candle harbor pencil thunder velvet meadow copper island rocket").split()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def peer_aggregate() -> dict[int, float]:
+    data = json.loads(REFERENCE.read_text())
+    return {row["parallel_sequences"]: row["aggregate_decode_tok_per_s"] for row in data["batched_bench_smollm2"]}
+
+
+def prompt_tokens(url: str, seed: int, n_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    text = " ".join(rng.choice(WORDS) for _ in range(n_tokens * 2))
+    tokens = requests.post(url + "/tokenize", json={"content": text, "add_special": True}, timeout=60).json()["tokens"]
+    assert len(tokens) >= n_tokens, "the text is too short"
+    return tokens[:n_tokens]
+
+
+def one_request(url: str, prompt: list[int], n_predict: int, start: threading.Barrier, out: dict) -> None:
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+            "stream": True, "return_tokens": True}
+    start.wait()
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    with requests.post(url + "/completion", json=body, stream=True, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith(b"data: "):
+                continue
+            chunk = json.loads(line[len(b"data: "):])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk.get("stop"):
+                break
+            now = time.perf_counter()
+            arrivals += [now] * len(chunk.get("tokens") or [])
+    out.update(sent=sent, arrivals=arrivals)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def run_level(url: str, clients: int, round_seed: int, prompt_len: int, n_predict: int) -> dict:
+    prompts = [prompt_tokens(url, round_seed * 100 + i, prompt_len) for i in range(clients)]
+    results: list[dict] = [{} for _ in range(clients)]
+    barrier = threading.Barrier(clients)
+    threads = [threading.Thread(target=one_request, args=(url, prompts[i], n_predict, barrier, results[i]))
+               for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(len(r["arrivals"]) == n_predict for r in results), "a request did not get all its tokens"
+    start = min(r["sent"] for r in results)
+    end = max(r["arrivals"][-1] for r in results)
+    window = (max(r["arrivals"][0] for r in results), min(r["arrivals"][-1] for r in results))
+    in_window = sum(1 for r in results for t in r["arrivals"] if window[0] < t <= window[1])
+    ttft = [(r["arrivals"][0] - r["sent"]) * 1000 for r in results]
+    itl = [(b - a) * 1000 for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
+    return {"clients": clients,
+            "aggregate_decode": in_window / (window[1] - window[0]) if window[1] > window[0] else float("nan"),
+            "end_to_end": clients * n_predict / (end - start),
+            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+            "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99)}
+
+
+def start_server(slots: int, ctx_per_slot: int, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "strata_server.cli", "--host", LOOPBACK, "--port", str(port), "-np", str(slots),
+            "-c", str(slots * ctx_per_slot), *extra]
+    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://{LOOPBACK}:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode}); see {log}")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"the server was not healthy within 300 s; see {log}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="an already running server (started with -np >= the largest level)")
+    parser.add_argument("--levels", default="1,2,4,8", help="concurrent clients per round (default: 1,2,4,8)")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--n-predict", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per level; the best aggregate is kept")
+    parser.add_argument("--server-args", default="", help="extra strata-server flags (e.g. '--backend cupy')")
+    args = parser.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    load = os.getloadavg()[0]
+    print(f"load average {load:.2f} at the start{' (above 1.5: figures unreliable)' if load >= 1.5 else ''}")
+    proc = None
+    if args.url:
+        url = args.url
+    else:
+        log = Path(tempfile.mkdtemp(prefix="bench-parallel-")) / "server.log"
+        proc, url = start_server(max(levels), 1024, args.server_args.split(), log)
+        print(f"server: -np {max(levels)} -c {max(levels) * 1024} {args.server_args} (log {log})")
+    try:
+        n_slots = requests.get(url + "/props", timeout=30).json()["total_slots"]
+        assert n_slots >= max(levels), f"the server has {n_slots} slots, fewer than {max(levels)} clients"
+        warm = prompt_tokens(url, 0, args.prompt_tokens)  # the first forward passes do one-time work
+        requests.post(url + "/completion", json={"prompt": warm, "n_predict": 4, "cache_prompt": False},
+                      timeout=600).raise_for_status()
+        rows = []
+        for clients in levels:
+            rounds = [run_level(url, clients, 1000 * clients + r, args.prompt_tokens, args.n_predict)
+                      for r in range(args.rounds)]
+            rows.append(max(rounds, key=lambda row: row["aggregate_decode"]))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    peer = peer_aggregate()
+    base = rows[0]["aggregate_decode"]
+    print(f"\n{args.prompt_tokens}-token prompts, {args.n_predict} tokens each; load average {os.getloadavg()[0]:.2f} "
+          "at the end")
+    print(f"{'clients':>7} {'agg decode':>10} {'x 1 client':>10} {'peer':>6} {'x peer':>7} {'end to end':>10} "
+          f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
+    for row in rows:
+        p = peer.get(row["clients"])
+        print(f"{row['clients']:>7} {row['aggregate_decode']:>10.1f} {row['aggregate_decode'] / base:>10.2f} "
+              f"{p or float('nan'):>6.1f} {row['aggregate_decode'] / p if p else float('nan'):>7.2f} "
+              f"{row['end_to_end']:>10.1f} {row['ttft_p50']:>8.0f}ms {row['ttft_p99']:>8.0f}ms "
+              f"{row['itl_p50']:>6.1f}ms {row['itl_p99']:>6.1f}ms")
+    print(json.dumps({"rows": [{k: round(v, 3) for k, v in row.items()} for row in rows], "load_start": load}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

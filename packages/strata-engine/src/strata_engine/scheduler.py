@@ -1,0 +1,478 @@
+"""The serve loop: a scheduler of steps over the engine's slots (spec/engine-protocol.md, "Scheduling").
+
+Between two steps it takes every command line that has arrived (never waiting for input while it has
+work): a `NOW` verb runs there, a `WORKER` verb (and the preparation of a COMPLETE: checks, template,
+tokenizer, constraint) runs on the one worker thread and is answered at a later boundary, a `JOB` verb
+starts a job that the steps advance. A step is one batched decode forward for every slot that is
+generating (`SlotSet.decode`, a row per slot) and at most one prefill chunk of one job being evaluated
+(prompts and embeddings take turns, round-robin), so a long prompt delays the others' next token by at
+most one chunk. Only this thread touches the runners and writes lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import threading
+from collections import deque
+from collections.abc import Callable, Generator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import numpy as np
+
+from .completion import CompletionResult, Generation, Phase, PromptProgress, TokenEvent, parse_request
+from .errors import ContextOverflow, EngineError, InvalidToken
+from .protocol import (
+    PROMPT_PROGRESS_PHASE,
+    CommandRegistry,
+    Dispatch,
+    ErrorKind,
+    ExitStatus,
+    FailStop,
+    LineReader,
+    LineWriter,
+    ProtocolError,
+    Reason,
+    Request,
+    ServeContext,
+    parse_line,
+)
+
+log = logging.getLogger(__name__)
+
+
+def token_line(event: TokenEvent, unstructure: Callable[[Any], Any]) -> dict[str, Any]:
+    line: dict[str, Any] = {"event": "token", "token": event.id, "piece": event.piece, "content": event.content}
+    if event.chosen is not None:
+        line |= {"logprob": event.chosen.logprob, "prob": event.chosen.prob, "bytes": list(event.chosen.bytes)}
+    if event.probs is not None:
+        line["probs"] = [unstructure(p) for p in event.probs]
+    return line
+
+
+def result_payload(result: CompletionResult, unstructure: Callable[[Any], Any]) -> dict[str, Any]:
+    payload = unstructure(result)
+    payload["tokens"] = list(result.tokens)
+    return payload
+
+
+@attrs.define(eq=False)
+class CompleteJob:
+    """A COMPLETE in its slot: being prepared (generation None), then its generation's phases."""
+
+    request: Request
+    slot: int
+    generation: Generation | None = None
+    cancel: bool = False  # a CANCEL arrived: the next sampled token is the last
+
+
+class Gate:
+    """The pool between two steps, for a session verb running on the session thread: `enter` asks for it and
+    waits until the loop hands it over at a step boundary; the loop then takes no step until `release` (the
+    verb's end). Validation before `enter` runs beside the steps."""
+
+    def __init__(self, wake: Callable[[], None]):
+        self._wake = wake
+        self.asked = threading.Event()
+        self.granted = threading.Event()
+        self.released = threading.Event()
+
+    def enter(self) -> None:
+        if self.asked.is_set():
+            return
+        self.asked.set()
+        self._wake()
+        self.granted.wait()
+
+    def release(self) -> None:
+        self.released.set()
+
+
+class QueuedLines(LineWriter):
+    """A session verb's lines (progress), kept for the loop to write: one thread writes stdout."""
+
+    def __init__(self) -> None:
+        self.lines: queue.SimpleQueue[Mapping[str, Any]] = queue.SimpleQueue()
+
+    def write(self, obj: Mapping[str, Any]) -> None:
+        self.lines.put(obj)
+
+
+@attrs.define(eq=False)
+class SessionJob:
+    """SAVE / RESTORE / RESTORE_PREFIX of a slot on the session thread."""
+
+    request: Request  # the loop's (its lines go to stdout)
+    slot: int
+    gate: Gate
+    lines: QueuedLines
+    future: Future | None = None
+
+
+@attrs.define(eq=False)
+class ChunkJob:
+    """Slot-less chunked work (EMBED): each next() of `steps` evaluates one chunk; its return value goes
+    to `finish`, which gives the result payload."""
+
+    request: Request
+    steps: Generator[None, None, Any]
+    finish: Callable[[Any], Mapping[str, Any]]
+
+
+class Scheduler:
+    def __init__(self, ctx: ServeContext, registry: CommandRegistry, reader: LineReader, writer: LineWriter,
+                 unstructure: Callable[[Any], Any]):
+        self.ctx = ctx
+        self.registry = registry
+        self.reader = reader
+        self.writer = writer
+        self.unstructure = unstructure
+        ctx.scheduler = self
+        self.busy: dict[int, CompleteJob | SessionJob] = {}  # slot -> its COMPLETE or session verb
+        self.ids: dict[str, CompleteJob | ChunkJob] = {}  # the ids of jobs in flight
+        self.chunks: deque[CompleteJob | ChunkJob] = deque()  # jobs with chunks to evaluate, in turn
+        self.pending: deque[tuple[Future, Callable[[Future], None]]] = deque()  # worker tasks, in order
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="strata-worker")
+        self.sessions: list[SessionJob] = []
+        self.session_worker = ThreadPoolExecutor(1, thread_name_prefix="strata-session")
+        # off the numpy backend a session verb takes the pool from its start (device copies beside the steps)
+        self.gate_whole = ctx.runner_of(0).settings.backend != "numpy"
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._wake_lock = threading.Lock()  # a task ending after the loop closed the pipe writes nothing
+        self._wake_open = True
+        self.quit: Request | None = None
+        self.exit: ExitStatus | None = None
+        self.steps = 0  # steps taken (tests count them)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run(self) -> ExitStatus:
+        """Serve until QUIT or end of input (CLEAN, once every request in flight has ended) or a fail-stop."""
+        try:
+            return self._run()
+        except BrokenPipeError:
+            log.info("stdout closed by the client: exiting")
+            return ExitStatus.CLEAN
+        finally:
+            self.worker.shutdown(wait=False, cancel_futures=True)
+            self.session_worker.shutdown(wait=False, cancel_futures=True)
+            with self._wake_lock:
+                self._wake_open = False
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+
+    def _closing(self) -> bool:
+        """No line will be taken any more: QUIT was read, or the input ended and every line was taken."""
+        return self.quit is not None or (self.reader.eof and not self.reader.has_line())
+
+    def _stepping(self) -> bool:
+        return bool(self.chunks) or any(self._decoding())
+
+    def _run(self) -> ExitStatus:
+        while True:
+            if not self._stepping() and self.exit is None:
+                if self._closing():
+                    if not self.pending and not self.busy:
+                        return self._close()
+                    select.select([self._wake_r], [], [])  # a worker task ends
+                elif not self.reader.has_line():
+                    self.reader.wait(self._wake_r)
+            self._drain_wake()
+            while self.quit is None and self.exit is None and (line := self.reader.poll_line()) is not None:
+                self._take(line)
+            self._collect()
+            self._serve_sessions()
+            if self.exit is not None:
+                return self.exit
+            self._step()
+
+    def _close(self) -> ExitStatus:
+        if self.quit is not None:
+            self.quit.answer({})
+        return ExitStatus.CLEAN
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # ---- commands -----------------------------------------------------------------------------------
+    def _take(self, line: bytes) -> None:
+        parsed = parse_line(line, self.registry, self.ctx.n_slots, self.writer)
+        request, command = parsed.request, parsed.command
+        if parsed.error is not None or command is None:
+            request.fail(parsed.error)
+            return
+        if command.slotted and request.slot in self.busy:
+            owner = self.busy[request.slot].request
+            request.fail(ProtocolError(ErrorKind.SLOT_BUSY, f"slot {request.slot} is busy with a {owner.verb}"
+                                       + (f" (id {owner.id!r})" if owner.id is not None else ""),
+                                       reason=Reason.SLOT_BUSY.value))
+            return
+        if command.dispatch is Dispatch.JOB and request.id is not None and request.id in self.ids:
+            request.fail(ProtocolError(ErrorKind.INVALID_REQUEST, f"id {request.id!r} is in flight",
+                                       reason=Reason.DUPLICATE_ID.value))
+            return
+        if command.dispatch is Dispatch.WORKER:
+            self.submit(lambda: command.handler(self.ctx, request), lambda done: self._answer(request, done))
+            return
+        if command.dispatch is Dispatch.SESSION:
+            self._start_session(command.handler, request)
+            return
+        try:
+            payload = command.handler(self.ctx, request)
+        except FailStop as exc:
+            request.fail(exc)
+            self.exit = ExitStatus.FAIL_STOP
+            return
+        except BrokenPipeError:
+            raise
+        except Exception as exc:  # every error becomes an error line; the engine keeps serving
+            if not isinstance(exc, EngineError):
+                log.exception("unexpected failure in %s", request.verb)
+            request.fail(exc)
+            return
+        if payload is not None:
+            request.answer(payload)
+
+    def submit(self, work: Callable[[], Any], then: Callable[[Future], None]) -> None:
+        """Run `work` on the worker thread; `then(future)` runs in the loop at the first boundary after it
+        is done (tasks are taken in the order they were submitted)."""
+        future = self.worker.submit(work)
+        future.add_done_callback(lambda _: self._wake())
+        self.pending.append((future, then))
+
+    def _collect(self) -> None:
+        while self.pending and self.pending[0][0].done():
+            future, then = self.pending.popleft()
+            then(future)
+
+    def _answer(self, request: Request, done: Future) -> None:
+        exc = done.exception()
+        if exc is None:
+            request.answer(done.result())
+            return
+        if not isinstance(exc, EngineError):
+            log.error("unexpected failure in %s", request.verb, exc_info=exc)
+        request.fail(exc)
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_open:
+                os.write(self._wake_w, b".")
+
+    def _start_session(self, handler: Callable[[ServeContext, Request], Any], request: Request) -> None:
+        """A session verb: its slot busy, run on the session thread; its lines are queued for the loop."""
+        assert request.slot is not None
+        job = SessionJob(request, request.slot, Gate(self._wake), QueuedLines())
+        self.busy[job.slot] = job
+        there = attrs.evolve(request, writer=job.lines, gate=job.gate)
+
+        def run() -> Any:
+            try:
+                if self.gate_whole:
+                    job.gate.enter()
+                return handler(self.ctx, there)
+            finally:
+                job.gate.release()
+
+        job.future = self.session_worker.submit(run)
+        job.future.add_done_callback(lambda _: self._wake())
+        self.sessions.append(job)
+
+    def _serve_sessions(self) -> None:
+        """At a step boundary: write the session verbs' queued lines, hand the pool to one that asks (and wait
+        for its end), answer those that ended."""
+        for job in list(self.sessions):
+            self._flush(job)
+            if job.gate.asked.is_set() and not job.gate.granted.is_set():
+                job.gate.granted.set()
+                job.gate.released.wait()  # no step until the verb is done with the pool
+                job.future.exception()  # wait for the answer too (it follows the release at once)
+                self._flush(job)
+            assert job.future is not None
+            if not job.future.done():
+                continue
+            self.sessions.remove(job)
+            del self.busy[job.slot]
+            self._flush(job)
+            exc = job.future.exception()
+            if isinstance(exc, FailStop):
+                job.request.fail(exc)
+                self.exit = ExitStatus.FAIL_STOP
+            elif exc is not None:
+                if not isinstance(exc, EngineError):
+                    log.error("unexpected failure in %s", job.request.verb, exc_info=exc)
+                job.request.fail(exc)
+            else:
+                job.request.answer(job.future.result())
+
+    def _flush(self, job: SessionJob) -> None:
+        while True:
+            try:
+                line = job.lines.lines.get_nowait()
+            except queue.Empty:
+                return
+            self.writer.write(line)  # tagged already
+
+    def request_quit(self, request: Request) -> None:
+        """QUIT: read no more lines; answer it and exit once every request in flight has ended."""
+        self.quit = request
+
+    # ---- jobs -----------------------------------------------------------------------------------------
+    def start_complete(self, request: Request) -> None:
+        """COMPLETE: the slot is busy from now; prepared on the worker thread, then admitted to the steps."""
+        assert request.slot is not None
+        job = CompleteJob(request, request.slot)
+        self.busy[job.slot] = job
+        if request.id is not None:
+            self.ids[request.id] = job
+        completer = self.ctx.completer_of(job.slot)
+        self.submit(lambda: completer.prepare(parse_request(request.args)), lambda done: self._admit(job, done))
+
+    def _admit(self, job: CompleteJob, done: Future) -> None:
+        exc = done.exception()
+        if exc is not None:
+            if not isinstance(exc, EngineError):
+                log.error("unexpected failure preparing a COMPLETE", exc_info=exc)
+            self._end(job, exc)
+            return
+        request = job.request
+
+        def on_progress(progress: PromptProgress) -> None:
+            request.emit({"event": "progress", "phase": PROMPT_PROGRESS_PHASE, **self.unstructure(progress)})
+
+        try:
+            job.generation = Generation(self.ctx.completer_of(job.slot), done.result(),
+                                        on_token=lambda event: request.emit(token_line(event, self.unstructure)),
+                                        on_progress=on_progress, cancelled=lambda: job.cancel)
+        except EngineError as exc:  # the runner refused the prompt before touching the slot
+            self._end(job, exc)
+            return
+        if job.cancel:
+            job.generation.cancel_prefill()
+            self._end(job)
+            return
+        self.chunks.append(job)
+
+    def start_chunks(self, request: Request, steps: Generator[None, None, Any],
+                     finish: Callable[[Any], Mapping[str, Any]]) -> None:
+        """Slot-less chunked work (EMBED), taking turns with the prompts being evaluated."""
+        job = ChunkJob(request, steps, finish)
+        if request.id is not None:
+            self.ids[request.id] = job
+        self.chunks.append(job)
+
+    def cancel(self, target: str) -> None:
+        """CANCEL: end the COMPLETE with that id (a prompt being read ends now; a generation's next token is
+        its last). Anything else is ignored."""
+        job = self.ids.get(target)
+        if not isinstance(job, CompleteJob) or job.cancel:
+            return
+        job.cancel = True
+        gen = job.generation
+        if gen is not None and gen.phase is Phase.PREFILL:
+            gen.cancel_prefill()
+            self.chunks.remove(job)
+            self._end(job)
+
+    def _end(self, job: CompleteJob | ChunkJob, error: BaseException | None = None,
+             payload: Mapping[str, Any] | None = None) -> None:
+        """Write the job's terminal line and free its slot and id."""
+        if isinstance(job, CompleteJob):
+            del self.busy[job.slot]
+            if error is None:
+                assert job.generation is not None and job.generation.result is not None
+                payload = result_payload(job.generation.result, self.unstructure)
+        if job.request.id is not None:
+            self.ids.pop(job.request.id, None)
+        if error is not None:
+            job.request.fail(error)
+        else:
+            assert payload is not None
+            job.request.answer(payload)
+
+    # ---- a step -----------------------------------------------------------------------------------
+    def _decoding(self) -> list[CompleteJob]:
+        return [job for job in self.busy.values() if isinstance(job, CompleteJob)
+                and job.generation is not None and job.generation.phase is Phase.DECODE]
+
+    def _step(self) -> None:
+        decoding = self._decoding()
+        if not decoding and not self.chunks:
+            return
+        self.steps += 1
+        if decoding:
+            self._decode(decoding)
+        if self.chunks:
+            self._chunk(self.chunks.popleft())
+
+    def _decode(self, jobs: list[CompleteJob]) -> None:
+        steps = [(job.slot, job.generation.pending) for job in jobs]
+        try:
+            logits = self.ctx.slots.decode(steps)
+        except (ContextOverflow, InvalidToken) as exc:  # nothing was evaluated; that slot's request ends
+            bad = next((job for job in jobs if job.slot == exc.slot), None)
+            if bad is None:
+                raise
+            self._end(bad, exc)
+            return
+        except Exception as exc:
+            # the batch's slots were cut back, but this failure is not understood: drop their conversations
+            log.exception("a decode step failed; erasing slots %s", [job.slot for job in jobs])
+            for job in jobs:
+                self._fail_erased(job, exc)
+            return
+        for row, job in enumerate(jobs):
+            gen = job.generation
+            assert gen is not None
+            try:
+                finished = gen.accept(np.asarray(logits[row]))
+            except Exception as exc:
+                log.exception("sampling failed in slot %d", job.slot)
+                self._end(job, exc)
+                continue
+            if finished:
+                self._end(job)
+
+    def _chunk(self, job: CompleteJob | ChunkJob) -> None:
+        if isinstance(job, ChunkJob):
+            try:
+                next(job.steps)
+                self.chunks.append(job)
+            except StopIteration as end:
+                self._end(job, payload=job.finish(end.value))
+            except Exception as exc:
+                if not isinstance(exc, EngineError):
+                    log.exception("unexpected failure in %s", job.request.verb)
+                self._end(job, exc)
+            return
+        gen = job.generation
+        assert gen is not None
+        try:
+            finished = gen.prefill_chunk()
+        except EngineError as exc:  # raised before anything was evaluated: the slot is intact
+            self._end(job, exc)
+            return
+        except Exception as exc:
+            log.exception("a prefill chunk failed in slot %d", job.slot)
+            self._fail_erased(job, exc)
+            return
+        if finished:
+            self._end(job)
+        elif gen.phase is Phase.PREFILL:
+            self.chunks.append(job)
+
+    def _fail_erased(self, job: CompleteJob, exc: Exception) -> None:
+        """An unexpected failure while the slot was being evaluated: its K/V may be half-written, so the
+        slot is erased and the error says so."""
+        dropped = self.ctx.runner_of(job.slot).erase()
+        log.error("slot %d erased after an unexpected failure (%d tokens dropped)", job.slot, dropped)
+        self._end(job, ProtocolError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc} (slot {job.slot} was "
+                                     f"erased: its K/V may be half-written)", reason=Reason.UNEXPECTED.value))

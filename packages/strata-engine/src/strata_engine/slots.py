@@ -1,0 +1,111 @@
+"""`SlotSet`: several conversations (slots) on one loaded model, in one preallocated K/V pool, decoded together.
+
+Slot i is `runners[i]`, a `ModelRunner` over slot i's region of every layer of the one pool (`kv.PoolArena`:
+each layer's parts are [n_slots, capacity, ...], sliding-window rings included), with today's API for one
+conversation (prefill, prefill_steps, decode, erase, snapshot_state / restore_state, cut_back; the session
+adapter saves and restores a slot through it) and n_ctx = the slot's share of the total: n_ctx // n_slots,
+llama-server's rule. A slot's geometry, and so a session file's identity, depends on that share only, so a
+file saved from any slot restores into any slot of an engine with the same per-slot context, whatever N.
+
+`decode` advances several slots by one token each in ONE forward pass: the rows (one per slot) share every
+product with the weights, and each row attends over its own slot's K/V (`models.common.Rows`). Its logits
+equal each slot's decoded alone up to float round-off (the products' summation order varies with the row
+count; tests/engine/test_slots.py measures it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from .config import ModelConfig
+from .errors import InvalidRequest, SettingsError
+from .gguf import GGUFFile
+from .kv import KVGeometry, make_arena, make_placements
+from .models import Model
+from .models.common import Rows, Span
+from .runner import ModelRunner
+from .settings import EngineSettings, KVType
+
+
+class SlotSet:
+    """See the module docstring. Not thread-safe: the scheduler calls it from one thread."""
+
+    def __init__(self, settings: EngineSettings, runners: Sequence[ModelRunner]):
+        self.settings = settings  # n_ctx: the total, n_slots: how many; each runner's settings: its own share
+        self.runners = tuple(runners)
+        self.model: Model = self.runners[0].model
+        self.gguf: GGUFFile = self.runners[0].gguf
+        self.config: ModelConfig = self.runners[0].config
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.runners)
+
+    @property
+    def n_ctx_slot(self) -> int:
+        return self.runners[0].n_ctx
+
+    @classmethod
+    def load(cls, settings: EngineSettings) -> SlotSet:
+        """Load the model once and carve settings.n_slots slots of n_ctx // n_slots tokens each out of one pool."""
+        return cls.assemble(*ModelRunner.load_model(settings))
+
+    @classmethod
+    def sharing(cls, runner: ModelRunner, **changes: object) -> SlotSet:
+        """Slots on the model `runner` loaded (weights shared, nothing reloaded): its settings with `changes`
+        (n_slots, n_ctx: the total, and the K/V settings `ModelRunner.sibling` takes)."""
+        return cls.assemble(runner.kv_settings(**changes), runner.gguf, runner.config, runner.model)
+
+    @classmethod
+    def assemble(cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model) -> SlotSet:
+        """settings.n_slots slots on a loaded model (settings resolved as `ModelRunner.load_model` does)."""
+        total = settings.n_ctx_total(config.n_ctx_train)
+        if (problem := settings.slot_problem(total)) is not None:
+            raise SettingsError([problem])
+        n_ctx_slot = total // settings.n_slots
+        slot_settings = attrs.evolve(settings, n_ctx=n_ctx_slot, n_slots=1)
+        geometry = KVGeometry.from_config(config, n_ctx_slot, KVType(settings.kv_type))
+        arena = make_arena(geometry, model.ops, settings.kv_resident, settings.n_slots)
+        placements = make_placements(arena.pools(model.ops), settings.kv_resident)
+        runners = [ModelRunner._assemble(slot_settings, gguf_file, config, model, placement) for placement in placements]
+        return cls(attrs.evolve(settings, n_ctx=total), runners)
+
+    def decode(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
+        """Evaluate one token in each of several slots: steps = [(slot, token), ...], distinct slots.
+        Returns float32 logits [B, n_vocab], row b for steps[b]; each slot holds one more token.
+
+        One forward pass over the B rows. A ContextOverflow or InvalidToken names its slot and nothing is
+        evaluated; on any other exception every slot of the batch is cut back to what it held before (its
+        deepest resume point at or below it: `ModelRunner.abort_step`), the other slots untouched."""
+        steps = [(int(slot), int(token)) for slot, token in steps]
+        slots = [slot for slot, _ in steps]
+        problems = [f"slot {s} outside [0, {self.n_slots})" for s in slots if not 0 <= s < self.n_slots]
+        if len(set(slots)) != len(slots):
+            problems.append(f"a slot appears more than once in one decode step: {slots}")
+        if not steps:
+            problems.append("a decode step needs at least one slot")
+        if problems:
+            raise InvalidRequest(problems)
+        for slot, token in steps:
+            self.runners[slot].check_decode(token, slot)
+        if len(steps) == 1:  # one slot: its own step (a captured graph where it has one)
+            slot, token = steps[0]
+            return self.runners[slot].decode(token)[None]
+        runners = [self.runners[slot] for slot in slots]
+        opened: list[tuple[ModelRunner, int]] = []
+        try:
+            for runner in runners:
+                opened.append((runner, runner.begin_step(1)))
+            rows = Rows(tuple(Span(runner.placement, pos, 1) for runner, pos in opened))
+            logits = self.model.forward(np.asarray([t for _, t in steps], dtype=np.int64), rows, want_logits=True)
+        except BaseException:
+            for runner, pos in opened:
+                runner.abort_step(pos)
+            raise
+        assert logits is not None
+        for runner, (_, token) in zip(runners, steps, strict=True):
+            runner.commit_step([token])
+        return logits

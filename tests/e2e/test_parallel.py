@@ -1,0 +1,94 @@
+"""``--parallel`` end to end: a real strata-server with the real engine and model, 4 slots."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+from support.parallel import (
+    cancel_one_others_finish,
+    concurrent_streams_match_solo,
+    save_while_another_streams,
+    slots,
+    tokenize_while_streaming,
+)
+
+from .servers import start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+PROMPTS = ["<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n",
+           "The capital of France is", "def fibonacci(n):", "Once upon a time"]
+PER_SLOT_CTX = 512
+
+
+@pytest.fixture(scope="module")
+def folder(module_tmp):
+    path = module_tmp / "slots"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(module_tmp, folder):
+    proc = start_server(module_tmp, "-np", "4", "-c", str(4 * PER_SLOT_CTX), "--slot-save-path", str(folder),
+                        name="parallel")
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_concurrent_streams_get_exactly_their_greedy_tokens(server, n):
+    concurrent_streams_match_solo(server.url, PROMPTS[:n], n_predict=12)
+
+
+def test_a_client_going_away_cancels_its_stream_only(server):
+    cancel_one_others_finish(server.url, server.port, PROMPTS[1:3], n_predict=24)
+
+
+def test_save_slot_2_while_slot_1_streams(server):
+    save_while_another_streams(server.url, "two.bin", n_predict=48)
+
+
+def test_tokenize_answers_while_slots_stream(server):
+    tokenize_while_streaming(server.url, PROMPTS[:3], n_predict=40)
+
+
+def test_slots_shape(server):
+    listed = slots(server.url)
+    assert [s["id"] for s in listed] == [0, 1, 2, 3]
+    assert all(s["n_ctx"] == PER_SLOT_CTX and s["speculative"] is False and "is_processing" in s for s in listed)
+    props = requests.get(server.url + "/props", timeout=30).json()
+    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == PER_SLOT_CTX
+
+
+def test_restore_from_slot_1_into_slot_0_and_into_a_one_slot_server(server, folder, module_tmp):
+    body = {"prompt": PROMPTS[0], "n_predict": 8, "temperature": 0}
+    first = requests.post(server.url + "/completion", json={**body, "id_slot": 1}, timeout=300).json()
+    assert first["id_slot"] == 1
+    saved = requests.post(server.url + "/slots/1", params={"action": "save"}, json={"filename": "one.bin"},
+                          timeout=300).json()
+    assert saved["n_saved"] == first["tokens_cached"]
+    alone = requests.post(server.url + "/completion", json={**body, "id_slot": 1}, timeout=300).json()
+    restored = requests.post(server.url + "/slots/0", params={"action": "restore"}, json={"filename": "one.bin"},
+                             timeout=300).json()
+    assert restored["id_slot"] == 0 and restored["n_restored"] == saved["n_saved"]
+    again = requests.post(server.url + "/completion", json={**body, "id_slot": 0}, timeout=300).json()
+    assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1 and again["content"] == alone["content"]
+    single = start_server(module_tmp, "-c", str(PER_SLOT_CTX), "--slot-save-path", str(folder), name="single")
+    try:
+        into = requests.post(single.url + "/slots/0", params={"action": "restore"}, json={"filename": "one.bin"},
+                             timeout=300).json()
+        assert into["n_restored"] == saved["n_saved"], into
+        cont = requests.post(single.url + "/completion", json=body, timeout=300).json()
+        assert cont["timings"]["cache_n"] == first["tokens_evaluated"] - 1 and cont["content"] == alone["content"]
+    finally:
+        assert single.stop() == 0
+
+
+def test_the_prompt_goes_back_to_the_slot_holding_its_conversation(server):
+    chat = "<|im_start|>user\nTell me about the moon.<|im_end|>\n<|im_start|>assistant\n"
+    first = requests.post(server.url + "/completion", json={"prompt": chat, "n_predict": 8, "temperature": 0,
+                                                            "id_slot": 3}, timeout=300).json()
+    requests.post(server.url + "/completion", json={"prompt": "Unrelated text", "n_predict": 2}, timeout=300)
+    turn = chat + first["content"] + "<|im_end|>\n<|im_start|>user\nAnd the sun?<|im_end|>\n<|im_start|>assistant\n"
+    body = requests.post(server.url + "/completion", json={"prompt": turn, "n_predict": 4}, timeout=300).json()
+    assert body["id_slot"] == 3 and body["timings"]["cache_n"] >= first["tokens_evaluated"]

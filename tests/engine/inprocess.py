@@ -1,0 +1,82 @@
+"""The serve loop in process: a `Scheduler` over given slots on a thread, fed through a pipe; every line
+it writes is kept with the step it was written at (the scheduler's step count), so tests count steps,
+not seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+
+from strata_engine.protocol import LineReader, LineWriter
+from strata_engine.serve import build_registry, scheduler_for, serve_context
+
+TIMEOUT_S = 120
+
+
+class StepWriter(LineWriter):
+    def __init__(self):
+        self.lines: queue.Queue[tuple[int, dict] | None] = queue.Queue()
+        self.scheduler = None
+
+    def write(self, obj) -> None:
+        data = json.dumps(obj, ensure_ascii=False, allow_nan=False)  # what LineWriter would refuse, this does
+        self.lines.put((self.scheduler.steps, json.loads(data)))
+
+
+class InProcessEngine:
+    def __init__(self, slots, tokenizer, template):
+        self.ctx = serve_context(slots, tokenizer, template)
+        self._read, self._write = os.pipe()
+        self.writer = StepWriter()
+        self.scheduler = scheduler_for(self.ctx, build_registry(), LineReader(self._read), self.writer)
+        self.writer.scheduler = self.scheduler
+        self.status = None
+        self.log: list[tuple[int, dict]] = []  # every line read so far, with its step
+        self._taken: set[int] = set()  # the lines `until` returned
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.status = self.scheduler.run()
+        self.writer.lines.put(None)
+
+    def send(self, verb: str, argument: dict | None = None) -> None:
+        line = verb if argument is None else f"{verb} {json.dumps(argument)}"
+        os.write(self._write, line.encode() + b"\n")
+
+    def next_line(self) -> dict:
+        item = self.writer.lines.get(timeout=TIMEOUT_S)
+        assert item is not None, "the scheduler ended"
+        self.log.append(item)
+        return item[1]
+
+    def until(self, predicate) -> dict:
+        """The first line, read already or next, that matches and was not returned before."""
+        index = 0
+        while True:
+            while index >= len(self.log):
+                self.next_line()
+            line = self.log[index][1]
+            if index not in self._taken and predicate(line):
+                self._taken.add(index)
+                return line
+            index += 1
+
+    def terminal(self, request_id: str | None) -> dict:
+        return self.until(lambda line: line.get("id") == request_id and line["event"] in ("result", "error"))
+
+    def command(self, verb: str, argument: dict | None = None) -> dict:
+        self.send(verb, argument)
+        return self.terminal((argument or {}).get("id"))
+
+    def of(self, request_id: str, event: str | None = None) -> list[tuple[int, dict]]:
+        """(step, line) of the lines read for that id (of one event)."""
+        return [(step, line) for step, line in self.log
+                if line.get("id") == request_id and (event is None or line["event"] == event)]
+
+    def close(self) -> None:
+        os.close(self._write)
+        self._thread.join(timeout=TIMEOUT_S)
+        os.close(self._read)

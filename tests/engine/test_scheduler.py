@@ -1,0 +1,199 @@
+"""The scheduler (spec/engine-protocol.md, "Scheduling") in process on the real SmolLM2: concurrent
+completions interleave and each gets the greedy tokens it gets alone, a long prompt delays another slot's
+tokens by at most one chunk (counted in steps), CANCEL by id, commands answered between steps, slot_busy,
+SAVE of one slot while another streams, a refused RESTORE keeps the slot's conversation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+from strata_engine.slots import SlotSet
+
+from .inprocess import InProcessEngine
+from .runners import base_runner
+
+CHUNK = 16
+N_CTX_SLOT = 512
+
+
+def make_slots(n_slots: int):
+    return SlotSet.sharing(base_runner("smollm2"), n_slots=n_slots, n_ctx=N_CTX_SLOT * n_slots, prefill_chunk=CHUNK,
+                           kv_type="f16")
+
+
+@pytest.fixture
+def engine(tokenizers, templates):
+    started: list[InProcessEngine] = []
+
+    def start(n_slots: int) -> InProcessEngine:
+        started.append(InProcessEngine(make_slots(n_slots), tokenizers["smollm2"], templates["smollm2"]))
+        return started[-1]
+
+    yield start
+    for e in started:
+        e.close()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(300, 40000, n)]
+
+
+def greedy(**fields) -> dict:
+    return {"temperature": 0, "ignore_eos": True, **fields}
+
+
+def digest(tokens) -> str:
+    return xxhash.xxh3_64_hexdigest(np.asarray(tokens, dtype="<i4").tobytes())
+
+
+def test_concurrent_completes_interleave_and_each_gets_its_greedy_tokens_alone(engine):
+    prompts = {"a": prompt(20, 1), "b": prompt(45, 2), "c": prompt(7, 3)}
+    alone = engine(1)
+    expected = {rid: alone.command("COMPLETE", greedy(id=rid, prompt=p, n_predict=10, cache_prompt=False))["tokens"]
+                for rid, p in prompts.items()}
+    e = engine(3)
+    for slot, (rid, p) in enumerate(prompts.items()):
+        e.send("COMPLETE", greedy(id=rid, slot=slot, prompt=p, n_predict=10))
+    results = {rid: e.terminal(rid) for rid in prompts}
+    for rid, result in results.items():
+        assert result["event"] == "result" and result["slot"] == list(prompts).index(rid)
+        assert result["tokens"] == expected[rid]
+        assert [line["token"] for _, line in e.of(rid, "token")] == expected[rid]
+    order = [line["id"] for _, line in e.log if line["event"] == "token"]
+    assert sum(x != y for x, y in zip(order, order[1:], strict=False)) > 2  # interleaved, not one after another
+    # every step decoded every slot that was generating: 3 requests of 10 tokens in well under 30 steps
+    assert e.scheduler.steps < 20
+
+
+def test_a_long_prompt_delays_another_slots_tokens_by_at_most_one_chunk(engine):
+    e = engine(2)
+    e.send("COMPLETE", greedy(id="short", slot=0, prompt=prompt(5, 4), n_predict=24))
+    e.send("COMPLETE", greedy(id="long", slot=1, prompt=prompt(20 * CHUNK, 5), n_predict=2, return_progress=True))
+    assert e.terminal("short")["event"] == "result" and e.terminal("long")["event"] == "result"
+    token_steps = [step for step, _ in e.of("short", "token")]
+    assert len(token_steps) == 24
+    assert np.all(np.diff(token_steps) == 1)  # one token every step, from its first to its last
+    chunk_steps = [step for step, _ in e.of("long", "progress")]
+    processed = [line["processed"] for _, line in e.of("long", "progress")]
+    assert len(chunk_steps) == 20 and len(set(chunk_steps)) == 20  # one chunk per step
+    assert np.all(np.diff([0, *processed]) <= CHUNK)
+    assert sum(token_steps[0] < s < token_steps[-1] for s in chunk_steps) >= 15  # evaluated while "short" decoded
+
+
+def test_cancel_one_id_and_the_others_finish(engine):
+    e = engine(3)
+    for slot, rid in enumerate("xyz"):
+        e.send("COMPLETE", greedy(id=rid, slot=slot, prompt=prompt(8, 10 + slot), n_predict=30))
+    e.until(lambda line: line.get("id") == "y" and line["event"] == "token")
+    e.send("CANCEL", {"id": "y"})
+    results = {rid: e.terminal(rid) for rid in "xyz"}
+    assert results["y"]["stop_type"] == "cancelled" and 1 <= len(results["y"]["tokens"]) < 30
+    assert results["x"]["stop_type"] == results["z"]["stop_type"] == "limit"
+    assert len(results["x"]["tokens"]) == len(results["z"]["tokens"]) == 30
+    e.send("CANCEL", {"id": "y"})  # no longer in flight: ignored, no line
+    status = e.command("STATUS", {"id": "s"})
+    assert [s["is_processing"] for s in status["slots"]] == [False] * 3
+    assert status["slots"][1]["n_tokens_held"] == 8 + len(results["y"]["tokens"]) - 1
+
+
+def test_cancel_during_the_prompt_keeps_what_was_read(engine):
+    e = engine(1)
+    e.send("COMPLETE", greedy(id="p", prompt=prompt(30 * CHUNK, 6), n_predict=4, return_progress=True))
+    e.until(lambda line: line.get("id") == "p" and line["event"] == "progress")
+    e.send("CANCEL", {"id": "p"})
+    result = e.terminal("p")
+    assert result["stop_type"] == "cancelled" and result["tokens"] == []
+    assert 0 < result["timings"]["prompt_n"] < 30 * CHUNK and result["timings"]["prompt_n"] % CHUNK == 0
+    assert result["n_tokens_held"] == result["timings"]["prompt_n"]
+
+
+def test_commands_are_answered_between_steps_and_a_huge_tokenize_stalls_no_decoding(engine, tokenizers):
+    e = engine(1)
+    e.send("COMPLETE", greedy(id="g", prompt=prompt(8, 7), n_predict=200))
+    e.until(lambda line: line.get("id") == "g" and line["event"] == "token")
+    text = "the quick brown fox jumps over the lazy dog. " * 20000  # 900 KB: seconds of tokenizing
+    e.send("TOKENIZE", {"id": "t", "content": text})
+    e.send("DETOKENIZE", {"id": "d", "tokens": [1, 2, 3]})
+    e.send("STATUS", {"id": "s"})
+    status = e.terminal("s")
+    assert status["is_processing"] and status["slots"][0]["request_id"] == "g"
+    tokenized = e.terminal("t")
+    assert tokenized["tokens"] == tokenizers["smollm2"].encode(text)
+    assert e.terminal("d")["content"] == tokenizers["smollm2"].decode([1, 2, 3])
+    sent_at = e.of("s", "result")[0][0]
+    answered_at = e.of("t", "result")[0][0]
+    # the generation went on, a token every step, while the text was tokenized on the worker thread
+    assert answered_at > sent_at
+    assert sum(sent_at < step <= answered_at for step, _ in e.of("g", "token")) == answered_at - sent_at
+    assert not e.of("g", "result")  # ... and the answer did not wait for the generation's end
+    e.send("CANCEL", {"id": "g"})
+    assert e.terminal("g")["stop_type"] == "cancelled"
+
+
+def test_slot_busy_duplicate_id_and_bad_slot(engine):
+    e = engine(2)
+    e.send("COMPLETE", greedy(id="a", slot=1, prompt=prompt(8, 8), n_predict=50))
+    e.until(lambda line: line.get("id") == "a" and line["event"] == "token")
+    for verb, arg in (("COMPLETE", greedy(id="b", slot=1, prompt=[5], n_predict=1)),
+                      ("ERASE", {"id": "b", "slot": 1}), ("SAVE", {"id": "b", "slot": 1, "path": "/nonexistent/x"})):
+        busy = e.command(verb, arg)
+        assert busy["event"] == "error" and busy["slot"] == 1, busy
+        assert (busy["error"]["type"], busy["error"]["reason"]) == ("slot_busy", "slot_busy")
+    duplicate = e.command("COMPLETE", greedy(id="a", slot=0, prompt=[5], n_predict=1))
+    assert duplicate["error"]["reason"] == "duplicate_id"
+    bad = e.command("COMPLETE", greedy(id="c", slot=2, prompt=[5], n_predict=1))
+    assert bad["error"]["reason"] == "bad_field" and "slot" in bad["error"]["message"]
+    assert e.command("COMPLETE", greedy(id="c", slot=0, prompt=[5], n_predict=1))["event"] == "result"
+    e.send("CANCEL", {"id": "a"})
+    assert e.terminal("a")["stop_type"] == "cancelled"
+
+
+def test_save_one_slot_while_another_streams_and_a_refused_restore_keeps_the_slot(engine, tmp_path):
+    alone = engine(1)
+    expected = alone.command("COMPLETE", greedy(id="g", prompt=prompt(12, 9), n_predict=40))["tokens"]
+    e = engine(2)
+    held = e.command("COMPLETE", greedy(id="h", slot=1, prompt=prompt(60, 11), n_predict=5))
+    e.send("COMPLETE", greedy(id="g", slot=0, prompt=prompt(12, 9), n_predict=40))
+    e.until(lambda line: line.get("id") == "g" and line["event"] == "token")
+    path = tmp_path / "slot1.session"
+    saved = e.command("SAVE", {"id": "save", "slot": 1, "path": str(path)})
+    assert saved["event"] == "result" and saved["slot"] == 1 and saved["n_saved"] == held["n_tokens_held"] == 64
+    assert not e.of("g", "result")  # saved while "g" streamed
+    digest1 = e.command("STATUS")["slots"][1]["tokens_held_digest"]
+    corrupt = tmp_path / "corrupt.session"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    corrupt.write_bytes(bytes(data))
+    refused = e.command("RESTORE", {"id": "r", "slot": 1, "path": str(corrupt)})
+    assert refused["event"] == "error" and refused["error"]["type"] == "session_refused" and refused["slot"] == 1
+    assert e.command("STATUS")["slots"][1]["tokens_held_digest"] == digest1
+    assert e.terminal("g")["tokens"] == expected  # the stream went on, unchanged
+    # a file of slot 1 restores into slot 0
+    restored = e.command("RESTORE", {"id": "r0", "slot": 0, "path": str(path)})
+    assert restored["n_restored"] == 64
+    assert e.command("STATUS")["slots"][0]["tokens_held_digest"] == digest1
+
+
+class DeviceLost(SlotSet):
+    """A slot set whose decode step fails as a lost device would (after the prefill worked)."""
+
+    def decode(self, steps):
+        raise RuntimeError("device lost")
+
+
+def test_an_unexpected_failure_in_a_step_erases_that_slot_and_the_engine_serves_on(tokenizers, templates):
+    slots = DeviceLost.sharing(base_runner("smollm2"), n_slots=2, n_ctx=2 * N_CTX_SLOT, prefill_chunk=CHUNK)
+    slots.runners[1].prefill(prompt(10, 12))
+    kept = digest(slots.runners[1].tokens_held)
+    e = InProcessEngine(slots, tokenizers["smollm2"], templates["smollm2"])
+    try:
+        e.send("COMPLETE", greedy(id="a", slot=0, prompt=prompt(6, 13), n_predict=4))
+        failed = e.terminal("a")
+        assert [line["event"] for _, line in e.of("a")] == ["token", "error"]  # the prefill's token, then the step
+        assert failed["slot"] == 0 and failed["error"]["type"] == "internal"
+        assert "device lost" in failed["error"]["message"] and "slot 0 was erased" in failed["error"]["message"]
+        status = e.command("STATUS", {"id": "s"})
+        assert status["slots"][0]["n_tokens_held"] == 0 and status["slots"][1]["tokens_held_digest"] == kept
+    finally:
+        e.close()
