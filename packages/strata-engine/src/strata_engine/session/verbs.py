@@ -4,6 +4,7 @@
 over the serve context's runner and completer (the identity is computed once per runner and cached).
 
 Answers: SAVE -> `{"n_saved", "n_written", "save_ms"}` after `progress` lines (copy / flush / rename);
+SAVE_UNSYNCED (a session store's save: it fsyncs the file later, off the request's path) -> the same, nothing fsynced;
 RESTORE -> `{"n_restored", "n_read", "restore_ms", "mode", "read_pass_ms", "apply_ms"}` after `progress` lines (read / apply);
 RESTORE_PREFIX (a session store's restore: keep a prefix, may drop the held conversation) -> the same plus
 `n_kept`, or `session_refused` with reason `prefix_unreachable` when the prefix cannot be kept.
@@ -30,6 +31,7 @@ from typing import Any
 import attrs
 import strata_sessionfile as sf
 from strata_sessionfile import errors as E
+from strata_sessionfile.seam import FileSink
 
 from ..errors import InvalidRequest, PrefixUnreachable
 from ..protocol import (
@@ -155,9 +157,15 @@ class SessionVerbs:
         return report
 
     def save(self, ctx: ServeContext, path: str) -> Mapping[str, Any]:
+        return self._save(ctx, path)
+
+    def save_unsynced(self, ctx: ServeContext, path: str) -> Mapping[str, Any]:
+        return self._save(ctx, FileSink(path, sync=False))
+
+    def _save(self, ctx: ServeContext, target: str | FileSink) -> Mapping[str, Any]:
         adapter = self.adapter(ctx)
         try:
-            report = sf.save(path, adapter, block_size=self.block_size(ctx.runner), progress=self._progress(ctx),
+            report = sf.save(target, adapter, block_size=self.block_size(ctx.runner), progress=self._progress(ctx),
                              key=self.options.key)
         except E.DirSyncFailed as exc:
             raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason,
@@ -236,12 +244,13 @@ def parse_restore_prefix(obj: Mapping[str, Any]) -> RestorePrefixRequest:
 
 def register_session_verbs(registry: CommandRegistry, options: SessionOptions | None = None,
                            ctx: ServeContext | None = None) -> SessionVerbs:
-    """Install SAVE and RESTORE. With `ctx`, `SessionVerbs.warm` runs now (fingerprinting the model files
+    """Install SAVE, SAVE_UNSYNCED, RESTORE and RESTORE_PREFIX. With `ctx`, `SessionVerbs.warm` runs now (fingerprinting the model files
     takes ~0.2-0.7 s on a 262K-token vocabulary: start-up time, not the first verb's)."""
     verbs = SessionVerbs(options or SessionOptions())
     if ctx is not None:
         verbs.warm(ctx)
     registry.register("SAVE", ArgumentKind.PATH, verbs.save)
+    registry.register("SAVE_UNSYNCED", ArgumentKind.PATH, verbs.save_unsynced)
     registry.register("RESTORE", ArgumentKind.PATH, verbs.restore)
     registry.register("RESTORE_PREFIX", ArgumentKind.JSON, verbs.restore_prefix)
     return verbs
