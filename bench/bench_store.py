@@ -9,7 +9,14 @@ of --repeat), and what the first such restore in its process adds to the RSS (ab
 the peak, VmHWM reset through /proc/PID/clear_refs, and kept after). Goal: in place <= 64 MiB above at
 any depth, time <= 1.2x the empty engine's.
 
-Part 2, a workload (strata-server, SmolLM2, one slot): --chats chats with --history-token histories take
+Part 2, the save of a displaced conversation (SmolLM2, n_ctx 8192, a synthetic conversation of 2,000
+tokens restored into an engine): what each way of saving costs in the path of the request that displaces
+it, measured in turns (median of --repeat): SAVE (written and fsynced: the store before), SAVE_UNSYNCED
+(written to the page cache; the store's commit thread then fsyncs and renames it: its time printed beside,
+off the path), and a RAM copy of the same bytes (numpy copy in this process: the floor of an engine that
+would copy the K/V aside and write the file later).
+
+Part 3, a workload (strata-server, SmolLM2, one slot): --chats chats with --history-token histories take
 --turns turns each in rounds (chat 1, 2, ..., K, then again), greedy, streamed; time to first token
 (TTFT) of the returning turns:
   * cold: a server without the store: a returning chat re-evaluates its history (one returning round);
@@ -178,7 +185,44 @@ def restore_into_a_live_slot(folder: Path, depths: list[int], repeat: int) -> li
     return rows
 
 
-# ---- part 2: the workload ---------------------------------------------------------------------------
+# ---- part 2: the save of a displaced conversation --------------------------------------------------
+
+
+def save_in_the_path(folder: Path, depth: int, repeat: int) -> dict:
+    from strata_server.store.folder import StoreFolder
+
+    source = folder / "source.ssf"
+    synthetic_file(source, 8192, depth)
+    store = StoreFolder(folder / "store")
+    store.create()
+    name = "0" * 32 + ".ssf"
+    engine = Engine("--ctx-size", "8192")
+    runs: dict[str, list[float]] = {"SAVE (fsync)": [], "SAVE_UNSYNCED": [], "commit (off the path)": [],
+                                    "RAM copy": []}
+    try:
+        engine.command("RESTORE_PREFIX", {"path": str(source)})
+        nbytes = source.stat().st_size
+        a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+        for _ in range(repeat + 1):
+            t0 = time.perf_counter()
+            engine.command("SAVE", str(store.file(name)))
+            runs["SAVE (fsync)"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            engine.command("SAVE_UNSYNCED", str(store.pending(name)))
+            runs["SAVE_UNSYNCED"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            store.sync_pending(name)
+            store.publish(name)
+            runs["commit (off the path)"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            np.copyto(b, a)
+            runs["RAM copy"].append(time.perf_counter() - t0)
+    finally:
+        engine.quit()
+    return {"file_bytes": nbytes, **{k: 1000 * statistics.median(v[1:]) for k, v in runs.items()}}
+
+
+# ---- part 3: the workload ---------------------------------------------------------------------------
 
 
 def free_port() -> int:
@@ -345,7 +389,7 @@ def main() -> int:
     parser.add_argument("--predict", type=int, default=8)
     parser.add_argument("--think", type=float, default=1.0, help="seconds between requests (think-time arms)")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--part", choices=("all", "restore", "workload"), default="all")
+    parser.add_argument("--part", choices=("all", "restore", "save", "workload"), default="all")
     args = parser.parse_args()
     if args.quick:
         args.chats, args.history, args.rounds, args.repeat = 3, 600, 2, 2
@@ -364,8 +408,15 @@ def main() -> int:
                     print(f"      {arm:>9s}: {r['wall_ms']:7.1f} ms ({r['wall_ms'] / empty:4.2f}x empty; engine's "
                           f"restore_ms {r['restore_ms']:6.1f}, {r['mode']}); RSS above before: peak "
                           f"{r['peak_above'] / MIB:6.1f} MiB, kept {r['kept'] / MIB:6.1f} MiB")
+        if args.part in ("all", "save"):
+            depth = 1000 if args.quick else 2000
+            out = save_in_the_path(folder, depth, max(args.repeat, 5))
+            print(f"\n2. The save of a displaced conversation of {depth} tokens ({out.pop('file_bytes') / MIB:.1f} MiB; "
+                  f"median ms of {max(args.repeat, 5)})")
+            for arm, ms in out.items():
+                print(f"   {arm:>22s}: {ms:6.1f} ms")
         if args.part in ("all", "workload"):
-            print(f"\n2. Workload: {args.chats} chats, ~{args.history}-token histories, {args.rounds} returning "
+            print(f"\n3. Workload: {args.chats} chats, ~{args.history}-token histories, {args.rounds} returning "
                   f"rounds, {args.predict} tokens a reply, 1 slot (TTFT of returning turns)")
             out = Workload(folder, args.chats, args.history, args.rounds, args.predict, args.think).run()
             for name, s in out["arms"].items():
