@@ -315,9 +315,10 @@ class Workload:
     """Rounds of turns on servers; each returning turn of a store arm is followed (after the think time)
     by the same chat's next turn, still held in the slot: the pair's ratio is measured at one moment."""
 
-    def __init__(self, folder: Path, k: int, n_history: int, n_rounds: int, n_predict: int, think: float):
+    def __init__(self, folder: Path, k: int, n_history: int, n_rounds: int, n_predict: int, think: float,
+                 cold: bool = True):
         self.folder, self.k, self.n_history, self.n_rounds, self.n_predict = folder, k, n_history, n_rounds, n_predict
-        self.think = think
+        self.think, self.cold = think, cold
         self.common = ("-c", str(max(4096, n_history + 64 * n_rounds * 2 + 512)))
         self.arms: dict[str, list[float]] = {}
         self.ratios: dict[str, list[float]] = {}
@@ -343,11 +344,13 @@ class Workload:
                 self.record(first_arm if first_arm and r == rounds.start else arm, seconds, held)
 
     def run(self) -> dict:
-        server = Server(self.folder / "cold.log", *self.common)
-        try:  # one returning round: each re-evaluates its whole history
-            self.rounds(server, Chats(self.k, self.n_history, self.n_predict), range(2), "cold (no store)", 0.0, False)
-        finally:
-            server.stop()
+        if self.cold:
+            server = Server(self.folder / "cold.log", *self.common)
+            try:  # one returning round: each re-evaluates its whole history
+                self.rounds(server, Chats(self.k, self.n_history, self.n_predict), range(2), "cold (no store)", 0.0,
+                            False)
+            finally:
+                server.stop()
         store = self.folder / "store-think"
         server = Server(self.folder / "b2b.log", *self.common, "--cache-disk", str(self.folder / "store-b2b"),
                         "--cache-idle-seconds", "0")
@@ -389,6 +392,7 @@ def main() -> int:
     parser.add_argument("--predict", type=int, default=8)
     parser.add_argument("--think", type=float, default=1.0, help="seconds between requests (think-time arms)")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--no-cold", action="store_true", help="skip the cold arm (~6 min of prefill)")
     parser.add_argument("--part", choices=("all", "restore", "save", "workload"), default="all")
     args = parser.parse_args()
     if args.quick:
@@ -418,7 +422,7 @@ def main() -> int:
         if args.part in ("all", "workload"):
             print(f"\n3. Workload: {args.chats} chats, ~{args.history}-token histories, {args.rounds} returning "
                   f"rounds, {args.predict} tokens a reply, 1 slot (TTFT of returning turns)")
-            out = Workload(folder, args.chats, args.history, args.rounds, args.predict, args.think).run()
+            out = Workload(folder, args.chats, args.history, args.rounds, args.predict, args.think, not args.no_cold).run()
             for name, s in out["arms"].items():
                 ratio = out["ratios"].get(name)
                 pair = f"; vs its held next turn: mean {ratio[0]:4.2f}x, worst {ratio[1]:4.2f}x" if ratio else ""
