@@ -363,6 +363,10 @@ class Workload:
             self.rounds(server, chats, range(1, self.n_rounds + 1), "store, back to back", 0.0)
         finally:
             server.stop()
+        if self.ratios.get("store, back to back"):  # printed now too: the think-time arms take minutes more
+            ratios = self.ratios["store, back to back"]
+            print(f"   (store, back to back: vs its held next turn mean {statistics.fmean(ratios):4.2f}x, worst "
+                  f"{max(ratios):4.2f}x, n={len(ratios)})", flush=True)
         flags = (*self.common, "--cache-disk", str(store), "--cache-idle-seconds", str(self.think / 2))
         chats = Chats(self.k, self.n_history, self.n_predict)
         half = (self.n_rounds + 1) // 2 + 1
