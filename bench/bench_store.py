@@ -9,7 +9,14 @@ of --repeat), and what the first such restore in its process adds to the RSS (ab
 the peak, VmHWM reset through /proc/PID/clear_refs, and kept after). Goal: in place <= 64 MiB above at
 any depth, time <= 1.2x the empty engine's.
 
-Part 2, a workload (strata-server, SmolLM2, one slot): --chats chats with --history-token histories take
+Part 2, the save of a displaced conversation (SmolLM2, n_ctx 8192, a synthetic conversation of 2,000
+tokens restored into an engine): what each way of saving costs in the path of the request that displaces
+it, measured in turns (median of --repeat): SAVE (written and fsynced: the store before), SAVE with "sync": false
+(written to the page cache; the store's commit thread then fsyncs and renames it: its time printed beside,
+off the path), and a RAM copy of the same bytes (numpy copy in this process: the floor of an engine that
+would copy the K/V aside and write the file later).
+
+Part 3, a workload (strata-server, SmolLM2, one slot): --chats chats with --history-token histories take
 --turns turns each in rounds (chat 1, 2, ..., K, then again), greedy, streamed; time to first token
 (TTFT) of the returning turns:
   * cold: a server without the store: a returning chat re-evaluates its history (one returning round);
@@ -153,7 +160,7 @@ def restore_into_a_live_slot(folder: Path, depths: list[int], repeat: int) -> li
         path = folder / f"depth-{depth}.ssf"
         synthetic_file(path, 8192, depth)
         arms = {"empty": ("RESTORE_PREFIX", {"path": str(path)}),  # after an ERASE: nothing held
-                "staged": ("RESTORE", str(path)),  # the plain RESTORE into a live engine
+                "staged": ("RESTORE", {"path": str(path)}),  # the plain RESTORE into a live engine
                 "in place": ("RESTORE_PREFIX", {"path": str(path), "discard_held": True})}
         engines = {arm: Engine("--ctx-size", "8192") for arm in arms}
         runs: dict[str, list[dict]] = {arm: [] for arm in arms}
@@ -178,7 +185,44 @@ def restore_into_a_live_slot(folder: Path, depths: list[int], repeat: int) -> li
     return rows
 
 
-# ---- part 2: the workload ---------------------------------------------------------------------------
+# ---- part 2: the save of a displaced conversation --------------------------------------------------
+
+
+def save_in_the_path(folder: Path, depth: int, repeat: int) -> dict:
+    from strata_server.store.folder import StoreFolder
+
+    source = folder / "source.ssf"
+    synthetic_file(source, 8192, depth)
+    store = StoreFolder(folder / "store")
+    store.create()
+    name = "0" * 32 + ".ssf"
+    engine = Engine("--ctx-size", "8192")
+    runs: dict[str, list[float]] = {"SAVE (fsync)": [], "SAVE sync=false": [], "commit (off the path)": [],
+                                    "RAM copy": []}
+    try:
+        engine.command("RESTORE_PREFIX", {"path": str(source)})
+        nbytes = source.stat().st_size
+        a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+        for _ in range(repeat + 1):
+            t0 = time.perf_counter()
+            engine.command("SAVE", {"path": str(store.file(name))})
+            runs["SAVE (fsync)"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            engine.command("SAVE", {"path": str(store.pending(name)), "sync": False})
+            runs["SAVE sync=false"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            store.sync_pending(name)
+            store.publish(name)
+            runs["commit (off the path)"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            np.copyto(b, a)
+            runs["RAM copy"].append(time.perf_counter() - t0)
+    finally:
+        engine.quit()
+    return {"file_bytes": nbytes, **{k: 1000 * statistics.median(v[1:]) for k, v in runs.items()}}
+
+
+# ---- part 3: the workload ---------------------------------------------------------------------------
 
 
 def free_port() -> int:
@@ -271,9 +315,10 @@ class Workload:
     """Rounds of turns on servers; each returning turn of a store arm is followed (after the think time)
     by the same chat's next turn, still held in the slot: the pair's ratio is measured at one moment."""
 
-    def __init__(self, folder: Path, k: int, n_history: int, n_rounds: int, n_predict: int, think: float):
+    def __init__(self, folder: Path, k: int, n_history: int, n_rounds: int, n_predict: int, think: float,
+                 cold: bool = True):
         self.folder, self.k, self.n_history, self.n_rounds, self.n_predict = folder, k, n_history, n_rounds, n_predict
-        self.think = think
+        self.think, self.cold = think, cold
         self.common = ("-c", str(max(4096, n_history + 64 * n_rounds * 2 + 512)))
         self.arms: dict[str, list[float]] = {}
         self.ratios: dict[str, list[float]] = {}
@@ -299,11 +344,13 @@ class Workload:
                 self.record(first_arm if first_arm and r == rounds.start else arm, seconds, held)
 
     def run(self) -> dict:
-        server = Server(self.folder / "cold.log", *self.common)
-        try:  # one returning round: each re-evaluates its whole history
-            self.rounds(server, Chats(self.k, self.n_history, self.n_predict), range(2), "cold (no store)", 0.0, False)
-        finally:
-            server.stop()
+        if self.cold:
+            server = Server(self.folder / "cold.log", *self.common)
+            try:  # one returning round: each re-evaluates its whole history
+                self.rounds(server, Chats(self.k, self.n_history, self.n_predict), range(2), "cold (no store)", 0.0,
+                            False)
+            finally:
+                server.stop()
         store = self.folder / "store-think"
         server = Server(self.folder / "b2b.log", *self.common, "--cache-disk", str(self.folder / "store-b2b"),
                         "--cache-idle-seconds", "0")
@@ -316,6 +363,10 @@ class Workload:
             self.rounds(server, chats, range(1, self.n_rounds + 1), "store, back to back", 0.0)
         finally:
             server.stop()
+        if self.ratios.get("store, back to back"):  # printed now too: the think-time arms take minutes more
+            ratios = self.ratios["store, back to back"]
+            print(f"   (store, back to back: vs its held next turn mean {statistics.fmean(ratios):4.2f}x, worst "
+                  f"{max(ratios):4.2f}x, n={len(ratios)})", flush=True)
         flags = (*self.common, "--cache-disk", str(store), "--cache-idle-seconds", str(self.think / 2))
         chats = Chats(self.k, self.n_history, self.n_predict)
         half = (self.n_rounds + 1) // 2 + 1
@@ -345,7 +396,8 @@ def main() -> int:
     parser.add_argument("--predict", type=int, default=8)
     parser.add_argument("--think", type=float, default=1.0, help="seconds between requests (think-time arms)")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--part", choices=("all", "restore", "workload"), default="all")
+    parser.add_argument("--no-cold", action="store_true", help="skip the cold arm (~6 min of prefill)")
+    parser.add_argument("--part", choices=("all", "restore", "save", "workload"), default="all")
     args = parser.parse_args()
     if args.quick:
         args.chats, args.history, args.rounds, args.repeat = 3, 600, 2, 2
@@ -364,10 +416,17 @@ def main() -> int:
                     print(f"      {arm:>9s}: {r['wall_ms']:7.1f} ms ({r['wall_ms'] / empty:4.2f}x empty; engine's "
                           f"restore_ms {r['restore_ms']:6.1f}, {r['mode']}); RSS above before: peak "
                           f"{r['peak_above'] / MIB:6.1f} MiB, kept {r['kept'] / MIB:6.1f} MiB")
+        if args.part in ("all", "save"):
+            depth = 1000 if args.quick else 2000
+            out = save_in_the_path(folder, depth, max(args.repeat, 5))
+            print(f"\n2. The save of a displaced conversation of {depth} tokens ({out.pop('file_bytes') / MIB:.1f} MiB; "
+                  f"median ms of {max(args.repeat, 5)})")
+            for arm, ms in out.items():
+                print(f"   {arm:>22s}: {ms:6.1f} ms")
         if args.part in ("all", "workload"):
-            print(f"\n2. Workload: {args.chats} chats, ~{args.history}-token histories, {args.rounds} returning "
+            print(f"\n3. Workload: {args.chats} chats, ~{args.history}-token histories, {args.rounds} returning "
                   f"rounds, {args.predict} tokens a reply, 1 slot (TTFT of returning turns)")
-            out = Workload(folder, args.chats, args.history, args.rounds, args.predict, args.think).run()
+            out = Workload(folder, args.chats, args.history, args.rounds, args.predict, args.think, not args.no_cold).run()
             for name, s in out["arms"].items():
                 ratio = out["ratios"].get(name)
                 pair = f"; vs its held next turn: mean {ratio[0]:4.2f}x, worst {ratio[1]:4.2f}x" if ratio else ""

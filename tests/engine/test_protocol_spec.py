@@ -8,9 +8,11 @@ import re
 import subprocess
 import sys
 
+import attrs
 from strata_engine import protocol as P
 from strata_engine.errors import ContextOverflow
 from strata_engine.serve import build_registry
+from strata_engine.session.verbs import RestorePrefixRequest, SaveRequest, parse_save
 from support.spec import code, read_spec, section, table_rows
 
 SPEC = read_spec("engine-protocol.md")
@@ -114,3 +116,16 @@ def test_every_engine_exception_is_defined_in_errors_or_protocol():
     assert {cls.__module__ for cls in defined.values()} == {"strata_engine.errors", "strata_engine.protocol"}
     assert all(issubclass(cls, EngineError) for cls in defined.values())
     assert {"ProtocolError", "FailStop"} == {n for n, c in defined.items() if c.__module__ == "strata_engine.protocol"}
+
+
+def test_session_verbs_objects_are_the_parsers_fields():
+    """SAVE's and RESTORE_PREFIX's objects in Lines name the fields (and defaults) their parsers take."""
+    rows = {code(r[0]): r[1] for r in table_rows(section(SPEC, "## Lines"))}
+    for verb, request in (("SAVE", SaveRequest), ("RESTORE_PREFIX", RestorePrefixRequest)):
+        spec_fields = dict(re.findall(r'"(\w+)": ([^,}]+)', rows[verb]))
+        assert set(spec_fields) == {"slot"} | {f.name for f in attrs.fields(request)}, verb
+        for field in attrs.fields(request):
+            if field.default is not attrs.NOTHING and isinstance(field.default, bool):
+                assert spec_fields[field.name].strip().endswith(f"= {json.dumps(field.default)}"), (verb, field.name)
+    assert parse_save({"path": "x.ssf"}) == SaveRequest("x.ssf", sync=True)
+    assert parse_save({"path": "x.ssf", "sync": False}).sync is False

@@ -1,6 +1,7 @@
 """What a session store needs from the engine (spec/engine-protocol.md): PROMPT_TOKENS, RESTORE_PREFIX
 (cut to a prefix, refuse before the gate when too little would be kept, land in place when the held
-conversation may be dropped) and the ready line's session fingerprints, on `strata-engine serve` child
+conversation may be dropped), SAVE with "sync": false (the same file, no fsync) and the ready line's session
+fingerprints, on `strata-engine serve` child
 processes with the real models."""
 
 from __future__ import annotations
@@ -90,6 +91,27 @@ def test_restore_prefix_cuts_refuses_and_lands_in_place(smollm2, tmp_path):
                 {"path": str(path), "min_keep": "2"}):
         error = smollm2.command("RESTORE_PREFIX", bad)["error"]
         assert (error["type"], error["reason"]) == ("invalid_request", "bad_field"), bad
+
+
+def test_save_unsynced_writes_the_file_save_writes(smollm2, tmp_path):
+    prompt = random_tokens(300, 4)
+    smollm2.complete(prompt, 3)
+    held = smollm2.result("STATUS")["slots"][0]["tokens_held_digest"]
+    synced, unsynced = tmp_path / "synced.ssf", tmp_path / "unsynced.ssf.pending"
+    assert smollm2.result("SAVE", {"path": str(synced)})["n_saved"] == 302
+    answer = smollm2.result("SAVE", {"path": str(unsynced), "sync": False})
+    assert (answer["n_saved"], answer["n_written"]) == (302, unsynced.stat().st_size)
+    assert unsynced.read_bytes() == synced.read_bytes()  # complete once it appears: renamed from its temporary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["synced.ssf", "unsynced.ssf.pending"]
+    assert sf.inspect(unsynced).payload_verified
+    failed = smollm2.command("SAVE", {"path": str(tmp_path / "no-such-folder" / "x.ssf"), "sync": False})
+    assert failed["error"]["type"] == "session_write_failed"
+    bad = smollm2.command("SAVE", {"path": str(synced), "sync": "no"})["error"]
+    assert (bad["type"], bad["reason"]) == ("invalid_request", "bad_field")
+    smollm2.complete(random_tokens(50, 5), 2)
+    restored = smollm2.result("RESTORE_PREFIX", {"path": str(unsynced), "discard_held": True})
+    assert restored["n_kept"] == 302
+    assert smollm2.result("STATUS")["slots"][0]["tokens_held_digest"] == held
 
 
 def test_restore_prefix_with_sliding_windows_keeps_a_resume_point_or_refuses(tmp_path):

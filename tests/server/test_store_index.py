@@ -1,10 +1,13 @@
 """The session store's index and policy without a server: chained block hashes, the longest stored prefix
-checked token by token, least-recently-used eviction by bytes, and the save / restore decisions."""
+checked token by token, least-recently-used eviction by bytes, the save / restore decisions, and the
+start-up scan of pending files a kill left behind."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import strata_sessionfile as sf
+from strata_server.store.folder import PENDING_SUFFIX, Fingerprints, StoreFolder, conversation_name
 from strata_server.store.index import (
     BLOCK_TOKENS,
     StoredConversation,
@@ -13,6 +16,8 @@ from strata_server.store.index import (
     chain_hashes,
 )
 from strata_server.store.policy import plan, worth_saving
+from strata_server.store.store import SessionStore, StoreSettings
+from strata_sessionfile.testing.reference import fake_identity, memory_adapter_factory
 
 B = BLOCK_TOKENS
 
@@ -127,3 +132,33 @@ def test_plan_saves_a_conversation_before_another_replaces_it():
     assert plan(b, None, None, min_reuse=B).save_first is False  # unknown: never saved
     assert worth_saving(tokens(B, 17), B) and not worth_saving(tokens(B - 1, 17), 1)
     assert not worth_saving(tokens(300, 17), 400) and not worth_saving(None, 1)
+
+
+def test_a_pending_file_left_by_a_kill_is_committed_when_whole_and_removed_when_cut(tmp_path):
+    """What a server killed between the engine's write (SAVE, "sync": false) and the commit leaves: the start-up
+    scan commits a whole pending file (its payload verified) and removes one cut short; another engine's
+    is left alone. Only committed files are indexed."""
+    ours, theirs = fake_identity("ours"), fake_identity("theirs")
+    fingerprints = Fingerprints(ours.model.fingerprint.hex(), ours.config.fingerprint.hex())
+    folder = StoreFolder(tmp_path)
+
+    def pending(identity, seed: int) -> tuple[str, np.ndarray]:
+        scratch = tmp_path / "scratch.tmp"
+        sf.save(scratch, memory_adapter_factory(n_tokens=300, identity=identity)(seed))
+        toks = as_tokens(np.frombuffer(sf.inspect(scratch, verify=False).metadata.state.tokens, dtype="<i4"))
+        name = conversation_name(fingerprints, toks)
+        scratch.rename(folder.pending(name))
+        return name, toks
+
+    whole, whole_tokens = pending(ours, 1)
+    cut, _ = pending(ours, 2)
+    data = folder.pending(cut).read_bytes()
+    folder.pending(cut).write_bytes(data[:len(data) // 2])
+    foreign, _ = pending(theirs, 3)
+    store = SessionStore(StoreSettings(folder=tmp_path, max_bytes=1 << 30, min_reuse=B, idle_s=0), engine=None)
+    store.fingerprints = fingerprints
+    store.scan()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([whole, foreign + PENDING_SUFFIX])
+    assert [c.name for c in store.index.over_limit(0)] == [whole]  # the only one indexed
+    assert np.array_equal(store.index.get(whole).tokens, whole_tokens)
+    assert sf.inspect(folder.file(whole)).payload_verified

@@ -108,3 +108,20 @@ def test_folder_fsync_failure_is_reported_as_exactly_that(factory, old_file, mon
 def test_unwritable_folder_is_a_write_failure(factory, tmp_path):
     with pytest.raises(E.WriteFailed):
         save(tmp_path / "no-such-dir" / "s.ssf", factory(1))
+
+
+def test_an_unsynced_sink_writes_the_same_file_without_any_fsync(factory, old_file, monkeypatch):
+    """FileSink(sync=False) (the engine's SAVE with "sync": false): the same bytes, renamed in place, no fsync; a write
+    failure still keeps the old file."""
+    path, old = old_file
+    synced = path.with_name("synced.ssf")
+    save(synced, factory(2), block_size=4096)
+    calls = []
+    monkeypatch.setattr(_fileio, "fsync", calls.append)
+    save(_fileio.FileSink(str(path), sync=False), factory(2), block_size=4096)
+    assert calls == [] and path.read_bytes() == synced.read_bytes() != old
+    assert files_in(path.parent) == ["s.ssf", "synced.ssf"]
+    monkeypatch.setattr(_fileio, "write", _failing_write(5000, errno.EIO))
+    with pytest.raises(E.WriteFailed):
+        save(_fileio.FileSink(str(synced), sync=False), factory(3), block_size=4096)
+    assert path.read_bytes() == synced.read_bytes() and files_in(path.parent) == ["s.ssf", "synced.ssf"]

@@ -174,10 +174,12 @@ class FileSink:
     O_CREAT|O_EXCL|O_NOFOLLOW (mode 0600). Written in order (``write``; ``write_at`` patches bytes already
     written), then ``flush`` (fsync, close), ``publish`` (rename over the target) and ``sync_folder``.
     ``discard`` removes the temporary (the target untouched) at any point before ``publish``. Raises
-    OSError; the writer names the stage it happened in."""
+    OSError; the writer names the stage it happened in. ``sync=False``: neither fsync (the file appears
+    complete, and is durable once the caller fsyncs it and its folder)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, sync: bool = True) -> None:
         self.path = path
+        self.sync = sync
         self.folder, self.name = os.path.split(os.path.abspath(path))
         self.tmp: str | None = None
         self.fd = -1
@@ -217,7 +219,8 @@ class FileSink:
             pass
 
     def flush(self) -> None:
-        fsync(self.fd)
+        if self.sync:
+            fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
 
@@ -226,6 +229,8 @@ class FileSink:
         self.tmp = None
 
     def sync_folder(self) -> None:
+        if not self.sync:
+            return
         dfd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fsync(dfd)

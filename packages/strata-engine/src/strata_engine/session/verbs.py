@@ -5,6 +5,7 @@ slot (`{"slot": i, "path": ...}`), run by the scheduler between two steps.
 over the slot's runner and completer (the identity, the same for every slot, is computed once).
 
 Answers: SAVE -> `{"n_saved", "n_written", "save_ms"}` after `progress` lines (copy / flush / rename);
+(SAVE with `"sync": false`, a session store's save that fsyncs the file later, off the request's path: nothing fsynced);
 RESTORE -> `{"n_restored", "n_read", "restore_ms", "mode", "read_pass_ms", "apply_ms"}` after `progress` lines (read / apply);
 RESTORE_PREFIX (a session store's restore: keep a prefix, may drop the held conversation) -> the same plus
 `n_kept`, or `session_refused` with reason `prefix_unreachable` when the prefix cannot be kept.
@@ -33,6 +34,7 @@ from typing import Any
 import attrs
 import strata_sessionfile as sf
 from strata_sessionfile import errors as E
+from strata_sessionfile.seam import FileSink
 
 from ..errors import InvalidRequest, PrefixUnreachable
 from ..protocol import (
@@ -188,10 +190,11 @@ class SessionVerbs:
         return report
 
     def save(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
-        path = parse_path(request.args)
+        parsed = parse_save(request.args)
+        target = parsed.path if parsed.sync else FileSink(parsed.path, sync=False)
         adapter = self.adapter(ctx, request.slot, gate=request.gate)
         try:
-            report = sf.save(path, adapter, block_size=self.block_size(adapter.runner), progress=self._progress(request),
+            report = sf.save(target, adapter, block_size=self.block_size(adapter.runner), progress=self._progress(request),
                              key=self.options.key)
         except E.DirSyncFailed as exc:
             raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason,
@@ -286,6 +289,27 @@ def parse_restore_prefix(obj: Mapping[str, Any]) -> RestorePrefixRequest:
     return RestorePrefixRequest(path, cut_to, min_keep, discard_held)
 
 
+@attrs.frozen
+class SaveRequest:
+    path: str
+    sync: bool = True  # False: neither the file nor its folder fsynced (the client makes it durable later)
+
+
+def parse_save(obj: Mapping[str, Any]) -> SaveRequest:
+    """SAVE's object; every bad field is named in one error (unknown fields are ignored)."""
+    problems = []
+    try:
+        path = parse_path(obj)
+    except InvalidRequest as exc:
+        problems.extend(exc.problems)
+    sync = obj.get("sync", True)
+    if not isinstance(sync, bool):
+        problems.append(f"sync must be a boolean, got {sync!r}")
+    if problems:
+        raise InvalidRequest(problems)
+    return SaveRequest(path, sync)
+
+
 def parse_path(obj: Mapping[str, Any]) -> str:
     """SAVE's and RESTORE's `path`."""
     path = obj.get("path")
@@ -296,7 +320,7 @@ def parse_path(obj: Mapping[str, Any]) -> str:
 
 def register_session_verbs(registry: CommandRegistry, options: SessionOptions | None = None,
                            ctx: ServeContext | None = None) -> SessionVerbs:
-    """Install SAVE and RESTORE. With `ctx`, `SessionVerbs.warm` runs now (fingerprinting the model files
+    """Install SAVE, RESTORE and RESTORE_PREFIX. With `ctx`, `SessionVerbs.warm` runs now (fingerprinting the model files
     takes ~0.2-0.7 s on a 262K-token vocabulary: start-up time, not the first verb's)."""
     verbs = SessionVerbs(options or SessionOptions())
     if ctx is not None:

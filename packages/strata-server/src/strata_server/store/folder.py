@@ -1,5 +1,11 @@
 """The store's folder: the names the server gives its files, reading a file's identity and tokens
-(header and metadata only, through strata-sessionfile), moving a bad file aside, and removing one.
+(header and metadata only, through strata-sessionfile), committing a pending file, moving a bad file
+aside, and removing one.
+
+A save lands in two steps: the engine writes `<name>.pending` without fsync (SAVE with "sync": false, in the
+request's path), then the store fsyncs it (`sync_pending`), renames it to `<name>` and fsyncs the folder (`publish`),
+off the request's path.
+Only committed files are read by a scan or restored.
 
 Names are content hashes (`conversation_name`), never anything a client sent; a scan reads only names
 of that form, so nothing else in the folder is opened, and another server's files (another model or
@@ -26,6 +32,8 @@ log = logging.getLogger("strata_server.store")
 
 SUFFIX = ".ssf"
 NAME = re.compile(r"^[0-9a-f]{32}\.ssf$")
+PENDING_SUFFIX = ".pending"  # written by the engine, not yet fsynced: never indexed under this name
+PENDING = re.compile(r"^([0-9a-f]{32}\.ssf)\.pending$")
 BAD_FOLDER = ".bad"  # files that failed validation are moved here, never restored
 FOLDER_MODE = 0o700
 
@@ -68,27 +76,67 @@ class StoreFolder:
         assert NAME.match(name), name
         return self.path / name
 
+    def pending(self, name: str) -> Path:
+        """Where the engine writes `name` before its commit."""
+        return self.file(name).with_name(name + PENDING_SUFFIX)
+
     def names(self) -> Iterator[str]:
         with os.scandir(self.path) as entries:
             for entry in entries:
                 if NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
                     yield entry.name
 
-    def read(self, name: str) -> tuple[sf.Inspection, int]:
-        """Header and metadata of one file (its data is not read) and its size; SessionFileError when
-        they are not valid."""
-        path = self.file(name)
-        inspection = sf.inspect(path, verify=False, read_threads=1, key=self.key, require_mac=self.require_mac)
+    def pending_names(self) -> Iterator[str]:
+        """The names of pending files (left by a server killed before their commit)."""
+        with os.scandir(self.path) as entries:
+            for entry in entries:
+                found = PENDING.match(entry.name)
+                if found and entry.is_file(follow_symlinks=False):
+                    yield found.group(1)
+
+    def read(self, name: str, pending: bool = False, verify: bool = False) -> tuple[sf.Inspection, int]:
+        """Header and metadata of one file (with `verify`, its payload hash too) and its size;
+        SessionFileError when they are not valid."""
+        path = self.pending(name) if pending else self.file(name)
+        inspection = sf.inspect(path, verify=verify, read_threads=1, key=self.key, require_mac=self.require_mac)
         return inspection, path.stat().st_size
 
-    def conversation(self, name: str, fingerprints: Fingerprints) -> StoredConversation | None:
+    def conversation(self, name: str, fingerprints: Fingerprints, pending: bool = False,
+                     verify: bool = False) -> StoredConversation | None:
         """The stored conversation of one file, or None when it belongs to another engine."""
-        inspection, size = self.read(name)
+        inspection, size = self.read(name, pending, verify)
         header = inspection.header
         if (header.model_fingerprint.hex(), header.config_fingerprint.hex()) != (fingerprints.model,
                                                                                   fingerprints.config):
             return None
         return StoredConversation(name, size, np.frombuffer(inspection.metadata.state.tokens, dtype="<i4"))
+
+    def sync_pending(self, name: str) -> None:
+        """fsync a pending file's bytes (the slow part of a commit; OSError: it stays pending)."""
+        fd = os.open(self.pending(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def publish(self, name: str) -> None:
+        """A synced pending file renamed to its final name at once, then the folder fsynced (a failure of
+        that last fsync is logged: the file is in place). OSError from the rename: nothing changed."""
+        os.replace(self.pending(name), self.file(name))
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.warning("session store: %s is in place but fsyncing the folder failed: %s", name, exc)
+
+    def remove_pending(self, name: str) -> None:
+        try:
+            os.unlink(self.pending(name))
+        except FileNotFoundError:
+            pass
 
     def used_at(self, name: str) -> float:
         try:

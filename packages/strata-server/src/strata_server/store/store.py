@@ -8,6 +8,13 @@ landing in place), and the COMPLETE is sent with the tokens; `completed` records
 after it. A background thread scans the folder once the engine is ready (the index is the files), then
 saves a slot idle for --cache-idle-seconds; `shutdown` saves every slot at SIGTERM / SIGINT.
 
+Every save is two steps: the engine writes `<name>.pending` without fsync (SAVE with "sync": false, under the
+lease), then a commit fsyncs it, makes room (evicting), renames it to `<name>` and indexes it. A save in a
+request's path (a displaced conversation) is committed by the commit thread, off the request's path
+(~40 ms of fsync for a 46 MiB file: bench/STORE-NOTES.md); a request whose prompt a pending save holds
+waits for that commit before its lookup. A pending file left by a kill is verified in full at start-up
+and committed, or removed: only committed files are ever indexed.
+
 The store tracks each slot's tokens (`SlotConversation`, by slot id: one slot today, N later) from the
 prompts and results it sees; when it cannot know them (a COMPLETE that failed or was cut off) they are
 unknown until the next COMPLETE, and an unknown conversation is never saved.
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import queue
 import shutil
 import threading
 import time
@@ -31,7 +39,7 @@ from strata_engine.protocol import ErrorKind, Reason
 
 from ..engine.client import EngineClient, EngineLease, EngineState
 from ..errors import EngineCallError, EngineDied, EngineReplyError
-from .folder import Fingerprints, StoreFolder, conversation_name
+from .folder import PENDING_SUFFIX, Fingerprints, StoreFolder, conversation_name
 from .index import StoredConversation, StoreIndex, as_tokens, common_prefix
 from .metrics import Lookup, Row, SaveTrigger, StoreMetrics
 from .policy import Plan, plan, worth_saving
@@ -43,6 +51,7 @@ MIB = 1 << 20
 SCAN_BUDGET_S = 60.0  # start-up scan: files not read by then stay unindexed (logged)
 READY_WAIT_S = 2.0  # how long a request waits for the start-up scan before it goes on without the store
 SHUTDOWN_BUDGET_S = 20.0  # saving every slot at shutdown (inside gunicorn's 30 s graceful timeout)
+COMMIT_WAIT_S = 20.0  # how long a request waits for the commit of a pending save that holds its prompt
 EMPTY = as_tokens([])
 
 
@@ -90,6 +99,18 @@ class SlotConversation:
                 "n_tokens": None if self.tokens is None else len(self.tokens)}
 
 
+@attrs.frozen(eq=False)
+class PendingSave:
+    """A conversation the engine wrote as `<name>.pending` (SAVE, "sync": false), not yet committed."""
+
+    slot_id: int
+    trigger: SaveTrigger
+    name: str
+    tokens: np.ndarray
+    n_written: int
+    write_s: float  # the engine's part (in the path of whoever held the lease)
+
+
 class SessionStore:
     def __init__(self, settings: StoreSettings, engine: EngineClient, n_slots: int = 1) -> None:
         self.settings = settings
@@ -101,7 +122,12 @@ class SessionStore:
         self.metrics = StoreMetrics()
         self.fingerprints: Fingerprints | None = None
         self.slots = {slot_id: SlotConversation() for slot_id in range(n_slots)}
-        self._lock = threading.Lock()  # the slots' tracked state
+        self._lock = threading.Lock()  # the slots' tracked state and the pending saves
+        self._files = threading.RLock()  # committed files and index vs a lookup + restore (no eviction between)
+        self._pending: dict[str, np.ndarray] = {}  # name -> tokens of the saves written, not yet committed
+        self._committed = threading.Condition(self._lock)  # notified when a pending save is done
+        self._commits: queue.SimpleQueue[PendingSave | None] = queue.SimpleQueue()
+        self._committer: threading.Thread | None = None
         self._ready = threading.Event()  # the folder was scanned for this engine
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -112,8 +138,17 @@ class SessionStore:
         if self.settings.ephemeral:
             shutil.rmtree(self.settings.folder, ignore_errors=True)
         self.folder.create()
+        self._committer = threading.Thread(target=self._commit_loop, name="session-store-commit", daemon=True)
+        self._committer.start()
         self._thread = threading.Thread(target=self._run, name="session-store", daemon=True)
         self._thread.start()
+
+    def _commit_loop(self) -> None:
+        while (job := self._commits.get()) is not None:
+            try:
+                self._commit(job)
+            except Exception:  # the thread must outlive one bad commit: later saves and waiting requests need it
+                log.exception("session store: committing %s failed", job.name)
 
     def _run(self) -> None:
         while not self._stop.is_set() and self.engine.status().state is not EngineState.READY:
@@ -137,6 +172,8 @@ class SessionStore:
         """Index this engine's files (headers and metadata only), oldest use first; move bad ones aside."""
         assert self.fingerprints is not None
         t0 = time.monotonic()
+        for name in list(self.folder.pending_names()):
+            self._recover(name)
         names = sorted(self.folder.names(), key=self.folder.used_at)
         indexed = foreign = bad = 0
         for done, name in enumerate(names):
@@ -163,17 +200,44 @@ class SessionStore:
                  time.monotonic() - t0)
         self._ready.set()
 
+    def _recover(self, name: str) -> None:
+        """A pending file left by a server stopped before its commit: the engine renamed it complete, so it
+        is committed when it verifies in full (payload hash included), else removed; another engine's is
+        left to its server."""
+        assert self.fingerprints is not None
+        try:
+            stored = self.folder.conversation(name, self.fingerprints, pending=True, verify=True)
+            if stored is not None:
+                self.folder.sync_pending(name)
+                self.folder.publish(name)
+                log.info("session store: committed %s, left pending by a server stopped before its commit", name)
+        except sf.SessionFileError as exc:
+            log.warning("session store: %s%s, left pending, does not verify (%s); removing it", name,
+                        PENDING_SUFFIX, exc.reason)
+            self.folder.remove_pending(name)
+        except OSError as exc:
+            log.warning("session store: %s%s, left pending, could not be committed: %s", name, PENDING_SUFFIX, exc)
+
     def shutdown(self) -> None:
-        """Save every slot whose conversation is not stored yet (bounded, logged); stop the thread."""
+        """Save every slot whose conversation is not stored yet (bounded, logged); stop the threads."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        deadline = time.monotonic() + self.settings.shutdown_budget_s
+        self._drain(deadline)
+        try:
+            self._save_at_shutdown(deadline)
+        finally:
+            self._commits.put(None)
+            if self._committer is not None:
+                self._committer.join(timeout=max(1.0, deadline - time.monotonic()))
+
+    def _save_at_shutdown(self, deadline: float) -> None:
         if self.settings.ephemeral:
             shutil.rmtree(self.settings.folder, ignore_errors=True)
             return
         if not self._ready.is_set():
             return
-        deadline = time.monotonic() + self.settings.shutdown_budget_s
         for slot_id in self.slots:
             if not self._needs_save(slot_id):
                 log.info("session store: slot %d has nothing to save at shutdown (stored already, too short or "
@@ -181,9 +245,12 @@ class SessionStore:
                 continue
             try:
                 with self.engine.acquire(max(0.0, deadline - time.monotonic()), id_slot=slot_id) as lease:
-                    self._save(lease, slot_id, SaveTrigger.SHUTDOWN)
+                    job = self._save(lease, slot_id, SaveTrigger.SHUTDOWN)
             except EngineCallError as exc:
                 log.warning("session store: slot %d not saved at shutdown: %s", slot_id, exc)
+                continue
+            if job is not None:
+                self._commit(job)
         if self.remote is not None:
             self.remote.close(max(1.0, deadline - time.monotonic()))
 
@@ -197,13 +264,18 @@ class SessionStore:
             held = self.slots[slot_id].tokens
         # A request right after start-up waits briefly for the scan (ms for a few files): a returning chat is found.
         ready = self._ready.wait(READY_WAIT_S)
-        if ready and cache_prompt and self.remote is not None:
-            self._fetch_remote(prompt, held)
-        match = self.index.longest_prefix(prompt) if ready and cache_prompt else None
-        decision = plan(prompt, held, match, min_reuse=self.settings.min_reuse, cache_prompt=cache_prompt)
-        if ready and decision.save_first:
-            self._save(lease, slot_id, SaveTrigger.REPLACE)
-        restored = decision.restore is not None and self._restore(lease, slot_id, prompt, decision)
+        if ready and cache_prompt:
+            self._await_commits(prompt, common_prefix(prompt, held) if held is not None else 0)
+        with self._files:
+            if ready and cache_prompt and self.remote is not None:
+                self._fetch_remote(prompt, held)
+            match = self.index.longest_prefix(prompt) if ready and cache_prompt else None
+            decision = plan(prompt, held, match, min_reuse=self.settings.min_reuse, cache_prompt=cache_prompt)
+            if ready and decision.save_first:
+                job = self._save(lease, slot_id, SaveTrigger.REPLACE)
+                if job is not None:
+                    self._commits.put(job)  # the fsync and the rest off this request's path
+            restored = decision.restore is not None and self._restore(lease, slot_id, prompt, decision)
         if ready and decision.restore is None:
             self.metrics.lookup(Lookup.MISS if match is None else Lookup.HELD)
         with self._lock:
@@ -253,49 +325,110 @@ class SessionStore:
     def _needs_save(self, slot_id: int) -> bool:
         with self._lock:
             tokens = self.slots[slot_id].tokens
+            pending = list(self._pending.values())
         return (self.fingerprints is not None and worth_saving(tokens, self.settings.min_reuse)
-                and not self.index.covers(tokens))
+                and not self.index.covers(tokens)
+                and not any(common_prefix(tokens, p) == len(tokens) for p in pending))
 
-    def _save(self, lease: EngineLease, slot_id: int, trigger: SaveTrigger) -> None:
-        """Save the slot's conversation unless the store holds it already; a longer one replaces the files
-        it extends; then evict down to the limit."""
+    def _save(self, lease: EngineLease, slot_id: int, trigger: SaveTrigger) -> PendingSave | None:
+        """The engine writes the slot's conversation as a pending file (SAVE, "sync": false) unless the store
+        holds it already; `_commit` makes it a stored one."""
         if not self._needs_save(slot_id):
-            return
+            return None
         with self._lock:
             tokens = self.slots[slot_id].tokens
         assert tokens is not None and self.fingerprints is not None
         name = conversation_name(self.fingerprints, tokens)
         t0 = time.perf_counter()
         try:
-            result = lease.call("SAVE", {"path": str(self.folder.file(name))})
+            result = lease.call("SAVE", {"path": str(self.folder.pending(name)), "sync": False})
         except EngineReplyError as exc:
             self.metrics.save_failed()
             log.warning("session store: saving slot %d (%d tokens, %s) failed: %s", slot_id, len(tokens),
                         trigger, exc.message)
-            if not exc.error.get("file_in_place"):
-                return
-        seconds = time.perf_counter() - t0
+            return None
+        job = PendingSave(slot_id, trigger, name, tokens, int(result.get("n_written", 0)), time.perf_counter() - t0)
+        with self._lock:
+            self._pending[name] = tokens
+        return job
+
+    def _commit(self, job: PendingSave) -> None:
+        """fsync the pending file, make room for it (evicting the least recently used), rename it to its
+        name, index it (the index is the files) and drop the stored prefixes it extends."""
         try:
-            stored = self.folder.conversation(name, self.fingerprints)  # the file as written: the index is the files
+            self._commit_file(job)
+        finally:
+            with self._committed:
+                self._pending.pop(job.name, None)
+                self._committed.notify_all()
+
+    def _commit_file(self, job: PendingSave) -> None:
+        assert self.fingerprints is not None
+        t0 = time.perf_counter()
+        try:
+            stored = self.folder.conversation(job.name, self.fingerprints, pending=True)  # the file as written
+            assert stored is not None
+            self.folder.sync_pending(job.name)
         except (sf.SessionFileError, OSError) as exc:
-            log.error("session store: the file just saved for slot %d does not read back (%s); removing it", slot_id, exc)
-            self.folder.remove(name)
+            self.metrics.save_failed()
+            log.error("session store: the file saved for slot %d does not read back or sync (%s); removing it",
+                      job.slot_id, exc)
+            self.folder.remove_pending(job.name)
             return
-        assert stored is not None
-        if not np.array_equal(stored.tokens, tokens):
-            log.warning("session store: slot %d held %d tokens, not the %d tracked; the file's are kept", slot_id,
-                        stored.n_tokens, len(tokens))
+        if stored.nbytes > self.settings.max_bytes:
+            self.folder.remove_pending(job.name)
+            self.metrics.evicted(stored.nbytes)
+            log.warning("session store: a conversation of %.1f MiB is larger than the store's limit (%.1f MiB); "
+                        "not kept", stored.nbytes / MIB, self.settings.max_bytes / MIB)
+            return
+        if not np.array_equal(stored.tokens, job.tokens):
+            log.warning("session store: slot %d held %d tokens, not the %d tracked; the file's are kept", job.slot_id,
+                        stored.n_tokens, len(job.tokens))
             with self._lock:
-                self.slots[slot_id].tokens = stored.tokens
-        self.index.add(stored)
+                slot = self.slots[job.slot_id]
+                if slot.tokens is job.tokens:
+                    slot.tokens = stored.tokens
+        with self._files:
+            older = self.index.strict_prefixes_of(stored.tokens)  # replaced by this file: dropped after it lands
+            room = self.settings.max_bytes - stored.nbytes + sum(c.nbytes for c in older)
+            for victim in self.index.over_limit(room, keep=[c.name for c in older]):
+                self._drop(victim)  # before the rename: the folder never holds more than the limit
+                self.metrics.evicted(victim.nbytes)
+            try:
+                self.folder.publish(job.name)
+            except OSError as exc:
+                self.metrics.save_failed()
+                log.error("session store: renaming the file saved for slot %d failed (%s); removing it",
+                          job.slot_id, exc)
+                self.folder.remove_pending(job.name)
+                return
+            self.index.add(stored)
+            for conversation in older:
+                self._drop(conversation)
+            self._evict(keep=job.name)
         if self.remote is not None:
-            self.remote.upload(self.folder.file(name), self.fingerprints, stored.tokens)
-        for older in self.index.strict_prefixes_of(stored.tokens):
-            self._drop(older)
-        self.metrics.saved(trigger, int(result.get("n_written", stored.nbytes)), seconds)
-        log.info("session store: saved slot %d (%d tokens, %.1f MiB, %s) in %.0f ms as %s", slot_id, stored.n_tokens,
-                 stored.nbytes / MIB, trigger, seconds * 1000, name)
-        self._evict(keep=name)
+            self.remote.upload(self.folder.file(job.name), self.fingerprints, stored.tokens)
+        commit_s = time.perf_counter() - t0
+        self.metrics.saved(job.trigger, job.n_written or stored.nbytes, job.write_s + commit_s)
+        log.info("session store: saved slot %d (%d tokens, %.1f MiB, %s) in %.0f ms + %.0f ms committing as %s",
+                 job.slot_id, stored.n_tokens, stored.nbytes / MIB, job.trigger, job.write_s * 1000, commit_s * 1000,
+                 job.name)
+
+    def _drain(self, deadline: float) -> None:
+        """Wait for the pending saves' commits (at shutdown)."""
+        with self._committed:
+            while self._pending and self._committed.wait(max(0.0, deadline - time.monotonic())):
+                pass
+
+    def _await_commits(self, prompt: np.ndarray, held_common: int) -> None:
+        """A pending save holding at least --cache-min-reuse more of the prompt than the slot would be the
+        lookup's match: wait for its commit (it began when the request before this one ended)."""
+        want = held_common + self.settings.min_reuse
+        deadline = time.monotonic() + COMMIT_WAIT_S
+        with self._committed:
+            while any(common_prefix(prompt, p) >= want for p in self._pending.values()):
+                if not self._committed.wait(max(0.0, deadline - time.monotonic())):
+                    return
 
     def _save_idle_slots(self) -> None:
         now = time.monotonic()
@@ -310,7 +443,9 @@ class SessionStore:
                 continue  # busy (it is not idle after all) or restarting
             with lease:
                 lease.used = False  # an idle save is no use of the slot (its LRU order stays)
-                self._save(lease, slot_id, SaveTrigger.IDLE)
+                job = self._save(lease, slot_id, SaveTrigger.IDLE)
+            if job is not None:
+                self._commit(job)  # the lease given back: the fsync holds no request
 
     def _drop(self, conversation: StoredConversation) -> None:
         self.index.remove(conversation.name)
