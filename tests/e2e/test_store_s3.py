@@ -102,6 +102,48 @@ def test_a_conversation_started_on_a_continues_on_b(module_tmp, s3_store):
         assert c.stop() == 0
 
 
+def test_without_a_disk_a_conversation_moves_through_the_objects_alone(module_tmp, s3_store):
+    """--cache-store without --cache-disk on A and on B: A's shutdown save is the object (a multipart upload by
+    its engine), B's restore reads it in place (ranged GETs, nothing downloaded), and B's longer save supersedes
+    it (A's object deleted)."""
+    flags = ("--cache-store", f"s3://{s3_store.bucket}/nodisk", "--cache-store-endpoint", s3_store.endpoint_url,
+             "--metrics", "--cache-idle-seconds", "0")
+    messages = [{"role": "system", "content": "You are a careful assistant. Facts: " + FACTS},
+                {"role": "user", "content": "Where is item 21?"}]
+    never_stopped = start_server(module_tmp, name="nodisk-reference")
+    try:
+        first = chat(never_stopped, messages)
+        following = [*messages, {"role": "assistant", "content": reply_of(first)},
+                     {"role": "user", "content": "And item 3?"}]
+        reference = chat(never_stopped, following)
+    finally:
+        assert never_stopped.stop() == 0
+
+    a = start_server(module_tmp, *flags, name="nodisk-a", env=s3_store.env())
+    try:
+        assert reply_of(chat(a, messages)) == reply_of(first)
+    finally:
+        assert a.stop() == 0  # the shutdown save: written by the engine straight into the bucket
+    (key,) = objects(s3_store, "nodisk/")
+    with S3Source(s3_store.client(), s3_store.bucket, key) as source:
+        n_stored = sf.inspect(source, verify=True).metadata.state.n_tokens
+    assert n_stored >= first["usage"]["prompt_tokens"] + REPLY_TOKENS - 2
+
+    b = start_server(module_tmp, *flags, name="nodisk-b", env=s3_store.env())
+    try:
+        again = chat(b, following)
+        assert cached_tokens(again) >= 0.99 * n_stored
+        assert reply_of(again) == reply_of(reference)
+        assert metric(b, "strata:store_fetches_total") == 1
+        assert metric(b, "strata:store_fetch_bytes_total") == 0  # read in place, not downloaded
+        assert metric(b, 'strata:store_lookups_total{result="hit"}') == 1
+    finally:
+        assert b.stop() == 0
+    (longer,) = objects(s3_store, "nodisk/")  # B's save of the longer conversation replaced A's object
+    assert longer != key
+    with S3Source(s3_store.client(), s3_store.bucket, longer) as source:
+        assert sf.inspect(source, verify=True).metadata.state.n_tokens > n_stored
+
 
 def test_an_unreachable_object_store_leaves_the_server_serving(module_tmp):
     from strata_sessionfile.testing.s3server import free_ports

@@ -14,6 +14,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -21,6 +22,9 @@ import strata_sessionfile as sf
 import xxhash
 
 from .index import StoredConversation
+
+if TYPE_CHECKING:
+    from .remote import Candidate, RemoteTier
 
 log = logging.getLogger("strata_server.store")
 
@@ -55,6 +59,8 @@ def conversation_name(fingerprints: Fingerprints, tokens: np.ndarray) -> str:
 
 
 class StoreFolder:
+    local = True  # saves are files here (uploaded behind it with --cache-store); objects are downloaded into it
+
     def __init__(self, path: Path, key: sf.SessionKey | None = None, require_mac: bool = False) -> None:
         self.path = path
         self.key = key  # a file whose MAC does not check under it (or that has none, when required) is bad
@@ -67,6 +73,15 @@ class StoreFolder:
     def file(self, name: str) -> Path:
         assert NAME.match(name), name
         return self.path / name
+
+    def target(self, name: str, fingerprints: Fingerprints, tokens: np.ndarray) -> str:
+        """Where a SAVE of `tokens` writes (objects.ObjectShelf's is an object)."""
+        return str(self.file(name))
+
+    def adopt(self, candidate: Candidate, fingerprints: Fingerprints, remote: RemoteTier) -> StoredConversation | None:
+        """An object the store's lookup found: downloaded into the folder, then read as any file of it."""
+        remote.download(candidate, self.path)
+        return self.conversation(candidate.name, fingerprints)
 
     def names(self) -> Iterator[str]:
         with os.scandir(self.path) as entries:

@@ -34,6 +34,7 @@ from ..errors import EngineCallError, EngineDied, EngineReplyError
 from .folder import Fingerprints, StoreFolder, conversation_name
 from .index import StoredConversation, StoreIndex, as_tokens, common_prefix
 from .metrics import Lookup, Row, SaveTrigger, StoreMetrics
+from .objects import ObjectShelf
 from .policy import Plan, plan, worth_saving
 from .remote import RemoteSettings, RemoteTier
 
@@ -57,7 +58,7 @@ class Origin(enum.StrEnum):
 
 @attrs.frozen
 class StoreSettings:
-    folder: Path
+    folder: Path | None  # None: the object store alone (`remote`), no local files
     max_bytes: int
     min_reuse: int
     idle_s: float  # 0: no idle saves
@@ -95,8 +96,9 @@ class SessionStore:
         self.settings = settings
         self.engine = engine
         require_mac = settings.require_mac and settings.key is not None
-        self.folder = StoreFolder(settings.folder, settings.key, require_mac)
         self.remote = RemoteTier(settings.remote, settings.key, require_mac) if settings.remote is not None else None
+        self.folder = (StoreFolder(settings.folder, settings.key, require_mac) if settings.folder is not None
+                       else ObjectShelf(self.remote))
         self.index = StoreIndex()
         self.metrics = StoreMetrics()
         self.fingerprints: Fingerprints | None = None
@@ -267,7 +269,7 @@ class SessionStore:
         name = conversation_name(self.fingerprints, tokens)
         t0 = time.perf_counter()
         try:
-            result = lease.call("SAVE", str(self.folder.file(name)))
+            result = lease.call("SAVE", self.folder.target(name, self.fingerprints, tokens))
         except EngineReplyError as exc:
             self.metrics.save_failed()
             log.warning("session store: saving slot %d (%d tokens, %s) failed: %s", slot_id, len(tokens),
@@ -288,7 +290,7 @@ class SessionStore:
             with self._lock:
                 self.slots[slot_id].tokens = stored.tokens
         self.index.add(stored)
-        if self.remote is not None:
+        if self.remote is not None and self.folder.local:
             self.remote.upload(self.folder.file(name), self.fingerprints, stored.tokens)
         for older in self.index.strict_prefixes_of(stored.tokens):
             self._drop(older)
@@ -339,8 +341,7 @@ class SessionStore:
             if candidate is None or self.index.get(candidate.name) is not None:
                 return
             t0 = time.perf_counter()
-            self.remote.download(candidate, self.folder.path)
-            stored = self.folder.conversation(candidate.name, self.fingerprints)
+            stored = self.folder.adopt(candidate, self.fingerprints, self.remote)
         except sf.SessionFileError as exc:
             if candidate is not None:
                 self._bad_file(candidate.name, exc.reason)
@@ -353,7 +354,7 @@ class SessionStore:
             self.folder.remove(candidate.name)
             return
         self.index.add(stored)
-        self.metrics.fetched(stored.nbytes)
+        self.metrics.fetched(stored.nbytes if self.folder.local else 0)
         log.info("session store: fetched %s (%d tokens, %d of the prompt's, %.1f MiB) from the object store in "
                  "%.0f ms", candidate.key, stored.n_tokens, candidate.n_match, stored.nbytes / MIB,
                  (time.perf_counter() - t0) * 1000)
