@@ -13,37 +13,9 @@ import strata_sessionfile as sf
 from strata_sessionfile.objstore import S3Source
 
 from .servers import start_server
+from .store_s3 import FACTS, REPLY_TOKENS, cached_tokens, chat, metric, objects, reply_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-FACTS = " ".join(f"Item {i} is stored in box {i * 7 % 31} on shelf {i % 5}." for i in range(30))
-REPLY_TOKENS = 12
-
-
-def chat(server, messages: list[dict]) -> dict:
-    response = requests.post(server.url + "/v1/chat/completions", json={
-        "model": "smollm2", "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0}, timeout=300)
-    response.raise_for_status()
-    return response.json()
-
-
-def reply_of(body: dict) -> str:
-    return body["choices"][0]["message"]["content"]
-
-
-def cached_tokens(body: dict) -> int:
-    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def metric(server, name: str) -> float:
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
-
-
-def objects(s3_store, prefix: str) -> list[str]:
-    listing = s3_store.client().list_objects_v2(Bucket=s3_store.bucket, Prefix=prefix)
-    return [o["Key"] for o in listing.get("Contents", [])]
 
 
 def test_a_conversation_started_on_a_continues_on_b(module_tmp, s3_store):
