@@ -2,13 +2,15 @@
 a real SeaweedFS behind a TCP relay (support/s3.StoreProxy) that lets the test act between the passes: an
 object replaced between the passes is refused and the prompt evaluated cold with the right reply; the store
 killed between the passes gives a refusal before the gate, killed during the apply pass the slot's fail-stop;
-either way the server keeps serving (/health, the next completion)."""
+either way the server keeps serving (/health, the next completion); a request lost on the way is retried (boto3's
+standard retry mode, with back-off) and the restore completes."""
 
 from __future__ import annotations
 
 import attrs
 import pytest
 import requests
+import strata_sessionfile as sf
 from strata_sessionfile.objstore import S3Source
 from support.s3 import StoreProxy, put_multipart, start_seaweed
 
@@ -26,6 +28,7 @@ class Conversation:
     reference: dict  # a server holding the chat answers `following` so
     key: str  # the object a server without a disk saved for its first turn
     data: bytes  # that object's bytes
+    n_tokens: int  # the tokens it holds
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,9 @@ def conversation(module_tmp, s3_store) -> Conversation:
         assert a.stop() == 0
     (key,) = objects(s3_store, PREFIX + "/")
     data = s3_store.client().get_object(Bucket=s3_store.bucket, Key=key)["Body"].read()
-    return Conversation(following, reference, key, data)
+    with S3Source(s3_store.client(), s3_store.bucket, key) as source:
+        n_tokens = sf.inspect(source, verify=True).metadata.state.n_tokens
+    return Conversation(following, reference, key, data, n_tokens)
 
 
 @pytest.fixture
@@ -130,5 +135,26 @@ def test_the_store_killed_during_the_apply_pass_fail_stops_the_slot(tmp_path, co
         assert response.status_code >= 500  # the slot's fail-stop: the engine restarts, the conversation is lost
         still_serving(b, conversation)
         assert "exit status 4: fail-stop" in b.log_path.read_text()
+    finally:
+        assert b.stop() == 0
+
+
+def test_a_request_lost_during_the_apply_pass_is_retried(tmp_path, conversation, store):
+    seaweed, proxy = store
+    dropped = []
+
+    def drop_one() -> str:
+        dropped.append(True)
+        return StoreProxy.DROP
+
+    # The first ranged GET of the apply pass (after the version check between the passes) never reaches the store.
+    proxy.before_request(b"HEAD", lambda: proxy.before_request(b"GET", drop_one))
+    b = server_b(tmp_path, seaweed, proxy, "faults-retried")
+    try:
+        body = chat(b, conversation.following)
+        assert dropped == [True]
+        assert cached_tokens(body) >= 0.99 * conversation.n_tokens
+        assert reply_of(body) == reply_of(conversation.reference)
+        assert metric(b, 'strata:store_lookups_total{result="hit"}') == 1
     finally:
         assert b.stop() == 0

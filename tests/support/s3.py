@@ -24,7 +24,10 @@ class StoreProxy:
     """A TCP relay in front of a store's S3 port, so a test acts at a chosen point of a restore's traffic:
     ``before_request(b"HEAD", fn)`` runs ``fn`` once, before the first request of that method is passed on (a
     reader's version check between its passes); ``after_bytes(n, fn)`` once ``n`` more bytes came back from the
-    store. The store itself stays real; the relay only watches and passes bytes."""
+    store. An action that returns ``StoreProxy.DROP`` closes that connection instead (a request lost on the
+    way). The store itself stays real; the relay only watches and passes bytes."""
+
+    DROP = "drop"
 
     def __init__(self, upstream_url: str) -> None:
         parts = urlsplit(upstream_url)
@@ -80,8 +83,8 @@ class StoreProxy:
     def _pump(self, source, sink, to_store: bool) -> None:
         try:
             while chunk := source.recv(1 << 16):
-                for action in self._due(chunk, to_store):
-                    action()
+                if [action() for action in self._due(chunk, to_store)].count(self.DROP):
+                    break
                 sink.sendall(chunk)
         except OSError:
             pass
