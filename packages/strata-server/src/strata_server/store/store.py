@@ -356,8 +356,8 @@ class SessionStore:
         self.index.add(stored)
         self.metrics.fetched(stored.nbytes if self.folder.local else 0)
         log.info("session store: %s %s (%d tokens, %d of the prompt's, %.1f MiB) from the object store in "
-                 "%.0f ms", "fetched" if self.folder.local else "found (restored in place)", candidate.key, stored.n_tokens, candidate.n_match, stored.nbytes / MIB,
-                 (time.perf_counter() - t0) * 1000)
+                 "%.0f ms", "fetched" if self.folder.local else "found (restored in place)", candidate.key,
+                 stored.n_tokens, candidate.n_match, stored.nbytes / MIB, (time.perf_counter() - t0) * 1000)
         self._evict(keep=candidate.name)
 
     def _restore(self, lease: EngineLease, slot_id: int, prompt: np.ndarray, decision: Plan) -> bool:
