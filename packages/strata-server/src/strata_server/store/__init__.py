@@ -1,5 +1,6 @@
-"""The session store (`--cache-disk DIR`, or `--cache-ram MiB` in a private tmpfs folder): every conversation
-kept as a format v1 session file, the longest stored prefix of each prompt restored into the slot.
+"""The session store (`--cache-disk DIR`, `--cache-ram MiB` in a private tmpfs folder, or `--cache-store s3://...`
+alone): every conversation kept as a format v1 session file (or object), the longest stored prefix of each prompt
+restored into the slot.
 
 * index.py: the in-memory index (chained token-block hashes, longest prefix, least-recently-used by bytes).
 * folder.py: the folder (content-hash names, reading headers and metadata, moving bad files aside).
