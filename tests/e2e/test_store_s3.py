@@ -10,6 +10,7 @@ import re
 import pytest
 import requests
 import strata_sessionfile as sf
+from strata_sessionfile.format import Flags
 from strata_sessionfile.objstore import S3Source
 
 from .servers import start_server
@@ -75,11 +76,13 @@ def test_a_conversation_started_on_a_continues_on_b(module_tmp, s3_store):
 
 
 def test_without_a_disk_a_conversation_moves_through_the_objects_alone(module_tmp, s3_store):
-    """--cache-store without --cache-disk on A and on B: A's shutdown save is the object (a multipart upload by
-    its engine), B's restore reads it in place (ranged GETs, nothing downloaded), and B's longer save supersedes
-    it (A's object deleted)."""
+    """--cache-store without --cache-disk on A and on B, both with one session key: A's shutdown save is the
+    object (a multipart upload by its engine, authenticated), B's restore reads it in place (ranged GETs, nothing
+    downloaded, the MAC checked), and B's longer save supersedes it (A's object deleted)."""
+    key_path = module_tmp / "nodisk.key"
+    key_path.write_bytes(bytes(range(100, 132)))
     flags = ("--cache-store", f"s3://{s3_store.bucket}/nodisk", "--cache-store-endpoint", s3_store.endpoint_url,
-             "--metrics", "--cache-idle-seconds", "0")
+             "--metrics", "--cache-idle-seconds", "0", "--session-key-file", str(key_path))
     messages = [{"role": "system", "content": "You are a careful assistant. Facts: " + FACTS},
                 {"role": "user", "content": "Where is item 21?"}]
     never_stopped = start_server(module_tmp, name="nodisk-reference")
@@ -98,7 +101,9 @@ def test_without_a_disk_a_conversation_moves_through_the_objects_alone(module_tm
         assert a.stop() == 0  # the shutdown save: written by the engine straight into the bucket
     (key,) = objects(s3_store, "nodisk/")
     with S3Source(s3_store.client(), s3_store.bucket, key) as source:
-        n_stored = sf.inspect(source, verify=True).metadata.state.n_tokens
+        inspection = sf.inspect(source, verify=True, key=sf.SessionKey.from_file(key_path))
+    assert inspection.header.flags & Flags.AUTHENTICATED
+    n_stored = inspection.metadata.state.n_tokens
     assert n_stored >= first["usage"]["prompt_tokens"] + REPLY_TOKENS - 2
 
     b = start_server(module_tmp, *flags, name="nodisk-b", env=s3_store.env())
