@@ -207,8 +207,9 @@ class SessionVerbs:
 
     def save(self, ctx: ServeContext, path: str) -> Mapping[str, Any]:
         adapter = self.adapter(ctx)
+        sink = self._sink(path)  # a malformed s3:// URL: a bad argument
         try:
-            report = sf.save(self._sink(path), adapter, block_size=self.block_size(ctx.runner), progress=self._progress(ctx),
+            report = sf.save(sink, adapter, block_size=self.block_size(ctx.runner), progress=self._progress(ctx),
                              key=self.options.key)
         except E.DirSyncFailed as exc:
             raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason,
