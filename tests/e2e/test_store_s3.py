@@ -10,40 +10,13 @@ import re
 import pytest
 import requests
 import strata_sessionfile as sf
+from strata_sessionfile.format import Flags
 from strata_sessionfile.objstore import S3Source
 
 from .servers import start_server
+from .store_s3 import FACTS, REPLY_TOKENS, cached_tokens, chat, metric, objects, reply_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-FACTS = " ".join(f"Item {i} is stored in box {i * 7 % 31} on shelf {i % 5}." for i in range(30))
-REPLY_TOKENS = 12
-
-
-def chat(server, messages: list[dict]) -> dict:
-    response = requests.post(server.url + "/v1/chat/completions", json={
-        "model": "smollm2", "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0}, timeout=300)
-    response.raise_for_status()
-    return response.json()
-
-
-def reply_of(body: dict) -> str:
-    return body["choices"][0]["message"]["content"]
-
-
-def cached_tokens(body: dict) -> int:
-    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def metric(server, name: str) -> float:
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
-
-
-def objects(s3_store, prefix: str) -> list[str]:
-    listing = s3_store.client().list_objects_v2(Bucket=s3_store.bucket, Prefix=prefix)
-    return [o["Key"] for o in listing.get("Contents", [])]
 
 
 def test_a_conversation_started_on_a_continues_on_b(module_tmp, s3_store):
@@ -101,6 +74,52 @@ def test_a_conversation_started_on_a_continues_on_b(module_tmp, s3_store):
     finally:
         assert c.stop() == 0
 
+
+def test_without_a_disk_a_conversation_moves_through_the_objects_alone(module_tmp, s3_store):
+    """--cache-store without --cache-disk on A and on B, both with one session key: A's shutdown save is the
+    object (a multipart upload by its engine, authenticated), B's restore reads it in place (ranged GETs, nothing
+    downloaded, the MAC checked), and B's longer save supersedes it (A's object deleted)."""
+    key_path = module_tmp / "nodisk.key"
+    key_path.write_bytes(bytes(range(100, 132)))
+    flags = ("--cache-store", f"s3://{s3_store.bucket}/nodisk", "--cache-store-endpoint", s3_store.endpoint_url,
+             "--metrics", "--cache-idle-seconds", "0", "--session-key-file", str(key_path))
+    messages = [{"role": "system", "content": "You are a careful assistant. Facts: " + FACTS},
+                {"role": "user", "content": "Where is item 21?"}]
+    never_stopped = start_server(module_tmp, name="nodisk-reference")
+    try:
+        first = chat(never_stopped, messages)
+        following = [*messages, {"role": "assistant", "content": reply_of(first)},
+                     {"role": "user", "content": "And item 3?"}]
+        reference = chat(never_stopped, following)
+    finally:
+        assert never_stopped.stop() == 0
+
+    a = start_server(module_tmp, *flags, name="nodisk-a", env=s3_store.env())
+    try:
+        assert reply_of(chat(a, messages)) == reply_of(first)
+    finally:
+        assert a.stop() == 0  # the shutdown save: written by the engine straight into the bucket
+    (key,) = objects(s3_store, "nodisk/")
+    with S3Source(s3_store.client(), s3_store.bucket, key) as source:
+        inspection = sf.inspect(source, verify=True, key=sf.SessionKey.from_file(key_path))
+    assert inspection.header.flags & Flags.AUTHENTICATED
+    n_stored = inspection.metadata.state.n_tokens
+    assert n_stored >= first["usage"]["prompt_tokens"] + REPLY_TOKENS - 2
+
+    b = start_server(module_tmp, *flags, name="nodisk-b", env=s3_store.env())
+    try:
+        again = chat(b, following)
+        assert cached_tokens(again) >= 0.99 * n_stored
+        assert reply_of(again) == reply_of(reference)
+        assert metric(b, "strata:store_fetches_total") == 1
+        assert metric(b, "strata:store_fetch_bytes_total") == 0  # read in place, not downloaded
+        assert metric(b, 'strata:store_lookups_total{result="hit"}') == 1
+    finally:
+        assert b.stop() == 0
+    (longer,) = objects(s3_store, "nodisk/")  # B's save of the longer conversation replaced A's object
+    assert longer != key
+    with S3Source(s3_store.client(), s3_store.bucket, longer) as source:
+        assert sf.inspect(source, verify=True).metadata.state.n_tokens > n_stored
 
 
 def test_an_unreachable_object_store_leaves_the_server_serving(module_tmp):

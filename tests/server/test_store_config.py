@@ -69,9 +69,27 @@ def test_object_store_and_key_problems_reported_together(tmp_path, fake_model):
         load_config(["--model", str(fake_model), "--cache-store", "http://x", "--session-key-file", str(short)])
     problems = info.value.problems
     assert any(p.startswith("cache_store:") and "s3://BUCKET/PREFIX" in p for p in problems)
-    assert any(p.startswith("cache_store:") and "--cache-disk" in p for p in problems)
     assert any(p.startswith("session_key_file:") and "32 bytes" in p for p in problems)
     with pytest.raises(ConfigError) as info:
         load_config(["--model", str(fake_model), "--session-key-optional", "--cache-store-endpoint", "http://e"])
     assert sorted(info.value.problems) == ["cache_store_endpoint: needs cache_store",
                                            "session_key_optional: needs session_key_file"]
+
+
+def test_the_object_store_alone_and_its_engine_flag(tmp_path, fake_model):
+    """--cache-store without --cache-disk: no folder, no byte limit of the server's; the engine gets the endpoint
+    (it reads and writes the objects itself); a RAM tier in front of the store is refused."""
+    config = load_config(["--model", str(fake_model), "--cache-store", "s3://bucket/fleet", "--cache-store-endpoint",
+                          "http://127.0.0.1:8333", "--cache-idle-seconds", "5"])
+    settings = store_settings(config)
+    assert settings.folder is None and settings.remote.bucket == "bucket" and settings.idle_s == 5
+    argv = config.engine_argv()
+    assert argv[argv.index("--object-store-endpoint") + 1] == "http://127.0.0.1:8333"
+    aws = load_config(["--model", str(fake_model), "--cache-store", "s3://bucket"])
+    assert store_settings(aws).remote.prefix == "" and "--object-store-endpoint" not in aws.engine_argv()
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model", str(fake_model), "--cache-store", "s3://bucket/fleet", "--cache-ram", "64"])
+    assert info.value.problems == ["cache_store: a RAM tier in front of the object store is not built; give "
+                                   "--cache-disk DIR in front of it, or neither"]
+    help_text = " ".join(build_parser().format_help().split())
+    assert "Alone: conversations are saved straight to objects" in help_text

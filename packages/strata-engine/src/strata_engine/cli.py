@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --session-key-file: also restore files without a MAC (a file with one must still match the key)",
     )
+    serve_parser.add_argument(
+        "--object-store-endpoint",
+        default=None,
+        metavar="URL",
+        help="the endpoint of a non-AWS S3-compatible store for SAVE / RESTORE / RESTORE_PREFIX paths s3://BUCKET/KEY "
+        "(credentials and region the standard AWS way; needs boto3: strata-engine[s3]) (default: AWS's)",
+    )
     generate = commands.add_parser("generate", help="complete a prompt and stream the text to stdout")
     _add_settings(generate)
     generate.add_argument(
@@ -289,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.session_key_optional and args.session_key_file is None:
                 raise ValueError("--session-key-optional needs --session-key-file")
             session_options = SessionOptions.from_environ(args.restore_mode, key=args.session_key_file,
-                                                          require_mac=not args.session_key_optional)
+                                                          require_mac=not args.session_key_optional,
+                                                          object_store_endpoint=args.object_store_endpoint)
         except ValueError as exc:
             print(f"strata-engine serve: {exc}", file=sys.stderr)
             sys.stdout.write(json.dumps({"event": "fatal", "message": str(exc)}) + "\n")

@@ -157,9 +157,11 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
         f"more prompt tokens than the slot (default: {DEFAULT_CACHE_MIN_REUSE})")
     add("--cache-idle-seconds", metavar="S", help="save a slot's conversation once it is idle S seconds, so a "
         f"crash loses at most the turn in flight (default: {DEFAULT_CACHE_IDLE_SECONDS:g}; 0: never)")
-    add("--cache-store", metavar="s3://BUCKET/PREFIX", help="an S3-compatible object store shared by a fleet, "
-        "behind --cache-disk: every saved conversation is uploaded, and a prompt the folder misses is looked up "
-        "there (credentials and region the standard AWS way) (default: off)")
+    add("--cache-store", metavar="s3://BUCKET/PREFIX", help="an S3-compatible object store shared by a fleet "
+        "(credentials and region the standard AWS way). Behind --cache-disk: every saved conversation is uploaded, "
+        "and a prompt the folder misses is looked up there and downloaded. Alone: conversations are saved straight "
+        "to objects (multipart) and restored straight from them (ranged reads, the version pinned), nothing on "
+        "disk; the server never deletes another's objects (a bucket lifecycle rule bounds the bucket) (default: off)")
     add("--cache-store-endpoint", metavar="URL", help="the object store's endpoint, for a non-AWS store "
         "(default: AWS's)")
     add("--session-key-file", metavar="FILE", help="a file of 32 random bytes (head -c 32 /dev/urandom): every "

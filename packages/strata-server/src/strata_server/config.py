@@ -107,7 +107,7 @@ class ServerConfig:
     cache_ram: int = 0  # MiB of a RAM-only store (llama-server's --cache-ram); 0: off
     cache_min_reuse: int = DEFAULT_CACHE_MIN_REUSE  # tokens a restore must add to what the slot holds
     cache_idle_seconds: float = DEFAULT_CACHE_IDLE_SECONDS  # save a slot idle this long; 0: never
-    cache_store: str | None = None  # s3://BUCKET/PREFIX: the object-store tier behind the store's folder
+    cache_store: str | None = None  # s3://BUCKET/PREFIX: the fleet's object store (behind cache_disk, or alone)
     cache_store_endpoint: str | None = None  # its endpoint URL (a non-AWS store); None: AWS's, resolved by boto3
     session_key_file: Path | None = None  # 32 bytes: session files written are authenticated, read ones checked
     session_key_optional: bool = False  # with a key: also restore files without a MAC
@@ -135,6 +135,8 @@ class ServerConfig:
             argv += ["--chat-template-file", str(self.chat_template_file)]
         if self.threads > 0:
             argv += ["--threads", str(self.threads)]
+        if self.cache_store is not None and self.cache_store_endpoint is not None:
+            argv += ["--object-store-endpoint", self.cache_store_endpoint]  # without --cache-disk it reads the objects
         if self.session_key_file is not None:
             argv += ["--session-key-file", str(self.session_key_file)]
             if self.session_key_optional:
@@ -366,9 +368,9 @@ def _check_store(config: ServerConfig) -> list[str]:
     if config.cache_store is not None:
         if not config.cache_store.startswith(S3_SCHEME) or not config.cache_store[len(S3_SCHEME):].partition("/")[0]:
             problems.append(f"cache_store: {config.cache_store!r} is not an s3://BUCKET/PREFIX URL")
-        if config.cache_disk is None:
-            problems.append("cache_store: the object store is a tier behind the store's folder, which is not built "
-                            "without one; give --cache-disk DIR too")
+        if config.cache_ram:
+            problems.append("cache_store: a RAM tier in front of the object store is not built; give --cache-disk "
+                            "DIR in front of it, or neither")
         try:
             import boto3  # noqa: F401
         except ImportError:

@@ -24,17 +24,19 @@ set it: the HTTP server and the protocol never touch the engine's environment.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
 
 import attrs
 import strata_sessionfile as sf
 from strata_sessionfile import errors as E
-from strata_sessionfile.seam import FileSink
+from strata_sessionfile.seam import S3_SCHEME, FileSink, s3_location
 
 from ..errors import InvalidRequest, PrefixUnreachable
 from ..protocol import (
@@ -74,10 +76,12 @@ class SessionOptions:
     fault: FaultPoint | None = None
     key: sf.SessionKey | None = None  # SAVE authenticates with it; RESTORE checks the MAC with it
     require_mac: bool = True  # with a key: refuse a file without a MAC (the library's default)
+    object_store_endpoint: str | None = None  # s3:// paths: a non-AWS store's endpoint (None: AWS's)
 
     @classmethod
     def from_environ(cls, restore_mode: str = "auto", environ: Mapping[str, str] | None = None, *,
-                     key: sf.SessionKey | None = None, require_mac: bool = True) -> SessionOptions:
+                     key: sf.SessionKey | None = None, require_mac: bool = True,
+                     object_store_endpoint: str | None = None) -> SessionOptions:
         """The options for `strata-engine serve`; a fault point only from FAULT_ENV (tests)."""
         env = os.environ if environ is None else environ
         raw = env.get(FAULT_ENV, "").strip()
@@ -89,7 +93,8 @@ class SessionOptions:
                 raise ValueError(f"{FAULT_ENV}={raw!r}: expected one of "
                                  f"{', '.join(f.value for f in FaultPoint)}") from None
             log.warning("session fault injection armed: %s (tests only)", fault.value)
-        return cls(restore_mode=restore_mode, fault=fault, key=key, require_mac=require_mac)
+        return cls(restore_mode=restore_mode, fault=fault, key=key, require_mac=require_mac,
+                   object_store_endpoint=object_store_endpoint)
 
 
 class GatedSession(EngineSession):
@@ -123,6 +128,8 @@ class SessionVerbs:
         self._identity_of: tuple[Any, sf.EngineIdentity] | None = None
         self.buffers = BlockBufferCache()
         self._readers: sf.ReadThreads | None = None
+        self._s3_client = None
+        self._s3_lock = threading.Lock()
 
     def warm(self, ctx: ServeContext) -> None:
         """Start-up work that would otherwise land in the first SAVE/RESTORE: the identity (fingerprinting
@@ -131,6 +138,8 @@ class SessionVerbs:
         runner = ctx.runner_of(0)
         self.identity(runner)
         self.readers().start()
+        if self.options.object_store_endpoint is not None:
+            self.object_client()  # boto3's client costs ~0.2 s to make: start-up time, not the first restore's
         for slot in range(ctx.n_slots):
             ctx.runner_of(slot).pool.warm()
         count = self.read_threads() + 1  # a restore's buffers (a save uses the first two)
@@ -146,6 +155,49 @@ class SessionVerbs:
         if self._readers is None:
             self._readers = sf.ReadThreads(self.read_threads())
         return self._readers
+
+    def object_client(self):
+        """The boto3 client every s3:// path uses (made once; credentials and region the standard AWS way)."""
+        with self._s3_lock:
+            if self._s3_client is None:
+                try:
+                    from strata_sessionfile.objstore import s3_client
+                except ImportError as exc:
+                    raise ProtocolError(ErrorKind.INVALID_REQUEST, f"s3:// paths: {exc}",
+                                        reason=Reason.BAD_ARGUMENT.value) from None
+                self._s3_client = s3_client(self.options.object_store_endpoint)
+            return self._s3_client
+
+    @staticmethod
+    def _object(path: str) -> tuple[str, str] | None:
+        """(bucket, key) of an s3:// path, None for a local one; a malformed URL is a bad argument."""
+        if not path.startswith(S3_SCHEME):
+            return None
+        try:
+            return s3_location(path)
+        except ValueError as exc:
+            raise ProtocolError(ErrorKind.INVALID_REQUEST, str(exc), reason=Reason.BAD_ARGUMENT.value) from None
+
+    def _sink(self, path: str, sync: bool = True) -> Any:
+        """What a save writes: the path, a file not fsynced, or an object (durable once its upload completes:
+        `sync` does not apply)."""
+        location = self._object(path)
+        if location is None:
+            return path if sync else FileSink(path, sync=False)
+        from strata_sessionfile.objstore import S3Sink
+
+        return S3Sink(self.object_client(), *location)
+
+    @contextlib.contextmanager
+    def _source(self, path: str, location: tuple[str, str] | None) -> Iterator[Any]:
+        """What a restore reads: the path, or the object with its version pinned now (closed afterwards)."""
+        if location is None:
+            yield path
+            return
+        from strata_sessionfile.objstore import S3Source
+
+        with S3Source(self.object_client(), *location) as source:
+            yield source
 
     def block_size(self, runner: Any) -> int:
         return self.options.block_size if self.options.block_size is not None else SESSION_BLOCK_SIZE
@@ -191,10 +243,10 @@ class SessionVerbs:
 
     def save(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         parsed = parse_save(request.args)
-        target = parsed.path if parsed.sync else FileSink(parsed.path, sync=False)
+        sink = self._sink(parsed.path, parsed.sync)  # a malformed s3:// URL: a bad argument
         adapter = self.adapter(ctx, request.slot, gate=request.gate)
         try:
-            report = sf.save(target, adapter, block_size=self.block_size(adapter.runner), progress=self._progress(request),
+            report = sf.save(sink, adapter, block_size=self.block_size(adapter.runner), progress=self._progress(request),
                              key=self.options.key)
         except E.DirSyncFailed as exc:
             raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason,
@@ -218,10 +270,13 @@ class SessionVerbs:
         return {**answer, "n_kept": runner.n_held}
 
     def _restore(self, request: Request, path: str, adapter: EngineSession) -> Mapping[str, Any]:
+        location = self._object(path)  # a malformed s3:// URL: a bad argument, not a refused file
         try:
-            report = sf.restore(path, adapter, mode=self.options.restore_mode, block_size=self.block_size(adapter.runner),
-                                progress=self._progress(request), read_threads=self.readers(), key=self.options.key,
-                                require_mac=self.options.require_mac and self.options.key is not None)
+            with self._source(path, location) as source:
+                report = sf.restore(source, adapter, mode=self.options.restore_mode,
+                                    block_size=self.block_size(adapter.runner), progress=self._progress(request),
+                                    read_threads=self.readers(), key=self.options.key,
+                                    require_mac=self.options.require_mac and self.options.key is not None)
         except E.FailStop as exc:
             self._slot_failed(adapter, request.slot, str(exc), exc.cause_reason, exc)
         except BaseException as exc:

@@ -1,11 +1,13 @@
-"""The session store (`--cache-disk DIR`, or `--cache-ram MiB` in a private tmpfs folder): every conversation
-kept as a format v1 session file, the longest stored prefix of each prompt restored into the slot.
+"""The session store (`--cache-disk DIR`, `--cache-ram MiB` in a private tmpfs folder, or `--cache-store s3://...`
+alone): every conversation kept as a format v1 session file (or object), the longest stored prefix of each prompt
+restored into the slot.
 
 * index.py: the in-memory index (chained token-block hashes, longest prefix, least-recently-used by bytes).
 * folder.py: the folder (content-hash names, reading headers and metadata, moving bad files aside).
 * policy.py: when to save and restore (pure decisions).
 * store.py: `SessionStore`, the request-path hooks, the idle saver, the shutdown saves.
-* remote.py: the object-store tier behind the folder (`--cache-store s3://BUCKET/PREFIX`).
+* remote.py: the object store of a fleet (`--cache-store s3://BUCKET/PREFIX`): listing, headers, uploads.
+* objects.py: the shelf without --cache-disk: conversations saved to and restored from the objects themselves.
 * metrics.py: its Prometheus series.
 """
 
@@ -24,6 +26,7 @@ from .index import BLOCK_TOKENS, StoreIndex
 from .remote import RemoteSettings
 from .store import MIB, Origin, SessionStore, StoreSettings
 
+UNBOUNDED = 1 << 62
 RAM_FOLDER_ROOT = Path("/dev/shm")  # tmpfs: a RAM-only store's files live in memory
 
 
@@ -46,6 +49,9 @@ def store_settings(config: ServerConfig) -> StoreSettings | None:
         return StoreSettings(folder=root / f"strata-cache-ram-{os.getuid()}-{config.port}",
                              max_bytes=config.cache_ram * MIB, min_reuse=config.cache_min_reuse, idle_s=0.0,
                              ephemeral=True, key=key, require_mac=require_mac)
+    if remote is not None:  # the object store alone: no byte limit of this server's (a lifecycle rule's)
+        return StoreSettings(folder=None, max_bytes=UNBOUNDED, min_reuse=config.cache_min_reuse,
+                             idle_s=config.cache_idle_seconds, key=key, require_mac=require_mac, remote=remote)
     return None
 
 

@@ -20,6 +20,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -27,6 +28,9 @@ import strata_sessionfile as sf
 import xxhash
 
 from .index import StoredConversation
+
+if TYPE_CHECKING:
+    from .remote import Candidate, RemoteTier
 
 log = logging.getLogger("strata_server.store")
 
@@ -63,6 +67,8 @@ def conversation_name(fingerprints: Fingerprints, tokens: np.ndarray) -> str:
 
 
 class StoreFolder:
+    local = True  # saves are files here (uploaded behind it with --cache-store); objects are downloaded into it
+
     def __init__(self, path: Path, key: sf.SessionKey | None = None, require_mac: bool = False) -> None:
         self.path = path
         self.key = key  # a file whose MAC does not check under it (or that has none, when required) is bad
@@ -79,6 +85,16 @@ class StoreFolder:
     def pending(self, name: str) -> Path:
         """Where the engine writes `name` before its commit."""
         return self.file(name).with_name(name + PENDING_SUFFIX)
+
+    def target(self, name: str, fingerprints: Fingerprints, tokens: np.ndarray) -> dict[str, Any]:
+        """SAVE's object (less the slot) for `tokens`: the pending file, not fsynced (the store commits it);
+        objects.ObjectShelf's is an object."""
+        return {"path": str(self.pending(name)), "sync": False}
+
+    def adopt(self, candidate: Candidate, fingerprints: Fingerprints, remote: RemoteTier) -> StoredConversation | None:
+        """An object the store's lookup found: downloaded into the folder, then read as any file of it."""
+        remote.download(candidate, self.path)
+        return self.conversation(candidate.name, fingerprints)
 
     def names(self) -> Iterator[str]:
         with os.scandir(self.path) as entries:

@@ -126,9 +126,10 @@ class StoreMetrics:
                  [("", self.evicted_bytes)]),
                 ("strata:store_bad_files_total", "counter", "Store files that failed validation and were moved aside, "
                  "by reason.", [(f'{{reason="{r}"}}', n) for r, n in sorted(self.bad_files.items())] or [("", 0)]),
-                ("strata:store_fetches_total", "counter", "Conversations downloaded from the object store "
-                 "(--cache-store).", [("", self.fetches)]),
-                ("strata:store_fetch_bytes_total", "counter", "Bytes downloaded from the object store.",
+                ("strata:store_fetches_total", "counter", "Conversations the object store (--cache-store) "
+                 "supplied for a prompt: downloaded into --cache-disk, or without it restored straight from the "
+                 "object.", [("", self.fetches)]),
+                ("strata:store_fetch_bytes_total", "counter", "Bytes downloaded from the object store into --cache-disk.",
                  [("", self.fetch_bytes)]),
                 ("strata:store_remote_failures_total", "counter", "Object-store lookups or downloads that failed.",
                  [("", self.remote_failures)]),

@@ -1,5 +1,7 @@
-"""The object-store tier behind the store's folder (`--cache-store s3://BUCKET/PREFIX`): every file the store
-saves is uploaded, and a prompt that misses locally is looked up among the objects of the whole fleet.
+"""The object store of a fleet (`--cache-store s3://BUCKET/PREFIX`). Behind the store's folder: every file the
+store saves is uploaded, and a prompt that misses locally is looked up among the objects of the whole fleet.
+Without a folder (objects.py): the engine saves to and restores from the objects themselves, and this tier
+only lists and reads headers.
 
 Keys: PREFIX/<model fp>/<config fp>/<first block hash>/<file name>, the file name being the folder's content
 hash, so the prompt's first 256-token block names the one prefix to list (no shared database). A listing is
@@ -7,6 +9,11 @@ cached for LISTING_TTL_S; the tokens of an object are read once (its header and 
 S3Source, the MAC checked with the session key) and kept, since a name never changes content. The longest
 verified prefix is downloaded into the folder (boto3's managed transfer into a temporary, then a rename) and
 restored from there as a local hit.
+
+At start-up the multipart uploads under the prefix older than STALE_UPLOAD_AGE_S are aborted (the parts of a
+server killed during a save or an upload; a live one finishes far sooner). Requests that fail for a moment
+(a dropped connection, a 5xx, throttling) are retried with back-off by boto3's standard retry mode
+(objstore.s3_client).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ log = logging.getLogger("strata_server.store")
 
 LISTING_TTL_S = 2.0  # a conversation another server uploaded is found this soon
 MAX_CANDIDATES = 64  # objects whose metadata one lookup reads at most (newest first)
+STALE_UPLOAD_AGE_S = 3600.0  # an unfinished multipart upload this old is a killed server's: aborted at start-up
 
 
 @attrs.frozen
@@ -37,6 +45,7 @@ class RemoteSettings:
     bucket: str
     prefix: str  # without a trailing slash; may be empty
     endpoint_url: str | None = None
+    stale_upload_age_s: float = STALE_UPLOAD_AGE_S
 
     @classmethod
     def parse(cls, url: str, endpoint_url: str | None = None) -> RemoteSettings:
@@ -53,6 +62,7 @@ class Candidate:
     name: str  # the file name in the folder
     tokens: np.ndarray
     n_match: int  # prompt tokens it holds
+    nbytes: int  # the object's size
 
 
 class RemoteTier:
@@ -65,9 +75,25 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._listings: dict[str, tuple[float, list[str]]] = {}  # prefix -> (time listed, keys newest first)
         self._tokens: dict[str, np.ndarray | None] = {}  # key -> its tokens (None: not ours or bad)
+        self._sizes: dict[str, int] = {}  # key -> the object's size, as listed
         self._uploads: queue.Queue[tuple[Path, str] | None] = queue.Queue()
         self._uploader = threading.Thread(target=self._upload_loop, name="session-store-upload", daemon=True)
         self._uploader.start()
+        threading.Thread(target=self._abort_stale_uploads, name="session-store-stale-uploads", daemon=True).start()
+
+    def _abort_stale_uploads(self) -> None:
+        from strata_sessionfile.objstore import abort_stale_uploads
+
+        prefix = f"{self.settings.prefix}/" if self.settings.prefix else ""
+        try:
+            aborted = abort_stale_uploads(self.client, self.settings.bucket, prefix,
+                                          older_than_s=self.settings.stale_upload_age_s)
+        except Exception as exc:  # noqa: BLE001 -- the store unreachable now: its parts wait for the next start
+            log.warning("session store: listing unfinished uploads failed: %s", exc)
+            return
+        if aborted:
+            log.info("session store: aborted %d unfinished uploads older than %.0f s under %s", aborted,
+                     self.settings.stale_upload_age_s, prefix or "the bucket")
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -127,6 +153,7 @@ class RemoteTier:
         keys = [o["Key"] for o in sorted(objects, key=lambda o: o["LastModified"], reverse=True)]
         with self._lock:
             self._listings[prefix] = (now, keys)
+            self._sizes.update((o["Key"], int(o["Size"])) for o in objects)
         return keys
 
     def _object_tokens(self, key: str, fingerprints: Fingerprints) -> np.ndarray | None:
@@ -164,8 +191,21 @@ class RemoteTier:
             n = common_prefix(prompt, tokens)
             if n >= max(at_least, BLOCK_TOKENS) and (best is None or (n, -len(tokens)) > (best.n_match,
                                                                                           -len(best.tokens))):
-                best = Candidate(key, name, tokens, n)
+                with self._lock:
+                    nbytes = self._sizes.get(key, 0)
+                best = Candidate(key, name, tokens, n, nbytes)
         return best
+
+    def forget(self, key: str) -> None:
+        """What was read of an object (replaced, deleted, or unreadable for a moment): read again when listed."""
+        with self._lock:
+            self._tokens.pop(key, None)
+            self._listings.clear()
+
+    def mark_bad(self, key: str) -> None:
+        """An object refused for its bytes: never a candidate again."""
+        with self._lock:
+            self._tokens[key] = None
 
     def download(self, candidate: Candidate, folder: Path) -> Path:
         """The object into the folder under its name (a temporary renamed into place)."""

@@ -13,7 +13,8 @@ lease), then a commit fsyncs it, makes room (evicting), renames it to `<name>` a
 request's path (a displaced conversation) is committed by the commit thread, off the request's path
 (~40 ms of fsync for a 46 MiB file: bench/STORE-NOTES.md); a request whose prompt a pending save holds
 waits for that commit before its lookup. A pending file left by a kill is verified in full at start-up
-and committed, or removed: only committed files are ever indexed.
+and committed, or removed: only committed files are ever indexed. With the object store alone (no
+--cache-disk) the save is an object, a multipart upload that appears whole: read back and indexed at once.
 
 The store tracks each slot's tokens (`SlotConversation`, by slot id: one slot today, N later) from the
 prompts and results it sees; when it cannot know them (a COMPLETE that failed or was cut off) they are
@@ -42,6 +43,7 @@ from ..errors import EngineCallError, EngineDied, EngineReplyError
 from .folder import PENDING_SUFFIX, Fingerprints, StoreFolder, conversation_name
 from .index import StoredConversation, StoreIndex, as_tokens, common_prefix
 from .metrics import Lookup, Row, SaveTrigger, StoreMetrics
+from .objects import ObjectShelf
 from .policy import Plan, plan, worth_saving
 from .remote import RemoteSettings, RemoteTier
 
@@ -66,7 +68,7 @@ class Origin(enum.StrEnum):
 
 @attrs.frozen
 class StoreSettings:
-    folder: Path
+    folder: Path | None  # None: the object store alone (`remote`), no local files
     max_bytes: int
     min_reuse: int
     idle_s: float  # 0: no idle saves
@@ -101,7 +103,7 @@ class SlotConversation:
 
 @attrs.frozen(eq=False)
 class PendingSave:
-    """A conversation the engine wrote as `<name>.pending` (SAVE, "sync": false), not yet committed."""
+    """A conversation the engine just saved: `<name>.pending` (SAVE, "sync": false) to commit, or an object."""
 
     slot_id: int
     trigger: SaveTrigger
@@ -116,8 +118,9 @@ class SessionStore:
         self.settings = settings
         self.engine = engine
         require_mac = settings.require_mac and settings.key is not None
-        self.folder = StoreFolder(settings.folder, settings.key, require_mac)
         self.remote = RemoteTier(settings.remote, settings.key, require_mac) if settings.remote is not None else None
+        self.folder = (StoreFolder(settings.folder, settings.key, require_mac) if settings.folder is not None
+                       else ObjectShelf(self.remote))
         self.index = StoreIndex()
         self.metrics = StoreMetrics()
         self.fingerprints: Fingerprints | None = None
@@ -341,16 +344,51 @@ class SessionStore:
         name = conversation_name(self.fingerprints, tokens)
         t0 = time.perf_counter()
         try:
-            result = lease.call("SAVE", {"path": str(self.folder.pending(name)), "sync": False})
+            result = lease.call("SAVE", self.folder.target(name, self.fingerprints, tokens))
         except EngineReplyError as exc:
             self.metrics.save_failed()
             log.warning("session store: saving slot %d (%d tokens, %s) failed: %s", slot_id, len(tokens),
                         trigger, exc.message)
             return None
         job = PendingSave(slot_id, trigger, name, tokens, int(result.get("n_written", 0)), time.perf_counter() - t0)
+        if not self.folder.local:
+            self._store_object(job)  # a multipart upload appears whole: nothing to commit
+            return None
         with self._lock:
             self._pending[name] = tokens
         return job
+
+    def _store_object(self, job: PendingSave) -> None:
+        """An object the engine just saved (no --cache-disk): read back and indexed; the prefixes it extends
+        deleted."""
+        assert self.fingerprints is not None
+        try:
+            stored = self.folder.conversation(job.name, self.fingerprints)  # the object as written
+        except (sf.SessionFileError, OSError) as exc:
+            self.metrics.save_failed()
+            log.error("session store: the object saved for slot %d does not read back (%s)", job.slot_id, exc)
+            self.folder.forget(job.name)
+            return
+        assert stored is not None
+        self._kept_tokens(job, stored)
+        with self._files:
+            self.index.add(stored)
+            for older in self.index.strict_prefixes_of(stored.tokens):
+                self._drop(older)
+        self.metrics.saved(job.trigger, job.n_written or stored.nbytes, job.write_s)
+        log.info("session store: saved slot %d (%d tokens, %.1f MiB, %s) in %.0f ms as %s", job.slot_id,
+                 stored.n_tokens, stored.nbytes / MIB, job.trigger, job.write_s * 1000, self.folder.file(job.name))
+
+    def _kept_tokens(self, job: PendingSave, stored: StoredConversation) -> None:
+        """The tokens the file holds are the slot's (a tracked count that differs is logged)."""
+        if np.array_equal(stored.tokens, job.tokens):
+            return
+        log.warning("session store: slot %d held %d tokens, not the %d tracked; the file's are kept", job.slot_id,
+                    stored.n_tokens, len(job.tokens))
+        with self._lock:
+            slot = self.slots[job.slot_id]
+            if slot.tokens is job.tokens:
+                slot.tokens = stored.tokens
 
     def _commit(self, job: PendingSave) -> None:
         """fsync the pending file, make room for it (evicting the least recently used), rename it to its
@@ -381,13 +419,7 @@ class SessionStore:
             log.warning("session store: a conversation of %.1f MiB is larger than the store's limit (%.1f MiB); "
                         "not kept", stored.nbytes / MIB, self.settings.max_bytes / MIB)
             return
-        if not np.array_equal(stored.tokens, job.tokens):
-            log.warning("session store: slot %d held %d tokens, not the %d tracked; the file's are kept", job.slot_id,
-                        stored.n_tokens, len(job.tokens))
-            with self._lock:
-                slot = self.slots[job.slot_id]
-                if slot.tokens is job.tokens:
-                    slot.tokens = stored.tokens
+        self._kept_tokens(job, stored)
         with self._files:
             older = self.index.strict_prefixes_of(stored.tokens)  # replaced by this file: dropped after it lands
             room = self.settings.max_bytes - stored.nbytes + sum(c.nbytes for c in older)
@@ -475,8 +507,7 @@ class SessionStore:
             if candidate is None or self.index.get(candidate.name) is not None:
                 return
             t0 = time.perf_counter()
-            self.remote.download(candidate, self.folder.path)
-            stored = self.folder.conversation(candidate.name, self.fingerprints)
+            stored = self.folder.adopt(candidate, self.fingerprints, self.remote)
         except sf.SessionFileError as exc:
             if candidate is not None:
                 self._bad_file(candidate.name, exc.reason)
@@ -489,10 +520,10 @@ class SessionStore:
             self.folder.remove(candidate.name)
             return
         self.index.add(stored)
-        self.metrics.fetched(stored.nbytes)
-        log.info("session store: fetched %s (%d tokens, %d of the prompt's, %.1f MiB) from the object store in "
-                 "%.0f ms", candidate.key, stored.n_tokens, candidate.n_match, stored.nbytes / MIB,
-                 (time.perf_counter() - t0) * 1000)
+        self.metrics.fetched(stored.nbytes if self.folder.local else 0)
+        log.info("session store: %s %s (%d tokens, %d of the prompt's, %.1f MiB) from the object store in "
+                 "%.0f ms", "fetched" if self.folder.local else "found (restored in place)", candidate.key,
+                 stored.n_tokens, candidate.n_match, stored.nbytes / MIB, (time.perf_counter() - t0) * 1000)
         self._evict(keep=candidate.name)
 
     def _restore(self, lease: EngineLease, slot_id: int, prompt: np.ndarray, decision: Plan) -> bool:
