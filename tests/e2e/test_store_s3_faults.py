@@ -1,7 +1,8 @@
 """Faults of the object store during a restore straight from an object (--cache-store without --cache-disk), on
 a real SeaweedFS behind a TCP relay (support/s3.StoreProxy) that lets the test act between the passes: an
 object replaced between the passes is refused and the prompt evaluated cold with the right reply; the store
-killed between the passes gives a refusal before the gate, killed during the apply pass the slot's fail-stop;
+killed between the passes gives a refusal before the gate, killed during the apply pass the slot erased alone
+(protocol v2's slot_failed: no restart) and the prompt evaluated cold;
 either way the server keeps serving (/health, the next completion); a request lost on the way is retried (boto3's
 standard retry mode, with back-off) and the restore completes."""
 
@@ -123,18 +124,21 @@ def test_the_store_killed_between_the_passes_gives_a_refusal(tmp_path, conversat
         assert b.stop() == 0  # the shutdown save fails (no store) and is logged
 
 
-def test_the_store_killed_during_the_apply_pass_fail_stops_the_slot(tmp_path, conversation, store):
+def test_the_store_killed_during_the_apply_pass_erases_the_slot_alone(tmp_path, conversation, store):
     seaweed, proxy = store
     # Half the object into the apply pass (after the version check between the passes), the store dies.
     proxy.before_request(b"HEAD", lambda: proxy.after_bytes(len(conversation.data) // 2, seaweed.kill))
     b = server_b(tmp_path, seaweed, proxy, "faults-killed-apply")
     try:
-        response = requests.post(b.url + "/v1/chat/completions", json={
-            "model": "smollm2", "messages": conversation.following, "max_tokens": 12, "temperature": 0}, timeout=300)
+        body = chat(b, conversation.following)
         assert seaweed.proc is None
-        assert response.status_code >= 500  # the slot's fail-stop: the engine restarts, the conversation is lost
+        # protocol v2: the engine erases that slot alone (slot_failed, no restart); the prompt is evaluated cold
+        assert cached_tokens(body) == 0 and reply_of(body) == reply_of(conversation.reference)
+        assert metric(b, 'strata:store_lookups_total{result="refused"}') == 1
         still_serving(b, conversation)
-        assert "exit status 4: fail-stop" in b.log_path.read_text()
+        log = b.log_path.read_text()
+        assert "erased after a restore failed past its gate" in log  # the engine's line: that slot alone
+        assert "fail-stop" not in log
     finally:
         assert b.stop() == 0
 
