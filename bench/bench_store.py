@@ -365,8 +365,9 @@ class Workload:
             server.stop()
         if self.ratios.get("store, back to back"):  # printed now too: the think-time arms take minutes more
             ratios = self.ratios["store, back to back"]
-            print(f"   (store, back to back: vs its held next turn mean {statistics.fmean(ratios):4.2f}x, worst "
-                  f"{max(ratios):4.2f}x, n={len(ratios)})", flush=True)
+            print(f"   (store, back to back: vs its held next turn mean {statistics.fmean(ratios):4.2f}x, median "
+                  f"{statistics.median(ratios):4.2f}x, worst {max(ratios):4.2f}x, n={len(ratios)}; each: "
+                  f"{' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
         flags = (*self.common, "--cache-disk", str(store), "--cache-idle-seconds", str(self.think / 2))
         chats = Chats(self.k, self.n_history, self.n_predict)
         half = (self.n_rounds + 1) // 2 + 1
@@ -383,7 +384,7 @@ class Workload:
         finally:
             server.stop()
         return {"arms": {name: summary(v) for name, v in self.arms.items()},
-                "ratios": {name: (statistics.fmean(v), max(v)) for name, v in self.ratios.items()},
+                "ratios": {name: (statistics.fmean(v), max(v), statistics.median(v)) for name, v in self.ratios.items()},
                 "store_bytes": disk, "folder_bytes": sum(p.stat().st_size for p in store.glob("*.ssf"))}
 
 
@@ -429,7 +430,8 @@ def main() -> int:
             out = Workload(folder, args.chats, args.history, args.rounds, args.predict, args.think, not args.no_cold).run()
             for name, s in out["arms"].items():
                 ratio = out["ratios"].get(name)
-                pair = f"; vs its held next turn: mean {ratio[0]:4.2f}x, worst {ratio[1]:4.2f}x" if ratio else ""
+                pair = (f"; vs its held next turn: mean {ratio[0]:4.2f}x, median {ratio[2]:4.2f}x, worst {ratio[1]:4.2f}x"
+                        if ratio else "")
                 print(f"   {name:>50s}: mean {s['mean_ms']:7.1f} ms, p99 {s['p99_ms']:7.1f} ms (n={s['n']}){pair}")
             print(f"   store on disk: {out['folder_bytes'] / MIB:.1f} MiB in the folder "
                   f"(strata:store_bytes {out['store_bytes'] / MIB:.1f} MiB)")
