@@ -366,8 +366,9 @@ class SessionStore:
             stored = self.folder.conversation(job.name, self.fingerprints)  # the object as written
         except (sf.SessionFileError, OSError) as exc:
             self.metrics.save_failed()
-            log.error("session store: the object saved for slot %d does not read back (%s)", job.slot_id, exc)
-            self.folder.forget(job.name)
+            log.error("session store: the object saved for slot %d does not read back (%s); removing it", job.slot_id,
+                      exc)
+            self.folder.remove(job.name)
             return
         assert stored is not None
         self._kept_tokens(job, stored)
