@@ -9,6 +9,7 @@ shared folder), the OpenAI SDK for chats.
 * A displaced chat's save is committed in the background (fsync, rename, index) and is restored after a
   SIGTERM restart; what a kill -9 between the engine's write and that commit leaves (a whole pending file,
   one cut short) is committed or removed at start-up, never indexed half-written.
+* Three chats on two slots (--parallel 2) hit the store on every returning turn.
 * 50 conversations under a small byte limit: the folder never holds more than the limit.
 * A corrupt and a truncated file are moved aside, the prompts are evaluated cold with the right answer.
 * A gemma3 server sharing the folder ignores SmolLM2's files and leaves them alone.
@@ -218,6 +219,35 @@ def test_two_conversations_alternating_on_one_slot_hit_the_store_every_turn(modu
         assert server.stop() == 0
     if store == "disk":
         assert stored_files(folder)
+
+
+def test_three_chats_on_two_slots_hit_the_store_on_every_returning_turn(module_tmp):
+    """--parallel 2: each returning chat takes the least recently used slot, whose conversation is written by
+    the engine (SAVE, sync false) and committed off the path; the returning one is restored from the store."""
+    folder = module_tmp / "store-two-slots"
+    server = start_server(module_tmp, "-np", "2", "-c", "4096", "--cache-disk", str(folder), "--metrics",
+                          "--cache-idle-seconds", "600", name="two-slots")
+    try:
+        chats = {"a": chat_a(), "b": chat_b(),
+                 "c": [{"role": "system", "content": "Be brief. Inventory: " + FACTS[len(FACTS) // 2:] + FACTS},
+                       {"role": "user", "content": "Where is item 20?"}]}
+        held: dict[str, int] = {}
+        hits = 0
+        for round_ in range(3):
+            for name, messages in chats.items():
+                reply = chat(server, messages)
+                cached = reply.usage.prompt_tokens_details.cached_tokens
+                if round_:
+                    hits += 1
+                    assert cached >= 0.99 * held[name], (name, round_, cached, held[name])
+                    assert metric(server, 'strata:store_lookups_total{result="hit"}') == hits
+                held[name] = reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
+                chats[name] = followed(messages, reply.choices[0].message.content, f"And item {round_ + 4}?")
+        await_metric(server, 'strata:store_saves_total{trigger="replace"}', 7)  # one per turn but the first two
+        assert not list(folder.glob("*.pending"))
+        assert metric(server, "strata:store_bytes") == sum(p.stat().st_size for p in stored_files(folder))
+    finally:
+        assert server.stop() == 0
 
 
 def test_fifty_conversations_never_exceed_the_byte_limit(module_tmp):
