@@ -3,7 +3,7 @@ alone; a slot's K/V bytes are never touched by another slot's steps; a file save
 into another and into a one-slot engine; refusals and failures stay within the batch; `prefill_steps`
 evaluates a chunk per step.
 
-Models: SmolLM2, gemma3, and gemma3 with its sliding windows shrunk to 8 (rings of 16 slots, so the
+Models: SmolLM2 and gemma3 with its sliding windows shrunk to 8 (rings of 16 slots, so the
 rings wrap within these short runs; the same weights, another model, run the same way batched and alone).
 """
 
@@ -29,7 +29,7 @@ from .runners import base_runner
 LOGIT_ATOL = 1e-3
 N_CTX_SLOT = 96
 SMALL_WINDOW = 8
-DECODE_STEPS = 10
+DECODE_STEPS = 8
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -47,7 +47,9 @@ def _small_window_gemma3(runner: ModelRunner) -> tuple:
     return config, model
 
 
-MODEL_CASES = ["smollm2", "gemma3", "gemma3-rings"]
+# gemma3 at N_CTX_SLOT has no rings (its 512-token windows cover the context): its shrunk-window twin covers
+# gemma3's arithmetic and the rings at once.
+MODEL_CASES = ["smollm2", "gemma3-rings"]
 
 
 @pytest.fixture(scope="module", params=MODEL_CASES)
@@ -135,7 +137,7 @@ def test_a_slot_region_is_untouched_by_the_other_slots_steps(make):
     for s in (0, 2):
         slots.runners[s].prefill(_ids(s, 25))
     token = 42
-    for _ in range(SMALL_WINDOW * 3):  # past a small ring's wrap
+    for _ in range(SMALL_WINDOW):  # the rings (16 slots) wrap again
         slots.decode([(0, token), (2, token)])
     steps = slots.runners[2].prefill_steps(_ids(7, 40))
     for _ in steps:
