@@ -271,6 +271,17 @@ def test_settings_share_the_context_among_the_slots():
         ModelRunner.load(EngineSettings(path, n_ctx=64, n_slots=2))
     with pytest.raises(SettingsError):
         base_runner("smollm2").sibling(n_slots=2)
+    with pytest.raises(SettingsError, match="fewer than 16"):
+        SlotSet.load(EngineSettings(path, n_slots=1000))  # the model's default context, shared by too many
+
+
+def test_load_reads_the_model_once_for_every_slot():
+    path = base_runner("smollm2").settings.model_path
+    slots = SlotSet.load(EngineSettings(path, n_ctx=100, n_slots=3))
+    assert slots.settings.n_ctx == 100 and slots.settings.n_slots == 3 and slots.settings.backend == "numpy"
+    assert [r.n_ctx for r in slots.runners] == [33, 33, 33]
+    assert all(r.model is slots.model and r.pool.arena is slots.runners[0].pool.arena for r in slots.runners)
+    assert all(r.settings.n_slots == 1 and r.settings.n_ctx == 33 for r in slots.runners)
 
 
 def test_resident_rings_of_the_slots_share_one_arena_and_read_what_the_pool_holds():

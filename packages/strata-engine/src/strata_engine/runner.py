@@ -147,6 +147,8 @@ class ModelRunner:
         settings = settings.validate()
         gguf_file = read_gguf(settings.model_path)
         config = ModelConfig.from_gguf(gguf_file)
+        if (problem := settings.slot_problem(settings.n_ctx_total(config.n_ctx_train))) is not None:
+            raise SettingsError([problem])  # the model's default context, shared by too many slots
         settings = settings.with_backend_defaults(config.architecture)
         ops = get_ops(settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads)
         return settings, gguf_file, config, build_model(config, ops, gguf_file)
