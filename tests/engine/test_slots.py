@@ -130,6 +130,33 @@ def test_batched_decode_equals_each_slot_decoded_alone(make):
         assert slots.runners[s].tokens_held == (*prompt, *tokens[s][:-1])
 
 
+def test_a_prompt_evaluated_chunk_by_chunk_between_decode_steps_gives_what_it_gives_alone(make):
+    slots = make(3)
+    alone = make(1).runners[0]
+    prompts = {0: [1, *_ids(40, 9)], 1: [1, *_ids(41, 20)]}
+    tokens = {s: [int(np.argmax(slots.runners[s].prefill(p).logits))] for s, p in prompts.items()}
+    long_prompt = [1, *_ids(42, 50)]  # 4 chunks of 16: a decode step of slots 0 and 1 between each two
+    steps = slots.runners[2].prefill_steps(long_prompt)
+    decoded: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    while True:
+        out = slots.decode([(s, tokens[s][-1]) for s in (0, 1)])
+        for row, s in zip(out, (0, 1), strict=True):
+            decoded[s].append(row)
+            tokens[s].append(int(np.argmax(row)))
+        try:
+            next(steps)
+        except StopIteration as done:
+            result = done.value
+            break
+    assert result.prompt_n == len(long_prompt) and len(decoded[0]) == 4
+    alone.erase()
+    assert float(np.abs(result.logits - alone.prefill(long_prompt).logits).max()) <= LOGIT_ATOL
+    for s, prompt in prompts.items():
+        expected_tokens, expected_logits = _greedy_alone(alone, prompt, len(decoded[s]))
+        assert tokens[s][:-1] == expected_tokens
+        assert max(float(np.abs(a - b).max()) for a, b in zip(decoded[s], expected_logits, strict=True)) <= LOGIT_ATOL
+
+
 def test_a_slot_region_is_untouched_by_the_other_slots_steps(make):
     slots = make(3)
     slots.runners[1].prefill(_ids(5, 20))
