@@ -89,6 +89,53 @@ def gpu_time_by_op(ops, run) -> tuple[float, float, dict[str, tuple[int, float]]
     return wall, total, {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def decode_device_profile(graphed, eager, ops, depth: int, steps: int = 64) -> None:
+    """One decode step at `depth` held tokens: the device time of a graph replay (events around
+    `steps` replays queued back to back) against the device time per op of the same step run op by op
+    (queued behind the spin kernel, so launch gaps are not counted)."""
+    import cupy as cp
+
+    tokens = np.random.default_rng(1).integers(100, 5000, depth).tolist()
+    for runner in (graphed, eager):
+        runner.erase()
+        runner.prefill(tokens)
+    tok = 7
+    graphed.decode(tok)
+    graphed.cut_back(depth)
+    ops.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        graphed.decode(tok)
+        graphed.cut_back(depth)
+    ops.synchronize()
+    wall = (time.perf_counter() - t0) / steps
+    spin = cp.RawKernel(SPIN, "spin")
+    graph = graphed.decode_graph
+    with graph.stream:
+        spin((1,), (1,), (np.int64(600_000_000),))
+        first = cp.cuda.Event()
+        first.record(graph.stream)
+        for _ in range(steps):  # the replays alone, queued behind the spin: the device time of the graph
+            graph.graph.launch(graph.stream)
+        last = cp.cuda.Event()
+        last.record(graph.stream)
+    last.synchronize()
+    replay = cp.cuda.get_elapsed_time(first, last) / steps
+    eager.decode(tok)
+    eager.cut_back(depth)
+    ops.synchronize()
+    _wall, total, by_op = gpu_time_by_op(ops, lambda: eager.decode(tok))
+    eager.cut_back(depth)
+    print(f"---- decode at {depth} held: {wall * 1e3:.3f} ms/token graphed (host loop), one graph replay "
+          f"{replay * 1e3:.1f} us on the device; the same step op by op, queued back to back: "
+          f"{total * 1e3:.1f} us of device time ----")
+    for name, (calls, ms) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name:16s} {calls:5d} calls  {ms * 1e3:8.1f} us  {ms * 1e3 / calls:6.2f} us/call  "
+              f"{ms / total * 100:5.1f} %")
+    rest = total - sum(ms for _calls, ms in by_op.values())
+    print(f"  {'(between ops)':16s}              {rest * 1e3:8.1f} us  {rest / total * 100:5.1f} %")
+
+
 def main() -> int:
     from strata_engine.runner import ModelRunner
     from strata_engine.settings import EngineSettings
@@ -98,6 +145,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--decode-depths", type=int, nargs="*", default=[512, 4096])
     args = ap.parse_args()
     settings = EngineSettings(
         model_path=Path(args.model), n_ctx=8192, backend="cupy", compute_dtype=args.dtype
@@ -134,6 +182,8 @@ def main() -> int:
         print(f"  {name:16s} {calls:5d} calls  {ms:8.3f} ms  {ms / total * 100:5.1f} %")
     rest = total - sum(ms for _calls, ms in by_op.values())
     print(f"  {'(between ops)':16s}              {rest:8.3f} ms  {rest / total * 100:5.1f} %")
+    for depth in args.decode_depths:
+        decode_device_profile(graphed, eager, ops, depth)
     for title, steps in (("prefill", 0), ("decode op by op", args.steps)):
         prof = cProfile.Profile()
         eager.erase()

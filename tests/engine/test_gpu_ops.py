@@ -113,12 +113,17 @@ def test_logits_are_accumulated_and_returned_in_float32(cp, dtype):
     to f16 is ~3e-4 off and one rounded to bf16 ~2e-3; the graph's device path gives the same values."""
     ops = _ops(dtype)
     rng = np.random.default_rng(9)
-    x = rng.standard_normal((3, 640)).astype(np.float32)
-    w = (rng.standard_normal((5000, 640)) * 0.05).astype(np.float32)
+    for n_rows in (3, 12):  # the decode-sized product and cuBLAS's
+        x = rng.standard_normal((n_rows, 640)).astype(np.float32)
+        w = (rng.standard_normal((5000, 640)) * 0.05).astype(np.float32)
+        _check_logits(ops, x, w)
+
+
+def _check_logits(ops, x, w):
     xd, wd = ops.asarray(x, ops.dtype), ops.weight(w)
     want = ops.to_host(xd).astype(np.float64) @ ops.to_host(wd).astype(np.float64).T
     got = ops.logits(xd, wd)
-    assert got.dtype == np.float32 and got.shape == (3, 5000)
+    assert got.dtype == np.float32 and got.shape == (x.shape[0], 5000)
     assert rel_err(got, want) < 1e-4
     np.testing.assert_array_equal(ops.to_host(ops.logits_f32(xd, wd)), got)
 
@@ -126,10 +131,11 @@ def test_logits_are_accumulated_and_returned_in_float32(cp, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", list(Activation))
-def test_matmul_and_gated_mlp_match_numpy(cp, dtype, activation):
+@pytest.mark.parametrize("n_rows", [1, 5, 8, 17])  # up to SMALL_STEP_ROWS: the decode-sized kernels
+def test_matmul_and_gated_mlp_match_numpy(cp, dtype, activation, n_rows):
     ops, ref = _ops(dtype), NumpyOps("f32")
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((17, 576)).astype(np.float32)
+    x = rng.standard_normal((n_rows, 576)).astype(np.float32)
     wg, wu = (
         (rng.standard_normal((1536, 576)) / 24).astype(np.float32),
         (rng.standard_normal((1536, 576)) / 24).astype(np.float32),
@@ -149,11 +155,12 @@ def test_matmul_and_gated_mlp_match_numpy(cp, dtype, activation):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("post", [False, True])
-def test_add_rms_norm_matches_numpy(cp, dtype, post):
+@pytest.mark.parametrize(("n_rows", "n"), [(33, 640), (1, 640), (1, 576), (8, 2304), (3, 100)])
+def test_add_rms_norm_matches_numpy(cp, dtype, post, n_rows, n):
     ops, ref = _ops(dtype), NumpyOps("f32")
     rng = np.random.default_rng(11)
-    arrays = [(rng.standard_normal((33, 640)) * 3).astype(np.float32) for _ in range(2)]
-    weights = [rng.standard_normal(640).astype(np.float32) for _ in range(2)]
+    arrays = [(rng.standard_normal((n_rows, n)) * 3).astype(np.float32) for _ in range(2)]
+    weights = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
     x, y = (ops.asarray(a, ops.dtype) for a in arrays)
     w_post, w_next = (ops.weight(w) for w in weights)
     host = [ops.to_host(a).astype(np.float32) for a in (x, y, w_post, w_next)]

@@ -42,6 +42,13 @@ MEMCPY_DEVICE_TO_DEVICE = 3
 # strata_gated_act's ACT template argument per activation
 _GATED_ACT = {Activation.SILU: 0, Activation.GELU_TANH: 1}
 WARP_ROWS_PER_BLOCK = 8  # the row kernels run one warp per row, 8 warps per block
+# Steps of at most this many token rows (decode) take the decode-sized kernels: one warp per row leaves a
+# norm latency-bound, and cuBLAS's products of a row leave most of the device idle (bench/GPU-NOTES.md).
+SMALL_STEP_ROWS = 8
+_ROW_THREADS = 256  # strata_add_rms_norm_row: one block per row
+_ROW_VALUES = (1, 2, 4, 8, 16)  # values per thread it is compiled for (rows up to 4,096 values)
+_GEMV_ROWS = (1, 2, 4, 8)  # token rows strata_gemv is compiled for
+_GEMV_WARPS = 8
 
 
 def _device_dtypes(cp: Any) -> dict[str, np.dtype]:
@@ -175,8 +182,14 @@ class CupyOps(NumpyOps):
         n = x.shape[-1]
         n_rows = x.size // n
         x_out, h = cp.empty_like(x), cp.empty_like(x)
-        kernel = self.raw.get("strata_add_rms_norm", c_type(x.dtype))
         post = _NULL if w_post is None else w_post
+        if n_rows <= SMALL_STEP_ROWS and n <= _ROW_THREADS * _ROW_VALUES[-1]:
+            nv = next(v for v in _ROW_VALUES if v * _ROW_THREADS >= n)
+            kernel = self.raw.get("strata_add_rms_norm_row", c_type(x.dtype), nv)
+            args = (x, y, post, w_next, x_out, h, np.int32(n), np.int32(n), np.float32(eps))
+            kernel((n_rows,), (_ROW_THREADS,), args)
+            return x_out, h
+        kernel = self.raw.get("strata_add_rms_norm", c_type(x.dtype))
         args = (x, y, post, w_next, x_out, h, np.int32(n_rows), np.int32(n), np.int32(n), np.float32(eps))
         kernel(*self._row_grid(n_rows), args)
         return x_out, h
@@ -193,8 +206,27 @@ class CupyOps(NumpyOps):
             x.ndim == 2 and w.ndim == 2 and x.dtype == w.dtype and x.strides[1] == x.itemsize
             and w.flags.c_contiguous and x.shape[1] == w.shape[1] and x.shape[0] > 0
         ):  # fmt: skip
+            if self._gemv_fits(x, w):
+                return self._gemv(x, w, w.shape[0], x.dtype, -1)
             return self.cublas.linear(self.xp, x, w)
         return x @ w.T
+
+    def _gemv_fits(self, x: Any, w: Any) -> bool:
+        """Whether strata_gemv takes x [T, in] @ w^T: a few rows of f16 / bf16, 16-byte aligned rows."""
+        return (
+            x.shape[0] <= SMALL_STEP_ROWS and x.dtype != np.float32 and x.dtype == w.dtype and x.shape[1] % 8 == 0
+            and x.strides[1] == x.itemsize and x.strides[0] % 16 == 0 and x.data.ptr % 16 == 0
+            and w.flags.c_contiguous and w.data.ptr % 16 == 0
+        )  # fmt: skip
+
+    def _gemv(self, x: Any, w: Any, n_out: int, out_dtype: Any, act: int) -> Any:
+        n_tok, n_in = x.shape
+        y = self.xp.empty((n_tok, n_out), dtype=out_dtype)
+        rows = next(r for r in _GEMV_ROWS if r >= n_tok)
+        kernel = self.raw.get("strata_gemv", c_type(x.dtype), c_type(y.dtype), rows, act)
+        args = (x, w, y, np.int32(n_tok), np.int32(n_in), np.int32(n_out), np.int32(x.strides[0] // x.itemsize))
+        kernel((-(-n_out // _GEMV_WARPS),), (32 * _GEMV_WARPS,), args)
+        return y
 
     def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...]) -> list[Any]:
         y = self.matmul(x, w_fused)  # one product; the parts are column views of it
@@ -205,6 +237,9 @@ class CupyOps(NumpyOps):
         return out
 
     def gated_mlp(self, x: Any, w_gate_up: Any, w_down: Any, activation: Activation) -> Any:
+        if self._gemv_fits(x, w_gate_up) and x.shape[1] == w_gate_up.shape[1]:
+            act = self._gemv(x, w_gate_up, w_down.shape[1], x.dtype, _GATED_ACT[activation])  # act(g) * u
+            return self.matmul(act, w_down)
         gate_up = self.matmul(x, w_gate_up)  # [T, 2F]: gate | up, one product
         n_rows, n_ff = gate_up.shape[0], w_down.shape[1]
         act = self.xp.empty((n_rows, n_ff), dtype=gate_up.dtype)
@@ -418,6 +453,8 @@ class CupyOps(NumpyOps):
         cp = self.xp
         x = cp.ascontiguousarray(x)
         assert x.dtype == w_out.dtype and w_out.flags.c_contiguous and x.shape[1] == w_out.shape[1]
+        if self._gemv_fits(x, w_out):
+            return self._gemv(x, w_out, w_out.shape[0], cp.float32, -1)
         return self.cublas.linear(cp, x, w_out, out_dtype=cp.float32)
 
 

@@ -14,6 +14,8 @@
 // * strata_qk_norm_rope: one warp per (token, head): optional per-head RMS norm, then RoPE (neox or
 //   interleaved), for the Q and K heads of one fused QKV projection.
 // * strata_gated_act: act(gate) * up over the two halves of one fused [Wg; Wu] product.
+// * strata_add_rms_norm_row / strata_gemv: the same norm and the products for steps of a few token rows
+//   (decode): a block per row, a warp per output column (the gated activation fused into the gate/up one).
 //
 // Arithmetic is float32 whatever the storage type; every stored value is rounded once, to the
 // storage type, at the point where the NumPy twin rounds it.
@@ -525,5 +527,138 @@ __global__ void strata_gated_act(const T* __restrict__ gu, T* __restrict__ out, 
         const float a = ACT == 0 ? g / (1.0f + expf(-g))
                                  : 0.5f * g * (1.0f + tanhf(GELU_C * (g + 0.044715f * g * g * g)));
         out[(size_t)r * F + c] = from_f32<T>(a * u);
+    }
+}
+
+// ---- decode-sized kernels (a few token rows) -------------------------------------------------------
+// A step of a few tokens is latency-bound: one warp walking a 576-value row issues its loads one after
+// another, and cuBLAS's products of one row leave most of the device idle. These spread a row over a
+// block and a product over one warp per output column, keeping values in registers.
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); sh holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    float t = lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.f;
+    t = warp_sum(t);
+    __syncthreads();  // sh is reused by the next sum
+    return t;
+}
+
+// strata_add_rms_norm with one block per row (NV values per thread, in registers).
+template <typename T, int NV>
+__global__ void strata_add_rms_norm_row(const T* __restrict__ x, const T* __restrict__ y,
+                                        const T* __restrict__ w_post, const T* __restrict__ w_next,
+                                        T* __restrict__ x_out, T* __restrict__ h, int n, int x_stride, float eps) {
+    __shared__ float sh[32];
+    const int row = blockIdx.x;
+    const T* xr = x + (size_t)row * x_stride;
+    const T* yr = y + (size_t)row * n;
+    T* xo = x_out + (size_t)row * n;
+    T* hr = h + (size_t)row * n;
+    float yv[NV], xv[NV];
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        yv[k] = i < n ? to_f32(yr[i]) : 0.f;
+        xv[k] = i < n ? to_f32(xr[i]) : 0.f;
+    }
+    float inv_y = 1.f;
+    if (w_post != nullptr) {
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < NV; k++) ss += yv[k] * yv[k];
+        inv_y = 1.0f / sqrtf(block_sum(ss, sh) / (float)n + eps);
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n) {
+            float branch = yv[k];
+            if (w_post != nullptr) branch = round_to<T>(branch * inv_y * to_f32(w_post[i]));
+            const float s = round_to<T>(xv[k] + branch);
+            xo[i] = from_f32<T>(s);
+            xv[k] = s;
+            ss += s * s;
+        }
+    }
+    const float inv = 1.0f / sqrtf(block_sum(ss, sh) / (float)n + eps);
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n) hr[i] = from_f32<T>(xv[k] * inv * to_f32(w_next[i]));
+    }
+}
+
+// 8 values of T from a 16-byte aligned address, as floats.
+template <typename T> __device__ __forceinline__ void load8(const T* __restrict__ p, float* v);
+template <> __device__ __forceinline__ void load8<__half>(const __half* __restrict__ p, float* v) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int e = 0; e < 4; e++) { const float2 f = __half22float2(h[e]); v[2 * e] = f.x; v[2 * e + 1] = f.y; }
+}
+template <> __device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* __restrict__ p, float* v) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int e = 0; e < 4; e++) { const float2 f = __bfloat1622float2(h[e]); v[2 * e] = f.x; v[2 * e + 1] = f.y; }
+}
+
+// y[t, o] = sum_i x[t, i] * w[o, i] for t < n_tok <= MAXT: one warp per output column o, 16-byte loads
+// of w's row, accumulated in float32, rounded once to O. x rows are x_stride values apart; n_in a
+// multiple of 8 and every row 16-byte aligned (the caller checks). ACT >= 0: w is a fused [Wg; Wu]
+// ([2F, n_in]) and column o < F of the output is act(g) * u of its gate and up rows, each rounded to T
+// first as the twin's [T, 2F] product is (ACT as strata_gated_act's).
+template <typename T, typename O, int MAXT, int ACT>
+__global__ void strata_gemv(const T* __restrict__ x, const T* __restrict__ w, O* __restrict__ y, int n_tok,
+                            int n_in, int n_out, int x_stride) {
+    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (o >= n_out) return;
+    constexpr int NW = ACT >= 0 ? 2 : 1;
+    const T* wr[NW];
+    wr[0] = w + (size_t)o * n_in;
+    if constexpr (ACT >= 0) wr[1] = w + (size_t)(o + n_out) * n_in;
+    float acc[NW][MAXT];
+#pragma unroll
+    for (int r = 0; r < NW; r++)
+#pragma unroll
+        for (int t = 0; t < MAXT; t++) acc[r][t] = 0.f;
+    for (int c = lane * 8; c < n_in; c += 256) {
+        float wv[NW][8];
+#pragma unroll
+        for (int r = 0; r < NW; r++) load8<T>(wr[r] + c, wv[r]);
+#pragma unroll
+        for (int t = 0; t < MAXT; t++) {
+            if (t < n_tok) {
+                float xv[8];
+                load8<T>(x + (size_t)t * x_stride + c, xv);
+#pragma unroll
+                for (int r = 0; r < NW; r++)
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc[r][t] = fmaf(wv[r][e], xv[e], acc[r][t]);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MAXT; t++) {
+        if (t < n_tok) {
+            float s[NW];
+#pragma unroll
+            for (int r = 0; r < NW; r++) s[r] = warp_sum(acc[r][t]);
+            if (lane == 0) {
+                float v = s[0];
+                if constexpr (ACT >= 0) {
+                    const float g = round_to<T>(s[0]), u = round_to<T>(s[1]);
+                    v = (ACT == 0 ? g / (1.0f + expf(-g))
+                                  : 0.5f * g * (1.0f + tanhf(GELU_C * (g + 0.044715f * g * g * g)))) * u;
+                }
+                y[(size_t)t * n_out + o] = from_f32<O>(v);
+            }
+        }
     }
 }
