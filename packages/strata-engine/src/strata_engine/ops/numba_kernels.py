@@ -351,13 +351,18 @@ def _kv_intrinsic_args(context, builder, signature, args):
     return [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)]
 
 
+_ELEM = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}
+# Rows of one token's query heads (of a K/V head) the value sums keep in registers at once: rows x D / 16
+# accumulators, at most 16 (AVX-512 has 32 registers).
+_SUM_ROWS = {64: 4, 128: 2, 256: 1}
+
+
 @intrinsic
 def key_dots(typingctx, q, keys, scales, lo, n, out, d):
-    """out[i] = q . keys[lo + i] for i < n: q float32 [D]; keys a stored head's rows [slots, D] (uint16 f16
-    bits, float32, or int8 with `scales` [slots, D / 32]); out float32; d the literal D."""
-    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS:
-        return None
-    if keys.dtype not in (types.uint16, types.float32, types.int8):
+    """out[r, i] = q[r] . keys[lo + i] for every row r of q [R, D] (float32) and i < n: each key row is
+    read and converted once for all R rows; keys a stored head's rows [slots, D] (uint16 f16 bits,
+    float32, or int8 with `scales` [slots, D / 32]); out float32 [R, >= n]; d the literal D."""
+    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS or keys.dtype not in _ELEM:
         return None
     sig = types.void(q, keys, scales, lo, n, out, d)
 
@@ -366,58 +371,73 @@ def key_dots(typingctx, q, keys, scales, lo, n, out, d):
         out_arr = context.make_array(signature.args[5])(context, builder, args[5])
         chunks = d.literal_value // _LANES
         vf = ir.VectorType(_F32, _LANES)
-        qv = [_load_vector(builder, q_arr.data, ir.Constant(_I64, c * _LANES), _F32, _LANES) for c in range(chunks)]
-        elem = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}[keys.dtype]
+        n_rows = builder.extract_value(q_arr.shape, 0)
 
-        def body(i, carried):
+        def key(i, carried):
             idx = builder.add(args[3], i)
-            row = _row_ptr(builder, k_arr, idx, elem)
+            row = _row_ptr(builder, k_arr, idx, _ELEM[keys.dtype])
             scale_row = _row_ptr(builder, s_arr, idx, _F32)
-            acc = ir.Constant(vf, [0.0] * _LANES)
-            for c in range(chunks):
-                acc = builder.fadd(acc, builder.fmul(qv[c], _stored_chunk(builder, row, scale_row, c, keys.dtype)))
-            builder.store(_hsum(builder, acc), builder.gep(out_arr.data, [i]))
+            kv = [_stored_chunk(builder, row, scale_row, c, keys.dtype) for c in range(chunks)]
+
+            def query(r, carried_r):
+                q_row = _row_ptr(builder, q_arr, r, _F32)
+                acc = ir.Constant(vf, [0.0] * _LANES)
+                for c in range(chunks):
+                    qc = _load_vector(builder, q_row, ir.Constant(_I64, c * _LANES), _F32, _LANES)
+                    acc = builder.fadd(acc, builder.fmul(qc, kv[c]))
+                builder.store(_hsum(builder, acc), builder.gep(_row_ptr(builder, out_arr, r, _F32), [i]))
+                return []
+
+            _counted_loop(builder, n_rows, query, [])
             return []
 
-        _counted_loop(builder, args[4], body, [])
+        _counted_loop(builder, args[4], key, [])
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @intrinsic
-def value_sums(typingctx, acc, weights, values, scales, lo, n, d):
-    """acc[:] += sum_i weights[i] * values[lo + i] for i < n: acc float32 [D] (kept in registers over the
-    loop), values a stored head's rows as in `key_dots`."""
-    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS:
+def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
+    """acc[r] += sum_i weights[r, i] * values[lo + i] for i < n and the `rows` (a literal) rows of acc
+    [rows, D] and weights [rows, >= n]: each value row is read and converted once for all of them, and
+    the rows x D / 16 accumulators stay in registers over the loop; values as in `key_dots`."""
+    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS or values.dtype not in _ELEM:
         return None
-    if values.dtype not in (types.uint16, types.float32, types.int8):
+    if not isinstance(rows, types.IntegerLiteral) or not 1 <= rows.literal_value <= _SUM_ROWS[d.literal_value]:
         return None
-    sig = types.void(acc, weights, values, scales, lo, n, d)
+    sig = types.void(acc, weights, values, scales, lo, n, d, rows)
 
     def codegen(context, builder, signature, args):
         acc_arr, w_arr, v_arr = _kv_intrinsic_args(context, builder, signature, args)
         s_arr = context.make_array(signature.args[3])(context, builder, args[3])
-        chunks = d.literal_value // _LANES
-        elem = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}[values.dtype]
-        start = [_load_vector(builder, acc_arr.data, ir.Constant(_I64, c * _LANES), _F32, _LANES) for c in range(chunks)]
+        chunks, n_rows = d.literal_value // _LANES, rows.literal_value
         vf = ir.VectorType(_F32, _LANES)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
+        acc_rows = [_row_ptr(builder, acc_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
+        w_rows = [_row_ptr(builder, w_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
+        start = [
+            _load_vector(builder, acc_rows[r], ir.Constant(_I64, c * _LANES), _F32, _LANES)
+            for r in range(n_rows)
+            for c in range(chunks)
+        ]
 
         def body(i, carried):
             idx = builder.add(args[4], i)
-            row = _row_ptr(builder, v_arr, idx, elem)
+            row = _row_ptr(builder, v_arr, idx, _ELEM[values.dtype])
             scale_row = _row_ptr(builder, s_arr, idx, _F32)
-            w = _splat(builder, builder.load(builder.gep(w_arr.data, [i])), _LANES)
-            return [
-                builder.call(fma, [_stored_chunk(builder, row, scale_row, c, values.dtype), w, carried[c]])
-                for c in range(chunks)
-            ]
+            kv = [_stored_chunk(builder, row, scale_row, c, values.dtype) for c in range(chunks)]
+            out = []
+            for r in range(n_rows):
+                w = _splat(builder, builder.load(builder.gep(w_rows[r], [i])), _LANES)
+                out += [builder.call(fma, [kv[c], w, carried[r * chunks + c]]) for c in range(chunks)]
+            return out
 
         final = _counted_loop(builder, args[5], body, start)
-        for c in range(chunks):
-            ptr = builder.gep(acc_arr.data, [ir.Constant(_I64, c * _LANES)])
-            builder.store(final[c], builder.bitcast(ptr, vf.as_pointer()), align=1)
+        for r in range(n_rows):
+            for c in range(chunks):
+                ptr = builder.gep(acc_rows[r], [ir.Constant(_I64, c * _LANES)])
+                builder.store(final[r * chunks + c], builder.bitcast(ptr, vf.as_pointer()), align=1)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -425,7 +445,8 @@ def value_sums(typingctx, acc, weights, values, scales, lo, n, d):
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _dots(q, keys, scales, has_scales, lo, n, out):
-    d = q.shape[0]
+    """out[r, :n] = q[r] . keys[lo + i] (`key_dots`, or a plain loop for other head sizes)."""
+    d = q.shape[1]
     if d == 64:
         key_dots(q, keys, scales, lo, n, out, 64)
     elif d == 128:
@@ -433,27 +454,48 @@ def _dots(q, keys, scales, has_scales, lo, n, out):
     elif d == 256:
         key_dots(q, keys, scales, lo, n, out, 256)
     else:
-        for i in range(n):
-            s = F32(0)
-            for j in range(d):
-                s += q[j] * widen(keys[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
-            out[i] = s
+        for r in range(q.shape[0]):
+            for i in range(n):
+                s = F32(0)
+                for j in range(d):
+                    s += q[r, j] * widen(keys[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
+                out[r, i] = s
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _sums(acc, weights, values, scales, has_scales, lo, n):
-    d = acc.shape[0]
-    if d == 64:
-        value_sums(acc, weights, values, scales, lo, n, 64)
-    elif d == 128:
-        value_sums(acc, weights, values, scales, lo, n, 128)
-    elif d == 256:
-        value_sums(acc, weights, values, scales, lo, n, 256)
-    else:
-        for i in range(n):
-            w = weights[i]
-            for j in range(d):
-                acc[j] += w * widen(values[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
+    """acc[r] += sum_i weights[r, i] values[lo + i] (`value_sums` on as many rows at once as fit the
+    registers, or a plain loop for other head sizes)."""
+    d = acc.shape[1]
+    n_rows = acc.shape[0]
+    r = 0
+    while r < n_rows:
+        left = n_rows - r
+        a, w = acc[r:], weights[r:]
+        if d == 64 and left >= 4:
+            value_sums(a, w, values, scales, lo, n, 64, 4)
+            r += 4
+        elif d == 64 and left >= 2:
+            value_sums(a, w, values, scales, lo, n, 64, 2)
+            r += 2
+        elif d == 64:
+            value_sums(a, w, values, scales, lo, n, 64, 1)
+            r += 1
+        elif d == 128 and left >= 2:
+            value_sums(a, w, values, scales, lo, n, 128, 2)
+            r += 2
+        elif d == 128:
+            value_sums(a, w, values, scales, lo, n, 128, 1)
+            r += 1
+        elif d == 256:
+            value_sums(a, w, values, scales, lo, n, 256, 1)
+            r += 1
+        else:
+            for i in range(n):
+                wi = weights[r, i]
+                for j in range(d):
+                    acc[r, j] += wi * widen(values[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
+            r += 1
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
@@ -470,43 +512,44 @@ def _attention_item(
     s_hi = min(k_hi, s_lo + per_split)
     keys, values = k[:, hk], v[:, hk]
     key_scales, value_scales = k_scale[:, min(hk, k_scale.shape[1] - 1)], v_scale[:, min(hk, v_scale.shape[1] - 1)]
-    scores = np.empty(max(1, s_hi - s_lo), dtype=F32)
-    for r in range(group * n_tok):
-        g = r // n_tok
-        t = r % n_tok
+    scores = np.empty((group, max(1, s_hi - s_lo)), dtype=F32)
+    for t in range(n_tok):  # the token's `group` query heads see the same keys: rows t * G .. t * G + G - 1
         qp = q_pos0 + t
         lo = s_lo if window <= 0 else max(s_lo, qp - window + 1)
         hi = min(s_hi, qp + 1)
-        a = acc[hk, sp, r]
+        rows = slice(t * group, (t + 1) * group)
+        a = acc[hk, sp, rows]
         a[:] = 0
-        m_out[hk, sp, r] = -np.inf
-        l_out[hk, sp, r] = 0
+        m_out[hk, sp, rows] = -np.inf
+        l_out[hk, sp, rows] = 0
         if hi <= lo:
             continue
-        qr = q[t, hk * group + g]
+        qt = q[t, hk * group : (hk + 1) * group]
         n = hi - lo
         p = lo
         while p < hi:  # slot runs: one, or two where a ring wraps
             slot = p % capacity if capacity > 0 else p - base
             run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
-            _dots(qr, keys, key_scales, has_scales, slot, run, scores[p - lo : p - lo + run])
+            _dots(qt, keys, key_scales, has_scales, slot, run, scores[:, p - lo : p - lo + run])
             p += run
-        top = scores[0]
-        for i in range(1, n):
-            top = max(top, scores[i])
-        total = F32(0)
-        for i in range(n):
-            e = fast_exp(scores[i] - top)
-            scores[i] = e
-            total += e
+        for g in range(group):
+            sg = scores[g]
+            top = sg[0]
+            for i in range(1, n):
+                top = max(top, sg[i])
+            total = F32(0)
+            for i in range(n):
+                e = fast_exp(sg[i] - top)
+                sg[i] = e
+                total += e
+            m_out[hk, sp, t * group + g] = top
+            l_out[hk, sp, t * group + g] = total
         p = lo
         while p < hi:
             slot = p % capacity if capacity > 0 else p - base
             run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
-            _sums(a, scores[p - lo : p - lo + run], values, value_scales, has_scales, slot, run)
+            _sums(a, scores[:, p - lo : p - lo + run], values, value_scales, has_scales, slot, run)
             p += run
-        m_out[hk, sp, r] = top
-        l_out[hk, sp, r] = total
 
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
@@ -517,8 +560,8 @@ def attention_partials(
     the keys at positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale,
     v_scale [slots, Hkv, D / 32]): position p sits in slot p % capacity (a ring, capacity > 0) or
     p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). Work
-    item (kv head, split) covers one of n_split equal key ranges and leaves, per row r = g * T + t
-    (query head kv_head * G + g, token t), the max m_out of its scores, the sum l_out of exp(s - m)
+    item (kv head, split) covers one of n_split equal key ranges and leaves, per row r = t * G + g
+    (token t, query head kv_head * G + g), the max m_out of its scores, the sum l_out of exp(s - m)
     and acc = sum exp(s - m) v, merged by `attention_merge`. Work items over all threads."""
     for item in prange(k.shape[1] * n_split):
         _attention_item(
@@ -546,8 +589,8 @@ def attention_merge(acc, m_in, l_in, n_tok, out):
     group = rows // n_tok
     for hk in range(n_kv):
         for r in range(rows):
-            g = r // n_tok
-            t = r % n_tok
+            t = r // group
+            g = r % group
             top = -np.inf
             for sp in range(n_split):
                 top = max(top, m_in[hk, sp, r])
