@@ -260,7 +260,7 @@ def f32_from_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
-@njit(fastmath={"contract"}, cache=True)
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def fast_exp(x):
     """e^x for x <= 0 (Cephes' expf: relative error ~2e-7; 2^-126 below -87): arithmetic only, so a loop
     of it vectorizes, where numba calls libm's scalar expf once a value."""
@@ -686,40 +686,3 @@ def gated_activation(gate_up, gelu, out):
             else:
                 a = g / (F32(1) + np.exp(-g))
             out[t, j] = a * gate_up[t, n_ff + j]
-
-
-@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
-def softmax_block(s, m, l_sum, acc, q_pos0, n_tok, k_pos0, window):
-    """One key block of the BLAS attention path, in place: s [Hkv, R, B] holds the scaled scores of rows
-    r (token r % n_tok, at position q_pos0 + r % n_tok) against keys at positions k_pos0 ..; each row's
-    running max m and sum l_sum [Hkv, R] are updated, its accumulator acc [Hkv, R, D] rescaled, and s
-    becomes exp(s - m) (0 for keys the row may not see: later positions, or outside the window)."""
-    n_kv, rows, n_keys = s.shape
-    for item in prange(n_kv * rows):
-        hk = item // rows
-        r = item % rows
-        qp = q_pos0 + r % n_tok
-        sr = s[hk, r]
-        hi = min(n_keys, qp - k_pos0 + 1)  # keys [lo, hi) of the block are visible
-        lo = 0 if window <= 0 else min(max(0, qp - window + 1 - k_pos0), n_keys)
-        top = m[hk, r]
-        for i in range(lo, hi):
-            top = max(top, sr[i])
-        for i in range(lo):
-            sr[i] = 0
-        for i in range(max(hi, lo), n_keys):
-            sr[i] = 0
-        if hi <= lo:
-            continue
-        corr = fast_exp(m[hk, r] - top) if m[hk, r] != -np.inf else F32(0)
-        total = F32(0)
-        for i in range(lo, hi):
-            e = fast_exp(sr[i] - top)
-            sr[i] = e
-            total += e
-        l_sum[hk, r] = l_sum[hk, r] * corr + total
-        m[hk, r] = top
-        if corr != F32(1):
-            a = acc[hk, r]
-            for j in range(a.shape[0]):
-                a[j] *= corr
