@@ -21,11 +21,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 F32 = np.float32
-# OpenMP (GNU libgomp) before numba's workqueue: a decode step runs ~150 parallel regions, and workqueue's
-# sleeping threads take ~100 us to start each (decode 37 against 118 tok/s); libgomp's spin between regions,
-# bounded by GOMP_SPINCOUNT so that on a busy machine a waiting thread soon yields the core another
-# needs (unbounded spinning fell to 7 tok/s there). bench/CPU-NOTES.md has the figures.
-os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+# OpenMP (GNU libgomp) before numba's workqueue, whose sleeping threads take ~100 us to start each parallel
+# region. libgomp's threads spin between regions, bounded here (GOMP_SPINCOUNT) so that on a busy machine
+# a waiting thread soon yields the core another needs: unbounded spinning (or 30,000 spins) fell to 7-17
+# tok/s there. bench/CPU-NOTES.md has the figures.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 # fastmath without nnan / ninf: attention compares scores with -inf.
@@ -116,74 +116,79 @@ def _block_products(builder, values, x, offset_q, offset_x, nibbles, block):
     return prod
 
 
-@intrinsic
-def row_dot(typingctx, values, x, scale, block):
-    """sum over blocks b of scale[b] * sum_j q[b, j] x[b * block + j] for one packed row: values int8
-    [K] or 4-bit pairs uint8 [K / 2]; x float32 [K]; scale float32 or uint16 (f16 bits) [K / block];
-    block an integer literal (16 or 32). One vector accumulator, one horizontal sum at the end."""
-    if not isinstance(block, types.IntegerLiteral) or block.literal_value not in (16, 32):
-        return None
-    nibbles = values.dtype == types.uint8
-    half = scale.dtype == types.uint16
-    sig = types.float32(values, x, scale, block)
+def _row_dot(with_min: bool):
+    """The `row_dot` intrinsic, or with mins (`row_dot_min`)."""
 
-    def codegen(context, builder, signature, args):
-        n = block.literal_value
-        q_arr, x_arr, s_arr = (
-            context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)
-        )
-        lanes = _lanes(nibbles, n)
-        vf = ir.VectorType(_F32, lanes)
-        zero = ir.Constant(vf, [0.0] * lanes)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
-        n_blocks = builder.extract_value(s_arr.shape, 0)
-        entry = builder.block
-        loop = builder.append_basic_block("row_dot.loop")
-        done = builder.append_basic_block("row_dot.done")
-        builder.cbranch(builder.icmp_signed(">", n_blocks, ir.Constant(_I64, 0)), loop, done)
-        builder.position_at_end(loop)
-        b = builder.phi(_I64)
-        acc = builder.phi(vf)
-        offset_x = builder.mul(b, ir.Constant(_I64, n))
-        offset_q = builder.mul(b, ir.Constant(_I64, n // 2 if nibbles else n))
-        prod = _block_products(builder, q_arr.data, x_arr.data, offset_q, offset_x, nibbles, n)
-        scale_b = _scale_at(builder, s_arr, b, half)
-        splat = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(vf, ir.Undefined), scale_b, ir.Constant(_I32, 0)),
-            ir.Constant(vf, ir.Undefined), _indices([0] * lanes),
-        )  # fmt: skip
-        acc_next = builder.call(fma, [prod, splat, acc])
-        b_next = builder.add(b, ir.Constant(_I64, 1))
-        b.add_incoming(ir.Constant(_I64, 0), entry)
-        b.add_incoming(b_next, loop)
-        acc.add_incoming(zero, entry)
-        acc.add_incoming(acc_next, loop)
-        builder.cbranch(builder.icmp_signed("<", b_next, n_blocks), loop, done)
-        builder.position_at_end(done)
-        total = builder.phi(vf)
-        total.add_incoming(zero, entry)
-        total.add_incoming(acc_next, loop)
-        width = lanes
-        while width > 1:
-            width //= 2
-            total = builder.fadd(
-                builder.shuffle_vector(total, total, _indices(list(range(width)))),
-                builder.shuffle_vector(total, total, _indices(list(range(width, 2 * width)))),
+    def typer(typingctx, values, x, scale, mins, xsum, block):
+        if not isinstance(block, types.IntegerLiteral) or block.literal_value not in (16, 32):
+            return None
+        nibbles = values.dtype == types.uint8
+        half = scale.dtype == types.uint16
+        sig = types.float32(values, x, scale, mins, xsum, block)
+
+        def codegen(context, builder, signature, args):
+            n = block.literal_value
+            q_arr, x_arr, s_arr, m_arr, xs_arr = (
+                context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:5], args[:5], strict=True)
             )
-        return builder.extract_element(total, ir.Constant(_I32, 0))
+            lanes = _lanes(nibbles, n)
+            vf = ir.VectorType(_F32, lanes)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
+            fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
 
-    return sig, codegen
+            def one_block(b, acc, macc):
+                offset_x = builder.mul(b, ir.Constant(_I64, n))
+                offset_q = builder.mul(b, ir.Constant(_I64, n // 2 if nibbles else n))
+                prod = _block_products(builder, q_arr.data, x_arr.data, offset_q, offset_x, nibbles, n)
+                acc = builder.call(fma, [prod, _splat(builder, _scale_at(builder, s_arr, b, half), lanes), acc])
+                if with_min:  # min * sum(x) of the block
+                    xs = builder.load(builder.gep(xs_arr.data, [b]))
+                    macc = builder.call(fma1, [_scale_at(builder, m_arr, b, half), xs, macc])
+                return acc, macc
+
+            def block_pair(i, carried):  # two accumulators: the fma chains of even and odd blocks overlap
+                b = builder.mul(i, ir.Constant(_I64, 2))
+                even = one_block(b, carried[0], carried[2])
+                odd = one_block(builder.add(b, ir.Constant(_I64, 1)), carried[1], carried[3])
+                return [even[0], odd[0], even[1], odd[1]]
+
+            n_blocks = builder.extract_value(s_arr.shape, 0)
+            zero_v, zero_s = ir.Constant(vf, [0.0] * lanes), ir.Constant(_F32, 0.0)
+            pairs = builder.lshr(n_blocks, ir.Constant(_I64, 1))
+            acc0, acc1, macc0, macc1 = _counted_loop(builder, pairs, block_pair, [zero_v, zero_v, zero_s, zero_s])
+            last = builder.mul(pairs, ir.Constant(_I64, 2))
+
+            def tail(i, carried):  # the last block of an odd count
+                return list(one_block(builder.add(last, i), carried[0], carried[1]))
+
+            acc0, macc0 = _counted_loop(builder, builder.sub(n_blocks, last), tail, [acc0, macc0])
+            return builder.fadd(_hsum(builder, builder.fadd(acc0, acc1)), builder.fadd(macc0, macc1))
+
+        return sig, codegen
+
+    typer.__name__ = "row_dot_min" if with_min else "row_dot"
+    return intrinsic(typer)
+
+
+# sum over blocks b of scale[b] * sum_j q[b, j] x[b * block + j] (+ mins[b] * xsum[b] with min) for one
+# packed row: values int8 [K] or 4-bit pairs uint8 [K / 2]; x float32 [K]; scale (and mins) float32 or
+# uint16 (f16 bits) [K / block]; xsum float32 [K / block] (x's block sums); block an integer literal (16
+# or 32). One vector accumulator (and one scalar for the mins), one horizontal sum at the end.
+row_dot = _row_dot(with_min=False)
+row_dot_min = _row_dot(with_min=True)
 
 
 @njit(fastmath=True, cache=True, inline="always")
 def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
     row = values[n]
     sc = scale[n]
+    mn = mins[n] if has_min else mins[0]
     for m in range(x.shape[0]):
-        acc = row_dot(row, x[m], sc, 32) if block == 32 else row_dot(row, x[m], sc, 16)
+        xr, xs = x[m], xsum[m if has_min else 0]
         if has_min:
-            for b in range(scale.shape[1]):
-                acc += widen(mins[n, b]) * xsum[m, b]
+            acc = row_dot_min(row, xr, sc, mn, xs, 32) if block == 32 else row_dot_min(row, xr, sc, mn, xs, 16)
+        else:
+            acc = row_dot(row, xr, sc, mn, xs, 32) if block == 32 else row_dot(row, xr, sc, mn, xs, 16)
         y[m, n] = acc
 
 

@@ -28,10 +28,11 @@ PACKED_MAX_ROWS = 16
 # Weight rows dequantized per BLAS call: a float32 chunk of about 2 MiB stays in cache for the product.
 DEQUANT_CHUNK_BYTES = 2 << 20
 # Work from which a kernel runs over all threads (below, on the calling thread): each parallel region is a
-# fork and a join, and on a busy machine the join waits for a descheduled thread (bench/CPU-NOTES.md).
-# Products: weight bytes times token rows; attention: keys times query heads times query tokens.
-PARALLEL_MIN_BYTES = 1 << 20
-PARALLEL_MIN_SCORES = 8192
+# fork and a join, and on a machine with other work the join waits for a descheduled thread; one thread
+# nearly saturates memory here, so a decode step runs its output head alone over all threads
+# (bench/CPU-NOTES.md). Products: weight bytes times token rows; attention: keys x query heads x tokens.
+PARALLEL_MIN_BYTES = 16 << 20
+PARALLEL_MIN_SCORES = 1 << 20
 # Query tokens up to which attention runs in the tiled kernel; above, key blocks through BLAS.
 ATTN_KERNEL_MAX_TOKENS = 16
 # Keys per block of the BLAS path (scores [Hkv, G*T, block] float32 stay a few MiB).
