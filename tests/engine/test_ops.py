@@ -196,9 +196,20 @@ F16_FIELDS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def numba_ops():
-    return get_ops("numpy", "f32", "numba")
+@pytest.fixture(scope="module", params=["serial", "parallel"])
+def numba_ops(request):
+    """The numba ops, their kernels on the calling thread (a decode step's small work) or over all
+    threads (the thresholds lowered to zero: the parallel twins)."""
+    from strata_engine.ops import numba_ops as module
+
+    ops = get_ops("numpy", "f32", "numba", threads=2)
+    if request.param == "serial":
+        yield ops
+        return
+    saved = module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES
+    module.PARALLEL_MIN_BYTES = module.PARALLEL_MIN_SCORES = 0
+    yield ops
+    module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES = saved
 
 
 @pytest.fixture(scope="module")
