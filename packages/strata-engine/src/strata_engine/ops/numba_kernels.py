@@ -68,6 +68,9 @@ def widen(typingctx, value):
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
+# numba's fastmath pass gives every float instruction that has no flags the kernel's (reassoc, contract):
+# an explicit flag that changes no finite result keeps it off, so the instruction rounds as written.
+EXACT = ("nsz",)
 _F32 = ir.FloatType()
 _LANES = 16  # float32 lanes of the accumulator (one AVX-512 register, two AVX2 ones)
 
@@ -301,7 +304,7 @@ def _stored_chunk(builder, row, scale_row, c, dtype):
         return _load_vector(builder, row, off, _F32, _LANES)
     q = builder.sitofp(_load_vector(builder, row, off, ir.IntType(8), _LANES), vf)
     scale = builder.load(builder.gep(scale_row, [ir.Constant(_I64, c * _LANES // 32)]))
-    return builder.fmul(q, _splat(builder, scale, _LANES))
+    return builder.fmul(q, _splat(builder, scale, _LANES), flags=EXACT)  # rounded as the decoded copy
 
 
 def _splat(builder, value, lanes):
@@ -313,12 +316,14 @@ def _splat(builder, value, lanes):
 
 
 def _hsum(builder, v):
+    """The lanes' sum, halves folded in a fixed order."""
     width = v.type.count
     while width > 1:
         width //= 2
         v = builder.fadd(
             builder.shuffle_vector(v, v, _indices(list(range(width)))),
             builder.shuffle_vector(v, v, _indices(list(range(width, 2 * width)))),
+            flags=EXACT,
         )
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
@@ -376,6 +381,7 @@ def key_dots(typingctx, q, keys, scales, lo, n, out, d):
         out_arr = context.make_array(signature.args[5])(context, builder, args[5])
         chunks = d.literal_value // _LANES
         vf = ir.VectorType(_F32, _LANES)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
         n_rows = builder.extract_value(q_arr.shape, 0)
 
         def key(i, carried):
@@ -389,7 +395,7 @@ def key_dots(typingctx, q, keys, scales, lo, n, out, d):
                 acc = ir.Constant(vf, [0.0] * _LANES)
                 for c in range(chunks):
                     qc = _load_vector(builder, q_row, ir.Constant(_I64, c * _LANES), _F32, _LANES)
-                    acc = builder.fadd(acc, builder.fmul(qc, kv[c]))
+                    acc = builder.call(fma, [qc, kv[c], acc])
                 builder.store(_hsum(builder, acc), builder.gep(_row_ptr(builder, out_arr, r, _F32), [i]))
                 return []
 
