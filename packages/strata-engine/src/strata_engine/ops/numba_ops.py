@@ -1,4 +1,4 @@
-"""`NumbaOps`: the numpy backend with compiled kernels (`--cpu-kernels numba`, opt-in).
+"""`NumbaOps`: the numpy backend with compiled kernels (`--cpu-kernels numba`, the default with f32 compute).
 
 Weights stay packed (`packed.py`: int8 with float32 scales per block, made once at load from the GGUF's
 blocks: a token reads ~1.2 bytes per weight instead of a float32 copy's 4). Products of a few token rows
