@@ -30,11 +30,13 @@ def main() -> None:
     parser.add_argument("--kv-type", default="f16")
     parser.add_argument("--cpu-kernels", default=None)
     parser.add_argument("--backend", default="numpy")
+    parser.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     n_slots = max(batches)
     settings = EngineSettings(model_path(args.model), n_ctx=n_slots * args.n_ctx_slot, n_slots=n_slots,
-                              kv_type=args.kv_type, cpu_kernels=args.cpu_kernels, backend=args.backend)  # fmt: skip
+                              kv_type=args.kv_type, cpu_kernels=args.cpu_kernels, backend=args.backend,
+                              threads=args.threads)  # fmt: skip
     slots = SlotSet.load(settings)
     s = slots.runners[0].settings
     print(f"{args.model}: backend {s.backend}, kernels {s.cpu_kernels}, threads {s.threads}, K/V {s.kv_type}, "

@@ -14,6 +14,7 @@ from strata_engine.kv import (
     KVParts,
     KVPool,
     LayerGeometry,
+    PoolArena,
     PoolPlacement,
     ResidentRingPlacement,
     restore_checkpoint,
@@ -255,3 +256,36 @@ def test_ring_byte_spans_are_the_token_spans_in_bytes():
                 assert ring_byte_spans(start, lo * row, (hi - lo) * row, cap, row) == by_token
     # a range that starts and ends inside rows: two pieces where it crosses the ring's end
     assert ring_byte_spans(15, 7, 10, cap, row) == [(187, 192, 0), (0, 5, 5)]
+
+
+@pytest.mark.parametrize("kv_type", list(KVType))
+def test_slots_of_one_arena_are_disjoint_regions_at_one_stride_per_layer(kv_type):
+    ops = get_ops()
+    geometry = _geometry(kv_type)
+    arena = PoolArena(KVPool, geometry, ops, 3)
+    pools = arena.pools(ops)
+    assert arena.layout.nbytes == len(arena.memory) and [p.slot for p in pools] == [0, 1, 2]
+    assert all(p.nbytes == geometry.total_bytes for p in pools)
+    for i in range(geometry.n_layers):
+        for part in ("k", "v", "k_scale", "v_scale"):
+            views = [getattr(p.layer(i), part) for p in pools]
+            if views[0] is None:
+                continue
+            addresses = [v.__array_interface__["data"][0] for v in views]
+            assert addresses[2] - addresses[1] == addresses[1] - addresses[0] == views[0].nbytes
+    # each slot's appends, ring wraps and warm-up land in its own region only
+    _append(PoolPlacement(pools[1]), pools[1], 0, 40)
+    for p in (pools[0], pools[2]):
+        _append(PoolPlacement(p), p, 0, 21)
+        p.reset()
+        p.warm()  # zeroes an empty pool's pages: its own
+    after = [bytes(memoryview(a).cast("B")) for p in (pools[0], pools[2]) for i in range(2)
+             for a in p.layer(i).slot_arrays()]  # fmt: skip
+    assert all(not any(b) for b in after)
+    lone = KVPool(geometry, ops)  # slot 1 holds what a pool of its own holds after the same appends
+    _append(PoolPlacement(lone), lone, 0, 40)
+    for i in range(2):
+        got, expected = pools[1].read(i, *pools[1].held_range(i)), lone.read(i, *lone.held_range(i))
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got.arrays(), expected.arrays(), strict=True))
+    with pytest.raises(KVStateError):
+        KVPool(KVGeometry(kv_type, NCTX, geometry.layers[:1]), ops, arena=arena, slot=0)

@@ -196,9 +196,20 @@ F16_FIELDS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def numba_ops():
-    return get_ops("numpy", "f32", "numba")
+@pytest.fixture(scope="module", params=["serial", "parallel"])
+def numba_ops(request):
+    """The numba ops, their kernels on the calling thread (a decode step's small work) or over all
+    threads (the thresholds lowered to zero: the parallel twins)."""
+    from strata_engine.ops import numba_ops as module
+
+    ops = get_ops("numpy", "f32", "numba", threads=2)
+    if request.param == "serial":
+        yield ops
+        return
+    saved = module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES
+    module.PARALLEL_MIN_BYTES = module.PARALLEL_MIN_SCORES = 0
+    yield ops
+    module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES = saved
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +341,8 @@ def _stored(ops, x, kv_type):
 @pytest.mark.parametrize(("n_tok", "held", "n_kv", "n_head", "d", "window"), ATTENTION_CASES)
 def test_attention_over_stored_kv_matches_the_oracle(numba_ops, kv_type, n_tok, held, n_kv, n_head, d, window):
     """Attention reading K/V as stored (f32, f16, int8 with scales), a full layer's slice and the same
-    keys in a ring that wraps, against NumpyOps.attention over the decoded float32 context."""
+    keys in a ring that wraps, against NumpyOps.attention over the decoded float32 context; and bit for bit
+    what it gives over that decoded context (a resident ring's gathered copy) wherever the rows lie."""
     oracle = get_ops("numpy", "f32")
     rng = np.random.default_rng(12)
     s = held + n_tok
@@ -366,6 +378,9 @@ def test_attention_over_stored_kv_matches_the_oracle(numba_ops, kv_type, n_tok, 
         k_scale=ring(kscale), v_scale=ring(vscale),
     )  # fmt: skip
     np.testing.assert_allclose(got_ring, want, rtol=0, atol=atol)
+    decoded = numba_ops.attention(q, kf[lo:], vf[lo:], q_pos0=q_pos0, k_pos0=lo, window=window, scale=0.125)
+    np.testing.assert_array_equal(got, decoded)
+    np.testing.assert_array_equal(got_ring, decoded)
 
 
 @pytest.mark.parametrize("style", list(RopeStyle))

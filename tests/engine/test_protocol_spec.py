@@ -72,7 +72,7 @@ def test_slot_verbs_are_the_registry_s_slotted_verbs():
 def test_the_verbs_answered_off_the_step_loop_are_the_worker_s():
     """Scheduling names the verbs run on the worker thread, and those that start stepped jobs."""
     scheduling = " ".join(section(SPEC, "## Scheduling").split())
-    worker = scheduling[scheduling.index("- `TOKENIZE`"):].split("run on a worker thread", 1)[0]
+    worker = scheduling[scheduling.index("- `TOKENIZE`"):].split(" run on worker threads", 1)[0]
     registry = build_registry()
     on_worker = sorted(v for v in registry.verbs if registry.get(v).dispatch is P.Dispatch.WORKER)
     assert sorted(set(re.findall(r"`([A-Z_]+)`", worker)) - {"COMPLETE"}) == on_worker

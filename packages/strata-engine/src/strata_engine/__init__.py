@@ -9,4 +9,11 @@ file adapter and its verbs), `protocol` (the engine protocol's vocabulary, regis
 backends), `errors`.
 """
 
+import os
+
+# OpenBLAS's threads spin ~0.1 s after each call before they sleep; the numba kernels that follow a
+# prefill's BLAS products then share the cores with them (decode fell several-fold). Read when numpy
+# loads OpenBLAS, so it takes effect where the engine is imported first (its own process).
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
 __version__ = "0.1.0"

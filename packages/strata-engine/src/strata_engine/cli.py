@@ -90,8 +90,8 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         "--cpu-kernels",
         choices=values(CpuKernels),
         default=None,
-        help="the numpy backend's kernels: numpy (float32 weights and BLAS: the reference; "
-        "the default) or numba (packed weights, compiled kernels, f32 compute only; opt-in)",
+        help="the numpy backend's kernels: numba (packed weights, compiled kernels, f32 compute only; the "
+        "default with f32 compute) or numpy (float32 weights and BLAS: the reference the kernels are tested against)",
     )
     parser.add_argument(
         "--threads",

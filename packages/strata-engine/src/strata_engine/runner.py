@@ -1,12 +1,14 @@
-"""ModelRunner: one conversation (slot 0) on one model: prefill with prompt-cache reuse, decode, erase.
+"""ModelRunner: one conversation (a slot; `slots.SlotSet` holds several on one model, each a runner over its
+region of one K/V pool) on one model: prefill with prompt-cache reuse, decode, erase.
 
-The runner owns the model, the K/V pool, the placement and the ring checkpoints. Its running state is
-the tokens whose K/V is held (`tokens_held`; position = their count), the pool's extent and the
-checkpoints; `snapshot_state` / `restore_state` move that state in and out for the session adapter.
+The runner holds the model (shared by the slots), its K/V pool (its slot's region), the placement and the
+ring checkpoints. Its running state is the tokens whose K/V is held (`tokens_held`; position = their count),
+the pool's extent and the checkpoints; `snapshot_state` / `restore_state` move that state in and out for the session adapter.
 
 Prompt cache (`prefill`): the request reuses the longest common prefix of its tokens and the held ones
 that is a valid resume point (see `_resume_point`), drops the rest of the held conversation, and
-evaluates what remains in chunks of `prefill_chunk` tokens, computing logits for the last token only.
+evaluates what remains in chunks of `prefill_chunk` tokens, computing logits for the last token only
+(`prefill_steps`: one chunk per step, so a scheduler can run other slots' steps between them).
 When the whole prompt is already held the last token is evaluated again for its logits
 (cache_n = n - 1, prompt_n = 1, as llama-server reports).
 """
@@ -147,6 +149,8 @@ class ModelRunner:
         settings = settings.validate()
         gguf_file = read_gguf(settings.model_path)
         config = ModelConfig.from_gguf(gguf_file)
+        if (problem := settings.slot_problem(settings.n_ctx_total(config.n_ctx_train))) is not None:
+            raise SettingsError([problem])  # the model's default context, shared by too many slots
         settings = settings.with_backend_defaults(config.architecture)
         ops = get_ops(settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads)
         return settings, gguf_file, config, build_model(config, ops, gguf_file)

@@ -135,8 +135,11 @@ class Scheduler:
         self.busy: dict[int, CompleteJob | SessionJob] = {}  # slot -> its COMPLETE or session verb
         self.ids: dict[str, CompleteJob | ChunkJob] = {}  # the ids of jobs in flight
         self.chunks: deque[CompleteJob | ChunkJob] = deque()  # jobs with chunks to evaluate, in turn
-        self.pending: deque[tuple[Future, Callable[[Future], None]]] = deque()  # worker tasks, in order
+        self.pending: list[tuple[Future, Callable[[Future], None]]] = []  # worker tasks
+        # the WORKER verbs' thread, and one for COMPLETE's preparation (bounded by the slot's context), so a
+        # huge TOKENIZE delays no completion's admission
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="strata-worker")
+        self.preparer = ThreadPoolExecutor(1, thread_name_prefix="strata-prepare")
         self.sessions: list[SessionJob] = []
         self.session_worker = ThreadPoolExecutor(1, thread_name_prefix="strata-session")
         # off the numpy backend a session verb takes the pool from its start (device copies beside the steps)
@@ -159,6 +162,7 @@ class Scheduler:
             return ExitStatus.CLEAN
         finally:
             self.worker.shutdown(wait=False, cancel_futures=True)
+            self.preparer.shutdown(wait=False, cancel_futures=True)
             self.session_worker.shutdown(wait=False, cancel_futures=True)
             with self._wake_lock:
                 self._wake_open = False
@@ -241,17 +245,19 @@ class Scheduler:
         if payload is not None:
             request.answer(payload)
 
-    def submit(self, work: Callable[[], Any], then: Callable[[Future], None]) -> None:
-        """Run `work` on the worker thread; `then(future)` runs in the loop at the first boundary after it
-        is done (tasks are taken in the order they were submitted)."""
-        future = self.worker.submit(work)
+    def submit(self, work: Callable[[], Any], then: Callable[[Future], None],
+               executor: ThreadPoolExecutor | None = None) -> None:
+        """Run `work` on the worker thread (or `executor`); `then(future)` runs in the loop at the first
+        boundary after it is done."""
+        future = (executor or self.worker).submit(work)
         future.add_done_callback(lambda _: self._wake())
         self.pending.append((future, then))
 
     def _collect(self) -> None:
-        while self.pending and self.pending[0][0].done():
-            future, then = self.pending.popleft()
-            then(future)
+        done = [task for task in self.pending if task[0].done()]
+        for task in done:
+            self.pending.remove(task)
+            task[1](task[0])
 
     def _answer(self, request: Request, done: Future) -> None:
         exc = done.exception()
@@ -334,7 +340,8 @@ class Scheduler:
         if request.id is not None:
             self.ids[request.id] = job
         completer = self.ctx.completer_of(job.slot)
-        self.submit(lambda: completer.prepare(parse_request(request.args)), lambda done: self._admit(job, done))
+        self.submit(lambda: completer.prepare(parse_request(request.args)), lambda done: self._admit(job, done),
+                    self.preparer)
 
     def _admit(self, job: CompleteJob, done: Future) -> None:
         exc = done.exception()

@@ -78,9 +78,9 @@ def chat_template_problem(value: str) -> str | None:
     return f"{value[:64]!r} is neither a built-in name ({', '.join(values(ChatTemplateName))}) nor a jinja template"
 
 
-# The numpy backend's kernels unless told otherwise: numba opts in until its open mismatches are
-# understood (bench/CPU-NOTES.md).
-DEFAULT_CPU_KERNELS = CpuKernels.NUMPY
+# The numpy backend's kernels unless told otherwise (the numba kernels compute in f32 only: another compute
+# dtype gets the numpy ones).
+DEFAULT_CPU_KERNELS = CpuKernels.NUMBA
 
 # A context size the engine picks when none is given: the model's training context, capped here so a
 # 32K-context model does not preallocate 32K tokens of K/V by default (llama-server caps the same way
@@ -132,7 +132,8 @@ class EngineSettings:
     backend: "numpy", "cupy", or "auto" (cupy where a CUDA device is usable; `ModelRunner.load`
         resolves it, so `runner.settings.backend` names the backend actually running).
     cpu_kernels: the numpy backend's kernels: "numba" (compiled, packed weights) or "numpy" (the oracle);
-        None = `DEFAULT_CPU_KERNELS` ("numpy"; "numpy" on cupy too, where the kernels do not run).
+        None = `DEFAULT_CPU_KERNELS` ("numba") with f32 compute, else "numpy" (on cupy too, where the
+        kernels do not run).
     threads: CPU threads for the kernels and BLAS; None = the cores this process may run on.
     chat_template: a `ChatTemplateName` or a jinja template used instead of the model's own; None = the
         model's (llama-server's --chat-template; --chat-template-file puts the file's text here).
@@ -162,13 +163,13 @@ class EngineSettings:
 
         backend = resolve_backend(self.backend)
         compute_dtype = self.compute_dtype or DEFAULT_COMPUTE_DTYPE[architecture][backend].value
-        on_cpu = backend == Backend.NUMPY
+        on_f32_cpu = backend == Backend.NUMPY and compute_dtype == ComputeDType.F32
         return attrs.evolve(
             self,
             backend=backend,
             compute_dtype=compute_dtype,
             prefill_chunk=self.prefill_chunk or DEFAULT_PREFILL_CHUNK[backend],
-            cpu_kernels=self.cpu_kernels or (DEFAULT_CPU_KERNELS if on_cpu else CpuKernels.NUMPY).value,
+            cpu_kernels=self.cpu_kernels or (DEFAULT_CPU_KERNELS if on_f32_cpu else CpuKernels.NUMPY).value,
             threads=self.threads or default_threads(),
         )
 

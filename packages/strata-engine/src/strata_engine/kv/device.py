@@ -44,8 +44,8 @@ class DevicePool(KVPool):
 
     capabilities = PoolCapabilities(device_staging=True, pinned_buffers=True)
 
-    def __init__(self, geometry: KVGeometry, ops: Ops):
-        super().__init__(geometry, ops)
+    def __init__(self, geometry: KVGeometry, ops: Ops, arena: PoolArena | None = None, slot: int = 0):
+        super().__init__(geometry, ops, arena, slot)
         self._pinned: list[Any] = []
 
     def read_device(self, i: int, lo: int, hi: int) -> KVParts:
@@ -273,7 +273,5 @@ class DeviceResidentRingPlacement(ResidentRingPlacement):
     through the mapping. `refill()` (after a restore or a checkpoint restore) resets every layer's
     ring from the host pool, exactly as the CPU placement does."""
 
-    def __init__(self, pool: KVPool, n_resident: int):
-        super().__init__(pool, n_resident)
-        self.resident = DevicePool(self.resident.geometry, pool.ops)
+    resident_pool_type = DevicePool
 

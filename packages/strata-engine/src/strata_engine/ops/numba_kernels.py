@@ -21,11 +21,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 F32 = np.float32
-# OpenMP (GNU libgomp) before numba's workqueue: a decode step runs ~150 parallel regions, and workqueue's
-# sleeping threads take ~100 us to start each (decode 37 against 118 tok/s); libgomp's spin between regions,
-# bounded by GOMP_SPINCOUNT so that on a busy machine a waiting thread soon yields the core another
-# needs (unbounded spinning fell to 7 tok/s there). bench/CPU-NOTES.md has the figures.
-os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+# OpenMP (GNU libgomp) before numba's workqueue, whose sleeping threads take ~100 us to start each parallel
+# region. libgomp's threads spin between regions, bounded here (GOMP_SPINCOUNT) so that on a busy machine
+# a waiting thread soon yields the core another needs: unbounded spinning (or 30,000 spins) fell to 7-17
+# tok/s there. bench/CPU-NOTES.md has the figures.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 # fastmath without nnan / ninf: attention compares scores with -inf.
@@ -68,6 +68,9 @@ def widen(typingctx, value):
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
+# numba's fastmath pass gives every float instruction that has no flags the kernel's (reassoc, contract):
+# an explicit flag that changes no finite result keeps it off, so the instruction rounds as written.
+EXACT = ("nsz",)
 _F32 = ir.FloatType()
 _LANES = 16  # float32 lanes of the accumulator (one AVX-512 register, two AVX2 ones)
 
@@ -116,74 +119,79 @@ def _block_products(builder, values, x, offset_q, offset_x, nibbles, block):
     return prod
 
 
-@intrinsic
-def row_dot(typingctx, values, x, scale, block):
-    """sum over blocks b of scale[b] * sum_j q[b, j] x[b * block + j] for one packed row: values int8
-    [K] or 4-bit pairs uint8 [K / 2]; x float32 [K]; scale float32 or uint16 (f16 bits) [K / block];
-    block an integer literal (16 or 32). One vector accumulator, one horizontal sum at the end."""
-    if not isinstance(block, types.IntegerLiteral) or block.literal_value not in (16, 32):
-        return None
-    nibbles = values.dtype == types.uint8
-    half = scale.dtype == types.uint16
-    sig = types.float32(values, x, scale, block)
+def _row_dot(with_min: bool):
+    """The `row_dot` intrinsic, or with mins (`row_dot_min`)."""
 
-    def codegen(context, builder, signature, args):
-        n = block.literal_value
-        q_arr, x_arr, s_arr = (
-            context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)
-        )
-        lanes = _lanes(nibbles, n)
-        vf = ir.VectorType(_F32, lanes)
-        zero = ir.Constant(vf, [0.0] * lanes)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
-        n_blocks = builder.extract_value(s_arr.shape, 0)
-        entry = builder.block
-        loop = builder.append_basic_block("row_dot.loop")
-        done = builder.append_basic_block("row_dot.done")
-        builder.cbranch(builder.icmp_signed(">", n_blocks, ir.Constant(_I64, 0)), loop, done)
-        builder.position_at_end(loop)
-        b = builder.phi(_I64)
-        acc = builder.phi(vf)
-        offset_x = builder.mul(b, ir.Constant(_I64, n))
-        offset_q = builder.mul(b, ir.Constant(_I64, n // 2 if nibbles else n))
-        prod = _block_products(builder, q_arr.data, x_arr.data, offset_q, offset_x, nibbles, n)
-        scale_b = _scale_at(builder, s_arr, b, half)
-        splat = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(vf, ir.Undefined), scale_b, ir.Constant(_I32, 0)),
-            ir.Constant(vf, ir.Undefined), _indices([0] * lanes),
-        )  # fmt: skip
-        acc_next = builder.call(fma, [prod, splat, acc])
-        b_next = builder.add(b, ir.Constant(_I64, 1))
-        b.add_incoming(ir.Constant(_I64, 0), entry)
-        b.add_incoming(b_next, loop)
-        acc.add_incoming(zero, entry)
-        acc.add_incoming(acc_next, loop)
-        builder.cbranch(builder.icmp_signed("<", b_next, n_blocks), loop, done)
-        builder.position_at_end(done)
-        total = builder.phi(vf)
-        total.add_incoming(zero, entry)
-        total.add_incoming(acc_next, loop)
-        width = lanes
-        while width > 1:
-            width //= 2
-            total = builder.fadd(
-                builder.shuffle_vector(total, total, _indices(list(range(width)))),
-                builder.shuffle_vector(total, total, _indices(list(range(width, 2 * width)))),
+    def typer(typingctx, values, x, scale, mins, xsum, block):
+        if not isinstance(block, types.IntegerLiteral) or block.literal_value not in (16, 32):
+            return None
+        nibbles = values.dtype == types.uint8
+        half = scale.dtype == types.uint16
+        sig = types.float32(values, x, scale, mins, xsum, block)
+
+        def codegen(context, builder, signature, args):
+            n = block.literal_value
+            q_arr, x_arr, s_arr, m_arr, xs_arr = (
+                context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:5], args[:5], strict=True)
             )
-        return builder.extract_element(total, ir.Constant(_I32, 0))
+            lanes = _lanes(nibbles, n)
+            vf = ir.VectorType(_F32, lanes)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
+            fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
 
-    return sig, codegen
+            def one_block(b, acc, macc):
+                offset_x = builder.mul(b, ir.Constant(_I64, n))
+                offset_q = builder.mul(b, ir.Constant(_I64, n // 2 if nibbles else n))
+                prod = _block_products(builder, q_arr.data, x_arr.data, offset_q, offset_x, nibbles, n)
+                acc = builder.call(fma, [prod, _splat(builder, _scale_at(builder, s_arr, b, half), lanes), acc])
+                if with_min:  # min * sum(x) of the block
+                    xs = builder.load(builder.gep(xs_arr.data, [b]))
+                    macc = builder.call(fma1, [_scale_at(builder, m_arr, b, half), xs, macc])
+                return acc, macc
+
+            def block_pair(i, carried):  # two accumulators: the fma chains of even and odd blocks overlap
+                b = builder.mul(i, ir.Constant(_I64, 2))
+                even = one_block(b, carried[0], carried[2])
+                odd = one_block(builder.add(b, ir.Constant(_I64, 1)), carried[1], carried[3])
+                return [even[0], odd[0], even[1], odd[1]]
+
+            n_blocks = builder.extract_value(s_arr.shape, 0)
+            zero_v, zero_s = ir.Constant(vf, [0.0] * lanes), ir.Constant(_F32, 0.0)
+            pairs = builder.lshr(n_blocks, ir.Constant(_I64, 1))
+            acc0, acc1, macc0, macc1 = _counted_loop(builder, pairs, block_pair, [zero_v, zero_v, zero_s, zero_s])
+            last = builder.mul(pairs, ir.Constant(_I64, 2))
+
+            def tail(i, carried):  # the last block of an odd count
+                return list(one_block(builder.add(last, i), carried[0], carried[1]))
+
+            acc0, macc0 = _counted_loop(builder, builder.sub(n_blocks, last), tail, [acc0, macc0])
+            return builder.fadd(_hsum(builder, builder.fadd(acc0, acc1)), builder.fadd(macc0, macc1))
+
+        return sig, codegen
+
+    typer.__name__ = "row_dot_min" if with_min else "row_dot"
+    return intrinsic(typer)
+
+
+# sum over blocks b of scale[b] * sum_j q[b, j] x[b * block + j] (+ mins[b] * xsum[b] with min) for one
+# packed row: values int8 [K] or 4-bit pairs uint8 [K / 2]; x float32 [K]; scale (and mins) float32 or
+# uint16 (f16 bits) [K / block]; xsum float32 [K / block] (x's block sums); block an integer literal (16
+# or 32). One vector accumulator (and one scalar for the mins), one horizontal sum at the end.
+row_dot = _row_dot(with_min=False)
+row_dot_min = _row_dot(with_min=True)
 
 
 @njit(fastmath=True, cache=True, inline="always")
 def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
     row = values[n]
     sc = scale[n]
+    mn = mins[n] if has_min else mins[0]
     for m in range(x.shape[0]):
-        acc = row_dot(row, x[m], sc, 32) if block == 32 else row_dot(row, x[m], sc, 16)
+        xr, xs = x[m], xsum[m if has_min else 0]
         if has_min:
-            for b in range(scale.shape[1]):
-                acc += widen(mins[n, b]) * xsum[m, b]
+            acc = row_dot_min(row, xr, sc, mn, xs, 32) if block == 32 else row_dot_min(row, xr, sc, mn, xs, 16)
+        else:
+            acc = row_dot(row, xr, sc, mn, xs, 32) if block == 32 else row_dot(row, xr, sc, mn, xs, 16)
         y[m, n] = acc
 
 
@@ -260,7 +268,7 @@ def f32_from_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
-@njit(fastmath={"contract"}, cache=True)
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def fast_exp(x):
     """e^x for x <= 0 (Cephes' expf: relative error ~2e-7; 2^-126 below -87): arithmetic only, so a loop
     of it vectorizes, where numba calls libm's scalar expf once a value."""
@@ -296,7 +304,7 @@ def _stored_chunk(builder, row, scale_row, c, dtype):
         return _load_vector(builder, row, off, _F32, _LANES)
     q = builder.sitofp(_load_vector(builder, row, off, ir.IntType(8), _LANES), vf)
     scale = builder.load(builder.gep(scale_row, [ir.Constant(_I64, c * _LANES // 32)]))
-    return builder.fmul(q, _splat(builder, scale, _LANES))
+    return builder.fmul(q, _splat(builder, scale, _LANES), flags=EXACT)  # rounded as the decoded copy
 
 
 def _splat(builder, value, lanes):
@@ -308,12 +316,14 @@ def _splat(builder, value, lanes):
 
 
 def _hsum(builder, v):
+    """The lanes' sum, halves folded in a fixed order."""
     width = v.type.count
     while width > 1:
         width //= 2
         v = builder.fadd(
             builder.shuffle_vector(v, v, _indices(list(range(width)))),
             builder.shuffle_vector(v, v, _indices(list(range(width, 2 * width)))),
+            flags=EXACT,
         )
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
@@ -351,13 +361,18 @@ def _kv_intrinsic_args(context, builder, signature, args):
     return [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)]
 
 
+_ELEM = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}
+# Rows of one token's query heads (of a K/V head) the value sums keep in registers at once: rows x D / 16
+# accumulators, at most 16 (AVX-512 has 32 registers).
+_SUM_ROWS = {64: 4, 128: 2, 256: 1}
+
+
 @intrinsic
 def key_dots(typingctx, q, keys, scales, lo, n, out, d):
-    """out[i] = q . keys[lo + i] for i < n: q float32 [D]; keys a stored head's rows [slots, D] (uint16 f16
-    bits, float32, or int8 with `scales` [slots, D / 32]); out float32; d the literal D."""
-    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS:
-        return None
-    if keys.dtype not in (types.uint16, types.float32, types.int8):
+    """out[r, i] = q[r] . keys[lo + i] for every row r of q [R, D] (float32) and i < n: each key row is
+    read and converted once for all R rows; keys a stored head's rows [slots, D] (uint16 f16 bits,
+    float32, or int8 with `scales` [slots, D / 32]); out float32 [R, >= n]; d the literal D."""
+    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS or keys.dtype not in _ELEM:
         return None
     sig = types.void(q, keys, scales, lo, n, out, d)
 
@@ -366,58 +381,74 @@ def key_dots(typingctx, q, keys, scales, lo, n, out, d):
         out_arr = context.make_array(signature.args[5])(context, builder, args[5])
         chunks = d.literal_value // _LANES
         vf = ir.VectorType(_F32, _LANES)
-        qv = [_load_vector(builder, q_arr.data, ir.Constant(_I64, c * _LANES), _F32, _LANES) for c in range(chunks)]
-        elem = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}[keys.dtype]
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
+        n_rows = builder.extract_value(q_arr.shape, 0)
 
-        def body(i, carried):
+        def key(i, carried):
             idx = builder.add(args[3], i)
-            row = _row_ptr(builder, k_arr, idx, elem)
+            row = _row_ptr(builder, k_arr, idx, _ELEM[keys.dtype])
             scale_row = _row_ptr(builder, s_arr, idx, _F32)
-            acc = ir.Constant(vf, [0.0] * _LANES)
-            for c in range(chunks):
-                acc = builder.fadd(acc, builder.fmul(qv[c], _stored_chunk(builder, row, scale_row, c, keys.dtype)))
-            builder.store(_hsum(builder, acc), builder.gep(out_arr.data, [i]))
+            kv = [_stored_chunk(builder, row, scale_row, c, keys.dtype) for c in range(chunks)]
+
+            def query(r, carried_r):
+                q_row = _row_ptr(builder, q_arr, r, _F32)
+                acc = ir.Constant(vf, [0.0] * _LANES)
+                for c in range(chunks):
+                    qc = _load_vector(builder, q_row, ir.Constant(_I64, c * _LANES), _F32, _LANES)
+                    acc = builder.call(fma, [qc, kv[c], acc])
+                builder.store(_hsum(builder, acc), builder.gep(_row_ptr(builder, out_arr, r, _F32), [i]))
+                return []
+
+            _counted_loop(builder, n_rows, query, [])
             return []
 
-        _counted_loop(builder, args[4], body, [])
+        _counted_loop(builder, args[4], key, [])
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @intrinsic
-def value_sums(typingctx, acc, weights, values, scales, lo, n, d):
-    """acc[:] += sum_i weights[i] * values[lo + i] for i < n: acc float32 [D] (kept in registers over the
-    loop), values a stored head's rows as in `key_dots`."""
-    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS:
+def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
+    """acc[r] += sum_i weights[r, i] * values[lo + i] for i < n and the `rows` (a literal) rows of acc
+    [rows, D] and weights [rows, >= n]: each value row is read and converted once for all of them, and
+    the rows x D / 16 accumulators stay in registers over the loop; values as in `key_dots`."""
+    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS or values.dtype not in _ELEM:
         return None
-    if values.dtype not in (types.uint16, types.float32, types.int8):
+    if not isinstance(rows, types.IntegerLiteral) or not 1 <= rows.literal_value <= _SUM_ROWS[d.literal_value]:
         return None
-    sig = types.void(acc, weights, values, scales, lo, n, d)
+    sig = types.void(acc, weights, values, scales, lo, n, d, rows)
 
     def codegen(context, builder, signature, args):
         acc_arr, w_arr, v_arr = _kv_intrinsic_args(context, builder, signature, args)
         s_arr = context.make_array(signature.args[3])(context, builder, args[3])
-        chunks = d.literal_value // _LANES
-        elem = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}[values.dtype]
-        start = [_load_vector(builder, acc_arr.data, ir.Constant(_I64, c * _LANES), _F32, _LANES) for c in range(chunks)]
+        chunks, n_rows = d.literal_value // _LANES, rows.literal_value
         vf = ir.VectorType(_F32, _LANES)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
+        acc_rows = [_row_ptr(builder, acc_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
+        w_rows = [_row_ptr(builder, w_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
+        start = [
+            _load_vector(builder, acc_rows[r], ir.Constant(_I64, c * _LANES), _F32, _LANES)
+            for r in range(n_rows)
+            for c in range(chunks)
+        ]
 
         def body(i, carried):
             idx = builder.add(args[4], i)
-            row = _row_ptr(builder, v_arr, idx, elem)
+            row = _row_ptr(builder, v_arr, idx, _ELEM[values.dtype])
             scale_row = _row_ptr(builder, s_arr, idx, _F32)
-            w = _splat(builder, builder.load(builder.gep(w_arr.data, [i])), _LANES)
-            return [
-                builder.call(fma, [_stored_chunk(builder, row, scale_row, c, values.dtype), w, carried[c]])
-                for c in range(chunks)
-            ]
+            kv = [_stored_chunk(builder, row, scale_row, c, values.dtype) for c in range(chunks)]
+            out = []
+            for r in range(n_rows):
+                w = _splat(builder, builder.load(builder.gep(w_rows[r], [i])), _LANES)
+                out += [builder.call(fma, [kv[c], w, carried[r * chunks + c]]) for c in range(chunks)]
+            return out
 
         final = _counted_loop(builder, args[5], body, start)
-        for c in range(chunks):
-            ptr = builder.gep(acc_arr.data, [ir.Constant(_I64, c * _LANES)])
-            builder.store(final[c], builder.bitcast(ptr, vf.as_pointer()), align=1)
+        for r in range(n_rows):
+            for c in range(chunks):
+                ptr = builder.gep(acc_rows[r], [ir.Constant(_I64, c * _LANES)])
+                builder.store(final[r * chunks + c], builder.bitcast(ptr, vf.as_pointer()), align=1)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -425,7 +456,8 @@ def value_sums(typingctx, acc, weights, values, scales, lo, n, d):
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _dots(q, keys, scales, has_scales, lo, n, out):
-    d = q.shape[0]
+    """out[r, :n] = q[r] . keys[lo + i] (`key_dots`, or a plain loop for other head sizes)."""
+    d = q.shape[1]
     if d == 64:
         key_dots(q, keys, scales, lo, n, out, 64)
     elif d == 128:
@@ -433,27 +465,48 @@ def _dots(q, keys, scales, has_scales, lo, n, out):
     elif d == 256:
         key_dots(q, keys, scales, lo, n, out, 256)
     else:
-        for i in range(n):
-            s = F32(0)
-            for j in range(d):
-                s += q[j] * widen(keys[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
-            out[i] = s
+        for r in range(q.shape[0]):
+            for i in range(n):
+                s = F32(0)
+                for j in range(d):
+                    s += q[r, j] * widen(keys[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
+                out[r, i] = s
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _sums(acc, weights, values, scales, has_scales, lo, n):
-    d = acc.shape[0]
-    if d == 64:
-        value_sums(acc, weights, values, scales, lo, n, 64)
-    elif d == 128:
-        value_sums(acc, weights, values, scales, lo, n, 128)
-    elif d == 256:
-        value_sums(acc, weights, values, scales, lo, n, 256)
-    else:
-        for i in range(n):
-            w = weights[i]
-            for j in range(d):
-                acc[j] += w * widen(values[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
+    """acc[r] += sum_i weights[r, i] values[lo + i] (`value_sums` on as many rows at once as fit the
+    registers, or a plain loop for other head sizes)."""
+    d = acc.shape[1]
+    n_rows = acc.shape[0]
+    r = 0
+    while r < n_rows:
+        left = n_rows - r
+        a, w = acc[r:], weights[r:]
+        if d == 64 and left >= 4:
+            value_sums(a, w, values, scales, lo, n, 64, 4)
+            r += 4
+        elif d == 64 and left >= 2:
+            value_sums(a, w, values, scales, lo, n, 64, 2)
+            r += 2
+        elif d == 64:
+            value_sums(a, w, values, scales, lo, n, 64, 1)
+            r += 1
+        elif d == 128 and left >= 2:
+            value_sums(a, w, values, scales, lo, n, 128, 2)
+            r += 2
+        elif d == 128:
+            value_sums(a, w, values, scales, lo, n, 128, 1)
+            r += 1
+        elif d == 256:
+            value_sums(a, w, values, scales, lo, n, 256, 1)
+            r += 1
+        else:
+            for i in range(n):
+                wi = weights[r, i]
+                for j in range(d):
+                    acc[r, j] += wi * widen(values[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
+            r += 1
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
@@ -470,43 +523,44 @@ def _attention_item(
     s_hi = min(k_hi, s_lo + per_split)
     keys, values = k[:, hk], v[:, hk]
     key_scales, value_scales = k_scale[:, min(hk, k_scale.shape[1] - 1)], v_scale[:, min(hk, v_scale.shape[1] - 1)]
-    scores = np.empty(max(1, s_hi - s_lo), dtype=F32)
-    for r in range(group * n_tok):
-        g = r // n_tok
-        t = r % n_tok
+    scores = np.empty((group, max(1, s_hi - s_lo)), dtype=F32)
+    for t in range(n_tok):  # the token's `group` query heads see the same keys: rows t * G .. t * G + G - 1
         qp = q_pos0 + t
         lo = s_lo if window <= 0 else max(s_lo, qp - window + 1)
         hi = min(s_hi, qp + 1)
-        a = acc[hk, sp, r]
+        rows = slice(t * group, (t + 1) * group)
+        a = acc[hk, sp, rows]
         a[:] = 0
-        m_out[hk, sp, r] = -np.inf
-        l_out[hk, sp, r] = 0
+        m_out[hk, sp, rows] = -np.inf
+        l_out[hk, sp, rows] = 0
         if hi <= lo:
             continue
-        qr = q[t, hk * group + g]
+        qt = q[t, hk * group : (hk + 1) * group]
         n = hi - lo
         p = lo
         while p < hi:  # slot runs: one, or two where a ring wraps
             slot = p % capacity if capacity > 0 else p - base
             run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
-            _dots(qr, keys, key_scales, has_scales, slot, run, scores[p - lo : p - lo + run])
+            _dots(qt, keys, key_scales, has_scales, slot, run, scores[:, p - lo : p - lo + run])
             p += run
-        top = scores[0]
-        for i in range(1, n):
-            top = max(top, scores[i])
-        total = F32(0)
-        for i in range(n):
-            e = fast_exp(scores[i] - top)
-            scores[i] = e
-            total += e
+        for g in range(group):
+            sg = scores[g]
+            top = sg[0]
+            for i in range(1, n):
+                top = max(top, sg[i])
+            total = F32(0)
+            for i in range(n):
+                e = fast_exp(sg[i] - top)
+                sg[i] = e
+                total += e
+            m_out[hk, sp, t * group + g] = top
+            l_out[hk, sp, t * group + g] = total
         p = lo
         while p < hi:
             slot = p % capacity if capacity > 0 else p - base
             run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
-            _sums(a, scores[p - lo : p - lo + run], values, value_scales, has_scales, slot, run)
+            _sums(a, scores[:, p - lo : p - lo + run], values, value_scales, has_scales, slot, run)
             p += run
-        m_out[hk, sp, r] = top
-        l_out[hk, sp, r] = total
 
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
@@ -517,8 +571,8 @@ def attention_partials(
     the keys at positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale,
     v_scale [slots, Hkv, D / 32]): position p sits in slot p % capacity (a ring, capacity > 0) or
     p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). Work
-    item (kv head, split) covers one of n_split equal key ranges and leaves, per row r = g * T + t
-    (query head kv_head * G + g, token t), the max m_out of its scores, the sum l_out of exp(s - m)
+    item (kv head, split) covers one of n_split equal key ranges and leaves, per row r = t * G + g
+    (token t, query head kv_head * G + g), the max m_out of its scores, the sum l_out of exp(s - m)
     and acc = sum exp(s - m) v, merged by `attention_merge`. Work items over all threads."""
     for item in prange(k.shape[1] * n_split):
         _attention_item(
@@ -546,8 +600,8 @@ def attention_merge(acc, m_in, l_in, n_tok, out):
     group = rows // n_tok
     for hk in range(n_kv):
         for r in range(rows):
-            g = r // n_tok
-            t = r % n_tok
+            t = r // group
+            g = r % group
             top = -np.inf
             for sp in range(n_split):
                 top = max(top, m_in[hk, sp, r])
@@ -643,40 +697,3 @@ def gated_activation(gate_up, gelu, out):
             else:
                 a = g / (F32(1) + np.exp(-g))
             out[t, j] = a * gate_up[t, n_ff + j]
-
-
-@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
-def softmax_block(s, m, l_sum, acc, q_pos0, n_tok, k_pos0, window):
-    """One key block of the BLAS attention path, in place: s [Hkv, R, B] holds the scaled scores of rows
-    r (token r % n_tok, at position q_pos0 + r % n_tok) against keys at positions k_pos0 ..; each row's
-    running max m and sum l_sum [Hkv, R] are updated, its accumulator acc [Hkv, R, D] rescaled, and s
-    becomes exp(s - m) (0 for keys the row may not see: later positions, or outside the window)."""
-    n_kv, rows, n_keys = s.shape
-    for item in prange(n_kv * rows):
-        hk = item // rows
-        r = item % rows
-        qp = q_pos0 + r % n_tok
-        sr = s[hk, r]
-        hi = min(n_keys, qp - k_pos0 + 1)  # keys [lo, hi) of the block are visible
-        lo = 0 if window <= 0 else min(max(0, qp - window + 1 - k_pos0), n_keys)
-        top = m[hk, r]
-        for i in range(lo, hi):
-            top = max(top, sr[i])
-        for i in range(lo):
-            sr[i] = 0
-        for i in range(max(hi, lo), n_keys):
-            sr[i] = 0
-        if hi <= lo:
-            continue
-        corr = fast_exp(m[hk, r] - top) if m[hk, r] != -np.inf else F32(0)
-        total = F32(0)
-        for i in range(lo, hi):
-            e = fast_exp(sr[i] - top)
-            sr[i] = e
-            total += e
-        l_sum[hk, r] = l_sum[hk, r] * corr + total
-        m[hk, r] = top
-        if corr != F32(1):
-            a = acc[hk, r]
-            for j in range(a.shape[0]):
-                a[j] *= corr

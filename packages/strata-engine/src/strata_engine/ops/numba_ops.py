@@ -1,4 +1,4 @@
-"""`NumbaOps`: the numpy backend with compiled kernels (`--cpu-kernels numba`, opt-in).
+"""`NumbaOps`: the numpy backend with compiled kernels (`--cpu-kernels numba`, the default with f32 compute).
 
 Weights stay packed (`packed.py`: int8 with float32 scales per block, made once at load from the GGUF's
 blocks: a token reads ~1.2 bytes per weight instead of a float32 copy's 4). Products of a few token rows
@@ -16,6 +16,7 @@ import numpy as np
 
 from ..config import Activation, RopeStyle
 from . import numba_kernels as nk
+from .attention_tiling import blocked_attention
 from .numpy_ops import NumpyOps
 from .packed import PackedWeight
 from .threads import default_threads, set_threads
@@ -27,10 +28,11 @@ PACKED_MAX_ROWS = 16
 # Weight rows dequantized per BLAS call: a float32 chunk of about 2 MiB stays in cache for the product.
 DEQUANT_CHUNK_BYTES = 2 << 20
 # Work from which a kernel runs over all threads (below, on the calling thread): each parallel region is a
-# fork and a join, and on a busy machine the join waits for a descheduled thread (bench/CPU-NOTES.md).
-# Products: weight bytes times token rows; attention: keys times query heads times query tokens.
-PARALLEL_MIN_BYTES = 1 << 20
-PARALLEL_MIN_SCORES = 8192
+# fork and a join, and on a machine with other work the join waits for a descheduled thread; one thread
+# nearly saturates memory here, so a decode step runs its output head alone over all threads
+# (bench/CPU-NOTES.md). Products: weight bytes times token rows; attention: keys x query heads x tokens.
+PARALLEL_MIN_BYTES = 16 << 20
+PARALLEL_MIN_SCORES = 1 << 20
 # Query tokens up to which attention runs in the tiled kernel; above, key blocks through BLAS.
 ATTN_KERNEL_MAX_TOKENS = 16
 # Keys per block of the BLAS path (scores [Hkv, G*T, block] float32 stay a few MiB).
@@ -54,7 +56,7 @@ def storage_view(a: np.ndarray) -> np.ndarray:
 
 class StoredRows:
     """Rows [n, Hkv, D] of stored K or V in logical order, decoded to float32 a slice at a time (what
-    `NumbaOps.blas_attention` reads): `values` [slots, Hkv, D] of the storage type with int8 `scales`
+    `blocked_attention` reads): `values` [slots, Hkv, D] of the storage type with int8 `scales`
     [slots, Hkv, D / block] or None; logical row i is slot (first + i) % capacity, or first + i."""
 
     def __init__(self, values: np.ndarray, scales: np.ndarray | None, first: int, n: int, capacity: int):
@@ -233,36 +235,14 @@ class NumbaOps(NumpyOps):
             first = k_pos0 if ring_capacity else 0
             keys = StoredRows(k, k_scale, first, n, ring_capacity)
             values = StoredRows(v, v_scale, first, n, ring_capacity)
-            return self.blas_attention(q, keys, values, q_pos0=q_pos0, k_pos0=k_pos0, k_lo=k_lo, window=window, scale=scale)
+            return blocked_attention(
+                np, q, keys, values, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale,
+                key_block=ATTN_BLAS_KEY_BLOCK, out_dtype=F32,
+            )  # fmt: skip
         return self.attention_kernel(
             q, k, v, k_scale, v_scale, q_pos0=q_pos0, k_lo=k_lo, k_hi=k_hi, base=k_pos0,
             capacity=ring_capacity, window=window or 0, scale=scale,
         )  # fmt: skip
-
-    def blas_attention(
-        self, q: np.ndarray, keys: StoredRows, values: StoredRows, *, q_pos0: int, k_pos0: int, k_lo: int,
-        window: int | None, scale: float,
-    ) -> np.ndarray:  # fmt: skip
-        """Attention of many queries (a prefill chunk) over key blocks: the two products of a block through
-        BLAS, its masked online softmax in one parallel pass (`softmax_block`), keys and values decoded
-        to float32 a block at a time."""
-        n_tok, n_head, d = q.shape
-        n_kv = keys.shape[1]
-        group = n_head // n_kv
-        rows = group * n_tok
-        # [T, Hkv, G, D] -> [Hkv, G*T, D]: row r of a K/V head is query token r % T.
-        qg = (q.reshape(n_tok, n_kv, group, d).transpose(1, 2, 0, 3) * F32(scale)).reshape(n_kv, rows, d)
-        m = np.full((n_kv, rows), -np.inf, dtype=F32)
-        l_sum = np.zeros((n_kv, rows), dtype=F32)
-        acc = np.zeros((n_kv, rows, d), dtype=F32)
-        stop = min(keys.shape[0], q_pos0 + n_tok - k_pos0)  # keys past the last query are never seen
-        for b0 in range(k_lo - k_pos0, stop, ATTN_BLAS_KEY_BLOCK):
-            b1 = min(stop, b0 + ATTN_BLAS_KEY_BLOCK)
-            s = np.matmul(qg, keys[b0:b1].transpose(1, 2, 0))  # [Hkv, rows, B]
-            nk.softmax_block(s, m, l_sum, acc, q_pos0, n_tok, k_pos0 + b0, window or 0)
-            acc += np.matmul(s, values[b0:b1].transpose(1, 0, 2))
-        acc /= l_sum[..., None]
-        return acc.reshape(n_kv, group, n_tok, d).transpose(2, 0, 1, 3).reshape(n_tok, n_head * d)
 
     def attention_kernel(
         self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, *, q_pos0: int, k_lo: int, k_hi: int,
