@@ -289,3 +289,38 @@ def test_embeddings_match_the_numpy_backend(runners, model, dtype):
     bound = LOGIT_BOUND.get(dtype, 1e-3)
     assert rel_err(hidden_states(gpu.model, tokens, 256), hidden_states(cpu.model, tokens, 256)) < bound
     assert rel_err(embed(gpu, tokens, Pooling.MEAN), embed(cpu, tokens, Pooling.MEAN)) < bound
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model):
+    """`SlotSet.decode` on the cupy backend (default compute dtype, f16 K/V; batched steps run op by op, a
+    step of one slot replays its graph): three slots at different depths decoded together give each
+    slot's greedy tokens decoded alone, logits within the low-precision bound, and a fourth slot's bytes
+    are untouched."""
+    from strata_engine.slots import SlotSet
+
+    base = runners(model, dtype=None)
+    slots = SlotSet.sharing(base, n_slots=4, n_ctx=4 * 256)
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(100, 5000, n)] for n in (7, 40, 130)]
+    alone = base.sibling(n_ctx=256)
+    first = [slots.runners[s].prefill(p).logits for s, p in enumerate(prompts)]
+    slots.runners[3].prefill([int(t) for t in rng.integers(100, 5000, 30)])
+    idle = [slots.runners[3].model.ops.to_host(a).copy() for a in slots.runners[3].pool.layer(0).slot_arrays()]
+    tokens = [[int(np.argmax(lg))] for lg in first]
+    batched: list[list[np.ndarray]] = [[], [], []]
+    for _ in range(6):
+        out = slots.decode([(s, tokens[s][-1]) for s in range(3)])
+        for s in range(3):
+            batched[s].append(out[s])
+            tokens[s].append(int(np.argmax(out[s])))
+    now = [slots.runners[3].model.ops.to_host(a) for a in slots.runners[3].pool.layer(0).slot_arrays()]
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(idle, now, strict=True))
+    for s, prompt in enumerate(prompts):
+        alone.erase()
+        logits = alone.prefill(prompt).logits
+        assert int(np.argmax(logits)) == tokens[s][0]
+        for step in range(6):
+            logits = alone.decode(tokens[s][step])
+            assert int(np.argmax(logits)) == tokens[s][step + 1], (s, step)
+            assert rel_err(batched[s][step], logits) < 2e-2, (s, step)
