@@ -293,17 +293,18 @@ def test_embeddings_match_the_numpy_backend(runners, model, dtype):
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model):
-    """`SlotSet.decode` on the cupy backend (default compute dtype, f16 K/V; batched steps run op by op, a
-    step of one slot replays its graph): three slots at different depths decoded together give each
+    """`SlotSet.decode` on the cupy backend (default compute dtype, f16 K/V, op by op): three slots at different depths decoded together give each
     slot's greedy tokens decoded alone, logits within the low-precision bound, and a fourth slot's bytes
     are untouched."""
     from strata_engine.slots import SlotSet
 
     base = runners(model, dtype=None)
-    slots = SlotSet.sharing(base, n_slots=4, n_ctx=4 * 256)
+    # op by op on both sides: a graph's key splits are merged in another order (graph vs op by op differ by
+    # rounding), which near a tie could change a greedy token for a reason that is not the batching
+    slots = SlotSet.sharing(base, n_slots=4, n_ctx=4 * 256, cuda_graphs=False)
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(100, 5000, n)] for n in (7, 40, 130)]
-    alone = base.sibling(n_ctx=256)
+    alone = base.sibling(n_ctx=256, cuda_graphs=False)
     first = [slots.runners[s].prefill(p).logits for s, p in enumerate(prompts)]
     slots.runners[3].prefill([int(t) for t in rng.integers(100, 5000, 30)])
     idle = [slots.runners[3].model.ops.to_host(a).copy() for a in slots.runners[3].pool.layer(0).slot_arrays()]
