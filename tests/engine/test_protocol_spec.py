@@ -79,6 +79,15 @@ def test_the_verbs_answered_off_the_step_loop_are_the_worker_s():
     assert sorted(v for v in registry.verbs if registry.get(v).dispatch is P.Dispatch.JOB) == ["COMPLETE", "EMBED"]
 
 
+def test_the_cut_chunk_rule_is_the_scheduler_s():
+    from strata_engine import scheduler
+
+    scheduling = " ".join(section(SPEC, "## Scheduling").split())
+    assert (f"cut to cost about {scheduler.CHUNK_COST_STEPS} of their decode steps" in scheduling
+            and f"between {scheduler.MIN_CUT_CHUNK} tokens and a quarter of `--prefill-chunk`" in scheduling)
+    assert scheduler.MAX_CUT_CHUNK_SHARE == 4  # "a quarter"
+
+
 def test_every_mapped_exception_names_a_listed_kind_and_reason():
     for cls, kind, reason in P.ERROR_LINES:
         assert P.REASON_KINDS[reason] is kind, cls

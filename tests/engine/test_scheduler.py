@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import xxhash
+from strata_engine.scheduler import MAX_CUT_CHUNK_SHARE, MIN_CUT_CHUNK
 from strata_engine.slots import SlotSet
 
 from .inprocess import InProcessEngine
@@ -195,5 +196,33 @@ def test_an_unexpected_failure_in_a_step_erases_that_slot_and_the_engine_serves_
         assert "device lost" in failed["error"]["message"] and "slot 0 was erased" in failed["error"]["message"]
         status = e.command("STATUS", {"id": "s"})
         assert status["slots"][0]["n_tokens_held"] == 0 and status["slots"][1]["tokens_held_digest"] == kept
+    finally:
+        e.close()
+
+
+def test_while_a_slot_generates_a_prompt_is_cut_into_smaller_chunks_and_alone_into_full_ones(tokenizers, templates):
+    full = 128
+    slots = SlotSet.sharing(base_runner("smollm2"), n_slots=2, n_ctx=2 * N_CTX_SLOT, prefill_chunk=full,
+                            kv_type="f16")
+    e = InProcessEngine(slots, tokenizers["smollm2"], templates["smollm2"])
+    try:
+        e.command("COMPLETE", greedy(id="alone", slot=1, prompt=prompt(3 * full, 20), n_predict=1,
+                                     return_progress=True))
+        assert np.diff([0, *(line["processed"] for _, line in e.of("alone", "progress"))]).tolist() == [full] * 3
+        e.send("COMPLETE", greedy(id="gen", slot=0, prompt=prompt(5, 21), n_predict=400))
+        e.until(lambda line: line.get("id") == "gen" and line["event"] == "token")
+        e.send("COMPLETE", greedy(id="long", slot=1, prompt=prompt(3 * full, 22), n_predict=1, return_progress=True))
+        assert e.terminal("long")["timings"]["prompt_n"] == 3 * full
+        e.send("CANCEL", {"id": "gen"})
+        assert e.terminal("gen")["stop_type"] == "cancelled"
+        chunks = np.diff([0, *(line["processed"] for _, line in e.of("long", "progress"))])
+        # cut while "gen" generated: at least MIN_CUT_CHUNK (but the last), at most a quarter of the full chunk
+        assert len(chunks) >= 3 * MAX_CUT_CHUNK_SHARE and chunks.max() <= full // MAX_CUT_CHUNK_SHARE
+        assert chunks[:-1].min() >= MIN_CUT_CHUNK
+        token_steps = [step for step, _ in e.of("gen", "token")]
+        chunk_steps = [step for step, _ in e.of("long", "progress")]
+        assert token_steps[0] < chunk_steps[0] and chunk_steps[-1] < token_steps[-1]
+        assert np.all(np.diff(token_steps) == 1)  # a token every step meanwhile
+        assert e.scheduler.sizer.step_s is not None and e.scheduler.sizer.token_s is not None
     finally:
         e.close()

@@ -374,10 +374,11 @@ class Runner(Protocol):
     @property
     def n_held(self) -> int: ...
 
-    # each next() evaluates one chunk; the return value (StopIteration.value) is the PrefillResult
-    # (.logits, .cache_n, .prompt_n); closing it early keeps the chunks evaluated
-    def prefill_steps(self, tokens: Sequence[int],
-                      on_chunk: Callable[[int, int], None] | None = None) -> Generator[None, None, Any]: ...
+    # each next() evaluates one chunk (chunk_size()'s tokens where given); the return value
+    # (StopIteration.value) is the PrefillResult (.logits, .cache_n, .prompt_n); closing it early keeps the
+    # chunks evaluated
+    def prefill_steps(self, tokens: Sequence[int], on_chunk: Callable[[int, int], None] | None = None,
+                      chunk_size: Callable[[], int] | None = None) -> Generator[None, None, Any]: ...
 
     def decode(self, token: int) -> np.ndarray: ...
 
@@ -410,7 +411,8 @@ class Generation:
     def __init__(self, completer: Completer, prepared: Prepared, *,
                  on_token: Callable[[TokenEvent], None] = lambda event: None,
                  on_progress: Callable[[PromptProgress], None] | None = None,
-                 cancelled: Callable[[], bool] = lambda: False):
+                 cancelled: Callable[[], bool] = lambda: False,
+                 chunk_size: Callable[[], int] | None = None):
         self.completer = completer
         self.runner = completer.runner
         self.prepared = prepared
@@ -431,15 +433,18 @@ class Generation:
         self.prompt_done = self.start
         # the prefill so far (from on_chunk): a cancelled prefill's timings, and whether the last chunk is in
         self._cache_n, self._prompt_n, self._n_held_read = 0, 0, None
+        self.chunk_tokens = 0  # tokens the last prefill chunk evaluated
         prompt = prepared.prompt
 
         def on_chunk(cache_n: int, n_held: int) -> None:
+            self.chunk_tokens = n_held - (cache_n if self._n_held_read is None else self._n_held_read)
             self._cache_n, self._n_held_read = cache_n, n_held
             if on_progress is not None and request.return_progress:
                 on_progress(PromptProgress(len(prompt), cache_n, n_held, 1000.0 * (self._clock() - self.start)))
 
         self.phase = Phase.PREFILL
-        self._prefill = self.runner.prefill_steps(list(prompt), on_chunk=on_chunk)  # checks the prompt first
+        # checks the prompt first
+        self._prefill = self.runner.prefill_steps(list(prompt), on_chunk=on_chunk, chunk_size=chunk_size)
         if not request.cache_prompt:
             self.runner.erase()  # the prompt cache's cut-back happens at the first chunk: nothing is reused
 

@@ -79,19 +79,26 @@ class ScratchKV:
         return self.ops.attention(q, k[lo:], v[lo:], q_pos0=q_pos0, k_pos0=lo, window=window, scale=scale)
 
 
-def hidden_state_steps(model: Any, tokens: Sequence[int], chunk: int) -> Generator[None, None, np.ndarray]:
+def hidden_state_steps(model: Any, tokens: Sequence[int], chunk: int, chunk_size: Callable[[], int] | None = None,
+                       on_chunk: Callable[[int], None] | None = None) -> Generator[None, None, np.ndarray]:
     """Every token's output-normed hidden state [T, E] (float32, host), from position 0 on scratch K/V: each
-    next() evaluates one chunk; the return value is the states."""
+    next() evaluates one chunk (`chunk` tokens, or chunk_size()'s, asked before each chunk, at most `chunk`)
+    and tells on_chunk(its tokens); the return value is the states."""
     kv = ScratchKV(model.ops, model.config.n_layer)
     rows = []
-    for pos in range(0, len(tokens), chunk):
-        ids = np.asarray(tokens[pos : pos + chunk], dtype=np.int64)
+    pos = 0
+    while True:
+        size = chunk if chunk_size is None else max(1, min(int(chunk_size()), chunk))
+        ids = np.asarray(tokens[pos : pos + size], dtype=np.int64)
         span = Rows.chunk(kv, pos, len(ids))
         h = model.hidden(ids, span, rope_tables(model.ops, model.config, span), want_logits=True, all_rows=True)
         rows.append(model.ops.to_host(h).astype(np.float32))
-        if pos + chunk < len(tokens):
-            yield
-    return np.concatenate(rows)
+        pos += len(ids)
+        if on_chunk is not None:
+            on_chunk(len(ids))
+        if pos >= len(tokens):
+            return np.concatenate(rows)
+        yield
 
 
 def hidden_states(model: Any, tokens: Sequence[int], chunk: int) -> np.ndarray:
@@ -148,5 +155,5 @@ def handle_embed(ctx: ServeContext, request: Request) -> None:
     def finish(states: np.ndarray) -> Mapping[str, Any]:
         return {"embedding": pool_rows(states, Pooling(pooling), p).tolist(), "n_tokens": len(tokens)}
 
-    ctx.scheduler.start_chunks(request, hidden_state_steps(runner.model, tokens, runner.settings.prefill_chunk),
-                               finish)
+    ctx.scheduler.start_chunks(request, lambda chunk_size, on_chunk: hidden_state_steps(
+        runner.model, tokens, runner.settings.prefill_chunk, chunk_size, on_chunk), finish)

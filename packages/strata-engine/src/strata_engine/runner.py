@@ -347,30 +347,35 @@ class ModelRunner:
                 return PrefillResult(logits=None, cache_n=cache_n, prompt_n=n_held - cache_n)
 
     def prefill_steps(
-        self, tokens: Sequence[int], on_chunk: Callable[[int, int], None] | None = None
+        self, tokens: Sequence[int], on_chunk: Callable[[int, int], None] | None = None,
+        chunk_size: Callable[[], int] | None = None,
     ) -> Generator[None, None, PrefillResult]:
         """`prefill` a chunk at a time, for a scheduler that interleaves other slots' steps between chunks.
 
         The prompt is checked now (EngineError, ContextOverflow, InvalidToken: nothing held changes); the
         prompt cache's cut-back happens at the first next(). Each next() evaluates one chunk
-        (prefill_chunk tokens), tells on_chunk(cache_n, n_held), and yields None; the one that evaluates the
-        last chunk returns the PrefillResult (StopIteration.value). Closing the generator early keeps the
-        chunks already evaluated (and takes the turn's ring checkpoint), as should_stop does."""
+        (prefill_chunk tokens, or chunk_size()'s, asked before each chunk: a scheduler cuts them smaller
+        while other slots generate), tells on_chunk(cache_n, n_held), and yields None; the one that
+        evaluates the last chunk returns the PrefillResult (StopIteration.value). Closing the generator early
+        keeps the chunks already evaluated (and takes the turn's ring checkpoint), as should_stop does."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise EngineError("empty prompt: at least one token is needed")
         if len(tokens) > self.n_ctx:
             raise ContextOverflow(len(tokens), self.n_ctx)
         self._check_tokens(tokens)
-        return self._prefill_chunks(tokens, on_chunk)
+        return self._prefill_chunks(tokens, on_chunk, chunk_size)
 
     def _prefill_chunks(
-        self, tokens: list[int], on_chunk: Callable[[int, int], None] | None
+        self, tokens: list[int], on_chunk: Callable[[int, int], None] | None,
+        chunk_size: Callable[[], int] | None = None,
     ) -> Generator[None, None, PrefillResult]:
         n_common = common_prefix_len(tokens, self._tokens) if self.settings.prompt_cache else 0
         resume = pos = self._resume_at(min(n_common, len(tokens) - 1))
         chunk = self.settings.prefill_chunk
         while True:
+            if chunk_size is not None:
+                chunk = max(1, min(int(chunk_size()), self.settings.prefill_chunk))
             end = min(pos + chunk, len(tokens))
             logits = self._forward(tokens[pos:end], want_logits=end == len(tokens))
             pos = end

@@ -6,7 +6,8 @@ tokenizer, constraint) runs on the one worker thread and is answered at a later 
 starts a job that the steps advance. A step is one batched decode forward for every slot that is
 generating (`SlotSet.decode`, a row per slot) and at most one prefill chunk of one job being evaluated
 (prompts and embeddings take turns, round-robin), so a long prompt delays the others' next token by at
-most one chunk. Only this thread touches the runners and writes lines.
+most one chunk; while slots generate, that chunk is cut to cost about CHUNK_COST_STEPS of their decode
+steps (`ChunkSizer`). Only this thread touches the runners and writes lines.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import queue
 import select
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +45,49 @@ from .protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+# While slots generate, a prefill chunk is cut to cost about this many of their decode steps, so each of their
+# tokens waits at most about 1 + this many steps' time for a prompt being evaluated beside them.
+CHUNK_COST_STEPS = 4
+# ... never below this many tokens (a chunk's fixed cost, a pass over the weights, would dominate it and the
+# prompt's own first token would wait ever longer), nor above this share of the full chunk (a bound that
+# holds before the first measurements and through a burst of load that skews one).
+MIN_CUT_CHUNK = 16
+MAX_CUT_CHUNK_SHARE = 4  # at most full chunk // 4
+_EWMA_NEW = 0.5  # the newest measurement's weight
+
+
+class ChunkSizer:
+    """The tokens of the next prefill chunk (a prompt's or an EMBED's). No slot generating: the full chunk
+    (`--prefill-chunk`). Slots generating: about CHUNK_COST_STEPS of their decode steps' time, from the
+    measured seconds of a decode step and per token of the recent chunks (a chunk of n costs about
+    a + b n; sizing by its mean cost per token converges on the n whose chunk costs that many steps), between
+    MIN_CUT_CHUNK and full // MAX_CUT_CHUNK_SHARE tokens (never more than the full chunk)."""
+
+    def __init__(self, full: int):
+        self.full = full
+        self.floor = min(MIN_CUT_CHUNK, full)
+        self.ceiling = max(full // MAX_CUT_CHUNK_SHARE, self.floor)
+        self.step_s: float | None = None  # a decode step
+        self.token_s: float | None = None  # a prefill token, in the chunks measured
+
+    def size(self, generating: bool) -> int:
+        if not generating:
+            return self.full
+        if self.step_s is None or self.token_s is None:
+            return self.floor
+        return int(min(self.ceiling, max(self.floor, CHUNK_COST_STEPS * self.step_s / self.token_s)))
+
+    def decoded(self, seconds: float) -> None:
+        self.step_s = _ewma(self.step_s, seconds)
+
+    def chunked(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens > 0:
+            self.token_s = _ewma(self.token_s, seconds / n_tokens)
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _EWMA_NEW) * old + _EWMA_NEW * new
 
 
 def token_line(event: TokenEvent, unstructure: Callable[[Any], Any]) -> dict[str, Any]:
@@ -115,12 +160,13 @@ class SessionJob:
 
 @attrs.define(eq=False)
 class ChunkJob:
-    """Slot-less chunked work (EMBED): each next() of `steps` evaluates one chunk; its return value goes
-    to `finish`, which gives the result payload."""
+    """Slot-less chunked work (EMBED): each next() of `steps` evaluates one chunk (`chunk_tokens` tokens, as
+    its on_chunk says); its return value goes to `finish`, which gives the result payload."""
 
     request: Request
-    steps: Generator[None, None, Any]
+    steps: Generator[None, None, Any] | None
     finish: Callable[[Any], Mapping[str, Any]]
+    chunk_tokens: int = 0
 
 
 class Scheduler:
@@ -151,6 +197,8 @@ class Scheduler:
         self.quit: Request | None = None
         self.exit: ExitStatus | None = None
         self.steps = 0  # steps taken (tests count them)
+        self.sizer = ChunkSizer(ctx.runner_of(0).settings.prefill_chunk)
+        self._generating = False  # slots generate in this step: its chunk is cut (`ChunkSizer`)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> ExitStatus:
@@ -358,7 +406,8 @@ class Scheduler:
         try:
             job.generation = Generation(self.ctx.completer_of(job.slot), done.result(),
                                         on_token=lambda event: request.emit(token_line(event, self.unstructure)),
-                                        on_progress=on_progress, cancelled=lambda: job.cancel)
+                                        on_progress=on_progress, cancelled=lambda: job.cancel,
+                                        chunk_size=self._chunk_size)
         except EngineError as exc:  # the runner refused the prompt before touching the slot
             self._end(job, exc)
             return
@@ -368,10 +417,17 @@ class Scheduler:
             return
         self.chunks.append(job)
 
-    def start_chunks(self, request: Request, steps: Generator[None, None, Any],
+    def start_chunks(self, request: Request,
+                     steps: Callable[[Callable[[], int], Callable[[int], None]], Generator[None, None, Any]],
                      finish: Callable[[Any], Mapping[str, Any]]) -> None:
-        """Slot-less chunked work (EMBED), taking turns with the prompts being evaluated."""
-        job = ChunkJob(request, steps, finish)
+        """Slot-less chunked work (EMBED), taking turns with the prompts being evaluated: `steps(chunk_size,
+        on_chunk)` gives its chunks' generator (sized by chunk_size() before each, telling on_chunk(tokens))."""
+        job = ChunkJob(request, None, finish)
+
+        def on_chunk(n_tokens: int) -> None:
+            job.chunk_tokens = n_tokens
+
+        job.steps = steps(self._chunk_size, on_chunk)
         if request.id is not None:
             self.ids[request.id] = job
         self.chunks.append(job)
@@ -415,15 +471,22 @@ class Scheduler:
         if not decoding and not self.chunks:
             return
         self.steps += 1
+        self._generating = bool(decoding)
         if decoding:
             self._decode(decoding)
         if self.chunks:
             self._chunk(self.chunks.popleft())
 
+    def _chunk_size(self) -> int:
+        """The next chunk's tokens (asked by the runner just before it evaluates the chunk)."""
+        return self.sizer.size(self._generating)
+
     def _decode(self, jobs: list[CompleteJob]) -> None:
         steps = [(job.slot, job.generation.pending) for job in jobs]
         try:
+            started = time.perf_counter()
             logits = self.ctx.slots.decode(steps)
+            self.sizer.decoded(time.perf_counter() - started)
         except (ContextOverflow, InvalidToken) as exc:  # nothing was evaluated; that slot's request ends
             bad = next((job for job in jobs if job.slot == exc.slot), None)
             if bad is None:
@@ -450,6 +513,19 @@ class Scheduler:
 
     def _chunk(self, job: CompleteJob | ChunkJob) -> None:
         if isinstance(job, ChunkJob):
+            job.chunk_tokens = 0
+        else:
+            job.generation.chunk_tokens = 0
+        started = time.perf_counter()
+        try:
+            self._chunk_of(job)
+        finally:
+            tokens = job.chunk_tokens if isinstance(job, ChunkJob) else job.generation.chunk_tokens
+            self.sizer.chunked(tokens, time.perf_counter() - started)
+
+    def _chunk_of(self, job: CompleteJob | ChunkJob) -> None:
+        if isinstance(job, ChunkJob):
+            assert job.steps is not None
             try:
                 next(job.steps)
                 self.chunks.append(job)
