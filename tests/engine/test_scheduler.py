@@ -226,3 +226,22 @@ def test_while_a_slot_generates_a_prompt_is_cut_into_smaller_chunks_and_alone_in
         assert e.scheduler.sizer.step_s is not None and e.scheduler.sizer.token_s is not None
     finally:
         e.close()
+
+
+def test_a_huge_complete_line_is_read_and_parsed_beside_the_steps(engine):
+    e = engine(2)
+    e.send("COMPLETE", greedy(id="g", slot=0, prompt=prompt(8, 30), n_predict=400))
+    e.until(lambda line: line.get("id") == "g" and line["event"] == "token")
+    text = "the quick brown fox " * 800_000  # 16 MB: 256 blocks of 64 KiB
+    sent_at = e.scheduler.steps
+    e.send("COMPLETE", {"id": "huge", "slot": 1, "prompt": text})  # returns once the reader took every byte
+    written_at = e.scheduler.steps
+    refused = e.terminal("huge")
+    assert refused["error"]["type"] == "exceed_context_size" and refused["slot"] == 1
+    answered_at = e.of("huge", "error")[0][0]
+    # the loop went on stepping while the line was read and parsed (not one 64 KiB block per step boundary)
+    assert answered_at - sent_at < 64, (sent_at, written_at, answered_at)
+    tokens = [step for step, _ in e.of("g", "token")]
+    assert sum(sent_at < step <= answered_at for step in tokens) == answered_at - sent_at  # a token every step
+    e.send("CANCEL", {"id": "g"})
+    assert e.terminal("g")["stop_type"] == "cancelled"

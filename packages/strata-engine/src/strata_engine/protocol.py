@@ -16,6 +16,7 @@ slot) on every line written for it.
 from __future__ import annotations
 
 import enum
+import fcntl
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 2
 ENGINE_NAME = "strata-engine"
 MAX_LINE_BYTES = 256 * 1024 * 1024
+READ_BLOCK_BYTES = 1 << 20  # per read of the command lines: a 50 MB line in 50 reads
 
 
 def engine_version() -> str:
@@ -219,7 +221,7 @@ class LineReader:
             ready, _, _ = select.select([self._fd], [], [], 0)
             if not ready:
                 return
-        data = os.read(self._fd, 1 << 16)
+        data = os.read(self._fd, READ_BLOCK_BYTES)
         if not data:
             self.eof = True
             if self._buffer and not self._discarding:  # a last line without its newline
@@ -245,6 +247,17 @@ class LineReader:
                 self._lines.append(OverlongLine(self._buffer[:64]))
                 self._discarding = True
             self._buffer.clear()
+
+    def widen_pipe(self) -> None:
+        """Where the input is a pipe (Linux), make it hold a whole read block, so a huge line takes a few
+        reads, not one per 64 KiB (the default pipe size); elsewhere nothing."""
+        set_size = getattr(fcntl, "F_SETPIPE_SZ", None)
+        if set_size is None:
+            return
+        try:
+            fcntl.fcntl(self._fd, set_size, READ_BLOCK_BYTES)
+        except OSError:  # not a pipe, or above /proc/sys/fs/pipe-max-size
+            pass
 
     def read_line(self) -> bytes | None:
         """The next line (without its newline), blocking; None at end of input."""

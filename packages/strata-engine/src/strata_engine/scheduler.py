@@ -1,7 +1,8 @@
 """The serve loop: a scheduler of steps over the engine's slots (spec/engine-protocol.md, "Scheduling").
 
-Between two steps it takes every command line that has arrived (never waiting for input while it has
-work): a `NOW` verb runs there, a `WORKER` verb (and the preparation of a COMPLETE: checks, template,
+Command lines are read and parsed (UTF-8, JSON, verb, id, slot) on a reader thread (`ParsedLines`), so a
+huge line (a 50 MB prompt) is read beside the steps. Between two steps the loop takes every line parsed so
+far (never waiting for input while it has work): a `NOW` verb runs there, a `WORKER` verb (and the preparation of a COMPLETE: checks, template,
 tokenizer, constraint) runs on the one worker thread and is answered at a later boundary, a `JOB` verb
 starts a job that the steps advance. A step is one batched decode forward for every slot that is
 generating (`SlotSet.decode`, a row per slot) and at most one prefill chunk of one job being evaluated
@@ -37,6 +38,7 @@ from .protocol import (
     FailStop,
     LineReader,
     LineWriter,
+    ParsedLine,
     ProtocolError,
     Reason,
     Request,
@@ -169,12 +171,46 @@ class ChunkJob:
     chunk_tokens: int = 0
 
 
+class ParsedLines:
+    """The command lines of `reader`, read and parsed by `parse` on a thread of their own, in arrival order;
+    `wake()` after each one and at the end of input. The JSON parser holds the GIL while it parses (about
+    0.2 s for a 50 MB string prompt, 1 s for 5M token ids), but reading the line and everything before and
+    after go on beside the steps."""
+
+    def __init__(self, reader: LineReader, parse: Callable[[bytes], ParsedLine], wake: Callable[[], None]):
+        self._reader = reader
+        self._parse = parse
+        self._wake = wake
+        self._lines: deque[ParsedLine] = deque()
+        self.eof = False  # set after the last line was queued
+        self._thread = threading.Thread(target=self._run, name="strata-reader", daemon=True)
+
+    def start(self) -> None:
+        self._reader.widen_pipe()
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while (line := self._reader.read_line()) is not None:
+                self._lines.append(self._parse(line))
+                self._wake()
+        except Exception:  # stdin unreadable: the same as its end (requests in flight finish)
+            log.exception("reading the command lines failed")
+        self.eof = True
+        self._wake()
+
+    def has_line(self) -> bool:
+        return bool(self._lines)
+
+    def poll(self) -> ParsedLine | None:
+        return self._lines.popleft() if self._lines else None
+
+
 class Scheduler:
     def __init__(self, ctx: ServeContext, registry: CommandRegistry, reader: LineReader, writer: LineWriter,
                  unstructure: Callable[[Any], Any]):
         self.ctx = ctx
         self.registry = registry
-        self.reader = reader
         self.writer = writer
         self.unstructure = unstructure
         ctx.scheduler = self
@@ -194,6 +230,7 @@ class Scheduler:
         os.set_blocking(self._wake_r, False)
         self._wake_lock = threading.Lock()  # a task ending after the loop closed the pipe writes nothing
         self._wake_open = True
+        self.lines = ParsedLines(reader, lambda line: parse_line(line, registry, ctx.n_slots, writer), self._wake)
         self.quit: Request | None = None
         self.exit: ExitStatus | None = None
         self.steps = 0  # steps taken (tests count them)
@@ -203,6 +240,7 @@ class Scheduler:
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> ExitStatus:
         """Serve until QUIT or end of input (CLEAN, once every request in flight has ended) or a fail-stop."""
+        self.lines.start()
         try:
             return self._run()
         except BrokenPipeError:
@@ -219,7 +257,7 @@ class Scheduler:
 
     def _closing(self) -> bool:
         """No line will be taken any more: QUIT was read, or the input ended and every line was taken."""
-        return self.quit is not None or (self.reader.eof and not self.reader.has_line())
+        return self.quit is not None or (self.lines.eof and not self.lines.has_line())
 
     def _stepping(self) -> bool:
         return bool(self.chunks) or any(self._decoding())
@@ -231,11 +269,11 @@ class Scheduler:
                     if not self.pending and not self.busy:
                         return self._close()
                     select.select([self._wake_r], [], [])  # a worker task ends
-                elif not self.reader.has_line():
-                    self.reader.wait(self._wake_r)
+                elif not self.lines.has_line():
+                    select.select([self._wake_r], [], [])  # a line parsed, the input's end, a task's end
             self._drain_wake()
-            while self.quit is None and self.exit is None and (line := self.reader.poll_line()) is not None:
-                self._take(line)
+            while self.quit is None and self.exit is None and (parsed := self.lines.poll()) is not None:
+                self._take(parsed)
             self._collect()
             self._serve_sessions()
             if self.exit is not None:
@@ -255,8 +293,7 @@ class Scheduler:
             pass
 
     # ---- commands -----------------------------------------------------------------------------------
-    def _take(self, line: bytes) -> None:
-        parsed = parse_line(line, self.registry, self.ctx.n_slots, self.writer)
+    def _take(self, parsed: ParsedLine) -> None:
         request, command = parsed.request, parsed.command
         if parsed.error is not None or command is None:
             request.fail(parsed.error)
