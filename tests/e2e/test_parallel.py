@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import requests
 from support.parallel import (
@@ -11,6 +14,7 @@ from support.parallel import (
     slots,
     tokenize_while_streaming,
 )
+from support.stalled import half_requests
 
 from .servers import start_server
 
@@ -92,3 +96,28 @@ def test_the_prompt_goes_back_to_the_slot_holding_its_conversation(server):
     turn = chat + first["content"] + "<|im_end|>\n<|im_start|>user\nAnd the sun?<|im_end|>\n<|im_start|>assistant\n"
     body = requests.post(server.url + "/completion", json={"prompt": turn, "n_predict": 4}, timeout=300).json()
     assert body["id_slot"] == 3 and body["timings"]["cache_n"] >= first["tokens_evaluated"]
+
+
+def test_256_stalled_connections_hold_nothing_while_a_slot_streams(server):
+    answers: dict = {}
+
+    def stream() -> None:
+        answers["stream"] = requests.post(server.url + "/completion", json={
+            "prompt": PROMPTS[3], "n_predict": 48, "temperature": 0, "ignore_eos": True}, timeout=300)
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    stalled = half_requests(server.port, 128, body=False) + half_requests(server.port, 128, body=True)
+    try:
+        started = time.monotonic()
+        assert requests.get(server.url + "/health", timeout=10).status_code == 200
+        assert [s["id"] for s in requests.get(server.url + "/slots", timeout=10).json()] == [0, 1, 2, 3]
+        answer = requests.post(server.url + "/completion", json={"prompt": PROMPTS[1], "n_predict": 2}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["tokens_predicted"] == 2
+        print(f"/health, /slots and a completion with 256 stalled connections, a slot streaming: "
+              f"{time.monotonic() - started:.3f} s")
+    finally:
+        for sock in stalled:
+            sock.close()
+        streaming.join(300)
+    assert answers["stream"].status_code == 200 and answers["stream"].json()["tokens_predicted"] == 48

@@ -4,13 +4,13 @@ timeout, while /health, /slots and completions keep answering."""
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 
 import pytest
 import requests
-from support.server_process import LOOPBACK, ServerProcess
+from support.server_process import ServerProcess
+from support.stalled import REST, half_requests
 
 from .fake_engine import FAKE_ENGINE_PATH as FAKE_ENGINE
 
@@ -25,36 +25,21 @@ def start_server(tmp_path, fake_model, *flags: str) -> ServerProcess:
                          log_path=tmp_path / "server.log").start(60)
 
 
-def half_requests(server: ServerProcess, n: int, body: bool) -> list[socket.socket]:
-    """n connections that each send part of a request and stall: half a head, or a whole head whose
-    announced body never comes."""
-    host = f"Host: {LOOPBACK}:{server.port}\r\n".encode()
-    part = (b"POST /completion HTTP/1.1\r\n" + host + b"Content-Type: application/json\r\n"
-            b"Content-Length: 100\r\n\r\n{\"prompt\": " if body else b"GET /health HTTP/1.1\r\n" + host + b"User-")
-    socks = []
-    for _ in range(n):
-        sock = socket.create_connection((LOOPBACK, server.port), timeout=10)
-        sock.sendall(part)
-        socks.append(sock)
-    return socks
-
-
 @pytest.mark.parametrize("body", [False, True], ids=["half-head", "head-without-body"])
 def test_stalled_connections_do_not_hold_the_server(tmp_path, fake_model, body):
-    server = start_server(tmp_path, fake_model)
-    stalled = half_requests(server, STALLED, body)
+    server = start_server(tmp_path, fake_model, "-np", "2")  # the slots server (spec/http-api.md section 7)
+    stalled = half_requests(server.port, STALLED, body)
     try:
         time.sleep(0.5)  # gthread gave a thread to each connection whose first bytes arrived
         started = time.monotonic()
         assert requests.get(server.url + "/health", timeout=10).status_code == 200
-        assert requests.get(server.url + "/slots", timeout=10).status_code == 200
+        assert [s["id"] for s in requests.get(server.url + "/slots", timeout=10).json()] == [0, 1]
         answer = requests.post(server.url + "/completion", json={"prompt": "hi", "n_predict": 2}, timeout=10)
         assert answer.status_code == 200 and answer.json()["tokens_predicted"] == 2
         print(f"/health, /slots and a completion with {STALLED} stalled connections: "
               f"{time.monotonic() - started:.3f} s")
         # The stalled requests still complete when their bytes arrive.
-        rest = b"\"x\", \"n_predict\": 1}" + b" " * 79 if body else b"Agent: t\r\nConnection: close\r\n\r\n"
-        stalled[0].sendall(rest)
+        stalled[0].sendall(REST[body])
         assert stalled[0].recv(12) == b"HTTP/1.1 200"
     finally:
         for sock in stalled:
@@ -62,18 +47,20 @@ def test_stalled_connections_do_not_hold_the_server(tmp_path, fake_model, body):
         server.stop()
 
 
-def test_a_request_not_complete_within_the_read_timeout_is_closed(tmp_path, fake_model):
-    server = start_server(tmp_path, fake_model, "--timeout", "2")
-    (stalled,) = half_requests(server, 1, body=False)
+def test_requests_not_complete_within_the_read_timeout_are_closed(tmp_path, fake_model):
+    server = start_server(tmp_path, fake_model, "-np", "2", "--timeout", "2")
+    stalled = half_requests(server.port, STALLED // 2, body=False) + half_requests(server.port, STALLED // 2, body=True)
     try:
         started = time.monotonic()
-        assert stalled.recv(100) == b""  # closed by the server, no response
+        for sock in stalled:
+            assert sock.recv(100) == b""  # closed by the server, no response
         waited = time.monotonic() - started
         assert 1.0 <= waited < 9.0, waited
         assert requests.get(server.url + "/health", timeout=10).status_code == 200
         assert "was not complete within 2s" in server.log()
     finally:
-        stalled.close()
+        for sock in stalled:
+            sock.close()
         server.stop()
 
 
