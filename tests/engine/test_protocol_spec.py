@@ -77,6 +77,7 @@ def test_the_verbs_answered_off_the_step_loop_are_the_worker_s():
     on_worker = sorted(v for v in registry.verbs if registry.get(v).dispatch is P.Dispatch.WORKER)
     assert sorted(set(re.findall(r"`([A-Z_]+)`", worker)) - {"COMPLETE"}) == on_worker
     assert sorted(v for v in registry.verbs if registry.get(v).dispatch is P.Dispatch.JOB) == ["COMPLETE", "EMBED"]
+    assert {v for v in registry.verbs if registry.get(v).dispatch is P.Dispatch.JOB} == P.CANCELLABLE_VERBS
 
 
 def test_the_cut_chunk_rule_is_the_scheduler_s():

@@ -5,6 +5,8 @@ SAVE of one slot while another streams, a refused RESTORE keeps the slot's conve
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import xxhash
@@ -245,3 +247,22 @@ def test_a_huge_complete_line_is_read_and_parsed_beside_the_steps(engine):
     assert sum(sent_at < step <= answered_at for step in tokens) == answered_at - sent_at  # a token every step
     e.send("CANCEL", {"id": "g"})
     assert e.terminal("g")["stop_type"] == "cancelled"
+
+
+def test_cancel_ends_an_embed_between_chunks_and_the_engine_serves_on(engine):
+    e = engine(2)
+    e.send("COMPLETE", greedy(id="g", slot=0, prompt=prompt(8, 40), n_predict=400))
+    e.until(lambda line: line.get("id") == "g" and line["event"] == "token")
+    e.send("EMBED", {"id": "emb", "tokens": prompt(30 * CHUNK, 41)})
+    e.send("CANCEL", {"id": "emb"})
+    cancelled = e.terminal("emb")
+    assert (cancelled["event"], cancelled["error"]["type"], cancelled["error"]["reason"]) == \
+        ("error", "cancelled", "cancelled")
+    done, total = map(int, re.search(r"after (\d+) of (\d+) tokens", cancelled["error"]["message"]).groups())
+    assert total == 30 * CHUNK and done < total and done % CHUNK == 0  # ended between two chunks
+    e.send("CANCEL", {"id": "emb"})  # no longer in flight: ignored, no line
+    whole = e.command("EMBED", {"id": "emb", "tokens": prompt(3 * CHUNK, 41), "pooling": "mean"})
+    assert whole["event"] == "result" and whole["n_tokens"] == 3 * CHUNK
+    e.send("CANCEL", {"id": "g"})
+    assert e.terminal("g")["stop_type"] == "cancelled"
+    assert not [line for _, line in e.log if line.get("id") is None]  # the CANCELs were never answered

@@ -156,4 +156,4 @@ def handle_embed(ctx: ServeContext, request: Request) -> None:
         return {"embedding": pool_rows(states, Pooling(pooling), p).tolist(), "n_tokens": len(tokens)}
 
     ctx.scheduler.start_chunks(request, lambda chunk_size, on_chunk: hidden_state_steps(
-        runner.model, tokens, runner.settings.prefill_chunk, chunk_size, on_chunk), finish)
+        runner.model, tokens, runner.settings.prefill_chunk, chunk_size, on_chunk), finish, len(tokens))

@@ -104,6 +104,7 @@ class ErrorKind(enum.StrEnum):
     SESSION_WRITE_FAILED = "session_write_failed"
     SLOT_FAILED = "slot_failed"  # a restore failed after the slot's gate: that slot erased, the others untouched
     FAIL_STOP = "fail_stop"
+    CANCELLED = "cancelled"  # an EMBED ended by CANCEL before its last chunk (a COMPLETE's is a result)
     INTERNAL = "internal"
 
 
@@ -127,6 +128,7 @@ class Reason(enum.StrEnum):
     BAD_JSON_SCHEMA = "bad_json_schema"
     PROMPT_TOO_LONG = "prompt_too_long"
     PREFIX_UNREACHABLE = "prefix_unreachable"
+    CANCELLED = "cancelled"
     UNEXPECTED = "unexpected"
 
 
@@ -135,6 +137,7 @@ _OTHER_REASON_KINDS: dict[Reason, ErrorKind] = {
     Reason.PROMPT_TOO_LONG: ErrorKind.EXCEED_CONTEXT_SIZE,
     Reason.SLOT_BUSY: ErrorKind.SLOT_BUSY,
     Reason.PREFIX_UNREACHABLE: ErrorKind.SESSION_REFUSED,
+    Reason.CANCELLED: ErrorKind.CANCELLED,
     Reason.UNEXPECTED: ErrorKind.INTERNAL,
 }
 REASON_KINDS: dict[Reason, ErrorKind] = {r: _OTHER_REASON_KINDS.get(r, ErrorKind.INVALID_REQUEST) for r in Reason}
@@ -355,6 +358,7 @@ class Request:
 
 
 TERMINAL_EVENTS = ("result", "error")
+CANCELLABLE_VERBS = frozenset({"COMPLETE", "EMBED"})  # the verbs a CANCEL ends: the stepped jobs (Dispatch.JOB)
 
 
 @attrs.define

@@ -168,7 +168,9 @@ class ChunkJob:
     request: Request
     steps: Generator[None, None, Any] | None
     finish: Callable[[Any], Mapping[str, Any]]
+    n_tokens: int  # in all
     chunk_tokens: int = 0
+    done_tokens: int = 0
 
 
 class ParsedLines:
@@ -456,13 +458,15 @@ class Scheduler:
 
     def start_chunks(self, request: Request,
                      steps: Callable[[Callable[[], int], Callable[[int], None]], Generator[None, None, Any]],
-                     finish: Callable[[Any], Mapping[str, Any]]) -> None:
-        """Slot-less chunked work (EMBED), taking turns with the prompts being evaluated: `steps(chunk_size,
-        on_chunk)` gives its chunks' generator (sized by chunk_size() before each, telling on_chunk(tokens))."""
-        job = ChunkJob(request, None, finish)
+                     finish: Callable[[Any], Mapping[str, Any]], n_tokens: int) -> None:
+        """Slot-less chunked work (EMBED) of `n_tokens`, taking turns with the prompts being evaluated:
+        `steps(chunk_size, on_chunk)` gives its chunks' generator (sized by chunk_size() before each, telling
+        on_chunk(tokens))."""
+        job = ChunkJob(request, None, finish, n_tokens)
 
-        def on_chunk(n_tokens: int) -> None:
-            job.chunk_tokens = n_tokens
+        def on_chunk(n: int) -> None:
+            job.chunk_tokens = n
+            job.done_tokens += n
 
         job.steps = steps(self._chunk_size, on_chunk)
         if request.id is not None:
@@ -470,9 +474,16 @@ class Scheduler:
         self.chunks.append(job)
 
     def cancel(self, target: str) -> None:
-        """CANCEL: end the COMPLETE with that id (a prompt being read ends now; a generation's next token is
-        its last). Anything else is ignored."""
+        """CANCEL: end the COMPLETE or EMBED with that id (an EMBED or a prompt being read ends now, between
+        two chunks; a generation's next token is its last). Anything else is ignored."""
         job = self.ids.get(target)
+        if isinstance(job, ChunkJob):
+            assert job.steps is not None
+            job.steps.close()
+            self.chunks.remove(job)
+            self._end(job, ProtocolError(ErrorKind.CANCELLED, f"{job.request.verb} cancelled after {job.done_tokens}"
+                                         f" of {job.n_tokens} tokens", reason=Reason.CANCELLED.value))
+            return
         if not isinstance(job, CompleteJob) or job.cancel:
             return
         job.cancel = True

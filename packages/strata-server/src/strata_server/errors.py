@@ -124,6 +124,7 @@ _ENGINE_ERROR_TYPES: dict[str, ErrorType] = {
     ErrorKind.SLOT_BUSY: ErrorType.UNAVAILABLE,  # the server chooses idle slots: only a lost race gets here
     ErrorKind.SLOT_FAILED: ErrorType.SERVER,
     ErrorKind.FAIL_STOP: ErrorType.SERVER,
+    ErrorKind.CANCELLED: ErrorType.SERVER,  # the server cancels an EMBED only when its client has gone
     ErrorKind.INTERNAL: ErrorType.SERVER,
 }
 

@@ -66,7 +66,8 @@ class EngineLease(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self) -> None:
-        """Ask the engine to end the COMPLETE in flight (``CANCEL`` by its id); keep iterating to its result."""
+        """Ask the engine to end the COMPLETE or EMBED in flight (``CANCEL`` by its id); keep iterating to its
+        terminal line."""
 
     def call(self, verb: str, argument: Mapping[str, Any] | str | None = None) -> dict:
         """Run one command to its ``result`` line and return it."""

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from strata_engine.protocol import ErrorKind, ExitStatus
+from strata_engine.protocol import CANCELLABLE_VERBS, ErrorKind, ExitStatus
 
 from ..errors import EngineDied, EngineProtocolViolation
 from ..slot_manager import SlotManager
@@ -282,7 +282,7 @@ class ProcessLease(EngineLease):
 
     def cancel(self) -> None:
         call = self._open
-        if call is not None and call.verb == "COMPLETE":
+        if call is not None and call.verb in CANCELLABLE_VERBS:
             try:
                 self.process.cancel(call)
             except EngineDied:
