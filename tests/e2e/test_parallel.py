@@ -34,14 +34,24 @@ def folder(module_tmp):
 @pytest.fixture(scope="module")
 def server(module_tmp, folder):
     proc = start_server(module_tmp, "-np", "4", "-c", str(4 * PER_SLOT_CTX), "--slot-save-path", str(folder),
-                        name="parallel")
+                        "--metrics", name="parallel")
     yield proc
     assert proc.stop() == 0
+
+
+def busy_slots_per_decode(url: str) -> tuple[float, float]:
+    """/metrics' n_decode_total and n_busy_slots_per_decode."""
+    values = dict(line.rsplit(" ", 1) for line in requests.get(url + "/metrics", timeout=30).text.splitlines()
+                  if line.startswith(("llamacpp:n_decode_total", "llamacpp:n_busy_slots_per_decode")))
+    return float(values["llamacpp:n_decode_total"]), float(values["llamacpp:n_busy_slots_per_decode"])
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_concurrent_streams_get_exactly_their_greedy_tokens(server, n):
     concurrent_streams_match_solo(server.url, PROMPTS[:n], n_predict=12)
+    # the solo runs decoded one slot per step; the concurrent ones up to n: the mean is measured, not 1
+    n_decode, per_decode = busy_slots_per_decode(server.url)
+    assert n_decode > 0 and 1.0 < per_decode < n
 
 
 def test_a_client_going_away_cancels_its_stream_only(server):

@@ -67,6 +67,12 @@ def test_concurrent_completes_interleave_and_each_gets_its_greedy_tokens_alone(e
     assert sum(x != y for x, y in zip(order, order[1:], strict=False)) > 2  # interleaved, not one after another
     # every step decoded every slot that was generating: 3 requests of 10 tokens in well under 30 steps
     assert e.scheduler.steps < 20
+    # the steps each request was processing in, and its share of them: summed, the steps and their busy slots
+    shares = sum(r["step_share"] for r in results.values())
+    assert shares == pytest.approx(e.scheduler.steps)  # every step had a COMPLETE processing
+    assert 2.0 < sum(r["n_steps"] for r in results.values()) / shares <= 3.0  # mostly all three at once
+    solo = alone.command("COMPLETE", greedy(id="x", prompt=prompts["a"], n_predict=3))
+    assert solo["n_steps"] == solo["step_share"] >= 3  # alone: every step its own
 
 
 def test_a_long_prompt_delays_another_slots_tokens_by_at_most_one_chunk(engine):

@@ -297,6 +297,8 @@ class FakeEngine:
         yield {"event": "result", "content": text if stop_type != "cancelled" else text[:released],
                "tokens": generated, "stop_type": stop_type, "stopping_word": stopping_word, "truncated": False,
                "tokens_evaluated": len(prompt), "tokens_cached": len(self.held), "n_tokens_held": len(self.held),
+               # no batching here: a step for the prompt and one per generated token but the last, each its own
+               "n_steps": 1 + max(n_gen - 1, 0), "step_share": float(1 + max(n_gen - 1, 0)),
                "timings": {"cache_n": cache_n, "prompt_n": len(prompt) - cache_n, "prompt_ms": prompt_ms,
                            "prompt_per_token_ms": prompt_ms / max(len(prompt) - cache_n, 1),
                            "prompt_per_second": 1000 * (len(prompt) - cache_n) / prompt_ms,

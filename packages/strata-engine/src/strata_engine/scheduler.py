@@ -115,6 +115,10 @@ class CompleteJob:
     slot: int
     generation: Generation | None = None
     cancel: bool = False  # a CANCEL arrived: the next sampled token is the last
+    # the steps taken while it was processing (admitted), and its share of them: the sum over those steps of
+    # 1 / the slots processing in each (summed over requests: the steps, llama-server's n_decode_total)
+    n_steps: int = 0
+    step_share: float = 0.0
 
 
 class Gate:
@@ -500,7 +504,8 @@ class Scheduler:
             del self.busy[job.slot]
             if error is None:
                 assert job.generation is not None and job.generation.result is not None
-                payload = result_payload(job.generation.result, self.unstructure)
+                payload = {**result_payload(job.generation.result, self.unstructure), "n_steps": job.n_steps,
+                           "step_share": job.step_share}
         if job.request.id is not None:
             self.ids.pop(job.request.id, None)
         if error is not None:
@@ -519,11 +524,19 @@ class Scheduler:
         if not decoding and not self.chunks:
             return
         self.steps += 1
+        self._count_processing()
         self._generating = bool(decoding)
         if decoding:
             self._decode(decoding)
         if self.chunks:
             self._chunk(self.chunks.popleft())
+
+    def _count_processing(self) -> None:
+        """This step in the counts of the COMPLETEs processing (prompt or generation) in it."""
+        processing = [job for job in self.busy.values() if isinstance(job, CompleteJob) and job.generation is not None]
+        for job in processing:
+            job.n_steps += 1
+            job.step_share += 1.0 / len(processing)
 
     def _chunk_size(self) -> int:
         """The next chunk's tokens (asked by the runner just before it evaluates the chunk)."""

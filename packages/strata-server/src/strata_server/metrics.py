@@ -21,7 +21,8 @@ class Metrics:
         self.prompt_seconds = 0.0
         self.tokens_predicted = 0
         self.tokens_predicted_seconds = 0.0
-        self.n_decode = 0
+        self.n_decode = 0.0  # the engine's steps (sum of the results' step_share)
+        self.n_busy_slot_steps = 0  # sum over the steps of the slots processing in each (of the results' n_steps)
         self.n_tokens_max = 0
         self.saves = 0
         self.save_bytes = 0
@@ -46,8 +47,9 @@ class Metrics:
             self.tokens_predicted += predicted_n
             if predicted_n > 1:  # as the peer, whose generation clock starts at the first token
                 self.tokens_predicted_seconds += float(timings.get("predicted_ms", 0.0)) / 1000
-            # One batch for the prompt, one step per generated token but the last (never evaluated).
-            self.n_decode += (1 if prompt_n else 0) + max(predicted_n - 1, 0)
+            # the engine's batched steps, each shared by the slots processing in it (spec/engine-protocol.md)
+            self.n_decode += float(result.get("step_share", 0.0))
+            self.n_busy_slot_steps += int(result.get("n_steps", 0))
             self.n_tokens_max = max(self.n_tokens_max, int(result.get("n_tokens_held", 0)))
 
     def record_save(self, n_written: int, save_ms: float) -> None:
@@ -97,21 +99,21 @@ class Metrics:
                 ("llamacpp:tokens_predicted_seconds_total", "counter", "Predict process time",
                  [("", self.tokens_predicted_seconds)]),
                 ("llamacpp:n_decode_total", "counter", "Total number of llama_decode() calls",
-                 [("", self.n_decode)]),
+                 [("", round(self.n_decode))]),
                 ("llamacpp:n_tokens_max", "counter", "Largest observed n_tokens.", [("", self.n_tokens_max)]),
                 ("llamacpp:spec_decode_num_draft_tokens_total", "counter",
                  "Draft tokens proposed (no speculative decoding in Strata).", [("", 0)]),
                 ("llamacpp:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", [("", 0)]),
                 ("llamacpp:spec_decode_num_drafts_total", "counter", "Drafts generated.", [("", 0)]),
                 ("llamacpp:prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
-                 [("", per_second(self.prompt_tokens, self.prompt_seconds))]),
+                 [("", ratio(self.prompt_tokens, self.prompt_seconds))]),
                 ("llamacpp:predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
-                 [("", per_second(self.tokens_predicted, self.tokens_predicted_seconds))]),
+                 [("", ratio(self.tokens_predicted, self.tokens_predicted_seconds))]),
                 ("llamacpp:requests_processing", "gauge", "Number of requests processing.",
                  [("", sum(s.busy for s in states))]),
                 ("llamacpp:requests_deferred", "gauge", "Number of requests deferred.", [("", waiting)]),
                 ("llamacpp:n_busy_slots_per_decode", "gauge", "Average number of busy slots per llama_decode() call",
-                 [("", 1.0 if self.n_decode else 0.0)]),
+                 [("", ratio(self.n_busy_slot_steps, self.n_decode))]),
                 # Strata's per slot (llama-server has no per-slot series): busy or idle, and tokens held.
                 ("strata:slot_is_processing", "gauge", "Whether the slot is serving a request (1) or idle (0).",
                  [(f'{{id_slot="{s.id}"}}', int(s.busy)) for s in states]),
@@ -153,8 +155,9 @@ def render_rows(rows: list[tuple[str, str, str, list[tuple[str, float]]]]) -> st
     return "\n".join(lines) + "\n"
 
 
-def per_second(count: float, seconds: float) -> float:
-    return count / seconds if seconds > 0 else 0.0
+def ratio(count: float, per: float) -> float:
+    """count / per (tokens per second, busy slots per step); 0 before anything was counted."""
+    return count / per if per > 0 else 0.0
 
 
 def _escape(value: str) -> str:
