@@ -2,9 +2,9 @@
 
 Command lines are read and parsed (UTF-8, JSON, verb, id, slot) on a reader thread (`ParsedLines`), so a
 huge line (a 50 MB prompt) is read beside the steps. Between two steps the loop takes every line parsed so
-far (never waiting for input while it has work): a `NOW` verb runs there, a `WORKER` verb (and the preparation of a COMPLETE: checks, template,
-tokenizer, constraint) runs on the one worker thread and is answered at a later boundary, a `JOB` verb
-starts a job that the steps advance. A step is one batched decode forward for every slot that is
+far (never waiting for input while it has work): a `NOW` verb runs there, a `WORKER` verb (and the
+preparation of a COMPLETE: checks, template, tokenizer, constraint) runs on the one worker thread and is
+answered at a later boundary, a `JOB` verb starts a job that the steps advance. A step is one batched decode forward for every slot that is
 generating (`SlotSet.decode`, a row per slot) and at most one prefill chunk of one job being evaluated
 (prompts and embeddings take turns, round-robin), so a long prompt delays the others' next token by at
 most one chunk; while slots generate, that chunk is cut to cost about CHUNK_COST_STEPS of their decode
