@@ -1,9 +1,13 @@
-"""Does a huge TOKENIZE stall another request's decoding? (issue 15: "tokenize off the scheduler's path").
+"""Does a huge TOKENIZE (or COMPLETE line) stall another request's decoding? (issue 15: "tokenize off the
+scheduler's path", "no single request stalls the others").
 
-One `strata-engine serve` process (SmolLM2, numpy): a greedy COMPLETE streams; after WARM tokens a
-TOKENIZE of MB megabytes is sent. Printed: the median gap between tokens before it, the median and the
-largest gap while it is tokenized (on the engine's worker thread), their ratios, and the tokenizer's rate.
-Run with `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE` at load average < 1.5.
+One `strata-engine serve` process (SmolLM2, numpy, 2 slots): a greedy COMPLETE streams in slot 0; after
+WARM tokens a TOKENIZE of MB megabytes is sent (`--verb TOKENIZE`, on the engine's worker thread), or a
+COMPLETE for slot 1 whose prompt is that text (`--verb COMPLETE`: the line is read and parsed, then
+refused by its length in bytes before tokenizing). The line is written from a thread of its own, so the
+engine's token lines are read meanwhile. Printed: the median gap between tokens before it, the median and
+the largest gap until its answer, their ratios, and the rate. Run with
+`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE` at load average < 1.5.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 WARM = 30
@@ -27,13 +32,17 @@ def smollm2_model_path() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mb", type=float, default=4.0, help="megabytes of text to tokenize")
+    parser.add_argument("--verb", choices=("TOKENIZE", "COMPLETE"), default="TOKENIZE")
     args = parser.parse_args()
     proc = subprocess.Popen([sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(smollm2_model_path()),
-                             "--ctx-size", "2048"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                             "--ctx-size", "4096", "--parallel", "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    lock = threading.Lock()
 
     def send(verb: str, obj: dict) -> None:
-        proc.stdin.write(f"{verb} {json.dumps(obj)}\n".encode())
-        proc.stdin.flush()
+        data = f"{verb} {json.dumps(obj)}\n".encode()
+        with lock:
+            proc.stdin.write(data)
+            proc.stdin.flush()
 
     assert json.loads(proc.stdout.readline())["event"] == "ready"
     send("COMPLETE", {"id": "g", "prompt": "Once upon a time", "n_predict": 1500, "temperature": 0, "ignore_eos": True})
@@ -47,10 +56,11 @@ def main() -> None:
             stamps.append(now)
             if len(stamps) == WARM:
                 sent = time.perf_counter()
-                send("TOKENIZE", {"id": "t", "content": text})
+                huge = {"id": "t", "content": text} if args.verb == "TOKENIZE" else {"id": "t", "slot": 1, "prompt": text}
+                threading.Thread(target=send, args=(args.verb, huge), daemon=True).start()
         elif line.get("id") == "t":
             answered = now
-            n_tokens = len(line["tokens"])
+            n_tokens = len(line["tokens"]) if args.verb == "TOKENIZE" else line["error"]["type"]
             send("CANCEL", {"id": "g"})
         elif line.get("id") == "g":
             break
@@ -59,9 +69,9 @@ def main() -> None:
     proc.wait(timeout=60)
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     before = gaps[: WARM - 1]
-    during = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if sent <= a and b <= answered]
+    during = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if b > sent and a < answered]  # overlapping it
     base = statistics.median(before)
-    print(f"TOKENIZE of {len(text) / 1e6:.1f} MB ({n_tokens} tokens) took {answered - sent:.2f} s "
+    print(f"{args.verb} of {len(text) / 1e6:.1f} MB ({n_tokens}) took {answered - sent:.2f} s "
           f"({len(text) / (answered - sent) / 1e6:.2f} MB/s); {len(during)} tokens streamed meanwhile")
     print(f"token gap before: median {1000 * base:.1f} ms; during: median {1000 * statistics.median(during):.1f} ms "
           f"(x{statistics.median(during) / base:.2f}), max {1000 * max(during):.1f} ms (x{max(during) / base:.2f})")
