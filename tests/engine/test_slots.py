@@ -157,6 +157,26 @@ def test_a_prompt_evaluated_chunk_by_chunk_between_decode_steps_gives_what_it_gi
         assert max(float(np.abs(a - b).max()) for a, b in zip(decoded[s], expected_logits, strict=True)) <= LOGIT_ATOL
 
 
+def test_prefill_steps_asks_chunk_size_before_each_chunk_and_gives_what_full_chunks_give(make):
+    runner = make(1).runners[0]
+    alone = make(1).runners[0]
+    prompt = [1, *_ids(43, 60)]
+    sizes = iter([5, 1, 100, 7] + [3] * 20)  # 100: more than the prefill chunk (16), so 16
+    held: list[int] = []
+    steps = runner.prefill_steps(prompt, on_chunk=lambda cache_n, n_held: held.append(n_held),
+                                 chunk_size=lambda: next(sizes))
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result = done.value
+            break
+    assert held[:5] == [5, 6, 22, 29, 32] and held[-1] == len(prompt)
+    assert set(np.diff(held[4:]).tolist()) <= {1, 2, 3}  # the last chunk takes what is left
+    assert result.prompt_n == len(prompt) and list(runner.tokens_held) == prompt
+    assert float(np.abs(result.logits - alone.prefill(prompt).logits).max()) <= LOGIT_ATOL
+
+
 def test_a_slot_region_is_untouched_by_the_other_slots_steps(make):
     slots = make(3)
     slots.runners[1].prefill(_ids(5, 20))
