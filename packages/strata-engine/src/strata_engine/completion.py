@@ -433,11 +433,9 @@ class Generation:
         self.prompt_done = self.start
         # the prefill so far (from on_chunk): a cancelled prefill's timings, and whether the last chunk is in
         self._cache_n, self._prompt_n, self._n_held_read = 0, 0, None
-        self.chunk_tokens = 0  # tokens the last prefill chunk evaluated
         prompt = prepared.prompt
 
         def on_chunk(cache_n: int, n_held: int) -> None:
-            self.chunk_tokens = n_held - (cache_n if self._n_held_read is None else self._n_held_read)
             self._cache_n, self._n_held_read = cache_n, n_held
             if on_progress is not None and request.return_progress:
                 on_progress(PromptProgress(len(prompt), cache_n, n_held, 1000.0 * (self._clock() - self.start)))

@@ -7,8 +7,8 @@ preparation of a COMPLETE: checks, template, tokenizer, constraint) runs on the 
 answered at a later boundary, a `JOB` verb starts a job that the steps advance. A step is one batched decode forward for every slot that is
 generating (`SlotSet.decode`, a row per slot) and at most one prefill chunk of one job being evaluated
 (prompts and embeddings take turns, round-robin), so a long prompt delays the others' next token by at
-most one chunk; while slots generate, that chunk is cut to cost about CHUNK_COST_STEPS of their decode
-steps (`ChunkSizer`). Only this thread touches the runners and writes lines.
+most one chunk, cut to a quarter while slots generate (`chunk_tokens`). Only this thread touches the
+runners and writes lines.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import os
 import queue
 import select
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,48 +47,18 @@ from .protocol import (
 
 log = logging.getLogger(__name__)
 
-# While slots generate, a prefill chunk is cut to cost about this many of their decode steps, so each of their
-# tokens waits at most about 1 + this many steps' time for a prompt being evaluated beside them.
-CHUNK_COST_STEPS = 4
-# ... never below this many tokens (a chunk's fixed cost, a pass over the weights, would dominate it and the
-# prompt's own first token would wait ever longer), nor above this share of the full chunk (a bound that
-# holds before the first measurements and through a burst of load that skews one).
+# While slots generate, a prefill chunk (a prompt's or an EMBED's) is cut to this share of the full chunk
+# (`--prefill-chunk`), and never below MIN_CUT_CHUNK tokens. A chunk costs a fixed part (on the 2-core CPU
+# with SmolLM2, about 7 decode steps: bench/SCHED-NOTES.md) plus its tokens', so cutting it to a few decode
+# steps' worth would cost the prompt most of its speed: a quarter keeps about 3/4 of the full chunk's rate
+# per token and bounds the others' inter-token latency by about a quarter of a full chunk's time.
+CUT_CHUNK_SHARE = 4  # the full chunk // 4
 MIN_CUT_CHUNK = 16
-MAX_CUT_CHUNK_SHARE = 4  # at most full chunk // 4
-_EWMA_NEW = 0.5  # the newest measurement's weight
 
 
-class ChunkSizer:
-    """The tokens of the next prefill chunk (a prompt's or an EMBED's). No slot generating: the full chunk
-    (`--prefill-chunk`). Slots generating: about CHUNK_COST_STEPS of their decode steps' time, from the
-    measured seconds of a decode step and per token of the recent chunks (a chunk of n costs about
-    a + b n; sizing by its mean cost per token converges on the n whose chunk costs that many steps), between
-    MIN_CUT_CHUNK and full // MAX_CUT_CHUNK_SHARE tokens (never more than the full chunk)."""
-
-    def __init__(self, full: int):
-        self.full = full
-        self.floor = min(MIN_CUT_CHUNK, full)
-        self.ceiling = max(full // MAX_CUT_CHUNK_SHARE, self.floor)
-        self.step_s: float | None = None  # a decode step
-        self.token_s: float | None = None  # a prefill token, in the chunks measured
-
-    def size(self, generating: bool) -> int:
-        if not generating:
-            return self.full
-        if self.step_s is None or self.token_s is None:
-            return self.floor
-        return int(min(self.ceiling, max(self.floor, CHUNK_COST_STEPS * self.step_s / self.token_s)))
-
-    def decoded(self, seconds: float) -> None:
-        self.step_s = _ewma(self.step_s, seconds)
-
-    def chunked(self, n_tokens: int, seconds: float) -> None:
-        if n_tokens > 0:
-            self.token_s = _ewma(self.token_s, seconds / n_tokens)
-
-
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else (1 - _EWMA_NEW) * old + _EWMA_NEW * new
+def chunk_tokens(full: int, generating: bool) -> int:
+    """The tokens of the next prefill chunk: the full chunk, or while slots generate the cut one."""
+    return max(full // CUT_CHUNK_SHARE, min(MIN_CUT_CHUNK, full)) if generating else full
 
 
 def token_line(event: TokenEvent, unstructure: Callable[[Any], Any]) -> dict[str, Any]:
@@ -166,14 +135,13 @@ class SessionJob:
 
 @attrs.define(eq=False)
 class ChunkJob:
-    """Slot-less chunked work (EMBED): each next() of `steps` evaluates one chunk (`chunk_tokens` tokens, as
-    its on_chunk says); its return value goes to `finish`, which gives the result payload."""
+    """Slot-less chunked work (EMBED): each next() of `steps` evaluates one chunk (its on_chunk counts
+    `done_tokens`); its return value goes to `finish`, which gives the result payload."""
 
     request: Request
     steps: Generator[None, None, Any] | None
     finish: Callable[[Any], Mapping[str, Any]]
     n_tokens: int  # in all
-    chunk_tokens: int = 0
     done_tokens: int = 0
 
 
@@ -240,8 +208,8 @@ class Scheduler:
         self.quit: Request | None = None
         self.exit: ExitStatus | None = None
         self.steps = 0  # steps taken (tests count them)
-        self.sizer = ChunkSizer(ctx.runner_of(0).settings.prefill_chunk)
-        self._generating = False  # slots generate in this step: its chunk is cut (`ChunkSizer`)
+        self.full_chunk = ctx.runner_of(0).settings.prefill_chunk
+        self._generating = False  # slots generate in this step: its chunk is cut (`chunk_tokens`)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> ExitStatus:
@@ -469,7 +437,6 @@ class Scheduler:
         job = ChunkJob(request, None, finish, n_tokens)
 
         def on_chunk(n: int) -> None:
-            job.chunk_tokens = n
             job.done_tokens += n
 
         job.steps = steps(self._chunk_size, on_chunk)
@@ -540,14 +507,12 @@ class Scheduler:
 
     def _chunk_size(self) -> int:
         """The next chunk's tokens (asked by the runner just before it evaluates the chunk)."""
-        return self.sizer.size(self._generating)
+        return chunk_tokens(self.full_chunk, self._generating)
 
     def _decode(self, jobs: list[CompleteJob]) -> None:
         steps = [(job.slot, job.generation.pending) for job in jobs]
         try:
-            started = time.perf_counter()
             logits = self.ctx.slots.decode(steps)
-            self.sizer.decoded(time.perf_counter() - started)
         except (ContextOverflow, InvalidToken) as exc:  # nothing was evaluated; that slot's request ends
             bad = next((job for job in jobs if job.slot == exc.slot), None)
             if bad is None:
@@ -573,18 +538,6 @@ class Scheduler:
                 self._end(job)
 
     def _chunk(self, job: CompleteJob | ChunkJob) -> None:
-        if isinstance(job, ChunkJob):
-            job.chunk_tokens = 0
-        else:
-            job.generation.chunk_tokens = 0
-        started = time.perf_counter()
-        try:
-            self._chunk_of(job)
-        finally:
-            tokens = job.chunk_tokens if isinstance(job, ChunkJob) else job.generation.chunk_tokens
-            self.sizer.chunked(tokens, time.perf_counter() - started)
-
-    def _chunk_of(self, job: CompleteJob | ChunkJob) -> None:
         if isinstance(job, ChunkJob):
             assert job.steps is not None
             try:
