@@ -72,7 +72,7 @@ def main() -> None:
                 threading.Thread(target=send, args=(verb, huge), daemon=True).start()
         elif line.get("id") == "t" and line["event"] == "progress":
             processed.append(line["processed"])
-        elif line.get("id") == "t":
+        elif line.get("id") == "t" and line["event"] in ("result", "error"):
             answered = now
             n_tokens = ANSWERS[args.verb](line)
             send("CANCEL", {"id": "g"})
