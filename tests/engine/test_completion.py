@@ -59,8 +59,8 @@ class ScriptedRunner:
         result.logits, result.cache_n, result.prompt_n = self._logits(), common, len(tokens) - common
         return result
 
-    def prefill_steps(self, tokens, on_chunk=None):
-        result = self.prefill(tokens)  # one chunk
+    def prefill_steps(self, tokens, on_chunk=None, chunk_size=None):
+        result = self.prefill(tokens)  # one chunk, whatever its size
         if on_chunk is not None:
             on_chunk(result.cache_n, len(tokens))
         yield
