@@ -248,11 +248,21 @@ def dequantize_packed_serial(values, scale, mins, has_min, out):
 
 
 # ---- attention over the K/V pool's storage -------------------------------------------------------------
-# Per query row, its visible keys are one position range: scores by `key_dots`, a softmax with
-# `fast_exp`, the weighted sum of values by `value_sums` (both in LLVM vector IR: the row's accumulators
-# stay in registers). Keys and values are read as stored (f16 bits, int8 with per-block scales, f32)
-# and converted in registers, never into a float32 copy.
+# A work item is one range of key positions (a split) for every K/V head, read a tile of keys at a time:
+# the pool's rows are token-major [slots, Hkv, D], so a tile's rows of every head are read while they are
+# in cache (one head's pass over all keys strides through 1 / Hkv of each row: 3x slower for SmolLM2 at
+# 4,096 held). Per head and block of query rows: scores by `key_dots`, a softmax with `fast_exp`, the
+# weighted sum of values by `value_sums` (LLVM vector IR, 8 lanes: a block's accumulators fit AVX2's 16
+# registers). Keys and values are read as stored (f16 bits, int8 with per-block scales, f32) and
+# converted in registers, never into a float32 copy. Every output element is a sum in key order, so the
+# blocks, the tiles and a ring's runs give the same bits wherever the rows lie.
 _HEAD_DIMS = (64, 128, 256)  # head sizes the IR is generated for (others: a plain loop)
+_VEC = 8  # float32 lanes of one AVX2 register
+_KEY_TILE = 32  # keys per tile: every head's rows of a tile (16 KiB of f16 at Hkv x D = 256) stay in L1
+_DOT_ROWS = 4  # query rows per `key_dots` block
+# Value sums: the columns a block of (1-4) query rows accumulates in registers at once: rows x columns / 8
+# accumulators, a broadcast weight per row and a value chunk within 16 registers.
+_SUM_COLUMNS = {1: 64, 2: 32, 3: 32, 4: 16}
 
 
 @intrinsic
@@ -283,7 +293,7 @@ def fast_exp(x):
     p = p * r + F32(1.6666665459e-1)
     p = p * r + F32(5.0000001201e-1)
     y = p * (r * r) + r + F32(1)
-    return y * f32_from_bits((np.int64(n) + 127) << 23)
+    return y * f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
 def _row_ptr(builder, arr, index, elem):
@@ -294,17 +304,17 @@ def _row_ptr(builder, arr, index, elem):
 
 
 def _stored_chunk(builder, row, scale_row, c, dtype):
-    """Values [16c, 16c + 16) of a stored K/V row as <16 x float> (int8 times its 32-value block's scale)."""
-    vf = ir.VectorType(_F32, _LANES)
-    off = ir.Constant(_I64, c * _LANES)
+    """Values [8c, 8c + 8) of a stored K/V row as <8 x float> (int8 times its 32-value block's scale)."""
+    vf = ir.VectorType(_F32, _VEC)
+    off = ir.Constant(_I64, c * _VEC)
     if dtype == types.uint16:
-        bits = _load_vector(builder, row, off, ir.IntType(16), _LANES)
-        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _LANES)), vf)
+        bits = _load_vector(builder, row, off, ir.IntType(16), _VEC)
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _VEC)), vf)
     if dtype == types.float32:
-        return _load_vector(builder, row, off, _F32, _LANES)
-    q = builder.sitofp(_load_vector(builder, row, off, ir.IntType(8), _LANES), vf)
-    scale = builder.load(builder.gep(scale_row, [ir.Constant(_I64, c * _LANES // 32)]))
-    return builder.fmul(q, _splat(builder, scale, _LANES), flags=EXACT)  # rounded as the decoded copy
+        return _load_vector(builder, row, off, _F32, _VEC)
+    q = builder.sitofp(_load_vector(builder, row, off, ir.IntType(8), _VEC), vf)
+    scale = builder.load(builder.gep(scale_row, [ir.Constant(_I64, c * _VEC // 32)]))
+    return builder.fmul(q, _splat(builder, scale, _VEC), flags=EXACT)  # rounded as the decoded copy
 
 
 def _splat(builder, value, lanes):
@@ -362,44 +372,49 @@ def _kv_intrinsic_args(context, builder, signature, args):
 
 
 _ELEM = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}
-# Rows of one token's query heads (of a K/V head) the value sums keep in registers at once: rows x D / 16
-# accumulators, at most 16 (AVX-512 has 32 registers).
-_SUM_ROWS = {64: 4, 128: 2, 256: 1}
+
+
+def _fma8(builder):
+    vf = ir.VectorType(_F32, _VEC)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v8f32")
+
+
+def _literal(value, allowed) -> bool:
+    return isinstance(value, types.IntegerLiteral) and value.literal_value in allowed
 
 
 @intrinsic
-def key_dots(typingctx, q, keys, scales, lo, n, out, d):
-    """out[r, i] = q[r] . keys[lo + i] for every row r of q [R, D] (float32) and i < n: each key row is
-    read and converted once for all R rows; keys a stored head's rows [slots, D] (uint16 f16 bits,
-    float32, or int8 with `scales` [slots, D / 32]); out float32 [R, >= n]; d the literal D."""
-    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS or keys.dtype not in _ELEM:
+def key_dots(typingctx, q, keys, scales, lo, n, out, d, rows):
+    """out[r, i] = q[r] . keys[lo + i] for the first `rows` (a literal, <= _DOT_ROWS) rows r of q [R, D]
+    (float32) and i < n: each key row is read and converted once for all of them; keys a stored head's
+    rows [slots, D] (uint16 f16 bits, float32, or int8 with `scales` [slots, D / 32]); out float32
+    [>= rows, >= n] (any strides); d the literal D."""
+    if not _literal(d, _HEAD_DIMS) or not _literal(rows, range(1, _DOT_ROWS + 1)) or keys.dtype not in _ELEM:
         return None
-    sig = types.void(q, keys, scales, lo, n, out, d)
+    sig = types.void(q, keys, scales, lo, n, out, d, rows)
 
     def codegen(context, builder, signature, args):
         q_arr, k_arr, s_arr = _kv_intrinsic_args(context, builder, signature, args)
         out_arr = context.make_array(signature.args[5])(context, builder, args[5])
-        chunks = d.literal_value // _LANES
-        vf = ir.VectorType(_F32, _LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
-        n_rows = builder.extract_value(q_arr.shape, 0)
+        chunks, n_rows = d.literal_value // _VEC, rows.literal_value
+        fma = _fma8(builder)
+        q_rows = [_row_ptr(builder, q_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
+        out_rows = [_row_ptr(builder, out_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
+        out_step = builder.extract_value(out_arr.strides, 1)
 
         def key(i, carried):
             idx = builder.add(args[3], i)
             row = _row_ptr(builder, k_arr, idx, _ELEM[keys.dtype])
             scale_row = _row_ptr(builder, s_arr, idx, _F32)
-            kv = [_stored_chunk(builder, row, scale_row, c, keys.dtype) for c in range(chunks)]
-
-            def query(r, carried_r):
-                q_row = _row_ptr(builder, q_arr, r, _F32)
-                acc = ir.Constant(vf, [0.0] * _LANES)
-                for c in range(chunks):
-                    qc = _load_vector(builder, q_row, ir.Constant(_I64, c * _LANES), _F32, _LANES)
-                    acc = builder.call(fma, [qc, kv[c], acc])
-                builder.store(_hsum(builder, acc), builder.gep(_row_ptr(builder, out_arr, r, _F32), [i]))
-                return []
-
-            _counted_loop(builder, n_rows, query, [])
+            acc = [ir.Constant(ir.VectorType(_F32, _VEC), [0.0] * _VEC)] * n_rows
+            for c in range(chunks):
+                kc = _stored_chunk(builder, row, scale_row, c, keys.dtype)
+                for r in range(n_rows):
+                    qc = _load_vector(builder, q_rows[r], ir.Constant(_I64, c * _VEC), _F32, _VEC)
+                    acc[r] = builder.call(fma, [qc, kc, acc[r]])
+            for r in range(n_rows):
+                raw = builder.gep(builder.bitcast(out_rows[r], ir.IntType(8).as_pointer()), [builder.mul(i, out_step)])
+                builder.store(_hsum(builder, acc[r]), builder.bitcast(raw, _F32.as_pointer()))
             return []
 
         _counted_loop(builder, args[4], key, [])
@@ -410,214 +425,311 @@ def key_dots(typingctx, q, keys, scales, lo, n, out, d):
 
 @intrinsic
 def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
-    """acc[r] += sum_i weights[r, i] * values[lo + i] for i < n and the `rows` (a literal) rows of acc
-    [rows, D] and weights [rows, >= n]: each value row is read and converted once for all of them, and
-    the rows x D / 16 accumulators stay in registers over the loop; values as in `key_dots`."""
-    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS or values.dtype not in _ELEM:
-        return None
-    if not isinstance(rows, types.IntegerLiteral) or not 1 <= rows.literal_value <= _SUM_ROWS[d.literal_value]:
+    """acc[r] += sum_i weights[r, i] * values[lo + i] for i < n and the first `rows` (a literal, 1-4) rows
+    of acc [R, D] (C order rows) and weights [R, >= n] (unit stride along keys): each value row is read
+    and converted once per block of _SUM_COLUMNS[rows] columns, whose accumulators stay in registers over
+    the loop; values as in `key_dots`."""
+    if not _literal(d, _HEAD_DIMS) or not _literal(rows, _SUM_COLUMNS) or values.dtype not in _ELEM:
         return None
     sig = types.void(acc, weights, values, scales, lo, n, d, rows)
 
     def codegen(context, builder, signature, args):
         acc_arr, w_arr, v_arr = _kv_intrinsic_args(context, builder, signature, args)
         s_arr = context.make_array(signature.args[3])(context, builder, args[3])
-        chunks, n_rows = d.literal_value // _LANES, rows.literal_value
-        vf = ir.VectorType(_F32, _LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
+        n_rows = rows.literal_value
+        width = min(d.literal_value, _SUM_COLUMNS[n_rows]) // _VEC  # chunks per column block
+        fma = _fma8(builder)
         acc_rows = [_row_ptr(builder, acc_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
         w_rows = [_row_ptr(builder, w_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
-        start = [
-            _load_vector(builder, acc_rows[r], ir.Constant(_I64, c * _LANES), _F32, _LANES)
-            for r in range(n_rows)
-            for c in range(chunks)
-        ]
+        for c0 in range(0, d.literal_value // _VEC, width):
+            start = [
+                _load_vector(builder, acc_rows[r], ir.Constant(_I64, (c0 + c) * _VEC), _F32, _VEC)
+                for r in range(n_rows)
+                for c in range(width)
+            ]
 
-        def body(i, carried):
-            idx = builder.add(args[4], i)
-            row = _row_ptr(builder, v_arr, idx, _ELEM[values.dtype])
-            scale_row = _row_ptr(builder, s_arr, idx, _F32)
-            kv = [_stored_chunk(builder, row, scale_row, c, values.dtype) for c in range(chunks)]
-            out = []
+            def body(i, carried, c0=c0):
+                idx = builder.add(args[4], i)
+                row = _row_ptr(builder, v_arr, idx, _ELEM[values.dtype])
+                scale_row = _row_ptr(builder, s_arr, idx, _F32)
+                vc = [_stored_chunk(builder, row, scale_row, c0 + c, values.dtype) for c in range(width)]
+                out = []
+                for r in range(n_rows):
+                    w = _splat(builder, builder.load(builder.gep(w_rows[r], [i])), _VEC)
+                    out += [builder.call(fma, [vc[c], w, carried[r * width + c]]) for c in range(width)]
+                return out
+
+            final = _counted_loop(builder, args[5], body, start)
             for r in range(n_rows):
-                w = _splat(builder, builder.load(builder.gep(w_rows[r], [i])), _LANES)
-                out += [builder.call(fma, [kv[c], w, carried[r * chunks + c]]) for c in range(chunks)]
-            return out
-
-        final = _counted_loop(builder, args[5], body, start)
-        for r in range(n_rows):
-            for c in range(chunks):
-                ptr = builder.gep(acc_rows[r], [ir.Constant(_I64, c * _LANES)])
-                builder.store(final[r * chunks + c], builder.bitcast(ptr, vf.as_pointer()), align=1)
+                for c in range(width):
+                    ptr = builder.gep(acc_rows[r], [ir.Constant(_I64, (c0 + c) * _VEC)])
+                    builder.store(final[r * width + c], builder.bitcast(ptr, ir.VectorType(_F32, _VEC).as_pointer()), align=1)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
-def _dots(q, keys, scales, has_scales, lo, n, out):
-    """out[r, :n] = q[r] . keys[lo + i] (`key_dots`, or a plain loop for other head sizes)."""
+def _dots_block(q, keys, scales, lo, n, out, b):
+    """`key_dots` of the first b (1-4) rows, dispatched on the literal head size and row count."""
     d = q.shape[1]
     if d == 64:
-        key_dots(q, keys, scales, lo, n, out, 64)
+        if b == 4:
+            key_dots(q, keys, scales, lo, n, out, 64, 4)
+        elif b == 3:
+            key_dots(q, keys, scales, lo, n, out, 64, 3)
+        elif b == 2:
+            key_dots(q, keys, scales, lo, n, out, 64, 2)
+        else:
+            key_dots(q, keys, scales, lo, n, out, 64, 1)
     elif d == 128:
-        key_dots(q, keys, scales, lo, n, out, 128)
-    elif d == 256:
-        key_dots(q, keys, scales, lo, n, out, 256)
+        if b == 4:
+            key_dots(q, keys, scales, lo, n, out, 128, 4)
+        elif b == 3:
+            key_dots(q, keys, scales, lo, n, out, 128, 3)
+        elif b == 2:
+            key_dots(q, keys, scales, lo, n, out, 128, 2)
+        else:
+            key_dots(q, keys, scales, lo, n, out, 128, 1)
+    elif b == 4:
+        key_dots(q, keys, scales, lo, n, out, 256, 4)
+    elif b == 3:
+        key_dots(q, keys, scales, lo, n, out, 256, 3)
+    elif b == 2:
+        key_dots(q, keys, scales, lo, n, out, 256, 2)
     else:
-        for r in range(q.shape[0]):
-            for i in range(n):
-                s = F32(0)
-                for j in range(d):
-                    s += q[r, j] * widen(keys[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
-                out[r, i] = s
+        key_dots(q, keys, scales, lo, n, out, 256, 1)
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _sums_block(acc, weights, values, scales, lo, n, b):
+    """`value_sums` of the first b (1-4) rows, dispatched on the literal head size and row count."""
+    d = acc.shape[1]
+    if d == 64:
+        if b == 4:
+            value_sums(acc, weights, values, scales, lo, n, 64, 4)
+        elif b == 3:
+            value_sums(acc, weights, values, scales, lo, n, 64, 3)
+        elif b == 2:
+            value_sums(acc, weights, values, scales, lo, n, 64, 2)
+        else:
+            value_sums(acc, weights, values, scales, lo, n, 64, 1)
+    elif d == 128:
+        if b == 4:
+            value_sums(acc, weights, values, scales, lo, n, 128, 4)
+        elif b == 3:
+            value_sums(acc, weights, values, scales, lo, n, 128, 3)
+        elif b == 2:
+            value_sums(acc, weights, values, scales, lo, n, 128, 2)
+        else:
+            value_sums(acc, weights, values, scales, lo, n, 128, 1)
+    elif b == 4:
+        value_sums(acc, weights, values, scales, lo, n, 256, 4)
+    elif b == 3:
+        value_sums(acc, weights, values, scales, lo, n, 256, 3)
+    elif b == 2:
+        value_sums(acc, weights, values, scales, lo, n, 256, 2)
+    else:
+        value_sums(acc, weights, values, scales, lo, n, 256, 1)
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _dots(q, keys, scales, has_scales, lo, n, out):
+    """out[r, :n] = q[r] . keys[lo + i] for every row r of q (blocks of `key_dots`, or a plain loop for
+    other head sizes)."""
+    d = q.shape[1]
+    if d == 64 or d == 128 or d == 256:
+        for r in range(0, q.shape[0], _DOT_ROWS):
+            _dots_block(q[r:], keys, scales, lo, n, out[r:], min(_DOT_ROWS, q.shape[0] - r))
+        return
+    for r in range(q.shape[0]):
+        for i in range(n):
+            s = F32(0)
+            for j in range(d):
+                s += q[r, j] * widen(keys[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
+            out[r, i] = s
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _sums(acc, weights, values, scales, has_scales, lo, n):
-    """acc[r] += sum_i weights[r, i] values[lo + i] (`value_sums` on as many rows at once as fit the
-    registers, or a plain loop for other head sizes)."""
+    """acc[r] += sum_i weights[r, i] values[lo + i] (`value_sums` on blocks of up to 4 rows, or a plain
+    loop for other head sizes)."""
     d = acc.shape[1]
-    n_rows = acc.shape[0]
-    r = 0
-    while r < n_rows:
-        left = n_rows - r
-        a, w = acc[r:], weights[r:]
-        if d == 64 and left >= 4:
-            value_sums(a, w, values, scales, lo, n, 64, 4)
-            r += 4
-        elif d == 64 and left >= 2:
-            value_sums(a, w, values, scales, lo, n, 64, 2)
-            r += 2
-        elif d == 64:
-            value_sums(a, w, values, scales, lo, n, 64, 1)
-            r += 1
-        elif d == 128 and left >= 2:
-            value_sums(a, w, values, scales, lo, n, 128, 2)
-            r += 2
-        elif d == 128:
-            value_sums(a, w, values, scales, lo, n, 128, 1)
-            r += 1
-        elif d == 256:
-            value_sums(a, w, values, scales, lo, n, 256, 1)
-            r += 1
-        else:
-            for i in range(n):
-                wi = weights[r, i]
-                for j in range(d):
-                    acc[r, j] += wi * widen(values[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
-            r += 1
+    if d == 64 or d == 128 or d == 256:
+        for r in range(0, acc.shape[0], 4):
+            _sums_block(acc[r:], weights[r:], values, scales, lo, n, min(4, acc.shape[0] - r))
+        return
+    for r in range(acc.shape[0]):
+        for i in range(n):
+            wi = weights[r, i]
+            for j in range(d):
+                acc[r, j] += wi * widen(values[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
-def _attention_item(
-    item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
+def _row_max(s, lo, hi):
+    """max(s[lo:hi]) for hi > lo, in eight running maxima (one is a chain of dependent compares)."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = s[lo]
+    i = lo
+    while i + 8 <= hi:
+        m0, m1, m2, m3 = max(m0, s[i]), max(m1, s[i + 1]), max(m2, s[i + 2]), max(m3, s[i + 3])
+        m4, m5, m6, m7 = max(m4, s[i + 4]), max(m5, s[i + 5]), max(m6, s[i + 6]), max(m7, s[i + 7])
+        i += 8
+    while i < hi:
+        m0 = max(m0, s[i])
+        i += 1
+    return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _slot_run(p, end, base, capacity):
+    """The slot of position p and how many positions from p (before `end`) lie in consecutive slots."""
+    if capacity <= 0:
+        return p - base, end - p
+    slot = p % capacity
+    return slot, min(end - p, capacity - slot)
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _attention_split(
+    sp, q, k, v, k_scale, v_scale, has_scales, n_tok, q_pos0, k_lo, base, capacity, window, acc, m_out, l_out
 ):
-    n_tok, n_head, d = q.shape
-    group = n_head // k.shape[1]
+    """Split sp of acc.shape[0] equal key ranges of [k_lo, q_pos0 + T), every K/V head: per row r of q
+    [Hkv, T * G, D] (token r // G), the max m_out of its visible scores, the sum l_out of exp(s - m) and
+    acc = sum exp(s - m) v, merged by `_merge`."""
+    n_split = acc.shape[0]
+    n_kv, rows, d = q.shape
+    group = rows // n_tok
     k_hi = q_pos0 + n_tok
     per_split = (k_hi - k_lo + n_split - 1) // n_split
-    hk = item // n_split
-    sp = item % n_split
     s_lo = k_lo + sp * per_split
     s_hi = min(k_hi, s_lo + per_split)
-    keys, values = k[:, hk], v[:, hk]
-    key_scales, value_scales = k_scale[:, min(hk, k_scale.shape[1] - 1)], v_scale[:, min(hk, v_scale.shape[1] - 1)]
-    scores = np.empty((group, max(1, s_hi - s_lo)), dtype=F32)
-    for t in range(n_tok):  # the token's `group` query heads see the same keys: rows t * G .. t * G + G - 1
-        qp = q_pos0 + t
-        lo = s_lo if window <= 0 else max(s_lo, qp - window + 1)
-        hi = min(s_hi, qp + 1)
-        rows = slice(t * group, (t + 1) * group)
-        a = acc[hk, sp, rows]
-        a[:] = 0
-        m_out[hk, sp, rows] = -np.inf
-        l_out[hk, sp, rows] = 0
-        if hi <= lo:
-            continue
-        qt = q[t, hk * group : (hk + 1) * group]
-        n = hi - lo
-        p = lo
-        while p < hi:  # slot runs: one, or two where a ring wraps
-            slot = p % capacity if capacity > 0 else p - base
-            run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
-            _dots(qt, keys, key_scales, has_scales, slot, run, scores[:, p - lo : p - lo + run])
+    first = s_lo if window <= 0 else max(s_lo, q_pos0 - window + 1)  # the rows' key ranges together
+    a = acc[sp]
+    a[:] = 0
+    m_out[sp] = -np.inf
+    l_out[sp] = 0
+    if s_hi <= first:
+        return
+    n = s_hi - first
+    scores = np.empty((n_kv, rows, n), dtype=F32)
+    for t0 in range(first, s_hi, _KEY_TILE):  # a tile's rows of every head while they are in cache
+        t1 = min(s_hi, t0 + _KEY_TILE)
+        p = t0
+        while p < t1:  # slot runs: one, or two where a ring wraps
+            slot, run = _slot_run(p, t1, base, capacity)
+            for hk in range(n_kv):
+                ks = k_scale[:, min(hk, k_scale.shape[1] - 1)]
+                _dots(q[hk], k[:, hk], ks, has_scales, slot, run, scores[hk, :, p - first :])
             p += run
-        for g in range(group):
-            sg = scores[g]
-            top = sg[0]
-            for i in range(1, n):
-                top = max(top, sg[i])
+    for hk in range(n_kv):
+        for r in range(rows):  # softmax over the row's visible keys; the others weigh 0
+            qp = q_pos0 + r // group
+            lo = first if window <= 0 else max(first, qp - window + 1)
+            hi = min(s_hi, qp + 1)
+            sg = scores[hk, r]
+            if hi <= lo:
+                sg[:] = 0
+                continue
+            sg[: lo - first] = 0
+            sg[hi - first :] = 0
+            top = _row_max(sg, lo - first, hi - first)
             total = F32(0)
-            for i in range(n):
+            for i in range(lo - first, hi - first):
                 e = fast_exp(sg[i] - top)
                 sg[i] = e
                 total += e
-            m_out[hk, sp, t * group + g] = top
-            l_out[hk, sp, t * group + g] = total
-        p = lo
-        while p < hi:
-            slot = p % capacity if capacity > 0 else p - base
-            run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
-            _sums(a, scores[:, p - lo : p - lo + run], values, value_scales, has_scales, slot, run)
+            m_out[sp, hk, r] = top
+            l_out[sp, hk, r] = total
+    for t0 in range(first, s_hi, _KEY_TILE):
+        t1 = min(s_hi, t0 + _KEY_TILE)
+        p = t0
+        while p < t1:
+            slot, run = _slot_run(p, t1, base, capacity)
+            for hk in range(n_kv):
+                vs = v_scale[:, min(hk, v_scale.shape[1] - 1)]
+                _sums(a[hk], scores[hk, :, p - first :], v[:, hk], vs, has_scales, slot, run)
             p += run
 
 
-@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
-def attention_partials(
-    q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
-):
-    """Causal (sliding-window) GQA attention of queries q [T, H, D] (already times the softmax scale) over
-    the keys at positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale,
-    v_scale [slots, Hkv, D / 32]): position p sits in slot p % capacity (a ring, capacity > 0) or
-    p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). Work
-    item (kv head, split) covers one of n_split equal key ranges and leaves, per row r = t * G + g
-    (token t, query head kv_head * G + g), the max m_out of its scores, the sum l_out of exp(s - m)
-    and acc = sum exp(s - m) v, merged by `attention_merge`. Work items over all threads."""
-    for item in prange(k.shape[1] * n_split):
-        _attention_item(
-            item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc,
-            m_out, l_out,
-        )  # fmt: skip
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _grouped_queries(q, n_kv, scale):
+    """q [T, H, D] times the softmax scale as [Hkv, T * G, D]: a K/V head's query rows, token-major."""
+    n_tok, n_head, d = q.shape
+    group = n_head // n_kv
+    out = np.empty((n_kv, n_tok * group, d), dtype=F32)
+    for hk in range(n_kv):
+        for t in range(n_tok):
+            for g in range(group):
+                for j in range(d):
+                    out[hk, t * group + g, j] = q[t, hk * group + g, j] * scale
+    return out
 
 
-@njit(fastmath=SAFE_FAST, cache=True)
-def attention_partials_serial(
-    q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
-):
-    """`attention_partials` on the calling thread (too few keys to be worth a parallel region)."""
-    for item in range(k.shape[1] * n_split):
-        _attention_item(
-            item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc,
-            m_out, l_out,
-        )  # fmt: skip
-
-
-@njit(fastmath=SAFE_FAST, cache=True)
-def attention_merge(acc, m_in, l_in, n_tok, out):
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _merge(acc, m_in, l_in, n_tok, out):
     """out [T, H * D] from the splits' partials: sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)."""
-    n_kv, n_split, rows, d = acc.shape
+    n_split, n_kv, rows, d = acc.shape
     group = rows // n_tok
     for hk in range(n_kv):
         for r in range(rows):
-            t = r // group
-            g = r % group
+            t, g = r // group, r % group
             top = -np.inf
             for sp in range(n_split):
-                top = max(top, m_in[hk, sp, r])
+                top = max(top, m_in[sp, hk, r])
             o = out[t, (hk * group + g) * d : (hk * group + g + 1) * d]
             o[:] = 0
             total = F32(0)
             for sp in range(n_split):
-                if m_in[hk, sp, r] == -np.inf:
+                if m_in[sp, hk, r] == -np.inf:
                     continue
-                w = np.exp(m_in[hk, sp, r] - top)
-                total += w * l_in[hk, sp, r]
-                a = acc[hk, sp, r]
+                w = np.exp(m_in[sp, hk, r] - top)
+                total += w * l_in[sp, hk, r]
+                part = acc[sp, hk, r]
                 for j in range(d):
-                    o[j] += w * a[j]
+                    o[j] += w * part[j]
             for j in range(d):
                 o[j] /= total
+
+
+@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
+def attention(q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out):
+    """Causal (sliding-window) GQA attention of queries q [T, H, D] (times `scale`) over the keys at
+    positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale, v_scale
+    [slots, Hkv, D / 32]) into out [T, H * D]: position p sits in slot p % capacity (a ring, capacity > 0)
+    or p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). The keys
+    are cut into n_split equal ranges, one work item each over all threads, merged at the end."""
+    n_kv = k.shape[1]
+    qs = _grouped_queries(q, n_kv, scale)
+    rows, d = qs.shape[1], qs.shape[2]
+    acc = np.empty((n_split, n_kv, rows, d), dtype=F32)
+    m = np.empty((n_split, n_kv, rows), dtype=F32)
+    l_sum = np.empty((n_split, n_kv, rows), dtype=F32)
+    for sp in prange(n_split):
+        _attention_split(
+            sp, qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
+            m, l_sum,
+        )  # fmt: skip
+    _merge(acc, m, l_sum, q.shape[0], out)
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def attention_serial(
+    q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out
+):
+    """`attention` on the calling thread (too few keys to be worth a parallel region)."""
+    n_kv = k.shape[1]
+    qs = _grouped_queries(q, n_kv, scale)
+    rows, d = qs.shape[1], qs.shape[2]
+    acc = np.empty((n_split, n_kv, rows, d), dtype=F32)
+    m = np.empty((n_split, n_kv, rows), dtype=F32)
+    l_sum = np.empty((n_split, n_kv, rows), dtype=F32)
+    for sp in range(n_split):
+        _attention_split(
+            sp, qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
+            m, l_sum,
+        )  # fmt: skip
+    _merge(acc, m, l_sum, q.shape[0], out)
 
 
 # ---- the small steps between products (one call each instead of several numpy passes) ------------------

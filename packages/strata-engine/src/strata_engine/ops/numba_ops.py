@@ -249,22 +249,15 @@ class NumbaOps(NumpyOps):
         base: int, capacity: int, window: int, scale: float,
     ) -> np.ndarray:  # fmt: skip
         n_tok, n_head, d = q.shape
-        n_kv = k.shape[1]
-        rows = (n_head // n_kv) * n_tok
         span = max(1, k_hi - k_lo)
         parallel = self.threads > 1 and span * n_head * n_tok >= PARALLEL_MIN_SCORES
-        n_split = max(1, min(-(-2 * self.threads // n_kv), span // ATTN_MIN_SPLIT)) if parallel else 1
-        acc = np.empty((n_kv, n_split, rows, d), dtype=F32)
-        m = np.empty((n_kv, n_split, rows), dtype=F32)
-        l_sum = np.empty((n_kv, n_split, rows), dtype=F32)
-        qs = np.ascontiguousarray(q, dtype=F32) * F32(scale)
-        has_scales = k_scale is not None
-        kernel = nk.attention_partials if parallel else nk.attention_partials_serial
-        kernel(
-            qs, storage_view(k), storage_view(v), k_scale if has_scales else _DUMMY_3D,
-            v_scale if has_scales else _DUMMY_3D, has_scales, q_pos0, k_lo, base, capacity, window, n_split,
-            acc, m, l_sum,
-        )  # fmt: skip
+        n_split = max(1, min(self.threads, span // ATTN_MIN_SPLIT)) if parallel else 1
         out = np.empty((n_tok, n_head * d), dtype=F32)
-        nk.attention_merge(acc, m, l_sum, n_tok, out)
+        has_scales = k_scale is not None
+        kernel = nk.attention if parallel else nk.attention_serial
+        kernel(
+            np.ascontiguousarray(q, dtype=F32), F32(scale), storage_view(k), storage_view(v),
+            k_scale if has_scales else _DUMMY_3D, v_scale if has_scales else _DUMMY_3D, has_scales, q_pos0, k_lo,
+            base, capacity, window, n_split, out,
+        )  # fmt: skip
         return out
