@@ -315,7 +315,9 @@ def test_packed_kernels_keep_one_signature(numba_ops):
 
 
 # (query tokens, held positions, K/V heads, query heads, head dim, window): both models' head layouts,
-# decode and short prompts (the tiled kernel, key splits), a prefill chunk (key blocks through BLAS).
+# decode and short prompts (the tiled kernel, key splits), a prefill chunk (key blocks through BLAS); 16
+# tokens whose windows start at 16 different keys of the tiles (each row its own visible range), head
+# size 128, and one the kernels have no vector IR for (a plain loop).
 ATTENTION_CASES = [
     (1, 1, 3, 9, 64, None),
     (1, 700, 3, 9, 64, None),
@@ -324,6 +326,9 @@ ATTENTION_CASES = [
     (1, 900, 1, 4, 256, 512),
     (16, 1000, 1, 4, 256, 512),
     (33, 600, 1, 4, 256, 512),
+    (16, 2100, 3, 9, 64, 700),
+    (3, 517, 2, 8, 128, None),
+    (2, 150, 2, 4, 96, 64),
 ]
 
 

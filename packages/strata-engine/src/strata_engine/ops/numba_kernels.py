@@ -15,6 +15,7 @@ import os
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -252,17 +253,30 @@ def dequantize_packed_serial(values, scale, mins, has_min, out):
 # the pool's rows are token-major [slots, Hkv, D], so a tile's rows of every head are read while they are
 # in cache (one head's pass over all keys strides through 1 / Hkv of each row: 3x slower for SmolLM2 at
 # 4,096 held). Per head and block of query rows: scores by `key_dots`, a softmax with `fast_exp`, the
-# weighted sum of values by `value_sums` (LLVM vector IR, 8 lanes: a block's accumulators fit AVX2's 16
-# registers). Keys and values are read as stored (f16 bits, int8 with per-block scales, f32) and
+# weighted sum of values by `value_sums` (LLVM vector IR: a block's accumulators stay in registers). Keys and values are read as stored (f16 bits, int8 with per-block scales, f32) and
 # converted in registers, never into a float32 copy. Every output element is a sum in key order, so the
 # blocks, the tiles and a ring's runs give the same bits wherever the rows lie.
 _HEAD_DIMS = (64, 128, 256)  # head sizes the IR is generated for (others: a plain loop)
-_VEC = 8  # float32 lanes of one AVX2 register
+# The kernels compile for the host CPU: with AVX-512 (32 registers of 16 float32) a vector is one register,
+# else two AVX2 ones, and the register blocks below are sized for 32 or 16 registers.
+
+
+def _host_has_avx512() -> bool:
+    try:
+        return "+avx512f" in llvm_binding.get_host_cpu_features().flatten().split(",")
+    except RuntimeError:  # features unknown on this platform
+        return False
+
+
+_AVX512 = _host_has_avx512()
+_VEC = 16 if _AVX512 else 8  # float32 lanes of one register
 _KEY_TILE = 32  # keys per tile: every head's rows of a tile (16 KiB of f16 at Hkv x D = 256) stay in L1
 _DOT_ROWS = 4  # query rows per `key_dots` block
-# Value sums: the columns a block of (1-4) query rows accumulates in registers at once: rows x columns / 8
-# accumulators, a broadcast weight per row and a value chunk within 16 registers.
-_SUM_COLUMNS = {1: 64, 2: 32, 3: 32, 4: 16}
+_PREFETCH_KEYS = 16  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
+_DOT_KEYS = 4 if _AVX512 else 2  # keys whose dots are summed across lanes together (rows x keys accumulators)
+# Value sums: the columns a block of (1-4) query rows accumulates in registers at once: rows x columns /
+# lanes accumulators, a broadcast weight per row and a value chunk within the registers.
+_SUM_COLUMNS = {1: 256, 2: 128, 3: 64, 4: 64} if _AVX512 else {1: 64, 2: 32, 3: 32, 4: 16}
 
 
 @intrinsic
@@ -304,7 +318,7 @@ def _row_ptr(builder, arr, index, elem):
 
 
 def _stored_chunk(builder, row, scale_row, c, dtype):
-    """Values [8c, 8c + 8) of a stored K/V row as <8 x float> (int8 times its 32-value block's scale)."""
+    """Values [Lc, Lc + L) of a stored K/V row as <L x float>, L = _VEC (int8 times its 32-value block's scale)."""
     vf = ir.VectorType(_F32, _VEC)
     off = ir.Constant(_I64, c * _VEC)
     if dtype == types.uint16:
@@ -338,6 +352,29 @@ def _hsum(builder, v):
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
+def _hsums(builder, vs):
+    """<len(vs) x float> of each vector's lane sum (len(vs) a power of 2 <= lanes), each folded as `_hsum`
+    folds it: a vector holds its sums' partials in equal segments, and each step folds every segment's
+    halves, two vectors into one while there are several."""
+    seg = vs[0].type.count  # lanes per sum
+    while len(vs) > 1 or seg > 1:
+        lanes, half = vs[0].type.count, seg // 2
+        low = [s * seg + j for s in range(lanes // seg) for j in range(half)]
+        pairs = list(zip(vs[::2], vs[1::2], strict=True)) if len(vs) > 1 else [(vs[0], vs[0])]
+        if len(vs) > 1:
+            low += [lanes + i for i in low]
+        vs = [
+            builder.fadd(
+                builder.shuffle_vector(x, y, _indices(low)),
+                builder.shuffle_vector(x, y, _indices([i + half for i in low])),
+                flags=EXACT,
+            )
+            for x, y in pairs
+        ]
+        seg = half
+    return vs[0]
+
+
 def _counted_loop(builder, n, body, carried):
     """for i in range(n): carried = body(i, carried); returns the final carried values (a list of IR
     values; their initial values are `carried`)."""
@@ -367,16 +404,29 @@ def _counted_loop(builder, n, body, carried):
     return out
 
 
+def _prefetch_row(builder, arr, index, elem, n_bytes):
+    """Prefetch the n_bytes (a multiple of 64, or fewer) at the start of row `index` of a 2-D array into
+    the cache: a head's part of a stored row, _PREFETCH_KEYS keys ahead of the one being read."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch"
+    )
+    row = builder.bitcast(_row_ptr(builder, arr, index, elem), ir.IntType(8).as_pointer())
+    for off in range(0, n_bytes, 64):
+        ptr = builder.gep(row, [ir.Constant(_I64, off)])
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
 def _kv_intrinsic_args(context, builder, signature, args):
     return [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)]
 
 
 _ELEM = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}
+_BYTES = {types.uint16: 2, types.float32: 4, types.int8: 1}
 
 
-def _fma8(builder):
+def _fma(builder):
     vf = ir.VectorType(_F32, _VEC)
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v8f32")
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{_VEC}f32")
 
 
 def _literal(value, allowed) -> bool:
@@ -386,7 +436,8 @@ def _literal(value, allowed) -> bool:
 @intrinsic
 def key_dots(typingctx, q, keys, scales, lo, n, out, d, rows):
     """out[r, i] = q[r] . keys[lo + i] for the first `rows` (a literal, <= _DOT_ROWS) rows r of q [R, D]
-    (float32) and i < n: each key row is read and converted once for all of them; keys a stored head's
+    (float32) and i < n: each key row is read and converted once for all of them, and _DOT_KEYS keys'
+    sums are folded across lanes together (`_hsums`; a key's sum is the same alone); keys a stored head's
     rows [slots, D] (uint16 f16 bits, float32, or int8 with `scales` [slots, D / 32]); out float32
     [>= rows, >= n] (any strides); d the literal D."""
     if not _literal(d, _HEAD_DIMS) or not _literal(rows, range(1, _DOT_ROWS + 1)) or keys.dtype not in _ELEM:
@@ -397,27 +448,50 @@ def key_dots(typingctx, q, keys, scales, lo, n, out, d, rows):
         q_arr, k_arr, s_arr = _kv_intrinsic_args(context, builder, signature, args)
         out_arr = context.make_array(signature.args[5])(context, builder, args[5])
         chunks, n_rows = d.literal_value // _VEC, rows.literal_value
-        fma = _fma8(builder)
+        fma = _fma(builder)
         q_rows = [_row_ptr(builder, q_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
-        out_rows = [_row_ptr(builder, out_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
+        out_rows = [builder.bitcast(_row_ptr(builder, out_arr, ir.Constant(_I64, r), _F32), ir.IntType(8).as_pointer())
+                    for r in range(n_rows)]  # fmt: skip
         out_step = builder.extract_value(out_arr.strides, 1)
+        # loaded once: out may alias q as far as LLVM knows, so loads in the loop would follow every store
+        q_vecs = [
+            [_load_vector(builder, q_rows[r], ir.Constant(_I64, c * _VEC), _F32, _VEC) for c in range(chunks)]
+            for r in range(n_rows)
+        ]
 
-        def key(i, carried):
-            idx = builder.add(args[3], i)
-            row = _row_ptr(builder, k_arr, idx, _ELEM[keys.dtype])
-            scale_row = _row_ptr(builder, s_arr, idx, _F32)
-            acc = [ir.Constant(ir.VectorType(_F32, _VEC), [0.0] * _VEC)] * n_rows
+        def keys_at(i0, count):
+            """Dots of keys lo + i0 .. lo + i0 + count - 1 with every row, stored."""
+            idx = [builder.add(args[3], builder.add(i0, ir.Constant(_I64, j))) for j in range(count)]
+            rows_k = [_row_ptr(builder, k_arr, x, _ELEM[keys.dtype]) for x in idx]
+            for x in idx:
+                ahead = builder.add(x, ir.Constant(_I64, _PREFETCH_KEYS))
+                _prefetch_row(builder, k_arr, ahead, _ELEM[keys.dtype], d.literal_value * _BYTES[keys.dtype])
+            scale_k = [_row_ptr(builder, s_arr, x, _F32) for x in idx]
+            acc = [[ir.Constant(ir.VectorType(_F32, _VEC), [0.0] * _VEC)] * count for _ in range(n_rows)]
             for c in range(chunks):
-                kc = _stored_chunk(builder, row, scale_row, c, keys.dtype)
+                kc = [_stored_chunk(builder, rows_k[j], scale_k[j], c, keys.dtype) for j in range(count)]
                 for r in range(n_rows):
-                    qc = _load_vector(builder, q_rows[r], ir.Constant(_I64, c * _VEC), _F32, _VEC)
-                    acc[r] = builder.call(fma, [qc, kc, acc[r]])
+                    acc[r] = [builder.call(fma, [q_vecs[r][c], kc[j], acc[r][j]]) for j in range(count)]
             for r in range(n_rows):
-                raw = builder.gep(builder.bitcast(out_rows[r], ir.IntType(8).as_pointer()), [builder.mul(i, out_step)])
-                builder.store(_hsum(builder, acc[r]), builder.bitcast(raw, _F32.as_pointer()))
+                sums = _hsums(builder, acc[r])
+                for j in range(count):
+                    at = builder.mul(builder.add(i0, ir.Constant(_I64, j)), out_step)
+                    ptr = builder.bitcast(builder.gep(out_rows[r], [at]), _F32.as_pointer())
+                    builder.store(builder.extract_element(sums, ir.Constant(_I32, j)), ptr)
+
+        groups = builder.udiv(args[4], ir.Constant(_I64, _DOT_KEYS))
+        done = builder.mul(groups, ir.Constant(_I64, _DOT_KEYS))
+
+        def group(g, carried):
+            keys_at(builder.mul(g, ir.Constant(_I64, _DOT_KEYS)), _DOT_KEYS)
             return []
 
-        _counted_loop(builder, args[4], key, [])
+        def tail(t, carried):
+            keys_at(builder.add(done, t), 1)
+            return []
+
+        _counted_loop(builder, groups, group, [])
+        _counted_loop(builder, builder.sub(args[4], done), tail, [])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -438,7 +512,7 @@ def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
         s_arr = context.make_array(signature.args[3])(context, builder, args[3])
         n_rows = rows.literal_value
         width = min(d.literal_value, _SUM_COLUMNS[n_rows]) // _VEC  # chunks per column block
-        fma = _fma8(builder)
+        fma = _fma(builder)
         acc_rows = [_row_ptr(builder, acc_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
         w_rows = [_row_ptr(builder, w_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
         for c0 in range(0, d.literal_value // _VEC, width):
@@ -451,6 +525,9 @@ def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
             def body(i, carried, c0=c0):
                 idx = builder.add(args[4], i)
                 row = _row_ptr(builder, v_arr, idx, _ELEM[values.dtype])
+                if c0 == 0:
+                    ahead = builder.add(idx, ir.Constant(_I64, _PREFETCH_KEYS))
+                    _prefetch_row(builder, v_arr, ahead, _ELEM[values.dtype], d.literal_value * _BYTES[values.dtype])
                 scale_row = _row_ptr(builder, s_arr, idx, _F32)
                 vc = [_stored_chunk(builder, row, scale_row, c0 + c, values.dtype) for c in range(width)]
                 out = []
@@ -567,15 +644,16 @@ def _sums(acc, weights, values, scales, has_scales, lo, n):
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
-def _row_max(s, lo, hi):
-    """max(s[lo:hi]) for hi > lo, in eight running maxima (one is a chain of dependent compares)."""
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = s[lo]
-    i = lo
-    while i + 8 <= hi:
+def _row_max(s):
+    """max(s) of a non-empty row, in eight running maxima (one is a chain of dependent compares)."""
+    n = s.shape[0]
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = s[0]
+    i = 0
+    while i + 8 <= n:
         m0, m1, m2, m3 = max(m0, s[i]), max(m1, s[i + 1]), max(m2, s[i + 2]), max(m3, s[i + 3])
         m4, m5, m6, m7 = max(m4, s[i + 4]), max(m5, s[i + 5]), max(m6, s[i + 6]), max(m7, s[i + 7])
         i += 8
-    while i < hi:
+    while i < n:
         m0 = max(m0, s[i])
         i += 1
     return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
@@ -612,7 +690,8 @@ def _attention_split(
     if s_hi <= first:
         return
     n = s_hi - first
-    scores = np.empty((n_kv, rows, n), dtype=F32)
+    # rows 64 bytes longer than n: at a power-of-2 length they would share L1 sets and evict each other
+    scores = np.empty((n_kv, rows, n + 16), dtype=F32)
     for t0 in range(first, s_hi, _KEY_TILE):  # a tile's rows of every head while they are in cache
         t1 = min(s_hi, t0 + _KEY_TILE)
         p = t0
@@ -633,11 +712,12 @@ def _attention_split(
                 continue
             sg[: lo - first] = 0
             sg[hi - first :] = 0
-            top = _row_max(sg, lo - first, hi - first)
+            seen = sg[lo - first : hi - first]  # indexed from 0: numba's index wrap-around check then folds away
+            top = _row_max(seen)
             total = F32(0)
-            for i in range(lo - first, hi - first):
-                e = fast_exp(sg[i] - top)
-                sg[i] = e
+            for i in range(seen.shape[0]):  # vectorized
+                e = fast_exp(seen[i] - top)
+                seen[i] = e
                 total += e
             m_out[sp, hk, r] = top
             l_out[sp, hk, r] = total
