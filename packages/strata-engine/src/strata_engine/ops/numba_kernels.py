@@ -463,7 +463,7 @@ def key_dots(typingctx, q, keys, scales, lo, n, out, d, rows):
             """Dots of keys lo + i0 .. lo + i0 + count - 1 with every row, stored."""
             idx = [builder.add(args[3], builder.add(i0, ir.Constant(_I64, j))) for j in range(count)]
             rows_k = [_row_ptr(builder, k_arr, x, _ELEM[keys.dtype]) for x in idx]
-            for x in idx:
+            for x in idx if _PREFETCH_KEYS else ():
                 ahead = builder.add(x, ir.Constant(_I64, _PREFETCH_KEYS))
                 _prefetch_row(builder, k_arr, ahead, _ELEM[keys.dtype], d.literal_value * _BYTES[keys.dtype])
             scale_k = [_row_ptr(builder, s_arr, x, _F32) for x in idx]
@@ -525,7 +525,7 @@ def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
             def body(i, carried, c0=c0):
                 idx = builder.add(args[4], i)
                 row = _row_ptr(builder, v_arr, idx, _ELEM[values.dtype])
-                if c0 == 0:
+                if c0 == 0 and _PREFETCH_KEYS:
                     ahead = builder.add(idx, ir.Constant(_I64, _PREFETCH_KEYS))
                     _prefetch_row(builder, v_arr, ahead, _ELEM[values.dtype], d.literal_value * _BYTES[values.dtype])
                 scale_row = _row_ptr(builder, s_arr, idx, _F32)
@@ -544,6 +544,24 @@ def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def decoded(typingctx, value, scale):
+    """A stored K/V element as the decoded copy holds it, widen(value) * scale, rounded as written (the
+    kernel's fastmath would let LLVM fold the scale into the product it feeds): for the plain loops."""
+    if value not in _ELEM:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x = args[0]
+        if value == types.uint16:
+            x = builder.fpext(builder.bitcast(x, ir.HalfType()), _F32)
+        elif value == types.int8:
+            x = builder.sitofp(x, _F32)
+        return builder.fmul(x, args[1], flags=EXACT)
+
+    return types.float32(value, types.float32), codegen
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
@@ -610,6 +628,39 @@ def _sums_block(acc, weights, values, scales, lo, n, b):
         value_sums(acc, weights, values, scales, lo, n, 256, 1)
 
 
+@intrinsic
+def mul_add(typingctx, acc, a, b):
+    """acc + a * b (float32), rounded as written: the kernels' fastmath would let LLVM reorder a plain loop's
+    sum differently for each storage type."""
+    if not all(t == types.float32 for t in (acc, a, b)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], builder.fmul(args[1], args[2], flags=EXACT), flags=EXACT)
+
+    return types.float32(acc, a, b), codegen
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _plain_dots(q, keys, scales, has_scales, lo, n, out):
+    for r in range(q.shape[0]):
+        for i in range(n):
+            s = F32(0)
+            for j in range(q.shape[1]):
+                s = mul_add(s, q[r, j], decoded(keys[lo + i, j], scales[lo + i, j // 32] if has_scales else F32(1)))
+            out[r, i] = s
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _plain_sums(acc, weights, values, scales, has_scales, lo, n):
+    for r in range(acc.shape[0]):
+        for i in range(n):
+            wi = weights[r, i]
+            for j in range(acc.shape[1]):
+                v = decoded(values[lo + i, j], scales[lo + i, j // 32] if has_scales else F32(1))
+                acc[r, j] = mul_add(acc[r, j], wi, v)
+
+
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _dots(q, keys, scales, has_scales, lo, n, out):
     """out[r, :n] = q[r] . keys[lo + i] for every row r of q (blocks of `key_dots`, or a plain loop for
@@ -619,12 +670,7 @@ def _dots(q, keys, scales, has_scales, lo, n, out):
         for r in range(0, q.shape[0], _DOT_ROWS):
             _dots_block(q[r:], keys, scales, lo, n, out[r:], min(_DOT_ROWS, q.shape[0] - r))
         return
-    for r in range(q.shape[0]):
-        for i in range(n):
-            s = F32(0)
-            for j in range(d):
-                s += q[r, j] * widen(keys[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
-            out[r, i] = s
+    _plain_dots(q, keys, scales, has_scales, lo, n, out)
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
@@ -636,11 +682,7 @@ def _sums(acc, weights, values, scales, has_scales, lo, n):
         for r in range(0, acc.shape[0], 4):
             _sums_block(acc[r:], weights[r:], values, scales, lo, n, min(4, acc.shape[0] - r))
         return
-    for r in range(acc.shape[0]):
-        for i in range(n):
-            wi = weights[r, i]
-            for j in range(d):
-                acc[r, j] += wi * widen(values[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
+    _plain_sums(acc, weights, values, scales, has_scales, lo, n)
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
