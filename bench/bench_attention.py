@@ -88,13 +88,17 @@ def current_call(ops):
     return call
 
 
-def best_of(fn, reps: int, clock=time.perf_counter) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = clock()
+def best_of(fns, reps: int, clock=time.perf_counter) -> list[float]:
+    """Each function's best time over `reps` rounds, the functions taking turns within a round (so a
+    stretch of load on the shared machine slows both sides)."""
+    for fn in fns:
         fn()
-        best = min(best, clock() - t)
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t = clock()
+            fn()
+            best[i] = min(best[i], clock() - t)
     return best
 
 
@@ -134,13 +138,15 @@ def main() -> None:
                     for i, (lo, _) in enumerate(layers):
                         _read(pool[i, :, lo:].reshape(-1).view(np.uint64))
 
-                t_read = best_of(read, args.reps)
+                (t_read,) = best_of([read], args.reps)
                 for threads in args.threads:
                     ops = NumbaOps("f32", threads=threads)
                     # one thread: its CPU time (the other helpers' processes share these cores); more: wall time
                     clock = time.thread_time if threads == 1 else time.perf_counter
-                    t_base = best_of(lambda: step(baseline_call(base, threads)), args.reps, clock)  # noqa: B023
-                    t_new = best_of(lambda: step(current_call(ops)), args.reps, clock)  # noqa: B023
+                    t_base, t_new = best_of(
+                        [lambda: step(baseline_call(base, threads)), lambda: step(current_call(ops))],  # noqa: B023
+                        args.reps, clock,
+                    )  # fmt: skip
                     print(f"| {name} | {held} | {n_tok} | {threads} | {t_read * 1e3:.2f} | {t_base * 1e3:.2f} | "
                           f"{t_new * 1e3:.2f} | {t_base / t_new:.2f} |", flush=True)  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
