@@ -388,6 +388,28 @@ def test_attention_over_stored_kv_matches_the_oracle(numba_ops, kv_type, n_tok, 
     np.testing.assert_array_equal(got_ring, decoded)
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "int8"])
+def test_warm_attention_compiles_what_a_deep_request_runs(kv_type, monkeypatch):
+    """After `warm_attention` on a pool's storage, attention over it -- a full layer's slice or a ring,
+    serial or over all threads -- runs without compiling another signature (it would in a request)."""
+    from strata_engine.ops import numba_kernels as nk
+    from strata_engine.ops import numba_ops as module
+
+    ops = get_ops("numpy", "f32", "numba", threads=2)
+    rng = np.random.default_rng(5)
+    stored, scale, _ = _stored(ops, rng.standard_normal((80, 3, 64)).astype(np.float32), kv_type)
+    ops.warm_attention(stored, stored, scale, scale)
+    before = len(nk.attention.signatures), len(nk.attention_serial.signatures)
+    q = rng.standard_normal((2, 9, 64)).astype(np.float32)
+    for threshold in (module.PARALLEL_MIN_SCORES, 0):
+        monkeypatch.setattr(module, "PARALLEL_MIN_SCORES", threshold)
+        ops.attention(q, stored[5:60], stored[5:60], q_pos0=58, k_pos0=5, window=None, scale=0.125,
+                      k_scale=None if scale is None else scale[5:60], v_scale=None if scale is None else scale[5:60])
+        ops.attention(q, stored, stored, q_pos0=98, k_pos0=40, window=50, scale=0.125, ring_capacity=80,
+                      k_scale=scale, v_scale=scale)  # fmt: skip
+    assert (len(nk.attention.signatures), len(nk.attention_serial.signatures)) == before
+
+
 @pytest.mark.parametrize("style", list(RopeStyle))
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("activation", list(Activation))

@@ -261,3 +261,17 @@ class NumbaOps(NumpyOps):
             base, capacity, window, n_split, out,
         )  # fmt: skip
         return out
+
+    def warm_attention(self, k: Any, v: Any, k_scale: Any = None, v_scale: Any = None) -> None:
+        """Both attention kernels over the first slot of this storage (a layer's views): the parallel one
+        runs from PARALLEL_MIN_SCORES only, which no warm-up pass reaches, and would otherwise be compiled or
+        loaded in the first request that attends that far (a 16-token prompt at ~7,300 SmolLM2 keys)."""
+        n_head = k.shape[1]
+        q = np.zeros((1, n_head, k.shape[2]), dtype=F32)
+        has_scales = k_scale is not None
+        for kernel in (nk.attention, nk.attention_serial):
+            kernel(
+                q, F32(1), storage_view(k[:1]), storage_view(v[:1]), k_scale[:1] if has_scales else _DUMMY_3D,
+                v_scale[:1] if has_scales else _DUMMY_3D, has_scales, 0, 0, 0, 0, 0, 1,
+                np.empty((1, n_head * k.shape[2]), dtype=F32),
+            )  # fmt: skip
