@@ -273,10 +273,10 @@ _VEC = 16 if _AVX512 else 8  # float32 lanes of one register
 _KEY_TILE = 32  # keys per tile: every head's rows of a tile (16 KiB of f16 at Hkv x D = 256) stay in L1
 _DOT_ROWS = 4  # query rows per `key_dots` block
 _PREFETCH_KEYS = 16  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
-_DOT_KEYS = 4 if _AVX512 else 2  # keys whose dots are summed across lanes together (rows x keys accumulators)
-# Value sums: the columns a block of (1-4) query rows accumulates in registers at once: rows x columns /
-# lanes accumulators, a broadcast weight per row and a value chunk within the registers.
-_SUM_COLUMNS = {1: 256, 2: 128, 3: 64, 4: 64} if _AVX512 else {1: 64, 2: 32, 3: 32, 4: 16}
+# Value sums: the accumulators (registers) a block of query rows keeps over the loop: whole value rows
+# where they fit (D / lanes per row: the rows stream in address order, 1.2x faster from memory than
+# column blocks of a row, bench/CPU-NOTES.md), else column blocks of one row.
+_SUM_ACC = 16 if _AVX512 else 8
 
 
 @intrinsic
@@ -352,29 +352,6 @@ def _hsum(builder, v):
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
-def _hsums(builder, vs):
-    """<len(vs) x float> of each vector's lane sum (len(vs) a power of 2 <= lanes), each folded as `_hsum`
-    folds it: a vector holds its sums' partials in equal segments, and each step folds every segment's
-    halves, two vectors into one while there are several."""
-    seg = vs[0].type.count  # lanes per sum
-    while len(vs) > 1 or seg > 1:
-        lanes, half = vs[0].type.count, seg // 2
-        low = [s * seg + j for s in range(lanes // seg) for j in range(half)]
-        pairs = list(zip(vs[::2], vs[1::2], strict=True)) if len(vs) > 1 else [(vs[0], vs[0])]
-        if len(vs) > 1:
-            low += [lanes + i for i in low]
-        vs = [
-            builder.fadd(
-                builder.shuffle_vector(x, y, _indices(low)),
-                builder.shuffle_vector(x, y, _indices([i + half for i in low])),
-                flags=EXACT,
-            )
-            for x, y in pairs
-        ]
-        seg = half
-    return vs[0]
-
-
 def _counted_loop(builder, n, body, carried):
     """for i in range(n): carried = body(i, carried); returns the final carried values (a list of IR
     values; their initial values are `carried`)."""
@@ -436,10 +413,10 @@ def _literal(value, allowed) -> bool:
 @intrinsic
 def key_dots(typingctx, q, keys, scales, lo, n, out, d, rows):
     """out[r, i] = q[r] . keys[lo + i] for the first `rows` (a literal, <= _DOT_ROWS) rows r of q [R, D]
-    (float32) and i < n: each key row is read and converted once for all of them, and _DOT_KEYS keys'
-    sums are folded across lanes together (`_hsums`; a key's sum is the same alone); keys a stored head's
-    rows [slots, D] (uint16 f16 bits, float32, or int8 with `scales` [slots, D / 32]); out float32
-    [>= rows, >= n] (any strides); d the literal D."""
+    (float32) and i < n: each key row is read and converted once for all of them, key after key (folding
+    several keys' sums together saves shuffles but interleaves their rows' loads: 1.15x slower from
+    memory); keys a stored head's rows [slots, D] (uint16 f16 bits, float32, or int8 with `scales`
+    [slots, D / 32]); out float32 [>= rows, >= n] (any strides); d the literal D."""
     if not _literal(d, _HEAD_DIMS) or not _literal(rows, range(1, _DOT_ROWS + 1)) or keys.dtype not in _ELEM:
         return None
     sig = types.void(q, keys, scales, lo, n, out, d, rows)
@@ -459,39 +436,24 @@ def key_dots(typingctx, q, keys, scales, lo, n, out, d, rows):
             for r in range(n_rows)
         ]
 
-        def keys_at(i0, count):
-            """Dots of keys lo + i0 .. lo + i0 + count - 1 with every row, stored."""
-            idx = [builder.add(args[3], builder.add(i0, ir.Constant(_I64, j))) for j in range(count)]
-            rows_k = [_row_ptr(builder, k_arr, x, _ELEM[keys.dtype]) for x in idx]
-            for x in idx if _PREFETCH_KEYS else ():
-                ahead = builder.add(x, ir.Constant(_I64, _PREFETCH_KEYS))
+        def key(i, carried):
+            idx = builder.add(args[3], i)
+            row = _row_ptr(builder, k_arr, idx, _ELEM[keys.dtype])
+            scale_row = _row_ptr(builder, s_arr, idx, _F32)
+            if _PREFETCH_KEYS:
+                ahead = builder.add(idx, ir.Constant(_I64, _PREFETCH_KEYS))
                 _prefetch_row(builder, k_arr, ahead, _ELEM[keys.dtype], d.literal_value * _BYTES[keys.dtype])
-            scale_k = [_row_ptr(builder, s_arr, x, _F32) for x in idx]
-            acc = [[ir.Constant(ir.VectorType(_F32, _VEC), [0.0] * _VEC)] * count for _ in range(n_rows)]
+            acc = [ir.Constant(ir.VectorType(_F32, _VEC), [0.0] * _VEC)] * n_rows
             for c in range(chunks):
-                kc = [_stored_chunk(builder, rows_k[j], scale_k[j], c, keys.dtype) for j in range(count)]
-                for r in range(n_rows):
-                    acc[r] = [builder.call(fma, [q_vecs[r][c], kc[j], acc[r][j]]) for j in range(count)]
+                kc = _stored_chunk(builder, row, scale_row, c, keys.dtype)
+                acc = [builder.call(fma, [q_vecs[r][c], kc, acc[r]]) for r in range(n_rows)]
+            at = builder.mul(i, out_step)
             for r in range(n_rows):
-                sums = _hsums(builder, acc[r])
-                for j in range(count):
-                    at = builder.mul(builder.add(i0, ir.Constant(_I64, j)), out_step)
-                    ptr = builder.bitcast(builder.gep(out_rows[r], [at]), _F32.as_pointer())
-                    builder.store(builder.extract_element(sums, ir.Constant(_I32, j)), ptr)
-
-        groups = builder.udiv(args[4], ir.Constant(_I64, _DOT_KEYS))
-        done = builder.mul(groups, ir.Constant(_I64, _DOT_KEYS))
-
-        def group(g, carried):
-            keys_at(builder.mul(g, ir.Constant(_I64, _DOT_KEYS)), _DOT_KEYS)
+                ptr = builder.bitcast(builder.gep(out_rows[r], [at]), _F32.as_pointer())
+                builder.store(_hsum(builder, acc[r]), ptr)
             return []
 
-        def tail(t, carried):
-            keys_at(builder.add(done, t), 1)
-            return []
-
-        _counted_loop(builder, groups, group, [])
-        _counted_loop(builder, builder.sub(args[4], done), tail, [])
+        _counted_loop(builder, args[4], key, [])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -501,9 +463,9 @@ def key_dots(typingctx, q, keys, scales, lo, n, out, d, rows):
 def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
     """acc[r] += sum_i weights[r, i] * values[lo + i] for i < n and the first `rows` (a literal, 1-4) rows
     of acc [R, D] (C order rows) and weights [R, >= n] (unit stride along keys): each value row is read
-    and converted once per block of _SUM_COLUMNS[rows] columns, whose accumulators stay in registers over
-    the loop; values as in `key_dots`."""
-    if not _literal(d, _HEAD_DIMS) or not _literal(rows, _SUM_COLUMNS) or values.dtype not in _ELEM:
+    and converted once per block of columns (the whole row where rows x D / lanes <= _SUM_ACC), whose
+    accumulators stay in registers over the loop; values as in `key_dots`."""
+    if not _literal(d, _HEAD_DIMS) or not _literal(rows, range(1, 5)) or values.dtype not in _ELEM:
         return None
     sig = types.void(acc, weights, values, scales, lo, n, d, rows)
 
@@ -511,7 +473,7 @@ def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
         acc_arr, w_arr, v_arr = _kv_intrinsic_args(context, builder, signature, args)
         s_arr = context.make_array(signature.args[3])(context, builder, args[3])
         n_rows = rows.literal_value
-        width = min(d.literal_value, _SUM_COLUMNS[n_rows]) // _VEC  # chunks per column block
+        width = max(1, min(d.literal_value // _VEC, _SUM_ACC // n_rows))  # chunks per column block
         fma = _fma(builder)
         acc_rows = [_row_ptr(builder, acc_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
         w_rows = [_row_ptr(builder, w_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
@@ -675,12 +637,13 @@ def _dots(q, keys, scales, has_scales, lo, n, out):
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _sums(acc, weights, values, scales, has_scales, lo, n):
-    """acc[r] += sum_i weights[r, i] values[lo + i] (`value_sums` on blocks of up to 4 rows, or a plain
-    loop for other head sizes)."""
+    """acc[r] += sum_i weights[r, i] values[lo + i] (`value_sums` on blocks of rows, or a plain loop for
+    other head sizes)."""
     d = acc.shape[1]
     if d == 64 or d == 128 or d == 256:
-        for r in range(0, acc.shape[0], 4):
-            _sums_block(acc[r:], weights[r:], values, scales, lo, n, min(4, acc.shape[0] - r))
+        block = max(1, min(4, _SUM_ACC // (d // _VEC)))  # rows whose whole value rows fit the registers
+        for r in range(0, acc.shape[0], block):
+            _sums_block(acc[r:], weights[r:], values, scales, lo, n, min(block, acc.shape[0] - r))
         return
     _plain_sums(acc, weights, values, scales, has_scales, lo, n)
 
