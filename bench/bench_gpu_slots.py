@@ -65,6 +65,12 @@ def device_ms(slots: SlotSet, b: int, n_prompt: int, first: list[int], replays: 
     return cp.cuda.get_elapsed_time(start, end) / replays
 
 
+SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}
+"""
 OPS = ("embed", "rms_norm", "project", "qk_norm_rope", "store_kv_rows", "flash_attention_rows", "matmul",
        "add_rms_norm", "gated_mlp", "logits_f32")  # fmt: skip
 
@@ -99,6 +105,7 @@ def op_profile(slots: SlotSet, b: int, n_prompt: int, first: list[int]) -> dict[
         setattr(ops, name, timed(name, fn))
     try:
         with graph.stream:
+            cp.RawKernel(SPIN, "spin")((1,), (1,), (np.int64(600_000_000),))  # ~0.3 s: the host queues the step
             graph._run()
             graph.stream.synchronize()
     finally:
@@ -116,6 +123,8 @@ def main() -> None:
     parser.add_argument("--n-ctx-slot", type=int, default=1024)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="device time per op of a step, per B")
+    parser.add_argument("--head-gemv-rows", default="", help="replay times with the head on strata_gemv up to "
+                        "these row counts (comma-separated), cuBLAS beyond")  # fmt: skip
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     n_slots = max(batches)
@@ -155,6 +164,17 @@ def main() -> None:
                   f"tok/s (op by op {b / t_eager:6.0f}), x{rate / base:.2f} of B=1; greedy tokens equal "
                   f"{same}/{b * (args.gen + 1)}")  # fmt: skip
         results[name] = rows
+        for rows in [int(r) for r in args.head_gemv_rows.split(",") if r]:
+            from strata_engine.ops import cupy_ops
+
+            kept, cupy_ops.HEAD_GEMV_ROWS = cupy_ops.HEAD_GEMV_ROWS, rows
+            try:
+                other = SlotSet.sharing(graphed.runners[0], n_slots=n_slots, n_ctx=n_slots * args.n_ctx_slot)
+                times = [device_ms(other, b, args.prompt, first) for b in batches]
+            finally:
+                cupy_ops.HEAD_GEMV_ROWS = kept
+            print(f"  head by strata_gemv up to {rows} rows: one replay " + ", ".join(f"{t:.3f}" for t in times)
+                  + f" ms at B = {args.batches}")  # fmt: skip
         if args.profile:
             prof = {b: op_profile(graphed, b, args.prompt, first) for b in batches}
             print("  device us per op of a step run uncaptured (B = " + ", ".join(map(str, batches)) + ")")

@@ -49,6 +49,9 @@ _ROW_THREADS = 256  # strata_add_rms_norm_row: one block per row
 _ROW_VALUES = (1, 2, 4, 8, 16)  # values per thread it is compiled for (rows up to 4,096 values)
 _GEMV_ROWS = (1, 2, 4, 8)  # token rows strata_gemv is compiled for
 _GEMV_WARPS = 8
+# The output head takes strata_gemv up to this many rows, cuBLAS beyond (a batched decode step's head is the
+# largest product of the step: gemma3's 262,144 x 640; bench/GPU-NOTES.md).
+HEAD_GEMV_ROWS = 8
 
 
 def _device_dtypes(cp: Any) -> dict[str, np.dtype]:
@@ -493,7 +496,7 @@ class CupyOps(NumpyOps):
         cp = self.xp
         x = cp.ascontiguousarray(x)
         assert x.dtype == w_out.dtype and w_out.flags.c_contiguous and x.shape[1] == w_out.shape[1]
-        if self._gemv_fits(x, w_out):
+        if x.shape[0] <= HEAD_GEMV_ROWS and self._gemv_fits(x, w_out):
             return self._gemv(x, w_out, w_out.shape[0], cp.float32, -1)
         return self.cublas.linear(cp, x, w_out, out_dtype=cp.float32)
 
