@@ -125,6 +125,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="device time per op of a step, per B")
     parser.add_argument("--head-gemv-rows", default="", help="replay times with the head on strata_gemv up to "
                         "these row counts (comma-separated), cuBLAS beyond")  # fmt: skip
+    parser.add_argument("--gemv-rows", default="", help="replay times with the layers' products on strata_gemv "
+                        "up to these row counts (comma-separated), cuBLAS beyond")  # fmt: skip
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     n_slots = max(batches)
@@ -164,16 +166,19 @@ def main() -> None:
                   f"tok/s (op by op {b / t_eager:6.0f}), x{rate / base:.2f} of B=1; greedy tokens equal "
                   f"{same}/{b * (args.gen + 1)}")  # fmt: skip
         results[name] = rows
-        for rows in [int(r) for r in args.head_gemv_rows.split(",") if r]:
+        variants = [("HEAD_GEMV_ROWS", r) for r in args.head_gemv_rows.split(",") if r]
+        variants += [("GEMV_ROWS", r) for r in args.gemv_rows.split(",") if r]
+        for constant, rows in variants:
             from strata_engine.ops import cupy_ops
 
-            kept, cupy_ops.HEAD_GEMV_ROWS = cupy_ops.HEAD_GEMV_ROWS, rows
+            kept = getattr(cupy_ops, constant)
+            setattr(cupy_ops, constant, int(rows))
             try:
                 other = SlotSet.sharing(graphed.runners[0], n_slots=n_slots, n_ctx=n_slots * args.n_ctx_slot)
                 times = [device_ms(other, b, args.prompt, first) for b in batches]
             finally:
-                cupy_ops.HEAD_GEMV_ROWS = kept
-            print(f"  head by strata_gemv up to {rows} rows: one replay " + ", ".join(f"{t:.3f}" for t in times)
+                setattr(cupy_ops, constant, kept)
+            print(f"  {constant} = {rows}: one replay " + ", ".join(f"{t:.3f}" for t in times)
                   + f" ms at B = {args.batches}")  # fmt: skip
         if args.profile:
             prof = {b: op_profile(graphed, b, args.prompt, first) for b in batches}

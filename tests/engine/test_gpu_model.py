@@ -29,7 +29,10 @@ pytestmark = pytest.mark.gpu
 
 N_CTX = 2048
 LOGIT_BOUND = {"f16": 2e-2, "bf16": 6e-2}
-GRAPH_BOUND = {"f16": 2e-3, "bf16": 2e-2}  # graph-replayed decode vs op by op (see the test)
+# Graph-replayed decode vs op by op: round-off, at most what op by op itself is from f32 compute (measured on the
+# H200, bench/probe_gpu_graph_bound.py: f16 graph/op by op <= 0.0031 where op by op/f32 <= 0.0021; bf16 <= 0.0496
+# where op by op/f32 <= 0.104; the replay equals the same code run uncaptured exactly: bench/GPU-NOTES.md v12).
+GRAPH_BOUND = {"f16": 5e-3, "bf16": 8e-2}
 NEAR_TIE = 0.5
 REFERENCE_NEAR_TIE = 0.1  # transformers' top-2 logit margin below which one rounding may flip its token
 
@@ -301,8 +304,9 @@ def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model, g
     from strata_engine.slots import SlotSet
 
     base = runners(model, dtype=None)
-    # Alone op by op; the prompts op by op on both sides. 256-token slots leave one key split in every
-    # attention, so the graph merges nothing in another order than op by op does.
+    dtype = base.settings.compute_dtype
+    # Alone op by op; the prompts op by op on both sides. 256-token slots leave smollm2 one key split in every
+    # attention (gemma3's 16-key tiles: up to four), so there the graph merges nothing in another order.
     slots = SlotSet.sharing(base, n_slots=4, n_ctx=4 * 256, cuda_graphs=graphs)
     assert [g.n_tokens for g in slots.batch_graphs] == ([2, 4] if graphs else [])
     for runner in slots.runners:
@@ -329,8 +333,10 @@ def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model, g
         assert int(np.argmax(logits)) == tokens[s][0]
         for step in range(6):
             logits = alone.decode(tokens[s][step])
-            assert int(np.argmax(logits)) == tokens[s][step + 1], (s, step)
-            assert rel_err(batched[s][step], logits) < 2e-2, (s, step)
+            top2 = np.partition(logits, -2)[-2:]
+            if not graphs or top2[1] - top2[0] > NEAR_TIE:  # a graph merges gemma3's key splits in another order
+                assert int(np.argmax(logits)) == tokens[s][step + 1], (s, step)
+            assert rel_err(batched[s][step], logits) < (GRAPH_BOUND[dtype] if graphs else 2e-2), (s, step)
 
 
 @pytest.mark.parametrize("model", list(MODELS))

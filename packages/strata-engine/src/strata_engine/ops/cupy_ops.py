@@ -49,9 +49,11 @@ _ROW_THREADS = 256  # strata_add_rms_norm_row: one block per row
 _ROW_VALUES = (1, 2, 4, 8, 16)  # values per thread it is compiled for (rows up to 4,096 values)
 _GEMV_ROWS = (1, 2, 4, 8)  # token rows strata_gemv is compiled for
 _GEMV_WARPS = 8
-# The output head takes strata_gemv up to this many rows, cuBLAS beyond (a batched decode step's head is the
-# largest product of the step: gemma3's 262,144 x 640; bench/GPU-NOTES.md).
-HEAD_GEMV_ROWS = 8
+# The layers' products take strata_gemv up to this many rows (at most SMALL_STEP_ROWS), cuBLAS beyond.
+GEMV_ROWS = 8
+# The output head takes strata_gemv up to this many rows, cuBLAS beyond: gemma3's 262,144 x 640 head at 8 rows
+# costs ~0.2 ms more a step by strata_gemv (bench/GPU-NOTES.md, v12).
+HEAD_GEMV_ROWS = 2
 
 
 def _device_dtypes(cp: Any) -> dict[str, np.dtype]:
@@ -217,7 +219,7 @@ class CupyOps(NumpyOps):
     def _gemv_fits(self, x: Any, w: Any) -> bool:
         """Whether strata_gemv takes x [T, in] @ w^T: a few rows of f16 / bf16, 16-byte aligned rows."""
         return (
-            x.shape[0] <= SMALL_STEP_ROWS and x.dtype != np.float32 and x.dtype == w.dtype and x.shape[1] % 8 == 0
+            x.shape[0] <= min(GEMV_ROWS, SMALL_STEP_ROWS) and x.dtype != np.float32 and x.dtype == w.dtype and x.shape[1] % 8 == 0
             and x.strides[1] == x.itemsize and x.strides[0] % 16 == 0 and x.data.ptr % 16 == 0
             and w.flags.c_contiguous and w.data.ptr % 16 == 0
         )  # fmt: skip
