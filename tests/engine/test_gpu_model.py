@@ -29,10 +29,11 @@ pytestmark = pytest.mark.gpu
 
 N_CTX = 2048
 LOGIT_BOUND = {"f16": 2e-2, "bf16": 6e-2}
-# Graph-replayed decode vs op by op: round-off, at most what op by op itself is from f32 compute (measured on the
-# H200, bench/probe_gpu_graph_bound.py: f16 graph/op by op <= 0.0031 where op by op/f32 <= 0.0021; bf16 <= 0.0496
-# where op by op/f32 <= 0.104; the replay equals the same code run uncaptured exactly: bench/GPU-NOTES.md v12).
-GRAPH_BOUND = {"f16": 5e-3, "bf16": 8e-2}
+# Graph-replayed decode vs op by op: round-off, about what op by op itself is from f32 compute (measured on the
+# H200, bench/probe_gpu_graph_bound.py: f16 graph/op by op <= 0.0031 where op by op/f32 <= 0.0021; bf16 <= 0.0496,
+# batched 0.091, where op by op/f32 <= 0.104; the replay equals the same code run uncaptured exactly; a wrong
+# position or ring slot gave 0.31: bench/GPU-NOTES.md v12).
+GRAPH_BOUND = {"f16": 5e-3, "bf16": 0.12}
 NEAR_TIE = 0.5
 REFERENCE_NEAR_TIE = 0.1  # transformers' top-2 logit margin below which one rounding may flip its token
 

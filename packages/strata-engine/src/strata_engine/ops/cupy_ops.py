@@ -49,8 +49,9 @@ _ROW_THREADS = 256  # strata_add_rms_norm_row: one block per row
 _ROW_VALUES = (1, 2, 4, 8, 16)  # values per thread it is compiled for (rows up to 4,096 values)
 _GEMV_ROWS = (1, 2, 4, 8)  # token rows strata_gemv is compiled for
 _GEMV_WARPS = 8
-# The layers' products take strata_gemv up to this many rows (at most SMALL_STEP_ROWS), cuBLAS beyond.
-GEMV_ROWS = 8
+# The layers' products take strata_gemv up to this many rows (at most SMALL_STEP_ROWS), cuBLAS beyond: at 4 and 8
+# rows cuBLAS measured faster (smollm2 B=8 replay 1.45 -> 1.10 ms, gemma3 1.20 -> 0.97; bench/GPU-NOTES.md, v12).
+GEMV_ROWS = 2
 # The output head takes strata_gemv up to this many rows, cuBLAS beyond: gemma3's 262,144 x 640 head at 8 rows
 # costs ~0.2 ms more a step by strata_gemv (bench/GPU-NOTES.md, v12).
 HEAD_GEMV_ROWS = 2
