@@ -34,6 +34,9 @@ LOGIT_BOUND = {"f16": 2e-2, "bf16": 6e-2}
 # batched 0.091, where op by op/f32 <= 0.104; the replay equals the same code run uncaptured exactly; a wrong
 # position or ring slot gave 0.31: bench/GPU-NOTES.md v12).
 GRAPH_BOUND = {"f16": 5e-3, "bf16": 0.12}
+# A batched decode step vs each slot alone: steps of more than GEMV_ROWS rows take cuBLAS's products (another
+# summation order than one row's strata_gemv), so round-off as above (measured 0.0070 f16, 0.067 bf16 at 3 rows).
+BATCH_BOUND = {"f16": 2e-2, "bf16": 0.12}
 NEAR_TIE = 0.5
 REFERENCE_NEAR_TIE = 0.1  # transformers' top-2 logit margin below which one rounding may flip its token
 
@@ -300,14 +303,13 @@ def test_embeddings_match_the_numpy_backend(runners, model, dtype):
 def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model, graphs):
     """`SlotSet.decode` on the cupy backend (default compute dtype, f16 K/V; op by op, or through the batched
     decode graph of 4 rows, padded): three slots at different depths decoded together give each slot's
-    greedy tokens decoded alone, logits within the low-precision bound, and a fourth slot's bytes are
-    untouched (the padding row stores nothing)."""
+    greedy tokens decoded alone (where the top-1 margin is clear), logits within BATCH_BOUND, and a fourth
+    slot's bytes are untouched (the padding row stores nothing)."""
     from strata_engine.slots import SlotSet
 
     base = runners(model, dtype=None)
     dtype = base.settings.compute_dtype
-    # Alone op by op; the prompts op by op on both sides. 256-token slots leave smollm2 one key split in every
-    # attention (gemma3's 16-key tiles: up to four), so there the graph merges nothing in another order.
+    # Alone op by op; the prompts op by op on both sides.
     slots = SlotSet.sharing(base, n_slots=4, n_ctx=4 * 256, cuda_graphs=graphs)
     assert [g.n_tokens for g in slots.batch_graphs] == ([2, 4] if graphs else [])
     for runner in slots.runners:
@@ -335,9 +337,9 @@ def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model, g
         for step in range(6):
             logits = alone.decode(tokens[s][step])
             top2 = np.partition(logits, -2)[-2:]
-            if not graphs or top2[1] - top2[0] > NEAR_TIE:  # a graph merges gemma3's key splits in another order
+            if top2[1] - top2[0] > NEAR_TIE:  # round-off (BATCH_BOUND) may flip a near-tie
                 assert int(np.argmax(logits)) == tokens[s][step + 1], (s, step)
-            assert rel_err(batched[s][step], logits) < (GRAPH_BOUND[dtype] if graphs else 2e-2), (s, step)
+            assert rel_err(batched[s][step], logits) < BATCH_BOUND[dtype], (s, step)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
