@@ -17,6 +17,12 @@ there (`dyn`), attending from slot 0 of a full layer's pool, or from the window'
 with key splits sized for the most keys a step can see. Buffers the step allocates come from a memory
 pool private to the graph and kept for its life, so their addresses stay valid.
 
+Several slots decoding together (`slots.SlotSet.decode`) replay a `BatchDecodeGraph` of the smallest
+batch-size bucket holding the step (2, 4, 8, ... n_slots: `batch_graph_sizes`), captured at start-up: each
+row's slot, position and token live in one device buffer (`_BatchInputs`); per layer one kernel stores every
+row's K/V into its slot's region of the layer's arena (the slots' pools lie at one stride) and one attends
+every row over its own slot (`_BatchRows`); rows padding a step to its bucket store nothing.
+
 Eligible (`make_step_graph`): the cupy backend, f16/bf16 compute, a device pool placement, a float
 K/V type; prefill steps only for models without sliding-window rings (see `make_step_graph`). Padded
 rows store their K/V past the conversation's end, in slots the next tokens overwrite before any query

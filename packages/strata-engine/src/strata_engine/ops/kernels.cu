@@ -8,7 +8,9 @@
 //   or a ring addressed by position % capacity), in f16, bf16 or f32, converted to f16 on the way in.
 //   With several key splits (decode, short chunks) each split writes an unnormalised partial result
 //   and strata_attn_combine merges them.
-// * strata_store_kv: the chunk's K/V into the pool's slots (ring slots by position % capacity).
+// * strata_store_kv: the chunk's K/V into the pool's slots (ring slots by position % capacity);
+//   strata_store_kv_rows: a batched decode step's rows, each into its own slot's region of the arena.
+//   strata_flash_attn with `batch` attends such a step's rows, each over its own slot, in one launch.
 // * strata_rms_norm / strata_add_rms_norm: one warp per row; the fused form adds the residual (after
 //   an optional norm of the branch, gemma3's post-norms) and normalises the sum for the next block.
 // * strata_qk_norm_rope: one warp per (token, head): optional per-head RMS norm, then RoPE (neox or
@@ -279,7 +281,10 @@ __device__ __forceinline__ void stage_kv_tile(const KT* __restrict__ k, const KT
 // else part_o [n_splits, Hkv, rows_pad, D] (unnormalised) and part_ml [n_splits, Hkv, rows_pad, 2].
 // `scale_log2` is the softmax scale times log2(e): scores are kept in base 2. With `dyn` (a step
 // captured in a CUDA graph) q_pos0 = dyn[0], and the keys are every position up to the last query's:
-// from slot 0 of a full layer's pool, or from the window's start in a ring.
+// from slot 0 of a full layer's pool, or from the window's start in a ring. With `batch` ([n_real,
+// position[B], slot[B]]: a batched decode step) grid z is B x n_splits: batch row b's n_q queries (q and out
+// rows b * n_q ..) attend as with dyn = position[b] over k, v + slot[b] * slot_stride (its slot's region
+// of the layer's arena); its partial results are splits b * n_splits .. of part_o / part_ml.
 template <typename QT, typename KT, typename OT, int D, int NW, int BC>
 __global__ void __launch_bounds__(NW * 32)
 strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
