@@ -10,11 +10,15 @@ file saved from any slot restores into any slot of an engine with the same per-s
 `decode` advances several slots by one token each in ONE forward pass: the rows (one per slot) share every
 product with the weights, and each row attends over its own slot's K/V (`models.common.Rows`). Its logits
 equal each slot's decoded alone up to float round-off (the products' summation order varies with the row
-count; tests/engine/test_slots.py measures it).
+count; tests/engine/test_slots.py measures it). On the cupy backend a step of B > 1 slots replays a CUDA
+graph of the smallest batch-size bucket holding it (`graph.BatchDecodeGraph`: 2, 4, 8, ... n_slots,
+captured at start-up), padded with rows that store nothing; a step of one slot replays its runner's graph.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Sequence
 
 import attrs
@@ -23,6 +27,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import InvalidRequest, SettingsError
 from .gguf import GGUFFile
+from .graph import BatchDecodeGraph, GraphCaptureFailed, make_batch_graphs
 from .kv import KVGeometry, make_arena, make_placements
 from .models import Model
 from .models.common import Rows, Span
@@ -39,6 +44,9 @@ class SlotSet:
         self.model: Model = self.runners[0].model
         self.gguf: GGUFFile = self.runners[0].gguf
         self.config: ModelConfig = self.runners[0].config
+        # Batched decode graphs, ascending sizes (`capture_batch_graphs`); a step none holds runs op by op.
+        self.batch_graphs: tuple[BatchDecodeGraph, ...] = ()
+        self.graph_capture_s = 0.0
 
     @property
     def n_slots(self) -> int:
@@ -71,7 +79,26 @@ class SlotSet:
         arena = make_arena(geometry, model.ops, settings.kv_resident, settings.n_slots)
         placements = make_placements(arena.pools(model.ops), settings.kv_resident)
         runners = [ModelRunner._assemble(slot_settings, gguf_file, config, model, placement) for placement in placements]
-        return cls(attrs.evolve(settings, n_ctx=total), runners)
+        slots = cls(attrs.evolve(settings, n_ctx=total), runners)
+        slots.batch_graphs = make_batch_graphs(model, placements, runners[0].settings.cuda_graphs)
+        slots.capture_batch_graphs()
+        return slots
+
+    def capture_batch_graphs(self) -> float:
+        """Capture the batched decode graphs now (start-up, not the first step of several slots); one whose
+        capture fails is dropped (its steps run op by op) and said on stderr. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        for graph in self.batch_graphs:
+            try:
+                graph.prepare()  # its capture stores nothing: the pool is untouched
+            except GraphCaptureFailed as e:
+                print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
+                self.batch_graphs = tuple(g for g in self.batch_graphs if g is not graph)
+        self.graph_capture_s = time.perf_counter() - t0
+        return self.graph_capture_s
+
+    def _batch_graph_for(self, n_rows: int) -> BatchDecodeGraph | None:
+        return next((g for g in self.batch_graphs if g.n_tokens >= n_rows), None)
 
     def decode(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
         """Evaluate one token in each of several slots: steps = [(slot, token), ...], distinct slots.
@@ -99,8 +126,17 @@ class SlotSet:
         try:
             for runner in runners:
                 opened.append((runner, runner.begin_step(1)))
-            rows = Rows(tuple(Span(runner.placement, pos, 1) for runner, pos in opened))
-            logits = self.model.forward(np.asarray([t for _, t in steps], dtype=np.int64), rows, want_logits=True)
+            logits = None
+            graph = self._batch_graph_for(len(steps))
+            if graph is not None:
+                try:
+                    logits = graph.decode([(r.pool.slot, pos, t) for (r, pos), (_, t) in zip(opened, steps, strict=True)])
+                except GraphCaptureFailed as e:  # the step is redone op by op (it is idempotent)
+                    print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
+                    self.batch_graphs = tuple(g for g in self.batch_graphs if g is not graph)
+            if logits is None:
+                rows = Rows(tuple(Span(runner.placement, pos, 1) for runner, pos in opened))
+                logits = self.model.forward(np.asarray([t for _, t in steps], dtype=np.int64), rows, want_logits=True)
         except BaseException:
             for runner, pos in opened:
                 runner.abort_step(pos)
