@@ -44,6 +44,7 @@ from .kv.placement import PoolPlacement
 from .models import Model
 from .models.common import Rows
 from .ops.attention_tiling import FLASH_HEAD_DIMS
+from .sampling import Argmax
 
 # Padding of a step shorter than its graph: any valid id (its K/V land past the conversation's end, in
 # slots the next tokens overwrite before anything attends to them; its rows' results are never read).
@@ -115,6 +116,9 @@ class _CapturedStep:
         self.memory = cp.cuda.MemoryPool()  # the step's buffers: their addresses are in the graph
         self.graph: Any = None
         self.logits: Any = None
+        self.best: Any = None  # each logits row's argmax and its value, computed in the graph (`argmax_rows`)
+        self._host_best: Any = None  # pinned: where `best` is downloaded
+        self._host_logits: Any = None  # pinned [rows, V], made on first use: where rows of logits are downloaded
         self.tables: dict[float, tuple[Any, Any]] = {}
         self.launches = 0
 
@@ -123,6 +127,29 @@ class _CapturedStep:
 
     def _run(self) -> Any:
         raise NotImplementedError
+
+    def _run_step(self) -> tuple[Any, Any]:
+        logits = self._run()
+        return logits, self.ops.argmax_rows(logits)
+
+    def _download(self, rows: int, logits_rows: Sequence[int]) -> tuple[list[Argmax], Any]:
+        """After a launch: the first `rows` rows' argmax, and the rows `logits_rows` of the logits into the
+        pinned buffer (valid until the next launch), each one copy on the step's stream; waits for them."""
+        import cupyx
+
+        cp = self.ops.xp
+        to_host, stream = cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr
+        if self._host_best is None:
+            self._host_best = cupyx.empty_pinned(self.best.shape, dtype=np.int32)
+        cp.cuda.runtime.memcpyAsync(self._host_best.ctypes.data, self.best.data.ptr, self.best.nbytes, to_host, stream)
+        if logits_rows and self._host_logits is None:
+            self._host_logits = cupyx.empty_pinned(self.logits.shape, dtype=np.float32)
+        row_bytes = self.logits.shape[1] * 4
+        for i in logits_rows:
+            cp.cuda.runtime.memcpyAsync(self._host_logits[i].ctypes.data, self.logits.data.ptr + i * row_bytes,
+                                        row_bytes, to_host, stream)  # fmt: skip
+        self.stream.synchronize()
+        return Argmax.of_words(self._host_best, rows), self._host_logits
 
     def _capture(self) -> None:
         try:
@@ -140,13 +167,14 @@ class _CapturedStep:
             # A first run on the stream compiles the kernels, creates cuBLAS's state for this stream
             # and fills the private pool, so the capture allocates nothing new. It computes the very
             # step about to be replayed (the same K/V into the same slots), so it changes nothing.
-            self._run()
+            self._run_step()
             self.stream.synchronize()
             self.stream.begin_capture()
             try:
-                self.logits = self._run()
+                self.logits, self.best = self._run_step()
             finally:
                 graph = self.stream.end_capture()
+        assert self.logits.dtype == np.float32 and self.logits.flags.c_contiguous
         graph.upload(self.stream)
         self.graph = graph
 
@@ -163,8 +191,10 @@ class StepGraph(_CapturedStep):
     def _what(self) -> str:
         return "decode step" if self.n_tokens == 1 else f"{self.n_tokens}-token prefill chunk"
 
-    def step(self, tokens: Sequence[int], pos: int, want_logits: bool = True) -> np.ndarray | None:
+    def step(self, tokens: Sequence[int], pos: int, want_logits: bool = True,
+             argmax_only: bool = False) -> np.ndarray | Argmax | None:  # fmt: skip
         """Logits [V] (float32, host) of the last of `tokens` at positions pos..; their K/V are stored.
+        `argmax_only`: their argmax alone (computed in the graph; the logits stay on the device).
         Fewer tokens than the graph's size are padded (`PAD_TOKEN`); the caller keeps pos + n_tokens
         within the pool."""
         assert 0 < len(tokens) <= self.n_tokens
@@ -178,6 +208,8 @@ class StepGraph(_CapturedStep):
         if not want_logits:
             self.stream.synchronize()  # later work on the default stream reads what the step stored
             return None
+        if argmax_only:
+            return self._download(1, ())[0][0]  # waits for the step
         return self.logits.get(stream=self.stream)[0]  # waits for the step
 
     def prepare(self) -> None:
@@ -282,6 +314,19 @@ class BatchDecodeGraph(_CapturedStep):
     def decode(self, steps: Sequence[tuple[int, int, int]]) -> np.ndarray:
         """Logits [len(steps), V] (float32, host) of steps = [(arena slot, position, token), ...] (distinct
         slots, at most n_rows); each token's K/V are stored in its slot at its position."""
+        self._launch(steps)
+        return self.logits[: len(steps)].get(stream=self.stream)  # waits for the step
+
+    def decode_rows(self, steps: Sequence[tuple[int, int, int]], argmax_only: Sequence[bool]) -> list[Argmax | np.ndarray]:
+        """`decode`, row b's result its logits' `Argmax` (computed in the graph) where argmax_only[b], else its
+        logits [V]: a view of a pinned buffer, valid until this graph's next step. Only those rows of
+        logits are downloaded."""
+        self._launch(steps)
+        logits_rows = [b for b, only in enumerate(argmax_only) if not only]
+        best, host_logits = self._download(len(steps), logits_rows)  # waits for the step
+        return [best[b] if only else host_logits[b] for b, only in enumerate(argmax_only)]
+
+    def _launch(self, steps: Sequence[tuple[int, int, int]]) -> None:
         assert 0 < len(steps) <= self.n_tokens
         self.batch_inputs.stage(steps, self.stream)
         self.ops.xp.cuda.Stream.null.synchronize()  # work queued on the default stream (prefill, restores) is done
@@ -289,7 +334,6 @@ class BatchDecodeGraph(_CapturedStep):
             self._capture()
         self.graph.launch(self.stream)
         self.launches += 1
-        return self.logits[: len(steps)].get(stream=self.stream)  # waits for the step
 
     def prepare(self) -> None:
         """Capture now, on rows that store nothing (n_real 0): the pool is not touched. Raises GraphCaptureFailed."""

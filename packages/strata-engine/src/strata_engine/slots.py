@@ -32,6 +32,7 @@ from .kv import KVGeometry, make_arena, make_placements
 from .models import Model
 from .models.common import Rows, Span
 from .runner import ModelRunner
+from .sampling import Argmax
 from .settings import EngineSettings, KVType
 
 
@@ -107,6 +108,15 @@ class SlotSet:
         One forward pass over the B rows. A ContextOverflow or InvalidToken names its slot and nothing is
         evaluated; on any other exception every slot of the batch is cut back to what it held before (its
         deepest resume point at or below it: `ModelRunner.abort_step`), the other slots untouched."""
+        return np.stack(self.decode_rows(steps, [False] * len(steps)))  # type: ignore[arg-type]
+
+    def decode_rows(self, steps: Sequence[tuple[int, int]], argmax_only: Sequence[bool]) -> list[Argmax | np.ndarray]:
+        """`decode`, where row b's result is the `Argmax` of its logits if argmax_only[b] (a greedy row whose
+        sampler reads nothing else: `completion.Generation.argmax_only`), else its logits [n_vocab]. A
+        captured step computes the argmax on the device and downloads only the rows of logits asked for,
+        into pinned memory: those arrays are valid until the next step of this SlotSet."""
+        if len(argmax_only) != len(steps):
+            raise InvalidRequest([f"{len(argmax_only)} argmax_only flags for {len(steps)} decode rows"])
         steps = [(int(slot), int(token)) for slot, token in steps]
         slots = [slot for slot, _ in steps]
         problems = [f"slot {s} outside [0, {self.n_slots})" for s in slots if not 0 <= s < self.n_slots]
@@ -120,28 +130,30 @@ class SlotSet:
             self.runners[slot].check_decode(token, slot)
         if len(steps) == 1:  # one slot: its own step (a captured graph where it has one)
             slot, token = steps[0]
-            return self.runners[slot].decode(token)[None]
+            return [self.runners[slot].decode_row(token, argmax_only[0])]
         runners = [self.runners[slot] for slot in slots]
         opened: list[tuple[ModelRunner, int]] = []
         try:
             for runner in runners:
                 opened.append((runner, runner.begin_step(1)))
-            logits = None
+            out: list[Argmax | np.ndarray] | None = None
             graph = self._batch_graph_for(len(steps))
             if graph is not None:
                 try:
-                    logits = graph.decode([(r.pool.slot, pos, t) for (r, pos), (_, t) in zip(opened, steps, strict=True)])
+                    rows = [(r.pool.slot, pos, t) for (r, pos), (_, t) in zip(opened, steps, strict=True)]
+                    out = graph.decode_rows(rows, argmax_only)
                 except GraphCaptureFailed as e:  # the step is redone op by op (it is idempotent)
                     print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
                     self.batch_graphs = tuple(g for g in self.batch_graphs if g is not graph)
-            if logits is None:
-                rows = Rows(tuple(Span(runner.placement, pos, 1) for runner, pos in opened))
-                logits = self.model.forward(np.asarray([t for _, t in steps], dtype=np.int64), rows, want_logits=True)
+            if out is None:
+                spans = Rows(tuple(Span(runner.placement, pos, 1) for runner, pos in opened))
+                logits = self.model.forward(np.asarray([t for _, t in steps], dtype=np.int64), spans, want_logits=True)
+                assert logits is not None
+                out = [Argmax.of_logits(row) if only else row for row, only in zip(logits, argmax_only, strict=True)]
         except BaseException:
             for runner, pos in opened:
                 runner.abort_step(pos)
             raise
-        assert logits is not None
         for runner, (_, token) in zip(runners, steps, strict=True):
             runner.commit_step([token])
-        return logits
+        return out

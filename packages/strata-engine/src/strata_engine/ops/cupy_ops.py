@@ -46,6 +46,7 @@ WARP_ROWS_PER_BLOCK = 8  # the row kernels run one warp per row, 8 warps per blo
 # norm latency-bound, and cuBLAS's products of a row leave most of the device idle (bench/GPU-NOTES.md).
 SMALL_STEP_ROWS = 8
 _ROW_THREADS = 256  # strata_add_rms_norm_row: one block per row
+_ARGMAX_THREADS = 1024  # strata_argmax_rows: one block per row of 49K-262K logits
 _ROW_VALUES = (1, 2, 4, 8, 16)  # values per thread it is compiled for (rows up to 4,096 values)
 _GEMV_ROWS = (1, 2, 4, 8)  # token rows strata_gemv is compiled for
 _GEMV_WARPS = 8
@@ -502,6 +503,16 @@ class CupyOps(NumpyOps):
         if x.shape[0] <= HEAD_GEMV_ROWS and self._gemv_fits(x, w_out):
             return self._gemv(x, w_out, w_out.shape[0], cp.float32, -1)
         return self.cublas.linear(cp, x, w_out, out_dtype=cp.float32)
+
+    def argmax_rows(self, logits: Any) -> Any:
+        """Each row of float32 logits [B, V]: its first maximal index (np.argmax's, NaN first) and that value,
+        as one int32 device buffer [2B]: indices, then the values' bits (`sampling.Argmax.of_words`)."""
+        cp = self.xp
+        logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+        out = cp.empty(2 * logits.shape[0], dtype=cp.int32)
+        kernel = self.raw.get("strata_argmax_rows", _ARGMAX_THREADS)
+        kernel((logits.shape[0],), (_ARGMAX_THREADS,), (logits, np.int32(logits.shape[1]), out))
+        return out
 
 
 def cuda_available() -> bool:

@@ -16,6 +16,8 @@
 // * strata_qk_norm_rope: one warp per (token, head): optional per-head RMS norm, then RoPE (neox or
 //   interleaved), for the Q and K heads of one fused QKV projection.
 // * strata_gated_act: act(gate) * up over the two halves of one fused [Wg; Wu] product.
+// * strata_argmax_rows: each logits row's first maximal index (NaN first, as np.argmax) and its value, so a
+//   greedy step downloads a token id, not the row.
 // * strata_add_rms_norm_row / strata_gemv: the same norm and the products for steps of a few token rows
 //   (decode): a block per row, a warp per output column (the gated activation fused into the gate/up one).
 //
@@ -698,5 +700,43 @@ __global__ void strata_gemv(const T* __restrict__ x, const T* __restrict__ w, O*
                 y[(size_t)t * n_out + o] = from_f32<O>(v);
             }
         }
+    }
+}
+
+// a better than b as np.argmax ranks them: a NaN beats any number (the first NaN wins), then the larger
+// value, then on a tie the lower index.
+__device__ __forceinline__ bool argmax_better(float a, int ai, float b, int bi) {
+    const bool an = isnan(a), bn = isnan(b);
+    if (an != bn) return an;
+    if (!an && a != b) return a > b;
+    return ai < bi;
+}
+
+// One block of NT threads per row of logits [rows, n]: out[row] = the first maximal index,
+// out[rows + row] = its value's bits (so one int32 buffer of 2 * rows words holds both).
+template <int NT>
+__global__ void __launch_bounds__(NT) strata_argmax_rows(const float* __restrict__ logits, int n, int* __restrict__ out) {
+    __shared__ float s_val[NT / 32];
+    __shared__ int s_idx[NT / 32];
+    const float* row = logits + (size_t)blockIdx.x * n;
+    float best = -INFINITY;
+    int best_i = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += NT) {  // ascending: a tie keeps the earlier index
+        const float v = row[i];
+        if (argmax_better(v, i, best, best_i)) { best = v; best_i = i; }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        const float v = __shfl_down_sync(0xffffffffu, best, off);
+        const int vi = __shfl_down_sync(0xffffffffu, best_i, off);
+        if (argmax_better(v, vi, best, best_i)) { best = v; best_i = vi; }
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) { s_val[warp] = best; s_idx[warp] = best_i; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < NT / 32; w++)
+            if (argmax_better(s_val[w], s_idx[w], best, best_i)) { best = s_val[w]; best_i = s_idx[w]; }
+        out[blockIdx.x] = best_i;
+        out[gridDim.x + blockIdx.x] = __float_as_int(best);
     }
 }
