@@ -1,7 +1,10 @@
 """Batched decode on the GPU (cupy backend): step time per batch size B op by op against the batched CUDA
 graphs (`graph.BatchDecodeGraph`), and aggregate decode tok/s of B slots decoding together with the ratio
-to one slot, in one run per model. The engine alone (`SlotSet.decode`, greedy sampling on the host per
-row): what the scheduler's decode steps can reach at B concurrent streams.
+to one slot, in one run per model. The engine alone, greedy, three ways: "logits" (`SlotSet.decode`, every
+row's logits downloaded, np.argmax on the host: the path before the device argmax), "rows" (`decode_rows`
+with every row asking for its logits: pinned, as a sampled row gets them) and "argmax" (`decode_rows` with
+argmax_only rows: the argmax in the graph, B token ids downloaded: the scheduler's greedy path). What the
+scheduler's decode steps can reach at B concurrent streams.
 
     python3 bench/bench_gpu_slots.py --model smollm2=/tmp/smollm2.gguf --model gemma3=/tmp/gemma3.gguf
 
@@ -17,30 +20,45 @@ import time
 from pathlib import Path
 
 import numpy as np
+from strata_engine.sampling import Argmax
 from strata_engine.settings import EngineSettings
 from strata_engine.slots import SlotSet
+
+PATHS = ("logits", "rows", "argmax")
 
 DTYPES = {"smollm2": "f16", "gemma3": "bf16"}  # the engine's default compute dtype per model on the GPU
 
 
-def run(slots: SlotSet, b: int, first: list[int], n_prompt: int, gen: int) -> tuple[float, float, list[list[int]]]:
-    """Seconds per step of slots 0..b-1 decoding together (greedy), of it the host's argmax, and each slot's
-    tokens."""
+def _step(slots: SlotSet, steps: list[tuple[int, int]], path: str) -> list:
+    if path == "logits":
+        return list(slots.decode(steps))
+    return slots.decode_rows(steps, [path == "argmax"] * len(steps))
+
+
+def run(slots: SlotSet, b: int, first: list[int], n_prompt: int, gen: int,
+        path: str = "logits") -> tuple[float, float, list[list[int]]]:  # fmt: skip
+    """Seconds per step of slots 0..b-1 decoding together (greedy, by `path`), of it the host's argmax, and
+    each slot's tokens."""
     for slot in range(b):
         slots.runners[slot].cut_back(n_prompt)
     tokens = [[first[slot]] for slot in range(b)]
-    slots.decode([(s, tokens[s][-1]) for s in range(b)])  # warm: the first step of a size
+    _step(slots, [(s, tokens[s][-1]) for s in range(b)], path)  # warm: the first step of a size
     for slot in range(b):
         slots.runners[slot].cut_back(n_prompt)
     t0 = time.perf_counter()
     sampling = 0.0
     for _ in range(gen):
-        logits = slots.decode([(s, tokens[s][-1]) for s in range(b)])
+        out = _step(slots, [(s, tokens[s][-1]) for s in range(b)], path)
         t1 = time.perf_counter()
-        for s, row in enumerate(logits):
-            tokens[s].append(int(np.argmax(row)))
+        for s, row in enumerate(out):
+            tokens[s].append(row.token if isinstance(row, Argmax) else int(np.argmax(row)))
         sampling += time.perf_counter() - t1
     return (time.perf_counter() - t0) / gen, sampling / gen, tokens
+
+
+def same(x: list[list[int]], y: list[list[int]]) -> int:
+    """How many tokens of two runs' slots are equal, position by position."""
+    return sum(a == c for p, q in zip(x, y, strict=True) for a, c in zip(p, q, strict=True))
 
 
 def device_ms(slots: SlotSet, b: int, n_prompt: int, first: list[int], replays: int = 50) -> float:
@@ -150,21 +168,29 @@ def main() -> None:
                 slots.runners[slot].prefill_graphs = ()  # the same K/V on both sides
                 logits = slots.runners[slot].prefill(prompt).logits
             first.append(int(np.argmax(logits)))
-        rows, base = [], None
+        rows, base = [], {}
         for b in batches:
             t_eager, _, tok_eager = run(eager, b, first, args.prompt, args.gen)
-            t_graph, t_sample, tok_graph = run(graphed, b, first, args.prompt, args.gen)
-            same = sum(a == c for x, y in zip(tok_eager, tok_graph, strict=True) for a, c in zip(x, y, strict=True))
-            rate = b / t_graph
-            base = base or rate
             replay = device_ms(graphed, b, args.prompt, first)
-            rows.append({"b": b, "eager_ms": 1000 * t_eager, "graph_ms": 1000 * t_graph, "tok_s": rate,
-                         "tok_s_eager": b / t_eager, "x_one": rate / base, "replay_ms": replay,
-                         "argmax_ms": 1000 * t_sample})  # fmt: skip
-            print(f"  B={b}: step op by op {1000 * t_eager:6.2f} ms, graph {1000 * t_graph:6.3f} ms "
-                  f"(x{t_eager / t_graph:.1f}; one replay {replay:.3f} ms of device time, host argmax {1000 * t_sample:.3f} ms); aggregate {rate:7.0f} "
-                  f"tok/s (op by op {b / t_eager:6.0f}), x{rate / base:.2f} of B=1; greedy tokens equal "
-                  f"{same}/{b * (args.gen + 1)}")  # fmt: skip
+            row = {"b": b, "eager_ms": 1000 * t_eager, "tok_s_eager": b / t_eager, "replay_ms": replay}
+            print(f"  B={b}: step op by op {1000 * t_eager:6.2f} ms ({b / t_eager:6.0f} tok/s); one graph replay "
+                  f"{replay:.3f} ms of device time")  # fmt: skip
+            tok_paths = {}
+            for path in PATHS:
+                t_graph, t_sample, tok_graph = run(graphed, b, first, args.prompt, args.gen, path)
+                tok_paths[path] = tok_graph
+                rate = b / t_graph
+                base.setdefault(path, rate)
+                row[path] = {"graph_ms": 1000 * t_graph, "tok_s": rate, "x_one": rate / base[path],
+                             "x_one_logits": rate / base["logits"], "host_argmax_ms": 1000 * t_sample,
+                             "tokens_equal_op_by_op": same(tok_eager, tok_graph),
+                             "tokens_equal_logits_path": same(tok_paths["logits"], tok_graph)}  # fmt: skip
+                print(f"    {path:6s}: step {1000 * t_graph:6.3f} ms (x{t_eager / t_graph:4.1f} of op by op; host "
+                      f"argmax {1000 * t_sample:.3f} ms); aggregate {rate:7.0f} tok/s, x{rate / base[path]:.2f} of "
+                      f"its B=1 (x{rate / base['logits']:.2f} of logits' B=1); greedy tokens equal to op by op "
+                      f"{same(tok_eager, tok_graph)}, to the logits path {same(tok_paths['logits'], tok_graph)}, "
+                      f"of {b * (args.gen + 1)}")  # fmt: skip
+            rows.append(row)
         results[name] = rows
         variants = [("HEAD_GEMV_ROWS", r) for r in args.head_gemv_rows.split(",") if r]
         variants += [("GEMV_ROWS", r) for r in args.gemv_rows.split(",") if r]

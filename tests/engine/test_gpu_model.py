@@ -387,3 +387,45 @@ def test_graphed_batched_decode_matches_op_by_op(runners, model):
     for s in range(8):
         assert list(graphed.runners[s].tokens_held) == list(eager.runners[s].tokens_held)
     print(f"{model} {dtype}: worst graph vs op by op logits {worst:.2e} relative L2")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_device_argmax_steps_give_the_logits_paths_greedy_tokens(runners, model):
+    """Steps of 8, 5, 3, 2 and 1 of 8 slots with argmax_only rows (`SlotSet.decode_rows`: the argmax computed
+    in the batched graph, or the one-slot decode graph) against the same steps' logits (`decode`) and
+    np.argmax on the host, from the same K/V in twin slot sets: the same token and logit in every row, and
+    the rows of a mixed step that ask for logits get exactly `decode`'s (the same replays: equality, no bound)."""
+    from strata_engine.sampling import Argmax
+    from strata_engine.slots import SlotSet
+
+    base = runners(model, dtype=None)
+    fast = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 512)
+    plain = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 512)
+    assert [g.n_tokens for g in fast.batch_graphs] == [2, 4, 8]
+    rng = np.random.default_rng(21)
+    last = []
+    for slot, n in enumerate((5, 300, 110, 450, 40, 70, 230, 90)):
+        prompt = [int(t) for t in rng.integers(100, 5000, n)]
+        lf, lp = fast.runners[slot].prefill(prompt).logits, plain.runners[slot].prefill(prompt).logits
+        np.testing.assert_array_equal(lf, lp)
+        last.append(int(np.argmax(lp)))
+    checked = 0
+    for batch in ((0, 1, 2, 3, 4, 5, 6, 7), (7, 2, 4, 0, 3), (6, 1, 3), (5, 2), (4,)):
+        for step in range(4):
+            flags = [True] * len(batch) if step % 2 == 0 else [row % 2 == 0 for row in range(len(batch))]
+            steps = [(s, last[s]) for s in batch]
+            out, want = fast.decode_rows(steps, flags), plain.decode(steps)
+            for row, (s, only) in enumerate(zip(batch, flags, strict=True)):
+                if only:
+                    assert isinstance(out[row], Argmax), (batch, step, s)
+                    assert out[row].token == int(np.argmax(want[row])), (batch, step, s)
+                    assert out[row].logit == float(want[row][out[row].token])
+                    checked += 1
+                else:
+                    np.testing.assert_array_equal(out[row], want[row])
+                last[s] = int(np.argmax(want[row]))
+    assert [g.launches for g in fast.batch_graphs] == [4, 4, 8]
+    assert fast.runners[4].decode_graph is not None and fast.runners[4].decode_graph.launches == 4
+    for s in range(8):
+        assert list(fast.runners[s].tokens_held) == list(plain.runners[s].tokens_held)
+    print(f"{model}: {checked} device-argmax rows equal to the host's argmax of the logits")
