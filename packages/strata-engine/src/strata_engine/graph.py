@@ -311,16 +311,11 @@ class BatchDecodeGraph(_CapturedStep):
     def _what(self) -> str:
         return f"{self.n_tokens}-slot decode step"
 
-    def decode(self, steps: Sequence[tuple[int, int, int]]) -> np.ndarray:
-        """Logits [len(steps), V] (float32, host) of steps = [(arena slot, position, token), ...] (distinct
-        slots, at most n_rows); each token's K/V are stored in its slot at its position."""
-        self._launch(steps)
-        return self.logits[: len(steps)].get(stream=self.stream)  # waits for the step
-
     def decode_rows(self, steps: Sequence[tuple[int, int, int]], argmax_only: Sequence[bool]) -> list[Argmax | np.ndarray]:
-        """`decode`, row b's result its logits' `Argmax` (computed in the graph) where argmax_only[b], else its
-        logits [V]: a view of a pinned buffer, valid until this graph's next step. Only those rows of
-        logits are downloaded."""
+        """One step of steps = [(arena slot, position, token), ...] (distinct slots, at most n_rows; each
+        token's K/V stored in its slot at its position): row b's result is its logits' `Argmax` (computed in
+        the graph) where argmax_only[b], else its logits [V], a view of a pinned buffer valid until this
+        graph's next step. Only those rows of logits are downloaded."""
         self._launch(steps)
         logits_rows = [b for b, only in enumerate(argmax_only) if not only]
         best, host_logits = self._download(len(steps), logits_rows)  # waits for the step
