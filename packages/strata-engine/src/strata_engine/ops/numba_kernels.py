@@ -32,6 +32,13 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 SAFE_FAST = {"reassoc", "contract", "arcp", "nsz"}
 
 
+def _host_has_avx512() -> bool:
+    """Whether the compiling CPU has AVX-512 (32 vector registers): numba compiles for the host's features."""
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("avx512f", False))
+
+
 @intrinsic
 def widen(typingctx, value):
     """A stored K/V element as float32: uint16 holds f16 bits (`fpext half`: vcvtph2ps where the CPU has
@@ -181,8 +188,113 @@ row_dot = _row_dot(with_min=False)
 row_dot_min = _row_dot(with_min=True)
 
 
+# A decode step of B slots multiplies B token rows by each weight. `row_dot` per token row would decode every
+# weight block B times; `rows_dot` decodes a block once to w = q * scale + min and multiplies it into a
+# group of token rows whose accumulators stay in registers: rows x 2 accumulators of 16 lanes, so 8 rows
+# where AVX-512 gives 32 vector registers, 4 on AVX2's 16 (bench/CPU-NOTES.md "The multi-row kernel").
+ROWS_GROUP = 8 if _host_has_avx512() else 4
+
+
+def _decoded_block(builder, values, offset_q, nibbles, block, lanes):
+    """One block's q as float32 in value order, as <lanes x float> chunks (4-bit pairs: the low nibbles
+    are values 0 .. block / 2 - 1, the high ones the rest)."""
+    if nibbles:
+        n = block // 2
+        raw = builder.zext(_load_vector(builder, values, offset_q, ir.IntType(8), n), ir.VectorType(_I32, n))
+        vf = ir.VectorType(_F32, n)
+        halves = [
+            builder.uitofp(builder.and_(raw, ir.Constant(raw.type, [15] * n)), vf),
+            builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * n)), vf),
+        ]
+    else:
+        q = _load_vector(builder, values, offset_q, ir.IntType(8), block)
+        halves = [builder.sitofp(q, ir.VectorType(_F32, block))]
+    return [
+        builder.shuffle_vector(h, h, _indices(list(range(lo, lo + lanes)))) if h.type.count > lanes else h
+        for h in halves
+        for lo in range(0, h.type.count, lanes)
+    ]
+
+
+def _rows_dot(with_min: bool):
+    """The `rows_dot` intrinsic, or with mins (`rows_dot_min`)."""
+
+    def typer(typingctx, values, x, r0, rows, scale, mins, y, n, block):
+        if not isinstance(block, types.IntegerLiteral) or block.literal_value not in (16, 32):
+            return None
+        nibbles = values.dtype == types.uint8
+        half = scale.dtype == types.uint16
+        sig = types.void(values, x, r0, rows, scale, mins, y, n, block)
+
+        def codegen(context, builder, signature, args):
+            q_arr, x_arr, s_arr, m_arr, y_arr = (
+                context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 4, 5, 6)
+            )
+            nb = block.literal_value
+            lanes = _lanes(nibbles, nb)
+            vf = ir.VectorType(_F32, lanes)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
+            r0_val, rows_val, n_val = (
+                context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 3, 7)
+            )
+            n_blocks = builder.extract_value(s_arr.shape, 0)
+            n_chunks = nb // lanes
+            done = builder.append_basic_block("rows_done")
+            switch = builder.switch(rows_val, done)  # one loop per group size: its accumulators in registers
+            for n_rows in range(1, ROWS_GROUP + 1):
+                case = builder.append_basic_block(f"rows_{n_rows}")
+                switch.add_case(ir.Constant(_I64, n_rows), case)
+                builder.position_at_end(case)
+                x_rows = [
+                    _row_ptr(builder, x_arr, builder.add(r0_val, ir.Constant(_I64, r)), _F32) for r in range(n_rows)
+                ]
+
+                def body(b, accs, x_rows=x_rows):
+                    offset_x = builder.mul(b, ir.Constant(_I64, nb))
+                    offset_q = builder.mul(b, ir.Constant(_I64, nb // 2 if nibbles else nb))
+                    d = _splat(builder, _scale_at(builder, s_arr, b, half), lanes)
+                    q = _decoded_block(builder, q_arr.data, offset_q, nibbles, nb, lanes)
+                    if with_min:
+                        m = _splat(builder, _scale_at(builder, m_arr, b, half), lanes)
+                        w = [builder.call(fma, [qc, d, m]) for qc in q]
+                    else:
+                        w = [builder.fmul(qc, d) for qc in q]
+                    out = []
+                    for r, x_row in enumerate(x_rows):  # accumulator (r, c): its own fma chain
+                        for c, wc in enumerate(w):
+                            offset = builder.add(offset_x, ir.Constant(_I64, c * lanes))
+                            xc = _load_vector(builder, x_row, offset, _F32, lanes)
+                            out.append(builder.call(fma, [wc, xc, accs[r * n_chunks + c]]))
+                    return out
+
+                zero = ir.Constant(vf, [0.0] * lanes)
+                final = _counted_loop(builder, n_blocks, body, [zero] * (n_rows * n_chunks))
+                for r in range(n_rows):
+                    total = final[r * n_chunks]
+                    for c in range(1, n_chunks):
+                        total = builder.fadd(total, final[r * n_chunks + c], flags=EXACT)
+                    y_row = _row_ptr(builder, y_arr, builder.add(r0_val, ir.Constant(_I64, r)), _F32)
+                    builder.store(_hsum(builder, total), builder.gep(y_row, [n_val]))
+                builder.branch(done)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = "rows_dot_min" if with_min else "rows_dot"
+    return intrinsic(typer)
+
+
+# y[r0 + r, n] = w . x[r0 + r] for the `rows` (1..ROWS_GROUP) token rows from r0 of x [M, K] float32 and
+# one packed weight row w (values int8 [K] or 4-bit pairs uint8 [K / 2]; scale, and mins with min, float32
+# or uint16 f16 bits [K / block]), decoded a block at a time (block a literal, 16 or 32); y float32 [M, N].
+rows_dot = _rows_dot(with_min=False)
+rows_dot_min = _rows_dot(with_min=True)
+
+
 @njit(fastmath=True, cache=True, inline="always")
 def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
+    """Row n of y = x W^T, one token row at a time (`row_dot`)."""
     row = values[n]
     sc = scale[n]
     mn = mins[n] if has_min else mins[0]
@@ -195,19 +307,46 @@ def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
         y[m, n] = acc
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def matmul_packed(x, xsum, values, scale, mins, has_min, block, y):
-    """y = x W^T for a packed weight (`row_dot`), plus min * sum(x) per block where it has mins (xsum
-    [M, K / block]); rows over all threads."""
-    for n in prange(values.shape[0]):
+@njit(fastmath=True, cache=True, inline="always")
+def _matmul_rows(x, values, scale, mins, has_min, block, y, n):
+    """Row n of y = x W^T, ROWS_GROUP token rows at a time (`rows_dot`)."""
+    row, sc = values[n], scale[n]
+    mn = mins[n] if has_min else mins[0]
+    for r in range(0, x.shape[0], ROWS_GROUP):
+        rows = min(ROWS_GROUP, x.shape[0] - r)
+        if has_min:
+            if block == 32:
+                rows_dot_min(row, x, r, rows, sc, mn, y, n, 32)
+            else:
+                rows_dot_min(row, x, r, rows, sc, mn, y, n, 16)
+        elif block == 32:
+            rows_dot(row, x, r, rows, sc, mn, y, n, 32)
+        else:
+            rows_dot(row, x, r, rows, sc, mn, y, n, 16)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _matmul_packed_row(x, xsum, values, scale, mins, has_min, block, by_row, y, n):
+    if by_row:
         _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+    else:
+        _matmul_rows(x, values, scale, mins, has_min, block, y, n)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul_packed(x, xsum, values, scale, mins, has_min, block, by_row, y):
+    """y = x W^T for a packed weight, weight rows over all threads: a token row at a time (by_row:
+    `row_dot`, plus min * sum(x) per block where it has mins, xsum [M, K / block]) or each block decoded
+    once for a group of token rows (`rows_dot`; xsum unread). One kernel for both: warming one warms both."""
+    for n in prange(values.shape[0]):
+        _matmul_packed_row(x, xsum, values, scale, mins, has_min, block, by_row, y, n)
 
 
 @njit(fastmath=True, cache=True)
-def matmul_packed_serial(x, xsum, values, scale, mins, has_min, block, y):
+def matmul_packed_serial(x, xsum, values, scale, mins, has_min, block, by_row, y):
     """`matmul_packed` on the calling thread (a product too small to be worth a parallel region)."""
     for n in range(values.shape[0]):
-        _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+        _matmul_packed_row(x, xsum, values, scale, mins, has_min, block, by_row, y, n)
 
 
 @njit(fastmath=True, cache=True, inline="always")
