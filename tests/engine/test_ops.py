@@ -285,13 +285,15 @@ def _made_packed(layout, n, k, rng):
 def test_both_packed_kernels_match_the_oracle_for_every_layout(numba_ops, n_tok):
     """Every packing (each GGUF type's, and the layouts in EXTRA_LAYOUTS) through the kernel a token row at a
     time and through the one decoding each block once for a group of rows, against numpy on the
-    dequantized weight; and a row's result in the multi-row kernel does not depend on the rows beside it
-    (a batched decode step gives each slot what it gets alone)."""
+    dequantized weight (an odd number of weight rows: the last past the pairs); and a row's result in the
+    multi-row kernel does not depend on the rows beside it nor on its place among them, and below
+    PAIR_MIN_ROWS rows equals the row alone (a batched decode step gives each slot what it gets alone)."""
+    from strata_engine.ops import numba_kernels as nk
     from strata_engine.ops.packed import PACKERS
 
     rng = np.random.default_rng(12)
-    weights = [(t.name, _random_packed(t, 40, 512, rng)[0]) for t in PACKERS]
-    weights += [(str(layout), _made_packed(layout, 40, 512, rng)) for layout in EXTRA_LAYOUTS]
+    weights = [(t.name, _random_packed(t, 41, 512, rng)[0]) for t in PACKERS]
+    weights += [(str(layout), _made_packed(layout, 41, 512, rng)) for layout in EXTRA_LAYOUTS]
     for name, packed in weights:
         dense = packed.dequantize().astype(np.float64)
         x = rng.standard_normal((n_tok, 512)).astype(np.float32)
@@ -301,8 +303,11 @@ def test_both_packed_kernels_match_the_oracle_for_every_layout(numba_ops, n_tok)
             got = numba_ops.packed_matmul(x, packed, by_row=by_row)
             assert got.dtype == np.float32 and np.all(np.abs(got - want) <= bound), (name, by_row)
         grouped = numba_ops.packed_matmul(x, packed, by_row=False)
-        alone = [numba_ops.packed_matmul(x[i : i + 1], packed, by_row=False) for i in range(n_tok)]
-        np.testing.assert_array_equal(grouped, np.concatenate(alone), err_msg=name)
+        flipped = numba_ops.packed_matmul(np.ascontiguousarray(x[::-1]), packed, by_row=False)
+        np.testing.assert_array_equal(flipped[::-1], grouped, err_msg=name)
+        if n_tok < nk.PAIR_MIN_ROWS:
+            alone = [numba_ops.packed_matmul(x[i : i + 1], packed, by_row=False) for i in range(n_tok)]
+            np.testing.assert_array_equal(grouped, np.concatenate(alone), err_msg=name)
 
 
 def _real_weights(gguf_file, head_rows: int):

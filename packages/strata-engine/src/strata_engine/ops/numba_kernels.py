@@ -189,10 +189,18 @@ row_dot_min = _row_dot(with_min=True)
 
 
 # A decode step of B slots multiplies B token rows by each weight. `row_dot` per token row would decode every
-# weight block B times; `rows_dot` decodes a block once to w = q * scale + min and multiplies it into a
-# group of token rows whose accumulators stay in registers: rows x 2 accumulators of 16 lanes, so 8 rows
-# where AVX-512 gives 32 vector registers, 4 on AVX2's 16 (bench/CPU-NOTES.md "The multi-row kernel").
-ROWS_GROUP = 8 if _host_has_avx512() else 4
+# weight block B times; `rows_dot` decodes a block once to w = q * scale + min and multiplies it into a group
+# of up to ROWS_GROUP token rows, its accumulators in registers: one weight row with an accumulator per
+# token row and 16-lane chunk of a block (their fma chains overlap), or, from PAIR_MIN_ROWS token rows, two
+# weight rows with one per token row and weight row (each x chunk loaded once for both: 1.1-1.2x at 8-16
+# rows). 8 rows x 2 x 16 lanes take 16 of AVX-512's 32 registers; AVX2 has 16 (half as wide): 2 rows, no
+# pairs (not measured). bench/CPU-NOTES.md "The multi-row kernel" has the alternatives measured.
+_AVX512 = _host_has_avx512()
+ROWS_GROUP = 8 if _AVX512 else 2
+PAIR_MIN_ROWS = 8 if _AVX512 else 1 << 62
+# (token rows, weight rows) of the loops `rows_dot` has (each costs compile time): one weight row for every
+# group size, two for groups of 8, 4, 2, 1 (`_matmul_rows` cuts the token rows so).
+ROWS_TILES = [(r, 1) for r in range(1, ROWS_GROUP + 1)] + [(r, 2) for r in (8, 4, 2, 1) if _AVX512]
 
 
 def _decoded_block(builder, values, offset_q, nibbles, block, lanes):
@@ -219,12 +227,12 @@ def _decoded_block(builder, values, offset_q, nibbles, block, lanes):
 def _rows_dot(with_min: bool):
     """The `rows_dot` intrinsic, or with mins (`rows_dot_min`)."""
 
-    def typer(typingctx, values, x, r0, rows, scale, mins, y, n, block):
+    def typer(typingctx, values, x, r0, rows, scale, mins, y, n, tile, block):
         if not isinstance(block, types.IntegerLiteral) or block.literal_value not in (16, 32):
             return None
         nibbles = values.dtype == types.uint8
         half = scale.dtype == types.uint16
-        sig = types.void(values, x, r0, rows, scale, mins, y, n, block)
+        sig = types.void(values, x, r0, rows, scale, mins, y, n, tile, block)
 
         def codegen(context, builder, signature, args):
             q_arr, x_arr, s_arr, m_arr, y_arr = (
@@ -234,47 +242,64 @@ def _rows_dot(with_min: bool):
             lanes = _lanes(nibbles, nb)
             vf = ir.VectorType(_F32, lanes)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
-            r0_val, rows_val, n_val = (
-                context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 3, 7)
+            r0_val, rows_val, n_val, tile_val = (
+                context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 3, 7, 8)
             )
-            n_blocks = builder.extract_value(s_arr.shape, 0)
+            scale_elem = ir.IntType(16) if half else _F32
+            n_blocks = builder.extract_value(s_arr.shape, 1)
             n_chunks = nb // lanes
-            done = builder.append_basic_block("rows_done")
-            switch = builder.switch(rows_val, done)  # one loop per group size: its accumulators in registers
-            for n_rows in range(1, ROWS_GROUP + 1):
-                case = builder.append_basic_block(f"rows_{n_rows}")
-                switch.add_case(ir.Constant(_I64, n_rows), case)
-                builder.position_at_end(case)
+
+            def tile_loop(n_rows, n_w):
+                n_acc = n_chunks if n_w == 1 else 1  # accumulators per token row and weight row
+                weight_rows = [builder.add(n_val, ir.Constant(_I64, i)) for i in range(n_w)]
+                q_rows = [_row_ptr(builder, q_arr, i, ir.IntType(8)) for i in weight_rows]
+                s_rows = [_row_ptr(builder, s_arr, i, scale_elem) for i in weight_rows]
+                m_rows = [_row_ptr(builder, m_arr, i, scale_elem) for i in weight_rows] if with_min else []
                 x_rows = [
                     _row_ptr(builder, x_arr, builder.add(r0_val, ir.Constant(_I64, r)), _F32) for r in range(n_rows)
                 ]
 
-                def body(b, accs, x_rows=x_rows):
-                    offset_x = builder.mul(b, ir.Constant(_I64, nb))
+                def body(b, accs):
                     offset_q = builder.mul(b, ir.Constant(_I64, nb // 2 if nibbles else nb))
-                    d = _splat(builder, _scale_at(builder, s_arr, b, half), lanes)
-                    q = _decoded_block(builder, q_arr.data, offset_q, nibbles, nb, lanes)
-                    if with_min:
-                        m = _splat(builder, _scale_at(builder, m_arr, b, half), lanes)
-                        w = [builder.call(fma, [qc, d, m]) for qc in q]
-                    else:
-                        w = [builder.fmul(qc, d) for qc in q]
-                    out = []
-                    for r, x_row in enumerate(x_rows):  # accumulator (r, c): its own fma chain
-                        for c, wc in enumerate(w):
+                    w = []  # the weight rows' block b as w = q * scale + min: [weight row][chunk]
+                    for i in range(n_w):
+                        d = _splat(builder, _scale_value(builder, s_rows[i], b, half), lanes)
+                        q = _decoded_block(builder, q_rows[i], offset_q, nibbles, nb, lanes)
+                        if with_min:
+                            m = _splat(builder, _scale_value(builder, m_rows[i], b, half), lanes)
+                            w.append([builder.call(fma, [qc, d, m]) for qc in q])
+                        else:
+                            w.append([builder.fmul(qc, d) for qc in q])
+                    out = list(accs)  # accumulator (r * n_w + i) * n_acc + c: token row r, weight row i, chunk c
+                    offset_x = builder.mul(b, ir.Constant(_I64, nb))
+                    for r, x_row in enumerate(x_rows):
+                        for c in range(n_chunks):  # each x chunk loaded once for the tile's weight rows
                             offset = builder.add(offset_x, ir.Constant(_I64, c * lanes))
                             xc = _load_vector(builder, x_row, offset, _F32, lanes)
-                            out.append(builder.call(fma, [wc, xc, accs[r * n_chunks + c]]))
+                            for i in range(n_w):
+                                a = (r * n_w + i) * n_acc + (c if n_acc > 1 else 0)
+                                out[a] = builder.call(fma, [w[i][c], xc, out[a]])
                     return out
 
                 zero = ir.Constant(vf, [0.0] * lanes)
-                final = _counted_loop(builder, n_blocks, body, [zero] * (n_rows * n_chunks))
+                final = _counted_loop(builder, n_blocks, body, [zero] * (n_rows * n_w * n_acc))
                 for r in range(n_rows):
-                    total = final[r * n_chunks]
-                    for c in range(1, n_chunks):
-                        total = builder.fadd(total, final[r * n_chunks + c], flags=EXACT)
                     y_row = _row_ptr(builder, y_arr, builder.add(r0_val, ir.Constant(_I64, r)), _F32)
-                    builder.store(_hsum(builder, total), builder.gep(y_row, [n_val]))
+                    for i in range(n_w):
+                        parts = final[(r * n_w + i) * n_acc : (r * n_w + i + 1) * n_acc]
+                        total = parts[0]
+                        for part in parts[1:]:
+                            total = builder.fadd(total, part, flags=EXACT)
+                        builder.store(_hsum(builder, total), builder.gep(y_row, [weight_rows[i]]))
+
+            done = builder.append_basic_block("rows_done")
+            # one loop per (token rows, weight rows): its accumulators stay in registers
+            switch = builder.switch(builder.add(builder.mul(rows_val, ir.Constant(_I64, 8)), tile_val), done)
+            for n_rows, n_w in ROWS_TILES:
+                case = builder.append_basic_block(f"rows_{n_rows}_{n_w}")
+                switch.add_case(ir.Constant(_I64, n_rows * 8 + n_w), case)
+                builder.position_at_end(case)
+                tile_loop(n_rows, n_w)
                 builder.branch(done)
             builder.position_at_end(done)
             return context.get_dummy_value()
@@ -285,9 +310,17 @@ def _rows_dot(with_min: bool):
     return intrinsic(typer)
 
 
-# y[r0 + r, n] = w . x[r0 + r] for the `rows` (1..ROWS_GROUP) token rows from r0 of x [M, K] float32 and
-# one packed weight row w (values int8 [K] or 4-bit pairs uint8 [K / 2]; scale, and mins with min, float32
-# or uint16 f16 bits [K / block]), decoded a block at a time (block a literal, 16 or 32); y float32 [M, N].
+def _scale_value(builder, row, index, half):
+    """row[index] of a scale row (a pointer to f16 bits or float32) as float32."""
+    value = builder.load(builder.gep(row, [index]))
+    return builder.fpext(builder.bitcast(value, ir.HalfType()), _F32) if half else value
+
+
+# y[r0 + r, n + i] = w_(n + i) . x[r0 + r] for the `rows` (1..ROWS_GROUP) token rows from r0 of x [M, K]
+# float32 and the `tile` (a literal, 1..WEIGHT_TILE) packed weight rows from n (values int8 [N, K] or 4-bit
+# pairs uint8 [N, K / 2]; scale, and mins with min, float32 or uint16 f16 bits [N, K / block]), decoded a
+# block at a time (block a literal, 16 or 32); y float32 [M, N]. A row's result does not depend on the
+# rows beside it (one accumulator per token row and weight row, the same operations in the same order).
 rows_dot = _rows_dot(with_min=False)
 rows_dot_min = _rows_dot(with_min=True)
 
@@ -308,45 +341,66 @@ def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _matmul_rows(x, values, scale, mins, has_min, block, y, n):
-    """Row n of y = x W^T, ROWS_GROUP token rows at a time (`rows_dot`)."""
-    row, sc = values[n], scale[n]
-    mn = mins[n] if has_min else mins[0]
-    for r in range(0, x.shape[0], ROWS_GROUP):
-        rows = min(ROWS_GROUP, x.shape[0] - r)
-        if has_min:
-            if block == 32:
-                rows_dot_min(row, x, r, rows, sc, mn, y, n, 32)
-            else:
-                rows_dot_min(row, x, r, rows, sc, mn, y, n, 16)
-        elif block == 32:
-            rows_dot(row, x, r, rows, sc, mn, y, n, 32)
-        else:
-            rows_dot(row, x, r, rows, sc, mn, y, n, 16)
+def _rows_dot_any(values, x, r, rows, scale, mins, has_min, y, n, tile, block):
+    if has_min and block == 32:
+        rows_dot_min(values, x, r, rows, scale, mins, y, n, tile, 32)
+    elif has_min:
+        rows_dot_min(values, x, r, rows, scale, mins, y, n, tile, 16)
+    elif block == 32:
+        rows_dot(values, x, r, rows, scale, mins, y, n, tile, 32)
+    else:
+        rows_dot(values, x, r, rows, scale, mins, y, n, tile, 16)
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _matmul_packed_row(x, xsum, values, scale, mins, has_min, block, by_row, y, n):
-    if by_row:
-        _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
-    else:
-        _matmul_rows(x, values, scale, mins, has_min, block, y, n)
+def _matmul_rows(x, values, scale, mins, has_min, block, y, n, tile):
+    """Weight rows n .. n + tile - 1 of y = x W^T by `rows_dot`, the token rows in groups of up to ROWS_GROUP
+    (with a pair of weight rows, of 8, 4, 2, 1: the loops it has)."""
+    r = 0
+    while r < x.shape[0]:
+        rows = min(ROWS_GROUP, x.shape[0] - r)
+        while tile > 1 and rows & (rows - 1):  # a pair of weight rows: groups of 8, 4, 2, 1
+            rows &= rows - 1
+        _rows_dot_any(values, x, r, rows, scale, mins, has_min, y, n, tile, block)
+        r += rows
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _weight_tile(n_tok):
+    return 2 if n_tok >= PAIR_MIN_ROWS else 1
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def matmul_packed(x, xsum, values, scale, mins, has_min, block, by_row, y):
     """y = x W^T for a packed weight, weight rows over all threads: a token row at a time (by_row:
-    `row_dot`, plus min * sum(x) per block where it has mins, xsum [M, K / block]) or each block decoded
-    once for a group of token rows (`rows_dot`; xsum unread). One kernel for both: warming one warms both."""
-    for n in prange(values.shape[0]):
-        _matmul_packed_row(x, xsum, values, scale, mins, has_min, block, by_row, y, n)
+    `row_dot`, plus min * sum(x) per block where it has mins, xsum [M, K / block]) or each block of a tile
+    of weight rows decoded once for a group of token rows (`rows_dot`; xsum read only for the rows past the
+    last full tile). One kernel for both: warming one warms both."""
+    if by_row:
+        for n in prange(values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+    else:
+        tile = _weight_tile(x.shape[0])
+        full = values.shape[0] // tile
+        for t in prange(full):
+            _matmul_rows(x, values, scale, mins, has_min, block, y, t * tile, tile)
+        for n in range(full * tile, values.shape[0]):  # past the last full tile (apart: inlined in the loop
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)  # above, it slowed it 1.4x)
 
 
 @njit(fastmath=True, cache=True)
 def matmul_packed_serial(x, xsum, values, scale, mins, has_min, block, by_row, y):
     """`matmul_packed` on the calling thread (a product too small to be worth a parallel region)."""
-    for n in range(values.shape[0]):
-        _matmul_packed_row(x, xsum, values, scale, mins, has_min, block, by_row, y, n)
+    if by_row:
+        for n in range(values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+    else:
+        tile = _weight_tile(x.shape[0])
+        full = values.shape[0] // tile
+        for t in range(full):
+            _matmul_rows(x, values, scale, mins, has_min, block, y, t * tile, tile)
+        for n in range(full * tile, values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
 
 
 @njit(fastmath=True, cache=True, inline="always")

@@ -168,7 +168,7 @@ class NumbaOps(NumpyOps):
         y = np.empty((m, w.shape[0]), dtype=F32)
         has_min = w.min is not None
         by_row = m <= BY_ROW_MAX_ROWS if by_row is None else by_row
-        xsum = x.reshape(m, k // w.block, w.block).sum(axis=-1) if has_min and by_row else _DUMMY_2D
+        xsum = x.reshape(m, k // w.block, w.block).sum(axis=-1) if has_min else _DUMMY_2D
         parallel = self.threads > 1 and m * w.nbytes >= PARALLEL_MIN_BYTES
         kernel = nk.matmul_packed if parallel else nk.matmul_packed_serial
         kernel(x, xsum, w.values, w.scale, _mins(w), has_min, w.block, by_row, y)
