@@ -23,8 +23,12 @@ from .threads import default_threads, set_threads
 
 F32 = np.float32
 # Token rows up to which a product runs in the packed kernel; above, dequantized chunks through BLAS
-# (the crossover measured by bench/bench_cpu_kernels.py: bench/CPU-NOTES.md).
-PACKED_MAX_ROWS = 16
+# (the multi-row kernel is 1.15-1.6x BLAS's speed at 64 rows, 1.1-1.25x at 128, on 1 and 2 threads:
+# bench/bench_cpu_kernels.py, bench/CPU-NOTES.md "The multi-row kernel"). runner.WARM_UP_TOKENS exceeds it.
+PACKED_MAX_ROWS = 64
+# Token rows up to which the gated MLP's activation is one numba loop; above, numpy's (its exp and tanh are
+# vectorized, numba's scalar).
+FUSED_ACTIVATION_MAX_ROWS = 16
 # Token rows up to which the packed kernel takes one row at a time (`row_dot`: the fewest operations for
 # one row); above, each weight block is decoded once for a group of rows (`rows_dot`).
 BY_ROW_MAX_ROWS = 1
@@ -150,7 +154,7 @@ class NumbaOps(NumpyOps):
             return super().gated_mlp(x, w_gate_up, w_down, activation)
         gate_up = self.matmul(x, w_gate_up)  # [T, 2F]: one product
         n_tok, n_ff = gate_up.shape[0], gate_up.shape[1] // 2
-        if n_tok > PACKED_MAX_ROWS:  # numpy's exp and tanh are vectorized, numba's scalar
+        if n_tok > FUSED_ACTIVATION_MAX_ROWS:
             gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]
             act = self.silu(gate) if activation is Activation.SILU else self.gelu_tanh(gate)
             act *= up
