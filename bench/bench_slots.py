@@ -8,7 +8,9 @@ difference between the two (the batched step against each slot decoded alone).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_slots.py --model smollm2
 
-The 1-minute load average is printed with the figures (these machines are shared).
+The 1-minute load average is printed with the figures (these machines are shared), and the process's CPU time
+per step beside the wall time (on a loaded machine, what the steps would take alone: a ratio of CPU times
+holds better than one of rates).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def main() -> None:
     modes = {"by row": PACKED_MAX_ROWS, "grouped": BY_ROW_MAX_ROWS} if numba else {"": BY_ROW_MAX_ROWS}
     base = None
     for b in batches:
-        rates, logits = {}, {}
+        rates, cpu_ms, logits = {}, {}, {}
         for mode, by_row_max in modes.items():
             numba_ops.BY_ROW_MAX_ROWS = by_row_max
             for slot in range(b):
@@ -63,19 +65,23 @@ def main() -> None:
             tokens = [first[slot] for slot in range(b)]
             slots.decode(list(enumerate(tokens)))  # warm: first step allocates
             steps = []
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.gen):
                 steps.append(slots.decode(list(enumerate(tokens))))
                 tokens = [int(np.argmax(row)) for row in steps[-1]]
             rates[mode] = b * args.gen / (time.perf_counter() - t0)
+            cpu_ms[mode] = 1000 * (time.process_time() - c0) / args.gen
             logits[mode] = np.stack(steps)
         numba_ops.BY_ROW_MAX_ROWS = modes[list(modes)[-1]]
         rate = rates[list(modes)[-1]]
         base = base or rate
-        line = f"B={b:2}: {rate:7.1f} tok/s aggregate, {1000 * b / rate:6.1f} ms/step, x{rate / base:.2f} of B=1"
+        cpu = cpu_ms[list(modes)[-1]]
+        line = (f"B={b:2}: {rate:7.1f} tok/s aggregate, {1000 * b / rate:6.1f} ms/step ({cpu:6.1f} ms of CPU), "
+                f"x{rate / base:.2f} of B=1")  # fmt: skip
         if numba:
             same = np.array_equal(logits["by row"].argmax(-1), logits["grouped"].argmax(-1))
-            line += (f"; by row {rates['by row']:7.1f} tok/s, grouped x{rate / rates['by row']:.2f} of it, "
+            line += (f"; by row {rates['by row']:7.1f} tok/s ({cpu_ms['by row']:6.1f} ms of CPU), grouped "
+                     f"x{rate / rates['by row']:.2f} of it (CPU x{cpu_ms['by row'] / cpu:.2f}), "
                      f"max |logit difference| {np.abs(logits['by row'] - logits['grouped']).max():.2e}, "
                      f"greedy tokens {'identical' if same else 'DIFFER'}")  # fmt: skip
         print(f"{line} (load {os.getloadavg()[0]:.2f})", flush=True)
