@@ -32,10 +32,13 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 SAFE_FAST = {"reassoc", "contract", "arcp", "nsz"}
 
 
-def _host_has_avx512() -> bool:
-    """Whether the compiling CPU has AVX-512 (32 vector registers): numba compiles for the host's features."""
+def _target_has_avx512() -> bool:
+    """Whether numba compiles for AVX-512 (32 vector registers): the host's features, or NUMBA_CPU_FEATURES
+    where set (as numba's own code generator decides)."""
     from llvmlite import binding
 
+    if numba.config.CPU_FEATURES is not None:
+        return "+avx512f" in numba.config.CPU_FEATURES.split(",")
     return bool(binding.get_host_cpu_features().get("avx512f", False))
 
 
@@ -193,9 +196,9 @@ row_dot_min = _row_dot(with_min=True)
 # of up to ROWS_GROUP token rows, its accumulators in registers: one weight row with an accumulator per
 # token row and 16-lane chunk of a block (their fma chains overlap), or, from PAIR_MIN_ROWS token rows, two
 # weight rows with one per token row and weight row (each x chunk loaded once for both: 1.1-1.2x at 8-16
-# rows). 8 rows x 2 x 16 lanes take 16 of AVX-512's 32 registers; AVX2 has 16 (half as wide): 2 rows, no
-# pairs (not measured). bench/CPU-NOTES.md "The multi-row kernel" has the alternatives measured.
-_AVX512 = _host_has_avx512()
+# rows). 8 rows x 2 x 16 lanes take 16 of AVX-512's 32 registers; AVX2 has 16 half as wide: 2 rows (1.45x a
+# row at a time; 3 or 4 rows spill), no pairs. bench/CPU-NOTES.md "The multi-row kernel" has the measurements.
+_AVX512 = _target_has_avx512()
 ROWS_GROUP = 8 if _AVX512 else 2
 PAIR_MIN_ROWS = 8 if _AVX512 else 1 << 62
 # (token rows, weight rows) of the loops `rows_dot` has (each costs compile time): one weight row for every
