@@ -195,8 +195,8 @@ row_dot_min = _row_dot(with_min=True)
 # weight block B times; `rows_dot` decodes a block once to w = q * scale + min and multiplies it into a group
 # of up to ROWS_GROUP token rows, its accumulators in registers: one weight row with an accumulator per
 # token row and 16-lane chunk of a block (their fma chains overlap), or, from PAIR_MIN_ROWS token rows, two
-# weight rows with one per token row and weight row (each x chunk loaded once for both: 1.1-1.2x at 8-16
-# rows). 8 rows x 2 x 16 lanes take 16 of AVX-512's 32 registers; AVX2 has 16 half as wide: 2 rows (1.45x a
+# weight rows with one per token row and weight row (each x chunk loaded once for both: 1.15x at 8 rows,
+# 1.5x at 16). 8 rows x 2 x 16 lanes take 16 of AVX-512's 32 registers; AVX2 has 16 half as wide: 2 rows (1.45x a
 # row at a time; 3 or 4 rows spill), no pairs. bench/CPU-NOTES.md "The multi-row kernel" has the measurements.
 _AVX512 = _target_has_avx512()
 ROWS_GROUP = 8 if _AVX512 else 2
@@ -296,14 +296,19 @@ def _rows_dot(with_min: bool):
                         builder.store(_hsum(builder, total), builder.gep(y_row, [weight_rows[i]]))
 
             done = builder.append_basic_block("rows_done")
+            missing = builder.append_basic_block("rows_missing")  # a combination without a loop: stop loudly
             # one loop per (token rows, weight rows): its accumulators stay in registers
-            switch = builder.switch(builder.add(builder.mul(rows_val, ir.Constant(_I64, 8)), tile_val), done)
+            switch = builder.switch(builder.add(builder.mul(rows_val, ir.Constant(_I64, 8)), tile_val), missing)
             for n_rows, n_w in ROWS_TILES:
                 case = builder.append_basic_block(f"rows_{n_rows}_{n_w}")
                 switch.add_case(ir.Constant(_I64, n_rows * 8 + n_w), case)
                 builder.position_at_end(case)
                 tile_loop(n_rows, n_w)
                 builder.branch(done)
+            builder.position_at_end(missing)
+            trap = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
+            builder.call(trap, [])
+            builder.unreachable()
             builder.position_at_end(done)
             return context.get_dummy_value()
 
@@ -319,11 +324,12 @@ def _scale_value(builder, row, index, half):
     return builder.fpext(builder.bitcast(value, ir.HalfType()), _F32) if half else value
 
 
-# y[r0 + r, n + i] = w_(n + i) . x[r0 + r] for the `rows` (1..ROWS_GROUP) token rows from r0 of x [M, K]
-# float32 and the `tile` (a literal, 1..WEIGHT_TILE) packed weight rows from n (values int8 [N, K] or 4-bit
-# pairs uint8 [N, K / 2]; scale, and mins with min, float32 or uint16 f16 bits [N, K / block]), decoded a
-# block at a time (block a literal, 16 or 32); y float32 [M, N]. A row's result does not depend on the
-# rows beside it (one accumulator per token row and weight row, the same operations in the same order).
+# y[r0 + r, n + i] = w_(n + i) . x[r0 + r] for the `rows` token rows from r0 of x [M, K] float32 and the
+# `tile` packed weight rows from n ((rows, tile) one of ROWS_TILES; values int8 [N, K] or 4-bit pairs uint8
+# [N, K / 2]; scale, and mins with min, float32 or uint16 f16 bits [N, K / block]), decoded a block at a time
+# (block a literal, 16 or 32); y float32 [M, N]. A token row's result does not depend on the other rows nor
+# on its place among them: each accumulator sees the same operations in the same order whatever the group
+# (one weight row, or two: their results differ by round-off).
 rows_dot = _rows_dot(with_min=False)
 rows_dot_min = _rows_dot(with_min=True)
 
@@ -387,8 +393,9 @@ def matmul_packed(x, xsum, values, scale, mins, has_min, block, by_row, y):
         full = values.shape[0] // tile
         for t in prange(full):
             _matmul_rows(x, values, scale, mins, has_min, block, y, t * tile, tile)
-        for n in range(full * tile, values.shape[0]):  # past the last full tile (apart: inlined in the loop
-            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)  # above, it slowed it 1.4x)
+        # past the last full tile, a row at a time (apart: inlined in the loop above it slowed that 1.4x)
+        for n in range(full * tile, values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
 
 
 @njit(fastmath=True, cache=True)
