@@ -43,9 +43,10 @@ from .ops import get_ops
 from .sampling import Argmax
 from .settings import EngineSettings, KVType
 
-# Tokens of the warm-up's second forward pass: more rows than the packed products take (they go to BLAS)
-# and more queries than the attention kernel takes (key blocks through BLAS), so every path is compiled.
-WARM_UP_TOKENS = 24
+# Tokens of the warm-up's second forward pass: more rows than the packed products take (they go to BLAS:
+# numba_ops.PACKED_MAX_ROWS, 64) and more queries than the attention kernel takes (key blocks through
+# BLAS), so every path is compiled.
+WARM_UP_TOKENS = 72
 
 
 @attrs.frozen
