@@ -258,6 +258,58 @@ def test_every_packed_type_is_exact_and_the_kernels_read_it(numba_ops):
     assert np.all(np.abs(numba_ops.matmul(x, stacked) - x @ dense.T) <= PRODUCT_RTOL * (np.abs(x) @ np.abs(dense).T))
 
 
+# Layouts no GGUF type packs to (4-bit without a min; int8 16-value blocks with a min; f16 scales on
+# 16-value blocks): (values dtype, block, scale dtype, with min). The kernels take every combination.
+EXTRA_LAYOUTS = [(np.uint8, 32, np.uint16, False), (np.uint8, 32, np.float32, False), (np.int8, 16, np.float32, True),
+                 (np.int8, 16, np.uint16, False), (np.int8, 32, np.uint16, True)]  # fmt: skip
+
+
+def _made_packed(layout, n, k, rng):
+    """A random PackedWeight of the layout (values dtype, block, scale dtype, with min)."""
+    from strata_engine.ops.packed import PackedWeight
+
+    dtype, block, scale_dtype, with_min = layout
+    if dtype == np.uint8:
+        values = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    else:
+        values = rng.integers(-128, 128, (n, k), dtype=np.int8)
+
+    def scales():
+        s = rng.uniform(-2, 2, (n, k // block)).astype(np.float16)
+        return s.view(np.uint16) if scale_dtype == np.uint16 else s.astype(np.float32)
+
+    return PackedWeight(values, scales(), scales() if with_min else None, block)
+
+
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 9, 16])
+def test_both_packed_kernels_match_the_oracle_for_every_layout(numba_ops, n_tok):
+    """Every packing (each GGUF type's, and the layouts in EXTRA_LAYOUTS) through the kernel a token row at a
+    time and through the one decoding each block once for a group of rows, against numpy on the
+    dequantized weight (an odd number of weight rows: the last past the pairs); and a row's result in the
+    multi-row kernel does not depend on the rows beside it nor on its place among them, and below
+    PAIR_MIN_ROWS rows equals the row alone (a batched decode step gives each slot what it gets alone)."""
+    from strata_engine.ops import numba_kernels as nk
+    from strata_engine.ops.packed import PACKERS
+
+    rng = np.random.default_rng(12)
+    weights = [(t.name, _random_packed(t, 41, 512, rng)[0]) for t in PACKERS]
+    weights += [(str(layout), _made_packed(layout, 41, 512, rng)) for layout in EXTRA_LAYOUTS]
+    for name, packed in weights:
+        dense = packed.dequantize().astype(np.float64)
+        x = rng.standard_normal((n_tok, 512)).astype(np.float32)
+        want = x @ dense.T
+        bound = PRODUCT_RTOL * (np.abs(x) @ np.abs(dense).T)
+        for by_row in (True, False):
+            got = numba_ops.packed_matmul(x, packed, by_row=by_row)
+            assert got.dtype == np.float32 and np.all(np.abs(got - want) <= bound), (name, by_row)
+        grouped = numba_ops.packed_matmul(x, packed, by_row=False)
+        flipped = numba_ops.packed_matmul(np.ascontiguousarray(x[::-1]), packed, by_row=False)
+        np.testing.assert_array_equal(flipped[::-1], grouped, err_msg=name)
+        if n_tok < nk.PAIR_MIN_ROWS:
+            alone = [numba_ops.packed_matmul(x[i : i + 1], packed, by_row=False) for i in range(n_tok)]
+            np.testing.assert_array_equal(grouped, np.concatenate(alone), err_msg=name)
+
+
 def _real_weights(gguf_file, head_rows: int):
     """Both models' real weight shapes: layer 0's stacked QKV and gate/up, its down and output
     projections (packed as the loader packs them), and `head_rows` rows of the output head."""
@@ -284,10 +336,11 @@ def _real_weights(gguf_file, head_rows: int):
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-@pytest.mark.parametrize("n_tok", [1, 3, 16, 17, 100])
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 16, 17, 64, 65, 100])
 def test_packed_products_match_the_oracle_on_real_weights(numba_ops, model_files, name, n_tok):
-    """The packed kernel (up to 16 rows) and the dequantize-then-BLAS path (above) against numpy's
-    product with the weights dequantized, for both models' weight shapes (the head's first 8,192 rows)."""
+    """The packed kernels (a row at a time for one row, a block decoded once for a group of rows up to
+    PACKED_MAX_ROWS) and the dequantize-then-BLAS path (above) against numpy's product with the weights
+    dequantized, for both models' weight shapes (the head's first 8,192 rows)."""
     rng = np.random.default_rng(10)
     for packed, dense in _real_weights(model_files[name], 8192):
         x = rng.standard_normal((n_tok, dense.shape[1])).astype(np.float32)

@@ -33,6 +33,16 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 SAFE_FAST = {"reassoc", "contract", "arcp", "nsz"}
 
 
+def _target_has_avx512() -> bool:
+    """Whether numba compiles for AVX-512 (32 vector registers): the host's features, or NUMBA_CPU_FEATURES
+    where set (as numba's own code generator decides)."""
+    from llvmlite import binding
+
+    if numba.config.CPU_FEATURES is not None:
+        return "+avx512f" in numba.config.CPU_FEATURES.split(",")
+    return bool(binding.get_host_cpu_features().get("avx512f", False))
+
+
 @intrinsic
 def widen(typingctx, value):
     """A stored K/V element as float32: uint16 holds f16 bits (`fpext half`: vcvtph2ps where the CPU has
@@ -182,8 +192,148 @@ row_dot = _row_dot(with_min=False)
 row_dot_min = _row_dot(with_min=True)
 
 
+# A decode step of B slots multiplies B token rows by each weight. `row_dot` per token row would decode every
+# weight block B times; `rows_dot` decodes a block once to w = q * scale + min and multiplies it into a group
+# of up to ROWS_GROUP token rows, its accumulators in registers: one weight row with an accumulator per
+# token row and 16-lane chunk of a block (their fma chains overlap), or, from PAIR_MIN_ROWS token rows, two
+# weight rows with one per token row and weight row (each x chunk loaded once for both: 1.15x at 8 rows,
+# 1.5x at 16). 8 rows x 2 x 16 lanes take 16 of AVX-512's 32 registers; AVX2 has 16 half as wide: 2 rows (1.45x a
+# row at a time; 3 or 4 rows spill), no pairs. bench/CPU-NOTES.md "The multi-row kernel" has the measurements.
+_AVX512 = _target_has_avx512()
+ROWS_GROUP = 8 if _AVX512 else 2
+PAIR_MIN_ROWS = 8 if _AVX512 else 1 << 62
+# (token rows, weight rows) of the loops `rows_dot` has (each costs compile time): one weight row for every
+# group size, two for groups of 8, 4, 2, 1 (`_matmul_rows` cuts the token rows so).
+ROWS_TILES = [(r, 1) for r in range(1, ROWS_GROUP + 1)] + [(r, 2) for r in (8, 4, 2, 1) if _AVX512]
+
+
+def _decoded_block(builder, values, offset_q, nibbles, block, lanes):
+    """One block's q as float32 in value order, as <lanes x float> chunks (4-bit pairs: the low nibbles
+    are values 0 .. block / 2 - 1, the high ones the rest)."""
+    if nibbles:
+        n = block // 2
+        raw = builder.zext(_load_vector(builder, values, offset_q, ir.IntType(8), n), ir.VectorType(_I32, n))
+        vf = ir.VectorType(_F32, n)
+        halves = [
+            builder.uitofp(builder.and_(raw, ir.Constant(raw.type, [15] * n)), vf),
+            builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * n)), vf),
+        ]
+    else:
+        q = _load_vector(builder, values, offset_q, ir.IntType(8), block)
+        halves = [builder.sitofp(q, ir.VectorType(_F32, block))]
+    return [
+        builder.shuffle_vector(h, h, _indices(list(range(lo, lo + lanes)))) if h.type.count > lanes else h
+        for h in halves
+        for lo in range(0, h.type.count, lanes)
+    ]
+
+
+def _rows_dot(with_min: bool):
+    """The `rows_dot` intrinsic, or with mins (`rows_dot_min`)."""
+
+    def typer(typingctx, values, x, r0, rows, scale, mins, y, n, tile, block):
+        if not isinstance(block, types.IntegerLiteral) or block.literal_value not in (16, 32):
+            return None
+        nibbles = values.dtype == types.uint8
+        half = scale.dtype == types.uint16
+        sig = types.void(values, x, r0, rows, scale, mins, y, n, tile, block)
+
+        def codegen(context, builder, signature, args):
+            q_arr, x_arr, s_arr, m_arr, y_arr = (
+                context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 4, 5, 6)
+            )
+            nb = block.literal_value
+            lanes = _lanes(nibbles, nb)
+            vf = ir.VectorType(_F32, lanes)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
+            r0_val, rows_val, n_val, tile_val = (
+                context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 3, 7, 8)
+            )
+            scale_elem = ir.IntType(16) if half else _F32
+            n_blocks = builder.extract_value(s_arr.shape, 1)
+            n_chunks = nb // lanes
+
+            def tile_loop(n_rows, n_w):
+                n_acc = n_chunks if n_w == 1 else 1  # accumulators per token row and weight row
+                weight_rows = [builder.add(n_val, ir.Constant(_I64, i)) for i in range(n_w)]
+                q_rows = [_row_ptr(builder, q_arr, i, ir.IntType(8)) for i in weight_rows]
+                s_rows = [_row_ptr(builder, s_arr, i, scale_elem) for i in weight_rows]
+                m_rows = [_row_ptr(builder, m_arr, i, scale_elem) for i in weight_rows] if with_min else []
+                x_rows = [
+                    _row_ptr(builder, x_arr, builder.add(r0_val, ir.Constant(_I64, r)), _F32) for r in range(n_rows)
+                ]
+
+                def body(b, accs):
+                    offset_q = builder.mul(b, ir.Constant(_I64, nb // 2 if nibbles else nb))
+                    w = []  # the weight rows' block b as w = q * scale + min: [weight row][chunk]
+                    for i in range(n_w):
+                        d = _splat(builder, _scale_value(builder, s_rows[i], b, half), lanes)
+                        q = _decoded_block(builder, q_rows[i], offset_q, nibbles, nb, lanes)
+                        if with_min:
+                            m = _splat(builder, _scale_value(builder, m_rows[i], b, half), lanes)
+                            w.append([builder.call(fma, [qc, d, m]) for qc in q])
+                        else:
+                            w.append([builder.fmul(qc, d) for qc in q])
+                    out = list(accs)  # accumulator (r * n_w + i) * n_acc + c: token row r, weight row i, chunk c
+                    offset_x = builder.mul(b, ir.Constant(_I64, nb))
+                    for r, x_row in enumerate(x_rows):
+                        for c in range(n_chunks):  # each x chunk loaded once for the tile's weight rows
+                            offset = builder.add(offset_x, ir.Constant(_I64, c * lanes))
+                            xc = _load_vector(builder, x_row, offset, _F32, lanes)
+                            for i in range(n_w):
+                                a = (r * n_w + i) * n_acc + (c if n_acc > 1 else 0)
+                                out[a] = builder.call(fma, [w[i][c], xc, out[a]])
+                    return out
+
+                zero = ir.Constant(vf, [0.0] * lanes)
+                final = _counted_loop(builder, n_blocks, body, [zero] * (n_rows * n_w * n_acc))
+                for r in range(n_rows):
+                    y_row = _row_ptr(builder, y_arr, builder.add(r0_val, ir.Constant(_I64, r)), _F32)
+                    for i in range(n_w):
+                        parts = final[(r * n_w + i) * n_acc : (r * n_w + i + 1) * n_acc]
+                        total = parts[0]
+                        for part in parts[1:]:
+                            total = builder.fadd(total, part, flags=EXACT)
+                        builder.store(_hsum(builder, total), builder.gep(y_row, [weight_rows[i]]))
+
+            done = builder.append_basic_block("rows_done")
+            # one loop per (token rows, weight rows): its accumulators stay in registers. Another combination
+            # writes nothing (callers pass only these; a trapping default made the loops 1.3-1.6x slower).
+            switch = builder.switch(builder.add(builder.mul(rows_val, ir.Constant(_I64, 8)), tile_val), done)
+            for n_rows, n_w in ROWS_TILES:
+                case = builder.append_basic_block(f"rows_{n_rows}_{n_w}")
+                switch.add_case(ir.Constant(_I64, n_rows * 8 + n_w), case)
+                builder.position_at_end(case)
+                tile_loop(n_rows, n_w)
+                builder.branch(done)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = "rows_dot_min" if with_min else "rows_dot"
+    return intrinsic(typer)
+
+
+def _scale_value(builder, row, index, half):
+    """row[index] of a scale row (a pointer to f16 bits or float32) as float32."""
+    value = builder.load(builder.gep(row, [index]))
+    return builder.fpext(builder.bitcast(value, ir.HalfType()), _F32) if half else value
+
+
+# y[r0 + r, n + i] = w_(n + i) . x[r0 + r] for the `rows` token rows from r0 of x [M, K] float32 and the
+# `tile` packed weight rows from n ((rows, tile) one of ROWS_TILES; values int8 [N, K] or 4-bit pairs uint8
+# [N, K / 2]; scale, and mins with min, float32 or uint16 f16 bits [N, K / block]), decoded a block at a time
+# (block a literal, 16 or 32); y float32 [M, N]. A token row's result does not depend on the other rows nor
+# on its place among them: each accumulator sees the same operations in the same order whatever the group
+# (one weight row, or two: their results differ by round-off).
+rows_dot = _rows_dot(with_min=False)
+rows_dot_min = _rows_dot(with_min=True)
+
+
 @njit(fastmath=True, cache=True, inline="always")
 def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
+    """Row n of y = x W^T, one token row at a time (`row_dot`)."""
     row = values[n]
     sc = scale[n]
     mn = mins[n] if has_min else mins[0]
@@ -196,19 +346,68 @@ def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
         y[m, n] = acc
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _rows_dot_any(values, x, r, rows, scale, mins, has_min, y, n, tile, block):
+    if has_min and block == 32:
+        rows_dot_min(values, x, r, rows, scale, mins, y, n, tile, 32)
+    elif has_min:
+        rows_dot_min(values, x, r, rows, scale, mins, y, n, tile, 16)
+    elif block == 32:
+        rows_dot(values, x, r, rows, scale, mins, y, n, tile, 32)
+    else:
+        rows_dot(values, x, r, rows, scale, mins, y, n, tile, 16)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _matmul_rows(x, values, scale, mins, has_min, block, y, n, tile):
+    """Weight rows n .. n + tile - 1 of y = x W^T by `rows_dot`, the token rows in groups of up to ROWS_GROUP
+    (with a pair of weight rows, of 8, 4, 2, 1: the loops it has)."""
+    r = 0
+    while r < x.shape[0]:
+        rows = min(ROWS_GROUP, x.shape[0] - r)
+        while tile > 1 and rows & (rows - 1):  # a pair of weight rows: groups of 8, 4, 2, 1
+            rows &= rows - 1
+        _rows_dot_any(values, x, r, rows, scale, mins, has_min, y, n, tile, block)
+        r += rows
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _weight_tile(n_tok):
+    return 2 if n_tok >= PAIR_MIN_ROWS else 1
+
+
 @njit(parallel=True, fastmath=True, cache=True)
-def matmul_packed(x, xsum, values, scale, mins, has_min, block, y):
-    """y = x W^T for a packed weight (`row_dot`), plus min * sum(x) per block where it has mins (xsum
-    [M, K / block]); rows over all threads."""
-    for n in prange(values.shape[0]):
-        _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+def matmul_packed(x, xsum, values, scale, mins, has_min, block, by_row, y):
+    """y = x W^T for a packed weight, weight rows over all threads: a token row at a time (by_row:
+    `row_dot`, plus min * sum(x) per block where it has mins, xsum [M, K / block]) or each block of a tile
+    of weight rows decoded once for a group of token rows (`rows_dot`; xsum read only for the rows past the
+    last full tile). One kernel for both: warming one warms both."""
+    if by_row:
+        for n in prange(values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+    else:
+        tile = _weight_tile(x.shape[0])
+        full = values.shape[0] // tile
+        for t in prange(full):
+            _matmul_rows(x, values, scale, mins, has_min, block, y, t * tile, tile)
+        # past the last full tile, a row at a time (apart: inlined in the loop above it slowed that 1.4x)
+        for n in range(full * tile, values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
 
 
 @njit(fastmath=True, cache=True)
-def matmul_packed_serial(x, xsum, values, scale, mins, has_min, block, y):
+def matmul_packed_serial(x, xsum, values, scale, mins, has_min, block, by_row, y):
     """`matmul_packed` on the calling thread (a product too small to be worth a parallel region)."""
-    for n in range(values.shape[0]):
-        _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+    if by_row:
+        for n in range(values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+    else:
+        tile = _weight_tile(x.shape[0])
+        full = values.shape[0] // tile
+        for t in range(full):
+            _matmul_rows(x, values, scale, mins, has_min, block, y, t * tile, tile)
+        for n in range(full * tile, values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
 
 
 @njit(fastmath=True, cache=True, inline="always")
