@@ -15,7 +15,6 @@ import os
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -452,22 +451,12 @@ def dequantize_packed_serial(values, scale, mins, has_min, out):
 # the pool's rows are token-major [slots, Hkv, D], so a tile's rows of every head are read while they are
 # in cache (one head's pass over all keys strides through 1 / Hkv of each row: 3x slower for SmolLM2 at
 # 4,096 held). Per head and block of query rows: scores by `key_dots`, a softmax with `fast_exp`, the
-# weighted sum of values by `value_sums` (LLVM vector IR: a block's accumulators stay in registers). Keys and values are read as stored (f16 bits, int8 with per-block scales, f32) and
-# converted in registers, never into a float32 copy. Every output element is a sum in key order, so the
-# blocks, the tiles and a ring's runs give the same bits wherever the rows lie.
+# weighted sum of values by `value_sums` (LLVM vector IR: a block's accumulators stay in registers). Keys
+# and values are read as stored (f16 bits, int8 with per-block scales, f32) and converted in registers,
+# never into a float32 copy. Every output element is a sum in key order, so the blocks, the tiles and a
+# ring's runs give the same bits wherever the rows lie. With AVX-512 (`_AVX512`: 32 registers of 16
+# float32) a vector is one register, else two AVX2 ones; the register blocks are sized for 32 or 16.
 _HEAD_DIMS = (64, 128, 256)  # head sizes the IR is generated for (others: a plain loop)
-# The kernels compile for the host CPU: with AVX-512 (32 registers of 16 float32) a vector is one register,
-# else two AVX2 ones, and the register blocks below are sized for 32 or 16 registers.
-
-
-def _host_has_avx512() -> bool:
-    try:
-        return "+avx512f" in llvm_binding.get_host_cpu_features().flatten().split(",")
-    except RuntimeError:  # features unknown on this platform
-        return False
-
-
-_AVX512 = _host_has_avx512()
 _VEC = 16 if _AVX512 else 8  # float32 lanes of one register
 _KEY_TILE = 32  # keys per tile: every head's rows of a tile (16 KiB of f16 at Hkv x D = 256) stay in L1
 _DOT_ROWS = 4  # query rows per `key_dots` block
