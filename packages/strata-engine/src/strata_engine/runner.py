@@ -218,8 +218,9 @@ class ModelRunner:
     def warm_kernels(self) -> float:
         """Compile (or load from numba's disk cache) the kernels a request would run, now: a forward pass
         of one token and one of a short prompt past the packed products' row limit, on placeholder
-        tokens at position 0 whose K/V are then dropped. Nothing for ops without compiled kernels.
-        Returns the seconds spent."""
+        tokens at position 0 whose K/V are then dropped, and the attention kernels over the pool's storage
+        that those short passes do not reach (`Ops.warm_attention`). Nothing for ops without compiled
+        kernels. Returns the seconds spent."""
         t0 = time.perf_counter()
         if not self.model.ops.compiles_kernels:
             return 0.0
