@@ -5,6 +5,7 @@ reads the context from memory as a real one does), on 1 and on all threads; besi
 read the same K/V bytes once. The numbers behind the attention section of bench/CPU-NOTES.md.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_attention.py [--baseline main]
+        [--threads 1 2] [--held 4096 8192] [--tokens 1 5 16] [--parallel-min-scores 16384]
 
 The baseline's numba_kernels.py is taken from git (`git show REV:...`) and loaded as a module of its own
 (its kernels compile into a cache folder of their own).
@@ -110,7 +111,13 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[1], help="query tokens per call (<= 16)")
     ap.add_argument("--threads", nargs="+", type=int, default=sorted({1, len(os.sched_getaffinity(0))}))
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--parallel-min-scores", type=int, default=None,
+                    help="this tree's PARALLEL_MIN_SCORES for the run (e.g. 16384: decode at depth over all threads)")
     args = ap.parse_args()
+    if args.parallel_min_scores is not None:
+        from strata_engine.ops import numba_ops
+
+        numba_ops.PARALLEL_MIN_SCORES = args.parallel_min_scores
 
     from strata_engine.ops.numba_ops import NumbaOps
 
