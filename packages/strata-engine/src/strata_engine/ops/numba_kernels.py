@@ -791,6 +791,37 @@ def mul_add(typingctx, acc, a, b):
     return types.float32(acc, a, b), codegen
 
 
+@intrinsic
+def row_sum(typingctx, row):
+    """sum(row) of a contiguous float32 row in one fixed order (16-lane partial sums, `_hsum`, then the tail in
+    order): a fastmath loop's sum is vectorized in whatever order LLVM picks for each compiled kernel, and
+    the kernels for f16, int8 and float32 storage must round alike."""
+    if not (isinstance(row, types.Array) and row.ndim == 1 and row.dtype == types.float32 and row.layout == "C"):
+        return None
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        n = builder.extract_value(arr.shape, 0)
+        vf = ir.VectorType(_F32, 16)
+        chunks = builder.udiv(n, ir.Constant(_I64, 16))
+
+        def chunk(i, carried):
+            v = _load_vector(builder, arr.data, builder.mul(i, ir.Constant(_I64, 16)), _F32, 16)
+            return [builder.fadd(carried[0], v, flags=EXACT)]
+
+        (acc,) = _counted_loop(builder, chunks, chunk, [ir.Constant(vf, [0.0] * 16)])
+        done = builder.mul(chunks, ir.Constant(_I64, 16))
+
+        def tail(i, carried):
+            x = builder.load(builder.gep(arr.data, [builder.add(done, i)]))
+            return [builder.fadd(carried[0], x, flags=EXACT)]
+
+        (total,) = _counted_loop(builder, builder.sub(n, done), tail, [_hsum(builder, acc)])
+        return total
+
+    return types.float32(row), codegen
+
+
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _plain_dots(q, keys, scales, has_scales, lo, n, out):
     for r in range(q.shape[0]):
@@ -907,13 +938,10 @@ def _attention_split(
             sg[hi - first :] = 0
             seen = sg[lo - first : hi - first]  # indexed from 0: numba's index wrap-around check then folds away
             top = _row_max(seen)
-            total = F32(0)
             for i in range(seen.shape[0]):  # vectorized
-                e = fast_exp(seen[i] - top)
-                seen[i] = e
-                total += e
+                seen[i] = fast_exp(seen[i] - top)
             m_out[sp, hk, r] = top
-            l_out[sp, hk, r] = total
+            l_out[sp, hk, r] = row_sum(seen)
     for t0 in range(first, s_hi, _KEY_TILE):
         t1 = min(s_hi, t0 + _KEY_TILE)
         p = t0
@@ -947,7 +975,7 @@ def _merge(acc, m_in, l_in, n_tok, out):
     for hk in range(n_kv):
         for r in range(rows):
             t, g = r // group, r % group
-            top = -np.inf
+            top = F32(-np.inf)
             for sp in range(n_split):
                 top = max(top, m_in[sp, hk, r])
             o = out[t, (hk * group + g) * d : (hk * group + g + 1) * d]
@@ -956,11 +984,11 @@ def _merge(acc, m_in, l_in, n_tok, out):
             for sp in range(n_split):
                 if m_in[sp, hk, r] == -np.inf:
                     continue
-                w = np.exp(m_in[sp, hk, r] - top)
-                total += w * l_in[sp, hk, r]
+                w = F32(np.exp(m_in[sp, hk, r] - top))
+                total = mul_add(total, w, l_in[sp, hk, r])  # rounded as written, as the partials were
                 part = acc[sp, hk, r]
                 for j in range(d):
-                    o[j] += w * part[j]
+                    o[j] = mul_add(o[j], w, part[j])
             for j in range(d):
                 o[j] /= total
 
