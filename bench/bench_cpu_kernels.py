@@ -2,7 +2,9 @@
 the output head, in the order a token reads them) per number of token rows, in the engine's layout (4-bit
 pairs where the file's blocks are 4-bit, f16 scales where exact) against the same weights widened to
 int8 with float32 scales, and against numpy's BLAS on the weights dequantized a chunk at a time; with
-the bandwidth they reach. The numbers behind the choices in bench/CPU-NOTES.md.
+the bandwidth they reach. At each row count both packed kernels run, in turns: a token row at a time
+(`row_dot`) and each block decoded once for a group of rows (`rows_dot`), with the ratio. The numbers
+behind the choices in bench/CPU-NOTES.md.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_cpu_kernels.py [-t 2]
 """
@@ -50,12 +52,20 @@ def sweep(product, weights: list, x: np.ndarray) -> None:
 
 
 def best_of(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
+    return best_of_each({"": fn}, reps)[""]
+
+
+def best_of_each(fns: dict, reps: int) -> dict:
+    """Each function's best time of `reps`, the functions taking turns (a shared machine's load falls on
+    all of them alike)."""
+    for fn in fns.values():
         fn()
-        best = min(best, time.perf_counter() - t)
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(reps):
+        for key, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t)
     return best
 
 
@@ -63,8 +73,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
-    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--blas-rows", nargs="+", type=int, default=[8, 16, 32, 64, 512])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 24, 32])
+    ap.add_argument("--blas-rows", nargs="+", type=int, default=[8, 16, 24, 32, 64, 512])
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     from strata_engine.ops.numba_ops import NumbaOps
@@ -80,15 +90,23 @@ def main() -> None:
         for label, ws in layouts.items():
             nbytes = sum(w.nbytes for w in ws)
             for m in args.rows:
-                dt = best_of(functools.partial(sweep, ops.packed_matmul, ws, xs[m]), args.reps)
+                kernels = {
+                    f"by row {label}": functools.partial(sweep, functools.partial(ops.packed_matmul, by_row=True), ws, xs[m]),
+                    f"grouped {label}": functools.partial(sweep, functools.partial(ops.packed_matmul, by_row=False), ws, xs[m]),
+                }  # fmt: skip
+                if label == "packed" and m in args.blas_rows:  # the crossover PACKED_MAX_ROWS, in the same turns
+                    kernels["BLAS"] = functools.partial(sweep, ops.blas_matmul, weights, xs[m])
+                best = best_of_each(kernels, args.reps)
+                grouped = best[f"grouped {label}"]
+                times = ", ".join(f"{key} {dt * 1e3:7.2f} ms (x{dt / grouped:5.2f})" for key, dt in best.items())
                 print(
-                    f"{name:8} {label:6} M={m:3}: {dt * 1e3:8.2f} ms a sweep ({m / dt:7.1f} rows/s), "
-                    f"{nbytes / 1e6:6.1f} MB of weights, {nbytes / dt / 1e9:5.1f} GB/s",
+                    f"{name:8} M={m:3}: {times} a sweep; grouped {grouped * 1e3 / m:6.2f} ms a row, "
+                    f"{nbytes / 1e6:5.1f} MB at {nbytes / grouped / 1e9:5.1f} GB/s",
                     flush=True,
                 )
-        for m in args.blas_rows:
+        for m in sorted(set(args.blas_rows) - set(args.rows)):
             dt = best_of(functools.partial(sweep, ops.blas_matmul, weights, xs[m]), args.reps)
-            print(f"{name:8} BLAS   M={m:3}: {dt * 1e3:8.2f} ms a sweep ({m / dt:7.1f} rows/s)", flush=True)
+            print(f"{name:8} M={m:3}: BLAS {dt * 1e3:8.2f} ms a sweep ({m / dt:7.1f} rows/s)", flush=True)
 
 
 if __name__ == "__main__":

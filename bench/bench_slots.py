@@ -1,11 +1,16 @@
 """Batched decode of several slots (`SlotSet.decode`) against one slot decoding alone, in one run: aggregate
 decode tok/s with B = 1, 2, 4, 8 slots advancing together (one forward pass per step), each slot first
 holding a prompt of --prompt tokens, and the ratio to B = 1. The engine's compute alone (no protocol, no
-sampling): what the scheduler's steps can reach at best.
+sampling): what the scheduler's steps can reach at best. With the numba kernels each B runs twice in turn:
+the packed products a token row at a time (`row_dot`, what one slot alone runs) and each weight block
+decoded once for the B rows (`rows_dot`, the engine's choice), with the ratio and the largest logit
+difference between the two (the batched step against each slot decoded alone).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_slots.py --model smollm2
 
-The 1-minute load average is printed with the figures (these machines are shared).
+The 1-minute load average is printed with the figures (these machines are shared), and the process's CPU time
+per step beside the wall time (on a loaded machine, what the steps would take alone: a ratio of CPU times
+holds better than one of rates).
 """
 
 from __future__ import annotations
@@ -16,14 +21,16 @@ import time
 
 import numpy as np
 from bench_engine import model_path
-from strata_engine.settings import EngineSettings
+from strata_engine.ops import numba_ops
+from strata_engine.ops.numba_ops import BY_ROW_MAX_ROWS, PACKED_MAX_ROWS
+from strata_engine.settings import CpuKernels, EngineSettings
 from strata_engine.slots import SlotSet
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
-    parser.add_argument("--batches", default="1,2,4,8", help="slots decoding together, comma-separated")
+    parser.add_argument("--batches", default="1,2,4,8,16", help="slots decoding together, comma-separated")
     parser.add_argument("--prompt", type=int, default=128, help="tokens each slot holds before decoding")
     parser.add_argument("--gen", type=int, default=32, help="decode steps per batch size")
     parser.add_argument("--n-ctx-slot", type=int, default=1024)
@@ -46,22 +53,38 @@ def main() -> None:
     for slot in range(n_slots):
         prompt = [int(t) for t in rng.integers(100, 20000, args.prompt)]
         first[slot] = int(np.argmax(slots.runners[slot].prefill(prompt).logits))
+    numba = s.cpu_kernels == CpuKernels.NUMBA
+    modes = {"by row": PACKED_MAX_ROWS, "grouped": BY_ROW_MAX_ROWS} if numba else {"": BY_ROW_MAX_ROWS}
     base = None
     for b in batches:
-        for slot in range(b):
-            slots.runners[slot].cut_back(args.prompt)
-        tokens = [first[slot] for slot in range(b)]
-        slots.decode(list(enumerate(tokens)))  # warm: first step allocates
-        t0 = time.perf_counter()
-        for _ in range(args.gen):
-            logits = slots.decode(list(enumerate(tokens)))
-            tokens = [int(np.argmax(row)) for row in logits]
-        dt = time.perf_counter() - t0
-        rate = b * args.gen / dt
+        rates, cpu_ms, logits = {}, {}, {}
+        for mode, by_row_max in modes.items():
+            numba_ops.BY_ROW_MAX_ROWS = by_row_max
+            for slot in range(b):
+                slots.runners[slot].cut_back(args.prompt)
+            tokens = [first[slot] for slot in range(b)]
+            slots.decode(list(enumerate(tokens)))  # warm: first step allocates
+            steps = []
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(args.gen):
+                steps.append(slots.decode(list(enumerate(tokens))))
+                tokens = [int(np.argmax(row)) for row in steps[-1]]
+            rates[mode] = b * args.gen / (time.perf_counter() - t0)
+            cpu_ms[mode] = 1000 * (time.process_time() - c0) / args.gen
+            logits[mode] = np.stack(steps)
+        numba_ops.BY_ROW_MAX_ROWS = modes[list(modes)[-1]]
+        rate = rates[list(modes)[-1]]
         base = base or rate
-        print(f"B={b}: {rate:7.1f} tok/s aggregate, {1000 * dt / args.gen:6.1f} ms/step, x{rate / base:.2f} of B=1 "
-              f"(load {os.getloadavg()[0]:.2f})")  # fmt: skip
-
+        cpu = cpu_ms[list(modes)[-1]]
+        line = (f"B={b:2}: {rate:7.1f} tok/s aggregate, {1000 * b / rate:6.1f} ms/step ({cpu:6.1f} ms of CPU), "
+                f"x{rate / base:.2f} of B=1")  # fmt: skip
+        if numba:
+            same = np.array_equal(logits["by row"].argmax(-1), logits["grouped"].argmax(-1))
+            line += (f"; by row {rates['by row']:7.1f} tok/s ({cpu_ms['by row']:6.1f} ms of CPU), grouped "
+                     f"x{rate / rates['by row']:.2f} of it (CPU x{cpu_ms['by row'] / cpu:.2f}), "
+                     f"max |logit difference| {np.abs(logits['by row'] - logits['grouped']).max():.2e}, "
+                     f"greedy tokens {'identical' if same else 'DIFFER'}")  # fmt: skip
+        print(f"{line} (load {os.getloadavg()[0]:.2f})", flush=True)
 
 if __name__ == "__main__":
     main()

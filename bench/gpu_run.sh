@@ -10,6 +10,9 @@
 #   probe-io  bench/probe_gpu_io.py (reads by 1-8 threads, XXH3, host->device copies, write+fsync)
 #   tests  every tests/engine/test_gpu*.py
 #   bench  bench/bench_gpu.py (engine vs transformers), then bench/bench_gpu_session.py
+#   slots  the batched decode tests (test_gpu_model.py -k batched)
+#   bench-slots  bench/bench_gpu_slots.py (step time per B op by op vs graphs; aggregate tok/s at B = 1..8)
+#   graph-bound  bench/probe_gpu_graph_bound.py (gemma3 bf16: decode graph vs op by op vs f32)
 # Model files travel in pieces under .gpu-carry/ (git-ignored) and are reassembled here, checked
 # against .gpu-carry/meta/*.sha256. Output goes to $OUT/<step>.log (and the tail to stdout).
 set -o pipefail
@@ -74,6 +77,12 @@ PY
     bench)  # f16 for smollm2; gemma3 in bf16 (its residual stream overflows f16)
       [ -n "$STRATA_SMOLLM2_PATH" ] && { python3 bench/bench_gpu.py --model smollm2=$STRATA_SMOLLM2_PATH --dtype f16 --lengths 512,4096 --json "$OUT/bench_gpu_smollm2.json" 2>&1 | tee "$OUT/bench_gpu_smollm2.log" || rc=1; }
       [ -n "$STRATA_GEMMA3_PATH" ] && { python3 bench/bench_gpu.py --model gemma3=$STRATA_GEMMA3_PATH --dtype bf16 --lengths 512,4096 --long 32768 --json "$OUT/bench_gpu_gemma3.json" 2>&1 | tee "$OUT/bench_gpu_gemma3.log" || rc=1; } ;;
+    slots) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_model.py -k batched 2>&1 | tee "$OUT/slots.log" || rc=1 ;;
+    bench-slots) python3 bench/bench_gpu_slots.py "${MODELS[@]}" ${SLOTS_ARGS:-} --json "$OUT/bench_gpu_slots.json" 2>&1 | tee "$OUT/bench_gpu_slots.log" || rc=1 ;;
+    graph-bound)  # smollm2 f16 over 1,100 held tokens, gemma3 bf16 over 1,500 (across its ring's wrap)
+      { [ -n "$STRATA_SMOLLM2_PATH" ] && { python3 bench/probe_gpu_graph_bound.py --model smollm2=$STRATA_SMOLLM2_PATH --dtype f16 --prompt 1100 || rc=1; }
+        [ -n "$STRATA_GEMMA3_PATH" ] && { python3 bench/probe_gpu_graph_bound.py --model gemma3=$STRATA_GEMMA3_PATH || rc=1; }
+      } 2>&1 | tee "$OUT/graph_bound.log" ;;
     bench-session) python3 bench/bench_gpu_session.py "${MODELS[@]}" --json "$OUT/bench_gpu_session.json" 2>&1 | tee "$OUT/bench_gpu_session.log" || rc=1 ;;
     bench-session-quick) python3 bench/bench_gpu_session.py "${MODELS[@]}" --placements device-pool --synthetic-tokens 0 2>&1 | tee "$OUT/bench_gpu_session_quick.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;

@@ -115,6 +115,20 @@ def reference_turns(server, messages: list[dict], question: str) -> tuple[str, s
     return reply, second
 
 
+def returning_turn(server, messages: list[dict], held: int | None, hits: int):
+    """A chat's turn on a server whose store may hold it: a returning chat (`held`: the tokens it held when it
+    left its slot) gets all of them from the store, counted as the next hit; a new one shares only the
+    template's first tokens. Returns (the reply, the hits so far)."""
+    reply = chat(server, messages)
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    if held is None:
+        assert cached < 10
+        return reply, hits
+    assert cached >= 0.99 * held, (messages[-1], cached, held)
+    assert metric(server, 'strata:store_lookups_total{result="hit"}') == hits + 1
+    return reply, hits + 1
+
+
 @pytest.mark.parametrize("stop", ["sigterm", "kill-after-idle-save"])
 def test_a_chat_continues_after_a_restart(module_tmp, never_stopped, stop):
     folder = module_tmp / f"store-{stop}"
@@ -197,14 +211,7 @@ def test_two_conversations_alternating_on_one_slot_hit_the_store_every_turn(modu
         hits = 0
         for round_ in range(3):
             for name, messages in chats.items():
-                reply = chat(server, messages)
-                cached = reply.usage.prompt_tokens_details.cached_tokens
-                if round_:
-                    hits += 1
-                    assert cached >= 0.99 * held[name], (name, round_, cached, held[name])  # all it had, from the store
-                    assert metric(server, 'strata:store_lookups_total{result="hit"}') == hits
-                else:
-                    assert cached < 10  # a new chat: only the template's first tokens are shared
+                reply, hits = returning_turn(server, messages, held.get(name), hits)
                 before[name], held[name] = held.get(name, 0), reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
                 last[name], chats[name] = messages, followed(messages, reply.choices[0].message.content,
                                                              f"And item {round_ + 4}?")
@@ -235,12 +242,7 @@ def test_three_chats_on_two_slots_hit_the_store_on_every_returning_turn(module_t
         hits = 0
         for round_ in range(3):
             for name, messages in chats.items():
-                reply = chat(server, messages)
-                cached = reply.usage.prompt_tokens_details.cached_tokens
-                if round_:
-                    hits += 1
-                    assert cached >= 0.99 * held[name], (name, round_, cached, held[name])
-                    assert metric(server, 'strata:store_lookups_total{result="hit"}') == hits
+                reply, hits = returning_turn(server, messages, held.get(name), hits)
                 held[name] = reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
                 chats[name] = followed(messages, reply.choices[0].message.content, f"And item {round_ + 4}?")
         await_metric(server, 'strata:store_saves_total{trigger="replace"}', 7)  # one per turn but the first two

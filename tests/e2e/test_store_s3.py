@@ -14,7 +14,7 @@ from strata_sessionfile.format import Flags
 from strata_sessionfile.objstore import S3Source
 
 from .servers import start_server
-from .store_s3 import FACTS, REPLY_TOKENS, cached_tokens, chat, metric, objects, reply_of
+from .store_s3 import FACTS, REPLY_TOKENS, cached_tokens, chat, metric, objects, reference_chat, reply_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -22,18 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def test_a_conversation_started_on_a_continues_on_b(module_tmp, s3_store):
     store_url = f"s3://{s3_store.bucket}/fleet"
     flags = ("--cache-store", store_url, "--cache-store-endpoint", s3_store.endpoint_url, "--metrics")
-    messages = [{"role": "system", "content": "You are a careful assistant. Facts: " + FACTS},
-                {"role": "user", "content": "Where is item 12?"}]
-
-    never_stopped = start_server(module_tmp, name="s3-reference")  # no store: it holds the chat between turns
-    try:
-        first = chat(never_stopped, messages)
-        following = [*messages, {"role": "assistant", "content": reply_of(first)},
-                     {"role": "user", "content": "And item 7?"}]
-        reference = chat(never_stopped, following)  # the reply B must give
-        assert cached_tokens(reference) >= first["usage"]["prompt_tokens"]
-    finally:
-        assert never_stopped.stop() == 0
+    ref = reference_chat(module_tmp, 12, 7, "s3-reference")  # B must give its replies
+    messages, first, following, reference = ref.messages, ref.first, ref.following, ref.reference
 
     a = start_server(module_tmp, "--cache-disk", str(module_tmp / "disk-a"), *flags, name="s3-a",
                      env=s3_store.env())
@@ -83,16 +73,8 @@ def test_without_a_disk_a_conversation_moves_through_the_objects_alone(module_tm
     key_path.write_bytes(bytes(range(100, 132)))
     flags = ("--cache-store", f"s3://{s3_store.bucket}/nodisk", "--cache-store-endpoint", s3_store.endpoint_url,
              "--metrics", "--cache-idle-seconds", "0", "--session-key-file", str(key_path))
-    messages = [{"role": "system", "content": "You are a careful assistant. Facts: " + FACTS},
-                {"role": "user", "content": "Where is item 21?"}]
-    never_stopped = start_server(module_tmp, name="nodisk-reference")
-    try:
-        first = chat(never_stopped, messages)
-        following = [*messages, {"role": "assistant", "content": reply_of(first)},
-                     {"role": "user", "content": "And item 3?"}]
-        reference = chat(never_stopped, following)
-    finally:
-        assert never_stopped.stop() == 0
+    ref = reference_chat(module_tmp, 21, 3, "nodisk-reference")
+    messages, first, following, reference = ref.messages, ref.first, ref.following, ref.reference
 
     a = start_server(module_tmp, *flags, name="nodisk-a", env=s3_store.env())
     try:

@@ -16,7 +16,7 @@ from strata_sessionfile.objstore import S3Source
 from support.s3 import StoreProxy, put_multipart, start_seaweed
 
 from .servers import start_server
-from .store_s3 import FACTS, cached_tokens, chat, metric, objects, reply_of
+from .store_s3 import FACTS, cached_tokens, chat, metric, objects, reference_chat, reply_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -34,16 +34,8 @@ class Conversation:
 
 @pytest.fixture(scope="module")
 def conversation(module_tmp, s3_store) -> Conversation:
-    messages = [{"role": "system", "content": "You are a careful assistant. Facts: " + FACTS},
-                {"role": "user", "content": "Where is item 17?"}]
-    never_stopped = start_server(module_tmp, name="faults-reference")
-    try:
-        first = chat(never_stopped, messages)
-        following = [*messages, {"role": "assistant", "content": reply_of(first)},
-                     {"role": "user", "content": "And item 9?"}]
-        reference = chat(never_stopped, following)
-    finally:
-        assert never_stopped.stop() == 0
+    ref = reference_chat(module_tmp, 17, 9, "faults-reference")
+    messages, first = ref.messages, ref.first
     a = start_server(module_tmp, "--cache-store", f"s3://{s3_store.bucket}/{PREFIX}", "--cache-store-endpoint",
                      s3_store.endpoint_url, "--cache-idle-seconds", "0", name="faults-a", env=s3_store.env())
     try:
@@ -54,7 +46,7 @@ def conversation(module_tmp, s3_store) -> Conversation:
     data = s3_store.client().get_object(Bucket=s3_store.bucket, Key=key)["Body"].read()
     with S3Source(s3_store.client(), s3_store.bucket, key) as source:
         n_tokens = sf.inspect(source, verify=True).metadata.state.n_tokens
-    return Conversation(following, reference, key, data, n_tokens)
+    return Conversation(ref.following, ref.reference, key, data, n_tokens)
 
 
 @pytest.fixture

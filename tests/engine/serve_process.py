@@ -37,15 +37,22 @@ class ServeProcess:
         assert raw is not None, "engine closed stdout; stderr: " + b"".join(self.stderr).decode(errors="replace")
         return json.loads(raw)
 
-    def command(self, verb: str, argument: dict | str | None = None) -> dict:
-        """The terminal line of one command."""
+    def send(self, verb: str, argument: dict | str | None = None) -> None:
         line = verb if argument is None else f"{verb} {argument if isinstance(argument, str) else json.dumps(argument)}"
         self.proc.stdin.write(line.encode() + b"\n")
         self.proc.stdin.flush()
-        while True:
-            event = self.next_line()
-            if event["event"] in ("result", "error"):
-                return event
+
+    def all_lines(self, verb: str, argument: dict | str | None = None) -> list[dict]:
+        """Every line of one command, its terminal line last."""
+        self.send(verb, argument)
+        out = [self.next_line()]
+        while out[-1]["event"] not in ("result", "error"):
+            out.append(self.next_line())
+        return out
+
+    def command(self, verb: str, argument: dict | str | None = None) -> dict:
+        """The terminal line of one command."""
+        return self.all_lines(verb, argument)[-1]
 
     def result(self, verb: str, argument: dict | str | None = None) -> dict:
         answer = self.command(verb, argument)
@@ -55,6 +62,12 @@ class ServeProcess:
     def complete(self, prompt: list[int] | str, n_predict: int, **fields) -> dict:
         return self.result("COMPLETE", {"prompt": prompt, "n_predict": n_predict, "temperature": 0,
                                         "ignore_eos": True, **fields})
+
+    def status(self, slot: int = 0) -> dict:
+        return self.result("STATUS")["slots"][slot]
+
+    def wait(self) -> int:
+        return self.proc.wait(timeout=TIMEOUT_S)
 
     def quit(self) -> int:
         if self.proc.poll() is None:

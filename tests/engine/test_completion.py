@@ -9,13 +9,15 @@ import pytest
 from strata_engine.completion import (
     Completer,
     CompletionRequest,
+    Generation,
+    Phase,
     StopStringFilter,
     StopType,
     Timings,
     parse_request,
 )
 from strata_engine.errors import ContextOverflow, InvalidRequest
-from strata_engine.sampling import SamplerState
+from strata_engine.sampling import Argmax, SamplerState
 from strata_engine.tokenizer.unicode import bytes_to_unicode
 from support.data import gemma3_model_path, load_reference
 
@@ -31,6 +33,7 @@ class ScriptedRunner:
         self.held: list[int] = []
         self.step = 0
         self.erased = 0
+        self.rows: list[str] = []  # per decode_row: what the generation asked for
         self._rng = np.random.default_rng(seed)
 
     @property
@@ -70,6 +73,11 @@ class ScriptedRunner:
         assert len(self.held) < self.n_ctx
         self.held.append(token)
         return self._logits()
+
+    def decode_row(self, token, argmax_only):
+        logits = self.decode(token)
+        self.rows.append("argmax" if argmax_only else "logits")
+        return Argmax.of_logits(logits) if argmax_only else logits
 
     def erase(self):
         n, self.held = len(self.held), []
@@ -193,6 +201,52 @@ def test_n_probs(tokenizer, template):
         assert event.probs[0].logprob >= event.probs[1].logprob >= event.probs[2].logprob
     plain, events, _ = run(tokenizer, template, script, n_predict=2)
     assert all(e.probs is None for e in events)
+
+
+class LogitsRunner(ScriptedRunner):
+    """A ScriptedRunner that hands every step's logits, whatever the generation asks (the path before Argmax)."""
+
+    def decode_row(self, token, argmax_only):
+        return super().decode_row(token, False)
+
+
+@pytest.mark.parametrize(("fields", "argmax"), [
+    ({}, True),  # greedy, nothing reads the logits
+    ({"repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}, True),  # penalties neutral
+    ({"repeat_penalty": 1.3, "repeat_last_n": 0}, True),  # a penalty over no tokens
+    ({"repeat_penalty": 1.3}, False),
+    ({"presence_penalty": 0.5}, False),
+    ({"logit_bias": [[" b", -100.0]]}, False),
+    ({"n_probs": 2}, False),
+    ({"grammar": 'root ::= " a" " b" " a"'}, False),
+    ({"temperature": 0.9, "seed": 7}, False),
+], ids=["greedy", "neutral-penalties", "no-penalty-window", "repeat", "presence", "logit-bias", "n-probs",
+        "grammar", "sampled"])  # fmt: skip
+def test_a_step_hands_only_the_argmax_where_the_sampler_reads_nothing_else(tokenizer, template, fields, argmax):
+    """`Generation.argmax_only` asks the runner for the raw logits' argmax only for a greedy row that nothing
+    else reads (no penalty, bias, n_probs, constraint); the tokens are those of the logits path either way."""
+    script = ids_of(tokenizer, " a", " b", " a", " b", " c")
+    result, events, runner = run(tokenizer, template, script, n_predict=5, **fields)
+    assert runner.rows and set(runner.rows) == {"argmax" if argmax else "logits"}
+    completer = Completer(LogitsRunner(script), tokenizer, template)
+    request = parse_request({"prompt": "Hi", "temperature": 0, "n_predict": 5, **fields})
+    expected = completer.complete(request)
+    assert set(completer.runner.rows) == {"logits"}
+    assert result.tokens == expected.tokens and result.content == expected.content
+    assert result.stop_type is expected.stop_type
+    if fields.get("n_probs"):
+        assert all(event.probs for event in events)
+
+
+def test_an_argmax_of_a_non_finite_logit_ends_the_generation(tokenizer, template):
+    """A step whose best raw logit is -inf (everything banned) ends the output as EOS, as its logits do."""
+    completer = Completer(ScriptedRunner(ids_of(tokenizer, " a")), tokenizer, template)
+    gen = Generation(completer, completer.prepare(parse_request({"prompt": "Hi", "temperature": 0, "n_predict": 4})))
+    while gen.phase is Phase.PREFILL:
+        gen.prefill_chunk()
+    assert gen.argmax_only and gen.pending is not None
+    assert gen.accept(Argmax(5, float("-inf")))
+    assert gen.result.stop_type is StopType.EOS and gen.result.tokens == tuple(ids_of(tokenizer, " a"))
 
 
 def test_timings_shape(tokenizer, template):

@@ -29,7 +29,14 @@ pytestmark = pytest.mark.gpu
 
 N_CTX = 2048
 LOGIT_BOUND = {"f16": 2e-2, "bf16": 6e-2}
-GRAPH_BOUND = {"f16": 2e-3, "bf16": 2e-2}  # graph-replayed decode vs op by op (see the test)
+# Graph-replayed decode vs op by op: round-off, about what op by op itself is from f32 compute (measured on the
+# H200, bench/probe_gpu_graph_bound.py: f16 graph/op by op <= 0.0031 where op by op/f32 <= 0.0021; bf16 <= 0.0496,
+# batched 0.091, where op by op/f32 <= 0.104; the replay equals the same code run uncaptured exactly; a wrong
+# position or ring slot gave 0.31: bench/GPU-NOTES.md v12).
+GRAPH_BOUND = {"f16": 5e-3, "bf16": 0.12}
+# A batched decode step vs each slot alone: steps of more than GEMV_ROWS rows take cuBLAS's products (another
+# summation order than one row's strata_gemv), so round-off as above (measured 0.0070 f16, 0.067 bf16 at 3 rows).
+BATCH_BOUND = {"f16": 2e-2, "bf16": 0.12}
 NEAR_TIE = 0.5
 REFERENCE_NEAR_TIE = 0.1  # transformers' top-2 logit margin below which one rounding may flip its token
 
@@ -291,17 +298,22 @@ def test_embeddings_match_the_numpy_backend(runners, model, dtype):
     assert rel_err(embed(gpu, tokens, Pooling.MEAN), embed(cpu, tokens, Pooling.MEAN)) < bound
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["op-by-op", "graphs"])
 @pytest.mark.parametrize("model", list(MODELS))
-def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model):
-    """`SlotSet.decode` on the cupy backend (default compute dtype, f16 K/V, op by op): three slots at different depths decoded together give each
-    slot's greedy tokens decoded alone, logits within the low-precision bound, and a fourth slot's bytes
-    are untouched."""
+def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model, graphs):
+    """`SlotSet.decode` on the cupy backend (default compute dtype, f16 K/V; op by op, or through the batched
+    decode graph of 4 rows, padded): three slots at different depths decoded together give each slot's
+    greedy tokens decoded alone (where the top-1 margin is clear), logits within BATCH_BOUND, and a fourth
+    slot's bytes are untouched (the padding row stores nothing)."""
     from strata_engine.slots import SlotSet
 
     base = runners(model, dtype=None)
-    # op by op on both sides: a graph's key splits are merged in another order (graph vs op by op differ by
-    # rounding), which near a tie could change a greedy token for a reason that is not the batching
-    slots = SlotSet.sharing(base, n_slots=4, n_ctx=4 * 256, cuda_graphs=False)
+    dtype = base.settings.compute_dtype
+    # Alone op by op; the prompts op by op on both sides.
+    slots = SlotSet.sharing(base, n_slots=4, n_ctx=4 * 256, cuda_graphs=graphs)
+    assert [g.n_tokens for g in slots.batch_graphs] == ([2, 4] if graphs else [])
+    for runner in slots.runners:
+        runner.prefill_graphs = ()
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(100, 5000, n)] for n in (7, 40, 130)]
     alone = base.sibling(n_ctx=256, cuda_graphs=False)
@@ -317,11 +329,103 @@ def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model):
             tokens[s].append(int(np.argmax(out[s])))
     now = [slots.runners[3].model.ops.to_host(a) for a in slots.runners[3].pool.layer(0).slot_arrays()]
     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(idle, now, strict=True))
+    assert [g.launches for g in slots.batch_graphs] == ([0, 6] if graphs else [])
     for s, prompt in enumerate(prompts):
         alone.erase()
         logits = alone.prefill(prompt).logits
         assert int(np.argmax(logits)) == tokens[s][0]
         for step in range(6):
             logits = alone.decode(tokens[s][step])
-            assert int(np.argmax(logits)) == tokens[s][step + 1], (s, step)
-            assert rel_err(batched[s][step], logits) < 2e-2, (s, step)
+            top2 = np.partition(logits, -2)[-2:]
+            if top2[1] - top2[0] > NEAR_TIE:  # round-off (BATCH_BOUND) may flip a near-tie
+                assert int(np.argmax(logits)) == tokens[s][step + 1], (s, step)
+            assert rel_err(batched[s][step], logits) < BATCH_BOUND[dtype], (s, step)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_graphed_batched_decode_matches_op_by_op(runners, model):
+    """Batched decode steps of 8, 5, 3 and 2 of 8 slots replayed from the batch-size buckets' graphs (8, 8
+    padded, 4 padded, 2) against the same steps op by op (`SlotSet.decode`), from the same K/V: logits within
+    GRAPH_BOUND, greedy tokens identical while the top-1 margin is clear, the slots left out of a step (and
+    the padding rows) write nothing, and both hold the same tokens. The slots hold 5 to 1,500 tokens:
+    gemma3's deeper ones decode across their 1,024-slot ring's wrap, read by position in the graph."""
+    from strata_engine.slots import SlotSet
+
+    base = runners(model, dtype=None)
+    dtype = base.settings.compute_dtype
+    graphed = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 2048)
+    eager = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 2048, cuda_graphs=False)
+    assert [g.n_tokens for g in graphed.batch_graphs] == [2, 4, 8] and eager.batch_graphs == ()
+    rng = np.random.default_rng(15)
+    last = []
+    for slot, n in enumerate((5, 300, 1100, 1500, 40, 700, 1030, 90)):
+        prompt = [int(t) for t in rng.integers(100, 5000, n)]
+        graphed.runners[slot].prefill_graphs = ()  # op by op on both sides: the same K/V
+        lg, le = graphed.runners[slot].prefill(prompt).logits, eager.runners[slot].prefill(prompt).logits
+        np.testing.assert_array_equal(lg, le)
+        last.append(int(np.argmax(le)))
+    worst = 0.0
+    for batch in ((0, 1, 2, 3, 4, 5, 6, 7), (7, 2, 4, 0, 3), (6, 1, 3), (5, 2)):
+        left_out = next(s for s in range(8) if s not in batch) if len(batch) < 8 else None
+        if left_out is not None:
+            before = [base.model.ops.to_host(a).copy() for a in graphed.runners[left_out].pool.layer(0).slot_arrays()]
+        for step in range(4):
+            steps = [(s, last[s]) for s in batch]
+            lg, le = graphed.decode(steps), eager.decode(steps)
+            for row, s in enumerate(batch):
+                err = rel_err(lg[row], le[row])
+                worst = max(worst, err)
+                assert err < GRAPH_BOUND[dtype], (batch, step, s)
+                top2 = np.partition(le[row], -2)[-2:]
+                if top2[1] - top2[0] > NEAR_TIE:
+                    assert int(np.argmax(lg[row])) == int(np.argmax(le[row])), (batch, step, s)
+                last[s] = int(np.argmax(le[row]))
+        if left_out is not None:
+            after = [base.model.ops.to_host(a) for a in graphed.runners[left_out].pool.layer(0).slot_arrays()]
+            assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after, strict=True))
+    assert [g.launches for g in graphed.batch_graphs] == [4, 4, 8]
+    for s in range(8):
+        assert list(graphed.runners[s].tokens_held) == list(eager.runners[s].tokens_held)
+    print(f"{model} {dtype}: worst graph vs op by op logits {worst:.2e} relative L2")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_device_argmax_steps_give_the_logits_paths_greedy_tokens(runners, model):
+    """Steps of 8, 5, 3, 2 and 1 of 8 slots with argmax_only rows (`SlotSet.decode_rows`: the argmax computed
+    in the batched graph, or the one-slot decode graph) against the same steps' logits (`decode`) and
+    np.argmax on the host, from the same K/V in twin slot sets: the same token and logit in every row, and
+    the rows of a mixed step that ask for logits get exactly `decode`'s (the same replays: equality, no bound)."""
+    from strata_engine.sampling import Argmax
+    from strata_engine.slots import SlotSet
+
+    base = runners(model, dtype=None)
+    fast = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 512)
+    plain = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 512)
+    assert [g.n_tokens for g in fast.batch_graphs] == [2, 4, 8]
+    rng = np.random.default_rng(21)
+    last = []
+    for slot, n in enumerate((5, 300, 110, 450, 40, 70, 230, 90)):
+        prompt = [int(t) for t in rng.integers(100, 5000, n)]
+        lf, lp = fast.runners[slot].prefill(prompt).logits, plain.runners[slot].prefill(prompt).logits
+        np.testing.assert_array_equal(lf, lp)
+        last.append(int(np.argmax(lp)))
+    checked = 0
+    for batch in ((0, 1, 2, 3, 4, 5, 6, 7), (7, 2, 4, 0, 3), (6, 1, 3), (5, 2), (4,)):
+        for step in range(4):
+            flags = [True] * len(batch) if step % 2 == 0 else [row % 2 == 0 for row in range(len(batch))]
+            steps = [(s, last[s]) for s in batch]
+            out, want = fast.decode_rows(steps, flags), plain.decode(steps)
+            for row, (s, only) in enumerate(zip(batch, flags, strict=True)):
+                if only:
+                    assert isinstance(out[row], Argmax), (batch, step, s)
+                    assert out[row].token == int(np.argmax(want[row])), (batch, step, s)
+                    assert out[row].logit == float(want[row][out[row].token])
+                    checked += 1
+                else:
+                    np.testing.assert_array_equal(out[row], want[row])
+                last[s] = int(np.argmax(want[row]))
+    assert [g.launches for g in fast.batch_graphs] == [4, 4, 8]
+    assert fast.runners[4].decode_graph is not None and fast.runners[4].decode_graph.launches == 4
+    for s in range(8):
+        assert list(fast.runners[s].tokens_held) == list(plain.runners[s].tokens_held)
+    print(f"{model}: {checked} device-argmax rows equal to the host's argmax of the logits")

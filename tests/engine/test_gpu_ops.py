@@ -119,6 +119,30 @@ def test_logits_are_accumulated_and_returned_in_float32(cp, dtype):
         _check_logits(ops, x, w)
 
 
+@pytest.mark.gpu
+def test_argmax_rows_is_numpys_argmax_ties_and_nan_included(cp):
+    """`argmax_rows` (a greedy step's token on the device): per row the first maximal index, as np.argmax
+    (exact ties, a NaN, all -inf, a row shorter than the block), and that logit."""
+    from strata_engine.sampling import Argmax
+
+    ops = _ops("f16")
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((9, 262_144)).astype(np.float32)
+    logits[1, [70_000, 5, 200_000]] = 9.0  # a tie: the lowest index wins
+    logits[2, 131_071:131_075] = np.float32(7.5)  # a tie across neighbouring threads
+    logits[3, [900, 40]] = np.nan  # the first NaN, as np.argmax
+    logits[4] = -np.inf
+    logits[5, -1] = 50.0  # the last column
+    logits[6] = np.round(logits[6] * 4) / 4  # bf16-like coarse values: many exact ties
+    logits[7, :] = 0.0
+    for rows in (logits, logits[:, :700]):  # 700 columns: most of the block's threads see nothing
+        words = ops.to_host(ops.argmax_rows(ops.xp.asarray(np.ascontiguousarray(rows))))
+        got = Argmax.of_words(words, rows.shape[0])
+        want = [Argmax.of_logits(row) for row in rows]
+        assert [g.token for g in got] == [w.token for w in want]
+        np.testing.assert_array_equal([g.logit for g in got], [w.logit for w in want])
+
+
 def _check_logits(ops, x, w):
     xd, wd = ops.asarray(x, ops.dtype), ops.weight(w)
     want = ops.to_host(xd).astype(np.float64) @ ops.to_host(wd).astype(np.float64).T

@@ -258,6 +258,58 @@ def test_every_packed_type_is_exact_and_the_kernels_read_it(numba_ops):
     assert np.all(np.abs(numba_ops.matmul(x, stacked) - x @ dense.T) <= PRODUCT_RTOL * (np.abs(x) @ np.abs(dense).T))
 
 
+# Layouts no GGUF type packs to (4-bit without a min; int8 16-value blocks with a min; f16 scales on
+# 16-value blocks): (values dtype, block, scale dtype, with min). The kernels take every combination.
+EXTRA_LAYOUTS = [(np.uint8, 32, np.uint16, False), (np.uint8, 32, np.float32, False), (np.int8, 16, np.float32, True),
+                 (np.int8, 16, np.uint16, False), (np.int8, 32, np.uint16, True)]  # fmt: skip
+
+
+def _made_packed(layout, n, k, rng):
+    """A random PackedWeight of the layout (values dtype, block, scale dtype, with min)."""
+    from strata_engine.ops.packed import PackedWeight
+
+    dtype, block, scale_dtype, with_min = layout
+    if dtype == np.uint8:
+        values = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    else:
+        values = rng.integers(-128, 128, (n, k), dtype=np.int8)
+
+    def scales():
+        s = rng.uniform(-2, 2, (n, k // block)).astype(np.float16)
+        return s.view(np.uint16) if scale_dtype == np.uint16 else s.astype(np.float32)
+
+    return PackedWeight(values, scales(), scales() if with_min else None, block)
+
+
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 9, 16])
+def test_both_packed_kernels_match_the_oracle_for_every_layout(numba_ops, n_tok):
+    """Every packing (each GGUF type's, and the layouts in EXTRA_LAYOUTS) through the kernel a token row at a
+    time and through the one decoding each block once for a group of rows, against numpy on the
+    dequantized weight (an odd number of weight rows: the last past the pairs); and a row's result in the
+    multi-row kernel does not depend on the rows beside it nor on its place among them, and below
+    PAIR_MIN_ROWS rows equals the row alone (a batched decode step gives each slot what it gets alone)."""
+    from strata_engine.ops import numba_kernels as nk
+    from strata_engine.ops.packed import PACKERS
+
+    rng = np.random.default_rng(12)
+    weights = [(t.name, _random_packed(t, 41, 512, rng)[0]) for t in PACKERS]
+    weights += [(str(layout), _made_packed(layout, 41, 512, rng)) for layout in EXTRA_LAYOUTS]
+    for name, packed in weights:
+        dense = packed.dequantize().astype(np.float64)
+        x = rng.standard_normal((n_tok, 512)).astype(np.float32)
+        want = x @ dense.T
+        bound = PRODUCT_RTOL * (np.abs(x) @ np.abs(dense).T)
+        for by_row in (True, False):
+            got = numba_ops.packed_matmul(x, packed, by_row=by_row)
+            assert got.dtype == np.float32 and np.all(np.abs(got - want) <= bound), (name, by_row)
+        grouped = numba_ops.packed_matmul(x, packed, by_row=False)
+        flipped = numba_ops.packed_matmul(np.ascontiguousarray(x[::-1]), packed, by_row=False)
+        np.testing.assert_array_equal(flipped[::-1], grouped, err_msg=name)
+        if n_tok < nk.PAIR_MIN_ROWS:
+            alone = [numba_ops.packed_matmul(x[i : i + 1], packed, by_row=False) for i in range(n_tok)]
+            np.testing.assert_array_equal(grouped, np.concatenate(alone), err_msg=name)
+
+
 def _real_weights(gguf_file, head_rows: int):
     """Both models' real weight shapes: layer 0's stacked QKV and gate/up, its down and output
     projections (packed as the loader packs them), and `head_rows` rows of the output head."""
@@ -284,10 +336,11 @@ def _real_weights(gguf_file, head_rows: int):
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-@pytest.mark.parametrize("n_tok", [1, 3, 16, 17, 100])
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 16, 17, 64, 65, 100])
 def test_packed_products_match_the_oracle_on_real_weights(numba_ops, model_files, name, n_tok):
-    """The packed kernel (up to 16 rows) and the dequantize-then-BLAS path (above) against numpy's
-    product with the weights dequantized, for both models' weight shapes (the head's first 8,192 rows)."""
+    """The packed kernels (a row at a time for one row, a block decoded once for a group of rows up to
+    PACKED_MAX_ROWS) and the dequantize-then-BLAS path (above) against numpy's product with the weights
+    dequantized, for both models' weight shapes (the head's first 8,192 rows)."""
     rng = np.random.default_rng(10)
     for packed, dense in _real_weights(model_files[name], 8192):
         x = rng.standard_normal((n_tok, dense.shape[1])).astype(np.float32)
@@ -315,7 +368,9 @@ def test_packed_kernels_keep_one_signature(numba_ops):
 
 
 # (query tokens, held positions, K/V heads, query heads, head dim, window): both models' head layouts,
-# decode and short prompts (the tiled kernel, key splits), a prefill chunk (key blocks through BLAS).
+# decode and short prompts (the tiled kernel, key splits), a prefill chunk (key blocks through BLAS); 16
+# tokens whose windows start at 16 different keys of the tiles (each row its own visible range), head
+# size 128, and one the kernels have no vector IR for (a plain loop).
 ATTENTION_CASES = [
     (1, 1, 3, 9, 64, None),
     (1, 700, 3, 9, 64, None),
@@ -324,6 +379,9 @@ ATTENTION_CASES = [
     (1, 900, 1, 4, 256, 512),
     (16, 1000, 1, 4, 256, 512),
     (33, 600, 1, 4, 256, 512),
+    (16, 2100, 3, 9, 64, 700),
+    (3, 517, 2, 8, 128, None),
+    (2, 150, 2, 4, 96, 64),
 ]
 
 
@@ -381,6 +439,28 @@ def test_attention_over_stored_kv_matches_the_oracle(numba_ops, kv_type, n_tok, 
     decoded = numba_ops.attention(q, kf[lo:], vf[lo:], q_pos0=q_pos0, k_pos0=lo, window=window, scale=0.125)
     np.testing.assert_array_equal(got, decoded)
     np.testing.assert_array_equal(got_ring, decoded)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "int8"])
+def test_warm_attention_compiles_what_a_deep_request_runs(kv_type, monkeypatch):
+    """After `warm_attention` on a pool's storage, attention over it -- a full layer's slice or a ring,
+    serial or over all threads -- runs without compiling another signature (it would in a request)."""
+    from strata_engine.ops import numba_kernels as nk
+    from strata_engine.ops import numba_ops as module
+
+    ops = get_ops("numpy", "f32", "numba", threads=2)
+    rng = np.random.default_rng(5)
+    stored, scale, _ = _stored(ops, rng.standard_normal((80, 3, 64)).astype(np.float32), kv_type)
+    ops.warm_attention(stored, stored, scale, scale)
+    before = len(nk.attention.signatures), len(nk.attention_serial.signatures)
+    q = rng.standard_normal((2, 9, 64)).astype(np.float32)
+    for threshold in (module.PARALLEL_MIN_SCORES, 0):
+        monkeypatch.setattr(module, "PARALLEL_MIN_SCORES", threshold)
+        ops.attention(q, stored[5:60], stored[5:60], q_pos0=58, k_pos0=5, window=None, scale=0.125,
+                      k_scale=None if scale is None else scale[5:60], v_scale=None if scale is None else scale[5:60])
+        ops.attention(q, stored, stored, q_pos0=98, k_pos0=40, window=50, scale=0.125, ring_capacity=80,
+                      k_scale=scale, v_scale=scale)  # fmt: skip
+    assert (len(nk.attention.signatures), len(nk.attention_serial.signatures)) == before
 
 
 @pytest.mark.parametrize("style", list(RopeStyle))

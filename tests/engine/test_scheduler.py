@@ -187,7 +187,7 @@ def test_save_one_slot_while_another_streams_and_a_refused_restore_keeps_the_slo
 class DeviceLost(SlotSet):
     """A slot set whose decode step fails as a lost device would (after the prefill worked)."""
 
-    def decode(self, steps):
+    def decode_rows(self, steps, argmax_only):  # what the scheduler's decode step calls
         raise RuntimeError("device lost")
 
 

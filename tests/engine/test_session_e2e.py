@@ -21,12 +21,7 @@ that differs), without a prefill.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import attrs
@@ -42,73 +37,17 @@ from strata_engine.session import FAULT_ENV, EngineSession, runner_identity
 from strata_engine.settings import EngineSettings, KVType
 from support.data import gemma3_model_path, smollm2_model_path
 
-TIMEOUT_S = 300
+from .serve_process import ServeProcess
+
 FAIL_STOP_STATUS = 4
 MODEL_PATHS = {"smollm2": smollm2_model_path, "gemma3": gemma3_model_path}
 
 
-class Engine:
-    """`strata-engine serve` in a child process, driven line by line."""
+class Engine(ServeProcess):
+    """`strata-engine serve` of one of the real models in a child process."""
 
     def __init__(self, model: str, *args: str, env: dict[str, str] | None = None):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(MODEL_PATHS[model]()), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**os.environ, **(env or {})},
-        )
-        self.lines: queue.Queue[bytes | None] = queue.Queue()
-        self.stderr: list[bytes] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-        self.ready = self.next_line()
-        assert self.ready["event"] == "ready", self.ready
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def next_line(self) -> dict:
-        raw = self.lines.get(timeout=TIMEOUT_S)
-        assert raw is not None, "engine closed stdout; stderr: " + b"".join(self.stderr).decode(errors="replace")
-        return json.loads(raw)
-
-    def command(self, line: str) -> list[dict]:
-        self.proc.stdin.write(line.encode() + b"\n")
-        self.proc.stdin.flush()
-        out = []
-        while True:
-            out.append(self.next_line())
-            if out[-1]["event"] in ("result", "error"):
-                return out
-
-    def result(self, line: str) -> dict:
-        answer = self.command(line)[-1]
-        assert answer["event"] == "result", answer
-        return answer
-
-    def complete(self, prompt: list[int], n_predict: int) -> dict:
-        request = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True}
-        return self.result("COMPLETE " + json.dumps(request))
-
-    def status(self, slot: int = 0) -> dict:
-        return self.result("STATUS")["slots"][slot]
-
-    def wait(self) -> int:
-        return self.proc.wait(timeout=TIMEOUT_S)
-
-    def quit(self) -> int:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(b"QUIT\n")
-                self.proc.stdin.flush()
-            except BrokenPipeError:
-                pass
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        super().__init__(MODEL_PATHS[model](), *args, env=env)
 
 
 @pytest.fixture
@@ -163,7 +102,7 @@ def test_conversation_survives_a_restart(engines, tmp_path, case):
     held = first["n_tokens_held"]
     assert held == case.n_prompt + N_FIRST - 1
     held_digest = never_restarted.status()["tokens_held_digest"]
-    save = never_restarted.command("SAVE " + json.dumps({"path": str(path)}))
+    save = never_restarted.all_lines("SAVE", {"path": str(path)})
     assert save[-1]["event"] == "result", save[-1]
     assert save[-1]["n_saved"] == held and save[-1]["n_written"] == path.stat().st_size
     assert {"copy", "flush", "rename"} <= {line["phase"] for line in save if line["event"] == "progress"}
@@ -177,11 +116,11 @@ def test_conversation_survives_a_restart(engines, tmp_path, case):
     # (continue the engine's generator) must draw the same tokens after the restart.
     sampled_turn = {"prompt": next_turn + expected["tokens"], "n_predict": N_NEXT, "temperature": 1.0,
                     "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": -1, "ignore_eos": True}
-    expected_sampled = never_restarted.result("COMPLETE " + json.dumps(sampled_turn))
+    expected_sampled = never_restarted.result("COMPLETE", sampled_turn)
     assert never_restarted.quit() == 0
 
     restarted = engines(case.model, *settings, *case.restore_args)
-    restore = restarted.result("RESTORE " + json.dumps({"path": str(path)}))
+    restore = restarted.result("RESTORE", {"path": str(path)})
     assert restore["n_restored"] == held and restore["n_read"] >= path.stat().st_size
     assert restore["mode"] == {"streaming": "streaming"}.get(case.restore_args[-1], "staged")
     assert 0 < restore["read_pass_ms"] + restore["apply_ms"] <= restore["restore_ms"] * 1.001 + 0.01
@@ -195,7 +134,7 @@ def test_conversation_survives_a_restart(engines, tmp_path, case):
         got_diverging = restarted.complete(diverging, N_NEXT)
         assert got_diverging["timings"]["cache_n"] == expected_diverging["timings"]["cache_n"] == case.n_prompt
         assert got_diverging["tokens"] == expected_diverging["tokens"]
-    got_sampled = restarted.result("COMPLETE " + json.dumps(sampled_turn))
+    got_sampled = restarted.result("COMPLETE", sampled_turn)
     assert got_sampled["tokens"] == expected_sampled["tokens"]
     assert got_sampled["seed"] == expected_sampled["seed"]
 
@@ -272,13 +211,13 @@ def test_refusals_keep_the_live_conversation(engines, tmp_path):
     files["a second hard link"] = (linked, "multiple_links")
 
     engine = engines("smollm2", "--ctx-size", str(REFUSAL_CTX))
-    empty = engine.result("SAVE " + json.dumps({"path": str(tmp_path / 'empty.session')}))  # nothing held: a valid file of 0 tokens
+    empty = engine.result("SAVE", {"path": str(tmp_path / 'empty.session')})  # nothing held: a valid file of 0 tokens
     assert empty["n_saved"] == 0 and sf.inspect(tmp_path / "empty.session").metadata.state.n_tokens == 0
     live_prompt = prompt_tokens(60, seed=9)
     first = engine.complete(live_prompt, 2)
     live = engine.status()
     for name, (path, reason) in files.items():
-        answer = engine.command("RESTORE " + json.dumps({"path": str(path)}))[-1]
+        answer = engine.command("RESTORE", {"path": str(path)})
         assert answer["event"] == "error", f"{name}: accepted"
         error = answer["error"]
         assert (error["type"], error["reason"]) == ("session_refused", reason), f"{name}: {error}"
@@ -293,7 +232,7 @@ def test_refusals_keep_the_live_conversation(engines, tmp_path):
         assert turn["tokens"] == first["tokens"], name
         assert turn["timings"]["cache_n"] == len(live_prompt) - 1, name
     # The undamaged file itself is accepted (so each refusal was about its damage).
-    assert engine.result("RESTORE " + json.dumps({"path": str(good)}))["n_restored"] == 40
+    assert engine.result("RESTORE", {"path": str(good)})["n_restored"] == 40
     assert engine.quit() == 0
 
 
@@ -308,11 +247,9 @@ def test_a_fault_after_the_gate_erases_that_slot_only_and_the_other_streams_on(e
     engine.complete(prompt_tokens(20, seed=3), 2)  # slot 0 holds a conversation
     stream = {"id": "s", "slot": 1, "prompt": prompt_tokens(12, seed=4), "n_predict": 12, "temperature": 0,
               "ignore_eos": True}
-    engine.proc.stdin.write(("COMPLETE " + json.dumps(stream) + "\n").encode())
-    engine.proc.stdin.flush()
+    engine.send("COMPLETE", stream)
     assert engine.next_line()["id"] == "s"  # slot 1 streams
-    engine.proc.stdin.write(("RESTORE " + json.dumps({"id": "r", "slot": 0, "path": str(good)}) + "\n").encode())
-    engine.proc.stdin.flush()
+    engine.send("RESTORE", {"id": "r", "slot": 0, "path": str(good)})
     terminal: dict[str, dict] = {}
     while len(terminal) < 2:
         line = engine.next_line()
@@ -322,7 +259,7 @@ def test_a_fault_after_the_gate_erases_that_slot_only_and_the_other_streams_on(e
     assert (error["event"], error["slot"], error["error"]["type"]) == ("error", 0, "slot_failed"), error
     assert "slot 0 was erased" in error["error"]["message"]
     assert engine.status(0)["n_tokens_held"] == 0 and engine.proc.poll() is None  # that slot only; still serving
-    alone = engine.result("COMPLETE " + json.dumps({**stream, "id": "again", "cache_prompt": False}))
+    alone = engine.result("COMPLETE", {**stream, "id": "again", "cache_prompt": False})
     assert result["stop_type"] == "limit" and result["tokens"] == alone["tokens"]  # the stream was intact
     assert engine.quit() == 0
 
@@ -334,7 +271,7 @@ def test_a_fault_before_the_gate_is_a_clean_refusal(engines, tmp_path):
     live_prompt = prompt_tokens(20, seed=3)
     first = engine.complete(live_prompt, 3)
     digest = engine.status()["tokens_held_digest"]
-    answer = engine.command("RESTORE " + json.dumps({"path": str(good)}))[-1]
+    answer = engine.command("RESTORE", {"path": str(good)})
     assert answer["event"] == "error" and answer["error"]["type"] == "session_refused", answer
     assert answer["error"]["reason"] == "adapter_failed" and "before the gate" in answer["error"]["message"]
     assert engine.status()["tokens_held_digest"] == digest

@@ -17,6 +17,7 @@ import pytest
 import strata_sessionfile as sf
 from strata_engine.errors import ContextOverflow, InvalidRequest, InvalidToken, SettingsError
 from strata_engine.runner import ModelRunner
+from strata_engine.sampling import Argmax
 from strata_engine.session import EngineSession
 from strata_engine.settings import EngineSettings
 from strata_engine.slots import SlotSet
@@ -128,6 +129,32 @@ def test_batched_decode_equals_each_slot_decoded_alone(make):
         worst = max(float(np.abs(a - b).max()) for a, b in zip(logits[s], expected_logits, strict=True))
         assert worst <= LOGIT_ATOL, (s, worst)
         assert slots.runners[s].tokens_held == (*prompt, *tokens[s][:-1])
+
+
+def test_decode_rows_hand_the_argmax_or_the_logits_per_row(make):
+    """`decode_rows`: a row flagged argmax_only gets np.argmax of the logits `decode` gives (and that logit),
+    the others their logits, in one step; one slot alone goes through its runner's `decode_row`."""
+    rows, plain = make(3), make(3)
+    prompts = [[1, *_ids(30 + s, n)] for s, n in enumerate((6, 19, 33))]
+    last = []
+    for s, p in enumerate(prompts):
+        rows.runners[s].prefill(p)
+        last.append(int(np.argmax(plain.runners[s].prefill(p).logits)))
+    for flags in ((True, False, True), (False, True), (True,), (False, False, False)):
+        batch = [2, 0, 1][: len(flags)]
+        steps = [(s, last[s]) for s in batch]
+        expected = plain.decode(steps)
+        out = rows.decode_rows(steps, flags)
+        for b, (s, only) in enumerate(zip(batch, flags, strict=True)):
+            if only:
+                assert isinstance(out[b], Argmax) and out[b].token == int(np.argmax(expected[b]))
+                assert out[b].logit == float(expected[b][out[b].token])
+            else:
+                np.testing.assert_array_equal(out[b], expected[b])
+            last[s] = int(np.argmax(expected[b]))
+    assert [r.tokens_held for r in rows.runners] == [r.tokens_held for r in plain.runners]
+    with pytest.raises(InvalidRequest, match="2 argmax_only flags for 1 decode rows"):
+        rows.decode_rows([(0, 5)], [True, True])
 
 
 def test_a_prompt_evaluated_chunk_by_chunk_between_decode_steps_gives_what_it_gives_alone(make):

@@ -31,6 +31,7 @@ from .chat import ChatTemplate
 from .constraints import ConstraintCompiler, ConstraintKind, OutputConstraint
 from .errors import ContextOverflow, InvalidRequest
 from .sampling import (
+    Argmax,
     Candidates,
     Sampler,
     SamplerState,
@@ -382,6 +383,9 @@ class Runner(Protocol):
 
     def decode(self, token: int) -> np.ndarray: ...
 
+    # `decode`, or with argmax_only the logits' Argmax (computed where they are)
+    def decode_row(self, token: int, argmax_only: bool) -> np.ndarray | Argmax: ...
+
     def erase(self) -> int: ...
 
 
@@ -450,6 +454,15 @@ class Generation:
     def done(self) -> bool:
         return self.phase is Phase.DONE
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the next token is the argmax of the raw logits and nothing else reads them (greedy; no
+        constraint, logit bias, active penalty or n_probs): the step may hand `accept` their `Argmax`,
+        computed where the logits are, instead of the logits."""
+        params = self.prepared.params
+        return (params.is_greedy and not params.adjusts and self.prepared.constraint is None
+                and not self.prepared.request.n_probs)  # fmt: skip
+
     def prefill_chunk(self) -> bool:
         """Evaluate the prompt's next chunk; at its end, sample the first token. True once done."""
         assert self.phase is Phase.PREFILL
@@ -478,15 +491,20 @@ class Generation:
         self.stop_type = StopType.CANCELLED
         return self._finish()
 
-    def accept(self, logits: np.ndarray) -> bool:
-        """Sample from the logits of the last evaluated token, stream the token; True once done (else
-        `pending` is the token to evaluate next)."""
+    def accept(self, logits: np.ndarray | Argmax) -> bool:
+        """Sample from the logits of the last evaluated token (or take their `Argmax`, given only where
+        `argmax_only` said so), stream the token; True once done (else `pending` is the token to evaluate next)."""
         request, tok, sampler, constraint = self.prepared.request, self.completer.tokenizer, self.sampler, \
             self.prepared.constraint
-        masked = logits if constraint is None else constraint.mask(logits)
-        adjusted = sampler.adjusted(masked, self.history)
-        token = sampler.sample(adjusted)
-        if not math.isfinite(adjusted[token]):
+        if isinstance(logits, Argmax):
+            assert self.argmax_only, "an Argmax handed to a generation whose sampler reads its logits"
+            token, chosen_logit = logits.token, logits.logit
+        else:
+            masked = logits if constraint is None else constraint.mask(logits)
+            adjusted = sampler.adjusted(masked, self.history)
+            token = sampler.sample(adjusted)
+            chosen_logit = float(adjusted[token])
+        if not math.isfinite(chosen_logit):
             # the constraint allows nothing the logit bias did not ban: the output cannot go on
             self.stop_type = StopType.EOS
             return self._finish()
@@ -510,8 +528,10 @@ class Generation:
         if stop is not None and stop is not StopType.WORD:
             released += self.text.finish()
         self.content.append(released)
-        chosen, probs = (self.completer.probabilities(request, sampler, logits, adjusted, token) if request.n_probs
-                         else (None, None))
+        chosen, probs = None, None
+        if request.n_probs:
+            assert isinstance(logits, np.ndarray)
+            chosen, probs = self.completer.probabilities(request, sampler, logits, adjusted, token)
         self._on_token(TokenEvent(token, tok.piece(token), released, probs, chosen))
         if stop is not None:
             self.stop_type = stop
@@ -664,6 +684,6 @@ class Completer:
             chunks += 1
         while not gen.done:
             assert gen.pending is not None
-            gen.accept(self.runner.decode(gen.pending))
+            gen.accept(self.runner.decode_row(gen.pending, gen.argmax_only))
         assert gen.result is not None
         return gen.result

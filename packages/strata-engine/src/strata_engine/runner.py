@@ -40,11 +40,13 @@ from .kv import (
 from .models import Model, build_model
 from .models.common import Rows
 from .ops import get_ops
+from .sampling import Argmax
 from .settings import EngineSettings, KVType
 
-# Tokens of the warm-up's second forward pass: more rows than the packed products take (they go to BLAS)
-# and more queries than the attention kernel takes (key blocks through BLAS), so every path is compiled.
-WARM_UP_TOKENS = 24
+# Tokens of the warm-up's second forward pass: more rows than the packed products take (they go to BLAS:
+# numba_ops.PACKED_MAX_ROWS, 64) and more queries than the attention kernel takes (key blocks through
+# BLAS), so every path is compiled.
+WARM_UP_TOKENS = 72
 
 
 @attrs.frozen
@@ -216,8 +218,9 @@ class ModelRunner:
     def warm_kernels(self) -> float:
         """Compile (or load from numba's disk cache) the kernels a request would run, now: a forward pass
         of one token and one of a short prompt past the packed products' row limit, on placeholder
-        tokens at position 0 whose K/V are then dropped. Nothing for ops without compiled kernels.
-        Returns the seconds spent."""
+        tokens at position 0 whose K/V are then dropped, and the attention kernels over the pool's storage
+        that those short passes do not reach (`Ops.warm_attention`). Nothing for ops without compiled
+        kernels. Returns the seconds spent."""
         t0 = time.perf_counter()
         if not self.model.ops.compiles_kernels:
             return 0.0
@@ -230,6 +233,8 @@ class ModelRunner:
             finally:
                 self.pool.abort_append()
                 self.erase()
+        views = self.pool.layer(0)
+        self.model.ops.warm_attention(views.k, views.v, views.k_scale, views.v_scale)
         self.kernel_warm_s = time.perf_counter() - t0
         return self.kernel_warm_s
 
@@ -398,8 +403,16 @@ class ModelRunner:
         """Evaluate one token after the held conversation; returns its logits (float32 [n_vocab])."""
         self.check_decode(token)
         logits = self._forward([int(token)], want_logits=True)
-        assert logits is not None
+        assert isinstance(logits, np.ndarray)
         return logits
+
+    def decode_row(self, token: int, argmax_only: bool) -> np.ndarray | Argmax:
+        """`decode`; with `argmax_only` the logits' `Argmax` instead (computed on the device by the decode
+        graph, so only it is downloaded; from the host's logits elsewhere)."""
+        self.check_decode(token)
+        out = self._forward([int(token)], want_logits=True, argmax_only=argmax_only)
+        assert out is not None
+        return Argmax.of_logits(out) if argmax_only and isinstance(out, np.ndarray) else out
 
     def check_decode(self, token: int, slot: int | None = None) -> None:
         """Why one more token cannot be decoded (ContextOverflow, InvalidToken naming `slot`), else nothing."""
@@ -415,16 +428,16 @@ class ModelRunner:
             if not 0 <= t < n_vocab:
                 raise InvalidToken(f"token id {t} is outside the vocabulary [0, {n_vocab})", slot=slot)
 
-    def _forward(self, tokens: list[int], want_logits: bool) -> np.ndarray | None:
+    def _forward(self, tokens: list[int], want_logits: bool, argmax_only: bool = False) -> np.ndarray | Argmax | None:
         """Evaluate tokens after the held conversation (a graph where one holds the step); logits [V] of the
-        last one if asked."""
+        last one if asked (with `argmax_only`, a graph step gives their `Argmax` instead)."""
         pos0 = self.begin_step(len(tokens))
         try:
             logits, ran = None, False
             graph = self._graph_for(len(tokens), pos0, want_logits)
             if graph is not None:
                 try:
-                    logits, ran = graph.step(tokens, pos0, want_logits), True
+                    logits, ran = graph.step(tokens, pos0, want_logits, argmax_only), True
                 except GraphCaptureFailed as e:  # the step is redone op by op (it is idempotent)
                     print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
                     self._drop_graph(graph)

@@ -179,6 +179,29 @@ def greedy(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
 
 
+@attrs.frozen
+class Argmax:
+    """A row's greedy token where the sampler needs nothing else: the first maximal index of the raw logits
+    (np.argmax's, NaN first) and its logit, computed where the logits are (on the device, by a decode graph,
+    so only these two words are downloaded; `of_logits` on the host)."""
+
+    token: int
+    logit: float
+
+    @classmethod
+    def of_logits(cls, logits: np.ndarray) -> Argmax:
+        token = greedy(logits)
+        return cls(token, float(logits[token]))
+
+    @classmethod
+    def of_words(cls, words: np.ndarray, rows: int) -> list[Argmax]:
+        """The first `rows` rows of an int32 buffer [B indices, then their values' float32 bits] (the
+        device's `argmax_rows` layout)."""
+        n = words.shape[0] // 2
+        values = words[n:].view(np.float32)
+        return [cls(int(words[i]), float(values[i])) for i in range(rows)]
+
+
 def final_probs(c: Candidates, is_greedy: bool) -> np.ndarray:
     """The chain's last distribution over `c` (same order): softmax of its logits, or for greedy 1 for the
     best candidate and 0 for the rest (llama.cpp's greedy temperature keeps one token)."""
@@ -215,6 +238,13 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether `Sampler.adjusted` can change logits (a logit bias, a penalty away from its neutral value)."""
+        penalised = self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+        return bool(self.logit_bias) or penalised
 
 
 _STATE_FORMAT = struct.Struct("<Q16s16sBI")  # seed, PCG64 state, increment, has_uint32, uinteger

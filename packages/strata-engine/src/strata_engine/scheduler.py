@@ -24,7 +24,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
-import numpy as np
 
 from .completion import CompletionResult, Generation, Phase, PromptProgress, TokenEvent, parse_request
 from .errors import ContextOverflow, EngineError, InvalidToken
@@ -511,8 +510,8 @@ class Scheduler:
 
     def _decode(self, jobs: list[CompleteJob]) -> None:
         steps = [(job.slot, job.generation.pending) for job in jobs]
-        try:
-            logits = self.ctx.slots.decode(steps)
+        try:  # a greedy row that reads nothing but the argmax gets it from the device, not its logits
+            outputs = self.ctx.slots.decode_rows(steps, [job.generation.argmax_only for job in jobs])
         except (ContextOverflow, InvalidToken) as exc:  # nothing was evaluated; that slot's request ends
             bad = next((job for job in jobs if job.slot == exc.slot), None)
             if bad is None:
@@ -529,7 +528,7 @@ class Scheduler:
             gen = job.generation
             assert gen is not None
             try:
-                finished = gen.accept(np.asarray(logits[row]))
+                finished = gen.accept(outputs[row])
             except Exception as exc:
                 log.exception("sampling failed in slot %d", job.slot)
                 self._end(job, exc)

@@ -10,11 +10,15 @@ file saved from any slot restores into any slot of an engine with the same per-s
 `decode` advances several slots by one token each in ONE forward pass: the rows (one per slot) share every
 product with the weights, and each row attends over its own slot's K/V (`models.common.Rows`). Its logits
 equal each slot's decoded alone up to float round-off (the products' summation order varies with the row
-count; tests/engine/test_slots.py measures it).
+count; tests/engine/test_slots.py measures it). On the cupy backend a step of B > 1 slots replays a CUDA
+graph of the smallest batch-size bucket holding it (`graph.BatchDecodeGraph`: 2, 4, 8, ... n_slots,
+captured at start-up), padded with rows that store nothing; a step of one slot replays its runner's graph.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Sequence
 
 import attrs
@@ -23,10 +27,12 @@ import numpy as np
 from .config import ModelConfig
 from .errors import InvalidRequest, SettingsError
 from .gguf import GGUFFile
+from .graph import BatchDecodeGraph, GraphCaptureFailed, make_batch_graphs
 from .kv import KVGeometry, make_arena, make_placements
 from .models import Model
 from .models.common import Rows, Span
 from .runner import ModelRunner
+from .sampling import Argmax
 from .settings import EngineSettings, KVType
 
 
@@ -39,6 +45,9 @@ class SlotSet:
         self.model: Model = self.runners[0].model
         self.gguf: GGUFFile = self.runners[0].gguf
         self.config: ModelConfig = self.runners[0].config
+        # Batched decode graphs, ascending sizes (`capture_batch_graphs`); a step none holds runs op by op.
+        self.batch_graphs: tuple[BatchDecodeGraph, ...] = ()
+        self.graph_capture_s = 0.0
 
     @property
     def n_slots(self) -> int:
@@ -71,7 +80,26 @@ class SlotSet:
         arena = make_arena(geometry, model.ops, settings.kv_resident, settings.n_slots)
         placements = make_placements(arena.pools(model.ops), settings.kv_resident)
         runners = [ModelRunner._assemble(slot_settings, gguf_file, config, model, placement) for placement in placements]
-        return cls(attrs.evolve(settings, n_ctx=total), runners)
+        slots = cls(attrs.evolve(settings, n_ctx=total), runners)
+        slots.batch_graphs = make_batch_graphs(model, placements, runners[0].settings.cuda_graphs)
+        slots.capture_batch_graphs()
+        return slots
+
+    def capture_batch_graphs(self) -> float:
+        """Capture the batched decode graphs now (start-up, not the first step of several slots); one whose
+        capture fails is dropped (its steps run op by op) and said on stderr. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        for graph in self.batch_graphs:
+            try:
+                graph.prepare()  # its capture stores nothing: the pool is untouched
+            except GraphCaptureFailed as e:
+                print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
+                self.batch_graphs = tuple(g for g in self.batch_graphs if g is not graph)
+        self.graph_capture_s = time.perf_counter() - t0
+        return self.graph_capture_s
+
+    def _batch_graph_for(self, n_rows: int) -> BatchDecodeGraph | None:
+        return next((g for g in self.batch_graphs if g.n_tokens >= n_rows), None)
 
     def decode(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
         """Evaluate one token in each of several slots: steps = [(slot, token), ...], distinct slots.
@@ -80,6 +108,15 @@ class SlotSet:
         One forward pass over the B rows. A ContextOverflow or InvalidToken names its slot and nothing is
         evaluated; on any other exception every slot of the batch is cut back to what it held before (its
         deepest resume point at or below it: `ModelRunner.abort_step`), the other slots untouched."""
+        return np.stack(self.decode_rows(steps, [False] * len(steps)))  # type: ignore[arg-type]
+
+    def decode_rows(self, steps: Sequence[tuple[int, int]], argmax_only: Sequence[bool]) -> list[Argmax | np.ndarray]:
+        """`decode`, where row b's result is the `Argmax` of its logits if argmax_only[b] (a greedy row whose
+        sampler reads nothing else: `completion.Generation.argmax_only`), else its logits [n_vocab]. A
+        captured step computes the argmax on the device and downloads only the rows of logits asked for,
+        into pinned memory: those arrays are valid until the next step of this SlotSet."""
+        if len(argmax_only) != len(steps):
+            raise InvalidRequest([f"{len(argmax_only)} argmax_only flags for {len(steps)} decode rows"])
         steps = [(int(slot), int(token)) for slot, token in steps]
         slots = [slot for slot, _ in steps]
         problems = [f"slot {s} outside [0, {self.n_slots})" for s in slots if not 0 <= s < self.n_slots]
@@ -93,19 +130,30 @@ class SlotSet:
             self.runners[slot].check_decode(token, slot)
         if len(steps) == 1:  # one slot: its own step (a captured graph where it has one)
             slot, token = steps[0]
-            return self.runners[slot].decode(token)[None]
+            return [self.runners[slot].decode_row(token, argmax_only[0])]
         runners = [self.runners[slot] for slot in slots]
         opened: list[tuple[ModelRunner, int]] = []
         try:
             for runner in runners:
                 opened.append((runner, runner.begin_step(1)))
-            rows = Rows(tuple(Span(runner.placement, pos, 1) for runner, pos in opened))
-            logits = self.model.forward(np.asarray([t for _, t in steps], dtype=np.int64), rows, want_logits=True)
+            out: list[Argmax | np.ndarray] | None = None
+            graph = self._batch_graph_for(len(steps))
+            if graph is not None:
+                try:
+                    rows = [(r.pool.slot, pos, t) for (r, pos), (_, t) in zip(opened, steps, strict=True)]
+                    out = graph.decode_rows(rows, argmax_only)
+                except GraphCaptureFailed as e:  # the step is redone op by op (it is idempotent)
+                    print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
+                    self.batch_graphs = tuple(g for g in self.batch_graphs if g is not graph)
+            if out is None:
+                spans = Rows(tuple(Span(runner.placement, pos, 1) for runner, pos in opened))
+                logits = self.model.forward(np.asarray([t for _, t in steps], dtype=np.int64), spans, want_logits=True)
+                assert logits is not None
+                out = [Argmax.of_logits(row) if only else row for row, only in zip(logits, argmax_only, strict=True)]
         except BaseException:
             for runner, pos in opened:
                 runner.abort_step(pos)
             raise
-        assert logits is not None
         for runner, (_, token) in zip(runners, steps, strict=True):
             runner.commit_step([token])
-        return logits
+        return out

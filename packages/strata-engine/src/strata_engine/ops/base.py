@@ -87,6 +87,10 @@ class Ops(Protocol):
         """Causal (optionally sliding-window) GQA attention: q [T, H, D] over k, v [S, Hkv, D] -> [T, H*D].
         With `attends_in_place`, k and v may be the pool's storage (f16; int8 with k_scale, v_scale)."""
 
+    def warm_attention(self, k: Any, v: Any, k_scale: Any = None, v_scale: Any = None) -> None:
+        """With `compiles_kernels`: compile (or load) the attention kernels for this storage that a warm-up's
+        short forward passes do not reach (their parallel twins)."""
+
     def logits(self, x: Any, w_out: Any) -> np.ndarray:
         """x [T, E] @ W_out^T accumulated in float32 whatever the compute dtype -> host float32 [T, V]."""
 

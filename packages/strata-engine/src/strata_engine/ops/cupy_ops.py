@@ -46,9 +46,16 @@ WARP_ROWS_PER_BLOCK = 8  # the row kernels run one warp per row, 8 warps per blo
 # norm latency-bound, and cuBLAS's products of a row leave most of the device idle (bench/GPU-NOTES.md).
 SMALL_STEP_ROWS = 8
 _ROW_THREADS = 256  # strata_add_rms_norm_row: one block per row
+_ARGMAX_THREADS = 1024  # strata_argmax_rows: one block per row of 49K-262K logits
 _ROW_VALUES = (1, 2, 4, 8, 16)  # values per thread it is compiled for (rows up to 4,096 values)
 _GEMV_ROWS = (1, 2, 4, 8)  # token rows strata_gemv is compiled for
 _GEMV_WARPS = 8
+# The layers' products take strata_gemv up to this many rows (at most SMALL_STEP_ROWS), cuBLAS beyond: at 4 and 8
+# rows cuBLAS measured faster (smollm2 B=8 replay 1.45 -> 1.10 ms, gemma3 1.20 -> 0.97; bench/GPU-NOTES.md, v12).
+GEMV_ROWS = 2
+# The output head takes strata_gemv up to this many rows, cuBLAS beyond: gemma3's 262,144 x 640 head at 8 rows
+# costs ~0.2 ms more a step by strata_gemv (bench/GPU-NOTES.md, v12).
+HEAD_GEMV_ROWS = 2
 
 
 def _device_dtypes(cp: Any) -> dict[str, np.dtype]:
@@ -214,7 +221,7 @@ class CupyOps(NumpyOps):
     def _gemv_fits(self, x: Any, w: Any) -> bool:
         """Whether strata_gemv takes x [T, in] @ w^T: a few rows of f16 / bf16, 16-byte aligned rows."""
         return (
-            x.shape[0] <= SMALL_STEP_ROWS and x.dtype != np.float32 and x.dtype == w.dtype and x.shape[1] % 8 == 0
+            x.shape[0] <= min(GEMV_ROWS, SMALL_STEP_ROWS) and x.dtype != np.float32 and x.dtype == w.dtype and x.shape[1] % 8 == 0
             and x.strides[1] == x.itemsize and x.strides[0] % 16 == 0 and x.data.ptr % 16 == 0
             and w.flags.c_contiguous and w.data.ptr % 16 == 0
         )  # fmt: skip
@@ -333,6 +340,24 @@ class CupyOps(NumpyOps):
         )  # fmt: skip
         kernel((-(-total // 256),), (256,), args)
 
+    def store_kv_rows(self, k: Any, v: Any, k_arena: Any, v_arena: Any, rows: Any, ring_capacity: int = 0) -> None:
+        """A batched decode step's K/V: row t of k, v [B, Hkv, D] into slot rows[1 + B + t]'s region of the
+        layer's arena k_arena, v_arena [n_slots, capacity, Hkv, D] at position rows[1 + t], for t < rows[0]
+        (rows: a device int32 [1 + 2B], read at run time; the rows past rows[0] pad a captured step)."""
+        n_tok = k.shape[0]
+        row = k_arena.shape[2] * k_arena.shape[3]
+        k2, v2 = (a.reshape(n_tok, row) for a in (k, v))
+        for a in (k2, v2):
+            assert a.strides[1] == a.itemsize, "K/V rows must be contiguous within a token"
+        assert k_arena.flags.c_contiguous and v_arena.strides == k_arena.strides
+        kernel = self.raw.get("strata_store_kv_rows", c_type(k.dtype), c_type(k_arena.dtype))
+        args = (
+            k2, v2, k_arena, v_arena, np.int32(n_tok), np.int32(row), np.int32(k2.strides[0] // k2.itemsize),
+            np.int32(v2.strides[0] // v2.itemsize), np.int64(k_arena.strides[0] // k_arena.itemsize),
+            np.int32(ring_capacity), rows,
+        )  # fmt: skip
+        kernel((-(-n_tok * row // 256),), (256,), args)
+
     # ---- attention -----------------------------------------------------------------------------
     def attention(
         self,
@@ -390,27 +415,48 @@ class CupyOps(NumpyOps):
         `dyn` (a device int32 [1] holding the first query's position) makes the call position-free for
         a CUDA graph: the kernel reads q_pos0 there, and attends from slot 0 of a full layer's pool `k`
         (or the window's start in a ring); splits are sized for the most keys the step could see."""
+        if dyn is not None:
+            n_keys = min(ring_capacity, (window or ring_capacity) + q.shape[0] - 1) if ring_capacity else k.shape[0]
+        else:
+            n_keys = q_pos0 + q.shape[0] - k_pos0 if ring_capacity else k.shape[0]
+        return self._flash(q, k, v, q_pos0, k_pos0, n_keys, window, scale, ring_capacity, tiles, dyn, None, 0)
+
+    def flash_attention_rows(
+        self, q: Any, k_arena: Any, v_arena: Any, rows: Any, *, window: int | None, scale: float, ring_capacity: int = 0
+    ) -> Any:
+        """A batched decode step's attention in one launch: query row b of q [B, H, D] (position rows[1 + b])
+        over its slot's keys (slot rows[1 + B + b] of k_arena, v_arena [n_slots, capacity, Hkv, D]), as
+        `flash_attention` with `dyn` attends one slot; rows: a device int32 [1 + 2B] (`store_kv_rows`).
+        Key splits are sized for the most keys a row could see. Returns [B, H*D]."""
+        cap = k_arena.shape[1]
+        n_keys = min(ring_capacity, window or ring_capacity) if ring_capacity else cap
+        return self._flash(q, k_arena, v_arena, 0, 0, n_keys, window, scale, ring_capacity, None, None, rows,
+                           k_arena.strides[0] // k_arena.itemsize)  # fmt: skip
+
+    def _flash(
+        self, q: Any, k: Any, v: Any, q_pos0: int, k_pos0: int, n_keys: int, window: int | None, scale: float,
+        ring_capacity: int, tiles: tuple[int, int] | None, dyn: Any, batch: Any, slot_stride: int,
+    ) -> Any:  # fmt: skip
+        """strata_flash_attn (and strata_attn_combine) over q [T, H, D], or, with `batch`, over B rows of one
+        query each (q [B, H, D], k, v the arena's [n_slots, capacity, Hkv, D])."""
         cp = self.xp
-        n_q, n_head, d = q.shape
-        n_kv = k.shape[1]
+        n_batch = q.shape[0] if batch is not None else 1
+        n_q, n_head, d = (1, *q.shape[1:]) if batch is not None else q.shape
+        n_kv = k.shape[-2]
         # The kernel moves 16-byte vectors: contiguous rows starting on a 16-byte boundary.
         q, k, v = (a if a.flags.c_contiguous and a.data.ptr % 16 == 0 else a.copy() for a in (q, k, v))
         v = v.astype(k.dtype, copy=False)
-        if dyn is not None:
-            n_keys = min(ring_capacity, (window or ring_capacity) + n_q - 1) if ring_capacity else k.shape[0]
-        else:
-            n_keys = q_pos0 + n_q - k_pos0 if ring_capacity else k.shape[0]
         rows = (n_head // n_kv) * n_q
         warps, key_tile = tiles or flash_tiles(d, rows)
         block_rows = 16 * warps
         row_tiles = -(-rows // block_rows)
-        splits = flash_splits(row_tiles * n_kv, n_keys, key_tile, self.raw.n_sm)
-        out = cp.empty((n_q, n_head * d), dtype=self.dtype)
+        splits = flash_splits(row_tiles * n_kv * n_batch, n_keys, key_tile, self.raw.n_sm)
+        out = cp.empty((n_batch * n_q, n_head * d), dtype=self.dtype)
         rows_pad = row_tiles * block_rows
         part_o = part_ml = _NULL
         if splits > 1:
-            part_o = cp.empty((splits, n_kv, rows_pad, d), dtype=cp.float32)
-            part_ml = cp.empty((splits, n_kv, rows_pad, 2), dtype=cp.float32)
+            part_o = cp.empty((n_batch * splits, n_kv, rows_pad, d), dtype=cp.float32)
+            part_ml = cp.empty((n_batch * splits, n_kv, rows_pad, 2), dtype=cp.float32)
         kernel = self.raw.get(
             "strata_flash_attn", c_type(q.dtype), c_type(k.dtype), c_type(out.dtype), d, warps, key_tile
         )
@@ -420,16 +466,17 @@ class CupyOps(NumpyOps):
             q, k, v, out, part_o, part_ml, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(q_pos0),
             np.int32(k_pos0), np.int32(n_keys), np.int32(ring_capacity), np.int32(window or 0),
             np.float32(scale * _LOG2E), np.int32(splits), np.int32(rows_pad), _NULL if dyn is None else dyn,
+            _NULL if batch is None else batch, np.int64(slot_stride),
         )  # fmt: skip
-        kernel((row_tiles, n_kv, splits), (32 * warps,), args, shared_mem=smem)
+        kernel((row_tiles, n_kv, splits * n_batch), (32 * warps,), args, shared_mem=smem)
         if splits > 1:
             combine = self.raw.get("strata_attn_combine", c_type(out.dtype))
-            total = n_kv * rows * d
+            total = n_batch * n_kv * rows * d
             combine(
                 (-(-total // 256),),
                 (256,),
                 (part_o, part_ml, out, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(d),
-                 np.int32(splits), np.int32(rows_pad)),
+                 np.int32(splits), np.int32(rows_pad), np.int32(n_batch)),
             )  # fmt: skip
         return out
 
@@ -453,9 +500,19 @@ class CupyOps(NumpyOps):
         cp = self.xp
         x = cp.ascontiguousarray(x)
         assert x.dtype == w_out.dtype and w_out.flags.c_contiguous and x.shape[1] == w_out.shape[1]
-        if self._gemv_fits(x, w_out):
+        if x.shape[0] <= HEAD_GEMV_ROWS and self._gemv_fits(x, w_out):
             return self._gemv(x, w_out, w_out.shape[0], cp.float32, -1)
         return self.cublas.linear(cp, x, w_out, out_dtype=cp.float32)
+
+    def argmax_rows(self, logits: Any) -> Any:
+        """Each row of float32 logits [B, V]: its first maximal index (np.argmax's, NaN first) and that value,
+        as one int32 device buffer [2B]: indices, then the values' bits (`sampling.Argmax.of_words`)."""
+        cp = self.xp
+        logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+        out = cp.empty(2 * logits.shape[0], dtype=cp.int32)
+        kernel = self.raw.get("strata_argmax_rows", _ARGMAX_THREADS)
+        kernel((logits.shape[0],), (_ARGMAX_THREADS,), (logits, np.int32(logits.shape[1]), out))
+        return out
 
 
 def cuda_available() -> bool:

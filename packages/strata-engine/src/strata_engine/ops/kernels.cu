@@ -8,12 +8,16 @@
 //   or a ring addressed by position % capacity), in f16, bf16 or f32, converted to f16 on the way in.
 //   With several key splits (decode, short chunks) each split writes an unnormalised partial result
 //   and strata_attn_combine merges them.
-// * strata_store_kv: the chunk's K/V into the pool's slots (ring slots by position % capacity).
+// * strata_store_kv: the chunk's K/V into the pool's slots (ring slots by position % capacity);
+//   strata_store_kv_rows: a batched decode step's rows, each into its own slot's region of the arena.
+//   strata_flash_attn with `batch` attends such a step's rows, each over its own slot, in one launch.
 // * strata_rms_norm / strata_add_rms_norm: one warp per row; the fused form adds the residual (after
 //   an optional norm of the branch, gemma3's post-norms) and normalises the sum for the next block.
 // * strata_qk_norm_rope: one warp per (token, head): optional per-head RMS norm, then RoPE (neox or
 //   interleaved), for the Q and K heads of one fused QKV projection.
 // * strata_gated_act: act(gate) * up over the two halves of one fused [Wg; Wu] product.
+// * strata_argmax_rows: each logits row's first maximal index (NaN first, as np.argmax) and its value, so a
+//   greedy step downloads a token id, not the row.
 // * strata_add_rms_norm_row / strata_gemv: the same norm and the products for steps of a few token rows
 //   (decode): a block per row, a warp per output column (the gated activation fused into the gate/up one).
 //
@@ -153,6 +157,24 @@ __global__ void strata_store_kv(const T* __restrict__ k, const T* __restrict__ v
     v_pool[slot * row + c] = from_f32<S>(to_f32(v[(size_t)t * v_stride + c]));
 }
 
+// A batched decode step (one row per slot): row t's K and V (of the compute type, rows k_stride / v_stride
+// values apart) into its slot's region of the layer's arena (slot regions slot_stride values apart), at its
+// position (p % ring_cap in a ring). rows = [n_real, position[n_rows], slot[n_rows]] on the device: rows
+// t >= n_real (a step padded to its captured size) store nothing.
+template <typename T, typename S>
+__global__ void strata_store_kv_rows(const T* __restrict__ k, const T* __restrict__ v, S* __restrict__ k_arena,
+                                     S* __restrict__ v_arena, int n_rows, int row, int k_stride, int v_stride,
+                                     long long slot_stride, int ring_cap, const int* __restrict__ rows) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_rows * row) return;
+    const int t = (int)(i / row), c = (int)(i % row);
+    if (t >= rows[0]) return;
+    const int p = rows[1 + t];
+    const size_t at = (size_t)rows[1 + n_rows + t] * slot_stride + (size_t)(ring_cap > 0 ? p % ring_cap : p) * row + c;
+    k_arena[at] = from_f32<S>(to_f32(k[(size_t)t * k_stride + c]));
+    v_arena[at] = from_f32<S>(to_f32(v[(size_t)t * v_stride + c]));
+}
+
 // ---- flash attention -----------------------------------------------------------------------------
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
@@ -261,13 +283,30 @@ __device__ __forceinline__ void stage_kv_tile(const KT* __restrict__ k, const KT
 // else part_o [n_splits, Hkv, rows_pad, D] (unnormalised) and part_ml [n_splits, Hkv, rows_pad, 2].
 // `scale_log2` is the softmax scale times log2(e): scores are kept in base 2. With `dyn` (a step
 // captured in a CUDA graph) q_pos0 = dyn[0], and the keys are every position up to the last query's:
-// from slot 0 of a full layer's pool, or from the window's start in a ring.
+// from slot 0 of a full layer's pool, or from the window's start in a ring. With `batch` ([n_real,
+// position[B], slot[B]]: a batched decode step) grid z is B x n_splits: batch row b's n_q queries (q and out
+// rows b * n_q ..) attend as with dyn = position[b] over k, v + slot[b] * slot_stride (its slot's region
+// of the layer's arena); its partial results are splits b * n_splits .. of part_o / part_ml.
 template <typename QT, typename KT, typename OT, int D, int NW, int BC>
 __global__ void __launch_bounds__(NW * 32)
 strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
                   OT* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
                   int n_q, int H, int Hkv, int q_pos0, int k_pos0, int n_keys, int ring_cap, int window,
-                  float scale_log2, int n_splits, int rows_pad, const int* __restrict__ dyn) {
+                  float scale_log2, int n_splits, int rows_pad, const int* __restrict__ dyn,
+                  const int* __restrict__ batch, long long slot_stride) {
+    int split = blockIdx.z;
+    int b = 0;  // the batch row (a batched decode step), else 0
+    if (batch != nullptr) {  // grid z = batch rows x splits; row b: n_q queries of slot batch[1 + B + b]
+        const int n_batch = gridDim.z / n_splits;
+        b = blockIdx.z / n_splits;
+        split = blockIdx.z - b * n_splits;
+        const size_t off = (size_t)batch[1 + n_batch + b] * slot_stride;
+        k += off;
+        v += off;
+        q += (size_t)b * n_q * H * D;
+        out += (size_t)b * n_q * H * D;
+        dyn = batch + 1 + b;
+    }
     if (dyn != nullptr) {  // a captured step: the position is read at replay time
         q_pos0 = dyn[0];
         k_pos0 = ring_cap > 0 && window > 0 ? max(0, q_pos0 - window + 1) : 0;
@@ -286,7 +325,6 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
     const int rows = n_q * G;
     const int tile = gridDim.x - 1 - blockIdx.x;  // the costliest (latest) tiles start first
     const int kvh = blockIdx.y;
-    const int split = blockIdx.z;
     const int r0 = tile * BR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int grp = lane >> 2, tig = lane & 3;
@@ -454,7 +492,7 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
         }
         return;
     }
-    const size_t base = ((size_t)split * Hkv + kvh) * rows_pad;
+    const size_t base = ((size_t)(b * n_splits + split) * Hkv + kvh) * rows_pad;
     if (row_a < rows) {
         float* dst = part_o + (base + row_a) * D;
 #pragma unroll
@@ -482,24 +520,26 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
 }
 
 // Merge the key splits: out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s.
-// One thread per (K/V head, row, d).
+// One thread per (batch row, K/V head, row, d); n_batch > 1: a batched step's parts (strata_flash_attn).
 template <typename OT>
 __global__ void strata_attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     OT* __restrict__ out, int n_q, int H, int Hkv, int D, int n_splits,
-                                    int rows_pad) {
+                                    int rows_pad, int n_batch) {
     const int G = H / Hkv;
     const int rows = n_q * G;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)Hkv * rows * D) return;
+    if (i >= (long long)n_batch * Hkv * rows * D) return;
     const int d = (int)(i % D);
     const int R = (int)((i / D) % rows);
-    const int kvh = (int)(i / ((long long)D * rows));
+    const int kvh = (int)((i / ((long long)D * rows)) % Hkv);
+    const int b = (int)(i / ((long long)D * rows * Hkv));
     float M = -INFINITY;
-    for (int s = 0; s < n_splits; s++) M = fmaxf(M, part_ml[(((size_t)s * Hkv + kvh) * rows_pad + R) * 2]);
+    for (int s = 0; s < n_splits; s++)
+        M = fmaxf(M, part_ml[(((size_t)(b * n_splits + s) * Hkv + kvh) * rows_pad + R) * 2]);
     float num = 0.f, den = 0.f;
     if (M != -INFINITY) {
         for (int s = 0; s < n_splits; s++) {
-            const size_t at = ((size_t)s * Hkv + kvh) * rows_pad + R;
+            const size_t at = ((size_t)(b * n_splits + s) * Hkv + kvh) * rows_pad + R;
             const float m = part_ml[at * 2];
             if (m == -INFINITY) continue;
             const float w = exp2f(m - M);
@@ -507,7 +547,7 @@ __global__ void strata_attn_combine(const float* __restrict__ part_o, const floa
             num += part_o[at * D + d] * w;
         }
     }
-    out[((size_t)(R / G) * H + kvh * G + R % G) * D + d] = from_f32<OT>(den > 0.f ? num / den : 0.f);
+    out[(((size_t)b * n_q + R / G) * H + kvh * G + R % G) * D + d] = from_f32<OT>(den > 0.f ? num / den : 0.f);
 }
 
 // ---- gated activation --------------------------------------------------------------------------
@@ -660,5 +700,43 @@ __global__ void strata_gemv(const T* __restrict__ x, const T* __restrict__ w, O*
                 y[(size_t)t * n_out + o] = from_f32<O>(v);
             }
         }
+    }
+}
+
+// a better than b as np.argmax ranks them: a NaN beats any number (the first NaN wins), then the larger
+// value, then on a tie the lower index.
+__device__ __forceinline__ bool argmax_better(float a, int ai, float b, int bi) {
+    const bool an = isnan(a), bn = isnan(b);
+    if (an != bn) return an;
+    if (!an && a != b) return a > b;
+    return ai < bi;
+}
+
+// One block of NT threads per row of logits [rows, n]: out[row] = the first maximal index,
+// out[rows + row] = its value's bits (so one int32 buffer of 2 * rows words holds both).
+template <int NT>
+__global__ void __launch_bounds__(NT) strata_argmax_rows(const float* __restrict__ logits, int n, int* __restrict__ out) {
+    __shared__ float s_val[NT / 32];
+    __shared__ int s_idx[NT / 32];
+    const float* row = logits + (size_t)blockIdx.x * n;
+    float best = -INFINITY;
+    int best_i = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += NT) {  // ascending: a tie keeps the earlier index
+        const float v = row[i];
+        if (argmax_better(v, i, best, best_i)) { best = v; best_i = i; }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        const float v = __shfl_down_sync(0xffffffffu, best, off);
+        const int vi = __shfl_down_sync(0xffffffffu, best_i, off);
+        if (argmax_better(v, vi, best, best_i)) { best = v; best_i = vi; }
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) { s_val[warp] = best; s_idx[warp] = best_i; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < NT / 32; w++)
+            if (argmax_better(s_val[w], s_idx[w], best, best_i)) { best = s_val[w]; best_i = s_idx[w]; }
+        out[blockIdx.x] = best_i;
+        out[gridDim.x + blockIdx.x] = __float_as_int(best);
     }
 }

@@ -32,6 +32,16 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 SAFE_FAST = {"reassoc", "contract", "arcp", "nsz"}
 
 
+def _target_has_avx512() -> bool:
+    """Whether numba compiles for AVX-512 (32 vector registers): the host's features, or NUMBA_CPU_FEATURES
+    where set (as numba's own code generator decides)."""
+    from llvmlite import binding
+
+    if numba.config.CPU_FEATURES is not None:
+        return "+avx512f" in numba.config.CPU_FEATURES.split(",")
+    return bool(binding.get_host_cpu_features().get("avx512f", False))
+
+
 @intrinsic
 def widen(typingctx, value):
     """A stored K/V element as float32: uint16 holds f16 bits (`fpext half`: vcvtph2ps where the CPU has
@@ -181,8 +191,148 @@ row_dot = _row_dot(with_min=False)
 row_dot_min = _row_dot(with_min=True)
 
 
+# A decode step of B slots multiplies B token rows by each weight. `row_dot` per token row would decode every
+# weight block B times; `rows_dot` decodes a block once to w = q * scale + min and multiplies it into a group
+# of up to ROWS_GROUP token rows, its accumulators in registers: one weight row with an accumulator per
+# token row and 16-lane chunk of a block (their fma chains overlap), or, from PAIR_MIN_ROWS token rows, two
+# weight rows with one per token row and weight row (each x chunk loaded once for both: 1.15x at 8 rows,
+# 1.5x at 16). 8 rows x 2 x 16 lanes take 16 of AVX-512's 32 registers; AVX2 has 16 half as wide: 2 rows (1.45x a
+# row at a time; 3 or 4 rows spill), no pairs. bench/CPU-NOTES.md "The multi-row kernel" has the measurements.
+_AVX512 = _target_has_avx512()
+ROWS_GROUP = 8 if _AVX512 else 2
+PAIR_MIN_ROWS = 8 if _AVX512 else 1 << 62
+# (token rows, weight rows) of the loops `rows_dot` has (each costs compile time): one weight row for every
+# group size, two for groups of 8, 4, 2, 1 (`_matmul_rows` cuts the token rows so).
+ROWS_TILES = [(r, 1) for r in range(1, ROWS_GROUP + 1)] + [(r, 2) for r in (8, 4, 2, 1) if _AVX512]
+
+
+def _decoded_block(builder, values, offset_q, nibbles, block, lanes):
+    """One block's q as float32 in value order, as <lanes x float> chunks (4-bit pairs: the low nibbles
+    are values 0 .. block / 2 - 1, the high ones the rest)."""
+    if nibbles:
+        n = block // 2
+        raw = builder.zext(_load_vector(builder, values, offset_q, ir.IntType(8), n), ir.VectorType(_I32, n))
+        vf = ir.VectorType(_F32, n)
+        halves = [
+            builder.uitofp(builder.and_(raw, ir.Constant(raw.type, [15] * n)), vf),
+            builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * n)), vf),
+        ]
+    else:
+        q = _load_vector(builder, values, offset_q, ir.IntType(8), block)
+        halves = [builder.sitofp(q, ir.VectorType(_F32, block))]
+    return [
+        builder.shuffle_vector(h, h, _indices(list(range(lo, lo + lanes)))) if h.type.count > lanes else h
+        for h in halves
+        for lo in range(0, h.type.count, lanes)
+    ]
+
+
+def _rows_dot(with_min: bool):
+    """The `rows_dot` intrinsic, or with mins (`rows_dot_min`)."""
+
+    def typer(typingctx, values, x, r0, rows, scale, mins, y, n, tile, block):
+        if not isinstance(block, types.IntegerLiteral) or block.literal_value not in (16, 32):
+            return None
+        nibbles = values.dtype == types.uint8
+        half = scale.dtype == types.uint16
+        sig = types.void(values, x, r0, rows, scale, mins, y, n, tile, block)
+
+        def codegen(context, builder, signature, args):
+            q_arr, x_arr, s_arr, m_arr, y_arr = (
+                context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 4, 5, 6)
+            )
+            nb = block.literal_value
+            lanes = _lanes(nibbles, nb)
+            vf = ir.VectorType(_F32, lanes)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
+            r0_val, rows_val, n_val, tile_val = (
+                context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 3, 7, 8)
+            )
+            scale_elem = ir.IntType(16) if half else _F32
+            n_blocks = builder.extract_value(s_arr.shape, 1)
+            n_chunks = nb // lanes
+
+            def tile_loop(n_rows, n_w):
+                n_acc = n_chunks if n_w == 1 else 1  # accumulators per token row and weight row
+                weight_rows = [builder.add(n_val, ir.Constant(_I64, i)) for i in range(n_w)]
+                q_rows = [_row_ptr(builder, q_arr, i, ir.IntType(8)) for i in weight_rows]
+                s_rows = [_row_ptr(builder, s_arr, i, scale_elem) for i in weight_rows]
+                m_rows = [_row_ptr(builder, m_arr, i, scale_elem) for i in weight_rows] if with_min else []
+                x_rows = [
+                    _row_ptr(builder, x_arr, builder.add(r0_val, ir.Constant(_I64, r)), _F32) for r in range(n_rows)
+                ]
+
+                def body(b, accs):
+                    offset_q = builder.mul(b, ir.Constant(_I64, nb // 2 if nibbles else nb))
+                    w = []  # the weight rows' block b as w = q * scale + min: [weight row][chunk]
+                    for i in range(n_w):
+                        d = _splat(builder, _scale_value(builder, s_rows[i], b, half), lanes)
+                        q = _decoded_block(builder, q_rows[i], offset_q, nibbles, nb, lanes)
+                        if with_min:
+                            m = _splat(builder, _scale_value(builder, m_rows[i], b, half), lanes)
+                            w.append([builder.call(fma, [qc, d, m]) for qc in q])
+                        else:
+                            w.append([builder.fmul(qc, d) for qc in q])
+                    out = list(accs)  # accumulator (r * n_w + i) * n_acc + c: token row r, weight row i, chunk c
+                    offset_x = builder.mul(b, ir.Constant(_I64, nb))
+                    for r, x_row in enumerate(x_rows):
+                        for c in range(n_chunks):  # each x chunk loaded once for the tile's weight rows
+                            offset = builder.add(offset_x, ir.Constant(_I64, c * lanes))
+                            xc = _load_vector(builder, x_row, offset, _F32, lanes)
+                            for i in range(n_w):
+                                a = (r * n_w + i) * n_acc + (c if n_acc > 1 else 0)
+                                out[a] = builder.call(fma, [w[i][c], xc, out[a]])
+                    return out
+
+                zero = ir.Constant(vf, [0.0] * lanes)
+                final = _counted_loop(builder, n_blocks, body, [zero] * (n_rows * n_w * n_acc))
+                for r in range(n_rows):
+                    y_row = _row_ptr(builder, y_arr, builder.add(r0_val, ir.Constant(_I64, r)), _F32)
+                    for i in range(n_w):
+                        parts = final[(r * n_w + i) * n_acc : (r * n_w + i + 1) * n_acc]
+                        total = parts[0]
+                        for part in parts[1:]:
+                            total = builder.fadd(total, part, flags=EXACT)
+                        builder.store(_hsum(builder, total), builder.gep(y_row, [weight_rows[i]]))
+
+            done = builder.append_basic_block("rows_done")
+            # one loop per (token rows, weight rows): its accumulators stay in registers. Another combination
+            # writes nothing (callers pass only these; a trapping default made the loops 1.3-1.6x slower).
+            switch = builder.switch(builder.add(builder.mul(rows_val, ir.Constant(_I64, 8)), tile_val), done)
+            for n_rows, n_w in ROWS_TILES:
+                case = builder.append_basic_block(f"rows_{n_rows}_{n_w}")
+                switch.add_case(ir.Constant(_I64, n_rows * 8 + n_w), case)
+                builder.position_at_end(case)
+                tile_loop(n_rows, n_w)
+                builder.branch(done)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = "rows_dot_min" if with_min else "rows_dot"
+    return intrinsic(typer)
+
+
+def _scale_value(builder, row, index, half):
+    """row[index] of a scale row (a pointer to f16 bits or float32) as float32."""
+    value = builder.load(builder.gep(row, [index]))
+    return builder.fpext(builder.bitcast(value, ir.HalfType()), _F32) if half else value
+
+
+# y[r0 + r, n + i] = w_(n + i) . x[r0 + r] for the `rows` token rows from r0 of x [M, K] float32 and the
+# `tile` packed weight rows from n ((rows, tile) one of ROWS_TILES; values int8 [N, K] or 4-bit pairs uint8
+# [N, K / 2]; scale, and mins with min, float32 or uint16 f16 bits [N, K / block]), decoded a block at a time
+# (block a literal, 16 or 32); y float32 [M, N]. A token row's result does not depend on the other rows nor
+# on its place among them: each accumulator sees the same operations in the same order whatever the group
+# (one weight row, or two: their results differ by round-off).
+rows_dot = _rows_dot(with_min=False)
+rows_dot_min = _rows_dot(with_min=True)
+
+
 @njit(fastmath=True, cache=True, inline="always")
 def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
+    """Row n of y = x W^T, one token row at a time (`row_dot`)."""
     row = values[n]
     sc = scale[n]
     mn = mins[n] if has_min else mins[0]
@@ -195,19 +345,68 @@ def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
         y[m, n] = acc
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _rows_dot_any(values, x, r, rows, scale, mins, has_min, y, n, tile, block):
+    if has_min and block == 32:
+        rows_dot_min(values, x, r, rows, scale, mins, y, n, tile, 32)
+    elif has_min:
+        rows_dot_min(values, x, r, rows, scale, mins, y, n, tile, 16)
+    elif block == 32:
+        rows_dot(values, x, r, rows, scale, mins, y, n, tile, 32)
+    else:
+        rows_dot(values, x, r, rows, scale, mins, y, n, tile, 16)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _matmul_rows(x, values, scale, mins, has_min, block, y, n, tile):
+    """Weight rows n .. n + tile - 1 of y = x W^T by `rows_dot`, the token rows in groups of up to ROWS_GROUP
+    (with a pair of weight rows, of 8, 4, 2, 1: the loops it has)."""
+    r = 0
+    while r < x.shape[0]:
+        rows = min(ROWS_GROUP, x.shape[0] - r)
+        while tile > 1 and rows & (rows - 1):  # a pair of weight rows: groups of 8, 4, 2, 1
+            rows &= rows - 1
+        _rows_dot_any(values, x, r, rows, scale, mins, has_min, y, n, tile, block)
+        r += rows
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _weight_tile(n_tok):
+    return 2 if n_tok >= PAIR_MIN_ROWS else 1
+
+
 @njit(parallel=True, fastmath=True, cache=True)
-def matmul_packed(x, xsum, values, scale, mins, has_min, block, y):
-    """y = x W^T for a packed weight (`row_dot`), plus min * sum(x) per block where it has mins (xsum
-    [M, K / block]); rows over all threads."""
-    for n in prange(values.shape[0]):
-        _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+def matmul_packed(x, xsum, values, scale, mins, has_min, block, by_row, y):
+    """y = x W^T for a packed weight, weight rows over all threads: a token row at a time (by_row:
+    `row_dot`, plus min * sum(x) per block where it has mins, xsum [M, K / block]) or each block of a tile
+    of weight rows decoded once for a group of token rows (`rows_dot`; xsum read only for the rows past the
+    last full tile). One kernel for both: warming one warms both."""
+    if by_row:
+        for n in prange(values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+    else:
+        tile = _weight_tile(x.shape[0])
+        full = values.shape[0] // tile
+        for t in prange(full):
+            _matmul_rows(x, values, scale, mins, has_min, block, y, t * tile, tile)
+        # past the last full tile, a row at a time (apart: inlined in the loop above it slowed that 1.4x)
+        for n in range(full * tile, values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
 
 
 @njit(fastmath=True, cache=True)
-def matmul_packed_serial(x, xsum, values, scale, mins, has_min, block, y):
+def matmul_packed_serial(x, xsum, values, scale, mins, has_min, block, by_row, y):
     """`matmul_packed` on the calling thread (a product too small to be worth a parallel region)."""
-    for n in range(values.shape[0]):
-        _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+    if by_row:
+        for n in range(values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
+    else:
+        tile = _weight_tile(x.shape[0])
+        full = values.shape[0] // tile
+        for t in range(full):
+            _matmul_rows(x, values, scale, mins, has_min, block, y, t * tile, tile)
+        for n in range(full * tile, values.shape[0]):
+            _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -248,11 +447,24 @@ def dequantize_packed_serial(values, scale, mins, has_min, out):
 
 
 # ---- attention over the K/V pool's storage -------------------------------------------------------------
-# Per query row, its visible keys are one position range: scores by `key_dots`, a softmax with
-# `fast_exp`, the weighted sum of values by `value_sums` (both in LLVM vector IR: the row's accumulators
-# stay in registers). Keys and values are read as stored (f16 bits, int8 with per-block scales, f32)
-# and converted in registers, never into a float32 copy.
+# A work item is one range of key positions (a split) for every K/V head, read a tile of keys at a time:
+# the pool's rows are token-major [slots, Hkv, D], so a tile's rows of every head are read while they are
+# in cache (one head's pass over all keys strides through 1 / Hkv of each row: 3x slower for SmolLM2 at
+# 4,096 held). Per head and block of query rows: scores by `key_dots`, a softmax with `fast_exp`, the
+# weighted sum of values by `value_sums` (LLVM vector IR: a block's accumulators stay in registers). Keys
+# and values are read as stored (f16 bits, int8 with per-block scales, f32) and converted in registers,
+# never into a float32 copy. Every output element is a sum in key order, so the blocks, the tiles and a
+# ring's runs give the same bits wherever the rows lie. With AVX-512 (`_AVX512`: 32 registers of 16
+# float32) a vector is one register, else two AVX2 ones; the register blocks are sized for 32 or 16.
 _HEAD_DIMS = (64, 128, 256)  # head sizes the IR is generated for (others: a plain loop)
+_VEC = 16 if _AVX512 else 8  # float32 lanes of one register
+_KEY_TILE = 32  # keys per tile: every head's rows of a tile (16 KiB of f16 at Hkv x D = 256) stay in L1
+_DOT_ROWS = 4  # query rows per `key_dots` block
+_PREFETCH_KEYS = 16  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
+# Value sums: the accumulators (registers) a block of query rows keeps over the loop: whole value rows
+# where they fit (D / lanes per row: the rows stream in address order, 1.2x faster from memory than
+# column blocks of a row, bench/CPU-NOTES.md), else column blocks of one row.
+_SUM_ACC = 16 if _AVX512 else 8
 
 
 @intrinsic
@@ -283,7 +495,7 @@ def fast_exp(x):
     p = p * r + F32(1.6666665459e-1)
     p = p * r + F32(5.0000001201e-1)
     y = p * (r * r) + r + F32(1)
-    return y * f32_from_bits((np.int64(n) + 127) << 23)
+    return y * f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
 def _row_ptr(builder, arr, index, elem):
@@ -294,17 +506,17 @@ def _row_ptr(builder, arr, index, elem):
 
 
 def _stored_chunk(builder, row, scale_row, c, dtype):
-    """Values [16c, 16c + 16) of a stored K/V row as <16 x float> (int8 times its 32-value block's scale)."""
-    vf = ir.VectorType(_F32, _LANES)
-    off = ir.Constant(_I64, c * _LANES)
+    """Values [Lc, Lc + L) of a stored K/V row as <L x float>, L = _VEC (int8 times its 32-value block's scale)."""
+    vf = ir.VectorType(_F32, _VEC)
+    off = ir.Constant(_I64, c * _VEC)
     if dtype == types.uint16:
-        bits = _load_vector(builder, row, off, ir.IntType(16), _LANES)
-        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _LANES)), vf)
+        bits = _load_vector(builder, row, off, ir.IntType(16), _VEC)
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _VEC)), vf)
     if dtype == types.float32:
-        return _load_vector(builder, row, off, _F32, _LANES)
-    q = builder.sitofp(_load_vector(builder, row, off, ir.IntType(8), _LANES), vf)
-    scale = builder.load(builder.gep(scale_row, [ir.Constant(_I64, c * _LANES // 32)]))
-    return builder.fmul(q, _splat(builder, scale, _LANES), flags=EXACT)  # rounded as the decoded copy
+        return _load_vector(builder, row, off, _F32, _VEC)
+    q = builder.sitofp(_load_vector(builder, row, off, ir.IntType(8), _VEC), vf)
+    scale = builder.load(builder.gep(scale_row, [ir.Constant(_I64, c * _VEC // 32)]))
+    return builder.fmul(q, _splat(builder, scale, _VEC), flags=EXACT)  # rounded as the decoded copy
 
 
 def _splat(builder, value, lanes):
@@ -357,49 +569,76 @@ def _counted_loop(builder, n, body, carried):
     return out
 
 
+def _prefetch_row(builder, arr, index, elem, n_bytes):
+    """Prefetch the n_bytes (a multiple of 64, or fewer) at the start of row `index` of a 2-D array into
+    the cache: a head's part of a stored row, _PREFETCH_KEYS keys ahead of the one being read."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch"
+    )
+    row = builder.bitcast(_row_ptr(builder, arr, index, elem), ir.IntType(8).as_pointer())
+    for off in range(0, n_bytes, 64):
+        ptr = builder.gep(row, [ir.Constant(_I64, off)])
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
 def _kv_intrinsic_args(context, builder, signature, args):
     return [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)]
 
 
 _ELEM = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}
-# Rows of one token's query heads (of a K/V head) the value sums keep in registers at once: rows x D / 16
-# accumulators, at most 16 (AVX-512 has 32 registers).
-_SUM_ROWS = {64: 4, 128: 2, 256: 1}
+_BYTES = {types.uint16: 2, types.float32: 4, types.int8: 1}
+
+
+def _fma(builder):
+    vf = ir.VectorType(_F32, _VEC)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{_VEC}f32")
+
+
+def _literal(value, allowed) -> bool:
+    return isinstance(value, types.IntegerLiteral) and value.literal_value in allowed
 
 
 @intrinsic
-def key_dots(typingctx, q, keys, scales, lo, n, out, d):
-    """out[r, i] = q[r] . keys[lo + i] for every row r of q [R, D] (float32) and i < n: each key row is
-    read and converted once for all R rows; keys a stored head's rows [slots, D] (uint16 f16 bits,
-    float32, or int8 with `scales` [slots, D / 32]); out float32 [R, >= n]; d the literal D."""
-    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS or keys.dtype not in _ELEM:
+def key_dots(typingctx, q, keys, scales, lo, n, out, d, rows):
+    """out[r, i] = q[r] . keys[lo + i] for the first `rows` (a literal, <= _DOT_ROWS) rows r of q [R, D]
+    (float32) and i < n: each key row is read and converted once for all of them, key after key (folding
+    several keys' sums together saves shuffles but interleaves their rows' loads: 1.15x slower from
+    memory); keys a stored head's rows [slots, D] (uint16 f16 bits, float32, or int8 with `scales`
+    [slots, D / 32]); out float32 [>= rows, >= n] (any strides); d the literal D."""
+    if not _literal(d, _HEAD_DIMS) or not _literal(rows, range(1, _DOT_ROWS + 1)) or keys.dtype not in _ELEM:
         return None
-    sig = types.void(q, keys, scales, lo, n, out, d)
+    sig = types.void(q, keys, scales, lo, n, out, d, rows)
 
     def codegen(context, builder, signature, args):
         q_arr, k_arr, s_arr = _kv_intrinsic_args(context, builder, signature, args)
         out_arr = context.make_array(signature.args[5])(context, builder, args[5])
-        chunks = d.literal_value // _LANES
-        vf = ir.VectorType(_F32, _LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
-        n_rows = builder.extract_value(q_arr.shape, 0)
+        chunks, n_rows = d.literal_value // _VEC, rows.literal_value
+        fma = _fma(builder)
+        q_rows = [_row_ptr(builder, q_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
+        out_rows = [builder.bitcast(_row_ptr(builder, out_arr, ir.Constant(_I64, r), _F32), ir.IntType(8).as_pointer())
+                    for r in range(n_rows)]  # fmt: skip
+        out_step = builder.extract_value(out_arr.strides, 1)
+        # loaded once: out may alias q as far as LLVM knows, so loads in the loop would follow every store
+        q_vecs = [
+            [_load_vector(builder, q_rows[r], ir.Constant(_I64, c * _VEC), _F32, _VEC) for c in range(chunks)]
+            for r in range(n_rows)
+        ]
 
         def key(i, carried):
             idx = builder.add(args[3], i)
             row = _row_ptr(builder, k_arr, idx, _ELEM[keys.dtype])
             scale_row = _row_ptr(builder, s_arr, idx, _F32)
-            kv = [_stored_chunk(builder, row, scale_row, c, keys.dtype) for c in range(chunks)]
-
-            def query(r, carried_r):
-                q_row = _row_ptr(builder, q_arr, r, _F32)
-                acc = ir.Constant(vf, [0.0] * _LANES)
-                for c in range(chunks):
-                    qc = _load_vector(builder, q_row, ir.Constant(_I64, c * _LANES), _F32, _LANES)
-                    acc = builder.call(fma, [qc, kv[c], acc])
-                builder.store(_hsum(builder, acc), builder.gep(_row_ptr(builder, out_arr, r, _F32), [i]))
-                return []
-
-            _counted_loop(builder, n_rows, query, [])
+            if _PREFETCH_KEYS:
+                ahead = builder.add(idx, ir.Constant(_I64, _PREFETCH_KEYS))
+                _prefetch_row(builder, k_arr, ahead, _ELEM[keys.dtype], d.literal_value * _BYTES[keys.dtype])
+            acc = [ir.Constant(ir.VectorType(_F32, _VEC), [0.0] * _VEC)] * n_rows
+            for c in range(chunks):
+                kc = _stored_chunk(builder, row, scale_row, c, keys.dtype)
+                acc = [builder.call(fma, [q_vecs[r][c], kc, acc[r]]) for r in range(n_rows)]
+            at = builder.mul(i, out_step)
+            for r in range(n_rows):
+                ptr = builder.bitcast(builder.gep(out_rows[r], [at]), _F32.as_pointer())
+                builder.store(_hsum(builder, acc[r]), ptr)
             return []
 
         _counted_loop(builder, args[4], key, [])
@@ -410,214 +649,388 @@ def key_dots(typingctx, q, keys, scales, lo, n, out, d):
 
 @intrinsic
 def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
-    """acc[r] += sum_i weights[r, i] * values[lo + i] for i < n and the `rows` (a literal) rows of acc
-    [rows, D] and weights [rows, >= n]: each value row is read and converted once for all of them, and
-    the rows x D / 16 accumulators stay in registers over the loop; values as in `key_dots`."""
-    if not isinstance(d, types.IntegerLiteral) or d.literal_value not in _HEAD_DIMS or values.dtype not in _ELEM:
-        return None
-    if not isinstance(rows, types.IntegerLiteral) or not 1 <= rows.literal_value <= _SUM_ROWS[d.literal_value]:
+    """acc[r] += sum_i weights[r, i] * values[lo + i] for i < n and the first `rows` (a literal, 1-4) rows
+    of acc [R, D] (C order rows) and weights [R, >= n] (unit stride along keys): each value row is read
+    and converted once per block of columns (the whole row where rows x D / lanes <= _SUM_ACC), whose
+    accumulators stay in registers over the loop; values as in `key_dots`."""
+    if not _literal(d, _HEAD_DIMS) or not _literal(rows, range(1, 5)) or values.dtype not in _ELEM:
         return None
     sig = types.void(acc, weights, values, scales, lo, n, d, rows)
 
     def codegen(context, builder, signature, args):
         acc_arr, w_arr, v_arr = _kv_intrinsic_args(context, builder, signature, args)
         s_arr = context.make_array(signature.args[3])(context, builder, args[3])
-        chunks, n_rows = d.literal_value // _LANES, rows.literal_value
-        vf = ir.VectorType(_F32, _LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
+        n_rows = rows.literal_value
+        width = max(1, min(d.literal_value // _VEC, _SUM_ACC // n_rows))  # chunks per column block
+        fma = _fma(builder)
         acc_rows = [_row_ptr(builder, acc_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
         w_rows = [_row_ptr(builder, w_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
-        start = [
-            _load_vector(builder, acc_rows[r], ir.Constant(_I64, c * _LANES), _F32, _LANES)
-            for r in range(n_rows)
-            for c in range(chunks)
-        ]
+        for c0 in range(0, d.literal_value // _VEC, width):
+            start = [
+                _load_vector(builder, acc_rows[r], ir.Constant(_I64, (c0 + c) * _VEC), _F32, _VEC)
+                for r in range(n_rows)
+                for c in range(width)
+            ]
 
-        def body(i, carried):
-            idx = builder.add(args[4], i)
-            row = _row_ptr(builder, v_arr, idx, _ELEM[values.dtype])
-            scale_row = _row_ptr(builder, s_arr, idx, _F32)
-            kv = [_stored_chunk(builder, row, scale_row, c, values.dtype) for c in range(chunks)]
-            out = []
+            def body(i, carried, c0=c0):
+                idx = builder.add(args[4], i)
+                row = _row_ptr(builder, v_arr, idx, _ELEM[values.dtype])
+                if c0 == 0 and _PREFETCH_KEYS:
+                    ahead = builder.add(idx, ir.Constant(_I64, _PREFETCH_KEYS))
+                    _prefetch_row(builder, v_arr, ahead, _ELEM[values.dtype], d.literal_value * _BYTES[values.dtype])
+                scale_row = _row_ptr(builder, s_arr, idx, _F32)
+                vc = [_stored_chunk(builder, row, scale_row, c0 + c, values.dtype) for c in range(width)]
+                out = []
+                for r in range(n_rows):
+                    w = _splat(builder, builder.load(builder.gep(w_rows[r], [i])), _VEC)
+                    out += [builder.call(fma, [vc[c], w, carried[r * width + c]]) for c in range(width)]
+                return out
+
+            final = _counted_loop(builder, args[5], body, start)
             for r in range(n_rows):
-                w = _splat(builder, builder.load(builder.gep(w_rows[r], [i])), _LANES)
-                out += [builder.call(fma, [kv[c], w, carried[r * chunks + c]]) for c in range(chunks)]
-            return out
-
-        final = _counted_loop(builder, args[5], body, start)
-        for r in range(n_rows):
-            for c in range(chunks):
-                ptr = builder.gep(acc_rows[r], [ir.Constant(_I64, c * _LANES)])
-                builder.store(final[r * chunks + c], builder.bitcast(ptr, vf.as_pointer()), align=1)
+                for c in range(width):
+                    ptr = builder.gep(acc_rows[r], [ir.Constant(_I64, (c0 + c) * _VEC)])
+                    builder.store(final[r * width + c], builder.bitcast(ptr, ir.VectorType(_F32, _VEC).as_pointer()), align=1)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
+@intrinsic
+def decoded(typingctx, value, scale):
+    """A stored K/V element as the decoded copy holds it, widen(value) * scale, rounded as written (the
+    kernel's fastmath would let LLVM fold the scale into the product it feeds): for the plain loops."""
+    if value not in _ELEM:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x = args[0]
+        if value == types.uint16:
+            x = builder.fpext(builder.bitcast(x, ir.HalfType()), _F32)
+        elif value == types.int8:
+            x = builder.sitofp(x, _F32)
+        return builder.fmul(x, args[1], flags=EXACT)
+
+    return types.float32(value, types.float32), codegen
+
+
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
-def _dots(q, keys, scales, has_scales, lo, n, out):
-    """out[r, :n] = q[r] . keys[lo + i] (`key_dots`, or a plain loop for other head sizes)."""
+def _dots_block(q, keys, scales, lo, n, out, b):
+    """`key_dots` of the first b (1-4) rows, dispatched on the literal head size and row count."""
     d = q.shape[1]
     if d == 64:
-        key_dots(q, keys, scales, lo, n, out, 64)
+        if b == 4:
+            key_dots(q, keys, scales, lo, n, out, 64, 4)
+        elif b == 3:
+            key_dots(q, keys, scales, lo, n, out, 64, 3)
+        elif b == 2:
+            key_dots(q, keys, scales, lo, n, out, 64, 2)
+        else:
+            key_dots(q, keys, scales, lo, n, out, 64, 1)
     elif d == 128:
-        key_dots(q, keys, scales, lo, n, out, 128)
-    elif d == 256:
-        key_dots(q, keys, scales, lo, n, out, 256)
+        if b == 4:
+            key_dots(q, keys, scales, lo, n, out, 128, 4)
+        elif b == 3:
+            key_dots(q, keys, scales, lo, n, out, 128, 3)
+        elif b == 2:
+            key_dots(q, keys, scales, lo, n, out, 128, 2)
+        else:
+            key_dots(q, keys, scales, lo, n, out, 128, 1)
+    elif b == 4:
+        key_dots(q, keys, scales, lo, n, out, 256, 4)
+    elif b == 3:
+        key_dots(q, keys, scales, lo, n, out, 256, 3)
+    elif b == 2:
+        key_dots(q, keys, scales, lo, n, out, 256, 2)
     else:
-        for r in range(q.shape[0]):
-            for i in range(n):
-                s = F32(0)
-                for j in range(d):
-                    s += q[r, j] * widen(keys[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
-                out[r, i] = s
+        key_dots(q, keys, scales, lo, n, out, 256, 1)
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _sums_block(acc, weights, values, scales, lo, n, b):
+    """`value_sums` of the first b (1-4) rows, dispatched on the literal head size and row count."""
+    d = acc.shape[1]
+    if d == 64:
+        if b == 4:
+            value_sums(acc, weights, values, scales, lo, n, 64, 4)
+        elif b == 3:
+            value_sums(acc, weights, values, scales, lo, n, 64, 3)
+        elif b == 2:
+            value_sums(acc, weights, values, scales, lo, n, 64, 2)
+        else:
+            value_sums(acc, weights, values, scales, lo, n, 64, 1)
+    elif d == 128:
+        if b == 4:
+            value_sums(acc, weights, values, scales, lo, n, 128, 4)
+        elif b == 3:
+            value_sums(acc, weights, values, scales, lo, n, 128, 3)
+        elif b == 2:
+            value_sums(acc, weights, values, scales, lo, n, 128, 2)
+        else:
+            value_sums(acc, weights, values, scales, lo, n, 128, 1)
+    elif b == 4:
+        value_sums(acc, weights, values, scales, lo, n, 256, 4)
+    elif b == 3:
+        value_sums(acc, weights, values, scales, lo, n, 256, 3)
+    elif b == 2:
+        value_sums(acc, weights, values, scales, lo, n, 256, 2)
+    else:
+        value_sums(acc, weights, values, scales, lo, n, 256, 1)
+
+
+@intrinsic
+def mul_add(typingctx, acc, a, b):
+    """acc + a * b (float32), rounded as written: the kernels' fastmath would let LLVM reorder a plain loop's
+    sum differently for each storage type."""
+    if not all(t == types.float32 for t in (acc, a, b)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], builder.fmul(args[1], args[2], flags=EXACT), flags=EXACT)
+
+    return types.float32(acc, a, b), codegen
+
+
+@intrinsic
+def row_sum(typingctx, row):
+    """sum(row) of a contiguous float32 row in one fixed order (16-lane partial sums, `_hsum`, then the tail in
+    order): a fastmath loop's sum is vectorized in whatever order LLVM picks for each compiled kernel, and
+    the kernels for f16, int8 and float32 storage must round alike."""
+    if not (isinstance(row, types.Array) and row.ndim == 1 and row.dtype == types.float32 and row.layout == "C"):
+        return None
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        n = builder.extract_value(arr.shape, 0)
+        vf = ir.VectorType(_F32, 16)
+        chunks = builder.udiv(n, ir.Constant(_I64, 16))
+
+        def chunk(i, carried):
+            v = _load_vector(builder, arr.data, builder.mul(i, ir.Constant(_I64, 16)), _F32, 16)
+            return [builder.fadd(carried[0], v, flags=EXACT)]
+
+        (acc,) = _counted_loop(builder, chunks, chunk, [ir.Constant(vf, [0.0] * 16)])
+        done = builder.mul(chunks, ir.Constant(_I64, 16))
+
+        def tail(i, carried):
+            x = builder.load(builder.gep(arr.data, [builder.add(done, i)]))
+            return [builder.fadd(carried[0], x, flags=EXACT)]
+
+        (total,) = _counted_loop(builder, builder.sub(n, done), tail, [_hsum(builder, acc)])
+        return total
+
+    return types.float32(row), codegen
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _plain_dots(q, keys, scales, has_scales, lo, n, out):
+    for r in range(q.shape[0]):
+        for i in range(n):
+            s = F32(0)
+            for j in range(q.shape[1]):
+                s = mul_add(s, q[r, j], decoded(keys[lo + i, j], scales[lo + i, j // 32] if has_scales else F32(1)))
+            out[r, i] = s
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _plain_sums(acc, weights, values, scales, has_scales, lo, n):
+    for r in range(acc.shape[0]):
+        for i in range(n):
+            wi = weights[r, i]
+            for j in range(acc.shape[1]):
+                v = decoded(values[lo + i, j], scales[lo + i, j // 32] if has_scales else F32(1))
+                acc[r, j] = mul_add(acc[r, j], wi, v)
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _dots(q, keys, scales, has_scales, lo, n, out):
+    """out[r, :n] = q[r] . keys[lo + i] for every row r of q (blocks of `key_dots`, or a plain loop for
+    other head sizes)."""
+    d = q.shape[1]
+    if d == 64 or d == 128 or d == 256:
+        for r in range(0, q.shape[0], _DOT_ROWS):
+            _dots_block(q[r:], keys, scales, lo, n, out[r:], min(_DOT_ROWS, q.shape[0] - r))
+        return
+    _plain_dots(q, keys, scales, has_scales, lo, n, out)
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _sums(acc, weights, values, scales, has_scales, lo, n):
-    """acc[r] += sum_i weights[r, i] values[lo + i] (`value_sums` on as many rows at once as fit the
-    registers, or a plain loop for other head sizes)."""
+    """acc[r] += sum_i weights[r, i] values[lo + i] (`value_sums` on blocks of rows, or a plain loop for
+    other head sizes)."""
     d = acc.shape[1]
-    n_rows = acc.shape[0]
-    r = 0
-    while r < n_rows:
-        left = n_rows - r
-        a, w = acc[r:], weights[r:]
-        if d == 64 and left >= 4:
-            value_sums(a, w, values, scales, lo, n, 64, 4)
-            r += 4
-        elif d == 64 and left >= 2:
-            value_sums(a, w, values, scales, lo, n, 64, 2)
-            r += 2
-        elif d == 64:
-            value_sums(a, w, values, scales, lo, n, 64, 1)
-            r += 1
-        elif d == 128 and left >= 2:
-            value_sums(a, w, values, scales, lo, n, 128, 2)
-            r += 2
-        elif d == 128:
-            value_sums(a, w, values, scales, lo, n, 128, 1)
-            r += 1
-        elif d == 256:
-            value_sums(a, w, values, scales, lo, n, 256, 1)
-            r += 1
-        else:
-            for i in range(n):
-                wi = weights[r, i]
-                for j in range(d):
-                    acc[r, j] += wi * widen(values[lo + i, j]) * (scales[lo + i, j // 32] if has_scales else F32(1))
-            r += 1
+    if d == 64 or d == 128 or d == 256:
+        block = max(1, min(4, _SUM_ACC // (d // _VEC)))  # rows whose whole value rows fit the registers
+        for r in range(0, acc.shape[0], block):
+            _sums_block(acc[r:], weights[r:], values, scales, lo, n, min(block, acc.shape[0] - r))
+        return
+    _plain_sums(acc, weights, values, scales, has_scales, lo, n)
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
-def _attention_item(
-    item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
+def _row_max(s):
+    """max(s) of a non-empty row, in eight running maxima (one is a chain of dependent compares)."""
+    n = s.shape[0]
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = s[0]
+    i = 0
+    while i + 8 <= n:
+        m0, m1, m2, m3 = max(m0, s[i]), max(m1, s[i + 1]), max(m2, s[i + 2]), max(m3, s[i + 3])
+        m4, m5, m6, m7 = max(m4, s[i + 4]), max(m5, s[i + 5]), max(m6, s[i + 6]), max(m7, s[i + 7])
+        i += 8
+    while i < n:
+        m0 = max(m0, s[i])
+        i += 1
+    return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _slot_run(p, end, base, capacity):
+    """The slot of position p and how many positions from p (before `end`) lie in consecutive slots."""
+    if capacity <= 0:
+        return p - base, end - p
+    slot = p % capacity
+    return slot, min(end - p, capacity - slot)
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _attention_split(
+    sp, q, k, v, k_scale, v_scale, has_scales, n_tok, q_pos0, k_lo, base, capacity, window, acc, m_out, l_out
 ):
-    n_tok, n_head, d = q.shape
-    group = n_head // k.shape[1]
+    """Split sp of acc.shape[0] equal key ranges of [k_lo, q_pos0 + T), every K/V head: per row r of q
+    [Hkv, T * G, D] (token r // G), the max m_out of its visible scores, the sum l_out of exp(s - m) and
+    acc = sum exp(s - m) v, merged by `_merge`."""
+    n_split = acc.shape[0]
+    n_kv, rows, d = q.shape
+    group = rows // n_tok
     k_hi = q_pos0 + n_tok
     per_split = (k_hi - k_lo + n_split - 1) // n_split
-    hk = item // n_split
-    sp = item % n_split
     s_lo = k_lo + sp * per_split
     s_hi = min(k_hi, s_lo + per_split)
-    keys, values = k[:, hk], v[:, hk]
-    key_scales, value_scales = k_scale[:, min(hk, k_scale.shape[1] - 1)], v_scale[:, min(hk, v_scale.shape[1] - 1)]
-    scores = np.empty((group, max(1, s_hi - s_lo)), dtype=F32)
-    for t in range(n_tok):  # the token's `group` query heads see the same keys: rows t * G .. t * G + G - 1
-        qp = q_pos0 + t
-        lo = s_lo if window <= 0 else max(s_lo, qp - window + 1)
-        hi = min(s_hi, qp + 1)
-        rows = slice(t * group, (t + 1) * group)
-        a = acc[hk, sp, rows]
-        a[:] = 0
-        m_out[hk, sp, rows] = -np.inf
-        l_out[hk, sp, rows] = 0
-        if hi <= lo:
-            continue
-        qt = q[t, hk * group : (hk + 1) * group]
-        n = hi - lo
-        p = lo
-        while p < hi:  # slot runs: one, or two where a ring wraps
-            slot = p % capacity if capacity > 0 else p - base
-            run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
-            _dots(qt, keys, key_scales, has_scales, slot, run, scores[:, p - lo : p - lo + run])
+    first = s_lo if window <= 0 else max(s_lo, q_pos0 - window + 1)  # the rows' key ranges together
+    a = acc[sp]
+    a[:] = 0
+    m_out[sp] = -np.inf
+    l_out[sp] = 0
+    if s_hi <= first:
+        return
+    n = s_hi - first
+    # rows 64 bytes longer than n: at a power-of-2 length they would share L1 sets and evict each other
+    scores = np.empty((n_kv, rows, n + 16), dtype=F32)
+    for t0 in range(first, s_hi, _KEY_TILE):  # a tile's rows of every head while they are in cache
+        t1 = min(s_hi, t0 + _KEY_TILE)
+        p = t0
+        while p < t1:  # slot runs: one, or two where a ring wraps
+            slot, run = _slot_run(p, t1, base, capacity)
+            for hk in range(n_kv):
+                ks = k_scale[:, min(hk, k_scale.shape[1] - 1)]
+                _dots(q[hk], k[:, hk], ks, has_scales, slot, run, scores[hk, :, p - first :])
             p += run
-        for g in range(group):
-            sg = scores[g]
-            top = sg[0]
-            for i in range(1, n):
-                top = max(top, sg[i])
-            total = F32(0)
-            for i in range(n):
-                e = fast_exp(sg[i] - top)
-                sg[i] = e
-                total += e
-            m_out[hk, sp, t * group + g] = top
-            l_out[hk, sp, t * group + g] = total
-        p = lo
-        while p < hi:
-            slot = p % capacity if capacity > 0 else p - base
-            run = hi - p if capacity <= 0 else min(hi - p, capacity - slot)
-            _sums(a, scores[:, p - lo : p - lo + run], values, value_scales, has_scales, slot, run)
+    for hk in range(n_kv):
+        for r in range(rows):  # softmax over the row's visible keys; the others weigh 0
+            qp = q_pos0 + r // group
+            lo = first if window <= 0 else max(first, qp - window + 1)
+            hi = min(s_hi, qp + 1)
+            sg = scores[hk, r]
+            if hi <= lo:
+                sg[:] = 0
+                continue
+            sg[: lo - first] = 0
+            sg[hi - first :] = 0
+            seen = sg[lo - first : hi - first]  # indexed from 0: numba's index wrap-around check then folds away
+            top = _row_max(seen)
+            for i in range(seen.shape[0]):  # vectorized
+                seen[i] = fast_exp(seen[i] - top)
+            m_out[sp, hk, r] = top
+            l_out[sp, hk, r] = row_sum(seen)
+    for t0 in range(first, s_hi, _KEY_TILE):
+        t1 = min(s_hi, t0 + _KEY_TILE)
+        p = t0
+        while p < t1:
+            slot, run = _slot_run(p, t1, base, capacity)
+            for hk in range(n_kv):
+                vs = v_scale[:, min(hk, v_scale.shape[1] - 1)]
+                _sums(a[hk], scores[hk, :, p - first :], v[:, hk], vs, has_scales, slot, run)
             p += run
 
 
-@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
-def attention_partials(
-    q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
-):
-    """Causal (sliding-window) GQA attention of queries q [T, H, D] (already times the softmax scale) over
-    the keys at positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale,
-    v_scale [slots, Hkv, D / 32]): position p sits in slot p % capacity (a ring, capacity > 0) or
-    p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). Work
-    item (kv head, split) covers one of n_split equal key ranges and leaves, per row r = t * G + g
-    (token t, query head kv_head * G + g), the max m_out of its scores, the sum l_out of exp(s - m)
-    and acc = sum exp(s - m) v, merged by `attention_merge`. Work items over all threads."""
-    for item in prange(k.shape[1] * n_split):
-        _attention_item(
-            item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc,
-            m_out, l_out,
-        )  # fmt: skip
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _grouped_queries(q, n_kv, scale):
+    """q [T, H, D] times the softmax scale as [Hkv, T * G, D]: a K/V head's query rows, token-major."""
+    n_tok, n_head, d = q.shape
+    group = n_head // n_kv
+    out = np.empty((n_kv, n_tok * group, d), dtype=F32)
+    for hk in range(n_kv):
+        for t in range(n_tok):
+            for g in range(group):
+                for j in range(d):
+                    out[hk, t * group + g, j] = q[t, hk * group + g, j] * scale
+    return out
 
 
-@njit(fastmath=SAFE_FAST, cache=True)
-def attention_partials_serial(
-    q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc, m_out, l_out
-):
-    """`attention_partials` on the calling thread (too few keys to be worth a parallel region)."""
-    for item in range(k.shape[1] * n_split):
-        _attention_item(
-            item, q, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, acc,
-            m_out, l_out,
-        )  # fmt: skip
-
-
-@njit(fastmath=SAFE_FAST, cache=True)
-def attention_merge(acc, m_in, l_in, n_tok, out):
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _merge(acc, m_in, l_in, n_tok, out):
     """out [T, H * D] from the splits' partials: sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)."""
-    n_kv, n_split, rows, d = acc.shape
+    n_split, n_kv, rows, d = acc.shape
     group = rows // n_tok
     for hk in range(n_kv):
         for r in range(rows):
-            t = r // group
-            g = r % group
-            top = -np.inf
+            t, g = r // group, r % group
+            top = F32(-np.inf)
             for sp in range(n_split):
-                top = max(top, m_in[hk, sp, r])
+                top = max(top, m_in[sp, hk, r])
             o = out[t, (hk * group + g) * d : (hk * group + g + 1) * d]
             o[:] = 0
             total = F32(0)
             for sp in range(n_split):
-                if m_in[hk, sp, r] == -np.inf:
+                if m_in[sp, hk, r] == -np.inf:
                     continue
-                w = np.exp(m_in[hk, sp, r] - top)
-                total += w * l_in[hk, sp, r]
-                a = acc[hk, sp, r]
+                w = F32(np.exp(m_in[sp, hk, r] - top))
+                total = mul_add(total, w, l_in[sp, hk, r])  # rounded as written, as the partials were
+                part = acc[sp, hk, r]
                 for j in range(d):
-                    o[j] += w * a[j]
+                    o[j] = mul_add(o[j], w, part[j])
             for j in range(d):
                 o[j] /= total
+
+
+@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
+def attention(q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out):
+    """Causal (sliding-window) GQA attention of queries q [T, H, D] (times `scale`) over the keys at
+    positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale, v_scale
+    [slots, Hkv, D / 32]) into out [T, H * D]: position p sits in slot p % capacity (a ring, capacity > 0)
+    or p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). The keys
+    are cut into n_split equal ranges, one work item each over all threads, merged at the end."""
+    n_kv = k.shape[1]
+    qs = _grouped_queries(q, n_kv, scale)
+    rows, d = qs.shape[1], qs.shape[2]
+    acc = np.empty((n_split, n_kv, rows, d), dtype=F32)
+    m = np.empty((n_split, n_kv, rows), dtype=F32)
+    l_sum = np.empty((n_split, n_kv, rows), dtype=F32)
+    for sp in prange(n_split):
+        _attention_split(
+            sp, qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
+            m, l_sum,
+        )  # fmt: skip
+    _merge(acc, m, l_sum, q.shape[0], out)
+
+
+@njit(fastmath=SAFE_FAST, cache=True)
+def attention_serial(
+    q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out
+):
+    """`attention` on the calling thread (too few keys to be worth a parallel region)."""
+    n_kv = k.shape[1]
+    qs = _grouped_queries(q, n_kv, scale)
+    rows, d = qs.shape[1], qs.shape[2]
+    acc = np.empty((n_split, n_kv, rows, d), dtype=F32)
+    m = np.empty((n_split, n_kv, rows), dtype=F32)
+    l_sum = np.empty((n_split, n_kv, rows), dtype=F32)
+    for sp in range(n_split):
+        _attention_split(
+            sp, qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
+            m, l_sum,
+        )  # fmt: skip
+    _merge(acc, m, l_sum, q.shape[0], out)
 
 
 # ---- the small steps between products (one call each instead of several numpy passes) ------------------

@@ -23,8 +23,15 @@ from .threads import default_threads, set_threads
 
 F32 = np.float32
 # Token rows up to which a product runs in the packed kernel; above, dequantized chunks through BLAS
-# (the crossover measured by bench/bench_cpu_kernels.py: bench/CPU-NOTES.md).
-PACKED_MAX_ROWS = 16
+# (the multi-row kernel is 1.15-1.6x BLAS's speed at 64 rows, 1.1-1.25x at 128, on 1 and 2 threads:
+# bench/bench_cpu_kernels.py, bench/CPU-NOTES.md "The multi-row kernel"). runner.WARM_UP_TOKENS exceeds it.
+PACKED_MAX_ROWS = 64
+# Token rows up to which the gated MLP's activation is one numba loop; above, numpy's (its exp and tanh are
+# vectorized, numba's scalar).
+FUSED_ACTIVATION_MAX_ROWS = 16
+# Token rows up to which the packed kernel takes one row at a time (`row_dot`: the fewest operations for
+# one row); above, each weight block is decoded once for a group of rows (`rows_dot`).
+BY_ROW_MAX_ROWS = 1
 # Weight rows dequantized per BLAS call: a float32 chunk of about 2 MiB stays in cache for the product.
 DEQUANT_CHUNK_BYTES = 2 << 20
 # Work from which a kernel runs over all threads (below, on the calling thread): each parallel region is a
@@ -147,7 +154,7 @@ class NumbaOps(NumpyOps):
             return super().gated_mlp(x, w_gate_up, w_down, activation)
         gate_up = self.matmul(x, w_gate_up)  # [T, 2F]: one product
         n_tok, n_ff = gate_up.shape[0], gate_up.shape[1] // 2
-        if n_tok > PACKED_MAX_ROWS:  # numpy's exp and tanh are vectorized, numba's scalar
+        if n_tok > FUSED_ACTIVATION_MAX_ROWS:
             gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]
             act = self.silu(gate) if activation is Activation.SILU else self.gelu_tanh(gate)
             act *= up
@@ -157,15 +164,18 @@ class NumbaOps(NumpyOps):
         return self.matmul(act, w_down)
 
     # ---- products -------------------------------------------------------------------------------
-    def packed_matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
-        """x [M, K] float32 (C order) @ W^T in the packed kernel -> [M, N]."""
+    def packed_matmul(self, x: np.ndarray, w: PackedWeight, *, by_row: bool | None = None) -> np.ndarray:
+        """x [M, K] float32 (C order) @ W^T in the packed kernel -> [M, N]: one token row at a time up to
+        BY_ROW_MAX_ROWS rows, above each weight block decoded once for a group of rows (by_row forces
+        either: the benchmarks compare them)."""
         m, k = x.shape
         y = np.empty((m, w.shape[0]), dtype=F32)
         has_min = w.min is not None
+        by_row = m <= BY_ROW_MAX_ROWS if by_row is None else by_row
         xsum = x.reshape(m, k // w.block, w.block).sum(axis=-1) if has_min else _DUMMY_2D
         parallel = self.threads > 1 and m * w.nbytes >= PARALLEL_MIN_BYTES
         kernel = nk.matmul_packed if parallel else nk.matmul_packed_serial
-        kernel(x, xsum, w.values, w.scale, _mins(w), has_min, w.block, y)
+        kernel(x, xsum, w.values, w.scale, _mins(w), has_min, w.block, by_row, y)
         return y
 
     def blas_matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
@@ -249,22 +259,29 @@ class NumbaOps(NumpyOps):
         base: int, capacity: int, window: int, scale: float,
     ) -> np.ndarray:  # fmt: skip
         n_tok, n_head, d = q.shape
-        n_kv = k.shape[1]
-        rows = (n_head // n_kv) * n_tok
         span = max(1, k_hi - k_lo)
         parallel = self.threads > 1 and span * n_head * n_tok >= PARALLEL_MIN_SCORES
-        n_split = max(1, min(-(-2 * self.threads // n_kv), span // ATTN_MIN_SPLIT)) if parallel else 1
-        acc = np.empty((n_kv, n_split, rows, d), dtype=F32)
-        m = np.empty((n_kv, n_split, rows), dtype=F32)
-        l_sum = np.empty((n_kv, n_split, rows), dtype=F32)
-        qs = np.ascontiguousarray(q, dtype=F32) * F32(scale)
-        has_scales = k_scale is not None
-        kernel = nk.attention_partials if parallel else nk.attention_partials_serial
-        kernel(
-            qs, storage_view(k), storage_view(v), k_scale if has_scales else _DUMMY_3D,
-            v_scale if has_scales else _DUMMY_3D, has_scales, q_pos0, k_lo, base, capacity, window, n_split,
-            acc, m, l_sum,
-        )  # fmt: skip
+        n_split = max(1, min(self.threads, span // ATTN_MIN_SPLIT)) if parallel else 1
         out = np.empty((n_tok, n_head * d), dtype=F32)
-        nk.attention_merge(acc, m, l_sum, n_tok, out)
+        has_scales = k_scale is not None
+        kernel = nk.attention if parallel else nk.attention_serial
+        kernel(
+            np.ascontiguousarray(q, dtype=F32), F32(scale), storage_view(k), storage_view(v),
+            k_scale if has_scales else _DUMMY_3D, v_scale if has_scales else _DUMMY_3D, has_scales, q_pos0, k_lo,
+            base, capacity, window, n_split, out,
+        )  # fmt: skip
         return out
+
+    def warm_attention(self, k: Any, v: Any, k_scale: Any = None, v_scale: Any = None) -> None:
+        """Both attention kernels over the first slot of this storage (a layer's views): the parallel one
+        runs from PARALLEL_MIN_SCORES only, which no warm-up pass reaches, and would otherwise be compiled or
+        loaded in the first request that attends that far (a 16-token prompt at ~7,300 SmolLM2 keys)."""
+        n_head = k.shape[1]
+        q = np.zeros((1, n_head, k.shape[2]), dtype=F32)
+        has_scales = k_scale is not None
+        for kernel in (nk.attention, nk.attention_serial):
+            kernel(
+                q, F32(1), storage_view(k[:1]), storage_view(v[:1]), k_scale[:1] if has_scales else _DUMMY_3D,
+                v_scale[:1] if has_scales else _DUMMY_3D, has_scales, 0, 0, 0, 0, 0, 1,
+                np.empty((1, n_head * k.shape[2]), dtype=F32),
+            )  # fmt: skip
