@@ -159,11 +159,13 @@ def test_slot_busy_duplicate_id_and_bad_slot(engine):
 
 
 def test_save_one_slot_while_another_streams_and_a_refused_restore_keeps_the_slot(engine, tmp_path):
+    generated = 300
     alone = engine(1)
-    expected = alone.command("COMPLETE", greedy(id="g", prompt=prompt(12, 9), n_predict=40))["tokens"]
+    # long enough to outlast the first SAVE (which fingerprints the model file) on faster kernels
+    expected = alone.command("COMPLETE", greedy(id="g", prompt=prompt(12, 9), n_predict=generated))["tokens"]
     e = engine(2)
     held = e.command("COMPLETE", greedy(id="h", slot=1, prompt=prompt(60, 11), n_predict=5))
-    e.send("COMPLETE", greedy(id="g", slot=0, prompt=prompt(12, 9), n_predict=40))
+    e.send("COMPLETE", greedy(id="g", slot=0, prompt=prompt(12, 9), n_predict=generated))
     e.until(lambda line: line.get("id") == "g" and line["event"] == "token")
     path = tmp_path / "slot1.session"
     saved = e.command("SAVE", {"id": "save", "slot": 1, "path": str(path)})
