@@ -105,7 +105,7 @@ def best_of(fns, reps: int, clock=time.perf_counter) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", default="main", help="git revision whose kernels to compare with")
+    ap.add_argument("--baseline", default="dc96dc5", help="git revision whose kernels to compare with (default: the last before the rewrite; its API is the one this script calls)")
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--held", nargs="+", type=int, default=[4096, 8192])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1], help="query tokens per call (<= 16)")

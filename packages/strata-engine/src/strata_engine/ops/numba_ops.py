@@ -39,7 +39,7 @@ DEQUANT_CHUNK_BYTES = 2 << 20
 # nearly saturates memory here, so a decode step runs its output head alone over all threads
 # (bench/CPU-NOTES.md). Products: weight bytes times token rows; attention: keys x query heads x tokens.
 PARALLEL_MIN_BYTES = 16 << 20
-PARALLEL_MIN_SCORES = 1 << 20
+PARALLEL_MIN_SCORES = 1 << 14  # decode at depth over all threads: 1.3-1.4x on an idle machine, slower on a busy one
 # Query tokens up to which attention runs in the tiled kernel; above, key blocks through BLAS.
 ATTN_KERNEL_MAX_TOKENS = 16
 # Keys per block of the BLAS path (scores [Hkv, G*T, block] float32 stay a few MiB).
