@@ -68,7 +68,7 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk",
         type=int,
         default=None,
-        help="tokens per prefill batch (default 512 on numpy, 4096 on cupy)",
+        help="tokens per prefill batch (default 512 on numpy, 4096 on cupy); a quarter of it while other slots generate",
     )
     parser.add_argument(
         "--compute-dtype",
