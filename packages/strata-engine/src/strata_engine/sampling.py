@@ -320,6 +320,8 @@ class Sampler:
         """`logits` after the logit bias and the penalties over the last `repeat_last_n` of `recent`
         (-1: all of it); `logits` itself when neither applies."""
         p = self.params
+        if not p.adjusts:  # the rule the device argmax relies on (Generation.argmax_only): one place
+            return logits
         logits = logit_bias(logits, p.logit_bias)
         if p.repeat_last_n == 0:
             return logits
