@@ -34,11 +34,11 @@ FUSED_ACTIVATION_MAX_ROWS = 16
 BY_ROW_MAX_ROWS = 1
 # Weight rows dequantized per BLAS call: a float32 chunk of about 2 MiB stays in cache for the product.
 DEQUANT_CHUNK_BYTES = 2 << 20
-# Work from which a kernel runs over all threads (below, on the calling thread): each parallel region is a
-# fork and a join, and on a machine with other work the join waits for a descheduled thread; one thread
-# nearly saturates memory here, so a decode step runs its output head alone over all threads
-# (bench/CPU-NOTES.md). Products: weight bytes times token rows; attention: keys x query heads x tokens.
-PARALLEL_MIN_BYTES = 16 << 20
+# Work from which a kernel runs over all threads (below, on the calling thread): a parallel region costs
+# ~1.5 us here (OpenMP), so every layer product of a decode step runs over all threads (SmolLM2 1.37x from
+# 16 MiB, bench/CPU-NOTES.md); only toy weights stay serial. On a machine with other work the join waits for
+# a descheduled thread. Products: weight bytes times token rows; attention: keys x query heads x tokens.
+PARALLEL_MIN_BYTES = 64 << 10
 PARALLEL_MIN_SCORES = 1 << 14  # decode at depth over all threads: 1.3-1.4x on an idle machine, slower on a busy one
 # Query tokens up to which attention runs in the tiled kernel; above, key blocks through BLAS.
 ATTN_KERNEL_MAX_TOKENS = 16
