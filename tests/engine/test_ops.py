@@ -203,11 +203,8 @@ def numba_ops(request):
     from strata_engine.ops import numba_ops as module
 
     ops = get_ops("numpy", "f32", "numba", threads=2)
-    if request.param == "serial":
-        yield ops
-        return
     saved = module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES
-    module.PARALLEL_MIN_BYTES = module.PARALLEL_MIN_SCORES = 0
+    module.PARALLEL_MIN_BYTES = module.PARALLEL_MIN_SCORES = 1 << 62 if request.param == "serial" else 0
     yield ops
     module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES = saved
 
@@ -441,6 +438,45 @@ def test_attention_over_stored_kv_matches_the_oracle(numba_ops, kv_type, n_tok, 
     np.testing.assert_array_equal(got_ring, decoded)
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize(("n_kv", "n_head", "d", "window"), [(3, 9, 64, None), (1, 4, 256, 300), (2, 8, 128, 40)])
+def test_a_batched_steps_attention_equals_each_row_attending_alone(kv_type, ring, n_kv, n_head, d, window):
+    """`attention_rows` (a batched decode step: one row per slot of a layer's storage for every slot, at its
+    own depth, in any slot order) against the oracle over each slot's decoded keys and against `attention`
+    over that slot alone."""
+    oracle = get_ops("numpy", "f32")
+    ops = get_ops("numpy", "f32", "numba", threads=2)
+    rng = np.random.default_rng(21)
+    n_slots, cap = 4, 700
+    held = {2: 650, 0: 1, 3: 333}  # slot -> the row's position (keys 0 .. position held in the slot)
+    keys = rng.standard_normal((n_slots, cap, n_kv, d)).astype(np.float32) * 2
+    values = rng.standard_normal((n_slots, cap, n_kv, d)).astype(np.float32)
+    (ks, kscale, kf), (vs, vscale, vf) = (_stored(oracle, a.reshape(-1, n_kv, d), kv_type) for a in (keys, values))
+    ks, vs, kf, vf = (a.reshape(n_slots, cap, *a.shape[1:]) for a in (ks, vs, kf, vf))
+    kscale, vscale = (None if a is None else a.reshape(n_slots, cap, *a.shape[1:]) for a in (kscale, vscale))
+    q = rng.standard_normal((len(held), n_head, d)).astype(np.float32)
+    slots, positions = list(held), list(held.values())
+    k_lo = [0 if window is None else max(0, p - window + 1) for p in positions]
+    # in a ring of `cap` slots position p sits at p % cap: the same stored rows read as positions cap ..
+    shift = cap if ring else 0
+    got = ops.attention_rows(
+        q, ks, vs, kscale, vscale, slots=slots, q_pos=[p + shift for p in positions], k_lo=[lo + shift for lo in k_lo],
+        capacity=cap if ring else 0, window=window or 0, scale=0.125,
+    )  # fmt: skip
+    assert got.shape == (len(held), n_head * d)
+    for b, (slot, p, lo) in enumerate(zip(slots, positions, k_lo, strict=True)):
+        want = oracle.attention(q[b : b + 1], kf[slot, lo : p + 1], vf[slot, lo : p + 1], q_pos0=p, k_pos0=lo,
+                                window=window, scale=0.125)  # fmt: skip
+        np.testing.assert_allclose(got[b : b + 1], want, rtol=0, atol=ATTENTION_RTOL * float(np.abs(vf).max()))
+        alone = ops.attention(
+            q[b : b + 1], ks[slot, lo : p + 1], vs[slot, lo : p + 1], q_pos0=p, k_pos0=lo, window=window, scale=0.125,
+            k_scale=None if kscale is None else kscale[slot, lo : p + 1],
+            v_scale=None if vscale is None else vscale[slot, lo : p + 1],
+        )  # fmt: skip
+        np.testing.assert_allclose(got[b : b + 1], alone, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kv_type", ["f16", "int8"])
 def test_warm_attention_compiles_what_a_deep_request_runs(kv_type, monkeypatch):
     """After `warm_attention` on a pool's storage, attention over it -- a full layer's slice or a ring,
@@ -452,7 +488,8 @@ def test_warm_attention_compiles_what_a_deep_request_runs(kv_type, monkeypatch):
     rng = np.random.default_rng(5)
     stored, scale, _ = _stored(ops, rng.standard_normal((80, 3, 64)).astype(np.float32), kv_type)
     ops.warm_attention(stored, stored, scale, scale)
-    before = len(nk.attention.signatures), len(nk.attention_serial.signatures)
+    kernels = (nk.attention, nk.attention_serial, nk.attention_rows)
+    before = [len(kernel.signatures) for kernel in kernels]
     q = rng.standard_normal((2, 9, 64)).astype(np.float32)
     for threshold in (module.PARALLEL_MIN_SCORES, 0):
         monkeypatch.setattr(module, "PARALLEL_MIN_SCORES", threshold)
@@ -460,7 +497,11 @@ def test_warm_attention_compiles_what_a_deep_request_runs(kv_type, monkeypatch):
                       k_scale=None if scale is None else scale[5:60], v_scale=None if scale is None else scale[5:60])
         ops.attention(q, stored, stored, q_pos0=98, k_pos0=40, window=50, scale=0.125, ring_capacity=80,
                       k_scale=scale, v_scale=scale)  # fmt: skip
-    assert (len(nk.attention.signatures), len(nk.attention_serial.signatures)) == before
+    arena, arena_scale = np.stack([stored, stored]), None if scale is None else np.stack([scale, scale])
+    for capacity in (0, 80):  # a batched step over every slot's storage, full layers and rings
+        ops.attention_rows(q, arena, arena, arena_scale, arena_scale, slots=[1, 0], q_pos=[70, 90], k_lo=[0, 30],
+                           capacity=capacity, window=0, scale=0.125)  # fmt: skip
+    assert [len(kernel.signatures) for kernel in kernels] == before
 
 
 @pytest.mark.parametrize("style", list(RopeStyle))

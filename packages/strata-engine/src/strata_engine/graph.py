@@ -279,7 +279,7 @@ class _BatchRows:
         pool = placement.pool
         self.n_rows = inputs.n_rows
         self.rows = inputs.rows
-        self.layers = [(*pool.arena_layer(i), g.capacity if g.is_ring else 0)
+        self.layers = [(*pool.arena_layer(i)[:2], g.capacity if g.is_ring else 0)
                        for i, g in enumerate(pool.geometry.layers)]  # fmt: skip
 
     def attend(

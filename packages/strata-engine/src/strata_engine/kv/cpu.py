@@ -11,6 +11,7 @@ than capacity - window + 1 tokens) takes the generic path (gather, then write).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .placement import PoolPlacement
@@ -51,4 +52,30 @@ class InPlacePlacement(PoolPlacement):
         return self.ops.attention(
             q, k, v, q_pos0=q_pos0, k_pos0=lo, window=window, scale=scale, ring_capacity=capacity,
             k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+
+    def attend_rows(
+        self, layer: int, spans: Sequence[Any], q: Any, k_new: Any, v_new: Any, *, window: int | None, scale: float
+    ) -> Any:
+        """`PoolPlacement.attend_rows` in one kernel call where every span's placement is one of this arena's
+        (the slots' pools at one stride): each row's K/V stored in its slot, then every row attends over its
+        own slot's keys, the rows over all threads (span by span, a 512-token SmolLM2 step at 8 slots left
+        one thread idle for a quarter of the step)."""
+        arena = self.pool.arena
+        if not all(type(s.kv) is type(self) and s.kv.pool.arena is arena for s in spans):
+            return super().attend_rows(layer, spans, q, k_new, v_new, window=window, scale=scale)
+        for b, s in enumerate(spans):
+            s.kv.attend(layer, s.pos0, None, k_new[b : b + 1], v_new[b : b + 1], q_pos0=s.pos0, window=window,
+                        scale=scale)  # fmt: skip
+        g = self.pool.geometry.layers[layer]
+        parts = self.pool.arena_layer(layer)
+        k, v = parts[0], parts[1]
+        k_scale, v_scale = (parts[2], parts[3]) if len(parts) == 4 else (None, None)
+        k_lo = []
+        for s in spans:
+            lo = self.context_start(layer, s.pos0)
+            k_lo.append(lo if window is None else max(lo, s.pos0 - window + 1))
+        return self.ops.attention_rows(
+            q, k, v, k_scale, v_scale, slots=[s.kv.pool.slot for s in spans], q_pos=[s.pos0 for s in spans],
+            k_lo=k_lo, capacity=g.capacity if g.is_ring else 0, window=window or 0, scale=scale,
         )  # fmt: skip

@@ -55,13 +55,6 @@ class DevicePool(KVPool):
     def read(self, i: int, lo: int, hi: int) -> KVParts:
         return _map_parts(self.read_device(i, lo, hi), self.ops.xp.asnumpy)
 
-    def arena_layer(self, i: int) -> tuple[Any, Any]:
-        """Layer i's K and V of every slot of the arena, [n_slots, capacity, Hkv, D] each (a float K/V type):
-        what a kernel batched over slots reads and writes, slot `pool.slot` at index pool.slot."""
-        (k_off, shape, dt), (v_off, _, _) = self.arena.layout.parts[i][:2]
-        n = int(np.prod(shape)) * dt.itemsize
-        return tuple(self.buffer[o : o + n].view(dt).reshape(shape) for o in (k_off, v_off))
-
     def write(self, i: int, pos0: int, parts: KVParts) -> None:
         cp = self.ops.xp
         super().write(i, pos0, _map_parts(parts, cp.asarray))

@@ -13,6 +13,7 @@ Both hold bytes in the same encoding, so both placements give bit-identical atte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -51,6 +52,19 @@ class PoolPlacement:
         if q is None:
             return None
         return self.ops.attention(q, k_ctx, v_ctx, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale)
+
+    def attend_rows(
+        self, layer: int, spans: Sequence[Any], q: Any, k_new: Any, v_new: Any, *, window: int | None, scale: float
+    ) -> Any:
+        """A batched decode step's attention: row b of q, k_new, v_new [B, ...] is the one row of spans[b]
+        (`models.common.Span`: a slot's placement, this one among them, and its position) -> [B, H * D]. Here
+        span by span; a placement with a kernel batched over slots attends them together."""
+        out = [
+            s.kv.attend(layer, s.pos0, q[b : b + 1], k_new[b : b + 1], v_new[b : b + 1], q_pos0=s.pos0,
+                        window=window, scale=scale)  # fmt: skip
+            for b, s in enumerate(spans)
+        ]
+        return self.ops.xp.concatenate(out)
 
     def attend_kv(self, layer: int, pos0: int, k_new: Any, v_new: Any) -> tuple[Any, Any, int]:
         """Store the chunk's K/V [T, Hkv, D] at positions pos0.. and return the keys and values its

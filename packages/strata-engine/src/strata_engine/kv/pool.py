@@ -235,6 +235,14 @@ class KVPool:
     def layer(self, i: int) -> LayerKV:
         return self._layers[i]
 
+    def arena_layer(self, i: int) -> list[Any]:
+        """Layer i's parts (K, V, and with int8 their scales) of every slot of the arena, [n_slots, capacity,
+        ...] each: what a kernel batched over slots reads and writes, slot `pool.slot` at index pool.slot."""
+        return [
+            self.buffer[o : o + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
+            for o, shape, dt in self.arena.layout.parts[i]
+        ]
+
     def io_layer(self, i: int) -> LayerKV:
         """Layer i's arrays that session files are copied to and from: here the pool's own."""
         return self._layers[i]

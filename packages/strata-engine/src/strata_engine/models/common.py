@@ -71,6 +71,8 @@ class Rows:
             s = self.spans[0]
             q_pos0 = s.pos0 + s.n - 1 if last_only else s.pos0
             return s.kv.attend(layer, s.pos0, q, k, v, q_pos0=q_pos0, window=window, scale=scale)
+        if q is not None and all(s.n == 1 for s in self.spans):  # a batched decode step: the slots' placements
+            return self.spans[0].kv.attend_rows(layer, self.spans, q, k, v, window=window, scale=scale)
         out, r = [], 0
         for b, s in enumerate(self.spans):
             q_s = None if q is None else q[b : b + 1] if last_only else q[r : r + s.n]

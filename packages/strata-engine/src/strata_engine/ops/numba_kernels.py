@@ -1033,6 +1033,29 @@ def attention_serial(
     _merge(acc, m, l_sum, q.shape[0], out)
 
 
+@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
+def attention_rows(q, scale, k, v, k_scale, v_scale, has_scales, slots, q_pos, k_lo, capacity, window, n_split, out):
+    """`attention` of a batched decode step: row b's query q[b] [H, D] at position q_pos[b] over keys
+    [k_lo[b], q_pos[b]] of slot slots[b] of a layer's storage for every slot, k, v [n_slots, capacity, Hkv, D]
+    (int8: k_scale, v_scale [n_slots, capacity, Hkv, D / 32]; position p at p % capacity in a ring, else at p),
+    into out [B, H * D]. The work items, each row's n_split key ranges, run over all threads."""
+    n_rows, n_kv = q.shape[0], k.shape[2]
+    group, d = q.shape[1] // n_kv, q.shape[2]
+    acc = np.empty((n_rows, n_split, n_kv, group, d), dtype=F32)
+    m = np.empty((n_rows, n_split, n_kv, group), dtype=F32)
+    l_sum = np.empty((n_rows, n_split, n_kv, group), dtype=F32)
+    for item in prange(n_rows * n_split):
+        b, sp = item // n_split, item % n_split
+        qs = _grouped_queries(q[b : b + 1], n_kv, scale)
+        at = slots[b] if has_scales else 0
+        _attention_split(
+            sp, qs, k[slots[b]], v[slots[b]], k_scale[at], v_scale[at], has_scales, 1, q_pos[b], k_lo[b], 0,
+            capacity, window, acc[b], m[b], l_sum[b],
+        )  # fmt: skip
+    for b in prange(n_rows):
+        _merge(acc[b], m[b], l_sum[b], 1, out[b : b + 1])
+
+
 # ---- the small steps between products (one call each instead of several numpy passes) ------------------
 GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
 

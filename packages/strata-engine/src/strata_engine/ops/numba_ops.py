@@ -49,6 +49,7 @@ ATTN_MIN_SPLIT = 64
 _DUMMY_2D = np.zeros((1, 1), dtype=F32)
 _NO_NORM = np.ones(1, dtype=F32)
 _DUMMY_3D = np.zeros((1, 1, 1), dtype=F32)
+_DUMMY_4D = np.zeros((1, 1, 1, 1), dtype=F32)
 
 
 def _mins(w: PackedWeight) -> np.ndarray:
@@ -272,9 +273,30 @@ class NumbaOps(NumpyOps):
         )  # fmt: skip
         return out
 
+    def attention_rows(
+        self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, *, slots: list[int], q_pos: list[int],
+        k_lo: list[int], capacity: int, window: int, scale: float,
+    ) -> np.ndarray:  # fmt: skip
+        """A batched decode step's attention in one kernel call: row b's query q[b] [H, D] at q_pos[b] over
+        keys [k_lo[b], q_pos[b]] of slot slots[b] of a layer's storage for every slot, k, v [n_slots,
+        capacity, Hkv, D] (int8: with k_scale, v_scale), a ring of `capacity` where it is > 0 -> [B, H * D].
+        The rows (each cut into key ranges until there are two work items a thread) run over all threads."""
+        n_rows, n_head, d = q.shape
+        shortest = min(p + 1 - lo for p, lo in zip(q_pos, k_lo, strict=True))
+        n_split = max(1, min(-(-2 * self.threads // n_rows), shortest // ATTN_MIN_SPLIT))
+        out = np.empty((n_rows, n_head * d), dtype=F32)
+        has_scales = k_scale is not None
+        nk.attention_rows(
+            np.ascontiguousarray(q, dtype=F32), F32(scale), storage_view(k), storage_view(v),
+            k_scale if has_scales else _DUMMY_4D, v_scale if has_scales else _DUMMY_4D, has_scales,
+            np.asarray(slots, dtype=np.int64), np.asarray(q_pos, dtype=np.int64), np.asarray(k_lo, dtype=np.int64),
+            capacity, window, n_split, out,
+        )  # fmt: skip
+        return out
+
     def warm_attention(self, k: Any, v: Any, k_scale: Any = None, v_scale: Any = None) -> None:
-        """Both attention kernels over the first slot of this storage (a layer's views): the parallel one
-        runs from PARALLEL_MIN_SCORES only, which no warm-up pass reaches, and would otherwise be compiled or
+        """The attention kernels over the first slot of this storage (a layer's views; the batched step's
+        over every slot's): the parallel one runs from PARALLEL_MIN_SCORES only, which no warm-up pass reaches, and would otherwise be compiled or
         loaded in the first request that attends that far (a 16-token prompt at ~7,300 SmolLM2 keys)."""
         n_head = k.shape[1]
         q = np.zeros((1, n_head, k.shape[2]), dtype=F32)
@@ -285,3 +307,9 @@ class NumbaOps(NumpyOps):
                 v_scale[:1] if has_scales else _DUMMY_3D, has_scales, 0, 0, 0, 0, 0, 1,
                 np.empty((1, n_head * k.shape[2]), dtype=F32),
             )  # fmt: skip
+        one = np.zeros(1, dtype=np.int64)
+        nk.attention_rows(
+            q, F32(1), storage_view(k[None, :1]), storage_view(v[None, :1]),
+            k_scale[None, :1] if has_scales else _DUMMY_4D, v_scale[None, :1] if has_scales else _DUMMY_4D,
+            has_scales, one, one, one, 0, 0, 1, np.empty((1, n_head * k.shape[2]), dtype=F32),
+        )  # fmt: skip
