@@ -12,6 +12,7 @@
 #   bench  bench/bench_gpu.py (engine vs transformers), then bench/bench_gpu_session.py
 #   slots  the batched decode tests (test_gpu_model.py -k batched)
 #   bench-slots  bench/bench_gpu_slots.py (step time per B op by op vs graphs; aggregate tok/s at B = 1..8)
+#   parallel  bench/bench_parallel.py through strata-server --backend cupy (needs the server's wheels in .whl)
 #   graph-bound  bench/probe_gpu_graph_bound.py (gemma3 bf16: decode graph vs op by op vs f32)
 # Model files travel in pieces under .gpu-carry/ (git-ignored) and are reassembled here, checked
 # against .gpu-carry/meta/*.sha256. Output goes to $OUT/<step>.log (and the tail to stdout).
@@ -85,6 +86,10 @@ PY
       } 2>&1 | tee "$OUT/graph_bound.log" ;;
     bench-session) python3 bench/bench_gpu_session.py "${MODELS[@]}" --json "$OUT/bench_gpu_session.json" 2>&1 | tee "$OUT/bench_gpu_session.log" || rc=1 ;;
     bench-session-quick) python3 bench/bench_gpu_session.py "${MODELS[@]}" --placements device-pool --synthetic-tokens 0 2>&1 | tee "$OUT/bench_gpu_session_quick.log" || rc=1 ;;
+    parallel)  # bench/bench_parallel.py: concurrent HTTP clients on strata-server --backend cupy -np 8, each model present
+      for m in smollm2 gemma3; do v=STRATA_${m^^}_PATH; [ -n "${!v}" ] || continue
+        PYTHONPATH=$PYTHONPATH:$PWD/packages/strata-server/src python3 bench/bench_parallel.py --rounds ${PARALLEL_ROUNDS:-2} \
+          --server-args "--backend cupy -m ${!v}" 2>&1 | tee "$OUT/bench_parallel_$m.log" || rc=1; done ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done
