@@ -365,7 +365,8 @@ def test_packed_kernels_keep_one_signature(numba_ops):
 
 
 # (query tokens, held positions, K/V heads, query heads, head dim, window): both models' head layouts,
-# decode and short prompts (the tiled kernel, key splits), a prefill chunk (key blocks through BLAS); 16
+# decode and short prompts (the tiled kernel, key splits), prefill chunks (the kernel over blocks of queries;
+# key blocks through BLAS for 256-wide heads over 3,072+ keys: the two at 3,100 held, one with a window); 16
 # tokens whose windows start at 16 different keys of the tiles (each row its own visible range), head
 # size 128, and one the kernels have no vector IR for (a plain loop).
 ATTENTION_CASES = [
@@ -377,6 +378,8 @@ ATTENTION_CASES = [
     (16, 1000, 1, 4, 256, 512),
     (33, 600, 1, 4, 256, 512),
     (16, 2100, 3, 9, 64, 700),
+    (20, 3100, 1, 4, 256, None),
+    (18, 3100, 1, 4, 256, 3090),
     (3, 517, 2, 8, 128, None),
     (2, 150, 2, 4, 96, 64),
 ]
@@ -488,7 +491,7 @@ def test_warm_attention_compiles_what_a_deep_request_runs(kv_type, monkeypatch):
     rng = np.random.default_rng(5)
     stored, scale, _ = _stored(ops, rng.standard_normal((80, 3, 64)).astype(np.float32), kv_type)
     ops.warm_attention(stored, stored, scale, scale)
-    kernels = (nk.attention, nk.attention_serial, nk.attention_rows)
+    kernels = (nk.attention, nk.attention_serial, nk.attention_blocks, nk.attention_rows)
     before = [len(kernel.signatures) for kernel in kernels]
     q = rng.standard_normal((2, 9, 64)).astype(np.float32)
     for threshold in (module.PARALLEL_MIN_SCORES, 0):
@@ -497,6 +500,11 @@ def test_warm_attention_compiles_what_a_deep_request_runs(kv_type, monkeypatch):
                       k_scale=None if scale is None else scale[5:60], v_scale=None if scale is None else scale[5:60])
         ops.attention(q, stored, stored, q_pos0=98, k_pos0=40, window=50, scale=0.125, ring_capacity=80,
                       k_scale=scale, v_scale=scale)  # fmt: skip
+    chunk = rng.standard_normal((20, 9, 64)).astype(np.float32)  # a prompt's chunk: blocks of queries
+    ops.attention(chunk, stored[:60], stored[:60], q_pos0=40, k_pos0=0, window=None, scale=0.125,
+                  k_scale=None if scale is None else scale[:60], v_scale=None if scale is None else scale[:60])
+    ops.attention(chunk, stored, stored, q_pos0=95, k_pos0=40, window=50, scale=0.125, ring_capacity=80,
+                  k_scale=scale, v_scale=scale)  # fmt: skip
     arena, arena_scale = np.stack([stored, stored]), None if scale is None else np.stack([scale, scale])
     for capacity in (0, 80):  # a batched step over every slot's storage, full layers and rings
         ops.attention_rows(q, arena, arena, arena_scale, arena_scale, slots=[1, 0], q_pos=[70, 90], k_lo=[0, 30],

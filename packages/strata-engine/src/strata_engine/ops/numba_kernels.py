@@ -1034,6 +1034,29 @@ def attention_serial(
 
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
+def attention_blocks(q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, block, out):
+    """`attention` of a prompt chunk: queries q [T, H, D] in blocks of `block` tokens, each block one work item
+    over all threads (its tokens share every K/V read), its keys one range. The blocks are taken in the order
+    first, last, second, second last..., so each thread's contiguous share holds early and late (causal: cheap
+    and costly) blocks alike."""
+    n_tok, n_kv = q.shape[0], k.shape[1]
+    n_blocks = (n_tok + block - 1) // block
+    for i in prange(n_blocks):
+        ib = i // 2 if i % 2 == 0 else n_blocks - 1 - i // 2
+        t0 = ib * block
+        t1 = min(n_tok, t0 + block)
+        qs = _grouped_queries(q[t0:t1], n_kv, scale)
+        acc = np.empty((1, n_kv, qs.shape[1], qs.shape[2]), dtype=F32)
+        m = np.empty((1, n_kv, qs.shape[1]), dtype=F32)
+        l_sum = np.empty((1, n_kv, qs.shape[1]), dtype=F32)
+        _attention_split(
+            0, qs, k, v, k_scale, v_scale, has_scales, t1 - t0, q_pos0 + t0, k_lo, base, capacity, window, acc, m,
+            l_sum,
+        )  # fmt: skip
+        _merge(acc, m, l_sum, t1 - t0, out[t0:t1])
+
+
+@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
 def attention_rows(q, scale, k, v, k_scale, v_scale, has_scales, slots, q_pos, k_lo, capacity, window, n_split, out):
     """`attention` of a batched decode step: row b's query q[b] [H, D] at position q_pos[b] over keys
     [k_lo[b], q_pos[b]] of slot slots[b] of a layer's storage for every slot, k, v [n_slots, capacity, Hkv, D]

@@ -42,6 +42,11 @@ PARALLEL_MIN_BYTES = 64 << 10
 PARALLEL_MIN_SCORES = 1 << 14  # decode at depth over all threads: 1.3-1.4x on an idle machine, slower on a busy one
 # Query tokens up to which attention runs in the tiled kernel; above, key blocks through BLAS.
 ATTN_KERNEL_MAX_TOKENS = 16
+# A longer chunk attends in the kernel too, blocks of ATTN_KERNEL_MAX_TOKENS queries over all threads (1.3-5x
+# BLAS's key blocks, whose softmax is single-threaded numpy), except heads this wide over this many keys held
+# before it, where BLAS wins by ~1.3x (gemma3's global layers; bench/CPU-NOTES.md).
+ATTN_BLAS_MIN_HEAD_DIM = 256
+ATTN_BLAS_MIN_HELD = 3072
 # Keys per block of the BLAS path (scores [Hkv, G*T, block] float32 stay a few MiB).
 ATTN_BLAS_KEY_BLOCK = 512
 # Keys per split of the attention kernel at least (fewer splits than threads * 2 otherwise).
@@ -236,11 +241,22 @@ class NumbaOps(NumpyOps):
         v_scale: Any = None,
     ) -> Any:
         """`NumpyOps.attention` over K/V as stored (f32, f16, or int8 with k_scale / v_scale [S, Hkv,
-        D / block]): the tiled kernel for up to ATTN_KERNEL_MAX_TOKENS queries, key blocks through BLAS
-        above; neither converts more than a block of keys to float32 at once."""
+        D / block]): the tiled kernel (longer chunks in blocks of ATTN_KERNEL_MAX_TOKENS queries), or key
+        blocks through BLAS for wide heads deep in a context; neither converts more than a block of keys to
+        float32 at once."""
         n_tok = q.shape[0]
         k_hi = q_pos0 + n_tok if ring_capacity else k_pos0 + k.shape[0]
         k_lo = k_pos0 if window is None else max(k_pos0, q_pos0 - window + 1)
+        blas = q.shape[2] >= ATTN_BLAS_MIN_HEAD_DIM and q_pos0 - k_lo >= ATTN_BLAS_MIN_HELD
+        if n_tok > ATTN_KERNEL_MAX_TOKENS and not blas:
+            out = np.empty((n_tok, q.shape[1] * q.shape[2]), dtype=F32)
+            has_scales = k_scale is not None
+            nk.attention_blocks(
+                np.ascontiguousarray(q, dtype=F32), F32(scale), storage_view(k), storage_view(v),
+                k_scale if has_scales else _DUMMY_3D, v_scale if has_scales else _DUMMY_3D, has_scales, q_pos0, k_lo,
+                k_pos0, ring_capacity, window or 0, ATTN_KERNEL_MAX_TOKENS, out,
+            )  # fmt: skip
+            return out
         if n_tok > ATTN_KERNEL_MAX_TOKENS:
             n = k_hi - k_pos0
             first = k_pos0 if ring_capacity else 0
@@ -307,6 +323,11 @@ class NumbaOps(NumpyOps):
                 v_scale[:1] if has_scales else _DUMMY_3D, has_scales, 0, 0, 0, 0, 0, 1,
                 np.empty((1, n_head * k.shape[2]), dtype=F32),
             )  # fmt: skip
+        nk.attention_blocks(
+            q, F32(1), storage_view(k[:1]), storage_view(v[:1]), k_scale[:1] if has_scales else _DUMMY_3D,
+            v_scale[:1] if has_scales else _DUMMY_3D, has_scales, 0, 0, 0, 0, 0, ATTN_KERNEL_MAX_TOKENS,
+            np.empty((1, n_head * k.shape[2]), dtype=F32),
+        )  # fmt: skip
         one = np.zeros(1, dtype=np.int64)
         nk.attention_rows(
             q, F32(1), storage_view(k[None, :1]), storage_view(v[None, :1]),
