@@ -248,13 +248,15 @@ def test_a_failure_in_the_forward_pass_cuts_back_only_the_batch(make, monkeypatc
     idle = _region_bytes(slots.runners[2])
     calls = []
 
+    placement = slots.runners[0].placement  # the batch's first row: its placement attends every row
+
     def failing(layer, *args, **kwargs):
         calls.append(layer)
-        if layer == 3:
+        if layer == 3:  # layers 0-2 stored both rows' K/V
             raise RuntimeError("injected")
-        return type(slots.runners[1].placement).attend(slots.runners[1].placement, layer, *args, **kwargs)
+        return type(placement).attend_rows(placement, layer, *args, **kwargs)
 
-    monkeypatch.setattr(slots.runners[1].placement, "attend", failing)
+    monkeypatch.setattr(placement, "attend_rows", failing)
     with pytest.raises(RuntimeError, match="injected"):
         slots.decode([(0, 7), (1, 7)])
     monkeypatch.undo()
