@@ -49,7 +49,8 @@ class Span:
 class Rows:
     """The rows of a forward pass, conversation by conversation, in row order: a prefill chunk is one span
     of T rows; a batched decode step is B spans of one row each (one per slot). Everything but attention
-    is row-wise, so the model computes it over all rows at once; attention runs span by span."""
+    is row-wise, so the model computes it over all rows at once; attention runs span by span, or a batched
+    step's rows in one call of the slots' placement (`attend_rows`: spans of several rows are placements)."""
 
     spans: tuple[Span, ...]
 
