@@ -50,7 +50,7 @@ class Rows:
     """The rows of a forward pass, conversation by conversation, in row order: a prefill chunk is one span
     of T rows; a batched decode step is B spans of one row each (one per slot). Everything but attention
     is row-wise, so the model computes it over all rows at once; attention runs span by span, or a batched
-    step's rows in one call of the slots' placement (`attend_rows`: spans of several rows are placements)."""
+    step's rows in one call (`attend_rows` of the first span's placement: a batched step's spans are slots' placements)."""
 
     spans: tuple[Span, ...]
 
