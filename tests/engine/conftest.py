@@ -31,3 +31,11 @@ def templates(metadata, tokenizers) -> dict:
     from strata_engine.chat import ChatTemplate
 
     return {name: ChatTemplate.for_model(metadata[name], tokenizers[name]) for name in MODEL_PATHS}
+
+
+@pytest.fixture(scope="session")
+def model_files(smollm2_path, gemma3_path):
+    """Each model's GGUF file, read (its tensors mapped, not loaded)."""
+    from strata_engine.gguf import read_gguf
+
+    return {"smollm2": read_gguf(smollm2_path), "gemma3": read_gguf(gemma3_path)}

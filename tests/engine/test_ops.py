@@ -9,6 +9,8 @@ import pytest
 from strata_engine.config import Activation, RopeStyle
 from strata_engine.ops import get_ops
 
+from .weights import EXTRA_LAYOUTS, F16_FIELDS, made_packed, random_packed, real_weights
+
 
 @pytest.fixture(scope="module")
 def ops():
@@ -189,13 +191,6 @@ def test_int8_round_trip_error_is_bounded_by_half_a_step(group):
 PRODUCT_RTOL = 1e-5
 ATTENTION_RTOL = 1e-5
 STEP_RTOL = 1e-5
-# The f16 fields (byte offsets) of each packed ggml type's block, set to finite values in random blocks.
-F16_FIELDS = {
-    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}  # fmt: skip
-
-
 @pytest.fixture(scope="module", params=["serial", "parallel"])
 def numba_ops(request):
     """The numba ops, their kernels on the calling thread (a decode step's small work) or over all
@@ -209,28 +204,6 @@ def numba_ops(request):
     module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES = saved
 
 
-@pytest.fixture(scope="module")
-def model_files(smollm2_path, gemma3_path):
-    from strata_engine.gguf import read_gguf
-
-    return {"smollm2": read_gguf(smollm2_path), "gemma3": read_gguf(gemma3_path)}
-
-
-def _random_packed(qtype, n, k, rng):
-    """A random [n, k] tensor of ggml type `qtype` (finite f16 scales): (packed, gguf's float32)."""
-    import gguf
-    from strata_engine.gguf.dequant import dequantize_raw
-    from strata_engine.gguf.reader import TensorInfo
-    from strata_engine.ops.packed import pack_tensor
-
-    block_values, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (n * k // block_values, type_size), dtype=np.uint8)
-    for off in F16_FIELDS[qtype.name]:
-        raw[:, off : off + 2] = rng.uniform(-2, 2, (len(raw), 1)).astype(np.float16).view(np.uint8)
-    info = TensorInfo(name="w", shape=(n, k), ggml_type=qtype, offset=0, n_bytes=raw.nbytes)
-    return pack_tensor(raw.reshape(-1), qtype, (n, k), "w"), dequantize_raw(raw.reshape(-1), info)
-
-
 def test_every_packed_type_is_exact_and_the_kernels_read_it(numba_ops):
     """Random blocks of every type the kernels take, packed (4-bit pairs or int8; f16 or float32 scales),
     give gguf's dequantization bit for bit, and the kernels' products and dequantization agree with it;
@@ -242,7 +215,7 @@ def test_every_packed_type_is_exact_and_the_kernels_read_it(numba_ops):
     x = rng.standard_normal((3, 512)).astype(np.float32)
     parts = []
     for qtype, (_, block, four_bit) in PACKERS.items():
-        packed, dense = _random_packed(qtype, 6, 512, rng)
+        packed, dense = random_packed(qtype, 6, 512, rng)
         assert (packed.four_bit, packed.block, packed.values.dtype) == (four_bit, block, np.uint8 if four_bit else np.int8)
         np.testing.assert_array_equal(packed.dequantize(), dense, err_msg=qtype.name)
         np.testing.assert_array_equal(numba_ops.dequantize(packed), dense, err_msg=qtype.name)
@@ -253,29 +226,6 @@ def test_every_packed_type_is_exact_and_the_kernels_read_it(numba_ops):
     dense = np.concatenate([d for _, d in parts])
     np.testing.assert_array_equal(stacked.dequantize(), dense)
     assert np.all(np.abs(numba_ops.matmul(x, stacked) - x @ dense.T) <= PRODUCT_RTOL * (np.abs(x) @ np.abs(dense).T))
-
-
-# Layouts no GGUF type packs to (4-bit without a min; int8 16-value blocks with a min; f16 scales on
-# 16-value blocks): (values dtype, block, scale dtype, with min). The kernels take every combination.
-EXTRA_LAYOUTS = [(np.uint8, 32, np.uint16, False), (np.uint8, 32, np.float32, False), (np.int8, 16, np.float32, True),
-                 (np.int8, 16, np.uint16, False), (np.int8, 32, np.uint16, True)]  # fmt: skip
-
-
-def _made_packed(layout, n, k, rng):
-    """A random PackedWeight of the layout (values dtype, block, scale dtype, with min)."""
-    from strata_engine.ops.packed import PackedWeight
-
-    dtype, block, scale_dtype, with_min = layout
-    if dtype == np.uint8:
-        values = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
-    else:
-        values = rng.integers(-128, 128, (n, k), dtype=np.int8)
-
-    def scales():
-        s = rng.uniform(-2, 2, (n, k // block)).astype(np.float16)
-        return s.view(np.uint16) if scale_dtype == np.uint16 else s.astype(np.float32)
-
-    return PackedWeight(values, scales(), scales() if with_min else None, block)
 
 
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 9, 16])
@@ -289,8 +239,8 @@ def test_both_packed_kernels_match_the_oracle_for_every_layout(numba_ops, n_tok)
     from strata_engine.ops.packed import PACKERS
 
     rng = np.random.default_rng(12)
-    weights = [(t.name, _random_packed(t, 41, 512, rng)[0]) for t in PACKERS]
-    weights += [(str(layout), _made_packed(layout, 41, 512, rng)) for layout in EXTRA_LAYOUTS]
+    weights = [(t.name, random_packed(t, 41, 512, rng)[0]) for t in PACKERS]
+    weights += [(str(layout), made_packed(layout, 41, 512, rng)) for layout in EXTRA_LAYOUTS]
     for name, packed in weights:
         dense = packed.dequantize().astype(np.float64)
         x = rng.standard_normal((n_tok, 512)).astype(np.float32)
@@ -307,39 +257,14 @@ def test_both_packed_kernels_match_the_oracle_for_every_layout(numba_ops, n_tok)
             np.testing.assert_array_equal(grouped, np.concatenate(alone), err_msg=name)
 
 
-def _real_weights(gguf_file, head_rows: int):
-    """Both models' real weight shapes: layer 0's stacked QKV and gate/up, its down and output
-    projections (packed as the loader packs them), and `head_rows` rows of the output head."""
-    from strata_engine.gguf import dequantize_tensor
-    from strata_engine.ops.packed import pack_tensor, stack_rows
-
-    def packed(name):
-        info = gguf_file.tensors[name]
-        return pack_tensor(gguf_file.tensor_bytes(name), info.ggml_type, info.shape, name)
-
-    def dense(*names):
-        return np.concatenate([dequantize_tensor(gguf_file, n) for n in names])
-
-    groups = [
-        ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"),
-        ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"),
-        ("blk.0.ffn_down.weight",),
-        ("blk.0.attn_output.weight",),
-    ]
-    out = [(stack_rows([packed(n) for n in names]), dense(*names)) for names in groups]
-    head = packed("token_embd.weight").rows(0, head_rows)
-    out.append((head, dequantize_tensor(gguf_file, "token_embd.weight", rows=np.arange(head_rows))))
-    return out
-
-
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 16, 17, 64, 65, 100])
-def test_packed_products_match_the_oracle_on_real_weights(numba_ops, model_files, name, n_tok):
+def test_packed_products_match_the_oracle_onreal_weights(numba_ops, model_files, name, n_tok):
     """The packed kernels (a row at a time for one row, a block decoded once for a group of rows up to
     PACKED_MAX_ROWS) and the dequantize-then-BLAS path (above) against numpy's product with the weights
     dequantized, for both models' weight shapes (the head's first 8,192 rows)."""
     rng = np.random.default_rng(10)
-    for packed, dense in _real_weights(model_files[name], 8192):
+    for packed, dense in real_weights(model_files[name], 8192):
         x = rng.standard_normal((n_tok, dense.shape[1])).astype(np.float32)
         got = numba_ops.matmul(x, packed)
         want = x.astype(np.float64) @ dense.T.astype(np.float64)

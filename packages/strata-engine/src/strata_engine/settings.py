@@ -62,6 +62,9 @@ class CpuKernels(enum.StrEnum):
     """What computes the numpy backend's products and attention."""
 
     NUMBA = "numba"  # packed int8 weights, compiled kernels over all threads, attention over stored K/V
+    # numba with the products' activations quantized to int8 per 32-value block and integer dot products
+    # (AVX512-VNNI; llama.cpp's Q8_1 math, ops/q8.py); a machine without VNNI gets numba's float32 products
+    NUMBA_Q8 = "numba-q8"
     NUMPY = "numpy"  # float32 weights and numpy/BLAS everywhere: the oracle the kernels are tested against
 
 
@@ -81,6 +84,8 @@ def chat_template_problem(value: str) -> str | None:
 # The numpy backend's kernels unless told otherwise (the numba kernels compute in f32 only: another compute
 # dtype gets the numpy ones).
 DEFAULT_CPU_KERNELS = CpuKernels.NUMBA
+# The kernels that are numba's (packed weights, f32 compute).
+NUMBA_KERNELS = frozenset({CpuKernels.NUMBA, CpuKernels.NUMBA_Q8})
 
 # A context size the engine picks when none is given: the model's training context, capped here so a
 # 32K-context model does not preallocate 32K tokens of K/V by default (llama-server caps the same way
@@ -131,7 +136,9 @@ class EngineSettings:
     max_checkpoints: sliding-window ring checkpoints kept (the most recent, i.e. deepest, ones).
     backend: "numpy", "cupy", or "auto" (cupy where a CUDA device is usable; `ModelRunner.load`
         resolves it, so `runner.settings.backend` names the backend actually running).
-    cpu_kernels: the numpy backend's kernels: "numba" (compiled, packed weights) or "numpy" (the oracle);
+    cpu_kernels: the numpy backend's kernels: "numba" (compiled, packed weights), "numba-q8" (numba's with
+        the activations of the packed products quantized to int8 per 32-value block, integer dot products
+        where the CPU has AVX512-VNNI) or "numpy" (the oracle);
         None = `DEFAULT_CPU_KERNELS` ("numba") with f32 compute, else "numpy" (on cupy too, where the
         kernels do not run).
     threads: CPU threads for the kernels and BLAS; None = the cores this process may run on.
@@ -218,8 +225,8 @@ class EngineSettings:
             out.append(f"compute_dtype {self.compute_dtype!r} needs the cupy backend")
         if self.cpu_kernels is not None and self.cpu_kernels not in values(CpuKernels):
             out.append(f"cpu_kernels must be one of {', '.join(values(CpuKernels))}, got {self.cpu_kernels!r}")
-        elif self.cpu_kernels == CpuKernels.NUMBA and self.compute_dtype not in (None, ComputeDType.F32):
-            out.append(f"cpu_kernels 'numba' computes in f32, not compute_dtype {self.compute_dtype!r}")
+        elif self.cpu_kernels in NUMBA_KERNELS and self.compute_dtype not in (None, ComputeDType.F32):
+            out.append(f"cpu_kernels {self.cpu_kernels!r} computes in f32, not compute_dtype {self.compute_dtype!r}")
         return out
 
     def validate(self) -> EngineSettings:

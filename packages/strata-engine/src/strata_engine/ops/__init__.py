@@ -23,10 +23,14 @@ def _numpy_ops(compute_dtype: str, threads: int | None) -> Ops:
     return NumpyOps(compute_dtype)
 
 
-def _numba_ops(compute_dtype: str, threads: int | None) -> Ops:
+def _numba_ops(compute_dtype: str, threads: int | None, q8: bool = False) -> Ops:
     from .numba_ops import NumbaOps  # imports numba only when its kernels are asked for
 
-    return NumbaOps(compute_dtype, threads)
+    return NumbaOps(compute_dtype, threads, q8=q8)
+
+
+def _numba_q8_ops(compute_dtype: str, threads: int | None) -> Ops:
+    return _numba_ops(compute_dtype, threads, q8=True)
 
 
 def _cupy_ops(compute_dtype: str, threads: int | None) -> Ops:
@@ -36,7 +40,9 @@ def _cupy_ops(compute_dtype: str, threads: int | None) -> Ops:
 
 
 # The numpy backend's kernels (settings.CpuKernels) -> the ops factory (compute dtype, threads).
-CPU_OPS: dict[str, Callable[[str, int | None], Ops]] = {CpuKernels.NUMPY: _numpy_ops, CpuKernels.NUMBA: _numba_ops}
+CPU_OPS: dict[str, Callable[[str, int | None], Ops]] = {
+    CpuKernels.NUMPY: _numpy_ops, CpuKernels.NUMBA: _numba_ops, CpuKernels.NUMBA_Q8: _numba_q8_ops,
+}  # fmt: skip
 # A backend (settings.Backend, "auto" resolved) -> the ops factory computing on it, given the CPU kernels.
 OPS_OF_BACKEND: dict[str, Callable[[str, str, int | None], Ops]] = {
     Backend.NUMPY: lambda dtype, kernels, threads: CPU_OPS[kernels](dtype, threads),

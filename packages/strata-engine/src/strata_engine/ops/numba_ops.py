@@ -16,6 +16,7 @@ import numpy as np
 
 from ..config import Activation, RopeStyle
 from . import numba_kernels as nk
+from . import numba_q8
 from .attention_tiling import blocked_attention
 from .numpy_ops import NumpyOps
 from .packed import PackedWeight
@@ -99,11 +100,13 @@ class NumbaOps(NumpyOps):
     attends_in_place = True
     compiles_kernels = True
 
-    def __init__(self, dtype: str = "f32", threads: int | None = None):
+    def __init__(self, dtype: str = "f32", threads: int | None = None, *, q8: bool = False):
         super().__init__(dtype)
         if self.dtype != F32:
             raise ValueError(f"the numba kernels compute in f32, not {dtype}")
         self.threads = set_threads(threads if threads is not None else default_threads())
+        # activations quantized to int8 for the packed products (`--cpu-kernels numba-q8`) where the CPU can
+        self.q8 = q8 and numba_q8.HAS_VNNI
 
     # ---- weights --------------------------------------------------------------------------------
     def embed(self, table: Any, ids: np.ndarray, scale: float = 1.0) -> Any:
@@ -170,16 +173,21 @@ class NumbaOps(NumpyOps):
         return self.matmul(act, w_down)
 
     # ---- products -------------------------------------------------------------------------------
-    def packed_matmul(self, x: np.ndarray, w: PackedWeight, *, by_row: bool | None = None) -> np.ndarray:
-        """x [M, K] float32 (C order) @ W^T in the packed kernel -> [M, N]: one token row at a time up to
-        BY_ROW_MAX_ROWS rows, above each weight block decoded once for a group of rows (by_row forces
-        either: the benchmarks compare them)."""
+    def packed_matmul(
+        self, x: np.ndarray, w: PackedWeight, *, by_row: bool | None = None, q8: bool | None = None
+    ) -> np.ndarray:
+        """x [M, K] float32 (C order) @ W^T in the packed kernel -> [M, N]: with q8 (default: `self.q8`)
+        x quantized to int8 per block and integer dot products (`numba_q8`, where it takes the packing);
+        else one token row at a time up to BY_ROW_MAX_ROWS rows, above each weight block decoded once for
+        a group of rows (by_row and q8 force either: the benchmarks compare them)."""
         m, k = x.shape
+        parallel = self.threads > 1 and m * w.nbytes >= PARALLEL_MIN_BYTES
+        if (self.q8 if q8 is None else q8) and numba_q8.takes(w):
+            return numba_q8.product(x, w, parallel)
         y = np.empty((m, w.shape[0]), dtype=F32)
         has_min = w.min is not None
         by_row = m <= BY_ROW_MAX_ROWS if by_row is None else by_row
         xsum = x.reshape(m, k // w.block, w.block).sum(axis=-1) if has_min else _DUMMY_2D
-        parallel = self.threads > 1 and m * w.nbytes >= PARALLEL_MIN_BYTES
         kernel = nk.matmul_packed if parallel else nk.matmul_packed_serial
         kernel(x, xsum, w.values, w.scale, _mins(w), has_min, w.block, by_row, y)
         return y

@@ -1,0 +1,72 @@
+"""The packed products with int8 activations (`--cpu-kernels numba-q8`: `numba_q8.py`, AVX512-VNNI) against
+the float32 kernels, on both models' real weights: a decode step's products (every layer's weights and the
+output head) per number of token rows, on one thread (the thread's CPU time, best of --reps, the kernels
+taking turns in one process, so a shared machine's load falls on all alike), with each kernel's error
+relative to |x| @ |W|^T over the sweep (x standard normal; the float32 kernels': ~1e-7).
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_q8.py [--rows 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+from bench_cpu_kernels import packed_weights
+
+
+def best_thread_time(fns: dict, reps: int) -> dict:
+    """Each function's best thread CPU time of `reps`, the functions taking turns."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(reps):
+        for key, fn in fns.items():
+            t = time.thread_time()
+            fn()
+            best[key] = min(best[key], time.thread_time() - t)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    ap.add_argument("--reps", type=int, default=6)
+    args = ap.parse_args()
+    from strata_engine.ops import numba_q8
+    from strata_engine.ops.numba_ops import NumbaOps
+
+    if not numba_q8.HAS_VNNI:
+        raise SystemExit("this CPU has no AVX512-VNNI: the q8 kernels do not run here")
+    ops = NumbaOps("f32", threads=1)
+    rng = np.random.default_rng(0)
+    for name in args.models:
+        ws = packed_weights(name)
+        kinds = sorted({(str(w.values.dtype), w.block, str(w.scale.dtype), w.min is not None) for w in ws})
+        print(f"{name}: {len(ws)} weights, {sum(w.nbytes for w in ws) / 1e6:.1f} MB packed, layouts {kinds}")
+        dense = {id(w): w.dequantize().astype(np.float64) for w in ws[:4]}
+        for m in args.rows:
+            xs = [rng.standard_normal((m, w.shape[1])).astype(np.float32) for w in ws]
+            errs = {"f32": 0.0, "q8": 0.0}
+            for x, w in list(zip(xs, ws, strict=True))[:4]:
+                want, bound = x @ dense[id(w)].T, np.abs(x) @ np.abs(dense[id(w)]).T
+                for key, q8 in (("f32", False), ("q8", True)):
+                    got = ops.packed_matmul(x, w, q8=q8)
+                    errs[key] = max(errs[key], float(np.max(np.abs(got - want) / bound)))
+            fns = {
+                "f32": lambda xs=xs, ws=ws: [ops.packed_matmul(x, w, q8=False) for x, w in zip(xs, ws, strict=True)],
+                "q8": lambda xs=xs, ws=ws: [ops.packed_matmul(x, w, q8=True) for x, w in zip(xs, ws, strict=True)],
+            }
+            best = best_thread_time(fns, args.reps)
+            print(
+                f"  M={m:3d}: f32 {best['f32'] * 1e3:7.2f} ms, q8 {best['q8'] * 1e3:7.2f} ms (x{best['f32'] / best['q8']:.2f}); "
+                f"error / (|x| @ |W|^T): f32 {errs['f32']:.1e}, q8 {errs['q8']:.1e}; load {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

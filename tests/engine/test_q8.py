@@ -1,0 +1,154 @@
+"""The q8 products (`--cpu-kernels numba-q8`: activations quantized to int8 per 32-value block, integer dot
+products with AVX512-VNNI) against the numpy oracle of the same quantized math (`ops/q8.py`), and against
+the float32 product within the quantization's bound; the machine check's fallback to the float32 kernels."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from strata_engine.ops import get_ops
+
+from .weights import EXTRA_LAYOUTS, made_packed, random_packed, real_weights
+
+# |y - oracle| <= Q8_ORACLE_RTOL * (|x| @ |W|^T): the same integer dots, float32 scaling and sums in another
+# order (measured: ~2e-8).
+Q8_ORACLE_RTOL = 1e-6
+# Against the float32 product: each x is off by at most half its block's step (dx / 2), so |y - x W^T| <=
+# (dx / 2 per value) @ |W|^T, plus round-off; relative to |x| @ |W|^T measured 1.2e-3 .. 1.6e-3 on random x.
+Q8_RTOL = 5e-3
+ROUND_OFF = 1e-5
+
+numba_q8 = pytest.importorskip("strata_engine.ops.numba_q8")
+needs_vnni = pytest.mark.skipif(not numba_q8.HAS_VNNI, reason="the CPU has no AVX512-VNNI")
+
+
+@pytest.fixture(scope="module", params=["serial", "parallel"])
+def q8_ops(request):
+    """The numba ops with q8 products, on the calling thread or over all threads (thresholds at zero)."""
+    from strata_engine.ops import numba_ops as module
+
+    ops = get_ops("numpy", "f32", "numba-q8", threads=2)
+    if request.param == "serial":
+        yield ops
+        return
+    saved = module.PARALLEL_MIN_BYTES
+    module.PARALLEL_MIN_BYTES = 0
+    yield ops
+    module.PARALLEL_MIN_BYTES = saved
+
+
+def _check(got, x, w, name):
+    """got against the quantized oracle (round-off) and the float32 product (the quantization's bound)."""
+    from strata_engine.ops import q8
+
+    dense = w.dequantize().astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(dense).T
+    assert got.dtype == np.float32 and got.shape == (x.shape[0], w.shape[0]), name
+    oracle = q8.matmul_q8(x, w)
+    assert np.all(np.abs(got - oracle) <= Q8_ORACLE_RTOL * scale), f"{name}: {np.max(np.abs(got - oracle) / scale):.1e}"
+    _, dx = q8.quantize_rows(x)
+    half_step = np.repeat(dx.astype(np.float64) / 2, q8.QX, axis=1) @ np.abs(dense).T
+    err = np.abs(got - x.astype(np.float64) @ dense.T)
+    assert np.all(err <= half_step + ROUND_OFF * scale), name
+    assert np.max(err / scale) <= Q8_RTOL, f"{name}: {np.max(err / scale):.1e}"
+
+
+def test_quantization_matches_the_oracle_in_the_kernel_layout():
+    """`quantize_q8` gives `q8.quantize_rows`' values and scales, moved to the layout's places, with each
+    lane's dx, dx * sum(qx) and -128 * sum(qx); for rows of whole main groups and with tails."""
+    from strata_engine.ops import q8
+
+    rng = np.random.default_rng(20)
+    for k, nibbles in ((512, True), (576, True), (576, False), (640, False), (1536, True)):
+        x = (rng.standard_normal((3, k)) * rng.uniform(0.01, 100, (3, 1))).astype(np.float32)
+        x[1, :32] = 0  # a block of zeros: dx 0, qx 0
+        lay = q8.layout(k, nibbles)
+        xq, dxu, xsum, xneg = numba_q8.quantize_q8(x, lay.perm, lay.lane_of, lay.lane_block)
+        qx, dx = q8.quantize_rows(x)
+        assert np.abs(qx).max() <= 127 and np.all(qx[1, :32] == 0)
+        padded = np.concatenate([qx, np.zeros((3, 4), np.int8)], axis=1).view(np.int32)
+        np.testing.assert_array_equal(xq, padded[:, lay.perm])
+        sums = np.zeros((3, lay.lane_block.shape[0]), np.int64)
+        np.add.at(sums.T, lay.lane_of, np.ascontiguousarray(padded[:, lay.perm]).view(np.int8).reshape(3, -1, 4).sum(-1).T)
+        lane_dx = np.where(lay.lane_block >= 0, dx[:, np.maximum(lay.lane_block, 0)], 0)
+        np.testing.assert_array_equal(dxu, lane_dx)
+        np.testing.assert_array_equal(xneg, -128 * sums)
+        np.testing.assert_array_equal(xsum, (lane_dx * sums.astype(np.float32)).astype(np.float32))
+        assert sorted(set(lay.perm.tolist()) - {k // 4}) == list(range(k // 4))  # every value once
+
+
+@needs_vnni
+@pytest.mark.parametrize("n_tok", [*range(1, 17), 64, 65])
+def test_q8_products_match_the_oracle_for_every_packing(q8_ops, n_tok):
+    """Every GGUF type's packing and the made layouts, 41 weight rows (odd), rows of whole main groups (512)
+    and with tail groups (576, 640), through `NumbaOps.packed_matmul`; a row's result does not depend on
+    the rows beside it nor on its place among them."""
+    from strata_engine.ops.packed import PACKERS
+
+    rng = np.random.default_rng(21)
+    for k in (512, 576, 640):
+        weights = [(t.name, random_packed(t, 41, k if t.name[-1] != "K" else 256 * (k // 256), rng)[0]) for t in PACKERS]
+        weights += [(str(layout), made_packed(layout, 41, k, rng)) for layout in EXTRA_LAYOUTS]
+        for name, w in weights:
+            assert numba_q8.takes(w), name
+            x = rng.standard_normal((n_tok, w.shape[1])).astype(np.float32)
+            got = q8_ops.packed_matmul(x, w)
+            _check(got, x, w, f"{name} K={w.shape[1]}")
+            flipped = q8_ops.packed_matmul(np.ascontiguousarray(x[::-1]), w)
+            np.testing.assert_array_equal(flipped[::-1], got, err_msg=name)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("n_tok", [1, 8, 64, 65])
+def test_q8_products_on_real_weights(q8_ops, model_files, name, n_tok):
+    """Both models' weight shapes (layer 0's fused products, the head's first 4,096 rows) through `matmul`:
+    the q8 kernel up to PACKED_MAX_ROWS rows, the float32 BLAS path above."""
+    from strata_engine.ops.numba_ops import PACKED_MAX_ROWS
+
+    rng = np.random.default_rng(22)
+    for w, dense in real_weights(model_files[name], 4096):
+        x = rng.standard_normal((n_tok, dense.shape[1])).astype(np.float32)
+        got = q8_ops.matmul(x, w)
+        if n_tok <= PACKED_MAX_ROWS:
+            _check(got, x, w, f"{name} {dense.shape}")
+        else:
+            want = x.astype(np.float64) @ dense.T.astype(np.float64)
+            assert np.all(np.abs(got - want) <= ROUND_OFF * (np.abs(x) @ np.abs(dense).T))
+
+
+def test_without_vnni_the_float32_kernels_run(monkeypatch):
+    """A CPU (or NUMBA_CPU_FEATURES) without avx512vnni: `numba-q8` ops multiply with the float32 kernels,
+    giving their results bit for bit; a packing the q8 kernels do not take does the same."""
+    from strata_engine.ops import numba_ops as module
+    from strata_engine.ops.packed import PackedWeight
+
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+avx512f,+avx512bw,-avx512vnni")
+    assert not numba_q8.target_has_vnni()
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+avx512f,+avx512bw,+avx512vnni")
+    assert numba_q8.target_has_vnni()
+    monkeypatch.setattr(module.numba_q8, "HAS_VNNI", False)
+    ops = get_ops("numpy", "f32", "numba-q8", threads=1)
+    assert not ops.q8
+    rng = np.random.default_rng(23)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    w = made_packed(EXTRA_LAYOUTS[0], 9, 512, rng)
+    np.testing.assert_array_equal(ops.matmul(x, w), ops.packed_matmul(x, w, q8=False))
+    odd = PackedWeight(rng.integers(-9, 9, (5, 48), dtype=np.int8), np.ones((5, 3), np.float32), None, 16)
+    assert not numba_q8.takes(odd)  # 48 values: not whole 32-value activation blocks
+    monkeypatch.setattr(module.numba_q8, "HAS_VNNI", True)
+    q8_ops = get_ops("numpy", "f32", "numba-q8", threads=1)
+    assert q8_ops.q8
+    x48 = rng.standard_normal((2, 48)).astype(np.float32)
+    np.testing.assert_array_equal(q8_ops.matmul(x48, odd), q8_ops.packed_matmul(x48, odd, q8=False))
+
+
+def test_numba_q8_is_a_cpu_kernels_choice_computing_in_f32():
+    from strata_engine.errors import SettingsError
+    from strata_engine.settings import EngineSettings
+
+    EngineSettings(model_path="x", cpu_kernels="numba-q8").validate()
+    with pytest.raises(SettingsError, match="cpu_kernels 'numba-q8' computes in f32"):
+        EngineSettings(model_path="x", cpu_kernels="numba-q8", compute_dtype="f64").validate()
+    assert get_ops("numpy", "f32", "numba-q8", threads=1).q8 == numba_q8.HAS_VNNI
