@@ -2,9 +2,13 @@
 the float32 kernels, on both models' real weights: a decode step's products (every layer's weights and the
 output head) per number of token rows, on one thread (the thread's CPU time, best of --reps, the kernels
 taking turns in one process, so a shared machine's load falls on all alike), with each kernel's error
-relative to |x| @ |W|^T over the sweep (x standard normal; the float32 kernels': ~1e-7).
+relative to |x| @ |W|^T over the sweep (x standard normal; the float32 kernels': ~1e-7). With --decode,
+the engine's greedy decode instead (`--cpu-kernels numba-q8`, -t threads), the q8 products switched on
+and off in turns in one process: tok/s and CPU ms a token, both held depths, with the largest logit
+difference between the two at the same tokens.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_q8.py [--rows 1 8]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_q8.py --decode [-t 2]
 """
 
 from __future__ import annotations
@@ -30,12 +34,62 @@ def best_thread_time(fns: dict, reps: int) -> dict:
     return best
 
 
+def decode_ab(name: str, threads: int | None, depths: list[int], gen: int, rounds: int) -> None:
+    """Greedy decode with the q8 products on and off in turns (one runner, its ops' q8 switched)."""
+    from bench_engine import model_path
+    from strata_engine.runner import ModelRunner
+    from strata_engine.settings import EngineSettings
+
+    runner = ModelRunner.load(
+        EngineSettings(model_path=model_path(name), kv_type="f16", n_ctx=max(depths) + gen + 8,
+                       cpu_kernels="numba-q8", threads=threads)
+    )  # fmt: skip
+    ops = runner.model.ops
+    rng = np.random.default_rng(1)
+    for depth in depths:
+        held = [int(t) for t in rng.integers(100, 20000, max(depth, 1))]
+        runner.erase()
+        first = int(np.argmax(runner.prefill(held).logits))
+        rate, cpu, logits = {}, {}, {}
+        for _ in range(rounds):
+            for q8 in (False, True):
+                ops.q8 = q8
+                runner.cut_back(len(held))
+                token, steps = first, []
+                t, c = time.perf_counter(), time.process_time()
+                for _ in range(gen):
+                    steps.append(runner.decode(token))
+                    token = int(np.argmax(steps[-1])) if q8 is False else int(np.argmax(logits[False][len(steps) - 1]))
+                rate[q8] = max(rate.get(q8, 0.0), gen / (time.perf_counter() - t))
+                cpu[q8] = min(cpu.get(q8, float("inf")), 1e3 * (time.process_time() - c) / gen)
+                logits[q8] = np.stack(steps)
+        diff = float(np.abs(logits[True] - logits[False]).max())
+        agree = int(np.sum(logits[True].argmax(-1) == logits[False].argmax(-1)))
+        print(
+            f"{name} at {depth} held ({runner.settings.threads} threads, best of {rounds}): f32 {rate[False]:.1f} tok/s "
+            f"({cpu[False]:.2f} ms of CPU a token), q8 {rate[True]:.1f} tok/s ({cpu[True]:.2f} ms), x{rate[True] / rate[False]:.2f} "
+            f"(CPU x{cpu[False] / cpu[True]:.2f}); on f32's tokens max |logit difference| {diff:.2f}, same greedy "
+            f"token {agree}/{gen}; load {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
+    ops.q8 = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--decode", action="store_true", help="the engine's decode, q8 on and off in turns")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="--decode's threads (default: the cores)")
+    ap.add_argument("--depths", nargs="+", type=int, default=[0, 4096], help="--decode's held tokens")
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.decode:
+        for name in args.models:
+            decode_ab(name, args.threads, args.depths, args.gen, args.rounds)
+        return
     from strata_engine.ops import numba_q8
     from strata_engine.ops.numba_ops import NumbaOps
 

@@ -1,10 +1,12 @@
 """Batched decode of several slots (`SlotSet.decode`) against one slot decoding alone, in one run: aggregate
 decode tok/s with B = 1, 2, 4, 8 slots advancing together (one forward pass per step), each slot first
 holding a prompt of --prompt tokens, and the ratio to B = 1. The engine's compute alone (no protocol, no
-sampling): what the scheduler's steps can reach at best. With the numba kernels each B runs twice in turn:
-the packed products a token row at a time (`row_dot`, what one slot alone runs) and each weight block
-decoded once for the B rows (`rows_dot`, the engine's choice), with the ratio and the largest logit
-difference between the two (the batched step against each slot decoded alone).
+sampling): what the scheduler's steps can reach at best. With the numba kernels each B runs in turn:
+the packed products a token row at a time (`row_dot`, what one slot alone runs), each weight block
+decoded once for the B rows (`rows_dot`, numba's choice) and, where the CPU has AVX512-VNNI, the
+activations quantized to int8 (`numba_q8`, `--cpu-kernels numba-q8`), with the ratios and the largest
+logit differences to the float32 grouped kernel (by row: the batched step against each slot decoded
+alone; q8: the quantization's).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_slots.py --model smollm2
 
@@ -21,9 +23,9 @@ import time
 
 import numpy as np
 from bench_engine import model_path
-from strata_engine.ops import numba_ops
+from strata_engine.ops import numba_ops, numba_q8
 from strata_engine.ops.numba_ops import BY_ROW_MAX_ROWS, PACKED_MAX_ROWS
-from strata_engine.settings import CpuKernels, EngineSettings
+from strata_engine.settings import NUMBA_KERNELS, CpuKernels, EngineSettings
 from strata_engine.slots import SlotSet
 
 
@@ -53,13 +55,24 @@ def main() -> None:
     for slot in range(n_slots):
         prompt = [int(t) for t in rng.integers(100, 20000, args.prompt)]
         first[slot] = int(np.argmax(slots.runners[slot].prefill(prompt).logits))
-    numba = s.cpu_kernels == CpuKernels.NUMBA
-    modes = {"by row": PACKED_MAX_ROWS, "grouped": BY_ROW_MAX_ROWS} if numba else {"": BY_ROW_MAX_ROWS}
+    numba = s.cpu_kernels in NUMBA_KERNELS
+    ops = slots.runners[0].model.ops
+    # mode -> (BY_ROW_MAX_ROWS, q8 products); the kernels asked for run last and give the main figures
+    modes = {"": (BY_ROW_MAX_ROWS, False)}
+    if numba:
+        modes = {"by row": (PACKED_MAX_ROWS, False), "grouped": (BY_ROW_MAX_ROWS, False)}
+        if numba_q8.HAS_VNNI:
+            modes["q8"] = (BY_ROW_MAX_ROWS, True)
+            if s.cpu_kernels == CpuKernels.NUMBA:
+                modes = {"by row": modes["by row"], "q8": modes["q8"], "grouped": modes["grouped"]}
+    main_mode = list(modes)[-1]
     base = None
     for b in batches:
         rates, cpu_ms, logits = {}, {}, {}
-        for mode, by_row_max in modes.items():
+        for mode, (by_row_max, q8) in modes.items():
             numba_ops.BY_ROW_MAX_ROWS = by_row_max
+            if numba:
+                ops.q8 = q8
             for slot in range(b):
                 slots.runners[slot].cut_back(args.prompt)
             tokens = [first[slot] for slot in range(b)]
@@ -72,19 +85,22 @@ def main() -> None:
             rates[mode] = b * args.gen / (time.perf_counter() - t0)
             cpu_ms[mode] = 1000 * (time.process_time() - c0) / args.gen
             logits[mode] = np.stack(steps)
-        numba_ops.BY_ROW_MAX_ROWS = modes[list(modes)[-1]]
-        rate = rates[list(modes)[-1]]
-        base = base or rate
-        cpu = cpu_ms[list(modes)[-1]]
-        line = (f"B={b:2}: {rate:7.1f} tok/s aggregate, {1000 * b / rate:6.1f} ms/step ({cpu:6.1f} ms of CPU), "
-                f"x{rate / base:.2f} of B=1")  # fmt: skip
+        numba_ops.BY_ROW_MAX_ROWS, q8 = modes[main_mode]
         if numba:
-            same = np.array_equal(logits["by row"].argmax(-1), logits["grouped"].argmax(-1))
-            line += (f"; by row {rates['by row']:7.1f} tok/s ({cpu_ms['by row']:6.1f} ms of CPU), grouped "
-                     f"x{rate / rates['by row']:.2f} of it (CPU x{cpu_ms['by row'] / cpu:.2f}), "
-                     f"max |logit difference| {np.abs(logits['by row'] - logits['grouped']).max():.2e}, "
-                     f"greedy tokens {'identical' if same else 'DIFFER'}")  # fmt: skip
+            ops.q8 = q8
+        rate = rates[main_mode]
+        base = base or rate
+        cpu = cpu_ms[main_mode]
+        line = (f"B={b:2}: {main_mode or 'numpy'} {rate:7.1f} tok/s aggregate, {1000 * b / rate:6.1f} ms/step "
+                f"({cpu:6.1f} ms of CPU), x{rate / base:.2f} of B=1")  # fmt: skip
+        for mode in list(modes)[:-1]:
+            same = np.array_equal(logits[mode].argmax(-1), logits[main_mode].argmax(-1))
+            line += (f"; {mode} {rates[mode]:7.1f} tok/s ({cpu_ms[mode]:6.1f} ms of CPU): {main_mode} x"
+                     f"{rate / rates[mode]:.2f} of it (CPU x{cpu_ms[mode] / cpu:.2f}), max |logit difference| "
+                     f"{np.abs(logits[mode] - logits[main_mode]).max():.2e}, greedy tokens "
+                     f"{'identical' if same else 'DIFFER'}")  # fmt: skip
         print(f"{line} (load {os.getloadavg()[0]:.2f})", flush=True)
+
 
 if __name__ == "__main__":
     main()
