@@ -1,6 +1,7 @@
 """The packed products with int8 activations (`--cpu-kernels numba-q8`: `numba_q8.py`, AVX512-VNNI) against
 the float32 kernels, on both models' real weights: a decode step's products (every layer's weights and the
-output head) per number of token rows, on one thread (the thread's CPU time, best of --reps, the kernels
+output head) per number of token rows (above PACKED_MAX_ROWS the float32 side is dequantize + BLAS, as the
+engine runs it), on one thread (the thread's CPU time, best of --reps, the kernels
 taking turns in one process, so a shared machine's load falls on all alike), with each kernel's error
 relative to |x| @ |W|^T over the sweep (x standard normal; the float32 kernels': ~1e-7). With --decode,
 the engine's greedy decode instead (`--cpu-kernels numba-q8`, -t threads), the q8 products switched on
@@ -91,11 +92,16 @@ def main() -> None:
             decode_ab(name, args.threads, args.depths, args.gen, args.rounds)
         return
     from strata_engine.ops import numba_q8
-    from strata_engine.ops.numba_ops import NumbaOps
+    from strata_engine.ops.numba_ops import PACKED_MAX_ROWS, NumbaOps
 
     if not numba_q8.HAS_VNNI:
         raise SystemExit("this CPU has no AVX512-VNNI: the q8 kernels do not run here")
     ops = NumbaOps("f32", threads=1)
+
+    def f32_product(x, w):
+        """The float32 kernels' product as the engine runs it: packed up to PACKED_MAX_ROWS rows, else BLAS."""
+        return ops.packed_matmul(x, w, q8=False) if x.shape[0] <= PACKED_MAX_ROWS else ops.blas_matmul(x, w)
+
     rng = np.random.default_rng(0)
     for name in args.models:
         ws = packed_weights(name)
@@ -108,10 +114,10 @@ def main() -> None:
             for x, w in list(zip(xs, ws, strict=True))[:4]:
                 want, bound = x @ dense[id(w)].T, np.abs(x) @ np.abs(dense[id(w)]).T
                 for key, q8 in (("f32", False), ("q8", True)):
-                    got = ops.packed_matmul(x, w, q8=q8)
+                    got = ops.packed_matmul(x, w, q8=True) if q8 else f32_product(x, w)
                     errs[key] = max(errs[key], float(np.max(np.abs(got - want) / bound)))
             fns = {
-                "f32": lambda xs=xs, ws=ws: [ops.packed_matmul(x, w, q8=False) for x, w in zip(xs, ws, strict=True)],
+                "f32": lambda xs=xs, ws=ws: [f32_product(x, w) for x, w in zip(xs, ws, strict=True)],
                 "q8": lambda xs=xs, ws=ws: [ops.packed_matmul(x, w, q8=True) for x, w in zip(xs, ws, strict=True)],
             }
             best = best_thread_time(fns, args.reps)

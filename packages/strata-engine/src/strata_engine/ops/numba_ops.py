@@ -27,6 +27,10 @@ F32 = np.float32
 # (the multi-row kernel is 1.15-1.6x BLAS's speed at 64 rows, 1.1-1.25x at 128, on 1 and 2 threads:
 # bench/bench_cpu_kernels.py, bench/CPU-NOTES.md "The multi-row kernel"). runner.WARM_UP_TOKENS exceeds it.
 PACKED_MAX_ROWS = 64
+# With q8 products (`--cpu-kernels numba-q8`), token rows up to which a product runs in the q8 kernel: a
+# prefill chunk too (SmolLM2, 1 thread: 1.9x / 2.3x / 1.6x dequantize + BLAS at 64 / 128 / 512 rows,
+# bench/bench_q8.py, bench/CPU-NOTES.md "Integer dot products").
+Q8_MAX_ROWS = 512
 # Token rows up to which the gated MLP's activation is one numba loop; above, numpy's (its exp and tanh are
 # vectorized, numba's scalar).
 FUSED_ACTIVATION_MAX_ROWS = 16
@@ -209,7 +213,10 @@ class NumbaOps(NumpyOps):
         if not isinstance(w, PackedWeight):
             return super().matmul(x, w)
         x = np.ascontiguousarray(x, dtype=F32)
-        return self.packed_matmul(x, w) if x.shape[0] <= PACKED_MAX_ROWS else self.blas_matmul(x, w)
+        m = x.shape[0]
+        if m <= PACKED_MAX_ROWS or (self.q8 and m <= Q8_MAX_ROWS and numba_q8.takes(w)):
+            return self.packed_matmul(x, w)
+        return self.blas_matmul(x, w)
 
     def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...]) -> list[Any]:
         """One product over the fused weight, returned as column views per block."""

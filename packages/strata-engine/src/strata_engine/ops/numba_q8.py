@@ -32,6 +32,9 @@ _V16I = ir.VectorType(_I32, LANES)
 _V16F = ir.VectorType(_F32, LANES)
 F32 = np.float32
 Q8_ROWS = 8  # token rows whose accumulators a loop keeps in registers (the weight's group decoded once for them)
+# Weight rows a group of token rows meets before the next group (their activations stay in L1): more than
+# Q8_ROWS token rows read each row's activations once a tile instead of once a weight row.
+Q8_TILE = 16
 
 
 def target_has_vnni() -> bool:
@@ -279,36 +282,40 @@ def quantize_q8(x, perm, lane_of, lane_block):
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _q8_weight_row(values, scale, mins, has_min, upb, xq, dxu, xsum, xneg, y, n):
-    """Row n of y for every token row, Q8_ROWS at a time."""
+def _q8_tile(values, scale, mins, has_min, upb, xq, dxu, xsum, xneg, y, t):
+    """Weight rows [t * Q8_TILE, + Q8_TILE) of y for every token row, Q8_ROWS at a time: a group of token
+    rows meets the tile's weight rows while its activations are in L1."""
+    n0 = t * Q8_TILE
+    n1 = min(n0 + Q8_TILE, values.shape[0])
     r = 0
     while r < xq.shape[0]:
         rows = min(Q8_ROWS, xq.shape[0] - r)
-        if has_min and upb == 1:
-            q8_dot_min(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 1)
-        elif has_min:
-            q8_dot_min(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 2)
-        elif upb == 1:
-            q8_dot(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 1)
-        else:
-            q8_dot(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 2)
+        for n in range(n0, n1):
+            if has_min and upb == 1:
+                q8_dot_min(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 1)
+            elif has_min:
+                q8_dot_min(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 2)
+            elif upb == 1:
+                q8_dot(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 1)
+            else:
+                q8_dot(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 2)
         r += rows
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def matmul_q8(x, perm, lane_of, lane_block, values, scale, mins, has_min, upb, y):
-    """y = x W^T, x quantized (`quantize_q8`, on this thread) then weight rows over all threads."""
+    """y = x W^T, x quantized (`quantize_q8`, on this thread) then tiles of weight rows over all threads."""
     xq, dxu, xsum, xneg = quantize_q8(x, perm, lane_of, lane_block)
-    for n in prange(values.shape[0]):
-        _q8_weight_row(values, scale, mins, has_min, upb, xq, dxu, xsum, xneg, y, n)
+    for t in prange((values.shape[0] + Q8_TILE - 1) // Q8_TILE):
+        _q8_tile(values, scale, mins, has_min, upb, xq, dxu, xsum, xneg, y, t)
 
 
 @njit(fastmath=True, cache=True)
 def matmul_q8_serial(x, perm, lane_of, lane_block, values, scale, mins, has_min, upb, y):
     """`matmul_q8` on the calling thread."""
     xq, dxu, xsum, xneg = quantize_q8(x, perm, lane_of, lane_block)
-    for n in range(values.shape[0]):
-        _q8_weight_row(values, scale, mins, has_min, upb, xq, dxu, xsum, xneg, y, n)
+    for t in range((values.shape[0] + Q8_TILE - 1) // Q8_TILE):
+        _q8_tile(values, scale, mins, has_min, upb, xq, dxu, xsum, xneg, y, t)
 
 
 def takes(w: PackedWeight) -> bool:
