@@ -152,3 +152,44 @@ def test_numba_q8_is_a_cpu_kernels_choice_computing_in_f32():
     with pytest.raises(SettingsError, match="cpu_kernels 'numba-q8' computes in f32"):
         EngineSettings(model_path="x", cpu_kernels="numba-q8", compute_dtype="f64").validate()
     assert get_ops("numpy", "f32", "numba-q8", threads=1).q8 == numba_q8.HAS_VNNI
+
+
+# The engine with q8 products against itself with float32 ones, teacher-forced on llama.cpp's tokens for
+# every reference prompt (f16 K/V, 32 steps): max |logit difference| over the whole vocabulary (measured
+# 0.7 .. 2.5 on logits of magnitude 26 .. 44; llama.cpp's own top-5 log-probabilities are 0.3 .. 1.0 from
+# the float32 path's).
+Q8_LOGIT_BOUND = 4.0
+LLAMA_CPP_MARGIN = 0.5
+
+
+@needs_vnni
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_q8_engine_matches_llama_cpp_while_its_margin_is_clear(name):
+    """Greedy decoding with q8 products gives llama.cpp's tokens up to its first step whose top-1 margin is
+    <= 0.5 (as the default path must), and its logits stay within Q8_LOGIT_BOUND of the float32 products'."""
+    from strata_engine.runner import ModelRunner
+    from strata_engine.settings import EngineSettings
+    from support.data import gemma3_model_path, smollm2_model_path
+
+    from .runners import greedy, reference, top2_margin
+
+    path = smollm2_model_path() if name == "smollm2" else gemma3_model_path()
+    runner = ModelRunner.load(EngineSettings(model_path=path, kv_type="f16", n_ctx=256, cpu_kernels="numba-q8"))
+    ops = runner.model.ops
+    assert ops.q8
+    worst = 0.0
+    for case in reference("llamacpp", name)["complete"]:
+        tokens, _ = greedy(runner, case["prompt_tokens"])
+        upto = next((i for i, top5 in enumerate(case["top5"]) if top2_margin(top5) <= LLAMA_CPP_MARGIN), len(tokens))
+        assert tokens[:upto] == case["tokens"][:upto], f"prompt {case['prompt']!r} (compared {upto} steps)"
+        forced = {}
+        for q8 in (True, False):
+            ops.q8 = q8
+            runner.erase()
+            steps = [runner.prefill(case["prompt_tokens"]).logits]
+            steps += [runner.decode(t) for t in case["tokens"][:-1]]
+            forced[q8] = np.stack(steps)
+        ops.q8 = True
+        worst = max(worst, float(np.abs(forced[True] - forced[False]).max()))
+    assert worst <= Q8_LOGIT_BOUND, f"{name}: max |logit difference| {worst:.2f}"
