@@ -118,6 +118,21 @@ def test_q8_products_on_real_weights(q8_ops, model_files, name, n_tok):
             assert np.all(np.abs(got - want) <= ROUND_OFF * (np.abs(x) @ np.abs(dense).T))
 
 
+@needs_vnni
+def test_q8_kernels_compile_once_per_layout(q8_ops):
+    """A layout's q8 kernel compiles once: 1, 8 or 20 token rows, K with or without tail groups, pass the
+    same types (another signature would compile in a request)."""
+    rng = np.random.default_rng(24)
+    w = made_packed(EXTRA_LAYOUTS[2], 5, 512, rng)  # int8 16-value blocks, float32 scales, a min
+    q8_ops.matmul(rng.standard_normal((1, 512)).astype(np.float32), w)
+    before = len(numba_q8.matmul_q8.signatures), len(numba_q8.matmul_q8_serial.signatures)
+    for k in (512, 576):
+        w = made_packed(EXTRA_LAYOUTS[2], 5, k, rng)
+        for n_tok in (1, 8, 20):
+            q8_ops.matmul(rng.standard_normal((n_tok, k)).astype(np.float32), w)
+    assert (len(numba_q8.matmul_q8.signatures), len(numba_q8.matmul_q8_serial.signatures)) == before
+
+
 def test_without_vnni_the_float32_kernels_run(monkeypatch):
     """A CPU (or NUMBA_CPU_FEATURES) without avx512vnni: `numba-q8` ops multiply with the float32 kernels,
     giving their results bit for bit; a packing the q8 kernels do not take does the same."""

@@ -89,150 +89,156 @@ def _scales(builder, row, first, count, half, lane_of):
     return builder.shuffle_vector(v, v, _indices([lane_of(lane) for lane in range(LANES)]))
 
 
-def _q8_dot(with_min: bool):
-    """The `q8_dot` intrinsic, or with mins (`q8_dot_min`)."""
+def _group_scales(builder, row, g, half, two_units):
+    """Main group g's scales spread to its lanes: 16 (a block a unit) or 8 (a block two units)."""
+    with builder.if_else(two_units) as (pairs, singles):
+        with pairs:
+            first = builder.mul(g, ir.Constant(_I64, GROUP_UNITS // 2))
+            by_pairs = _scales(builder, row, first, GROUP_UNITS // 2, half, lambda lane: _sigma(lane) // 2)
+            pairs_block = builder.block
+        with singles:
+            first = builder.mul(g, ir.Constant(_I64, GROUP_UNITS))
+            by_units = _scales(builder, row, first, GROUP_UNITS, half, _sigma)
+            singles_block = builder.block
+    out = builder.phi(_V16F)
+    out.add_incoming(by_pairs, pairs_block)
+    out.add_incoming(by_units, singles_block)
+    return out
 
-    def typer(typingctx, values, scale, mins, n, xq, dxu, xsum, xneg, y, r0, rows, upb):
-        if not isinstance(upb, types.IntegerLiteral) or upb.literal_value not in (1, 2):
-            return None
-        nibbles = values.dtype == types.uint8
-        half = scale.dtype == types.uint16
-        sig = types.void(values, scale, mins, n, xq, dxu, xsum, xneg, y, r0, rows, upb)
 
-        def codegen(context, builder, signature, args):
-            q_arr, s_arr, m_arr, xq_arr, dxu_arr, xs_arr, xn_arr, y_arr = (
-                context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 4, 5, 6, 7, 8)
-            )
-            n_val, r0_val, rows_val = (
-                context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 9, 10)
-            )
-            per_block = upb.literal_value  # units a weight block spans
-            dp = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V16I, [_V16I] * 3), "llvm.x86.avx512.vpdpbusd.512"
-            )
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
-            scale_elem = ir.IntType(16) if half else _F32
-            q_row = _row_ptr(builder, q_arr, n_val, _I8)
-            s_row = _row_ptr(builder, s_arr, n_val, scale_elem)
-            m_row = _row_ptr(builder, m_arr, n_val, scale_elem) if with_min else None
-            n_units = builder.udiv(builder.extract_value(q_arr.shape, 1), ir.Constant(_I64, UNIT_BYTES))
-            n_main = builder.udiv(n_units, ir.Constant(_I64, GROUP_UNITS))
-            main_units = builder.mul(n_main, ir.Constant(_I64, GROUP_UNITS))
-            n_tail = builder.udiv(
-                builder.add(builder.sub(n_units, main_units), ir.Constant(_I64, TAIL_UNITS - 1)),
-                ir.Constant(_I64, TAIL_UNITS),
-            )
-            main_vecs = (8 if nibbles else 4) * 64  # bytes of a main group's activation (a token row)
-            tail_vecs = (2 if nibbles else 1) * 64
-            last_unit = builder.sub(n_units, ir.Constant(_I64, 1))
+@intrinsic
+def q8_dot(typingctx, values, scale, mins, n, xq, dxu, xsum, xneg, y, r0, rows, upb):
+    """y[r0 + r, n] = packed weight row n . token row r0 + r (r < rows <= Q8_ROWS), the token rows quantized
+    in the kernel layout (xq, dxu, xsum, xneg); upb the units a weight block spans: 1 (4-bit, or int8
+    16-value blocks), 2 (int8 32-value blocks); mins [N, K / block], or 1-D (a placeholder: no min). Each
+    layout compiles only its own code (a variant per min and block size quadrupled the compile time)."""
+    with_min = mins.ndim == 2
+    nibbles = values.dtype == types.uint8
+    half = scale.dtype == types.uint16
+    sig = types.void(values, scale, mins, n, xq, dxu, xsum, xneg, y, r0, rows, upb)
 
-            def rows_loop(n_rows):
-                x_rows = [builder.add(r0_val, ir.Constant(_I64, r)) for r in range(n_rows)]
-                xq_rows = [_row_ptr(builder, xq_arr, i, _I8) for i in x_rows]
-                dxu_rows = [_row_ptr(builder, dxu_arr, i, _F32) for i in x_rows]
-                xs_rows = [_row_ptr(builder, xs_arr, i, _F32) for i in x_rows] if with_min else []
-                xn_rows = [_row_ptr(builder, xn_arr, i, _I32) for i in x_rows] if not nibbles else []
-                chains = 2 if n_rows <= 2 else 1  # independent vpdpbusd chains a row (latency-bound when few rows)
+    def codegen(context, builder, signature, args):
+        q_arr, s_arr, m_arr, xq_arr, dxu_arr, xs_arr, xn_arr, y_arr = (
+            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 4, 5, 6, 7, 8)
+        )
+        n_val, r0_val, rows_val, upb_val = (
+            context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 9, 10, 11)
+        )
+        two_units = builder.icmp_signed("==", upb_val, ir.Constant(_I64, 2))  # a weight block spans two units
+        dp = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16I, [_V16I] * 3), "llvm.x86.avx512.vpdpbusd.512"
+        )
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+        scale_elem = ir.IntType(16) if half else _F32
+        q_row = _row_ptr(builder, q_arr, n_val, _I8)
+        s_row = _row_ptr(builder, s_arr, n_val, scale_elem)
+        m_row = _row_ptr(builder, m_arr, n_val, scale_elem) if with_min else None
+        n_units = builder.udiv(builder.extract_value(q_arr.shape, 1), ir.Constant(_I64, UNIT_BYTES))
+        n_main = builder.udiv(n_units, ir.Constant(_I64, GROUP_UNITS))
+        main_units = builder.mul(n_main, ir.Constant(_I64, GROUP_UNITS))
+        n_tail = builder.udiv(
+            builder.add(builder.sub(n_units, main_units), ir.Constant(_I64, TAIL_UNITS - 1)),
+            ir.Constant(_I64, TAIL_UNITS),
+        )
+        main_vecs = (8 if nibbles else 4) * 64  # bytes of a main group's activation (a token row)
+        tail_vecs = (2 if nibbles else 1) * 64
+        last_unit = builder.sub(n_units, ir.Constant(_I64, 1))
 
-                def rows_step(wv, dw, mw, x_off, lane_off, accs):
-                    """The token rows' products with one group (its weight vectors wv, lane scales dw, mw)."""
-                    out = []
-                    for r in range(n_rows):
-                        zero = ir.Constant(_V16I, [0] * LANES)
-                        sums = [_load_vector(builder, xn_rows[r], lane_off, _I32, LANES) if not nibbles else zero]
-                        sums += [zero] * (chains - 1)
-                        for v, w in enumerate(wv):
-                            off = builder.add(x_off, ir.Constant(_I64, 64 * v))
-                            xv = builder.bitcast(_load_vector(builder, xq_rows[r], off, _I8, 64), _V16I)
-                            sums[v % chains] = builder.call(dp, [sums[v % chains], w, xv])
-                        total = sums[0] if chains == 1 else builder.add(sums[0], sums[1])
-                        p = builder.fmul(dw, _load_vector(builder, dxu_rows[r], lane_off, _F32, LANES))
-                        acc = builder.call(fma, [builder.sitofp(total, _V16F), p, accs[r]])
-                        if with_min:
-                            acc = builder.call(fma, [mw, _load_vector(builder, xs_rows[r], lane_off, _F32, LANES), acc])
-                        out.append(acc)
-                    return out
+        def rows_loop(n_rows):
+            x_rows = [builder.add(r0_val, ir.Constant(_I64, r)) for r in range(n_rows)]
+            xq_rows = [_row_ptr(builder, xq_arr, i, _I8) for i in x_rows]
+            dxu_rows = [_row_ptr(builder, dxu_arr, i, _F32) for i in x_rows]
+            xs_rows = [_row_ptr(builder, xs_arr, i, _F32) for i in x_rows] if with_min else []
+            xn_rows = [_row_ptr(builder, xn_arr, i, _I32) for i in x_rows] if not nibbles else []
+            chains = 2 if n_rows <= 2 else 1  # independent vpdpbusd chains a row (latency-bound when few rows)
 
-                def main_group(g, accs):
-                    base = builder.mul(g, ir.Constant(_I64, GROUP_UNITS * UNIT_BYTES))
-                    raw = [
-                        builder.bitcast(
-                            _load_vector(builder, q_row, builder.add(base, ir.Constant(_I64, 64 * k)), _I8, 64), _V16I
-                        )
-                        for k in range(4)
-                    ]
-                    wv = _weight_vectors(builder, _transpose(builder, raw), nibbles)
-                    count = GROUP_UNITS // per_block
-                    first = builder.mul(g, ir.Constant(_I64, count))
-                    dw = _scales(builder, s_row, first, count, half, lambda lane: _sigma(lane) // per_block)
-                    mw = _scales(builder, m_row, first, count, half, lambda lane: _sigma(lane) // per_block) if with_min else None
-                    x_off = builder.mul(g, ir.Constant(_I64, main_vecs))
-                    lane_off = builder.mul(g, ir.Constant(_I64, LANES))
-                    return rows_step(wv, dw, mw, x_off, lane_off, accs)
-
-                def tail_group(t, accs):
-                    u0 = builder.add(main_units, builder.mul(t, ir.Constant(_I64, TAIL_UNITS)))
-                    units = []  # clamped to the row: a unit past it multiplies zero activations
-                    for i in range(TAIL_UNITS):
-                        u = builder.add(u0, ir.Constant(_I64, i))
-                        units.append(builder.select(builder.icmp_signed("<", u, last_unit), u, last_unit))
-                    parts = [
-                        _load_vector(builder, q_row, builder.mul(u, ir.Constant(_I64, UNIT_BYTES)), _I32, 4)
-                        for u in units
-                    ]
-                    halves = [builder.shuffle_vector(parts[i], parts[i + 1], _indices(list(range(8)))) for i in (0, 2)]
-                    raw = builder.shuffle_vector(halves[0], halves[1], _indices(list(range(16))))
-                    wv = _weight_vectors(builder, [raw], nibbles)
-
-                    def lane_scales(row):
-                        vals = []
-                        for u in units:
-                            b = builder.udiv(u, ir.Constant(_I64, per_block))
-                            value = builder.load(builder.gep(row, [b]))
-                            if half:
-                                value = builder.fpext(builder.bitcast(value, ir.HalfType()), _F32)
-                            vals.append(value)
-                        vec = ir.Constant(ir.VectorType(_F32, 4), ir.Undefined)
-                        for i, value in enumerate(vals):
-                            vec = builder.insert_element(vec, value, ir.Constant(_I32, i))
-                        return builder.shuffle_vector(vec, vec, _indices([lane // 4 for lane in range(LANES)]))
-
-                    dw = lane_scales(s_row)
-                    mw = lane_scales(m_row) if with_min else None
-                    x_off = builder.add(builder.mul(n_main, ir.Constant(_I64, main_vecs)), builder.mul(t, ir.Constant(_I64, tail_vecs)))
-                    lane_off = builder.mul(builder.add(n_main, t), ir.Constant(_I64, LANES))
-                    return rows_step(wv, dw, mw, x_off, lane_off, accs)
-
-                zero = ir.Constant(_V16F, [0.0] * LANES)
-                accs = _counted_loop(builder, n_main, main_group, [zero] * n_rows)
-                accs = _counted_loop(builder, n_tail, tail_group, accs)
+            def rows_step(wv, dw, mw, x_off, lane_off, accs):
+                """The token rows' products with one group (its weight vectors wv, lane scales dw, mw)."""
+                out = []
                 for r in range(n_rows):
-                    y_row = _row_ptr(builder, y_arr, x_rows[r], _F32)
-                    builder.store(_hsum(builder, accs[r]), builder.gep(y_row, [n_val]))
+                    zero = ir.Constant(_V16I, [0] * LANES)
+                    sums = [_load_vector(builder, xn_rows[r], lane_off, _I32, LANES) if not nibbles else zero]
+                    sums += [zero] * (chains - 1)
+                    for v, w in enumerate(wv):
+                        off = builder.add(x_off, ir.Constant(_I64, 64 * v))
+                        xv = builder.bitcast(_load_vector(builder, xq_rows[r], off, _I8, 64), _V16I)
+                        sums[v % chains] = builder.call(dp, [sums[v % chains], w, xv])
+                    total = sums[0] if chains == 1 else builder.add(sums[0], sums[1])
+                    p = builder.fmul(dw, _load_vector(builder, dxu_rows[r], lane_off, _F32, LANES))
+                    acc = builder.call(fma, [builder.sitofp(total, _V16F), p, accs[r]])
+                    if with_min:
+                        acc = builder.call(fma, [mw, _load_vector(builder, xs_rows[r], lane_off, _F32, LANES), acc])
+                    out.append(acc)
+                return out
 
-            done = builder.append_basic_block("q8_done")
-            # one loop per token-row count (its accumulators in registers); another count writes nothing
-            switch = builder.switch(rows_val, done)
-            for n_rows in range(1, Q8_ROWS + 1):
-                case = builder.append_basic_block(f"q8_rows_{n_rows}")
-                switch.add_case(ir.Constant(_I64, n_rows), case)
-                builder.position_at_end(case)
-                rows_loop(n_rows)
-                builder.branch(done)
-            builder.position_at_end(done)
-            return context.get_dummy_value()
+            def main_group(g, accs):
+                base = builder.mul(g, ir.Constant(_I64, GROUP_UNITS * UNIT_BYTES))
+                raw = [
+                    builder.bitcast(
+                        _load_vector(builder, q_row, builder.add(base, ir.Constant(_I64, 64 * k)), _I8, 64), _V16I
+                    )
+                    for k in range(4)
+                ]
+                wv = _weight_vectors(builder, _transpose(builder, raw), nibbles)
+                dw = _group_scales(builder, s_row, g, half, two_units)
+                mw = _group_scales(builder, m_row, g, half, two_units) if with_min else None
+                x_off = builder.mul(g, ir.Constant(_I64, main_vecs))
+                lane_off = builder.mul(g, ir.Constant(_I64, LANES))
+                return rows_step(wv, dw, mw, x_off, lane_off, accs)
 
-        return sig, codegen
+            def tail_group(t, accs):
+                u0 = builder.add(main_units, builder.mul(t, ir.Constant(_I64, TAIL_UNITS)))
+                units = []  # clamped to the row: a unit past it multiplies zero activations
+                for i in range(TAIL_UNITS):
+                    u = builder.add(u0, ir.Constant(_I64, i))
+                    units.append(builder.select(builder.icmp_signed("<", u, last_unit), u, last_unit))
+                parts = [
+                    _load_vector(builder, q_row, builder.mul(u, ir.Constant(_I64, UNIT_BYTES)), _I32, 4)
+                    for u in units
+                ]
+                halves = [builder.shuffle_vector(parts[i], parts[i + 1], _indices(list(range(8)))) for i in (0, 2)]
+                raw = builder.shuffle_vector(halves[0], halves[1], _indices(list(range(16))))
+                wv = _weight_vectors(builder, [raw], nibbles)
 
-    typer.__name__ = "q8_dot_min" if with_min else "q8_dot"
-    return intrinsic(typer)
+                def lane_scales(row):
+                    vals = []
+                    for u in units:
+                        b = builder.lshr(u, builder.zext(two_units, _I64))
+                        value = builder.load(builder.gep(row, [b]))
+                        if half:
+                            value = builder.fpext(builder.bitcast(value, ir.HalfType()), _F32)
+                        vals.append(value)
+                    vec = ir.Constant(ir.VectorType(_F32, 4), ir.Undefined)
+                    for i, value in enumerate(vals):
+                        vec = builder.insert_element(vec, value, ir.Constant(_I32, i))
+                    return builder.shuffle_vector(vec, vec, _indices([lane // 4 for lane in range(LANES)]))
 
+                dw = lane_scales(s_row)
+                mw = lane_scales(m_row) if with_min else None
+                x_off = builder.add(builder.mul(n_main, ir.Constant(_I64, main_vecs)), builder.mul(t, ir.Constant(_I64, tail_vecs)))
+                lane_off = builder.mul(builder.add(n_main, t), ir.Constant(_I64, LANES))
+                return rows_step(wv, dw, mw, x_off, lane_off, accs)
 
-# y[r0 + r, n] = packed weight row n . token row r0 + r (r < rows <= Q8_ROWS), the token rows quantized in
-# the kernel layout (xq, dxu, xsum, xneg); upb (a literal) the units a weight block spans: 1 (4-bit, or
-# int8 16-value blocks), 2 (int8 32-value blocks).
-q8_dot = _q8_dot(with_min=False)
-q8_dot_min = _q8_dot(with_min=True)
+            zero = ir.Constant(_V16F, [0.0] * LANES)
+            accs = _counted_loop(builder, n_main, main_group, [zero] * n_rows)
+            accs = _counted_loop(builder, n_tail, tail_group, accs)
+            for r in range(n_rows):
+                y_row = _row_ptr(builder, y_arr, x_rows[r], _F32)
+                builder.store(_hsum(builder, accs[r]), builder.gep(y_row, [n_val]))
+
+        done = builder.append_basic_block("q8_done")
+        # one loop per token-row count (its accumulators in registers); another count writes nothing
+        switch = builder.switch(rows_val, done)
+        for n_rows in range(1, Q8_ROWS + 1):
+            case = builder.append_basic_block(f"q8_rows_{n_rows}")
+            switch.add_case(ir.Constant(_I64, n_rows), case)
+            builder.position_at_end(case)
+            rows_loop(n_rows)
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 # Quantization rounds as written (the oracle's float32 operations): no contraction into fmas, no reciprocal.
@@ -282,7 +288,7 @@ def quantize_q8(x, perm, lane_of, lane_block):
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _q8_tile(values, scale, mins, has_min, upb, xq, dxu, xsum, xneg, y, t):
+def _q8_tile(values, scale, mins, upb, xq, dxu, xsum, xneg, y, t):
     """Weight rows [t * Q8_TILE, + Q8_TILE) of y for every token row, Q8_ROWS at a time: a group of token
     rows meets the tile's weight rows while its activations are in L1."""
     n0 = t * Q8_TILE
@@ -291,31 +297,24 @@ def _q8_tile(values, scale, mins, has_min, upb, xq, dxu, xsum, xneg, y, t):
     while r < xq.shape[0]:
         rows = min(Q8_ROWS, xq.shape[0] - r)
         for n in range(n0, n1):
-            if has_min and upb == 1:
-                q8_dot_min(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 1)
-            elif has_min:
-                q8_dot_min(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 2)
-            elif upb == 1:
-                q8_dot(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 1)
-            else:
-                q8_dot(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, 2)
+            q8_dot(values, scale, mins, n, xq, dxu, xsum, xneg, y, r, rows, upb)
         r += rows
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def matmul_q8(x, perm, lane_of, lane_block, values, scale, mins, has_min, upb, y):
+def matmul_q8(x, perm, lane_of, lane_block, values, scale, mins, upb, y):
     """y = x W^T, x quantized (`quantize_q8`, on this thread) then tiles of weight rows over all threads."""
     xq, dxu, xsum, xneg = quantize_q8(x, perm, lane_of, lane_block)
     for t in prange((values.shape[0] + Q8_TILE - 1) // Q8_TILE):
-        _q8_tile(values, scale, mins, has_min, upb, xq, dxu, xsum, xneg, y, t)
+        _q8_tile(values, scale, mins, upb, xq, dxu, xsum, xneg, y, t)
 
 
 @njit(fastmath=True, cache=True)
-def matmul_q8_serial(x, perm, lane_of, lane_block, values, scale, mins, has_min, upb, y):
+def matmul_q8_serial(x, perm, lane_of, lane_block, values, scale, mins, upb, y):
     """`matmul_q8` on the calling thread."""
     xq, dxu, xsum, xneg = quantize_q8(x, perm, lane_of, lane_block)
     for t in range((values.shape[0] + Q8_TILE - 1) // Q8_TILE):
-        _q8_tile(values, scale, mins, has_min, upb, xq, dxu, xsum, xneg, y, t)
+        _q8_tile(values, scale, mins, upb, xq, dxu, xsum, xneg, y, t)
 
 
 def takes(w: PackedWeight) -> bool:
@@ -330,9 +329,8 @@ def product(x: np.ndarray, w: PackedWeight, parallel: bool) -> np.ndarray:
     weight rows over all threads (parallel) or on this one."""
     lay = layout(x.shape[1], w.four_bit)
     y = np.empty((x.shape[0], w.shape[0]), dtype=F32)
-    has_min = w.min is not None
-    mins = w.min if has_min else np.zeros((1, 1), dtype=w.scale.dtype)
+    mins = w.min if w.min is not None else np.zeros(1, dtype=w.scale.dtype)  # 1-D: no min
     upb = w.block // (2 * UNIT_BYTES if w.four_bit else UNIT_BYTES)
     kernel = matmul_q8 if parallel else matmul_q8_serial
-    kernel(x, lay.perm, lay.lane_of, lay.lane_block, w.values, w.scale, mins, has_min, upb, y)
+    kernel(x, lay.perm, lay.lane_of, lay.lane_block, w.values, w.scale, mins, upb, y)
     return y
