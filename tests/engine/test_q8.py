@@ -124,7 +124,8 @@ def test_q8_kernels_compile_once_per_layout(q8_ops):
     same types (another signature would compile in a request)."""
     rng = np.random.default_rng(24)
     w = made_packed(EXTRA_LAYOUTS[2], 5, 512, rng)  # int8 16-value blocks, float32 scales, a min
-    q8_ops.matmul(rng.standard_normal((1, 512)).astype(np.float32), w)
+    for n_tok in (1, 64):  # the serial kernel, and the parallel one from PARALLEL_MIN_BYTES
+        q8_ops.matmul(rng.standard_normal((n_tok, 512)).astype(np.float32), w)
     before = len(numba_q8.matmul_q8.signatures), len(numba_q8.matmul_q8_serial.signatures)
     for k in (512, 576):
         w = made_packed(EXTRA_LAYOUTS[2], 5, k, rng)
