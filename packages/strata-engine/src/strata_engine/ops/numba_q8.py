@@ -35,6 +35,9 @@ Q8_ROWS = 8  # token rows whose accumulators a loop keeps in registers (the weig
 # Weight rows a group of token rows meets before the next group (their activations stay in L1): more than
 # Q8_ROWS token rows read each row's activations once a tile instead of once a weight row.
 Q8_TILE = 16
+# Token rows from which the parallel product quantizes them over all threads too (a prefill chunk: ~0.5 us a
+# 576-value row, 5-10% of a SmolLM2 chunk on one thread).
+Q8_PARALLEL_ROWS = 16
 
 
 def target_has_vnni() -> bool:
@@ -245,45 +248,68 @@ def q8_dot(typingctx, values, scale, mins, n, xq, dxu, xsum, xneg, y, r0, rows, 
 QUANT_FAST = {"nnan", "ninf", "nsz", "reassoc"}
 
 
+@njit(fastmath=QUANT_FAST, cache=True, inline="always")
+def _quantize_row(x, r, perm, lane_of, lane_block, q, seg, d, sums, xq, dxu, xsum, xneg):
+    """Token row r into the q8 outputs (`quantize_q8`); q int8 [K + 4], seg int32 [K / 4 + 1] (zero at the
+    end: the padding's source), d float32 [K / 32] and sums int32 [lanes] are scratch."""
+    k = x.shape[1]
+    q32 = q.view(np.int32)
+    for b in range(k // 32):
+        amax = np.float32(0)
+        for j in range(32):
+            amax = max(amax, abs(x[r, b * 32 + j]))
+        dx = amax / np.float32(127)
+        inv = np.float32(1) / dx if dx > 0 else np.float32(0)
+        d[b] = dx
+        for j in range(32):
+            v = x[r, b * 32 + j] * inv
+            q[b * 32 + j] = np.int8(np.int32(v + (np.float32(0.5) if v >= 0 else np.float32(-0.5))))
+    for i in range(k // 4):
+        seg[i] = np.int32(q[4 * i]) + np.int32(q[4 * i + 1]) + np.int32(q[4 * i + 2]) + np.int32(q[4 * i + 3])
+    sums[:] = 0
+    for p in range(perm.shape[0]):
+        xq[r, p] = q32[perm[p]]
+        sums[lane_of[p]] += seg[perm[p]]
+    for lane in range(lane_block.shape[0]):
+        dl = d[lane_block[lane]] if lane_block[lane] >= 0 else np.float32(0)
+        dxu[r, lane] = dl
+        xsum[r, lane] = dl * np.float32(sums[lane])
+        xneg[r, lane] = -128 * sums[lane]
+
+
+@njit(fastmath=QUANT_FAST, cache=True, inline="always")
+def _q8_outputs(x, perm, lane_block):
+    m, n_lanes = x.shape[0], lane_block.shape[0]
+    xq = np.empty((m, perm.shape[0]), dtype=np.int32)
+    dxu = np.empty((m, n_lanes), dtype=np.float32)
+    xsum = np.empty((m, n_lanes), dtype=np.float32)
+    xneg = np.empty((m, n_lanes), dtype=np.int32)
+    return xq, dxu, xsum, xneg
+
+
 @njit(fastmath=QUANT_FAST, cache=True)
 def quantize_q8(x, perm, lane_of, lane_block):
     """x [M, K] float32 -> its q8 form in the kernel layout (`q8.layout`'s tables): per 32-value block
     dx = max|x| / 127 and qx as `q8.quantize_rows`, moved a dword at a time -> (xq int32 [M, dwords] (4
     int8 each), and per lane dxu (its dx), xsum (dx * the sum of its qx), xneg (-128 * that sum))."""
-    m, k = x.shape
-    nb = k // 32
-    n_lanes = lane_block.shape[0]
-    xq = np.empty((m, perm.shape[0]), dtype=np.int32)
-    dxu = np.empty((m, n_lanes), dtype=np.float32)
-    xsum = np.empty((m, n_lanes), dtype=np.float32)
-    xneg = np.empty((m, n_lanes), dtype=np.int32)
-    q = np.zeros(k + 4, dtype=np.int8)  # dword k / 4 stays 0: the padding's source
-    q32 = q.view(np.int32)
-    seg = np.zeros(k // 4 + 1, dtype=np.int32)  # the sum of each dword's 4 values
-    d = np.empty(nb, dtype=np.float32)
-    sums = np.empty(n_lanes, dtype=np.int32)
-    for r in range(m):
-        for b in range(nb):
-            amax = np.float32(0)
-            for j in range(32):
-                amax = max(amax, abs(x[r, b * 32 + j]))
-            dx = amax / np.float32(127)
-            inv = np.float32(1) / dx if dx > 0 else np.float32(0)
-            d[b] = dx
-            for j in range(32):
-                v = x[r, b * 32 + j] * inv
-                q[b * 32 + j] = np.int8(np.int32(v + (np.float32(0.5) if v >= 0 else np.float32(-0.5))))
-        for i in range(k // 4):
-            seg[i] = np.int32(q[4 * i]) + np.int32(q[4 * i + 1]) + np.int32(q[4 * i + 2]) + np.int32(q[4 * i + 3])
-        sums[:] = 0
-        for p in range(perm.shape[0]):
-            xq[r, p] = q32[perm[p]]
-            sums[lane_of[p]] += seg[perm[p]]
-        for lane in range(n_lanes):
-            dl = d[lane_block[lane]] if lane_block[lane] >= 0 else np.float32(0)
-            dxu[r, lane] = dl
-            xsum[r, lane] = dl * np.float32(sums[lane])
-            xneg[r, lane] = -128 * sums[lane]
+    k = x.shape[1]
+    xq, dxu, xsum, xneg = _q8_outputs(x, perm, lane_block)
+    q, seg = np.zeros(k + 4, dtype=np.int8), np.zeros(k // 4 + 1, dtype=np.int32)
+    d, sums = np.empty(k // 32, dtype=np.float32), np.empty(lane_block.shape[0], dtype=np.int32)
+    for r in range(x.shape[0]):
+        _quantize_row(x, r, perm, lane_of, lane_block, q, seg, d, sums, xq, dxu, xsum, xneg)
+    return xq, dxu, xsum, xneg
+
+
+@njit(parallel=True, fastmath=QUANT_FAST, cache=True)
+def quantize_q8_parallel(x, perm, lane_of, lane_block):
+    """`quantize_q8`, token rows over all threads (a prefill chunk's)."""
+    k = x.shape[1]
+    xq, dxu, xsum, xneg = _q8_outputs(x, perm, lane_block)
+    for r in prange(x.shape[0]):
+        q, seg = np.zeros(k + 4, dtype=np.int8), np.zeros(k // 4 + 1, dtype=np.int32)
+        d, sums = np.empty(k // 32, dtype=np.float32), np.empty(lane_block.shape[0], dtype=np.int32)
+        _quantize_row(x, r, perm, lane_of, lane_block, q, seg, d, sums, xq, dxu, xsum, xneg)
     return xq, dxu, xsum, xneg
 
 
@@ -303,8 +329,12 @@ def _q8_tile(values, scale, mins, upb, xq, dxu, xsum, xneg, y, t):
 
 @njit(parallel=True, fastmath=True, cache=True)
 def matmul_q8(x, perm, lane_of, lane_block, values, scale, mins, upb, y):
-    """y = x W^T, x quantized (`quantize_q8`, on this thread) then tiles of weight rows over all threads."""
-    xq, dxu, xsum, xneg = quantize_q8(x, perm, lane_of, lane_block)
+    """y = x W^T, x quantized (`quantize_q8`; from Q8_PARALLEL_ROWS rows over all threads) then tiles of weight
+    rows over all threads."""
+    if x.shape[0] >= Q8_PARALLEL_ROWS:
+        xq, dxu, xsum, xneg = quantize_q8_parallel(x, perm, lane_of, lane_block)
+    else:
+        xq, dxu, xsum, xneg = quantize_q8(x, perm, lane_of, lane_block)
     for t in prange((values.shape[0] + Q8_TILE - 1) // Q8_TILE):
         _q8_tile(values, scale, mins, upb, xq, dxu, xsum, xneg, y, t)
 
