@@ -4,9 +4,9 @@ output head) per number of token rows (above PACKED_MAX_ROWS the float32 side is
 engine runs it), on one thread (the thread's CPU time, best of --reps, the kernels
 taking turns in one process, so a shared machine's load falls on all alike), with each kernel's error
 relative to |x| @ |W|^T over the sweep (x standard normal; the float32 kernels': ~1e-7). With --decode,
-the engine's greedy decode instead (`--cpu-kernels numba-q8`, -t threads), the q8 products switched on
-and off in turns in one process: tok/s and CPU ms a token, both held depths, with the largest logit
-difference between the two at the same tokens.
+the engine's prefill (--prefill tokens) and greedy decode instead (`--cpu-kernels numba-q8`, -t threads), the
+q8 products switched on and off in turns in one process: tok/s and CPU time, decode at both held depths with
+the largest logit difference between the two at the same tokens.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_q8.py [--rows 1 8]
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_q8.py --decode [-t 2]
@@ -35,18 +35,35 @@ def best_thread_time(fns: dict, reps: int) -> dict:
     return best
 
 
-def decode_ab(name: str, threads: int | None, depths: list[int], gen: int, rounds: int) -> None:
-    """Greedy decode with the q8 products on and off in turns (one runner, its ops' q8 switched)."""
+def decode_ab(name: str, threads: int | None, depths: list[int], gen: int, rounds: int, prefill: int) -> None:
+    """A prefill of `prefill` tokens, then greedy decode at each depth, with the q8 products on and off in
+    turns (one runner, its ops' q8 switched)."""
     from bench_engine import model_path
     from strata_engine.runner import ModelRunner
     from strata_engine.settings import EngineSettings
 
     runner = ModelRunner.load(
-        EngineSettings(model_path=model_path(name), kv_type="f16", n_ctx=max(depths) + gen + 8,
+        EngineSettings(model_path=model_path(name), kv_type="f16", n_ctx=max(*depths, prefill) + gen + 8,
                        cpu_kernels="numba-q8", threads=threads)
     )  # fmt: skip
     ops = runner.model.ops
     rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(100, 20000, prefill)]
+    rate, cpu = {}, {}
+    for _ in range(rounds):
+        for q8 in (False, True):
+            ops.q8 = q8
+            runner.erase()
+            t, c = time.perf_counter(), time.process_time()
+            runner.prefill(prompt)
+            rate[q8] = max(rate.get(q8, 0.0), prefill / (time.perf_counter() - t))
+            cpu[q8] = min(cpu.get(q8, float("inf")), time.process_time() - c)
+    print(
+        f"{name} prefill of {prefill} ({runner.settings.threads} threads, best of {rounds}): f32 {rate[False]:.1f} tok/s "
+        f"({cpu[False]:.2f} s of CPU), q8 {rate[True]:.1f} tok/s ({cpu[True]:.2f} s), x{rate[True] / rate[False]:.2f} "
+        f"(CPU x{cpu[False] / cpu[True]:.2f}); load {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     for depth in depths:
         held = [int(t) for t in rng.integers(100, 20000, max(depth, 1))]
         runner.erase()
@@ -85,11 +102,12 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=None, help="--decode's threads (default: the cores)")
     ap.add_argument("--depths", nargs="+", type=int, default=[0, 4096], help="--decode's held tokens")
     ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=512, help="--decode's prompt timed first (0 held)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     if args.decode:
         for name in args.models:
-            decode_ab(name, args.threads, args.depths, args.gen, args.rounds)
+            decode_ab(name, args.threads, args.depths, args.gen, args.rounds, args.prefill)
         return
     from strata_engine.ops import numba_q8
     from strata_engine.ops.numba_ops import PACKED_MAX_ROWS, NumbaOps
