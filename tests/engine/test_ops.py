@@ -259,7 +259,7 @@ def test_both_packed_kernels_match_the_oracle_for_every_layout(numba_ops, n_tok)
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 16, 17, 64, 65, 100])
-def test_packed_products_match_the_oracle_onreal_weights(numba_ops, model_files, name, n_tok):
+def test_packed_products_match_the_oracle_on_real_weights(numba_ops, model_files, name, n_tok):
     """The packed kernels (a row at a time for one row, a block decoded once for a group of rows up to
     PACKED_MAX_ROWS) and the dequantize-then-BLAS path (above) against numpy's product with the weights
     dequantized, for both models' weight shapes (the head's first 8,192 rows)."""
