@@ -181,6 +181,10 @@ def test_threads_are_the_engine_s_and_http_threads_are_gunicorn_s(tmp_path, fake
     assert "--threads" not in default.engine_argv() and "--log-level" not in default.engine_argv()
     assert default.threads == -1 and default.http_threads == 32 and default.effective_log_level() == "info"
     assert load_config(["--model", str(fake_model), "--threads-http", "4"]).http_threads == 4  # the peer's name
+    q8 = load_config(["--model", str(fake_model), "--cpu-kernels", "numba-q8"]).engine_argv()
+    assert q8[q8.index("--cpu-kernels") + 1] == "numba-q8" and "--cpu-kernels" not in default.engine_argv()
+    with pytest.raises(ConfigError, match="cpu_kernels: 'fast' is not one of numba, numba-q8, numpy"):
+        load_config(["--model", str(fake_model), "--cpu-kernels", "fast"])
     path = tmp_path / "strata.toml"
     path.write_text(f'model = "{fake_model}"\nthreads = 3\nhttp_threads = 5\nverbose = true\n', encoding="utf-8")
     from_file = load_config(["--config", str(path)])

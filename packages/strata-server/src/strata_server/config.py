@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 import cattrs
-from strata_engine.settings import Backend, KVType, Pooling, chat_template_problem, values
+from strata_engine.settings import Backend, CpuKernels, KVType, Pooling, chat_template_problem, values
 from strata_sessionfile import RestoreMode, SessionKey
 from strata_sessionfile.seam import S3_SCHEME
 
@@ -67,6 +67,7 @@ class ServerConfig:
     prompt_cache: bool = True  # reuse the held conversation's prefix (engine --no-prompt-cache when false)
     restore_mode: str = RestoreMode.AUTO.value  # engine --restore-mode
     backend: str = ""  # engine --backend; empty: the engine's default
+    cpu_kernels: str = ""  # engine --cpu-kernels; empty: the engine's default
     slot_save_path: Path | None = None
     api_key: tuple[str, ...] = ()
     api_key_file: Path | None = None
@@ -129,6 +130,8 @@ class ServerConfig:
             argv += ["--restore-mode", self.restore_mode]
         if self.backend:
             argv += ["--backend", self.backend]
+        if self.cpu_kernels:
+            argv += ["--cpu-kernels", self.cpu_kernels]
         if self.chat_template is not None:
             argv += ["--chat-template", self.chat_template]
         if self.chat_template_file is not None:
@@ -281,6 +284,8 @@ def _check_values(config: ServerConfig) -> list[str]:
         problems.append(f"restore_mode: {config.restore_mode!r} is not one of {', '.join(values(RestoreMode))}")
     if config.backend and config.backend not in values(Backend):
         problems.append(f"backend: {config.backend!r} is not one of {', '.join(values(Backend))}")
+    if config.cpu_kernels and config.cpu_kernels not in values(CpuKernels):
+        problems.append(f"cpu_kernels: {config.cpu_kernels!r} is not one of {', '.join(values(CpuKernels))}")
     if config.slot_save_path is not None:
         if not config.slot_save_path.is_dir():
             problems.append(f"slot_save_path: not a directory: {config.slot_save_path}")
