@@ -892,7 +892,7 @@ def _slot_run(p, end, base, capacity):
     return slot, min(end - p, capacity - slot)
 
 
-@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+@njit(fastmath=SAFE_FAST, cache=True)  # one compiled body for the four kernels: inlined into each, +25 s at first start
 def _attention_split(
     sp, q, k, v, k_scale, v_scale, has_scales, n_tok, q_pos0, k_lo, base, capacity, window, acc, m_out, l_out
 ):
