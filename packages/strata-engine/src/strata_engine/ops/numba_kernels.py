@@ -892,6 +892,9 @@ def _slot_run(p, end, base, capacity):
     return slot, min(end - p, capacity - slot)
 
 
+_I = np.int64  # the kernels pass _attention_split int64s alike (a literal or a prange index would compile another)
+
+
 @njit(fastmath=SAFE_FAST, cache=True)  # one compiled body for the four kernels: inlined into each, +25 s at first start
 def _attention_split(
     sp, q, k, v, k_scale, v_scale, has_scales, n_tok, q_pos0, k_lo, base, capacity, window, acc, m_out, l_out
@@ -1008,7 +1011,7 @@ def attention(q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, 
     l_sum = np.empty((n_split, n_kv, rows), dtype=F32)
     for sp in prange(n_split):
         _attention_split(
-            sp, qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
+            _I(sp), qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
             m, l_sum,
         )  # fmt: skip
     _merge(acc, m, l_sum, q.shape[0], out)
@@ -1027,7 +1030,7 @@ def attention_serial(
     l_sum = np.empty((n_split, n_kv, rows), dtype=F32)
     for sp in range(n_split):
         _attention_split(
-            sp, qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
+            _I(sp), qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
             m, l_sum,
         )  # fmt: skip
     _merge(acc, m, l_sum, q.shape[0], out)
@@ -1050,8 +1053,8 @@ def attention_blocks(q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo,
         m = np.empty((1, n_kv, qs.shape[1]), dtype=F32)
         l_sum = np.empty((1, n_kv, qs.shape[1]), dtype=F32)
         _attention_split(
-            0, qs, k, v, k_scale, v_scale, has_scales, t1 - t0, q_pos0 + t0, k_lo, base, capacity, window, acc, m,
-            l_sum,
+            _I(0), qs, k, v, k_scale, v_scale, has_scales, t1 - t0, q_pos0 + t0, k_lo, base, capacity, window, acc,
+            m, l_sum,
         )  # fmt: skip
         _merge(acc, m, l_sum, t1 - t0, out[t0:t1])
 
@@ -1072,8 +1075,8 @@ def attention_rows(q, scale, k, v, k_scale, v_scale, has_scales, slots, q_pos, k
         qs = _grouped_queries(q[b : b + 1], n_kv, scale)
         at = slots[b] if has_scales else 0
         _attention_split(
-            sp, qs, k[slots[b]], v[slots[b]], k_scale[at], v_scale[at], has_scales, 1, q_pos[b], k_lo[b], 0,
-            capacity, window, acc[b], m[b], l_sum[b],
+            _I(sp), qs, k[slots[b]], v[slots[b]], k_scale[at], v_scale[at], has_scales, _I(1), q_pos[b], k_lo[b],
+            _I(0), capacity, window, acc[b], m[b], l_sum[b],
         )  # fmt: skip
     for b in prange(n_rows):
         _merge(acc[b], m[b], l_sum[b], 1, out[b : b + 1])
