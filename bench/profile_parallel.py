@@ -65,6 +65,15 @@ def thread_times(pid: int) -> dict[tuple[int, str], tuple[float, float]]:
     return times
 
 
+MACHINE = ("machine", 0, "busy")
+
+
+def machine_busy() -> float:
+    """Seconds the machine's CPUs were busy (/proc/stat: everything but idle and iowait), all CPUs summed."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 class Sampler:
     """/proc CPU times of the named processes' threads every `period` seconds, with their time stamps."""
 
@@ -77,8 +86,9 @@ class Sampler:
 
     def snapshot(self) -> tuple[float, dict]:
         now = time.perf_counter()
-        return now, {(proc, tid, name): t for proc, pid in self.pids.items()
-                     for (tid, name), t in thread_times(pid).items()}
+        times = {(proc, tid, name): t for proc, pid in self.pids.items() for (tid, name), t in thread_times(pid).items()}
+        times[MACHINE] = (machine_busy(), 0.0)
+        return now, times
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -247,6 +257,7 @@ def main() -> None:
         sampler.start()
         per_thread: dict = defaultdict(float)
         waiting: dict = defaultdict(float)
+        machine = 0.0
         wall = tokens = 0.0
         for r in range(args.rounds):
             results = run_round(url, args.clients, 7000 + r, args.prompt_tokens, args.n_predict)
@@ -257,6 +268,7 @@ def main() -> None:
             n = sum(1 for res in results for t in res["arrivals"] if t0 < t <= t1)
             wall += t1 - t0
             tokens += n
+            machine += deltas.pop(MACHINE)[0]
             for key, (cpu, wait) in deltas.items():
                 per_thread[key] += cpu
                 waiting[key] += wait
@@ -272,17 +284,18 @@ def main() -> None:
     groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     processes: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for (proc_name, tid, name), cpu in per_thread.items():
-        if proc_name in names:
-            name = names[proc_name].get(tid, "?")
-        for table, key in ((groups, group_of(proc_name, name)), (processes, proc_name)):
+        python_name = names[proc_name].get(tid, "?") if proc_name in names else name
+        for table, key in ((groups, group_of(proc_name, python_name)), (processes, proc_name)):
             table[key][0] += cpu
             table[key][1] += waiting[(proc_name, tid, name)]
+    processes["other processes (the machine's busy time less these)"] = [machine - sum(v[0] for v in processes.values()),
+                                                                         0.0]
     print(f"\n{args.clients} clients, {args.prompt_tokens}-token prompts, {args.n_predict} tokens each, "
           f"{args.rounds} rounds: {tokens:.0f} tokens in {wall:.2f} s of aggregate window = "
           f"{tokens / wall:.1f} tok/s; load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     header = f"{'':40} {'CPU ms/token':>12} {'% of a core':>11} {'runnable, waiting: ms/token':>28}"
     total = [sum(v[0] for v in processes.values()), sum(v[1] for v in processes.values())]
-    for table in (processes | {"all": total}, groups):
+    for table in (processes | {"the machine (busy, both cores)": total}, groups):
         print(header)
         for name, (cpu, wait) in sorted(table.items(), key=lambda kv: -kv[1][0]):
             print(f"{name:40} {1000 * cpu / tokens:12.2f} {100 * cpu / wall:10.0f}% {1000 * wait / tokens:28.2f}")
@@ -291,7 +304,8 @@ def main() -> None:
     for (proc_name, tid, name), cpu in sorted(per_thread.items(), key=lambda kv: -kv[1]):
         if proc_name in names and cpu > 0:
             print(f"  {proc_name:7} {tid:>8} {names[proc_name].get(tid, '?'):24} {1000 * cpu / tokens:8.2f} ms/token, "
-                  f"waiting {1000 * waiting[(proc_name, tid, name)] / tokens:.2f}")
+                  f"runnable waiting {1000 * waiting[(proc_name, tid, name)] / tokens:.2f}, asleep "
+                  f"{1000 * (wall - cpu - waiting[(proc_name, tid, name)]) / tokens:.2f}")
 
     if args.py_spy:
         print_spy("engine loop thread", spy_table(args.py_spy / "engine.txt", ENGINE_LOOP_PARTS, "MainThread"))
