@@ -29,84 +29,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import requests
-from bench_parallel import one_request, prompt_tokens, start_server
+from bench_parallel import MACHINE, Sampler, children, one_request, prompt_tokens, start_server
 
 PY_SPY = str(Path(sys.executable).parent / "py-spy")  # installed beside this Python (not a dependency)
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def thread_times(pid: int) -> dict[tuple[int, str], tuple[float, float]]:
-    """(tid, thread name) -> (seconds on a CPU, seconds runnable but waiting for one) of every thread of
-    `pid` (schedstat's nanoseconds; /proc's stat counts 10 ms ticks)."""
-    times = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return times
-    for tid in tids:
-        try:
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            on_cpu_ns, waiting_ns = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
-        except OSError:
-            continue
-        times[(int(tid), name)] = (int(on_cpu_ns) / 1e9, int(waiting_ns) / 1e9)
-    return times
-
-
-MACHINE = ("machine", 0, "busy")
-
-
-def machine_busy() -> float:
-    """Seconds the machine's CPUs were busy (/proc/stat: everything but idle and iowait), all CPUs summed."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-class Sampler:
-    """/proc CPU times of the named processes' threads every `period` seconds, with their time stamps."""
-
-    def __init__(self, pids: dict[str, int], period: float):
-        self.pids = pids
-        self.period = period
-        self.samples: list[tuple[float, dict[tuple[str, int, str], tuple[float, float]]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
-
-    def snapshot(self) -> tuple[float, dict]:
-        now = time.perf_counter()
-        times = {(proc, tid, name): t for proc, pid in self.pids.items() for (tid, name), t in thread_times(pid).items()}
-        times[MACHINE] = (machine_busy(), 0.0)
-        return now, times
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(self.snapshot())
-            self._stop.wait(self.period)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def between(self, start: float, end: float) -> tuple[float, float, dict]:
-        """The first sample at or after `start` and the last at or before `end`: (t0, t1, CPU deltas)."""
-        inside = [s for s in self.samples if start <= s[0] <= end]
-        (t0, a), (t1, b) = inside[0], inside[-1]
-        return t0, t1, {key: tuple(y - x for x, y in zip(a.get(key, (0.0, 0.0)), b[key], strict=True)) for key in b}
 
 
 def python_thread_names(pid: int) -> dict[int, str]:
