@@ -10,7 +10,8 @@ of the round was decoding (from the last first token to the first last token), p
 window; "end to end" is every generated token over the round's wall time (prefills included); "others" is the
 CPU the machine's other processes took in that window (its busy time in /proc/stat less the server's processes'
 and this one's), in % of one core: on a shared 2-core machine a burst of another job in a window of 1-3 s
-halves its aggregate although the load average looks quiet (bench/SCHED-NOTES.md).
+halves its aggregate although the load average looks quiet (bench/SCHED-NOTES.md). The sampler reads /proc
+every 0.1 s, about 2 % of a core.
 
 It starts its own server (default model, -np = the largest level, -c = slots x 1024) on a free
 loopback port unless --url is given. Run it on a quiet machine (load average < 1.5), as:
