@@ -7,7 +7,11 @@ Each client streams one /completion of its own 512-token prompt (token ids, dist
 round, cache_prompt false) with n_predict 32, greedy, ignore_eos; all clients of a round start together.
 "Aggregate decode" is the batched bench's S_TG in server terms: tokens that arrived while every client
 of the round was decoding (from the last first token to the first last token), per second of that
-window; "end to end" is every generated token over the round's wall time (prefills included).
+window; "end to end" is every generated token over the round's wall time (prefills included); "others" is the
+CPU the machine's other processes took in that window (its busy time in /proc/stat less the server's processes'
+and this one's), in % of one core: on a shared 2-core machine a burst of another job in a window of 1-3 s
+halves its aggregate although the load average looks quiet (bench/SCHED-NOTES.md). The sampler reads /proc
+every 0.1 s, about 2 % of a core.
 
 It starts its own server (default model, -np = the largest level, -c = slots x 1024) on a free
 loopback port unless --url is given. Run it on a quiet machine (load average < 1.5), as:
@@ -84,7 +88,121 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_level(url: str, clients: int, round_seed: int, prompt_len: int, n_predict: int) -> dict:
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def thread_times(pid: int) -> dict[tuple[int, str], tuple[float, float]]:
+    """(tid, thread name) -> (seconds on a CPU, seconds runnable but waiting for one) of every thread of
+    `pid` (schedstat's nanoseconds; /proc's stat counts 10 ms ticks)."""
+    times = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return times
+    for tid in tids:
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            on_cpu_ns, waiting_ns = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
+        except OSError:
+            continue
+        times[(int(tid), name)] = (int(on_cpu_ns) / 1e9, int(waiting_ns) / 1e9)
+    return times
+
+
+MACHINE = ("machine", 0, "busy")
+
+
+def machine_busy() -> float:
+    """Seconds the machine's CPUs were busy (/proc/stat: everything but idle and iowait), all CPUs summed."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class Sampler:
+    """/proc CPU times of the named processes' threads every `period` seconds, with their time stamps."""
+
+    def __init__(self, pids: dict[str, int], period: float):
+        self.pids = pids
+        self.period = period
+        self.samples: list[tuple[float, dict[tuple[str, int, str], tuple[float, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def snapshot(self) -> tuple[float, dict]:
+        now = time.perf_counter()
+        times = {(proc, tid, name): t for proc, pid in self.pids.items() for (tid, name), t in thread_times(pid).items()}
+        times[MACHINE] = (machine_busy(), 0.0)
+        return now, times
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self.snapshot())
+            self._stop.wait(self.period)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, start: float, end: float) -> tuple[float, float, dict]:
+        """The first sample at or after `start` and the last at or before `end`: (t0, t1, CPU deltas)."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            raise ValueError(f"fewer than two samples in a window of {end - start:.3f} s")
+        return self._delta(inside[0], inside[-1])
+
+    def around(self, start: float, end: float) -> tuple[float, float, dict]:
+        """`between` over the last sample at or before `start` and the first at or after `end` (a window
+        shorter than the period still has two)."""
+        before = [s for s in self.samples if s[0] <= start]
+        after = [s for s in self.samples if s[0] >= end]
+        if not before or not after:
+            raise ValueError("the window is not inside the samples")
+        return self._delta(before[-1], after[0])
+
+    @staticmethod
+    def _delta(first: tuple[float, dict], last: tuple[float, dict]) -> tuple[float, float, dict]:
+        (t0, a), (t1, b) = first, last
+        return t0, t1, {key: tuple(y - x for x, y in zip(a.get(key, (0.0, 0.0)), b[key], strict=True)) for key in b}
+
+
+def others_share(sampler: Sampler | None, window: tuple[float, float]) -> float:
+    """The other processes' CPU in the window (the machine's busy time less the server's and this process's),
+    in % of one core; nan without a sampler or a window long enough."""
+    if sampler is None:
+        return float("nan")
+    time.sleep(1.5 * sampler.period)  # a sample after the window's end
+    try:
+        t0, t1, deltas = sampler.around(*window)
+    except ValueError:
+        return float("nan")
+    machine = deltas.pop(MACHINE)[0]
+    return 100 * (machine - sum(cpu for cpu, _ in deltas.values())) / (t1 - t0)
+
+
+def server_sampler(server_pid: int, period: float = 0.1) -> Sampler:
+    """CPU times of the server's processes (arbiter, its worker, the worker's engine) and this one."""
+    pids = {"arbiter": server_pid, "client": os.getpid()}
+    for worker in children(server_pid):
+        pids[f"worker {worker}"] = worker
+        pids |= {f"engine {engine}": engine for engine in children(worker)}
+    return Sampler(pids, period)
+
+
+def run_level(url: str, clients: int, round_seed: int, prompt_len: int, n_predict: int,
+              sampler: Sampler | None = None) -> dict:
     prompts = [prompt_tokens(url, round_seed * 100 + i, prompt_len) for i in range(clients)]
     results: list[dict] = [{} for _ in range(clients)]
     barrier = threading.Barrier(clients)
@@ -105,7 +223,8 @@ def run_level(url: str, clients: int, round_seed: int, prompt_len: int, n_predic
             "aggregate_decode": in_window / (window[1] - window[0]) if window[1] > window[0] else float("nan"),
             "end_to_end": clients * n_predict / (end - start),
             "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
-            "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99)}
+            "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
+            "others_pct": others_share(sampler, window) if window[1] > window[0] else float("nan")}
 
 
 def start_server(slots: int, ctx_per_slot: int, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
@@ -140,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.levels.split(",")]
     load = os.getloadavg()[0]
     print(f"load average {load:.2f} at the start{' (above 1.5: figures unreliable)' if load >= 1.5 else ''}")
-    proc = None
+    proc = sampler = None
     if args.url:
         url = args.url
     else:
@@ -154,11 +273,17 @@ def main(argv: list[str] | None = None) -> int:
         requests.post(url + "/completion", json={"prompt": warm, "n_predict": 4, "cache_prompt": False},
                       timeout=600).raise_for_status()
         rows = []
+        # with a server of its own, the other processes' share of each window (their load lands on the decode)
+        sampler = server_sampler(proc.pid) if proc is not None else None
+        if sampler is not None:
+            sampler.start()
         for clients in levels:
-            rounds = [run_level(url, clients, 1000 * clients + r, args.prompt_tokens, args.n_predict)
+            rounds = [run_level(url, clients, 1000 * clients + r, args.prompt_tokens, args.n_predict, sampler)
                       for r in range(args.rounds)]
             rows.append(max(rounds, key=lambda row: row["aggregate_decode"]))
     finally:
+        if sampler is not None:
+            sampler.stop()
         if proc is not None:
             proc.terminate()
             proc.wait(60)
@@ -167,13 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.prompt_tokens}-token prompts, {args.n_predict} tokens each; load average {os.getloadavg()[0]:.2f} "
           "at the end")
     print(f"{'clients':>7} {'agg decode':>10} {'x 1 client':>10} {'peer':>6} {'x peer':>7} {'end to end':>10} "
-          f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
+          f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'others':>7}")
     for row in rows:
         p = peer.get(row["clients"])
         print(f"{row['clients']:>7} {row['aggregate_decode']:>10.1f} {row['aggregate_decode'] / base:>10.2f} "
               f"{p or float('nan'):>6.1f} {row['aggregate_decode'] / p if p else float('nan'):>7.2f} "
               f"{row['end_to_end']:>10.1f} {row['ttft_p50']:>8.0f}ms {row['ttft_p99']:>8.0f}ms "
-              f"{row['itl_p50']:>6.1f}ms {row['itl_p99']:>6.1f}ms")
+              f"{row['itl_p50']:>6.1f}ms {row['itl_p99']:>6.1f}ms {row['others_pct']:>6.0f}%")
     print(json.dumps({"rows": [{k: round(v, 3) for k, v in row.items()} for row in rows], "load_start": load}))
     return 0
 

@@ -279,6 +279,30 @@ def test_line_reader_lines_polling_and_overlong_lines():
         os.close(read_fd)
 
 
+def test_line_writer_held_lines_go_out_together_at_the_end():
+    import select
+
+    from strata_engine.protocol import LineWriter, Request
+
+    read_fd, write_fd = os.pipe()
+    with open(write_fd, "wb") as stream, open(read_fd, "rb", buffering=0) as pipe:
+        writer = LineWriter(stream)
+        requests = [Request("COMPLETE", id=f"r{i}", slot=i, writer=writer) for i in range(3)]
+
+        def readable() -> bool:
+            return bool(select.select([pipe], [], [], 0)[0])
+
+        with writer.held():
+            for i, request in enumerate(requests):
+                request.emit({"event": "token", "token": i, "piece": "é", "content": "é"})
+            assert not readable()  # nothing written before the end
+        lines = pipe.read(1 << 16).splitlines()
+        assert [json.loads(line) for line in lines] == [
+            {"event": "token", "id": f"r{i}", "token": i, "piece": "é", "content": "é"} for i in range(3)]
+        requests[0].answer({"n": 1})  # outside held(): written at once
+        assert readable() and json.loads(pipe.read(1 << 16)) == {"event": "result", "id": "r0", "slot": 0, "n": 1}
+
+
 @pytest.mark.slow
 def test_gemma3_serves_with_its_builtin_turns():
     process = EngineProcess("--ctx-size", "64", model=gemma3_model_path())

@@ -224,3 +224,32 @@ def test_not_ready_as_soon_as_fail_stop_is_announced(supervised, tmp_path):
     with pytest.raises(EngineUnavailable):
         supervisor.acquire()
     wait_for(lambda: supervisor.status().state is EngineState.READY)
+
+
+# A child that answers its one command with 300 token lines and a result line far larger than the read buffer.
+MANY_LINES_CHILD = """
+import json, sys
+line = sys.stdin.readline()
+request = json.loads(line.split(" ", 1)[1])
+out = sys.stdout
+for i in range(300):
+    out.write(json.dumps({"event": "token", "id": request["id"], "token": i}) + "\\n")
+out.write(json.dumps({"event": "result", "id": request["id"], "content": "x" * 200000}) + "\\n")
+out.flush()
+sys.stdin.read()
+"""
+
+
+def test_engine_lines_are_routed_whole_through_the_read_buffer():
+    from strata_server.engine.process import READ_BUFFER_BYTES, EngineProcess
+
+    process = EngineProcess([sys.executable, "-c", MANY_LINES_CHILD])
+    try:
+        call = process.start("COMPLETE", {}, 0)
+        events = [call.next_event(timeout=30) for _ in range(301)]
+        assert [e["token"] for e in events[:300]] == list(range(300))
+        assert events[300]["event"] == "result" and len(events[300]["content"]) == 200000 > READ_BUFFER_BYTES
+    finally:
+        process.close_input()
+        process.wait(10)
+        process.kill()

@@ -15,6 +15,7 @@ slot) on every line written for it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import fcntl
 import json
@@ -22,7 +23,7 @@ import logging
 import os
 import select
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO
 
 import attrs
@@ -296,11 +297,28 @@ class LineReader:
 class LineWriter:
     def __init__(self, stream: BinaryIO):
         self._stream = stream
+        self._held: list[bytes] | None = None  # inside `held()`: the lines written so far
 
     def write(self, obj: Mapping[str, Any]) -> None:
-        data = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        self._stream.write(data.encode("utf-8") + b"\n")
+        data = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8") + b"\n"
+        if self._held is not None:
+            self._held.append(data)
+            return
+        self._stream.write(data)
         self._stream.flush()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The lines written meanwhile go out together at the end, in one write: a decode step's token lines
+        cost the engine one system call and wake the client's reader once, not once per slot."""
+        self._held = []
+        try:
+            yield
+        finally:
+            data, self._held = b"".join(self._held), None
+            if data:
+                self._stream.write(data)
+                self._stream.flush()
 
 
 # -- commands -------------------------------------------------------------------------------------------

@@ -524,17 +524,18 @@ class Scheduler:
             for job in jobs:
                 self._fail_erased(job, exc)
             return
-        for row, job in enumerate(jobs):
-            gen = job.generation
-            assert gen is not None
-            try:
-                finished = gen.accept(outputs[row])
-            except Exception as exc:
-                log.exception("sampling failed in slot %d", job.slot)
-                self._end(job, exc)
-                continue
-            if finished:
-                self._end(job)
+        with self.writer.held():  # the step's token (and terminal) lines in one write
+            for row, job in enumerate(jobs):
+                gen = job.generation
+                assert gen is not None
+                try:
+                    finished = gen.accept(outputs[row])
+                except Exception as exc:
+                    log.exception("sampling failed in slot %d", job.slot)
+                    self._end(job, exc)
+                    continue
+                if finished:
+                    self._end(job)
 
     def _chunk(self, job: CompleteJob | ChunkJob) -> None:
         if isinstance(job, ChunkJob):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import logging
@@ -22,6 +23,9 @@ from .client import IDLE_EVENT, TERMINAL_EVENTS, EngineLease, raise_for_error
 log = logging.getLogger("strata_server.engine")
 
 _EOF = object()
+# The engine's stdout is read through a buffer: Popen's bufsize=0 file (kept for the unbuffered stdin) would
+# read a line one byte (one system call) at a time.
+READ_BUFFER_BYTES = 1 << 16
 # The verbs that act on one slot: the lease names its slot in them (spec/engine-protocol.md, Lines).
 SLOT_VERBS = frozenset({"COMPLETE", "ERASE", "SAVE", "RESTORE", "RESTORE_PREFIX"})
 
@@ -79,8 +83,8 @@ class EngineProcess:
         self._reader.start()
 
     def _read_lines(self) -> None:
-        stdout = self.proc.stdout
-        assert stdout is not None
+        assert self.proc.stdout is not None
+        stdout = io.BufferedReader(self.proc.stdout, READ_BUFFER_BYTES)
         try:
             for raw in stdout:
                 try:
