@@ -19,20 +19,7 @@ import os
 import time
 
 import numpy as np
-from bench_cpu_kernels import packed_weights
-
-
-def best_thread_time(fns: dict, reps: int) -> dict:
-    """Each function's best thread CPU time of `reps`, the functions taking turns."""
-    for fn in fns.values():
-        fn()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(reps):
-        for key, fn in fns.items():
-            t = time.thread_time()
-            fn()
-            best[key] = min(best[key], time.thread_time() - t)
-    return best
+from bench_cpu_kernels import best_of_each, packed_weights
 
 
 def decode_ab(name: str, threads: int | None, depths: list[int], gen: int, rounds: int, prefill: int) -> None:
@@ -138,7 +125,7 @@ def main() -> None:
                 "f32": lambda xs=xs, ws=ws: [f32_product(x, w) for x, w in zip(xs, ws, strict=True)],
                 "q8": lambda xs=xs, ws=ws: [ops.packed_matmul(x, w, q8=True) for x, w in zip(xs, ws, strict=True)],
             }
-            best = best_thread_time(fns, args.reps)
+            best = best_of_each(fns, args.reps, clock=time.thread_time)
             print(
                 f"  M={m:3d}: f32 {best['f32'] * 1e3:7.2f} ms, q8 {best['q8'] * 1e3:7.2f} ms (x{best['f32'] / best['q8']:.2f}); "
                 f"error / (|x| @ |W|^T): f32 {errs['f32']:.1e}, q8 {errs['q8']:.1e}; load {os.getloadavg()[0]:.2f}",
