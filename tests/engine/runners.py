@@ -1,8 +1,10 @@
 """Loaded real models for the engine's numerics, model and prompt-cache tests, once per test process,
 and reading the reference runs.
 
-`base_runner(name)` loads a model once (f32 compute, f32 K/V); tests take `.sibling(...)` runners that
-share its weights with their own K/V pool, so several K/V settings cost one load.
+`base_runner(name)` loads a model once (f32 compute, f32 K/V, numba's float32 products: the engine's
+math closest to transformers'; the default q8 products have their own reference tests in test_q8.py);
+tests take `.sibling(...)` runners that share its weights with their own K/V pool, so several K/V settings
+cost one load.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ N_PREDICT = 32
 @functools.cache
 def base_runner(name: str) -> ModelRunner:
     path = smollm2_model_path() if name == "smollm2" else gemma3_model_path()
-    return ModelRunner.load(EngineSettings(model_path=path, kv_type="f32", n_ctx=4096))
+    return ModelRunner.load(EngineSettings(model_path=path, kv_type="f32", n_ctx=4096, cpu_kernels="numba"))
 
 
 def reference(kind: str, name: str) -> dict:

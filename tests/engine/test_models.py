@@ -128,13 +128,13 @@ def test_settings_problems_are_collected():
     assert len(exc.value.problems) == 5
     with pytest.raises(SettingsError, match="cpu_kernels 'numba' computes in f32"):
         EngineSettings(model_path="x", cpu_kernels="numba", compute_dtype="f64").validate()
-    assert EngineSettings(model_path="x", kv_type="int8").with_backend_defaults("llama").cpu_kernels == "numba"
+    assert EngineSettings(model_path="x", kv_type="int8").with_backend_defaults("llama").cpu_kernels == "numba-q8"
 
 
 def test_backend_defaults_fill_only_what_was_not_given():
     numpy_defaults = EngineSettings(model_path="x").with_backend_defaults("gemma3")
     assert (numpy_defaults.compute_dtype, numpy_defaults.prefill_chunk, numpy_defaults.cpu_kernels) == (
-        "f32", 512, "numba",
+        "f32", 512, "numba-q8",
     )  # fmt: skip
     assert numpy_defaults.threads == len(os.sched_getaffinity(0))
     given = EngineSettings(model_path="x", compute_dtype="f64", prefill_chunk=7, threads=1).with_backend_defaults("llama")

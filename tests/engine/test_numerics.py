@@ -6,7 +6,9 @@
   tokens, both up to the first step whose transformers top-1 margin is below F16_MARGIN (where rounding
   the K/V to f16 may legitimately pick the runner-up; the prompts here have margins down to 0.005).
 * llama.cpp (f16 K/V, quantized activations): identical greedy tokens up to the first step where its
-  top-1 log-probability margin over the runner-up is <= 0.5.
+  top-1 log-probability margin over the runner-up is <= 0.5 (the default q8 products: test_q8.py).
+
+All with numba's float32 products (`runners.base_runner`).
 * int8 K/V: identical to f16 K/V for the first 16 tokens of every prompt but the one gemma3 prompt
   named in INT8_EXCUSED, which may diverge earlier only at a step where f16's own top-1 margin is
   below INT8_MARGIN logits; every logit within INT8_LOGIT_BOUND of f16's up to the first divergence.

@@ -82,7 +82,7 @@ def test_ready_line(engine):
     assert (ready["n_vocab"], ready["n_layer"], ready["n_embd"], ready["n_params"]) == (49152, 30, 576, 134515008)
     assert (ready["bos_token"], ready["eos_token"], ready["add_bos"]) == ("<|im_start|>", "<|im_end|>", False)
     assert ready["kv_type"] == "f16" and ready["backend"] == "numpy" and ready["prompt_cache"] is True
-    assert ready["cpu_kernels"] == "numba" and ready["threads"] == len(os.sched_getaffinity(0))
+    assert ready["cpu_kernels"] == "numba-q8" and ready["threads"] == len(os.sched_getaffinity(0))
     assert "<|im_start|>" in ready["chat_template"]
 
 

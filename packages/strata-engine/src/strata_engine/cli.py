@@ -90,11 +90,11 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         "--cpu-kernels",
         choices=values(CpuKernels),
         default=None,
-        help="the numpy backend's kernels: numba (packed weights, compiled kernels, f32 compute only; the "
-        "default with f32 compute), numba-q8 (numba's, the packed products' activations quantized to int8 per "
-        "32-value block and multiplied with integer dot products as llama.cpp does: faster, results within ~1e-3 "
-        "of the float32 products; on a CPU without AVX512-VNNI numba's float32 products) or numpy (float32 "
-        "weights and BLAS: the reference the kernels are tested against)",
+        help="the numpy backend's kernels: numba-q8 (the default with f32 compute: packed weights, compiled "
+        "kernels, the packed products' activations quantized to int8 per 32-value block and multiplied with "
+        "integer dot products as llama.cpp does, results within ~1e-3 of the float32 products; on a CPU without "
+        "AVX512-VNNI numba's float32 products), numba (the same kernels with float32 products: closest to "
+        "transformers) or numpy (float32 weights and BLAS: the reference the kernels are tested against)",
     )
     parser.add_argument(
         "--threads",

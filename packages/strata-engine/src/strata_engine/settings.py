@@ -82,8 +82,9 @@ def chat_template_problem(value: str) -> str | None:
 
 
 # The numpy backend's kernels unless told otherwise (the numba kernels compute in f32 only: another compute
-# dtype gets the numpy ones).
-DEFAULT_CPU_KERNELS = CpuKernels.NUMBA
+# dtype gets the numpy ones). numba-q8: llama.cpp's own product math (its answers, its speed); on a CPU
+# without VNNI it runs numba's float32 products.
+DEFAULT_CPU_KERNELS = CpuKernels.NUMBA_Q8
 # The kernels that are numba's (packed weights, f32 compute).
 NUMBA_KERNELS = frozenset({CpuKernels.NUMBA, CpuKernels.NUMBA_Q8})
 
@@ -139,7 +140,7 @@ class EngineSettings:
     cpu_kernels: the numpy backend's kernels: "numba" (compiled, packed weights), "numba-q8" (numba's with
         the activations of the packed products quantized to int8 per 32-value block, integer dot products
         where the CPU has AVX512-VNNI) or "numpy" (the oracle);
-        None = `DEFAULT_CPU_KERNELS` ("numba") with f32 compute, else "numpy" (on cupy too, where the
+        None = `DEFAULT_CPU_KERNELS` ("numba-q8") with f32 compute, else "numpy" (on cupy too, where the
         kernels do not run).
     threads: CPU threads for the kernels and BLAS; None = the cores this process may run on.
     chat_template: a `ChatTemplateName` or a jinja template used instead of the model's own; None = the

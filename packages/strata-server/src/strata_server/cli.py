@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--backend", metavar="NAME", help=f"engine compute backend, one of {', '.join(values(Backend))} "
         "(default: the engine's, numpy)")
     add("--cpu-kernels", metavar="NAME", help=f"the engine's CPU kernels, one of {', '.join(values(CpuKernels))} "
-        "(default: numba; numba-q8 quantizes the products' activations to int8 as llama.cpp does: faster, "
-        "logits within a few units of numba's)")
+        "(default: numba-q8, which quantizes the products' activations to int8 as llama.cpp does: faster, "
+        "logits within a few units of numba's float32 products)")
     add("--slot-save-path", metavar="DIR", help="existing folder for slot files; enables "
         "POST /slots/{id}?action=save|restore|erase (default: disabled, 501)")
     add("--api-key", metavar="KEY[,KEY...]", action="append", help="require one of these API keys")
