@@ -474,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.cancel_requested = lambda: request_id in cancelled
         try:
             for event in engine.handle(line):
+                if event["event"] in ("result", "error") and verb in ("COMPLETE", "EMBED"):
+                    # the engine's count of forward passes since start-up, every slot's and the EMBEDs'
+                    event = {**event, "n_forward": sum(e.n_forward for e in [*engines, tools])}
                 if event["event"] in ("result", "error") and slot is not None:
                     event = {**event, "slot": slot}
                     if verb == "COMPLETE":  # idle from its terminal line on, as the engine's slots
