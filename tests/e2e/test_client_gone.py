@@ -12,6 +12,7 @@ import time
 
 import pytest
 import requests
+from support.server_process import metrics
 
 from .servers import start_server
 
@@ -53,8 +54,7 @@ def wait_for(predicate, timeout: float) -> float:
 
 
 def metric(server, name: str) -> int:
-    metrics = requests.get(server.url + "/metrics", timeout=10).text
-    return int(next(line.split()[1] for line in metrics.splitlines() if line.startswith(name + " ")))
+    return int(metrics(server.url)[name])
 
 
 def tokens_decoded(server) -> int:
