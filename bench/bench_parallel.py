@@ -4,14 +4,31 @@ against one client and against llama.cpp's batched bench (tests/reference/peer-e
 SmolLM2, 512-token prompts, 32 tokens each; 254 tok/s aggregate decode at 8 sequences).
 
 Each client streams one /completion of its own 512-token prompt (token ids, distinct per client and
-round, cache_prompt false) with n_predict 32, greedy, ignore_eos; all clients of a round start together.
-"Aggregate decode" is the batched bench's S_TG in server terms: tokens that arrived while every client
-of the round was decoding (from the last first token to the first last token), per second of that
-window; "end to end" is every generated token over the round's wall time (prefills included); "others" is the
-CPU the machine's other processes took in that window (its busy time in /proc/stat less the server's processes'
-and this one's), in % of one core: on a shared 2-core machine a burst of another job in a window of 1-3 s
-halves its aggregate although the load average looks quiet (bench/SCHED-NOTES.md). The sampler reads /proc
-every 0.1 s, about 2 % of a core.
+round, cache_prompt false) with n_predict tokens (default 384), greedy, ignore_eos; all clients of a
+round start together. The figures of a round:
+
+- "agg decode", basis "window": the batched bench's S_TG in server terms: the tokens that arrived while
+  every client of the round was decoding (the window from the last first token to the first last token),
+  per second of that window.
+- "agg decode", basis "summed": when that window is empty (the first client finished before the last one's
+  first token: the server evaluates the prompts one chunk after another, so with few tokens each, as the
+  peer's 32, the first clients are done before the last prompt is in), each client's own decode rate
+  after its first token ((its tokens - 1) / (its last arrival - its first)), summed over the clients. It
+  counts time in which fewer clients decoded at once, so it is below what a window would show: the table
+  says which basis each row has, and the round with a window is kept over one without.
+- "end to end": every generated token over the round's wall time (prefills included).
+- "TTFT" (time to first token) and "ITL" (inter-token latency, between consecutive tokens of one client):
+  p50 and p99 over the round's clients.
+- "others": the CPU the machine's other processes took in the window (its busy time in /proc/stat less the
+  server's processes' and this one's), in % of one core: on a shared 2-core machine a burst of another job
+  in a window of 1-3 s halves its aggregate although the load average looks quiet (bench/SCHED-NOTES.md).
+  The sampler reads /proc every 0.1 s, about 2 % of a core; "-" without a server of its own (--url).
+
+The default n_predict (384) gives every level a window on the 2-core CPU (the window's contexts are then
+512 to 896 tokens deep, deeper than the peer's 544). `--peer-shape` runs exactly the peer's shape
+(its prompt and generated tokens, read from the reference: 512 and 32), whose 8-client rounds have no
+window here (basis "summed"). A figure that cannot be measured is printed as "-" (null in the JSON line),
+never as NaN.
 
 It starts its own server (default model, -np = the largest level, -c = slots x 1024) on a free
 loopback port unless --url is given. Run it on a quiet machine (load average < 1.5), as:
@@ -47,9 +64,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+DEFAULT_N_PREDICT = 384  # gives every level up to 8 clients a window on the 2-core CPU (module docstring)
+WINDOW, SUMMED = "window", "summed"  # the basis of a row's aggregate decode figure
+
+
+def peer_rows() -> list[dict]:
+    return json.loads(REFERENCE.read_text())["batched_bench_smollm2"]
+
+
 def peer_aggregate() -> dict[int, float]:
-    data = json.loads(REFERENCE.read_text())
-    return {row["parallel_sequences"]: row["aggregate_decode_tok_per_s"] for row in data["batched_bench_smollm2"]}
+    return {row["parallel_sequences"]: row["aggregate_decode_tok_per_s"] for row in peer_rows()}
+
+
+def peer_shape() -> tuple[int, int]:
+    """The peer's (prompt tokens, generated tokens) per sequence, the same in every row of its bench."""
+    shapes = {(row["prompt_tokens_each"], row["generated_each"]) for row in peer_rows()}
+    assert len(shapes) == 1, f"the peer's rows differ in shape: {shapes}"
+    return shapes.pop()
 
 
 def prompt_tokens(url: str, seed: int, n_tokens: int) -> list[int]:
@@ -81,9 +112,9 @@ def one_request(url: str, prompt: list[int], n_predict: int, start: threading.Ba
     out.update(sent=sent, arrivals=arrivals)
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
-        return float("nan")
+        return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
@@ -178,16 +209,16 @@ class Sampler:
         return t0, t1, {key: tuple(y - x for x, y in zip(a.get(key, (0.0, 0.0)), b[key], strict=True)) for key in b}
 
 
-def others_share(sampler: Sampler | None, window: tuple[float, float]) -> float:
+def others_share(sampler: Sampler | None, window: tuple[float, float]) -> float | None:
     """The other processes' CPU in the window (the machine's busy time less the server's and this process's),
-    in % of one core; nan without a sampler or a window long enough."""
+    in % of one core; None without a sampler or a window long enough."""
     if sampler is None:
-        return float("nan")
+        return None
     time.sleep(1.5 * sampler.period)  # a sample after the window's end
     try:
         t0, t1, deltas = sampler.around(*window)
     except ValueError:
-        return float("nan")
+        return None
     machine = deltas.pop(MACHINE)[0]
     return 100 * (machine - sum(cpu for cpu, _ in deltas.values())) / (t1 - t0)
 
@@ -216,15 +247,35 @@ def run_level(url: str, clients: int, round_seed: int, prompt_len: int, n_predic
     start = min(r["sent"] for r in results)
     end = max(r["arrivals"][-1] for r in results)
     window = (max(r["arrivals"][0] for r in results), min(r["arrivals"][-1] for r in results))
-    in_window = sum(1 for r in results for t in r["arrivals"] if window[0] < t <= window[1])
+    if window[1] > window[0]:
+        in_window = sum(1 for r in results for t in r["arrivals"] if window[0] < t <= window[1])
+        basis, aggregate = WINDOW, in_window / (window[1] - window[0])
+        others = others_share(sampler, window)
+    else:  # no moment when every client decoded: each one's rate after its first token, summed
+        basis, aggregate = SUMMED, sum(decode_rate(r["arrivals"]) or 0.0 for r in results)
+        others = others_share(sampler, (min(r["arrivals"][0] for r in results), end))
     ttft = [(r["arrivals"][0] - r["sent"]) * 1000 for r in results]
     itl = [(b - a) * 1000 for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
-    return {"clients": clients,
-            "aggregate_decode": in_window / (window[1] - window[0]) if window[1] > window[0] else float("nan"),
+    return {"clients": clients, "basis": basis, "aggregate_decode": aggregate,
             "end_to_end": clients * n_predict / (end - start),
             "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
             "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
-            "others_pct": others_share(sampler, window) if window[1] > window[0] else float("nan")}
+            "others_pct": others}
+
+
+def decode_rate(arrivals: list[float]) -> float | None:
+    """One client's tokens after its first, per second from its first to its last; None for one token."""
+    span = arrivals[-1] - arrivals[0]
+    return (len(arrivals) - 1) / span if len(arrivals) > 1 and span > 0 else None
+
+
+def shown(value: float | None, width: int, fmt: str = ".1f", unit: str = "") -> str:
+    """A table cell: the value, or "-" where it could not be measured (never nan)."""
+    return f"{'-' if value is None else format(value, fmt) + unit:>{width}}"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def start_server(slots: int, ctx_per_slot: int, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
@@ -252,10 +303,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="an already running server (started with -np >= the largest level)")
     parser.add_argument("--levels", default="1,2,4,8", help="concurrent clients per round (default: 1,2,4,8)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--n-predict", type=int, default=32)
+    parser.add_argument("--n-predict", type=int, default=DEFAULT_N_PREDICT,
+                        help=f"tokens each client generates (default {DEFAULT_N_PREDICT}: a window at 8 clients)")
+    parser.add_argument("--peer-shape", action="store_true",
+                        help="the peer's exact shape (tests/reference/peer-engine-cpu.json: 512-token prompts, "
+                             "32 tokens each), in place of --prompt-tokens and --n-predict")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per level; the best aggregate is kept")
     parser.add_argument("--server-args", default="", help="extra strata-server flags (e.g. '--backend cupy')")
     args = parser.parse_args(argv)
+    if args.peer_shape:
+        args.prompt_tokens, args.n_predict = peer_shape()
     levels = [int(x) for x in args.levels.split(",")]
     load = os.getloadavg()[0]
     print(f"load average {load:.2f} at the start{' (above 1.5: figures unreliable)' if load >= 1.5 else ''}")
@@ -280,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         for clients in levels:
             rounds = [run_level(url, clients, 1000 * clients + r, args.prompt_tokens, args.n_predict, sampler)
                       for r in range(args.rounds)]
-            rows.append(max(rounds, key=lambda row: row["aggregate_decode"]))
+            rows.append(max(rounds, key=lambda row: (row["basis"] == WINDOW, row["aggregate_decode"])))
     finally:
         if sampler is not None:
             sampler.stop()
@@ -289,17 +346,28 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
     peer = peer_aggregate()
     base = rows[0]["aggregate_decode"]
+    same_shape = (args.prompt_tokens, args.n_predict) == peer_shape()
     print(f"\n{args.prompt_tokens}-token prompts, {args.n_predict} tokens each; load average {os.getloadavg()[0]:.2f} "
           "at the end")
-    print(f"{'clients':>7} {'agg decode':>10} {'x 1 client':>10} {'peer':>6} {'x peer':>7} {'end to end':>10} "
-          f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'others':>7}")
+    print(f"{'clients':>7} {'agg decode':>10} {'basis':>6} {'x 1 client':>10} {'peer':>6} {'x peer':>7} "
+          f"{'end to end':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'others':>7}")
     for row in rows:
         p = peer.get(row["clients"])
-        print(f"{row['clients']:>7} {row['aggregate_decode']:>10.1f} {row['aggregate_decode'] / base:>10.2f} "
-              f"{p or float('nan'):>6.1f} {row['aggregate_decode'] / p if p else float('nan'):>7.2f} "
-              f"{row['end_to_end']:>10.1f} {row['ttft_p50']:>8.0f}ms {row['ttft_p99']:>8.0f}ms "
-              f"{row['itl_p50']:>6.1f}ms {row['itl_p99']:>6.1f}ms {row['others_pct']:>6.0f}%")
-    print(json.dumps({"rows": [{k: round(v, 3) for k, v in row.items()} for row in rows], "load_start": load}))
+        print(f"{row['clients']:>7} {row['aggregate_decode']:>10.1f} {row['basis']:>6} "
+              f"{shown(ratio(row['aggregate_decode'], base), 10, '.2f')} {shown(p, 6)} "
+              f"{shown(ratio(row['aggregate_decode'], p), 7, '.2f')} {row['end_to_end']:>10.1f} "
+              f"{shown(row['ttft_p50'], 9, '.0f', 'ms')} {shown(row['ttft_p99'], 9, '.0f', 'ms')} "
+              f"{shown(row['itl_p50'], 8, '.1f', 'ms')} {shown(row['itl_p99'], 8, '.1f', 'ms')} "
+              f"{shown(row['others_pct'], 7, '.0f', '%')}")
+    for row in rows:
+        if row["basis"] == SUMMED:
+            print(f"{row['clients']} clients: no window in which every client decoded (the first finished before the "
+                  "last one's first token); 'agg decode' is each client's decode rate after its first token, summed")
+    if not same_shape:
+        print(f"peer: llama.cpp's batched bench at its own shape ({' / '.join(map(str, peer_shape()))} tokens), "
+              "not this run's; --peer-shape runs that shape")
+    print(json.dumps({"rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()} for row in rows],
+                      "prompt_tokens": args.prompt_tokens, "n_predict": args.n_predict, "load_start": load}))
     return 0
 
 

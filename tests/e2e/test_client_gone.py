@@ -1,14 +1,18 @@
 """A client that goes away cancels its work: a raw socket closed mid-request, streamed and not, through a
-real strata-server (gunicorn, the real engine and model); the slot is idle right after."""
+real strata-server (gunicorn, the real engine and model); the slot is idle right after. An embeddings
+request stops too (its EMBED cancelled, its other inputs never sent), which /metrics' n_decode_total (the
+engine's own count of forward passes) shows."""
 
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 
 import pytest
 import requests
+from support.server_process import metrics
 
 from .servers import start_server
 
@@ -21,7 +25,7 @@ ENDLESS = {"prompt": PROMPT, "n_predict": -1, "ignore_eos": True, "temperature":
 
 @pytest.fixture(scope="module")
 def server(module_tmp):
-    proc = start_server(module_tmp, "--metrics")
+    proc = start_server(module_tmp, "--metrics", "--embedding", "--pooling", "mean")
     # The engine's first forward pass is slow (one-time work) and a CANCEL waits for the step in progress.
     requests.post(proc.url + "/completion", json={"prompt": PROMPT, "n_predict": 1}, timeout=120).raise_for_status()
     yield proc
@@ -49,10 +53,28 @@ def wait_for(predicate, timeout: float) -> float:
     return time.monotonic() - started
 
 
+def metric(server, name: str) -> int:
+    return int(metrics(server.url)[name])
+
+
 def tokens_decoded(server) -> int:
-    metrics = requests.get(server.url + "/metrics", timeout=10).text
-    return int(next(line.split()[1] for line in metrics.splitlines()
-                    if line.startswith("llamacpp:tokens_predicted_total ")))
+    return metric(server, "llamacpp:tokens_predicted_total")
+
+
+def forward_passes(server) -> int:
+    return metric(server, "llamacpp:n_decode_total")
+
+
+def settled(read, quiet_s: float, timeout: float) -> int:
+    """read()'s value once it has not changed for quiet_s seconds; fails after ``timeout``."""
+    started = time.monotonic()
+    value, since = read(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() - started < timeout, "never settled"
+        time.sleep(0.2)
+        if (now := read()) != value:
+            value, since = now, time.monotonic()
+    return value
 
 
 def assert_cancelled_soon(server, before: int) -> None:
@@ -102,3 +124,39 @@ def test_request_abandoned_while_waiting_for_the_slot_never_runs(server):
     time.sleep(0.5)
     last = slot(server)
     assert not last["is_processing"] and last["params"]["n_predict"] == -1  # the first one's, cancelled
+
+
+CHUNK = 512  # the numpy backend's default --prefill-chunk
+LONG_INPUT = "The quick brown fox jumps over the lazy dog. " * 160  # about 1,600 tokens: 4 chunks
+
+
+def test_every_forward_pass_is_in_n_decode_total(server):
+    before = forward_passes(server)
+    done = requests.post(server.url + "/completion", json={"prompt": PROMPT, "n_predict": 5, "cache_prompt": False,
+                                                           "temperature": 0}, timeout=120).json()
+    # the prompt's chunks, then a decode pass per generated token but the last (never evaluated)
+    completion = math.ceil(done["timings"]["prompt_n"] / CHUNK) + done["tokens_predicted"] - 1
+    assert forward_passes(server) - before == completion
+    embedded = requests.post(server.url + "/v1/embeddings", json={"input": [LONG_INPUT, "short"]}, timeout=120)
+    assert embedded.status_code == 200, embedded.text
+    n_tokens = [len(requests.post(server.url + "/tokenize", json={"content": text, "add_special": True},
+                                  timeout=30).json()["tokens"]) for text in (LONG_INPUT, "short")]
+    assert sum(n_tokens) == embedded.json()["usage"]["prompt_tokens"]
+    assert forward_passes(server) - before == completion + sum(math.ceil(n / CHUNK) for n in n_tokens)
+
+
+def test_embeddings_request_stopped_when_client_closes(server):
+    n_inputs = 12
+    per_input = math.ceil(len(requests.post(server.url + "/tokenize", json={"content": LONG_INPUT, "add_special": True},
+                                            timeout=30).json()["tokens"]) / CHUNK)
+    before = forward_passes(server)
+    sock = raw_post(server, "/v1/embeddings", {"input": [LONG_INPUT] * n_inputs})  # 48 passes, tens of seconds
+    time.sleep(1.5)  # a few chunks in
+    sock.close()
+    wait_for(lambda: forward_passes(server) > before, timeout=30)  # the cancelled EMBED's error line came
+    abandoned = settled(lambda: forward_passes(server), quiet_s=3.0, timeout=60) - before
+    assert 0 < abandoned < n_inputs * per_input // 2, abandoned  # cut short
+    # Nothing of it runs any more: the next request's passes are its own, exactly.
+    alone = requests.post(server.url + "/v1/embeddings", json={"input": LONG_INPUT}, timeout=120)
+    assert alone.status_code == 200, alone.text
+    assert forward_passes(server) - before == abandoned + per_input

@@ -14,6 +14,7 @@ from support.parallel import (
     slots,
     tokenize_while_streaming,
 )
+from support.server_process import metrics
 from support.stalled import half_requests
 
 from .servers import start_server
@@ -41,9 +42,8 @@ def server(module_tmp, folder):
 
 def busy_slots_per_decode(url: str) -> tuple[float, float]:
     """/metrics' n_decode_total and n_busy_slots_per_decode."""
-    values = dict(line.rsplit(" ", 1) for line in requests.get(url + "/metrics", timeout=30).text.splitlines()
-                  if line.startswith(("llamacpp:n_decode_total", "llamacpp:n_busy_slots_per_decode")))
-    return float(values["llamacpp:n_decode_total"]), float(values["llamacpp:n_busy_slots_per_decode"])
+    values = metrics(url)
+    return values["llamacpp:n_decode_total"], values["llamacpp:n_busy_slots_per_decode"]
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -271,3 +271,57 @@ def test_cancel_ends_an_embed_between_chunks_and_the_engine_serves_on(engine):
     e.send("CANCEL", {"id": "g"})
     assert e.terminal("g")["stop_type"] == "cancelled"
     assert not [line for _, line in e.log if line.get("id") is None]  # the CANCELs were never answered
+
+
+class FailsAfterItsThirdDecode(SlotSet):
+    """A slot set whose third decode step runs its forward pass and then fails (as a device lost while the
+    logits come back)."""
+
+    decodes = 0
+
+    def decode_rows(self, steps, argmax_only):
+        out = super().decode_rows(steps, argmax_only)
+        self.decodes += 1
+        if self.decodes == 3:
+            raise RuntimeError("device lost after the pass")
+        return out
+
+
+def passes(n_tokens: int, chunk: int = CHUNK) -> int:
+    """The forward passes of a prompt or EMBED evaluated alone: one per chunk."""
+    return -(-n_tokens // chunk)
+
+
+def test_every_forward_pass_is_counted_once_embeds_cancels_and_concurrent_steps_included(engine):
+    e = engine(2)
+    done = e.command("COMPLETE", greedy(id="a", prompt=prompt(40, 50), n_predict=5))
+    expected = passes(40) + 4  # the prompt's chunks, then a decode per token but the last (never evaluated)
+    assert done["n_forward"] == e.command("STATUS", {"id": "s"})["n_forward"] == expected
+    embedded = e.command("EMBED", {"id": "emb", "tokens": prompt(50, 51), "pooling": "mean"})
+    expected += passes(50)
+    assert embedded["n_forward"] == expected
+    e.send("EMBED", {"id": "cut", "tokens": prompt(30 * CHUNK, 52)})
+    e.send("CANCEL", {"id": "cut"})
+    cancelled = e.terminal("cut")
+    evaluated = int(re.search(r"after (\d+) of", cancelled["error"]["message"]).group(1))
+    expected += passes(evaluated)
+    assert cancelled["event"] == "error" and cancelled["n_forward"] == expected
+    # a generation and an EMBED at once: steps run a decode pass and a chunk each, both counted
+    steps_before = e.scheduler.steps
+    e.send("COMPLETE", greedy(id="g", slot=1, prompt=prompt(8, 53), n_predict=30))
+    e.send("EMBED", {"id": "beside", "tokens": prompt(100, 54), "pooling": "mean"})
+    assert e.terminal("g")["event"] == e.terminal("beside")["event"] == "result"
+    expected += passes(8) + 29 + passes(100)
+    assert e.command("STATUS", {"id": "s2"})["n_forward"] == expected
+    assert e.scheduler.steps - steps_before < passes(8) + 29 + passes(100)  # some steps ran two passes
+
+
+def test_the_passes_of_a_request_that_failed_are_counted(tokenizers, templates):
+    slots = FailsAfterItsThirdDecode.sharing(base_runner("smollm2"), n_slots=1, n_ctx=N_CTX_SLOT, prefill_chunk=CHUNK)
+    e = InProcessEngine(slots, tokenizers["smollm2"], templates["smollm2"])
+    try:
+        failed = e.command("COMPLETE", greedy(id="f", prompt=prompt(20, 55), n_predict=10))
+        assert failed["event"] == "error" and failed["error"]["type"] == "internal"
+        assert failed["n_forward"] == e.command("STATUS", {"id": "s"})["n_forward"] == passes(20) + 3
+    finally:
+        e.close()

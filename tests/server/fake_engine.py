@@ -108,6 +108,7 @@ class FakeEngine:
         self.held: list[int] = []
         self.fail_saves = False  # tests: every SAVE fails before its rename (disk full)
         self.cancel_requested: Callable[[], bool] = lambda: False
+        self.n_forward = 0  # its "forward passes": one per prompt, per generated token but the last, per EMBED
 
     def ready_line(self) -> dict:
         return {"event": "ready", "protocol": PROTOCOL_VERSION, "engine": "fake-engine", "engine_version": "0.0.1",
@@ -169,6 +170,7 @@ class FakeEngine:
         pooled = {"none": states, "mean": [[sum(col) / len(states) for col in zip(*states, strict=True)]],
                   "cls": states[:1], "last": states[-1:]}[pooling]
         rows = pooled if pooling == "none" else [normalized(row, p) for row in pooled]
+        self.n_forward += 1
         yield {"event": "result", "embedding": rows, "n_tokens": len(tokens)}
 
     def do_detokenize(self, arg: dict) -> Iterator[dict]:
@@ -294,6 +296,7 @@ class FakeEngine:
         self.held = prompt + generated[:-1]
         predicted_ms = (time.perf_counter() - t1) * 1000 + 0.01
         n_gen = len(generated)
+        self.n_forward += 1 + max(n_gen - 1, 0)
         yield {"event": "result", "content": text if stop_type != "cancelled" else text[:released],
                "tokens": generated, "stop_type": stop_type, "stopping_word": stopping_word, "truncated": False,
                "tokens_evaluated": len(prompt), "tokens_cached": len(self.held), "n_tokens_held": len(self.held),
@@ -471,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.cancel_requested = lambda: request_id in cancelled
         try:
             for event in engine.handle(line):
+                if event["event"] in ("result", "error") and verb in ("COMPLETE", "EMBED"):
+                    # the engine's count of forward passes since start-up, every slot's and the EMBEDs'
+                    event = {**event, "n_forward": sum(e.n_forward for e in [*engines, tools])}
                 if event["event"] in ("result", "error") and slot is not None:
                     event = {**event, "slot": slot}
                     if verb == "COMPLETE":  # idle from its terminal line on, as the engine's slots

@@ -77,6 +77,7 @@ class FakeEngineClient:
         self.state = EngineState.READY
         self.restarts = 0
         self.commands: list[str] = []
+        self.n_forward_lost = 0  # the passes of slot engines replaced after a fail-stop
 
     @staticmethod
     def _fresh(like: FakeEngine, n_ctx: int) -> FakeEngine:
@@ -91,7 +92,8 @@ class FakeEngineClient:
             info = {**self.engine.ready_line(), "n_slots": self.slots.n_slots,
                     "n_ctx_slot": self.slot_engines[0].n_ctx}
         return EngineStatus(self.state, info=info, restarts=self.restarts,
-                            message="" if self.state is EngineState.READY else "Loading model")
+                            message="" if self.state is EngineState.READY else "Loading model",
+                            n_forward=self.n_forward_lost + sum(e.n_forward for e in [self.engine, *self.slot_engines]))
 
     def acquire(self, wait_s: float | None = None, *, id_slot: int | None = None,
                 prompt: list[int] | None = None) -> FakeLease:
@@ -108,6 +110,7 @@ class FakeEngineClient:
     def fail_stop(self) -> None:
         """What the supervisor does after exit 4: a fresh engine, every slot's conversation gone."""
         self.restarts += 1
+        self.n_forward_lost += sum(e.n_forward for e in self.slot_engines)
         self.slot_engines = [self._fresh(e, e.n_ctx) for e in self.slot_engines]
         self.slots.forget_all()
 

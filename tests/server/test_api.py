@@ -276,7 +276,7 @@ def test_metrics_counts(make_api, slot_dir):
             values[name] = float(value)
     assert values["llamacpp:prompt_tokens_total"] == 8
     assert values["llamacpp:tokens_predicted_total"] == 4
-    # the engine's steps (the fake's: one for the prompt, one per token but the last), each one slot's
+    # the engine's forward passes (the fake's: one for the prompt, one per token but the last), each one slot's
     assert values["llamacpp:n_decode_total"] == 4 and values["llamacpp:n_busy_slots_per_decode"] == 1
     assert values["strata:slot_saves_total"] == 1
     assert values["strata:slot_save_bytes_total"] == saved["n_written"]

@@ -82,6 +82,21 @@ def test_kill_9_idle_restarts(supervised):
     assert complete(supervisor)["tokens_evaluated"] == 5
 
 
+def test_forward_passes_are_summed_over_the_engines_restarts(supervised):
+    supervisor = supervised()
+    supervisor.wait_ready(20)
+    assert supervisor.status().n_forward == 0
+    complete(supervisor, n_predict=4)  # the fake's passes: one for the prompt, one per token but the last
+    with supervisor.command() as lease:
+        lease.call("EMBED", {"tokens": [5, 6, 7], "pooling": "mean"})
+    assert supervisor.status().n_forward == 4 + 1
+    os.kill(supervisor.engine_pid, signal.SIGKILL)
+    wait_for(lambda: supervisor.status().restarts == 1 and supervisor.status().state is EngineState.READY)
+    assert supervisor.status().n_forward == 5  # the dead engine's passes stay counted
+    complete(supervisor, n_predict=3)
+    assert supervisor.status().n_forward == 5 + 3
+
+
 def test_kill_9_mid_generation(supervised):
     supervisor = supervised("--token-delay", "0.05")
     supervisor.wait_ready(20)

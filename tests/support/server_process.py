@@ -15,6 +15,13 @@ import requests
 LOOPBACK = "127.0.0.1"
 
 
+def metrics(url: str) -> dict[str, float]:
+    """A server's /metrics samples by name (labels included)."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    return {name: float(value) for name, value in
+            (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))

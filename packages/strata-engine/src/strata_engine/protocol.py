@@ -371,8 +371,9 @@ class Request:
     def answer(self, payload: Mapping[str, Any]) -> None:
         self.emit({"event": "result", **payload})
 
-    def fail(self, exc: BaseException) -> None:
-        self.emit({"event": "error", "error": error_payload(exc)})
+    def fail(self, exc: BaseException, **fields: Any) -> None:
+        """The terminal error line; `fields` go beside `error` (a job's `n_forward`)."""
+        self.emit({"event": "error", "error": error_payload(exc), **fields})
 
 
 TERMINAL_EVENTS = ("result", "error")

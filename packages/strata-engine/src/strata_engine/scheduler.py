@@ -207,6 +207,9 @@ class Scheduler:
         self.quit: Request | None = None
         self.exit: ExitStatus | None = None
         self.steps = 0  # steps taken (tests count them)
+        # forward passes run (a batched decode, a prompt's or an EMBED's chunk), failed ones included:
+        # llama-server's n_decode_total, on the terminal lines of COMPLETE and EMBED and in STATUS
+        self.forward_passes = 0
         self.full_chunk = ctx.runner_of(0).settings.prefill_chunk
         self._generating = False  # slots generate in this step: its chunk is cut (`chunk_tokens`)
 
@@ -475,10 +478,10 @@ class Scheduler:
         if job.request.id is not None:
             self.ids.pop(job.request.id, None)
         if error is not None:
-            job.request.fail(error)
+            job.request.fail(error, n_forward=self.forward_passes)
         else:
             assert payload is not None
-            job.request.answer(payload)
+            job.request.answer({**payload, "n_forward": self.forward_passes})
 
     # ---- a step -----------------------------------------------------------------------------------
     def _decoding(self) -> list[CompleteJob]:
@@ -519,11 +522,13 @@ class Scheduler:
             self._end(bad, exc)
             return
         except Exception as exc:
+            self.forward_passes += 1  # past the checks: the forward pass ran, or failed while running
             # the batch's slots were cut back, but this failure is not understood: drop their conversations
             log.exception("a decode step failed; erasing slots %s", [job.slot for job in jobs])
             for job in jobs:
                 self._fail_erased(job, exc)
             return
+        self.forward_passes += 1
         with self.writer.held():  # the step's token (and terminal) lines in one write
             for row, job in enumerate(jobs):
                 gen = job.generation
@@ -540,6 +545,7 @@ class Scheduler:
     def _chunk(self, job: CompleteJob | ChunkJob) -> None:
         if isinstance(job, ChunkJob):
             assert job.steps is not None
+            self.forward_passes += 1  # each next() evaluates one chunk (its checks ran before its start)
             try:
                 next(job.steps)
                 self.chunks.append(job)
@@ -558,9 +564,11 @@ class Scheduler:
             self._end(job, exc)
             return
         except Exception as exc:
+            self.forward_passes += 1
             log.exception("a prefill chunk failed in slot %d", job.slot)
             self._fail_erased(job, exc)
             return
+        self.forward_passes += 1  # before _end: its terminal line counts this chunk
         if finished:
             self._end(job)
         elif gen.phase is Phase.PREFILL:

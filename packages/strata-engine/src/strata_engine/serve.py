@@ -152,6 +152,7 @@ def handle_status(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         "kv_resident": settings.kv_resident,
         "prompt_cache": settings.prompt_cache,
         "model_path": str(settings.model_path),
+        "n_forward": ctx.scheduler.forward_passes if ctx.scheduler is not None else 0,
         "slots": slots,
     }
 

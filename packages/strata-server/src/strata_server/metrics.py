@@ -21,8 +21,10 @@ class Metrics:
         self.prompt_seconds = 0.0
         self.tokens_predicted = 0
         self.tokens_predicted_seconds = 0.0
-        self.n_decode = 0.0  # the engine's steps (sum of the results' step_share)
-        self.n_busy_slot_steps = 0  # sum over the steps of the slots processing in each (of the results' n_steps)
+        # the steps with a completion processing (sum of the results' step_share) and the slots processing in
+        # each (of their n_steps): n_busy_slots_per_decode; n_decode_total is the engine's own count of passes
+        self.busy_steps = 0.0
+        self.n_busy_slot_steps = 0
         self.n_tokens_max = 0
         self.saves = 0
         self.save_bytes = 0
@@ -48,7 +50,7 @@ class Metrics:
             if predicted_n > 1:  # as the peer, whose generation clock starts at the first token
                 self.tokens_predicted_seconds += float(timings.get("predicted_ms", 0.0)) / 1000
             # the engine's batched steps, each shared by the slots processing in it (spec/engine-protocol.md)
-            self.n_decode += float(result.get("step_share", 0.0))
+            self.busy_steps += float(result.get("step_share", 0.0))
             self.n_busy_slot_steps += int(result.get("n_steps", 0))
             self.n_tokens_max = max(self.n_tokens_max, int(result.get("n_tokens_held", 0)))
 
@@ -84,7 +86,8 @@ class Metrics:
         with self._lock:
             self.engine_exits[code] += 1
 
-    def render(self, slots: SlotManager, engine_restarts: int) -> str:
+    def render(self, slots: SlotManager, engine_restarts: int, n_forward: int) -> str:
+        """The text of /metrics; ``n_forward``: the engine's forward passes (``EngineStatus.n_forward``)."""
         states = slots.snapshot()
         waiting = slots.waiting
         with self._lock:
@@ -99,7 +102,7 @@ class Metrics:
                 ("llamacpp:tokens_predicted_seconds_total", "counter", "Predict process time",
                  [("", self.tokens_predicted_seconds)]),
                 ("llamacpp:n_decode_total", "counter", "Total number of llama_decode() calls",
-                 [("", round(self.n_decode))]),
+                 [("", n_forward)]),
                 ("llamacpp:n_tokens_max", "counter", "Largest observed n_tokens.", [("", self.n_tokens_max)]),
                 ("llamacpp:spec_decode_num_draft_tokens_total", "counter",
                  "Draft tokens proposed (no speculative decoding in Strata).", [("", 0)]),
@@ -113,7 +116,7 @@ class Metrics:
                  [("", sum(s.busy for s in states))]),
                 ("llamacpp:requests_deferred", "gauge", "Number of requests deferred.", [("", waiting)]),
                 ("llamacpp:n_busy_slots_per_decode", "gauge", "Average number of busy slots per llama_decode() call",
-                 [("", ratio(self.n_busy_slot_steps, self.n_decode))]),
+                 [("", ratio(self.n_busy_slot_steps, self.busy_steps))]),
                 # Strata's per slot (llama-server has no per-slot series): busy or idle, and tokens held.
                 ("strata:slot_is_processing", "gauge", "Whether the slot is serving a request (1) or idle (0).",
                  [(f'{{id_slot="{s.id}"}}', int(s.busy)) for s in states]),

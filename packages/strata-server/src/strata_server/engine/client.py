@@ -38,6 +38,7 @@ class EngineStatus:
     restarts: int = 0
     last_exit: int | None = None
     message: str = ""  # why it is not ready (for FAILED: the engine's own words)
+    n_forward: int = 0  # forward passes run by the engine processes so far (their lines' ``n_forward``)
 
 
 class EngineLease(abc.ABC):

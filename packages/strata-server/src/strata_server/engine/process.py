@@ -11,7 +11,7 @@ import queue
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from strata_engine.protocol import CANCELLABLE_VERBS, ErrorKind, ExitStatus
@@ -65,8 +65,12 @@ class EngineProcess:
     engine) rather than the engine directly. Its stderr is inherited: engine logs go to the server's.
     """
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                 on_forward: Callable[[int], None] | None = None) -> None:
         self.argv = list(argv)
+        # the engine's count of forward passes (the latest ``n_forward`` of its lines); on_forward(increase)
+        self.n_forward = 0
+        self._on_forward = on_forward
         self._events: queue.Queue = queue.Queue()  # lines without an id: ready, fatal
         self._calls: dict[str, Call] = {}
         self._calls_lock = threading.Lock()
@@ -109,6 +113,7 @@ class EngineProcess:
             self._events.put(_EOF)
 
     def _route(self, event: dict) -> None:
+        self._count_forward(event.get("n_forward"))
         request_id = event.get("id")
         if request_id is None:
             if event["event"] == "error":
@@ -121,6 +126,14 @@ class EngineProcess:
             log.warning("engine pid %d wrote a line for no request in flight: %s", self.pid, event)
             return
         call.lines.put(event)
+
+    def _count_forward(self, n_forward: object) -> None:
+        """The engine's cumulative count, from any line that carries it (lines of requests that ended
+        unread too): its increase goes to on_forward."""
+        if isinstance(n_forward, int) and not isinstance(n_forward, bool) and n_forward > self.n_forward:
+            increase, self.n_forward = n_forward - self.n_forward, n_forward
+            if self._on_forward is not None:
+                self._on_forward(increase)
 
     def start(self, verb: str, argument: Mapping[str, Any] | None, slot: int | None) -> Call:
         """Send ``verb`` with a fresh id (and ``slot`` for the verbs acting on one); its lines go to the Call."""

@@ -82,16 +82,21 @@ class EngineSupervisor:
         self._thread: threading.Thread | None = None
         self._exit_listeners: list[Callable[[int], None]] = []
         self._incompatible: str | None = None
+        self._n_forward = 0  # every process's forward passes (EngineStatus.n_forward)
 
     # --- EngineClient ---------------------------------------------------------------------------
 
     def status(self) -> EngineStatus:
         with self._mutex:
-            status, process = self._status, self._process
+            status, process = attrs.evolve(self._status, n_forward=self._n_forward), self._process
         if status.state is EngineState.READY and (process is None or process.doomed or not process.alive()):
             # Exited (or announced its exit) but not yet reaped by the supervising thread.
             return attrs.evolve(status, state=EngineState.RESTARTING, message="Loading model")
         return status
+
+    def _count_forward(self, increase: int) -> None:
+        with self._mutex:
+            self._n_forward += increase
 
     def acquire(self, wait_s: float | None = None, *, id_slot: int | None = None,
                 prompt: Sequence[int] | None = None) -> ProcessLease:
@@ -182,7 +187,7 @@ class EngineSupervisor:
         while not self._stopping:
             started = time.monotonic()
             try:
-                process = EngineProcess(self.argv, self.env)
+                process = EngineProcess(self.argv, self.env, on_forward=self._count_forward)
             except OSError as exc:
                 self._give_up(f"the engine could not be started ({' '.join(self.argv[:3])} ...): {exc}", None)
                 return

@@ -1,6 +1,7 @@
 """``/embedding``, ``/embeddings`` (llama-server's own answer) and ``/v1/embeddings`` (OpenAI's), with
 ``--embedding``: each input tokenized as the peer does, then the engine's EMBED (which leaves the slot's
-conversation as it was)."""
+conversation as it was). A client that leaves stops the engine's work for it: its EMBED in flight is
+cancelled (the engine ends it between two chunks) and the inputs after it are never sent."""
 
 from __future__ import annotations
 
@@ -11,13 +12,23 @@ from typing import Any
 import falcon
 from strata_engine.settings import Pooling
 
+from ..connection import POLL_INTERVAL_S, ClientConnection, watch_client
 from ..context import ServerContext
+from ..engine.client import EngineLease
 from ..errors import ApiError, ErrorType, invalid_request
 from ..params import parse_prompts, read_json
 from ..tokenization import tokenize_mixed
 
 EUCLIDEAN = 2  # llama-server's default embd_normalize
 ENCODINGS = ("float", "base64")
+
+
+def embed_watched(lease: EngineLease, argument: dict, client: ClientConnection) -> dict:
+    """One EMBED's result, cancelled by its id once the client has gone (its ``cancelled`` error then raises)."""
+    for event in watch_client(lease.request("EMBED", argument, idle_s=POLL_INTERVAL_S), client, lease.cancel):
+        if event["event"] == "result":
+            return event
+    raise AssertionError("request() ends with a result or raises")
 
 
 def encode_base64(vector: list[float]) -> str:
@@ -58,12 +69,13 @@ class EmbeddingsResource:
         if isinstance(normalize, bool) or not isinstance(normalize, int):
             raise invalid_request("'embd_normalize' must be an integer")
         prompts = parse_prompts(body, n_vocab=self.ctx.engine_info().get("n_vocab"), key=key)
+        client = ClientConnection.of(req.env)
         with self.ctx.engine.command() as lease:
             inputs = [tokenize_mixed(lease, p, add_special=True, parse_special=True) for p in prompts]
             if any(not tokens for tokens in inputs):
                 raise invalid_request("Input content cannot be empty")
-            rows = [lease.call("EMBED", {"tokens": tokens, "pooling": pooling, "normalize": normalize})["embedding"]
-                    for tokens in inputs]
+            rows = [embed_watched(lease, {"tokens": tokens, "pooling": pooling, "normalize": normalize},
+                                  client)["embedding"] for tokens in inputs]
         if not openai:
             resp.media = [{"index": i, "embedding": embedding} for i, embedding in enumerate(rows)]
             return

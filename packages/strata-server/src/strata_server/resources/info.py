@@ -94,6 +94,7 @@ class MetricsResource:
                            "This server does not support metrics endpoint. Start it with `--metrics`")
         resp.content_type = CONTENT_TYPE
         resp.set_header("Process-Start-Time-Unix", str(int(self.ctx.metrics.start_time)))
-        resp.text = self.ctx.metrics.render(self.ctx.engine.slots, self.ctx.engine.status().restarts)
+        status = self.ctx.engine.status()
+        resp.text = self.ctx.metrics.render(self.ctx.engine.slots, status.restarts, status.n_forward)
         if self.ctx.store is not None:
             resp.text += render_rows(self.ctx.store.metric_rows())
