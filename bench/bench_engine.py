@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 from strata_engine.runner import ModelRunner
-from strata_engine.settings import CpuKernels, EngineSettings, values
+from strata_engine.settings import DEFAULT_CPU_KERNELS, CpuKernels, EngineSettings, values
 
 REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "reference" / "peer-engine-cpu.json"
 PEER_FILES = {"smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf", "gemma3": "gemma-3-270m-q4_k_m.gguf"}
@@ -112,7 +112,7 @@ def bench_model(name: str, kernels: str, threads: int | None, kv_type: str) -> d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3"], choices=sorted(PEER_FILES))
-    ap.add_argument("--cpu-kernels", nargs="+", default=["numba"], choices=values(CpuKernels))
+    ap.add_argument("--cpu-kernels", nargs="+", default=[DEFAULT_CPU_KERNELS.value], choices=values(CpuKernels))
     ap.add_argument("-t", "--threads", type=int, default=None, help="default: the cores this process may use")
     ap.add_argument("--kv-type", default="f16", choices=["f32", "f16", "int8"])
     ap.add_argument("--max-load", type=float, default=1.5, help="wait until the load average is below this")
