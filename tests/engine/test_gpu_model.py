@@ -60,6 +60,8 @@ def runners():
                 compute_dtype=dtype,
                 kv_type=kv_type,
                 kv_resident=resident,
+                # the CPU twin with float32 products (the default q8 products quantize the activations)
+                cpu_kernels="numba" if backend == "numpy" else None,
             )
             try:
                 cache[key] = ModelRunner.load(settings)
