@@ -4,7 +4,9 @@ this machine (tests/reference/peer-engine-cpu.json: llama-bench b11549, 2 thread
     prefill  512 tokens at 0 and at 4,096 tokens held (llama-bench -p 512 -d 0,4096)
     decode    32 tokens at 0 and at 4,096 tokens held (llama-bench -n 32 -d 0,4096)
 
-for both models, and the process RSS against the limit (model file + K/V pool + 300 MiB). Run it on a
+for both models, each the median of --reps repetitions (every repetition printed: on a shared machine one
+short decode run can lose half its rate; llama-bench averages 5), and the process RSS against the limit
+(model file + K/V pool + 300 MiB). Run it on a
 quiet machine with the OpenBLAS variables these machines set removed (they slow a current numpy); it
 waits until the 1-minute load average is below --max-load:
 
@@ -71,7 +73,9 @@ def decode_rate(runner: ModelRunner, first: int) -> float:
     return GEN / (time.perf_counter() - t)
 
 
-def bench_model(name: str, kernels: str, threads: int | None, kv_type: str) -> dict[tuple[str, int], float]:
+def bench_model(
+    name: str, kernels: str, threads: int | None, kv_type: str, reps: int
+) -> dict[tuple[str, int], float]:
     path = model_path(name)
     t0 = time.perf_counter()
     runner = ModelRunner.load(
@@ -87,20 +91,25 @@ def bench_model(name: str, kernels: str, threads: int | None, kv_type: str) -> d
     )
     bos = int(runner.gguf.metadata.get("tokenizer.ggml.bos_token_id", 1))
     held, more = tokens(1, DEPTH, bos), tokens(2, PROMPT + 1, bos)[1:]
-    out: dict[tuple[str, int], float] = {}
-    runner.prefill(held)  # 4,096 held
-    out["decode", DEPTH] = decode_rate(runner, more[0] + 1)  # not the prompt's next token: it is dropped
-    t = time.perf_counter()
-    res = runner.prefill(held + more)  # back to the 4,096 held, then 512 more
-    assert (res.cache_n, res.prompt_n) == (DEPTH, PROMPT), (res.cache_n, res.prompt_n)
-    out["prefill", DEPTH] = PROMPT / (time.perf_counter() - t)
-    runner.erase()
-    t = time.perf_counter()
-    runner.prefill(tokens(3, PROMPT, bos))
-    out["prefill", 0] = PROMPT / (time.perf_counter() - t)
-    runner.erase()
-    runner.prefill([bos])
-    out["decode", 0] = decode_rate(runner, more[0])
+    runs: dict[tuple[str, int], list[float]] = {}
+    for _ in range(reps):
+        runner.prefill(held)  # 4,096 held
+        runs.setdefault(("decode", DEPTH), []).append(decode_rate(runner, more[0] + 1))  # not the prompt's next
+        t = time.perf_counter()
+        res = runner.prefill(held + more)  # back to the 4,096 held, then 512 more
+        assert (res.cache_n, res.prompt_n) == (DEPTH, PROMPT), (res.cache_n, res.prompt_n)
+        runs.setdefault(("prefill", DEPTH), []).append(PROMPT / (time.perf_counter() - t))
+        runner.erase()
+        t = time.perf_counter()
+        runner.prefill(tokens(3, PROMPT, bos))
+        runs.setdefault(("prefill", 0), []).append(PROMPT / (time.perf_counter() - t))
+        runner.erase()
+        runner.prefill([bos])
+        runs.setdefault(("decode", 0), []).append(decode_rate(runner, more[0]))
+        runner.erase()
+    out = {key: float(np.median(v)) for key, v in runs.items()}
+    for (test, depth), v in runs.items():
+        print(f"  {test} @ {depth}: {', '.join(f'{x:.1f}' for x in v)} tok/s", flush=True)
     rss = psutil.Process().memory_info().rss
     limit = path.stat().st_size + runner.pool.nbytes + RSS_SLACK
     print(f"  RSS {rss / 2**20:.0f} MiB, limit {limit / 2**20:.0f} MiB (file + K/V pool + 300 MiB)", flush=True)
@@ -115,6 +124,7 @@ def main() -> None:
     ap.add_argument("--cpu-kernels", nargs="+", default=[DEFAULT_CPU_KERNELS.value], choices=values(CpuKernels))
     ap.add_argument("-t", "--threads", type=int, default=None, help="default: the cores this process may use")
     ap.add_argument("--kv-type", default="f16", choices=["f32", "f16", "int8"])
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of every measurement (the median is printed)")
     ap.add_argument("--max-load", type=float, default=1.5, help="wait until the load average is below this")
     ap.add_argument("--patience", type=float, default=1800, help="seconds to wait for that at most")
     args = ap.parse_args()
@@ -124,7 +134,7 @@ def main() -> None:
     results = []
     for name in args.models:
         for kernels in args.cpu_kernels:
-            results.append((name, kernels, bench_model(name, kernels, args.threads, args.kv_type)))
+            results.append((name, kernels, bench_model(name, kernels, args.threads, args.kv_type, args.reps)))
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     print(f"{'model':8} {'kernels':7} {'test':16} {'tok/s':>8} {'llama.cpp':>10} {'ratio':>6}")
     for name, kernels, figures in results:
