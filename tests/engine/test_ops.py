@@ -198,10 +198,11 @@ def numba_ops(request):
     from strata_engine.ops import numba_ops as module
 
     ops = get_ops("numpy", "f32", "numba", threads=2)
-    saved = module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES
-    module.PARALLEL_MIN_BYTES = module.PARALLEL_MIN_SCORES = 1 << 62 if request.param == "serial" else 0
+    saved = module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES, module.STEPS_PARALLEL_MIN_ROWS
+    threshold = 1 << 62 if request.param == "serial" else 0
+    module.PARALLEL_MIN_BYTES = module.PARALLEL_MIN_SCORES = module.STEPS_PARALLEL_MIN_ROWS = threshold
     yield ops
-    module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES = saved
+    module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES, module.STEPS_PARALLEL_MIN_ROWS = saved
 
 
 def test_every_packed_type_is_exact_and_the_kernels_read_it(numba_ops):
@@ -473,3 +474,71 @@ def test_fused_steps_match_the_oracle(numba_ops, style, norm, activation):
     got = numba_ops.gated_mlp(x, w_gu, w_down, activation)
     want = oracle.gated_mlp(x, w_gu.dequantize(), w_down.dequantize(), activation)
     np.testing.assert_allclose(got, want, rtol=STEP_RTOL, atol=STEP_RTOL * np.abs(want).max())
+
+
+# The gated activation's kernel (act = g * sigmoid(z), z = g for silu, 2 sqrt(2 / pi) (g + 0.044715 g^3) for
+# the tanh gelu, e^-|z| by `fast_exp`) against the function in float64 of the same float32 inputs: relative
+# error <= ACT_RTOL * (1 + |z|) (z's own rounding grows with |z|; measured 1.5e-7 * (1 + |z|) over g in
+# [-30, 30]); below z = -87 `fast_exp` gives e^-87 (1.65e-38), so the error there is under 2e-38 |g u|.
+# (numpy's 0.5 g (1 + tanh) loses all relative precision for g below about -3, where 1 + tanh(u) cancels; its
+# absolute error is ~1e-7 |g u| like ours.)
+ACT_RTOL = 3e-7
+
+
+@pytest.mark.parametrize("activation", list(Activation))
+@pytest.mark.parametrize("parallel", [False, True])
+def test_gated_activation_is_within_its_bound_of_the_exact_function(activation, parallel):
+    from strata_engine.ops import numba_kernels as nk
+
+    rng = np.random.default_rng(31)
+    n_tok, n_ff = 4, 60_000
+    gate = np.concatenate([np.linspace(-30, 30, 2 * n_ff, dtype=np.float32), rng.standard_normal(2 * n_ff, dtype=np.float32) * 3])
+    gate = gate.reshape(n_tok, n_ff)
+    up = rng.standard_normal((n_tok, n_ff), dtype=np.float32)
+    out = np.empty_like(gate)
+    gelu = activation is Activation.GELU_TANH
+    nk.gated_activation(np.concatenate([gate, up], axis=1), gelu, parallel, out)
+    g = gate.astype(np.float64)
+    z = 2 * math.sqrt(2 / math.pi) * (g + 0.044715 * g**3) if gelu else g
+    with np.errstate(over="ignore"):
+        exact = g / (1 + np.exp(-z)) * up
+    bound = ACT_RTOL * (1 + np.minimum(np.abs(z), 87)) * np.abs(exact) + 2e-38 * np.abs(g * up)
+    assert np.all(np.abs(out - exact) <= bound), float(np.max(np.abs(out - exact) / np.maximum(bound, 1e-300)))
+
+
+def _f16_store_candidates() -> np.ndarray:
+    """float32 values whose f16 rounding matters, NaN excepted: every finite f16 value, the midpoints between
+    neighbours (ties: to even) and the float32 values either side of each, subnormal f16s and what rounds to
+    zero or to the smallest of them, float32 subnormals, the overflow edge (65504, 65520 -> inf) and beyond,
+    infinities, and random float32 bit patterns of every finite exponent; both signs."""
+    h = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)  # 0 .. 65504, subnormals included
+    upper = np.append(h[1:], np.float32(65536))  # the next f16 above each (65536: past the largest)
+    mids = (h + (upper - h) / 2).astype(np.float32)  # exact in float32 (12 significant bits)
+    near = [np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(0))]
+    f32_subnormal = np.array([1e-45, 1e-40, 1.1754942e-38], dtype=np.float32)
+    rng = np.random.default_rng(32)
+    bits = rng.integers(0, 0x7F800000, 200_000, dtype=np.uint32).view(np.float32)
+    edge = np.array([2.0**-25, 2.0**-24, 3 * 2.0**-26, 65519.996, 65520, 65535, 1e5, 3e38, np.inf], dtype=np.float32)
+    mag = np.concatenate([h, mids, *near, f32_subnormal, bits, edge])
+    return np.concatenate([mag, -mag])
+
+
+@pytest.mark.parametrize("ring", [0, 1000])
+def test_f16_store_rounds_as_numpys_cast_bit_for_bit(numba_ops, ring):
+    """A chunk stored into an f16 pool by the kernel (`numba_kernels.store_f16`, from a fused projection's
+    column view as the models pass v) holds the bits numpy's astype(float16) gives: round to nearest, ties to
+    even, subnormals, overflow to inf (NaN not claimed: the payload bits may differ)."""
+    values = _f16_store_candidates()
+    n_kv, d = 2, 64
+    n_tok = 600
+    values = np.resize(values, (values.size // (n_tok * n_kv * d) + 1) * n_tok * n_kv * d)
+    with np.errstate(over="ignore"):
+        for chunk in values.reshape(-1, n_tok, n_kv * d):
+            fused = np.concatenate([chunk, chunk[::-1]], axis=1)  # [T, 2 Hkv D]: k, v as column views
+            k, v = fused[:, : n_kv * d].reshape(n_tok, n_kv, d), fused[:, n_kv * d :].reshape(n_tok, n_kv, d)
+            k_pool, v_pool = np.zeros((2, ring or 1200, n_kv, d), dtype=np.float16)
+            pos0 = 700 if ring else 300  # a ring's chunk wraps past slot 999
+            numba_ops.store_kv(k, v, k_pool, v_pool, pos0, ring_capacity=ring)
+            slots = np.arange(pos0, pos0 + n_tok) % ring if ring else np.arange(pos0, pos0 + n_tok)
+            assert np.array_equal(k_pool[slots].view(np.uint16), k.astype(np.float16).view(np.uint16))
+            assert np.array_equal(v_pool[slots].view(np.uint16), v.astype(np.float16).view(np.uint16))

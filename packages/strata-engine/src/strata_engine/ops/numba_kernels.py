@@ -18,7 +18,9 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
+from numba.np.arrayobj import make_array, populate_array
 
 F32 = np.float32
 # OpenMP (GNU libgomp) before numba's workqueue, whose sleeping threads take ~100 us to start each parallel
@@ -1083,7 +1085,50 @@ def attention_rows(q, scale, k, v, k_scale, v_scale, has_scales, slots, q_pos, k
 
 
 # ---- the small steps between products (one call each instead of several numpy passes) ------------------
+# Each runs its rows over all threads when `parallel` (a prompt chunk: numba_ops.STEPS_PARALLEL_MIN_ROWS), else
+# on the calling thread (a decode step: a parallel region costs ~1.5 us): one compiled kernel for both (a
+# parallel twin would double numba's compile time at first start, bench/CPU-NOTES.md "The steps between").
 GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+
+
+@intrinsic
+def row_span(typingctx, a, t, lo, n):
+    """a[t, lo:lo + n] of a 2-D array whose rows are contiguous (its last stride the item size: the caller
+    checks) as a C-contiguous 1-D view: a column view's row (a fused projection's q, k, v) typed 'A' would
+    read element by element; typed 'C' its loops vectorize (3x faster for gemma3's qk_norm_rope)."""
+    if not isinstance(a, types.Array) or a.ndim != 2:
+        return None
+    ret = types.Array(a.dtype, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        arr = make_array(a)(context, builder, args[0])
+        t_v, lo_v, n_v = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 3))
+        item = context.get_abi_sizeof(context.get_data_type(a.dtype))
+        row_offset = builder.mul(t_v, builder.extract_value(arr.strides, 0))
+        offset = builder.add(row_offset, builder.mul(lo_v, ir.Constant(_I64, item)))
+        raw = builder.gep(builder.bitcast(arr.data, ir.IntType(8).as_pointer()), [offset])
+        out = make_array(ret)(context, builder)
+        populate_array(
+            out, data=builder.bitcast(raw, arr.data.type), shape=cgutils.pack_array(builder, [n_v]),
+            strides=cgutils.pack_array(builder, [ir.Constant(_I64, item)]), itemsize=arr.itemsize,
+            meminfo=arr.meminfo, parent=arr.parent,
+        )  # fmt: skip
+        return impl_ret_borrowed(context, builder, ret, out._getvalue())
+
+    return ret(a, t, lo, n), codegen
+
+
+@intrinsic
+def half_bits(typingctx, value):
+    """float32 -> the bits (uint16) of the nearest f16, ties to even (`fptrunc`: vcvtps2ph where the CPU
+    has it), as numpy's astype(float16) rounds; the inverse of `widen`."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(value), codegen
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
@@ -1103,19 +1148,27 @@ def rms_norm_rows(x, w, eps, out):
         _norm_row(x[i], w, eps, out[i])
 
 
-@njit(fastmath=SAFE_FAST, cache=True)
-def add_rms_norm_rows(x, y, w_post, has_post, w_next, eps, x_out, h_out):
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _add_norm_row(x, y, w_post, has_post, w_next, eps, xo, ho):
+    if has_post:
+        _norm_row(y, w_post, eps, xo)
+        for j in range(xo.shape[0]):
+            xo[j] += x[j]
+    else:
+        for j in range(xo.shape[0]):
+            xo[j] = x[j] + y[j]
+    _norm_row(xo, w_next, eps, ho)
+
+
+@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
+def add_rms_norm_rows(x, y, w_post, has_post, w_next, eps, parallel, x_out, h_out):
     """x_out = x + (rms_norm(y) * w_post, or y); h_out = rms_norm(x_out) * w_next (rows of [R, E])."""
-    for i in range(x.shape[0]):
-        xo = x_out[i]
-        if has_post:
-            _norm_row(y[i], w_post, eps, xo)
-            for j in range(xo.shape[0]):
-                xo[j] += x[i, j]
-        else:
-            for j in range(xo.shape[0]):
-                xo[j] = x[i, j] + y[i, j]
-        _norm_row(xo, w_next, eps, h_out[i])
+    if parallel:
+        for i in prange(x.shape[0]):
+            _add_norm_row(x[i], y[i], w_post, has_post, w_next, eps, x_out[i], h_out[i])
+    else:
+        for i in range(x.shape[0]):
+            _add_norm_row(x[i], y[i], w_post, has_post, w_next, eps, x_out[i], h_out[i])
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
@@ -1127,35 +1180,88 @@ def _rope_row(src, norm, has_norm, eps, cos_t, sin_t, neox, out):
         for j in range(src.shape[0]):
             out[j] = src[j]
     half = cos_t.shape[0]
-    for i in range(half):
-        ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
-        a = out[ia]
-        b = out[ib]
-        out[ia] = a * cos_t[i] - b * sin_t[i]
-        out[ib] = b * cos_t[i] + a * sin_t[i]
+    if neox:
+        for i in range(half):
+            a = out[i]
+            b = out[i + half]
+            out[i] = a * cos_t[i] - b * sin_t[i]
+            out[i + half] = b * cos_t[i] + a * sin_t[i]
+    else:
+        for i in range(half):
+            a = out[2 * i]
+            b = out[2 * i + 1]
+            out[2 * i] = a * cos_t[i] - b * sin_t[i]
+            out[2 * i + 1] = b * cos_t[i] + a * sin_t[i]
 
 
-@njit(fastmath=SAFE_FAST, cache=True)
-def qk_norm_rope(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, q_out, k_out):
-    """q [T, H * D], k [T, Hkv * D] -> q_out [T, H, D], k_out [T, Hkv, D]: each head normalised (gemma3)
-    and rotated by the tables cos, sin [T, rope_dim / 2] (neox: rotate-half, else interleaved pairs)."""
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _qk_token(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, q_out, k_out, t):
     d = q_out.shape[2]
-    for t in range(q.shape[0]):
-        for h in range(q_out.shape[1]):
-            _rope_row(q[t, h * d : (h + 1) * d], q_norm, has_norm, eps, cos[t], sin[t], neox, q_out[t, h])
-        for h in range(k_out.shape[1]):
-            _rope_row(k[t, h * d : (h + 1) * d], k_norm, has_norm, eps, cos[t], sin[t], neox, k_out[t, h])
+    for h in range(q_out.shape[1]):
+        _rope_row(row_span(q, t, h * d, d), q_norm, has_norm, eps, cos[t], sin[t], neox, q_out[t, h])
+    for h in range(k_out.shape[1]):
+        _rope_row(row_span(k, t, h * d, d), k_norm, has_norm, eps, cos[t], sin[t], neox, k_out[t, h])
+
+
+@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
+def qk_norm_rope(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, parallel, q_out, k_out):
+    """q [T, H * D], k [T, Hkv * D] (rows contiguous) -> q_out [T, H, D], k_out [T, Hkv, D]: each head
+    normalised (gemma3) and rotated by the tables cos, sin [T, rope_dim / 2] (neox: rotate-half, else
+    interleaved pairs)."""
+    if parallel:
+        for t in prange(q.shape[0]):
+            _qk_token(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, q_out, k_out, t)
+    else:
+        for t in range(q.shape[0]):
+            _qk_token(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, q_out, k_out, t)
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _sigmoid(z):
+    """1 / (1 + e^-z) from `fast_exp` of -|z| (never overflows): a loop of it vectorizes."""
+    e = fast_exp(-abs(z))
+    r = F32(1) / (F32(1) + e)
+    return r if z >= F32(0) else e * r
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _gated_row(gate_up, gelu, out):
+    n_ff = out.shape[0]
+    if gelu:  # 0.5 g (1 + tanh(u)) = g * sigmoid(2u)
+        for j in range(n_ff):
+            g = gate_up[j]
+            out[j] = g * _sigmoid(F32(2) * GELU_C * (g + F32(0.044715) * g * g * g)) * gate_up[n_ff + j]
+    else:
+        for j in range(n_ff):
+            g = gate_up[j]
+            out[j] = g * _sigmoid(g) * gate_up[n_ff + j]
+
+
+# error_model "numpy": numba's default checks every float division for zero (a branch that keeps the loop
+# scalar: 10x slower); a prange body is compiled so already.
+@njit(parallel=True, fastmath=SAFE_FAST, error_model="numpy", cache=True)
+def gated_activation(gate_up, gelu, parallel, out):
+    """out = act(gate) * up for gate_up = [gate | up] [T, 2F]: silu, or gelu (tanh form) with gelu."""
+    if parallel:
+        for t in prange(out.shape[0]):
+            _gated_row(gate_up[t], gelu, out[t])
+    else:
+        for t in range(out.shape[0]):
+            _gated_row(gate_up[t], gelu, out[t])
 
 
 @njit(fastmath=SAFE_FAST, cache=True)
-def gated_activation(gate_up, gelu, out):
-    """out = act(gate) * up for gate_up = [gate | up] [T, 2F]: silu, or gelu (tanh form) with gelu."""
-    n_ff = out.shape[1]
-    for t in range(out.shape[0]):
-        for j in range(n_ff):
-            g = gate_up[t, j]
-            if gelu:
-                a = F32(0.5) * g * (F32(1) + np.tanh(GELU_C * (g + F32(0.044715) * g * g * g)))
-            else:
-                a = g / (F32(1) + np.exp(-g))
-            out[t, j] = a * gate_up[t, n_ff + j]
+def store_f16(k, v, k_pool, v_pool, first, capacity):
+    """Rows t of k, v [T, Hkv * D] (rows contiguous) rounded to f16 into slot first + t (modulo capacity
+    when > 0) of the pools' storage k_pool, v_pool [slots, Hkv, D] (f16 bits: uint16)."""
+    d = k_pool.shape[2]
+    for t in range(k.shape[0]):
+        slot = first + t
+        if capacity > 0:
+            slot %= capacity
+        for h in range(k_pool.shape[1]):
+            src_k, src_v = row_span(k, t, h * d, d), row_span(v, t, h * d, d)
+            dst_k, dst_v = k_pool[slot, h], v_pool[slot, h]
+            for j in range(d):
+                dst_k[j] = half_bits(src_k[j])
+                dst_v[j] = half_bits(src_v[j])

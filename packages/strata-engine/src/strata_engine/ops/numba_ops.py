@@ -31,9 +31,13 @@ PACKED_MAX_ROWS = 64
 # prefill chunk too (SmolLM2, 1 thread: 1.9x / 2.3x / 1.6x dequantize + BLAS at 64 / 128 / 512 rows,
 # bench/bench_q8.py, bench/CPU-NOTES.md "Integer dot products").
 Q8_MAX_ROWS = 512
-# Token rows up to which the gated MLP's activation is one numba loop; above, numpy's (its exp and tanh are
-# vectorized, numba's scalar).
-FUSED_ACTIVATION_MAX_ROWS = 16
+# Token rows from which the steps between products (norms, RoPE, the gated activation) run over all threads;
+# below, on the calling thread (a decode step: a parallel region costs ~1.5 us). bench/CPU-NOTES.md "The steps
+# between the products".
+STEPS_PARALLEL_MIN_ROWS = 16
+# Token rows from which a chunk's f16 K/V is stored by `numba_kernels.store_f16` (numpy's float32 -> f16 cast is
+# scalar here); a decode step's row by numpy (one kernel signature: a row of a column view is typed 'C').
+STORE_KERNEL_MIN_ROWS = 2
 # Token rows up to which the packed kernel takes one row at a time (`row_dot`: the fewest operations for
 # one row); above, each weight block is decoded once for a group of rows (`rows_dot`).
 BY_ROW_MAX_ROWS = 1
@@ -70,6 +74,12 @@ def _mins(w: PackedWeight) -> np.ndarray:
 def storage_view(a: np.ndarray) -> np.ndarray:
     """A K/V storage array as the kernels read it: f16 as its uint16 bits (numba has no f16 on the CPU)."""
     return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+def contiguous_rows(a: np.ndarray) -> np.ndarray:
+    """A 2-D float32 array whose rows are contiguous (what `numba_kernels.row_span` reads): a column view as it
+    is, anything else copied."""
+    return a if a.dtype == F32 and a.strides[-1] == 4 else np.ascontiguousarray(a, dtype=F32)
 
 
 class StoredRows:
@@ -144,7 +154,7 @@ class NumbaOps(NumpyOps):
         has_post = w_post is not None
         nk.add_rms_norm_rows(
             x, np.ascontiguousarray(y, dtype=F32), w_post if has_post else w_next, has_post, w_next, F32(eps),
-            x_out, h_out,
+            self._parallel_rows(x.shape[0]), x_out, h_out,
         )  # fmt: skip
         return x_out, h_out
 
@@ -157,8 +167,8 @@ class NumbaOps(NumpyOps):
         k_out = np.empty((n_tok, k.shape[1] // head_dim, head_dim), dtype=F32)
         has_norm = q_norm is not None
         nk.qk_norm_rope(
-            q, k, q_norm if has_norm else _NO_NORM, k_norm if has_norm else _NO_NORM, has_norm, cos, sin,
-            style is RopeStyle.NEOX, F32(eps), q_out, k_out,
+            contiguous_rows(q), contiguous_rows(k), q_norm if has_norm else _NO_NORM, k_norm if has_norm else _NO_NORM,
+            has_norm, cos, sin, style is RopeStyle.NEOX, F32(eps), self._parallel_rows(n_tok), q_out, k_out,
         )  # fmt: skip
         return q_out, k_out
 
@@ -167,14 +177,13 @@ class NumbaOps(NumpyOps):
             return super().gated_mlp(x, w_gate_up, w_down, activation)
         gate_up = self.matmul(x, w_gate_up)  # [T, 2F]: one product
         n_tok, n_ff = gate_up.shape[0], gate_up.shape[1] // 2
-        if n_tok > FUSED_ACTIVATION_MAX_ROWS:
-            gate, up = gate_up[:, :n_ff], gate_up[:, n_ff:]
-            act = self.silu(gate) if activation is Activation.SILU else self.gelu_tanh(gate)
-            act *= up
-        else:
-            act = np.empty((n_tok, n_ff), dtype=F32)
-            nk.gated_activation(gate_up, activation is Activation.GELU_TANH, act)
+        act = np.empty((n_tok, n_ff), dtype=F32)
+        nk.gated_activation(gate_up, activation is Activation.GELU_TANH, self._parallel_rows(n_tok), act)
         return self.matmul(act, w_down)
+
+    def _parallel_rows(self, n_tok: int) -> bool:
+        """Whether a step between products runs its n_tok rows over all threads."""
+        return self.threads > 1 and n_tok >= STEPS_PARALLEL_MIN_ROWS
 
     # ---- products -------------------------------------------------------------------------------
     def packed_matmul(
@@ -231,9 +240,17 @@ class NumbaOps(NumpyOps):
 
     # ---- K/V store and attention ----------------------------------------------------------------
     def store_kv(self, k: Any, v: Any, k_pool: Any, v_pool: Any, pos0: int, ring_capacity: int = 0) -> None:
-        """`NumpyOps.store_kv` as slice copies where the slots are one run (every decode step)."""
+        """`NumpyOps.store_kv`: a chunk into an f16 pool by `numba_kernels.store_f16` (rounding as numpy's cast),
+        else slice copies where the slots are one run (every decode step)."""
         n = k.shape[0]
         first = pos0 % ring_capacity if ring_capacity else pos0
+        pools_c = k_pool.flags.c_contiguous and v_pool.flags.c_contiguous
+        if n >= STORE_KERNEL_MIN_ROWS and k_pool.dtype == np.float16 and pools_c:
+            nk.store_f16(
+                contiguous_rows(k.reshape(n, -1)), contiguous_rows(v.reshape(n, -1)), k_pool.view(np.uint16),
+                v_pool.view(np.uint16), first, ring_capacity,
+            )  # fmt: skip
+            return
         if ring_capacity and first + n > ring_capacity:
             super().store_kv(k, v, k_pool, v_pool, pos0, ring_capacity)
             return
