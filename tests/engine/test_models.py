@@ -195,3 +195,24 @@ def _agree(runners: list[ModelRunner], bound: float) -> None:
     assert fast_tokens == slow_tokens
     for step, (a, b) in enumerate(zip(fast, slow, strict=True)):
         assert np.abs(a - b).max() <= bound, f"step {step}: {np.abs(a - b).max():.2e}"
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_a_warmed_runner_compiles_nothing_in_a_request(request, name):
+    """After `ModelRunner.load` (its kernel warm-up) with the q8 products and f16 K/V, prompt chunks longer than
+    the warm-up's (a first turn, then a second at depth: gemma3's sliding layers wrap their rings) and decode
+    steps neither compile nor load from numba's disk cache a kernel signature: a request would pay seconds."""
+    from numba.core.dispatcher import Dispatcher
+    from strata_engine.ops import numba_kernels, numba_q8
+
+    path = request.getfixturevalue(f"{name}_path")
+    runner = ModelRunner.load(EngineSettings(model_path=path, n_ctx=1024, cpu_kernels="numba-q8", kv_type="f16"))
+    kernels = [k for m in (numba_kernels, numba_q8) for k in vars(m).values() if isinstance(k, Dispatcher)]
+    before = {k.py_func.__name__: len(k.overloads) for k in kernels}
+    rng = np.random.default_rng(16)
+    prompt = [2] + rng.integers(100, 5000, 299).tolist()
+    runner.prefill(prompt)
+    logits = runner.prefill(prompt + rng.integers(100, 5000, 330).tolist()).logits
+    for _ in range(3):
+        logits = runner.decode(int(np.argmax(logits)))
+    assert {k.py_func.__name__: len(k.overloads) for k in kernels} == before
