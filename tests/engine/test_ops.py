@@ -462,12 +462,10 @@ def test_fused_steps_match_the_oracle(numba_ops, style, norm, activation):
     q, k = qkv[:, : n_head * d], qkv[:, n_head * d : (n_head + n_kv) * d]  # column views, as `project` gives
     qn, kn = rng.standard_normal((2, d)).astype(np.float32) if norm else (None, None)
     cos, sin = oracle.rope_tables(7, n_tok, 10000.0, d)
-    for got, want in zip(
-        numba_ops.qk_norm_rope(q, k, d, qn, kn, cos, sin, style, 1e-6),
-        oracle.qk_norm_rope(q, k, d, qn, kn, cos, sin, style, 1e-6),
-        strict=True,
-    ):
-        np.testing.assert_allclose(got, want, rtol=STEP_RTOL, atol=STEP_RTOL)
+    want_qk = oracle.qk_norm_rope(q, k, d, qn, kn, cos, sin, style, 1e-6)
+    for q_in, k_in in ((q, k), (np.asfortranarray(q), np.asfortranarray(k))):  # rows read in place, or copied
+        for got, want in zip(numba_ops.qk_norm_rope(q_in, k_in, d, qn, kn, cos, sin, style, 1e-6), want_qk, strict=True):
+            np.testing.assert_allclose(got, want, rtol=STEP_RTOL, atol=STEP_RTOL)
     n_ff = 64
     w_gu = PackedWeight(rng.integers(-127, 128, (2 * n_ff, e), dtype=np.int8), rng.random((2 * n_ff, e // QK), dtype=np.float32) / 50, None, QK)
     w_down = PackedWeight(rng.integers(-127, 128, (e, n_ff), dtype=np.int8), rng.random((e, n_ff // QK), dtype=np.float32) / 50, None, QK)
