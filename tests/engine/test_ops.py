@@ -198,11 +198,11 @@ def numba_ops(request):
     from strata_engine.ops import numba_ops as module
 
     ops = get_ops("numpy", "f32", "numba", threads=2)
-    saved = module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES, module.STEPS_PARALLEL_MIN_ROWS
+    saved = module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES, module.ACTIVATION_PARALLEL_MIN_ROWS
     threshold = 1 << 62 if request.param == "serial" else 0
-    module.PARALLEL_MIN_BYTES = module.PARALLEL_MIN_SCORES = module.STEPS_PARALLEL_MIN_ROWS = threshold
+    module.PARALLEL_MIN_BYTES = module.PARALLEL_MIN_SCORES = module.ACTIVATION_PARALLEL_MIN_ROWS = threshold
     yield ops
-    module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES, module.STEPS_PARALLEL_MIN_ROWS = saved
+    module.PARALLEL_MIN_BYTES, module.PARALLEL_MIN_SCORES, module.ACTIVATION_PARALLEL_MIN_ROWS = saved
 
 
 def test_every_packed_type_is_exact_and_the_kernels_read_it(numba_ops):

@@ -1085,9 +1085,9 @@ def attention_rows(q, scale, k, v, k_scale, v_scale, has_scales, slots, q_pos, k
 
 
 # ---- the small steps between products (one call each instead of several numpy passes) ------------------
-# Each runs its rows over all threads when `parallel` (a prompt chunk: numba_ops.STEPS_PARALLEL_MIN_ROWS), else
-# on the calling thread (a decode step: a parallel region costs ~1.5 us): one compiled kernel for both (a
-# parallel twin would double numba's compile time at first start, bench/CPU-NOTES.md "The steps between").
+# On the calling thread, but the gated activation: over all threads for a prompt chunk (`parallel`), where it
+# pays (bench/CPU-NOTES.md "The steps between the products": the norms and RoPE over both threads measured within
+# the noise of a prefill, and each parallel kernel adds seconds to numba's first compile).
 GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
 
 
@@ -1148,27 +1148,19 @@ def rms_norm_rows(x, w, eps, out):
         _norm_row(x[i], w, eps, out[i])
 
 
-@njit(fastmath=SAFE_FAST, cache=True, inline="always")
-def _add_norm_row(x, y, w_post, has_post, w_next, eps, xo, ho):
-    if has_post:
-        _norm_row(y, w_post, eps, xo)
-        for j in range(xo.shape[0]):
-            xo[j] += x[j]
-    else:
-        for j in range(xo.shape[0]):
-            xo[j] = x[j] + y[j]
-    _norm_row(xo, w_next, eps, ho)
-
-
-@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
-def add_rms_norm_rows(x, y, w_post, has_post, w_next, eps, parallel, x_out, h_out):
+@njit(fastmath=SAFE_FAST, cache=True)
+def add_rms_norm_rows(x, y, w_post, has_post, w_next, eps, x_out, h_out):
     """x_out = x + (rms_norm(y) * w_post, or y); h_out = rms_norm(x_out) * w_next (rows of [R, E])."""
-    if parallel:
-        for i in prange(x.shape[0]):
-            _add_norm_row(x[i], y[i], w_post, has_post, w_next, eps, x_out[i], h_out[i])
-    else:
-        for i in range(x.shape[0]):
-            _add_norm_row(x[i], y[i], w_post, has_post, w_next, eps, x_out[i], h_out[i])
+    for i in range(x.shape[0]):
+        xo = x_out[i]
+        if has_post:
+            _norm_row(y[i], w_post, eps, xo)
+            for j in range(xo.shape[0]):
+                xo[j] += x[i, j]
+        else:
+            for j in range(xo.shape[0]):
+                xo[j] = x[i, j] + y[i, j]
+        _norm_row(xo, w_next, eps, h_out[i])
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
@@ -1194,26 +1186,17 @@ def _rope_row(src, norm, has_norm, eps, cos_t, sin_t, neox, out):
             out[2 * i + 1] = b * cos_t[i] + a * sin_t[i]
 
 
-@njit(fastmath=SAFE_FAST, cache=True, inline="always")
-def _qk_token(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, q_out, k_out, t):
-    d = q_out.shape[2]
-    for h in range(q_out.shape[1]):
-        _rope_row(row_span(q, t, h * d, d), q_norm, has_norm, eps, cos[t], sin[t], neox, q_out[t, h])
-    for h in range(k_out.shape[1]):
-        _rope_row(row_span(k, t, h * d, d), k_norm, has_norm, eps, cos[t], sin[t], neox, k_out[t, h])
-
-
-@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
-def qk_norm_rope(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, parallel, q_out, k_out):
-    """q [T, H * D], k [T, Hkv * D] (rows contiguous) -> q_out [T, H, D], k_out [T, Hkv, D]: each head
-    normalised (gemma3) and rotated by the tables cos, sin [T, rope_dim / 2] (neox: rotate-half, else
+@njit(fastmath=SAFE_FAST, cache=True)
+def qk_norm_rope(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, q_out, k_out):
+    """q [T, H * D], k [T, Hkv * D] (rows contiguous: read by `row_span`) -> q_out [T, H, D], k_out [T, Hkv, D]:
+    each head normalised (gemma3) and rotated by the tables cos, sin [T, rope_dim / 2] (neox: rotate-half, else
     interleaved pairs)."""
-    if parallel:
-        for t in prange(q.shape[0]):
-            _qk_token(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, q_out, k_out, t)
-    else:
-        for t in range(q.shape[0]):
-            _qk_token(q, k, q_norm, k_norm, has_norm, cos, sin, neox, eps, q_out, k_out, t)
+    d = q_out.shape[2]
+    for t in range(q.shape[0]):
+        for h in range(q_out.shape[1]):
+            _rope_row(row_span(q, t, h * d, d), q_norm, has_norm, eps, cos[t], sin[t], neox, q_out[t, h])
+        for h in range(k_out.shape[1]):
+            _rope_row(row_span(k, t, h * d, d), k_norm, has_norm, eps, cos[t], sin[t], neox, k_out[t, h])
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")

@@ -31,10 +31,9 @@ PACKED_MAX_ROWS = 64
 # prefill chunk too (SmolLM2, 1 thread: 1.9x / 2.3x / 1.6x dequantize + BLAS at 64 / 128 / 512 rows,
 # bench/bench_q8.py, bench/CPU-NOTES.md "Integer dot products").
 Q8_MAX_ROWS = 512
-# Token rows from which the steps between products (norms, RoPE, the gated activation) run over all threads;
-# below, on the calling thread (a decode step: a parallel region costs ~1.5 us). bench/CPU-NOTES.md "The steps
-# between the products".
-STEPS_PARALLEL_MIN_ROWS = 16
+# Token rows from which the gated MLP's activation runs over all threads; below, on the calling thread (a parallel
+# region costs ~1.5 us; at 16 rows the two break even). bench/CPU-NOTES.md "The steps between the products".
+ACTIVATION_PARALLEL_MIN_ROWS = 16
 # Token rows from which a chunk's f16 K/V is stored by `numba_kernels.store_f16` (numpy's float32 -> f16 cast is
 # scalar here); a decode step's row by numpy (one kernel signature: a row of a column view is typed 'C').
 STORE_KERNEL_MIN_ROWS = 2
@@ -154,7 +153,7 @@ class NumbaOps(NumpyOps):
         has_post = w_post is not None
         nk.add_rms_norm_rows(
             x, np.ascontiguousarray(y, dtype=F32), w_post if has_post else w_next, has_post, w_next, F32(eps),
-            self._parallel_rows(x.shape[0]), x_out, h_out,
+            x_out, h_out,
         )  # fmt: skip
         return x_out, h_out
 
@@ -168,7 +167,7 @@ class NumbaOps(NumpyOps):
         has_norm = q_norm is not None
         nk.qk_norm_rope(
             contiguous_rows(q), contiguous_rows(k), q_norm if has_norm else _NO_NORM, k_norm if has_norm else _NO_NORM,
-            has_norm, cos, sin, style is RopeStyle.NEOX, F32(eps), self._parallel_rows(n_tok), q_out, k_out,
+            has_norm, cos, sin, style is RopeStyle.NEOX, F32(eps), q_out, k_out,
         )  # fmt: skip
         return q_out, k_out
 
@@ -178,12 +177,9 @@ class NumbaOps(NumpyOps):
         gate_up = self.matmul(x, w_gate_up)  # [T, 2F]: one product
         n_tok, n_ff = gate_up.shape[0], gate_up.shape[1] // 2
         act = np.empty((n_tok, n_ff), dtype=F32)
-        nk.gated_activation(gate_up, activation is Activation.GELU_TANH, self._parallel_rows(n_tok), act)
+        parallel = self.threads > 1 and n_tok >= ACTIVATION_PARALLEL_MIN_ROWS
+        nk.gated_activation(gate_up, activation is Activation.GELU_TANH, parallel, act)
         return self.matmul(act, w_down)
-
-    def _parallel_rows(self, n_tok: int) -> bool:
-        """Whether a step between products runs its n_tok rows over all threads."""
-        return self.threads > 1 and n_tok >= STEPS_PARALLEL_MIN_ROWS
 
     # ---- products -------------------------------------------------------------------------------
     def packed_matmul(
