@@ -87,19 +87,19 @@ def test_ready_line(engine):
 
 
 def test_complete_greedy_matches_the_references(engine):
-    case = load_reference("transformers-smollm2-135m.json")["complete"][0]
-    peer = load_reference("llamacpp-smollm2-135m.json")["complete"][0]
+    case = load_reference("llamacpp-smollm2-135m.json")["complete"][0]
     n = 8
     lines = engine.complete({"prompt": case["prompt"], "n_predict": n, "temperature": 0, "n_probs": 2})
     tokens, result = lines[:-1], lines[-1]
     assert [t["event"] for t in tokens] == ["token"] * n and result["event"] == "result"
     ids = [t["token"] for t in tokens]
-    assert ids == case["tokens"][:n] == result["tokens"]  # transformers f32: the strict oracle
-    # llama.cpp: equal up to the first step where its top-1 margin is 0.5 or less
-    for step, top5 in enumerate(peer["top5"][:n]):
+    assert ids == result["tokens"]
+    # the default kernels (q8 products) are llama.cpp's math: its tokens up to the first step where its top-1
+    # margin is 0.5 or less (transformers' float32 tokens are test_numerics', with the float32 products)
+    for step, top5 in enumerate(case["top5"][:n]):
         if top5[0][1] - top5[1][1] <= 0.5:
             break
-        assert ids[step] == peer["tokens"][step]
+        assert ids[step] == case["tokens"][step]
     assert "".join(t["content"] for t in tokens) == result["content"]
     assert all(t["probs"][0]["id"] == t["token"] and len(t["probs"]) == 2 and "id" not in t for t in tokens)
     assert result["stop_type"] == "limit" and result["tokens_evaluated"] == len(case["prompt_tokens"])
