@@ -23,6 +23,12 @@ import sys
 import time
 from pathlib import Path
 
+# the engine's package before numpy, as in the engine's own process: it sets OpenBLAS's thread timeout,
+# read when numpy loads OpenBLAS (imported after numpy, BLAS threads spin ~0.1 s after each call, slowing the
+# kernels that follow: gemma3's prefill at 4,096 held by ~25 %, bench/CPU-NOTES.md)
+import strata_engine  # noqa: F401
+
+# isort: split
 import numpy as np
 import psutil
 from strata_engine.runner import ModelRunner

@@ -21,6 +21,12 @@ import argparse
 import os
 import time
 
+# the engine's package before numpy, as in the engine's own process: it sets OpenBLAS's thread timeout,
+# read when numpy loads OpenBLAS (imported after numpy, BLAS threads spin ~0.1 s after each call, slowing the
+# kernels that follow: gemma3's prefill at 4,096 held by ~25 %, bench/CPU-NOTES.md)
+import strata_engine  # noqa: F401
+
+# isort: split
 import numpy as np
 from bench_engine import model_path
 from strata_engine.ops import numba_ops, numba_q8
