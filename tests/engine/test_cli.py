@@ -30,6 +30,7 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         (["--ctx-size", "many"], "--ctx-size"),
         (["--no-such-flag"], "unrecognized"),
         (["--threads", "0"], "threads"),
+        (["--poll", "101"], "poll must be an integer from 0 to 100"),
         (["--parallel", "0"], "n_slots"),
         (["-c", "60", "-np", "4"], "15 tokens of context, fewer than 16"),
     ],
@@ -97,6 +98,23 @@ def test_threads_flag_limits_the_blas_pool():
         set_threads(1)
         blas = [pool for pool in threadpool_info() if pool["user_api"] == "blas"]
         assert blas and all(pool["num_threads"] == 1 for pool in blas)
+
+
+def test_poll_is_set_before_the_kernel_threads_start_and_only_then():
+    """libgomp reads its spin count when numba starts its threads: a fresh process gets --poll's, and a later
+    level says it cannot apply."""
+    code = (
+        "import os\n"
+        "from strata_engine.cli import _settings, build_parser\n"
+        "from strata_engine.ops import get_ops\n"
+        "from strata_engine.ops.threads import SPINS_PER_POLL_LEVEL, set_poll\n"
+        "s = _settings(build_parser().parse_args(['serve', '--model', 'm.gguf', '--poll', '7']))\n"
+        "get_ops('numpy', 'f32', 'numba', 2, s.poll)\n"
+        "print(os.environ['GOMP_SPINCOUNT'] == str(7 * SPINS_PER_POLL_LEVEL), set_poll(9), os.environ['GOMP_SPINCOUNT'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False", "700"]
 
 
 @pytest.mark.parametrize(

@@ -194,6 +194,14 @@ def test_threads_are_the_engine_s_and_http_threads_are_gunicorn_s(tmp_path, fake
     assert len(info.value.problems) == 2
 
 
+def test_poll_reaches_the_engine_and_is_bounded(fake_model):
+    quiet = load_config(["--model", str(fake_model), "--poll", "0"]).engine_argv()
+    assert quiet[quiet.index("--poll") + 1] == "0"
+    assert "--poll" not in load_config(["--model", str(fake_model)]).engine_argv()  # the engine's default, 50
+    with pytest.raises(ConfigError, match="poll: 101 must be from 0 to 100"):
+        load_config(["--model", str(fake_model), "--poll", "101"])
+
+
 # --- chat template -------------------------------------------------------------------------------------
 
 

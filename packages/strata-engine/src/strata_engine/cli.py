@@ -17,6 +17,7 @@ from .errors import EngineError, UsageError
 from .protocol import ExitStatus
 from .serve import serve
 from .settings import (
+    DEFAULT_POLL,
     MIN_N_CTX_SLOT,
     Backend,
     ChatTemplateName,
@@ -102,6 +103,14 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="CPU threads for the kernels and BLAS (default: the cores this process may use)",
+    )
+    parser.add_argument(
+        "--poll",
+        type=int,
+        default=DEFAULT_POLL,
+        metavar="0-100",
+        help=f"how long an idle kernel thread polls for work before it sleeps, as llama-server's --poll (default: "
+        f"{DEFAULT_POLL}: awake through a decode step; 0: sleep at once, for a machine whose cores other work needs)",
     )
     template = parser.add_mutually_exclusive_group()
     template.add_argument(
@@ -190,6 +199,7 @@ def _settings(args: argparse.Namespace) -> EngineSettings:
         backend=args.backend,
         cpu_kernels=args.cpu_kernels,
         threads=args.threads,
+        poll=args.poll,
         chat_template=_chat_template(args),
     )
 

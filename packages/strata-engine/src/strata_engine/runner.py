@@ -154,7 +154,7 @@ class ModelRunner:
         if (problem := settings.slot_problem(settings.n_ctx_total(config.n_ctx_train))) is not None:
             raise SettingsError([problem])  # the model's default context, shared by too many slots
         settings = settings.with_backend_defaults(config.architecture)
-        ops = get_ops(settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads)
+        ops = get_ops(settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads, settings.poll)
         return settings, gguf_file, config, build_model(config, ops, gguf_file)
 
     def sibling(self, **changes: object) -> ModelRunner:
@@ -167,7 +167,7 @@ class ModelRunner:
 
     def kv_settings(self, **changes: object) -> EngineSettings:
         """This runner's settings with K/V settings changed (`sibling`), validated."""
-        fixed = {"model_path", "compute_dtype", "backend", "cpu_kernels", "threads"} & set(changes)
+        fixed = {"model_path", "compute_dtype", "backend", "cpu_kernels", "threads", "poll"} & set(changes)
         if fixed:
             raise SettingsError([f"{name} cannot differ from the loaded model's" for name in sorted(fixed)])
         return attrs.evolve(self.settings, **changes).validate()

@@ -87,6 +87,9 @@ def chat_template_problem(value: str) -> str | None:
 DEFAULT_CPU_KERNELS = CpuKernels.NUMBA_Q8
 # The kernels that are numba's (packed weights, f32 compute).
 NUMBA_KERNELS = frozenset({CpuKernels.NUMBA, CpuKernels.NUMBA_Q8})
+# How long an idle kernel thread polls for work before it sleeps (llama-server's --poll: 0-100, its default 50).
+MAX_POLL = 100
+DEFAULT_POLL = 50
 
 # A context size the engine picks when none is given: the model's training context, capped here so a
 # 32K-context model does not preallocate 32K tokens of K/V by default (llama-server caps the same way
@@ -143,9 +146,12 @@ class EngineSettings:
         None = `DEFAULT_CPU_KERNELS` ("numba-q8") with f32 compute, else "numpy" (on cupy too, where the
         kernels do not run).
     threads: CPU threads for the kernels and BLAS; None = the cores this process may run on.
+    poll: how long an idle kernel thread polls for work before it sleeps, 0-100 (llama-server's --poll):
+        polling keeps a decode step's threads awake between its products (DEFAULT_POLL); 0 sleeps at once,
+        for a machine whose cores other work needs. Set once per process, by the first runner loaded.
     chat_template: a `ChatTemplateName` or a jinja template used instead of the model's own; None = the
         model's (llama-server's --chat-template; --chat-template-file puts the file's text here).
-    Neither cpu_kernels nor threads changes what a session file holds: the config fingerprint leaves them out.
+    Neither cpu_kernels, threads nor poll changes what a session file holds: the config fingerprint leaves them out.
     """
 
     model_path: Path = attrs.field(converter=Path)
@@ -161,6 +167,7 @@ class EngineSettings:
     cuda_graphs: bool = True
     cpu_kernels: str | None = None
     threads: int | None = None
+    poll: int = DEFAULT_POLL
     chat_template: str | None = None
 
     def with_backend_defaults(self, architecture: str) -> EngineSettings:
@@ -220,6 +227,8 @@ class EngineSettings:
             out.append(f"max_checkpoints must be a non-negative integer, got {self.max_checkpoints!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             out.append(f"threads must be a positive integer or None, got {self.threads!r}")
+        if not isinstance(self.poll, int) or isinstance(self.poll, bool) or not 0 <= self.poll <= MAX_POLL:
+            out.append(f"poll must be an integer from 0 to {MAX_POLL}, got {self.poll!r}")
         if self.backend not in values(Backend):
             out.append(f"backend must be one of {', '.join(values(Backend))}, got {self.backend!r}")
         elif self.backend == Backend.NUMPY and self.compute_dtype in (ComputeDType.F16, ComputeDType.BF16):

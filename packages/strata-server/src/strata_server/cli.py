@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
              "host) and/or origins like http://host:port; a listed origin is echoed with credentials, as llama-server")
     add("-t", "--threads", metavar="N", help="the engine's CPU threads, as llama-server's -t (default: -1, the "
         "engine's choice)")
+    add("--poll", metavar="0-100", help="how long the engine's idle CPU threads poll for work before they sleep, as "
+        "llama-server's --poll (default: 50: awake through a decode step; 0: sleep at once, for a machine whose cores "
+        "other work needs)")
     add("--http-threads", "--threads-http", dest="http_threads", metavar="N",
         help="HTTP threads: gunicorn gthread threads (default: 32; requests waiting for the slot each hold one)")
     add("-to", "--timeout", metavar="S", help="read timeout in seconds (llama-server's): a connection whose request "

@@ -19,7 +19,16 @@ from typing import Any
 
 import attrs
 import cattrs
-from strata_engine.settings import Backend, CpuKernels, KVType, Pooling, chat_template_problem, values
+from strata_engine.settings import (
+    DEFAULT_POLL,
+    MAX_POLL,
+    Backend,
+    CpuKernels,
+    KVType,
+    Pooling,
+    chat_template_problem,
+    values,
+)
 from strata_sessionfile import RestoreMode, SessionKey
 from strata_sessionfile.seam import S3_SCHEME
 
@@ -77,6 +86,7 @@ class ServerConfig:
     trusted_origins: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ("*",)
     threads: int = -1  # the engine's CPU threads (engine -t); -1: the engine's own choice
+    poll: int = DEFAULT_POLL  # engine --poll: how long its idle kernel threads poll for work before they sleep
     http_threads: int = 32  # gunicorn gthread threads: requests waiting for the slot each hold one
     timeout: int = 600  # read timeout of a request (worker.py) and gunicorn's worker heartbeat (seconds)
     slot_wait: float = 600.0  # seconds a request waits for the busy slot before a 503
@@ -138,6 +148,8 @@ class ServerConfig:
             argv += ["--chat-template-file", str(self.chat_template_file)]
         if self.threads > 0:
             argv += ["--threads", str(self.threads)]
+        if self.poll != DEFAULT_POLL:
+            argv += ["--poll", str(self.poll)]
         if self.cache_store is not None and self.cache_store_endpoint is not None:
             argv += ["--object-store-endpoint", self.cache_store_endpoint]  # without --cache-disk it reads the objects
         if self.session_key_file is not None:
@@ -298,6 +310,8 @@ def _check_values(config: ServerConfig) -> list[str]:
             problems.append(f"api_key_file: cannot read {config.api_key_file}: {exc}")
     if config.threads == 0 or config.threads < -1:
         problems.append(f"threads: {config.threads} must be at least 1 (or -1: the engine's choice)")
+    if not 0 <= config.poll <= MAX_POLL:
+        problems.append(f"poll: {config.poll} must be from 0 to {MAX_POLL}")
     if config.chat_template is not None and config.chat_template_file is not None:
         problems.append("chat_template: give either chat_template or chat_template_file, not both")
     elif config.chat_template is not None and chat_template_problem(config.chat_template):

@@ -11,7 +11,12 @@ from ..config import ModelConfig
 from ..errors import MissingTensor, TensorShapeMismatch
 from ..gguf import GGUFFile, dequantize_tensor
 from ..ops import Ops
+from ..ops.arena import WeightArena
 from ..ops.packed import PackedWeight, pack_tensor, stack_rows
+
+# The packed weights' arena reserves this many times the file's bytes (virtual: only what they fill is touched):
+# unpacked layouts (Q6_K's float32 scales, a fused weight of mixed types as int8) outgrow their blocks.
+ARENA_FILE_MULTIPLE = 3
 
 
 class KVAccess(Protocol):
@@ -104,21 +109,23 @@ def rope_tables(ops: Ops, config: ModelConfig, rows: Rows) -> RopeTables:
 
 class WeightLoader:
     """Loads named tensors, checking each shape (numpy order): dequantized to the compute dtype, or, for
-    ops that pack weights (`Ops.packs_weights`), quantized matrices repacked from their GGUF blocks."""
+    ops that pack weights (`Ops.packs_weights`), quantized matrices repacked from their GGUF blocks into one
+    arena on huge pages (`ops.arena`)."""
 
     def __init__(self, gguf_file: GGUFFile, ops: Ops):
         self.file = gguf_file
         self.ops = ops
+        self.arena = WeightArena(ARENA_FILE_MULTIPLE * gguf_file.file_size) if ops.packs_weights else None
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> Any:
         packed = self._packed(name, shape)
-        return packed if packed is not None else self.ops.weight(self._host(name, shape))
+        return self._placed(packed) if packed is not None else self.ops.weight(self._host(name, shape))
 
     def fused(self, *named: tuple[str, tuple[int, ...]]) -> Any:
         """Weights with one input size stacked by rows ([W_1; W_2; ...]): one product computes all."""
         packed = [self._packed(name, shape) for name, shape in named]
         if all(p is not None for p in packed):
-            return stack_rows(packed)
+            return self._placed(stack_rows(packed))
         return self.ops.weight(np.concatenate([self._host(name, shape) for name, shape in named]))
 
     def _info(self, name: str, shape: tuple[int, ...]) -> Any:
@@ -135,6 +142,9 @@ class WeightLoader:
         if not self.ops.packs_weights or len(shape) != 2:
             return None
         return pack_tensor(self.file.tensor_bytes(name), info.ggml_type, shape, name)
+
+    def _placed(self, w: PackedWeight) -> PackedWeight:
+        return w if self.arena is None else self.arena.weight(w)
 
     def _host(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         self._info(name, shape)

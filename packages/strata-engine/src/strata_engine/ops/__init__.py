@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import SettingsError
-from ..settings import Backend, CpuKernels
+from ..settings import DEFAULT_POLL, Backend, CpuKernels
 from .base import Ops
 from .numpy_ops import NumpyOps
-from .threads import set_threads
+from .threads import set_poll, set_threads
 
 
 def _numpy_ops(compute_dtype: str, threads: int | None) -> Ops:
@@ -61,14 +61,16 @@ def resolve_backend(backend: str) -> str:
 
 def get_ops(
     backend: str = Backend.NUMPY, compute_dtype: str = "f32", cpu_kernels: str = CpuKernels.NUMPY,
-    threads: int | None = None,
+    threads: int | None = None, poll: int = DEFAULT_POLL,
 ) -> Ops:  # fmt: skip
-    """The ops of a backend; on numpy, of `cpu_kernels`, on `threads` threads (None: as they are)."""
+    """The ops of a backend; on numpy, of `cpu_kernels`, on `threads` threads (None: as they are) polling
+    `poll` (`threads.set_poll`) where their threads are not started yet."""
     backend = resolve_backend(backend)
     try:
         make = OPS_OF_BACKEND[backend]
     except KeyError:
         raise SettingsError([f"backend {backend!r} is not available (have: {', '.join(OPS_OF_BACKEND)})"]) from None
+    set_poll(poll)
     return make(compute_dtype, cpu_kernels, threads)
 
 

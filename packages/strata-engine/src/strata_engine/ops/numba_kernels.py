@@ -24,10 +24,7 @@ from numba.np.arrayobj import make_array, populate_array
 
 F32 = np.float32
 # OpenMP (GNU libgomp) before numba's workqueue, whose sleeping threads take ~100 us to start each parallel
-# region. libgomp's threads spin between regions, bounded here (GOMP_SPINCOUNT) so that on a busy machine
-# a waiting thread soon yields the core another needs: unbounded spinning (or 30,000 spins) fell to 7-17
-# tok/s there. bench/CPU-NOTES.md has the figures.
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# region. libgomp's threads spin between regions for as long as `--poll` says (`threads.set_poll`).
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 # fastmath without nnan / ninf: attention compares scores with -inf.

@@ -1,4 +1,5 @@
-"""How many CPU threads the kernels and BLAS run on (`--threads`), set once per process."""
+"""How many CPU threads the kernels and BLAS run on (`--threads`) and how long an idle kernel thread polls
+for work before it sleeps (`--poll`), set once per process."""
 
 from __future__ import annotations
 
@@ -28,3 +29,22 @@ def set_threads(n: int) -> int:
         return n
     threadpool_limits(n, user_api="blas")
     return n
+
+
+# libgomp spins per poll level (llama-server's --poll, 0-100): a level of 50 spins ~5,000 times, long enough
+# to stay awake between the parallel regions of a decode step (a sleeping thread took 25-50 us to wake
+# for every product, ~1/4 of a SmolLM2 step), short enough to sleep soon after a step. bench/CPU-NOTES.md.
+SPINS_PER_POLL_LEVEL = 100
+
+
+def set_poll(level: int) -> bool:
+    """Make numba's OpenMP threads poll for `level` x SPINS_PER_POLL_LEVEL spins before they sleep (0: at
+    once, for a machine whose cores other work needs). libgomp reads it when numba starts its threads, once
+    per process: False where they had started already (the level then is the one they started with)."""
+    if "numba" in sys.modules:
+        from numba.np.ufunc import parallel
+
+        if parallel._is_initialized:
+            return False
+    os.environ["GOMP_SPINCOUNT"] = str(level * SPINS_PER_POLL_LEVEL)
+    return True
