@@ -25,13 +25,16 @@ def blocked_attention(
     scale: float,
     key_block: int,
     out_dtype: Any,
+    softmax_step: Any = None,
 ) -> Any:
     """Causal (optionally sliding-window) GQA attention over key blocks with an online softmax.
 
     q [T, H, D]; k, v [S, Hkv, D] (any float dtype; computed in float32). A query at position p sees
     keys at j <= p with p - j < window. Key blocks wholly outside every query's view are skipped.
     Returns [T, H*D] in `out_dtype`. Per block: s = (q * scale) k^T + mask; m' = max(m, rowmax s);
-    acc = acc * e^(m - m') + e^(s - m') v; l = l * e^(m - m') + rowsum e^(s - m'); out = acc / l."""
+    acc = acc * e^(m - m') + e^(s - m') v; l = l * e^(m - m') + rowsum e^(s - m'); out = acc / l.
+    softmax_step(s, m, l, acc) [R, B], [R], [R], [R, D] (a compiled kernel: `numba_kernels.online_softmax_step`)
+    may do a block's softmax part in place of the array library's passes."""
     f32 = xp.float32
     n_q, n_head, d = q.shape
     n_k, n_kv, _ = k.shape
@@ -81,6 +84,10 @@ def blocked_attention(
     for b0 in range(start, stop, key_block):
         b1 = min(b0 + key_block, stop)
         s = block_scores(b0, b1)
+        if softmax_step is not None:
+            softmax_step(s.reshape(n_kv * rows, b1 - b0), m.reshape(-1), l_sum.reshape(-1), acc.reshape(n_kv * rows, d))
+            acc += xp.matmul(s, v[b0:b1].astype(f32, copy=False).transpose(1, 0, 2))
+            continue
         m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
         # A row that has seen no visible key yet keeps m = -inf; shift it by 0 so exp() gives 0, not NaN.
         shift = xp.where(m_new == f32(-np.inf), f32(0), m_new)

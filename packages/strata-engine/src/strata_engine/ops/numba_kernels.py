@@ -969,6 +969,26 @@ def _grouped_queries(q, n_kv, scale):
     return out
 
 
+@njit(parallel=True, fastmath=SAFE_FAST, cache=True)
+def online_softmax_step(s, m, l_sum, acc):
+    """One key block of `attention_tiling.blocked_attention`'s online softmax, a pass over its scores instead
+    of numpy's six: per row r of s [R, B] (masked keys -inf), m' = max(m[r], max s[r]); s[r] = e^(s[r] - m')
+    (0 where masked); l[r] = l[r] e^(m - m') + sum s[r]; acc[r] *= e^(m - m'); m[r] = m'. A row with no
+    visible key yet keeps m = -inf (its scores shifted by 0). m, l_sum [R], acc [R, D], all float32."""
+    for r in prange(s.shape[0]):
+        row = s[r]
+        top = max(m[r], _row_max(row))
+        shift = top if top != -np.inf else F32(0)
+        for j in range(row.shape[0]):  # vectorized
+            x = row[j]
+            row[j] = fast_exp(x - shift) if x != -np.inf else F32(0)
+        c = np.exp(m[r] - shift)
+        l_sum[r] = l_sum[r] * c + row_sum(row)
+        for j in range(acc.shape[1]):
+            acc[r, j] *= c
+        m[r] = top
+
+
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _merge(acc, m_in, l_in, n_tok, out):
     """out [T, H * D] from the splits' partials: sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)."""

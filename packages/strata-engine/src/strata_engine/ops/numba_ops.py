@@ -292,7 +292,7 @@ class NumbaOps(NumpyOps):
             values = StoredRows(v, v_scale, first, n, ring_capacity)
             return blocked_attention(
                 np, q, keys, values, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale,
-                key_block=ATTN_BLAS_KEY_BLOCK, out_dtype=F32,
+                key_block=ATTN_BLAS_KEY_BLOCK, out_dtype=F32, softmax_step=nk.online_softmax_step,
             )  # fmt: skip
         return self.attention_kernel(
             q, k, v, k_scale, v_scale, q_pos0=q_pos0, k_lo=k_lo, k_hi=k_hi, base=k_pos0,
