@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from .placement import PoolPlacement
 
 
@@ -70,10 +68,9 @@ class InPlacePlacement(PoolPlacement):
         parts = self.pool.arena_layer(layer)
         k, v = parts[0], parts[1]
         k_scale, v_scale = (parts[2], parts[3]) if len(parts) == 4 else (None, None)
-        if k_scale is None:  # every row's K/V into its slot by one casting scatter (as `ops.store_kv` rounds)
-            at = (np.asarray([s.kv.pool.slot for s in spans]),
-                  np.asarray([s.pos0 % g.capacity if g.is_ring else s.pos0 for s in spans]))  # fmt: skip
-            k[at], v[at] = k_new, v_new
+        if k_scale is None:  # every row's K/V into its slot in one call (rounding as `ops.store_kv`)
+            self.ops.store_kv_rows(k_new, v_new, k, v, [s.kv.pool.slot for s in spans],
+                                   [s.pos0 % g.capacity if g.is_ring else s.pos0 for s in spans])  # fmt: skip
         else:  # int8: encoded and checked by each slot's pool
             for b, s in enumerate(spans):
                 s.kv.attend(layer, s.pos0, None, k_new[b : b + 1], v_new[b : b + 1], q_pos0=s.pos0, window=window,

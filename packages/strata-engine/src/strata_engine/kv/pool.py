@@ -212,6 +212,7 @@ class KVPool:
         self._ring_start = 0
         self._pending_ring_start: int | None = None
         self._part_bytes: dict[tuple[int, str], Any] = {}
+        self._arena_layers: dict[int, list[Any]] = {}
 
     @staticmethod
     def allocate(ops: Ops, nbytes: int) -> Any:
@@ -238,10 +239,12 @@ class KVPool:
     def arena_layer(self, i: int) -> list[Any]:
         """Layer i's parts (K, V, and with int8 their scales) of every slot of the arena, [n_slots, capacity,
         ...] each: what a kernel batched over slots reads and writes, slot `pool.slot` at index pool.slot."""
-        return [
-            self.buffer[o : o + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
-            for o, shape, dt in self.arena.layout.parts[i]
-        ]
+        if i not in self._arena_layers:  # views made once: a batched step asks for them every layer (~20 us)
+            self._arena_layers[i] = [
+                self.buffer[o : o + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
+                for o, shape, dt in self.arena.layout.parts[i]
+            ]
+        return self._arena_layers[i]
 
     def io_layer(self, i: int) -> LayerKV:
         """Layer i's arrays that session files are copied to and from: here the pool's own."""

@@ -253,6 +253,19 @@ class NumbaOps(NumpyOps):
         k_pool[first : first + n] = k
         v_pool[first : first + n] = v
 
+    def store_kv_rows(self, k: Any, v: Any, k_arena: Any, v_arena: Any, slots: list[int], positions: list[int]) -> None:
+        """A batched decode step's K/V, row b of k, v [B, Hkv, D] into position positions[b] of slot slots[b] of
+        a layer's arena [n_slots, capacity, Hkv, D] (f16 by `numba_kernels.store_f16_rows`, rounding as numpy's
+        cast; f32 by a scatter)."""
+        n = k.shape[0]
+        if k_arena.dtype == np.float16 and k_arena.flags.c_contiguous and v_arena.flags.c_contiguous:
+            nk.store_f16_rows(
+                contiguous_rows(k.reshape(n, -1)), contiguous_rows(v.reshape(n, -1)), k_arena.view(np.uint16),
+                v_arena.view(np.uint16), np.asarray(slots, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+            )  # fmt: skip
+            return
+        k_arena[slots, positions], v_arena[slots, positions] = k, v
+
     # ---- attention ------------------------------------------------------------------------------
     def attention(
         self,
