@@ -47,7 +47,7 @@ DEQUANT_CHUNK_BYTES = 2 << 20
 # 16 MiB, bench/CPU-NOTES.md); only toy weights stay serial. On a machine with other work the join waits for
 # a descheduled thread. Products: weight bytes times token rows; attention: keys x query heads x tokens.
 PARALLEL_MIN_BYTES = 64 << 10
-PARALLEL_MIN_SCORES = 1 << 14  # decode at depth over all threads: 1.3-1.4x on an idle machine, slower on a busy one
+PARALLEL_MIN_SCORES = 1 << 11  # decode from ~230 SmolLM2 keys over all threads (with --poll the threads are awake)
 # Query tokens up to which attention runs in the tiled kernel; above, key blocks through BLAS.
 ATTN_KERNEL_MAX_TOKENS = 16
 # A longer chunk attends in the kernel too, blocks of ATTN_KERNEL_MAX_TOKENS queries over all threads (1.3-5x
