@@ -406,6 +406,23 @@ def test_a_batched_steps_attention_equals_each_row_attending_alone(kv_type, ring
         np.testing.assert_allclose(got[b : b + 1], alone, rtol=1e-5, atol=1e-6)
 
 
+def test_warm_attention_compiles_the_blas_paths_softmax_step():
+    """A wide head's chunk deep in a context (gemma3's global layers: key blocks through BLAS with the online
+    softmax in `online_softmax_step`) compiles nothing after `warm_attention`."""
+    from strata_engine.ops import numba_kernels as nk
+    from strata_engine.ops import numba_ops as module
+
+    ops = get_ops("numpy", "f32", "numba", threads=2)
+    rng = np.random.default_rng(6)
+    held, n_tok = module.ATTN_BLAS_MIN_HELD + 20, module.ATTN_KERNEL_MAX_TOKENS + 4
+    kv = rng.standard_normal((held + n_tok, 1, 256)).astype(np.float16)
+    ops.warm_attention(kv, kv)
+    before = len(nk.online_softmax_step.signatures)
+    q = rng.standard_normal((n_tok, 4, 256)).astype(np.float32)
+    ops.attention(q, kv, kv, q_pos0=held, k_pos0=0, window=None, scale=0.0625)
+    assert before >= 1 and len(nk.online_softmax_step.signatures) == before
+
+
 @pytest.mark.parametrize("kv_type", ["f16", "int8"])
 def test_warm_attention_compiles_what_a_deep_request_runs(kv_type, monkeypatch):
     """After `warm_attention` on a pool's storage, attention over it -- a full layer's slice or a ring,

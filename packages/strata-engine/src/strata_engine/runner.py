@@ -38,7 +38,7 @@ from .kv import (
     take_checkpoint,
 )
 from .models import Model, build_model
-from .models.common import Rows
+from .models.common import Rows, Span
 from .ops import get_ops
 from .sampling import Argmax
 from .settings import EngineSettings, KVType
@@ -217,7 +217,8 @@ class ModelRunner:
 
     def warm_kernels(self) -> float:
         """Compile (or load from numba's disk cache) the kernels a request would run, now: a forward pass
-        of one token and one of a short prompt past the packed products' row limit, on placeholder
+        of one token, one of a short prompt past the packed products' row limit and one shaped as a batched
+        decode step of two rows, on placeholder
         tokens at position 0 whose K/V are then dropped, and the attention kernels over the pool's storage
         that those short passes do not reach (`Ops.warm_attention`). Nothing for ops without compiled
         kernels. Returns the seconds spent."""
@@ -226,10 +227,13 @@ class ModelRunner:
             return 0.0
         if self.n_held:
             raise EngineError("kernels are warmed up before a conversation is held")
-        for n in sorted({1, min(WARM_UP_TOKENS, self.n_ctx)}):
-            self.pool.begin_append(0, n)
+        passes = [Rows.chunk(self.placement, 0, n) for n in sorted({1, min(WARM_UP_TOKENS, self.n_ctx)})]
+        if self.n_ctx >= 2:  # a batched decode step's shape (two one-row spans: `attend_rows`), in this slot alone
+            passes.append(Rows((Span(self.placement, 0, 1), Span(self.placement, 1, 1))))
+        for rows in passes:
+            self.pool.begin_append(0, rows.n_rows)
             try:
-                self.model.forward(np.zeros(n, dtype=np.int64), Rows.chunk(self.placement, 0, n), want_logits=True)
+                self.model.forward(np.zeros(rows.n_rows, dtype=np.int64), rows, want_logits=True)
             finally:
                 self.pool.abort_append()
                 self.erase()

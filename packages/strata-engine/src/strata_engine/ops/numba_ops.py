@@ -353,7 +353,7 @@ class NumbaOps(NumpyOps):
 
     def warm_attention(self, k: Any, v: Any, k_scale: Any = None, v_scale: Any = None) -> None:
         """The attention kernels over the first slot of this storage (a layer's views; the batched step's
-        over every slot's): the parallel one runs from PARALLEL_MIN_SCORES only, which no warm-up pass reaches, and would otherwise be compiled or
+        over every slot's) and the BLAS path's softmax step: the parallel one runs from PARALLEL_MIN_SCORES only, which no warm-up pass reaches, and would otherwise be compiled or
         loaded in the first request that attends that far (a 16-token prompt at ~7,300 SmolLM2 keys)."""
         n_head = k.shape[1]
         q = np.zeros((1, n_head, k.shape[2]), dtype=F32)
@@ -375,3 +375,5 @@ class NumbaOps(NumpyOps):
             k_scale[None, :1] if has_scales else _DUMMY_4D, v_scale[None, :1] if has_scales else _DUMMY_4D,
             has_scales, one, one, one, 0, 0, 1, np.empty((1, n_head * k.shape[2]), dtype=F32),
         )  # fmt: skip
+        # the BLAS key blocks' softmax (a wide head deep in a context: gemma3's global layers)
+        nk.online_softmax_step(np.zeros((1, 1), F32), np.full(1, -np.inf, F32), np.zeros(1, F32), np.zeros((1, 1), F32))
