@@ -557,3 +557,24 @@ def test_f16_store_rounds_as_numpys_cast_bit_for_bit(numba_ops, ring):
             slots = np.arange(pos0, pos0 + n_tok) % ring if ring else np.arange(pos0, pos0 + n_tok)
             assert np.array_equal(k_pool[slots].view(np.uint16), k.astype(np.float16).view(np.uint16))
             assert np.array_equal(v_pool[slots].view(np.uint16), v.astype(np.float16).view(np.uint16))
+
+
+def test_a_batched_steps_f16_row_store_rounds_as_numpys_cast_bit_for_bit(numba_ops):
+    """A batched step's rows (`store_kv_rows`: `numba_kernels.store_f16_rows`, from a fused projection's column
+    views as the models pass v) land at their own slot and position with numpy's astype(float16) bits; nothing
+    else in the arena changes."""
+    values = _f16_store_candidates()
+    n_kv, d, n_rows = 2, 64, 8
+    values = np.resize(values, (values.size // (n_rows * n_kv * d) + 1) * n_rows * n_kv * d)
+    slots, positions = [3, 0, 5, 1, 7, 2, 6, 4], [9, 0, 31, 17, 2, 30, 8, 16]
+    with np.errstate(over="ignore"):
+        for chunk in values.reshape(-1, n_rows, n_kv * d)[:64]:
+            fused = np.concatenate([chunk, chunk[::-1]], axis=1)  # [B, 2 Hkv D]: k, v as column views
+            k, v = fused[:, : n_kv * d].reshape(n_rows, n_kv, d), fused[:, n_kv * d :].reshape(n_rows, n_kv, d)
+            k_arena, v_arena = np.full((2, 8, 32, n_kv, d), 7.0, dtype=np.float16)
+            numba_ops.store_kv_rows(k, v, k_arena, v_arena, slots, positions)
+            assert np.array_equal(k_arena[slots, positions].view(np.uint16), k.astype(np.float16).view(np.uint16))
+            assert np.array_equal(v_arena[slots, positions].view(np.uint16), v.astype(np.float16).view(np.uint16))
+            untouched = np.ones((8, 32), dtype=bool)
+            untouched[slots, positions] = False
+            assert (k_arena[untouched] == 7.0).all() and (v_arena[untouched] == 7.0).all()

@@ -1250,34 +1250,34 @@ def gated_activation(gate_up, gelu, parallel, out):
             _gated_row(gate_up[t], gelu, out[t])
 
 
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _store_f16_row(k, v, t, k_dst, v_dst):
+    """Row t of k, v [T, Hkv * D] (rows contiguous) rounded to f16 into one stored position k_dst, v_dst
+    [Hkv, D] (f16 bits: uint16)."""
+    d = k_dst.shape[1]
+    for h in range(k_dst.shape[0]):
+        src_k, src_v = row_span(k, t, h * d, d), row_span(v, t, h * d, d)
+        dst_k, dst_v = k_dst[h], v_dst[h]
+        for j in range(d):
+            dst_k[j] = half_bits(src_k[j])
+            dst_v[j] = half_bits(src_v[j])
+
+
 @njit(fastmath=SAFE_FAST, cache=True)
 def store_f16_rows(k, v, k_arena, v_arena, slots, positions):
-    """A batched decode step's K/V: row b of k, v [B, Hkv * D] (rows contiguous) rounded to f16 into position
-    positions[b] of slot slots[b] of a layer's arena k_arena, v_arena [n_slots, capacity, Hkv, D] (f16 bits:
-    uint16); one call instead of two casting fancy-index scatters (~9 us each a layer)."""
-    d = k_arena.shape[3]
+    """A batched decode step's K/V: row b of k, v [B, Hkv * D] into position positions[b] of slot slots[b] of
+    a layer's arena k_arena, v_arena [n_slots, capacity, Hkv, D] (uint16); one call instead of two casting
+    fancy-index scatters (~9 us each a layer)."""
     for b in range(k.shape[0]):
-        slot, pos = slots[b], positions[b]
-        for h in range(k_arena.shape[2]):
-            src_k, src_v = row_span(k, b, h * d, d), row_span(v, b, h * d, d)
-            dst_k, dst_v = k_arena[slot, pos, h], v_arena[slot, pos, h]
-            for j in range(d):
-                dst_k[j] = half_bits(src_k[j])
-                dst_v[j] = half_bits(src_v[j])
+        _store_f16_row(k, v, b, k_arena[slots[b], positions[b]], v_arena[slots[b], positions[b]])
 
 
 @njit(fastmath=SAFE_FAST, cache=True)
 def store_f16(k, v, k_pool, v_pool, first, capacity):
-    """Rows t of k, v [T, Hkv * D] (rows contiguous) rounded to f16 into slot first + t (modulo capacity
-    when > 0) of the pools' storage k_pool, v_pool [slots, Hkv, D] (f16 bits: uint16)."""
-    d = k_pool.shape[2]
+    """Rows t of k, v [T, Hkv * D] into slot first + t (modulo capacity when > 0) of the pools' storage
+    k_pool, v_pool [slots, Hkv, D] (uint16)."""
     for t in range(k.shape[0]):
         slot = first + t
         if capacity > 0:
             slot %= capacity
-        for h in range(k_pool.shape[1]):
-            src_k, src_v = row_span(k, t, h * d, d), row_span(v, t, h * d, d)
-            dst_k, dst_v = k_pool[slot, h], v_pool[slot, h]
-            for j in range(d):
-                dst_k[j] = half_bits(src_k[j])
-                dst_v[j] = half_bits(src_v[j])
+        _store_f16_row(k, v, t, k_pool[slot], v_pool[slot])
