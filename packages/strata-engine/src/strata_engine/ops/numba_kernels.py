@@ -459,10 +459,13 @@ _HEAD_DIMS = (64, 128, 256)  # head sizes the IR is generated for (others: a pla
 _VEC = 16 if _AVX512 else 8  # float32 lanes of one register
 _KEY_TILE = 32  # keys per tile: every head's rows of a tile (16 KiB of f16 at Hkv x D = 256) stay in L1
 _DOT_ROWS = 4  # query rows per `key_dots` block
+# Query rows per `value_sums` call, in column blocks where their accumulators would not fit the registers: each
+# value row is then read once per four rows, not once per row (gemma3's 256-wide heads: x1.28, bench/CPU-NOTES.md)
+_SUM_ROWS = 4
 _PREFETCH_KEYS = 16  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
 # Value sums: the accumulators (registers) a block of query rows keeps over the loop: whole value rows
 # where they fit (D / lanes per row: the rows stream in address order, 1.2x faster from memory than
-# column blocks of a row, bench/CPU-NOTES.md), else column blocks of one row.
+# column blocks of a row, bench/CPU-NOTES.md), else column blocks of every row of the block.
 _SUM_ACC = 16 if _AVX512 else 8
 
 
@@ -859,9 +862,8 @@ def _sums(acc, weights, values, scales, has_scales, lo, n):
     other head sizes)."""
     d = acc.shape[1]
     if d == 64 or d == 128 or d == 256:
-        block = max(1, min(4, _SUM_ACC // (d // _VEC)))  # rows whose whole value rows fit the registers
-        for r in range(0, acc.shape[0], block):
-            _sums_block(acc[r:], weights[r:], values, scales, lo, n, min(block, acc.shape[0] - r))
+        for r in range(0, acc.shape[0], _SUM_ROWS):
+            _sums_block(acc[r:], weights[r:], values, scales, lo, n, min(_SUM_ROWS, acc.shape[0] - r))
         return
     _plain_sums(acc, weights, values, scales, has_scales, lo, n)
 
