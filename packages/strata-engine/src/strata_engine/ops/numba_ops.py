@@ -52,9 +52,10 @@ PARALLEL_MIN_SCORES = 1 << 11  # decode from ~230 SmolLM2 keys over all threads 
 ATTN_KERNEL_MAX_TOKENS = 16
 # A longer chunk attends in the kernel too, blocks of ATTN_KERNEL_MAX_TOKENS queries over all threads (1.3-5x
 # BLAS's key blocks, whose softmax is single-threaded numpy), except heads this wide over this many keys held
-# before it, where BLAS wins by ~1.3x (gemma3's global layers; bench/CPU-NOTES.md).
+# before it, where BLAS wins (gemma3's global layers: x1.05 at 8,192 held, x1.1 at 16,000; the kernel x1.09 at
+# 4,096; bench/CPU-NOTES.md).
 ATTN_BLAS_MIN_HEAD_DIM = 256
-ATTN_BLAS_MIN_HELD = 3072
+ATTN_BLAS_MIN_HELD = 6144
 # Keys per block of the BLAS path (scores [Hkv, G*T, block] float32 stay a few MiB).
 ATTN_BLAS_KEY_BLOCK = 512
 # Keys per split of the attention kernel at least (fewer splits than threads * 2 otherwise).
