@@ -459,8 +459,9 @@ _HEAD_DIMS = (64, 128, 256)  # head sizes the IR is generated for (others: a pla
 _VEC = 16 if _AVX512 else 8  # float32 lanes of one register
 _KEY_TILE = 32  # keys per tile: every head's rows of a tile (16 KiB of f16 at Hkv x D = 256) stay in L1
 _DOT_ROWS = 4  # query rows per `key_dots` block
-# Query rows per `value_sums` call, in column blocks where their accumulators would not fit the registers: each
-# value row is then read once per four rows, not once per row (gemma3's 256-wide heads: x1.28, bench/CPU-NOTES.md)
+# Query rows per `value_sums` call for a prompt chunk's many rows, in column blocks where their accumulators would
+# not fit the registers: each value row read once per four rows (gemma3's 256-wide heads: x1.28). A decode step's
+# few rows stream whole value rows from memory, one row a call there (x1.1 over column blocks; bench/CPU-NOTES.md).
 _SUM_ROWS = 4
 _PREFETCH_KEYS = 16  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
 # Value sums: the accumulators (registers) a block of query rows keeps over the loop: whole value rows
@@ -571,16 +572,23 @@ def _counted_loop(builder, n, body, carried):
     return out
 
 
-def _prefetch_row(builder, arr, index, elem, n_bytes):
-    """Prefetch the n_bytes (a multiple of 64, or fewer) at the start of row `index` of a 2-D array into
-    the cache: a head's part of a stored row, _PREFETCH_KEYS keys ahead of the one being read."""
+def _prefetch_row(builder, arr, index, elem):
+    """Prefetch row `index` of a 2-D array (a head's view of the stored rows) into the cache, a 64-byte line at
+    a time over the row stride: the whole stored row, every head (x1.13 on a batched step's attention over
+    prefetching the head's own part: bench/CPU-NOTES.md), _PREFETCH_KEYS keys ahead of the one being read."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch"
     )
     row = builder.bitcast(_row_ptr(builder, arr, index, elem), ir.IntType(8).as_pointer())
-    for off in range(0, n_bytes, 64):
-        ptr = builder.gep(row, [ir.Constant(_I64, off)])
+    stride = builder.extract_value(arr.strides, 0)
+    n_lines = builder.udiv(builder.add(stride, ir.Constant(_I64, 63)), ir.Constant(_I64, 64))
+
+    def line(j, carried):
+        ptr = builder.gep(row, [builder.mul(j, ir.Constant(_I64, 64))])
         builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return []
+
+    _counted_loop(builder, n_lines, line, [])
 
 
 def _kv_intrinsic_args(context, builder, signature, args):
@@ -588,7 +596,6 @@ def _kv_intrinsic_args(context, builder, signature, args):
 
 
 _ELEM = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}
-_BYTES = {types.uint16: 2, types.float32: 4, types.int8: 1}
 
 
 def _fma(builder):
@@ -632,7 +639,7 @@ def key_dots(typingctx, q, keys, scales, lo, n, out, d, rows):
             scale_row = _row_ptr(builder, s_arr, idx, _F32)
             if _PREFETCH_KEYS:
                 ahead = builder.add(idx, ir.Constant(_I64, _PREFETCH_KEYS))
-                _prefetch_row(builder, k_arr, ahead, _ELEM[keys.dtype], d.literal_value * _BYTES[keys.dtype])
+                _prefetch_row(builder, k_arr, ahead, _ELEM[keys.dtype])
             acc = [ir.Constant(ir.VectorType(_F32, _VEC), [0.0] * _VEC)] * n_rows
             for c in range(chunks):
                 kc = _stored_chunk(builder, row, scale_row, c, keys.dtype)
@@ -679,7 +686,7 @@ def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
                 row = _row_ptr(builder, v_arr, idx, _ELEM[values.dtype])
                 if c0 == 0 and _PREFETCH_KEYS:
                     ahead = builder.add(idx, ir.Constant(_I64, _PREFETCH_KEYS))
-                    _prefetch_row(builder, v_arr, ahead, _ELEM[values.dtype], d.literal_value * _BYTES[values.dtype])
+                    _prefetch_row(builder, v_arr, ahead, _ELEM[values.dtype])
                 scale_row = _row_ptr(builder, s_arr, idx, _F32)
                 vc = [_stored_chunk(builder, row, scale_row, c0 + c, values.dtype) for c in range(width)]
                 out = []
@@ -862,8 +869,9 @@ def _sums(acc, weights, values, scales, has_scales, lo, n):
     other head sizes)."""
     d = acc.shape[1]
     if d == 64 or d == 128 or d == 256:
-        for r in range(0, acc.shape[0], _SUM_ROWS):
-            _sums_block(acc[r:], weights[r:], values, scales, lo, n, min(_SUM_ROWS, acc.shape[0] - r))
+        block = _SUM_ROWS if acc.shape[0] > _SUM_ROWS else max(1, min(4, _SUM_ACC // (d // _VEC)))
+        for r in range(0, acc.shape[0], block):
+            _sums_block(acc[r:], weights[r:], values, scales, lo, n, min(block, acc.shape[0] - r))
         return
     _plain_sums(acc, weights, values, scales, has_scales, lo, n)
 
