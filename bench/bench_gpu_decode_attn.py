@@ -6,7 +6,7 @@ short lengths and not at long ones, as in the model's step).
 
 Cases: smollm2 (9 / 3 heads of 64, f16, 30 layers; pools of 4,168 and 8,192 slots, bench_gpu.py's and
 profile_gpu.py's n_ctx) and gemma3 (4 / 1 heads of 256, bf16, 18 layers: 3 global over a 32,776-slot pool,
-15 local over a 1,024-slot ring with a 512 window). Per held length and `CupyOps.flash_min_tiles`: us per
+15 local over a 1,024-slot ring with a 512 window); f16 pools (the engine's default K/V type). Per held length and `CupyOps.flash_min_tiles`: us per
 layer of one replay (median of --repeat timings of 10 replays between two events), of the same graph with
 the combine left out (the flash kernel alone), and the key splits of the global layers. Each case's last
 layer is checked against the same attention with the positions as arguments (no graph, the held keys only).
@@ -80,9 +80,7 @@ def main() -> int:
     for name, dtype, n_head, n_kv, d, layers, helds in cases:
         ops = CupyOps(dtype)
         pools = [
-            tuple(
-                ops.asarray(rng.standard_normal((slots, n_kv, d)).astype(np.float32), ops.dtype) for _ in "kv"
-            )
+            tuple(ops.asarray(rng.standard_normal((slots, n_kv, d)).astype(np.float16)) for _ in "kv")
             for slots, _, _ in layers
         ]
         q = ops.asarray(rng.standard_normal((1, n_head, d)).astype(np.float32), ops.dtype)

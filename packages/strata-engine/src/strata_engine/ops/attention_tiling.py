@@ -124,6 +124,7 @@ def flash_tiles(head_dim: int, rows: int) -> tuple[int, int]:
 
 
 FLASH_MIN_TILES = 4  # key tiles a split gets at least (`flash_splits`)
+FLASH_DECODE_MIN_TILES = 1  # the same for a one-warp (decode) launch: bench/GPU-NOTES.md v18
 
 
 def flash_splits(n_blocks: int, n_keys: int, key_tile: int, n_sm: int, min_tiles: int = FLASH_MIN_TILES) -> int:

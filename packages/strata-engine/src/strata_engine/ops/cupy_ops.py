@@ -25,6 +25,7 @@ from ..config import Activation, RopeStyle
 from ..errors import SettingsError
 from .attention_tiling import (
     ATTENTION_SCORE_BUDGET,
+    FLASH_DECODE_MIN_TILES,
     FLASH_HEAD_DIMS,
     FLASH_MIN_TILES,
     blocked_attention,
@@ -51,7 +52,7 @@ _ARGMAX_THREADS = 1024  # strata_argmax_rows: one block per row of 49K-262K logi
 _ROW_VALUES = (1, 2, 4, 8, 16)  # values per thread it is compiled for (rows up to 4,096 values)
 _GEMV_ROWS = (1, 2, 4, 8)  # token rows strata_gemv is compiled for
 _GEMV_WARPS = 8
-_COMBINE_GROUPS = 16  # strata_attn_combine: thread groups per output row, each summing every 16th split
+_COMBINE_GROUPS = 16  # strata_attn_combine: thread groups per output row, each merging every 16th split
 # The layers' products take strata_gemv up to this many rows (at most SMALL_STEP_ROWS), cuBLAS beyond: at 4 and 8
 # rows cuBLAS measured faster (smollm2 B=8 replay 1.45 -> 1.10 ms, gemma3 1.20 -> 0.97; bench/GPU-NOTES.md, v12).
 GEMV_ROWS = 2
@@ -100,7 +101,7 @@ class CupyOps(NumpyOps):
         self._memcpy_async = cp.cuda.runtime.memcpyAsync  # looked up once: copy_bytes runs per block piece
         self._pending_copy: list[int] | None = None  # [dest, src, nbytes, kind] not yet queued (copy_bytes)
         self.score_budget = ATTENTION_SCORE_BUDGET  # bytes of float32 scores per attention key block
-        self.flash_min_tiles = FLASH_MIN_TILES  # key tiles per split at least (benchmarks compare others)
+        self.flash_min_tiles = FLASH_DECODE_MIN_TILES  # key tiles per split of a decode launch at least
         self._rope_cache: dict[tuple[float, int], tuple[Any, Any]] = {}
 
     # ---- data movement -------------------------------------------------------------------------
@@ -453,7 +454,9 @@ class CupyOps(NumpyOps):
         warps, key_tile = tiles or flash_tiles(d, rows)
         block_rows = 16 * warps
         row_tiles = -(-rows // block_rows)
-        splits = flash_splits(row_tiles * n_kv * n_batch, n_keys, key_tile, self.raw.n_sm, self.flash_min_tiles)
+        # A one-warp block (decode) gets a split per key tile: the parallel merge costs less than a longer walk.
+        min_tiles = self.flash_min_tiles if warps == 1 else FLASH_MIN_TILES
+        splits = flash_splits(row_tiles * n_kv * n_batch, n_keys, key_tile, self.raw.n_sm, min_tiles)
         out = cp.empty((n_batch * n_q, n_head * d), dtype=self.dtype)
         rows_pad = row_tiles * block_rows
         part_o = part_ml = _NULL
@@ -480,7 +483,7 @@ class CupyOps(NumpyOps):
                 (threads,),
                 (part_o, part_ml, out, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(d),
                  np.int32(splits), np.int32(rows_pad), np.int32(n_batch)),
-                shared_mem=4 * (-(-splits // 4) * 4 + _COMBINE_GROUPS * d),
+                shared_mem=4 * _COMBINE_GROUPS * (d + 2),
             )  # fmt: skip
         return out
 
