@@ -477,13 +477,16 @@ class CupyOps(NumpyOps):
         kernel((row_tiles, n_kv, splits * n_batch), (32 * warps,), args, shared_mem=smem)
         if splits > 1:
             combine = self.raw.get("strata_attn_combine", c_type(out.dtype))
-            threads = _COMBINE_GROUPS * d // 4  # a block per output row: 16 groups of D / 4 float4 columns
+            # A block per output row: up to 16 groups of D / 4 float4 columns (no more groups than splits,
+            # rounded up to a power of two so a block is whole warps).
+            groups = min(_COMBINE_GROUPS, 1 << (splits - 1).bit_length())
+            threads = groups * d // 4
             combine(
                 (n_batch * n_kv * rows,),
                 (threads,),
                 (part_o, part_ml, out, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(d),
                  np.int32(splits), np.int32(rows_pad), np.int32(n_batch)),
-                shared_mem=4 * _COMBINE_GROUPS * (d + 2),
+                shared_mem=4 * (-(-splits // 4) * 4 + groups * d),
             )  # fmt: skip
         return out
 

@@ -337,7 +337,7 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
     const int j_hi = min(n_keys, q_pos0 + t_hi - k_pos0 + 1);
     const int n_tiles = j_hi > j_lo ? (j_hi - j_lo + BC - 1) / BC : 0;
     // The first n_used splits share the tiles; the rest (fewer tiles than splits: a captured step's splits
-    // are sized for the whole pool) only mark themselves empty (m = -inf) for the combine to skip.
+    // are sized for the whole pool) only mark themselves empty, so the combine stops at the last used one.
     const int n_used = min(n_splits, n_tiles);
     if (n_splits > 1 && split >= n_used) {
         const size_t base = ((size_t)(b * n_splits + split) * Hkv + kvh) * rows_pad;
@@ -533,15 +533,18 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
 }
 
 // Merge the key splits: out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s.
-// One block per output row (batch row, K/V head, query row; n_batch > 1: a batched step's parts) of
-// blockDim = n_groups * D / 4 threads: group g merges splits g, g + n_groups, ... of float4 columns against
-// its own max (the loads of its splits independent of each other, no block-wide step before them), then
-// the groups' sums are rescaled to the common max. Dynamic shared memory: n_groups * (D + 2) floats.
+// One block per output row (batch row, K/V head, query row; n_batch > 1: a batched step's parts), blockDim
+// a multiple of D / 4 and of 32. The splits' weights are made once, in parallel, into shared memory; then
+// blockDim / (D / 4) groups of threads each sum float4 columns of every such group-th used split (loads
+// independent of each other, not a serial chain per value), and the groups' sums are added.
+// Dynamic shared memory: (round4(n_splits) + (blockDim / (D / 4)) * D) floats.
 template <typename OT>
 __global__ void strata_attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     OT* __restrict__ out, int n_q, int H, int Hkv, int D, int n_splits,
                                     int rows_pad, int n_batch) {
     extern __shared__ __align__(16) float comb_smem[];
+    __shared__ float red[32];
+    __shared__ int red_i[32];
     const int G = H / Hkv;
     const int rows = n_q * G;
     const int R = blockIdx.x % rows;
@@ -549,47 +552,71 @@ __global__ void strata_attn_combine(const float* __restrict__ part_o, const floa
     const int b = blockIdx.x / (rows * Hkv);
     const size_t stride = (size_t)Hkv * rows_pad;  // rows between one split's part and the next's
     const size_t at0 = ((size_t)b * n_splits * Hkv + kvh) * rows_pad + R;  // split 0's row
-    const int D4 = D >> 2, n_groups = blockDim.x / D4;
-    const int c = threadIdx.x % D4, g = threadIdx.x / D4;
-    float* acc = comb_smem;              // [n_groups][D]
-    float* grp_m = acc + n_groups * D;   // [n_groups]
-    float* grp_l = grp_m + n_groups;     // [n_groups]
+    float* w = comb_smem;
+    float* acc = comb_smem + ((n_splits + 3) & ~3);
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, n_warps = blockDim.x >> 5;
 
-    float mg = -INFINITY;
-#pragma unroll 8
-    for (int s = g; s < n_splits; s += n_groups) mg = fmaxf(mg, part_ml[(at0 + s * stride) * 2]);
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    float lg = 0.f;
-    if (mg != -INFINITY) {
-#pragma unroll 4
-        for (int s = g; s < n_splits; s += n_groups) {
-            const float2 ml = *reinterpret_cast<const float2*>(part_ml + (at0 + s * stride) * 2);
-            if (ml.x == -INFINITY) continue;  // an empty split (its part_o unwritten) or one that saw no key
-            const float w = exp2f(ml.x - mg);
-            const float4 o = *reinterpret_cast<const float4*>(part_o + (at0 + s * stride) * D + 4 * c);
-            lg += ml.y * w;
-            a.x += o.x * w;
-            a.y += o.y * w;
-            a.z += o.z * w;
-            a.w += o.w * w;
-        }
+    // M, and the last split with a visible key (the used splits come first: strata_flash_attn).
+    float mx = -INFINITY;
+    int last = -1;
+    for (int s = tid; s < n_splits; s += blockDim.x) {
+        const float m = part_ml[(at0 + s * stride) * 2];
+        w[s] = m;
+        mx = fmaxf(mx, m);
+        if (m != -INFINITY) last = s;
     }
-    *reinterpret_cast<float4*>(acc + g * D + 4 * c) = a;
-    if (c == 0) {
-        grp_m[g] = mg;
-        grp_l[g] = lg;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+    }
+    if (lane == 0) {
+        red[wid] = mx;
+        red_i[wid] = last;
     }
     __syncthreads();
-    float M = -INFINITY;
-    for (int i = 0; i < n_groups; i++) M = fmaxf(M, grp_m[i]);
+    mx = -INFINITY;
+    last = -1;
+    for (int i = 0; i < n_warps; i++) {
+        mx = fmaxf(mx, red[i]);
+        last = max(last, red_i[i]);
+    }
+    __syncthreads();  // red is reused below
+
+    // Weights, and den = sum_s l_s w_s.
     float den = 0.f;
-    for (int i = 0; i < n_groups; i++)
-        if (grp_m[i] != -INFINITY) den += grp_l[i] * exp2f(grp_m[i] - M);
+    for (int s = tid; s <= last; s += blockDim.x) {
+        const float m = w[s];
+        const float ws = m == -INFINITY ? 0.f : exp2f(m - mx);
+        w[s] = ws;
+        den += part_ml[(at0 + s * stride) * 2 + 1] * ws;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+    if (lane == 0) red[wid] = den;
+    __syncthreads();  // also: every w[s] is written
+    den = 0.f;
+    for (int i = 0; i < n_warps; i++) den += red[i];
+
+    // num = sum_s o_s w_s: group g sums splits g, g + n_groups, ... of columns 4c .. 4c + 3.
+    const int D4 = D >> 2, n_groups = blockDim.x / D4;
+    const int c = tid % D4, g = tid / D4;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = g; s <= last; s += n_groups) {
+        const float ws = w[s];  // 0 for a used split that saw no key (its o is 0, finite)
+        const float4 o = *reinterpret_cast<const float4*>(part_o + (at0 + s * stride) * D + 4 * c);
+        a.x += o.x * ws;
+        a.y += o.y * ws;
+        a.z += o.z * ws;
+        a.w += o.w * ws;
+    }
+    *reinterpret_cast<float4*>(acc + g * D + 4 * c) = a;
+    __syncthreads();
     OT* dst = out + (((size_t)b * n_q + R / G) * H + kvh * G + R % G) * D;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    for (int d = tid; d < D; d += blockDim.x) {
         float num = 0.f;
-        for (int i = 0; i < n_groups; i++)
-            if (grp_m[i] != -INFINITY) num += acc[i * D + d] * exp2f(grp_m[i] - M);
+        for (int i = 0; i < n_groups; i++) num += acc[i * D + d];
         dst[d] = from_f32<OT>(den > 0.f ? num / den : 0.f);
     }
 }
