@@ -54,12 +54,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--min-tiles", default="4,2,1")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--prefill", action="store_true", help="time prefill chunks' attention instead")
     args = ap.parse_args()
     import cupy as cp
     from strata_engine.ops.attention_tiling import flash_splits, flash_tiles
     from strata_engine.ops.cupy_ops import CupyOps
 
     rng = np.random.default_rng(0)
+    if args.prefill:
+        return prefill(cp, CupyOps, rng, args.repeat)
     # name, dtype, H, Hkv, D, layers [(pool slots, ring capacity, window)], held lengths
     cases = [
         ("smollm2 n_ctx 4168", "f16", 9, 3, 64, [(4168, 0, 0)] * 30, (512, 4096)),
@@ -127,6 +130,37 @@ def main() -> int:
                 err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
                 print(f"{name:<20} {held:>6} {mt:>9} {splits:>6} {us / len(layers):>9.2f} "
                       f"{us_f / len(layers):>10.2f} {err:>8.1e}", flush=True)  # fmt: skip
+    return 0
+
+
+def prefill(cp, CupyOps, rng, repeat: int) -> int:
+    """Prefill chunks' attention (several query rows, key splits merged by the combine where the row tiles
+    alone do not fill the device): us per call, 10 calls of one case replayed as a graph."""
+    # name, dtype, H, Hkv, D, chunk rows, first position, window
+    cases = [
+        ("smollm2 chunk", "f16", 9, 3, 64, 32, 4000, None),
+        ("smollm2 chunk", "f16", 9, 3, 64, 128, 3968, None),
+        ("smollm2 chunk", "f16", 9, 3, 64, 512, 0, None),
+        ("smollm2 chunk", "f16", 9, 3, 64, 512, 3584, None),
+        ("gemma3 global", "bf16", 4, 1, 256, 512, 0, None),
+        ("gemma3 global", "bf16", 4, 1, 256, 512, 3584, None),
+        ("gemma3 global", "bf16", 4, 1, 256, 2048, 30720, None),
+        ("gemma3 local", "bf16", 4, 1, 256, 512, 3584, 512),
+    ]
+    print(f"{'case':<14} {'rows':>5} {'pos':>6} {'us/call':>8}")
+    for name, dtype, n_head, n_kv, d, n_q, pos, window in cases:
+        ops = CupyOps(dtype)
+        k0 = max(0, pos - window + 1) if window else 0
+        n_k = pos + n_q - k0
+        k, v = (ops.asarray(rng.standard_normal((n_k, n_kv, d)).astype(np.float16)) for _ in "kv")
+        q = ops.asarray(rng.standard_normal((n_q, n_head, d)).astype(np.float32), ops.dtype)
+
+        def run(ops=ops, q=q, k=k, v=v, pos=pos, k0=k0, window=window, d=d):
+            return [ops.flash_attention(q, k, v, q_pos0=pos, k_pos0=k0, window=window, scale=d**-0.5)
+                    for _ in range(10)]  # fmt: skip
+
+        graph, stream, _pool, _ = capture(cp, run)
+        print(f"{name:<14} {n_q:>5} {pos:>6} {replay_us(cp, graph, stream, repeat) / 10:>8.2f}", flush=True)
     return 0
 
 

@@ -62,7 +62,7 @@ PY
     ops-k) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_ops.py -k "$OPS_K" 2>&1 | tee "$OUT/ops-k.log" || rc=1 ;;
     attn) python3 bench/bench_gpu_decode_attn.py ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn.log" || rc=1 ;;
     attn-base)  # the same with the strata_engine of .gpu-carry/base (a checkout to compare against)
-      PYTHONPATH=/tmp/site:$PWD/.gpu-carry/base/packages/strata-engine/src python3 bench/bench_gpu_decode_attn.py --min-tiles 4 2>&1 | tee "$OUT/attn-base.log" || rc=1 ;;
+      PYTHONPATH=/tmp/site:$PWD/.gpu-carry/base/packages/strata-engine/src python3 bench/bench_gpu_decode_attn.py --min-tiles 4 ${ATTN_BASE_ARGS:-} 2>&1 | tee "$OUT/attn-base.log" || rc=1 ;;
     profile)  # host time of prefill and decode, per function (the first model present)
       m=${PROFILE_MODEL:-${STRATA_GEMMA3_PATH:-$STRATA_SMOLLM2_PATH}}; p=${PROFILE_PROMPT:-512}
       python3 bench/profile_gpu.py --model "$m" --prompt "$p" --dtype "${PROFILE_DTYPE:-bf16}" 2>&1 | tee "$OUT/profile-$p.log" | grep -E "ms/token|tottime|^ +[0-9]|^  [a-z(]|----" | head -60 || rc=1 ;;

@@ -516,6 +516,28 @@ def test_decode_key_splits_merge_as_numpy(cp, min_tiles, dtype, n_head, n_kv, d,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize(
+    ("dtype", "n_q", "n_head", "n_kv", "d", "q_pos0"),
+    [("f16", 37, 9, 3, 64, 4000), ("bf16", 8, 4, 1, 256, 3000), ("f16", 1, 9, 3, 64, 4000)],
+)
+def test_both_split_merges_match_numpy(cp, monkeypatch, wide, dtype, n_q, n_head, n_kv, d, q_pos0):
+    """The same split launch (15-63 splits) merged a block per output row (strata_attn_combine_wide: decode)
+    and a thread per value (strata_attn_combine: many rows), each against NumPy's attention."""
+    from strata_engine.ops import cupy_ops
+
+    monkeypatch.setattr(cupy_ops, "_COMBINE_WIDE_ROWS", 1 << 20 if wide else 0)
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(n_q + d)
+    q, k, v, q0, k0 = _attention_case(rng, n_q, q_pos0 + n_q, n_head, n_kv, d, q_pos0)
+    qd, kd, vd = ops.asarray(q, ops.dtype), ops.asarray(k, np.float16), ops.asarray(v, np.float16)
+    host = [ops.to_host(a).astype(np.float32) for a in (qd, kd, vd)]
+    want = ref.attention(*host, q_pos0=q0, k_pos0=k0, window=None, scale=d**-0.5)
+    got = ops.to_host(ops.flash_attention(qd, kd, vd, q_pos0=q0, k_pos0=k0, window=None, scale=d**-0.5))
+    assert rel_err(got.astype(np.float32), want) < FLASH_TOL[dtype]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("min_tiles", [1, 4])
 @pytest.mark.parametrize(
     ("dtype", "n_head", "n_kv", "d", "window", "cap"),

@@ -7,7 +7,7 @@
 //   heads that share a K/V head share each K/V tile. Keys are read where they are stored (a pool slice
 //   or a ring addressed by position % capacity), in f16, bf16 or f32, converted to f16 on the way in.
 //   With several key splits (decode, short chunks) each split writes an unnormalised partial result
-//   and strata_attn_combine merges them.
+//   and strata_attn_combine (many rows) or strata_attn_combine_wide (few rows: decode) merges them.
 // * strata_store_kv: the chunk's K/V into the pool's slots (ring slots by position % capacity);
 //   strata_store_kv_rows: a batched decode step's rows, each into its own slot's region of the arena.
 //   strata_flash_attn with `batch` attends such a step's rows, each over its own slot, in one launch.
@@ -533,15 +533,46 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
 }
 
 // Merge the key splits: out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s.
-// One block per output row (batch row, K/V head, query row; n_batch > 1: a batched step's parts), blockDim
-// a multiple of D / 4 and of 32. The splits' weights are made once, in parallel, into shared memory; then
-// blockDim / (D / 4) groups of threads each sum float4 columns of every such group-th used split (loads
-// independent of each other, not a serial chain per value), and the groups' sums are added.
-// Dynamic shared memory: (round4(n_splits) + (blockDim / (D / 4)) * D) floats.
+// One thread per (batch row, K/V head, row, d); n_batch > 1: a batched step's parts (strata_flash_attn); for
+// launches of many output rows (prefill chunks), where the rows alone fill the device.
 template <typename OT>
 __global__ void strata_attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     OT* __restrict__ out, int n_q, int H, int Hkv, int D, int n_splits,
                                     int rows_pad, int n_batch) {
+    const int G = H / Hkv;
+    const int rows = n_q * G;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_batch * Hkv * rows * D) return;
+    const int d = (int)(i % D);
+    const int R = (int)((i / D) % rows);
+    const int kvh = (int)((i / ((long long)D * rows)) % Hkv);
+    const int b = (int)(i / ((long long)D * rows * Hkv));
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; s++)
+        M = fmaxf(M, part_ml[(((size_t)(b * n_splits + s) * Hkv + kvh) * rows_pad + R) * 2]);
+    float num = 0.f, den = 0.f;
+    if (M != -INFINITY) {
+        for (int s = 0; s < n_splits; s++) {
+            const size_t at = ((size_t)(b * n_splits + s) * Hkv + kvh) * rows_pad + R;
+            const float m = part_ml[at * 2];
+            if (m == -INFINITY) continue;  // an empty split (part_o unwritten) or one that saw no key
+            const float w = exp2f(m - M);
+            den += part_ml[at * 2 + 1] * w;
+            num += part_o[at * D + d] * w;
+        }
+    }
+    out[(((size_t)b * n_q + R / G) * H + kvh * G + R % G) * D + d] = from_f32<OT>(den > 0.f ? num / den : 0.f);
+}
+
+// The same merge for launches of few output rows (decode, batched decode steps): one block per output row
+// (batch row, K/V head, query row), blockDim a multiple of D / 4 and of 32. The splits' weights are made once,
+// in parallel, into shared memory; then blockDim / (D / 4) groups of threads each sum float4 columns of every
+// such group-th used split (loads independent of each other, not a serial chain per value), and the groups'
+// sums are added. Dynamic shared memory: (round4(n_splits) + (blockDim / (D / 4)) * D) floats.
+template <typename OT>
+__global__ void strata_attn_combine_wide(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                         OT* __restrict__ out, int n_q, int H, int Hkv, int D, int n_splits,
+                                         int rows_pad, int n_batch) {
     extern __shared__ __align__(16) float comb_smem[];
     __shared__ float red[32];
     __shared__ int red_i[32];
