@@ -3,7 +3,7 @@
 #   probe  nvidia-smi, CuPy version, mapped host memory and bf16 availability
 #   ops    tests/engine/test_gpu_ops.py
 #   kernels  bench/bench_gpu_kernels.py (the flash attention kernel vs torch SDPA)
-#   ops-k  tests/engine/test_gpu_ops.py -k "$OPS_K"
+#   ops-k  tests/engine/test_gpu_ops.py -k "$OPS_K";  model-k  tests/engine/test_gpu_model.py -k "$MODEL_K"
 #   attn  bench/bench_gpu_decode_attn.py (a decode step's attention per layer; ATTN_ARGS); attn-base: the same
 #         with the strata_engine copied to .gpu-carry/base (carried), the checkout to compare against
 #   profile  bench/profile_gpu.py (host time of prefill and decode per function; PROFILE_MODEL, PROFILE_PROMPT)
@@ -80,6 +80,7 @@ PY
       } 2>&1 | tee "$OUT/trace_restore.log" | grep -vE "^       " ;;
     probe-io) python3 bench/probe_gpu_io.py --folder /tmp 2>&1 | tee "$OUT/probe_io.log" || rc=1 ;;
     tests) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_ops.py tests/engine/test_gpu_model.py tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/tests.log" || rc=1 ;;
+    model-k) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_model.py -k "$MODEL_K" 2>&1 | tee "$OUT/model-k.log" || rc=1 ;;
     model) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_model.py 2>&1 | tee "$OUT/model.log" || rc=1 ;;
     session) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/session.log" || rc=1 ;;
     bench)  # f16 for smollm2; gemma3 in bf16 (its residual stream overflows f16)
