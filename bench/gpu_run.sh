@@ -3,6 +3,9 @@
 #   probe  nvidia-smi, CuPy version, mapped host memory and bf16 availability
 #   ops    tests/engine/test_gpu_ops.py
 #   kernels  bench/bench_gpu_kernels.py (the flash attention kernel vs torch SDPA)
+#   ops-k  tests/engine/test_gpu_ops.py -k "$OPS_K";  model-k  tests/engine/test_gpu_model.py -k "$MODEL_K"
+#   attn  bench/bench_gpu_decode_attn.py (a decode step's attention per layer; ATTN_ARGS); attn-base: the same
+#         with the strata_engine copied to .gpu-carry/base (carried), the checkout to compare against
 #   profile  bench/profile_gpu.py (host time of prefill and decode per function; PROFILE_MODEL, PROFILE_PROMPT)
 #   profile-session  bench/profile_gpu_session.py (in-process SAVE/RESTORE, per adapter call and library step)
 #   trace-restore  bench/trace_engine_restore.py (a timeline of each RESTORE in fresh engines; variants
@@ -56,6 +59,10 @@ PY
       } 2>&1 | tee "$OUT/probe.log" || rc=1 ;;
     ops) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_ops.py 2>&1 | tee "$OUT/ops.log" || rc=1 ;;
     kernels) python3 bench/bench_gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" || rc=1 ;;
+    ops-k) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_ops.py -k "$OPS_K" 2>&1 | tee "$OUT/ops-k.log" || rc=1 ;;
+    attn) python3 bench/bench_gpu_decode_attn.py ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn.log" || rc=1 ;;
+    attn-base)  # the same with the strata_engine of .gpu-carry/base (a checkout to compare against)
+      PYTHONPATH=/tmp/site:$PWD/.gpu-carry/base/packages/strata-engine/src python3 bench/bench_gpu_decode_attn.py --min-tiles 4 ${ATTN_BASE_ARGS:-} 2>&1 | tee "$OUT/attn-base.log" || rc=1 ;;
     profile)  # host time of prefill and decode, per function (the first model present)
       m=${PROFILE_MODEL:-${STRATA_GEMMA3_PATH:-$STRATA_SMOLLM2_PATH}}; p=${PROFILE_PROMPT:-512}
       python3 bench/profile_gpu.py --model "$m" --prompt "$p" --dtype "${PROFILE_DTYPE:-bf16}" 2>&1 | tee "$OUT/profile-$p.log" | grep -E "ms/token|tottime|^ +[0-9]|^  [a-z(]|----" | head -60 || rc=1 ;;
@@ -73,6 +80,7 @@ PY
       } 2>&1 | tee "$OUT/trace_restore.log" | grep -vE "^       " ;;
     probe-io) python3 bench/probe_gpu_io.py --folder /tmp 2>&1 | tee "$OUT/probe_io.log" || rc=1 ;;
     tests) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_ops.py tests/engine/test_gpu_model.py tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/tests.log" || rc=1 ;;
+    model-k) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_model.py -k "$MODEL_K" 2>&1 | tee "$OUT/model-k.log" || rc=1 ;;
     model) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_model.py 2>&1 | tee "$OUT/model.log" || rc=1 ;;
     session) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/session.log" || rc=1 ;;
     bench)  # f16 for smollm2; gemma3 in bf16 (its residual stream overflows f16)

@@ -338,6 +338,8 @@ def test_flash_tiles_and_splits():
     assert flash_splits(400, 4096, 64, 132) == 1  # enough row tiles: no split
     assert flash_splits(1, 32768, 16, 132) == 264  # decode at 32K: 2 x 132 SMs
     assert flash_splits(3, 100, 64, 132) == 1  # too few keys to split
+    assert flash_splits(3, 8192, 64, 132, min_tiles=1) == 88  # a tile a split at least: 2 x 132 SMs over 3 heads
+    assert flash_splits(3, 8192, 64, 132, min_tiles=4) == 32
 
 
 @pytest.mark.gpu
@@ -470,6 +472,97 @@ def test_flash_attention_position_on_the_device_matches_the_argument(cp, n_head,
         want = ops.flash_attention(q, k_pool[:end], v_pool[:end], q_pos0=pos0, k_pos0=0, window=window,
                                    scale=d**-0.5)  # fmt: skip
     assert rel_err(ops.to_host(got).astype(np.float32), ops.to_host(want).astype(np.float32)) < 1e-2
+
+
+def _ring_reference(ref, q, keys, values, pos, window, cap, scale):
+    """NumPy attention of one query at `pos` over the keys a slot holds (position p in slot p % cap when cap)."""
+    k_pos0 = max(0, pos - window + 1) if window else 0
+    where = np.arange(k_pos0, pos + 1) % cap if cap else np.arange(k_pos0, pos + 1)
+    return ref.attention(q, keys[where], values[where], q_pos0=pos, k_pos0=k_pos0, window=window, scale=scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("min_tiles", [1, 2, 4])
+@pytest.mark.parametrize(
+    ("dtype", "n_head", "n_kv", "d", "window", "cap", "pos"),
+    [
+        ("f16", 9, 3, 64, None, 0, 0),  # one key: every split but the first empty
+        ("f16", 9, 3, 64, None, 0, 63),  # one whole tile
+        ("f16", 9, 3, 64, None, 0, 700),  # fewer tiles than splits
+        ("f16", 9, 3, 64, None, 0, 4095),  # smollm2 at 4,096 held
+        ("f16", 9, 3, 64, None, 0, 8191),  # the whole pool: more tiles than splits
+        ("bf16", 4, 1, 256, None, 0, 511),
+        ("bf16", 4, 1, 256, None, 0, 8191),  # gemma3's global layer: 16-key tiles, 2 x n_sm splits
+        ("bf16", 4, 1, 256, 512, 1024, 5000),  # a local layer's ring, wrapped
+    ],
+)
+def test_decode_key_splits_merge_as_numpy(cp, min_tiles, dtype, n_head, n_kv, d, window, cap, pos):
+    """A captured decode step's attention (`dyn`, splits sized for the pool, the used splits first and the
+    rest empty) merged by strata_attn_combine, at several split counts (`flash_min_tiles`) and lengths,
+    against NumPy's attention over the keys held."""
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    ops.flash_min_tiles = min_tiles
+    rng = np.random.default_rng(pos + d + min_tiles)
+    slots = cap or 8192
+    k_pool = ops.asarray(rng.standard_normal((slots, n_kv, d)).astype(np.float32), ops.dtype)
+    v_pool = ops.asarray(rng.standard_normal((slots, n_kv, d)).astype(np.float32), ops.dtype)
+    q = ops.asarray(rng.standard_normal((1, n_head, d)).astype(np.float32), ops.dtype)
+    dyn = cp.asarray([pos], dtype=cp.int32)
+    got = ops.flash_attention(q, k_pool, v_pool, q_pos0=0, k_pos0=0, window=window, scale=d**-0.5,
+                              ring_capacity=cap, dyn=dyn)  # fmt: skip
+    host_q, host_k, host_v = (ops.to_host(a).astype(np.float32) for a in (q, k_pool, v_pool))
+    want = _ring_reference(ref, host_q, host_k, host_v, pos, window, cap, d**-0.5)
+    assert rel_err(ops.to_host(got).astype(np.float32), want) < FLASH_TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize(
+    ("dtype", "n_q", "n_head", "n_kv", "d", "q_pos0"),
+    [("f16", 37, 9, 3, 64, 4000), ("bf16", 8, 4, 1, 256, 3000), ("f16", 1, 9, 3, 64, 4000)],
+)
+def test_both_split_merges_match_numpy(cp, monkeypatch, wide, dtype, n_q, n_head, n_kv, d, q_pos0):
+    """The same split launch (15-63 splits) merged a block per output row (strata_attn_combine_wide: decode)
+    and a thread per value (strata_attn_combine: many rows), each against NumPy's attention."""
+    from strata_engine.ops import cupy_ops
+
+    monkeypatch.setattr(cupy_ops, "_COMBINE_WIDE_ROWS", 1 << 20 if wide else 0)
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(n_q + d)
+    q, k, v, q0, k0 = _attention_case(rng, n_q, q_pos0 + n_q, n_head, n_kv, d, q_pos0)
+    qd, kd, vd = ops.asarray(q, ops.dtype), ops.asarray(k, np.float16), ops.asarray(v, np.float16)
+    host = [ops.to_host(a).astype(np.float32) for a in (qd, kd, vd)]
+    want = ref.attention(*host, q_pos0=q0, k_pos0=k0, window=None, scale=d**-0.5)
+    got = ops.to_host(ops.flash_attention(qd, kd, vd, q_pos0=q0, k_pos0=k0, window=None, scale=d**-0.5))
+    assert rel_err(got.astype(np.float32), want) < FLASH_TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("min_tiles", [1, 4])
+@pytest.mark.parametrize(
+    ("dtype", "n_head", "n_kv", "d", "window", "cap"),
+    [("f16", 9, 3, 64, None, 0), ("bf16", 4, 1, 256, None, 0), ("bf16", 4, 1, 256, 512, 1024)],
+)
+def test_flash_attention_rows_matches_numpy(cp, min_tiles, dtype, n_head, n_kv, d, window, cap):
+    """A batched decode step's attention (`flash_attention_rows`: each row over its own slot of the arena, its
+    splits merged per row) against NumPy's attention of each row alone; the rows' lengths differ (one key,
+    a few tiles, a full or wrapped slot) and their slots are out of order."""
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    ops.flash_min_tiles = min_tiles
+    rng = np.random.default_rng(d + min_tiles)
+    capacity = cap or 2048
+    positions, slots = [0, 700, 1900 if cap else 2047], [2, 0, 3]
+    k_arena = ops.asarray(rng.standard_normal((4, capacity, n_kv, d)).astype(np.float32), ops.dtype)
+    v_arena = ops.asarray(rng.standard_normal((4, capacity, n_kv, d)).astype(np.float32), ops.dtype)
+    q = ops.asarray(rng.standard_normal((3, n_head, d)).astype(np.float32), ops.dtype)
+    rows = cp.asarray([3, *positions, *slots], dtype=cp.int32)
+    got = ops.to_host(ops.flash_attention_rows(q, k_arena, v_arena, rows, window=window, scale=d**-0.5,
+                                               ring_capacity=cap)).astype(np.float32)  # fmt: skip
+    assert got.shape == (3, n_head * d)
+    host_q, host_k, host_v = (ops.to_host(a).astype(np.float32) for a in (q, k_arena, v_arena))
+    for b, (pos, slot) in enumerate(zip(positions, slots, strict=True)):
+        want = _ring_reference(ref, host_q[b : b + 1], host_k[slot], host_v[slot], pos, window, cap, d**-0.5)
+        assert rel_err(got[b : b + 1], want) < FLASH_TOL[dtype], (b, pos)
 
 
 @pytest.mark.gpu

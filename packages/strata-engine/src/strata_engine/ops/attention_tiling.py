@@ -123,10 +123,14 @@ def flash_tiles(head_dim: int, rows: int) -> tuple[int, int]:
     return warps, (16 if head_dim > 128 else 64)
 
 
-def flash_splits(n_blocks: int, n_keys: int, key_tile: int, n_sm: int) -> int:
+FLASH_MIN_TILES = 4  # key tiles a split gets at least (`flash_splits`)
+FLASH_DECODE_MIN_TILES = 1  # the same for a one-warp (decode) launch: bench/GPU-NOTES.md v18
+
+
+def flash_splits(n_blocks: int, n_keys: int, key_tile: int, n_sm: int, min_tiles: int = FLASH_MIN_TILES) -> int:
     """Key splits per row tile: enough blocks to fill the device twice over when the row tiles alone
-    do not (decode, short chunks), but never under four key tiles per split."""
+    do not (decode, short chunks), but never under `min_tiles` key tiles per split."""
     if n_blocks >= 2 * n_sm:
         return 1
     want = -(-2 * n_sm // n_blocks)
-    return max(1, min(want, n_keys // (4 * key_tile)))
+    return max(1, min(want, n_keys // (min_tiles * key_tile)))

@@ -25,7 +25,9 @@ from ..config import Activation, RopeStyle
 from ..errors import SettingsError
 from .attention_tiling import (
     ATTENTION_SCORE_BUDGET,
+    FLASH_DECODE_MIN_TILES,
     FLASH_HEAD_DIMS,
+    FLASH_MIN_TILES,
     blocked_attention,
     flash_splits,
     flash_tiles,
@@ -50,6 +52,10 @@ _ARGMAX_THREADS = 1024  # strata_argmax_rows: one block per row of 49K-262K logi
 _ROW_VALUES = (1, 2, 4, 8, 16)  # values per thread it is compiled for (rows up to 4,096 values)
 _GEMV_ROWS = (1, 2, 4, 8)  # token rows strata_gemv is compiled for
 _GEMV_WARPS = 8
+_COMBINE_GROUPS = 16  # strata_attn_combine_wide: thread groups per output row, each summing every 16th split
+# Output rows up to which the splits merge in parallel per row (decode); a prefill chunk's many rows fill the
+# device with a thread per value (gemma3's 512-row chunks: 99 vs 77 us a local layer: bench/GPU-NOTES.md v18).
+_COMBINE_WIDE_ROWS = 512
 # The layers' products take strata_gemv up to this many rows (at most SMALL_STEP_ROWS), cuBLAS beyond: at 4 and 8
 # rows cuBLAS measured faster (smollm2 B=8 replay 1.45 -> 1.10 ms, gemma3 1.20 -> 0.97; bench/GPU-NOTES.md, v12).
 GEMV_ROWS = 2
@@ -98,6 +104,7 @@ class CupyOps(NumpyOps):
         self._memcpy_async = cp.cuda.runtime.memcpyAsync  # looked up once: copy_bytes runs per block piece
         self._pending_copy: list[int] | None = None  # [dest, src, nbytes, kind] not yet queued (copy_bytes)
         self.score_budget = ATTENTION_SCORE_BUDGET  # bytes of float32 scores per attention key block
+        self.flash_min_tiles = FLASH_DECODE_MIN_TILES  # key tiles per split of a decode launch at least
         self._rope_cache: dict[tuple[float, int], tuple[Any, Any]] = {}
 
     # ---- data movement -------------------------------------------------------------------------
@@ -450,7 +457,9 @@ class CupyOps(NumpyOps):
         warps, key_tile = tiles or flash_tiles(d, rows)
         block_rows = 16 * warps
         row_tiles = -(-rows // block_rows)
-        splits = flash_splits(row_tiles * n_kv * n_batch, n_keys, key_tile, self.raw.n_sm)
+        # A one-warp block (decode) gets a split per key tile: the parallel merge costs less than a longer walk.
+        min_tiles = self.flash_min_tiles if warps == 1 else FLASH_MIN_TILES
+        splits = flash_splits(row_tiles * n_kv * n_batch, n_keys, key_tile, self.raw.n_sm, min_tiles)
         out = cp.empty((n_batch * n_q, n_head * d), dtype=self.dtype)
         rows_pad = row_tiles * block_rows
         part_o = part_ml = _NULL
@@ -470,14 +479,18 @@ class CupyOps(NumpyOps):
         )  # fmt: skip
         kernel((row_tiles, n_kv, splits * n_batch), (32 * warps,), args, shared_mem=smem)
         if splits > 1:
-            combine = self.raw.get("strata_attn_combine", c_type(out.dtype))
-            total = n_batch * n_kv * rows * d
-            combine(
-                (-(-total // 256),),
-                (256,),
-                (part_o, part_ml, out, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(d),
-                 np.int32(splits), np.int32(rows_pad), np.int32(n_batch)),
-            )  # fmt: skip
+            args = (part_o, part_ml, out, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(d),
+                    np.int32(splits), np.int32(rows_pad), np.int32(n_batch))  # fmt: skip
+            out_rows = n_batch * n_kv * rows
+            if out_rows <= _COMBINE_WIDE_ROWS:
+                # A block per output row: up to 16 groups of D / 4 float4 columns (no more groups than splits,
+                # rounded up to a power of two so a block is whole warps).
+                groups = min(_COMBINE_GROUPS, 1 << (splits - 1).bit_length())
+                combine = self.raw.get("strata_attn_combine_wide", c_type(out.dtype))
+                combine((out_rows,), (groups * d // 4,), args, shared_mem=4 * (-(-splits // 4) * 4 + groups * d))
+            else:
+                combine = self.raw.get("strata_attn_combine", c_type(out.dtype))
+                combine((-(-out_rows * d // 256),), (256,), args)
         return out
 
     # ---- int8 K/V ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
 //   heads that share a K/V head share each K/V tile. Keys are read where they are stored (a pool slice
 //   or a ring addressed by position % capacity), in f16, bf16 or f32, converted to f16 on the way in.
 //   With several key splits (decode, short chunks) each split writes an unnormalised partial result
-//   and strata_attn_combine merges them.
+//   and strata_attn_combine (many rows) or strata_attn_combine_wide (few rows: decode) merges them.
 // * strata_store_kv: the chunk's K/V into the pool's slots (ring slots by position % capacity);
 //   strata_store_kv_rows: a batched decode step's rows, each into its own slot's region of the arena.
 //   strata_flash_attn with `batch` attends such a step's rows, each over its own slot, in one launch.
@@ -336,8 +336,21 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
     if (window > 0) j_lo = max(0, q_pos0 + t_lo - window + 1 - k_pos0);
     const int j_hi = min(n_keys, q_pos0 + t_hi - k_pos0 + 1);
     const int n_tiles = j_hi > j_lo ? (j_hi - j_lo + BC - 1) / BC : 0;
-    const int tile_a = (int)(((long long)n_tiles * split) / n_splits);
-    const int tile_b = (int)(((long long)n_tiles * (split + 1)) / n_splits);
+    // The first n_used splits share the tiles; the rest (fewer tiles than splits: a captured step's splits
+    // are sized for the whole pool) only mark themselves empty, so the combine stops at the last used one.
+    const int n_used = min(n_splits, n_tiles);
+    if (n_splits > 1 && split >= n_used) {
+        const size_t base = ((size_t)(b * n_splits + split) * Hkv + kvh) * rows_pad;
+        for (int r = threadIdx.x; r < BR; r += NW * 32) {
+            if (r0 + r < rows) {
+                part_ml[(base + r0 + r) * 2] = -INFINITY;
+                part_ml[(base + r0 + r) * 2 + 1] = 0.f;
+            }
+        }
+        return;
+    }
+    const int tile_a = n_used > 0 ? (int)(((long long)n_tiles * split) / n_used) : 0;
+    const int tile_b = n_used > 0 ? (int)(((long long)n_tiles * (split + 1)) / n_used) : 0;
 
     // Q tile, scaled, to f16.
     for (int idx = threadIdx.x; idx < BR * (D / 8); idx += NW * 32) {
@@ -520,7 +533,8 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
 }
 
 // Merge the key splits: out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s.
-// One thread per (batch row, K/V head, row, d); n_batch > 1: a batched step's parts (strata_flash_attn).
+// One thread per (batch row, K/V head, row, d); n_batch > 1: a batched step's parts (strata_flash_attn); for
+// launches of many output rows (prefill chunks), where the rows alone fill the device.
 template <typename OT>
 __global__ void strata_attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     OT* __restrict__ out, int n_q, int H, int Hkv, int D, int n_splits,
@@ -541,13 +555,101 @@ __global__ void strata_attn_combine(const float* __restrict__ part_o, const floa
         for (int s = 0; s < n_splits; s++) {
             const size_t at = ((size_t)(b * n_splits + s) * Hkv + kvh) * rows_pad + R;
             const float m = part_ml[at * 2];
-            if (m == -INFINITY) continue;
+            if (m == -INFINITY) continue;  // an empty split (part_o unwritten) or one that saw no key
             const float w = exp2f(m - M);
             den += part_ml[at * 2 + 1] * w;
             num += part_o[at * D + d] * w;
         }
     }
     out[(((size_t)b * n_q + R / G) * H + kvh * G + R % G) * D + d] = from_f32<OT>(den > 0.f ? num / den : 0.f);
+}
+
+// The same merge for launches of few output rows (decode, batched decode steps): one block per output row
+// (batch row, K/V head, query row), blockDim a multiple of D / 4 and of 32. The splits' weights are made once,
+// in parallel, into shared memory; then blockDim / (D / 4) groups of threads each sum float4 columns of every
+// such group-th used split (loads independent of each other, not a serial chain per value), and the groups'
+// sums are added. Dynamic shared memory: (round4(n_splits) + (blockDim / (D / 4)) * D) floats.
+template <typename OT>
+__global__ void strata_attn_combine_wide(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                         OT* __restrict__ out, int n_q, int H, int Hkv, int D, int n_splits,
+                                         int rows_pad, int n_batch) {
+    extern __shared__ __align__(16) float comb_smem[];
+    __shared__ float red[32];
+    __shared__ int red_i[32];
+    const int G = H / Hkv;
+    const int rows = n_q * G;
+    const int R = blockIdx.x % rows;
+    const int kvh = (blockIdx.x / rows) % Hkv;
+    const int b = blockIdx.x / (rows * Hkv);
+    const size_t stride = (size_t)Hkv * rows_pad;  // rows between one split's part and the next's
+    const size_t at0 = ((size_t)b * n_splits * Hkv + kvh) * rows_pad + R;  // split 0's row
+    float* w = comb_smem;
+    float* acc = comb_smem + ((n_splits + 3) & ~3);
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, n_warps = blockDim.x >> 5;
+
+    // M, and the last split with a visible key (the used splits come first: strata_flash_attn).
+    float mx = -INFINITY;
+    int last = -1;
+    for (int s = tid; s < n_splits; s += blockDim.x) {
+        const float m = part_ml[(at0 + s * stride) * 2];
+        w[s] = m;
+        mx = fmaxf(mx, m);
+        if (m != -INFINITY) last = s;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+    }
+    if (lane == 0) {
+        red[wid] = mx;
+        red_i[wid] = last;
+    }
+    __syncthreads();
+    mx = -INFINITY;
+    last = -1;
+    for (int i = 0; i < n_warps; i++) {
+        mx = fmaxf(mx, red[i]);
+        last = max(last, red_i[i]);
+    }
+    __syncthreads();  // red is reused below
+
+    // Weights, and den = sum_s l_s w_s.
+    float den = 0.f;
+    for (int s = tid; s <= last; s += blockDim.x) {
+        const float m = w[s];
+        const float ws = m == -INFINITY ? 0.f : exp2f(m - mx);
+        w[s] = ws;
+        den += part_ml[(at0 + s * stride) * 2 + 1] * ws;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+    if (lane == 0) red[wid] = den;
+    __syncthreads();  // also: every w[s] is written
+    den = 0.f;
+    for (int i = 0; i < n_warps; i++) den += red[i];
+
+    // num = sum_s o_s w_s: group g sums splits g, g + n_groups, ... of columns 4c .. 4c + 3.
+    const int D4 = D >> 2, n_groups = blockDim.x / D4;
+    const int c = tid % D4, g = tid / D4;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = g; s <= last; s += n_groups) {
+        const float ws = w[s];  // 0 for a used split that saw no key (its o is 0, finite)
+        const float4 o = *reinterpret_cast<const float4*>(part_o + (at0 + s * stride) * D + 4 * c);
+        a.x += o.x * ws;
+        a.y += o.y * ws;
+        a.z += o.z * ws;
+        a.w += o.w * ws;
+    }
+    *reinterpret_cast<float4*>(acc + g * D + 4 * c) = a;
+    __syncthreads();
+    OT* dst = out + (((size_t)b * n_q + R / G) * H + kvh * G + R % G) * D;
+    for (int d = tid; d < D; d += blockDim.x) {
+        float num = 0.f;
+        for (int i = 0; i < n_groups; i++) num += acc[i * D + d];
+        dst[d] = from_f32<OT>(den > 0.f ? num / den : 0.f);
+    }
 }
 
 // ---- gated activation --------------------------------------------------------------------------
