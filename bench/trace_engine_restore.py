@@ -49,7 +49,7 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
     from strata_engine import cli
     from strata_engine.session import adapter as adapter_mod
     from strata_engine.session import verbs
-    from strata_sessionfile import pipelines, validate
+    from strata_sessionfile import auth, pipelines
 
     if variant in ("", "none"):
         pass
@@ -99,7 +99,7 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
             note("read", t0, clock(), (threading.current_thread().name, offset, sum(len(v) for v in views)))
 
     pipelines.OrderedReads._read = traced_read
-    real_xxhash = validate.xxhash  # every pass's hasher is a copy of the one validate starts on the prefix
+    real_xxhash = auth.xxhash  # every pass's hasher (auth.payload_hasher) is a copy of the one started on the prefix
 
     class TracedHash:
         def __init__(self, *args):
@@ -121,7 +121,7 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
     class XX:
         xxh3_128 = TracedHash
 
-    validate.xxhash = XX
+    auth.xxhash = XX
     real_restore = verbs.SessionVerbs.restore
     count = [0]
 

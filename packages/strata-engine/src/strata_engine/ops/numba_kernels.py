@@ -464,6 +464,7 @@ _DOT_ROWS = 4  # query rows per `key_dots` block
 # few rows stream whole value rows from memory, one row a call there (x1.1 over column blocks; bench/CPU-NOTES.md).
 _SUM_ROWS = 4
 _PREFETCH_KEYS = 16  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
+_PREFETCH_LINES = 8  # 64-byte lines of a stored row prefetched at most (512 bytes: f16 rows of 256 values)
 # Value sums: the accumulators (registers) a block of query rows keeps over the loop: whole value rows
 # where they fit (D / lanes per row: the rows stream in address order, 1.2x faster from memory than
 # column blocks of a row, bench/CPU-NOTES.md), else column blocks of every row of the block.
@@ -573,22 +574,20 @@ def _counted_loop(builder, n, body, carried):
 
 
 def _prefetch_row(builder, arr, index, elem):
-    """Prefetch row `index` of a 2-D array (a head's view of the stored rows) into the cache, a 64-byte line at
-    a time over the row stride: the whole stored row, every head (x1.13 on a batched step's attention over
-    prefetching the head's own part: bench/CPU-NOTES.md), _PREFETCH_KEYS keys ahead of the one being read."""
+    """Prefetch row `index` of a 2-D array (a head's view of the stored rows) into the cache over the row stride
+    (up to _PREFETCH_LINES 64-byte lines): the whole stored row, every head (x1.13 on a batched step's attention
+    over prefetching the head's own part: bench/CPU-NOTES.md), _PREFETCH_KEYS keys ahead of the one being read.
+    Unrolled, the lines past a shorter row clamped to its last (a loop over the stride cost ~35 instructions a key)."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch"
     )
     row = builder.bitcast(_row_ptr(builder, arr, index, elem), ir.IntType(8).as_pointer())
-    stride = builder.extract_value(arr.strides, 0)
-    n_lines = builder.udiv(builder.add(stride, ir.Constant(_I64, 63)), ir.Constant(_I64, 64))
-
-    def line(j, carried):
-        ptr = builder.gep(row, [builder.mul(j, ir.Constant(_I64, 64))])
-        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-        return []
-
-    _counted_loop(builder, n_lines, line, [])
+    last = builder.sub(builder.extract_value(arr.strides, 0), ir.Constant(_I64, 1))
+    for j in range(_PREFETCH_LINES):
+        off = ir.Constant(_I64, 64 * j)
+        if j:
+            off = builder.select(builder.icmp_signed("<", off, last), off, last)
+        builder.call(fn, [builder.gep(row, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
 def _kv_intrinsic_args(context, builder, signature, args):
