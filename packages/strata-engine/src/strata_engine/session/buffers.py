@@ -40,7 +40,7 @@ class BlockBufferCache:
             self._staging = self._staging_map = None  # unmapped once the last view of it is gone
             size = max(nbytes, reserve, 1)
             # Normal pages: huge ones (MADV_HUGEPAGE) made a process's first staged restore 0.4-0.5 s (fresh 2 MiB
-            # pages cost 2.5-4 us a KiB on first touch in a VM), later ones ~25 ms faster (bench/CPU-NOTES.md)
+            # pages took 280-450 ms for 182 MB on first touch in a VM), later ones ~25 ms faster (bench/CPU-NOTES.md)
             self._staging_map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._staging = np.frombuffer(self._staging_map, dtype=np.uint8)
         _populate(self._staging_map, nbytes)
