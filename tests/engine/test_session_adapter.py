@@ -319,6 +319,42 @@ def test_staged_restores_reuse_one_staging_area_and_a_refused_one_keeps_the_live
     assert buffers.staging(1).ctypes.data == area
 
 
+def _resident_bytes(address: int) -> int:
+    """Rss of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    parts = os.uname().release.split(".")
+    return os.uname().sysname == "Linux" and (int(parts[0]), int(parts[1].split("-")[0])) >= (major, minor)
+
+
+@pytest.mark.skipif(not _kernel_at_least(5, 14), reason="MADV_POPULATE_WRITE needs Linux 5.14")
+def test_the_staging_area_is_populated_at_once_and_a_kernel_without_the_advice_still_stages(
+    models, tmp_path, monkeypatch
+):
+    """`staging(n)` faults its first n bytes in with one call (resident before anything writes them; the rest
+    of a pool-sized mapping not); where the kernel refuses the advice a staged restore still lands."""
+    from strata_engine.session import buffers as module
+
+    area = BlockBufferCache().staging(8 << 20, reserve=64 << 20)
+    assert 8 << 20 <= _resident_bytes(area.ctypes.data) < 64 << 20 and not area[:: 1 << 20].any()
+    monkeypatch.setattr(module, "_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows: EINVAL, ignored
+    sf.save(tmp_path / "s.ssf", EngineSession(fill(synthetic_runner(models, "smollm2"), 40, seed=21)))
+    live = fill(synthetic_runner(models, "smollm2"), 25, seed=22)
+    sf.restore(tmp_path / "s.ssf", EngineSession(live, buffers=BlockBufferCache()), mode="staged", block_size=4096)
+    assert live.n_held == 40
+
+
 @pytest.mark.parametrize("session_class", [EngineSession, _CopyingSession], ids=["landing", "copying"])
 def test_a_fresh_engine_stages_into_its_own_pool(models, tmp_path, session_class):
     """An engine that holds nothing (the restart case) restores a staged file straight into its pool: no
