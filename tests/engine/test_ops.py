@@ -291,8 +291,9 @@ def test_packed_kernels_keep_one_signature(numba_ops):
 
 
 # (query tokens, held positions, K/V heads, query heads, head dim, window): both models' head layouts,
-# decode and short prompts (the tiled kernel, key splits), prefill chunks (the kernel over blocks of queries;
-# key blocks through BLAS for 256-wide heads over 6,144+ keys: the two at 6,200 held, one with a window); 16
+# decode and short prompts (the tiled kernel, key splits), prefill chunks (the kernel over blocks of queries, a
+# 256-wide head's global chunk at 3,100 held among them; key blocks through BLAS for 256-wide heads over 6,144+
+# keys: the two at 6,200 held, one with a window); 16
 # tokens whose windows start at 16 different keys of the tiles (each row its own visible range), head
 # size 128, and one the kernels have no vector IR for (a plain loop).
 ATTENTION_CASES = [
@@ -304,6 +305,7 @@ ATTENTION_CASES = [
     (16, 1000, 1, 4, 256, 512),
     (33, 600, 1, 4, 256, 512),
     (16, 2100, 3, 9, 64, 700),
+    (20, 3100, 1, 4, 256, None),
     (20, 6200, 1, 4, 256, None),
     (18, 6200, 1, 4, 256, 6190),
     (3, 517, 2, 8, 128, None),

@@ -43,14 +43,15 @@ class BlockBufferCache:
             # pages took 280-450 ms for 182 MB on first touch in a VM), later ones ~25 ms faster (bench/CPU-NOTES.md)
             self._staging_map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._staging = np.frombuffer(self._staging_map, dtype=np.uint8)
-        _populate(self._staging_map, nbytes)
+        if nbytes > 0:  # faulted in with one call: ~0.7x a fault per page on first write
+            _madvise(self._staging_map, _POPULATE_WRITE, nbytes)
         return self._staging[:nbytes]
 
     def staging_done(self) -> None:
         """After a staged restore: the kernel may take the staged pages back under memory pressure (MADV_FREE: the
         next restore populates them again, ~10 ms for 180 MB where they were kept)."""
         if self._staging_map is not None:
-            _madvise(self._staging_map, "MADV_FREE")
+            _madvise(self._staging_map, getattr(mmap, "MADV_FREE", None))
 
 
 def block_buffers(pool: Any, cache: BlockBufferCache | None, count: int, nbytes: int) -> list[memoryview]:
@@ -67,21 +68,15 @@ def block_buffers(pool: Any, cache: BlockBufferCache | None, count: int, nbytes:
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 
 
-def _populate(area: mmap.mmap, nbytes: int) -> None:
-    """Fault the first `nbytes` of `area` in with one call (~0.7x the cost of a fault per page on first write;
-    pages still resident cost nothing); a kernel without the advice leaves them to the first write."""
-    if _POPULATE_WRITE is None or nbytes <= 0:
+def _madvise(area: mmap.mmap, advice: int | None, nbytes: int = 0) -> None:
+    """madvise over the whole area, or its first `nbytes`; an advice this system lacks (None) or its kernel
+    refuses only costs speed."""
+    if advice is None:
         return
     try:
-        area.madvise(_POPULATE_WRITE, 0, nbytes)
+        if nbytes:
+            area.madvise(advice, 0, nbytes)
+        else:
+            area.madvise(advice)
     except OSError:
         pass
-
-
-def _madvise(area: mmap.mmap, advice: str) -> None:
-    flag = getattr(mmap, advice, None)
-    if flag is not None:
-        try:
-            area.madvise(flag)
-        except OSError:  # a kernel without it: only slower
-            pass
