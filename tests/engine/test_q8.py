@@ -54,48 +54,46 @@ def _check(got, x, w, name):
     assert np.max(err / scale) <= Q8_RTOL, f"{name}: {np.max(err / scale):.1e}"
 
 
-def test_quantization_matches_the_oracle_in_the_kernel_layout():
-    """`quantize_q8` gives `q8.quantize_rows`' values and scales, moved to the layout's places, with each
-    lane's dx, dx * sum(qx) and -128 * sum(qx); for rows of whole main groups and with tails."""
+def test_quantization_matches_the_oracle_per_weight_block():
+    """`quantize_q8` gives `q8.quantize_rows`' values in order (4 a dword) and, per weight block of 16 or 32
+    values, its activation block's dx, -128 * the sum of its qx and dx * that sum."""
     from strata_engine.ops import q8
 
     rng = np.random.default_rng(20)
-    for k, nibbles in ((512, True), (576, True), (576, False), (640, False), (1536, True)):
+    for k in (512, 576, 640):
         x = (rng.standard_normal((3, k)) * rng.uniform(0.01, 100, (3, 1))).astype(np.float32)
         x[1, :32] = 0  # a block of zeros: dx 0, qx 0
-        lay = q8.layout(k, nibbles)
-        xq, dxu, xsum, xneg = numba_q8.quantize_q8(x, lay.perm, lay.lane_of, lay.lane_block)
         qx, dx = q8.quantize_rows(x)
         assert np.abs(qx).max() <= 127 and np.all(qx[1, :32] == 0)
-        padded = np.concatenate([qx, np.zeros((3, 4), np.int8)], axis=1).view(np.int32)
-        np.testing.assert_array_equal(xq, padded[:, lay.perm])
-        sums = np.zeros((3, lay.lane_block.shape[0]), np.int64)
-        np.add.at(sums.T, lay.lane_of, np.ascontiguousarray(padded[:, lay.perm]).view(np.int8).reshape(3, -1, 4).sum(-1).T)
-        lane_dx = np.where(lay.lane_block >= 0, dx[:, np.maximum(lay.lane_block, 0)], 0)
-        np.testing.assert_array_equal(dxu, lane_dx)
-        np.testing.assert_array_equal(xneg, -128 * sums)
-        np.testing.assert_array_equal(xsum, (lane_dx * sums.astype(np.float32)).astype(np.float32))
-        assert sorted(set(lay.perm.tolist()) - {k // 4}) == list(range(k // 4))  # every value once
+        for block in (16, 32):
+            xq, dxw, xneg, xsum = numba_q8.quantize_q8(x, block)
+            np.testing.assert_array_equal(xq.view(np.int8), qx)
+            sums = qx.astype(np.int64).reshape(3, k // block, block).sum(-1)
+            block_dx = np.repeat(dx, 32 // block, axis=1)
+            np.testing.assert_array_equal(dxw, block_dx)
+            np.testing.assert_array_equal(xneg, -128 * sums)
+            np.testing.assert_array_equal(xsum, (block_dx * sums.astype(np.float32)).astype(np.float32))
 
 
 @needs_vnni
 @pytest.mark.parametrize("n_tok", [*range(1, 17), 64, 65])
 def test_q8_products_match_the_oracle_for_every_packing(q8_ops, n_tok):
-    """Every GGUF type's packing and the made layouts, 41 weight rows (odd), rows of whole main groups (512)
-    and with tail groups (576, 640), through `NumbaOps.packed_matmul`; a row's result does not depend on
-    the rows beside it nor on its place among them."""
+    """Every GGUF type's packing and the made layouts, tiled (48 weight rows: three tiles), K of 16, 18 and 20
+    blocks of 32, through `NumbaOps.packed_matmul`; a row's result does not depend on the rows beside it nor on
+    its place among them."""
     from strata_engine.ops.packed import PACKERS
 
     rng = np.random.default_rng(21)
     for k in (512, 576, 640):
-        weights = [(t.name, random_packed(t, 41, k if t.name[-1] != "K" else 256 * (k // 256), rng)[0]) for t in PACKERS]
-        weights += [(str(layout), made_packed(layout, 41, k, rng)) for layout in EXTRA_LAYOUTS]
+        weights = [(t.name, random_packed(t, 48, k if t.name[-1] != "K" else 256 * (k // 256), rng)[0]) for t in PACKERS]
+        weights += [(str(layout), made_packed(layout, 48, k, rng)) for layout in EXTRA_LAYOUTS]
         for name, w in weights:
-            assert numba_q8.takes(w), name
+            tiled = q8_ops.packed_layout(w)
+            assert tiled.tiled, name
             x = rng.standard_normal((n_tok, w.shape[1])).astype(np.float32)
-            got = q8_ops.packed_matmul(x, w)
+            got = q8_ops.packed_matmul(x, tiled)
             _check(got, x, w, f"{name} K={w.shape[1]}")
-            flipped = q8_ops.packed_matmul(np.ascontiguousarray(x[::-1]), w)
+            flipped = q8_ops.packed_matmul(np.ascontiguousarray(x[::-1]), tiled)
             np.testing.assert_array_equal(flipped[::-1], got, err_msg=name)
 
 
@@ -110,7 +108,7 @@ def test_q8_products_on_real_weights(q8_ops, model_files, name, n_tok):
     rng = np.random.default_rng(22)
     for w, dense in real_weights(model_files[name], 4096):
         x = rng.standard_normal((n_tok, dense.shape[1])).astype(np.float32)
-        got = q8_ops.matmul(x, w)
+        got = q8_ops.matmul(x, q8_ops.packed_layout(w))
         if n_tok <= Q8_MAX_ROWS:
             _check(got, x, w, f"{name} {dense.shape}")
         else:
@@ -120,15 +118,15 @@ def test_q8_products_on_real_weights(q8_ops, model_files, name, n_tok):
 
 @needs_vnni
 def test_q8_kernels_compile_once_per_layout(q8_ops):
-    """A layout's q8 kernel compiles once: 1, 8 or 20 token rows, K with or without tail groups, pass the
-    same types (another signature would compile in a request)."""
+    """A layout's q8 kernel compiles once: 1, 8 or 20 token rows, K of 16 or 18 blocks, one or two tiles, pass
+    the same types (another signature would compile in a request)."""
     rng = np.random.default_rng(24)
-    w = made_packed(EXTRA_LAYOUTS[2], 5, 512, rng)  # int8 16-value blocks, float32 scales, a min
+    w = q8_ops.packed_layout(made_packed(EXTRA_LAYOUTS[2], 16, 512, rng))  # int8 16-value blocks, float32 scales, a min
     for n_tok in (1, 64):  # the serial kernel, and the parallel one from PARALLEL_MIN_BYTES
         q8_ops.matmul(rng.standard_normal((n_tok, 512)).astype(np.float32), w)
     before = len(numba_q8.matmul_q8.signatures), len(numba_q8.matmul_q8_serial.signatures)
     for k in (512, 576):
-        w = made_packed(EXTRA_LAYOUTS[2], 5, k, rng)
+        w = q8_ops.packed_layout(made_packed(EXTRA_LAYOUTS[2], 32, k, rng))
         for n_tok in (1, 8, 20):
             q8_ops.matmul(rng.standard_normal((n_tok, k)).astype(np.float32), w)
     assert (len(numba_q8.matmul_q8.signatures), len(numba_q8.matmul_q8_serial.signatures)) == before
@@ -136,7 +134,8 @@ def test_q8_kernels_compile_once_per_layout(q8_ops):
 
 def test_without_vnni_the_float32_kernels_run(monkeypatch):
     """A CPU (or NUMBA_CPU_FEATURES) without avx512vnni: `numba-q8` ops multiply with the float32 kernels,
-    giving their results bit for bit; a packing the q8 kernels do not take does the same."""
+    giving their results bit for bit; a packing the q8 kernels do not take (rows of part blocks, part tiles)
+    stays untiled and does the same."""
     from strata_engine.ops import numba_ops as module
     from strata_engine.ops.packed import PackedWeight
 
@@ -157,7 +156,11 @@ def test_without_vnni_the_float32_kernels_run(monkeypatch):
     q8_ops = get_ops("numpy", "f32", "numba-q8", threads=1)
     assert q8_ops.q8
     x48 = rng.standard_normal((2, 48)).astype(np.float32)
+    assert not q8_ops.packed_layout(odd).tiled
     np.testing.assert_array_equal(q8_ops.matmul(x48, odd), q8_ops.packed_matmul(x48, odd, q8=False))
+    part_tile = made_packed(EXTRA_LAYOUTS[0], 9, 512, rng)  # 9 rows: not whole 16-row tiles
+    assert not numba_q8.takes(part_tile) and not q8_ops.packed_layout(part_tile).tiled
+    np.testing.assert_array_equal(q8_ops.matmul(x, part_tile), q8_ops.packed_matmul(x, part_tile, q8=False))
 
 
 def test_numba_q8_is_a_cpu_kernels_choice_computing_in_f32():
@@ -191,21 +194,22 @@ def test_q8_engine_matches_llama_cpp_while_its_margin_is_clear(name):
     from .runners import greedy, reference, top2_margin
 
     path = smollm2_model_path() if name == "smollm2" else gemma3_model_path()
-    runner = ModelRunner.load(EngineSettings(model_path=path, kv_type="f16", n_ctx=256, cpu_kernels="numba-q8"))
-    ops = runner.model.ops
-    assert ops.q8
+    runners = {
+        kernels: ModelRunner.load(EngineSettings(model_path=path, kv_type="f16", n_ctx=256, cpu_kernels=kernels))
+        for kernels in ("numba-q8", "numba")
+    }
+    runner = runners["numba-q8"]
+    assert runner.model.ops.q8
     worst = 0.0
     for case in reference("llamacpp", name)["complete"]:
         tokens, _ = greedy(runner, case["prompt_tokens"])
         upto = next((i for i, top5 in enumerate(case["top5"]) if top2_margin(top5) <= LLAMA_CPP_MARGIN), len(tokens))
         assert tokens[:upto] == case["tokens"][:upto], f"prompt {case['prompt']!r} (compared {upto} steps)"
         forced = {}
-        for q8 in (True, False):
-            ops.q8 = q8
-            runner.erase()
-            steps = [runner.prefill(case["prompt_tokens"]).logits]
-            steps += [runner.decode(t) for t in case["tokens"][:-1]]
-            forced[q8] = np.stack(steps)
-        ops.q8 = True
-        worst = max(worst, float(np.abs(forced[True] - forced[False]).max()))
+        for kernels, each in runners.items():
+            each.erase()
+            steps = [each.prefill(case["prompt_tokens"]).logits]
+            steps += [each.decode(t) for t in case["tokens"][:-1]]
+            forced[kernels] = np.stack(steps)
+        worst = max(worst, float(np.abs(forced["numba-q8"] - forced["numba"]).max()))
     assert worst <= Q8_LOGIT_BOUND, f"{name}: max |logit difference| {worst:.2f}"

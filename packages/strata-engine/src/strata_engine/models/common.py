@@ -144,6 +144,7 @@ class WeightLoader:
         return pack_tensor(self.file.tensor_bytes(name), info.ggml_type, shape, name)
 
     def _placed(self, w: PackedWeight) -> PackedWeight:
+        w = self.ops.packed_layout(w)
         return w if self.arena is None else self.arena.weight(w)
 
     def _host(self, name: str, shape: tuple[int, ...]) -> np.ndarray:

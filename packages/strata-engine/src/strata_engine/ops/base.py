@@ -31,6 +31,9 @@ class Ops(Protocol):
     def weight(self, host_f32: np.ndarray) -> Any:
         """A dequantized weight in the compute dtype on the backend."""
 
+    def packed_layout(self, w: Any) -> Any:
+        """With `packs_weights`: a packed weight in the layout this backend's products read (made once at load)."""
+
     def copy_bytes(self, dest: Any, offset: int, src: Any) -> None:
         """dest[offset:offset + src.nbytes] = src for flat uint8 arrays; a copy into device memory may only
         be queued (it has run after `flush_copies` and `synchronize`)."""

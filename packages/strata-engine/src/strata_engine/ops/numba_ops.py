@@ -19,7 +19,7 @@ from . import numba_kernels as nk
 from . import numba_q8
 from .attention_tiling import blocked_attention
 from .numpy_ops import NumpyOps
-from .packed import PackedWeight
+from .packed import TILE_ROWS, PackedWeight
 from .threads import default_threads, set_threads
 
 F32 = np.float32
@@ -123,6 +123,10 @@ class NumbaOps(NumpyOps):
         self.q8 = q8 and numba_q8.HAS_VNNI
 
     # ---- weights --------------------------------------------------------------------------------
+    def packed_layout(self, w: PackedWeight) -> PackedWeight:
+        """Tiled (`PackedWeight.tile`) where the q8 products take the weight, else as packed."""
+        return w.tile() if self.q8 and numba_q8.takes(w) else w
+
     def embed(self, table: Any, ids: np.ndarray, scale: float = 1.0) -> Any:
         if not isinstance(table, PackedWeight):
             return super().embed(table, ids, scale)
@@ -135,6 +139,7 @@ class NumbaOps(NumpyOps):
         """float32 [N, K] of a packed weight (into `out` when given), on all threads or this one."""
         if out is None:
             out = np.empty(w.shape, dtype=F32)
+        w = w.natural()
         kernel = nk.dequantize_packed if parallel else nk.dequantize_packed_serial
         kernel(w.values, w.scale, _mins(w), w.min is not None, out)
         return out
@@ -187,13 +192,15 @@ class NumbaOps(NumpyOps):
         self, x: np.ndarray, w: PackedWeight, *, by_row: bool | None = None, q8: bool | None = None
     ) -> np.ndarray:
         """x [M, K] float32 (C order) @ W^T in the packed kernel -> [M, N]: with q8 (default: `self.q8`)
-        x quantized to int8 per block and integer dot products (`numba_q8`, where it takes the packing);
-        else one token row at a time up to BY_ROW_MAX_ROWS rows, above each weight block decoded once for
-        a group of rows (by_row and q8 force either: the benchmarks compare them)."""
+        x quantized to int8 per block and integer dot products (`numba_q8`: a tiled weight); else one token
+        row at a time up to BY_ROW_MAX_ROWS rows, above each weight block decoded once for a group of rows
+        (by_row and q8 force either: the benchmarks and tests compare them; the float32 kernels read a tiled
+        weight's rows in order from a copy)."""
         m, k = x.shape
         parallel = self.threads > 1 and m * w.nbytes >= PARALLEL_MIN_BYTES
-        if (self.q8 if q8 is None else q8) and numba_q8.takes(w):
+        if w.tiled and (self.q8 if q8 is None else q8):
             return numba_q8.product(x, w, parallel)
+        w = w.natural()
         y = np.empty((m, w.shape[0]), dtype=F32)
         has_min = w.min is not None
         by_row = m <= BY_ROW_MAX_ROWS if by_row is None else by_row
@@ -208,6 +215,8 @@ class NumbaOps(NumpyOps):
         n, k = w.shape
         y = np.empty((x.shape[0], n), dtype=F32)
         step = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
+        if w.tiled:  # chunks of whole tiles
+            step = -(-step // TILE_ROWS) * TILE_ROWS
         buf = np.empty((min(step, n), k), dtype=F32)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
@@ -220,7 +229,7 @@ class NumbaOps(NumpyOps):
             return super().matmul(x, w)
         x = np.ascontiguousarray(x, dtype=F32)
         m = x.shape[0]
-        if m <= PACKED_MAX_ROWS or (self.q8 and m <= Q8_MAX_ROWS and numba_q8.takes(w)):
+        if m <= PACKED_MAX_ROWS or (self.q8 and m <= Q8_MAX_ROWS and w.tiled):
             return self.packed_matmul(x, w)
         return self.blas_matmul(x, w)
 

@@ -14,6 +14,11 @@ Every supported ggml type maps exactly (PACKERS):
     Q8_0 -> int8                      Q5_0 -> int8 q - 16         Q5_1, Q5_K -> int8, min
     Q6_K -> int8 q - 32, 16-value blocks, scale = d sc
 
+With q8 products (`numba_q8.py`) a weight is kept *tiled* (`PackedWeight.tile`): in each tile of TILE_ROWS rows
+the values are stored a dword (4 bytes) of every row at a time, and the scales (mins) a block of every row at a
+time, so one 64-byte load holds the same 4 bytes of 16 rows (a vector lane per output); the arrays keep their
+[N, ...] shapes, so rows sliced on tile bounds stay views.
+
 Each block's scale and min are computed as `gguf.quants`' dequantization computes them (float32 d * sc),
 so `PackedWeight.dequantize()` equals `dequantize_tensor` bit for bit (tests/engine/test_ops.py). A
 token reads about what the file holds (SmolLM2: 96 MB packed against a 98 MB file). Float tensors
@@ -34,18 +39,20 @@ from ..errors import UnsupportedTensorType
 T = GGMLQuantizationType
 F32 = np.float32
 QK = 32  # values per block of the 32-value types
+TILE_ROWS = 16  # rows interleaved in a tiled weight: a 64-byte vector holds a dword of each
 
 
 @attrs.frozen(eq=False)
 class PackedWeight:
     """A [N, K] weight: `values` int8 [N, K] or 4-bit pairs uint8 [N, K / 2] (block 32); `scale` and `min`
     [N, K / block], float32 or f16 bits (uint16); min None: zero. Row i of the weight is row i of every
-    array."""
+    array, or with `tiled` the rows are interleaved in tiles of TILE_ROWS (module docstring)."""
 
     values: np.ndarray
     scale: np.ndarray
     min: np.ndarray | None
     block: int
+    tiled: bool = False
 
     @property
     def four_bit(self) -> bool:
@@ -60,17 +67,45 @@ class PackedWeight:
         return sum(int(a.nbytes) for a in (self.values, self.scale, self.min) if a is not None)
 
     def rows(self, lo: int, hi: int) -> PackedWeight:
-        """Rows [lo, hi) (views)."""
+        """Rows [lo, hi) (views; a tiled weight's on tile bounds)."""
+        if self.tiled and (lo % TILE_ROWS or (hi % TILE_ROWS and hi != self.shape[0])):
+            raise ValueError(f"rows [{lo}, {hi}) of a tiled weight do not start and end on its {TILE_ROWS}-row tiles")
         mins = None if self.min is None else self.min[lo:hi]
-        return PackedWeight(self.values[lo:hi], self.scale[lo:hi], mins, self.block)
+        return PackedWeight(self.values[lo:hi], self.scale[lo:hi], mins, self.block, self.tiled)
 
     def take(self, rows: np.ndarray) -> PackedWeight:
-        """The rows `rows` (copies: an embedding lookup)."""
+        """The rows `rows` in row order (copies: an embedding lookup)."""
+        if self.tiled:
+            tile, lane = np.divmod(np.asarray(rows), TILE_ROWS)
+            mins = None if self.min is None else _tiles(self.min)[tile, :, lane]
+            values = _tiles(self.values.view(np.int32))[tile, :, lane].view(self.values.dtype)
+            return PackedWeight(values, _tiles(self.scale)[tile, :, lane], mins, self.block)
         mins = None if self.min is None else self.min[rows]
         return PackedWeight(self.values[rows], self.scale[rows], mins, self.block)
 
+    def tile(self) -> PackedWeight:
+        """The weight with its rows interleaved in tiles (module docstring): N a multiple of TILE_ROWS, rows of
+        whole dwords."""
+        if self.tiled:
+            return self
+        if self.shape[0] % TILE_ROWS or self.values.shape[1] % 4:
+            raise ValueError(f"a [{self.shape[0]}, {self.shape[1]}] weight cannot be tiled by {TILE_ROWS} rows")
+        mins = None if self.min is None else _interleave(self.min)
+        return PackedWeight(_interleave(self.values.view(np.int32)).view(self.values.dtype), _interleave(self.scale), mins,
+                            self.block, tiled=True)  # fmt: skip
+
+    def natural(self) -> PackedWeight:
+        """The weight with its rows in order (a copy where it is tiled)."""
+        if not self.tiled:
+            return self
+        mins = None if self.min is None else _deinterleave(self.min)
+        values = _deinterleave(self.values.view(np.int32)).view(self.values.dtype)
+        return PackedWeight(values, _deinterleave(self.scale), mins, self.block)
+
     def int_values(self) -> np.ndarray:
-        """q as int8 [N, K] (4-bit pairs unpacked)."""
+        """q as int8 [N, K] (4-bit pairs unpacked), rows in order."""
+        if self.tiled:
+            return self.natural().int_values()
         if not self.four_bit:
             return self.values
         n = self.values.shape[0]
@@ -78,12 +113,14 @@ class PackedWeight:
         return np.concatenate([pairs & 15, pairs >> 4], axis=-1).astype(np.int8).reshape(n, -1)
 
     def float_scales(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """scale and min as float32."""
+        """scale and min as float32, rows in order."""
+        if self.tiled:
+            return self.natural().float_scales()
         return _as_f32(self.scale), None if self.min is None else _as_f32(self.min)
 
     def unpacked(self, block: int, with_min: bool) -> PackedWeight:
         """The same weight as int8 values with float32 scales per `block` values (a divisor of this
-        one's block) and a min (zeros where it has none) if asked: every value unchanged."""
+        one's block) and a min (zeros where it has none) if asked: every value unchanged, rows in order."""
         scale, mins = self.float_scales()
         rep = self.block // block
         if with_min and mins is None:
@@ -102,6 +139,22 @@ class PackedWeight:
         if mins is not None:
             w += mins[..., None]
         return w.reshape(n, k)
+
+
+def _tiles(a: np.ndarray) -> np.ndarray:
+    """A tiled [N, C] array as [N / TILE_ROWS, C, TILE_ROWS] (element c of tile row l at [t, c, l])."""
+    return a.reshape(a.shape[0] // TILE_ROWS, -1, TILE_ROWS)
+
+
+def _interleave(a: np.ndarray) -> np.ndarray:
+    """[N, C] rows in order -> tiled (C order, the same shape)."""
+    n = a.shape[0]
+    return np.ascontiguousarray(a.reshape(n // TILE_ROWS, TILE_ROWS, -1).transpose(0, 2, 1)).reshape(a.shape)
+
+
+def _deinterleave(a: np.ndarray) -> np.ndarray:
+    """The inverse of `_interleave`."""
+    return np.ascontiguousarray(_tiles(a).transpose(0, 2, 1)).reshape(a.shape)
 
 
 def _as_f32(a: np.ndarray) -> np.ndarray:
@@ -232,7 +285,8 @@ def pack_tensor(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[i
 
 def stack_rows(parts: Sequence[PackedWeight]) -> PackedWeight:
     """[W_1; W_2; ...] in one layout: the parts' own when they share it, else int8 values with float32
-    scales per the smallest block and a min where any part has one; every value unchanged."""
+    scales per the smallest block and a min where any part has one; every value unchanged (rows in order)."""
+    parts = [p.natural() for p in parts]
     layouts = {(p.values.dtype, p.scale.dtype, p.block, p.min is None) for p in parts}
     if len(layouts) > 1:
         block = min(p.block for p in parts)
