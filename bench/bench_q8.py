@@ -4,8 +4,8 @@ output head) per number of token rows (above PACKED_MAX_ROWS the float32 side is
 engine runs it), on one thread (the thread's CPU time, best of --reps, the kernels
 taking turns in one process, so a shared machine's load falls on all alike), with each kernel's error
 relative to |x| @ |W|^T over the sweep (x standard normal; the float32 kernels': ~1e-7). With --decode,
-the engine's prefill (--prefill tokens) and greedy decode instead (`--cpu-kernels numba-q8`, -t threads), the
-q8 products switched on and off in turns in one process: tok/s and CPU time, decode at both held depths with
+the engine's prefill (--prefill tokens) and greedy decode instead (-t threads): a `--cpu-kernels numba` runner and
+a `numba-q8` one (tiled weights) taking turns in one process: tok/s and CPU time, decode at both held depths with
 the largest logit difference between the two at the same tokens.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_q8.py [--rows 1 8]
@@ -23,44 +23,47 @@ from bench_cpu_kernels import best_of_each, packed_weights
 
 
 def decode_ab(name: str, threads: int | None, depths: list[int], gen: int, rounds: int, prefill: int) -> None:
-    """A prefill of `prefill` tokens, then greedy decode at each depth, with the q8 products on and off in
-    turns (one runner, its ops' q8 switched)."""
+    """A prefill of `prefill` tokens, then greedy decode at each depth, the float32 and the q8 runner in turns
+    (False: `numba`, True: `numba-q8`)."""
     from bench_engine import model_path
     from strata_engine.runner import ModelRunner
     from strata_engine.settings import EngineSettings
 
-    runner = ModelRunner.load(
-        EngineSettings(model_path=model_path(name), kv_type="f16", n_ctx=max(*depths, prefill) + gen + 8,
-                       cpu_kernels="numba-q8", threads=threads)
-    )  # fmt: skip
-    ops = runner.model.ops
+    runners = {
+        q8: ModelRunner.load(
+            EngineSettings(model_path=model_path(name), kv_type="f16", n_ctx=max(*depths, prefill) + gen + 8,
+                           cpu_kernels="numba-q8" if q8 else "numba", threads=threads)
+        )
+        for q8 in (False, True)
+    }  # fmt: skip
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(100, 20000, prefill)]
     rate, cpu = {}, {}
     for _ in range(rounds):
-        for q8 in (False, True):
-            ops.q8 = q8
+        for q8, runner in runners.items():
             runner.erase()
             t, c = time.perf_counter(), time.process_time()
             runner.prefill(prompt)
             rate[q8] = max(rate.get(q8, 0.0), prefill / (time.perf_counter() - t))
             cpu[q8] = min(cpu.get(q8, float("inf")), time.process_time() - c)
+    n_threads = runners[True].settings.threads
     print(
-        f"{name} prefill of {prefill} ({runner.settings.threads} threads, best of {rounds}): f32 {rate[False]:.1f} tok/s "
+        f"{name} prefill of {prefill} ({n_threads} threads, best of {rounds}): f32 {rate[False]:.1f} tok/s "
         f"({cpu[False]:.2f} s of CPU), q8 {rate[True]:.1f} tok/s ({cpu[True]:.2f} s), x{rate[True] / rate[False]:.2f} "
         f"(CPU x{cpu[False] / cpu[True]:.2f}); load {os.getloadavg()[0]:.2f}",
         flush=True,
     )
     for depth in depths:
         held = [int(t) for t in rng.integers(100, 20000, max(depth, 1))]
-        runner.erase()
-        first = int(np.argmax(runner.prefill(held).logits))
+        first = {}
+        for q8, runner in runners.items():
+            runner.erase()
+            first[q8] = int(np.argmax(runner.prefill(held).logits))
         rate, cpu, logits = {}, {}, {}
         for _ in range(rounds):
-            for q8 in (False, True):
-                ops.q8 = q8
+            for q8, runner in runners.items():
                 runner.cut_back(len(held))
-                token, steps = first, []
+                token, steps = first[False], []
                 t, c = time.perf_counter(), time.process_time()
                 for _ in range(gen):
                     steps.append(runner.decode(token))
@@ -71,13 +74,12 @@ def decode_ab(name: str, threads: int | None, depths: list[int], gen: int, round
         diff = float(np.abs(logits[True] - logits[False]).max())
         agree = int(np.sum(logits[True].argmax(-1) == logits[False].argmax(-1)))
         print(
-            f"{name} at {depth} held ({runner.settings.threads} threads, best of {rounds}): f32 {rate[False]:.1f} tok/s "
+            f"{name} at {depth} held ({n_threads} threads, best of {rounds}): f32 {rate[False]:.1f} tok/s "
             f"({cpu[False]:.2f} ms of CPU a token), q8 {rate[True]:.1f} tok/s ({cpu[True]:.2f} ms), x{rate[True] / rate[False]:.2f} "
             f"(CPU x{cpu[False] / cpu[True]:.2f}); on f32's tokens max |logit difference| {diff:.2f}, same greedy "
             f"token {agree}/{gen}; load {os.getloadavg()[0]:.2f}",
             flush=True,
         )
-    ops.q8 = True
 
 
 def main() -> None:
@@ -110,6 +112,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for name in args.models:
         ws = packed_weights(name)
+        tiled = {id(w): w.tile() for w in ws if numba_q8.takes(w)}  # the q8 kernels' layout, as loaded
         kinds = sorted({(str(w.values.dtype), w.block, str(w.scale.dtype), w.min is not None) for w in ws})
         print(f"{name}: {len(ws)} weights, {sum(w.nbytes for w in ws) / 1e6:.1f} MB packed, layouts {kinds}")
         dense = {id(w): w.dequantize().astype(np.float64) for w in ws[:4]}
@@ -119,11 +122,13 @@ def main() -> None:
             for x, w in list(zip(xs, ws, strict=True))[:4]:
                 want, bound = x @ dense[id(w)].T, np.abs(x) @ np.abs(dense[id(w)]).T
                 for key, q8 in (("f32", False), ("q8", True)):
-                    got = ops.packed_matmul(x, w, q8=True) if q8 else f32_product(x, w)
+                    got = ops.packed_matmul(x, tiled[id(w)], q8=True) if q8 else f32_product(x, w)
                     errs[key] = max(errs[key], float(np.max(np.abs(got - want) / bound)))
             fns = {
                 "f32": lambda xs=xs, ws=ws: [f32_product(x, w) for x, w in zip(xs, ws, strict=True)],
-                "q8": lambda xs=xs, ws=ws: [ops.packed_matmul(x, w, q8=True) for x, w in zip(xs, ws, strict=True)],
+                "q8": lambda xs=xs, ws=ws, tiled=tiled: [
+                    ops.packed_matmul(x, tiled.get(id(w), w), q8=True) for x, w in zip(xs, ws, strict=True)
+                ],
             }
             best = best_of_each(fns, args.reps, clock=time.thread_time)
             print(

@@ -1,12 +1,11 @@
 """Batched decode of several slots (`SlotSet.decode`) against one slot decoding alone, in one run: aggregate
 decode tok/s with B = 1, 2, 4, 8 slots advancing together (one forward pass per step), each slot first
 holding a prompt of --prompt tokens, and the ratio to B = 1. The engine's compute alone (no protocol, no
-sampling): what the scheduler's steps can reach at best. With the numba kernels each B runs in turn:
-the packed products a token row at a time (`row_dot`, what one slot alone runs), each weight block
-decoded once for the B rows (`rows_dot`, numba's choice) and, where the CPU has AVX512-VNNI, the
-activations quantized to int8 (`numba_q8`, `--cpu-kernels numba-q8`), with the ratios and the largest
-logit differences to the float32 grouped kernel (by row: the batched step against each slot decoded
-alone; q8: the quantization's).
+sampling): what the scheduler's steps can reach at best. With `--cpu-kernels numba` each B runs in turn
+the packed products a token row at a time (`row_dot`, what one slot alone runs) and each weight block
+decoded once for the B rows (`rows_dot`, numba's choice), with the ratio and the largest logit difference
+between the two (the batched step against each slot decoded alone); with `numba-q8` (the default where
+the CPU has AVX512-VNNI: tiled weights) the q8 products alone.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_slots.py --model smollm2
 
@@ -29,9 +28,9 @@ import strata_engine  # noqa: F401
 # isort: split
 import numpy as np
 from bench_engine import model_path
-from strata_engine.ops import numba_ops, numba_q8
+from strata_engine.ops import numba_ops
 from strata_engine.ops.numba_ops import BY_ROW_MAX_ROWS, PACKED_MAX_ROWS
-from strata_engine.settings import NUMBA_KERNELS, CpuKernels, EngineSettings
+from strata_engine.settings import NUMBA_KERNELS, EngineSettings
 from strata_engine.slots import SlotSet
 
 
@@ -65,12 +64,10 @@ def main() -> None:
     ops = slots.runners[0].model.ops
     # mode -> (BY_ROW_MAX_ROWS, q8 products); the kernels asked for run last and give the main figures
     modes = {"": (BY_ROW_MAX_ROWS, False)}
-    if numba:
+    if numba and ops.q8:  # tiled weights: the q8 kernels only (the float32 ones would read an untiled copy a call)
+        modes = {"q8": (BY_ROW_MAX_ROWS, True)}
+    elif numba:
         modes = {"by row": (PACKED_MAX_ROWS, False), "grouped": (BY_ROW_MAX_ROWS, False)}
-        if numba_q8.HAS_VNNI:
-            modes["q8"] = (BY_ROW_MAX_ROWS, True)
-            if s.cpu_kernels == CpuKernels.NUMBA:
-                modes = {"by row": modes["by row"], "q8": modes["q8"], "grouped": modes["grouped"]}
     main_mode = list(modes)[-1]
     base = None
     for b in batches:
