@@ -197,7 +197,7 @@ class NumbaOps(NumpyOps):
         (by_row and q8 force either: the benchmarks and tests compare them; the float32 kernels read a tiled
         weight's rows in order from a copy)."""
         m, k = x.shape
-        parallel = self.threads > 1 and m * w.nbytes >= PARALLEL_MIN_BYTES
+        parallel = self.threads > 1 and m * w.values.nbytes >= PARALLEL_MIN_BYTES  # the scales' bytes: not worth a sum a call
         if w.tiled and (self.q8 if q8 is None else q8):
             return numba_q8.product(x, w, parallel)
         w = w.natural()
