@@ -75,6 +75,63 @@ def test_quantization_matches_the_oracle_per_weight_block():
             np.testing.assert_array_equal(xsum, (block_dx * sums.astype(np.float32)).astype(np.float32))
 
 
+def test_a_tiled_weight_keeps_its_bytes_and_reads_its_rows_in_order():
+    """`tile` interleaves 16 rows a dword (values) and a block (scales, mins) at a time, the shape and bytes
+    unchanged; `natural`, `take`, `dequantize` and tile-aligned `rows` give the untiled weight's rows; rows off the
+    tiles and weights of part tiles are refused."""
+    from strata_engine.ops.packed import PACKERS, TILE_ROWS
+
+    rng = np.random.default_rng(25)
+    weights = [random_packed(t, 48, 512, rng)[0] for t in PACKERS]
+    weights += [made_packed(layout, 48, 512, rng) for layout in EXTRA_LAYOUTS]
+    for w in weights:
+        tiled = w.tile()
+        assert tiled.tiled and not w.tiled and tiled.tile() is tiled and w.natural() is w
+        assert tiled.shape == w.shape and tiled.nbytes == w.nbytes and tiled.values.dtype == w.values.dtype
+        dwords = w.values.view(np.int32)
+        np.testing.assert_array_equal(tiled.values.view(np.int32)[0, :TILE_ROWS], dwords[:TILE_ROWS, 0])  # row l's dword 0
+        flat = tiled.scale.reshape(-1)  # tile 0: block 1 of its 16 rows after their block 0
+        np.testing.assert_array_equal(flat[TILE_ROWS : 2 * TILE_ROWS], w.scale[:TILE_ROWS, 1])
+        back = tiled.natural()
+        for name in ("values", "scale", "min"):
+            np.testing.assert_array_equal(getattr(back, name), getattr(w, name))
+        rows = np.array([47, 0, 17, 17, 31])
+        np.testing.assert_array_equal(tiled.take(rows).dequantize(), w.take(rows).dequantize())
+        np.testing.assert_array_equal(tiled.dequantize(), w.dequantize())
+        part = tiled.rows(16, 48)
+        assert part.tiled and np.shares_memory(part.values, tiled.values)
+        np.testing.assert_array_equal(part.dequantize(), w.rows(16, 48).dequantize())
+        with pytest.raises(ValueError, match="tiles"):
+            tiled.rows(8, 24)
+    with pytest.raises(ValueError, match="cannot be tiled"):
+        made_packed(EXTRA_LAYOUTS[0], 9, 512, rng).tile()
+
+
+@needs_vnni
+def test_the_loader_tiles_what_the_q8_kernels_take(gemma3_path):
+    """A numba-q8 runner's packed weights are tiled (its products never meet an untiled one), a numba one's are
+    not; gemma3's tied embeddings, tiled, give the untiled table's rows."""
+    import attrs
+    from strata_engine.ops.packed import PackedWeight
+    from strata_engine.runner import ModelRunner
+    from strata_engine.settings import EngineSettings
+
+    def packed(model):
+        layers = [[getattr(layer, f.name) for f in attrs.fields(type(layer))] for layer in model.layers]
+        return [w for w in [*vars(model).values(), *sum(layers, [])] if isinstance(w, PackedWeight)]
+
+    runners = {k: ModelRunner.load(EngineSettings(model_path=str(gemma3_path), n_ctx=64, cpu_kernels=k))
+               for k in ("numba-q8", "numba")}  # fmt: skip
+    q8_weights, f32_weights = packed(runners["numba-q8"].model), packed(runners["numba"].model)
+    assert q8_weights and all(w.tiled for w in q8_weights)
+    assert f32_weights and not any(w.tiled for w in f32_weights)
+    ids = np.array([2, 106, 262143, 5])
+    np.testing.assert_array_equal(
+        runners["numba-q8"].model.ops.embed(runners["numba-q8"].model.tok_embd, ids),
+        runners["numba"].model.ops.embed(runners["numba"].model.tok_embd, ids),
+    )
+
+
 @needs_vnni
 @pytest.mark.parametrize("n_tok", [*range(1, 17), 64, 65])
 def test_q8_products_match_the_oracle_for_every_packing(q8_ops, n_tok):
