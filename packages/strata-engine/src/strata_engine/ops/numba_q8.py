@@ -3,7 +3,7 @@ integer dot products (`vpdpbusd`: 64 u8 x s8 products summed by fours into 16 in
 
 The weight is tiled (`packed.PackedWeight.tile`, made once at load): in a tile of 16 rows a 64-byte vector holds
 the same dword (4 values, or 8 nibbles) of every row, so int32 lane l belongs to weight row l all the way
-through and no lanes are ever summed together (bench/CPU-NOTES.md "Tiled weights": x1.3-2.8 over transposing
+through and no lanes are ever summed together (bench/CPU-NOTES.md "Session 13": x1.3-2.8 over transposing
 each group of a row's blocks into lanes and summing them at the row's end). Per weight block, the block's
 vectors (int8: 4 or 8; 4-bit: 4 loads, their low nibbles then their high ones) are loaded once for up to
 Q8_ROWS token rows; each token row multiplies them by its own activation dwords broadcast to every lane
