@@ -75,13 +75,16 @@ class PackedWeight:
 
     def take(self, rows: np.ndarray) -> PackedWeight:
         """The rows `rows` in row order (copies: an embedding lookup)."""
-        if self.tiled:
-            tile, lane = np.divmod(np.asarray(rows), TILE_ROWS)
-            mins = None if self.min is None else _tiles(self.min)[tile, :, lane]
-            values = _tiles(self.values.view(np.int32))[tile, :, lane].view(self.values.dtype)
-            return PackedWeight(values, _tiles(self.scale)[tile, :, lane], mins, self.block)
-        mins = None if self.min is None else self.min[rows]
-        return PackedWeight(self.values[rows], self.scale[rows], mins, self.block)
+        if not self.tiled:
+            mins = None if self.min is None else self.min[rows]
+            return PackedWeight(self.values[rows], self.scale[rows], mins, self.block)
+        tile, lane = np.divmod(np.asarray(rows), TILE_ROWS)
+
+        def pick(a: np.ndarray) -> np.ndarray:
+            return _tiles(a)[tile, :, lane]
+
+        values = pick(self.values.view(np.int32)).view(self.values.dtype)
+        return PackedWeight(values, pick(self.scale), None if self.min is None else pick(self.min), self.block)
 
     def tile(self) -> PackedWeight:
         """The weight with its rows interleaved in tiles (module docstring): N a multiple of TILE_ROWS, rows of
@@ -121,6 +124,8 @@ class PackedWeight:
     def unpacked(self, block: int, with_min: bool) -> PackedWeight:
         """The same weight as int8 values with float32 scales per `block` values (a divisor of this
         one's block) and a min (zeros where it has none) if asked: every value unchanged, rows in order."""
+        if self.tiled:  # one copy in row order, not one per array read below
+            return self.natural().unpacked(block, with_min)
         scale, mins = self.float_scales()
         rep = self.block // block
         if with_min and mins is None:
@@ -132,6 +137,8 @@ class PackedWeight:
 
     def dequantize(self) -> np.ndarray:
         """float32 [N, K]: q * scale + min per value (numpy; the kernels' twin is NumbaOps.dequantize)."""
+        if self.tiled:  # one copy in row order, not one per array read below
+            return self.natural().dequantize()
         n, k = self.shape
         scale, mins = self.float_scales()
         w = self.int_values().astype(F32).reshape(n, k // self.block, self.block)
