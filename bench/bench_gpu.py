@@ -2,7 +2,7 @@
 with the same (dequantized GGUF) weights in the same dtype, measured in one run.
 
     python3 bench/bench_gpu.py --model smollm2=PATH --model gemma3=PATH [--lengths 512,4096] \
-        [--long 32768] [--dtype f16] [--decode 64]
+        [--long 32768] [--dtype f16] [--decode 64] [--peer smollm2=llama-bench.json ...]
 
 Per model and prompt length L: the engine's prefill of L deterministic token ids (chunks of
 --chunk tokens, by default the engine's) and 64 greedy decode steps after it (replayed CUDA graphs
@@ -12,7 +12,12 @@ Both synchronise the device before reading the clock; a 256-token run of each is
 compilation, cuBLAS handles), and each length is run --repeat times (best reported). Prefill steps
 of models without sliding-window rings replay the engine's prefill graphs (captured when the runner is
 loaded, as a server's start-up; the capture time is printed): the line then says how many replays and
-gives the first run's rate too. The first greedy token of both is printed as a sanity check (the same
+gives the first run's rate too. Decode is timed three ways: greedy with the logits downloaded and argmaxed
+on the host each step (what a host sampler pays); the logits downloaded and nothing sampled, the same token
+fed back (what llama-bench's tg runs time); greedy on the device (`decode_row(argmax_only=True)`: the
+server's path for a greedy request, only the argmax downloaded). `--peer NAME=FILE` prints llama-bench's
+decode at the same tokens held beside the last two (its `-o json` output of `-n 128 -d L,...`; `gpu_run.sh peer-bench`
+makes it). The first greedy token of both is printed as a sanity check (the same
 weights should give the same token unless the top two are within rounding).
 """
 
@@ -51,9 +56,20 @@ def time_engine(runner, tokens: list[int], n_decode: int) -> dict:
     for _ in range(n_decode):
         tok = int(np.argmax(runner.decode(tok)))
     t_decode = time.perf_counter() - t0
+    # llama-bench's tg: steps whose logits reach the host, nothing sampled (the same token fed back).
+    t0 = time.perf_counter()
+    for _ in range(n_decode):
+        runner.decode(first)
+    t_tg = time.perf_counter() - t0
+    # The server's greedy rows: the argmax is computed in the step and only it is downloaded.
+    tok = first
+    t0 = time.perf_counter()
+    for _ in range(n_decode):
+        tok = runner.decode_row(tok, argmax_only=True).token
+    t_greedy = time.perf_counter() - t0
     graph = runner.decode_graph
     return {
-        "prefill_s": t_prefill, "decode_s": t_decode, "first_token": first,
+        "prefill_s": t_prefill, "decode_s": t_decode, "tg_s": t_tg, "greedy_s": t_greedy, "first_token": first,
         "decode_graph": graph is not None and graph.launches > 0, "prefill_graph_replays": replays,
     }  # fmt: skip
 
@@ -172,6 +188,11 @@ def time_hf(model, tokens: list[int], n_decode: int) -> dict:
     return {"prefill_s": t_prefill, "decode_s": t_decode, "first_token": first}
 
 
+def peer_decode(path: Path) -> dict[int, float]:
+    """llama-bench's JSON records: decode tok/s (its tg runs) by the tokens held before them (n_depth)."""
+    return {r["n_depth"]: r["avg_ts"] for r in json.loads(path.read_text()) if r["n_prompt"] == 0 and r["n_gen"] > 0}
+
+
 def _total(r: dict) -> float:
     return r["prefill_s"] + r["decode_s"]
 
@@ -189,14 +210,17 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--repeat", type=int, default=2, help="runs per length; the best is reported")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--peer", action="append", default=[],
+                    help="NAME=FILE: llama-bench's -o json output for that model (tg runs at -d depths), printed beside")
     args = ap.parse_args()
+    peers = {name: peer_decode(Path(f)) for name, f in (spec.split("=", 1) for spec in args.peer)}
     rows = []
     for spec in args.model:
         name, path = spec.split("=", 1)
         lengths = [int(x) for x in args.lengths.split(",")]
         if name == "gemma3" and args.long:
             lengths += [int(x) for x in args.long.split(",")]
-        n_ctx = max(lengths) + args.decode + 8
+        n_ctx = max(lengths) + 3 * args.decode + 8  # three decode loops a run
         toks = np.random.default_rng(7).integers(100, 5000, max(lengths)).tolist()
         runner = engine_runner(Path(path), n_ctx, args.dtype, args.chunk)
         sizes = ", ".join(str(g.n_tokens) for g in runner.prefill_graphs) or "none"
@@ -223,12 +247,17 @@ def main() -> int:
             row = {"model": name, "dtype": args.dtype, "n_prompt": n, "engine": e, "hf": h}
             rows.append(row)
             pf, dc = n / e["prefill_s"], args.decode / e["decode_s"]
+            tg, gd = args.decode / e["tg_s"], args.decode / e["greedy_s"]
             graphs = "graph" if e["decode_graph"] else "eager"
+            peer = peers.get(name, {}).get(n)
+            row["peer_decode"] = peer
             # Prefill steps replay the graphs captured at load (padded to the next size).
             chunked = (f" ({e['prefill_graph_replays']} graph replays; 1st run {n / e['first_prefill_s']:.0f} tok/s)"
                        if e["prefill_graph_replays"] else "")  # fmt: skip
             line = (f"{name:8s} {args.dtype} L={n:6d}  engine prefill {pf:9.0f} tok/s{chunked}  decode {dc:7.1f} tok/s "
-                    f"({graphs})")  # fmt: skip
+                    f"({graphs}; host argmax), {tg:7.1f} (logits to host, none sampled), {gd:7.1f} (greedy on the device)")  # fmt: skip
+            if peer:
+                line += f" | llama.cpp tg at {n} held {peer:7.1f} tok/s: x{tg / peer:.2f} / x{gd / peer:.2f}"
             if h:
                 hpf, hdc = n / h["prefill_s"], args.decode / h["decode_s"]
                 line += (f" | transformers prefill {hpf:9.0f} tok/s  decode {hdc:7.1f} tok/s"

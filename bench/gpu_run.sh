@@ -17,6 +17,9 @@
 #   bench-slots  bench/bench_gpu_slots.py (step time per B op by op vs graphs; aggregate tok/s at B = 1..8)
 #   parallel  bench/bench_parallel.py through strata-server --backend cupy (needs the server's wheels in .whl)
 #   graph-bound  bench/probe_gpu_graph_bound.py (gemma3 bf16: decode graph vs op by op vs f32)
+#   peer-build  starts building llama.cpp's llama-bench for sm_90 in the background (.gpu-carry/lcpp-src.tar.xz:
+#         the llama.cpp tree of llama-cpp-python's sdist; GPU-NOTES says which); peer-bench waits for it, then
+#         runs llama-bench (-fa 1, tg128 at 0 / 512 / 4,096 held) on each model present: $OUT/peer_<model>.json
 # Model files travel in pieces under .gpu-carry/ (git-ignored) and are reassembled here, checked
 # against .gpu-carry/meta/*.sha256. Output goes to $OUT/<step>.log (and the tail to stdout).
 set -o pipefail
@@ -83,9 +86,11 @@ PY
     model-k) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_model.py -k "$MODEL_K" 2>&1 | tee "$OUT/model-k.log" || rc=1 ;;
     model) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_model.py 2>&1 | tee "$OUT/model.log" || rc=1 ;;
     session) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/session.log" || rc=1 ;;
-    bench)  # f16 for smollm2; gemma3 in bf16 (its residual stream overflows f16)
-      [ -n "$STRATA_SMOLLM2_PATH" ] && { python3 bench/bench_gpu.py --model smollm2=$STRATA_SMOLLM2_PATH --dtype f16 --lengths 512,4096 --json "$OUT/bench_gpu_smollm2.json" 2>&1 | tee "$OUT/bench_gpu_smollm2.log" || rc=1; }
-      [ -n "$STRATA_GEMMA3_PATH" ] && { python3 bench/bench_gpu.py --model gemma3=$STRATA_GEMMA3_PATH --dtype bf16 --lengths 512,4096 --long 32768 --json "$OUT/bench_gpu_gemma3.json" 2>&1 | tee "$OUT/bench_gpu_gemma3.log" || rc=1; } ;;
+    bench)  # f16 for smollm2; gemma3 in bf16 (its residual stream overflows f16); llama-bench's figures if peer-bench ran
+      [ -n "$STRATA_SMOLLM2_PATH" ] && { python3 bench/bench_gpu.py --model smollm2=$STRATA_SMOLLM2_PATH --dtype f16 --lengths 512,4096 \
+        $([ -f /tmp/peer_smollm2.json ] && echo --peer smollm2=/tmp/peer_smollm2.json) ${BENCH_ARGS:-} --json "$OUT/bench_gpu_smollm2.json" 2>&1 | tee "$OUT/bench_gpu_smollm2.log" || rc=1; }
+      [ -n "$STRATA_GEMMA3_PATH" ] && { python3 bench/bench_gpu.py --model gemma3=$STRATA_GEMMA3_PATH --dtype bf16 --lengths 512,4096 --long 32768 \
+        $([ -f /tmp/peer_gemma3.json ] && echo --peer gemma3=/tmp/peer_gemma3.json) ${BENCH_ARGS:-} --json "$OUT/bench_gpu_gemma3.json" 2>&1 | tee "$OUT/bench_gpu_gemma3.log" || rc=1; } ;;
     slots) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_model.py -k batched 2>&1 | tee "$OUT/slots.log" || rc=1 ;;
     bench-slots) python3 bench/bench_gpu_slots.py "${MODELS[@]}" ${SLOTS_ARGS:-} --json "$OUT/bench_gpu_slots.json" 2>&1 | tee "$OUT/bench_gpu_slots.log" || rc=1 ;;
     graph-bound)  # smollm2 f16 over 1,100 held tokens, gemma3 bf16 over 1,500 (across its ring's wrap)
@@ -98,6 +103,20 @@ PY
       for m in smollm2 gemma3; do v=STRATA_${m^^}_PATH; [ -n "${!v}" ] || continue
         PYTHONPATH=$PYTHONPATH:$PWD/packages/strata-server/src python3 bench/bench_parallel.py --rounds ${PARALLEL_ROUNDS:-2} \
           --server-args "--backend cupy -m ${!v}" 2>&1 | tee "$OUT/bench_parallel_$m.log" || rc=1; done ;;
+    peer-build)  # in the background (setsid), so that the model pieces can travel while it compiles
+      mkdir -p /tmp/lcpp && tar xJf .gpu-carry/lcpp-src.tar.xz -C /tmp/lcpp || { rc=1; continue; }
+      setsid bash -c 'cd /tmp/lcpp/llama.cpp && cmake -S . -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        && ninja -C build llama-bench; echo "exit $?" > /tmp/lcpp/done' > /tmp/lcpp/build.log 2>&1 < /dev/null &
+      echo "llama.cpp build started" ;;
+    peer-bench)
+      while [ ! -f /tmp/lcpp/done ]; do sleep 5; done; tail -3 /tmp/lcpp/build.log | tee "$OUT/peer_build.log"
+      for m in smollm2 gemma3; do v=STRATA_${m^^}_PATH; [ -n "${!v}" ] || continue
+        /tmp/lcpp/llama.cpp/build/bin/llama-bench -m "${!v}" -ngl 99 -fa 1 -p 512 -n 128 -d 0,512,4096 -r 5 -o json \
+          > /tmp/peer_$m.json 2> "$OUT/peer_$m.err" || { rc=1; tail -5 "$OUT/peer_$m.err"; }
+        cp /tmp/peer_$m.json "$OUT/"
+        python3 -c "import json,sys; [print('$m', r['n_prompt'], r['n_gen'], r['n_depth'], round(r['avg_ts'], 1)) for r in json.load(open(sys.argv[1]))]" /tmp/peer_$m.json
+      done ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done
