@@ -111,16 +111,18 @@ def decode_device_profile(graphed, eager, ops, depth: int, steps: int = 64) -> N
     wall = (time.perf_counter() - t0) / steps
     spin = cp.RawKernel(SPIN, "spin")
     graph = graphed.decode_graph
-    with graph.stream:
+    if graph is None:  # f32 compute: no graphs (graph.py); the op-by-op step alone
+        eager = graphed
+    with (graph.stream if graph is not None else cp.cuda.Stream()) as stream:
         spin((1,), (1,), (np.int64(600_000_000),))
         first = cp.cuda.Event()
-        first.record(graph.stream)
-        for _ in range(steps):  # the replays alone, queued behind the spin: the device time of the graph
-            graph.graph.launch(graph.stream)
+        first.record(stream)
+        for _ in range(steps if graph is not None else 0):  # the replays alone, queued behind the spin
+            graph.graph.launch(stream)
         last = cp.cuda.Event()
-        last.record(graph.stream)
+        last.record(stream)
     last.synchronize()
-    replay = cp.cuda.get_elapsed_time(first, last) / steps
+    replay = cp.cuda.get_elapsed_time(first, last) / steps if graph is not None else float("nan")
     eager.decode(tok)
     eager.cut_back(depth)
     ops.synchronize()

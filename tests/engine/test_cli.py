@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from strata_engine.cli import main
+from strata_engine.kernel_cache import RESTARTED_ENV
 from support.data import smollm2_model_path
+
+from .serve_process import ServeProcess
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -130,3 +134,30 @@ def test_bad_chat_templates_exit_2(args, fragment):
     done = run_cli("serve", "--model", str(smollm2_model_path()), *args)
     assert done.returncode == 2
     assert fragment in json.loads(done.stdout.splitlines()[-1])["message"]
+
+
+STARTING_OVER = b"starting over"
+
+
+def _serve_once(cache: Path, **env: str) -> tuple[ServeProcess, str, bytes]:
+    """A `serve` on numba's cache `cache` (the tokenizer's kernels are the only ones it compiles: numpy
+    products): its pid after the ready line, one greedy completion, then its stderr after QUIT."""
+    process = ServeProcess(smollm2_model_path(), "--ctx-size", "128", "--cpu-kernels", "numpy",
+                           env={"NUMBA_CACHE_DIR": str(cache), **env})  # fmt: skip
+    content = process.complete("The capital of France is", 6)["content"]
+    assert process.quit() == 0
+    return process, content, b"".join(process.stderr)
+
+
+def test_a_serve_that_compiled_kernels_starts_over_before_its_ready_line(tmp_path):
+    """With an empty numba cache, `serve` compiles kernels while it loads, then starts itself over (the same
+    pid and pipes) before its ready line, so that the process serving loaded every kernel from the cache and
+    holds none of the compiler's memory; the next start finds them cached and goes straight on; a process
+    already started over never starts over again (a cache numba cannot write would loop)."""
+    first, text, err = _serve_once(tmp_path / "cache")
+    assert STARTING_OVER in err, err.decode(errors="replace")
+    assert any((tmp_path / "cache").rglob("*.nbi"))
+    again, text_again, err_again = _serve_once(tmp_path / "cache")
+    assert STARTING_OVER not in err_again and text_again == text
+    once, text_once, err_once = _serve_once(tmp_path / "other", **{RESTARTED_ENV: "1"})
+    assert STARTING_OVER not in err_once and text_once == text

@@ -202,12 +202,11 @@ def test_a_warmed_runner_compiles_nothing_in_a_request(request, name):
     """After `ModelRunner.load` (its kernel warm-up) with the q8 products and f16 K/V, prompt chunks longer than
     the warm-up's (a first turn, then a second at depth: gemma3's sliding layers wrap their rings) and decode
     steps neither compile nor load from numba's disk cache a kernel signature: a request would pay seconds."""
-    from numba.core.dispatcher import Dispatcher
-    from strata_engine.ops import numba_kernels, numba_q8
+    from strata_engine.kernel_cache import kernel_dispatchers
 
     path = request.getfixturevalue(f"{name}_path")
     runner = ModelRunner.load(EngineSettings(model_path=path, n_ctx=1024, cpu_kernels="numba-q8", kv_type="f16"))
-    kernels = [k for m in (numba_kernels, numba_q8) for k in vars(m).values() if isinstance(k, Dispatcher)]
+    kernels = list(kernel_dispatchers())
     before = {k.py_func.__name__: len(k.overloads) for k in kernels}
     rng = np.random.default_rng(16)
     prompt = [2] + rng.integers(100, 5000, 299).tolist()
@@ -222,13 +221,12 @@ def test_a_warmed_slot_set_compiles_nothing_in_a_batched_step(smollm2_path):
     """The warm-up's pass shaped as a batched decode step (two one-row spans) compiles what a step over several
     slots runs (the K/V rows' store into their slots, the batched attention): the first batched step of a
     server with -np 2 or more loads or compiles no kernel signature."""
-    from numba.core.dispatcher import Dispatcher
-    from strata_engine.ops import numba_kernels, numba_q8
+    from strata_engine.kernel_cache import kernel_dispatchers
     from strata_engine.slots import SlotSet
 
     slots = SlotSet.load(EngineSettings(model_path=smollm2_path, n_ctx=512, n_slots=2, cpu_kernels="numba-q8",
                                         kv_type="f16"))  # fmt: skip
-    kernels = [k for m in (numba_kernels, numba_q8) for k in vars(m).values() if isinstance(k, Dispatcher)]
+    kernels = list(kernel_dispatchers())
     before = {k.py_func.__name__: len(k.overloads) for k in kernels}
     first = [int(np.argmax(slots.runners[i].prefill([2, 300 + i, 400, 500]).logits)) for i in range(2)]
     rows = slots.decode([(0, first[0]), (1, first[1])])

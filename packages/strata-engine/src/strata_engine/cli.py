@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"strata-engine serve: {exc}", file=sys.stderr)
             sys.stdout.write(json.dumps({"event": "fatal", "message": str(exc)}) + "\n")
             return ExitStatus.USAGE
-        status = serve(_settings(args), session_options=session_options)
+        status = serve(_settings(args), session_options=session_options, restart_argv=sys.orig_argv)
     else:
         status = _generate(args)
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO
 
 import cattrs
@@ -21,6 +21,7 @@ from .completion import Completer, parse_request
 from .constraints import ConstraintCompiler
 from .embedding import handle_embed, model_pooling
 from .errors import ContextOverflow, EngineError, InvalidRequest
+from .kernel_cache import restart_if_compiled
 from .protocol import (
     ENGINE_NAME,
     PROTOCOL_VERSION,
@@ -254,8 +255,10 @@ def ready_line(slots: Any, tokenizer: Tokenizer, template: ChatTemplate, identit
 
 
 def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = None,
-          session_options: Any = None) -> ExitStatus:
-    """Load the model into its slots, write the ready line, serve until QUIT or end of input."""
+          session_options: Any = None, restart_argv: Sequence[str] | None = None) -> ExitStatus:
+    """Load the model into its slots, write the ready line, serve until QUIT or end of input. With
+    `restart_argv` (the command line that started this process), a load that compiled kernels starts the
+    process over with it before the ready line (`kernel_cache.restart_if_compiled`)."""
     from .slots import SlotSet
 
     writer = LineWriter(stdout if stdout is not None else sys.stdout.buffer)
@@ -278,6 +281,8 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
         log.exception("the model could not be loaded")
         writer.write({"event": "fatal", "message": f"cannot load {settings.model_path}: {exc}"})
         return ExitStatus.MODEL_LOAD
+    if restart_argv is not None:
+        restart_if_compiled(restart_argv)
     ctx = serve_context(slots, tokenizer, template)
     registry, verbs = _build_registry(session_options, ctx)
     reader = LineReader(stdin_fd if stdin_fd is not None else sys.stdin.fileno())
