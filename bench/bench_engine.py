@@ -31,6 +31,7 @@ import strata_engine  # noqa: F401
 # isort: split
 import numpy as np
 import psutil
+from strata_engine.kernel_cache import compiled_here
 from strata_engine.runner import ModelRunner
 from strata_engine.settings import DEFAULT_CPU_KERNELS, CpuKernels, EngineSettings, values
 
@@ -119,6 +120,9 @@ def bench_model(
     rss = psutil.Process().memory_info().rss
     limit = path.stat().st_size + runner.pool.nbytes + RSS_SLACK
     print(f"  RSS {rss / 2**20:.0f} MiB, limit {limit / 2**20:.0f} MiB (file + K/V pool + 300 MiB)", flush=True)
+    if compiled := compiled_here():  # strata-engine serve starts over after such a load (kernel_cache.py)
+        print(f"  ({compiled} kernel signatures compiled in this process: its RSS holds the compiler's memory, "
+              "which a serving engine does not; run again for that figure)", flush=True)  # fmt: skip
     out["rss", 0], out["rss_limit", 0] = rss / 2**20, limit / 2**20
     runner.erase()
     return out
