@@ -40,10 +40,14 @@ def restart_if_compiled(argv: Sequence[str]) -> None:
     """Replace this process with `argv` (the same pid, pipes and environment, `RESTARTED_ENV` added) if it
     compiled a kernel and is not itself such a restart; otherwise return. Called before anything is read
     from stdin or written to stdout, so the restarted process takes both over as they are."""
-    if os.environ.get(RESTARTED_ENV) or not (n := compiled_here()):
-        return
+    if os.name != "posix" or os.environ.get(RESTARTED_ENV) or not (n := compiled_here()):
+        return  # elsewhere exec starts a new process: the parent's pipes would not carry over
     print(f"strata-engine: {n} kernel signatures compiled in this process and cached; starting over to load "
           "them from the cache without the compiler's memory", file=sys.stderr, flush=True)  # fmt: skip
     sys.stdout.flush()
     os.environ[RESTARTED_ENV] = "1"
-    os.execv(sys.executable, list(argv))
+    try:
+        os.execv(sys.executable, list(argv))
+    except OSError as exc:  # this process is loaded: it serves, the compiler's memory kept
+        del os.environ[RESTARTED_ENV]
+        print(f"strata-engine: could not start over ({exc}); serving from this process", file=sys.stderr, flush=True)
