@@ -107,10 +107,60 @@ def test_a_tiled_weight_keeps_its_bytes_and_reads_its_rows_in_order():
         made_packed(EXTRA_LAYOUTS[0], 9, 512, rng).tile()
 
 
+def test_a_five_bit_weight_keeps_every_value_in_fewer_bytes():
+    """A tiled int8 weight of 32-value blocks with every value in -16..15 (Q5_0's) kept in 5 bits: 4-bit pairs and a
+    word of high bits a block and row (5/8 of the int8 bytes, the scales as they were); `natural` gives the int8
+    weight back, as do `rows`, `take` and `dequantize`; any other weight is refused."""
+    from strata_engine.ops.packed import PACKERS, TILE_ROWS, PackedWeight
+
+    rng = np.random.default_rng(26)
+    q5 = next(t for t in PACKERS if t.name == "Q5_0")
+    w = random_packed(q5, 48, 640, rng)[0]
+    assert w.values.min() == -16 and w.values.max() == 15  # the whole range
+    five = w.tile().as_five_bit()
+    assert five.five_bit and five.tiled and not five.four_bit and five.shape == w.shape
+    assert five.values.nbytes + five.high.nbytes == w.values.nbytes * 5 // 8
+    back = five.natural()
+    assert not back.tiled and not back.five_bit and back.min is None
+    np.testing.assert_array_equal(back.values, w.values)
+    np.testing.assert_array_equal(back.scale, w.scale)
+    np.testing.assert_array_equal(five.dequantize(), w.dequantize())
+    rows = np.array([47, 0, 17, 17, 31])
+    np.testing.assert_array_equal(five.take(rows).dequantize(), w.take(rows).dequantize())
+    part = five.rows(TILE_ROWS, 48)
+    assert part.five_bit and np.shares_memory(part.high, five.high)
+    np.testing.assert_array_equal(part.natural().values, w.values[TILE_ROWS:48])
+    wide = PackedWeight(np.where(w.values == 15, np.int8(16), w.values), w.scale, None, w.block).tile()
+    untiled_or_other = [w, wide, *(random_packed(t, 48, 512, rng)[0].tile() for t in PACKERS if t.name != "Q5_0")]
+    for other in untiled_or_other:
+        if other.fits_five_bits():  # another type's values may fall in range (Q8_0 of small weights)
+            continue
+        with pytest.raises(ValueError, match="5 bits"):
+            other.as_five_bit()
+    assert not w.fits_five_bits() and not wide.fits_five_bits()
+
+
+@needs_vnni
+@pytest.mark.parametrize("parallel", [False, True])
+def test_five_bit_products_equal_the_int8_ones_bit_for_bit(parallel):
+    """The q8 kernel on a weight in 5 bits sums the same integers as on its int8 form (u = q + 16, the sum started at
+    -16 sum(qx) instead of -128 sum(qx)): the products are equal bit for bit, 1-17 token rows."""
+    from strata_engine.ops.packed import PackedWeight
+
+    rng = np.random.default_rng(27)
+    for n, k in ((48, 640), (1536, 576)):
+        scale = (rng.random((n, k // 32)) / 64).astype(np.float16).view(np.uint16)
+        tiled = PackedWeight(rng.integers(-16, 16, (n, k), dtype=np.int8), scale, None, 32).tile()
+        five = tiled.as_five_bit()
+        for n_tok in (1, 2, 7, 8, 9, 17):
+            x = rng.standard_normal((n_tok, k)).astype(np.float32)
+            np.testing.assert_array_equal(numba_q8.product(x, five, parallel), numba_q8.product(x, tiled, parallel))
+
+
 @needs_vnni
 def test_the_loader_tiles_what_the_q8_kernels_take(gemma3_path):
-    """A numba-q8 runner's packed weights are tiled (its products never meet an untiled one), a numba one's are
-    not; gemma3's tied embeddings, tiled, give the untiled table's rows."""
+    """A numba-q8 runner's packed weights are tiled (its products never meet an untiled one), its Q5_0 ones in 5
+    bits, a numba one's neither; gemma3's tied embeddings, tiled, give the untiled table's rows."""
     import attrs
     from strata_engine.ops.packed import PackedWeight
     from strata_engine.runner import ModelRunner
@@ -124,7 +174,12 @@ def test_the_loader_tiles_what_the_q8_kernels_take(gemma3_path):
                for k in ("numba-q8", "numba")}  # fmt: skip
     q8_weights, f32_weights = packed(runners["numba-q8"].model), packed(runners["numba"].model)
     assert q8_weights and all(w.tiled for w in q8_weights)
-    assert f32_weights and not any(w.tiled for w in f32_weights)
+    assert f32_weights and not any(w.tiled or w.five_bit for w in f32_weights)
+    # Q5_0 in 5 bits: every layer's gate/up, the fused Q/K/V where V is Q5_0 too (9 of 18: Q8_0 in the others)
+    q8_layers = runners["numba-q8"].model.layers
+    assert all(layer.w_gate_up.five_bit for layer in q8_layers)
+    assert sum(layer.wqkv.five_bit for layer in q8_layers) == 9
+    assert not runners["numba-q8"].model.output.five_bit
     ids = np.array([2, 106, 262143, 5])
     np.testing.assert_array_equal(
         runners["numba-q8"].model.ops.embed(runners["numba-q8"].model.tok_embd, ids),

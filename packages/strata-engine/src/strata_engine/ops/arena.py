@@ -43,4 +43,5 @@ class WeightArena:
     def weight(self, w: PackedWeight) -> PackedWeight:
         """The packed weight with its arrays in the arena."""
         mins = None if w.min is None else self.array(w.min)
-        return PackedWeight(self.array(w.values), self.array(w.scale), mins, w.block, w.tiled)
+        high = None if w.high is None else self.array(w.high)
+        return PackedWeight(self.array(w.values), self.array(w.scale), mins, w.block, w.tiled, high)

@@ -78,21 +78,23 @@ def _lanes_f32(builder, row, first, half):
 
 
 @intrinsic
-def q8_tile(typingctx, values, scale, mins, t, xq, dxw, xneg, xsum, y, r0, rows):
+def q8_tile(typingctx, values, scale, mins, high, t, xq, dxw, xneg, xsum, y, r0, rows):
     """y[r0 + r, 16 t : 16 t + 16] = weight tile t's rows . token row r0 + r (r < rows <= Q8_ROWS), the token
-    rows quantized (xq, dxw, xneg, xsum); mins tiled [N, K / block], or 1-D (a placeholder: no min). Each layout
+    rows quantized (xq, dxw, xneg, xsum); mins tiled [N, K / block], or 1-D (a placeholder: no min); high the
+    high bits of a 5-bit weight (`packed.PackedWeight.as_five_bit`), or 1-D (a placeholder). Each layout
     compiles only its own code; int8 weights branch at run time on their block (16 or 32 values: 4 or 8
     vectors a block)."""
     with_min = mins.ndim == 2
+    five = high.ndim == 2
     nibbles = values.dtype == types.uint8
     half = scale.dtype == types.uint16
-    sig = types.void(values, scale, mins, t, xq, dxw, xneg, xsum, y, r0, rows)
+    sig = types.void(values, scale, mins, high, t, xq, dxw, xneg, xsum, y, r0, rows)
 
     def codegen(context, builder, signature, args):
-        q_arr, s_arr, m_arr, xq_arr, dx_arr, xn_arr, xs_arr, y_arr = (
-            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 4, 5, 6, 7, 8)
+        q_arr, s_arr, m_arr, h_arr, xq_arr, dx_arr, xn_arr, xs_arr, y_arr = (
+            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 5, 6, 7, 8, 9)
         )
-        t_val, r0_val, rows_val = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 9, 10))
+        t_val, r0_val, rows_val = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (4, 10, 11))
         dp = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(_V16I, [_V16I] * 3), "llvm.x86.avx512.vpdpbusd.512"
         )
@@ -102,6 +104,7 @@ def q8_tile(typingctx, values, scale, mins, t, xq, dxw, xneg, xsum, y, r0, rows)
         scale_elem = ir.IntType(16) if half else _F32
         s_tile = _row_ptr(builder, s_arr, row0, scale_elem)
         m_tile = _row_ptr(builder, m_arr, row0, scale_elem) if with_min else None
+        h_tile = _row_ptr(builder, h_arr, row0, _I32) if five else None
         n_blocks = builder.extract_value(s_arr.shape, 1)
         block_bytes = builder.udiv(builder.extract_value(q_arr.shape, 1), n_blocks)  # of a row: 16 (4-bit), 16 or 32
         first_pass = builder.icmp_signed("==", r0_val, ir.Constant(_I64, 0))
@@ -113,7 +116,8 @@ def q8_tile(typingctx, values, scale, mins, t, xq, dxw, xneg, xsum, y, r0, rows)
             x_rows = [builder.add(r0_val, ir.Constant(_I64, r)) for r in range(n_rows)]
             xq_rows = [_row_ptr(builder, xq_arr, i, _I32) for i in x_rows]
             dx_rows = [_row_ptr(builder, dx_arr, i, _F32) for i in x_rows]
-            xn_rows = [_row_ptr(builder, xn_arr, i, _I32) for i in x_rows] if not nibbles else []
+            signed = five or not nibbles  # the integer sum starts at the weight's offset times sum(qx)
+            xn_rows = [_row_ptr(builder, xn_arr, i, _I32) for i in x_rows] if signed else []
             xs_rows = [_row_ptr(builder, xs_arr, i, _F32) for i in x_rows] if with_min else []
 
             def block(b, accs):
@@ -129,15 +133,22 @@ def q8_tile(typingctx, values, scale, mins, t, xq, dxw, xneg, xsum, y, r0, rows)
                 ]  # fmt: skip
                 wv = _weight_vectors(builder, raw, nibbles)
                 lane0 = builder.mul(b, ir.Constant(_I64, LANES))
+                if five:  # u = q + 16: each dword's 4 high bits shifted into bit 4 of its bytes
+                    hv = _load_vector(builder, h_tile, lane0, _I32, LANES)
+                    ones = ir.Constant(_V16I, [0x01010101] * LANES)
+                    four = ir.Constant(_V16I, [4] * LANES)
+                    wv = [builder.or_(w, builder.shl(builder.and_(builder.lshr(hv, ir.Constant(_V16I, [j] * LANES)), ones),
+                                                     four)) for j, w in enumerate(wv)]  # fmt: skip
                 dw = _lanes_f32(builder, s_tile, lane0, half)
                 mw = _lanes_f32(builder, m_tile, lane0, half) if with_min else None
                 x0 = builder.mul(b, ir.Constant(_I64, len(wv)))  # the block's first activation dword
                 out = []
                 for r in range(n_rows):
-                    if nibbles:
+                    if not signed:
                         total = ir.Constant(_V16I, [0] * LANES)
-                    else:
-                        total = _splat(builder, builder.load(builder.gep(xn_rows[r], [b])), LANES)
+                    else:  # -128 sum(qx) (int8 read as q + 128), or -16 sum(qx) (5 bits: q + 16), exactly
+                        neg = builder.load(builder.gep(xn_rows[r], [b]))
+                        total = _splat(builder, builder.ashr(neg, ir.Constant(_I32, 3)) if five else neg, LANES)
                     for j, w in enumerate(wv):
                         xv = builder.load(builder.gep(xq_rows[r], [builder.add(x0, ir.Constant(_I64, j))]))
                         total = builder.call(dp, [total, w, _splat(builder, xv, LANES)])
@@ -234,17 +245,17 @@ def quantize_q8_parallel(x, block):
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _q8_tile_rows(values, scale, mins, xq, dxw, xneg, xsum, y, t):
+def _q8_tile_rows(values, scale, mins, high, xq, dxw, xneg, xsum, y, t):
     """Weight tile t's outputs for every token row, Q8_ROWS at a time (the tile stays in cache meanwhile)."""
     r = 0
     while r < xq.shape[0]:
         rows = min(Q8_ROWS, xq.shape[0] - r)
-        q8_tile(values, scale, mins, t, xq, dxw, xneg, xsum, y, r, rows)
+        q8_tile(values, scale, mins, high, t, xq, dxw, xneg, xsum, y, r, rows)
         r += rows
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def matmul_q8(x, block, values, scale, mins, y):
+def matmul_q8(x, block, values, scale, mins, high, y):
     """y = x W^T, x quantized (`quantize_q8`; from Q8_PARALLEL_ROWS rows over all threads) then the weight's
     tiles over all threads."""
     if x.shape[0] >= Q8_PARALLEL_ROWS:
@@ -252,15 +263,18 @@ def matmul_q8(x, block, values, scale, mins, y):
     else:
         xq, dxw, xneg, xsum = quantize_q8(x, block)
     for t in prange(values.shape[0] // TILE_ROWS):
-        _q8_tile_rows(values, scale, mins, xq, dxw, xneg, xsum, y, t)
+        _q8_tile_rows(values, scale, mins, high, xq, dxw, xneg, xsum, y, t)
 
 
 @njit(fastmath=True, cache=True)
-def matmul_q8_serial(x, block, values, scale, mins, y):
+def matmul_q8_serial(x, block, values, scale, mins, high, y):
     """`matmul_q8` on the calling thread."""
     xq, dxw, xneg, xsum = quantize_q8(x, block)
     for t in range(values.shape[0] // TILE_ROWS):
-        _q8_tile_rows(values, scale, mins, xq, dxw, xneg, xsum, y, t)
+        _q8_tile_rows(values, scale, mins, high, xq, dxw, xneg, xsum, y, t)
+
+
+_NO_HIGH = np.zeros(1, dtype=np.uint32)  # 1-D: not 5 bits (read by nothing; never written)
 
 
 def takes(w: PackedWeight) -> bool:
@@ -277,6 +291,7 @@ def product(x: np.ndarray, w: PackedWeight, parallel: bool) -> np.ndarray:
         raise ValueError("the q8 kernels read tiled weights (PackedWeight.tile)")
     y = np.empty((x.shape[0], w.shape[0]), dtype=F32)
     mins = w.min if w.min is not None else np.zeros(1, dtype=w.scale.dtype)  # 1-D: no min
+    high = w.high if w.high is not None else _NO_HIGH
     kernel = matmul_q8 if parallel else matmul_q8_serial
-    kernel(x, w.block, w.values, w.scale, mins, y)
+    kernel(x, w.block, w.values, w.scale, mins, high, y)
     return y

@@ -17,7 +17,12 @@ Every supported ggml type maps exactly (PACKERS):
 With q8 products (`numba_q8.py`) a weight is kept *tiled* (`PackedWeight.tile`): in each tile of TILE_ROWS rows
 the values are stored a dword (4 bytes) of every row at a time, and the scales (mins) a block of every row at a
 time, so one 64-byte load holds the same 4 bytes of 16 rows (a vector lane per output); the arrays keep their
-[N, ...] shapes, so rows sliced on tile bounds stay views.
+[N, ...] shapes, so rows sliced on tile bounds stay views. A tiled int8 weight of 32-value blocks whose values
+all lie in -16..15 (Q5_0's) may be kept in 5 bits (`PackedWeight.as_five_bit`): u = q + 16 as 4-bit pairs (the
+4-bit layout) and a 32-bit word of high bits per block and row, `high` uint32 [N, K / 32] tiled, bit 8m + j of
+it the high bit of the block's value 4j + m (so value 4j + m's bit sits at bit m * 8 of the word shifted
+right by j: one shift and mask gives a dword's four high bits in place). Only tiled: `natural()` gives the
+int8 weight back.
 
 Each block's scale and min are computed as `gguf.quants`' dequantization computes them (float32 d * sc),
 so `PackedWeight.dequantize()` equals `dequantize_tensor` bit for bit (tests/engine/test_ops.py). A
@@ -53,10 +58,11 @@ class PackedWeight:
     min: np.ndarray | None
     block: int
     tiled: bool = False
+    high: np.ndarray | None = None  # 5 bits a value (module docstring): the high bits; values the low 4
 
     @property
     def four_bit(self) -> bool:
-        return self.values.dtype == np.uint8
+        return self.values.dtype == np.uint8 and self.high is None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,20 +70,23 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in (self.values, self.scale, self.min) if a is not None)
+        return sum(int(a.nbytes) for a in (self.values, self.scale, self.min, self.high) if a is not None)
 
     def rows(self, lo: int, hi: int) -> PackedWeight:
         """Rows [lo, hi) (views; a tiled weight's on tile bounds)."""
         if self.tiled and (lo % TILE_ROWS or (hi % TILE_ROWS and hi != self.shape[0])):
             raise ValueError(f"rows [{lo}, {hi}) of a tiled weight do not start and end on its {TILE_ROWS}-row tiles")
         mins = None if self.min is None else self.min[lo:hi]
-        return PackedWeight(self.values[lo:hi], self.scale[lo:hi], mins, self.block, self.tiled)
+        high = None if self.high is None else self.high[lo:hi]
+        return PackedWeight(self.values[lo:hi], self.scale[lo:hi], mins, self.block, self.tiled, high)
 
     def take(self, rows: np.ndarray) -> PackedWeight:
         """The rows `rows` in row order (copies: an embedding lookup)."""
         if not self.tiled:
             mins = None if self.min is None else self.min[rows]
             return PackedWeight(self.values[rows], self.scale[rows], mins, self.block)
+        if self.high is not None:
+            return self.natural().take(rows)
         tile, lane = np.divmod(np.asarray(rows), TILE_ROWS)
 
         def pick(a: np.ndarray) -> np.ndarray:
@@ -97,13 +106,48 @@ class PackedWeight:
         return PackedWeight(_interleave(self.values.view(np.int32)).view(self.values.dtype), _interleave(self.scale), mins,
                             self.block, tiled=True)  # fmt: skip
 
+    @property
+    def five_bit(self) -> bool:
+        return self.high is not None
+
+    def fits_five_bits(self) -> bool:
+        """Whether `as_five_bit` takes this weight."""
+        plain = self.tiled and self.values.dtype == np.int8 and self.block == QK and self.min is None
+        return plain and self.values.size > 0 and int(self.values.min()) >= -16 and int(self.values.max()) <= 15
+
+    def as_five_bit(self) -> PackedWeight:
+        """This tiled int8 weight of 32-value blocks, no min, every value in -16..15, in 5 bits a value
+        (module docstring); ValueError for any other."""
+        if not self.fits_five_bits():
+            raise ValueError("only a tiled int8 weight of 32-value blocks, no min, values in -16..15 fits 5 bits")
+        n, k = self.shape
+        # u = q + 16 (uint8 wraps) by [tile, block, dword j, lane, byte m]: value 4j + m of the lane's row
+        u = (self.values.view(np.uint8) + np.uint8(16)).reshape(n // TILE_ROWS, k // QK, 8, TILE_ROWS, 4)
+        low = u & 15
+        values = np.ascontiguousarray(low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(n, k // 2)  # the 4-bit pairs
+        bits = np.ascontiguousarray((u >> 4).transpose(0, 1, 3, 4, 2))  # [tile, block, lane, m, j]
+        high = np.packbits(bits, axis=-1, bitorder="little").reshape(-1, 4).view(np.uint32)  # byte m: bit j (x86: LE)
+        return PackedWeight(values, self.scale, None, QK, tiled=True, high=high.reshape(n, k // QK))
+
     def natural(self) -> PackedWeight:
-        """The weight with its rows in order (a copy where it is tiled)."""
+        """The weight with its rows in order (a copy where it is tiled; int8 where it is in 5 bits)."""
         if not self.tiled:
             return self
+        if self.high is not None:
+            return PackedWeight(self._five_bit_values(), _deinterleave(self.scale), None, self.block)
         mins = None if self.min is None else _deinterleave(self.min)
         values = _deinterleave(self.values.view(np.int32)).view(self.values.dtype)
         return PackedWeight(values, _deinterleave(self.scale), mins, self.block)
+
+    def _five_bit_values(self) -> np.ndarray:
+        """q int8 [N, K] in row order from the 5-bit form."""
+        n, k = self.shape
+        pairs = self.values.reshape(n // TILE_ROWS, k // QK, 4, TILE_ROWS, 4)
+        low = np.concatenate([pairs & 15, pairs >> 4], axis=2)  # [tile, block, dword j, lane, byte m]
+        words = self.high.view(np.uint8).reshape(n // TILE_ROWS, k // QK, TILE_ROWS, 4, 1)
+        bits = np.unpackbits(words, axis=-1, bitorder="little").transpose(0, 1, 4, 2, 3)  # [.., j, lane, m]
+        q = ((low | (bits << 4)) - np.uint8(16)).view(np.int8)  # u - 16 (uint8 wraps)
+        return np.ascontiguousarray(q.transpose(0, 3, 1, 2, 4)).reshape(n, k)
 
     def int_values(self) -> np.ndarray:
         """q as int8 [N, K] (4-bit pairs unpacked), rows in order."""
