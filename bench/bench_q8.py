@@ -104,6 +104,7 @@ def main() -> None:
     if not numba_q8.HAS_VNNI:
         raise SystemExit("this CPU has no AVX512-VNNI: the q8 kernels do not run here")
     ops = NumbaOps("f32", threads=1)
+    layout = NumbaOps("f32", threads=1, q8=True).packed_layout
 
     def f32_product(x, w):
         """The float32 kernels' product as the engine runs it: packed up to PACKED_MAX_ROWS rows, else BLAS."""
@@ -112,7 +113,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for name in args.models:
         ws = packed_weights(name)
-        tiled = {id(w): w.tile() for w in ws if numba_q8.takes(w)}  # the q8 kernels' layout, as loaded
+        tiled = {id(w): layout(w) for w in ws if numba_q8.takes(w)}  # the q8 kernels' layout, as loaded (5 bits: Q5_0)
         kinds = sorted({(str(w.values.dtype), w.block, str(w.scale.dtype), w.min is not None) for w in ws})
         print(f"{name}: {len(ws)} weights, {sum(w.nbytes for w in ws) / 1e6:.1f} MB packed, layouts {kinds}")
         dense = {id(w): w.dequantize().astype(np.float64) for w in ws[:4]}
