@@ -133,12 +133,15 @@ def q8_tile(typingctx, values, scale, mins, high, t, xq, dxw, xneg, xsum, y, r0,
                 ]  # fmt: skip
                 wv = _weight_vectors(builder, raw, nibbles)
                 lane0 = builder.mul(b, ir.Constant(_I64, LANES))
-                if five:  # u = q + 16: each dword's 4 high bits shifted into bit 4 of its bytes
+                if five:  # u = q + 16: dword j's 4 high bits (bits 8m + j of the word) shifted to bit 4 of its bytes
                     hv = _load_vector(builder, h_tile, lane0, _I32, LANES)
-                    ones = ir.Constant(_V16I, [0x01010101] * LANES)
-                    four = ir.Constant(_V16I, [4] * LANES)
-                    wv = [builder.or_(w, builder.shl(builder.and_(builder.lshr(hv, ir.Constant(_V16I, [j] * LANES)), ones),
-                                                     four)) for j, w in enumerate(wv)]  # fmt: skip
+                    bit4 = ir.Constant(_V16I, [0x10101010] * LANES)
+
+                    def shifted(j):
+                        by = ir.Constant(_V16I, [abs(4 - j)] * LANES)
+                        return hv if j == 4 else builder.shl(hv, by) if j < 4 else builder.lshr(hv, by)
+
+                    wv = [builder.or_(w, builder.and_(shifted(j), bit4)) for j, w in enumerate(wv)]
                 dw = _lanes_f32(builder, s_tile, lane0, half)
                 mw = _lanes_f32(builder, m_tile, lane0, half) if with_min else None
                 x0 = builder.mul(b, ir.Constant(_I64, len(wv)))  # the block's first activation dword
