@@ -50,8 +50,9 @@ TILE_ROWS = 16  # rows interleaved in a tiled weight: a 64-byte vector holds a d
 @attrs.frozen(eq=False)
 class PackedWeight:
     """A [N, K] weight: `values` int8 [N, K] or 4-bit pairs uint8 [N, K / 2] (block 32); `scale` and `min`
-    [N, K / block], float32 or f16 bits (uint16); min None: zero. Row i of the weight is row i of every
-    array, or with `tiled` the rows are interleaved in tiles of TILE_ROWS (module docstring)."""
+    [N, K / block], float32 or f16 bits (uint16); min None: zero; `high` None, or (5 bits a value, tiled only)
+    uint32 [N, K / 32], the high bits of u = q + 16 whose low 4 are the pairs. Row i of the weight is row i of
+    every array, or with `tiled` the rows are interleaved in tiles of TILE_ROWS (module docstring)."""
 
     values: np.ndarray
     scale: np.ndarray
