@@ -3,10 +3,12 @@
 #   probe  nvidia-smi, CuPy version, mapped host memory and bf16 availability
 #   ops    tests/engine/test_gpu_ops.py
 #   kernels  bench/bench_gpu_kernels.py (the flash attention kernel vs torch SDPA)
+#   gemv  bench/bench_gpu_gemv.py (a decode step's products in a graph: strata_gemv, cuBLAS, a copy)
 #   ops-k  tests/engine/test_gpu_ops.py -k "$OPS_K";  model-k  tests/engine/test_gpu_model.py -k "$MODEL_K"
 #   attn  bench/bench_gpu_decode_attn.py (a decode step's attention per layer; ATTN_ARGS); attn-base: the same
 #         with the strata_engine copied to .gpu-carry/base (carried), the checkout to compare against
 #   profile  bench/profile_gpu.py (host time of prefill and decode per function; PROFILE_MODEL, PROFILE_PROMPT)
+#   op-cost  bench/profile_gpu.py --op-cost (each op's cost inside the decode graph) for each model present
 #   profile-session  bench/profile_gpu_session.py (in-process SAVE/RESTORE, per adapter call and library step)
 #   trace-restore  bench/trace_engine_restore.py (a timeline of each RESTORE in fresh engines; variants
 #           TRACE_VARIANTS, default "none vram-staging"; e.g. "threads=8 block=8")
@@ -62,6 +64,7 @@ PY
       } 2>&1 | tee "$OUT/probe.log" || rc=1 ;;
     ops) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_ops.py 2>&1 | tee "$OUT/ops.log" || rc=1 ;;
     kernels) python3 bench/bench_gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" || rc=1 ;;
+    gemv) python3 bench/bench_gpu_gemv.py 2>&1 | tee "$OUT/gemv.log" || rc=1 ;;
     ops-k) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_ops.py -k "$OPS_K" 2>&1 | tee "$OUT/ops-k.log" || rc=1 ;;
     attn) python3 bench/bench_gpu_decode_attn.py ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn.log" || rc=1 ;;
     attn-base)  # the same with the strata_engine of .gpu-carry/base (a checkout to compare against)
@@ -69,6 +72,9 @@ PY
     profile)  # host time of prefill and decode, per function (the first model present)
       m=${PROFILE_MODEL:-${STRATA_GEMMA3_PATH:-$STRATA_SMOLLM2_PATH}}; p=${PROFILE_PROMPT:-512}
       python3 bench/profile_gpu.py --model "$m" --prompt "$p" --dtype "${PROFILE_DTYPE:-bf16}" 2>&1 | tee "$OUT/profile-$p.log" | grep -E "ms/token|tottime|^ +[0-9]|^  [a-z(]|----" | head -60 || rc=1 ;;
+    op-cost)
+      [ -n "$STRATA_SMOLLM2_PATH" ] && { python3 bench/profile_gpu.py --model $STRATA_SMOLLM2_PATH --dtype f16 --op-cost 2>&1 | tee "$OUT/op-cost-smollm2.log" || rc=1; }
+      [ -n "$STRATA_GEMMA3_PATH" ] && { python3 bench/profile_gpu.py --model $STRATA_GEMMA3_PATH --dtype bf16 --op-cost 2>&1 | tee "$OUT/op-cost-gemma3.log" || rc=1; } ;;
     profile-session)  # in-process SAVE/RESTORE per adapter call and library step: smollm2 random K/V, gemma3 prefilled 32K
       [ -n "$STRATA_SMOLLM2_PATH" ] && { python3 bench/profile_gpu_session.py --model $STRATA_SMOLLM2_PATH --tokens 7915 2>&1 | tee "$OUT/profile_session_smollm2.log" | grep -v "^ " || rc=1; }
       [ -n "$STRATA_GEMMA3_PATH" ] && { python3 bench/profile_gpu_session.py --model $STRATA_GEMMA3_PATH --tokens 32715 --prefill 2>&1 | tee "$OUT/profile_session_gemma3.log" | grep -v "^ " || rc=1; } ;;

@@ -7,7 +7,9 @@ graph and run op by op; the device time of one prefill per operation (`gpu_time_
 queued behind a ~0.3 s spin kernel, so the device runs it back to back and the events between the
 operations measure device time, not the host's launch gaps); then the 25 functions with the most own
 time in the profiled prefill and in the op-by-op decode steps. Host time above the device's time is
-launch overhead.
+launch overhead. `--op-cost`: instead, each operation's cost inside the decode graph: the graph is captured
+again with that operation launched twice (its first result dropped) and the replay's growth is its cost
+(launch gaps included, which the op-by-op events cannot separate).
 """
 
 from __future__ import annotations
@@ -138,6 +140,73 @@ def decode_device_profile(graphed, eager, ops, depth: int, steps: int = 64) -> N
     print(f"  {'(between ops)':16s}              {rest * 1e3:8.1f} us  {rest / total * 100:5.1f} %")
 
 
+GRAPH_OPS = ("rms_norm", "add_rms_norm", "project", "matmul", "gated_mlp", "qk_norm_rope", "store_kv",
+             "flash_attention", "logits_f32", "argmax_rows")
+
+
+def replay_us(runner, depth: int, steps: int = 64) -> float:
+    """Device us of one decode-graph replay at `depth` held, the graph captured anew (median of 5 rounds of
+    `steps` replays queued back to back behind a spin kernel)."""
+    import cupy as cp
+
+    graph = runner.decode_graph
+    graph.graph = None  # the next step captures again, with whatever the ops do now
+    runner.decode(7)
+    runner.cut_back(depth)
+    spin = cp.RawKernel(SPIN, "spin")
+    rounds = []
+    for _ in range(5):
+        with graph.stream as stream:
+            spin((1,), (1,), (np.int64(100_000_000),))
+            first = cp.cuda.Event()
+            first.record(stream)
+            for _ in range(steps):
+                graph.graph.launch(stream)
+            last = cp.cuda.Event()
+            last.record(stream)
+        last.synchronize()
+        rounds.append(cp.cuda.get_elapsed_time(first, last) * 1e3 / steps)
+    return float(np.median(rounds))
+
+
+def op_costs(runner, ops, depth: int) -> None:
+    """Each of GRAPH_OPS's cost in the decode graph: its replay with the op launched twice, less the plain one."""
+    runner.erase()
+    runner.prefill(np.random.default_rng(1).integers(100, 5000, depth).tolist())
+    calls: dict[str, int] = {}
+
+    def counted(name, fn):
+        def call(*a, **k):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*a, **k)
+
+        return call
+
+    for name in GRAPH_OPS:
+        setattr(ops, name, counted(name, getattr(type(ops), name).__get__(ops)))
+    base = replay_us(runner, depth)  # the capture's run and the captured one: calls counted twice
+    for name in GRAPH_OPS:
+        delattr(ops, name)
+    print(f"---- decode graph at {depth} held: one replay {base:.1f} us; each op's cost in it (replayed with the "
+          f"op twice) ----")  # fmt: skip
+    for name in GRAPH_OPS:
+        fn = getattr(type(ops), name).__get__(ops)
+
+        def twice(*a, _fn=fn, **k):
+            _fn(*a, **k)
+            return _fn(*a, **k)
+
+        setattr(ops, name, twice)
+        try:
+            extra = replay_us(runner, depth) - base
+        finally:
+            delattr(ops, name)
+        n = calls.get(name, 0) // 2
+        print(f"  {name:16s} {n:5d} calls  {extra:8.1f} us  {extra / max(n, 1):6.2f} us/call  "
+              f"{extra / base * 100:5.1f} %")  # fmt: skip
+    replay_us(runner, depth)  # the plain graph again
+
+
 def main() -> int:
     from strata_engine.runner import ModelRunner
     from strata_engine.settings import EngineSettings
@@ -148,6 +217,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--decode-depths", type=int, nargs="*", default=[512, 4096])
+    ap.add_argument("--op-cost", action="store_true")
     args = ap.parse_args()
     settings = EngineSettings(
         model_path=Path(args.model), n_ctx=8192, backend="cupy", compute_dtype=args.dtype
@@ -169,6 +239,10 @@ def main() -> int:
 
     for runner in (graphed, eager):  # warm-up: kernels, cuBLAS, the graph's capture
         prefill_and_decode(runner, 4)
+    if args.op_cost:
+        for depth in args.decode_depths:
+            op_costs(graphed, ops, depth)
+        return 0
     for name, runner in (("graph", graphed), ("op by op", eager)):
         pf, dc = prefill_and_decode(runner, args.steps)
         print(

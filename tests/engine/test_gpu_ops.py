@@ -113,7 +113,7 @@ def test_logits_are_accumulated_and_returned_in_float32(cp, dtype):
     to f16 is ~3e-4 off and one rounded to bf16 ~2e-3; the graph's device path gives the same values."""
     ops = _ops(dtype)
     rng = np.random.default_rng(9)
-    for n_rows in (3, 12):  # the decode-sized product and cuBLAS's
+    for n_rows in (1, 2, 3, 12):  # the decode-sized products (strata_gemv_rows) and cuBLAS's
         x = rng.standard_normal((n_rows, 640)).astype(np.float32)
         w = (rng.standard_normal((5000, 640)) * 0.05).astype(np.float32)
         _check_logits(ops, x, w)
@@ -122,7 +122,8 @@ def test_logits_are_accumulated_and_returned_in_float32(cp, dtype):
 @pytest.mark.gpu
 def test_argmax_rows_is_numpys_argmax_ties_and_nan_included(cp):
     """`argmax_rows` (a greedy step's token on the device): per row the first maximal index, as np.argmax
-    (exact ties, a NaN, all -inf, a row shorter than the block), and that logit."""
+    (exact ties within and across the spans read in parallel, NaNs, all -inf, a row shorter than a block's
+    span), and that logit."""
     from strata_engine.sampling import Argmax
 
     ops = _ops("f16")
@@ -135,6 +136,8 @@ def test_argmax_rows_is_numpys_argmax_ties_and_nan_included(cp):
     logits[5, -1] = 50.0  # the last column
     logits[6] = np.round(logits[6] * 4) / 4  # bf16-like coarse values: many exact ties
     logits[7, :] = 0.0
+    logits[8, [200_001, 4097, 4095]] = 11.0  # a tie across the row's spans: the first index wins
+    logits[0, [250_000, 100_000]] = np.nan  # NaNs in two spans: the first
     for rows in (logits, logits[:, :700]):  # 700 columns: most of the block's threads see nothing
         words = ops.to_host(ops.argmax_rows(ops.xp.asarray(np.ascontiguousarray(rows))))
         got = Argmax.of_words(words, rows.shape[0])

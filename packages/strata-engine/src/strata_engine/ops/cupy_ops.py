@@ -48,7 +48,11 @@ WARP_ROWS_PER_BLOCK = 8  # the row kernels run one warp per row, 8 warps per blo
 # norm latency-bound, and cuBLAS's products of a row leave most of the device idle (bench/GPU-NOTES.md).
 SMALL_STEP_ROWS = 8
 _ROW_THREADS = 256  # strata_add_rms_norm_row: one block per row
-_ARGMAX_THREADS = 1024  # strata_argmax_rows: one block per row of 49K-262K logits
+# strata_argmax_parts: a block of 256 threads per span of ~2,048 values of a row, at most 128 spans (one block per
+# row of gemma3's 262K logits took 27 us of a 907 us decode step: bench/GPU-NOTES.md, v21)
+_ARGMAX_THREADS = 256
+_ARGMAX_PART_VALUES = 2048
+_ARGMAX_PARTS = 128
 _ROW_VALUES = (1, 2, 4, 8, 16)  # values per thread it is compiled for (rows up to 4,096 values)
 _GEMV_ROWS = (1, 2, 4, 8)  # token rows strata_gemv is compiled for
 _GEMV_WARPS = 8
@@ -522,9 +526,15 @@ class CupyOps(NumpyOps):
         as one int32 device buffer [2B]: indices, then the values' bits (`sampling.Argmax.of_words`)."""
         cp = self.xp
         logits = cp.ascontiguousarray(logits, dtype=cp.float32)
-        out = cp.empty(2 * logits.shape[0], dtype=cp.int32)
-        kernel = self.raw.get("strata_argmax_rows", _ARGMAX_THREADS)
-        kernel((logits.shape[0],), (_ARGMAX_THREADS,), (logits, np.int32(logits.shape[1]), out))
+        rows, n = logits.shape
+        parts = max(1, min(_ARGMAX_PARTS, -(-n // _ARGMAX_PART_VALUES)))
+        part_val = cp.empty((rows, parts), dtype=cp.float32)
+        part_idx = cp.empty((rows, parts), dtype=cp.int32)
+        out = cp.empty(2 * rows, dtype=cp.int32)
+        stage = self.raw.get("strata_argmax_parts", _ARGMAX_THREADS)
+        stage((parts, rows), (_ARGMAX_THREADS,), (logits, np.int32(n), part_val, part_idx))
+        reduce = self.raw.get("strata_argmax_rows", _ARGMAX_THREADS)
+        reduce((rows,), (_ARGMAX_THREADS,), (part_val, part_idx, np.int32(parts), out))
         return out
 
 

@@ -16,8 +16,8 @@
 // * strata_qk_norm_rope: one warp per (token, head): optional per-head RMS norm, then RoPE (neox or
 //   interleaved), for the Q and K heads of one fused QKV projection.
 // * strata_gated_act: act(gate) * up over the two halves of one fused [Wg; Wu] product.
-// * strata_argmax_rows: each logits row's first maximal index (NaN first, as np.argmax) and its value, so a
-//   greedy step downloads a token id, not the row.
+// * strata_argmax_parts / strata_argmax_rows: each logits row's first maximal index (NaN first, as np.argmax)
+//   and its value, so a greedy step downloads a token id, not the row (spans of a row in parallel, then the row).
 // * strata_add_rms_norm_row / strata_gemv: the same norm and the products for steps of a few token rows
 //   (decode): a block per row, a warp per output column (the gated activation fused into the gate/up one).
 //
@@ -814,19 +814,11 @@ __device__ __forceinline__ bool argmax_better(float a, int ai, float b, int bi) 
     return ai < bi;
 }
 
-// One block of NT threads per row of logits [rows, n]: out[row] = the first maximal index,
-// out[rows + row] = its value's bits (so one int32 buffer of 2 * rows words holds both).
+// The best (value, index) of a block of NT threads by argmax_better, in thread 0.
 template <int NT>
-__global__ void __launch_bounds__(NT) strata_argmax_rows(const float* __restrict__ logits, int n, int* __restrict__ out) {
+__device__ __forceinline__ void block_argmax(float& best, int& best_i) {
     __shared__ float s_val[NT / 32];
     __shared__ int s_idx[NT / 32];
-    const float* row = logits + (size_t)blockIdx.x * n;
-    float best = -INFINITY;
-    int best_i = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += NT) {  // ascending: a tie keeps the earlier index
-        const float v = row[i];
-        if (argmax_better(v, i, best, best_i)) { best = v; best_i = i; }
-    }
     for (int off = 16; off > 0; off >>= 1) {
         const float v = __shfl_down_sync(0xffffffffu, best, off);
         const int vi = __shfl_down_sync(0xffffffffu, best_i, off);
@@ -838,6 +830,44 @@ __global__ void __launch_bounds__(NT) strata_argmax_rows(const float* __restrict
     if (threadIdx.x == 0) {
         for (int w = 1; w < NT / 32; w++)
             if (argmax_better(s_val[w], s_idx[w], best, best_i)) { best = s_val[w]; best_i = s_idx[w]; }
+    }
+}
+
+// Argmax of logits [rows, n] in two launches, so a row of 262K values is read by many blocks: block (p, row)
+// of strata_argmax_parts takes the p-th of gridDim.x spans of the row and writes its first maximal index and
+// that value to part_idx / part_val [rows, parts]; strata_argmax_rows (a block per row) reduces a row's parts
+// in order: out[row] = the row's first maximal index, out[rows + row] = its value's bits (one int32 buffer).
+template <int NT>
+__global__ void __launch_bounds__(NT) strata_argmax_parts(const float* __restrict__ logits, int n,
+                                                          float* __restrict__ part_val, int* __restrict__ part_idx) {
+    const float* row = logits + (size_t)blockIdx.y * n;
+    const int span = (n + gridDim.x - 1) / gridDim.x;
+    const int lo = blockIdx.x * span, hi = min(n, lo + span);
+    float best = -INFINITY;
+    int best_i = 0x7fffffff;  // an empty span loses to any index
+    for (int i = lo + threadIdx.x; i < hi; i += NT) {  // ascending: a tie keeps the earlier index
+        const float v = row[i];
+        if (argmax_better(v, i, best, best_i)) { best = v; best_i = i; }
+    }
+    block_argmax<NT>(best, best_i);
+    if (threadIdx.x == 0) {
+        part_val[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = best;
+        part_idx[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = best_i;
+    }
+}
+
+template <int NT>
+__global__ void __launch_bounds__(NT) strata_argmax_rows(const float* __restrict__ part_val,
+                                                         const int* __restrict__ part_idx, int parts,
+                                                         int* __restrict__ out) {
+    float best = -INFINITY;
+    int best_i = 0x7fffffff;
+    for (int i = threadIdx.x; i < parts; i += NT) {
+        const size_t at = (size_t)blockIdx.x * parts + i;
+        if (argmax_better(part_val[at], part_idx[at], best, best_i)) { best = part_val[at]; best_i = part_idx[at]; }
+    }
+    block_argmax<NT>(best, best_i);
+    if (threadIdx.x == 0) {
         out[blockIdx.x] = best_i;
         out[gridDim.x + blockIdx.x] = __float_as_int(best);
     }
