@@ -220,7 +220,8 @@ def test_a_warmed_runner_compiles_nothing_in_a_request(request, name):
 def test_a_warmed_slot_set_compiles_nothing_in_a_batched_step(smollm2_path):
     """The warm-up's pass shaped as a batched decode step (two one-row spans) compiles what a step over several
     slots runs (the K/V rows' store into their slots, the batched attention): the first batched step of a
-    server with -np 2 or more loads or compiles no kernel signature."""
+    server with -np 2 or more loads or compiles no kernel signature; nor does a later slot's own prompt and
+    step, although only the first slot ran the warm-up (the slots share the kernels)."""
     from strata_engine.kernel_cache import kernel_dispatchers
     from strata_engine.slots import SlotSet
 
@@ -231,4 +232,7 @@ def test_a_warmed_slot_set_compiles_nothing_in_a_batched_step(smollm2_path):
     first = [int(np.argmax(slots.runners[i].prefill([2, 300 + i, 400, 500]).logits)) for i in range(2)]
     rows = slots.decode([(0, first[0]), (1, first[1])])
     assert len(rows) == 2
+    long_prompt = [2] + np.random.default_rng(3).integers(100, 5000, 120).tolist()
+    slots.runners[1].erase()
+    slots.runners[1].decode(int(np.argmax(slots.runners[1].prefill(long_prompt).logits)))
     assert {k.py_func.__name__: len(k.overloads) for k in kernels} == before

@@ -175,9 +175,10 @@ class ModelRunner:
     @classmethod
     def _assemble(
         cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model,
-        placement: PoolPlacement | None = None,
+        placement: PoolPlacement | None = None, warm: bool = True,
     ) -> ModelRunner:  # fmt: skip
-        """A runner over `placement` (a slot's region of a shared pool: `SlotSet`), else over a pool of its own."""
+        """A runner over `placement` (a slot's region of a shared pool: `SlotSet`), else over a pool of its own;
+        `warm`: its kernels warmed (`warm_kernels`), which a slot after the first of a SlotSet need not repeat."""
         if placement is None:
             geometry = KVGeometry.from_config(config, settings.n_ctx_slot(config.n_ctx_train), KVType(settings.kv_type))
             pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
@@ -188,7 +189,8 @@ class ModelRunner:
         made = (make_step_graph(model, placement, enabled, n) for n in prefill_graph_sizes(runner.settings.prefill_chunk))
         runner.prefill_graphs = tuple(g for g in made if g is not None)
         runner.capture_graphs()
-        runner.warm_kernels()
+        if warm:
+            runner.warm_kernels()
         return runner
 
     def capture_graphs(self) -> float:

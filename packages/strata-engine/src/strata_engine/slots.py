@@ -79,7 +79,9 @@ class SlotSet:
         geometry = KVGeometry.from_config(config, n_ctx_slot, KVType(settings.kv_type))
         arena = make_arena(geometry, model.ops, settings.kv_resident, settings.n_slots)
         placements = make_placements(arena.pools(model.ops), settings.kv_resident)
-        runners = [ModelRunner._assemble(slot_settings, gguf_file, config, model, placement) for placement in placements]
+        # The slots share the model's kernels: the first slot's warm-up compiles (or loads) them for all.
+        runners = [ModelRunner._assemble(slot_settings, gguf_file, config, model, placement, warm=i == 0)
+                   for i, placement in enumerate(placements)]  # fmt: skip
         slots = cls(attrs.evolve(settings, n_ctx=total), runners)
         slots.batch_graphs = make_batch_graphs(model, placements, runners[0].settings.cuda_graphs)
         slots.capture_batch_graphs()
