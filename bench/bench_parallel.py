@@ -72,7 +72,13 @@ def peer_rows() -> list[dict]:
     return json.loads(REFERENCE.read_text())["batched_bench_smollm2"]
 
 
-def peer_aggregate() -> dict[int, float]:
+PEER_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the file llama.cpp's batched bench ran (batched_bench_smollm2)
+
+
+def peer_aggregate(model_path: str | None) -> dict[int, float]:
+    """The peer's aggregate decode per sequence count, for the model it ran only (none for another model)."""
+    if model_path is None or Path(model_path).name != PEER_MODEL:
+        return {}
     return {row["parallel_sequences"]: row["aggregate_decode_tok_per_s"] for row in peer_rows()}
 
 
@@ -324,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = start_server(max(levels), 1024, args.server_args.split(), log)
         print(f"server: -np {max(levels)} -c {max(levels) * 1024} {args.server_args} (log {log})")
     try:
-        n_slots = requests.get(url + "/props", timeout=30).json()["total_slots"]
+        props = requests.get(url + "/props", timeout=30).json()
+        n_slots, model_path = props["total_slots"], props.get("model_path")
         assert n_slots >= max(levels), f"the server has {n_slots} slots, fewer than {max(levels)} clients"
         warm = prompt_tokens(url, 0, args.prompt_tokens)  # the first forward passes do one-time work
         requests.post(url + "/completion", json={"prompt": warm, "n_predict": 4, "cache_prompt": False},
@@ -344,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
-    peer = peer_aggregate()
+    peer = peer_aggregate(model_path)
     base = rows[0]["aggregate_decode"]
     same_shape = (args.prompt_tokens, args.n_predict) == peer_shape()
     print(f"\n{args.prompt_tokens}-token prompts, {args.n_predict} tokens each; load average {os.getloadavg()[0]:.2f} "
@@ -363,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         if row["basis"] == SUMMED:
             print(f"{row['clients']} clients: no window in which every client decoded (the first finished before the "
                   "last one's first token); 'agg decode' is each client's decode rate after its first token, summed")
-    if not same_shape:
+    if not peer:
+        print(f"peer: none for {model_path} (llama.cpp's batched bench in the references ran {PEER_MODEL})")
+    elif not same_shape:
         print(f"peer: llama.cpp's batched bench at its own shape ({' / '.join(map(str, peer_shape()))} tokens), "
               "not this run's; --peer-shape runs that shape")
     print(json.dumps({"rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()} for row in rows],
