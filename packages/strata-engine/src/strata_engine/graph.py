@@ -154,7 +154,7 @@ class _CapturedStep:
     def _download_row(self, row: int) -> np.ndarray:
         """After a launch: row `row` of the logits, downloaded into an array of CuPy's pinned memory pool (a
         pageable download is staged by the driver, and a copy out of one reused pinned buffer costs a pass
-        over the row: gemma3's 1 MiB, ~0.1 ms each), the caller's to keep; waits for it."""
+        over the row: ~0.12 ms for gemma3's 1 MiB, bench/probe_gpu_download.py), the caller's to keep; waits for it."""
         import cupyx
 
         cp = self.ops.xp
