@@ -5,7 +5,7 @@ strata_gemv (the decode kernel) against cuBLAS and against a device-to-device co
 
 Shapes are the real models' (smollm2 f16, gemma3 bf16): the fused Q/K/V, the attention output, the fused
 gate/up with its activation (strata_gemv only), the down product and the output head (float32 out), at 1, 2,
-4 and 8 token rows. A time is a graph of 50 back-to-back launches replayed, divided by 50 (median of 20
+4 and 8 token rows. A time is a graph of 50 back-to-back launches replayed, divided by 50 (median of 20 rounds of 10
 replays: no host launch cost). GB/s counts the weight's bytes read once; the copy's, its bytes read and
 written.
 """
@@ -16,6 +16,7 @@ import sys
 from functools import partial
 
 import numpy as np
+from bench_gpu_decode_attn import capture, replay_us
 
 SHAPES = {  # model: (dtype, [(name, n_out, n_in, act)]); gate_up: n_out columns of act(gate) * up, 2 rows each
     "smollm2": ("f16", [("qkv", 960, 576, -1), ("o", 576, 576, -1), ("gate_up", 1536, 576, 0),
@@ -27,26 +28,9 @@ GRAPH_LAUNCHES = 50
 
 
 def timed(fn, cp, repeat: int = 20) -> float:
-    """us a call inside a CUDA graph of GRAPH_LAUNCHES calls, the median of `repeat` replays."""
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(GRAPH_LAUNCHES):
-            fn()
-        graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        times = []
-        for _ in range(repeat):
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / GRAPH_LAUNCHES)
-    return float(np.median(times))
+    """us a call inside a CUDA graph of GRAPH_LAUNCHES calls, the median of `repeat` rounds of replays."""
+    graph, stream, _pool, _ = capture(cp, lambda: [fn() for _ in range(GRAPH_LAUNCHES)])
+    return replay_us(cp, graph, stream, repeat) / GRAPH_LAUNCHES
 
 
 def main() -> int:
