@@ -18,6 +18,7 @@
 #   slots  the batched decode tests (test_gpu_model.py -k batched)
 #   bench-slots  bench/bench_gpu_slots.py (step time per B op by op vs graphs; aggregate tok/s at B = 1..8)
 #   parallel  bench/bench_parallel.py through strata-server --backend cupy (needs the server's wheels in .whl)
+#   row-cost  bench/probe_row_overhead.py: the engine loop's step at 1 and 8 slots, forward pass real and replaced
 #   graph-bound  bench/probe_gpu_graph_bound.py (gemma3 bf16: decode graph vs op by op vs f32)
 #   peer-build  starts building llama.cpp's llama-bench for sm_90 in the background (.gpu-carry/lcpp-src.tar.xz:
 #         the llama.cpp tree of llama-cpp-python's sdist; GPU-NOTES says which); peer-bench waits for it, then
@@ -109,6 +110,11 @@ PY
       for m in smollm2 gemma3; do v=STRATA_${m^^}_PATH; [ -n "${!v}" ] || continue
         PYTHONPATH=$PYTHONPATH:$PWD/packages/strata-server/src python3 bench/bench_parallel.py --rounds ${PARALLEL_ROUNDS:-2} \
           --server-args "--backend cupy -m ${!v}" 2>&1 | tee "$OUT/bench_parallel_$m.log" || rc=1; done ;;
+    row-cost)
+      for m in smollm2 gemma3; do v=STRATA_${m^^}_PATH; [ -n "${!v}" ] || continue
+        for n in 1 8; do for real in "" --real; do echo "$m slots $n ${real:-replaced}"
+          python3 bench/probe_row_overhead.py --model ${!v} --backend cupy --slots $n --prompt 512 --tokens 384 $real 2>&1 | tail -1
+        done; done; done 2>&1 | tee "$OUT/row-cost.log" || rc=1 ;;
     peer-build)  # in the background (setsid), so that the model pieces can travel while it compiles
       mkdir -p /tmp/lcpp && tar xJf .gpu-carry/lcpp-src.tar.xz -C /tmp/lcpp || { rc=1; continue; }
       setsid bash -c 'cd /tmp/lcpp/llama.cpp && cmake -S . -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
