@@ -49,11 +49,21 @@ def main() -> int:
     meta = read_gguf(path).metadata
     tok = Tokenizer.from_gguf_metadata(meta)
     n_ctx = 1024 if args.prompt + args.tokens <= 1024 else 2 * (args.prompt + args.tokens)
-    slots = SlotSet.load(EngineSettings(model_path=path, n_ctx=n_ctx * n, n_slots=n, backend=args.backend,
-                                        prefill_chunk=256, kv_type="f16"))
+    slots = SlotSet.load(
+        EngineSettings(
+            model_path=path,
+            n_ctx=n_ctx * n,
+            n_slots=n,
+            backend=args.backend,
+            prefill_chunk=256,
+            kv_type="f16",
+        )
+    )
     rng = np.random.default_rng(0)
     if not args.real:
-        slots.decode_rows = lambda steps, argmax_only: [Argmax(int(rng.integers(300, 40000)), 1.0) for _ in steps]
+        slots.decode_rows = lambda steps, argmax_only: [
+            Argmax(int(rng.integers(300, 40000)), 1.0) for _ in steps
+        ]
     ctx = serve_context(slots, tok, ChatTemplate.for_model(meta, tok))
     read_end, write_end = os.pipe()
     with tempfile.TemporaryFile() as out:
@@ -74,7 +84,9 @@ def main() -> int:
                            "n_predict": args.tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
                 os.write(write_end, b"COMPLETE " + json.dumps(request).encode() + b"\n")
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and sum(r == n for r, _, _ in times) < args.tokens - (45 if args.real else 5):
+            while time.monotonic() < deadline and sum(r == n for r, _, _ in times) < args.tokens - (
+                45 if args.real else 5
+            ):
                 time.sleep(0.1)
             os.write(write_end, b"QUIT\n")
 
@@ -84,7 +96,7 @@ def main() -> int:
         feeder.join(timeout=30)
     full = np.array([t for rows, _, t in times if rows == n])
     # start to start of consecutive full steps: the loop's whole cycle (reading lines, chunks, writing)
-    cycle = np.array([b[1] - a[1] for a, b in zip(times, times[1:]) if a[0] == b[0] == n])
+    cycle = np.array([b[1] - a[1] for a, b in zip(times, times[1:], strict=False) if a[0] == b[0] == n])
     print(f"{len(times)} steps, {len(full)} of all {n} rows: median {np.median(full) * 1e6:.0f} us a step, "
           f"{np.median(full) / n * 1e6:.1f} us a row (p90 {np.percentile(full, 90) * 1e6:.0f} us a step); "
           f"start to start {np.median(cycle) * 1e6:.0f} us ({n / np.median(cycle):.1f} tok/s)")  # fmt: skip
