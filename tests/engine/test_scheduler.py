@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import xxhash
 from strata_engine.scheduler import CUT_CHUNK_SHARE
-from strata_engine.slots import SlotSet
+from strata_engine.slots import LaunchedStep, SlotSet
 
 from .inprocess import InProcessEngine
 from .runners import base_runner
@@ -73,6 +73,53 @@ def test_concurrent_completes_interleave_and_each_gets_its_greedy_tokens_alone(e
     assert 2.0 < sum(r["n_steps"] for r in results.values()) / shares <= 3.0  # mostly all three at once
     solo = alone.command("COMPLETE", greedy(id="x", prompt=prompts["a"], n_predict=3))
     assert solo["n_steps"] == solo["step_share"] >= 3  # alone: every step its own
+
+
+@pytest.fixture
+def collected(monkeypatch):
+    """The keep flags of every step launched ahead (`LaunchedStep.collect`), in order."""
+    keeps: list[list[bool]] = []
+    collect = LaunchedStep.collect
+
+    def spy(self, keep):
+        keeps.append(list(keep))
+        return collect(self, keep)
+
+    monkeypatch.setattr(LaunchedStep, "collect", spy)
+    return keeps
+
+
+def test_each_step_is_launched_before_the_last_ones_tokens_are_accepted_and_an_ended_rows_is_dropped(
+        engine, collected):  # fmt: skip
+    """Greedy rows: the scheduler launches the next step before accepting a step's tokens (`_launch_ahead`; on
+    this backend the launch defers the step to its collection). A row whose token ends its request for a known
+    reason (n_predict here) is left out of the next step; one a stop word ended is dropped when the step is
+    collected, its slot holding what the same request leaves alone. Every stream gets its tokens alone."""
+    alone = engine(1)
+    plain = alone.command("COMPLETE", greedy(id="p", prompt=prompt(9, 40), n_predict=24, cache_prompt=False))
+    stop = plain["content"][len(plain["content"]) // 2:][:3]
+    requests = {"w": greedy(id="w", prompt=prompt(9, 40), n_predict=24, stop=[stop], cache_prompt=False),
+                "n": greedy(id="n", prompt=prompt(14, 41), n_predict=7, cache_prompt=False),
+                "l": greedy(id="l", prompt=prompt(5, 42), n_predict=30, cache_prompt=False)}
+    expected = {}
+    for rid, request in requests.items():
+        expected[rid] = alone.command("COMPLETE", request)
+        expected[rid]["digest"] = alone.command("STATUS")["slots"][0]["tokens_held_digest"]
+    assert expected["w"]["stop_type"] == "word" and len(expected["w"]["tokens"]) < 24
+    collected.clear()
+    e = engine(3)
+    for slot, request in enumerate(requests.values()):
+        e.send("COMPLETE", {**request, "slot": slot})
+    results = {rid: e.terminal(rid) for rid in requests}
+    status = e.command("STATUS")["slots"]
+    for slot, rid in enumerate(requests):
+        assert results[rid]["tokens"] == expected[rid]["tokens"], rid
+        assert results[rid]["content"] == expected[rid]["content"] and results[rid]["stop_type"] == expected[rid]["stop_type"]
+        assert status[slot]["tokens_held_digest"] == expected[rid]["digest"], rid
+    # every decode step after the first of each stretch was launched ahead: "l" alone decodes 29 tokens
+    assert len(collected) >= 29 - 3
+    # only "w" (a stop word: not known before its token is accepted) was ever dropped, once; "n"'s end was known
+    assert sum(not k for keep in collected for k in keep) == 1
 
 
 def test_a_long_prompt_delays_another_slots_tokens_by_at_most_one_chunk(engine):

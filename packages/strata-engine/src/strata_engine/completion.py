@@ -463,6 +463,17 @@ class Generation:
         return (params.is_greedy and not params.adjusts and self.prepared.constraint is None
                 and not self.prepared.request.n_probs)  # fmt: skip
 
+    def ends_at(self, best: Argmax) -> bool:
+        """Whether accepting `best` ends the generation for a reason known before it is accepted: every stop of
+        `accept` but a stop word (an argmax_only row, so no constraint). A step launched ahead of `accept`
+        (scheduler) leaves such a row out."""
+        request, runner = self.prepared.request, self.runner
+        return (not math.isfinite(best.logit)
+                or (not request.ignore_eos and self.completer.tokenizer.is_end_of_generation(best.token))
+                or 0 < request.n_predict <= len(self.generated) + 1
+                or runner.n_held >= runner.n_ctx
+                or self._cancelled())  # fmt: skip
+
     def prefill_chunk(self) -> bool:
         """Evaluate the prompt's next chunk; at its end, sample the first token. True once done."""
         assert self.phase is Phase.PREFILL

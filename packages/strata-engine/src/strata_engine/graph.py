@@ -210,6 +210,16 @@ class StepGraph(_CapturedStep):
         `argmax_only`: their argmax alone (computed in the graph; the logits stay on the device).
         Fewer tokens than the graph's size are padded (`PAD_TOKEN`); the caller keeps pos + n_tokens
         within the pool."""
+        self.launch(tokens, pos)
+        if not want_logits:
+            self.stream.synchronize()  # later work on the default stream reads what the step stored
+            return None
+        if argmax_only:
+            return self.argmax()
+        return self._download_row(0)  # waits for the step
+
+    def launch(self, tokens: Sequence[int], pos: int) -> None:
+        """Start the step on the device and return at once (`argmax` or `step`'s downloads wait for it)."""
         assert 0 < len(tokens) <= self.n_tokens
         cp = self.ops.xp
         self.inputs.stage(tokens, pos, self.stream)
@@ -218,12 +228,10 @@ class StepGraph(_CapturedStep):
             self._capture()
         self.graph.launch(self.stream)
         self.launches += 1
-        if not want_logits:
-            self.stream.synchronize()  # later work on the default stream reads what the step stored
-            return None
-        if argmax_only:
-            return self._download(1, ())[0][0]  # waits for the step
-        return self._download_row(0)  # waits for the step
+
+    def argmax(self) -> Argmax:
+        """After `launch`: the last token's logits' argmax (computed in the graph); waits for the step."""
+        return self._download(1, ())[0][0]
 
     def prepare(self) -> None:
         """Capture now, on placeholder tokens at position 0 (start-up, not the first request): the capture's
@@ -329,12 +337,17 @@ class BatchDecodeGraph(_CapturedStep):
         token's K/V stored in its slot at its position): row b's result is its logits' `Argmax` (computed in
         the graph) where argmax_only[b], else its logits [V], a view of a pinned buffer valid until this
         graph's next step. Only those rows of logits are downloaded."""
-        self._launch(steps)
+        self.launch(steps)
         logits_rows = [b for b, only in enumerate(argmax_only) if not only]
         best, host_logits = self._download(len(steps), logits_rows)  # waits for the step
         return [best[b] if only else host_logits[b] for b, only in enumerate(argmax_only)]
 
-    def _launch(self, steps: Sequence[tuple[int, int, int]]) -> None:
+    def argmax(self, n_rows: int) -> list[Argmax]:
+        """After `launch`: the first n_rows rows' argmax (computed in the graph); waits for the step."""
+        return self._download(n_rows, ())[0]
+
+    def launch(self, steps: Sequence[tuple[int, int, int]]) -> None:
+        """Start the step of `decode_rows` on the device and return at once (`argmax` waits for it)."""
         assert 0 < len(steps) <= self.n_tokens
         self.batch_inputs.stage(steps, self.stream)
         self.ops.xp.cuda.Stream.null.synchronize()  # work queued on the default stream (prefill, restores) is done

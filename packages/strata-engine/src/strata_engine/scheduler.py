@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -43,6 +43,9 @@ from .protocol import (
     ServeContext,
     parse_line,
 )
+
+if TYPE_CHECKING:
+    from .slots import LaunchedStep
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,14 @@ class CompleteJob:
     # 1 / the slots processing in each (summed over requests: the steps, llama-server's n_decode_total)
     n_steps: int = 0
     step_share: float = 0.0
+
+
+@attrs.define(eq=False)
+class Ahead:
+    """A decode step launched before the previous step's tokens were accepted: its jobs, a row each."""
+
+    jobs: list[CompleteJob]
+    step: LaunchedStep
 
 
 class Gate:
@@ -212,6 +223,8 @@ class Scheduler:
         self.forward_passes = 0
         self.full_chunk = ctx.runner_of(0).settings.prefill_chunk
         self._generating = False  # slots generate in this step: its chunk is cut (`chunk_tokens`)
+        # the next decode step, launched on the device before this step's tokens were accepted (`_launch_ahead`)
+        self.ahead: Ahead | None = None
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> ExitStatus:
@@ -236,7 +249,13 @@ class Scheduler:
         return self.quit is not None or (self.lines.eof and not self.lines.has_line())
 
     def _stepping(self) -> bool:
-        return bool(self.chunks) or any(self._decoding())
+        return bool(self.chunks) or self.ahead is not None or any(self._decoding())
+
+    def _must_land(self) -> bool:
+        """Whether the loop has more to do than the next step: a step launched ahead is collected (its tokens
+        accepted) first, so lines, tasks and session verbs find every slot between two steps."""
+        return (self.lines.has_line() or self.lines.eof or bool(self.sessions)
+                or any(future.done() for future, _ in self.pending))  # fmt: skip
 
     def _run(self) -> ExitStatus:
         while True:
@@ -248,6 +267,8 @@ class Scheduler:
                 elif not self.lines.has_line():
                     select.select([self._wake_r], [], [])  # a line parsed, the input's end, a task's end
             self._drain_wake()
+            if self.ahead is not None and self._must_land():
+                self._step(ahead=False)
             while self.quit is None and self.exit is None and (parsed := self.lines.poll()) is not None:
                 self._take(parsed)
             self._collect()
@@ -488,15 +509,19 @@ class Scheduler:
         return [job for job in self.busy.values() if isinstance(job, CompleteJob)
                 and job.generation is not None and job.generation.phase is Phase.DECODE]
 
-    def _step(self) -> None:
+    def _step(self, ahead: bool = True) -> None:
+        """One step: the decode of every generating slot (collecting the one launched ahead, if any; launching
+        the next where `ahead` allows: `_launch_ahead`), then at most one prefill chunk."""
         decoding = self._decoding()
         if not decoding and not self.chunks:
+            if self.ahead is not None:  # every row's conversation ended meanwhile: the step is dropped
+                self._decode([], ahead=False)
             return
         self.steps += 1
         self._count_processing()
         self._generating = bool(decoding)
         if decoding:
-            self._decode(decoding)
+            self._decode(decoding, ahead)
         if self.chunks:
             self._chunk(self.chunks.popleft())
 
@@ -511,24 +536,31 @@ class Scheduler:
         """The next chunk's tokens (asked by the runner just before it evaluates the chunk)."""
         return chunk_tokens(self.full_chunk, self._generating)
 
-    def _decode(self, jobs: list[CompleteJob]) -> None:
-        steps = [(job.slot, job.generation.pending) for job in jobs]
-        try:  # a greedy row that reads nothing but the argmax gets it from the device, not its logits
-            outputs = self.ctx.slots.decode_rows(steps, [job.generation.argmax_only for job in jobs])
-        except (ContextOverflow, InvalidToken) as exc:  # nothing was evaluated; that slot's request ends
-            bad = next((job for job in jobs if job.slot == exc.slot), None)
-            if bad is None:
-                raise
-            self._end(bad, exc)
-            return
-        except Exception as exc:
-            self.forward_passes += 1  # past the checks: the forward pass ran, or failed while running
-            # the batch's slots were cut back, but this failure is not understood: drop their conversations
-            log.exception("a decode step failed; erasing slots %s", [job.slot for job in jobs])
-            for job in jobs:
-                self._fail_erased(job, exc)
-            return
+    def _decode(self, jobs: list[CompleteJob], ahead: bool = True) -> None:
+        if self.ahead is not None:
+            launched, self.ahead = self.ahead, None
+            # a generating job left out of it (none should be) gets the next step, unlaunched
+            ahead = ahead and all(job in launched.jobs for job in jobs)
+            outputs = self._collect_ahead(launched, jobs)
+            jobs = [job for job in launched.jobs if job in jobs]
+            if outputs is None or not jobs:
+                return
+        else:
+            steps = [(job.slot, job.generation.pending) for job in jobs]
+            try:  # a greedy row that reads nothing but the argmax gets it from the device, not its logits
+                outputs = self.ctx.slots.decode_rows(steps, [job.generation.argmax_only for job in jobs])
+            except (ContextOverflow, InvalidToken) as exc:  # nothing was evaluated; that slot's request ends
+                bad = next((job for job in jobs if job.slot == exc.slot), None)
+                if bad is None:
+                    raise
+                self._end(bad, exc)
+                return
+            except Exception as exc:
+                self._failed_step(jobs, exc)
+                return
         self.forward_passes += 1
+        if ahead:
+            self._launch_ahead(jobs, outputs)
         with self.writer.held():  # the step's token (and terminal) lines in one write
             for row, job in enumerate(jobs):
                 gen = job.generation
@@ -541,6 +573,43 @@ class Scheduler:
                     continue
                 if finished:
                     self._end(job)
+
+    def _failed_step(self, jobs: list[CompleteJob], exc: Exception) -> None:
+        self.forward_passes += 1  # past the checks: the forward pass ran, or failed while running
+        # the batch's slots were cut back, but this failure is not understood: drop their conversations
+        log.error("a decode step failed; erasing slots %s", [job.slot for job in jobs], exc_info=exc)
+        for job in jobs:
+            self._fail_erased(job, exc)
+
+    def _launch_ahead(self, jobs: list[CompleteJob], outputs: list[Any]) -> None:
+        """Launch the next decode step before this one's tokens are accepted (the device computes while this
+        thread writes the lines): only for greedy rows decided on the device, no chunk waiting, and only rows
+        whose token does not end their generation for a reason known now (`Generation.ends_at`); a row
+        whose conversation ends anyway (a stop word) is dropped when the step is collected. Where steps run
+        synchronously (the numpy backend) the launch defers the step to its collection."""
+        if self.chunks or not jobs or not all(job.generation.argmax_only for job in jobs):
+            return
+        going = [(job, best) for job, best in zip(jobs, outputs, strict=True) if not job.generation.ends_at(best)]
+        if not going:
+            return
+        try:
+            step = self.ctx.slots.launch([(job.slot, best.token) for job, best in going])
+        except Exception as exc:  # noqa: BLE001 - the next step runs as before and meets it there
+            log.warning("launching a decode step ahead failed (%s: %s); the next step runs unlaunched",
+                        type(exc).__name__, exc)  # fmt: skip
+            return
+        self.ahead = Ahead([job for job, _ in going], step)
+
+    def _collect_ahead(self, launched: Ahead, jobs: list[CompleteJob]) -> list[Any] | None:
+        """The launched step's results for the rows whose jobs still decode (`jobs`), in its row order; the
+        other rows are dropped. None if the step failed (its jobs ended, as `_decode` ends a failed step's)."""
+        keep = [job in jobs for job in launched.jobs]
+        try:
+            results = launched.step.collect(keep)
+        except Exception as exc:
+            self._failed_step([job for job, k in zip(launched.jobs, keep, strict=True) if k], exc)
+            return None
+        return [r for r in results if r is not None]
 
     def _chunk(self, job: CompleteJob | ChunkJob) -> None:
         if isinstance(job, ChunkJob):

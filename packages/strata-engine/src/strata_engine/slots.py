@@ -27,7 +27,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import InvalidRequest, SettingsError
 from .gguf import GGUFFile
-from .graph import BatchDecodeGraph, GraphCaptureFailed, make_batch_graphs
+from .graph import BatchDecodeGraph, GraphCaptureFailed, StepGraph, make_batch_graphs
 from .kv import KVGeometry, make_arena, make_placements
 from .models import Model
 from .models.common import Rows, Span
@@ -112,11 +112,36 @@ class SlotSet:
         deepest resume point at or below it: `ModelRunner.abort_step`), the other slots untouched."""
         return np.stack(self.decode_rows(steps, [False] * len(steps)))  # type: ignore[arg-type]
 
-    def decode_rows(self, steps: Sequence[tuple[int, int]], argmax_only: Sequence[bool]) -> list[Argmax | np.ndarray]:
-        """`decode`, where row b's result is the `Argmax` of its logits if argmax_only[b] (a greedy row whose
-        sampler reads nothing else: `completion.Generation.argmax_only`), else its logits [n_vocab]. A
-        captured step computes the argmax on the device and downloads only the rows of logits asked for,
-        into pinned memory: those arrays are valid until the next step of this SlotSet."""
+    def launch(self, steps: Sequence[tuple[int, int]]) -> LaunchedStep:
+        """The decode step of greedy rows `steps` (as in `decode_rows`, every row argmax_only), started where it
+        runs asynchronously (a captured graph: one slot's or a batch's) so the caller can do its own work
+        (accepting the previous step's tokens) while the device computes; `LaunchedStep.collect` ends it. Where
+        steps run synchronously the step is deferred to `collect`, which then evaluates only the rows kept.
+        The checks run now: a ContextOverflow or InvalidToken names its slot and nothing is launched."""
+        steps = self._checked(steps, [True] * len(steps))
+        launched = LaunchedStep(self, steps)
+        graph = self._batch_graph_for(len(steps)) if len(steps) > 1 else self.runners[steps[0][0]].decode_graph
+        if graph is None:
+            return launched  # deferred
+        opened: list[tuple[ModelRunner, int]] = []
+        try:
+            for slot, _ in steps:
+                opened.append((self.runners[slot], self.runners[slot].begin_step(1)))
+            if isinstance(graph, BatchDecodeGraph):
+                graph.launch([(r.pool.slot, pos, t) for (r, pos), (_, t) in zip(opened, steps, strict=True)])
+            else:
+                graph.launch([steps[0][1]], opened[0][1])
+        except BaseException as exc:
+            for runner, pos in opened:
+                runner.abort_step(pos)
+            if isinstance(exc, GraphCaptureFailed):  # deferred: collect runs the rows op by op
+                return launched
+            raise
+        launched.graph, launched.opened = graph, opened
+        return launched
+
+    def _checked(self, steps: Sequence[tuple[int, int]], argmax_only: Sequence[bool]) -> list[tuple[int, int]]:
+        """steps as ints, after the checks of a decode step (InvalidRequest, ContextOverflow, InvalidToken)."""
         if len(argmax_only) != len(steps):
             raise InvalidRequest([f"{len(argmax_only)} argmax_only flags for {len(steps)} decode rows"])
         steps = [(int(slot), int(token)) for slot, token in steps]
@@ -130,6 +155,15 @@ class SlotSet:
             raise InvalidRequest(problems)
         for slot, token in steps:
             self.runners[slot].check_decode(token, slot)
+        return steps
+
+    def decode_rows(self, steps: Sequence[tuple[int, int]], argmax_only: Sequence[bool]) -> list[Argmax | np.ndarray]:
+        """`decode`, where row b's result is the `Argmax` of its logits if argmax_only[b] (a greedy row whose
+        sampler reads nothing else: `completion.Generation.argmax_only`), else its logits [n_vocab]. A
+        captured step computes the argmax on the device and downloads only the rows of logits asked for,
+        into pinned memory: those arrays are valid until the next step of this SlotSet."""
+        steps = self._checked(steps, argmax_only)
+        slots = [slot for slot, _ in steps]
         if len(steps) == 1:  # one slot: its own step (a captured graph where it has one)
             slot, token = steps[0]
             return [self.runners[slot].decode_row(token, argmax_only[0])]
@@ -159,3 +193,39 @@ class SlotSet:
         for runner, (_, token) in zip(runners, steps, strict=True):
             runner.commit_step([token])
         return out
+
+
+@attrs.define(eq=False)
+class LaunchedStep:
+    """A decode step of greedy rows from `SlotSet.launch`: on the device (`graph` set, each row's pool opened at
+    its position: `opened`), or deferred (`graph` None). `collect` ends it once."""
+
+    slot_set: SlotSet
+    steps: list[tuple[int, int]]  # (slot, token) per row
+    graph: BatchDecodeGraph | StepGraph | None = None
+    opened: list[tuple[ModelRunner, int]] = attrs.field(factory=list)
+
+    def collect(self, keep: Sequence[bool]) -> list[Argmax | None]:
+        """Row b's `Argmax` where keep[b] (its slot then holds the token), None where not (a row whose
+        conversation ended meanwhile: its slot holds what it held before; a launched row's K/V, stored
+        past the conversation's end, is never attended). Waits for the device. On an exception every
+        launched row's slot is cut back as `decode_rows` does."""
+        if self.graph is None:
+            kept = [step for step, k in zip(self.steps, keep, strict=True) if k]
+            rows = iter(self.slot_set.decode_rows(kept, [True] * len(kept)) if kept else [])
+            return [next(rows) if k else None for k in keep]  # type: ignore[misc]
+        try:
+            if isinstance(self.graph, BatchDecodeGraph):
+                best = self.graph.argmax(len(self.steps))
+            else:
+                best = [self.graph.argmax()]
+        except BaseException:
+            for runner, pos in self.opened:
+                runner.abort_step(pos)
+            raise
+        for (runner, pos), (_, token), k in zip(self.opened, self.steps, keep, strict=True):
+            if k:
+                runner.commit_step([token])
+            else:
+                runner.abort_step(pos)
+        return [b if k else None for b, k in zip(best, keep, strict=True)]
