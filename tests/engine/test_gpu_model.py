@@ -431,3 +431,106 @@ def test_device_argmax_steps_give_the_logits_paths_greedy_tokens(runners, model)
     for s in range(8):
         assert list(fast.runners[s].tokens_held) == list(plain.runners[s].tokens_held)
     print(f"{model}: {checked} device-argmax rows equal to the host's argmax of the logits")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_launched_steps_give_the_synchronous_tokens_and_dropped_rows_keep_their_slots(runners, model):
+    """`SlotSet.launch` then `LaunchedStep.collect` (the scheduler's step launched ahead: the batched graphs of 8,
+    4 and 2 rows and a slot's own decode graph) against `decode` of the kept rows only, in a twin slot set from
+    the same K/V: each kept row's argmax where the margin is clear and its logit within GRAPH_BOUND's scale; a
+    dropped row's slot holds what it held (its K/V was stored past the conversation's end), and every slot then
+    decodes on to the same tokens -- gemma3's slots 700-900 deep across their 1,024-slot rings, whose slot a
+    dropped row overwrote."""
+    from strata_engine.slots import SlotSet
+
+    base = runners(model, dtype=None)
+    ahead = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 1024)
+    plain = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 1024)
+    rng = np.random.default_rng(23)
+    last = []
+    for slot, n in enumerate((5, 700, 130, 900, 40, 810, 230, 60)):
+        prompt = [int(t) for t in rng.integers(100, 5000, n)]
+        la, lp = ahead.runners[slot].prefill(prompt).logits, plain.runners[slot].prefill(prompt).logits
+        np.testing.assert_array_equal(la, lp)
+        last.append(int(np.argmax(lp)))
+    dropped = 0
+    for batch in ((0, 1, 2, 3, 4, 5, 6, 7), (7, 3, 5, 0, 1), (6, 1, 3), (5, 3), (1,), (3,)):
+        for step in range(3):
+            keep = [step != 1 or row != len(batch) // 2 for row in range(len(batch))]
+            held = {s: list(ahead.runners[s].tokens_held) for s in batch}
+            out = ahead.launch([(s, last[s]) for s in batch]).collect(keep)
+            kept = [s for s, k in zip(batch, keep, strict=True) if k]
+            want = plain.decode([(s, last[s]) for s in kept]) if kept else []
+            rows = iter(want)
+            for s, k, got in zip(batch, keep, out, strict=True):
+                if not k:
+                    assert got is None and list(ahead.runners[s].tokens_held) == held[s], (batch, step, s)
+                    dropped += 1
+                    continue
+                logits = next(rows)
+                top2 = np.partition(logits, -2)[-2:]
+                if top2[1] - top2[0] > NEAR_TIE:
+                    assert got.token == int(np.argmax(logits)), (batch, step, s)
+                assert abs(got.logit - float(logits.max())) <= GRAPH_BOUND["bf16"] * max(1.0, abs(float(logits.max())))
+                last[s] = int(np.argmax(logits))
+    assert dropped == 5
+    for s in range(8):
+        assert list(ahead.runners[s].tokens_held) == list(plain.runners[s].tokens_held)
+    for _ in range(3):  # on from there, every slot (the dropped rows' too): the same tokens
+        out, want = ahead.decode_rows([(s, last[s]) for s in range(8)], [True] * 8), plain.decode([(s, last[s]) for s in range(8)])
+        for s in range(8):
+            top2 = np.partition(want[s], -2)[-2:]
+            if top2[1] - top2[0] > NEAR_TIE:
+                assert out[s].token == int(np.argmax(want[s])), s
+            last[s] = int(np.argmax(want[s]))
+    assert all(g.launches > 0 for g in ahead.batch_graphs)
+    assert ahead.runners[1].decode_graph is not None and ahead.runners[1].decode_graph.launches == 3
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_the_scheduler_launching_ahead_gives_each_stream_its_tokens_alone(runners, model):
+    """The serve loop on the GPU (greedy rows: each step launched before the last one's tokens are accepted):
+    two streams at once -- one ended by a stop word (its row dropped), the other by n_predict (known: left out
+    of the last launch) -- give the tokens, content and held conversation each gets alone on a one-slot engine
+    of the same backend. Two rows, as one: strata_gemv's products (more rows take cuBLAS's, another summation
+    order that may flip a near-tie)."""
+    from strata_engine.chat import ChatTemplate
+    from strata_engine.gguf import read_gguf
+    from strata_engine.slots import SlotSet
+    from strata_engine.tokenizer import Tokenizer
+
+    from .inprocess import InProcessEngine
+
+    meta = read_gguf(model_path(model)).metadata
+    tok = Tokenizer.from_gguf_metadata(meta)
+    template = ChatTemplate.for_model(meta, tok)
+    base = runners(model, dtype=None)
+    engines = [InProcessEngine(SlotSet.sharing(base, n_slots=n, n_ctx=n * 1024), tok, template) for n in (1, 2)]
+    alone, e = engines
+    try:
+        rng = np.random.default_rng(24)
+        prompts = [[int(t) for t in rng.integers(100, 5000, n)] for n in (9, 600)]
+
+        def greedy_request(rid, p, n, **more):
+            return {"id": rid, "prompt": p, "n_predict": n, "temperature": 0, "ignore_eos": True,
+                    "cache_prompt": False, **more}  # fmt: skip
+
+        plain = alone.command("COMPLETE", greedy_request("p", prompts[0], 40))
+        stop = plain["content"][len(plain["content"]) // 2 :][:3]
+        requests = {"w": greedy_request("w", prompts[0], 40, stop=[stop]), "l": greedy_request("l", prompts[1], 50)}
+        expected = {}
+        for rid, request in requests.items():
+            expected[rid] = alone.command("COMPLETE", request)
+            expected[rid]["digest"] = alone.command("STATUS")["slots"][0]["tokens_held_digest"]
+        assert expected["w"]["stop_type"] == "word"
+        for slot, request in enumerate(requests.values()):
+            e.send("COMPLETE", {**request, "slot": slot})
+        results = {rid: e.terminal(rid) for rid in requests}
+        status = e.command("STATUS")["slots"]
+        for slot, rid in enumerate(requests):
+            assert results[rid]["tokens"] == expected[rid]["tokens"], rid
+            assert results[rid]["content"] == expected[rid]["content"], rid
+            assert status[slot]["tokens_held_digest"] == expected[rid]["digest"], rid
+    finally:
+        for engine in engines:
+            engine.close()
