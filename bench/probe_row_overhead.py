@@ -30,7 +30,7 @@ from strata_engine.protocol import LineReader, LineWriter  # noqa: E402
 from strata_engine.sampling import Argmax  # noqa: E402
 from strata_engine.serve import build_registry, scheduler_for, serve_context  # noqa: E402
 from strata_engine.settings import EngineSettings  # noqa: E402
-from strata_engine.slots import SlotSet  # noqa: E402
+from strata_engine.slots import LaunchedStep, SlotSet  # noqa: E402
 from strata_engine.tokenizer import Tokenizer  # noqa: E402
 from support.data import smollm2_model_path  # noqa: E402
 
@@ -64,6 +64,7 @@ def main() -> int:
         slots.decode_rows = lambda steps, argmax_only: [
             Argmax(int(rng.integers(300, 40000)), 1.0) for _ in steps
         ]
+        slots.launch = lambda steps: LaunchedStep(slots, list(steps))  # deferred: collected by the above
     ctx = serve_context(slots, tok, ChatTemplate.for_model(meta, tok))
     read_end, write_end = os.pipe()
     with tempfile.TemporaryFile() as out:
@@ -71,9 +72,9 @@ def main() -> int:
         times: list[tuple[int, float]] = []
         decode = scheduler._decode
 
-        def timed(jobs):
+        def timed(jobs, *more):
             t0 = time.perf_counter()
-            decode(jobs)
+            decode(jobs, *more)
             times.append((len(jobs), t0, time.perf_counter() - t0))
 
         scheduler._decode = timed
