@@ -112,9 +112,10 @@ PY
           --server-args "--backend cupy -m ${!v}" 2>&1 | tee "$OUT/bench_parallel_$m.log" || rc=1; done ;;
     row-cost)
       for m in smollm2 gemma3; do v=STRATA_${m^^}_PATH; [ -n "${!v}" ] || continue
-        for n in 1 8; do for real in "" --real; do echo "$m slots $n ${real:-replaced}"
-          python3 bench/probe_row_overhead.py --model ${!v} --backend cupy --slots $n --prompt 512 --tokens 384 $real 2>&1 | tail -1
-        done; done; done 2>&1 | tee "$OUT/row-cost.log" || rc=1 ;;
+        for run in "8 replaced" "1 --real" "8 --real"; do set -- $run; echo "$m slots $1 $2"
+          python3 bench/probe_row_overhead.py --model ${!v} --backend cupy --slots $1 --prompt 512 --tokens 384 \
+            ${2/replaced/} 2>&1 | tail -1
+        done; done 2>&1 | tee "$OUT/row-cost.log" || rc=1 ;;
     peer-build)  # in the background (setsid), so that the model pieces can travel while it compiles
       mkdir -p /tmp/lcpp && tar xJf .gpu-carry/lcpp-src.tar.xz -C /tmp/lcpp || { rc=1; continue; }
       setsid bash -c 'cd /tmp/lcpp/llama.cpp && cmake -S . -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
