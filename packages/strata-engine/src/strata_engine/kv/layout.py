@@ -9,6 +9,8 @@ gemma3's 512-token window), so a ring here is never larger than llama.cpp's for 
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import numpy as np
 from strata_sessionfile import DType
@@ -124,12 +126,12 @@ class KVGeometry:
     def ring_layers(self) -> tuple[int, ...]:
         return tuple(g.index for g in self.layers if g.is_ring)
 
-    @property
+    @functools.cached_property  # read at every step's begin (a pass over the layers: ~1 us a row)
     def max_window(self) -> int | None:
         windows = [g.window for g in self.layers if g.window is not None]
         return max(windows) if windows else None
 
-    @property
+    @functools.cached_property  # as max_window
     def ring_capacity(self) -> int | None:
         caps = {g.capacity for g in self.layers if g.is_ring}
         assert len(caps) <= 1, "all ring layers share one capacity"
