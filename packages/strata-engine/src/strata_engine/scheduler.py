@@ -8,7 +8,8 @@ answered at a later boundary, a `JOB` verb starts a job that the steps advance. 
 generating (`SlotSet.decode`, a row per slot) and at most one prefill chunk of one job being evaluated
 (prompts and embeddings take turns, round-robin), so a long prompt delays the others' next token by at
 most one chunk, cut to a quarter while slots generate (`chunk_tokens`). Only this thread touches the
-runners and writes lines.
+runners and writes lines. A step of greedy rows launches the next one before its tokens are accepted
+(`Scheduler._launch_ahead`): on the GPU the device computes while this thread writes the lines.
 """
 
 from __future__ import annotations
