@@ -69,3 +69,16 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 def long_prompt(seed: int, n: int = 700) -> list[int]:
     """Deterministic token ids (700 > gemma3's 512 window: its rings wrap)."""
     return np.random.default_rng(seed).integers(100, 5000, n).tolist()
+
+
+def prefill_twins(first, second, lengths, seed: int) -> list[int]:
+    """Slot i of two slot sets on one model prefilled with the same random prompt of lengths[i] tokens (their
+    logits asserted equal); each slot's greedy next token."""
+    rng = np.random.default_rng(seed)
+    last = []
+    for slot, n in enumerate(lengths):
+        prompt = [int(t) for t in rng.integers(100, 5000, n)]
+        la, lb = first.runners[slot].prefill(prompt).logits, second.runners[slot].prefill(prompt).logits
+        np.testing.assert_array_equal(la, lb)
+        last.append(int(np.argmax(lb)))
+    return last

@@ -80,3 +80,22 @@ class InProcessEngine:
         os.close(self._write)
         self._thread.join(timeout=TIMEOUT_S)
         os.close(self._read)
+
+
+def alone_then_together(alone: InProcessEngine, together: InProcessEngine, requests: dict[str, dict]) -> dict:
+    """Each COMPLETE of `requests` (by id) on the one-slot engine `alone` in turn, then all at once on
+    `together` (the i-th in slot i): each gets the same tokens, content and stop type, and its slot holds the
+    same conversation (STATUS's digest). Returns the results alone."""
+    expected = {}
+    for rid, request in requests.items():
+        expected[rid] = alone.command("COMPLETE", request)
+        expected[rid]["digest"] = alone.command("STATUS")["slots"][0]["tokens_held_digest"]
+    for slot, request in enumerate(requests.values()):
+        together.send("COMPLETE", {**request, "slot": slot})
+    results = {rid: together.terminal(rid) for rid in requests}
+    status = together.command("STATUS")["slots"]
+    for slot, rid in enumerate(requests):
+        for field in ("tokens", "content", "stop_type"):
+            assert results[rid][field] == expected[rid][field], (rid, field)
+        assert status[slot]["tokens_held_digest"] == expected[rid]["digest"], rid
+    return expected

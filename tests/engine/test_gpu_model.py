@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .gpu import MODELS, greedy, long_prompt, model_path, reference, rel_err
+from .gpu import MODELS, greedy, long_prompt, model_path, prefill_twins, reference, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -404,13 +404,7 @@ def test_device_argmax_steps_give_the_logits_paths_greedy_tokens(runners, model)
     fast = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 512)
     plain = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 512)
     assert [g.n_tokens for g in fast.batch_graphs] == [2, 4, 8]
-    rng = np.random.default_rng(21)
-    last = []
-    for slot, n in enumerate((5, 300, 110, 450, 40, 70, 230, 90)):
-        prompt = [int(t) for t in rng.integers(100, 5000, n)]
-        lf, lp = fast.runners[slot].prefill(prompt).logits, plain.runners[slot].prefill(prompt).logits
-        np.testing.assert_array_equal(lf, lp)
-        last.append(int(np.argmax(lp)))
+    last = prefill_twins(fast, plain, (5, 300, 110, 450, 40, 70, 230, 90), seed=21)
     checked = 0
     for batch in ((0, 1, 2, 3, 4, 5, 6, 7), (7, 2, 4, 0, 3), (6, 1, 3), (5, 2), (4,)):
         for step in range(4):
@@ -446,13 +440,7 @@ def test_launched_steps_give_the_synchronous_tokens_and_dropped_rows_keep_their_
     base = runners(model, dtype=None)
     ahead = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 1024)
     plain = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 1024)
-    rng = np.random.default_rng(23)
-    last = []
-    for slot, n in enumerate((5, 700, 130, 900, 40, 810, 230, 60)):
-        prompt = [int(t) for t in rng.integers(100, 5000, n)]
-        la, lp = ahead.runners[slot].prefill(prompt).logits, plain.runners[slot].prefill(prompt).logits
-        np.testing.assert_array_equal(la, lp)
-        last.append(int(np.argmax(lp)))
+    last = prefill_twins(ahead, plain, (5, 700, 130, 900, 40, 810, 230, 60), seed=23)
     dropped = 0
     for batch in ((0, 1, 2, 3, 4, 5, 6, 7), (7, 3, 5, 0, 1), (6, 1, 3), (5, 3), (1,), (3,)):
         for step in range(3):
@@ -499,7 +487,7 @@ def test_the_scheduler_launching_ahead_gives_each_stream_its_tokens_alone(runner
     from strata_engine.slots import SlotSet
     from strata_engine.tokenizer import Tokenizer
 
-    from .inprocess import InProcessEngine
+    from .inprocess import InProcessEngine, alone_then_together
 
     meta = read_gguf(model_path(model)).metadata
     tok = Tokenizer.from_gguf_metadata(meta)
@@ -518,19 +506,8 @@ def test_the_scheduler_launching_ahead_gives_each_stream_its_tokens_alone(runner
         plain = alone.command("COMPLETE", greedy_request("p", prompts[0], 40))
         stop = plain["content"][len(plain["content"]) // 2 :][:3]
         requests = {"w": greedy_request("w", prompts[0], 40, stop=[stop]), "l": greedy_request("l", prompts[1], 50)}
-        expected = {}
-        for rid, request in requests.items():
-            expected[rid] = alone.command("COMPLETE", request)
-            expected[rid]["digest"] = alone.command("STATUS")["slots"][0]["tokens_held_digest"]
+        expected = alone_then_together(alone, e, requests)
         assert expected["w"]["stop_type"] == "word"
-        for slot, request in enumerate(requests.values()):
-            e.send("COMPLETE", {**request, "slot": slot})
-        results = {rid: e.terminal(rid) for rid in requests}
-        status = e.command("STATUS")["slots"]
-        for slot, rid in enumerate(requests):
-            assert results[rid]["tokens"] == expected[rid]["tokens"], rid
-            assert results[rid]["content"] == expected[rid]["content"], rid
-            assert status[slot]["tokens_held_digest"] == expected[rid]["digest"], rid
     finally:
         for engine in engines:
             engine.close()

@@ -13,7 +13,7 @@ import xxhash
 from strata_engine.scheduler import CUT_CHUNK_SHARE
 from strata_engine.slots import LaunchedStep, SlotSet
 
-from .inprocess import InProcessEngine
+from .inprocess import InProcessEngine, alone_then_together
 from .runners import base_runner
 
 CHUNK = 16
@@ -77,19 +77,19 @@ def test_concurrent_completes_interleave_and_each_gets_its_greedy_tokens_alone(e
 
 @pytest.fixture
 def collected(monkeypatch):
-    """The keep flags of every step launched ahead (`LaunchedStep.collect`), in order."""
-    keeps: list[list[bool]] = []
+    """The slot set and keep flags of every step launched ahead (`LaunchedStep.collect`), in order."""
+    keeps: list[tuple[SlotSet, list[bool]]] = []
     collect = LaunchedStep.collect
 
     def spy(self, keep):
-        keeps.append(list(keep))
+        keeps.append((self.slot_set, list(keep)))
         return collect(self, keep)
 
     monkeypatch.setattr(LaunchedStep, "collect", spy)
     return keeps
 
 
-def test_each_step_is_launched_before_the_last_ones_tokens_are_accepted_and_an_ended_rows_is_dropped(
+def test_each_step_is_launched_before_the_last_ones_tokens_are_accepted_and_an_ended_row_is_dropped(
         engine, collected):  # fmt: skip
     """Greedy rows: the scheduler launches the next step before accepting a step's tokens (`_launch_ahead`; on
     this backend the launch defers the step to its collection). A row whose token ends its request for a known
@@ -101,25 +101,14 @@ def test_each_step_is_launched_before_the_last_ones_tokens_are_accepted_and_an_e
     requests = {"w": greedy(id="w", prompt=prompt(9, 40), n_predict=24, stop=[stop], cache_prompt=False),
                 "n": greedy(id="n", prompt=prompt(14, 41), n_predict=7, cache_prompt=False),
                 "l": greedy(id="l", prompt=prompt(5, 42), n_predict=30, cache_prompt=False)}
-    expected = {}
-    for rid, request in requests.items():
-        expected[rid] = alone.command("COMPLETE", request)
-        expected[rid]["digest"] = alone.command("STATUS")["slots"][0]["tokens_held_digest"]
-    assert expected["w"]["stop_type"] == "word" and len(expected["w"]["tokens"]) < 24
-    collected.clear()
     e = engine(3)
-    for slot, request in enumerate(requests.values()):
-        e.send("COMPLETE", {**request, "slot": slot})
-    results = {rid: e.terminal(rid) for rid in requests}
-    status = e.command("STATUS")["slots"]
-    for slot, rid in enumerate(requests):
-        assert results[rid]["tokens"] == expected[rid]["tokens"], rid
-        assert results[rid]["content"] == expected[rid]["content"] and results[rid]["stop_type"] == expected[rid]["stop_type"]
-        assert status[slot]["tokens_held_digest"] == expected[rid]["digest"], rid
+    expected = alone_then_together(alone, e, requests)
+    assert expected["w"]["stop_type"] == "word" and len(expected["w"]["tokens"]) < 24
+    keeps = [keep for slots, keep in collected if slots is e.ctx.slots]
     # every decode step after the first of each stretch was launched ahead: "l" alone decodes 29 tokens
-    assert len(collected) >= 29 - 3
+    assert len(keeps) >= 29 - 3
     # only "w" (a stop word: not known before its token is accepted) was ever dropped, once; "n"'s end was known
-    assert sum(not k for keep in collected for k in keep) == 1
+    assert sum(not k for keep in keeps for k in keep) == 1
 
 
 def test_a_long_prompt_delays_another_slots_tokens_by_at_most_one_chunk(engine):
