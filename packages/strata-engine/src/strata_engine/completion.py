@@ -18,6 +18,7 @@ matches (`StopStringFilter`).
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import time
@@ -454,7 +455,7 @@ class Generation:
     def done(self) -> bool:
         return self.phase is Phase.DONE
 
-    @property
+    @functools.cached_property  # the request's, fixed: read for every row of every step
     def argmax_only(self) -> bool:
         """Whether the next token is the argmax of the raw logits and nothing else reads them (greedy; no
         constraint, logit bias, active penalty or n_probs): the step may hand `accept` their `Argmax`,
