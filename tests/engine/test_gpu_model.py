@@ -431,7 +431,7 @@ def test_device_argmax_steps_give_the_logits_paths_greedy_tokens(runners, model)
 def test_launched_steps_give_the_synchronous_tokens_and_dropped_rows_keep_their_slots(runners, model):
     """`SlotSet.launch` then `LaunchedStep.collect` (the scheduler's step launched ahead: the batched graphs of 8,
     4 and 2 rows and a slot's own decode graph) against `decode` of the kept rows only, in a twin slot set from
-    the same K/V: each kept row's argmax where the margin is clear and its logit within GRAPH_BOUND's scale; a
+    the same K/V: each kept row's argmax where the margin is clear and its logit within the loosest graph bound; a
     dropped row's slot holds what it held (its K/V was stored past the conversation's end), and every slot then
     decodes on to the same tokens -- gemma3's slots 700-900 deep across their 1,024-slot rings, whose slot a
     dropped row overwrote."""

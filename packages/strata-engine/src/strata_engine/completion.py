@@ -468,12 +468,18 @@ class Generation:
         """Whether accepting `best` ends the generation for a reason known before it is accepted: every stop of
         `accept` but a stop word (an argmax_only row, so no constraint). A step launched ahead of `accept`
         (scheduler) leaves such a row out."""
-        request, runner = self.prepared.request, self.runner
-        return (not math.isfinite(best.logit)
-                or (not request.ignore_eos and self.completer.tokenizer.is_end_of_generation(best.token))
-                or 0 < request.n_predict <= len(self.generated) + 1
-                or runner.n_held >= runner.n_ctx
-                or self._cancelled())  # fmt: skip
+        return not math.isfinite(best.logit) or self._stop_without_text(best.token, len(self.generated) + 1) is not None
+
+    def _stop_without_text(self, token: int, n_generated: int) -> StopType | None:
+        """The stop that `token`, the n_generated-th token, brings without looking at the text (a stop word
+        does): EOS (end of generation, a finished constraint), LIMIT (n_predict, a full context), CANCELLED."""
+        request, runner, constraint = self.prepared.request, self.runner, self.prepared.constraint
+        if (not request.ignore_eos and self.completer.tokenizer.is_end_of_generation(token)) or (
+                constraint is not None and constraint.finished):  # fmt: skip
+            return StopType.EOS
+        if 0 < request.n_predict <= n_generated or runner.n_held >= runner.n_ctx:
+            return StopType.LIMIT
+        return StopType.CANCELLED if self._cancelled() else None
 
     def prefill_chunk(self) -> bool:
         """Evaluate the prompt's next chunk; at its end, sample the first token. True once done."""
@@ -525,18 +531,12 @@ class Generation:
             assert committed, f"token {token} was sampled although the constraint masked it"
         self.generated.append(token)
         self.history.append(token)
-        end_of_generation = not request.ignore_eos and tok.is_end_of_generation(token)
         released, matched = self.text.push(tok.token_bytes(token, special=False))
-        runner = self.runner
         stop: StopType | None = None
         if matched is not None:
             stop, self.stopping_word = StopType.WORD, matched
-        elif end_of_generation or (constraint is not None and constraint.finished):
-            stop = StopType.EOS
-        elif 0 < request.n_predict <= len(self.generated) or runner.n_held >= runner.n_ctx:
-            stop = StopType.LIMIT
-        elif self._cancelled():
-            stop = StopType.CANCELLED
+        else:
+            stop = self._stop_without_text(token, len(self.generated))
         if stop is not None and stop is not StopType.WORD:
             released += self.text.finish()
         self.content.append(released)

@@ -542,8 +542,8 @@ class Scheduler:
             launched, self.ahead = self.ahead, None
             # a generating job left out of it (none should be) gets the next step, unlaunched
             ahead = ahead and all(job in launched.jobs for job in jobs)
-            outputs = self._collect_ahead(launched, jobs)
             jobs = [job for job in launched.jobs if job in jobs]
+            outputs = self._collect_ahead(launched, jobs)
             if outputs is None or not jobs:
                 return
         else:
@@ -602,13 +602,12 @@ class Scheduler:
         self.ahead = Ahead([job for job, _ in going], step)
 
     def _collect_ahead(self, launched: Ahead, jobs: list[CompleteJob]) -> list[Any] | None:
-        """The launched step's results for the rows whose jobs still decode (`jobs`), in its row order; the
-        other rows are dropped. None if the step failed (its jobs ended, as `_decode` ends a failed step's)."""
-        keep = [job in jobs for job in launched.jobs]
+        """The launched step's results for the rows of `jobs` (those of its jobs still decoding, in its row
+        order); the other rows are dropped. None if the step failed (`jobs` ended, as a failed step's are)."""
         try:
-            results = launched.step.collect(keep)
+            results = launched.step.collect([job in jobs for job in launched.jobs])
         except Exception as exc:
-            self._failed_step([job for job, k in zip(launched.jobs, keep, strict=True) if k], exc)
+            self._failed_step(jobs, exc)
             return None
         return [r for r in results if r is not None]
 
