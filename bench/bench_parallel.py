@@ -23,6 +23,8 @@ round start together. The figures of a round:
   server's processes' and this one's), in % of one core: on a shared 2-core machine a burst of another job
   in a window of 1-3 s halves its aggregate although the load average looks quiet (bench/SCHED-NOTES.md).
   The sampler reads /proc every 0.1 s, about 2 % of a core; "-" without a server of its own (--url).
+  Below the table, each level's window split by process (engine, worker, arbiter, client: this process's
+  streaming threads): on 2 cores what the server and clients take per token is taken from the engine's.
 
 The default n_predict (384) gives every level a window on the 2-core CPU (the window's contexts are then
 512 to 896 tokens deep, deeper than the peer's 544). `--peer-shape` runs exactly the peer's shape
@@ -215,9 +217,9 @@ class Sampler:
         return t0, t1, {key: tuple(y - x for x, y in zip(a.get(key, (0.0, 0.0)), b[key], strict=True)) for key in b}
 
 
-def others_share(sampler: Sampler | None, window: tuple[float, float]) -> float | None:
-    """The other processes' CPU in the window (the machine's busy time less the server's and this process's),
-    in % of one core; None without a sampler or a window long enough."""
+def cpu_shares(sampler: Sampler | None, window: tuple[float, float]) -> dict[str, float] | None:
+    """CPU in the window, in % of one core: each process of the server and this one (the clients), and
+    "others" (the machine's busy time less theirs); None without a sampler or a window long enough."""
     if sampler is None:
         return None
     time.sleep(1.5 * sampler.period)  # a sample after the window's end
@@ -226,7 +228,12 @@ def others_share(sampler: Sampler | None, window: tuple[float, float]) -> float 
     except ValueError:
         return None
     machine = deltas.pop(MACHINE)[0]
-    return 100 * (machine - sum(cpu for cpu, _ in deltas.values())) / (t1 - t0)
+    shares: dict[str, float] = {}
+    for (proc, _tid, _name), (cpu, _waiting) in deltas.items():
+        role = proc.split()[0]
+        shares[role] = shares.get(role, 0.0) + 100 * cpu / (t1 - t0)
+    shares["others"] = 100 * machine / (t1 - t0) - sum(shares.values())
+    return shares
 
 
 def server_sampler(server_pid: int, period: float = 0.1) -> Sampler:
@@ -256,17 +263,17 @@ def run_level(url: str, clients: int, round_seed: int, prompt_len: int, n_predic
     if window[1] > window[0]:
         in_window = sum(1 for r in results for t in r["arrivals"] if window[0] < t <= window[1])
         basis, aggregate = WINDOW, in_window / (window[1] - window[0])
-        others = others_share(sampler, window)
+        shares = cpu_shares(sampler, window)
     else:  # no moment when every client decoded: each one's rate after its first token, summed
         basis, aggregate = SUMMED, sum(decode_rate(r["arrivals"]) or 0.0 for r in results)
-        others = others_share(sampler, (min(r["arrivals"][0] for r in results), end))
+        shares = cpu_shares(sampler, (min(r["arrivals"][0] for r in results), end))
     ttft = [(r["arrivals"][0] - r["sent"]) * 1000 for r in results]
     itl = [(b - a) * 1000 for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
     return {"clients": clients, "basis": basis, "aggregate_decode": aggregate,
             "end_to_end": clients * n_predict / (end - start),
             "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
             "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
-            "others_pct": others}
+            "others_pct": None if shares is None else shares["others"], "cpu_pct": shares}
 
 
 def decode_rate(arrivals: list[float]) -> float | None:
@@ -366,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{shown(row['ttft_p50'], 9, '.0f', 'ms')} {shown(row['ttft_p99'], 9, '.0f', 'ms')} "
               f"{shown(row['itl_p50'], 8, '.1f', 'ms')} {shown(row['itl_p99'], 8, '.1f', 'ms')} "
               f"{shown(row['others_pct'], 7, '.0f', '%')}")
+    for row in rows:
+        if row["cpu_pct"]:
+            parts = ", ".join(f"{role} {pct:.0f}%" for role, pct in sorted(row["cpu_pct"].items()))
+            print(f"{row['clients']} clients, CPU in the window (% of one core): {parts}")
     for row in rows:
         if row["basis"] == SUMMED:
             print(f"{row['clients']} clients: no window in which every client decoded (the first finished before the "
