@@ -42,8 +42,8 @@ _ZERO, _THREE, _ONE = (ir.Constant(_I32, v) for v in (0, 3, 1))
 Q8_PREFETCH_MIN_ROWS = 4
 Q8_PREFETCH_BYTES = 4096
 Q8_ROWS = 8  # token rows whose accumulators a loop keeps in registers (a block's weight vectors loaded once for them)
-# Token rows from which the parallel product quantizes them over all threads too (a prefill chunk: ~0.5 us a
-# 576-value row, 5-10% of a SmolLM2 chunk on one thread).
+# Token rows from which the parallel product quantizes them over all threads too (a prefill chunk: ~0.3 us a
+# 576-value row on one thread, `quantize_blocks`).
 Q8_PARALLEL_ROWS = 16
 
 
