@@ -55,24 +55,32 @@ def _check(got, x, w, name):
 
 
 def test_quantization_matches_the_oracle_per_weight_block():
-    """`quantize_q8` gives `q8.quantize_rows`' values in order (4 a dword) and, per weight block of 16 or 32
-    values, its activation block's dx, -128 * the sum of its qx and dx * that sum."""
+    """`quantize_q8` (and its parallel form, from Q8_PARALLEL_ROWS rows) gives `q8.quantize_rows`' values in
+    order (4 a dword) and, per weight block of 16 or 32 values, its activation block's dx, -128 * the sum of its
+    qx and dx * that sum; halves round away from zero; a row view that is not contiguous reads the same."""
     from strata_engine.ops import q8
 
     rng = np.random.default_rng(20)
+    m = numba_q8.Q8_PARALLEL_ROWS + 1
     for k in (512, 576, 640):
-        x = (rng.standard_normal((3, k)) * rng.uniform(0.01, 100, (3, 1))).astype(np.float32)
+        x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 100, (m, 1))).astype(np.float32)
         x[1, :32] = 0  # a block of zeros: dx 0, qx 0
+        x[2, :32] = np.resize(np.float32([127, 2.5, -2.5, 0.5, -0.5, 126.5, -126.5, 1.5]), 32)  # dx 1: exact halves
         qx, dx = q8.quantize_rows(x)
         assert np.abs(qx).max() <= 127 and np.all(qx[1, :32] == 0)
+        assert list(qx[2, :8]) == [127, 3, -3, 1, -1, 127, -127, 2]
         for block in (16, 32):
-            xq, dxw, xneg, xsum = numba_q8.quantize_q8(x, block)
-            np.testing.assert_array_equal(xq.view(np.int8), qx)
-            sums = qx.astype(np.int64).reshape(3, k // block, block).sum(-1)
+            sums = qx.astype(np.int64).reshape(m, k // block, block).sum(-1)
             block_dx = np.repeat(dx, 32 // block, axis=1)
-            np.testing.assert_array_equal(dxw, block_dx)
-            np.testing.assert_array_equal(xneg, -128 * sums)
-            np.testing.assert_array_equal(xsum, (block_dx * sums.astype(np.float32)).astype(np.float32))
+            wide = np.zeros((m, 2 * k), dtype=np.float32)
+            wide[:, ::2] = x
+            for quantize, rows in ((numba_q8.quantize_q8, x), (numba_q8.quantize_q8_parallel, x),
+                                   (numba_q8.quantize_q8, wide[:, ::2])):  # fmt: skip
+                xq, dxw, xneg, xsum = quantize(rows, block)
+                np.testing.assert_array_equal(xq.view(np.int8), qx)
+                np.testing.assert_array_equal(dxw, block_dx)
+                np.testing.assert_array_equal(xneg, -128 * sums)
+                np.testing.assert_array_equal(xsum, (block_dx * sums.astype(np.float32)).astype(np.float32))
 
 
 def test_a_tiled_weight_keeps_its_bytes_and_reads_its_rows_in_order():
