@@ -203,7 +203,7 @@ def quantize_blocks(typingctx, x, r, xq, dx, sums):
     """Row r of x [M, K] (float32, C order) quantized block by block of QX values (`q8.quantize_rows`' math, each
     float operation rounded as written): dx[b] = max|x| / 127, q = trunc(x * (1 / dx) +- 0.5) as int8 into row r
     of xq [M, K / 4] (int32, 4 a dword), and the integer sum of each half block's q into sums [K / 16]. Two
-    vectors a block, where numba's loop of it ran scalar (~5 cycles a value: ~1.1 ms of an 8-row SmolLM2 step)."""
+    vectors a block: numba's loop of it stayed scalar (bench/CPU-NOTES.md session 17)."""
     rows_c = all(isinstance(a, types.Array) and a.layout == "C" for a in (x, dx, sums))
     if not (rows_c and x.dtype == types.float32 and x.ndim == 2 and dx.ndim == 1 and sums.ndim == 1):
         return None
