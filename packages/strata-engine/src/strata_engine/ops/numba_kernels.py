@@ -463,7 +463,10 @@ _DOT_ROWS = 4  # query rows per `key_dots` block
 # not fit the registers: each value row read once per four rows (gemma3's 256-wide heads: x1.28). A decode step's
 # few rows stream whole value rows from memory, one row a call there (x1.1 over column blocks; bench/CPU-NOTES.md).
 _SUM_ROWS = 4
-_PREFETCH_KEYS = 16  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
+_PREFETCH_KEYS = 32  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
+# Into L2, not L1 (prefetcht1: LLVM's locality 2): a batched step's attention from memory x1.3 over prefetcht0,
+# whose misses hold the L1's few fill buffers and stall the loads behind them (bench/CPU-NOTES.md, session 18).
+_PREFETCH_LOCALITY = 2
 _PREFETCH_LINES = 8  # 64-byte lines of a stored row prefetched at most (512 bytes: f16 rows of 256 values)
 # Value sums: the accumulators (registers) a block of query rows keeps over the loop: whole value rows
 # where they fit (D / lanes per row: the rows stream in address order, 1.2x faster from memory than
@@ -587,7 +590,8 @@ def _prefetch_row(builder, arr, index, elem):
         off = ir.Constant(_I64, 64 * j)
         if j:
             off = builder.select(builder.icmp_signed("<", off, last), off, last)
-        builder.call(fn, [builder.gep(row, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        builder.call(fn, [builder.gep(row, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, _PREFETCH_LOCALITY),
+                          ir.Constant(_I32, 1)])  # fmt: skip
 
 
 def _kv_intrinsic_args(context, builder, signature, args):
