@@ -464,9 +464,9 @@ _DOT_ROWS = 4  # query rows per `key_dots` block
 # few rows stream whole value rows from memory, one row a call there (x1.1 over column blocks; bench/CPU-NOTES.md).
 _SUM_ROWS = 4
 _PREFETCH_KEYS = 32  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
-# Into L2, not L1 (prefetcht1: LLVM's locality 2): a batched step's attention from memory x1.3 over prefetcht0,
-# whose misses hold the L1's few fill buffers and stall the loads behind them (bench/CPU-NOTES.md, session 18).
-_PREFETCH_LOCALITY = 2
+# Software prefetches go to L2, not L1 (prefetcht1: LLVM's locality 2): a batched step's attention from memory
+# x1.2-1.3 over prefetcht0, whose misses hold the L1's few fill buffers (bench/CPU-NOTES.md, session 18).
+PREFETCH_LOCALITY = 2
 _PREFETCH_LINES = 8  # 64-byte lines of a stored row prefetched at most (512 bytes: f16 rows of 256 values)
 # Value sums: the accumulators (registers) a block of query rows keeps over the loop: whole value rows
 # where they fit (D / lanes per row: the rows stream in address order, 1.2x faster from memory than
@@ -590,7 +590,7 @@ def _prefetch_row(builder, arr, index, elem):
         off = ir.Constant(_I64, 64 * j)
         if j:
             off = builder.select(builder.icmp_signed("<", off, last), off, last)
-        builder.call(fn, [builder.gep(row, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, _PREFETCH_LOCALITY),
+        builder.call(fn, [builder.gep(row, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, PREFETCH_LOCALITY),
                           ir.Constant(_I32, 1)])  # fmt: skip
 
 

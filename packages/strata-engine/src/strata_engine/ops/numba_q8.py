@@ -26,7 +26,17 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numba_kernels import _F32, _I32, _I64, _counted_loop, _indices, _load_vector, _row_ptr, _splat
+from .numba_kernels import (
+    _F32,
+    _I32,
+    _I64,
+    PREFETCH_LOCALITY,
+    _counted_loop,
+    _indices,
+    _load_vector,
+    _row_ptr,
+    _splat,
+)
 from .packed import TILE_ROWS, PackedWeight
 from .q8 import QX
 
@@ -35,10 +45,10 @@ LANES = TILE_ROWS  # int32 / float32 lanes of a vector (AVX-512): one a weight r
 _V16I = ir.VectorType(_I32, LANES)
 _V16F = ir.VectorType(_F32, LANES)
 F32 = np.float32
-_ZERO, _THREE, _ONE = (ir.Constant(_I32, v) for v in (0, 3, 1))
+_ZERO, _LOCALITY, _ONE = (ir.Constant(_I32, v) for v in (0, PREFETCH_LOCALITY, 1))
 # From this many token rows a tile's first pass prefetches its bytes this far ahead, so the next tile's arrive
 # while this one is multiplied (a batched step: x1.06 gemma3, x1.00-1.07 SmolLM2; one row streams without it:
-# x0.95 with it; bench/CPU-NOTES.md "Session 13").
+# x0.95 with it; bench/CPU-NOTES.md "Session 13"); into L2 as the attention's (gemma3's 8-row step x1.09-1.24).
 Q8_PREFETCH_MIN_ROWS = 4
 Q8_PREFETCH_BYTES = 4096
 Q8_ROWS = 8  # token rows whose accumulators a loop keeps in registers (a block's weight vectors loaded once for them)
@@ -126,7 +136,7 @@ def q8_tile(typingctx, values, scale, mins, high, t, xq, dxw, xneg, xsum, y, r0,
                     ahead = builder.select(first_pass, ir.Constant(_I64, Q8_PREFETCH_BYTES), ir.Constant(_I64, 0))
                     for k in range(loads):
                         at = builder.add(builder.add(base, ahead), ir.Constant(_I64, 64 * k))
-                        builder.call(prefetch, [builder.gep(q_tile, [at]), _ZERO, _THREE, _ONE])
+                        builder.call(prefetch, [builder.gep(q_tile, [at]), _ZERO, _LOCALITY, _ONE])
                 raw = [
                     builder.bitcast(_load_vector(builder, q_tile, builder.add(base, ir.Constant(_I64, 64 * k)), _I8, 64), _V16I)
                     for k in range(loads)
