@@ -15,7 +15,11 @@ round start together. The figures of a round:
   peer's 32, the first clients are done before the last prompt is in), each client's own decode rate
   after its first token ((its tokens - 1) / (its last arrival - its first)), summed over the clients. It
   counts time in which fewer clients decoded at once, so it is below what a window would show: the table
-  says which basis each row has, and the round with a window is kept over one without.
+  says which basis each row has, and a level's rounds with a window are kept over those without.
+- "x 1 client": the aggregate over the same round's one-client aggregate. A run is --rounds rounds, each
+  running every level once (1, 2, 4, 8, then again): the machine's speed swings +-20 % between minutes, so a
+  ratio of figures taken minutes apart says more about the minutes than the server. A level's row shows its
+  median round's figures and the median of its rounds' ratios; each round's are printed below the table.
 - "end to end": every generated token over the round's wall time (prefills included).
 - "TTFT" (time to first token) and "ITL" (inter-token latency, between consecutive tokens of one client):
   p50 and p99 over the round's clients.
@@ -45,6 +49,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -276,6 +281,21 @@ def run_level(url: str, clients: int, round_seed: int, prompt_len: int, n_predic
             "others_pct": None if shares is None else shares["others"], "cpu_pct": shares}
 
 
+def level_row(rounds: list[dict], firsts: list[dict]) -> dict:
+    """A level's figures over the rounds: the median round's (of those with a window, if any has one: a window
+    is the truer basis), and "x_first", the median over those rounds of the aggregate over the same round's
+    first level's (one client): a ratio paired in time."""
+    kept = [i for i, row in enumerate(rounds) if row["basis"] == WINDOW] or list(range(len(rounds)))
+    by_aggregate = sorted(kept, key=lambda i: rounds[i]["aggregate_decode"])
+    row = dict(rounds[by_aggregate[(len(by_aggregate) - 1) // 2]])  # the lower median: a round's own figures
+    paired = [ratio(rounds[i]["aggregate_decode"], firsts[i]["aggregate_decode"]) for i in kept]
+    known = sorted(x for x in paired if x is not None)
+    row["x_first"] = statistics.median(known) if known else None
+    row["x_first_rounds"] = paired
+    row["aggregate_rounds"] = [rounds[i]["aggregate_decode"] for i in kept]
+    return row
+
+
 def decode_rate(arrivals: list[float]) -> float | None:
     """One client's tokens after its first, per second from its first to its last; None for one token."""
     span = arrivals[-1] - arrivals[0]
@@ -321,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-shape", action="store_true",
                         help="the peer's exact shape (tests/reference/peer-engine-cpu.json: 512-token prompts, "
                              "32 tokens each), in place of --prompt-tokens and --n-predict")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per level; the best aggregate is kept")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds, each running every level once; a level's row is its median round's "
+                             "figures, its 'x 1 client' the median of the rounds' own ratios (default 3)")
     parser.add_argument("--server-args", default="", help="extra strata-server flags (e.g. '--backend cupy')")
     args = parser.parse_args(argv)
     if args.peer_shape:
@@ -343,15 +365,15 @@ def main(argv: list[str] | None = None) -> int:
         warm = prompt_tokens(url, 0, args.prompt_tokens)  # the first forward passes do one-time work
         requests.post(url + "/completion", json={"prompt": warm, "n_predict": 4, "cache_prompt": False},
                       timeout=600).raise_for_status()
-        rows = []
         # with a server of its own, the other processes' share of each window (their load lands on the decode)
         sampler = server_sampler(proc.pid) if proc is not None else None
         if sampler is not None:
             sampler.start()
-        for clients in levels:
-            rounds = [run_level(url, clients, 1000 * clients + r, args.prompt_tokens, args.n_predict, sampler)
-                      for r in range(args.rounds)]
-            rows.append(max(rounds, key=lambda row: (row["basis"] == WINDOW, row["aggregate_decode"])))
+        # round after round, every level once a round: a level's figure and the one-client figure it is divided
+        # by come from the same minute or two (the machine's speed swings more between minutes than a round lasts)
+        rounds = [{clients: run_level(url, clients, 1000 * clients + r, args.prompt_tokens, args.n_predict, sampler)
+                   for clients in levels} for r in range(args.rounds)]
+        rows = [level_row([rnd[clients] for rnd in rounds], [rnd[levels[0]] for rnd in rounds]) for clients in levels]
     finally:
         if sampler is not None:
             sampler.stop()
@@ -359,7 +381,6 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(60)
     peer = peer_aggregate(model_path)
-    base = rows[0]["aggregate_decode"]
     same_shape = (args.prompt_tokens, args.n_predict) == peer_shape()
     print(f"\n{args.prompt_tokens}-token prompts, {args.n_predict} tokens each; load average {os.getloadavg()[0]:.2f} "
           "at the end")
@@ -368,11 +389,16 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         p = peer.get(row["clients"])
         print(f"{row['clients']:>7} {row['aggregate_decode']:>10.1f} {row['basis']:>6} "
-              f"{shown(ratio(row['aggregate_decode'], base), 10, '.2f')} {shown(p, 6)} "
+              f"{shown(row['x_first'], 10, '.2f')} {shown(p, 6)} "
               f"{shown(ratio(row['aggregate_decode'], p), 7, '.2f')} {row['end_to_end']:>10.1f} "
               f"{shown(row['ttft_p50'], 9, '.0f', 'ms')} {shown(row['ttft_p99'], 9, '.0f', 'ms')} "
               f"{shown(row['itl_p50'], 8, '.1f', 'ms')} {shown(row['itl_p99'], 8, '.1f', 'ms')} "
               f"{shown(row['others_pct'], 7, '.0f', '%')}")
+    if args.rounds > 1:
+        for row in rows:
+            each = " ".join(shown(x, 0, ".2f") for x in row["x_first_rounds"])
+            print(f"{row['clients']} clients: x {levels[0]} client{'s' * (levels[0] > 1)} round by round {each}; "
+                  f"aggregate {' '.join(f'{a:.1f}' for a in row['aggregate_rounds'])}")
     for row in rows:
         if row["cpu_pct"]:
             parts = ", ".join(f"{role} {pct:.0f}%" for role, pct in sorted(row["cpu_pct"].items()))
