@@ -33,7 +33,10 @@ round start together. The figures of a round:
 The default n_predict (384) gives every level a window on the 2-core CPU (the window's contexts are then
 512 to 896 tokens deep, deeper than the peer's 544). `--peer-shape` runs exactly the peer's shape
 (its prompt and generated tokens, read from the reference: 512 and 32), whose 8-client rounds have no
-window here (basis "summed"). A figure that cannot be measured is printed as "-" (null in the JSON line),
+window here (basis "summed"); with `--prompts-cached` each client's prompt is evaluated into a slot of its
+own before the round, so the round's clients decode together from their first tokens, as the peer's bench
+decodes its sequences after their prompts (its TG phase): every level has a window, 512 to 544 tokens deep at
+the peer's shape (TTFT then times one prompt token, not a prompt). A figure that cannot be measured is printed as "-" (null in the JSON line),
 never as NaN.
 
 It starts its own server (default model, -np = the largest level, -c = slots x 1024) on a free
@@ -104,9 +107,16 @@ def prompt_tokens(url: str, seed: int, n_tokens: int) -> list[int]:
     return tokens[:n_tokens]
 
 
-def one_request(url: str, prompt: list[int], n_predict: int, start: threading.Barrier, out: dict) -> None:
+def request_body(prompt: list[int], n_predict: int, slot: int | None) -> dict:
+    """A greedy streamed /completion; with a slot, into that slot reusing what it holds (cache_prompt)."""
     body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
             "stream": True, "return_tokens": True}
+    if slot is not None:
+        body |= {"id_slot": slot, "cache_prompt": True}
+    return body
+
+
+def one_request(url: str, body: dict, start: threading.Barrier, out: dict) -> None:
     start.wait()
     sent = time.perf_counter()
     arrivals: list[float] = []
@@ -251,12 +261,18 @@ def server_sampler(server_pid: int, period: float = 0.1) -> Sampler:
 
 
 def run_level(url: str, clients: int, round_seed: int, prompt_len: int, n_predict: int,
-              sampler: Sampler | None = None) -> dict:
+              sampler: Sampler | None = None, cached: bool = False) -> dict:
     prompts = [prompt_tokens(url, round_seed * 100 + i, prompt_len) for i in range(clients)]
+    slots: list[int | None] = list(range(clients)) if cached else [None] * clients
+    if cached:  # each prompt evaluated into its own slot first, one after another (--prompts-cached)
+        for prompt, slot in zip(prompts, slots, strict=True):
+            body = request_body(prompt, 1, slot) | {"stream": False}
+            requests.post(url + "/completion", json=body, timeout=600).raise_for_status()
     results: list[dict] = [{} for _ in range(clients)]
     barrier = threading.Barrier(clients)
-    threads = [threading.Thread(target=one_request, args=(url, prompts[i], n_predict, barrier, results[i]))
-               for i in range(clients)]
+    threads = [threading.Thread(target=one_request,
+                                args=(url, request_body(prompts[i], n_predict, slots[i]), barrier, results[i]))
+               for i in range(clients)]  # fmt: skip
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -341,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-shape", action="store_true",
                         help="the peer's exact shape (tests/reference/peer-engine-cpu.json: 512-token prompts, "
                              "32 tokens each), in place of --prompt-tokens and --n-predict")
+    parser.add_argument("--prompts-cached", action="store_true",
+                        help="evaluate each client's prompt into its own slot before the round (id_slot, "
+                             "cache_prompt), so the clients decode together from their first token on: the peer's "
+                             "batched bench's decode phase (with --peer-shape: 512 to 544 tokens deep)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds, each running every level once; a level's row is its median round's "
                              "figures, its 'x 1 client' the median of the rounds' own ratios (default 3)")
@@ -371,8 +391,9 @@ def main(argv: list[str] | None = None) -> int:
             sampler.start()
         # round after round, every level once a round: a level's figure and the one-client figure it is divided
         # by come from the same minute or two (the machine's speed swings more between minutes than a round lasts)
-        rounds = [{clients: run_level(url, clients, 1000 * clients + r, args.prompt_tokens, args.n_predict, sampler)
-                   for clients in levels} for r in range(args.rounds)]
+        rounds = [{clients: run_level(url, clients, 1000 * clients + r, args.prompt_tokens, args.n_predict, sampler,
+                                      args.prompts_cached)
+                   for clients in levels} for r in range(args.rounds)]  # fmt: skip
         rows = [level_row([rnd[clients] for rnd in rounds], [rnd[levels[0]] for rnd in rounds]) for clients in levels]
     finally:
         if sampler is not None:
