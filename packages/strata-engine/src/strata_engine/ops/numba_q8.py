@@ -46,10 +46,9 @@ _V16I = ir.VectorType(_I32, LANES)
 _V16F = ir.VectorType(_F32, LANES)
 F32 = np.float32
 _ZERO, _LOCALITY, _ONE = (ir.Constant(_I32, v) for v in (0, PREFETCH_LOCALITY, 1))
-# From this many token rows a tile's first pass prefetches its bytes this far ahead, so the next tile's arrive
-# while this one is multiplied (a batched step: x1.06 gemma3, x1.00-1.07 SmolLM2; one row streams without it:
-# x0.95 with it; bench/CPU-NOTES.md "Session 13"); into L2 as the attention's (gemma3's 8-row step x1.09-1.24).
-Q8_PREFETCH_MIN_ROWS = 4
+# A tile's first pass (its first token rows) prefetches its bytes this far ahead, into L2, so the next tile's
+# arrive while this one is multiplied: 8 rows x1.04-1.24, one row x1.04-1.08 SmolLM2 / x0.96-1.06 gemma3 (into L1
+# it had cost one row 5 %; bench/CPU-NOTES.md sessions 13 and 18).
 Q8_PREFETCH_BYTES = 4096
 Q8_ROWS = 8  # token rows whose accumulators a loop keeps in registers (a block's weight vectors loaded once for them)
 # Token rows from which the parallel product quantizes them over all threads too (a prefill chunk: ~0.3 us a
@@ -132,11 +131,11 @@ def q8_tile(typingctx, values, scale, mins, high, t, xq, dxw, xneg, xsum, y, r0,
 
             def block(b, accs):
                 base = builder.mul(b, ir.Constant(_I64, 64 * loads))
-                if n_rows >= Q8_PREFETCH_MIN_ROWS:  # the first token rows' pass streams the tile from memory: ask ahead
-                    ahead = builder.select(first_pass, ir.Constant(_I64, Q8_PREFETCH_BYTES), ir.Constant(_I64, 0))
-                    for k in range(loads):
-                        at = builder.add(builder.add(base, ahead), ir.Constant(_I64, 64 * k))
-                        builder.call(prefetch, [builder.gep(q_tile, [at]), _ZERO, _LOCALITY, _ONE])
+                # the first token rows' pass streams the tile from memory: ask ahead
+                ahead = builder.select(first_pass, ir.Constant(_I64, Q8_PREFETCH_BYTES), ir.Constant(_I64, 0))
+                for k in range(loads):
+                    at = builder.add(builder.add(base, ahead), ir.Constant(_I64, 64 * k))
+                    builder.call(prefetch, [builder.gep(q_tile, [at]), _ZERO, _LOCALITY, _ONE])
                 raw = [
                     builder.bitcast(_load_vector(builder, q_tile, builder.add(base, ir.Constant(_I64, 64 * k)), _I8, 64), _V16I)
                     for k in range(loads)
