@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import requests
-from bench_parallel import MACHINE, Sampler, children, one_request, prompt_tokens, start_server
+from bench_parallel import MACHINE, Sampler, children, one_request, prompt_tokens, request_body, start_server
 
 PY_SPY = str(Path(sys.executable).parent / "py-spy")  # installed beside this Python (not a dependency)
 
@@ -123,8 +123,9 @@ def run_round(url: str, clients: int, seed: int, prompt_len: int, n_predict: int
     prompts = [prompt_tokens(url, seed * 100 + i, prompt_len) for i in range(clients)]
     results: list[dict] = [{} for _ in range(clients)]
     barrier = threading.Barrier(clients)
-    threads = [threading.Thread(target=one_request, args=(url, prompts[i], n_predict, barrier, results[i]),
-                                name=f"client-{i}") for i in range(clients)]
+    bodies = [request_body(prompt, n_predict, None) for prompt in prompts]
+    threads = [threading.Thread(target=one_request, args=(url, bodies[i], barrier, results[i]), name=f"client-{i}")
+               for i in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
