@@ -36,8 +36,8 @@ The default n_predict (384) gives every level a window on the 2-core CPU (the wi
 window here (basis "summed"); with `--prompts-cached` each client's prompt is evaluated into a slot of its
 own before the round, so the round's clients decode together from their first tokens, as the peer's bench
 decodes its sequences after their prompts (its TG phase): every level has a window, 512 to 544 tokens deep at
-the peer's shape (TTFT then times one prompt token, not a prompt). A figure that cannot be measured is printed as "-" (null in the JSON line),
-never as NaN.
+the peer's shape (TTFT then times one prompt token, not a prompt). A figure that cannot be measured is printed
+as "-" (null in the JSON line), never as NaN.
 
 It starts its own server (default model, -np = the largest level, -c = slots x 1024) on a free
 loopback port unless --url is given. Run it on a quiet machine (load average < 1.5), as:
@@ -305,7 +305,7 @@ def level_row(rounds: list[dict], firsts: list[dict]) -> dict:
     by_aggregate = sorted(kept, key=lambda i: rounds[i]["aggregate_decode"])
     row = dict(rounds[by_aggregate[(len(by_aggregate) - 1) // 2]])  # the lower median: a round's own figures
     paired = [ratio(rounds[i]["aggregate_decode"], firsts[i]["aggregate_decode"]) for i in kept]
-    known = sorted(x for x in paired if x is not None)
+    known = [x for x in paired if x is not None]
     row["x_first"] = statistics.median(known) if known else None
     row["x_first_rounds"] = paired
     row["aggregate_rounds"] = [rounds[i]["aggregate_decode"] for i in kept]
