@@ -15,7 +15,14 @@ import attrs
 import numpy as np
 import pytest
 import strata_sessionfile as sf
-from strata_engine.errors import ContextOverflow, InvalidRequest, InvalidToken, SettingsError
+from strata_engine.errors import (
+    ContextOverflow,
+    GraphCaptureFailed,
+    InvalidRequest,
+    InvalidToken,
+    SettingsError,
+)
+from strata_engine.graph import BatchDecodeGraph, StepGraph
 from strata_engine.runner import ModelRunner
 from strata_engine.sampling import Argmax
 from strata_engine.session import EngineSession
@@ -269,6 +276,47 @@ def test_a_failure_in_the_forward_pass_cuts_back_only_the_batch(make, monkeypatc
         alone.erase()
         alone.prefill(list(expected[s]))
         assert float(np.abs(out[row] - alone.decode(7)).max()) <= LOGIT_ATOL
+
+
+class _FailingBatchGraph(BatchDecodeGraph):
+    """A batch graph whose launch fails as a capture on the device may (no device here: never built)."""
+
+    def __init__(self, n_rows: int):  # nothing of the parent's: it is never captured
+        self.n_tokens = n_rows
+        self.launches = 0
+
+    def launch(self, steps) -> None:
+        self.launches += 1
+        raise GraphCaptureFailed(f"{self.n_tokens}-slot decode step capture failed: injected")
+
+
+class _FailingStepGraph(StepGraph):
+    def __init__(self):
+        self.n_tokens = 1
+        self.launches = 0
+
+    def launch(self, tokens, pos0) -> None:
+        self.launches += 1
+        raise GraphCaptureFailed("decode step capture failed: injected")
+
+
+def test_a_graph_whose_launch_fails_is_dropped_at_once_and_the_step_runs_op_by_op(make, capfd):
+    slots, reference = make(3), make(3)
+    for s in range(3):
+        for target in (slots, reference):
+            target.runners[s].prefill(_ids(40 + s, 10 + s))
+    batch, single = _FailingBatchGraph(3), _FailingStepGraph()
+    slots.batch_graphs = (batch,)
+    slots.runners[2].decode_graph = single
+    for steps in ([(0, 7), (1, 7)], [(0, 9), (1, 9)], [(2, 7)], [(2, 9)]):
+        launched = slots.launch(steps)
+        assert launched.graph is None  # deferred: collect evaluates the rows op by op
+        got = launched.collect([True] * len(steps))
+        assert got == reference.decode_rows(steps, [True] * len(steps))
+    assert (batch.launches, single.launches) == (1, 1)  # dropped at the first failure, never tried again
+    assert slots.batch_graphs == () and slots.runners[2].decode_graph is None
+    said = capfd.readouterr().err
+    assert said.count("capture failed: injected; running such steps op by op") == 2
 
 
 def test_a_file_saved_from_slot_1_restores_into_slot_0_and_into_a_one_slot_engine(make, tmp_path):

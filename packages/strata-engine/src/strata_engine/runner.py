@@ -209,8 +209,7 @@ class ModelRunner:
             try:
                 graph.prepare()
             except GraphCaptureFailed as e:
-                print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
-                self._drop_graph(graph)
+                self.drop_graph(graph, e)
             finally:
                 self.pool.abort_append()
                 self.erase()
@@ -445,8 +444,7 @@ class ModelRunner:
                 try:
                     logits, ran = graph.step(tokens, pos0, want_logits, argmax_only), True
                 except GraphCaptureFailed as e:  # the step is redone op by op (it is idempotent)
-                    print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
-                    self._drop_graph(graph)
+                    self.drop_graph(graph, e)
             if not ran:
                 ids = np.asarray(tokens, dtype=np.int64)
                 out = self.model.forward(ids, Rows.chunk(self.placement, pos0, len(tokens)), want_logits)
@@ -485,7 +483,9 @@ class ModelRunner:
                 return graph
         return None
 
-    def _drop_graph(self, graph: StepGraph) -> None:
+    def drop_graph(self, graph: StepGraph, error: GraphCaptureFailed) -> None:
+        """A graph whose capture failed: said on stderr; its steps run op by op from now on."""
+        print(f"strata-engine: {error}; running such steps op by op", file=sys.stderr, flush=True)
         if graph is self.decode_graph:
             self.decode_graph = None
         self.prefill_graphs = tuple(g for g in self.prefill_graphs if g is not graph)

@@ -95,10 +95,14 @@ class SlotSet:
             try:
                 graph.prepare()  # its capture stores nothing: the pool is untouched
             except GraphCaptureFailed as e:
-                print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
-                self.batch_graphs = tuple(g for g in self.batch_graphs if g is not graph)
+                self._drop_batch_graph(graph, e)
         self.graph_capture_s = time.perf_counter() - t0
         return self.graph_capture_s
+
+    def _drop_batch_graph(self, graph: BatchDecodeGraph, error: GraphCaptureFailed) -> None:
+        """A batch graph whose capture failed: said on stderr; its steps run op by op from now on."""
+        print(f"strata-engine: {error}; running such steps op by op", file=sys.stderr, flush=True)
+        self.batch_graphs = tuple(g for g in self.batch_graphs if g is not graph)
 
     def _batch_graph_for(self, n_rows: int) -> BatchDecodeGraph | None:
         return next((g for g in self.batch_graphs if g.n_tokens >= n_rows), None)
@@ -134,9 +138,13 @@ class SlotSet:
         except BaseException as exc:
             for runner, pos in opened:
                 runner.abort_step(pos)
-            if isinstance(exc, GraphCaptureFailed):  # deferred: collect runs the rows op by op
-                return launched
-            raise
+            if not isinstance(exc, GraphCaptureFailed):
+                raise
+            if isinstance(graph, BatchDecodeGraph):  # dropped now: collect (and later steps) run op by op
+                self._drop_batch_graph(graph, exc)
+            else:
+                self.runners[steps[0][0]].drop_graph(graph, exc)
+            return launched
         launched.graph, launched.opened = graph, opened
         return launched
 
@@ -179,8 +187,7 @@ class SlotSet:
                     rows = [(r.pool.slot, pos, t) for (r, pos), (_, t) in zip(opened, steps, strict=True)]
                     out = graph.decode_rows(rows, argmax_only)
                 except GraphCaptureFailed as e:  # the step is redone op by op (it is idempotent)
-                    print(f"strata-engine: {e}; running such steps op by op", file=sys.stderr, flush=True)
-                    self.batch_graphs = tuple(g for g in self.batch_graphs if g is not graph)
+                    self._drop_batch_graph(graph, e)
             if out is None:
                 spans = Rows(tuple(Span(runner.placement, pos, 1) for runner, pos in opened))
                 logits = self.model.forward(np.asarray([t for _, t in steps], dtype=np.int64), spans, want_logits=True)
