@@ -108,7 +108,7 @@ PY
     bench-session-quick) python3 bench/bench_gpu_session.py "${MODELS[@]}" --placements device-pool --synthetic-tokens 0 2>&1 | tee "$OUT/bench_gpu_session_quick.log" || rc=1 ;;
     parallel)  # bench/bench_parallel.py: concurrent HTTP clients on strata-server --backend cupy -np 8, each model present
       for m in smollm2 gemma3; do v=STRATA_${m^^}_PATH; [ -n "${!v}" ] || continue
-        PYTHONPATH=$PYTHONPATH:$PWD/packages/strata-server/src python3 bench/bench_parallel.py --rounds ${PARALLEL_ROUNDS:-2} \
+        PYTHONPATH=$PYTHONPATH:$PWD/packages/strata-server/src python3 bench/bench_parallel.py --rounds ${PARALLEL_ROUNDS:-3} \
           --server-args "--backend cupy -m ${!v}" 2>&1 | tee "$OUT/bench_parallel_$m.log" || rc=1; done ;;
     row-cost)
       for m in smollm2 gemma3; do v=STRATA_${m^^}_PATH; [ -n "${!v}" ] || continue
