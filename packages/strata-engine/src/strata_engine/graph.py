@@ -33,6 +33,7 @@ Anything else runs op by op. A graph's logits equal the op-by-op step's up to th
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,11 @@ PAD_TOKEN = 0
 # Prefill graph sizes: powers of two from this up to the prefill chunk (and the chunk itself).
 MIN_PREFILL_GRAPH = 32
 
+
+
+def say_op_by_op(error: GraphCaptureFailed) -> None:
+    """Said once when a graph is dropped: its steps run op by op from now on."""
+    print(f"strata-engine: {error}; running such steps op by op", file=sys.stderr, flush=True)
 
 class _StepKV:
     """The K/V access of a captured step: store at, and attend up to, the positions on the device."""

@@ -16,7 +16,6 @@ When the whole prompt is already held the last token is evaluated again for its 
 from __future__ import annotations
 
 import array
-import sys
 import time
 from collections.abc import Callable, Generator, Sequence
 
@@ -26,7 +25,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import ContextOverflow, EngineError, InvalidToken, KVStateError, SettingsError
 from .gguf import GGUFFile, read_gguf
-from .graph import GraphCaptureFailed, StepGraph, make_step_graph, prefill_graph_sizes
+from .graph import GraphCaptureFailed, StepGraph, make_step_graph, prefill_graph_sizes, say_op_by_op
 from .kv import (
     KVGeometry,
     KVPool,
@@ -485,7 +484,7 @@ class ModelRunner:
 
     def drop_graph(self, graph: StepGraph, error: GraphCaptureFailed) -> None:
         """A graph whose capture failed: said on stderr; its steps run op by op from now on."""
-        print(f"strata-engine: {error}; running such steps op by op", file=sys.stderr, flush=True)
+        say_op_by_op(error)
         if graph is self.decode_graph:
             self.decode_graph = None
         self.prefill_graphs = tuple(g for g in self.prefill_graphs if g is not graph)

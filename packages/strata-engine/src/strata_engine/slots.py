@@ -17,7 +17,6 @@ captured at start-up), padded with rows that store nothing; a step of one slot r
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 
@@ -27,7 +26,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import InvalidRequest, SettingsError
 from .gguf import GGUFFile
-from .graph import BatchDecodeGraph, GraphCaptureFailed, StepGraph, make_batch_graphs
+from .graph import BatchDecodeGraph, GraphCaptureFailed, StepGraph, make_batch_graphs, say_op_by_op
 from .kv import KVGeometry, make_arena, make_placements
 from .models import Model
 from .models.common import Rows, Span
@@ -101,7 +100,7 @@ class SlotSet:
 
     def _drop_batch_graph(self, graph: BatchDecodeGraph, error: GraphCaptureFailed) -> None:
         """A batch graph whose capture failed: said on stderr; its steps run op by op from now on."""
-        print(f"strata-engine: {error}; running such steps op by op", file=sys.stderr, flush=True)
+        say_op_by_op(error)
         self.batch_graphs = tuple(g for g in self.batch_graphs if g is not graph)
 
     def _batch_graph_for(self, n_rows: int) -> BatchDecodeGraph | None:
