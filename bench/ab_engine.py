@@ -1,6 +1,6 @@
 """Whole engine steps of this tree against another tree's, in one process, taking turns (the machine's speed swings
 more than most changes do between minutes: bench/CPU-NOTES.md): the decode step of 8 and of 1 slots at --held
-tokens each, and a 512-token prefill at 0 held, per model (default kernels and K/V type, 2 threads).
+tokens each, and a 512-token prefill at 0 held, per model (default kernels, 2 threads, --kv-type K/V).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/ab_engine.py --other /tmp/base [--rounds 12]
 
@@ -77,6 +77,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--held", type=int, default=700, help="tokens each slot holds in the decode cases")
     ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--kv-type", default="f16", help="both trees' K/V type (f16, int8, f32)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         load_other(a.other.resolve(), Path(tmp))
@@ -89,8 +90,8 @@ def main() -> int:
         paths = {"smollm2": smollm2_model_path, "gemma3": gemma3_model_path}
         for model in a.models.split(","):
             path = paths[model]()
-            sets = {"here": SlotSet.load(EngineSettings(model_path=path, n_ctx=SLOTS * 1024, n_slots=SLOTS)),
-                    "other": OtherSlotSet.load(OtherSettings(model_path=path, n_ctx=SLOTS * 1024, n_slots=SLOTS))}
+            kw = dict(model_path=path, n_ctx=SLOTS * 1024, n_slots=SLOTS, kv_type=a.kv_type)
+            sets = {"here": SlotSet.load(EngineSettings(**kw)), "other": OtherSlotSet.load(OtherSettings(**kw))}
             for slot_set in sets.values():
                 for runner, prompt in zip(slot_set.runners, prompts, strict=True):
                     runner.prefill(prompt)

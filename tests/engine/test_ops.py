@@ -185,6 +185,22 @@ def test_int8_round_trip_error_is_bounded_by_half_a_step(group):
     assert np.all(y[0, 0] == 0)
 
 
+@pytest.mark.parametrize("group", [None, 32])
+def test_the_numba_int8_quantization_is_numpys_bit_for_bit(numba_ops, group):
+    """`NumbaOps.quantize_int8` (`numba_kernels.quantize_int8_blocks`, what every int8 K/V store encodes with)
+    gives numpy's q and scales exactly: magnitudes over six decades, an all-zero block, values on rounding ties."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((9, 3, 64)) * 10.0 ** rng.uniform(-3, 3, (9, 3, 1))).astype(np.float32)
+    x[0, 0] = 0.0
+    x[1, 1, :32] = np.arange(-15.5, 16.5, dtype=np.float32)  # block max 16: scale 16 / 127, q's off the ties
+    x[2, 2] = np.concatenate([[127.0], np.arange(-62.5, 0.5, dtype=np.float32)])  # scale 1: ties to even
+    want_q, want_scale = get_ops("numpy", "f32").quantize_int8(x, group)
+    got_q, got_scale = numba_ops.quantize_int8(x, group)
+    assert got_q.dtype == np.int8 and got_scale.dtype == np.float32 and got_scale.shape == want_scale.shape
+    assert np.array_equal(got_q, want_q)
+    assert np.array_equal(got_scale.view(np.uint32), want_scale.view(np.uint32))
+
+
 # ---- the numba kernels (--cpu-kernels numba) against the numpy oracle ------------------------------------
 # Products: |y - y_oracle| <= PRODUCT_RTOL * (|x| @ |W|^T) per output, an f32 sum reassociated (measured:
 # under 1e-6 on both models' weights). Attention: |out - oracle| <= ATTENTION_RTOL * max|v|.

@@ -68,18 +68,19 @@ class InPlacePlacement(PoolPlacement):
         parts = self.pool.arena_layer(layer)
         k, v = parts[0], parts[1]
         k_scale, v_scale = (parts[2], parts[3]) if len(parts) == 4 else (None, None)
+        slots = [s.kv.pool.slot for s in spans]
+        positions = [s.pos0 % g.capacity if g.is_ring else s.pos0 for s in spans]
         if k_scale is None:  # every row's K/V into its slot in one call (rounding as `ops.store_kv`)
-            self.ops.store_kv_rows(k_new, v_new, k, v, [s.kv.pool.slot for s in spans],
-                                   [s.pos0 % g.capacity if g.is_ring else s.pos0 for s in spans])  # fmt: skip
-        else:  # int8: encoded and checked by each slot's pool
-            for b, s in enumerate(spans):
-                s.kv.attend(layer, s.pos0, None, k_new[b : b + 1], v_new[b : b + 1], q_pos0=s.pos0, window=window,
-                            scale=scale)  # fmt: skip
+            self.ops.store_kv_rows(k_new, v_new, k, v, slots, positions)
+        else:  # int8: every row encoded in one call (its scale blocks are its own), then each into its slot
+            rows = self.pool.codec.encode(k_new, v_new)
+            self.ops.store_kv_rows(rows.k, rows.v, k, v, slots, positions)
+            self.ops.store_kv_rows(rows.k_scale, rows.v_scale, k_scale, v_scale, slots, positions)
         k_lo = []
         for s in spans:
             lo = self.context_start(layer, s.pos0)
             k_lo.append(lo if window is None else max(lo, s.pos0 - window + 1))
         return self.ops.attention_rows(
-            q, k, v, k_scale, v_scale, slots=[s.kv.pool.slot for s in spans], q_pos=[s.pos0 for s in spans],
+            q, k, v, k_scale, v_scale, slots=slots, q_pos=[s.pos0 for s in spans],
             k_lo=k_lo, capacity=g.capacity if g.is_ring else 0, window=window or 0, scale=scale,
         )  # fmt: skip

@@ -1276,6 +1276,26 @@ def _store_f16_row(k, v, t, k_dst, v_dst):
             dst_v[j] = half_bits(src_v[j])
 
 
+@njit(fastmath={"nnan", "ninf", "nsz"}, cache=True)  # no reassoc or arcp: the divisions and the rounding are numpy's
+def quantize_int8_blocks(x, group, q, scale):
+    """`NumpyOps.quantize_int8` of x [N, D] float32 over blocks of `group` values of each row: scale[n, j] =
+    max|block| / 127 and q = rint(block / scale) clipped to +-127 (an all-zero block: scale 0, q 0), into q [N, D]
+    int8 and scale [N, D / group] float32, for finite x (one call instead of eight numpy passes: 5 us against 22
+    for a batched step's [8, 3, 64])."""
+    top = F32(127.0)
+    for n in range(x.shape[0]):
+        for j in range(x.shape[1] // group):
+            block = x[n, j * group : (j + 1) * group]
+            m = F32(0)
+            for i in range(group):
+                m = max(m, abs(block[i]))
+            s = m / top
+            scale[n, j] = s
+            safe = s if s > 0 else F32(1)
+            for i in range(group):
+                q[n, j * group + i] = np.int8(min(top, max(-top, np.rint(block[i] / safe))))
+
+
 @njit(fastmath=SAFE_FAST, cache=True)
 def store_f16_rows(k, v, k_arena, v_arena, slots, positions):
     """A batched decode step's K/V: row b of k, v [B, Hkv * D] into position positions[b] of slot slots[b] of

@@ -248,6 +248,18 @@ class NumbaOps(NumpyOps):
             col += n
         return out
 
+    def quantize_int8(self, x: Any, group: int | None = None) -> tuple[Any, Any]:
+        """`NumpyOps.quantize_int8` by `numba_kernels.quantize_int8_blocks` (the same bits) for float32 x."""
+        d = x.shape[-1]
+        g = d if group is None else group
+        if x.dtype != np.float32 or d % g:
+            return super().quantize_int8(x, group)
+        rows = np.ascontiguousarray(x).reshape(-1, d)
+        q = np.empty(rows.shape, dtype=np.int8)
+        scale = np.empty((rows.shape[0], d // g), dtype=np.float32)
+        nk.quantize_int8_blocks(rows, g, q, scale)
+        return q.reshape(x.shape), scale.reshape(*x.shape[:-1], d // g)
+
     # ---- K/V store and attention ----------------------------------------------------------------
     def store_kv(self, k: Any, v: Any, k_pool: Any, v_pool: Any, pos0: int, ring_capacity: int = 0) -> None:
         """`NumpyOps.store_kv`: a chunk into an f16 pool by `numba_kernels.store_f16` (rounding as numpy's cast),
