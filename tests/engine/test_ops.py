@@ -192,7 +192,7 @@ def test_the_numba_int8_quantization_is_numpys_bit_for_bit(numba_ops, group):
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((9, 3, 64)) * 10.0 ** rng.uniform(-3, 3, (9, 3, 1))).astype(np.float32)
     x[0, 0] = 0.0
-    x[1, 1, :32] = np.arange(-15.5, 16.5, dtype=np.float32)  # block max 16: scale 16 / 127, q's off the ties
+    x[1, 1, :32] = np.arange(-15.5, 16.5, dtype=np.float32)  # block max 15.5: scale 15.5 / 127, q off the ties
     x[2, 2] = np.concatenate([[127.0], np.arange(-62.5, 0.5, dtype=np.float32)])  # scale 1: ties to even
     want_q, want_scale = get_ops("numpy", "f32").quantize_int8(x, group)
     got_q, got_scale = numba_ops.quantize_int8(x, group)
