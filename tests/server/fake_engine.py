@@ -76,6 +76,17 @@ def next_candidates(held: list[int]) -> list[tuple[int, float]]:
     return cands
 
 
+def greedy_ends_at_eos(prompt: list[int], n_predict: int) -> bool:
+    """Whether a greedy generation from `prompt` reaches EOS within n_predict tokens (the rule above)."""
+    seq = list(prompt)
+    for _ in range(n_predict):
+        token = next_candidates(seq)[0][0]
+        if token == EOS:
+            return True
+        seq.append(token)
+    return False
+
+
 def token_state(prefix: list[int]) -> list[float]:
     """A token's "hidden state": a deterministic function of the tokens up to it (causal, as the model's)."""
     digest = hashlib.blake2b(json.dumps(prefix[-8:] + [len(prefix)]).encode(), digest_size=N_EMBD).digest()

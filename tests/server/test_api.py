@@ -8,6 +8,7 @@ import pytest
 from strata_server.engine.client import EngineState
 
 from .checks import assert_error, sse_events
+from .fake_engine import EOS, greedy_ends_at_eos, tokenize
 
 GREEDY = {"temperature": 0, "n_predict": 8}
 
@@ -100,6 +101,23 @@ def test_completion_stream_framing(make_api):
     assert sum(len(e["tokens"]) for e in partial) == 8
     assert final["stop"] is True and final["id_slot"] == 0 and final["content"] == "" and final["tokens"] == []
     assert final["timings"]["predicted_n"] == 8 and final["stop_type"] == "limit"
+
+
+def test_a_stream_ending_at_a_token_without_text_still_sends_its_id(make_api):
+    """The end-of-generation token renders as no text: its id went out with nothing after it (a stream lost
+    its last token id whenever a generation ended at EOS, or at the limit on an empty piece)."""
+    client, _, _ = make_api()
+    prompt = next(p for p in (f"eos {i}" for i in range(1000)) if greedy_ends_at_eos(tokenize(p), 64))
+    body = {"prompt": prompt, "temperature": 0, "n_predict": 64, "return_tokens": True, "cache_prompt": False}
+    plain = client.simulate_post("/completion", json=body).json
+    assert plain["stop_type"] == "eos" and plain["tokens"][-1] == EOS
+    events = sse_events(client.simulate_post("/completion", json=body | {"stream": True}).text)
+    streamed = [t for e in events[:-1] for t in e["tokens"]]
+    assert streamed == plain["tokens"] and events[-1]["tokens_predicted"] == len(streamed)
+    forced = body | {"ignore_eos": True, "n_predict": len(plain["tokens"])}  # the limit on the empty piece
+    events = sse_events(client.simulate_post("/completion", json=forced | {"stream": True}).text)
+    assert [t for e in events[:-1] for t in e["tokens"]] == plain["tokens"]
+    assert events[-1]["stop_type"] == "limit"
 
 
 def test_completion_stop_words_and_probs(make_api):

@@ -87,6 +87,9 @@ class IndexedFormat(ResponseFormat):
     def start_chunks(self) -> list[dict]:
         return [with_index(chunk, self.index) for chunk in self.inner.start_chunks()]
 
+    def carries_ids(self) -> bool:
+        return self.inner.carries_ids()
+
     def progress_chunk(self, progress: dict) -> dict:
         return with_index(self.inner.progress_chunk(progress), self.index)
 

@@ -114,6 +114,10 @@ class ResponseFormat(abc.ABC):
     def start_chunks(self) -> list[dict]:
         return []
 
+    def carries_ids(self) -> bool:
+        """Whether a token chunk shows token ids (a chunk with ids but no text says something only then)."""
+        return False
+
     def progress_chunk(self, progress: dict) -> dict:
         """A chunk carrying llama-server's ``prompt_progress`` (``return_progress`` in a stream)."""
         return {**self.token_chunk("", [], []), "prompt_progress": progress}
@@ -148,6 +152,9 @@ class NativeCompletionFormat(ResponseFormat):
     def __init__(self, info: RunInfo, prompt_text: Callable[[EngineLease], str]) -> None:
         super().__init__(info)
         self.prompt_text = prompt_text
+
+    def carries_ids(self) -> bool:
+        return self.info.options.return_tokens
 
     def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict:
         chunk = {"index": 0, "content": content, "tokens": ids if self.info.options.return_tokens else [],
@@ -323,6 +330,9 @@ class CompletionRun:
                     yield sse_frame(self.fmt.progress_chunk(prompt_progress(event)))
                 elif kind == "result":
                     ended = True
+                    if batch.ids and self.fmt.carries_ids():  # the last tokens had no text (EOS): their ids go out
+                        ids, probs = batch.take()
+                        yield sse_frame(self.fmt.token_chunk("", ids, probs))
                     self._record(event, lease)
                     final = self.fmt.final_chunks(event, lease)
                     final[0] = self._with_verbose(final[0], event, [], lease)
