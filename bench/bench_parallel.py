@@ -19,7 +19,9 @@ round start together. The figures of a round:
 - "x 1 client": the aggregate over the same round's one-client aggregate. A run is --rounds rounds, each
   running every level once (1, 2, 4, 8, then again): the machine's speed swings +-20 % between minutes, so a
   ratio of figures taken minutes apart says more about the minutes than the server. A level's row shows its
-  median round's figures and the median of its rounds' ratios; each round's are printed below the table.
+  median round's figures and the median of its rounds' ratios; each round's are printed below the table,
+  with their quartiles from 4 rounds. At the peer's shape a round's windows last 0.2-0.5 s and one round's
+  ratio ranges x1.8-5.2 on the 2-core machine: take 21 rounds for a ratio (~2 minutes at --levels 1,8).
 - "end to end": every generated token over the round's wall time (prefills included).
 - "TTFT" (time to first token) and "ITL" (inter-token latency, between consecutive tokens of one client):
   p50 and p99 over the round's clients.
@@ -307,6 +309,8 @@ def level_row(rounds: list[dict], firsts: list[dict]) -> dict:
     paired = [ratio(rounds[i]["aggregate_decode"], firsts[i]["aggregate_decode"]) for i in kept]
     known = [x for x in paired if x is not None]
     row["x_first"] = statistics.median(known) if known else None
+    # the spread of the paired ratios: the machine's minutes, which a few rounds do not average out
+    row["x_first_quartiles"] = statistics.quantiles(known, n=4)[::2] if len(known) >= 4 else None
     row["x_first_rounds"] = paired
     row["aggregate_rounds"] = [rounds[i]["aggregate_decode"] for i in kept]
     return row
@@ -418,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds > 1:
         for row in rows:
             each = " ".join(shown(x, 0, ".2f") for x in row["x_first_rounds"])
-            print(f"{row['clients']} clients: x {levels[0]} client{'s' * (levels[0] > 1)} round by round {each}; "
+            spread = row["x_first_quartiles"]
+            spread = f" (quartiles {spread[0]:.2f}-{spread[1]:.2f})" if spread else ""
+            print(f"{row['clients']} clients: x {levels[0]} client{'s' * (levels[0] > 1)} round by round {each}{spread}; "
                   f"aggregate {' '.join(f'{a:.1f}' for a in row['aggregate_rounds'])}")
     for row in rows:
         if row["cpu_pct"]:
