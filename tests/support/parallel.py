@@ -33,6 +33,8 @@ def stream_tokens(url: str, body: dict, on_first: Callable[[], None] | None = No
             if on_first is not None and tokens:
                 on_first()
                 on_first = None
+    if final:  # every token the engine generated went out in the stream (an EOS among them)
+        assert len(tokens) == final["tokens_predicted"], (len(tokens), final["tokens_predicted"])
     return tokens, final
 
 
