@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             each = " ".join(shown(x, 0, ".2f") for x in row["x_first_rounds"])
             spread = row["x_first_quartiles"]
-            spread = f" (quartiles {spread[0]:.2f}-{spread[1]:.2f})" if spread else ""
+            spread = f" (quartiles {spread[0]:.2f}-{spread[1]:.2f})" if spread and row["clients"] != levels[0] else ""
             print(f"{row['clients']} clients: x {levels[0]} client{'s' * (levels[0] > 1)} round by round {each}{spread}; "
                   f"aggregate {' '.join(f'{a:.1f}' for a in row['aggregate_rounds'])}")
     for row in rows:
