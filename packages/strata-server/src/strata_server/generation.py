@@ -157,7 +157,7 @@ class NativeCompletionFormat(ResponseFormat):
         return self.info.options.return_tokens
 
     def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict:
-        chunk = {"index": 0, "content": content, "tokens": ids if self.info.options.return_tokens else [],
+        chunk = {"index": 0, "content": content, "tokens": ids if self.carries_ids() else [],
                  "stop": False, "id_slot": -1, "tokens_predicted": self.n_predicted}
         if probs:
             chunk["completion_probabilities"] = probs
