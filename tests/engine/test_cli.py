@@ -13,16 +13,8 @@ from strata_engine.cli import main
 from strata_engine.kernel_cache import RESTARTED_ENV
 from support.data import smollm2_model_path
 
+from .engine_cli import run_cli
 from .serve_process import ServeProcess
-
-
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "strata_engine.cli", *args],
-        capture_output=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 @pytest.mark.parametrize(

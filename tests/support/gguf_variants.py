@@ -1,11 +1,15 @@
-"""Copies of a real GGUF with its metadata changed (tensors copied as they are), for tests that need a
-model the packages do not ship: one with fill-in-the-middle tokens."""
+"""Copies of a real GGUF with its metadata changed or added to (tensors copied as they are, more may be
+added), for tests that need a model the packages do not ship: one with fill-in-the-middle tokens, one holding
+a key or tensor the engine does not compute."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import gguf
+import numpy as np
 
 TOKENS_KEY = "tokenizer.ggml.tokens"
 # SmolLM2's control tokens <gh_stars>, <issue_start>, <issue_comment>, renamed to StarCoder's FIM texts.
@@ -14,6 +18,29 @@ SMOLLM2_FIM_NAMES = {7: "<fim_prefix>", 8: "<fim_suffix>", 9: "<fim_middle>"}
 
 def with_renamed_tokens(src: Path, dst: Path, names: dict[int, str]) -> Path:
     """`src` with the vocabulary's token `id` renamed `names[id]`; everything else the same."""
+
+    def rename(key: str, value: Any) -> Any:
+        return [names.get(i, text) for i, text in enumerate(value)] if key == TOKENS_KEY else value
+
+    return _copy(src, dst, rename)
+
+
+def with_additions(
+    src: Path, dst: Path, *, metadata: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None
+) -> Path:
+    """`src` with metadata keys (a value: Python's bool, int, float or str, typed as gguf's writer types
+    them) and float32 tensors added."""
+    return _copy(src, dst, lambda key, value: value, metadata or {}, tensors or {})
+
+
+def _copy(
+    src: Path,
+    dst: Path,
+    edit: Callable[[str, Any], Any],
+    extra_metadata: Mapping[str, Any] | None = None,
+    extra_tensors: Mapping[str, np.ndarray] | None = None,
+) -> Path:
+    extra_metadata, extra_tensors = extra_metadata or {}, extra_tensors or {}
     reader = gguf.GGUFReader(src)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
@@ -22,16 +49,19 @@ def with_renamed_tokens(src: Path, dst: Path, names: dict[int, str]) -> Path:
             continue  # the writer writes these itself
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
-        if field.name == TOKENS_KEY:
-            value = [names.get(i, text) for i, text in enumerate(value)]
-        writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
+        writer.add_key_value(field.name, edit(field.name, field.contents()), value_type, sub_type=sub_type)
+    for key, value in extra_metadata.items():
+        writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
     for tensor in reader.tensors:
         writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
+    for name, data in extra_tensors.items():
+        writer.add_tensor_info(name, data.shape, np.dtype(np.float32), data.nbytes, gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for tensor in reader.tensors:
         writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+    for data in extra_tensors.values():
+        writer.write_tensor_data(np.ascontiguousarray(data, dtype=np.float32))
     writer.close()
     return dst

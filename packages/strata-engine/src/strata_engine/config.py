@@ -2,7 +2,8 @@
 files leave out (a table per family, `ARCHITECTURES`).
 
 Unknown architectures raise `UnsupportedArchitecture` naming the architecture; missing or impossible
-metadata raises `ModelConfigError` listing every problem at once.
+metadata raises `ModelConfigError` listing every problem at once, and a key the engine would not compute
+(accounting.py) raises its subclass `UncomputedModelPart`, each such key named.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 import attrs
 
-from .errors import ModelConfigError, UnsupportedArchitecture
+from .accounting import uncomputed_keys
+from .errors import ModelConfigError, UncomputedModelPart, UnsupportedArchitecture
 from .gguf import GGUFFile
 
 
@@ -103,15 +105,18 @@ class ModelConfig:
 
 
 class _Meta:
-    """Typed access to `<arch>.*` metadata that collects problems instead of failing on the first."""
+    """Typed access to `<arch>.*` metadata that collects problems instead of failing on the first, and records
+    every key the builder reads (the rest must be harmless: accounting.py)."""
 
     def __init__(self, gguf_file: GGUFFile, arch: str):
         self.file = gguf_file
         self.arch = arch
         self.problems: list[str] = []
+        self.read: set[str] = set()
 
     def get(self, key: str, kind: type, default: Any = None, *, required: bool = True) -> Any:
         full = f"{self.arch}.{key}"
+        self.read.add(full)
         value = self.file.metadata.get(full)
         if value is None:
             if required and default is None:
@@ -132,14 +137,19 @@ class _Meta:
 
     def vocab_size(self) -> int:
         info = self.file.tensors.get("token_embd.weight")
+        stated = self.get("vocab_size", int, required=False)
         if info is None:
             self.problems.append("tensor token_embd.weight is missing")
             return 1
+        if stated is not None and stated != info.shape[0]:
+            self.problems.append(f"{self.arch}.vocab_size {stated} differs from token_embd.weight's {info.shape[0]} rows")
         return info.shape[0]
 
     def finish(self) -> None:
-        if self.problems:
-            raise ModelConfigError([f"{self.file.path}: {p}" for p in self.problems])
+        uncomputed = uncomputed_keys(self.file, self.arch, self.read)
+        if self.problems or uncomputed:
+            error = UncomputedModelPart if uncomputed else ModelConfigError
+            raise error([f"{self.file.path}: {p}" for p in self.problems + uncomputed])
 
 
 def _common(m: _Meta) -> dict[str, Any]:
@@ -152,9 +162,6 @@ def _common(m: _Meta) -> dict[str, Any]:
         m.problems.append(f"value length {value_dim} differs from key length {head_dim} (not supported)")
     if n_head % n_head_kv:
         m.problems.append(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-    scaling = m.file.metadata.get(f"{m.arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        m.problems.append(f"{m.arch}.rope.scaling.type {scaling!r} is not supported")
     return dict(
         n_vocab=m.vocab_size(),
         n_embd=n_embd,

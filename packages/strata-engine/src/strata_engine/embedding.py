@@ -22,10 +22,9 @@ import numpy as np
 from .errors import ContextOverflow, InvalidRequest, InvalidToken
 from .models.common import Rows, rope_tables
 from .protocol import Request, ServeContext
-from .settings import Pooling, values
+from .settings import GGUF_POOLING, Pooling, values
 
 # llama.cpp's `llama_pooling_type` codes in a GGUF's `<arch>.pooling_type` (its `rank` has no pooling here).
-GGUF_POOLING: dict[int, Pooling] = {0: Pooling.NONE, 1: Pooling.MEAN, 2: Pooling.CLS, 3: Pooling.LAST}
 EUCLIDEAN = 2  # llama-server's default embd_normalize
 
 POOLERS: dict[Pooling, Callable[[np.ndarray], np.ndarray]] = {

@@ -55,6 +55,13 @@ class ModelConfigError(ProblemsError):
     headline = "invalid model configuration"
 
 
+class UncomputedModelPart(ModelConfigError):
+    """The file holds a metadata key or tensor that the engine would not compute (a Llama 3 file's
+    `rope_freqs`, soft-capping, experts, ...): refused, each one named, rather than silently ignored."""
+
+    headline = "the model file holds what strata-engine does not compute"
+
+
 class MissingTensor(EngineError):
     """A tensor the model family needs is absent from the file."""
 

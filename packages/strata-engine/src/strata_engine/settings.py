@@ -58,6 +58,10 @@ class Pooling(enum.StrEnum):
     LAST = "last"
 
 
+# A GGUF's `<arch>.pooling_type` codes (llama.cpp's `llama_pooling_type`; its 4, rank, is not offered).
+GGUF_POOLING: dict[int, Pooling] = {0: Pooling.NONE, 1: Pooling.MEAN, 2: Pooling.CLS, 3: Pooling.LAST}
+
+
 class CpuKernels(enum.StrEnum):
     """What computes the numpy backend's products and attention."""
 

@@ -107,13 +107,42 @@ def rope_tables(ops: Ops, config: ModelConfig, rows: Rows) -> RopeTables:
     return tables
 
 
-class WeightLoader:
+class TensorCensus:
+    """A loader that loads nothing: a family built on it checks each tensor it names (presence, shape) and
+    records the name, so every tensor of the file is accounted for before a weight is read (`unread`)."""
+
+    def __init__(self, gguf_file: GGUFFile):
+        self.file = gguf_file
+        self.named: set[str] = set()
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> Any:
+        self._info(name, shape)
+
+    def fused(self, *named: tuple[str, tuple[int, ...]]) -> Any:
+        for name, shape in named:
+            self._info(name, shape)
+
+    def unread(self) -> list[str]:
+        """The file's tensors that no weight of the family was loaded from."""
+        return sorted(set(self.file.tensors) - self.named)
+
+    def _info(self, name: str, shape: tuple[int, ...]) -> Any:
+        info = self.file.tensors.get(name)
+        if info is None:
+            raise MissingTensor(f"{self.file.path}: tensor {name!r} is missing")
+        if info.shape != shape:
+            raise TensorShapeMismatch(f"{self.file.path}: tensor {name!r} has shape {info.shape}, expected {shape}")
+        self.named.add(name)
+        return info
+
+
+class WeightLoader(TensorCensus):
     """Loads named tensors, checking each shape (numpy order): dequantized to the compute dtype, or, for
     ops that pack weights (`Ops.packs_weights`), quantized matrices repacked from their GGUF blocks into one
     arena on huge pages (`ops.arena`)."""
 
     def __init__(self, gguf_file: GGUFFile, ops: Ops):
-        self.file = gguf_file
+        super().__init__(gguf_file)
         self.ops = ops
         self.arena = WeightArena(ARENA_FILE_MULTIPLE * gguf_file.file_size) if ops.packs_weights else None
 
@@ -127,14 +156,6 @@ class WeightLoader:
         if all(p is not None for p in packed):
             return self._placed(stack_rows(packed))
         return self.ops.weight(np.concatenate([self._host(name, shape) for name, shape in named]))
-
-    def _info(self, name: str, shape: tuple[int, ...]) -> Any:
-        info = self.file.tensors.get(name)
-        if info is None:
-            raise MissingTensor(f"{self.file.path}: tensor {name!r} is missing")
-        if info.shape != shape:
-            raise TensorShapeMismatch(f"{self.file.path}: tensor {name!r} has shape {info.shape}, expected {shape}")
-        return info
 
     def _packed(self, name: str, shape: tuple[int, ...]) -> PackedWeight | None:
         """The tensor packed (None: the ops do not pack, or it is a vector or a float tensor)."""

@@ -26,9 +26,8 @@ import attrs
 import numpy as np
 
 from ..config import ModelConfig
-from ..gguf import GGUFFile
 from ..ops import Ops
-from .common import RopeTables, Rows, WeightLoader, rope_tables
+from .common import RopeTables, Rows, TensorCensus, rope_tables
 
 
 @attrs.frozen(eq=False)
@@ -42,10 +41,10 @@ class LlamaLayer:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, ops: Ops, gguf_file: GGUFFile):
+    def __init__(self, config: ModelConfig, ops: Ops, w: TensorCensus):
+        """w: the weights' loader (`WeightLoader`), or a `TensorCensus` that only names them."""
         self.config = c = config
         self.ops = ops
-        w = WeightLoader(gguf_file, ops)
         E, F, H, Hkv, D = c.n_embd, c.n_ff, c.n_head, c.n_head_kv, c.head_dim
         self.qkv_sizes = (H * D, Hkv * D, Hkv * D)
         self.tok_embd = w("token_embd.weight", (c.n_vocab, E))
