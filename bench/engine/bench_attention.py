@@ -2,9 +2,9 @@
 earlier revision's kernels, in one run: a decode step's (or a short prompt's) attention over every layer of
 a model's layout, each layer its own K/V in one pool-like buffer (token-major [slots, Hkv, D], so the step
 reads the context from memory as a real one does), on 1 and on all threads; beside it the time to merely
-read the same K/V bytes once. The numbers behind the attention section of bench/CPU-NOTES.md.
+read the same K/V bytes once. The numbers behind bench/engine/DECISIONS.md "Decode attention".
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_attention.py [--baseline main]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/engine/bench_attention.py [--baseline main]
         [--threads 1 2] [--held 4096 8192] [--tokens 1 5 16] [--parallel-min-scores 16384]
 
 The baseline's numba_kernels.py is taken from git (`git show REV:...`) and loaded as a module of its own
@@ -30,7 +30,7 @@ KERNELS = "packages/strata-engine/src/strata_engine/ops/numba_kernels.py"
 F32 = np.float32
 # Layouts: (K/V heads, query heads, head dim, full layers, sliding-window layers, window).
 MODELS = {"smollm2": (3, 9, 64, 30, 0, 0), "gemma3": (1, 4, 256, 3, 15, 512)}
-BASELINE_PARALLEL_MIN_SCORES = 1 << 20  # main's threshold before issue 14
+BASELINE_PARALLEL_MIN_SCORES = 1 << 20  # the threshold before attention ran over both threads
 
 
 @numba.njit(cache=False)
@@ -56,7 +56,7 @@ def load_baseline(rev: str, folder: Path):
 
 
 def baseline_call(nk, threads: int):
-    """The revision's kernels called as its NumbaOps.attention_kernel called them (main before issue 14:
+    """The revision's kernels called as its NumbaOps.attention_kernel called them (the kernels before the tiled rewrite:
     work items per K/V head and split, then a merge call)."""
     def call(q, k, v, *, q_pos0, k_lo, window, scale):
         n_tok, n_head, d = q.shape

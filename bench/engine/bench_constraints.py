@@ -9,7 +9,7 @@ request).
 
 Run it with the OpenBLAS variables these machines set removed, when the load average is below 1.5:
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_constraints.py
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/engine/bench_constraints.py
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ pairs where the file's blocks are 4-bit, f16 scales where exact) against the sam
 int8 with float32 scales, and against numpy's BLAS on the weights dequantized a chunk at a time; with
 the bandwidth they reach. At each row count both packed kernels run, in turns: a token row at a time
 (`row_dot`) and each block decoded once for a group of rows (`rows_dot`), with the ratio. The numbers
-behind the choices in bench/CPU-NOTES.md.
+behind bench/engine/DECISIONS.md "Multi-row float32 products".
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_cpu_kernels.py [-t 2]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/engine/bench_cpu_kernels.py [-t 2]
 """
 
 from __future__ import annotations

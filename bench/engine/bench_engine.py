@@ -10,7 +10,7 @@ short decode run can lose half its rate; llama-bench averages 5), and the proces
 quiet machine with the OpenBLAS variables these machines set removed (they slow a current numpy); it
 waits until the 1-minute load average is below --max-load:
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_engine.py
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/engine/bench_engine.py
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 # the engine's package before numpy, as in the engine's own process: it sets OpenBLAS's thread timeout,
 # read when numpy loads OpenBLAS (imported after numpy, BLAS threads spin ~0.1 s after each call, slowing the
-# kernels that follow: gemma3's prefill at 4,096 held by ~25 %, bench/CPU-NOTES.md)
+# kernels that follow: gemma3's prefill at 4,096 held by ~25 %, bench/engine/DECISIONS.md "Compiled kernels")
 import strata_engine  # noqa: F401
 
 # isort: split

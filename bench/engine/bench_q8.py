@@ -8,8 +8,8 @@ the engine's prefill (--prefill tokens) and greedy decode instead (-t threads): 
 a `numba-q8` one (tiled weights) taking turns in one process: tok/s and CPU time, decode at both held depths with
 the largest logit difference between the two at the same tokens.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_q8.py [--rows 1 8]
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_q8.py --decode [-t 2]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/engine/bench_q8.py [--rows 1 8]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/engine/bench_q8.py --decode [-t 2]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ a third new process RESTOREs in streaming mode (two passes, bounded RAM). Printe
 
 Run (unset the two OpenBLAS variables these machines set, they slow a current numpy):
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_session.py [--quick]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/engine/bench_session.py [--quick]
 
 The cold prefills take minutes on 2 cores; `--quick` runs small sizes to check the script;
 `--prepared DIR` keeps each conversation after its cold turn and restores it in later runs instead.

@@ -7,7 +7,7 @@ decoded once for the B rows (`rows_dot`, numba's choice), with the ratio and the
 between the two (the batched step against each slot decoded alone); with `numba-q8` (the default where
 the CPU has AVX512-VNNI: tiled weights) the q8 products alone.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_slots.py --model smollm2
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/engine/bench_slots.py --model smollm2
 
 The 1-minute load average is printed with the figures (these machines are shared), and the process's CPU time
 per step beside the wall time (on a loaded machine, what the steps would take alone: a ratio of CPU times
@@ -22,7 +22,7 @@ import time
 
 # the engine's package before numpy, as in the engine's own process: it sets OpenBLAS's thread timeout,
 # read when numpy loads OpenBLAS (imported after numpy, BLAS threads spin ~0.1 s after each call, slowing the
-# kernels that follow: gemma3's prefill at 4,096 held by ~25 %, bench/CPU-NOTES.md)
+# kernels that follow: gemma3's prefill at 4,096 held by ~25 %, bench/engine/DECISIONS.md "Compiled kernels")
 import strata_engine  # noqa: F401
 
 # isort: split

@@ -1,5 +1,5 @@
-"""Does a huge TOKENIZE (or COMPLETE line) stall another request's decoding? (issue 15: "tokenize off the
-scheduler's path", "no single request stalls the others").
+"""Does a huge TOKENIZE (or COMPLETE line) stall another request's decoding? (The goals: tokenizing
+off the scheduler's path, no single request stalling the others; bench/engine/DECISIONS.md "Scheduler".)
 
 One `strata-engine serve` process (SmolLM2, numpy, 2 slots): a greedy COMPLETE streams in slot 0; after
 WARM tokens a TOKENIZE of MB megabytes is sent (`--verb TOKENIZE`, on the engine's worker thread), or a

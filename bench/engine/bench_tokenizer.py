@@ -3,14 +3,14 @@ for both models, in one run; the compile time of a first start and the start fro
 and how fast a 50 MB prompt is refused before tokenizing (`Tokenizer.min_tokens`, and `strata-engine
 serve` answering COMPLETE). Prints seconds per 400K characters and the ratios.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE nice .venv/bin/python bench/bench_tokenizer.py [--repeats 5]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE nice .venv/bin/python bench/engine/bench_tokenizer.py [--repeats 5]
 
 Texts (400K characters each): "repo", this repository's tracked Markdown and Python files concatenated
 in path order (English prose, tables and code: the word cache helps, as on real prompts); "scripts",
 seeded random words in Latin, Cyrillic, Greek, Arabic, Devanagari and CJK with digits, punctuation and
 whitespace runs (few repeats: close to the worst case for the word cache).
 
-llama.cpp's figure, 0.17 s per 400K characters (SmolLM2's BPE), is the one issue 15 quotes: no peer
+llama.cpp's figure, 0.17 s per 400K characters (SmolLM2's BPE), is the one the tokenizer's goal quotes: no peer
 tokenizer figure is kept in tests/reference. The goal is at most twice its cost per character (0.34 s);
 it is applied to gemma3's SentencePiece tokenizer too, for which there is no peer figure.
 """
@@ -136,7 +136,7 @@ def main() -> int:
     from strata_engine.gguf.reader import read_gguf
     from strata_engine.tokenizer import Implementation, Tokenizer
 
-    print(f"load average {os.getloadavg()[0]:.2f}; llama.cpp {PEER_S_PER_400K} s per 400K chars (issue 15's "
+    print(f"load average {os.getloadavg()[0]:.2f}; llama.cpp {PEER_S_PER_400K} s per 400K chars (the goal's "
           f"figure); goal <= {GOAL_RATIO:g}x that = {GOAL_RATIO * PEER_S_PER_400K:.2f} s", flush=True)
     paths = model_paths()
     with tempfile.TemporaryDirectory() as cache_dir:

@@ -2,11 +2,11 @@
 line writer (to a file) over SmolLM2's slots, with `SlotSet.decode_rows` replaced by one that hands back greedy
 `Argmax` rows at once, so a step is only the loop's own work (sampling's bookkeeping, detokenizing, stop
 checks, the token lines). On the GPU a batched step of 8 rows takes ~1.1-1.3 ms; this is the share of it the
-engine's Python adds per row (bench/SCHED-NOTES.md). With --real the forward pass is kept: the engine
+engine's Python adds per row (bench/engine/DECISIONS.md "Scheduler"). With --real the forward pass is kept: the engine
 process's own step at B rows (loop included) without the HTTP server in front, to set against
 bench_parallel's figures through the server.
 
-    python3 bench/probe_row_overhead.py [--slots 8] [--tokens 400] [--real [--backend cupy] [--prompt 512]]
+    python3 bench/engine/probe_row_overhead.py [--slots 8] [--tokens 400] [--real [--backend cupy] [--prompt 512]]
 """
 
 from __future__ import annotations

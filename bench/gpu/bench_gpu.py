@@ -1,7 +1,7 @@
 """Prefill and decode tokens/s of the CuPy backend against Hugging Face transformers on the same GPU,
 with the same (dequantized GGUF) weights in the same dtype, measured in one run.
 
-    python3 bench/bench_gpu.py --model smollm2=PATH --model gemma3=PATH [--lengths 512,4096] \
+    python3 bench/gpu/bench_gpu.py --model smollm2=PATH --model gemma3=PATH [--lengths 512,4096] \
         [--long 32768] [--dtype f16] [--decode 64] [--peer smollm2=llama-bench.json ...]
 
 Per model and prompt length L: the engine's prefill of L deterministic token ids (chunks of

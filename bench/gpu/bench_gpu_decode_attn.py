@@ -2,7 +2,7 @@
 timed as a CUDA graph of every layer's call (each layer its own K/V pool, so the L2 cache holds all the K/V at
 short lengths and not at long ones, as in the model's step).
 
-    python3 bench/bench_gpu_decode_attn.py [--min-tiles 4,2,1] [--repeat 20]
+    python3 bench/gpu/bench_gpu_decode_attn.py [--min-tiles 4,2,1] [--repeat 20]
 
 Cases: smollm2 (9 / 3 heads of 64, f16, 30 layers; pools of 4,168 and 8,192 slots, bench_gpu.py's and
 profile_gpu.py's n_ctx) and gemma3 (4 / 1 heads of 256, bf16, 18 layers: 3 global over a 32,776-slot pool,

@@ -1,7 +1,7 @@
 """A decode step's products on the GPU, each timed inside a CUDA graph as the decode step's graph runs them:
 strata_gemv (the decode kernel) against cuBLAS and against a device-to-device copy of the weight's bytes.
 
-    python3 bench/bench_gpu_gemv.py
+    python3 bench/gpu/bench_gpu_gemv.py
 
 Shapes are the real models' (smollm2 f16, gemma3 bf16): the fused Q/K/V, the attention output, the fused
 gate/up with its activation (strata_gemv only), the down product and the output head (float32 out), at 1, 2,

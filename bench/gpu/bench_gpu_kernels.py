@@ -1,6 +1,6 @@
 """The CuPy backend's attention kernel against torch's scaled_dot_product_attention on the same GPU.
 
-    python3 bench/bench_gpu_kernels.py
+    python3 bench/gpu/bench_gpu_kernels.py
 
 Shapes are the real models' (smollm2: 9 query / 3 K/V heads of 64; gemma3: 4 / 1 of 256), causal, f16
 operands. Times are medians of CUDA-event-timed runs after a warm-up; TFLOP/s counts the causal half

@@ -1,6 +1,6 @@
 """Session save/restore on the GPU against the disk's own limits, measured in one run on that machine.
 
-    python3 bench/bench_gpu_session.py --model smollm2=PATH --model gemma3=PATH \
+    python3 bench/gpu/bench_gpu_session.py --model smollm2=PATH --model gemma3=PATH \
         [--gemma3-tokens 32700] [--smollm2-tokens 7900] [--synthetic-tokens 131072] [--dir D]
 
 1. Real conversations through `strata-engine serve --backend cupy` processes (bench_session.py's

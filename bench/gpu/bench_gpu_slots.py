@@ -6,10 +6,10 @@ with every row asking for its logits: pinned, as a sampled row gets them) and "a
 argmax_only rows: the argmax in the graph, B token ids downloaded: the scheduler's greedy path). What the
 scheduler's decode steps can reach at B concurrent streams.
 
-    python3 bench/bench_gpu_slots.py --model smollm2=/tmp/smollm2.gguf --model gemma3=/tmp/gemma3.gguf
+    python3 bench/gpu/bench_gpu_slots.py --model smollm2=/tmp/smollm2.gguf --model gemma3=/tmp/gemma3.gguf
 
 Each slot first holds its own --prompt random tokens (prefilled op by op on both sides); every B decodes
---gen steps from there (cut back to the prompt before each B). Issue 15's goal: x6 at B = 8 on the H200.
+--gen steps from there (cut back to the prompt before each B). The goal: x6 at B = 8 on the H200.
 """
 
 from __future__ import annotations

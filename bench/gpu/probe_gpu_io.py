@@ -1,6 +1,6 @@
 """What the save / restore path can reach on this machine: the primitives a session file's I/O is made of.
 
-    python3 bench/probe_gpu_io.py [--folder DIR] [--mib 116]
+    python3 bench/gpu/probe_gpu_io.py [--folder DIR] [--mib 116]
 
 Measures, on a file of --mib MiB in --folder (page cache warm for the reads, as a restore of a file just
 written): one sequential read into a reused 16 MiB buffer (the benchmarks' "plain read"); the same file

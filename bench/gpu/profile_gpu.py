@@ -1,6 +1,6 @@
 """Where the host time of a GPU prefill and decode goes: cProfile of the engine on the cupy backend.
 
-    python3 bench/profile_gpu.py --model PATH [--dtype bf16] [--prompt 512] [--steps 32]
+    python3 bench/gpu/profile_gpu.py --model PATH [--dtype bf16] [--prompt 512] [--steps 32]
 
 Prints, for a warm runner: the wall time of one prefill and of decode steps replayed from the CUDA
 graph and run op by op; the device time of one prefill per operation (`gpu_time_by_op`: the work is

@@ -1,6 +1,6 @@
 """Where an in-process SAVE / RESTORE of a device-pool session spends its time (cupy backend).
 
-    python3 bench/profile_gpu_session.py --model PATH [--tokens 7915] [--folder /tmp] [--backend cupy]
+    python3 bench/gpu/profile_gpu_session.py --model PATH [--tokens 7915] [--folder /tmp] [--backend cupy]
 
 A runner's device pool is filled with random f16 K/V for --tokens positions (no prefill), saved, then
 restored in-process (staged, streaming) three times each; printed per operation: the times of the

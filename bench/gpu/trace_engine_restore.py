@@ -1,7 +1,7 @@
 """A timeline of each RESTORE in fresh `strata-engine serve` processes: where the first restore of a
 process spends what later ones do not.
 
-    python3 bench/trace_engine_restore.py --model PATH --tokens 32715 [--backend cupy] [--engines 2]
+    python3 bench/gpu/trace_engine_restore.py --model PATH --tokens 32715 [--backend cupy] [--engines 2]
         [--restores 3] [--folder /tmp] [--args "--kv-resident 1024"]
 
 One untraced engine prefills --tokens random ids and SAVEs; then each of --engines fresh engines runs

@@ -27,7 +27,7 @@ round start together. The figures of a round:
   p50 and p99 over the round's clients.
 - "others": the CPU the machine's other processes took in the window (its busy time in /proc/stat less the
   server's processes' and this one's), in % of one core: on a shared 2-core machine a burst of another job
-  in a window of 1-3 s halves its aggregate although the load average looks quiet (bench/SCHED-NOTES.md).
+  in a window of 1-3 s halves its aggregate although the load average looks quiet (bench/server/DECISIONS.md).
   The sampler reads /proc every 0.1 s, about 2 % of a core; "-" without a server of its own (--url).
   Below the table, each level's window split by process (engine, worker, arbiter, client: this process's
   streaming threads): on 2 cores what the server and clients take per token is taken from the engine's.
@@ -44,7 +44,7 @@ as "-" (null in the JSON line), never as NaN.
 It starts its own server (default model, -np = the largest level, -c = slots x 1024) on a free
 loopback port unless --url is given. Run it on a quiet machine (load average < 1.5), as:
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_parallel.py
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/server/bench_parallel.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ sampled over the run.
 It starts its own server on a free 127.0.0.1 port with the default model, stops by itself after
 --requests requests or --max-seconds, and stops the server. Run it as `make bench` does:
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_server.py
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/server/bench_server.py
 """
 
 from __future__ import annotations

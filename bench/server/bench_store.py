@@ -31,7 +31,7 @@ from the store <= 1.2x held.
 
 Run (load average < 1.5; other work on the machine skews every figure):
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_store.py [--quick]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/server/bench_store.py [--quick]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ every thread of the server's processes (gunicorn arbiter, worker, engine) and of
 read from /proc (schedstat) every --sample-ms, attributed to the tokens that arrived in bench_parallel's aggregate
 window (from the last first token to the first last token of a round), per round and summed.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/profile_parallel.py --clients 8
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/server/profile_parallel.py --clients 8
 
 It prints, per process and per thread group (the engine's loop thread, its numba workers, its reader; the
 worker's request threads, its engine-stdout reader, its event loop; the client threads), the CPU ms per

