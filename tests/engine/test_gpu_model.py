@@ -30,9 +30,9 @@ pytestmark = pytest.mark.gpu
 N_CTX = 2048
 LOGIT_BOUND = {"f16": 2e-2, "bf16": 6e-2}
 # Graph-replayed decode vs op by op: round-off, about what op by op itself is from f32 compute (measured on the
-# H200, bench/probe_gpu_graph_bound.py: f16 graph/op by op <= 0.0031 where op by op/f32 <= 0.0021; bf16 <= 0.0496,
+# H200, bench/gpu/DECISIONS.md "Graph bounds": f16 graph/op by op <= 0.0031 where op by op/f32 <= 0.0021; bf16 <= 0.0496,
 # batched 0.091, where op by op/f32 <= 0.104; the replay equals the same code run uncaptured exactly; a wrong
-# position or ring slot gave 0.31: bench/GPU-NOTES.md v12).
+# position or ring slot gave 0.31).
 GRAPH_BOUND = {"f16": 5e-3, "bf16": 0.12}
 # A batched decode step vs each slot alone: steps of more than GEMV_ROWS rows take cuBLAS's products (another
 # summation order than one row's strata_gemv), so round-off as above (measured 0.0070 f16, 0.067 bf16 at 3 rows).
@@ -93,7 +93,7 @@ def test_f32_greedy_matches_reference_and_numpy(runners, model):
 def test_default_settings_reproduce_transformers_greedy_tokens(runners, model):
     """The defaults (compute dtype per architecture, f32 logits, f16 K/V, graphs) reproduce transformers'
     f32 greedy tokens up to the first step where transformers' own top-2 margin is below
-    REFERENCE_NEAR_TIE: logits rounded to bf16 tied exactly there and left its tokens (issue 13)."""
+    REFERENCE_NEAR_TIE: logits rounded to bf16 tied exactly there and left its tokens."""
     from strata_engine.settings import DEFAULT_COMPUTE_DTYPE
 
     runner = runners(model, dtype=None)

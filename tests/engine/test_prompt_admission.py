@@ -2,7 +2,7 @@
 lower bound on the token count from the prompt's length in bytes, checked on real text for both models;
 the completion path refuses a 50 MB prompt in every form (string, chat messages, mixed list) with the
 context-overflow error and keeps the held conversation; so does `strata-engine serve`, which then goes
-on serving. Only the time is not asserted (bench/bench_tokenizer.py measures it)."""
+on serving. Only the time is not asserted (bench/engine/bench_tokenizer.py measures it)."""
 
 from __future__ import annotations
 

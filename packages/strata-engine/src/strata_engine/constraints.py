@@ -146,7 +146,7 @@ class ConstraintCompiler:
 
     @functools.cached_property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's tokenizer of this vocabulary, built on first use (about a second: bench/CPU-NOTES.md)
+        """llguidance's tokenizer of this vocabulary, built on first use (about a second: bench/engine/DECISIONS.md "Constrained decoding")
         and kept for the engine's life."""
         tok = self._tokenizer
         return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_LLVocabulary(tok)),

@@ -160,7 +160,7 @@ class _CapturedStep:
     def _download_row(self, row: int) -> np.ndarray:
         """After a launch: row `row` of the logits, downloaded into an array of CuPy's pinned memory pool (a
         pageable download is staged by the driver, and a copy out of one reused pinned buffer costs a pass
-        over the row: ~0.12 ms for gemma3's 1 MiB, bench/probe_gpu_download.py), the caller's to keep; waits for it."""
+        over the row: ~0.12 ms for gemma3's 1 MiB, bench/gpu/DECISIONS.md "Logits downloaded"), the caller's to keep; waits for it."""
         import cupyx
 
         cp = self.ops.xp
@@ -420,14 +420,14 @@ def make_step_graph(model: Model, placement: PoolPlacement, enabled: bool, n_tok
     if n_tokens > geometry.n_ctx:
         return None
     if n_tokens > 1 and geometry.ring_layers:
-        return None  # such graphs left op by op's logits across a ring's wrap: bench/GPU-NOTES.md
+        return None  # such graphs left op by op's logits across a ring's wrap: bench/gpu/DECISIONS.md "Prefill graphs"
     return StepGraph(model, placement, n_tokens)
 
 
 def prefill_graph_sizes(chunk: int) -> tuple[int, ...]:
     """The prefill graphs' sizes: powers of two from MIN_PREFILL_GRAPH below the chunk, and the chunk. A
     chunk of n tokens replays the smallest that holds it, padded: at most twice the device work of n
-    tokens, and none of the host's launch overhead (bench/GPU-NOTES.md)."""
+    tokens, and none of the host's launch overhead (bench/gpu/DECISIONS.md "Prefill graphs")."""
     sizes, n = [], MIN_PREFILL_GRAPH
     while n < chunk:
         sizes.append(n)

@@ -1,6 +1,6 @@
 """Whether this process compiled any of the engine's numba kernels rather than loading them from numba's disk
-cache. A process that compiled keeps LLVM's memory for its life (100-260 MiB: bench/CPU-NOTES.md, session
-14), so `strata-engine serve` starts itself over (`restart_if_compiled`) once its warm-up has filled the
+cache. A process that compiled keeps LLVM's memory for its life (100-260 MiB: bench/engine/DECISIONS.md,
+"Compiled kernels"), so `strata-engine serve` starts itself over (`restart_if_compiled`) once its warm-up has filled the
 cache: the process that serves then loaded every kernel from disk."""
 
 from __future__ import annotations

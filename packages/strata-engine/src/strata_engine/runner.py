@@ -85,7 +85,7 @@ class RunnerState:
 
 def _id_span(tokens: Sequence[int]) -> tuple[int, int]:
     """(min, max) of token ids: one numpy pass over an int32 buffer (a restored file's array), else min and
-    max in C over the Python ints (bench/CPU-NOTES.md)."""
+    max in C over the Python ints (bench/engine/DECISIONS.md "Token-id checks")."""
     if isinstance(tokens, array.array) and tokens.itemsize == 4 and tokens.typecode in "il":
         ids = np.frombuffer(tokens, dtype=np.int32)
         return int(ids.min()), int(ids.max())
@@ -194,7 +194,7 @@ class ModelRunner:
 
     def capture_graphs(self) -> float:
         """Capture the CUDA graphs now (start-up: vLLM does the same) rather than in the first decode step
-        and the first full chunk a request brings, which would pay the capture (bench/GPU-NOTES.md). Each
+        and the first full chunk a request brings, which would pay the capture (bench/gpu/DECISIONS.md "Decode as a CUDA graph"). Each
         runs once on placeholder tokens at position 0, whose K/V are then dropped (the pool holds nothing
         before and after). A capture that fails is said once on stderr and that step runs op by op.
         Returns the seconds spent."""

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # While slots generate, a prefill chunk (a prompt's or an EMBED's) is cut to this share of the full chunk
 # (`--prefill-chunk`), and never below MIN_CUT_CHUNK tokens. A chunk costs a fixed part (on the 2-core CPU
-# with SmolLM2, about 7 decode steps: bench/SCHED-NOTES.md) plus its tokens', so cutting it to a few decode
+# with SmolLM2, about 7 decode steps: bench/engine/DECISIONS.md) plus its tokens', so cutting it to a few decode
 # steps' worth would cost the prompt most of its speed: a quarter keeps about 3/4 of the full chunk's rate
 # per token and bounds the others' inter-token latency by about a quarter of a full chunk's time.
 CUT_CHUNK_SHARE = 4  # the full chunk // 4

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_store_flags(parser: argparse.ArgumentParser) -> None:
-    """The session store's flags (issue 17; strata_server/store/)."""
+    """The session store's flags (strata_server/store/)."""
     store = parser.add_argument_group(
         "session store", "keep every conversation in a bounded folder of session files: saved when its slot "
         "takes another conversation, when idle and at shutdown; the longest stored prefix of each prompt is "

@@ -112,7 +112,7 @@ class ServerConfig:
     repeat_last_n: int = 64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    # -- the session store (issue 17: store/) --
+    # -- the session store (store/) --
     cache_disk: Path | None = None  # folder of the session store; None: off
     cache_disk_max: int = DEFAULT_CACHE_DISK_MAX_MIB  # MiB of this server's files in it
     cache_ram: int = 0  # MiB of a RAM-only store (llama-server's --cache-ram); 0: off

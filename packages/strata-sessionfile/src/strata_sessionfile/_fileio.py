@@ -54,7 +54,7 @@ _SYNC_FILE_RANGE = _sync_file_range()
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
     """Start the kernel's writeback of [offset, offset + length) now, without waiting for it, so the final
-    fsync waits for less (bench/SESSIONFILE-NOTES.md, "Early writeback"). A hint: its result is ignored; the
+    fsync waits for less (bench/sessionfile/DECISIONS.md, "Early writeback"). A hint: its result is ignored; the
     fsync before the rename decides what is durable and reports any writeback error."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, offset, length, SYNC_FILE_RANGE_WRITE)

@@ -55,7 +55,7 @@ def block_handed_over(adapter) -> Callable[[], None]:
 def _check_prefix_again(opened: OpenedFile, readers: ReadThreads) -> None:
     """Rule A1: everything but the data section is byte-identical to what the read pass validated."""
     source = opened.source
-    # A bytearray on the left compares with memcmp (bench/SESSIONFILE-NOTES.md, "Large metadata").
+    # A bytearray on the left compares with memcmp (bench/sessionfile/DECISIONS.md, "Large metadata").
     prefix_again = bytearray(len(opened.prefix))
     try:
         read_exact_parallel(source, memoryview(prefix_again), METADATA_OFFSET, readers, HUGE_PAGE)

@@ -134,7 +134,7 @@ def validate_snapshot_shape(state: RunningState, layers, exc_cls=E.InvalidSnapsh
            f"checkpoint token index {state.checkpoint.token_index} is past the {n} tokens held",
            "state.checkpoint.token_index")
     _check(len(layers) <= LIMIT["MAX_LAYERS"], exc_cls, f"{len(layers)} layers is over MAX_LAYERS", "layers")
-    # Messages are formatted only for a failure (bench/SESSIONFILE-NOTES.md, "Metadata decoding").
+    # Messages are formatted only for a failure (bench/sessionfile/DECISIONS.md, "Metadata decoding").
     seen = set()
     max_heads, max_dim, max_tokens, max_extra = (LIMIT["MAX_KV_HEADS"], LIMIT["MAX_HEAD_DIM"], LIMIT["MAX_TOKENS"],
                                                  LIMIT["MAX_EXTRA_BYTES"])
@@ -236,7 +236,7 @@ def decode_metadata(body: memoryview | bytes, *, header: Header, path: str | Non
     """Decode and validate the metadata body (the bytes after its u32 length); rules M1-M12.
 
     ``known_config``: canonical config bytes known to be canonical (the restoring engine's own): a file
-    whose config is exactly these bytes is not parsed and re-encoded to check it (bench/SESSIONFILE-NOTES.md,
+    whose config is exactly these bytes is not parsed and re-encoded to check it (bench/sessionfile/DECISIONS.md,
     "Metadata decoding")."""
     cur = _Cursor(memoryview(body), base, path)
 
@@ -287,7 +287,7 @@ def decode_metadata(body: memoryview | bytes, *, header: Header, path: str | Non
     tokens.frombytes(raw_tokens)
     if sys.byteorder != "little":
         tokens.byteswap()
-    # A negative id's sign bit is the top bit of its 4th byte (bench/SESSIONFILE-NOTES.md, "Token ids").
+    # A negative id's sign bit is the top bit of its 4th byte (bench/sessionfile/DECISIONS.md, "Token ids").
     if not bytes(raw_tokens)[3::4].isascii():
         raise cur.fail(E.MetadataInvalid, "a token id is negative", "state.tokens", at + 12)
     sampler = cur.sized("state.sampler_state", "MAX_SAMPLER_STATE_BYTES")

@@ -112,7 +112,7 @@ class _DigestCache:
     """Digests of the model files this process already fingerprinted, keyed on what changes when a file
     does: (device, inode, size, mtime_ns, ctime_ns). A model file does not change while an engine has it
     loaded, yet an engine that builds its identity per SAVE / RESTORE would re-read its sampled megabytes
-    each time (bench/SESSIONFILE-NOTES.md, "Model digests"); a file rewritten or replaced in place gets a
+    each time (bench/sessionfile/DECISIONS.md, "Model digests"); a file rewritten or replaced in place gets a
     new key and is read again. Bounded (least recently used out first) and thread-safe."""
 
     MAX_ENTRIES = 64

@@ -51,7 +51,7 @@ def block_buffers(adapter, block_size: int, buffers: BlockBuffers | None = None,
 
 def fresh_buffer(n: int) -> bytearray | mmap.mmap:
     """``n`` zero bytes to read into; from 2 MiB an anonymous map asking for transparent huge pages (one
-    page fault per 2 MiB instead of per 4 KiB: bench/SESSIONFILE-NOTES.md, "Large metadata")."""
+    page fault per 2 MiB instead of per 4 KiB: bench/sessionfile/DECISIONS.md, "Large metadata")."""
     if n < HUGE_PAGE:
         return bytearray(n)
     area = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -41,10 +41,10 @@ from . import errors as E
 from .seam import S3_SCHEME, s3_location
 
 READ_SLICE = 1 << 20  # bytes read from a response at once: urllib3 copies through a temporary of this size
-DEFAULT_RANGE_SIZE = 8 << 20  # one ranged GET (bench/SESSIONFILE-NOTES.md, "Object store")
+DEFAULT_RANGE_SIZE = 8 << 20  # one ranged GET (bench/sessionfile/DECISIONS.md, "Object store")
 DEFAULT_READ_CONCURRENCY = 8  # ranged GETs of one source in flight at once
 # Reader threads of a restore or inspect of an object when the caller names none: its reads wait on the
-# network, not on a core (bench/SESSIONFILE-NOTES.md, "Object store"); N + 1 block buffers of RAM.
+# network, not on a core (bench/sessionfile/DECISIONS.md, "Object store"); N + 1 block buffers of RAM.
 OBJECT_READ_THREADS = 2
 # The object's first bytes, fetched by the request that pins its version: the header, the metadata of most
 # sessions and its padding then cost no request of their own (each is a round trip to the store).

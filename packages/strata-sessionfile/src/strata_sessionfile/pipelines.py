@@ -52,9 +52,9 @@ def block_chunks(file_offset: int, length: int, block_size: int) -> Iterator[tup
 
 
 # --- how many threads -------------------------------------------------------------------------------
-# Enough readers that the in-order hash never waits for a read (bench/SESSIONFILE-NOTES.md, "Reader threads").
+# Enough readers that the in-order hash never waits for a read (bench/sessionfile/DECISIONS.md, "Reader threads").
 MAX_READ_THREADS = 4
-# Frames decoded at once; each holds a frame and a block (bench/SESSIONFILE-NOTES.md, "Decode workers").
+# Frames decoded at once; each holds a frame and a block (bench/sessionfile/DECISIONS.md, "Decode workers").
 MAX_DECODE_WORKERS = 1
 
 
@@ -78,7 +78,7 @@ class ReadThreads:
     """The threads that read a restore's file: ``threads`` of them, started on first use and kept until
     ``close()`` (also a context manager). ``restore`` / ``inspect`` make their own for one call when given a
     number; an engine that restores more than once passes one it keeps (``read_threads=``), so no restore
-    pays for starting threads (bench/SESSIONFILE-NOTES.md, "Reader threads"). ``start()`` starts them all now. Shared by calls one after the other, or at
+    pays for starting threads (bench/sessionfile/DECISIONS.md, "Reader threads"). ``start()`` starts them all now. Shared by calls one after the other, or at
     once."""
 
     def __init__(self, threads: int) -> None:

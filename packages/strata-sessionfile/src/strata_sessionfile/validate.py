@@ -71,7 +71,7 @@ def binding_check(header: Header, body: bytes, identity: EngineIdentity, path: s
 def largest_id(tokens) -> int:
     """The largest token id: numpy's vectorised max where a caller already loaded it, else max() in C;
     numpy is never imported for this (its import costs a process that does not use it; see
-    bench/SESSIONFILE-NOTES.md, "Token ids")."""
+    bench/sessionfile/DECISIONS.md, "Token ids")."""
     np = sys.modules.get("numpy")
     if np is not None and isinstance(tokens, array.array) and tokens.itemsize == 4:
         return int(np.frombuffer(tokens, dtype=np.int32).max())
@@ -153,7 +153,7 @@ def open_metadata(source: ByteSource, identity: EngineIdentity | None, limits: E
     prefix = fresh_buffer(align_up(pad_start, DATA_ALIGNMENT) - METADATA_OFFSET)
     prefix[:_U32_SIZE] = raw_len
     body = memoryview(prefix)[_U32_SIZE:_U32_SIZE + mlen]
-    # Read by the reader threads at once, hashed here in order (bench/SESSIONFILE-NOTES.md, "Large metadata").
+    # Read by the reader threads at once, hashed here in order (bench/sessionfile/DECISIONS.md, "Large metadata").
     hasher = payload_hasher(auth_digest is not None, raw_len) if hash_prefix else None
     read_exact_parallel(source, body, METADATA_OFFSET + _U32_SIZE, readers, HUGE_PAGE,
                         hasher.update if hasher is not None else None)

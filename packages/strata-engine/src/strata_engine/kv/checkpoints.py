@@ -43,7 +43,7 @@ def take_checkpoint(pool: KVPool) -> RingCheckpoint | None:
     if start < pool.ring_start:
         raise KVStateError(f"cannot checkpoint at {c}: the rings hold from {pool.ring_start} only")
     # A device pool's checkpoint stays on the device: host copies would wait for the prefill to end
-    # (bench/GPU-NOTES.md). Host copies (numpy) are made read-only; device ones are never handed out.
+    # (bench/gpu/DECISIONS.md "Work kept on the device"). Host copies (numpy) are made read-only; device ones are never handed out.
     layers = {}
     for i in pool.geometry.ring_layers:
         parts = pool.read_device(i, start, c)

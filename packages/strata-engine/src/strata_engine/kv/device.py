@@ -139,7 +139,7 @@ class HostMappedPool(KVPool):
 
     def read_device(self, i: int, lo: int, hi: int) -> KVParts:
         """Device copies of positions [lo, hi) of layer i in logical order, read through the mapping (DMA over
-        PCIe from the pinned pool: no host copy, no pageable upload; bench/GPU-NOTES.md)."""
+        PCIe from the pinned pool: no host copy, no pageable upload; bench/gpu/DECISIONS.md "Work kept on the device")."""
         return super().read(i, lo, hi)
 
     def read(self, i: int, lo: int, hi: int) -> KVParts:

@@ -3,8 +3,8 @@
 A decode step streams every weight from memory once. Packed one by one, most weights are numpy arrays under
 numpy's 4 MiB huge-page threshold, on 4 KiB pages: the hardware prefetcher stops at every page boundary and
 every page costs a TLB miss. In one mapping with MADV_HUGEPAGE (Linux's transparent huge pages, where the
-system allows them) SmolLM2's decode ran ~4 % faster, paired in one process (bench/CPU-NOTES.md, session 11,
-"Packed weights on huge pages").
+system allows them) SmolLM2's decode ran ~4 % faster, paired in one process (bench/engine/DECISIONS.md,
+"Weights on huge pages").
 """
 
 from __future__ import annotations

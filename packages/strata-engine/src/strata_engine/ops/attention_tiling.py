@@ -115,7 +115,7 @@ def flash_tiles(head_dim: int, rows: int) -> tuple[int, int]:
     """(warps per block, keys per tile) of strata_flash_attn: a block holds 16 query rows per warp;
     one warp when the rows fit it (decode), else four, or eight for 256-wide heads with many rows.
     Head size 256 takes 16-key tiles so a warp's accumulators stay in registers; the shapes are the
-    fastest of bench/bench_gpu_kernels.py's sweep (bench/GPU-NOTES.md)."""
+    fastest of bench/gpu/bench_gpu_kernels.py's sweep (bench/gpu/DECISIONS.md "Flash attention kernel")."""
     if rows <= 16:
         warps = 1
     else:
@@ -124,7 +124,7 @@ def flash_tiles(head_dim: int, rows: int) -> tuple[int, int]:
 
 
 FLASH_MIN_TILES = 4  # key tiles a split gets at least (`flash_splits`)
-FLASH_DECODE_MIN_TILES = 1  # the same for a one-warp (decode) launch: bench/GPU-NOTES.md v18
+FLASH_DECODE_MIN_TILES = 1  # the same for a one-warp (decode) launch: bench/gpu/DECISIONS.md "Decode attention"
 
 
 def flash_splits(n_blocks: int, n_keys: int, key_tile: int, n_sm: int, min_tiles: int = FLASH_MIN_TILES) -> int:

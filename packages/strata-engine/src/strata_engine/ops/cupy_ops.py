@@ -45,11 +45,11 @@ MEMCPY_DEVICE_TO_DEVICE = 3
 _GATED_ACT = {Activation.SILU: 0, Activation.GELU_TANH: 1}
 WARP_ROWS_PER_BLOCK = 8  # the row kernels run one warp per row, 8 warps per block
 # Steps of at most this many token rows (decode) take the decode-sized kernels: one warp per row leaves a
-# norm latency-bound, and cuBLAS's products of a row leave most of the device idle (bench/GPU-NOTES.md).
+# norm latency-bound, and cuBLAS's products of a row leave most of the device idle (bench/gpu/DECISIONS.md "Small-row products").
 SMALL_STEP_ROWS = 8
 _ROW_THREADS = 256  # strata_add_rms_norm_row: one block per row
 # strata_argmax_parts: a block of 256 threads per span of ~2,048 values of a row, at most 128 spans (one block per
-# row of gemma3's 262K logits took 27 us of a 907 us decode step: bench/GPU-NOTES.md, v21)
+# row of gemma3's 262K logits took 27 us of a 907 us decode step: bench/gpu/DECISIONS.md "Greedy rows decided on the device")
 _ARGMAX_THREADS = 256
 _ARGMAX_PART_VALUES = 2048
 _ARGMAX_PARTS = 128
@@ -58,13 +58,13 @@ _GEMV_ROWS = (1, 2, 4, 8)  # token rows strata_gemv is compiled for
 _GEMV_WARPS = 8
 _COMBINE_GROUPS = 16  # strata_attn_combine_wide: thread groups per output row, each summing every 16th split
 # Output rows up to which the splits merge in parallel per row (decode); a prefill chunk's many rows fill the
-# device with a thread per value (gemma3's 512-row chunks: 99 vs 77 us a local layer: bench/GPU-NOTES.md v18).
+# device with a thread per value (gemma3's 512-row chunks: 99 vs 77 us a local layer: bench/gpu/DECISIONS.md "Decode attention").
 _COMBINE_WIDE_ROWS = 512
 # The layers' products take strata_gemv up to this many rows (at most SMALL_STEP_ROWS), cuBLAS beyond: at 4 and 8
-# rows cuBLAS measured faster (smollm2 B=8 replay 1.45 -> 1.10 ms, gemma3 1.20 -> 0.97; bench/GPU-NOTES.md, v12).
+# rows cuBLAS measured faster (smollm2 B=8 replay 1.45 -> 1.10 ms, gemma3 1.20 -> 0.97; bench/gpu/DECISIONS.md "Small-row products").
 GEMV_ROWS = 2
 # The output head takes strata_gemv up to this many rows, cuBLAS beyond: gemma3's 262,144 x 640 head at 8 rows
-# costs ~0.2 ms more a step by strata_gemv (bench/GPU-NOTES.md, v12).
+# costs ~0.2 ms more a step by strata_gemv (bench/gpu/DECISIONS.md "Small-row products").
 HEAD_GEMV_ROWS = 2
 
 
@@ -270,7 +270,7 @@ class CupyOps(NumpyOps):
     def rope_tables(self, pos0: int, n: int, base: float, rope_dim: int) -> tuple[Any, Any]:
         """float32 device tables whatever the compute dtype (the kernel rotates in float32): slices of
         per-base tables made on the device (float64 angles and cos/sin, rounded once), grown by
-        doubling (made on the host they cost a chunk milliseconds: bench/GPU-NOTES.md)."""
+        doubling (made on the host they cost a chunk milliseconds: bench/gpu/DECISIONS.md "Work kept on the device")."""
         key = (base, rope_dim)
         cos_all, sin_all = self._rope_cache.get(key, (None, None))
         if cos_all is None or cos_all.shape[0] < pos0 + n:

@@ -73,7 +73,7 @@ def widen(typingctx, value):
 # ---- products with packed weights -------------------------------------------------------------------
 # A row's dot product is written in LLVM vector IR (`row_dot`): the same loop in Python gets vectorized 8
 # wide with a horizontal sum per 32-value block (or, with a constant block length, unrolled and gathered
-# across blocks), 2x slower (bench/CPU-NOTES.md).
+# across blocks), 2x slower.
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -196,7 +196,7 @@ row_dot_min = _row_dot(with_min=True)
 # token row and 16-lane chunk of a block (their fma chains overlap), or, from PAIR_MIN_ROWS token rows, two
 # weight rows with one per token row and weight row (each x chunk loaded once for both: 1.15x at 8 rows,
 # 1.5x at 16). 8 rows x 2 x 16 lanes take 16 of AVX-512's 32 registers; AVX2 has 16 half as wide: 2 rows (1.45x a
-# row at a time; 3 or 4 rows spill), no pairs. bench/CPU-NOTES.md "The multi-row kernel" has the measurements.
+# row at a time; 3 or 4 rows spill), no pairs. bench/engine/DECISIONS.md "Multi-row float32 products".
 _AVX512 = _target_has_avx512()
 ROWS_GROUP = 8 if _AVX512 else 2
 PAIR_MIN_ROWS = 8 if _AVX512 else 1 << 62
@@ -461,16 +461,16 @@ _KEY_TILE = 32  # keys per tile: every head's rows of a tile (16 KiB of f16 at H
 _DOT_ROWS = 4  # query rows per `key_dots` block
 # Query rows per `value_sums` call for a prompt chunk's many rows, in column blocks where their accumulators would
 # not fit the registers: each value row read once per four rows (gemma3's 256-wide heads: x1.28). A decode step's
-# few rows stream whole value rows from memory, one row a call there (x1.1 over column blocks; bench/CPU-NOTES.md).
+# few rows stream whole value rows from memory, one row a call there (x1.1 over column blocks; bench/engine/DECISIONS.md "Prompt chunks").
 _SUM_ROWS = 4
 _PREFETCH_KEYS = 32  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
 # Software prefetches go to L2, not L1 (prefetcht1: LLVM's locality 2): a batched step's attention from memory
-# x1.2-1.3 over prefetcht0, whose misses hold the L1's few fill buffers (bench/CPU-NOTES.md, session 18).
+# x1.2-1.3 over prefetcht0, whose misses hold the L1's few fill buffers (bench/engine/DECISIONS.md "Decode attention").
 PREFETCH_LOCALITY = 2
 _PREFETCH_LINES = 8  # 64-byte lines of a stored row prefetched at most (512 bytes: f16 rows of 256 values)
 # Value sums: the accumulators (registers) a block of query rows keeps over the loop: whole value rows
 # where they fit (D / lanes per row: the rows stream in address order, 1.2x faster from memory than
-# column blocks of a row, bench/CPU-NOTES.md), else column blocks of every row of the block.
+# column blocks of a row, bench/engine/DECISIONS.md "Decode attention"), else column blocks of every row of the block.
 _SUM_ACC = 16 if _AVX512 else 8
 
 
@@ -579,7 +579,7 @@ def _counted_loop(builder, n, body, carried):
 def _prefetch_row(builder, arr, index, elem):
     """Prefetch row `index` of a 2-D array (a head's view of the stored rows) into the cache over the row stride
     (up to _PREFETCH_LINES 64-byte lines): the whole stored row, every head (x1.13 on a batched step's attention
-    over prefetching the head's own part: bench/CPU-NOTES.md), _PREFETCH_KEYS keys ahead of the one being read.
+    over prefetching the head's own part: bench/engine/DECISIONS.md), _PREFETCH_KEYS keys ahead of the one being read.
     Unrolled, the lines past a shorter row clamped to its last (a loop over the stride cost ~35 instructions a key)."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch"
@@ -1116,7 +1116,7 @@ def attention_rows(q, scale, k, v, k_scale, v_scale, has_scales, slots, q_pos, k
 
 # ---- the small steps between products (one call each instead of several numpy passes) ------------------
 # On the calling thread, but the gated activation: over all threads for a prompt chunk (`parallel`), where it
-# pays (bench/CPU-NOTES.md "The steps between the products": the norms and RoPE over both threads measured within
+# pays (bench/engine/DECISIONS.md "The steps between the products": the norms and RoPE over both threads measured within
 # the noise of a prefill, and each parallel kernel adds seconds to numba's first compile).
 GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
 

@@ -25,14 +25,14 @@ from .threads import default_threads, set_threads
 F32 = np.float32
 # Token rows up to which a product runs in the packed kernel; above, dequantized chunks through BLAS
 # (the multi-row kernel is 1.15-1.6x BLAS's speed at 64 rows, 1.1-1.25x at 128, on 1 and 2 threads:
-# bench/bench_cpu_kernels.py, bench/CPU-NOTES.md "The multi-row kernel"). runner.WARM_UP_TOKENS exceeds it.
+# bench/engine/DECISIONS.md "Multi-row float32 products"). runner.WARM_UP_TOKENS exceeds it.
 PACKED_MAX_ROWS = 64
 # With q8 products (`--cpu-kernels numba-q8`), token rows up to which a product runs in the q8 kernel: a
 # prefill chunk too (SmolLM2, 1 thread: 1.9x / 2.3x / 1.6x dequantize + BLAS at 64 / 128 / 512 rows,
-# bench/bench_q8.py, bench/CPU-NOTES.md "Integer dot products").
+# bench/engine/DECISIONS.md "The q8 products: tiled weights").
 Q8_MAX_ROWS = 512
 # Token rows from which the gated MLP's activation runs over all threads; below, on the calling thread (a parallel
-# region costs ~1.5 us; at 16 rows the two break even). bench/CPU-NOTES.md "The steps between the products".
+# region costs ~1.5 us; at 16 rows the two break even). bench/engine/DECISIONS.md "The steps between the products".
 ACTIVATION_PARALLEL_MIN_ROWS = 16
 # Token rows from which a chunk's f16 K/V is stored by `numba_kernels.store_f16` (numpy's float32 -> f16 cast is
 # scalar here); a decode step's row by numpy (one kernel signature: a row of a column view is typed 'C').
@@ -44,7 +44,7 @@ BY_ROW_MAX_ROWS = 1
 DEQUANT_CHUNK_BYTES = 2 << 20
 # Work from which a kernel runs over all threads (below, on the calling thread): a parallel region costs
 # ~1.5 us here (OpenMP), so every layer product of a decode step runs over all threads (SmolLM2 1.37x from
-# 16 MiB, bench/CPU-NOTES.md); only toy weights stay serial. On a machine with other work the join waits for
+# 16 MiB, bench/engine/DECISIONS.md "Products over both threads"); only toy weights stay serial. On a machine with other work the join waits for
 # a descheduled thread. Products: weight bytes times token rows; attention: keys x query heads x tokens.
 PARALLEL_MIN_BYTES = 64 << 10
 PARALLEL_MIN_SCORES = 1 << 11  # decode from ~230 SmolLM2 keys over all threads (with --poll the threads are awake)
@@ -53,7 +53,7 @@ ATTN_KERNEL_MAX_TOKENS = 16
 # A longer chunk attends in the kernel too, blocks of ATTN_KERNEL_MAX_TOKENS queries over all threads (1.3-5x
 # BLAS's key blocks, whose softmax is single-threaded numpy), except heads this wide over this many keys held
 # before it, where BLAS wins (gemma3's global layers: x1.05 at 8,192 held, x1.1 at 16,000; the kernel x1.09 at
-# 4,096; bench/CPU-NOTES.md).
+# 4,096; bench/engine/DECISIONS.md "Prompt chunks in the attention kernel").
 ATTN_BLAS_MIN_HEAD_DIM = 256
 ATTN_BLAS_MIN_HELD = 6144
 # Keys per block of the BLAS path (scores [Hkv, G*T, block] float32 stay a few MiB).

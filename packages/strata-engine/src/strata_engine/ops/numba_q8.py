@@ -3,7 +3,7 @@ integer dot products (`vpdpbusd`: 64 u8 x s8 products summed by fours into 16 in
 
 The weight is tiled (`packed.PackedWeight.tile`, made once at load): in a tile of 16 rows a 64-byte vector holds
 the same dword (4 values, or 8 nibbles) of every row, so int32 lane l belongs to weight row l all the way
-through and no lanes are ever summed together (bench/CPU-NOTES.md "Session 13": x1.3-2.8 over transposing
+through and no lanes are ever summed together (bench/engine/DECISIONS.md "The q8 products": x1.3-2.8 over transposing
 each group of a row's blocks into lanes and summing them at the row's end). Per weight block, the block's
 vectors (int8: 4 or 8; 4-bit: 4 loads, their low nibbles then their high ones) are loaded once for up to
 Q8_ROWS token rows; each token row multiplies them by its own activation dwords broadcast to every lane
@@ -48,7 +48,7 @@ F32 = np.float32
 _ZERO, _LOCALITY, _ONE = (ir.Constant(_I32, v) for v in (0, PREFETCH_LOCALITY, 1))
 # A tile's first pass (its first token rows) prefetches its bytes this far ahead, into L2, so the next tile's
 # arrive while this one is multiplied: 8 rows x1.04-1.24, one row x1.04-1.08 SmolLM2 / x0.96-1.06 gemma3 (into L1
-# it had cost one row 5 %; bench/CPU-NOTES.md sessions 13 and 18).
+# it had cost one row 5 %; bench/engine/DECISIONS.md "Products' prefetch into L2").
 Q8_PREFETCH_BYTES = 4096
 Q8_ROWS = 8  # token rows whose accumulators a loop keeps in registers (a block's weight vectors loaded once for them)
 # Token rows from which the parallel product quantizes them over all threads too (a prefill chunk: ~0.3 us a
@@ -212,7 +212,7 @@ def quantize_blocks(typingctx, x, r, xq, dx, sums):
     """Row r of x [M, K] (float32, C order) quantized block by block of QX values (`q8.quantize_rows`' math, each
     float operation rounded as written): dx[b] = max|x| / 127, q = trunc(x * (1 / dx) +- 0.5) as int8 into row r
     of xq [M, K / 4] (int32, 4 a dword), and the integer sum of each half block's q into sums [K / 16]. Two
-    vectors a block: numba's loop of it stayed scalar (bench/CPU-NOTES.md session 17)."""
+    vectors a block: numba's loop of it stayed scalar (bench/engine/DECISIONS.md "Activation quantization in vectors")."""
     rows_c = all(isinstance(a, types.Array) and a.layout == "C" for a in (x, dx, sums))
     if not (rows_c and x.dtype == types.float32 and x.ndim == 2 and dx.ndim == 1 and sums.ndim == 1):
         return None

@@ -33,7 +33,7 @@ def set_threads(n: int) -> int:
 
 # libgomp spins per poll level (llama-server's --poll, 0-100): a level of 50 spins ~5,000 times, long enough
 # to stay awake between the parallel regions of a decode step (a sleeping thread took 25-50 us to wake
-# for every product, ~1/4 of a SmolLM2 step), short enough to sleep soon after a step. bench/CPU-NOTES.md.
+# for every product, ~1/4 of a SmolLM2 step), short enough to sleep soon after a step. bench/engine/DECISIONS.md "Idle threads".
 SPINS_PER_POLL_LEVEL = 100
 
 

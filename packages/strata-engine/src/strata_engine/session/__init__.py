@@ -1,4 +1,4 @@
-"""The engine's session adapter: a conversation written to one session file and read back (issue 4).
+"""The engine's session adapter: a conversation written to one session file and read back.
 
 * `EngineSession` (adapter.py): strata_sessionfile's SessionSource / SessionTarget / StagingTarget over
   a `ModelRunner`'s K/V pool and running state, with the gate, the residency refill and fail-stop.

@@ -10,7 +10,7 @@ the gate (`begin_apply`, or the first byte `commit_staged` switches) marks the l
 overwritten (`live_touched`), after which any failure ends in `fail_stop`; `commit` adopts the running
 state through `ModelRunner.restore_state`, which refills every resident ring from the pool. Copies into
 device memory are only queued (`wait_copies` / `flush_copies` order them against the block buffers).
-Staging memory and the figures behind these choices: bench/CPU-NOTES.md and bench/GPU-NOTES.md.
+Staging memory and the figures behind these choices: bench/engine/DECISIONS.md and bench/gpu/DECISIONS.md.
 
 Fault injection for tests: a `FaultPoint` given by the serve verbs from the
 ``STRATA_ENGINE_SESSION_FAULT`` environment variable; never reachable from a request.
@@ -301,7 +301,7 @@ class EngineSession:
     def flush_copies(self) -> None:
         """A block's pieces were all handed over: queue the copy that `copy_bytes` still held back to merge
         with a next piece, so it runs while the library hashes the block (MergingCopyTarget), not after it
-        (bench/GPU-NOTES.md)."""
+        (bench/gpu/DECISIONS.md "Session I/O on the device")."""
         self.runner.pool.ops.flush_copies()
 
     def _count_copy_in(self) -> None:
@@ -381,7 +381,7 @@ class EngineSession:
     def _stages_in_pool(self) -> bool:
         """A staged restore into an engine that holds nothing (a fresh process: the restart this is for)
         lands in the pool itself: there is no conversation for a staging area to keep, so none is
-        allocated, faulted in or copied, and there is no switch (bench/CPU-NOTES.md). A refused file then
+        allocated, faulted in or copied, and there is no switch (bench/engine/DECISIONS.md "Staging into an empty pool"). A refused file then
         leaves the pool as empty as it was (its bytes unreachable: nothing is held). So does a restore told
         it may drop the held conversation (`discard_held`): a refusal during the read leaves nothing held."""
         return self.discard_held or (self.runner.n_held == 0 and not self.runner.checkpoints)

@@ -1,6 +1,6 @@
 """Host memory a SAVE / RESTORE works in, kept for the engine's life: the block buffers and the staging
 area of a staged restore into host memory (fresh anonymous memory costs a page fault per page on first
-touch, more than the read itself: bench/CPU-NOTES.md)."""
+touch, more than the read itself: bench/engine/DECISIONS.md "Kept host memory")."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class BlockBufferCache:
             self._staging = self._staging_map = None  # unmapped once the last view of it is gone
             size = max(nbytes, reserve, 1)
             # Normal pages: huge ones (MADV_HUGEPAGE) made a process's first staged restore 0.4-0.5 s (fresh 2 MiB
-            # pages took 280-450 ms for 182 MB on first touch in a VM), later ones ~25 ms faster (bench/CPU-NOTES.md)
+            # pages took 280-450 ms for 182 MB on first touch in a VM), later ones ~25 ms faster (bench/engine/DECISIONS.md "Kept host memory")
             self._staging_map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._staging = np.frombuffer(self._staging_map, dtype=np.uint8)
         if nbytes > 0:  # faulted in with one call: ~0.7x a fault per page on first write

@@ -63,7 +63,7 @@ def _restore_mode(value: Any) -> sf.RestoreMode:
     return sf.RestoreMode(value)
 
 
-# Smaller than the library's 16 MiB: the pipelines fill and drain sooner (bench/CPU-NOTES.md, GPU-NOTES.md).
+# Smaller than the library's 16 MiB: the pipelines fill and drain sooner (bench/engine/DECISIONS.md "Session block size").
 SESSION_BLOCK_SIZE = 4 << 20
 PROGRESS_INTERVAL_S = 0.1
 
@@ -151,7 +151,7 @@ class SessionVerbs:
 
     def readers(self) -> sf.ReadThreads:
         """The threads every RESTORE reads with, kept for the process's life (starting them per pass cost
-        time in every restore: bench/GPU-NOTES.md)."""
+        time in every restore: bench/gpu/DECISIONS.md "Session I/O on the device")."""
         if self._readers is None:
             self._readers = sf.ReadThreads(self.read_threads())
         return self._readers

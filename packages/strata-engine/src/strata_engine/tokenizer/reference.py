@@ -1,5 +1,5 @@
 """The pure-Python encoders, kept as the oracle of the compiled ones (bpe.py, spm.py): the tests check
-that both give identical ids, and bench/bench_tokenizer.py measures one against the other.
+that both give identical ids, and bench/engine/bench_tokenizer.py measures one against the other.
 
 GPT-2 BPE ranks a pair by its merge rank; SentencePiece BPE by the score of the merged token. Either way
 the pair with the smallest key merges first, the leftmost among equals (llama.cpp's order).

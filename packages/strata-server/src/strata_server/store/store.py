@@ -1,5 +1,5 @@
 """`SessionStore`: the server keeps every conversation in a bounded folder of session files and restores
-the longest stored prefix of each prompt into the slot (issue 17; `--cache-disk DIR`).
+the longest stored prefix of each prompt into the slot (`--cache-disk DIR`).
 
 The request path (`CompletionRun`) calls `prepare` under the slot's lease before its COMPLETE: the
 engine gives the prompt's tokens (PROMPT_TOKENS), `policy.plan` decides, the slot's conversation is
@@ -11,7 +11,7 @@ saves a slot idle for --cache-idle-seconds; `shutdown` saves every slot at SIGTE
 Every save is two steps: the engine writes `<name>.pending` without fsync (SAVE with "sync": false, under the
 lease), then a commit fsyncs it, makes room (evicting), renames it to `<name>` and indexes it. A save in a
 request's path (a displaced conversation) is committed by the commit thread, off the request's path
-(~40 ms of fsync for a 46 MiB file: bench/STORE-NOTES.md); a request whose prompt a pending save holds
+(~40 ms of fsync for a 46 MiB file: bench/server/DECISIONS.md "The displaced chat's save"); a request whose prompt a pending save holds
 waits for that commit before its lookup. A pending file left by a kill is verified in full at start-up
 and committed, or removed: only committed files are ever indexed. With the object store alone (no
 --cache-disk) the save is an object, a multipart upload that appears whole: read back and indexed at once.
