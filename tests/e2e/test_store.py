@@ -31,7 +31,6 @@ from support.data import gemma3_model_path
 
 from .servers import start_server
 
-pytest.importorskip("strata_engine.cli", reason="the engine's `serve` command has not landed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 FACTS = " ".join(f"Item {i} is stored in box {i * 7 % 31} on shelf {i % 5}." for i in range(30))
