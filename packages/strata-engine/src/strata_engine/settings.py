@@ -204,7 +204,7 @@ class Setting:
     check: Callable[[Any], str | None]  # why a value cannot be (None: it can); the message leaves out the name
     metavar: str | None = None
     vocabulary: type[enum.Enum] | None = None  # the words a value is one of (the field holds the member)
-    unset: int | None = None  # the flag value that means the default, as llama-server's -c 0 and -t -1
+    unset: int | None = None  # strata-server's value that means the default, as llama-server's -c 0 and -t -1
     file_flag: str | None = None  # a flag naming a UTF-8 file whose text is the value
     server: bool = True  # strata-server offers the flag too
 
@@ -269,7 +269,7 @@ class EngineSettings:
     n_ctx: int | None = _setting(
         "-c", "--ctx-size", default=None, check=_optional(_at_least(1)), metavar="N", unset=0,
         help="context size in tokens, the total of all slots: each slot gets N / --parallel, rounded down, as "
-        f"llama-server (default: 0, the model's own, at most {DEFAULT_N_CTX_CAP})")  # fmt: skip
+        f"llama-server (default: the model's own, at most {DEFAULT_N_CTX_CAP})")  # fmt: skip
     n_slots: int = _setting(
         "-np", "--parallel", default=1, check=_at_least(1), metavar="N",
         help="slots: conversations held and generated at once, batched in one engine, each with --ctx-size / N "
@@ -283,7 +283,7 @@ class EngineSettings:
         "activations overflow f16: gemma3); logits are computed in f32 either way")  # fmt: skip
     kv_resident: int | None = _setting(
         "--kv-resident", default=None, check=_optional(_at_least(1)), metavar="N", unset=0,
-        help="keep the K/V in a host pool with an N-token resident ring in front of it (default: 0, a device pool)")
+        help="keep the K/V in a host pool with an N-token resident ring in front of it (default: a device pool)")
     prompt_cache: bool = _setting("--no-prompt-cache", default=True, check=_boolean,
                                   help="do not reuse the held conversation's prefix on the next request")
     prefill_chunk: int | None = _setting(
@@ -306,7 +306,7 @@ class EngineSettings:
         "tested against)")  # fmt: skip
     threads: int | None = _setting(
         "-t", "--threads", default=None, check=_optional(_at_least(1)), metavar="N", unset=-1,
-        help="CPU threads for the kernels and BLAS (default: -1, the cores the engine may use)")
+        help="CPU threads for the kernels and BLAS (default: the cores the engine may use)")
     poll: int = _setting(
         "--poll", default=DEFAULT_POLL, check=_from_to(0, MAX_POLL), metavar=f"0-{MAX_POLL}",
         help="how long an idle kernel thread polls for work before it sleeps, as llama-server's --poll (default: "
@@ -333,12 +333,10 @@ class EngineSettings:
         return cls(**given)
 
     @classmethod
-    def from_flags(cls, flags: Mapping[str, Any]) -> EngineSettings:
+    def from_flags(cls, flags: Mapping[str, Any], name: Callable[[str], str] = _same) -> EngineSettings:
         """Settings from flag values by key (`Setting.key`: argparse's dests, strata-server's config names);
-        other keys are ignored, a flag's `unset` value means the default, problems are named by the key."""
-        given = {field: flags[row.key] for field, row in FLAGGED.items()
-                 if row.key in flags and not (row.unset is not None and flags[row.key] == row.unset)}  # fmt: skip
-        return cls.build(given, name=KEYS.__getitem__)
+        other keys are ignored."""
+        return cls.build({field: flags[row.key] for field, row in FLAGGED.items() if row.key in flags}, name)
 
     def to_argv(self) -> list[str]:
         """The engine's flags that give these settings (a field at its default is left out; max_checkpoints,
@@ -411,20 +409,21 @@ FLAGGED: Mapping[str, Setting] = MappingProxyType({field: row for field, row in 
 KEYS: Mapping[str, str] = MappingProxyType({field: row.key if row.flags else field for field, row in SETTINGS.items()})
 
 
-def add_setting_flags(parser: argparse.ArgumentParser, *, typed: bool = True,
+def add_setting_flags(parser: argparse._ActionsContainer, *, typed: bool = True,
                       help_of: Mapping[str, str] = MappingProxyType({})) -> None:  # fmt: skip
     """The table's flags on `parser`, each value under its key and only where given (argparse.SUPPRESS).
     typed: the engine's (types, choices, the model required, the file flag read and exclusive with its
     setting's); else strata-server's: the flags it offers, their values as given (its config checks them),
-    a file flag's under `<key>_file`. `help_of`: a key's help where a parser says more (its own default)."""
+    a file flag's under `<key>_file`, the `unset` value said in the help. `help_of`: a key's help where a parser says more (its own default)."""
     for field in attrs.fields(EngineSettings):
         row = FLAGGED.get(field.name)
         if row is None or not (typed or row.server):
             continue
         default = field.default.value if isinstance(field.default, enum.Enum) else field.default
         words = ", ".join(values(row.vocabulary)) if row.vocabulary else ""
+        unset = "" if typed or row.unset is None else f"; {row.unset}: the default"
         options: dict[str, Any] = {"dest": row.key, "default": argparse.SUPPRESS,
-                                   "help": help_of.get(row.key) or row.help.format(default=default, words=words)}
+                                   "help": help_of.get(row.key) or row.help.format(default=default, words=words) + unset}
         if isinstance(default, bool):
             options["action"] = "store_false" if row.negated else "store_true"
         else:
@@ -443,8 +442,15 @@ def _typed(field: attrs.Attribute, row: Setting) -> dict[str, Any]:
     """argparse's type, choices and required for a field of the engine's parser."""
     if row.vocabulary is not None:
         return {"choices": values(row.vocabulary)}
-    kind = next(t for t in typing.get_args(field.type) or (field.type,) if t is not type(None))
-    return {"type": kind, "required": field.default is attrs.NOTHING}
+    return {"type": flag_type(field.name), "required": field.default is attrs.NOTHING}
+
+
+def flag_type(field: str) -> type:
+    """The type of a setting's flag value: a vocabulary's word is a str, else the field's type (None aside)."""
+    if SETTINGS[field].vocabulary is not None:
+        return str
+    annotation = attrs.fields_dict(EngineSettings)[field].type
+    return next(t for t in typing.get_args(annotation) or (annotation,) if t is not type(None))
 
 
 attrs.resolve_types(EngineSettings)
