@@ -186,7 +186,7 @@ def _word(vocabulary: type[enum.Enum]) -> Callable[[Any], Any]:
     return lambda value: vocabulary(value) if value in values(vocabulary) else value
 
 
-def file_text(path: str) -> str:
+def _file_text(path: str) -> str:
     """A flag value that names a UTF-8 text file: its text (argparse reports a failure as a usage error)."""
     try:
         return Path(path).read_text(encoding="utf-8")
@@ -223,12 +223,16 @@ class Setting:
         return self.long.removeprefix("--").removeprefix("no-").replace("-", "_")
 
 
-def _setting(*flags: str, help: str, check: Callable[[Any], str | None], default: Any = attrs.NOTHING,
+def _setting(*flags: str, help: str, check: Callable[[Any], str | None] | None = None, default: Any = attrs.NOTHING,
              vocabulary: type[enum.Enum] | None = None, converter: Callable[[Any], Any] | None = None,
              **row: Any) -> Any:  # fmt: skip
-    """An `EngineSettings` field with its row of the table."""
+    """An `EngineSettings` field with its row of the table; a vocabulary's field holds its member, checked to be one
+    (or None where that is the default)."""
     if vocabulary is not None:
-        converter = _word(vocabulary)
+        converter, check = _word(vocabulary), _one_of(vocabulary)
+        check = check if default is not None else _optional(check)
+    if check is None:
+        raise TypeError(f"the setting {flags} has neither a check nor a vocabulary")
     row_of = Setting(flags, help, check, vocabulary=vocabulary, **row)
     return attrs.field(default=default, converter=converter, metadata={_ROW: row_of})
 
@@ -274,11 +278,10 @@ class EngineSettings:
         "-np", "--parallel", default=1, check=_at_least(1), metavar="N",
         help="slots: conversations held and generated at once, batched in one engine, each with --ctx-size / N "
         f"tokens of context (at least {MIN_N_CTX_SLOT} when N > 1) (default: {{default}})")  # fmt: skip
-    kv_type: KVType = _setting("--kv-type", default=KVType.F16, vocabulary=KVType, check=_one_of(KVType),
-                               metavar="TYPE", help="K/V cache type, one of {words} (default: {default})")  # fmt: skip
+    kv_type: KVType = _setting("--kv-type", default=KVType.F16, vocabulary=KVType, metavar="TYPE",
+                               help="K/V cache type, one of {words} (default: {default})")  # fmt: skip
     compute_dtype: ComputeDType | None = _setting(
-        "--compute-dtype", default=None, vocabulary=ComputeDType, check=_optional(_one_of(ComputeDType)),
-        metavar="DTYPE", server=False,
+        "--compute-dtype", default=None, vocabulary=ComputeDType, metavar="DTYPE", server=False,
         help="activations, one of {words} (default: f32 on numpy; on cupy f16, or bf16 for models whose "
         "activations overflow f16: gemma3); logits are computed in f32 either way")  # fmt: skip
     kv_resident: int | None = _setting(
@@ -291,13 +294,13 @@ class EngineSettings:
         help=f"tokens per prefill batch (default: {DEFAULT_PREFILL_CHUNK[Backend.NUMPY]} on numpy, "
         f"{DEFAULT_PREFILL_CHUNK[Backend.CUPY]} on cupy); a quarter of it while other slots generate")  # fmt: skip
     max_checkpoints: int = _setting(default=8, check=_at_least(0), help="ring checkpoints kept")
-    backend: Backend = _setting("--backend", default=Backend.NUMPY, vocabulary=Backend, check=_one_of(Backend),
-                                metavar="NAME", help="compute backend, one of {words} (default: {default})")  # fmt: skip
+    backend: Backend = _setting("--backend", default=Backend.NUMPY, vocabulary=Backend, metavar="NAME",
+                                help="compute backend, one of {words} (default: {default})")  # fmt: skip
     cuda_graphs: bool = _setting(
         "--no-cuda-graphs", default=True, check=_boolean, server=False,
         help="run every decode step and prefill chunk op by op instead of replaying captured CUDA graphs (cupy)")
     cpu_kernels: CpuKernels | None = _setting(
-        "--cpu-kernels", default=None, vocabulary=CpuKernels, check=_optional(_one_of(CpuKernels)), metavar="NAME",
+        "--cpu-kernels", default=None, vocabulary=CpuKernels, metavar="NAME",
         help=f"the numpy backend's kernels, one of {{words}}: {DEFAULT_CPU_KERNELS.value} (the default with f32 "
         "compute: packed weights, compiled kernels, the packed products' activations quantized to int8 per 32-value "
         "block and multiplied with integer dot products as llama.cpp does, results within ~1e-3 of the float32 "
@@ -388,7 +391,7 @@ def _problems(given: Mapping[str, Any], name: Callable[[str], str]) -> list[str]
     """Every problem of these field values: each field's own check, then those between fields whose own passed."""
     out, bad = [], set()
     for field, row in SETTINGS.items():
-        if (text := row.check(given[field])) is not None:
+        if (text := row.check(given.get(field))) is not None:
             out.append(f"{name(field)}: {text}")
             bad.add(field)
     n_ctx, n_slots = given["n_ctx"], given["n_slots"]
@@ -434,7 +437,7 @@ def add_setting_flags(parser: argparse._ActionsContainer, *, typed: bool = True,
         target.add_argument(*row.flags, **options)
         if row.file_flag is not None:
             target.add_argument(row.file_flag, dest=row.key if typed else f"{row.key}_file", metavar="FILE",
-                                type=file_text if typed else str, default=argparse.SUPPRESS,
+                                type=_file_text if typed else str, default=argparse.SUPPRESS,
                                 help=f"a UTF-8 file whose text is {row.long}'s value")  # fmt: skip
 
 
