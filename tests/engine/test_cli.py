@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from strata_engine.cli import main
+from strata_engine.cli import build_parser, main
 from strata_engine.kernel_cache import RESTARTED_ENV
+from strata_engine.settings import EngineSettings
 from support.data import smollm2_model_path
 
 from .engine_cli import run_cli
@@ -26,7 +27,7 @@ from .serve_process import ServeProcess
         (["--ctx-size", "many"], "--ctx-size"),
         (["--no-such-flag"], "unrecognized"),
         (["--threads", "0"], "threads"),
-        (["--poll", "101"], "poll must be an integer from 0 to 100"),
+        (["--poll", "101"], "poll: 101 must be from 0 to 100"),
         (["--parallel", "0"], "n_slots"),
         (["-c", "60", "-np", "4"], "15 tokens of context, fewer than 16"),
     ],
@@ -71,25 +72,23 @@ def test_generate_streams_text():
     assert b"stop: limit" in done.stderr
 
 
-def test_gpu_flags_reach_the_settings():
-    from strata_engine.cli import _settings, build_parser
+def _settings(*args: str) -> EngineSettings:
+    return EngineSettings.from_flags(vars(build_parser().parse_args(["serve", "--model", "m.gguf", *args])))
 
-    args = build_parser().parse_args(
-        ["serve", "--model", "m.gguf", "--no-cuda-graphs", "--compute-dtype", "bf16"]
-    )
-    settings = _settings(args)
+
+def test_gpu_flags_reach_the_settings():
+    settings = _settings("--no-cuda-graphs", "--compute-dtype", "bf16", "--backend", "cupy")
     assert settings.cuda_graphs is False and settings.compute_dtype == "bf16"
-    defaults = _settings(build_parser().parse_args(["serve", "--model", "m.gguf"]))
+    defaults = _settings()
     assert defaults.cuda_graphs is True and defaults.compute_dtype is None and defaults.prefill_chunk is None
 
 
 def test_threads_flag_limits_the_blas_pool():
-    from strata_engine.cli import _settings, build_parser
     from strata_engine.ops.threads import set_threads
     from threadpoolctl import threadpool_info, threadpool_limits
 
-    assert _settings(build_parser().parse_args(["serve", "--model", "m.gguf", "-t", "1"])).threads == 1
-    assert _settings(build_parser().parse_args(["serve", "--model", "m.gguf"])).threads is None
+    assert _settings("-t", "1").threads == 1
+    assert _settings().threads is None
     with threadpool_limits(limits=None):  # puts the pools back as they were afterwards
         set_threads(1)
         blas = [pool for pool in threadpool_info() if pool["user_api"] == "blas"]
@@ -101,10 +100,11 @@ def test_poll_is_set_before_the_kernel_threads_start_and_only_then():
     level says it cannot apply."""
     code = (
         "import os\n"
-        "from strata_engine.cli import _settings, build_parser\n"
+        "from strata_engine.cli import build_parser\n"
+        "from strata_engine.settings import EngineSettings\n"
         "from strata_engine.ops import get_ops\n"
         "from strata_engine.ops.threads import SPINS_PER_POLL_LEVEL, set_poll\n"
-        "s = _settings(build_parser().parse_args(['serve', '--model', 'm.gguf', '--poll', '7']))\n"
+        "s = EngineSettings.from_flags(vars(build_parser().parse_args(['serve', '--model', 'm.gguf', '--poll', '7'])))\n"
         "get_ops('numpy', 'f32', 'numba', 2, s.poll)\n"
         "print(os.environ['GOMP_SPINCOUNT'] == str(7 * SPINS_PER_POLL_LEVEL), set_poll(9), os.environ['GOMP_SPINCOUNT'])\n"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 
+import attrs
 import gguf
 import numpy as np
 import pytest
@@ -17,8 +18,9 @@ from strata_engine.errors import (
     UnsupportedArchitecture,
 )
 from strata_engine.gguf import read_gguf
+from strata_engine.ops import resolve_settings
 from strata_engine.runner import ModelRunner
-from strata_engine.settings import EngineSettings
+from strata_engine.settings import Backend, ComputeDType, EngineSettings
 
 # |logit difference| between the numba and numpy CPU kernels per K/V type: f32 sums in another order
 # (measured up to 7e-5); with f16 K/V, values near a rounding boundary round to neighbouring f16s
@@ -124,26 +126,31 @@ def test_tensor_of_the_wrong_shape_is_not_called_missing(tmp_path):
 
 def test_settings_problems_are_collected():
     with pytest.raises(SettingsError) as exc:
-        EngineSettings(model_path="x", kv_type="q4", prefill_chunk=0, n_ctx=-1, cpu_kernels="c", threads=0).validate()
+        EngineSettings(model_path="x", kv_type="q4", prefill_chunk=0, n_ctx=-1, cpu_kernels="c", threads=0)
     assert len(exc.value.problems) == 5
     with pytest.raises(SettingsError, match="cpu_kernels 'numba' computes in f32"):
-        EngineSettings(model_path="x", cpu_kernels="numba", compute_dtype="f64").validate()
-    assert EngineSettings(model_path="x", kv_type="int8").with_backend_defaults("llama").cpu_kernels == "numba-q8"
+        EngineSettings(model_path="x", cpu_kernels="numba", compute_dtype="f64")
+    with pytest.raises(SettingsError, match="kv_type: 'q4'"):
+        attrs.evolve(EngineSettings(model_path="x"), kv_type="q4")  # checked however they are built
+    assert resolve_settings(EngineSettings(model_path="x", kv_type="int8"), "llama").cpu_kernels == "numba-q8"
 
 
 def test_backend_defaults_fill_only_what_was_not_given():
-    numpy_defaults = EngineSettings(model_path="x").with_backend_defaults("gemma3")
+    numpy_defaults = resolve_settings(EngineSettings(model_path="x"), "gemma3")
     assert (numpy_defaults.compute_dtype, numpy_defaults.prefill_chunk, numpy_defaults.cpu_kernels) == (
         "f32", 512, "numba-q8",
     )  # fmt: skip
     assert numpy_defaults.threads == len(os.sched_getaffinity(0))
-    given = EngineSettings(model_path="x", compute_dtype="f64", prefill_chunk=7, threads=1).with_backend_defaults("llama")
+    given = resolve_settings(EngineSettings(model_path="x", compute_dtype="f64", prefill_chunk=7, threads=1), "llama")
     assert (given.compute_dtype, given.prefill_chunk, given.cpu_kernels, given.threads) == ("f64", 7, "numpy", 1)
     # what a cupy runner fills in (resolving "cupy" needs no device): f16 where the activations fit it
-    gpu = {arch: EngineSettings(model_path="x", backend="cupy").with_backend_defaults(arch) for arch in ("llama", "gemma3")}
+    gpu = {arch: resolve_settings(EngineSettings(model_path="x", backend="cupy"), arch) for arch in ("llama", "gemma3")}
     assert {arch: (s.compute_dtype, s.prefill_chunk) for arch, s in gpu.items()} == \
         {"llama": ("f16", 4096), "gemma3": ("bf16", 4096)}
-    assert type(gpu["llama"].compute_dtype) is str  # the plain word: what the ready line and fingerprint hold
+    assert type(gpu["llama"].compute_dtype) is ComputeDType  # a StrEnum: the plain word in the ready line
+    # pure: what the caller resolved, nothing looked up
+    pure = EngineSettings(model_path="x", backend="auto").with_backend_defaults("llama", backend=Backend.CUPY, threads=3)
+    assert (pure.backend, pure.compute_dtype, pure.cpu_kernels, pure.threads) == ("cupy", "f16", "numpy", 3)
 
 
 def test_every_architecture_has_its_default_compute_dtypes():

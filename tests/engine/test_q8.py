@@ -287,9 +287,9 @@ def test_numba_q8_is_a_cpu_kernels_choice_computing_in_f32():
     from strata_engine.errors import SettingsError
     from strata_engine.settings import EngineSettings
 
-    EngineSettings(model_path="x", cpu_kernels="numba-q8").validate()
+    assert EngineSettings(model_path="x", cpu_kernels="numba-q8").cpu_kernels == "numba-q8"
     with pytest.raises(SettingsError, match="cpu_kernels 'numba-q8' computes in f32"):
-        EngineSettings(model_path="x", cpu_kernels="numba-q8", compute_dtype="f64").validate()
+        EngineSettings(model_path="x", cpu_kernels="numba-q8", compute_dtype="f64")
     assert get_ops("numpy", "f32", "numba-q8", threads=1).q8 == numba_q8.HAS_VNNI
 
 

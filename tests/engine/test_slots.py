@@ -396,9 +396,12 @@ def test_settings_share_the_context_among_the_slots():
     assert EngineSettings(path, n_ctx=4096, n_slots=4).n_ctx_slot(8192) == 1024
     assert EngineSettings(path, n_slots=4).n_ctx_slot(2048) == 512
     for bad in (0, -1, 1.5, True):
-        assert any("n_slots" in p for p in EngineSettings(path, n_slots=bad).problems())
-    assert any("fewer than 16" in p for p in EngineSettings(path, n_ctx=60, n_slots=4).problems())
-    assert EngineSettings(path, n_ctx=64, n_slots=4).problems() == []
+        with pytest.raises(SettingsError) as info:
+            EngineSettings(path, n_slots=bad)
+        assert any("n_slots" in p for p in info.value.problems)
+    with pytest.raises(SettingsError, match="fewer than 16"):
+        EngineSettings(path, n_ctx=60, n_slots=4)
+    assert EngineSettings(path, n_ctx=64, n_slots=4).n_ctx_slot(8192) == 16  # 16 tokens each: enough
     with pytest.raises(SettingsError):
         ModelRunner.load(EngineSettings(path, n_ctx=64, n_slots=2))
     with pytest.raises(SettingsError):

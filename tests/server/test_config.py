@@ -14,9 +14,9 @@ from strata_server.config import DEFAULT_PORT, ConfigError, build_config, defaul
 def test_defaults(smollm2_path):
     config = build_config()
     assert config.port == DEFAULT_PORT == 8080 and config.host == ("127.0.0.1",)
-    assert config.model == default_model_path() == smollm2_path
+    assert config.engine.model_path == default_model_path() == smollm2_path
     assert config.slot_save_path is None and config.metrics is False and config.slots is True
-    assert config.engine_argv()[-4:] == ["--model", str(smollm2_path), "--kv-type", "f16"]
+    assert config.engine_argv()[-2:] == ["--model", str(smollm2_path)]  # every other setting the engine's default
 
 
 def test_file_then_flags(tmp_path, fake_model, slot_dir):
@@ -24,7 +24,7 @@ def test_file_then_flags(tmp_path, fake_model, slot_dir):
     path.write_text(f'model = "{fake_model}"\nport = 9000\nslot_save_path = "{slot_dir}"\nmetrics = true\n'
                     'api_key = ["a", "b"]\nctx_size = 2048\n', encoding="utf-8")
     config = load_config(["--config", str(path), "--port", "9100", "-c", "1024", "--api-key", "z"])
-    assert config.port == 9100 and config.ctx_size == 1024 and config.metrics is True
+    assert config.port == 9100 and config.engine.n_ctx == 1024 and config.metrics is True
     assert config.slot_save_path == slot_dir.resolve() and config.api_key == ("z",)
     assert "--ctx-size" in config.engine_argv() and "1024" in config.engine_argv()
     tuned = load_config(["--model", str(fake_model), "--kv-resident", "256", "--no-prompt-cache", "--restore-mode",
@@ -78,14 +78,14 @@ def test_console_script_help():
 
 def test_parallel_flags_file_and_checks(tmp_path, fake_model):
     config = load_config(["--model", str(fake_model), "-np", "4", "-sps", "0.5", "-c", "4096"])
-    assert config.parallel == 4 and config.slot_prompt_similarity == 0.5
+    assert config.engine.n_slots == 4 and config.slot_prompt_similarity == 0.5
     argv = config.engine_argv()
     assert argv[argv.index("--parallel") + 1] == "4" and argv[argv.index("--ctx-size") + 1] == "4096"
     assert "--parallel" not in load_config(["--model", str(fake_model)]).engine_argv()  # 1: the engine's default
     path = tmp_path / "strata.toml"
     path.write_text(f'model = "{fake_model}"\nparallel = 2\nslot_prompt_similarity = 0.0\n', encoding="utf-8")
     from_file = load_config(["--config", str(path)])
-    assert from_file.parallel == 2 and from_file.slot_prompt_similarity == 0.0
+    assert from_file.engine.n_slots == 2 and from_file.slot_prompt_similarity == 0.0
     with pytest.raises(ConfigError) as info:
         load_config(["--model", str(fake_model), "--parallel", "0", "--slot-prompt-similarity", "1.5"])
     assert info.value.problems == ["parallel: 0 must be at least 1",

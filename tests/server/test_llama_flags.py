@@ -179,7 +179,7 @@ def test_threads_are_the_engine_s_and_http_threads_are_gunicorn_s(tmp_path, fake
     assert config.http_threads == 8 and config.effective_log_level() == "debug"
     default = load_config(["--model", str(fake_model)])
     assert "--threads" not in default.engine_argv() and "--log-level" not in default.engine_argv()
-    assert default.threads == -1 and default.http_threads == 32 and default.effective_log_level() == "info"
+    assert default.engine.threads is None and default.http_threads == 32 and default.effective_log_level() == "info"
     assert load_config(["--model", str(fake_model), "--threads-http", "4"]).http_threads == 4  # the peer's name
     q8 = load_config(["--model", str(fake_model), "--cpu-kernels", "numba-q8"]).engine_argv()
     assert q8[q8.index("--cpu-kernels") + 1] == "numba-q8" and "--cpu-kernels" not in default.engine_argv()
@@ -188,7 +188,7 @@ def test_threads_are_the_engine_s_and_http_threads_are_gunicorn_s(tmp_path, fake
     path = tmp_path / "strata.toml"
     path.write_text(f'model = "{fake_model}"\nthreads = 3\nhttp_threads = 5\nverbose = true\n', encoding="utf-8")
     from_file = load_config(["--config", str(path)])
-    assert (from_file.threads, from_file.http_threads, from_file.verbose) == (3, 5, True)
+    assert (from_file.engine.threads, from_file.http_threads, from_file.verbose) == (3, 5, True)
     with pytest.raises(ConfigError) as info:
         load_config(["--model", str(fake_model), "-t", "0", "--http-threads", "0"])
     assert len(info.value.problems) == 2
@@ -213,7 +213,7 @@ def test_chat_template_flags_reach_the_engine_and_bad_ones_are_reported(tmp_path
     path = tmp_path / "template.jinja"
     path.write_text(jinja, encoding="utf-8")
     from_file = load_config(["--model", str(fake_model), "--chat-template-file", str(path)]).engine_argv()
-    assert from_file[from_file.index("--chat-template-file") + 1] == str(path)
+    assert from_file[from_file.index("--chat-template") + 1] == jinja  # the file's text, read once
     with pytest.raises(ConfigError) as info:
         load_config(["--model", str(fake_model), "--chat-template", "llama2"])
     assert "chat_template: 'llama2' is neither a built-in name (chatml, gemma) nor a jinja template" in \

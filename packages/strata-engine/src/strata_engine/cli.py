@@ -9,24 +9,14 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import strata_sessionfile as sf
 
 from .errors import EngineError, UsageError
 from .protocol import ExitStatus
+from .sampling import SamplingParams
 from .serve import serve
-from .settings import (
-    DEFAULT_POLL,
-    MIN_N_CTX_SLOT,
-    Backend,
-    ChatTemplateName,
-    ComputeDType,
-    CpuKernels,
-    EngineSettings,
-    KVType,
-    values,
-)
+from .settings import EngineSettings, add_setting_flags, values
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,94 +25,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_settings(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", "-m", required=True, type=Path, help="the GGUF model file")
-    parser.add_argument(
-        "--ctx-size",
-        "-c",
-        type=int,
-        default=None,
-        help="context size in tokens, the total of all slots: each of the --parallel N slots gets CTX_SIZE / N, "
-        "rounded down, as llama-server's (default: the model's, at most 8192)",
-    )
-    parser.add_argument(
-        "--parallel",
-        "-np",
-        type=int,
-        default=1,
-        metavar="N",
-        help=f"slots: conversations held at once, each with CTX_SIZE / N tokens of context (at least {MIN_N_CTX_SLOT} "
-        "when N > 1; default 1)",
-    )
-    parser.add_argument("--kv-type", choices=values(KVType), default=KVType.F16.value, help="K/V storage type (default f16)")
-    parser.add_argument(
-        "--kv-resident",
-        type=int,
-        default=None,
-        help="keep the K/V in a host pool with an N-token resident ring in front of it",
-    )
-    parser.add_argument(
-        "--no-prompt-cache",
-        action="store_true",
-        help="do not reuse the held conversation's prefix on the next request",
-    )
-    parser.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=None,
-        help="tokens per prefill batch (default 512 on numpy, 4096 on cupy); a quarter of it while other slots generate",
-    )
-    parser.add_argument(
-        "--compute-dtype",
-        choices=values(ComputeDType),
-        default=None,
-        help="activations (default f32 on numpy; on cupy f16, or bf16 for models whose activations overflow "
-        "f16: gemma3); logits are computed in f32 either way",
-    )
-    parser.add_argument(
-        "--no-cuda-graphs",
-        dest="cuda_graphs",
-        action="store_false",
-        help="run every decode step and prefill chunk op by op instead of replaying captured CUDA graphs (cupy)",
-    )
-    parser.add_argument(
-        "--backend", choices=values(Backend), default=Backend.NUMPY.value, help="compute backend (default numpy)"
-    )
-    parser.add_argument(
-        "--cpu-kernels",
-        choices=values(CpuKernels),
-        default=None,
-        help="the numpy backend's kernels: numba-q8 (the default with f32 compute: packed weights, compiled "
-        "kernels, the packed products' activations quantized to int8 per 32-value block and multiplied with "
-        "integer dot products as llama.cpp does, results within ~1e-3 of the float32 products; on a CPU without "
-        "AVX512-VNNI numba's float32 products), numba (the same kernels with float32 products: closest to "
-        "transformers) or numpy (float32 weights and BLAS: the reference the kernels are tested against)",
-    )
-    parser.add_argument(
-        "--threads",
-        "-t",
-        type=int,
-        default=None,
-        help="CPU threads for the kernels and BLAS (default: the cores this process may use)",
-    )
-    parser.add_argument(
-        "--poll",
-        type=int,
-        default=DEFAULT_POLL,
-        metavar="0-100",
-        help=f"how long an idle kernel thread polls for work before it sleeps, as llama-server's --poll (default: "
-        f"{DEFAULT_POLL}: awake through a decode step; 0: sleep at once, for a machine whose cores other work needs)",
-    )
-    template = parser.add_mutually_exclusive_group()
-    template.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="NAME|JINJA",
-        help=f"chat template instead of the model's: a built-in name ({', '.join(values(ChatTemplateName))}) or a "
-        "jinja template",
-    )
-    template.add_argument(
-        "--chat-template-file", type=_file_text, default=None, metavar="FILE", help="a file with a jinja chat template"
-    )
+    add_setting_flags(parser)
     parser.add_argument("--log-level", default="WARNING", help="log level on stderr (default WARNING)")
 
 
@@ -173,47 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until a stop)"
     )
-    generate.add_argument("--temperature", type=float, default=0.8)
-    generate.add_argument("--top-k", type=int, default=40)
-    generate.add_argument("--top-p", type=float, default=0.95)
-    generate.add_argument("--min-p", type=float, default=0.05)
-    generate.add_argument("--repeat-penalty", type=float, default=1.0)
-    generate.add_argument("--repeat-last-n", type=int, default=64)
+    sampling = SamplingParams()
+    generate.add_argument("--temperature", type=float, default=sampling.temperature)
+    generate.add_argument("--top-k", type=int, default=sampling.top_k)
+    generate.add_argument("--top-p", type=float, default=sampling.top_p)
+    generate.add_argument("--min-p", type=float, default=sampling.min_p)
+    generate.add_argument("--repeat-penalty", type=float, default=sampling.repeat_penalty)
+    generate.add_argument("--repeat-last-n", type=int, default=sampling.repeat_last_n)
     generate.add_argument("--seed", type=int, default=-1)
     generate.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true")
     return parser
-
-
-def _settings(args: argparse.Namespace) -> EngineSettings:
-    return EngineSettings(
-        model_path=args.model,
-        n_ctx=args.ctx_size,
-        n_slots=args.parallel,
-        kv_type=args.kv_type,
-        compute_dtype=args.compute_dtype,
-        kv_resident=args.kv_resident,
-        prompt_cache=not args.no_prompt_cache,
-        prefill_chunk=args.prefill_chunk,
-        cuda_graphs=args.cuda_graphs,
-        backend=args.backend,
-        cpu_kernels=args.cpu_kernels,
-        threads=args.threads,
-        poll=args.poll,
-        chat_template=_chat_template(args),
-    )
-
-
-def _chat_template(args: argparse.Namespace) -> str | None:
-    return args.chat_template_file if args.chat_template_file is not None else args.chat_template
-
-
-def _file_text(path: str) -> str:
-    """An argument that names a UTF-8 text file: its text (argparse reports a failure as a usage error)."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
 
 
 def _session_key(path: str) -> sf.SessionKey:
@@ -230,9 +103,8 @@ def _generate(args: argparse.Namespace) -> ExitStatus:
     from .slots import SlotSet
     from .tokenizer import Tokenizer
 
-    settings = _settings(args)
     try:
-        settings.validate()
+        settings = EngineSettings.from_flags(vars(args))
     except EngineError as exc:
         print(f"strata-engine generate: {exc}", file=sys.stderr)
         return ExitStatus.USAGE
@@ -311,11 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             session_options = SessionOptions.from_environ(args.restore_mode, key=args.session_key_file,
                                                           require_mac=not args.session_key_optional,
                                                           object_store_endpoint=args.object_store_endpoint)
-        except ValueError as exc:
+            settings = EngineSettings.from_flags(vars(args))
+        except (ValueError, EngineError) as exc:
             print(f"strata-engine serve: {exc}", file=sys.stderr)
             sys.stdout.write(json.dumps({"event": "fatal", "message": str(exc)}) + "\n")
             return ExitStatus.USAGE
-        status = serve(_settings(args), session_options=session_options, restart_argv=sys.orig_argv)
+        status = serve(settings, session_options=session_options, restart_argv=sys.orig_argv)
     else:
         status = _generate(args)
     try:

@@ -38,7 +38,7 @@ from .kv import (
 )
 from .models import Model, build_model
 from .models.common import Rows, Span
-from .ops import get_ops
+from .ops import get_ops, resolve_settings
 from .sampling import Argmax
 from .settings import EngineSettings, KVType
 
@@ -115,7 +115,7 @@ class ModelRunner:
         placement: PoolPlacement,
     ):
         # what runs is what the settings (and files) say
-        self.settings = settings.with_backend_defaults(config.architecture)
+        self.settings = resolve_settings(settings, config.architecture)
         self.gguf = gguf_file
         self.config = config
         self.model = model
@@ -147,12 +147,11 @@ class ModelRunner:
         """Read the GGUF file and build the model. "auto" and the defaults for the backend and the model are
         resolved here, so the settings held (and the config fingerprint) name the backend, compute dtype and
         chunk actually running."""
-        settings = settings.validate()
         gguf_file = read_gguf(settings.model_path)
         config = ModelConfig.from_gguf(gguf_file)
         if (problem := settings.slot_problem(settings.n_ctx_total(config.n_ctx_train))) is not None:
             raise SettingsError([problem])  # the model's default context, shared by too many slots
-        settings = settings.with_backend_defaults(config.architecture)
+        settings = resolve_settings(settings, config.architecture)
         ops = get_ops(settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads, settings.poll)
         return settings, gguf_file, config, build_model(config, ops, gguf_file)
 
@@ -169,7 +168,7 @@ class ModelRunner:
         fixed = {"model_path", "compute_dtype", "backend", "cpu_kernels", "threads", "poll"} & set(changes)
         if fixed:
             raise SettingsError([f"{name} cannot differ from the loaded model's" for name in sorted(fixed)])
-        return attrs.evolve(self.settings, **changes).validate()
+        return attrs.evolve(self.settings, **changes)
 
     @classmethod
     def _assemble(

@@ -263,7 +263,6 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
 
     writer = LineWriter(stdout if stdout is not None else sys.stdout.buffer)
     try:
-        settings.validate()
         if settings.chat_template is not None:
             ChatTemplate.configured(settings.chat_template)  # a template that does not parse is a bad setting
     except EngineError as exc:

@@ -3,14 +3,22 @@ and the vocabularies its values come from (K/V types, compute dtypes, backends, 
 defined here once for the engine, its command line and strata-server (this module loads no numpy).
 Restore modes are strata_sessionfile's `RestoreMode`.
 
-Settings hold the plain strings (`kv_type="f16"`): what the ready line, STATUS and the config
-fingerprint write; each vocabulary's enum is a `StrEnum` whose values are those strings.
+`EngineSettings` is also the settings table: each field carries its flags, help and check (`Setting`),
+from which the engine's parser (`add_setting_flags`), `EngineSettings.to_argv` and strata-server's flags
+and config file are made. Settings hold each vocabulary's member (a `StrEnum`: the plain word wherever
+it is written, in the ready line, STATUS and the config fingerprint).
 """
 
 from __future__ import annotations
 
+import argparse
 import enum
+import os
+import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 import attrs
 
@@ -119,77 +127,248 @@ DEFAULT_COMPUTE_DTYPE: dict[str, dict[str, ComputeDType]] = {
 }
 
 
+# ---- the settings table: each field's flags, help, default and check --------------------------------------
+
+_ROW = "strata_engine.setting"  # the attrs metadata key under which a field keeps its row
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def _shown(value: Any) -> str:
+    """A value as a message quotes it (a vocabulary's member as its plain word)."""
+    return repr(value.value if isinstance(value, enum.Enum) else value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _at_least(low: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if not _is_int(value):
+            return f"{_shown(value)} is not an integer"
+        return None if value >= low else f"{value} must be at least {low}"
+
+    return check
+
+
+def _from_to(low: int, high: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        return None if _is_int(value) and low <= value <= high else f"{_shown(value)} must be from {low} to {high}"
+
+    return check
+
+
+def _one_of(vocabulary: type[enum.Enum]) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        return None if value in values(vocabulary) else f"{_shown(value)} is not one of {', '.join(values(vocabulary))}"
+
+    return check
+
+
+def _boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else f"{_shown(value)} is not true or false"
+
+
+def _path(value: Any) -> str | None:
+    return None if isinstance(value, Path) else f"{_shown(value)} is not a path"
+
+
+def _optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    return lambda value: None if value is None else check(value)
+
+
+def _to_path(value: Any) -> Any:
+    """The model's converter: a path for a string; anything else stays for the checks to report."""
+    return Path(value) if isinstance(value, (str, os.PathLike)) else value
+
+
+def _word(vocabulary: type[enum.Enum]) -> Callable[[Any], Any]:
+    """A field's converter: the vocabulary's member for its word; anything else stays for the checks to report."""
+    return lambda value: vocabulary(value) if value in values(vocabulary) else value
+
+
+def _file_text(path: str) -> str:
+    """A flag value that names a UTF-8 text file: its text (argparse reports a failure as a usage error)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
+
+
+@attrs.frozen
+class Setting:
+    """One row of the settings table: how an `EngineSettings` field is given on a command line and checked.
+    The engine's parser, `EngineSettings.to_argv`, and strata-server's flags and config file read it."""
+
+    flags: tuple[str, ...]  # llama-server's names for it where it has the setting; none: not a flag
+    help: str  # "{default}" stands for the field's default, "{words}" for its vocabulary's words
+    check: Callable[[Any], str | None]  # why a value cannot be (None: it can); the message leaves out the name
+    metavar: str | None = None
+    vocabulary: type[enum.Enum] | None = None  # the words a value is one of (the field holds the member)
+    unset: int | None = None  # strata-server's value that means the default, as llama-server's -c 0 and -t -1
+    file_flag: str | None = None  # a flag naming a UTF-8 file whose text is the value
+    server: bool = True  # strata-server offers the flag too
+
+    @property
+    def long(self) -> str:
+        return next(flag for flag in self.flags if flag.startswith("--"))
+
+    @property
+    def negated(self) -> bool:
+        """A --no-X flag: given, the setting (default true) is false."""
+        return self.long.startswith("--no-")
+
+    @property
+    def key(self) -> str:
+        """The name on a command line and in strata-server's config file: the long flag's, "no-" left out."""
+        return self.long.removeprefix("--").removeprefix("no-").replace("-", "_")
+
+
+def _setting(*flags: str, help: str, check: Callable[[Any], str | None] | None = None, default: Any = attrs.NOTHING,
+             vocabulary: type[enum.Enum] | None = None, converter: Callable[[Any], Any] | None = None,
+             **row: Any) -> Any:  # fmt: skip
+    """An `EngineSettings` field with its row of the table; a vocabulary's field holds its member, checked to be one
+    (or None where that is the default)."""
+    if vocabulary is not None:
+        converter, check = _word(vocabulary), _one_of(vocabulary)
+        check = check if default is not None else _optional(check)
+    if check is None:
+        raise TypeError(f"the setting {flags} has neither a check nor a vocabulary")
+    row_of = Setting(flags, help, check, vocabulary=vocabulary, **row)
+    return attrs.field(default=default, converter=converter, metadata={_ROW: row_of})
+
+
 @attrs.frozen
 class EngineSettings:
-    """What the engine runs with.
+    """What the engine runs with, checked when built (every problem reported together in one `SettingsError`).
 
-    model_path: the GGUF file.
-    n_ctx: tokens of context of all slots together (K/V capacity of full-attention layers); None = min(the
-        model's training context, 8192). Each slot gets n_ctx // n_slots (llama-server's rule: `n_ctx_slot`).
-    n_slots: conversations held at once (llama-server's --parallel), each in its own region of the one
-        K/V pool (`SlotSet`); a slot's context must be at least MIN_N_CTX_SLOT when there are several.
-    kv_type: storage type of the K/V pool: "f32", "f16" (default) or "int8" (float32 scales per token,
-        per head, per 32-value block of the head dimension).
-    compute_dtype: activations and dequantized weights: "f32", "f64" (a numerics check; numpy), "f16"
-        or "bf16" (cupy; bf16 where this CuPy has the dtype); None = the default for the backend and the
-        model's architecture (`DEFAULT_COMPUTE_DTYPE`: f32 on numpy; on cupy f16, bf16 for gemma3).
-    kv_resident: None = the pool is read directly (pool placement); N = the pool is a host pool and
-        an N-token resident ring per layer sits in front of it (reads of recent tokens hit the ring).
-    prompt_cache: reuse the longest valid common prefix of the held conversation on the next prefill.
-    prefill_chunk: tokens evaluated per batched forward pass during prefill; None = the backend's default
-        (`DEFAULT_PREFILL_CHUNK`).
-    cuda_graphs: replay decode steps, and prefill chunks of models without sliding-window rings (padded
-        to 32, 64, ... tokens), as CUDA graphs captured at start-up where the backend can (cupy, device
-        pool, float K/V, f16/bf16 compute); False runs every step op by op (a check on the graphs).
-    max_checkpoints: sliding-window ring checkpoints kept (the most recent, i.e. deepest, ones).
-    backend: "numpy", "cupy", or "auto" (cupy where a CUDA device is usable; `ModelRunner.load`
-        resolves it, so `runner.settings.backend` names the backend actually running).
-    cpu_kernels: the numpy backend's kernels: "numba" (compiled, packed weights), "numba-q8" (numba's with
-        the activations of the packed products quantized to int8 per 32-value block, integer dot products
-        where the CPU has AVX512-VNNI) or "numpy" (the oracle);
-        None = `DEFAULT_CPU_KERNELS` ("numba-q8") with f32 compute, else "numpy" (on cupy too, where the
-        kernels do not run).
+    Each field is a row of the settings table (`Setting`): the engine's command line, `to_argv` and
+    strata-server's flags and config file are made from it, so a new setting is one field here.
+    n_ctx: the total of all slots (the K/V capacity of full-attention layers); each slot gets n_ctx // n_slots
+        (llama-server's rule: `n_ctx_slot`); None = min(the model's training context, DEFAULT_N_CTX_CAP).
+    n_slots: conversations held at once (llama-server's --parallel), each in its own region of the one K/V
+        pool (`SlotSet`); a slot's context must be at least MIN_N_CTX_SLOT when there are several.
+    kv_type: the K/V pool's storage (`KVType`; int8: float32 scales per token, per head, per 32-value block).
+    compute_dtype: activations and dequantized weights (`ComputeDType`); None = `DEFAULT_COMPUTE_DTYPE` for
+        the backend and the model's architecture (f32 on numpy; on cupy f16, bf16 for gemma3).
+    kv_resident: None = the pool is read directly (pool placement); N = the pool is a host pool and an
+        N-token resident ring per layer sits in front of it (reads of recent tokens hit the ring).
+    prefill_chunk: tokens per batched forward pass during prefill; None = `DEFAULT_PREFILL_CHUNK`.
+    cuda_graphs: replay decode steps, and prefill chunks of models without sliding-window rings (padded to
+        32, 64, ... tokens), as CUDA graphs captured at start-up where the backend can (cupy, device pool,
+        float K/V, f16/bf16 compute); False runs every step op by op (a check on the graphs).
+    max_checkpoints: sliding-window ring checkpoints kept (the most recent, i.e. deepest, ones); no flag.
+    backend: `Backend`; "auto" is resolved by the runner that loads (`ops.resolve_settings`), so
+        `runner.settings.backend` names the backend actually running.
+    cpu_kernels: the numpy backend's kernels (`CpuKernels`); None = DEFAULT_CPU_KERNELS with f32 compute,
+        else numpy (on cupy too, where the kernels do not run).
     threads: CPU threads for the kernels and BLAS; None = the cores this process may run on.
-    poll: how long an idle kernel thread polls for work before it sleeps, 0-100 (llama-server's --poll):
-        polling keeps a decode step's threads awake between its products (DEFAULT_POLL); 0 sleeps at once,
-        for a machine whose cores other work needs. Set once per process, by the first runner loaded.
-    chat_template: a `ChatTemplateName` or a jinja template used instead of the model's own; None = the
-        model's (llama-server's --chat-template; --chat-template-file puts the file's text here).
+    poll: how long an idle kernel thread polls for work before it sleeps (DEFAULT_POLL keeps a decode step's
+        threads awake between its products; 0 sleeps at once). Set once per process, by the first runner.
+    chat_template: a `ChatTemplateName` or a jinja template used instead of the model's own; None = the model's.
     Neither cpu_kernels, threads nor poll changes what a session file holds: the config fingerprint leaves them out.
     """
 
-    model_path: Path = attrs.field(converter=Path)
-    n_ctx: int | None = None
-    n_slots: int = 1
-    kv_type: str = "f16"
-    compute_dtype: str | None = None
-    kv_resident: int | None = None
-    prompt_cache: bool = True
-    prefill_chunk: int | None = None
-    max_checkpoints: int = 8
-    backend: str = "numpy"
-    cuda_graphs: bool = True
-    cpu_kernels: str | None = None
-    threads: int | None = None
-    poll: int = DEFAULT_POLL
-    chat_template: str | None = None
+    model_path: Path = _setting("-m", "--model", help="the GGUF model file", check=_path, converter=_to_path,
+                                metavar="PATH")  # fmt: skip
+    n_ctx: int | None = _setting(
+        "-c", "--ctx-size", default=None, check=_optional(_at_least(1)), metavar="N", unset=0,
+        help="context size in tokens, the total of all slots: each slot gets N / --parallel, rounded down, as "
+        f"llama-server (default: the model's own, at most {DEFAULT_N_CTX_CAP})")  # fmt: skip
+    n_slots: int = _setting(
+        "-np", "--parallel", default=1, check=_at_least(1), metavar="N",
+        help="slots: conversations held and generated at once, batched in one engine, each with --ctx-size / N "
+        f"tokens of context (at least {MIN_N_CTX_SLOT} when N > 1) (default: {{default}})")  # fmt: skip
+    kv_type: KVType = _setting("--kv-type", default=KVType.F16, vocabulary=KVType, metavar="TYPE",
+                               help="K/V cache type, one of {words} (default: {default})")  # fmt: skip
+    compute_dtype: ComputeDType | None = _setting(
+        "--compute-dtype", default=None, vocabulary=ComputeDType, metavar="DTYPE", server=False,
+        help="activations, one of {words} (default: f32 on numpy; on cupy f16, or bf16 for models whose "
+        "activations overflow f16: gemma3); logits are computed in f32 either way")  # fmt: skip
+    kv_resident: int | None = _setting(
+        "--kv-resident", default=None, check=_optional(_at_least(1)), metavar="N", unset=0,
+        help="keep the K/V in a host pool with an N-token resident ring in front of it (default: a device pool)")
+    prompt_cache: bool = _setting("--no-prompt-cache", default=True, check=_boolean,
+                                  help="do not reuse the held conversation's prefix on the next request")
+    prefill_chunk: int | None = _setting(
+        "--prefill-chunk", default=None, check=_optional(_at_least(1)), metavar="N", server=False,
+        help=f"tokens per prefill batch (default: {DEFAULT_PREFILL_CHUNK[Backend.NUMPY]} on numpy, "
+        f"{DEFAULT_PREFILL_CHUNK[Backend.CUPY]} on cupy); a quarter of it while other slots generate")  # fmt: skip
+    max_checkpoints: int = _setting(default=8, check=_at_least(0), help="ring checkpoints kept")
+    backend: Backend = _setting("--backend", default=Backend.NUMPY, vocabulary=Backend, metavar="NAME",
+                                help="compute backend, one of {words} (default: {default})")  # fmt: skip
+    cuda_graphs: bool = _setting(
+        "--no-cuda-graphs", default=True, check=_boolean, server=False,
+        help="run every decode step and prefill chunk op by op instead of replaying captured CUDA graphs (cupy)")
+    cpu_kernels: CpuKernels | None = _setting(
+        "--cpu-kernels", default=None, vocabulary=CpuKernels, metavar="NAME",
+        help=f"the numpy backend's kernels, one of {{words}}: {DEFAULT_CPU_KERNELS.value} (the default with f32 "
+        "compute: packed weights, compiled kernels, the packed products' activations quantized to int8 per 32-value "
+        "block and multiplied with integer dot products as llama.cpp does, results within ~1e-3 of the float32 "
+        "products; on a CPU without AVX512-VNNI numba's float32 products), numba (the same kernels with float32 "
+        "products: closest to transformers) or numpy (float32 weights and BLAS: the reference the kernels are "
+        "tested against)")  # fmt: skip
+    threads: int | None = _setting(
+        "-t", "--threads", default=None, check=_optional(_at_least(1)), metavar="N", unset=-1,
+        help="CPU threads for the kernels and BLAS (default: the cores the engine may use)")
+    poll: int = _setting(
+        "--poll", default=DEFAULT_POLL, check=_from_to(0, MAX_POLL), metavar=f"0-{MAX_POLL}",
+        help="how long an idle kernel thread polls for work before it sleeps, as llama-server's --poll (default: "
+        "{default}: awake through a decode step; 0: sleep at once, for a machine whose cores other work needs)")
+    chat_template: str | None = _setting(
+        "--chat-template", default=None, check=_optional(chat_template_problem), metavar="NAME|JINJA",
+        file_flag="--chat-template-file",
+        help=f"chat template instead of the model's: a built-in name ({', '.join(values(ChatTemplateName))}) or a "
+        "jinja template")  # fmt: skip
 
-    def with_backend_defaults(self, architecture: str) -> EngineSettings:
-        """The settings with "auto" resolved and every None default filled in for that backend and the
-        model's architecture (`DEFAULT_COMPUTE_DTYPE`, `DEFAULT_PREFILL_CHUNK`)."""
-        from .ops import resolve_backend  # imports cupy only to look for a device
-        from .ops.threads import default_threads
+    def __attrs_post_init__(self) -> None:
+        if found := _problems(attrs.asdict(self, recurse=False), _same):
+            raise SettingsError(found)
 
-        backend = resolve_backend(self.backend)
-        compute_dtype = self.compute_dtype or DEFAULT_COMPUTE_DTYPE[architecture][backend].value
+    @classmethod
+    def build(cls, given: Mapping[str, Any], name: Callable[[str], str] = _same) -> EngineSettings:
+        """Settings from field values, each problem named by `name(field)` (a flag's key: `from_flags`)."""
+        fields = attrs.fields_dict(cls)
+        converted = {key: fields[key].converter(value) if fields[key].converter else value
+                     for key, value in given.items()}  # fmt: skip
+        defaults = {field.name: field.default for field in fields.values() if field.default is not attrs.NOTHING}
+        if found := _problems({**defaults, **converted}, name):
+            raise SettingsError(found)
+        return cls(**given)
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any], name: Callable[[str], str] = _same) -> EngineSettings:
+        """Settings from flag values by key (`Setting.key`: argparse's dests, strata-server's config names);
+        other keys are ignored."""
+        return cls.build({field: flags[row.key] for field, row in FLAGGED.items() if row.key in flags}, name)
+
+    def to_argv(self) -> list[str]:
+        """The engine's flags that give these settings (a field at its default is left out; max_checkpoints,
+        which has no flag, is not carried)."""
+        argv: list[str] = []
+        for field in attrs.fields(type(self)):
+            value, row = getattr(self, field.name), FLAGGED.get(field.name)
+            if row is None or value == field.default:
+                continue
+            argv += [row.long] if isinstance(value, bool) else [row.long, str(value)]
+        return argv
+
+    def with_backend_defaults(self, architecture: str, *, backend: Backend, threads: int) -> EngineSettings:
+        """The settings as they run on `backend` (the caller resolves "auto": `ops.resolve_settings`) with every
+        None default filled in for it and the model's architecture (`DEFAULT_COMPUTE_DTYPE`,
+        `DEFAULT_PREFILL_CHUNK`); `threads`: the count where none was given."""
+        compute_dtype = self.compute_dtype or DEFAULT_COMPUTE_DTYPE[architecture][backend]
         on_f32_cpu = backend == Backend.NUMPY and compute_dtype == ComputeDType.F32
         return attrs.evolve(
             self,
             backend=backend,
             compute_dtype=compute_dtype,
             prefill_chunk=self.prefill_chunk or DEFAULT_PREFILL_CHUNK[backend],
-            cpu_kernels=self.cpu_kernels or (DEFAULT_CPU_KERNELS if on_f32_cpu else CpuKernels.NUMPY).value,
-            threads=self.threads or default_threads(),
+            cpu_kernels=self.cpu_kernels or (DEFAULT_CPU_KERNELS if on_f32_cpu else CpuKernels.NUMPY),
+            threads=self.threads or threads,
         )
 
     def n_ctx_total(self, n_ctx_train: int) -> int:
@@ -202,49 +381,83 @@ class EngineSettings:
 
     def slot_problem(self, n_ctx: int) -> str | None:
         """Why a total context of n_ctx cannot be shared by the slots (None: it can)."""
-        if self.n_slots > 1 and n_ctx // self.n_slots < MIN_N_CTX_SLOT:
-            return (f"n_ctx {n_ctx} gives each of the {self.n_slots} slots {n_ctx // self.n_slots} tokens of context, "
-                    f"fewer than {MIN_N_CTX_SLOT}")  # fmt: skip
-        return None
+        return _slot_problem(n_ctx, self.n_slots, _same)
 
-    def problems(self) -> list[str]:
-        out: list[str] = []
-        if self.n_ctx is not None and (not isinstance(self.n_ctx, int) or self.n_ctx < 1):
-            out.append(f"n_ctx must be a positive integer or None, got {self.n_ctx!r}")
-        if not isinstance(self.n_slots, int) or isinstance(self.n_slots, bool) or self.n_slots < 1:
-            out.append(f"n_slots must be a positive integer, got {self.n_slots!r}")
-        elif isinstance(self.n_ctx, int) and self.n_ctx >= 1 and (problem := self.slot_problem(self.n_ctx)):
-            out.append(problem)
-        if self.kv_type not in values(KVType):
-            out.append(f"kv_type must be one of {', '.join(values(KVType))}, got {self.kv_type!r}")
-        if self.compute_dtype is not None and self.compute_dtype not in values(ComputeDType):
-            out.append(
-                f"compute_dtype must be one of {', '.join(values(ComputeDType))}, got {self.compute_dtype!r}"
-            )
-        if self.kv_resident is not None and (not isinstance(self.kv_resident, int) or self.kv_resident < 1):
-            out.append(f"kv_resident must be a positive integer or None, got {self.kv_resident!r}")
-        if self.prefill_chunk is not None and (
-            not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1
-        ):
-            out.append(f"prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
-        if not isinstance(self.max_checkpoints, int) or self.max_checkpoints < 0:
-            out.append(f"max_checkpoints must be a non-negative integer, got {self.max_checkpoints!r}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            out.append(f"threads must be a positive integer or None, got {self.threads!r}")
-        if not isinstance(self.poll, int) or isinstance(self.poll, bool) or not 0 <= self.poll <= MAX_POLL:
-            out.append(f"poll must be an integer from 0 to {MAX_POLL}, got {self.poll!r}")
-        if self.backend not in values(Backend):
-            out.append(f"backend must be one of {', '.join(values(Backend))}, got {self.backend!r}")
-        elif self.backend == Backend.NUMPY and self.compute_dtype in (ComputeDType.F16, ComputeDType.BF16):
-            out.append(f"compute_dtype {self.compute_dtype!r} needs the cupy backend")
-        if self.cpu_kernels is not None and self.cpu_kernels not in values(CpuKernels):
-            out.append(f"cpu_kernels must be one of {', '.join(values(CpuKernels))}, got {self.cpu_kernels!r}")
-        elif self.cpu_kernels in NUMBA_KERNELS and self.compute_dtype not in (None, ComputeDType.F32):
-            out.append(f"cpu_kernels {self.cpu_kernels!r} computes in f32, not compute_dtype {self.compute_dtype!r}")
-        return out
 
-    def validate(self) -> EngineSettings:
-        problems = self.problems()
-        if problems:
-            raise SettingsError(problems)
-        return self
+def _slot_problem(n_ctx: int, n_slots: int, name: Callable[[str], str]) -> str | None:
+    if n_slots > 1 and n_ctx // n_slots < MIN_N_CTX_SLOT:
+        return (f"{name('n_ctx')} {n_ctx} gives each of the {n_slots} slots {n_ctx // n_slots} tokens of context, "
+                f"fewer than {MIN_N_CTX_SLOT}")  # fmt: skip
+    return None
+
+
+def _problems(given: Mapping[str, Any], name: Callable[[str], str]) -> list[str]:
+    """Every problem of these field values: each field's own check, then those between fields whose own passed."""
+    out, bad = [], set()
+    for field, row in SETTINGS.items():
+        if (text := row.check(given.get(field))) is not None:
+            out.append(f"{name(field)}: {text}")
+            bad.add(field)
+    n_ctx, n_slots = given["n_ctx"], given["n_slots"]
+    if not {"n_ctx", "n_slots"} & bad and n_ctx is not None and (problem := _slot_problem(n_ctx, n_slots, name)):
+        out.append(problem)
+    dtype, kernels = given["compute_dtype"], given["cpu_kernels"]
+    if not {"backend", "compute_dtype"} & bad and given["backend"] == Backend.NUMPY and dtype in _CUPY_DTYPES:
+        out.append(f"{name('compute_dtype')} {_shown(dtype)} needs the cupy backend")
+    if not {"cpu_kernels", "compute_dtype"} & bad and kernels in NUMBA_KERNELS and dtype not in (None, ComputeDType.F32):
+        out.append(f"{name('cpu_kernels')} {_shown(kernels)} computes in f32, not {name('compute_dtype')} {_shown(dtype)}")
+    return out
+
+
+_CUPY_DTYPES = frozenset({ComputeDType.F16, ComputeDType.BF16})
+# field -> its row; those with flags; field -> the name its flags and strata-server's config file give it
+SETTINGS: Mapping[str, Setting] = MappingProxyType({f.name: f.metadata[_ROW] for f in attrs.fields(EngineSettings)})
+FLAGGED: Mapping[str, Setting] = MappingProxyType({field: row for field, row in SETTINGS.items() if row.flags})
+KEYS: Mapping[str, str] = MappingProxyType({field: row.key if row.flags else field for field, row in SETTINGS.items()})
+
+
+def add_setting_flags(parser: argparse._ActionsContainer, *, typed: bool = True,
+                      help_of: Mapping[str, str] = MappingProxyType({})) -> None:  # fmt: skip
+    """The table's flags on `parser`, each value under its key and only where given (argparse.SUPPRESS).
+    typed: the engine's (types, choices, the model required, the file flag read and exclusive with its
+    setting's); else strata-server's: the flags it offers, their values as given (its config checks them),
+    a file flag's under `<key>_file`, the `unset` value said in the help. `help_of`: a key's help where a parser says more (its own default)."""
+    for field in attrs.fields(EngineSettings):
+        row = FLAGGED.get(field.name)
+        if row is None or not (typed or row.server):
+            continue
+        default = field.default.value if isinstance(field.default, enum.Enum) else field.default
+        words = ", ".join(values(row.vocabulary)) if row.vocabulary else ""
+        unset = "" if typed or row.unset is None else f"; {row.unset}: the default"
+        options: dict[str, Any] = {"dest": row.key, "default": argparse.SUPPRESS,
+                                   "help": help_of.get(row.key) or row.help.format(default=default, words=words) + unset}
+        if isinstance(default, bool):
+            options["action"] = "store_false" if row.negated else "store_true"
+        else:
+            options["metavar"] = row.metavar
+        if typed and "action" not in options:
+            options.update(_typed(field, row))
+        target: Any = parser.add_mutually_exclusive_group() if typed and row.file_flag else parser
+        target.add_argument(*row.flags, **options)
+        if row.file_flag is not None:
+            target.add_argument(row.file_flag, dest=row.key if typed else f"{row.key}_file", metavar="FILE",
+                                type=_file_text if typed else str, default=argparse.SUPPRESS,
+                                help=f"a UTF-8 file whose text is {row.long}'s value")  # fmt: skip
+
+
+def _typed(field: attrs.Attribute, row: Setting) -> dict[str, Any]:
+    """argparse's type, choices and required for a field of the engine's parser."""
+    if row.vocabulary is not None:
+        return {"choices": values(row.vocabulary)}
+    return {"type": flag_type(field.name), "required": field.default is attrs.NOTHING}
+
+
+def flag_type(field: str) -> type:
+    """The type of a setting's flag value: a vocabulary's word is a str, else the field's type (None aside)."""
+    if SETTINGS[field].vocabulary is not None:
+        return str
+    annotation = attrs.fields_dict(EngineSettings)[field].type
+    return next(t for t in typing.get_args(annotation) or (annotation,) if t is not type(None))
+
+
+attrs.resolve_types(EngineSettings)

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from strata_engine.settings import Backend, ChatTemplateName, CpuKernels, KVType, Pooling, values
+import attrs
+from strata_engine.settings import Pooling, add_setting_flags, values
 from strata_sessionfile import RestoreMode
 
 from .config import (
@@ -51,32 +52,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "save/restore/erase, metrics) over a supervised Strata engine, run under gunicorn.")
     add = parser.add_argument
     add("--config", metavar="FILE", help="read settings from FILE (TOML or JSON); flags override it")
-    add("-m", "--model", metavar="PATH",
-        help=f"GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from the {DEFAULT_MODEL_PACKAGE} package, "
-             f"{DEFAULT_MODEL_FILE})")
+    engine = parser.add_argument_group("model and engine", "the engine's settings (strata-engine serve takes the "
+                                       "same flags)")
+    add_setting_flags(engine, typed=False, help_of={
+        "model": f"GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from the {DEFAULT_MODEL_PACKAGE} package, "
+                 f"{DEFAULT_MODEL_FILE})"})  # the engine's settings: -m, -c, -np, --kv-type, ..., -t, --poll
     add("-a", "--alias", metavar="NAME[,NAME...]", action="append", help="model names: the first is the id "
         "reported by /v1/models and in responses, all are its aliases (default: the model path)")
     add("--tags", metavar="TAG[,TAG...]", action="append", help="model tags reported by /v1/models")
     add("--host", metavar="ADDR[,ADDR...]", action="append",
         help=f"addresses to listen on, each of them (default: {DEFAULT_HOST}, loopback only)")
     add("--port", metavar="N", help=f"port to listen on (default: {DEFAULT_PORT})")
-    add("-c", "--ctx-size", metavar="N", help="context size in tokens, the total of all slots: each slot gets "
-        "N / --parallel, as llama-server (default: 0 = the model's own)")
-    add("-np", "--parallel", metavar="N", help="slots: conversations held and generated at once, batched in one "
-        "engine (default: 1)")
     add("-sps", "--slot-prompt-similarity", metavar="F", help="a request that names no id_slot goes to the idle "
         "slot whose held tokens share the longest prefix with its prompt when that prefix is more than F of the "
         "prompt, else to the least recently used idle slot; 0 turns the similarity rule off (default: 0.1, as "
         "llama-server)")
-    add("--kv-type", metavar="TYPE", help=f"K/V cache type, one of {', '.join(values(KVType))} (default: f16)")
     add("-ctk", "--cache-type-k", metavar="TYPE", help="llama-server's K cache type flag; must equal the V type")
     add("-ctv", "--cache-type-v", metavar="TYPE", help="llama-server's V cache type flag; must equal the K type")
-    add("--kv-resident", metavar="N", help="keep the K/V in a host pool with N tokens in a device ring "
-        "(default: 0, a device pool)")
-    add("--chat-template", metavar="NAME|JINJA", help="chat template instead of the model's: a built-in name "
-        f"({', '.join(values(ChatTemplateName))}) or a jinja template; /apply-template and the chat endpoints "
-        "render with it")
-    add("--chat-template-file", metavar="FILE", help="a file with a jinja chat template (as --chat-template)")
     add("--no-prefill-assistant", dest="prefill_assistant", action="store_false",
         help="a chat's final assistant message is a finished turn, not one for the model to continue "
              "(default: continued, as llama-server)")
@@ -85,15 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
              "still run, and an embedding leaves the slot's conversation as it was")
     add("--pooling", metavar="TYPE", help=f"how embeddings pool the tokens' states: one of {', '.join(values(Pooling))} "
         "(default: the model's own, none for a model that does not say)")
-    add("--no-prompt-cache", dest="prompt_cache", action="store_false",
-        help="do not reuse the held conversation's prefix between requests")
     add("--restore-mode", metavar="MODE", help="how a restore lands the K/V: one of "
         f"{', '.join(values(RestoreMode))} (default: auto)")
-    add("--backend", metavar="NAME", help=f"engine compute backend, one of {', '.join(values(Backend))} "
-        "(default: the engine's, numpy)")
-    add("--cpu-kernels", metavar="NAME", help=f"the engine's CPU kernels, one of {', '.join(values(CpuKernels))} "
-        "(default: numba-q8, which quantizes the products' activations to int8 as llama.cpp does: faster, "
-        "logits within a few units of numba's float32 products)")
     add("--slot-save-path", metavar="DIR", help="existing folder for slot files; enables "
         "POST /slots/{id}?action=save|restore|erase (default: disabled, 501)")
     add("--api-key", metavar="KEY[,KEY...]", action="append", help="require one of these API keys")
@@ -108,11 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--cors-origins", metavar="ORIGIN[,ORIGIN...]", action="append",
         help="CORS allowed origins: '*' (default; never with credentials), 'localhost' (any origin on a loopback "
              "host) and/or origins like http://host:port; a listed origin is echoed with credentials, as llama-server")
-    add("-t", "--threads", metavar="N", help="the engine's CPU threads, as llama-server's -t (default: -1, the "
-        "engine's choice)")
-    add("--poll", metavar="0-100", help="how long the engine's idle CPU threads poll for work before they sleep, as "
-        "llama-server's --poll (default: 50: awake through a decode step; 0: sleep at once, for a machine whose cores "
-        "other work needs)")
     add("--http-threads", "--threads-http", dest="http_threads", metavar="N",
         help="HTTP threads: gunicorn gthread threads (default: 32; requests waiting for the slot each hold one)")
     add("-to", "--timeout", metavar="S", help="read timeout in seconds (llama-server's): a connection whose request "
@@ -129,19 +109,23 @@ def build_parser() -> argparse.ArgumentParser:
     add("-v", "--verbose", action="store_true", help="log everything (debug level), the engine's log too")
     sampling = parser.add_argument_group("default sampling and output (what a request that does not set the "
                                          "field gets; a request's own fields win)")
-    sampling.add_argument("--temp", metavar="T", help="temperature (default: 0.8; 0 or less: greedy)")
-    sampling.add_argument("--top-k", metavar="N", help="top-k (default: 40; 0 or less: off)")
-    sampling.add_argument("--top-p", metavar="P", help="top-p (default: 0.95; 1.0: off)")
-    sampling.add_argument("--min-p", metavar="P", help="min-p (default: 0.05; 0: off)")
-    sampling.add_argument("-s", "--seed", metavar="N", help="sampler seed (default: -1, random)")
+    default = {field.name: field.default for field in attrs.fields(ServerConfig)}  # the engine's SamplingParams'
+    sampling.add_argument("--temp", metavar="T", help=f"temperature (default: {default['temp']}; 0 or less: greedy)")
+    sampling.add_argument("--top-k", metavar="N", help=f"top-k (default: {default['top_k']}; 0 or less: off)")
+    sampling.add_argument("--top-p", metavar="P", help=f"top-p (default: {default['top_p']}; 1.0: off)")
+    sampling.add_argument("--min-p", metavar="P", help=f"min-p (default: {default['min_p']}; 0: off)")
+    sampling.add_argument("-s", "--seed", metavar="N", help=f"sampler seed (default: {default['seed']}, random)")
     sampling.add_argument("-n", "--n-predict", "--predict", dest="n_predict", metavar="N",
-                          help="tokens to generate (default: -1, until a stop or the full context); N > 0 also "
-                               "caps a request's own n_predict")
-    sampling.add_argument("--repeat-penalty", metavar="X", help="repetition penalty (default: 1.0, off)")
+                          help=f"tokens to generate (default: {default['n_predict']}, until a stop or the full "
+                               "context); N > 0 also caps a request's own n_predict")
+    sampling.add_argument("--repeat-penalty", metavar="X",
+                          help=f"repetition penalty (default: {default['repeat_penalty']}; 1.0: off)")
     sampling.add_argument("--repeat-last-n", metavar="N", help="tokens the repetition penalty looks back over "
-                          "(default: 64; -1: the context; 0: off)")
-    sampling.add_argument("--presence-penalty", metavar="X", help="presence penalty (default: 0.0, off)")
-    sampling.add_argument("--frequency-penalty", metavar="X", help="frequency penalty (default: 0.0, off)")
+                          f"(default: {default['repeat_last_n']}; -1: the context; 0: off)")
+    sampling.add_argument("--presence-penalty", metavar="X",
+                          help=f"presence penalty (default: {default['presence_penalty']}; 0.0: off)")
+    sampling.add_argument("--frequency-penalty", metavar="X",
+                          help=f"frequency penalty (default: {default['frequency_penalty']}; 0.0: off)")
     add_store_flags(parser)
     return parser
 
@@ -207,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(h in ("0.0.0.0", "::") for h in config.host) and not config.allowed_hosts:
         sys.stderr.write("strata-server: warning: listening on every address, but only Host headers naming a "
                          "loopback name are accepted; add the names clients use with --allowed-hosts\n")
-    sys.stderr.write(f"strata-server: {' '.join('http://' + b for b in config.binds())} model {config.model}\n")
+    sys.stderr.write(f"strata-server: {' '.join('http://' + b for b in config.binds())} model {config.engine.model_path}\n")
     StrataGunicorn(config).run()
     return 0
 

@@ -2,7 +2,8 @@
 
 Values from a config file (TOML or JSON, keys = the long flag names with ``_``) and from flags go
 through one private cattrs converter; every unknown key, wrong type and bad value is collected and
-reported together in one ``ConfigError``.
+reported together in one ``ConfigError``. The engine's settings are its own (`EngineSettings`: their
+flags, defaults and checks come from the engine's settings table), nested as ``ServerConfig.engine``.
 """
 
 from __future__ import annotations
@@ -19,16 +20,9 @@ from typing import Any
 
 import attrs
 import cattrs
-from strata_engine.settings import (
-    DEFAULT_POLL,
-    MAX_POLL,
-    Backend,
-    CpuKernels,
-    KVType,
-    Pooling,
-    chat_template_problem,
-    values,
-)
+from strata_engine.errors import SettingsError
+from strata_engine.sampling import SamplingParams
+from strata_engine.settings import FLAGGED, KEYS, EngineSettings, Pooling, flag_type, values
 from strata_sessionfile import RestoreMode, SessionKey
 from strata_sessionfile.seam import S3_SCHEME
 
@@ -42,6 +36,12 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DEFAULT_CACHE_DISK_MAX_MIB = 10240
 DEFAULT_CACHE_MIN_REUSE = 256
 DEFAULT_CACHE_IDLE_SECONDS = 30.0
+_SAMPLING = SamplingParams()  # the engine's sampling defaults: the server's unless its flags say otherwise
+# The engine's settings the server offers: their keys (the long flag names with _, as the config file has them),
+# a file flag's too (--chat-template-file: chat_template_file).
+ENGINE_KEYS: dict[str, str] = {row.key: field for field, row in FLAGGED.items() if row.server}
+ENGINE_FILE_KEYS: dict[str, str] = {f"{row.key}_file": row.key for row in FLAGGED.values()
+                                    if row.server and row.file_flag}  # fmt: skip
 
 
 class ConfigError(ServerError):
@@ -63,20 +63,13 @@ def default_model_path() -> Path | None:
 
 @attrs.frozen(kw_only=True)
 class ServerConfig:
-    model: Path | None = None  # None: the packaged default model
+    engine: EngineSettings  # the engine's settings (-m, -c, -np, --kv-type, ...; the model: the packaged one)
     alias: tuple[str, ...] = ()  # names of the model (/v1/models id = the first; aliases = all)
     tags: tuple[str, ...] = ()  # /v1/models tags
     host: tuple[str, ...] = (DEFAULT_HOST,)  # every address given is listened on
     port: int = DEFAULT_PORT
-    ctx_size: int = 0  # 0: the model's own context length; the total, each slot gets ctx_size // parallel
-    parallel: int = 1  # slots: conversations held and generated at once (llama-server's -np)
     slot_prompt_similarity: float = 0.1  # a prompt goes to the idle slot sharing more than this of it (0: off)
-    kv_type: str = KVType.F16.value
-    kv_resident: int = 0  # >0: K/V in a host pool with this many tokens in a device ring (engine --kv-resident)
-    prompt_cache: bool = True  # reuse the held conversation's prefix (engine --no-prompt-cache when false)
     restore_mode: str = RestoreMode.AUTO.value  # engine --restore-mode
-    backend: str = ""  # engine --backend; empty: the engine's default
-    cpu_kernels: str = ""  # engine --cpu-kernels; empty: the engine's default
     slot_save_path: Path | None = None
     api_key: tuple[str, ...] = ()
     api_key_file: Path | None = None
@@ -85,8 +78,6 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     trusted_origins: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ("*",)
-    threads: int = -1  # the engine's CPU threads (engine -t); -1: the engine's own choice
-    poll: int = DEFAULT_POLL  # engine --poll: how long its idle kernel threads poll for work before they sleep
     http_threads: int = 32  # gunicorn gthread threads: requests waiting for the slot each hold one
     timeout: int = 600  # read timeout of a request (worker.py) and gunicorn's worker heartbeat (seconds)
     slot_wait: float = 600.0  # seconds a request waits for the busy slot before a 503
@@ -96,22 +87,20 @@ class ServerConfig:
     engine_command: tuple[str, ...] = ()  # empty: <this python> -m strata_engine.cli serve
     log_level: str = "info"
     verbose: bool = False  # log everything (debug), the engine's log too
-    chat_template: str | None = None  # a built-in name (chatml, gemma) or a jinja template (engine --chat-template)
-    chat_template_file: Path | None = None  # a file with a jinja template (engine --chat-template-file)
     prefill_assistant: bool = True  # a final assistant message is continued, as the peer (--no-prefill-assistant)
     embedding: bool = False  # /embeddings and /v1/embeddings answer (llama-server's --embeddings)
     pooling: str = ""  # how they pool (a Pooling); empty: the model's own (its GGUF pooling_type, else none)
     # What a request that does not say gets (llama-server's -n/--temp/... flags); a request's fields win.
-    temp: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
+    temp: float = _SAMPLING.temperature
+    top_k: int = _SAMPLING.top_k
+    top_p: float = _SAMPLING.top_p
+    min_p: float = _SAMPLING.min_p
     seed: int = -1
     n_predict: int = -1  # -1: until a stop condition or the full context; N > 0 also caps a request's own
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    repeat_penalty: float = _SAMPLING.repeat_penalty
+    repeat_last_n: int = _SAMPLING.repeat_last_n
+    presence_penalty: float = _SAMPLING.presence_penalty
+    frequency_penalty: float = _SAMPLING.frequency_penalty
     # -- the session store (store/) --
     cache_disk: Path | None = None  # folder of the session store; None: off
     cache_disk_max: int = DEFAULT_CACHE_DISK_MAX_MIB  # MiB of this server's files in it
@@ -127,29 +116,9 @@ class ServerConfig:
         import sys
 
         base = list(self.engine_command) or [sys.executable, "-m", "strata_engine.cli", "serve"]
-        argv = base + ["--model", str(self.model), "--kv-type", self.kv_type]
-        if self.ctx_size:
-            argv += ["--ctx-size", str(self.ctx_size)]
-        if self.parallel > 1:
-            argv += ["--parallel", str(self.parallel)]
-        if self.kv_resident:
-            argv += ["--kv-resident", str(self.kv_resident)]
-        if not self.prompt_cache:
-            argv += ["--no-prompt-cache"]
+        argv = base + self.engine.to_argv()
         if self.restore_mode != RestoreMode.AUTO:
             argv += ["--restore-mode", self.restore_mode]
-        if self.backend:
-            argv += ["--backend", self.backend]
-        if self.cpu_kernels:
-            argv += ["--cpu-kernels", self.cpu_kernels]
-        if self.chat_template is not None:
-            argv += ["--chat-template", self.chat_template]
-        if self.chat_template_file is not None:
-            argv += ["--chat-template-file", str(self.chat_template_file)]
-        if self.threads > 0:
-            argv += ["--threads", str(self.threads)]
-        if self.poll != DEFAULT_POLL:
-            argv += ["--poll", str(self.poll)]
         if self.cache_store is not None and self.cache_store_endpoint is not None:
             argv += ["--object-store-endpoint", self.cache_store_endpoint]  # without --cache-disk it reads the objects
         if self.session_key_file is not None:
@@ -176,7 +145,7 @@ class ServerConfig:
         return [f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}" for host in self.host]
 
 
-_FIELDS = {a.name for a in attrs.fields(ServerConfig)}
+_FIELDS = {a.name for a in attrs.fields(ServerConfig)} - {"engine"}
 
 
 def _structure_str(value: Any, _type: Any) -> str:
@@ -220,6 +189,12 @@ def _structure_strings(value: Any, _type: Any) -> tuple[str, ...]:
     raise ValueError(f"expected a list of strings or a comma-separated string, got {value!r}")
 
 
+def _structure_settings(value: Any, _type: Any) -> EngineSettings:
+    if not isinstance(value, EngineSettings):  # built by `_engine_settings`, never from the file's values
+        raise ValueError(f"expected engine settings, got {value!r}")
+    return value
+
+
 def _structure_path(value: Any, _type: Any) -> Path:
     if not isinstance(value, str) or not value:
         raise ValueError(f"expected a path, got {value!r}")
@@ -233,6 +208,7 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook(float, _structure_float)
     converter.register_structure_hook(bool, _structure_bool)
     converter.register_structure_hook(Path, _structure_path)
+    converter.register_structure_hook(EngineSettings, _structure_settings)
     converter.register_structure_hook_func(lambda t: t == tuple[str, ...], _structure_strings)
     return converter
 
@@ -272,32 +248,14 @@ def _fold_cache_types(raw: dict[str, Any], problems: list[str]) -> None:
 
 def _check_values(config: ServerConfig) -> list[str]:
     problems = []
-    model = config.model
-    if model is None:
-        problems.append(f"model: no --model given and the default model package {DEFAULT_MODEL_PACKAGE} "
-                        "is not installed")
-    elif not model.is_file():
-        problems.append(f"model: not a file: {model}")
     if not config.host:
         problems.append("host: no address to listen on")
     if not 1 <= config.port <= 65535:
         problems.append(f"port: {config.port} is outside 1..65535")
-    if config.ctx_size < 0:
-        problems.append(f"ctx_size: {config.ctx_size} is negative (0 means the model's own)")
-    if config.parallel < 1:
-        problems.append(f"parallel: {config.parallel} must be at least 1")
     if not 0.0 <= config.slot_prompt_similarity <= 1.0:
         problems.append(f"slot_prompt_similarity: {config.slot_prompt_similarity} is outside 0..1 (0: off)")
-    if config.kv_type not in values(KVType):
-        problems.append(f"kv_type: {config.kv_type!r} is not one of {', '.join(values(KVType))}")
-    if config.kv_resident < 0:
-        problems.append(f"kv_resident: {config.kv_resident} is negative (0 means no host pool)")
     if config.restore_mode not in values(RestoreMode):
         problems.append(f"restore_mode: {config.restore_mode!r} is not one of {', '.join(values(RestoreMode))}")
-    if config.backend and config.backend not in values(Backend):
-        problems.append(f"backend: {config.backend!r} is not one of {', '.join(values(Backend))}")
-    if config.cpu_kernels and config.cpu_kernels not in values(CpuKernels):
-        problems.append(f"cpu_kernels: {config.cpu_kernels!r} is not one of {', '.join(values(CpuKernels))}")
     if config.slot_save_path is not None:
         if not config.slot_save_path.is_dir():
             problems.append(f"slot_save_path: not a directory: {config.slot_save_path}")
@@ -308,19 +266,6 @@ def _check_values(config: ServerConfig) -> list[str]:
             config.api_key_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             problems.append(f"api_key_file: cannot read {config.api_key_file}: {exc}")
-    if config.threads == 0 or config.threads < -1:
-        problems.append(f"threads: {config.threads} must be at least 1 (or -1: the engine's choice)")
-    if not 0 <= config.poll <= MAX_POLL:
-        problems.append(f"poll: {config.poll} must be from 0 to {MAX_POLL}")
-    if config.chat_template is not None and config.chat_template_file is not None:
-        problems.append("chat_template: give either chat_template or chat_template_file, not both")
-    elif config.chat_template is not None and chat_template_problem(config.chat_template):
-        problems.append(f"chat_template: {chat_template_problem(config.chat_template)}")
-    if config.chat_template_file is not None:
-        try:
-            config.chat_template_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            problems.append(f"chat_template_file: cannot read {config.chat_template_file}: {exc}")
     if config.pooling and config.pooling not in values(Pooling):
         problems.append(f"pooling: {config.pooling!r} is not one of {', '.join(values(Pooling))}")
     if config.http_threads < 1:
@@ -421,26 +366,26 @@ def build_config(file_values: Mapping[str, Any] | None = None, flag_values: Mapp
     raw: dict[str, Any] = {**(file_values or {}), **(flag_values or {})}
     problems: list[str] = []
     _fold_cache_types(raw, problems)
+    engine_raw = {key: raw.pop(key) for key in [*ENGINE_KEYS, *ENGINE_FILE_KEYS] if key in raw}
     unknown = sorted(k for k in raw if k not in _FIELDS)
     for key in unknown:
         problems.append(f"{key}: unknown setting")
         raw.pop(key)
+    raw["engine"] = _engine_settings(engine_raw, problems, check_files)
     config = None
     try:
         config = _converter.structure(raw, ServerConfig)
     except cattrs.BaseValidationError as exc:
         problems += _format_structure_error(exc)
         # Check the values that did structure, so one run reports everything.
-        good = {}
+        good = {"engine": raw["engine"]}
         for key, value in raw.items():
             try:
-                _converter.structure({key: value}, ServerConfig)
+                _converter.structure({"engine": raw["engine"], key: value}, ServerConfig)
                 good[key] = value
             except cattrs.BaseValidationError:
                 pass
         config = _converter.structure(good, ServerConfig)
-    if config.model is None:
-        config = attrs.evolve(config, model=default_model_path())
     if config.slot_save_path is not None:
         config = attrs.evolve(config, slot_save_path=Path(os.path.realpath(config.slot_save_path)))
     if config.cache_disk is not None:
@@ -452,3 +397,40 @@ def build_config(file_values: Mapping[str, Any] | None = None, flag_values: Mapp
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _engine_settings(raw: dict[str, Any], problems: list[str], check_files: bool) -> EngineSettings:
+    """The engine's settings from their keys' values, checked by the engine (its problems added to `problems`,
+    named by the keys); where they have any, the defaults stand in so the rest of the config is still checked."""
+    if raw.get("model") is None:
+        raw.pop("model", None)
+        if (packaged := default_model_path()) is not None:
+            raw["model"] = str(packaged)
+    given: dict[str, Any] = {}
+    for key, value in raw.items():
+        try:
+            given[key] = _converter.structure(value, flag_type(ENGINE_KEYS[key]) if key in ENGINE_KEYS else Path)
+        except ValueError as exc:
+            problems.append(f"{key}: {exc}")
+        else:
+            if key in ENGINE_KEYS and given[key] == FLAGGED[ENGINE_KEYS[key]].unset:
+                del given[key]  # llama-server's word for the default (-c 0, -t -1)
+    for file_key, key in ENGINE_FILE_KEYS.items():
+        if key in raw and file_key in raw:
+            problems.append(f"{key}: give either {key} or {file_key}, not both")
+        if file_key in given:
+            try:
+                given[key] = given.pop(file_key).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                problems.append(f"{file_key}: cannot read {raw[file_key]}: {exc}")
+    if "model" not in raw:
+        problems.append(f"model: no --model given and the default model package {DEFAULT_MODEL_PACKAGE} "
+                        "is not installed")
+    elif check_files and "model" in given and not given["model"].is_file():
+        problems.append(f"model: not a file: {given['model']}")
+    model = given.setdefault("model", Path())  # none: the other settings are still checked
+    try:
+        return EngineSettings.from_flags(given, name=KEYS.__getitem__)
+    except SettingsError as exc:
+        problems += exc.problems
+    return EngineSettings(model_path=model)

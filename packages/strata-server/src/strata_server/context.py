@@ -92,7 +92,7 @@ class ServerContext:
     def model_id(self) -> str:
         if self.config.alias:
             return self.config.alias[0]
-        return str(self.engine_info().get("model_path") or self.config.model)
+        return str(self.engine_info().get("model_path") or self.config.engine.model_path)
 
     def build_info(self) -> str:
         return f"strata-server-{SERVER_VERSION}+{self.engine_info().get('engine', 'engine')}-" \

@@ -84,7 +84,7 @@ class StrataGunicorn(BaseApplication):
                             format="%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s")
         settings = SupervisorSettings(slot_wait_s=self.config.slot_wait,
                                       command_timeout_s=self.config.engine_timeout or None,
-                                      n_slots=self.config.parallel,
+                                      n_slots=self.config.engine.n_slots,
                                       slot_prompt_similarity=self.config.slot_prompt_similarity)
         self.supervisor = EngineSupervisor(self.config.engine_argv(), settings=settings, on_give_up=_give_up)
         self.store = build_store(self.config, self.supervisor)

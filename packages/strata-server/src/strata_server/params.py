@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 import falcon
+from strata_engine.sampling import SamplingParams
 
 from .errors import ApiError, ErrorType, invalid_request
 from .slot_manager import invalid_slot_message
@@ -76,12 +77,12 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField("post_sampling_probs", _bool, ("post_sampling_probs",)),
 )
 
-# The engine's defaults (spec/engine-protocol.md), reported in generation_settings and /props.
+# The engine's defaults (spec/engine-protocol.md), reported in generation_settings and /props: the sampler's
+# are its SamplingParams'.
 ENGINE_DEFAULTS: dict[str, Any] = {
-    "n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
-    "repeat_penalty": 1.0, "repeat_last_n": 64, "seed": -1, "stop": [], "ignore_eos": False,
-    "cache_prompt": True, "n_probs": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "post_sampling_probs": False, "logit_bias": [],
+    "n_predict": -1, **attrs.asdict(SamplingParams(), filter=lambda field, _: field.name != "logit_bias"),
+    "seed": -1, "stop": [], "ignore_eos": False, "cache_prompt": True, "n_probs": 0, "post_sampling_probs": False,
+    "logit_bias": [],
 }
 
 # Peer features Strata does not implement: refused when set to anything but their neutral value.

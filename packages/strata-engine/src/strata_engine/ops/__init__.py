@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import SettingsError
-from ..settings import DEFAULT_POLL, Backend, CpuKernels
+from ..settings import DEFAULT_POLL, Backend, CpuKernels, EngineSettings
 from .base import Ops
 from .numpy_ops import NumpyOps
-from .threads import set_poll, set_threads
+from .threads import default_threads, set_poll, set_threads
 
 
 def _numpy_ops(compute_dtype: str, threads: int | None) -> Ops:
@@ -59,6 +59,13 @@ def resolve_backend(backend: str) -> str:
     return Backend.CUPY.value if cuda_available() else Backend.NUMPY.value
 
 
+def resolve_settings(settings: EngineSettings, architecture: str) -> EngineSettings:
+    """The settings as they run here: "auto" resolved (`resolve_backend`), every None default filled in for
+    the backend and the architecture, the threads this process may use where none were given."""
+    backend = Backend(resolve_backend(settings.backend))
+    return settings.with_backend_defaults(architecture, backend=backend, threads=default_threads())
+
+
 def get_ops(
     backend: str = Backend.NUMPY, compute_dtype: str = "f32", cpu_kernels: str = CpuKernels.NUMPY,
     threads: int | None = None, poll: int = DEFAULT_POLL,
@@ -74,4 +81,4 @@ def get_ops(
     return make(compute_dtype, cpu_kernels, threads)
 
 
-__all__ = ["CPU_OPS", "OPS_OF_BACKEND", "NumpyOps", "Ops", "get_ops", "resolve_backend"]
+__all__ = ["CPU_OPS", "OPS_OF_BACKEND", "NumpyOps", "Ops", "get_ops", "resolve_backend", "resolve_settings"]

@@ -38,8 +38,8 @@ def config_mapping(runner: Any, *, engine_version_override: str | None = None) -
         "engine": ENGINE_NAME,
         "engine_version": engine_version_override or engine_version(),
         "session_layout": SESSION_LAYOUT_VERSION,
-        "backend": settings.backend,
-        "kv_type": settings.kv_type,
+        "backend": str(settings.backend),  # the plain word (a file's mapping, read back, holds str)
+        "kv_type": str(settings.kv_type),
         "kv_int8_scale_block": runner.kv_geometry.scale_block,
         "n_ctx": runner.n_ctx,
         "architecture": config.architecture,
@@ -48,7 +48,7 @@ def config_mapping(runner: Any, *, engine_version_override: str | None = None) -
         "head_dim": config.head_dim,
         "rope": config.rope_fingerprint(),
         "adapters_digest": NO_ADAPTERS_DIGEST,
-        "arithmetic": {"compute_dtype": settings.compute_dtype},
+        "arithmetic": {"compute_dtype": str(settings.compute_dtype)},
     }
 
 

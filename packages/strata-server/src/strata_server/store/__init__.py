@@ -57,7 +57,7 @@ def store_settings(config: ServerConfig) -> StoreSettings | None:
 
 def build_store(config: ServerConfig, engine: EngineClient) -> SessionStore | None:
     settings = store_settings(config)
-    return SessionStore(settings, engine, n_slots=config.parallel) if settings is not None else None
+    return SessionStore(settings, engine, n_slots=config.engine.n_slots) if settings is not None else None
 
 
 __all__ = ["BLOCK_TOKENS", "Fingerprints", "Origin", "SessionStore", "StoreIndex", "StoreSettings", "build_store",
