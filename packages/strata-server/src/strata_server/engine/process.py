@@ -90,18 +90,19 @@ class EngineProcess:
         assert self.proc.stdout is not None
         stdout = io.BufferedReader(self.proc.stdout, READ_BUFFER_BYTES)
         try:
-            for raw in stdout:
-                try:
-                    event = json.loads(raw)
-                    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
-                        raise ValueError("not an object with an 'event' field")
-                except ValueError as exc:
-                    violation = EngineProtocolViolation(f"unparseable line {raw[:200]!r}: {exc}")
-                    log.error("engine pid %d: %s; killing it", self.pid, violation)
-                    self._events.put(violation)
-                    self.kill()
-                    continue
-                self._route(event)
+            with stdout:  # closed at the pipe's end, not left to the collector (a ResourceWarning)
+                for raw in stdout:
+                    try:
+                        event = json.loads(raw)
+                        if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+                            raise ValueError("not an object with an 'event' field")
+                    except ValueError as exc:
+                        violation = EngineProtocolViolation(f"unparseable line {raw[:200]!r}: {exc}")
+                        log.error("engine pid %d: %s; killing it", self.pid, violation)
+                        self._events.put(violation)
+                        self.kill()
+                        continue
+                    self._route(event)
         except (OSError, ValueError):
             pass
         finally:
@@ -209,9 +210,11 @@ class EngineProcess:
 
     def wait(self, timeout: float | None = None) -> int | None:
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return None
+        self.close_input()  # an exited engine reads nothing more: its pipe is closed, not left to the collector
+        return code
 
     def describe_exit(self) -> str:
         code = self.wait(timeout=2.0)
