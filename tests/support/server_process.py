@@ -43,7 +43,11 @@ class ServerProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         if wait_healthy:
-            self.wait_healthy(wait_healthy)
+            try:
+                self.wait_healthy(wait_healthy)
+            except BaseException:
+                self.stop()  # a server that never became healthy is not left running (nor its log open)
+                raise
         return self
 
     def wait_healthy(self, timeout: float) -> None:
