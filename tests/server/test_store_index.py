@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import strata_sessionfile as sf
-from strata_server.store.folder import PENDING_SUFFIX, Fingerprints, StoreFolder, conversation_name
+from strata_server.ledger import SlotLedger
+from strata_server.store.folder import StoreFolder
 from strata_server.store.index import (
     BLOCK_TOKENS,
     StoredConversation,
@@ -15,6 +16,7 @@ from strata_server.store.index import (
     as_tokens,
     chain_hashes,
 )
+from strata_server.store.names import PENDING_SUFFIX, Fingerprints, conversation_name
 from strata_server.store.policy import plan, worth_saving
 from strata_server.store.store import SessionStore, StoreSettings
 from strata_sessionfile.testing.reference import fake_identity, memory_adapter_factory
@@ -155,7 +157,8 @@ def test_a_pending_file_left_by_a_kill_is_committed_when_whole_and_removed_when_
     data = folder.pending(cut).read_bytes()
     folder.pending(cut).write_bytes(data[:len(data) // 2])
     foreign, _ = pending(theirs, 3)
-    store = SessionStore(StoreSettings(folder=tmp_path, max_bytes=1 << 30, min_reuse=B, idle_s=0), engine=None)
+    store = SessionStore(StoreSettings(folder=tmp_path, max_bytes=1 << 30, min_reuse=B, idle_s=0), engine=None,
+                         ledger=SlotLedger(1))
     store.fingerprints = fingerprints
     store.scan()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([whole, foreign + PENDING_SUFFIX])
