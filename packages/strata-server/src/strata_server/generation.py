@@ -269,11 +269,11 @@ class CompletionRun:
 
     def start(self, lease: EngineLease) -> Iterator[dict]:
         """Send the COMPLETE; its events, watched for the client's departure (which cancels it)."""
+        assert lease.slot is not None, "a completion runs on a slot's lease"
         ping = self.ctx.config.sse_ping_interval if self.options.stream else 0
         # The engine's silence is broken every POLL_INTERVAL_S to see whether the client left.
         command = self.command if self.ctx.store is None else self.ctx.store.prepare(lease, self.command, lease.slot)
         self.prompt = command.get("prompt")
-        assert lease.slot is not None
         self.ctx.ledger.started(lease.slot, known_tokens(self.prompt),
                                 cache_prompt=command.get("cache_prompt", True) is not False)
         return watch_client(lease.request("COMPLETE", command, idle_s=POLL_INTERVAL_S),

@@ -29,9 +29,9 @@ from strata_engine.protocol import ErrorKind, Reason
 from ..engine.client import EngineClient, EngineLease, EngineState
 from ..errors import EngineDied, EngineReplyError
 from ..ledger import Origin, SlotLedger
-from ..tokens import common_prefix
+from ..tokens import as_tokens, common_prefix
 from .folder import StoreFolder
-from .index import StoreIndex, as_tokens
+from .index import StoreIndex
 from .metrics import Lookup, Row, SaveTrigger, StoreMetrics
 from .names import PENDING_SUFFIX, Fingerprints
 from .objects import ObjectShelf
@@ -77,7 +77,7 @@ class SessionStore:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.settings.ephemeral:
+        if self.settings.ephemeral and self.settings.folder is not None:
             shutil.rmtree(self.settings.folder, ignore_errors=True)
         self.shelf.create()
         self.saves.start()
@@ -160,7 +160,7 @@ class SessionStore:
         deadline = time.monotonic() + self.settings.shutdown_budget_s
         self.saves.drain(deadline)
         try:
-            if self.settings.ephemeral:
+            if self.settings.ephemeral and self.settings.folder is not None:
                 shutil.rmtree(self.settings.folder, ignore_errors=True)
             elif self._ready.is_set() and self.fingerprints is not None:
                 self.saves.save_every_slot(deadline, self.fingerprints)
