@@ -7,8 +7,9 @@ request's path), then the store fsyncs it (`sync_pending`), renames it to `<name
 off the request's path.
 Only committed files are read by a scan or restored.
 
-Names are content hashes (names.py), never anything a client sent; a scan reads only names of that form, so nothing else in the folder is opened, and another server's files (another model or
-setting, told apart by the header's fingerprints) are left alone.
+Names are content hashes (names.py), never anything a client sent; a scan reads only names of that form,
+so nothing else in the folder is opened, and another server's files (another model or setting, told apart
+by the header's fingerprints) are left alone.
 """
 
 from __future__ import annotations
