@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from strata_engine.protocol import ErrorKind
+from strata_engine.protocol import ErrorKind, ExitStatus
 from strata_server.engine.client import EngineLease, EngineState, EngineStatus, raise_for_error
 from strata_server.engine.process import encode_command
 from strata_server.errors import EngineUnavailable
+from strata_server.ledger import SlotLedger
 from strata_server.slot_manager import SlotManager
 
 from .fake_engine import FailStop, FakeEngine, status_of
@@ -72,12 +73,13 @@ class FakeEngineClient:
 
     def __init__(self, engine: FakeEngine, n_slots: int = 1, similarity: float = 0.1) -> None:
         self.engine = engine  # the slot-less one; its n_ctx is the total
-        self.slots = SlotManager(n_slots, similarity)
+        self.slots = SlotManager(SlotLedger(n_slots), similarity)
         self.slot_engines = [self._fresh(engine, engine.n_ctx // n_slots) for _ in range(n_slots)]
         self.state = EngineState.READY
         self.restarts = 0
         self.commands: list[str] = []
         self.n_forward_lost = 0  # the passes of slot engines replaced after a fail-stop
+        self.exit_listeners: list[Callable[[int], None]] = [self.slots.ledger.engine_exited]
 
     @staticmethod
     def _fresh(like: FakeEngine, n_ctx: int) -> FakeEngine:
@@ -107,12 +109,16 @@ class FakeEngineClient:
             raise EngineUnavailable()
         return FakeLease(self, None)
 
+    def add_exit_listener(self, listener: Callable[[int], None]) -> None:
+        self.exit_listeners.append(listener)
+
     def fail_stop(self) -> None:
         """What the supervisor does after exit 4: a fresh engine, every slot's conversation gone."""
         self.restarts += 1
         self.n_forward_lost += sum(e.n_forward for e in self.slot_engines)
         self.slot_engines = [self._fresh(e, e.n_ctx) for e in self.slot_engines]
-        self.slots.forget_all()
+        for listener in self.exit_listeners:
+            listener(ExitStatus.FAIL_STOP)
 
     def stop(self) -> None:
         self.state = EngineState.STOPPED

@@ -8,7 +8,9 @@ import time
 
 import pytest
 from strata_server.errors import SlotBusy
+from strata_server.ledger import Origin, SlotLedger
 from strata_server.slot_manager import SlotManager
+from strata_server.tokens import as_tokens
 
 from .checks import assert_error
 
@@ -23,7 +25,7 @@ def slot_post(client, slot: int, action: str, body: dict | None = None):
 
 
 def test_least_recently_used_idle_slot_first():
-    slots = SlotManager(3)
+    slots = SlotManager(SlotLedger(3))
     # Never used: a tie, which the peer's scan gives to the highest id.
     assert slots.acquire(0) == 2
     assert slots.acquire(0) == 1
@@ -33,9 +35,9 @@ def test_least_recently_used_idle_slot_first():
 
 
 def test_prefix_similarity_rule():
-    slots = SlotManager(3, similarity=0.5)
+    slots = SlotManager(SlotLedger(3), similarity=0.5)
     for slot_id, tokens in ((0, [1, 2, 3, 4]), (1, [1, 2, 9, 9]), (2, [])):
-        slots.set_tokens(slot_id, tokens)
+        slots.ledger.restored(slot_id, as_tokens(tokens), Origin.SLOT_FILE, "held.bin")
     # 4 of 5 prompt tokens shared with slot 0 (0.8 > 0.5); slot 1 shares 2 of 5 (0.4).
     assert slots.choose(prompt=[1, 2, 3, 4, 5]).id == 0
     # 2 of 6 (0.33) is not more than 0.5: the least recently used slot (the highest id on a tie).
@@ -46,7 +48,7 @@ def test_prefix_similarity_rule():
 
 
 def test_waiters_take_turns_in_arrival_order():
-    slots = SlotManager(1)
+    slots = SlotManager(SlotLedger(1))
     assert slots.acquire(0) == 0
     order: list[str] = []
 
@@ -69,7 +71,7 @@ def test_waiters_take_turns_in_arrival_order():
 
 
 def test_named_slot_waits_alone_and_times_out():
-    slots = SlotManager(2)
+    slots = SlotManager(SlotLedger(2))
     assert slots.acquire(0, id_slot=1) == 1
     start = time.monotonic()
     with pytest.raises(SlotBusy, match="slot 1 stayed busy"):

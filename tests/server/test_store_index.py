@@ -1,13 +1,17 @@
 """The session store's index and policy without a server: chained block hashes, the longest stored prefix
 checked token by token, least-recently-used eviction by bytes, the save / restore decisions, and the
-start-up scan of pending files a kill left behind."""
+start-up scan of pending files a kill left behind, the commit of a save (saving.py)."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
 import strata_sessionfile as sf
-from strata_server.store.folder import PENDING_SUFFIX, Fingerprints, StoreFolder, conversation_name
+from strata_server.ledger import Origin, SlotLedger
+from strata_server.store.folder import StoreFolder
 from strata_server.store.index import (
     BLOCK_TOKENS,
     StoredConversation,
@@ -15,7 +19,10 @@ from strata_server.store.index import (
     as_tokens,
     chain_hashes,
 )
+from strata_server.store.metrics import SaveTrigger, StoreMetrics
+from strata_server.store.names import PENDING_SUFFIX, Fingerprints, conversation_name
 from strata_server.store.policy import plan, worth_saving
+from strata_server.store.saving import PendingSave, Saves
 from strata_server.store.store import SessionStore, StoreSettings
 from strata_sessionfile.testing.reference import fake_identity, memory_adapter_factory
 
@@ -155,10 +162,47 @@ def test_a_pending_file_left_by_a_kill_is_committed_when_whole_and_removed_when_
     data = folder.pending(cut).read_bytes()
     folder.pending(cut).write_bytes(data[:len(data) // 2])
     foreign, _ = pending(theirs, 3)
-    store = SessionStore(StoreSettings(folder=tmp_path, max_bytes=1 << 30, min_reuse=B, idle_s=0), engine=None)
+    store = SessionStore(StoreSettings(folder=tmp_path, max_bytes=1 << 30, min_reuse=B, idle_s=0), engine=None,
+                         ledger=SlotLedger(1))
     store.fingerprints = fingerprints
     store.scan()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([whole, foreign + PENDING_SUFFIX])
     assert [c.name for c in store.index.over_limit(0)] == [whole]  # the only one indexed
     assert np.array_equal(store.index.get(whole).tokens, whole_tokens)
     assert sf.inspect(folder.file(whole)).payload_verified
+
+
+def test_a_commit_makes_room_indexes_the_file_and_tells_the_ledger_what_it_holds(tmp_path):
+    """The commit of a pending save, without an engine (saving.py): the file is synced and renamed, indexed,
+    the least recently used file evicted to fit the byte limit, and where the file holds other tokens than
+    the ledger tracked, the ledger takes the file's."""
+    identity = fake_identity("ours")
+    fingerprints = Fingerprints(identity.model.fingerprint.hex(), identity.config.fingerprint.hex())
+    folder = StoreFolder(tmp_path)
+
+    def written(seed: int) -> tuple[str, np.ndarray, int]:
+        scratch = tmp_path / "scratch.tmp"
+        sf.save(scratch, memory_adapter_factory(n_tokens=300, identity=identity)(seed))
+        toks = as_tokens(np.frombuffer(sf.inspect(scratch, verify=False).metadata.state.tokens, dtype="<i4"))
+        name = conversation_name(fingerprints, toks)
+        size = scratch.stat().st_size
+        scratch.rename(folder.pending(name))
+        return name, toks, size
+
+    first, first_tokens, size = written(1)
+    second, second_tokens, _ = written(2)
+    ledger = SlotLedger(1)
+    index, metrics = StoreIndex(), StoreMetrics()
+    settings = StoreSettings(folder=tmp_path, max_bytes=size + size // 2, min_reuse=B, idle_s=0)
+    saves = Saves(settings, None, ledger, folder, index, metrics, threading.RLock())
+
+    saves.commit(PendingSave(0, SaveTrigger.IDLE, first, first_tokens, fingerprints, size, 0.01))
+    assert [p.name for p in tmp_path.glob("*.ssf")] == [first] and index.get(first) is not None
+    tracked = as_tokens(second_tokens[:-3])  # the ledger lost track of the last tokens
+    ledger.restored(0, tracked, Origin.STORE, first)
+    saves.commit(PendingSave(0, SaveTrigger.SHUTDOWN, second, tracked, fingerprints, size, 0.01))
+    assert [p.name for p in tmp_path.iterdir()] == [second]  # the first evicted: both do not fit
+    assert index.get(first) is None and np.array_equal(index.get(second).tokens, second_tokens)
+    assert np.array_equal(ledger.tokens(0), second_tokens)
+    assert metrics.evictions == 1 and metrics.saves[SaveTrigger.IDLE] == metrics.saves[SaveTrigger.SHUTDOWN] == 1
+    saves.drain(time.monotonic() + 1)  # nothing pending: returns at once

@@ -45,12 +45,7 @@ def create_app(engine_client: EngineClient, config: ServerConfig, *, context: Se
                ) -> falcon.App:
     ctx = context or ServerContext(engine=engine_client, config=config, policy=SecurityPolicy(config),
                                    store=build_store(config, engine_client))
-    add_exit_listener = getattr(engine_client, "add_exit_listener", None)
-    if add_exit_listener is not None:
-        add_exit_listener(ctx.metrics.record_engine_exit)
-        add_exit_listener(lambda _code: ctx.slot_view.forget())  # the held conversation died with it
-        if ctx.store is not None:
-            add_exit_listener(ctx.store.engine_exited)
+    engine_client.add_exit_listener(ctx.metrics.record_engine_exit)
     app = falcon.App(middleware=[SecurityMiddleware(ctx.policy, engine_client)])
     for paths, resource_class in ROUTES:
         resource = resource_class(ctx)

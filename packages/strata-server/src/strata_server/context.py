@@ -1,20 +1,18 @@
-"""What every resource receives: the engine client, the config, metrics, the slot's last task."""
+"""What every resource receives: the engine client, the config, metrics, the session store."""
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from .config import ServerConfig
 from .engine.client import EngineClient
+from .ledger import SlotLedger
 from .metrics import Metrics
 from .security import SecurityPolicy
 from .store import SessionStore
 
-if TYPE_CHECKING:
-    from .params import CompletionOptions
 
 def _server_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -28,53 +26,18 @@ def _server_version() -> str:
 SERVER_VERSION = _server_version()
 
 
-class SlotView:
-    """What ``GET /slots`` shows about each slot's last task, kept without asking the engine."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.id_task = -1  # one counter for the server, as the peer's task ids
-        self.last: dict[int, dict[str, Any]] = {}
-
-    def record(self, slot_id: int, result: dict, options: CompletionOptions) -> None:
-        timings = result.get("timings") or {}
-        tokens = result.get("tokens") or []
-        settings = options.settings()
-        with self._lock:
-            self.id_task += 1
-            self.last[slot_id] = {
-                "id_task": self.id_task,
-                "n_prompt_tokens": result.get("tokens_evaluated", 0),
-                "n_prompt_tokens_processed": timings.get("prompt_n", 0),
-                "n_prompt_tokens_cache": timings.get("cache_n", 0),
-                "params": settings,
-                # A recorded task has ended: the peer shows n_remain -1 then, whatever n_predict was.
-                "next_token": [{"has_next_token": False, "has_new_line": "\n" in str(result.get("content", "")),
-                                "n_remain": -1, "n_decoded": len(tokens)}],
-            }
-
-    def forget(self, slot_id: int | None = None) -> None:
-        """Slot ``slot_id``'s conversation is gone (erase, restore); None: every slot's (an engine restart)."""
-        with self._lock:
-            if slot_id is None:
-                self.last.clear()
-            else:
-                self.last.pop(slot_id, None)
-
-    def snapshot(self, slot_id: int) -> dict[str, Any] | None:
-        with self._lock:
-            last = self.last.get(slot_id)
-            return dict(last) if last else None
-
-
 @attrs.frozen
 class ServerContext:
     engine: EngineClient
     config: ServerConfig
     policy: SecurityPolicy
     metrics: Metrics = attrs.Factory(Metrics)
-    slot_view: SlotView = attrs.Factory(SlotView)
     store: SessionStore | None = None  # --cache-disk / --cache-ram
+
+    @property
+    def ledger(self) -> SlotLedger:
+        """What each slot holds (the slot manager's ledger)."""
+        return self.engine.slots.ledger
 
     def engine_info(self) -> dict[str, Any]:
         return dict(self.engine.status().info or {})

@@ -25,6 +25,7 @@ from .context import ServerContext
 from .engine.client import IDLE_EVENT, EngineLease
 from .errors import EngineCallError, sse_error_frame
 from .params import CompletionOptions
+from .tokens import known_tokens
 
 FINISH_REASONS = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
 SSE_PING = b":\n\n"
@@ -249,14 +250,6 @@ class ChatCompletionFormat(ResponseFormat):
             usage=self.usage(result), timings=result.get("timings", {})), probs)
 
 
-def held_tokens(prompt: Any, result: dict) -> list[int] | None:
-    """What the slot holds after a COMPLETE of ``prompt``: (prompt + generated)[:n_tokens_held], when the
-    prompt was token ids; None (unknown) for a text prompt, which the engine tokenized."""
-    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-        return None
-    return (prompt + list(result.get("tokens") or []))[: int(result.get("n_tokens_held", 0))]
-
-
 class CompletionRun:
     """One COMPLETE of a request (one task: a prompt, or one of ``n`` choices), run on a lease that
     ``batch.BatchRun`` holds: ``start`` sends it, then ``collect`` gathers the JSON answer or
@@ -276,20 +269,20 @@ class CompletionRun:
 
     def start(self, lease: EngineLease) -> Iterator[dict]:
         """Send the COMPLETE; its events, watched for the client's departure (which cancels it)."""
+        assert lease.slot is not None, "a completion runs on a slot's lease"
         ping = self.ctx.config.sse_ping_interval if self.options.stream else 0
         # The engine's silence is broken every POLL_INTERVAL_S to see whether the client left.
         command = self.command if self.ctx.store is None else self.ctx.store.prepare(lease, self.command, lease.slot)
         self.prompt = command.get("prompt")
-        self.ctx.engine.slots.set_tokens(lease.slot, None)  # unknown until its result
+        self.ctx.ledger.started(lease.slot, known_tokens(self.prompt),
+                                cache_prompt=command.get("cache_prompt", True) is not False)
         return watch_client(lease.request("COMPLETE", command, idle_s=POLL_INTERVAL_S),
                             self.client, lease.cancel, ping_s=ping)
 
     def _record(self, result: dict, lease: EngineLease) -> None:
         self.ctx.metrics.record_completion(result)
-        self.ctx.slot_view.record(lease.slot, result, self.options)
-        self.ctx.engine.slots.set_tokens(lease.slot, held_tokens(self.prompt, result))
-        if self.ctx.store is not None:
-            self.ctx.store.completed(result, lease.slot)
+        assert lease.slot is not None
+        self.ctx.ledger.completed(lease.slot, result, self.options.settings())
 
     def collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
         probs = []

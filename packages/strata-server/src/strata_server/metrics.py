@@ -88,7 +88,7 @@ class Metrics:
 
     def render(self, slots: SlotManager, engine_restarts: int, n_forward: int) -> str:
         """The text of /metrics; ``n_forward``: the engine's forward passes (``EngineStatus.n_forward``)."""
-        states = slots.snapshot()
+        states, held = slots.snapshot(), slots.ledger.snapshot()
         waiting = slots.waiting
         with self._lock:
             rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
@@ -121,8 +121,8 @@ class Metrics:
                 ("strata:slot_is_processing", "gauge", "Whether the slot is serving a request (1) or idle (0).",
                  [(f'{{id_slot="{s.id}"}}', int(s.busy)) for s in states]),
                 ("strata:slot_tokens_held", "gauge", "Tokens the slot holds as far as the server knows "
-                 "(absent: unknown).", [(f'{{id_slot="{s.id}"}}', len(s.tokens)) for s in states
-                                        if s.tokens is not None]),
+                 "(absent: unknown).", [(f'{{id_slot="{i}"}}', r.n_tokens) for i, r in enumerate(held)
+                                        if r.n_tokens is not None]),
                 ("strata:slot_saves_total", "counter", "Slot saves completed.", [("", self.saves)]),
                 ("strata:slot_save_bytes_total", "counter", "Bytes written by slot saves.", [("", self.save_bytes)]),
                 ("strata:slot_save_milliseconds_total", "counter", "Time spent in slot saves.",

@@ -1,7 +1,8 @@
 """Which slot a request gets: ``--parallel N`` slots, each idle or busy, with what it holds and when it
 was last used; requests that find none idle wait in arrival order (bounded), as llama-server defers them.
 
-The choice is llama-server's (``get_available_slot``, tools/server/server-context.cpp): a request naming
+What each slot holds is the ledger's (ledger.py); this module keeps who holds the slot. The choice is
+llama-server's (``get_available_slot``, tools/server/server-context.cpp): a request naming
 ``id_slot`` gets that slot (it waits for that slot alone). Otherwise, among idle slots holding tokens, the
 one whose held tokens share the longest prefix with the prompt, as a fraction of the prompt's length,
 when that fraction exceeds ``--slot-prompt-similarity`` (0 turns the rule off); else the least recently
@@ -17,6 +18,8 @@ from collections.abc import Sequence
 import attrs
 
 from .errors import SlotBusy
+from .ledger import SlotLedger
+from .tokens import common_prefix
 
 DEFAULT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity default
 
@@ -27,25 +30,11 @@ def invalid_slot_message(id_slot: object, n_slots: int) -> str:
     return f"Invalid slot ID: {id_slot}; this server has {have}"
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 @attrs.define
 class Slot:
     id: int
     busy: bool = False
-    tokens: tuple[int, ...] | None = ()  # what it holds as far as the server knows; None: unknown
     last_used: float = -1.0  # monotonic time it was last released; -1: never used
-
-    def similarity(self, prompt: Sequence[int]) -> float:
-        if not self.tokens or not prompt:
-            return 0.0
-        return common_prefix(self.tokens, prompt) / len(prompt)
 
 
 @attrs.define(eq=False)
@@ -57,10 +46,10 @@ class _Waiter:
 
 
 class SlotManager:
-    def __init__(self, n_slots: int = 1, similarity: float = DEFAULT_SIMILARITY) -> None:
-        assert n_slots >= 1
+    def __init__(self, ledger: SlotLedger, similarity: float = DEFAULT_SIMILARITY) -> None:
         self.similarity = similarity
-        self.slots = tuple(Slot(i) for i in range(n_slots))
+        self.ledger = ledger  # what the slots hold (the choice reads it); this manager keeps who holds them
+        self.slots = tuple(Slot(i) for i in range(ledger.n_slots))
         self._lock = threading.Lock()
         self._queue: list[_Waiter] = []  # arrival order
 
@@ -81,12 +70,18 @@ class SlotManager:
         if prompt and self.similarity > 0:
             best, best_sim = None, 0.0
             for slot in idle:
-                sim = slot.similarity(prompt)
+                sim = self._similarity(slot.id, prompt)
                 if sim > best_sim and sim > self.similarity:
                     best, best_sim = slot, sim
             if best is not None:
                 return best
         return min(idle, key=lambda s: (s.last_used, -s.id))
+
+    def _similarity(self, slot_id: int, prompt: Sequence[int]) -> float:
+        held = self.ledger.tokens(slot_id)
+        if held is None or not len(held) or not prompt:
+            return 0.0
+        return common_prefix(held, prompt) / len(prompt)
 
     # --- leasing ---------------------------------------------------------------------------------
 
@@ -132,18 +127,6 @@ class SlotManager:
             if used:
                 slot.last_used = time.monotonic()
             self._dispatch()
-
-    # --- what the slots hold ---------------------------------------------------------------------
-
-    def set_tokens(self, slot_id: int, tokens: Sequence[int] | None) -> None:
-        with self._lock:
-            self.slots[slot_id].tokens = None if tokens is None else tuple(tokens)
-
-    def forget_all(self) -> None:
-        """The engine restarted: every slot is empty."""
-        with self._lock:
-            for slot in self.slots:
-                slot.tokens = ()
 
     # --- reporting -------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import enum
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -112,6 +112,10 @@ class EngineClient(Protocol):
 
     def command(self) -> EngineLease:
         """A lease on no slot, for commands that need none; raises ``EngineUnavailable``."""
+
+    def add_exit_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(exit status)`` whenever the engine process exits, after the slots' ledger forgot
+        what they held."""
 
     def stop(self) -> None: ...
 

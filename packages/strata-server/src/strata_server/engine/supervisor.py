@@ -19,6 +19,7 @@ import attrs
 from strata_engine.protocol import PROTOCOL_VERSION, ExitStatus
 
 from ..errors import EngineDied, EngineProtocolViolation, EngineUnavailable
+from ..ledger import SlotLedger
 from ..slot_manager import DEFAULT_SIMILARITY, SlotManager
 from .client import EngineState, EngineStatus
 from .process import EngineProcess, ProcessLease, describe_exit_status
@@ -73,14 +74,14 @@ class EngineSupervisor:
         self.policy = policy
         self.settings = settings
         self.on_give_up = on_give_up
-        self.slots = SlotManager(settings.n_slots, settings.slot_prompt_similarity)
+        self.slots = SlotManager(SlotLedger(settings.n_slots), settings.slot_prompt_similarity)
         self._mutex = threading.Lock()
         self._wake = threading.Event()
         self._status = EngineStatus(EngineState.STARTING, message="Loading model")
         self._process: EngineProcess | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._exit_listeners: list[Callable[[int], None]] = []
+        self._exit_listeners: list[Callable[[int], None]] = [self.slots.ledger.engine_exited]  # slots die with it
         self._incompatible: str | None = None
         self._n_forward = 0  # every process's forward passes (EngineStatus.n_forward)
 
@@ -196,7 +197,6 @@ class EngineSupervisor:
             fatal_message = self._await_ready(process)
             code = process.wait()
             assert code is not None
-            self.slots.forget_all()  # every slot's conversation died with it
             for listener in self._exit_listeners:
                 listener(code)
             if self._stopping:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import falcon
 import numpy as np
@@ -20,21 +21,40 @@ from strata_engine.protocol import ErrorKind
 from ..context import ServerContext
 from ..errors import ApiError, EngineDied, EngineReplyError, ErrorType, invalid_request
 from ..filenames import InvalidFilename, resolve_slot_file
+from ..ledger import LastTask, Origin, SlotRecord
 from ..params import read_json
 from ..security import check_slot_action
 from ..slot_manager import invalid_slot_message
+from ..tokens import as_tokens
 
 _SLOT_ID = re.compile(r"^[+-]?\d+$")
 SLOT_ACTIONS_DISABLED = "This server does not support slots action. Start it with `--slot-save-path`"
 SLOTS_ENDPOINT_DISABLED = "This server does not support slots endpoint. Start it with `--slots`"
 
 
-def file_tokens(path: Path) -> list[int] | None:
+def file_tokens(path: Path) -> np.ndarray | None:
     """The tokens a restored session file put in the slot (for the next request's slot choice); None: unknown."""
     try:
-        return list(np.frombuffer(sf.inspect(path, verify=False, read_threads=1).metadata.state.tokens, dtype="<i4"))
+        return as_tokens(np.frombuffer(sf.inspect(path, verify=False, read_threads=1).metadata.state.tokens,
+                                       dtype="<i4"))
     except (sf.SessionFileError, OSError):
         return None
+
+
+def last_task_fields(task: LastTask) -> dict[str, Any]:
+    """The peer's fields of a slot's last task in ``GET /slots``."""
+    return {"id_task": task.id_task, "n_prompt_tokens": task.n_prompt_tokens,
+            "n_prompt_tokens_processed": task.n_prompt_tokens_processed,
+            "n_prompt_tokens_cache": task.n_prompt_tokens_cache, "params": dict(task.params),
+            # A recorded task has ended: the peer shows n_remain -1 then, whatever n_predict was.
+            "next_token": [{"has_next_token": False, "has_new_line": task.has_new_line, "n_remain": -1,
+                            "n_decoded": task.n_decoded}]}
+
+
+def conversation_fields(record: SlotRecord) -> dict[str, Any]:
+    """Strata's ``conversation`` of a slot in ``GET /slots``: where what it holds came from."""
+    return {"origin": record.origin.value, "file": record.file, "n_restored": record.n_restored,
+            "n_tokens": record.n_tokens}
 
 
 class SlotsResource:
@@ -54,11 +74,12 @@ class SlotsResource:
             raise ApiError(ErrorType.UNAVAILABLE, "no slot available")
         n_ctx = self.ctx.n_ctx_slot()
         answer = []
-        for s in slots:
+        for s, record in zip(slots, self.ctx.ledger.snapshot(), strict=True):
             slot = {"id": s.id, "n_ctx": n_ctx, "speculative": False, "is_processing": s.busy}
-            slot.update(self.ctx.slot_view.snapshot(s.id) or {})
+            if record.last_task is not None:
+                slot.update(last_task_fields(record.last_task))
             if self.ctx.store is not None:  # Strata's: where the slot's conversation came from
-                slot["conversation"] = self.ctx.store.slot_info(s.id)
+                slot["conversation"] = conversation_fields(record)
             answer.append(slot)
         resp.media = answer
 
@@ -140,14 +161,14 @@ class SlotsResource:
                                           f"{exc.message}; the conversation is kept", reason=reason) from None
                 if exc.kind == ErrorKind.SLOT_FAILED:  # protocol v2: that slot erased, the others go on
                     self.ctx.metrics.record_fail_stop()
-                    self._lost(slot_id)
+                    self.ctx.ledger.erased(slot_id)
                     raise ApiError(ErrorType.SERVER, f"Unable to restore slot: {filename!r} failed after the "
                                    f"restore began writing ({exc.reason or 'slot_failed'}): {exc.message}; slot "
                                    f"{slot_id} was erased (its conversation is lost), the other slots are untouched",
                                    reason=exc.reason or "slot_failed") from None
                 if exc.kind == ErrorKind.FAIL_STOP:
                     self.ctx.metrics.record_fail_stop()
-                    self.ctx.slot_view.forget(slot_id)
+                    self.ctx.ledger.erased(slot_id)
                     raise ApiError(ErrorType.SERVER, f"Unable to restore slot: {filename!r} failed after the "
                                    f"restore began writing ({exc.reason or 'fail_stop'}): {exc.message}; the "
                                    "engine is restarting and the conversation is lost",
@@ -155,33 +176,21 @@ class SlotsResource:
                 raise
             except EngineDied as exc:
                 self.ctx.metrics.record_fail_stop()
-                self.ctx.slot_view.forget(slot_id)
+                self.ctx.ledger.erased(slot_id)
                 raise ApiError(ErrorType.SERVER, f"Unable to restore slot: the engine stopped during the restore "
                                f"({exc.detail}); it is restarting and the conversation is lost",
                                reason="engine_died") from None
         n_read = int(result.get("n_read", 0))
         restore_ms = float(result.get("restore_ms", 0.0))
         self.ctx.metrics.record_restore(n_read, restore_ms)
-        self.ctx.slot_view.forget(slot_id)
-        self.ctx.engine.slots.set_tokens(slot_id, file_tokens(path))
-        if self.ctx.store is not None:
-            self.ctx.store.slot_restored_from(slot_id, path)
+        self.ctx.ledger.restored(slot_id, file_tokens(path), Origin.SLOT_FILE, path.name)
         return {"id_slot": slot_id, "filename": filename, "n_restored": int(result.get("n_restored", 0)),
                 "n_read": n_read, "timings": {"restore_ms": restore_ms}}
-
-    def _lost(self, slot_id: int) -> None:
-        self.ctx.slot_view.forget(slot_id)
-        self.ctx.engine.slots.set_tokens(slot_id, ())
-        if self.ctx.store is not None:
-            self.ctx.store.slot_erased(slot_id)
 
     def _erase(self, req: falcon.Request, slot_id: int) -> dict:
         with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:
             lease.used = False
             result = lease.call("ERASE", {})
         self.ctx.metrics.record_erase()
-        self.ctx.slot_view.forget(slot_id)
-        self.ctx.engine.slots.set_tokens(slot_id, ())
-        if self.ctx.store is not None:
-            self.ctx.store.slot_erased(slot_id)
+        self.ctx.ledger.erased(slot_id)
         return {"id_slot": slot_id, "n_erased": int(result.get("n_erased", 0))}

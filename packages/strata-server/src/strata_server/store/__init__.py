@@ -2,13 +2,16 @@
 alone): every conversation kept as a format v1 session file (or object), the longest stored prefix of each prompt
 restored into the slot.
 
+* names.py: the content-hash names of files and objects (a leaf).
 * index.py: the in-memory index (chained token-block hashes, longest prefix, least-recently-used by bytes).
-* folder.py: the folder (content-hash names, reading headers and metadata, moving bad files aside).
-* policy.py: when to save and restore (pure decisions).
-* store.py: `SessionStore`, the request-path hooks, the idle saver, the shutdown saves.
+* shelf.py: the `Shelf` protocol, what the store keeps conversations on:
+  * folder.py: the folder (reading headers and metadata, committing, moving bad files aside);
+  * objects.py: without --cache-disk, the objects themselves (saved to and restored from).
 * remote.py: the object store of a fleet (`--cache-store s3://BUCKET/PREFIX`): listing, headers, uploads.
-* objects.py: the shelf without --cache-disk: conversations saved to and restored from the objects themselves.
-* metrics.py: its Prometheus series.
+* policy.py: when to save and restore (pure decisions).
+* saving.py: the saves, their commits (a thread of their own), the pending saves a lookup waits for, eviction.
+* store.py: `SessionStore`: the start-up scan, the request path's lookup, fetch and restore, shutdown.
+* settings.py: `StoreSettings`; metrics.py: its Prometheus series.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import strata_sessionfile as sf
 
 from ..config import ServerConfig
 from ..engine.client import EngineClient
-from .folder import Fingerprints
 from .index import BLOCK_TOKENS, StoreIndex
+from .names import Fingerprints
 from .remote import RemoteSettings
-from .store import MIB, Origin, SessionStore, StoreSettings
+from .settings import MIB, StoreSettings
+from .store import SessionStore
 
 UNBOUNDED = 1 << 62
 RAM_FOLDER_ROOT = Path("/dev/shm")  # tmpfs: a RAM-only store's files live in memory
@@ -57,8 +61,8 @@ def store_settings(config: ServerConfig) -> StoreSettings | None:
 
 def build_store(config: ServerConfig, engine: EngineClient) -> SessionStore | None:
     settings = store_settings(config)
-    return SessionStore(settings, engine, n_slots=config.engine.n_slots) if settings is not None else None
+    return SessionStore(settings, engine, engine.slots.ledger) if settings is not None else None
 
 
-__all__ = ["BLOCK_TOKENS", "Fingerprints", "Origin", "SessionStore", "StoreIndex", "StoreSettings", "build_store",
+__all__ = ["BLOCK_TOKENS", "Fingerprints", "SessionStore", "StoreIndex", "StoreSettings", "build_store",
            "store_settings"]

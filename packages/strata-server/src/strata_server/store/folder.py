@@ -1,78 +1,47 @@
-"""The store's folder: the names the server gives its files, reading a file's identity and tokens
-(header and metadata only, through strata-sessionfile), committing a pending file, moving a bad file
-aside, and removing one.
+"""The store's folder (a `shelf.Shelf`): reading a file's identity and tokens (header and metadata only,
+through strata-sessionfile), committing a pending file, moving a bad file aside, and removing one; with
+--cache-store, the object store's tier behind it (committed files uploaded, found objects downloaded).
 
 A save lands in two steps: the engine writes `<name>.pending` without fsync (SAVE with "sync": false, in the
 request's path), then the store fsyncs it (`sync_pending`), renames it to `<name>` and fsyncs the folder (`publish`),
 off the request's path.
 Only committed files are read by a scan or restored.
 
-Names are content hashes (`conversation_name`), never anything a client sent; a scan reads only names
-of that form, so nothing else in the folder is opened, and another server's files (another model or
-setting, told apart by the header's fingerprints) are left alone.
+Names are content hashes (names.py), never anything a client sent; a scan reads only names of that form,
+so nothing else in the folder is opened, and another server's files (another model or setting, told apart
+by the header's fingerprints) are left alone.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import attrs
 import numpy as np
 import strata_sessionfile as sf
-import xxhash
 
 from .index import StoredConversation
-
-if TYPE_CHECKING:
-    from .remote import Candidate, RemoteTier
+from .names import NAME, PENDING, PENDING_SUFFIX, Fingerprints
+from .remote import Candidate, RemoteTier
+from .shelf import Adoption
 
 log = logging.getLogger("strata_server.store")
 
-SUFFIX = ".ssf"
-NAME = re.compile(r"^[0-9a-f]{32}\.ssf$")
-PENDING_SUFFIX = ".pending"  # written by the engine, not yet fsynced: never indexed under this name
-PENDING = re.compile(r"^([0-9a-f]{32}\.ssf)\.pending$")
 BAD_FOLDER = ".bad"  # files that failed validation are moved here, never restored
 FOLDER_MODE = 0o700
 
 
-@attrs.frozen
-class Fingerprints:
-    """The engine's session fingerprints (its ready line's `session_fingerprints`), as hex."""
-
-    model: str
-    config: str
-
-    @classmethod
-    def of_ready_line(cls, info: dict) -> Fingerprints | None:
-        fp = info.get("session_fingerprints")
-        if not isinstance(fp, dict) or not isinstance(fp.get("model"), str) or not isinstance(fp.get("config"), str):
-            return None
-        return cls(fp["model"], fp["config"])
-
-
-def conversation_name(fingerprints: Fingerprints, tokens: np.ndarray) -> str:
-    """The file name of a conversation: XXH3-128 of the engine's fingerprints and the token ids, so two
-    engines sharing the folder never write the same name for different files."""
-    h = xxhash.xxh3_128()
-    h.update(bytes.fromhex(fingerprints.model) + bytes.fromhex(fingerprints.config))
-    h.update(tokens.astype("<i4", copy=False).tobytes())
-    return h.hexdigest() + SUFFIX
-
-
 class StoreFolder:
-    local = True  # saves are files here (uploaded behind it with --cache-store); objects are downloaded into it
-
-    def __init__(self, path: Path, key: sf.SessionKey | None = None, require_mac: bool = False) -> None:
+    def __init__(self, path: Path, key: sf.SessionKey | None = None, require_mac: bool = False,
+                 remote: RemoteTier | None = None) -> None:
         self.path = path
         self.key = key  # a file whose MAC does not check under it (or that has none, when required) is bad
         self.require_mac = require_mac
+        self.remote = remote  # --cache-store: the object store behind the folder
 
     def create(self) -> None:
         """The folder, created 0700 if missing (an existing one keeps its mode)."""
@@ -91,10 +60,16 @@ class StoreFolder:
         objects.ObjectShelf's is an object."""
         return {"path": str(self.pending(name)), "sync": False}
 
-    def adopt(self, candidate: Candidate, fingerprints: Fingerprints, remote: RemoteTier) -> StoredConversation | None:
+    def adopt(self, candidate: Candidate, fingerprints: Fingerprints) -> Adoption:
         """An object the store's lookup found: downloaded into the folder, then read as any file of it."""
-        remote.download(candidate, self.path)
-        return self.conversation(candidate.name, fingerprints)
+        assert self.remote is not None, "only a folder with an object store behind it finds objects"
+        path = self.remote.download(candidate, self.path)
+        return Adoption(self.conversation(candidate.name, fingerprints), path.stat().st_size)
+
+    def share(self, name: str, fingerprints: Fingerprints, tokens: np.ndarray) -> None:
+        """A committed file uploaded to the object store behind the folder (off this thread), if any."""
+        if self.remote is not None:
+            self.remote.upload(self.file(name), fingerprints, tokens)
 
     def names(self) -> Iterator[str]:
         with os.scandir(self.path) as entries:
@@ -121,9 +96,7 @@ class StoreFolder:
                      verify: bool = False) -> StoredConversation | None:
         """The stored conversation of one file, or None when it belongs to another engine."""
         inspection, size = self.read(name, pending, verify)
-        header = inspection.header
-        if (header.model_fingerprint.hex(), header.config_fingerprint.hex()) != (fingerprints.model,
-                                                                                  fingerprints.config):
+        if not fingerprints.match(inspection.header):
             return None
         return StoredConversation(name, size, np.frombuffer(inspection.metadata.state.tokens, dtype="<i4"))
 

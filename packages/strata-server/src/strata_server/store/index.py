@@ -12,20 +12,15 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import attrs
 import numpy as np
 import xxhash
 
+from ..tokens import as_tokens, common_prefix
+
 BLOCK_TOKENS = 256  # tokens per hashed block: a prefix shorter than one block is never found
-
-
-def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as a read-only little-endian int32 array (the form every hash is taken of)."""
-    array = np.array(tokens, dtype="<i4")
-    array.flags.writeable = False
-    return array
 
 
 def chain_hashes(tokens: np.ndarray, block: int = BLOCK_TOKENS) -> list[int]:
@@ -36,12 +31,6 @@ def chain_hashes(tokens: np.ndarray, block: int = BLOCK_TOKENS) -> list[int]:
         h = xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + data[start:start + block].tobytes())
         hashes.append(h)
     return hashes
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 @attrs.frozen(eq=False)

@@ -24,9 +24,10 @@ import strata_sessionfile as sf
 from strata_sessionfile import errors as E
 from strata_sessionfile.seam import S3_SCHEME
 
-from .folder import NAME, Fingerprints
 from .index import StoredConversation
+from .names import NAME, Fingerprints
 from .remote import Candidate, RemoteTier
+from .shelf import Adoption
 
 log = logging.getLogger("strata_server.store")
 
@@ -36,7 +37,9 @@ TRANSIENT_REASONS = frozenset(cls.reason for cls in (E.ObjectReplaced, E.StoreUn
 
 
 class ObjectShelf:
-    local = False  # a save is the object: nothing to upload; nothing downloaded for a restore
+    """A `shelf.Shelf` of objects: a save is the object (a multipart upload that appears whole, durable at
+    once: its commit steps do nothing), shared with the fleet as it lands; a found object is restored from
+    where it is."""
 
     def __init__(self, remote: RemoteTier) -> None:
         self.remote = remote
@@ -71,25 +74,37 @@ class ObjectShelf:
             self._keys[name] = prefix + name
         return {"path": self.file(name)}
 
-    def conversation(self, name: str, fingerprints: Fingerprints) -> StoredConversation | None:
-        """The object just saved, read back (its header and metadata: one ranged GET)."""
+    def conversation(self, name: str, fingerprints: Fingerprints, pending: bool = False,
+                     verify: bool = False) -> StoredConversation | None:
+        """An object read back (its header and metadata: one ranged GET; with `verify`, all of it). An object
+        has no pending stage: `pending` reads the object itself."""
         from strata_sessionfile.objstore import S3Source
 
         with S3Source(self.remote.client, self.remote.settings.bucket, self._key(name)) as source:
-            inspection = sf.inspect(source, verify=False, read_threads=1, key=self.remote.key,
+            inspection = sf.inspect(source, verify=verify, read_threads=1, key=self.remote.key,
                                     require_mac=self.remote.require_mac)
             size = source.stamp().size
-        header = inspection.header
-        if (header.model_fingerprint.hex(), header.config_fingerprint.hex()) != (fingerprints.model,
-                                                                                  fingerprints.config):
+        if not fingerprints.match(inspection.header):
             return None
         return StoredConversation(name, size, np.frombuffer(inspection.metadata.state.tokens, dtype="<i4"))
 
-    def adopt(self, candidate: Candidate, fingerprints: Fingerprints, remote: RemoteTier) -> StoredConversation:
+    def sync_pending(self, name: str) -> None:
+        pass  # an object is durable once its upload completes
+
+    def publish(self, name: str) -> None:
+        pass  # an object appears under its key whole, when its upload completes
+
+    def remove_pending(self, name: str) -> None:
+        self.remove(name)  # a saved object not kept: deleted
+
+    def share(self, name: str, fingerprints: Fingerprints, tokens: np.ndarray) -> None:
+        pass  # saved under the key another server's lookup lists: the fleet's already
+
+    def adopt(self, candidate: Candidate, fingerprints: Fingerprints) -> Adoption:
         """A conversation the object store holds for a prompt, restored from there (no download)."""
         with self._lock:
             self._keys[candidate.name] = candidate.key
-        return StoredConversation(candidate.name, candidate.nbytes, candidate.tokens)
+        return Adoption(StoredConversation(candidate.name, candidate.nbytes, candidate.tokens), 0)
 
     def used_at(self, name: str) -> float:
         return 0.0
@@ -110,10 +125,6 @@ class ObjectShelf:
             return False
         self.remote.forget(key)
         return True
-
-    def forget(self, name: str) -> None:
-        with self._lock:
-            self._keys.pop(name, None)
 
     def move_aside(self, name: str, reason: str) -> None:
         """A refused object: forgotten; unless refused for a reason of the moment, never used again."""

@@ -15,7 +15,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from .index import BLOCK_TOKENS, Match, common_prefix
+from ..tokens import common_prefix
+from .index import BLOCK_TOKENS, Match
 
 
 @attrs.frozen

@@ -30,8 +30,9 @@ import numpy as np
 import strata_sessionfile as sf
 from strata_sessionfile.seam import S3_SCHEME
 
-from .folder import NAME, Fingerprints, conversation_name
-from .index import BLOCK_TOKENS, chain_hashes, common_prefix
+from ..tokens import common_prefix
+from .index import BLOCK_TOKENS, chain_hashes
+from .names import NAME, Fingerprints, conversation_name
 
 log = logging.getLogger("strata_server.store")
 
@@ -167,9 +168,7 @@ class RemoteTier:
             with S3Source(self.client, self.settings.bucket, key) as source:
                 inspection = sf.inspect(source, verify=False, read_threads=1, key=self.key,
                                         require_mac=self.require_mac)
-            header = inspection.header
-            if (header.model_fingerprint.hex(), header.config_fingerprint.hex()) == (fingerprints.model,
-                                                                                      fingerprints.config):
+            if fingerprints.match(inspection.header):
                 tokens = np.frombuffer(inspection.metadata.state.tokens, dtype="<i4").copy()
         except sf.SessionFileError as exc:
             log.warning("session store: object %s refused (%s); not used", key, exc.reason)
