@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
+with contextlib.suppress(ImportError):  # absent where strata-sessionfile is tested alone
+    import strata_engine.process_env  # noqa: F401  (first: the engine's environment for in-process runners)
+
+# isort: split
 from pathlib import Path
 
 import pytest

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import strata_engine  # noqa: F401  (first: its OPENBLAS_THREAD_TIMEOUT must precede numpy's BLAS)
+import strata_engine.process_env  # noqa: F401  (first: the engine's environment precedes numpy's OpenBLAS)
 
 # isort: split
 import numpy as np

@@ -23,7 +23,7 @@ import time
 # the engine's package before numpy, as in the engine's own process: it sets OpenBLAS's thread timeout,
 # read when numpy loads OpenBLAS (imported after numpy, BLAS threads spin ~0.1 s after each call, slowing the
 # kernels that follow: gemma3's prefill at 4,096 held by ~25 %, bench/engine/DECISIONS.md "Compiled kernels")
-import strata_engine  # noqa: F401
+import strata_engine.process_env  # noqa: F401  (first: the engine's environment precedes numpy's OpenBLAS)
 
 # isort: split
 import numpy as np

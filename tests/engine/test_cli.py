@@ -4,6 +4,7 @@ on stdout for `serve`, and `generate` streaming text for people."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,15 @@ def test_a_serve_that_compiled_kernels_starts_over_before_its_ready_line(tmp_pat
     assert STARTING_OVER not in err_again and text_again == text
     once, text_once, err_once = _serve_once(tmp_path / "other", **{RESTARTED_ENV: "1"})
     assert STARTING_OVER not in err_once and text_once == text
+
+
+def test_only_the_cli_sets_the_engine_process_environment():
+    """Importing the library (as the server does) leaves os.environ alone; the CLI sets the engine's
+    OpenBLAS thread timeout before numpy loads."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    show = "import os, sys; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'), 'numpy' in sys.modules)"
+    library = f"import strata_engine, strata_engine.settings, strata_engine.protocol; {show}"
+    cli = f"import strata_engine.cli; {show}"
+    outputs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+               for code in (library, cli)]  # fmt: skip
+    assert [o.stdout.split() for o in outputs] == [["None", "False"], ["4", "True"]], [o.stderr for o in outputs]

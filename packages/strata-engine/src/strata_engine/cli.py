@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from . import process_env  # noqa: F401  (first: the process's environment precedes numpy's OpenBLAS)
+
+# isort: split
 import argparse
 import json
 import logging
