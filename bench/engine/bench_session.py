@@ -29,16 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
+from strata_engine.client import EngineProcess
 
 REPO = Path(__file__).resolve().parents[2]
 REFERENCE = REPO / "tests" / "reference"
@@ -56,75 +54,29 @@ def model_path(name: str) -> Path:
     return Path(assemble())
 
 
-class Engine:
-    def __init__(self, model: str, *args: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(model_path(model)), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        )
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        ready = self._next()
-        assert ready["event"] == "ready", ready
+def engine(model: str, *args: str) -> EngineProcess:
+    return EngineProcess(model_path(model), *args, timeout_s=3600)
 
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
 
-    def _next(self) -> dict:
-        raw = self.lines.get(timeout=3600)
-        if raw is None:
-            raise RuntimeError(f"engine exited with {self.proc.wait()}")
-        return json.loads(raw)
+def timed(engine: EngineProcess, verb: str, argument: dict) -> tuple[dict, float]:
+    """A command's result and its wall time."""
+    t0 = time.perf_counter()
+    result = engine.result(verb, argument)
+    return result, time.perf_counter() - t0
 
-    def command(self, line: str) -> tuple[dict, float]:
-        t0 = time.perf_counter()
-        self.proc.stdin.write(line.encode() + b"\n")
-        self.proc.stdin.flush()
-        while True:
-            obj = self._next()
-            if obj["event"] in ("result", "error"):
-                wall = time.perf_counter() - t0
-                if obj["event"] == "error":
-                    raise RuntimeError(f"{line[:40]}: {obj['error']}")
-                return obj, wall
 
-    def complete(self, prompt: list[int], n_predict: int = 16) -> tuple[dict, float]:
-        req = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True}
-        return self.command("COMPLETE " + json.dumps(req))
+def complete(engine: EngineProcess, prompt: list[int], n_predict: int = 16) -> tuple[dict, float]:
+    return timed(engine, "COMPLETE", {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True})
 
-    def status_kib(self, key: str) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-        raise KeyError(key)
 
-    def reset_peak(self) -> bool:
-        try:
-            with open(f"/proc/{self.proc.pid}/clear_refs", "w") as f:
-                f.write("5")
-            return True
-        except OSError:
-            return False
-
-    def restore_measured(self, path: Path) -> dict:
-        rss_before = self.status_kib("VmRSS")
-        exact = self.reset_peak()
-        result, wall = self.command("RESTORE " + json.dumps({"path": str(path)}))
-        rss_after = self.status_kib("VmRSS")
-        peak = self.status_kib("VmHWM") if exact else max(rss_after, rss_before)
-        return {**result, "wall_s": wall, "rss_before": rss_before, "rss_after": rss_after, "rss_peak": peak,
-                "peak_above_before": peak - rss_before, "transient": peak - rss_after, "peak_exact": exact}
-
-    def quit(self) -> None:
-        try:
-            self.proc.stdin.write(b"QUIT\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass
-        self.proc.wait(timeout=120)
+def restore_measured(engine: EngineProcess, path: Path) -> dict:
+    rss_before = engine.memory("VmRSS")
+    exact = engine.reset_peak()
+    result, wall = timed(engine, "RESTORE", {"path": str(path)})
+    rss_after = engine.memory("VmRSS")
+    peak = engine.memory("VmHWM") if exact else max(rss_after, rss_before)
+    return {**result, "wall_s": wall, "rss_before": rss_before, "rss_after": rss_after, "rss_peak": peak,
+            "peak_above_before": peak - rss_before, "transient": peak - rss_after, "peak_exact": exact}
 
 
 def plain_write_fsync(folder: Path, n: int) -> float:
@@ -198,19 +150,19 @@ def bench_model(model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep
     path = folder / f"{model}.session"
     out: dict = {"model": model, "n_prompt": n_prompt, "n_ctx": n_ctx}
 
-    a = Engine(model, *settings)
+    a = engine(model, *settings)
     kept = prepared / f"{model}-{n_prompt}-{n_ctx}" if prepared is not None else None
     if kept is not None and kept.with_suffix(".session").is_file() and kept.with_suffix(".json").is_file():
         # The conversation from an earlier run's cold turn (restored, not prefilled again: minutes on 2
         # cores); its cold figures are that run's.
         cold = json.loads(kept.with_suffix(".json").read_text())
-        a.command("RESTORE " + json.dumps({"path": str(kept.with_suffix('.session'))}))
+        a.result("RESTORE", {"path": str(kept.with_suffix(".session"))})
         out["cold_turn_s"], out["cold_timings"], out["cold_from_prepared"] = cold["cold_turn_s"], cold["timings"], True
     else:
-        cold, cold_s = a.complete(prompt)
+        cold, cold_s = complete(a, prompt)
         out["cold_turn_s"], out["cold_timings"] = cold_s, cold["timings"]
     out["n_held"] = cold["n_tokens_held"]
-    save, save_wall = a.command("SAVE " + json.dumps({"path": str(path)}))
+    save, save_wall = timed(a, "SAVE", {"path": str(path)})
     out["save"] = {**save, "wall_s": save_wall}
     out["file_bytes"] = path.stat().st_size
     if kept is not None and not out.get("cold_from_prepared"):
@@ -219,7 +171,7 @@ def bench_model(model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep
         kept.with_suffix(".json").write_text(json.dumps({"tokens": cold["tokens"], "n_tokens_held": cold["n_tokens_held"],
                                                          "cold_turn_s": out["cold_turn_s"], "timings": cold["timings"]}))
     next_prompt = prompt + cold["tokens"] + [1500, 1501, 1502, 1503]
-    warm, warm_s = a.complete(next_prompt)
+    warm, warm_s = complete(a, next_prompt)
     out["never_restarted_turn_s"], out["never_restarted_timings"] = warm_s, warm["timings"]
     a.quit()
 
@@ -228,25 +180,25 @@ def bench_model(model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep
     out["plain_read_s"] = min(plain_read(path) for _ in range(3))
 
     for mode in ("auto", "streaming"):
-        b = Engine(model, *settings, "--restore-mode", mode)
-        restore = b.restore_measured(path)
-        turn, turn_s = b.complete(next_prompt)
+        b = engine(model, *settings, "--restore-mode", mode)
+        restore = restore_measured(b, path)
+        turn, turn_s = complete(b, next_prompt)
         out[f"restore_{mode}"] = restore
         out[f"restored_turn_{mode}_s"] = turn_s
         out[f"restored_timings_{mode}"] = turn["timings"]
         out[f"same_tokens_{mode}"] = turn["tokens"] == warm["tokens"]
         # A second RESTORE in the same process: what a long-running engine pays (memory it keeps is warm).
-        out[f"restore_{mode}_again"] = b.restore_measured(path)
+        out[f"restore_{mode}_again"] = restore_measured(b, path)
         b.quit()
 
     if depth_sweep:
         sweep = []
-        b = Engine(model, *settings, "--restore-mode", "streaming")
+        b = engine(model, *settings, "--restore-mode", "streaming")
         for frac in (4, 2, 1):
             depth = out["n_held"] // frac
             spath = folder / f"{model}-depth-{depth}.session"
             synthetic_file(spath, model, n_ctx, depth)
-            r = b.restore_measured(spath)
+            r = restore_measured(b, spath)
             sweep.append({"depth": depth, "file_bytes": spath.stat().st_size, "transient": r["transient"],
                           "peak_above_before": r["peak_above_before"], "restore_ms": r["restore_ms"]})
             spath.unlink()

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import shutil
 import signal
 import socket
@@ -47,12 +46,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import requests
+from strata_engine.client import EngineProcess
 
 LOOPBACK = "127.0.0.1"
 MIB = 1 << 20
@@ -68,58 +67,18 @@ def smollm2() -> Path:
 # ---- part 1: a restore into a live slot ---------------------------------------------------------------
 
 
-class Engine:
-    def __init__(self, *args: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(smollm2()), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        assert self._next()["event"] == "ready"
+def engine(*args: str) -> EngineProcess:
+    return EngineProcess(smollm2(), *args, timeout_s=3600)
 
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
 
-    def _next(self) -> dict:
-        raw = self.lines.get(timeout=3600)
-        if raw is None:
-            raise RuntimeError(f"engine exited with {self.proc.wait()}")
-        return json.loads(raw)
-
-    def command(self, verb: str, argument: str | dict | None = None) -> dict:
-        line = verb if argument is None else f"{verb} {argument if isinstance(argument, str) else json.dumps(argument)}"
-        self.proc.stdin.write(line.encode() + b"\n")
-        self.proc.stdin.flush()
-        while True:
-            obj = self._next()
-            if obj["event"] == "error":
-                raise RuntimeError(f"{line[:60]}: {obj['error']}")
-            if obj["event"] == "result":
-                return obj
-
-    def _status(self, key: str) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-        raise KeyError(key)
-
-    def measured(self, verb: str, argument) -> dict:
-        before = self._status("VmRSS")
-        with open(f"/proc/{self.proc.pid}/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        t0 = time.perf_counter()
-        result = self.command(verb, argument)
-        wall = time.perf_counter() - t0
-        return {**result, "wall_ms": wall * 1000, "peak_above": self._status("VmHWM") - before,
-                "kept": self._status("VmRSS") - before}
-
-    def quit(self) -> None:
-        self.proc.stdin.write(b"QUIT\n")
-        self.proc.stdin.flush()
-        self.proc.wait(timeout=120)
+def measured(engine: EngineProcess, verb: str, argument) -> dict:
+    before = engine.memory("VmRSS")
+    engine.reset_peak()  # VmHWM := VmRSS
+    t0 = time.perf_counter()
+    result = engine.result(verb, argument)
+    wall = time.perf_counter() - t0
+    return {**result, "wall_ms": wall * 1000, "peak_above": engine.memory("VmHWM") - before,
+            "kept": engine.memory("VmRSS") - before}
 
 
 def synthetic_file(path: Path, n_ctx: int, n_tokens: int) -> None:
@@ -162,19 +121,19 @@ def restore_into_a_live_slot(folder: Path, depths: list[int], repeat: int) -> li
         arms = {"empty": ("RESTORE_PREFIX", {"path": str(path)}),  # after an ERASE: nothing held
                 "staged": ("RESTORE", {"path": str(path)}),  # the plain RESTORE into a live engine
                 "in place": ("RESTORE_PREFIX", {"path": str(path), "discard_held": True})}
-        engines = {arm: Engine("--ctx-size", "8192") for arm in arms}
+        engines = {arm: engine("--ctx-size", "8192") for arm in arms}
         runs: dict[str, list[dict]] = {arm: [] for arm in arms}
         try:
-            for engine in engines.values():
-                engine.command("RESTORE_PREFIX", {"path": str(path)})  # the pool's pages resident, a conversation held
+            for started in engines.values():
+                started.result("RESTORE_PREFIX", {"path": str(path)})  # the pool's pages resident, a conversation held
             for _ in range(repeat + 1):
                 for arm, (verb, argument) in arms.items():
                     if arm == "empty":
-                        engines[arm].command("ERASE")
-                    runs[arm].append(engines[arm].measured(verb, argument))
+                        engines[arm].result("ERASE")
+                    runs[arm].append(measured(engines[arm], verb, argument))
         finally:
-            for engine in engines.values():
-                engine.quit()
+            for started in engines.values():
+                started.quit()
         row: dict = {"depth": depth, "file_bytes": path.stat().st_size}
         for arm, (first, *rest) in runs.items():
             row[arm] = {"wall_ms": statistics.median(r["wall_ms"] for r in rest), "mode": first["mode"],
@@ -196,19 +155,19 @@ def save_in_the_path(folder: Path, depth: int, repeat: int) -> dict:
     store = StoreFolder(folder / "store")
     store.create()
     name = "0" * 32 + ".ssf"
-    engine = Engine("--ctx-size", "8192")
+    saver = engine("--ctx-size", "8192")
     runs: dict[str, list[float]] = {"SAVE (fsync)": [], "SAVE sync=false": [], "commit (off the path)": [],
                                     "RAM copy": []}
     try:
-        engine.command("RESTORE_PREFIX", {"path": str(source)})
+        saver.result("RESTORE_PREFIX", {"path": str(source)})
         nbytes = source.stat().st_size
         a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
         for _ in range(repeat + 1):
             t0 = time.perf_counter()
-            engine.command("SAVE", {"path": str(store.file(name))})
+            saver.result("SAVE", {"path": str(store.file(name))})
             runs["SAVE (fsync)"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            engine.command("SAVE", {"path": str(store.pending(name)), "sync": False})
+            saver.result("SAVE", {"path": str(store.pending(name)), "sync": False})
             runs["SAVE sync=false"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             store.sync_pending(name)
@@ -218,7 +177,7 @@ def save_in_the_path(folder: Path, depth: int, repeat: int) -> dict:
             np.copyto(b, a)
             runs["RAM copy"].append(time.perf_counter() - t0)
     finally:
-        engine.quit()
+        saver.quit()
     return {"file_bytes": nbytes, **{k: 1000 * statistics.median(v[1:]) for k, v in runs.items()}}
 
 

@@ -1,5 +1,5 @@
-"""The serve loop in process: a `Scheduler` over given slots on a thread, fed through a pipe; every line
-it writes is kept with the step it was written at (the scheduler's step count), so tests count steps,
+"""The serve loop in process: a `ServeLoop` over given slots on a thread, fed through a pipe; every line
+it writes is kept with the step it was written at (the step policy's count), so tests count steps,
 not seconds."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import queue
 import threading
 
 from strata_engine.protocol import LineReader, LineWriter
-from strata_engine.serve import build_registry, scheduler_for, serve_context
+from strata_engine.serve import build_registry, serve_context, serve_loop
 
 TIMEOUT_S = 120
 
@@ -30,8 +30,8 @@ class InProcessEngine:
         self.ctx = serve_context(slots, tokenizer, template)
         self._read, self._write = os.pipe()
         self.writer = StepWriter()
-        self.scheduler = scheduler_for(self.ctx, build_registry(), LineReader(self._read), self.writer)
-        self.writer.scheduler = self.scheduler
+        self.loop = serve_loop(self.ctx, build_registry(), LineReader(self._read), self.writer)
+        self.scheduler = self.writer.scheduler = self.loop.scheduler
         self.status = None
         self.log: list[tuple[int, dict]] = []  # every line read so far, with its step
         self._taken: set[int] = set()  # the lines `until` returned
@@ -39,7 +39,7 @@ class InProcessEngine:
         self._thread.start()
 
     def _run(self) -> None:
-        self.status = self.scheduler.run()
+        self.status = self.loop.run()
         self.writer.lines.put(None)
 
     def send(self, verb: str, argument: dict | None = None) -> None:
@@ -48,7 +48,7 @@ class InProcessEngine:
 
     def next_line(self) -> dict:
         item = self.writer.lines.get(timeout=TIMEOUT_S)
-        assert item is not None, "the scheduler ended"
+        assert item is not None, "the serve loop ended"
         self.log.append(item)
         return item[1]
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 from strata_engine.cli import build_parser, main
+from strata_engine.client import EngineProcess
 from strata_engine.kernel_cache import RESTARTED_ENV
 from strata_engine.settings import EngineSettings
 from support.data import smollm2_model_path
 
 from .engine_cli import run_cli
-from .serve_process import ServeProcess
 
 
 @pytest.mark.parametrize(
@@ -132,10 +132,10 @@ def test_bad_chat_templates_exit_2(args, fragment):
 STARTING_OVER = b"starting over"
 
 
-def _serve_once(cache: Path, **env: str) -> tuple[ServeProcess, str, bytes]:
+def _serve_once(cache: Path, **env: str) -> tuple[EngineProcess, str, bytes]:
     """A `serve` on numba's cache `cache` (the tokenizer's kernels are the only ones it compiles: numpy
     products): its pid after the ready line, one greedy completion, then its stderr after QUIT."""
-    process = ServeProcess(smollm2_model_path(), "--ctx-size", "128", "--cpu-kernels", "numpy",
+    process = EngineProcess(smollm2_model_path(), "--ctx-size", "128", "--cpu-kernels", "numpy",
                            env={"NUMBA_CACHE_DIR": str(cache), **env})  # fmt: skip
     content = process.complete("The capital of France is", 6)["content"]
     assert process.quit() == 0

@@ -1,5 +1,6 @@
-"""Binds spec/engine-protocol.md's tables (verbs, error kinds, reasons, exit statuses) and its version to
-strata_engine.protocol's constants, so the spec and the engine cannot drift apart."""
+"""Binds spec/engine-protocol.md's tables (verbs and their objects, error kinds, reasons, exit statuses) and its
+version to strata_engine.protocol's constants and strata_engine.wire's verbs, so the spec and the engine cannot
+drift apart."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import sys
 
 import attrs
 from strata_engine import protocol as P
-from strata_engine.errors import ContextOverflow
+from strata_engine import wire
+from strata_engine.completion import CompletionRequest
+from strata_engine.errors import ContextOverflow, InvalidRequest
+from strata_engine.sampling import SamplingParams
 from strata_engine.serve import build_registry
-from strata_engine.session.verbs import RestorePrefixRequest, SaveRequest, parse_save
 from support.spec import code, read_spec, section, table_rows
 
 SPEC = read_spec("engine-protocol.md")
@@ -107,6 +110,18 @@ def test_the_protocol_module_loads_no_other_engine_code():
     assert "numpy" not in loaded
 
 
+def test_the_wire_layer_loads_no_numpy():
+    """The server and its tests' fake engine speak through it: the protocol, the exceptions and the settings'
+    enums come with it, no engine code."""
+    probe = "import json, sys, strata_engine.wire; print(json.dumps(sorted(sys.modules)))"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert [m for m in loaded if m.startswith("strata_engine")] == \
+        ["strata_engine", "strata_engine.errors", "strata_engine.protocol", "strata_engine.settings",
+         "strata_engine.wire"]
+    assert "numpy" not in loaded
+
+
 def test_every_engine_exception_is_defined_in_errors_or_protocol():
     """One module of exceptions (errors.py, plus the protocol's own two), all under EngineError."""
     import importlib
@@ -127,14 +142,33 @@ def test_every_engine_exception_is_defined_in_errors_or_protocol():
     assert {"ProtocolError", "FailStop"} == {n for n, c in defined.items() if c.__module__ == "strata_engine.protocol"}
 
 
-def test_session_verbs_objects_are_the_parsers_fields():
-    """SAVE's and RESTORE_PREFIX's objects in Lines name the fields (and defaults) their parsers take."""
+def test_every_verb_s_object_is_its_argument_class():
+    """Each verb's object in Lines (COMPLETE's: its section's table) names the fields of its class in wire.VERBS
+    (besides every verb's `id` and `slot`), with the same boolean defaults."""
     rows = {code(r[0]): r[1] for r in table_rows(section(SPEC, "## Lines"))}
-    for verb, request in (("SAVE", SaveRequest), ("RESTORE_PREFIX", RestorePrefixRequest)):
-        spec_fields = dict(re.findall(r'"(\w+)": ([^,}]+)', rows[verb]))
-        assert set(spec_fields) == {"slot"} | {f.name for f in attrs.fields(request)}, verb
-        for field in attrs.fields(request):
-            if field.default is not attrs.NOTHING and isinstance(field.default, bool):
-                assert spec_fields[field.name].strip().endswith(f"= {json.dumps(field.default)}"), (verb, field.name)
-    assert parse_save({"path": "x.ssf"}) == SaveRequest("x.ssf", sync=True)
-    assert parse_save({"path": "x.ssf", "sync": False}).sync is False
+    assert set(rows) == set(wire.VERBS)
+    for verb, cell in rows.items():
+        arguments = wire.VERBS[verb].arguments
+        if verb in ("COMPLETE", "PROMPT_TOKENS"):  # "COMPLETE's (below)"
+            spec_fields = {code(r[0]): f"{r[1]} = {r[2]}" for r in table_rows(section(SPEC, "## COMPLETE"))}
+        else:
+            spec_fields = dict(re.findall(r'"(\w+)": ([^,}]+)', cell))
+        assert set(spec_fields) - {"id", "slot"} == {f.name for f in attrs.fields(arguments)}, verb
+        for field in attrs.fields(arguments):
+            default = field.default
+            if verb in ("COMPLETE", "PROMPT_TOKENS"):  # None there: the engine's default, the spec's column
+                default = getattr(CompletionRequest(), field.name, getattr(SamplingParams(), field.name, None))
+            if isinstance(default, bool):
+                assert spec_fields[field.name].strip().endswith(f"= {json.dumps(default)}"), (verb, field.name)
+
+
+def test_arguments_name_every_bad_field_and_ignore_unknown_ones():
+    assert wire.arguments(wire.SaveArgs, {"path": "x.ssf", "other": 1}) == wire.SaveArgs("x.ssf", sync=True)
+    assert wire.arguments(wire.SaveArgs, {"path": "x.ssf", "sync": False}).sync is False
+    try:
+        wire.arguments(wire.RestorePrefixArgs, {"path": "a\nb", "cut_to": -1, "min_keep": "3", "discard_held": 0})
+    except InvalidRequest as exc:
+        assert [p.split()[0] for p in exc.problems] == ["path", "cut_to", "min_keep", "discard_held"]
+        assert P.error_payload(exc)["reason"] == P.Reason.BAD_FIELD
+    else:
+        raise AssertionError("bad fields accepted")

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import strata_sessionfile as sf
 import xxhash
+from strata_engine.client import EngineProcess
 from support.data import gemma3_model_path, smollm2_model_path
-
-from .serve_process import ServeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -27,7 +26,7 @@ def digest(tokens: list[int]) -> str:
 
 @pytest.fixture(params=[(), ("--kv-type", "int8", "--kv-resident", "256")], ids=["f16", "int8-resident"])
 def smollm2(request):
-    engine = ServeProcess(smollm2_model_path(), "--ctx-size", "1024", *request.param)
+    engine = EngineProcess(smollm2_model_path(), "--ctx-size", "1024", *request.param)
     yield engine
     engine.quit()
 
@@ -120,7 +119,7 @@ def test_save_unsynced_writes_the_file_save_writes(smollm2, tmp_path):
 def test_restore_prefix_with_sliding_windows_keeps_a_resume_point_or_refuses(tmp_path):
     """gemma3 (512-token windows): a file of 703 tokens whose rings hold the last window can be cut to
     702 or 703, to its checkpoint (700, the end of its prompt), or nowhere else."""
-    engine = ServeProcess(gemma3_model_path(), "--ctx-size", "1024")
+    engine = EngineProcess(gemma3_model_path(), "--ctx-size", "1024")
     try:
         prompt, other = random_tokens(700, 4), random_tokens(20, 5)
         engine.complete(prompt, 4)

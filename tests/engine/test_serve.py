@@ -4,72 +4,24 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
-import threading
 
 import pytest
+from strata_engine.client import EngineProcess
 from support.data import gemma3_model_path, load_reference, smollm2_model_path
 
 N_CTX = 256
 TIMEOUT_S = 180  # a cap for a loaded CI machine; a healthy run takes seconds
 
 
-class EngineProcess:
-    def __init__(self, *args: str, model=None):
-        model = model or smollm2_model_path()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(model), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        self.lines: queue.Queue[bytes | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.stderr: list[bytes] = []
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def next_line(self) -> dict:
-        raw = self.lines.get(timeout=TIMEOUT_S)
-        assert raw is not None, "engine closed stdout; stderr: " + b"".join(self.stderr).decode(errors="replace")
-        assert raw.endswith(b"\n")
-        return json.loads(raw)
-
-    def send(self, line: str | bytes) -> None:
-        self.proc.stdin.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
-        self.proc.stdin.flush()
-
-    def until_terminal(self) -> list[dict]:
-        out = []
-        while True:
-            obj = self.next_line()
-            out.append(obj)
-            if obj["event"] in ("result", "error"):
-                return out
-
-    def command(self, line: str | bytes) -> list[dict]:
-        self.send(line)
-        return self.until_terminal()
-
-    def complete(self, request: dict) -> list[dict]:
-        return self.command("COMPLETE " + json.dumps(request))
-
-    def close(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        return self.proc.wait(timeout=30)
+def engine_process(*args: str, model=None) -> EngineProcess:
+    return EngineProcess(model or smollm2_model_path(), *args, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def engine():
-    process = EngineProcess("--ctx-size", str(N_CTX))
-    process.ready = process.next_line()
+    process = engine_process("--ctx-size", str(N_CTX))
     yield process
     process.close()
 
@@ -89,7 +41,7 @@ def test_ready_line(engine):
 def test_complete_greedy_matches_the_references(engine):
     case = load_reference("llamacpp-smollm2-135m.json")["complete"][0]
     n = 8
-    lines = engine.complete({"prompt": case["prompt"], "n_predict": n, "temperature": 0, "n_probs": 2})
+    lines = engine.all_lines("COMPLETE", {"prompt": case["prompt"], "n_predict": n, "temperature": 0, "n_probs": 2})
     tokens, result = lines[:-1], lines[-1]
     assert [t["event"] for t in tokens] == ["token"] * n and result["event"] == "result"
     ids = [t["token"] for t in tokens]
@@ -108,18 +60,18 @@ def test_complete_greedy_matches_the_references(engine):
     assert timings["prompt_n"] == len(case["prompt_tokens"]) and timings["predicted_n"] == n
     assert timings["prompt_ms"] > 0 and timings["predicted_per_second"] > 0
 
-    status = engine.command("STATUS")[-1]
+    status = engine.all_lines("STATUS")[-1]
     assert status["event"] == "result" and status["slots"][0]["n_tokens_held"] == result["n_tokens_held"]
     assert status["is_processing"] is False and len(status["slots"][0]["tokens_held_digest"]) == 16
     assert (status["n_slots"], status["n_ctx_slot"], status["slots"][0]["slot"]) == (1, N_CTX, 0)
 
     # the next turn reuses the held prefix
-    again = engine.complete({"prompt": case["prompt"] + result["content"], "n_predict": 1, "temperature": 0})
+    again = engine.all_lines("COMPLETE", {"prompt": case["prompt"] + result["content"], "n_predict": 1, "temperature": 0})
     assert again[-1]["timings"]["cache_n"] >= len(case["prompt_tokens"])
 
 
 def test_chat_messages_and_stop(engine):
-    lines = engine.complete({
+    lines = engine.all_lines("COMPLETE", {
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "n_predict": 12, "temperature": 0, "stop": ["Paris"],
     })  # fmt: skip
@@ -132,13 +84,13 @@ def test_chat_messages_and_stop(engine):
 
 def test_tokenize_detokenize_template(engine):
     text = "<|im_start|>user\nhi<|im_end|>"
-    assert engine.command("TOKENIZE " + json.dumps({"content": text}))[-1]["tokens"] == [1, 4093, 198, 6004, 2]
-    unparsed = engine.command("TOKENIZE " + json.dumps({"content": text, "parse_special": False}))[-1]["tokens"]
+    assert engine.all_lines("TOKENIZE", {"content": text})[-1]["tokens"] == [1, 4093, 198, 6004, 2]
+    unparsed = engine.all_lines("TOKENIZE", {"content": text, "parse_special": False})[-1]["tokens"]
     assert 1 not in unparsed
-    pieces = engine.command("TOKENIZE " + json.dumps({"content": "Hi 🚀", "with_pieces": True}))[-1]["tokens"]
+    pieces = engine.all_lines("TOKENIZE", {"content": "Hi 🚀", "with_pieces": True})[-1]["tokens"]
     assert "".join(p["piece"] if isinstance(p["piece"], str) else bytes(p["piece"]).decode("latin-1") for p in pieces)
-    assert engine.command("DETOKENIZE " + json.dumps({"tokens": [1, 4093, 198, 6004, 2]}))[-1]["content"] == text
-    prompt = engine.command("APPLY_TEMPLATE " + json.dumps({"messages": [{"role": "user", "content": "hi"}]}))[-1]
+    assert engine.all_lines("DETOKENIZE", {"tokens": [1, 4093, 198, 6004, 2]})[-1]["content"] == text
+    prompt = engine.all_lines("APPLY_TEMPLATE", {"messages": [{"role": "user", "content": "hi"}]})[-1]
     assert prompt["prompt"].endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -164,25 +116,25 @@ def test_tokenize_detokenize_template(engine):
     ],
 )
 def test_malformed_lines_get_an_error_and_the_engine_keeps_serving(engine, line, fragment, reason):
-    answer = engine.command(line)
+    answer = engine.all_lines(line)
     assert len(answer) == 1 and answer[0]["event"] == "error"
     error = answer[0]["error"]
     assert error["type"] == "invalid_request" and fragment in error["message"] and error["reason"] == reason
     if fragment == "min_p":
         assert "n_predict" in error["message"]  # every bad field at once
-    assert engine.command("STATUS")[-1]["event"] == "result"
+    assert engine.all_lines("STATUS")[-1]["event"] == "result"
 
 
 def test_prompt_too_long(engine):
-    answer = engine.complete({"prompt": list(range(100, 100 + N_CTX + 1))})[-1]
+    answer = engine.all_lines("COMPLETE", {"prompt": list(range(100, 100 + N_CTX + 1))})[-1]
     assert answer["event"] == "error" and answer["error"]["type"] == "exceed_context_size"
     assert answer["error"]["n_prompt_tokens"] == N_CTX + 1 and answer["error"]["n_ctx"] == N_CTX
 
 
 def test_cancel_mid_generation_then_erase(engine):
     engine.send('CANCEL {"id": "nothing"}')  # not in flight: ignored, no answer
-    assert engine.command("STATUS")[-1]["event"] == "result"
-    engine.send("COMPLETE " + json.dumps({"id": "c", "prompt": "Once upon a time", "n_predict": 100, "temperature": 0}))
+    assert engine.all_lines("STATUS")[-1]["event"] == "result"
+    engine.send("COMPLETE", {"id": "c", "prompt": "Once upon a time", "n_predict": 100, "temperature": 0})
     first = engine.next_line()
     assert first["event"] == "token" and first["id"] == "c"
     engine.send('CANCEL {"id": "c"}')
@@ -190,19 +142,19 @@ def test_cancel_mid_generation_then_erase(engine):
     result = rest[-1]
     assert result["event"] == "result" and result["stop_type"] == "cancelled"
     assert len(result["tokens"]) < 100 and len(result["tokens"]) == 1 + len(rest) - 1
-    held = engine.command("STATUS")[-1]["slots"][0]["n_tokens_held"]
+    held = engine.all_lines("STATUS")[-1]["slots"][0]["n_tokens_held"]
     assert held == result["n_tokens_held"]
-    assert engine.command("ERASE")[-1]["n_erased"] == held
-    assert engine.command("STATUS")[-1]["slots"][0]["n_tokens_held"] == 0
+    assert engine.all_lines("ERASE")[-1]["n_erased"] == held
+    assert engine.all_lines("STATUS")[-1]["slots"][0]["n_tokens_held"] == 0
 
 
 def test_cancel_while_the_prompt_is_read_keeps_what_was_read():
-    process = EngineProcess("--ctx-size", "2048", "--prefill-chunk", "16")
+    process = engine_process("--ctx-size", "2048", "--prefill-chunk", "16")
     try:
-        assert process.next_line()["event"] == "ready"
+        assert process.ready["event"] == "ready"
         prompt = " ".join(f"word{i}" for i in range(100))  # ~250 tokens: a dozen chunks and more
-        process.send("COMPLETE " + json.dumps({"id": "p", "prompt": prompt, "n_predict": 8, "temperature": 0,
-                                               "return_progress": True}))
+        process.send("COMPLETE", {"id": "p", "prompt": prompt, "n_predict": 8, "temperature": 0,
+                                  "return_progress": True})
         assert process.next_line()["event"] == "progress"  # the prompt is being read
         process.send('CANCEL {"id": "p"}')
         result = process.until_terminal()[-1]
@@ -212,8 +164,8 @@ def test_cancel_while_the_prompt_is_read_keeps_what_was_read():
         assert 16 <= read < result["tokens_evaluated"] and read % 16 == 0
         assert result["n_tokens_held"] == read
         # the next request for the same prompt starts where the cancelled one stopped
-        process.send("COMPLETE " + json.dumps({"prompt": prompt, "n_predict": 1, "temperature": 0,
-                                               "return_progress": True}))  # a line per chunk: a loaded machine is slow
+        process.send("COMPLETE", {"prompt": prompt, "n_predict": 1, "temperature": 0,
+                                  "return_progress": True})  # a line per chunk: a loaded machine is slow
         again = process.until_terminal()[-1]
         assert again["stop_type"] == "limit" and again["timings"]["cache_n"] == read
     finally:
@@ -221,9 +173,9 @@ def test_cancel_while_the_prompt_is_read_keeps_what_was_read():
 
 
 def test_quit_exits_zero():
-    process = EngineProcess("--ctx-size", "64")
+    process = engine_process("--ctx-size", "64")
     try:
-        assert process.next_line()["event"] == "ready"
+        assert process.ready["event"] == "ready"
         # a command sent while a COMPLETE runs is answered between its steps; QUIT waits for it to end
         process.send("COMPLETE " + json.dumps({"id": "c", "prompt": "Hi", "n_predict": 2, "temperature": 0})
                      + '\nSTATUS {"id": "s"}\nQUIT {"id": "q"}')
@@ -305,33 +257,33 @@ def test_line_writer_held_lines_go_out_together_at_the_end():
 
 @pytest.mark.slow
 def test_gemma3_serves_with_its_builtin_turns():
-    process = EngineProcess("--ctx-size", "64", model=gemma3_model_path())
+    process = engine_process("--ctx-size", "64", model=gemma3_model_path())
     try:
-        ready = process.next_line()
+        ready = process.ready
         assert (ready["architecture"], ready["n_vocab"], ready["add_bos"]) == ("gemma3", 262144, True)
         assert (ready["bos_token"], ready["eos_token"], ready["chat_template_origin"]) == ("<bos>", "<eos>", "builtin:gemma3")
-        prompt = process.command("APPLY_TEMPLATE " + json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+        prompt = process.all_lines("APPLY_TEMPLATE", {"messages": [{"role": "user", "content": "hi"}]})
         assert prompt[-1]["prompt"] == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
         case = load_reference("transformers-gemma3-270m.json")["complete"][0]
-        lines = process.complete({"prompt": case["prompt"], "n_predict": 3, "temperature": 0})
+        lines = process.all_lines("COMPLETE", {"prompt": case["prompt"], "n_predict": 3, "temperature": 0})
         assert lines[-1]["tokens"] == case["tokens"][:3] and lines[-1]["tokens_evaluated"] == len(case["prompt_tokens"])
-        assert process.command("QUIT")[-1] == {"event": "result"} and process.proc.wait(timeout=30) == 0
+        assert process.all_lines("QUIT")[-1] == {"event": "result"} and process.proc.wait(timeout=30) == 0
     finally:
         process.close()
 
 
 def test_two_slots_stream_at_once_and_each_gets_its_tokens_alone():
-    process = EngineProcess("--ctx-size", "512", "--parallel", "2", "--prefill-chunk", "16")
+    process = engine_process("--ctx-size", "512", "--parallel", "2", "--prefill-chunk", "16")
     try:
-        ready = process.next_line()
+        ready = process.ready
         assert (ready["protocol"], ready["n_slots"], ready["n_ctx_slot"], ready["n_ctx"]) == (2, 2, 256, 512)
         requests = {rid: {"id": rid, "slot": slot, "prompt": prompt, "n_predict": 6, "temperature": 0,
                           "ignore_eos": True}
                     for slot, (rid, prompt) in enumerate((("a", "Once upon a time"), ("b", "The capital of France")))}
-        alone = {rid: process.complete({**r, "slot": 0, "cache_prompt": False})[-1]["tokens"]
+        alone = {rid: process.all_lines("COMPLETE", {**r, "slot": 0, "cache_prompt": False})[-1]["tokens"]
                  for rid, r in requests.items()}
         for request in requests.values():
-            process.send("COMPLETE " + json.dumps(request))
+            process.send("COMPLETE", (request))
         lines: list[dict] = []
         while sum(line["event"] == "result" for line in lines) < 2:
             lines.append(process.next_line())

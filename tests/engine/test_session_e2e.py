@@ -28,6 +28,7 @@ import attrs
 import numpy as np
 import pytest
 import strata_sessionfile as sf
+from strata_engine.client import EngineProcess
 from strata_engine.config import ModelConfig
 from strata_engine.gguf import read_gguf
 from strata_engine.kv import KVGeometry, KVParts, KVPool, make_placement
@@ -37,13 +38,11 @@ from strata_engine.session import FAULT_ENV, EngineSession, runner_identity
 from strata_engine.settings import EngineSettings, KVType
 from support.data import gemma3_model_path, smollm2_model_path
 
-from .serve_process import ServeProcess
-
 FAIL_STOP_STATUS = 4
 MODEL_PATHS = {"smollm2": smollm2_model_path, "gemma3": gemma3_model_path}
 
 
-class Engine(ServeProcess):
+class Engine(EngineProcess):
     """`strata-engine serve` of one of the real models in a child process."""
 
     def __init__(self, model: str, *args: str, env: dict[str, str] | None = None):

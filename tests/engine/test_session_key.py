@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import strata_sessionfile as sf
 import xxhash
+from strata_engine.client import EngineProcess
 from strata_sessionfile.format import Flags
 from support.data import smollm2_model_path
-
-from .serve_process import ServeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -39,11 +38,11 @@ def engines(tmp_path):
     """Three SmolLM2 engines: keyed (key A, MAC required), other (key B, MAC optional), plain (no key)."""
     started = {}
     try:
-        started["keyed"] = ServeProcess(smollm2_model_path(), "--ctx-size", "1024",
+        started["keyed"] = EngineProcess(smollm2_model_path(), "--ctx-size", "1024",
                                         "--session-key-file", str(key_file(tmp_path / "a.key")))
-        started["other"] = ServeProcess(smollm2_model_path(), "--ctx-size", "1024", "--session-key-optional",
+        started["other"] = EngineProcess(smollm2_model_path(), "--ctx-size", "1024", "--session-key-optional",
                                         "--session-key-file", str(key_file(tmp_path / "b.key")))
-        started["plain"] = ServeProcess(smollm2_model_path(), "--ctx-size", "1024")
+        started["plain"] = EngineProcess(smollm2_model_path(), "--ctx-size", "1024")
         yield started
     finally:
         for engine in started.values():

@@ -8,11 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import strata_sessionfile as sf
+from strata_engine.client import EngineProcess
 from strata_sessionfile.objstore import S3Source
 from support.data import smollm2_model_path
 from support.s3 import start_seaweed
-
-from .serve_process import ServeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -29,7 +28,7 @@ def seaweed(tmp_path_factory):
 
 
 def test_save_and_restore_of_an_object(seaweed, tmp_path):
-    engines = [ServeProcess(smollm2_model_path(), "--ctx-size", "1024", "--object-store-endpoint",
+    engines = [EngineProcess(smollm2_model_path(), "--ctx-size", "1024", "--object-store-endpoint",
                             seaweed.endpoint_url, *mode, env=seaweed.env())
                for mode in ((), ("--restore-mode", "streaming"))]
     try:

@@ -22,7 +22,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from strata_engine.protocol import PROTOCOL_VERSION, ErrorKind, ExitStatus
+from strata_engine.errors import InvalidRequest
+from strata_engine.protocol import PROTOCOL_VERSION, ErrorKind, ExitStatus, error_payload
+from strata_engine.wire import VERBS, arguments
 
 BOS, EOS = 1, 2
 FIM_PRE, FIM_SUF, FIM_MID = 259, 260, 261  # reported by the ready line only with fim=True
@@ -134,15 +136,19 @@ class FakeEngine:
     # --- dispatch ---------------------------------------------------------------------------------
 
     def handle(self, line: str) -> Iterator[dict]:
+        """The lines answering one command line; its object as the engine's wire layer reads it."""
         verb, _, argument = line.partition(" ")
-        handler = getattr(self, f"do_{verb.lower()}", None) if verb.isupper() else None
+        handler = getattr(self, f"do_{verb.lower()}", None) if verb in VERBS else None
         if handler is None:
             yield self.error(ErrorKind.INVALID_REQUEST, f"unknown verb {verb!r}")
             return
         try:
-            arg = json.loads(argument) if argument else {}
+            arg = arguments(VERBS[verb].arguments, json.loads(argument) if argument else {})
         except ValueError as exc:
             yield self.error(ErrorKind.INVALID_REQUEST, f"bad JSON: {exc}")
+            return
+        except InvalidRequest as exc:
+            yield {"event": "error", "error": error_payload(exc)}
             return
         yield from handler(arg)
 
@@ -152,11 +158,11 @@ class FakeEngine:
 
     # --- verbs ------------------------------------------------------------------------------------
 
-    def do_tokenize(self, arg: dict) -> Iterator[dict]:
-        tokens = tokenize(arg.get("content", ""), arg.get("parse_special", True))
-        if arg.get("add_special"):
+    def do_tokenize(self, arg) -> Iterator[dict]:
+        tokens = tokenize(arg.content, arg.parse_special)
+        if arg.add_special:
             tokens = [BOS, *tokens]
-        if arg.get("with_pieces"):
+        if arg.with_pieces:
             pieces = []
             for t in tokens:
                 raw = piece_bytes(t)
@@ -167,10 +173,10 @@ class FakeEngine:
             tokens = pieces
         yield {"event": "result", "tokens": tokens}
 
-    def do_embed(self, arg: dict) -> Iterator[dict]:
+    def do_embed(self, arg) -> Iterator[dict]:
         """Pooled and normalized as the engine's EMBED; the held conversation untouched."""
-        tokens, pooling, p = arg.get("tokens"), arg.get("pooling", "none"), arg.get("normalize", 2)
-        if not tokens or pooling not in POOLINGS or not isinstance(p, int):
+        tokens, pooling, p = arg.tokens, arg.pooling or "none", arg.normalize
+        if not tokens:
             yield self.error(ErrorKind.INVALID_REQUEST, f"bad EMBED argument {arg!r}")
             return
         if len(tokens) > self.n_ctx:
@@ -184,18 +190,18 @@ class FakeEngine:
         self.n_forward += 1
         yield {"event": "result", "embedding": rows, "n_tokens": len(tokens)}
 
-    def do_detokenize(self, arg: dict) -> Iterator[dict]:
-        yield {"event": "result", "content": detokenize(arg.get("tokens", []))}
+    def do_detokenize(self, arg) -> Iterator[dict]:
+        yield {"event": "result", "content": detokenize(arg.tokens)}
 
-    def do_apply_template(self, arg: dict) -> Iterator[dict]:
+    def do_apply_template(self, arg) -> Iterator[dict]:
         yield {"event": "result", "prompt": self.render_command(arg)}
 
     @classmethod
-    def render_command(cls, arg: dict) -> str:
-        """ChatML, with the protocol's add_generation_prompt and continue_final_message."""
-        if arg.get("continue_final_message"):
-            return cls.render(arg["messages"][:-1]) + arg["messages"][-1]["content"]
-        return cls.render(arg["messages"], arg.get("add_generation_prompt", True))
+    def render_command(cls, arg) -> str:
+        """ChatML, with the protocol's add_generation_prompt and continue_final_message (None: the default)."""
+        if arg.continue_final_message:
+            return cls.render(arg.messages[:-1]) + arg.messages[-1]["content"]
+        return cls.render(arg.messages, arg.add_generation_prompt is not False)
 
     @staticmethod
     def render(messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -207,26 +213,23 @@ class FakeEngine:
                 "tokens_held_digest": hashlib.sha256(json.dumps(self.held).encode()).hexdigest()[:16],
                 "is_processing": busy}
 
-    def do_status(self, arg: dict) -> Iterator[dict]:
+    def do_status(self, arg) -> Iterator[dict]:
         yield status_of([self])
 
-    def do_erase(self, arg: dict) -> Iterator[dict]:
+    def do_erase(self, arg) -> Iterator[dict]:
         n = len(self.held)
         self.held = []
         yield {"event": "result", "n_erased": n}
 
-    def do_cancel(self, arg: dict) -> Iterator[dict]:
+    def do_cancel(self, arg) -> Iterator[dict]:
         """Outside a COMPLETE a CANCEL is ignored: no answer line (spec/engine-protocol.md)."""
         yield from ()
 
-    def do_quit(self, arg: dict) -> Iterator[dict]:
+    def do_quit(self, arg) -> Iterator[dict]:
         yield {"event": "result"}
         raise SystemExit(0)
 
-    def do_complete(self, arg: dict) -> Iterator[dict]:
-        if ("prompt" in arg) == ("messages" in arg):
-            yield self.error(ErrorKind.INVALID_REQUEST, "exactly one of prompt and messages")
-            return
+    def do_complete(self, arg) -> Iterator[dict]:
         prompt = self.prompt_of(arg)
         if not prompt:
             yield self.error(ErrorKind.INVALID_REQUEST, "empty prompt")
@@ -236,23 +239,23 @@ class FakeEngine:
                              n_ctx=self.n_ctx)
             return
         cache_n = 0
-        if arg.get("cache_prompt", True):
+        if arg.cache_prompt is not False:
             while cache_n < min(len(prompt) - 1, len(self.held)) and prompt[cache_n] == self.held[cache_n]:
                 cache_n += 1
         t0 = time.perf_counter()
         if self.prompt_delay:
             time.sleep(self.prompt_delay)
         prompt_ms = (time.perf_counter() - t0) * 1000 + 0.01
-        if arg.get("return_progress"):
+        if arg.return_progress:
             yield {"event": "progress", "phase": "prompt", "total": len(prompt), "cache": cache_n,
                    "processed": len(prompt), "time_ms": prompt_ms}
         seq = list(prompt)
         self.held = list(prompt)
-        n_predict = arg.get("n_predict", -1)
-        temperature = arg.get("temperature", 0.8)
-        n_probs = arg.get("n_probs", 0)
-        rng = random.Random(arg.get("seed", -1) if arg.get("seed", -1) != -1 else None)
-        stops = arg.get("stop", [])
+        n_predict = -1 if arg.n_predict is None else arg.n_predict
+        temperature = 0.8 if arg.temperature is None else arg.temperature
+        n_probs = arg.n_probs or 0
+        rng = random.Random(arg.seed if arg.seed not in (None, -1) else None)
+        stops = arg.stop or ()
         generated: list[int] = []
         text = ""
         released = 0
@@ -273,7 +276,7 @@ class FakeEngine:
                 token = cands[0][0]
             else:
                 token = rng.choice(cands[:3])[0]
-            if token == EOS and not arg.get("ignore_eos"):
+            if token == EOS and not arg.ignore_eos:
                 generated.append(token)
                 stop_type = "eos"
                 yield {"event": "token", "token": token, "piece": "<|im_end|>", "content": ""}
@@ -320,7 +323,7 @@ class FakeEngine:
                            "predicted_per_token_ms": predicted_ms / max(n_gen, 1),
                            "predicted_per_second": 1000 * n_gen / predicted_ms}}
 
-    def do_prompt_tokens(self, arg: dict) -> Iterator[dict]:
+    def do_prompt_tokens(self, arg) -> Iterator[dict]:
         prompt = self.prompt_of(arg)
         if len(prompt) >= self.n_ctx:
             yield self.error(ErrorKind.EXCEED_CONTEXT_SIZE, "prompt too long", n_prompt_tokens=len(prompt),
@@ -328,21 +331,18 @@ class FakeEngine:
             return
         yield {"event": "result", "tokens": prompt}
 
-    def prompt_of(self, arg: dict) -> list[int]:
-        if "messages" in arg:
+    def prompt_of(self, arg) -> list[int]:
+        if arg.messages is not None:
             return tokenize(self.render_command(arg))
-        if isinstance(arg["prompt"], str):
-            return tokenize(arg["prompt"])
+        if isinstance(arg.prompt, str):
+            return tokenize(arg.prompt)
         prompt = []
-        for item in arg["prompt"]:
+        for item in arg.prompt:
             prompt += tokenize(item) if isinstance(item, str) else [item]
         return prompt
 
-    def do_save(self, arg: dict) -> Iterator[dict]:
-        path = arg.get("path")
-        if not path:
-            yield self.error(ErrorKind.INVALID_REQUEST, "SAVE needs a path")
-            return
+    def do_save(self, arg) -> Iterator[dict]:
+        path = arg.path
         t0 = time.perf_counter()
         body = {"magic": MAGIC, "model": self.model_name, "n_ctx": self.n_ctx, "kv_type": self.kv_type,
                 "tokens": self.held}
@@ -366,11 +366,8 @@ class FakeEngine:
         yield {"event": "result", "n_saved": len(self.held), "n_written": len(data),
                "save_ms": (time.perf_counter() - t0) * 1000}
 
-    def do_restore(self, arg: dict) -> Iterator[dict]:
-        path = arg.get("path")
-        if not path:
-            yield self.error(ErrorKind.INVALID_REQUEST, "RESTORE needs a path")
-            return
+    def do_restore(self, arg) -> Iterator[dict]:
+        path = arg.path
         t0 = time.perf_counter()
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -429,9 +426,6 @@ def status_of(engines: list[FakeEngine], busy: frozenset[int] = frozenset()) -> 
     return {"event": "result", "n_ctx": first.n_ctx * len(engines), "n_slots": len(engines), "n_ctx_slot": first.n_ctx,
             "is_processing": bool(busy), "kv_type": first.kv_type, "backend": "python", "model_path": first.model_path,
             "slots": [e.slot_status(i, i in busy) for i, e in enumerate(engines)]}
-
-
-SLOT_VERBS = frozenset({"COMPLETE", "ERASE", "SAVE", "RESTORE", "RESTORE_PREFIX"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -544,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         slot = None
         engine = tools
-        if verb in SLOT_VERBS:
+        if verb in VERBS and VERBS[verb].slotted:
             slot = int(arg.get("slot", 0))
             with lock:
                 if slot in busy:

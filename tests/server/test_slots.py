@@ -138,7 +138,7 @@ def test_refusals_keep_conversation(api, slot_dir, fake_model, tmp_path):
     other_model.write_text("fake-model-B")
     other = FakeEngine(str(other_model))
     other.held = [5, 6, 7]
-    list(other.do_save({"path": str(slot_dir / "other-model.bin")}))
+    list(other.handle("SAVE " + json.dumps({"path": str(slot_dir / "other-model.bin")})))
     # A corrupted file: one byte changed.
     data = bytearray((slot_dir / "good.bin").read_bytes())
     data[data.index(b'"tokens"') + 12] ^= 0x01

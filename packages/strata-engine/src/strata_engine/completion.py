@@ -44,10 +44,8 @@ from .sampling import (
     top_n_logprobs,
 )
 from .tokenizer import Tokenizer, Utf8Stream
+from .wire import CompleteArgs, arguments
 
-MAX_N_PROBS = 100
-MAX_STOP_STRINGS = 16
-MAX_LOGIT_BIAS = 65536  # pairs in one request
 # The log-probability reported for probability 0 (llama-server's: the lowest float, JSON has no -inf).
 LOGPROB_OF_ZERO = -3.4028234663852886e38
 
@@ -84,159 +82,46 @@ class CompletionRequest:
     constraint: OutputConstraint | None = None
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+# COMPLETE's fields that set the sampler chain (`SamplingParams`'s, but the logit bias: resolved in `prepare`)
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "frequency_penalty",
+                   "presence_penalty")
 
 
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+def completion_request(args: CompleteArgs) -> CompletionRequest:
+    """The request of COMPLETE's object, the engine's defaults in place of the fields not given."""
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
 
-
-# field -> (check, what a good value is). Unknown fields are ignored, as llama-server does; values
-# llama-server accepts are accepted with its meaning (top_k <= 0, top_p >= 1, min_p <= 0 disable a filter;
-# n_predict -2, "until the context is full", is the same as -1 here).
-_SCALAR_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "add_special": (lambda v: isinstance(v, bool), "a boolean"),
-    "add_generation_prompt": (lambda v: isinstance(v, bool), "a boolean"),
-    "continue_final_message": (lambda v: isinstance(v, bool), "a boolean"),
-    "return_progress": (lambda v: isinstance(v, bool), "a boolean"),
-    "n_predict": (lambda v: _is_int(v) and v >= -2, "an integer >= -2"),
-    "temperature": (_is_number, "a finite number"),
-    "top_k": (_is_int, "an integer"),
-    "top_p": (_is_number, "a finite number"),
-    "min_p": (_is_number, "a finite number"),
-    "repeat_penalty": (lambda v: _is_number(v) and v > 0.0, "a number > 0"),
-    "repeat_last_n": (lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
-    "frequency_penalty": (_is_number, "a finite number"),
-    "presence_penalty": (_is_number, "a finite number"),
-    "seed": (lambda v: _is_int(v) and -1 <= v < 2**64, "an integer in [-1, 2^64)"),
-    "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
-    "cache_prompt": (lambda v: isinstance(v, bool), "a boolean"),
-    "n_probs": (lambda v: _is_int(v) and 0 <= v <= MAX_N_PROBS, f"an integer in [0, {MAX_N_PROBS}]"),
-    "post_sampling_probs": (lambda v: isinstance(v, bool), "a boolean"),
-    "grammar": (lambda v: isinstance(v, str), "a string (GBNF)"),
-    "json_schema": (lambda v: isinstance(v, (Mapping, bool)), "a JSON schema (an object or a boolean)"),
-}
-
-
-def _parse_logit_bias(raw: Any, problems: list[str]) -> tuple[tuple[int | str, float], ...]:
-    """[[token id or text, bias or false], ...]; false bans (-inf)."""
-    if raw is None:
-        return ()
-    good = f"logit_bias must be a list of at most {MAX_LOGIT_BIAS} [token id or text, number or false] pairs"
-    if not isinstance(raw, list) or len(raw) > MAX_LOGIT_BIAS:
-        problems.append(good)
-        return ()
-    pairs: list[tuple[int | str, float]] = []
-    for index, pair in enumerate(raw):
-        if not (isinstance(pair, list) and len(pair) == 2):
-            problems.append(f"{good}; item {index} is {pair!r}")
-            return ()
-        token, bias = pair
-        if not ((_is_int(token) and token >= 0) or (isinstance(token, str) and token)):
-            problems.append(f"logit_bias[{index}][0] must be a token id >= 0 or a non-empty text, got {token!r}")
-        elif bias is False:
-            pairs.append((token, -math.inf))
-        elif _is_number(bias):
-            pairs.append((token, float(bias)))
-        else:
-            problems.append(f"logit_bias[{index}][1] must be a finite number or false, got {bias!r}")
-    return tuple(pairs)
-
-
-def _parse_constraint(obj: Mapping[str, Any], problems: list[str]) -> OutputConstraint | None:
-    """The request's `json_schema` or `grammar` (an empty grammar is none); not both."""
-    schema, grammar = obj.get("json_schema"), obj.get("grammar")
-    if grammar == "":
-        grammar = None
-    if schema is not None and grammar is not None:
-        problems.append("give json_schema or grammar, not both")
-        return None
-    if schema is not None and isinstance(schema, (Mapping, bool)):
-        return OutputConstraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
-    if grammar is not None and isinstance(grammar, str):
-        return OutputConstraint(ConstraintKind.GRAMMAR, grammar)
-    return None
+    defaults, request = SamplingParams(), CompletionRequest()
+    constraint = None
+    if args.json_schema is not None:
+        constraint = OutputConstraint(ConstraintKind.JSON_SCHEMA, json.dumps(args.json_schema))
+    elif args.grammar:
+        constraint = OutputConstraint(ConstraintKind.GRAMMAR, args.grammar)
+    return CompletionRequest(
+        prompt=args.prompt,
+        messages=args.messages,
+        add_generation_prompt=given(args.add_generation_prompt, request.add_generation_prompt),
+        continue_final_message=given(args.continue_final_message, request.continue_final_message),
+        return_progress=given(args.return_progress, request.return_progress),
+        add_special=args.add_special,
+        n_predict=max(given(args.n_predict, request.n_predict), -1),
+        sampling=SamplingParams(**{field: given(getattr(args, field), getattr(defaults, field))
+                                   for field in SAMPLING_FIELDS}),
+        seed=given(args.seed, request.seed),
+        stop=given(args.stop, request.stop),
+        ignore_eos=given(args.ignore_eos, request.ignore_eos),
+        cache_prompt=given(args.cache_prompt, request.cache_prompt),
+        n_probs=given(args.n_probs, request.n_probs),
+        post_sampling_probs=given(args.post_sampling_probs, request.post_sampling_probs),
+        logit_bias=given(args.logit_bias, request.logit_bias),
+        constraint=constraint,
+    )
 
 
 def parse_request(obj: Any) -> CompletionRequest:
     """A `CompletionRequest` from the protocol's JSON object; every bad field is reported together."""
-    if not isinstance(obj, Mapping):
-        raise InvalidRequest(["the request must be a JSON object"])
-    problems: list[str] = []
-    for name, (check, good) in _SCALAR_FIELDS.items():
-        if name in obj and obj[name] is not None and not check(obj[name]):
-            problems.append(f"{name} must be {good}, got {obj[name]!r}")
-
-    prompt: str | tuple[str | int, ...] | None = None
-    messages: tuple[Mapping[str, Any], ...] | None = None
-    has_prompt, has_messages = obj.get("prompt") is not None, obj.get("messages") is not None
-    if has_prompt == has_messages:
-        problems.append("exactly one of prompt and messages must be given")
-    if has_prompt:
-        raw = obj["prompt"]
-        if isinstance(raw, str):
-            prompt = raw
-        elif isinstance(raw, list) and raw and all(isinstance(p, str) or _is_int(p) for p in raw):
-            prompt = tuple(raw)
-        else:
-            problems.append("prompt must be a string or a non-empty list of strings and token ids")
-    if has_messages:
-        raw = obj["messages"]
-        if isinstance(raw, list) and raw and all(isinstance(m, Mapping) for m in raw):
-            messages = tuple(raw)
-        else:
-            problems.append("messages must be a non-empty list of {role, content} objects")
-
-    stop: tuple[str, ...] = ()
-    raw_stop = obj.get("stop")
-    if raw_stop is not None:
-        if (
-            isinstance(raw_stop, list)
-            and len(raw_stop) <= MAX_STOP_STRINGS
-            and all(isinstance(s, str) and s for s in raw_stop)
-        ):
-            stop = tuple(raw_stop)
-        else:
-            problems.append(f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings")
-    bias = _parse_logit_bias(obj.get("logit_bias"), problems)
-    constraint = _parse_constraint(obj, problems)
-    if problems:
-        raise InvalidRequest(problems)
-
-    def get(name: str, default: Any) -> Any:
-        value = obj.get(name)
-        return default if value is None else value
-
-    defaults = SamplingParams()
-    sampling = SamplingParams(
-        temperature=float(get("temperature", defaults.temperature)),
-        top_k=get("top_k", defaults.top_k),
-        top_p=float(get("top_p", defaults.top_p)),
-        min_p=float(get("min_p", defaults.min_p)),
-        repeat_penalty=float(get("repeat_penalty", defaults.repeat_penalty)),
-        repeat_last_n=get("repeat_last_n", defaults.repeat_last_n),
-        frequency_penalty=float(get("frequency_penalty", defaults.frequency_penalty)),
-        presence_penalty=float(get("presence_penalty", defaults.presence_penalty)),
-    )
-    return CompletionRequest(
-        prompt=prompt,
-        messages=messages,
-        add_special=obj.get("add_special"),
-        add_generation_prompt=get("add_generation_prompt", True),
-        continue_final_message=get("continue_final_message", False),
-        return_progress=get("return_progress", False),
-        n_predict=max(get("n_predict", -1), -1),
-        sampling=sampling,
-        seed=get("seed", -1),
-        stop=stop,
-        ignore_eos=get("ignore_eos", False),
-        cache_prompt=get("cache_prompt", True),
-        n_probs=get("n_probs", 0),
-        post_sampling_probs=get("post_sampling_probs", False),
-        logit_bias=bias,
-        constraint=constraint,
-    )
+    return completion_request(arguments(CompleteArgs, obj))
 
 
 # -- streamed text ------------------------------------------------------------------------------------

@@ -20,12 +20,11 @@ from typing import Any
 import numpy as np
 
 from .errors import ContextOverflow, InvalidRequest, InvalidToken
+from .jobs import ChunkJob
 from .models.common import Rows, rope_tables
 from .protocol import Request, ServeContext
-from .settings import GGUF_POOLING, Pooling, values
-
-# llama.cpp's `llama_pooling_type` codes in a GGUF's `<arch>.pooling_type` (its `rank` has no pooling here).
-EUCLIDEAN = 2  # llama-server's default embd_normalize
+from .settings import GGUF_POOLING, Pooling
+from .wire import EUCLIDEAN, EmbedArgs, arguments_of
 
 POOLERS: dict[Pooling, Callable[[np.ndarray], np.ndarray]] = {
     Pooling.NONE: lambda h: h,
@@ -132,27 +131,17 @@ def embed(runner: Any, tokens: Sequence[int], pooling: Pooling, p: int = EUCLIDE
     return pool_rows(hidden_states(runner.model, tokens, runner.settings.prefill_chunk), pooling, p)
 
 
-def handle_embed(ctx: ServeContext, request: Request) -> None:
-    """EMBED: checked now, then evaluated a chunk per step by the scheduler (slot 0's runner lends its
-    model and context size; no slot is touched)."""
-    obj = request.args
-    problems: list[str] = []
-    tokens = obj.get("tokens")
-    if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
-        problems.append("tokens must be a list of token ids")
+def handle_embed(ctx: ServeContext, request: Request) -> ChunkJob:
+    """EMBED: checked now, then its job evaluated a chunk per step (slot 0's runner lends its model and
+    context size; no slot is touched)."""
+    args: EmbedArgs = arguments_of(request)
     runner = ctx.runner_of(0)
-    pooling = obj.get("pooling", model_pooling(runner.gguf.metadata, runner.config.architecture))
-    if pooling not in values(Pooling):
-        problems.append(f"pooling must be one of {', '.join(values(Pooling))}, got {pooling!r}")
-    p = obj.get("normalize", EUCLIDEAN)
-    if isinstance(p, bool) or not isinstance(p, int) or p < -1:
-        problems.append(f"normalize must be an integer >= -1, got {p!r}")
-    if problems:
-        raise InvalidRequest(problems)
+    tokens, p = args.tokens, args.normalize
+    pooling = args.pooling or model_pooling(runner.gguf.metadata, runner.config.architecture)
     _check(runner, tokens)
 
     def finish(states: np.ndarray) -> Mapping[str, Any]:
-        return {"embedding": pool_rows(states, Pooling(pooling), p).tolist(), "n_tokens": len(tokens)}
+        return {"embedding": pool_rows(states, pooling, p).tolist(), "n_tokens": len(tokens)}
 
-    ctx.scheduler.start_chunks(request, lambda chunk_size, on_chunk: hidden_state_steps(
+    return ChunkJob(request, lambda chunk_size, on_chunk: hidden_state_steps(
         runner.model, tokens, runner.settings.prefill_chunk, chunk_size, on_chunk), finish, len(tokens))

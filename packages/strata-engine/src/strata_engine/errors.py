@@ -151,5 +151,10 @@ class GraphCaptureFailed(EngineError):
     """A step could not be captured as a CUDA graph; the runner then runs it op by op (and says so once)."""
 
 
+class EngineProcessError(EngineError):
+    """A client's engine process (client.EngineProcess) did not start, answered a command with an error line,
+    or exited."""
+
+
 class InjectedFault(EngineError):
     """The failure a test arms with STRATA_ENGINE_SESSION_FAULT (session.adapter.FaultPoint)."""

@@ -5,7 +5,7 @@ channel.
 Of the rest of the engine this module imports only the exceptions (errors.py, which imports nothing):
 the verbs register into a `CommandRegistry` from outside (serve.py, session/verbs.py), and strata-server
 imports the vocabulary from here without loading the engine. tests/engine/test_protocol_spec.py binds
-the spec's tables to these constants. The loop that serves the lines is scheduler.py's.
+the spec's tables to these constants. The loop that serves the lines is loop.py's.
 
 A handler gets the `ServeContext` and the `Request` (its object, id and slot), writes its non-terminal
 lines through `request.emit` and returns the terminal `result` payload; what it raises becomes the error
@@ -334,11 +334,11 @@ class ArgumentKind(enum.Enum):
 
 
 class Dispatch(enum.Enum):
-    """Where the scheduler runs a verb's handler (spec "Scheduling")."""
+    """Where the serve loop runs a verb's handler (spec "Scheduling")."""
 
-    NOW = "now"  # in the loop, between two steps (it touches a slot or the scheduler's state)
+    NOW = "now"  # in the loop, between two steps (it touches a slot or the loop's state)
     WORKER = "worker"  # on the worker thread beside the steps (it touches no slot); answered at a step boundary
-    JOB = "job"  # the handler starts a job the scheduler steps; the job writes the terminal line
+    JOB = "job"  # the handler returns a job the steps advance; the job writes the terminal line
     SESSION = "session"  # on the session thread, one at a time, its slot busy; it writes the live pool only
     # after `request.gate.enter()`, which waits for a step boundary and holds the steps until it ends
 
@@ -352,7 +352,7 @@ class Request:
     id: str | None = None
     slot: int | None = None  # a slot verb's slot; None for the others
     writer: LineWriter | None = attrs.field(default=None, eq=False, repr=False)
-    gate: Any = attrs.field(default=None, eq=False, repr=False)  # Dispatch.SESSION: the scheduler's Gate
+    gate: Any = attrs.field(default=None, eq=False, repr=False)  # Dispatch.SESSION: the loop's Gate
 
     def tag(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """A line for this request: its `event` first, then its id (and slot on terminal lines)."""
@@ -381,16 +381,27 @@ CANCELLABLE_VERBS = frozenset({"COMPLETE", "EMBED"})  # the verbs a CANCEL ends:
 
 
 @attrs.define
+class Flight:
+    """The requests in flight, kept by the serve loop (loop.py, jobs.py); STATUS reads them."""
+
+    busy: dict[int, Any] = attrs.Factory(dict)  # slot -> the job holding it (a COMPLETE or a session verb)
+    # forward passes run (a batched decode, a prompt's or an EMBED's chunk), failed ones included:
+    # llama-server's n_decode_total, on the terminal lines of COMPLETE and EMBED and in STATUS
+    forward_passes: int = 0
+
+
+@attrs.define
 class ServeContext:
     """What handlers work with: the engine's parts the verbs act on (typed loosely: this module imports
     no engine code). Slot i's runner is `slots.runners[i]`, its completer (which holds its sampler state)
-    `completers[i]`."""
+    `completers[i]`. A handler answers; a JOB verb's handler returns its job instead (jobs.py), CANCEL's and
+    QUIT's an order to the loop (loop.py)."""
 
     slots: Any  # slots.SlotSet
     tokenizer: Any  # tokenizer.Tokenizer
     template: Any  # chat.ChatTemplate
     completers: tuple[Any, ...] = ()  # completion.Completer per slot
-    scheduler: Any = None  # scheduler.Scheduler: the requests in flight
+    flight: Flight = attrs.Factory(Flight)
 
     @property
     def n_slots(self) -> int:
@@ -403,8 +414,8 @@ class ServeContext:
         return self.completers[slot]
 
 
-# A handler returns the terminal `result` payload; None for a verb never answered (CANCEL) or a JOB.
-Handler = Callable[[ServeContext, Request], Mapping[str, Any] | None]
+# A handler returns the terminal `result` payload, or (a JOB verb) its job, or (CANCEL, QUIT) an order to the loop.
+Handler = Callable[[ServeContext, Request], Any]
 
 
 @attrs.frozen

@@ -1,8 +1,8 @@
 """`strata-engine serve`: the engine's verbs on the protocol of spec/engine-protocol.md.
 
 The generic parts -- registry, line channel, error mapping, exit statuses -- are protocol.py's, the loop
-is scheduler.py's; this module has the verbs of the loaded model (`build_registry`; SAVE / RESTORE come
-from session/verbs.py), the ready line and `serve`, which loads the slots and runs the scheduler.
+is loop.py's; this module has the verbs of the loaded model (`build_registry`; SAVE / RESTORE come
+from session/verbs.py), the ready line and `serve`, which loads the slots and runs the loop.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO
 
-import cattrs
 import numpy as np
 import xxhash
 
@@ -21,43 +20,44 @@ from .completion import Completer, parse_request
 from .constraints import ConstraintCompiler
 from .embedding import handle_embed, model_pooling
 from .errors import ContextOverflow, EngineError, InvalidRequest
+from .jobs import CompleteJob
 from .kernel_cache import restart_if_compiled
+from .loop import Cancel, Quit, ServeLoop
 from .protocol import (
     ENGINE_NAME,
     PROTOCOL_VERSION,
-    ArgumentKind,
     CommandRegistry,
-    Dispatch,
     ExitStatus,
     FimToken,
+    Handler,
     LineReader,
     LineWriter,
     Request,
     ServeContext,
     engine_version,
 )
-from .scheduler import Scheduler
 from .session.verbs import SessionVerbs, register_session_verbs
 from .tokenizer import Tokenizer
+from .wire import (
+    VERBS,
+    ApplyTemplateArgs,
+    DetokenizeArgs,
+    TokenizeArgs,
+    arguments_of,
+    register,
+    unstructure,
+)
 
 log = logging.getLogger(__name__)
-
-_converter = cattrs.Converter()  # the protocol's boundary: attrs results -> JSON objects
-
 
 # -- commands -------------------------------------------------------------------------------------------
 
 
-def _bool_field(obj: Mapping[str, Any], name: str, default: bool, problems: list[str]) -> bool:
-    value = obj.get(name, default)
-    if not isinstance(value, bool):
-        problems.append(f"{name} must be a boolean, got {value!r}")
-        return default
-    return value
-
-
-def handle_complete(ctx: ServeContext, request: Request) -> None:
-    ctx.scheduler.start_complete(request)
+def handle_complete(ctx: ServeContext, request: Request) -> CompleteJob:
+    """COMPLETE's job: prepared on the preparer thread, then admitted to the steps (jobs.py)."""
+    assert request.slot is not None
+    completer = ctx.completer_of(request.slot)
+    return CompleteJob(request, request.slot, completer, lambda: completer.prepare(parse_request(request.args)))
 
 
 def handle_prompt_tokens(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
@@ -73,18 +73,9 @@ def handle_prompt_tokens(ctx: ServeContext, request: Request) -> Mapping[str, An
 
 
 def handle_tokenize(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
-    obj = request.args
-    problems: list[str] = []
-    content = obj.get("content")
-    if not isinstance(content, str):
-        problems.append("content must be a string")
-    add_special = _bool_field(obj, "add_special", False, problems)
-    parse_special = _bool_field(obj, "parse_special", True, problems)
-    with_pieces = _bool_field(obj, "with_pieces", False, problems)
-    if problems:
-        raise InvalidRequest(problems)
-    tokens = ctx.tokenizer.encode(content, add_special=add_special, parse_special=parse_special)
-    if not with_pieces:
+    args: TokenizeArgs = arguments_of(request)
+    tokens = ctx.tokenizer.encode(args.content, add_special=args.add_special, parse_special=args.parse_special)
+    if not args.with_pieces:
         return {"tokens": tokens}
     pieces = []
     for token in tokens:
@@ -98,21 +89,14 @@ def handle_tokenize(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
 
 
 def handle_detokenize(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
-    tokens = request.args.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise InvalidRequest(["tokens must be a list of token ids"])
-    return {"content": ctx.tokenizer.decode(tokens)}
+    args: DetokenizeArgs = arguments_of(request)
+    return {"content": ctx.tokenizer.decode(args.tokens)}
 
 
 def handle_apply_template(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
-    obj = request.args
-    problems: list[str] = []
-    add_generation_prompt = _bool_field(obj, "add_generation_prompt", True, problems)
-    continue_final_message = _bool_field(obj, "continue_final_message", False, problems)
-    if problems:
-        raise InvalidRequest(problems)
-    return {"prompt": ctx.template.render(obj.get("messages"), add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message)}
+    args: ApplyTemplateArgs = arguments_of(request)
+    return {"prompt": ctx.template.render(args.messages, add_generation_prompt=args.add_generation_prompt,
+                                          continue_final_message=args.continue_final_message)}
 
 
 def tokens_digest(tokens) -> str:
@@ -123,7 +107,7 @@ def tokens_digest(tokens) -> str:
 def slot_status(ctx: ServeContext, slot: int) -> dict[str, Any]:
     runner = ctx.runner_of(slot)
     held = runner.tokens_held
-    job = ctx.scheduler.busy.get(slot) if ctx.scheduler is not None else None
+    job = ctx.flight.busy.get(slot)
     return {
         "slot": slot,
         "n_ctx": runner.n_ctx,
@@ -153,7 +137,7 @@ def handle_status(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         "kv_resident": settings.kv_resident,
         "prompt_cache": settings.prompt_cache,
         "model_path": str(settings.model_path),
-        "n_forward": ctx.scheduler.forward_passes if ctx.scheduler is not None else 0,
+        "n_forward": ctx.flight.forward_passes,
         "slots": slots,
     }
 
@@ -162,31 +146,29 @@ def handle_erase(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
     return {"n_erased": ctx.runner_of(request.slot).erase()}
 
 
-def handle_cancel(ctx: ServeContext, request: Request) -> None:
+def handle_cancel(ctx: ServeContext, request: Request) -> Cancel:
     # No answer: a CANCEL that arrives just after its COMPLETE ended must leave no line behind.
     if request.id is None:
         raise InvalidRequest(["CANCEL needs the id of the COMPLETE to end"])
-    ctx.scheduler.cancel(request.id)
-    return None
+    return Cancel(request.id)
 
 
-def handle_quit(ctx: ServeContext, request: Request) -> None:
-    ctx.scheduler.request_quit(request)  # answered once every request in flight has ended
-    return None
+def handle_quit(ctx: ServeContext, request: Request) -> Quit:
+    return Quit(request)  # answered once every request in flight has ended
 
 
-# verb -> (argument, handler, where it runs, whether it names a slot)
-VERBS: dict[str, tuple[ArgumentKind, Any, Dispatch, bool]] = {
-    "COMPLETE": (ArgumentKind.JSON, handle_complete, Dispatch.JOB, True),
-    "PROMPT_TOKENS": (ArgumentKind.JSON, handle_prompt_tokens, Dispatch.WORKER, False),
-    "TOKENIZE": (ArgumentKind.JSON, handle_tokenize, Dispatch.WORKER, False),
-    "DETOKENIZE": (ArgumentKind.JSON, handle_detokenize, Dispatch.WORKER, False),
-    "APPLY_TEMPLATE": (ArgumentKind.JSON, handle_apply_template, Dispatch.WORKER, False),
-    "EMBED": (ArgumentKind.JSON, handle_embed, Dispatch.JOB, False),
-    "STATUS": (ArgumentKind.OPTIONAL, handle_status, Dispatch.NOW, False),
-    "ERASE": (ArgumentKind.OPTIONAL, handle_erase, Dispatch.NOW, True),
-    "CANCEL": (ArgumentKind.JSON, handle_cancel, Dispatch.NOW, False),
-    "QUIT": (ArgumentKind.OPTIONAL, handle_quit, Dispatch.NOW, False),
+# verb -> its handler (how the verb is called and where it runs: wire.VERBS); SAVE / RESTORE are session/verbs.py's
+HANDLERS: dict[str, Handler] = {
+    "COMPLETE": handle_complete,
+    "PROMPT_TOKENS": handle_prompt_tokens,
+    "TOKENIZE": handle_tokenize,
+    "DETOKENIZE": handle_detokenize,
+    "APPLY_TEMPLATE": handle_apply_template,
+    "EMBED": handle_embed,
+    "STATUS": handle_status,
+    "ERASE": handle_erase,
+    "CANCEL": handle_cancel,
+    "QUIT": handle_quit,
 }
 
 
@@ -199,9 +181,9 @@ def build_registry(session_options: Any = None, ctx: ServeContext | None = None)
 
 def _build_registry(session_options: Any, ctx: ServeContext | None) -> tuple[CommandRegistry, SessionVerbs]:
     registry = CommandRegistry()
-    for verb, (argument, handler, dispatch, slotted) in VERBS.items():
-        registry.register(verb, argument, handler, dispatch, slotted=slotted)
+    register(registry, HANDLERS)
     verbs = register_session_verbs(registry, session_options, ctx)
+    assert registry.verbs == sorted(VERBS), "every verb of wire.VERBS has its handler"
     return registry, verbs
 
 
@@ -285,14 +267,14 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
     ctx = serve_context(slots, tokenizer, template)
     registry, verbs = _build_registry(session_options, ctx)
     reader = LineReader(stdin_fd if stdin_fd is not None else sys.stdin.fileno())
-    scheduler = scheduler_for(ctx, registry, reader, writer)
+    loop = serve_loop(ctx, registry, reader, writer)
     writer.write(ready_line(slots, tokenizer, template, verbs.identity(runner)))
     log.info("ready: %s, %d slot(s)", settings.model_path, len(slots.runners))
-    return scheduler.run()
+    return loop.run()
 
 
-def scheduler_for(ctx: ServeContext, registry: CommandRegistry, reader: LineReader, writer: LineWriter) -> Scheduler:
-    return Scheduler(ctx, registry, reader, writer, _converter.unstructure)
+def serve_loop(ctx: ServeContext, registry: CommandRegistry, reader: LineReader, writer: LineWriter) -> ServeLoop:
+    return ServeLoop(ctx, registry, reader, writer, unstructure)
 
 
 def serve_context(slots: Any, tokenizer: Tokenizer, template: ChatTemplate) -> ServeContext:

@@ -21,6 +21,9 @@ class Ops(Protocol):
     packs_weights: bool  # weights are `packed.PackedWeight`s made from the GGUF blocks
     attends_in_place: bool  # `attention` reads the pool's storage (f16, int8 + scales) itself (kv/cpu.py)
     compiles_kernels: bool  # the first call of a kernel compiles it (or loads it from disk): warm up first
+    # the pool's copies (a SAVE's reads, a restore's writes) run on a stream of their own, beside the steps:
+    # a session verb holds the steps from its start
+    copies_beside_steps: bool
 
     # ---- data movement ---------------------------------------------------------------------------
     def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:

@@ -87,6 +87,7 @@ class CupyOps(NumpyOps):
     `to_host` download. Internal arithmetic is float32 where the dtype is f16/bf16."""
 
     name = "cupy"
+    copies_beside_steps = True
 
     def __init__(self, dtype: str = "f32"):
         try:

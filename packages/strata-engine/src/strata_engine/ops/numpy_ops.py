@@ -35,6 +35,7 @@ class NumpyOps:
     packs_weights = False
     attends_in_place = False
     compiles_kernels = False
+    copies_beside_steps = False
 
     def __init__(self, dtype: str = "f32"):
         self.xp: Any = np

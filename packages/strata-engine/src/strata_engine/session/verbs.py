@@ -38,11 +38,9 @@ import strata_sessionfile as sf
 from strata_sessionfile import errors as E
 from strata_sessionfile.seam import S3_SCHEME, FileSink, s3_location
 
-from ..errors import InvalidRequest, PrefixUnreachable
+from ..errors import PrefixUnreachable
 from ..protocol import (
-    ArgumentKind,
     CommandRegistry,
-    Dispatch,
     ErrorKind,
     FailStop,
     ProtocolError,
@@ -50,6 +48,7 @@ from ..protocol import (
     Request,
     ServeContext,
 )
+from ..wire import RestoreArgs, RestorePrefixArgs, SaveArgs, arguments_of, register
 from .adapter import EngineSession, FaultPoint, PrefixCut, SamplerAccess
 from .buffers import BlockBufferCache, block_buffers
 from .identity import runner_identity
@@ -242,7 +241,7 @@ class SessionVerbs:
         return report
 
     def save(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
-        parsed = parse_save(request.args)
+        parsed: SaveArgs = arguments_of(request)
         sink = self._sink(parsed.path, parsed.sync)  # a malformed s3:// URL: a bad argument
         adapter = self.adapter(ctx, request.slot, gate=request.gate)
         try:
@@ -257,10 +256,11 @@ class SessionVerbs:
                 "save_ms": round(report.elapsed_s * 1000.0, 3)}
 
     def restore(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
-        return self._restore(request, parse_path(request.args), self.adapter(ctx, request.slot, gate=request.gate))
+        parsed: RestoreArgs = arguments_of(request)
+        return self._restore(request, parsed.path, self.adapter(ctx, request.slot, gate=request.gate))
 
     def restore_prefix(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
-        parsed = parse_restore_prefix(request.args)
+        parsed: RestorePrefixArgs = arguments_of(request)
         runner = ctx.runner_of(request.slot)
         cut = None
         if parsed.cut_to is not None or parsed.min_keep:
@@ -312,67 +312,6 @@ class SessionVerbs:
                             reason=reason) from cause
 
 
-@attrs.frozen
-class RestorePrefixRequest:
-    path: str
-    cut_to: int | None = None  # None: keep every token of the file
-    min_keep: int = 0
-    discard_held: bool = False
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def parse_restore_prefix(obj: Mapping[str, Any]) -> RestorePrefixRequest:
-    """RESTORE_PREFIX's object; every bad field is named in one error (unknown fields are ignored)."""
-    problems = []
-    path = obj.get("path")
-    if not isinstance(path, str) or not path or any(c in path for c in "\r\n\0"):
-        problems.append("path must be a non-empty string without line breaks or NUL")
-    cut_to = obj.get("cut_to")
-    if cut_to is not None and not _is_count(cut_to):
-        problems.append(f"cut_to must be an integer >= 0 or null, got {cut_to!r}")
-    min_keep = obj.get("min_keep", 0)
-    if not _is_count(min_keep):
-        problems.append(f"min_keep must be an integer >= 0, got {min_keep!r}")
-    discard_held = obj.get("discard_held", False)
-    if not isinstance(discard_held, bool):
-        problems.append(f"discard_held must be a boolean, got {discard_held!r}")
-    if problems:
-        raise InvalidRequest(problems)
-    return RestorePrefixRequest(path, cut_to, min_keep, discard_held)
-
-
-@attrs.frozen
-class SaveRequest:
-    path: str
-    sync: bool = True  # False: neither the file nor its folder fsynced (the client makes it durable later)
-
-
-def parse_save(obj: Mapping[str, Any]) -> SaveRequest:
-    """SAVE's object; every bad field is named in one error (unknown fields are ignored)."""
-    problems = []
-    try:
-        path = parse_path(obj)
-    except InvalidRequest as exc:
-        problems.extend(exc.problems)
-    sync = obj.get("sync", True)
-    if not isinstance(sync, bool):
-        problems.append(f"sync must be a boolean, got {sync!r}")
-    if problems:
-        raise InvalidRequest(problems)
-    return SaveRequest(path, sync)
-
-
-def parse_path(obj: Mapping[str, Any]) -> str:
-    """SAVE's and RESTORE's `path`."""
-    path = obj.get("path")
-    if not isinstance(path, str) or not path or any(c in path for c in "\r\n\0"):
-        raise InvalidRequest(["path must be a non-empty string without line breaks or NUL"])
-    return path
-
-
 def register_session_verbs(registry: CommandRegistry, options: SessionOptions | None = None,
                            ctx: ServeContext | None = None) -> SessionVerbs:
     """Install SAVE, RESTORE and RESTORE_PREFIX. With `ctx`, `SessionVerbs.warm` runs now (fingerprinting the model files
@@ -380,6 +319,5 @@ def register_session_verbs(registry: CommandRegistry, options: SessionOptions | 
     verbs = SessionVerbs(options or SessionOptions())
     if ctx is not None:
         verbs.warm(ctx)
-    for verb, handler in (("SAVE", verbs.save), ("RESTORE", verbs.restore), ("RESTORE_PREFIX", verbs.restore_prefix)):
-        registry.register(verb, ArgumentKind.JSON, handler, Dispatch.SESSION, slotted=True)
+    register(registry, {"SAVE": verbs.save, "RESTORE": verbs.restore, "RESTORE_PREFIX": verbs.restore_prefix})
     return verbs

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from strata_engine.protocol import CANCELLABLE_VERBS, ErrorKind, ExitStatus
+from strata_engine.wire import VERBS
 
 from ..errors import EngineDied, EngineProtocolViolation
 from ..slot_manager import SlotManager
@@ -27,7 +28,7 @@ _EOF = object()
 # read a line one byte (one system call) at a time.
 READ_BUFFER_BYTES = 1 << 16
 # The verbs that act on one slot: the lease names its slot in them (spec/engine-protocol.md, Lines).
-SLOT_VERBS = frozenset({"COMPLETE", "ERASE", "SAVE", "RESTORE", "RESTORE_PREFIX"})
+SLOT_VERBS = frozenset(verb for verb, spec in VERBS.items() if spec.slotted)
 
 
 class Call:
