@@ -28,7 +28,7 @@ from strata_engine.chat import ChatTemplate  # noqa: E402
 from strata_engine.gguf.reader import read_gguf  # noqa: E402
 from strata_engine.protocol import LineReader, LineWriter  # noqa: E402
 from strata_engine.sampling import Argmax  # noqa: E402
-from strata_engine.serve import build_registry, scheduler_for, serve_context  # noqa: E402
+from strata_engine.serve import build_registry, serve_context, serve_loop  # noqa: E402
 from strata_engine.settings import EngineSettings  # noqa: E402
 from strata_engine.slots import LaunchedStep, SlotSet  # noqa: E402
 from strata_engine.tokenizer import Tokenizer  # noqa: E402
@@ -68,30 +68,30 @@ def main() -> int:
     ctx = serve_context(slots, tok, ChatTemplate.for_model(meta, tok))
     read_end, write_end = os.pipe()
     with tempfile.TemporaryFile() as out:
-        scheduler = scheduler_for(ctx, build_registry(), LineReader(read_end), LineWriter(out))
-        times: list[tuple[int, float]] = []
-        decode = scheduler._decode
+        loop = serve_loop(ctx, build_registry(), LineReader(read_end), LineWriter(out))
+        times: list[tuple[int, float, float]] = []
+        decode = loop.scheduler._decode  # the policy's decode step: forward pass, sampling, token lines
 
         def timed(jobs, *more):
             t0 = time.perf_counter()
             decode(jobs, *more)
             times.append((len(jobs), t0, time.perf_counter() - t0))
 
-        scheduler._decode = timed
+        loop.scheduler._decode = timed  # type: ignore[method-assign]
 
-        def feed() -> None:  # the scheduler keeps the main thread, as in `strata-engine serve`
+        def feed() -> None:  # the loop keeps the main thread, as in `strata-engine serve`
             for i in range(n):
                 request = {"id": f"r{i}", "slot": i, "prompt": rng.integers(300, 40000, args.prompt).tolist(),
                            "n_predict": args.tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
                 os.write(write_end, b"COMPLETE " + json.dumps(request).encode() + b"\n")
             deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and (scheduler.steps == 0 or scheduler.busy):  # every request ends
+            while time.monotonic() < deadline and (ctx.flight.forward_passes == 0 or loop.busy):  # every request ends
                 time.sleep(0.05)
             os.write(write_end, b"QUIT\n")
 
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
-        scheduler.run()
+        loop.run()
         feeder.join(timeout=30)
     full = np.array([t for rows, _, t in times if rows == n])
     # start to start of consecutive full steps: the loop's whole cycle (reading lines, chunks, writing)

@@ -65,13 +65,13 @@ def group_of(proc: str, name: str) -> str:
 # The engine loop thread's samples by the innermost frame that matches (function name, file): what it does.
 ENGINE_LOOP_PARTS = (
     ("write", "protocol.py", "lines: json.dumps + write + flush"),
-    ("token_line", "scheduler.py", "lines: build the token line"),
+    ("token_line", "jobs.py", "lines: build the token line"),
     ("emit", "protocol.py", "lines: tag"),
     ("accept", "completion.py", "sampling + detokenize (Generation.accept)"),
     ("decode_rows", "slots.py", "forward pass (SlotSet.decode_rows)"),
-    ("_chunk", "scheduler.py", "prefill chunk"),
-    ("_step", "scheduler.py", "step, other"),
-    ("select", "scheduler.py", "waiting for a line"),
+    ("chunk", "jobs.py", "prefill chunk"),
+    ("step", "scheduler.py", "step, other"),
+    ("select", "loop.py", "waiting for a line"),
 )
 WORKER_PARTS = (
     ("loads", "json", "json.loads (engine lines)"),
