@@ -149,6 +149,7 @@ def handle_embed(ctx: ServeContext, request: Request) -> None:
         problems.append(f"normalize must be an integer >= -1, got {p!r}")
     if problems:
         raise InvalidRequest(problems)
+    assert isinstance(tokens, list)  # a problem above otherwise
     _check(runner, tokens)
 
     def finish(states: np.ndarray) -> Mapping[str, Any]:
