@@ -253,7 +253,7 @@ class EngineSession:
             raise InjectedFault("injected fault: restore, before the gate")
         st = plan.state
         n = st.n_tokens
-        where = {"path": plan.path}
+        where: dict[str, Any] = {"path": plan.path}
         if st.position != n:
             raise E.InconsistentState(f"position {st.position} differs from the {n} tokens held",
                                       field="state.position", **where)
@@ -327,7 +327,8 @@ class EngineSession:
     def landing_views(self, layer: int, part: Part, offset: int, length: int) -> list[memoryview]:
         if self._staged is not None:  # staged: the staging area, never the live pool
             dest = self._staged[layer][part]
-            return [memoryview(dest[offset : offset + length])]
+            assert dest is not None  # None only for an empty part, which has no bytes to land
+            return [dest[offset : offset + length].data]  # a memoryview of the slice
         if self._staging_in_pool:  # staged into a pool that holds nothing: its slots (no conversation to keep)
             flat, segs = self._segments(layer, part, self._prepared_starts()[layer], offset, length)
             return [memoryview(flat[lo:hi]) for lo, hi, _d in segs]

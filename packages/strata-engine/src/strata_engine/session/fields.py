@@ -89,7 +89,7 @@ class EngineFieldsCodec:
                 raise E.InconsistentState("checkpoint data without its engine fields", field="state.checkpoint",
                                           **where)
             return ()
-        if (not isinstance(cp_fields, dict) or not self.ring_layers
+        if (not isinstance(cp_fields, dict) or self.window is None  # window: None exactly without rings
                 or cp_fields.get("position") != index
                 or cp_fields.get("start") != max(0, index - self.window + 1)):
             raise E.InconsistentState(f"checkpoint fields {cp_fields!r} do not match token index {index}",
