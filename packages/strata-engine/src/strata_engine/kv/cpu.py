@@ -20,6 +20,7 @@ from .placement import PoolPlacement
 
 class InPlacePlacement(PoolPlacement):
     ops: InPlaceOps  # the factory places a pool in place only for ops that attend in place
+
     def attend(
         self,
         layer: int,
