@@ -401,6 +401,15 @@ def test_landing_after_the_gate_only(models, tmp_path):
         session.landing_views(0, Part.K, 0, 16)
 
 
+def test_kv_bytes_before_check_plan_are_refused(models):
+    """copy_in before check_plan prepared a plan: the adapter's own error, and the live pool untouched."""
+    session = EngineSession(fill(synthetic_runner(models, "smollm2"), 10, seed=2))
+    before = live_digest(session.runner)
+    with pytest.raises(E.AdapterFailed, match="did not check"):
+        session.copy_in(0, Part.K, 0, memoryview(bytes(16)))
+    assert live_digest(session.runner) == before and not session.live_touched
+
+
 def test_staged_commit_failure_marks_the_live_pool_touched(models, tmp_path):
     """A staged restore whose switch fails after writing the pool is no clean refusal: the serve verb
     turns it into a fail-stop because `live_touched` says the live K/V was written."""

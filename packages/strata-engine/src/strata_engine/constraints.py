@@ -18,7 +18,7 @@ import enum
 import functools
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import llguidance
@@ -27,6 +27,9 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from .errors import ConstraintError, InvalidGrammar, InvalidJsonSchema
 from .tokenizer import Tokenizer, TokenType
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stub only
 
 
 class ConstraintKind(enum.StrEnum):
@@ -44,7 +47,7 @@ class OutputConstraint:
 
 # JSON as json.dumps writes it (", " and ": ", no other whitespace): a small model cannot wander into
 # endless whitespace. Keywords llguidance cannot enforce are refused (strict), never silently ignored.
-JSON_COMPILE_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
+JSON_COMPILE_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
                                         "key_separator": ": ", "lenient": False}
 
 

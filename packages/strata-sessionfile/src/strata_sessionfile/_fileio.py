@@ -225,6 +225,7 @@ class FileSink:
         self.fd = -1
 
     def publish(self) -> None:
+        assert self.tmp is not None, "publish follows create"
         replace(self.tmp, self.path)
         self.tmp = None
 

@@ -19,7 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import errors as E
-from .adapter import AsyncCopyTarget, MergingCopyTarget, SessionTarget, StagingTarget, adapter_call
+from .adapter import (
+    AsyncCopyTarget,
+    LandingTarget,
+    MergingCopyTarget,
+    SessionTarget,
+    StagingTarget,
+    adapter_call,
+)
 from .codec import METADATA_OFFSET
 from .datapass import land_data, stream_data
 from .memory import HUGE_PAGE
@@ -77,12 +84,13 @@ def _check_prefix_again(opened: OpenedFile, readers: ReadThreads) -> None:
 
 
 def apply_streaming(opened: OpenedFile, adapter: SessionTarget, plan: RestorePlan, buffers, block_size, progress,
-                    landing: bool, readers: ReadThreads) -> None:
+                    lander: LandingTarget | None, readers: ReadThreads) -> None:
+    """``lander``: the adapter where the file's bytes land straight in its memory, else None."""
     # Before the gate: the file must be exactly what the read pass validated.
     check_unchanged(opened, "between the read pass and the apply pass")
     _check_prefix_again(opened, readers)
     # The prefix re-read is byte-identical to the one the read pass hashed (checked above): start from there.
-    hasher = opened.prefix_hasher.copy()
+    hasher = opened.pass_hasher()
     gate = [False]
     handed_over = block_handed_over(adapter)
 
@@ -99,9 +107,9 @@ def apply_streaming(opened: OpenedFile, adapter: SessionTarget, plan: RestorePla
         handed_over()
 
     try:
-        if landing:  # the gate first: from here on the file's bytes land in the live K/V
+        if lander is not None:  # the gate first: from here on the file's bytes land in the live K/V
             open_gate()
-            opened.bytes_read += land_data(opened, adapter.landing_views, block_size, hasher, progress,
+            opened.bytes_read += land_data(opened, lander.landing_views, block_size, hasher, progress,
                                            Phase.APPLY, readers)
         else:
             opened.bytes_read += stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY,
@@ -118,8 +126,8 @@ def apply_streaming(opened: OpenedFile, adapter: SessionTarget, plan: RestorePla
 
 
 def apply_staged(opened: OpenedFile, adapter: StagingTarget, plan: RestorePlan, buffers, block_size, progress,
-                 landing: bool, readers: ReadThreads) -> None:
-    hasher = opened.prefix_hasher.copy()
+                 lander: LandingTarget | None, readers: ReadThreads) -> None:
+    hasher = opened.pass_hasher()
     handed_over = block_handed_over(adapter)
 
     def deliver(view: memoryview, segments) -> None:
@@ -130,8 +138,8 @@ def apply_staged(opened: OpenedFile, adapter: StagingTarget, plan: RestorePlan, 
 
     try:
         adapter_call(adapter.begin_staging, plan)
-        if landing:  # straight into the staging area
-            opened.bytes_read += land_data(opened, adapter.landing_views, block_size, hasher, progress,
+        if lander is not None:  # straight into the staging area
+            opened.bytes_read += land_data(opened, lander.landing_views, block_size, hasher, progress,
                                            Phase.APPLY, readers)
         else:
             opened.bytes_read += stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY,

@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import os
 import secrets
+from typing import TYPE_CHECKING, Protocol
 
 import xxhash
 
@@ -27,6 +28,9 @@ from .format import (
     MAC_DOMAIN,
     Flags,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 
 class SessionKey:
@@ -75,6 +79,16 @@ def auth_extension(key: SessionKey, header: bytes, payload_hash: bytes, payload_
     return AUTH_EXTENSION_STRUCT.pack(key.key_id, payload_digest, key.mac(header, covered))
 
 
+class PayloadHasher(Protocol):
+    """What a pass hashes the payload with: ``xxhash.xxh3_128`` or an ``AuthenticatedHasher``."""
+
+    def update(self, data: ReadableBuffer) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+    def copy(self) -> PayloadHasher: ...
+
+
 class AuthenticatedHasher:
     """The payload hash (XXH3-128) and the payload digest (SHA-256) of an authenticated file, over the same
     bytes in one ``update``."""
@@ -98,7 +112,7 @@ class AuthenticatedHasher:
         return self.sha.digest()
 
 
-def payload_hasher(authenticated: bool, initial: bytes = b""):
+def payload_hasher(authenticated: bool, initial: bytes = b"") -> PayloadHasher:
     """What a pass hashes the payload with: XXH3-128 alone, or with SHA-256 for an authenticated file."""
     if not authenticated:
         return xxhash.xxh3_128(initial)

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TypeVar
 
 from . import errors as E
 from .auth import SessionKey
@@ -117,9 +118,12 @@ def index_ranges(indices: list[int]) -> str:
     return ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
 
 
-def _groups(items: list) -> list[tuple[list[int], object]]:
+Item = TypeVar("Item")
+
+
+def _groups(items: list[Item]) -> list[tuple[list[int], Item]]:
     """(indices, item) for each distinct item (compared as canonical JSON), in order of first appearance."""
-    groups: dict[str, tuple[list[int], object]] = {}
+    groups: dict[str, tuple[list[int], Item]] = {}
     for i, item in enumerate(items):
         groups.setdefault(json.dumps(item, sort_keys=True), ([], item))[0].append(i)
     return list(groups.values())

@@ -168,7 +168,7 @@ def encode_metadata(model: ModelIdentity, config: ConfigIdentity, state: Running
                     layers: tuple[LayerGeometry, ...]) -> bytes:
     """The metadata section: u32 length, then the fields of spec table "Metadata" (no padding)."""
     validate_snapshot_shape(state, layers)
-    parts: list[bytes] = [_U32.pack(len(model.files))]
+    parts: list[bytes | memoryview] = [_U32.pack(len(model.files))]
     for mf in model.files:
         role = mf.role.encode("utf-8")
         parts += [_U16.pack(len(role)), role, MODEL_FILE_FIXED.pack(mf.size, mf.digest)]

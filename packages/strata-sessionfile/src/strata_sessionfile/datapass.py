@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from . import errors as E
 from .adapter import adapter_call
-from .compression import CODECS
+from .compression import CODECS, CompressedLayout
 from .pipelines import ReadAhead, ReadInto, ReadThreads, block_chunks, decode_workers, iter_blocks
 from .records import Phase, Progress
 from .validate import OpenedFile, check_digest, check_unchanged
@@ -35,9 +35,10 @@ def stream_data(opened: OpenedFile, buffers, block_size: int, hasher, deliver, p
     thread, per block in file order, call deliver(view, segments) and hash it. Returns the bytes read from
     the file. ``wait_copies`` (an AsyncCopyTarget's): called before a delivered block's memory is reused
     or freed, and once at the end, also when the pass fails."""
-    if opened.layout.compressed is not None:
+    comp = opened.layout.compressed
+    if comp is not None:
         try:
-            return stream_frames(opened, hasher, deliver, progress, phase, wait_copies)
+            return stream_frames(opened, comp, hasher, deliver, progress, phase, wait_copies)
         finally:
             if wait_copies is not None:
                 wait_copies()
@@ -62,7 +63,7 @@ def stream_data(opened: OpenedFile, buffers, block_size: int, hasher, deliver, p
     return done
 
 
-def stream_frames(opened: OpenedFile, hasher, deliver, progress, phase: Phase,
+def stream_frames(opened: OpenedFile, comp: CompressedLayout, hasher, deliver, progress, phase: Phase,
                   wait_copies: Callable[[], None] | None) -> int:
     """A compressed data section: frames are read and decoded by up to ``decode_workers()`` threads at once
     (zstd releases the GIL), each into exactly its block's size; in file order this thread hashes each
@@ -70,7 +71,6 @@ def stream_frames(opened: OpenedFile, hasher, deliver, progress, phase: Phase,
     file order, after every earlier block was delivered. The compression header and the block table were
     validated with the metadata; they are hashed here in file order."""
     layout = opened.layout
-    comp = layout.compressed
     codec = CODECS[comp.codec]
     workers = decode_workers()
     decoders: queue.SimpleQueue = queue.SimpleQueue()  # a decoder context is not thread-safe: one per task
@@ -174,7 +174,7 @@ def land_data(opened: OpenedFile, landing_views, block_size: int, hasher, progre
 
 def hash_pass(opened: OpenedFile, buffers, block_size: int, progress, readers: ReadThreads) -> bytes:
     """The read pass over the data section: hash it (rule P1), the file unchanged meanwhile (P2)."""
-    hasher = opened.prefix_hasher.copy()
+    hasher = opened.pass_hasher()
     opened.bytes_read += stream_data(opened, buffers, block_size, hasher, None, progress, Phase.READ, readers)
     digest = check_digest(opened, hasher, "read pass")
     check_unchanged(opened, "during the read pass")

@@ -288,8 +288,8 @@ class DirSyncFailed(SessionFileError):
         self.report = report
 
 
-def _all_subclasses(cls: type) -> list[type]:
-    out = []
+def _all_subclasses(cls: type[SessionFileError]) -> list[type[SessionFileError]]:
+    out: list[type[SessionFileError]] = []
     for sub in cls.__subclasses__():
         out.append(sub)
         out.extend(_all_subclasses(sub))

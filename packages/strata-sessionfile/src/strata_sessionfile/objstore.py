@@ -293,12 +293,14 @@ class S3Sink:
 
     def _raise_failed(self) -> None:
         for future in self._futures.values():
-            if future.done() and future.exception() is not None:
-                raise future.exception()
+            failure = future.exception() if future.done() else None
+            if failure is not None:
+                raise failure
 
     def _submit(self, number: int, data: bytearray) -> None:
         if number > MAX_PARTS:
             raise E.WriteFailed(f"the object needs more than {MAX_PARTS} parts", path=self.path)
+        assert self._pool is not None, "parts are uploaded between create and publish or discard"
         self._slots.acquire()  # at most `concurrency` parts in memory and in flight
         try:
             self._raise_failed()
@@ -343,6 +345,7 @@ class S3Sink:
         """Every part stored (still invisible): the last one, then part 1."""
         if self._number == 1 or self._fill:
             self._part_done()
+        assert self._first is not None, "part 1 is held from its _part_done until the one flush"
         self._submit(1, self._first)
         self._buf, self._first = bytearray(), None
         self.parts = [future.result() for _number, future in sorted(self._futures.items())]

@@ -14,12 +14,14 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Generic, TypeVar
 
 from . import errors as E
 from .records import PartExtent
 
 # --- block planning ---------------------------------------------------------------------------------
 Segment = tuple[int, int, int, int, int]  # layer, part, part_offset, length, buffer_offset
+Tag = TypeVar("Tag")
 
 
 def iter_blocks(extents: Sequence[PartExtent], data_length: int, block_size: int
@@ -135,7 +137,7 @@ def read_exact_parallel(source, buf: memoryview, offset: int, readers: ReadThrea
         concurrent.futures.wait(jobs)
 
 
-class OrderedReads:
+class OrderedReads(Generic[Tag]):
     """Reads of the ``source`` in flight on the ``readers``, taken back in submission order.
 
     ``submit(offset, views, tag)`` queues one read: ``views`` filled in order from ``offset`` by one helper
@@ -155,13 +157,13 @@ class OrderedReads:
             self.source.read_into(view, offset, short_error=E.FileChanged)
             offset += len(view)
 
-    def submit(self, offset: int, views: Sequence[memoryview], tag: object = None) -> None:
+    def submit(self, offset: int, views: Sequence[memoryview], tag: Tag) -> None:
         self.pending.append((self.readers.submit(self._read, offset, views), tag))
 
     def __len__(self) -> int:
         return len(self.pending)
 
-    def take(self) -> object:
+    def take(self) -> Tag:
         future, tag = self.pending.popleft()
         future.result()
         return tag
@@ -193,11 +195,11 @@ class ReadAhead:
         self.readers = readers
         self.source, self.buffers, self.chunks = source, buffers[:self.threads + 1], iter(chunks)
         self.before_refill = before_refill
-        self.reads: OrderedReads | None = None
+        self.reads: OrderedReads[tuple[int, int, int]] | None = None  # tags: (offset, buffer, length)
         self.free = list(range(len(self.buffers)))
         self.given: set[int] = set()  # buffers the caller has had
 
-    def _submit_next(self) -> None:
+    def _submit_next(self, reads: OrderedReads[tuple[int, int, int]]) -> None:
         item = next(self.chunks, None)
         if item is not None:
             offset, n = item
@@ -205,20 +207,20 @@ class ReadAhead:
             assert n <= len(self.buffers[idx])
             if idx in self.given and self.before_refill is not None:
                 self.before_refill()
-            self.reads.submit(offset, (self.buffers[idx][:n],), (offset, idx, n))
+            reads.submit(offset, (self.buffers[idx][:n],), (offset, idx, n))
 
     def start(self) -> ReadAhead:
         if self.reads is None:
-            self.reads = OrderedReads(self.source, self.readers)
+            reads = self.reads = OrderedReads(self.source, self.readers)
             for _ in range(self.threads):
-                self._submit_next()
+                self._submit_next(reads)
         return self
 
     def __iter__(self) -> Iterator[tuple[int, memoryview]]:
         reads = self.start().reads
         while reads:
             offset, idx, n = reads.take()
-            self._submit_next()  # into the buffer the caller gave back: `threads` reads in flight while it works
+            self._submit_next(reads)  # into the buffer the caller gave back: `threads` reads in flight while it works
             self.given.add(idx)
             yield offset, self.buffers[idx][:n]
             self.free.append(idx)
@@ -241,7 +243,7 @@ class ReadInto:
 
     def __init__(self, source, readers: ReadThreads) -> None:
         self.threads = readers.threads
-        self.reads = OrderedReads(source, readers)
+        self.reads: OrderedReads[Sequence[memoryview]] = OrderedReads(source, readers)
 
     def submit(self, file_offset: int, views: Sequence[memoryview]) -> None:
         self.reads.submit(file_offset, views, views)

@@ -137,33 +137,34 @@ def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, p
     try:
         opened = open_metadata(source, identity, limits, readers, key=auth[0], require_mac=auth[1])
         preflight(opened, block_size, threads + 1, memory_available)
-        staged = False
+        stager: StagingTarget | None = None  # the adapter, where it stages this session
         if mode is not RestoreMode.STREAMING and isinstance(adapter, StagingTarget):
             probe = RestorePlan(path, opened.header, opened.metadata, opened.layout, opened.stamp, RestoreMode.STAGED)
-            staged = bool(adapter_call(adapter.can_stage, probe))
-        if mode is RestoreMode.STAGED and not staged:
+            if adapter_call(adapter.can_stage, probe):
+                stager = adapter
+        if mode is RestoreMode.STAGED and stager is None:
             raise E.StagingUnavailable("staged restore requested but the adapter cannot stage this session",
                                        path=path)
         plan = RestorePlan(path, opened.header, opened.metadata, opened.layout, opened.stamp,
-                           RestoreMode.STAGED if staged else RestoreMode.STREAMING)
+                           RestoreMode.STAGED if stager is not None else RestoreMode.STREAMING)
         # Zero-copy: the adapter's memory takes the bytes straight from the file (never compressed data).
-        landing = (opened.layout.compressed is None and isinstance(adapter, LandingTarget)
-                   and bool(adapter_call(adapter.can_land, plan)))
-        if opened.layout.compressed is not None or (staged and landing):
+        lander = (adapter if opened.layout.compressed is None and isinstance(adapter, LandingTarget)
+                  and adapter_call(adapter.can_land, plan) else None)
+        if opened.layout.compressed is not None or (stager is not None and lander is not None):
             views = None  # decode workers read frames into their own buffers; landing needs none
         else:
             views = block_buffers(adapter, block_size, buffers, threads + 1)
             # Read the first blocks while the engine checks the plan: the pass starts on blocks in memory.
             opened.ahead = read_ahead(opened, views, block_size, readers).start()
-        if staged:
-            adapter_call(adapter.check_plan, plan)
+        if stager is not None:
+            adapter_call(stager.check_plan, plan)
             t_read = time.perf_counter()
-            apply_staged(opened, adapter, plan, views, block_size, progress, landing, readers)
+            apply_staged(opened, stager, plan, views, block_size, progress, lander, readers)
         else:
             hash_pass(opened, views, block_size, progress, readers)
             adapter_call(adapter.check_plan, plan)
             t_read = time.perf_counter()
-            apply_streaming(opened, adapter, plan, views, block_size, progress, landing, readers)
+            apply_streaming(opened, adapter, plan, views, block_size, progress, lander, readers)
         t_end = time.perf_counter()
         return RestoreReport(path, plan.mode, plan.state.n_tokens, opened.bytes_read, opened.stamp.size,
                              t_end - t0, t_read - t0, t_end - t_read)

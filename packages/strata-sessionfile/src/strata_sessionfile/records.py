@@ -7,16 +7,38 @@ import enum
 import json
 import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import attrs
 
 from .format import DTYPES, DType, Flags, LayerRole, Part
+
+if TYPE_CHECKING:
+    from .compression import CompressedLayout
 
 
 def _as_token_array(tokens: Iterable[int]) -> array.array:
     if isinstance(tokens, array.array) and tokens.typecode == "i":
         return tokens
     return array.array("i", tokens)
+
+
+# One converter per element type: mypy's attrs plugin types ``converter=tuple`` as taking
+# ``Iterable[_T_co]`` with the type variable unbound, which no argument satisfies.
+def _model_files(files: Iterable[ModelFile]) -> tuple[ModelFile, ...]:
+    return tuple(files)
+
+
+def _layer_specs(specs: Iterable[LayerSpec]) -> tuple[LayerSpec, ...]:
+    return tuple(specs)
+
+
+def _layer_geometries(layers: Iterable[LayerGeometry]) -> tuple[LayerGeometry, ...]:
+    return tuple(layers)
+
+
+def _part_extents(extents: Iterable[PartExtent]) -> tuple[PartExtent, ...]:
+    return tuple(extents)
 
 
 def token_bytes(tokens: array.array) -> bytes:
@@ -50,7 +72,7 @@ class ModelFile:
 @attrs.frozen
 class ModelIdentity:
     fingerprint: bytes  # 16 bytes, the header's model fingerprint
-    files: tuple[ModelFile, ...] = attrs.field(converter=tuple)
+    files: tuple[ModelFile, ...] = attrs.field(converter=_model_files)
 
 
 @attrs.frozen
@@ -140,7 +162,7 @@ class Snapshot:
     """A frozen view of the session an adapter exposes for a save."""
 
     state: RunningState
-    layers: tuple[LayerGeometry, ...] = attrs.field(converter=tuple)
+    layers: tuple[LayerGeometry, ...] = attrs.field(converter=_layer_geometries)
 
 
 @attrs.frozen
@@ -153,7 +175,7 @@ class EngineLimits:
 
     max_tokens: int
     layers: tuple[LayerSpec, ...] | None = attrs.field(default=None,
-                                                       converter=attrs.converters.optional(tuple))
+                                                       converter=attrs.converters.optional(_layer_specs))
     vocab_size: int | None = None
     max_sampler_state_bytes: int | None = None
     max_checkpoint_data_bytes: int | None = None
@@ -167,7 +189,7 @@ class SessionMetadata:
     model: ModelIdentity
     config: ConfigIdentity
     state: RunningState
-    layers: tuple[LayerGeometry, ...] = attrs.field(converter=tuple)
+    layers: tuple[LayerGeometry, ...] = attrs.field(converter=_layer_geometries)
 
 
 @attrs.frozen
@@ -188,9 +210,9 @@ class Layout:
     data_length: int
     trailer_offset: int
     file_size: int
-    extents: tuple[PartExtent, ...] = attrs.field(converter=tuple, repr=False)  # non-empty parts, file order
+    extents: tuple[PartExtent, ...] = attrs.field(converter=_part_extents, repr=False)  # non-empty parts, file order
     # compression.CompressedLayout of a compressed data section: data_length and extents are then uncompressed.
-    compressed: object | None = None
+    compressed: CompressedLayout | None = None
 
 
 @attrs.frozen

@@ -21,7 +21,8 @@ class Stamp(Hashable, Protocol):
     """What identifies one version of a source's bytes (a file's fstat, an object's ETag); compared
     between and after the passes. ``size``: the bytes it holds."""
 
-    size: int
+    @property  # read-only: a stamp is a frozen record
+    def size(self) -> int: ...
 
 
 @runtime_checkable

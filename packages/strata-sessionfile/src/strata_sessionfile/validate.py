@@ -17,7 +17,7 @@ from collections.abc import Callable
 import attrs
 
 from . import errors as E
-from .auth import SessionKey, check_authentication, payload_hasher
+from .auth import PayloadHasher, SessionKey, check_authentication, payload_hasher
 from .codec import METADATA_OFFSET, compute_layout, decode_header, decode_metadata, decode_trailer
 from .compression import CODECS, COMPRESSION_HEADER_SIZE, decode_compressed_section
 from .format import DATA_ALIGNMENT, HEADER_SIZE, LIMIT, Flags, align_up, trailer_size
@@ -45,11 +45,16 @@ class OpenedFile:
     auth_digest: bytes | None = None  # the authenticated payload digest each pass must reproduce (rule K4)
     section_head: bytes = b""  # a compressed data section's 16-byte compression header
     table: bytes = b""  # and its block table, as on disk
-    prefix_hasher: object = None  # the payload hash after the prefix (hashed as it was read), copied by each pass
+    prefix_hasher: PayloadHasher | None = None  # the payload hash after the prefix (hashed as it was read)
     ahead: ReadAhead | None = None  # the data section's first reads, started early (see reader.restore)
 
+    def pass_hasher(self) -> PayloadHasher:
+        """A pass's payload hash, started from the prefix's (copied: each pass hashes the data anew)."""
+        assert self.prefix_hasher is not None, "a pass over the data needs the prefix hashed (hash_prefix)"
+        return self.prefix_hasher.copy()
 
-def binding_check(header: Header, body: bytes, identity: EngineIdentity, path: str) -> None:
+
+def binding_check(header: Header, body: bytes | memoryview, identity: EngineIdentity, path: str) -> None:
     """Rules B1, B2: both fingerprints; a refusal names what differs (from the stored model list and config)."""
     model_ok = header.model_fingerprint == identity.model.fingerprint
     config_ok = header.config_fingerprint == identity.config.fingerprint
@@ -84,10 +89,11 @@ def check_limits(metadata: SessionMetadata, limits: EngineLimits, path: str | No
     if st.n_tokens > limits.max_tokens:
         raise E.LimitExceeded(f"the file holds {st.n_tokens} tokens; the engine's context is {limits.max_tokens}",
                               path=path, field="state.n_tokens")
-    top = largest_id(st.tokens) if limits.vocab_size is not None and st.n_tokens else None
-    if top is not None and top >= limits.vocab_size:
-        raise E.LimitExceeded(f"token id {top} is outside the engine's vocabulary of {limits.vocab_size}",
-                              path=path, field="state.tokens")
+    if limits.vocab_size is not None and st.n_tokens:
+        top = largest_id(st.tokens)
+        if top >= limits.vocab_size:
+            raise E.LimitExceeded(f"token id {top} is outside the engine's vocabulary of {limits.vocab_size}",
+                                  path=path, field="state.tokens")
     for field, size, limit in (("state.sampler_state", len(st.sampler_state), limits.max_sampler_state_bytes),
                                ("state.checkpoint.data", len(st.checkpoint.data), limits.max_checkpoint_data_bytes),
                                ("state.engine_fields", len(st.engine_fields), limits.max_engine_fields_bytes)):

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from . import errors as E
 from .adapter import SessionSource, adapter_call
-from .auth import SessionKey, as_key, auth_extension, payload_hasher
+from .auth import AuthenticatedHasher, SessionKey, as_key, auth_extension, payload_hasher
 from .codec import compute_layout, encode_header, encode_metadata, encode_trailer, payload_length_of
 from .compression import (
     CODECS,
@@ -136,10 +136,15 @@ class SessionWriter:
             raise E.write_error_from_os(exc, "creating the temporary file", self.path) from exc
         self.sink = sink
 
+    def _created(self) -> ByteSink:
+        """The sink CREATE made (``_enter`` lets no later stage run before it)."""
+        assert self.sink is not None, "a stage after CREATE runs before create()"
+        return self.sink
+
     def write(self) -> None:
         """WRITE: the whole file into the temporary (progress: copy, per block)."""
         self._enter(Stage.WRITE)
-        sink, layout, total, progress = self.sink, self.layout, self.total, self.progress
+        sink, layout, total, progress = self._created(), self.layout, self.total, self.progress
         options = self.options
         if options is None:
             sink.reserve(total)
@@ -184,8 +189,10 @@ class SessionWriter:
             self.header = encode_header(identity.model.fingerprint, identity.config.fingerprint,
                                         written - HEADER_SIZE, flags=Flags.DATA_COMPRESSED | self.auth_flag)
         self.digest = hasher.digest()
-        extension = (b"" if self.key is None
-                     else auth_extension(self.key, self.header, self.digest, hasher.payload_digest()))
+        extension = b""
+        if self.key is not None:
+            assert isinstance(hasher, AuthenticatedHasher)  # payload_hasher's for an authenticated file
+            extension = auth_extension(self.key, self.header, self.digest, hasher.payload_digest())
         trailer = encode_trailer(self.digest, extension)
         sink.write(trailer)
         if options is not None:
@@ -202,21 +209,21 @@ class SessionWriter:
         """FLUSH: the temporary durable (progress: flush)."""
         self._enter(Stage.FLUSH)
         self._announce(Phase.FLUSH)
-        self.sink.flush()
+        self._created().flush()
         self.t_flush = time.perf_counter()
 
     def rename(self) -> None:
         """RENAME: the temporary becomes the target (progress: rename)."""
         self._enter(Stage.RENAME)
         self._announce(Phase.RENAME)
-        self.sink.publish()
+        self._created().publish()
         self.t_rename = time.perf_counter()
 
     def sync_folder(self) -> None:
         """SYNC_FOLDER: the rename durable; a failure here raises DirSyncFailed (the new file is in place)."""
         self._enter(Stage.SYNC_FOLDER)
         try:
-            self.sink.sync_folder()
+            self._created().sync_folder()
         except OSError as exc:
             raise E.DirSyncFailed(f"the new file is in place but flushing its folder failed: {exc.strerror or exc}",
                                   path=self.path, report=self.report()) from exc
@@ -263,6 +270,7 @@ def save(path: str | os.PathLike | ByteSink, adapter: SessionSource, *, block_si
     except BaseException as exc:
         writer.discard()
         if isinstance(exc, OSError):
+            assert writer.stage is not None  # plan() above entered the first stage
             raise E.write_error_from_os(exc, f"{writer.stage.value} the temporary file", writer.path) from exc
         if isinstance(exc, E.SessionFileError) and exc.path is None:
             exc.path = writer.path

@@ -14,10 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..ops.base import InPlaceOps
 from .placement import PoolPlacement
 
 
 class InPlacePlacement(PoolPlacement):
+    ops: InPlaceOps  # the factory places a pool in place only for ops that attend in place
+
     def attend(
         self,
         layer: int,
@@ -32,7 +35,7 @@ class InPlacePlacement(PoolPlacement):
     ) -> Any | None:
         g = self.pool.geometry.layers[layer]
         n_new = k_new.shape[0]
-        if g.is_ring and n_new > g.capacity - g.window + 1:
+        if g.window is not None and n_new > g.capacity - g.window + 1:  # a ring chunk too long
             return super().attend(layer, pos0, q, k_new, v_new, q_pos0=q_pos0, window=window, scale=scale)
         views = self.pool.layer(layer)
         if self.pool.geometry.has_scales:

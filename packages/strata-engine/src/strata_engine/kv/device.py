@@ -104,7 +104,7 @@ class MappedHostBuffer:
         self.ptr = ptr
         mem = cp.cuda.UnownedMemory(ptr, max(nbytes, 1), self, cp.cuda.Device().id)
         self.device = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
-        self.host = np.frombuffer((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr), dtype=np.uint8)[
+        self.host = np.frombuffer(memoryview((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr)), dtype=np.uint8)[
             :nbytes
         ]
 
@@ -203,7 +203,7 @@ class DevicePoolPlacement(PoolPlacement):
     ) -> Any | None:
         g = self.pool.geometry.layers[layer]
         n_new = k_new.shape[0]
-        if not g.is_ring or self.pool.geometry.has_scales:
+        if g.window is None or self.pool.geometry.has_scales:  # not a ring
             return super().attend(layer, pos0, q, k_new, v_new, q_pos0=q_pos0, window=window, scale=scale)
         if n_new > g.capacity - g.window + 1:
             return self._attend_long_ring_chunk(layer, pos0, q, k_new, v_new, q_pos0, window, scale)

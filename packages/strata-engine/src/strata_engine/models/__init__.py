@@ -10,9 +10,9 @@ from .common import TensorCensus, WeightLoader
 from .gemma3 import Gemma3Model
 from .llama import LlamaModel
 
-MODEL_FAMILIES = {"llama": LlamaModel, "gemma3": Gemma3Model}
-
 Model = LlamaModel | Gemma3Model
+
+MODEL_FAMILIES: dict[str, type[Model]] = {"llama": LlamaModel, "gemma3": Gemma3Model}
 
 
 def _family(config: ModelConfig) -> type[Model]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 import attrs
 import numpy as np
@@ -35,6 +36,15 @@ class KVAccess(Protocol):
         window: int | None,
         scale: float,
     ) -> Any | None: ...
+
+
+class BatchedKVAccess(KVAccess, Protocol):
+    """A slot's K/V placement (`kv.placement.PoolPlacement`): also attends a batched decode step's rows, one
+    per slot, together (`spans`: the step's `Span`s, this placement among them)."""
+
+    def attend_rows(
+        self, layer: int, spans: Sequence[Span], q: Any, k_new: Any, v_new: Any, *, window: int | None, scale: float
+    ) -> Any: ...
 
 
 RopeTables = dict[float, tuple[Any, Any]]  # RoPE base -> (cos, sin) [T, rope_dim / 2]
@@ -78,7 +88,9 @@ class Rows:
             q_pos0 = s.pos0 + s.n - 1 if last_only else s.pos0
             return s.kv.attend(layer, s.pos0, q, k, v, q_pos0=q_pos0, window=window, scale=scale)
         if q is not None and all(s.n == 1 for s in self.spans):  # a batched decode step: the slots' placements
-            return self.spans[0].kv.attend_rows(layer, self.spans, q, k, v, window=window, scale=scale)
+            # A batched step's spans hold slots' placements (slots.py), never a graph's or an embedding's K/V.
+            kv = cast(BatchedKVAccess, self.spans[0].kv)
+            return kv.attend_rows(layer, self.spans, q, k, v, window=window, scale=scale)
         out, r = [], 0
         for b, s in enumerate(self.spans):
             q_s = None if q is None else q[b : b + 1] if last_only else q[r : r + s.n]
@@ -153,8 +165,9 @@ class WeightLoader(TensorCensus):
     def fused(self, *named: tuple[str, tuple[int, ...]]) -> Any:
         """Weights with one input size stacked by rows ([W_1; W_2; ...]): one product computes all."""
         packed = [self._packed(name, shape) for name, shape in named]
-        if all(p is not None for p in packed):
-            return self._placed(stack_rows(packed))
+        parts = [p for p in packed if p is not None]
+        if len(parts) == len(packed):
+            return self._placed(stack_rows(parts))
         return self.ops.weight(np.concatenate([self._host(name, shape) for name, shape in named]))
 
     def _packed(self, name: str, shape: tuple[int, ...]) -> PackedWeight | None:

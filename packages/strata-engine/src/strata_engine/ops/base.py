@@ -104,3 +104,17 @@ class Ops(Protocol):
     def quantize_int8(self, x: Any, group: int | None = None) -> tuple[Any, Any]: ...
 
     def dequantize_int8(self, q: Any, scale: Any) -> Any: ...
+
+
+class InPlaceOps(Ops, Protocol):
+    """`Ops` with `attends_in_place` (`NumbaOps`): also a batched decode step's stores and attention over a
+    layer's arena of every slot's storage [n_slots, capacity, Hkv, D] (what `kv.cpu.InPlacePlacement` calls)."""
+
+    def store_kv_rows(self, k: Any, v: Any, k_arena: Any, v_arena: Any, slots: list[int], positions: list[int]) -> None:
+        """Row b of k, v [B, Hkv, D] into position positions[b] of slot slots[b]."""
+
+    def attention_rows(
+        self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, *, slots: list[int], q_pos: list[int],
+        k_lo: list[int], capacity: int, window: int, scale: float,
+    ) -> np.ndarray:  # fmt: skip
+        """Row b's query q[b] [H, D] at q_pos[b] over keys [k_lo[b], q_pos[b]] of slot slots[b] -> [B, H * D]."""

@@ -69,7 +69,7 @@ HEAD_GEMV_ROWS = 2
 
 
 def _device_dtypes(cp: Any) -> dict[str, np.dtype]:
-    out = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
+    out: dict[str, np.dtype] = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
     try:  # bfloat16 needs ml_dtypes and a CuPy that accepts it
         import ml_dtypes
 
@@ -205,7 +205,7 @@ class CupyOps(NumpyOps):
         if n_rows <= SMALL_STEP_ROWS and n <= _ROW_THREADS * _ROW_VALUES[-1]:
             nv = next(v for v in _ROW_VALUES if v * _ROW_THREADS >= n)
             kernel = self.raw.get("strata_add_rms_norm_row", c_type(x.dtype), nv)
-            args = (x, y, post, w_next, x_out, h, np.int32(n), np.int32(n), np.float32(eps))
+            args: tuple[Any, ...] = (x, y, post, w_next, x_out, h, np.int32(n), np.int32(n), np.float32(eps))
             kernel((n_rows,), (_ROW_THREADS,), args)
             return x_out, h
         kernel = self.raw.get("strata_add_rms_norm", c_type(x.dtype))
@@ -476,7 +476,7 @@ class CupyOps(NumpyOps):
         )
         smem = (block_rows + 4 * key_tile) * (d + 8) * 2  # Q tile, two K and two V tiles, f16
         self.raw.allow_shared_memory(kernel, smem)
-        args = (
+        args: tuple[Any, ...] = (
             q, k, v, out, part_o, part_ml, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(q_pos0),
             np.int32(k_pos0), np.int32(n_keys), np.int32(ring_capacity), np.int32(window or 0),
             np.float32(scale * _LOG2E), np.int32(splits), np.int32(rows_pad), _NULL if dyn is None else dyn,

@@ -88,7 +88,7 @@ class RawKernels:
 
         self.cp = cp
         self.source = (files(__package__) / "kernels.cu").read_text()
-        self._cache: dict[str, Any] = {}
+        self._cache: dict[tuple[str, tuple[object, ...]], Any] = {}  # (name, template args) -> kernel
         self._smem_opt_in: dict[int, int] = {}
         self.n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
 

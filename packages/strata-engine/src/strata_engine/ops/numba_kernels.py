@@ -26,7 +26,7 @@ F32 = np.float32
 # OpenMP (GNU libgomp) before numba's workqueue, whose sleeping threads take ~100 us to start each parallel
 # region. libgomp's threads spin between regions for as long as `--poll` says (`threads.set_poll`).
 if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]  # type: ignore[attr-defined]  # set at run time
 # fastmath without nnan / ninf: attention compares scores with -inf.
 SAFE_FAST = {"reassoc", "contract", "arcp", "nsz"}
 
@@ -36,8 +36,9 @@ def _target_has_avx512() -> bool:
     where set (as numba's own code generator decides)."""
     from llvmlite import binding
 
-    if numba.config.CPU_FEATURES is not None:
-        return "+avx512f" in numba.config.CPU_FEATURES.split(",")
+    features = numba.config.CPU_FEATURES  # type: ignore[attr-defined]  # numba.config's options are set at run time
+    if features is not None:
+        return "+avx512f" in features.split(",")
     return bool(binding.get_host_cpu_features().get("avx512f", False))
 
 

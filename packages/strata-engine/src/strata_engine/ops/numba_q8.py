@@ -60,8 +60,9 @@ def target_has_vnni() -> bool:
     """Whether numba compiles for AVX512-VNNI (and AVX512BW): the host's features, or NUMBA_CPU_FEATURES."""
     from llvmlite import binding
 
-    if numba.config.CPU_FEATURES is not None:
-        feats = numba.config.CPU_FEATURES.split(",")
+    features = numba.config.CPU_FEATURES  # type: ignore[attr-defined]  # numba.config's options are set at run time
+    if features is not None:
+        feats = features.split(",")
         return "+avx512vnni" in feats and "+avx512bw" in feats
     host = binding.get_host_cpu_features()
     return bool(host.get("avx512vnni", False) and host.get("avx512bw", False))

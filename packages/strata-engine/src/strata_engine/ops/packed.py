@@ -135,17 +135,17 @@ class PackedWeight:
         if not self.tiled:
             return self
         if self.high is not None:
-            return PackedWeight(self._five_bit_values(), _deinterleave(self.scale), None, self.block)
+            return PackedWeight(self._five_bit_values(self.high), _deinterleave(self.scale), None, self.block)
         mins = None if self.min is None else _deinterleave(self.min)
         values = _deinterleave(self.values.view(np.int32)).view(self.values.dtype)
         return PackedWeight(values, _deinterleave(self.scale), mins, self.block)
 
-    def _five_bit_values(self) -> np.ndarray:
-        """q int8 [N, K] in row order from the 5-bit form."""
+    def _five_bit_values(self, high: np.ndarray) -> np.ndarray:
+        """q int8 [N, K] in row order from the 5-bit form (``high``: this weight's fifth bits)."""
         n, k = self.shape
         pairs = self.values.reshape(n // TILE_ROWS, k // QK, 4, TILE_ROWS, 4)
         low = np.concatenate([pairs & 15, pairs >> 4], axis=2)  # [tile, block, dword j, lane, byte m]
-        words = self.high.view(np.uint8).reshape(n // TILE_ROWS, k // QK, TILE_ROWS, 4, 1)
+        words = high.view(np.uint8).reshape(n // TILE_ROWS, k // QK, TILE_ROWS, 4, 1)
         bits = np.unpackbits(words, axis=-1, bitorder="little").transpose(0, 1, 4, 2, 3)  # [.., j, lane, m]
         q = ((low | (bits << 4)) - np.uint8(16)).view(np.int8)  # u - 16 (uint8 wraps)
         return np.ascontiguousarray(q.transpose(0, 3, 1, 2, 4)).reshape(n, k)

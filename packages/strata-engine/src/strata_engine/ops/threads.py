@@ -21,7 +21,8 @@ def set_threads(n: int) -> int:
     if "numba" in sys.modules:
         import numba
 
-        n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+        started = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # numba.config's options are set at run time
+        n = max(1, min(n, started))
         numba.set_num_threads(n)
     try:
         from threadpoolctl import threadpool_limits

@@ -253,7 +253,7 @@ class EngineSession:
             raise InjectedFault("injected fault: restore, before the gate")
         st = plan.state
         n = st.n_tokens
-        where = {"path": plan.path}
+        where: dict[str, Any] = {"path": plan.path}
         if st.position != n:
             raise E.InconsistentState(f"position {st.position} differs from the {n} tokens held",
                                       field="state.position", **where)
@@ -282,6 +282,12 @@ class EngineSession:
             raise E.AdapterFailed("the engine was asked to apply a plan it did not check")
         return self._prepared
 
+    def _prepared_starts(self) -> tuple[int, ...]:
+        """Where each layer's slots start for the plan check_plan prepared (K/V bytes come after it)."""
+        if self._prepared is None:
+            raise E.AdapterFailed("K/V bytes arrived for a plan the engine did not check")
+        return self._prepared.starts
+
     def begin_apply(self, plan: RestorePlan) -> None:
         self._require_prepared(plan)
         self.runner.pool.ops.synchronize()  # queued device work must not race the host writes that follow
@@ -291,7 +297,7 @@ class EngineSession:
     def copy_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
         """Into a device pool the copy is only queued (see `wait_copies`)."""
         self._count_copy_in()
-        self._write_pool(layer, part, offset, np.frombuffer(src, dtype=np.uint8), self._prepared.starts)
+        self._write_pool(layer, part, offset, np.frombuffer(src, dtype=np.uint8), self._prepared_starts())
 
     def wait_copies(self) -> None:
         """The library's block buffers are refilled only after this: the device copies queued from them by
@@ -321,9 +327,10 @@ class EngineSession:
     def landing_views(self, layer: int, part: Part, offset: int, length: int) -> list[memoryview]:
         if self._staged is not None:  # staged: the staging area, never the live pool
             dest = self._staged[layer][part]
-            return [memoryview(dest[offset : offset + length])]
+            assert dest is not None  # None only for an empty part, which has no bytes to land
+            return [dest[offset : offset + length].data]  # a memoryview of the slice
         if self._staging_in_pool:  # staged into a pool that holds nothing: its slots (no conversation to keep)
-            flat, segs = self._segments(layer, part, self._prepared.starts[layer], offset, length)
+            flat, segs = self._segments(layer, part, self._prepared_starts()[layer], offset, length)
             return [memoryview(flat[lo:hi]) for lo, hi, _d in segs]
         # streaming, after the gate (begin_apply): the live pool's slots
         if self._prepared is None or not self.live_touched:
@@ -425,7 +432,7 @@ class EngineSession:
         """Into a VRAM staging area the copy is only queued (see `wait_copies`)."""
         data = np.frombuffer(src, dtype=np.uint8)
         if self._staging_in_pool:
-            self._write_slots(layer, part, offset, data, self._prepared.starts)
+            self._write_slots(layer, part, offset, data, self._prepared_starts())
             return
         assert self._staged is not None
         self.runner.pool.ops.copy_bytes(self._staged[layer][part], offset, data)

@@ -44,6 +44,7 @@ class BlockBufferCache:
             self._staging_map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._staging = np.frombuffer(self._staging_map, dtype=np.uint8)
         if nbytes > 0:  # faulted in with one call: ~0.7x a fault per page on first write
+            assert self._staging_map is not None  # mapped with _staging, above or before
             _madvise(self._staging_map, _POPULATE_WRITE, nbytes)
         return self._staging[:nbytes]
 

@@ -37,7 +37,7 @@ class EngineFieldsCodec:
 
     def ring_start(self, n: int) -> int:
         """The lowest position the rings hold for a conversation of n tokens (what the file carries)."""
-        return n - min(n, self.window) if self.ring_layers else 0
+        return 0 if self.window is None else n - min(n, self.window)  # window: None exactly without rings
 
     def checkpoint_token_bytes(self) -> int:
         return sum(self.geometry.token_bytes(i) for i in self.ring_layers)
@@ -60,7 +60,7 @@ class EngineFieldsCodec:
             return Checkpoint(0, b""), None
         # One copy: join reads each (contiguous) array's buffer directly. A device pool keeps its
         # checkpoints on the device (kv/checkpoints.py): they come to the host here, at the save.
-        chunks = [np.ascontiguousarray(to_host(arr)) for i in self.ring_layers for arr in cp.layers[i].arrays()]
+        chunks = [np.ascontiguousarray(to_host(arr)).data for i in self.ring_layers for arr in cp.layers[i].arrays()]
         return Checkpoint(cp.position, b"".join(chunks)), {"position": cp.position, "start": cp.start}
 
     # ---- restore ---------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ class EngineFieldsCodec:
                 raise E.InconsistentState("checkpoint data without its engine fields", field="state.checkpoint",
                                           **where)
             return ()
-        if (not isinstance(cp_fields, dict) or not self.ring_layers
+        if (not isinstance(cp_fields, dict) or self.window is None  # window: None exactly without rings
                 or cp_fields.get("position") != index
                 or cp_fields.get("start") != max(0, index - self.window + 1)):
             raise E.InconsistentState(f"checkpoint fields {cp_fields!r} do not match token index {index}",

@@ -19,8 +19,9 @@ import attrs
 import xxhash
 
 from .. import errors as E
-from ..adapter import StagingTarget
+from ..adapter import SessionAdapter, StagingTarget
 from ..auth import SessionKey
+from ..compression import Compression
 from ..format import AUTH_TRAILER_SIZE, HEADER_SIZE, MAC_COVERED_TRAILER
 from ..identity import config_fingerprint, model_identity_from_files
 from ..reader import inspect, restore
@@ -42,15 +43,15 @@ class ConformanceRun:
     """What every case works with. ``good`` is a file saved from ``factory(1)``; refusals are tried on
     adapters from ``factory(2)``; ``bad`` is the path a case writes a damaged file to."""
 
-    factory: Callable[[int], object]
+    factory: Callable[[int], SessionAdapter]
     workdir: str
     block_size: int
-    compression: object
+    compression: Compression | str | None
     random_truncations: int
     random_flips: int
     rng: random.Random
     failures: list[str] = attrs.Factory(list)
-    source: object = None
+    source: SessionAdapter = attrs.field(init=False)  # factory(1), made by start()
     good: str = ""
     good_bytes: bytes = b""
 
@@ -133,7 +134,7 @@ def _section_boundaries(path: str) -> list[int]:
 
 def _flip_byte_once(path: str, from_end: int) -> Callable:
     """A hook that flips the byte ``from_end`` bytes before the end of ``path`` the first time it runs."""
-    flipped = []
+    flipped: list[bool] = []
 
     def hook(*args) -> None:
         if not flipped:
@@ -366,9 +367,9 @@ CASES: tuple[Case, ...] = (
 )
 
 
-def run_conformance(adapter_factory: Callable[[int], object], workdir: str | os.PathLike, *,
+def run_conformance(adapter_factory: Callable[[int], SessionAdapter], workdir: str | os.PathLike, *,
                     block_size: int = 4096, random_truncations: int = 16, random_flips: int = 64,
-                    seed: int = 0, compression=None) -> list[str]:
+                    seed: int = 0, compression: Compression | str | None = None) -> list[str]:
     """Run every case that applies, in ``CASES`` order; return the names of those that ran; raise
     ConformanceFailure listing every failure."""
     run = ConformanceRun(adapter_factory, os.fspath(workdir), block_size, compression, random_truncations,

@@ -94,9 +94,11 @@ class SeaweedS3:
         client = self.client()
         deadline = time.monotonic() + timeout
         last = None
+        proc = self.proc
+        assert proc is not None, "start() runs weed before waiting for it"
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.log()}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"weed exited with {proc.returncode}:\n{self.log()}")
             try:
                 client.head_bucket(Bucket=self.bucket)
                 return
