@@ -4,6 +4,7 @@ answer is waited for with a timeout, and the process's stderr is kept for the me
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -44,15 +45,25 @@ class EngineProcess:
         self.lines: queue.Queue[bytes | None] = queue.Queue()
         self.stderr: list[bytes] = []
         threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        threading.Thread(target=self._keep_stderr, daemon=True).start()
         self.ready = self.next_line()
         if expect_ready and self.ready["event"] != "ready":
             raise EngineProcessError(f"the engine did not start: {self.ready}")
 
     def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
+        with self.proc.stdout:  # each pipe closed at its end, not left to the collector
+            for line in self.proc.stdout:
+                self.lines.put(line)
         self.lines.put(None)
+
+    def _keep_stderr(self) -> None:
+        with self.proc.stderr:
+            self.stderr.extend(self.proc.stderr)
+
+    def _exited(self, code: int) -> int:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        return code
 
     def stderr_text(self) -> str:
         return b"".join(self.stderr).decode(errors="replace")
@@ -117,7 +128,7 @@ class EngineProcess:
         return True
 
     def wait(self) -> int:
-        return self.proc.wait(timeout=self.timeout_s)
+        return self._exited(self.proc.wait(timeout=self.timeout_s))
 
     def quit(self) -> int:
         """QUIT (requests in flight end first); the exit status."""
@@ -127,7 +138,7 @@ class EngineProcess:
             except BrokenPipeError:
                 pass
         try:
-            return self.proc.wait(timeout=60)
+            return self._exited(self.proc.wait(timeout=60))
         except subprocess.TimeoutExpired:
             return self.close()
 
@@ -135,4 +146,4 @@ class EngineProcess:
         """Kill the process (if it runs); the exit status."""
         if self.proc.poll() is None:
             self.proc.kill()
-        return self.proc.wait(timeout=30)
+        return self._exited(self.proc.wait(timeout=30))
