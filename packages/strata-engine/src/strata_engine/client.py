@@ -41,16 +41,19 @@ class EngineProcess:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={**os.environ, **(env or {})},
         )  # fmt: skip
+        # all three asked for as pipes
+        assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None
+        self._stdin, self._stdout, stderr = self.proc.stdin, self.proc.stdout, self.proc.stderr
         self.lines: queue.Queue[bytes | None] = queue.Queue()
         self.stderr: list[bytes] = []
         threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        threading.Thread(target=lambda: self.stderr.extend(stderr), daemon=True).start()
         self.ready = self.next_line()
         if expect_ready and self.ready["event"] != "ready":
             raise EngineProcessError(f"the engine did not start: {self.ready}")
 
     def _pump(self) -> None:
-        for line in self.proc.stdout:
+        for line in self._stdout:
             self.lines.put(line)
         self.lines.put(None)
 
@@ -67,8 +70,8 @@ class EngineProcess:
         return json.loads(raw)
 
     def send(self, verb: str | bytes, argument: Mapping[str, Any] | str | None = None) -> None:
-        self.proc.stdin.write(command_line(verb, argument))
-        self.proc.stdin.flush()
+        self._stdin.write(command_line(verb, argument))
+        self._stdin.flush()
 
     def until_terminal(self) -> list[dict]:
         """The lines up to the next terminal line (`result` or `error`), it last."""
