@@ -4,6 +4,7 @@ answer is waited for with a timeout, and the process's stderr is kept for the me
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -12,7 +13,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .errors import EngineProcessError
 from .protocol import TERMINAL_EVENTS
@@ -47,15 +48,26 @@ class EngineProcess:
         self.lines: queue.Queue[bytes | None] = queue.Queue()
         self.stderr: list[bytes] = []
         threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(stderr), daemon=True).start()
+        threading.Thread(target=self._keep_stderr, args=(stderr,), daemon=True).start()
         self.ready = self.next_line()
         if expect_ready and self.ready["event"] != "ready":
             raise EngineProcessError(f"the engine did not start: {self.ready}")
 
     def _pump(self) -> None:
-        for line in self._stdout:
-            self.lines.put(line)
+        with self._stdout:  # closed at the pipe's end, not left to the collector (a ResourceWarning)
+            for line in self._stdout:
+                self.lines.put(line)
         self.lines.put(None)
+
+    def _keep_stderr(self, stderr: IO[bytes]) -> None:
+        with stderr:
+            self.stderr.extend(stderr)
+
+    def _exited(self, status: int) -> int:
+        """The exit status, the process's stdin closed (its reader is gone)."""
+        with contextlib.suppress(BrokenPipeError):  # every command was flushed when sent: nothing is lost
+            self._stdin.close()
+        return status
 
     def stderr_text(self) -> str:
         return b"".join(self.stderr).decode(errors="replace")
@@ -120,7 +132,7 @@ class EngineProcess:
         return True
 
     def wait(self) -> int:
-        return self.proc.wait(timeout=self.timeout_s)
+        return self._exited(self.proc.wait(timeout=self.timeout_s))
 
     def quit(self) -> int:
         """QUIT (requests in flight end first); the exit status."""
@@ -130,7 +142,7 @@ class EngineProcess:
             except BrokenPipeError:
                 pass
         try:
-            return self.proc.wait(timeout=60)
+            return self._exited(self.proc.wait(timeout=60))
         except subprocess.TimeoutExpired:
             return self.close()
 
@@ -138,4 +150,4 @@ class EngineProcess:
         """Kill the process (if it runs); the exit status."""
         if self.proc.poll() is None:
             self.proc.kill()
-        return self.proc.wait(timeout=30)
+        return self._exited(self.proc.wait(timeout=30))
