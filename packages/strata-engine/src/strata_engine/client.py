@@ -13,7 +13,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .errors import EngineProcessError
 from .protocol import TERMINAL_EVENTS
@@ -42,28 +42,32 @@ class EngineProcess:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={**os.environ, **(env or {})},
         )  # fmt: skip
+        # all three asked for as pipes
+        assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None
+        self._stdin, self._stdout, stderr = self.proc.stdin, self.proc.stdout, self.proc.stderr
         self.lines: queue.Queue[bytes | None] = queue.Queue()
         self.stderr: list[bytes] = []
         threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=self._keep_stderr, daemon=True).start()
+        threading.Thread(target=self._keep_stderr, args=(stderr,), daemon=True).start()
         self.ready = self.next_line()
         if expect_ready and self.ready["event"] != "ready":
             raise EngineProcessError(f"the engine did not start: {self.ready}")
 
     def _pump(self) -> None:
-        with self.proc.stdout:  # each pipe closed at its end, not left to the collector
-            for line in self.proc.stdout:
+        with self._stdout:  # closed at the pipe's end, not left to the collector (a ResourceWarning)
+            for line in self._stdout:
                 self.lines.put(line)
         self.lines.put(None)
 
-    def _keep_stderr(self) -> None:
-        with self.proc.stderr:
-            self.stderr.extend(self.proc.stderr)
+    def _keep_stderr(self, stderr: IO[bytes]) -> None:
+        with stderr:
+            self.stderr.extend(stderr)
 
-    def _exited(self, code: int) -> int:
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        return code
+    def _exited(self, status: int) -> int:
+        """The exit status, the process's stdin closed (its reader is gone)."""
+        with contextlib.suppress(BrokenPipeError):  # every command was flushed when sent: nothing is lost
+            self._stdin.close()
+        return status
 
     def stderr_text(self) -> str:
         return b"".join(self.stderr).decode(errors="replace")
@@ -78,8 +82,8 @@ class EngineProcess:
         return json.loads(raw)
 
     def send(self, verb: str | bytes, argument: Mapping[str, Any] | str | None = None) -> None:
-        self.proc.stdin.write(command_line(verb, argument))
-        self.proc.stdin.flush()
+        self._stdin.write(command_line(verb, argument))
+        self._stdin.flush()
 
     def until_terminal(self) -> list[dict]:
         """The lines up to the next terminal line (`result` or `error`), it last."""

@@ -237,9 +237,10 @@ class ServeLoop:
     # ---- commands -----------------------------------------------------------------------------------
     def _take(self, parsed: ParsedLine) -> None:
         request, command = parsed.request, parsed.command
-        if parsed.error is not None or command is None:
+        if parsed.error is not None:
             request.fail(parsed.error)
             return
+        assert command is not None  # a line parsed without an error has its command (protocol.parse_line)
         if command.slotted and request.slot in self.busy:
             owner = self.busy[request.slot].request
             request.fail(ProtocolError(ErrorKind.SLOT_BUSY, f"slot {request.slot} is busy with a {owner.verb}"
@@ -323,13 +324,13 @@ class ServeLoop:
         """At a step boundary: write the session verbs' queued lines, hand the pool to one that asks (and wait
         for its end), answer those that ended."""
         for job in list(self.sessions):
+            assert job.future is not None  # submitted before the job joined `sessions`
             self._flush(job)
             if job.gate.asked.is_set() and not job.gate.granted.is_set():
                 job.gate.granted.set()
                 job.gate.released.wait()  # no step until the verb is done with the pool
                 job.future.exception()  # wait for the answer too (it follows the release at once)
                 self._flush(job)
-            assert job.future is not None
             if not job.future.done():
                 continue
             self.sessions.remove(job)

@@ -185,7 +185,7 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
         return {"type": ErrorKind.FAIL_STOP.value, "message": str(exc), "reason": exc.reason}
     for cls, kind, reason in ERROR_LINES:
         if isinstance(exc, cls):
-            payload = {"type": kind.value, "message": str(exc), "reason": reason.value}
+            payload: dict[str, Any] = {"type": kind.value, "message": str(exc), "reason": reason.value}
             if isinstance(exc, ContextOverflow):
                 payload |= {"n_prompt_tokens": exc.n_prompt_tokens, "n_ctx": exc.n_ctx}
             return payload

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from .completion import Generation
 from .errors import ContextOverflow, InvalidToken
 from .jobs import CompleteJob, Jobs
 
@@ -34,6 +35,19 @@ MIN_CUT_CHUNK = 16
 def chunk_tokens(full: int, generating: bool) -> int:
     """The tokens of the next prefill chunk: the full chunk, or while slots generate the cut one."""
     return max(full // CUT_CHUNK_SHARE, min(MIN_CUT_CHUNK, full)) if generating else full
+
+
+def _generating(job: CompleteJob) -> Generation:
+    """A decoding job's generation (`Jobs.decoding` gives only jobs that have one)."""
+    assert job.generation is not None
+    return job.generation
+
+
+def _row(job: CompleteJob) -> tuple[int, int]:
+    """A decoding job's row of a step: its slot and the token it evaluates."""
+    pending = _generating(job).pending
+    assert pending is not None  # set whenever a generation is in its decode phase
+    return job.slot, pending
 
 
 @attrs.define
@@ -110,9 +124,9 @@ class Scheduler:
             if outputs is None or not jobs:
                 return
         else:
-            steps = [(job.slot, job.generation.pending) for job in jobs]
+            steps = [_row(job) for job in jobs]
             try:  # a greedy row that reads nothing but the argmax gets it from the device, not its logits
-                outputs = self.slots.decode_rows(steps, [job.generation.argmax_only for job in jobs])
+                outputs = self.slots.decode_rows(steps, [_generating(job).argmax_only for job in jobs])
             except (ContextOverflow, InvalidToken) as exc:  # nothing was evaluated; that slot's request ends
                 bad = next((job for job in jobs if job.slot == exc.slot), None)
                 if bad is None:
@@ -142,9 +156,9 @@ class Scheduler:
         whose token does not end their generation for a reason known now (`Generation.ends_at`); a row
         whose conversation ends anyway (a stop word) is dropped when the step is collected. Where steps run
         synchronously (the numpy backend) the launch defers the step to its collection."""
-        if self.jobs.chunks or not jobs or not all(job.generation.argmax_only for job in jobs):
+        if self.jobs.chunks or not jobs or not all(_generating(job).argmax_only for job in jobs):
             return
-        going = [(job, best) for job, best in zip(jobs, outputs, strict=True) if not job.generation.ends_at(best)]
+        going = [(job, best) for job, best in zip(jobs, outputs, strict=True) if not _generating(job).ends_at(best)]
         if not going:
             return
         try:

@@ -143,6 +143,7 @@ def handle_status(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
 
 
 def handle_erase(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
+    assert request.slot is not None
     return {"n_erased": ctx.runner_of(request.slot).erase()}
 
 

@@ -190,6 +190,13 @@ def _word(vocabulary: type[enum.Enum]) -> Callable[[Any], Any]:
     return lambda value: vocabulary(value) if value in values(vocabulary) else value
 
 
+def _converted(field: attrs.Attribute, value: Any) -> Any:
+    """`value` as the field's converter makes it (unchanged where it has none)."""
+    convert = field.converter
+    # attrs' stub types it as its `Converter` wrapper; a plain callable, as every field here gives, is kept as is
+    return convert(value) if convert is not None else value  # type: ignore[operator]
+
+
 def _file_text(path: str) -> str:
     """A flag value that names a UTF-8 text file: its text (argparse reports a failure as a usage error)."""
     try:
@@ -332,8 +339,7 @@ class EngineSettings:
     def build(cls, given: Mapping[str, Any], name: Callable[[str], str] = _same) -> EngineSettings:
         """Settings from field values, each problem named by `name(field)` (a flag's key: `from_flags`)."""
         fields = attrs.fields_dict(cls)
-        converted = {key: fields[key].converter(value) if fields[key].converter else value
-                     for key, value in given.items()}  # fmt: skip
+        converted = {key: _converted(fields[key], value) for key, value in given.items()}
         defaults = {field.name: field.default for field in fields.values() if field.default is not attrs.NOTHING}
         if found := _problems({**defaults, **converted}, name):
             raise SettingsError(found)

@@ -259,7 +259,7 @@ def arguments(cls: type, obj: Any) -> Any:
     if not isinstance(obj, Mapping):
         raise InvalidRequest(["the request must be a JSON object"])
     problems: list[str] = []
-    parsed = None
+    parsed: Any = None
     try:
         parsed = _converter.structure(obj, cls)
     except cattrs.ClassValidationError as exc:

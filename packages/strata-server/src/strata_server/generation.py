@@ -257,7 +257,7 @@ class CompletionRun:
 
     def __init__(self, ctx: ServerContext, command: dict, options: CompletionOptions,
                  fmt: ResponseFormat, client: ClientConnection | None = None,
-                 verbose: NativeCompletionFormat | None = None) -> None:
+                 verbose: ResponseFormat | None = None) -> None:
         self.ctx = ctx
         self.command = command
         self.options = options

@@ -93,7 +93,7 @@ class SlotLedger:
             record = self._records[slot_id]
             shared = (common_prefix(prompt, record.tokens) if cache_prompt and prompt is not None
                       and record.tokens is not None else 0)
-            fresh = {} if shared else {"origin": Origin.EVALUATED, "file": None, "n_restored": 0}
+            fresh: dict[str, Any] = {} if shared else {"origin": Origin.EVALUATED, "file": None, "n_restored": 0}
             self._records[slot_id] = attrs.evolve(record, tokens=None, prompt=prompt, last_active=time.monotonic(),
                                                   **fresh)
 

@@ -121,7 +121,7 @@ class SecurityMiddleware:
     def process_response(self, req: falcon.Request, resp: falcon.Response, resource: object,
                          req_succeeded: bool) -> None:
         origin = req.get_header("Origin")
-        if self.policy.cors_listed(origin):
+        if origin is not None and self.policy.cors_listed(origin):
             # A configured origin gets the peer's answer: echoed, with credentials.
             resp.set_header("Access-Control-Allow-Origin", origin)
             resp.set_header("Access-Control-Allow-Credentials", "true")

@@ -88,10 +88,9 @@ class Ops(Protocol):
 
     def attention(
         self, q: Any, k: Any, v: Any, *, q_pos0: int, k_pos0: int, window: int | None, scale: float,
-        ring_capacity: int = 0, k_scale: Any = None, v_scale: Any = None,
+        ring_capacity: int = 0,
     ) -> Any:  # fmt: skip
-        """Causal (optionally sliding-window) GQA attention: q [T, H, D] over k, v [S, Hkv, D] -> [T, H*D].
-        With `attends_in_place`, k and v may be the pool's storage (f16; int8 with k_scale, v_scale)."""
+        """Causal (optionally sliding-window) GQA attention: q [T, H, D] over k, v [S, Hkv, D] -> [T, H*D]."""
 
     def warm_attention(self, k: Any, v: Any, k_scale: Any = None, v_scale: Any = None) -> None:
         """With `compiles_kernels`: compile (or load) the attention kernels for this storage that a warm-up's
@@ -109,6 +108,12 @@ class Ops(Protocol):
 class InPlaceOps(Ops, Protocol):
     """`Ops` with `attends_in_place` (`NumbaOps`): also a batched decode step's stores and attention over a
     layer's arena of every slot's storage [n_slots, capacity, Hkv, D] (what `kv.cpu.InPlacePlacement` calls)."""
+
+    def attention(
+        self, q: Any, k: Any, v: Any, *, q_pos0: int, k_pos0: int, window: int | None, scale: float,
+        ring_capacity: int = 0, k_scale: Any = None, v_scale: Any = None,
+    ) -> Any:  # fmt: skip
+        """`Ops.attention` where k and v may also be the pool's storage (f16; int8 with k_scale, v_scale)."""
 
     def store_kv_rows(self, k: Any, v: Any, k_arena: Any, v_arena: Any, slots: list[int], positions: list[int]) -> None:
         """Row b of k, v [B, Hkv, D] into position positions[b] of slot slots[b]."""

@@ -68,6 +68,10 @@ class NumpyOps:
         """A dequantized weight in the compute dtype on the backend."""
         return self.xp.ascontiguousarray(host_f32, dtype=self.dtype)
 
+    def packed_layout(self, w: Any) -> Any:
+        """A packed weight as packed: these products read no other layout (they take no packed weights)."""
+        return w
+
     # ---- elementwise and normalisation ---------------------------------------------------------
     def embed(self, table: Any, ids: np.ndarray, scale: float = 1.0) -> Any:
         """Rows of `table` [V, E] for `ids` [T] -> [T, E], times `scale` (gemma: sqrt(E))."""
@@ -234,6 +238,9 @@ class NumpyOps:
         if window is not None:
             visible &= (qp - kp) < window
         return xp.where(visible, self.dtype.type(0), self.dtype.type(-np.inf)).astype(self.dtype)
+
+    def warm_attention(self, k: Any, v: Any, k_scale: Any = None, v_scale: Any = None) -> None:
+        """Compile the attention kernels a warm-up does not reach: none here (nothing compiles on first call)."""
 
     # ---- int8 K/V ------------------------------------------------------------------------------
     def quantize_int8(self, x: Any, group: int | None = None) -> tuple[Any, Any]:

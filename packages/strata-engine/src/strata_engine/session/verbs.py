@@ -242,6 +242,7 @@ class SessionVerbs:
 
     def save(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         parsed: SaveArgs = arguments_of(request)
+        assert request.slot is not None
         sink = self._sink(parsed.path, parsed.sync)  # a malformed s3:// URL: a bad argument
         adapter = self.adapter(ctx, request.slot, gate=request.gate)
         try:
@@ -257,10 +258,12 @@ class SessionVerbs:
 
     def restore(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         parsed: RestoreArgs = arguments_of(request)
+        assert request.slot is not None
         return self._restore(request, parsed.path, self.adapter(ctx, request.slot, gate=request.gate))
 
     def restore_prefix(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         parsed: RestorePrefixArgs = arguments_of(request)
+        assert request.slot is not None
         runner = ctx.runner_of(request.slot)
         cut = None
         if parsed.cut_to is not None or parsed.min_keep:

@@ -88,7 +88,7 @@ class EngineProcess:
         self._reader.start()
 
     def _read_lines(self) -> None:
-        assert self.proc.stdout is not None
+        assert isinstance(self.proc.stdout, io.FileIO)  # bufsize=0: the raw pipe, for a buffer of our size
         stdout = io.BufferedReader(self.proc.stdout, READ_BUFFER_BYTES)
         try:
             with stdout:  # closed at the pipe's end, not left to the collector (a ResourceWarning)

@@ -75,7 +75,7 @@ class SlotsResource:
         n_ctx = self.ctx.n_ctx_slot()
         answer = []
         for s, record in zip(slots, self.ctx.ledger.snapshot(), strict=True):
-            slot = {"id": s.id, "n_ctx": n_ctx, "speculative": False, "is_processing": s.busy}
+            slot: dict[str, Any] = {"id": s.id, "n_ctx": n_ctx, "speculative": False, "is_processing": s.busy}
             if record.last_task is not None:
                 slot.update(last_task_fields(record.last_task))
             if self.ctx.store is not None:  # Strata's: where the slot's conversation came from
