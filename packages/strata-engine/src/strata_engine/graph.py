@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -46,6 +46,9 @@ from .models import Model
 from .models.common import Rows
 from .ops.attention_tiling import FLASH_HEAD_DIMS
 from .sampling import Argmax
+
+if TYPE_CHECKING:
+    from .ops.cupy_ops import CupyOps
 
 # Padding of a step shorter than its graph: any valid id (its K/V land past the conversation's end, in
 # slots the next tokens overwrite before anything attends to them; its rows' results are never read).
@@ -64,7 +67,7 @@ class _StepKV:
 
     def __init__(self, placement: DevicePoolPlacement, position: Any, last_position: Any):
         self.pool = placement.pool
-        self.ops = placement.ops
+        self.ops = cast("CupyOps", placement.ops)  # graphs are captured on the GPU only
         self.position = position  # device int32 [1]: the step's first token
         self.last_position = last_position  # device int32 [1]: its last (the logits' row)
 
@@ -115,7 +118,7 @@ class _CapturedStep:
         import cupy as cp
 
         self.model = model
-        self.ops = model.ops
+        self.ops = cast("CupyOps", model.ops)  # graphs are captured on the GPU only
         self.n_tokens = n_tokens
         self.n_ctx = placement.pool.geometry.n_ctx
         self.stream = cp.cuda.Stream(non_blocking=True)

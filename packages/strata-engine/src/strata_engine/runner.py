@@ -18,6 +18,7 @@ from __future__ import annotations
 import array
 import time
 from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -134,6 +135,12 @@ class ModelRunner:
         self.graph_capture_s = 0.0
         self.kernel_warm_s = 0.0
 
+    @property
+    def prefill_chunk(self) -> int:
+        """Tokens a prefill step takes (the settings' default resolved when the model loaded)."""
+        assert self.settings.prefill_chunk is not None
+        return self.settings.prefill_chunk
+
     @classmethod
     def load(cls, settings: EngineSettings) -> ModelRunner:
         """One conversation on a model loaded from `settings` (n_slots 1; several slots: `SlotSet.load`)."""
@@ -152,6 +159,7 @@ class ModelRunner:
         if (problem := settings.slot_problem(settings.n_ctx_total(config.n_ctx_train))) is not None:
             raise SettingsError([problem])  # the model's default context, shared by too many slots
         settings = resolve_settings(settings, config.architecture)
+        assert settings.compute_dtype is not None and settings.cpu_kernels is not None  # resolved just above
         ops = get_ops(settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads, settings.poll)
         return settings, gguf_file, config, build_model(config, ops, gguf_file)
 
@@ -163,7 +171,7 @@ class ModelRunner:
             raise SettingsError([f"a sibling holds one slot, not n_slots {changes['n_slots']}"])
         return self._assemble(self.kv_settings(**changes), self.gguf, self.config, self.model)
 
-    def kv_settings(self, **changes: object) -> EngineSettings:
+    def kv_settings(self, **changes: Any) -> EngineSettings:
         """This runner's settings with K/V settings changed (`sibling`), validated."""
         fixed = {"model_path", "compute_dtype", "backend", "cpu_kernels", "threads", "poll"} & set(changes)
         if fixed:
@@ -184,7 +192,7 @@ class ModelRunner:
         runner = cls(settings, gguf_file, config, model, placement.pool, placement)
         enabled = runner.settings.cuda_graphs
         runner.decode_graph = make_step_graph(model, placement, enabled, 1)
-        made = (make_step_graph(model, placement, enabled, n) for n in prefill_graph_sizes(runner.settings.prefill_chunk))
+        made = (make_step_graph(model, placement, enabled, n) for n in prefill_graph_sizes(runner.prefill_chunk))
         runner.prefill_graphs = tuple(g for g in made if g is not None)
         runner.capture_graphs()
         if warm:
@@ -380,10 +388,10 @@ class ModelRunner:
     ) -> Generator[None, None, PrefillResult]:
         n_common = common_prefix_len(tokens, self._tokens) if self.settings.prompt_cache else 0
         resume = pos = self._resume_at(min(n_common, len(tokens) - 1))
-        chunk = self.settings.prefill_chunk
+        chunk = self.prefill_chunk
         while True:
             if chunk_size is not None:
-                chunk = max(1, min(int(chunk_size()), self.settings.prefill_chunk))
+                chunk = max(1, min(int(chunk_size()), self.prefill_chunk))
             end = min(pos + chunk, len(tokens))
             logits = self._forward(tokens[pos:end], want_logits=end == len(tokens))
             pos = end
@@ -398,7 +406,7 @@ class ModelRunner:
                 if self._epoch == epoch:  # not when collected after the conversation moved on
                     self._checkpoint()
                 raise
-        assert logits is not None
+        assert logits is not None and not isinstance(logits, Argmax)  # a prefill asks for logits, not their argmax
         self._checkpoint()
         return PrefillResult(logits=logits, cache_n=resume, prompt_n=pos - resume)
 
