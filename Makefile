@@ -74,8 +74,11 @@ CPU_BENCHES := bench/sessionfile/bench_sessionfile.py bench/sessionfile/bench_se
 bench: $(STAMP)
 	for b in $(CPU_BENCHES); do env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/python $$b || exit 1; done
 
+# The guard rails: ruff's rules and its formatting, and mypy over the packages (pyproject.toml's [tool.mypy]).
 lint: $(STAMP)
 	$(BIN)/ruff check packages tests bench
+	$(BIN)/ruff format --check packages tests bench
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) $(ALONE_VENV)

@@ -91,7 +91,9 @@ def attention_cases(rng: np.random.Generator):
               window=0, scale=0.125)  # fmt: skip
 
     def batched(ops, ks=ks, vs=vs, q=q, kw=kw):
-        return lambda: [ops.attention_rows(q, k, v, None, None, **kw) for k, v in zip(ks, vs, strict=True)][-1]
+        return lambda: [ops.attention_rows(q, k, v, None, None, **kw) for k, v in zip(ks, vs, strict=True)][
+            -1
+        ]
 
     out.append(("batched step, 8 x ~700 held, 30 layers", batched))
     for name, (n_kv, n_head, d, layers) in (("SmolLM2", (3, 9, 64, 30)), ("gemma3", (1, 4, 256, 18))):

@@ -58,6 +58,7 @@ def load_baseline(rev: str, folder: Path):
 def baseline_call(nk, threads: int):
     """The revision's kernels called as its NumbaOps.attention_kernel called them (the kernels before the tiled rewrite:
     work items per K/V head and split, then a merge call)."""
+
     def call(q, k, v, *, q_pos0, k_lo, window, scale):
         n_tok, n_head, d = q.shape
         n_kv = k.shape[1]
@@ -105,14 +106,22 @@ def best_of(fns, reps: int, clock=time.perf_counter) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", default="dc96dc5", help="git revision whose kernels to compare with (default: the last before the rewrite; its API is the one this script calls)")
+    ap.add_argument(
+        "--baseline",
+        default="dc96dc5",
+        help="git revision whose kernels to compare with (default: the last before the rewrite; its API is the one this script calls)",
+    )
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--held", nargs="+", type=int, default=[4096, 8192])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1], help="query tokens per call (<= 16)")
     ap.add_argument("--threads", nargs="+", type=int, default=sorted({1, len(os.sched_getaffinity(0))}))
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--parallel-min-scores", type=int, default=None,
-                    help="this tree's PARALLEL_MIN_SCORES for the run (e.g. 16384: decode at depth over all threads)")
+    ap.add_argument(
+        "--parallel-min-scores",
+        type=int,
+        default=None,
+        help="this tree's PARALLEL_MIN_SCORES for the run (e.g. 16384: decode at depth over all threads)",
+    )
     args = ap.parse_args()
     if args.parallel_min_scores is not None:
         from strata_engine.ops import numba_ops
@@ -125,7 +134,9 @@ def main() -> None:
     os.environ.setdefault("NUMBA_CACHE_DIR", str(tmp / "cache"))
     base = load_baseline(args.baseline, tmp)
     rng = np.random.default_rng(0)
-    print(f"baseline {args.baseline}; load average {os.getloadavg()[0]:.2f}; f16 K/V; ms per step (all layers)")
+    print(
+        f"baseline {args.baseline}; load average {os.getloadavg()[0]:.2f}; f16 K/V; ms per step (all layers)"
+    )
     print("| model | held | tokens | threads | read K/V once | baseline | this tree | baseline / this |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models:
@@ -139,7 +150,9 @@ def main() -> None:
 
                 def step(call, pool=pool, layers=layers, q=q, held=held):
                     for i, (lo, win) in enumerate(layers):
-                        call(q, pool[i, 0, lo:], pool[i, 1, lo:], q_pos0=held, k_lo=lo, window=win, scale=0.125)
+                        call(
+                            q, pool[i, 0, lo:], pool[i, 1, lo:], q_pos0=held, k_lo=lo, window=win, scale=0.125
+                        )
 
                 def read(pool=pool, layers=layers):
                     for i, (lo, _) in enumerate(layers):

@@ -29,18 +29,28 @@ from strata_engine.settings import EngineSettings
 from strata_engine.tokenizer import Tokenizer
 
 SCHEMA = {
-    "type": "object", "additionalProperties": False, "required": ["id", "name", "tags", "address", "scores"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["id", "name", "tags", "address", "scores"],
     "properties": {
         "id": {"type": "integer", "minimum": 0},
         "name": {"type": "string", "maxLength": 40},
         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 5},
-        "address": {"type": "object", "required": ["city", "zip"], "properties": {
-            "city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}},
+        "address": {
+            "type": "object",
+            "required": ["city", "zip"],
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+        },
         "scores": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 100}},
     },
 }
-DOCUMENT = {"id": 4217, "name": "Ada Lovelace", "tags": ["red", "blue"],
-            "address": {"city": "London", "zip": "12345"}, "scores": [97.5, 88, 100]}
+DOCUMENT = {
+    "id": 4217,
+    "name": "Ada Lovelace",
+    "tags": ["red", "blue"],
+    "address": {"city": "London", "zip": "12345"},
+    "scores": [97.5, 88, 100],
+}
 
 
 def model_path(name: str) -> Path:
@@ -96,9 +106,16 @@ def bench_model(name: str, repeats: int) -> dict:
             sampler.sample(sampler.adjusted(logits[step], history))
         sampling.append(time.perf_counter() - t0)
     n = len(document)
-    return {"name": name, "n_vocab": tok.n_vocab, "tokens": n, "tokenizer_s": tokenizer_s,
-            "compile_ms": 1000.0 * statistics.median(compiles), "mask_ms": per_token_ms(masked, n),
-            "sample_ms": per_token_ms(sampling, n), "decode_ms": 1000.0 * statistics.median(decode)}
+    return {
+        "name": name,
+        "n_vocab": tok.n_vocab,
+        "tokens": n,
+        "tokenizer_s": tokenizer_s,
+        "compile_ms": 1000.0 * statistics.median(compiles),
+        "mask_ms": per_token_ms(masked, n),
+        "sample_ms": per_token_ms(sampling, n),
+        "decode_ms": 1000.0 * statistics.median(decode),
+    }
 
 
 def main() -> None:
@@ -106,17 +123,26 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    print(f"load average {os.getloadavg()[0]:.2f}; schema document {len(json.dumps(DOCUMENT))} bytes", flush=True)
+    print(
+        f"load average {os.getloadavg()[0]:.2f}; schema document {len(json.dumps(DOCUMENT))} bytes",
+        flush=True,
+    )
     for name in args.models:
         r = bench_model(name, args.repeats)
-        print(f"{r['name']} ({r['n_vocab']:,} tokens): llguidance tokenizer {r['tokenizer_s']:.2f} s once per "
-              f"engine; schema compile {r['compile_ms']:.2f} ms per request")
-        print(f"  per token over {r['tokens']} tokens: mask+commit {r['mask_ms']:.3f} ms, unconstrained "
-              f"sampling {r['sample_ms']:.3f} ms, decode {r['decode_ms']:.1f} ms")
-        print(f"  ratios: mask / unconstrained sampling {r['mask_ms'] / r['sample_ms']:.2f}x; "
-              f"(decode + sampling + mask) / (decode + sampling) "
-              f"{(r['decode_ms'] + r['sample_ms'] + r['mask_ms']) / (r['decode_ms'] + r['sample_ms']):.3f}x",
-              flush=True)
+        print(
+            f"{r['name']} ({r['n_vocab']:,} tokens): llguidance tokenizer {r['tokenizer_s']:.2f} s once per "
+            f"engine; schema compile {r['compile_ms']:.2f} ms per request"
+        )
+        print(
+            f"  per token over {r['tokens']} tokens: mask+commit {r['mask_ms']:.3f} ms, unconstrained "
+            f"sampling {r['sample_ms']:.3f} ms, decode {r['decode_ms']:.1f} ms"
+        )
+        print(
+            f"  ratios: mask / unconstrained sampling {r['mask_ms'] / r['sample_ms']:.2f}x; "
+            f"(decode + sampling + mask) / (decode + sampling) "
+            f"{(r['decode_ms'] + r['sample_ms'] + r['mask_ms']) / (r['decode_ms'] + r['sample_ms']):.3f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

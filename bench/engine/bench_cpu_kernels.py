@@ -94,11 +94,15 @@ def main() -> None:
                     f"by row {label}": functools.partial(sweep, functools.partial(ops.packed_matmul, by_row=True), ws, xs[m]),
                     f"grouped {label}": functools.partial(sweep, functools.partial(ops.packed_matmul, by_row=False), ws, xs[m]),
                 }  # fmt: skip
-                if label == "packed" and m in args.blas_rows:  # the crossover PACKED_MAX_ROWS, in the same turns
+                if (
+                    label == "packed" and m in args.blas_rows
+                ):  # the crossover PACKED_MAX_ROWS, in the same turns
                     kernels["BLAS"] = functools.partial(sweep, ops.blas_matmul, weights, xs[m])
                 best = best_of_each(kernels, args.reps)
                 grouped = best[f"grouped {label}"]
-                times = ", ".join(f"{key} {dt * 1e3:7.2f} ms (x{dt / grouped:5.2f})" for key, dt in best.items())
+                times = ", ".join(
+                    f"{key} {dt * 1e3:7.2f} ms (x{dt / grouped:5.2f})" for key, dt in best.items()
+                )
                 print(
                     f"{name:8} M={m:3}: {times} a sweep; grouped {grouped * 1e3 / m:6.2f} ms a row, "
                     f"{nbytes / 1e6:5.1f} MB at {nbytes / grouped / 1e9:5.1f} GB/s",

@@ -87,7 +87,11 @@ def bench_model(
     t0 = time.perf_counter()
     runner = ModelRunner.load(
         EngineSettings(
-            model_path=path, kv_type=kv_type, n_ctx=DEPTH + PROMPT + GEN + 8, cpu_kernels=kernels, threads=threads
+            model_path=path,
+            kv_type=kv_type,
+            n_ctx=DEPTH + PROMPT + GEN + 8,
+            cpu_kernels=kernels,
+            threads=threads,
         )
     )
     s = runner.settings
@@ -101,7 +105,9 @@ def bench_model(
     runs: dict[tuple[str, int], list[float]] = {}
     for _ in range(reps):
         runner.prefill(held)  # 4,096 held
-        runs.setdefault(("decode", DEPTH), []).append(decode_rate(runner, more[0] + 1))  # not the prompt's next
+        runs.setdefault(("decode", DEPTH), []).append(
+            decode_rate(runner, more[0] + 1)
+        )  # not the prompt's next
         t = time.perf_counter()
         res = runner.prefill(held + more)  # back to the 4,096 held, then 512 more
         assert (res.cache_n, res.prompt_n) == (DEPTH, PROMPT), (res.cache_n, res.prompt_n)
@@ -119,7 +125,9 @@ def bench_model(
         print(f"  {test} @ {depth}: {', '.join(f'{x:.1f}' for x in v)} tok/s", flush=True)
     rss = psutil.Process().memory_info().rss
     limit = path.stat().st_size + runner.pool.nbytes + RSS_SLACK
-    print(f"  RSS {rss / 2**20:.0f} MiB, limit {limit / 2**20:.0f} MiB (file + K/V pool + 300 MiB)", flush=True)
+    print(
+        f"  RSS {rss / 2**20:.0f} MiB, limit {limit / 2**20:.0f} MiB (file + K/V pool + 300 MiB)", flush=True
+    )
     if compiled := compiled_here():  # strata-engine serve starts over after such a load (kernel_cache.py)
         print(f"  ({compiled} kernel signatures compiled in this process: its RSS holds the compiler's memory, "
               "which a serving engine does not; run again for that figure)", flush=True)  # fmt: skip
@@ -131,16 +139,25 @@ def bench_model(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3"], choices=sorted(PEER_FILES))
-    ap.add_argument("--cpu-kernels", nargs="+", default=[DEFAULT_CPU_KERNELS.value], choices=values(CpuKernels))
+    ap.add_argument(
+        "--cpu-kernels", nargs="+", default=[DEFAULT_CPU_KERNELS.value], choices=values(CpuKernels)
+    )
     ap.add_argument("-t", "--threads", type=int, default=None, help="default: the cores this process may use")
     ap.add_argument("--kv-type", default="f16", choices=["f32", "f16", "int8"])
-    ap.add_argument("--reps", type=int, default=3, help="repetitions of every measurement (the median is printed)")
+    ap.add_argument(
+        "--reps", type=int, default=3, help="repetitions of every measurement (the median is printed)"
+    )
     ap.add_argument("--max-load", type=float, default=1.5, help="wait until the load average is below this")
     ap.add_argument("--patience", type=float, default=1800, help="seconds to wait for that at most")
     args = ap.parse_args()
     load = wait_for_quiet(args.max_load, args.patience)
-    blas_env = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS")}
-    print(f"cpu cores: {os.cpu_count()}, load average {load:.2f}, BLAS env {blas_env}, K/V {args.kv_type}", flush=True)
+    blas_env = {
+        k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS")
+    }
+    print(
+        f"cpu cores: {os.cpu_count()}, load average {load:.2f}, BLAS env {blas_env}, K/V {args.kv_type}",
+        flush=True,
+    )
     results = []
     for name in args.models:
         for kernels in args.cpu_kernels:

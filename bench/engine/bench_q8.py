@@ -67,7 +67,11 @@ def decode_ab(name: str, threads: int | None, depths: list[int], gen: int, round
                 t, c = time.perf_counter(), time.process_time()
                 for _ in range(gen):
                     steps.append(runner.decode(token))
-                    token = int(np.argmax(steps[-1])) if q8 is False else int(np.argmax(logits[False][len(steps) - 1]))
+                    token = (
+                        int(np.argmax(steps[-1]))
+                        if q8 is False
+                        else int(np.argmax(logits[False][len(steps) - 1]))
+                    )
                 rate[q8] = max(rate.get(q8, 0.0), gen / (time.perf_counter() - t))
                 cpu[q8] = min(cpu.get(q8, float("inf")), 1e3 * (time.process_time() - c) / gen)
                 logits[q8] = np.stack(steps)
@@ -113,7 +117,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for name in args.models:
         ws = packed_weights(name)
-        tiled = {id(w): layout(w) for w in ws if numba_q8.takes(w)}  # the q8 kernels' layout, as loaded (5 bits: Q5_0)
+        tiled = {
+            id(w): layout(w) for w in ws if numba_q8.takes(w)
+        }  # the q8 kernels' layout, as loaded (5 bits: Q5_0)
         kinds = sorted({(str(w.values.dtype), w.block, str(w.scale.dtype), w.min is not None) for w in ws})
         print(f"{name}: {len(ws)} weights, {sum(w.nbytes for w in ws) / 1e6:.1f} MB packed, layouts {kinds}")
         dense = {id(w): w.dequantize().astype(np.float64) for w in ws[:4]}

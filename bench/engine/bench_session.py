@@ -66,7 +66,9 @@ def timed(engine: EngineProcess, verb: str, argument: dict) -> tuple[dict, float
 
 
 def complete(engine: EngineProcess, prompt: list[int], n_predict: int = 16) -> tuple[dict, float]:
-    return timed(engine, "COMPLETE", {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True})
+    return timed(
+        engine, "COMPLETE", {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True}
+    )
 
 
 def restore_measured(engine: EngineProcess, path: Path) -> dict:
@@ -75,8 +77,16 @@ def restore_measured(engine: EngineProcess, path: Path) -> dict:
     result, wall = timed(engine, "RESTORE", {"path": str(path)})
     rss_after = engine.memory("VmRSS")
     peak = engine.memory("VmHWM") if exact else max(rss_after, rss_before)
-    return {**result, "wall_s": wall, "rss_before": rss_before, "rss_after": rss_after, "rss_peak": peak,
-            "peak_above_before": peak - rss_before, "transient": peak - rss_after, "peak_exact": exact}
+    return {
+        **result,
+        "wall_s": wall,
+        "rss_before": rss_before,
+        "rss_after": rss_after,
+        "rss_peak": peak,
+        "peak_above_before": peak - rss_before,
+        "transient": peak - rss_after,
+        "peak_exact": exact,
+    }
 
 
 def plain_write_fsync(folder: Path, n: int) -> float:
@@ -143,8 +153,9 @@ def synthetic_file(path: Path, model: str, n_ctx: int, n_tokens: int) -> None:
     sf.save(path, EngineSession(runner))
 
 
-def bench_model(model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep: bool,
-                prepared: Path | None = None) -> dict:
+def bench_model(
+    model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep: bool, prepared: Path | None = None
+) -> dict:
     settings = ("--ctx-size", str(n_ctx))
     prompt = prompt_tokens(n_prompt)
     path = folder / f"{model}.session"
@@ -157,7 +168,11 @@ def bench_model(model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep
         # cores); its cold figures are that run's.
         cold = json.loads(kept.with_suffix(".json").read_text())
         a.result("RESTORE", {"path": str(kept.with_suffix(".session"))})
-        out["cold_turn_s"], out["cold_timings"], out["cold_from_prepared"] = cold["cold_turn_s"], cold["timings"], True
+        out["cold_turn_s"], out["cold_timings"], out["cold_from_prepared"] = (
+            cold["cold_turn_s"],
+            cold["timings"],
+            True,
+        )
     else:
         cold, cold_s = complete(a, prompt)
         out["cold_turn_s"], out["cold_timings"] = cold_s, cold["timings"]
@@ -168,8 +183,16 @@ def bench_model(model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep
     if kept is not None and not out.get("cold_from_prepared"):
         kept.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, kept.with_suffix(".session"))
-        kept.with_suffix(".json").write_text(json.dumps({"tokens": cold["tokens"], "n_tokens_held": cold["n_tokens_held"],
-                                                         "cold_turn_s": out["cold_turn_s"], "timings": cold["timings"]}))
+        kept.with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "tokens": cold["tokens"],
+                    "n_tokens_held": cold["n_tokens_held"],
+                    "cold_turn_s": out["cold_turn_s"],
+                    "timings": cold["timings"],
+                }
+            )
+        )
     next_prompt = prompt + cold["tokens"] + [1500, 1501, 1502, 1503]
     warm, warm_s = complete(a, next_prompt)
     out["never_restarted_turn_s"], out["never_restarted_timings"] = warm_s, warm["timings"]
@@ -199,8 +222,15 @@ def bench_model(model: str, n_prompt: int, n_ctx: int, folder: Path, depth_sweep
             spath = folder / f"{model}-depth-{depth}.session"
             synthetic_file(spath, model, n_ctx, depth)
             r = restore_measured(b, spath)
-            sweep.append({"depth": depth, "file_bytes": spath.stat().st_size, "transient": r["transient"],
-                          "peak_above_before": r["peak_above_before"], "restore_ms": r["restore_ms"]})
+            sweep.append(
+                {
+                    "depth": depth,
+                    "file_bytes": spath.stat().st_size,
+                    "transient": r["transient"],
+                    "peak_above_before": r["peak_above_before"],
+                    "restore_ms": r["restore_ms"],
+                }
+            )
             spath.unlink()
         b.quit()
         out["depth_sweep_streaming"] = sweep
@@ -216,39 +246,63 @@ def report(r: dict, peer: dict | None) -> None:
     print(f"\n== {m}: {r['n_prompt']} prompt tokens, {r['n_held']} held, n_ctx {r['n_ctx']}, f16 K/V ==")
     pf = peer or {}
     pb = pf.get("file_bytes")
-    print(f"file            {r['file_bytes']:>13,d} B" + (f"   peer {pb:,d} B  (x{r['file_bytes'] / pb:.3f})" if pb else ""))
+    print(
+        f"file            {r['file_bytes']:>13,d} B"
+        + (f"   peer {pb:,d} B  (x{r['file_bytes'] / pb:.3f})" if pb else "")
+    )
     save_s = r["save"]["save_ms"] / 1000
-    print(f"save            {save_s * 1000:9.1f} ms   plain write+fsync {r['plain_write_fsync_s'] * 1000:.1f} ms "
-          f"(x{save_s / r['plain_write_fsync_s']:.2f})" + (f"   peer {pf['save']['timings']['save_ms']:.1f} ms (no fsync)" if pf else ""))
+    print(
+        f"save            {save_s * 1000:9.1f} ms   plain write+fsync {r['plain_write_fsync_s'] * 1000:.1f} ms "
+        f"(x{save_s / r['plain_write_fsync_s']:.2f})"
+        + (f"   peer {pf['save']['timings']['save_ms']:.1f} ms (no fsync)" if pf else "")
+    )
     for mode, reads in (("auto", None), ("streaming", 2)):
         rs = r[f"restore_{mode}"]
         n_reads = reads or (1 if rs["mode"] == "staged" else 2)
         base = n_reads * r["plain_read_s"]
-        print(f"restore {mode:9s} {rs['restore_ms']:9.1f} ms   ({rs['mode']}) plain reads x{n_reads} {base * 1000:.1f} ms "
-              f"(x{rs['restore_ms'] / 1000 / base:.2f})" + (f"   peer {pf['restore']['timings']['restore_ms']:.1f} ms" if pf else "")
-              + (f"   [checks / read pass {rs['read_pass_ms']:.1f} ms, apply {rs['apply_ms']:.1f} ms]"
-                 if "read_pass_ms" in rs else ""))
-        print(f"   RSS: peak above before {mib(rs['peak_above_before'])}, transient {mib(rs['transient'])}, "
-              f"kept {mib(rs['rss_after'] - rs['rss_before'])} (pool pages filled, staging area kept)")
+        print(
+            f"restore {mode:9s} {rs['restore_ms']:9.1f} ms   ({rs['mode']}) plain reads x{n_reads} {base * 1000:.1f} ms "
+            f"(x{rs['restore_ms'] / 1000 / base:.2f})"
+            + (f"   peer {pf['restore']['timings']['restore_ms']:.1f} ms" if pf else "")
+            + (
+                f"   [checks / read pass {rs['read_pass_ms']:.1f} ms, apply {rs['apply_ms']:.1f} ms]"
+                if "read_pass_ms" in rs
+                else ""
+            )
+        )
+        print(
+            f"   RSS: peak above before {mib(rs['peak_above_before'])}, transient {mib(rs['transient'])}, "
+            f"kept {mib(rs['rss_after'] - rs['rss_before'])} (pool pages filled, staging area kept)"
+        )
         again = r.get(f"restore_{mode}_again")
         if again:
-            print(f"   again in the same process {again['restore_ms']:9.1f} ms (x{again['restore_ms'] / 1000 / base:.2f}), "
-                  f"peak above before {mib(again['peak_above_before'])}")
-    print(f"next turn       after restore (auto) {r['restored_turn_auto_s']:.2f} s (cache_n {r['restored_timings_auto']['cache_n']}, "
-          f"same tokens {r['same_tokens_auto']}), streaming {r['restored_turn_streaming_s']:.2f} s (same tokens "
-          f"{r['same_tokens_streaming']}); never restarted {r['never_restarted_turn_s']:.2f} s "
-          f"(cache_n {r['never_restarted_timings']['cache_n']}); cold {r['cold_turn_s']:.1f} s"
-          + (" (from the run that prepared the file)" if r.get("cold_from_prepared") else ""))
+            print(
+                f"   again in the same process {again['restore_ms']:9.1f} ms (x{again['restore_ms'] / 1000 / base:.2f}), "
+                f"peak above before {mib(again['peak_above_before'])}"
+            )
+    print(
+        f"next turn       after restore (auto) {r['restored_turn_auto_s']:.2f} s (cache_n {r['restored_timings_auto']['cache_n']}, "
+        f"same tokens {r['same_tokens_auto']}), streaming {r['restored_turn_streaming_s']:.2f} s (same tokens "
+        f"{r['same_tokens_streaming']}); never restarted {r['never_restarted_turn_s']:.2f} s "
+        f"(cache_n {r['never_restarted_timings']['cache_n']}); cold {r['cold_turn_s']:.1f} s"
+        + (" (from the run that prepared the file)" if r.get("cold_from_prepared") else "")
+    )
     if pf:
-        print(f"   peer: after restore {pf['restored_next_turn_s']:.2f} s, never restarted {pf['warm_next_turn_s']:.2f} s, "
-              f"cold {pf['cold_turn_s']:.1f} s")
+        print(
+            f"   peer: after restore {pf['restored_next_turn_s']:.2f} s, never restarted {pf['warm_next_turn_s']:.2f} s, "
+            f"cold {pf['cold_turn_s']:.1f} s"
+        )
     for row in r.get("depth_sweep_streaming", []):
-        print(f"   depth {row['depth']:>6d} ({mib(row['file_bytes'])}): streaming restore transient RSS "
-              f"{mib(row['transient'])}, peak above before {mib(row['peak_above_before'])}, {row['restore_ms']:.1f} ms")
+        print(
+            f"   depth {row['depth']:>6d} ({mib(row['file_bytes'])}): streaming restore transient RSS "
+            f"{mib(row['transient'])}, peak above before {mib(row['peak_above_before'])}, {row['restore_ms']:.1f} ms"
+        )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", default="smollm2,gemma3")
     parser.add_argument("--smollm2-tokens", type=int, default=7900)
     parser.add_argument("--gemma3-tokens", type=int, default=16000)
@@ -256,10 +310,13 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="folder for the files (default: a temporary folder in .)")
     parser.add_argument("--no-depth-sweep", action="store_true")
     parser.add_argument("--json", default=None, help="also write the raw figures here")
-    parser.add_argument("--prepared", default=None,
-                        help="folder keeping each model's conversation after its cold turn: a later run with the "
-                             "same folder and sizes restores it instead of prefilling again (cold figures then "
-                             "come from the run that prepared it)")
+    parser.add_argument(
+        "--prepared",
+        default=None,
+        help="folder keeping each model's conversation after its cold turn: a later run with the "
+        "same folder and sizes restores it instead of prefilling again (cold figures then "
+        "come from the run that prepared it)",
+    )
     args = parser.parse_args()
     sizes = {"smollm2": (args.smollm2_tokens, 8192), "gemma3": (args.gemma3_tokens, 16384)}
     if args.quick:
@@ -270,8 +327,14 @@ def main() -> int:
     try:
         for model in args.models.split(","):
             n_prompt, n_ctx = sizes[model]
-            r = bench_model(model, n_prompt, n_ctx, folder, not args.no_depth_sweep,
-                            Path(args.prepared) if args.prepared else None)
+            r = bench_model(
+                model,
+                n_prompt,
+                n_ctx,
+                folder,
+                not args.no_depth_sweep,
+                Path(args.prepared) if args.prepared else None,
+            )
             results.append(r)
             peer_file = REFERENCE / peers[model]
             peer = json.loads(peer_file.read_text()) if peer_file.is_file() and not args.quick else None

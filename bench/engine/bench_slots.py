@@ -64,7 +64,9 @@ def main() -> None:
     ops = slots.runners[0].model.ops
     # mode -> (BY_ROW_MAX_ROWS, q8 products); the kernels asked for run last and give the main figures
     modes = {"": (BY_ROW_MAX_ROWS, False)}
-    if numba and ops.q8:  # tiled weights: the q8 kernels only (the float32 ones would read an untiled copy a call)
+    if (
+        numba and ops.q8
+    ):  # tiled weights: the q8 kernels only (the float32 ones would read an untiled copy a call)
         modes = {"q8": (BY_ROW_MAX_ROWS, True)}
     elif numba:
         modes = {"by row": (PACKED_MAX_ROWS, False), "grouped": (BY_ROW_MAX_ROWS, False)}

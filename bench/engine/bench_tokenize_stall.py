@@ -24,8 +24,11 @@ import threading
 import time
 
 WARM = 30
-ANSWERS = {"TOKENIZE": lambda line: f"{len(line['tokens'])} tokens", "COMPLETE": lambda line: line["error"]["type"],
-           "PROMPT": lambda line: f"{line['timings']['prompt_n']} tokens evaluated"}  # what the answer says
+ANSWERS = {
+    "TOKENIZE": lambda line: f"{len(line['tokens'])} tokens",
+    "COMPLETE": lambda line: line["error"]["type"],
+    "PROMPT": lambda line: f"{line['timings']['prompt_n']} tokens evaluated",
+}  # what the answer says
 
 
 def smollm2_model_path() -> str:
@@ -39,8 +42,22 @@ def main() -> None:
     parser.add_argument("--verb", choices=("TOKENIZE", "COMPLETE", "PROMPT"), default="TOKENIZE")
     parser.add_argument("--tokens", type=int, default=1500, help="--verb PROMPT: the prompt's tokens")
     args = parser.parse_args()
-    proc = subprocess.Popen([sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(smollm2_model_path()),
-                             "--ctx-size", "4096", "--parallel", "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "strata_engine.cli",
+            "serve",
+            "--model",
+            str(smollm2_model_path()),
+            "--ctx-size",
+            "4096",
+            "--parallel",
+            "2",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     lock = threading.Lock()
 
     def send(verb: str, obj: dict) -> None:
@@ -52,12 +69,26 @@ def main() -> None:
     assert json.loads(proc.stdout.readline())["event"] == "ready"
     rng = random.Random(1)
     # the full chunk's cost measured once before, as a server that evaluated a prompt alone
-    send("COMPLETE", {"id": "w", "slot": 1, "prompt": [rng.randrange(300, 40000) for _ in range(600)], "n_predict": 1})
-    send("COMPLETE", {"id": "g", "prompt": "Once upon a time", "n_predict": 3000, "temperature": 0, "ignore_eos": True})
+    send(
+        "COMPLETE",
+        {"id": "w", "slot": 1, "prompt": [rng.randrange(300, 40000) for _ in range(600)], "n_predict": 1},
+    )
+    send(
+        "COMPLETE",
+        {"id": "g", "prompt": "Once upon a time", "n_predict": 3000, "temperature": 0, "ignore_eos": True},
+    )
     text = "The quick brown fox jumps over the lazy dog; naïve café, 12345. " * int(args.mb * 1e6 / 64)
-    huge = {"TOKENIZE": {"id": "t", "content": text}, "COMPLETE": {"id": "t", "slot": 1, "prompt": text},
-            "PROMPT": {"id": "t", "slot": 1, "prompt": [rng.randrange(300, 40000) for _ in range(args.tokens)],
-                       "n_predict": 1, "return_progress": True}}[args.verb]
+    huge = {
+        "TOKENIZE": {"id": "t", "content": text},
+        "COMPLETE": {"id": "t", "slot": 1, "prompt": text},
+        "PROMPT": {
+            "id": "t",
+            "slot": 1,
+            "prompt": [rng.randrange(300, 40000) for _ in range(args.tokens)],
+            "n_predict": 1,
+            "return_progress": True,
+        },
+    }[args.verb]
     processed = [0]
     stamps: list[float] = []
     sent = answered = None
@@ -83,16 +114,24 @@ def main() -> None:
     proc.wait(timeout=60)
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     before = gaps[: WARM - 1]
-    during = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if b > sent and a < answered]  # overlapping it
+    during = [
+        b - a for a, b in zip(stamps, stamps[1:], strict=False) if b > sent and a < answered
+    ]  # overlapping it
     base = statistics.median(before)
     if args.verb == "PROMPT":
-        print(f"a {args.tokens}-token prompt ({n_tokens}) took {answered - sent:.2f} s; {len(during)} tokens streamed "
-              f"meanwhile; its chunks: {[b - a for a, b in zip(processed, processed[1:], strict=False)]}")
+        print(
+            f"a {args.tokens}-token prompt ({n_tokens}) took {answered - sent:.2f} s; {len(during)} tokens streamed "
+            f"meanwhile; its chunks: {[b - a for a, b in zip(processed, processed[1:], strict=False)]}"
+        )
     else:
-        print(f"{args.verb} of {len(text) / 1e6:.1f} MB ({n_tokens}) took {answered - sent:.2f} s "
-              f"({len(text) / (answered - sent) / 1e6:.2f} MB/s); {len(during)} tokens streamed meanwhile")
-    print(f"token gap before: median {1000 * base:.1f} ms; during: median {1000 * statistics.median(during):.1f} ms "
-          f"(x{statistics.median(during) / base:.2f}), max {1000 * max(during):.1f} ms (x{max(during) / base:.2f})")
+        print(
+            f"{args.verb} of {len(text) / 1e6:.1f} MB ({n_tokens}) took {answered - sent:.2f} s "
+            f"({len(text) / (answered - sent) / 1e6:.2f} MB/s); {len(during)} tokens streamed meanwhile"
+        )
+    print(
+        f"token gap before: median {1000 * base:.1f} ms; during: median {1000 * statistics.median(during):.1f} ms "
+        f"(x{statistics.median(during) / base:.2f}), max {1000 * max(during):.1f} ms (x{max(during) / base:.2f})"
+    )
 
 
 if __name__ == "__main__":

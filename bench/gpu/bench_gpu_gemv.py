@@ -50,7 +50,11 @@ def main() -> int:
             for n_tok in (1, 2, 4, 8):
                 x = ops.asarray(rng.standard_normal((n_tok, n_in)).astype(np.float32), ops.dtype)
                 gemv = timed(partial(ops._gemv, x, w, n_out, out_dtype, act), cp)
-                blas = timed(partial(ops.cublas.linear, cp, x, w, out_dtype=out_dtype), cp) if act < 0 else np.nan
+                blas = (
+                    timed(partial(ops.cublas.linear, cp, x, w, out_dtype=out_dtype), cp)
+                    if act < 0
+                    else np.nan
+                )
                 print(f"{model:8} {name:8} {n_tok:4} {gemv:8.1f} {blas:9.1f} {w.nbytes / gemv / 1e3:9.0f} "
                       f"{2 * w.nbytes / copy_us / 1e3:9.0f} {blas / gemv:11.2f}")  # fmt: skip
     return 0

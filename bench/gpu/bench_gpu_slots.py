@@ -103,7 +103,9 @@ def op_profile(slots: SlotSet, b: int, n_prompt: int, first: list[int]) -> dict[
     if graph is None:
         graph = BatchDecodeGraph(slots.model, slots.runners[0].placement, b)
         graph.prepare()
-    graph.batch_inputs.stage([(slots.runners[s].pool.slot, n_prompt, first[s]) for s in range(b)], graph.stream)
+    graph.batch_inputs.stage(
+        [(slots.runners[s].pool.slot, n_prompt, first[s]) for s in range(b)], graph.stream
+    )
     ops = slots.model.ops
     times: dict[str, list] = {}
     originals = {name: getattr(ops, name) for name in OPS}
@@ -123,13 +125,17 @@ def op_profile(slots: SlotSet, b: int, n_prompt: int, first: list[int]) -> dict[
         setattr(ops, name, timed(name, fn))
     try:
         with graph.stream:
-            cp.RawKernel(SPIN, "spin")((1,), (1,), (np.int64(600_000_000),))  # ~0.3 s: the host queues the step
+            cp.RawKernel(SPIN, "spin")(
+                (1,), (1,), (np.int64(600_000_000),)
+            )  # ~0.3 s: the host queues the step
             graph._run()
             graph.stream.synchronize()
     finally:
         for name in OPS:
             delattr(ops, name)
-    return {name: sum(cp.cuda.get_elapsed_time(a, z) for a, z in pairs) * 1000 for name, pairs in times.items()}
+    return {
+        name: sum(cp.cuda.get_elapsed_time(a, z) for a, z in pairs) * 1000 for name, pairs in times.items()
+    }
 
 
 def main() -> None:
@@ -156,7 +162,9 @@ def main() -> None:
         t0 = time.perf_counter()
         graphed = SlotSet.load(settings)
         load_s = time.perf_counter() - t0
-        eager = SlotSet.sharing(graphed.runners[0], n_slots=n_slots, n_ctx=n_slots * args.n_ctx_slot, cuda_graphs=False)
+        eager = SlotSet.sharing(
+            graphed.runners[0], n_slots=n_slots, n_ctx=n_slots * args.n_ctx_slot, cuda_graphs=False
+        )
         print(f"{name} {DTYPES[name]}: {n_slots} slots of {graphed.n_ctx_slot} tokens, prompt {args.prompt}, "
               f"{args.gen} steps; batch graphs {[g.n_tokens for g in graphed.batch_graphs]} captured in "
               f"{graphed.graph_capture_s * 1000:.0f} ms (load {load_s:.1f} s)")  # fmt: skip

@@ -99,7 +99,9 @@ def main() -> int:
     print(f"plain read (1 thread, 16 MiB buffer)  {t * 1e3:7.1f} ms  {gb / t:5.1f} GB/s", flush=True)
     for threads in (2, 4, 8):
         t = best(lambda threads=threads: threaded_read(path, size, threads))
-        print(f"read by {threads} threads (4 MiB blocks)     {t * 1e3:7.1f} ms  {gb / t:5.1f} GB/s", flush=True)
+        print(
+            f"read by {threads} threads (4 MiB blocks)     {t * 1e3:7.1f} ms  {gb / t:5.1f} GB/s", flush=True
+        )
     payload = memoryview(bytearray(size))
 
     def hash_all() -> float:
@@ -153,8 +155,11 @@ def main() -> int:
                 return time.perf_counter() - t0, hashing
 
             t, hashing = min(pipeline() for _ in range(3))
-            print(f"library read + in-order hash, {threads} reader(s) {t * 1e3:5.1f} ms  {gb / t:5.1f} GB/s"
-                  f"  (hashing {hashing * 1e3:.1f} ms of it)", flush=True)
+            print(
+                f"library read + in-order hash, {threads} reader(s) {t * 1e3:5.1f} ms  {gb / t:5.1f} GB/s"
+                f"  (hashing {hashing * 1e3:.1f} ms of it)",
+                flush=True,
+            )
     try:
         import cupy as cp
         import cupyx

@@ -24,8 +24,19 @@ from pathlib import Path
 import numpy as np
 
 # Operations of CupyOps timed by gpu_time_by_op (a call inside another is subtracted from it: self time).
-TIMED_OPS = ("embed", "rms_norm", "add_rms_norm", "project", "matmul", "gated_mlp", "qk_norm_rope", "store_kv",
-             "attention", "flash_attention", "logits")
+TIMED_OPS = (
+    "embed",
+    "rms_norm",
+    "add_rms_norm",
+    "project",
+    "matmul",
+    "gated_mlp",
+    "qk_norm_rope",
+    "store_kv",
+    "attention",
+    "flash_attention",
+    "logits",
+)
 SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
     long long t0 = clock64();
@@ -115,7 +126,7 @@ def decode_device_profile(graphed, eager, ops, depth: int, steps: int = 64) -> N
     graph = graphed.decode_graph
     if graph is None:  # f32 compute: no graphs (graph.py); the op-by-op step alone
         eager = graphed
-    with (graph.stream if graph is not None else cp.cuda.Stream()) as stream:
+    with graph.stream if graph is not None else cp.cuda.Stream() as stream:
         spin((1,), (1,), (np.int64(600_000_000),))
         first = cp.cuda.Event()
         first.record(stream)
@@ -130,18 +141,32 @@ def decode_device_profile(graphed, eager, ops, depth: int, steps: int = 64) -> N
     ops.synchronize()
     _wall, total, by_op = gpu_time_by_op(ops, lambda: eager.decode(tok))
     eager.cut_back(depth)
-    print(f"---- decode at {depth} held: {wall * 1e3:.3f} ms/token graphed (host loop), one graph replay "
-          f"{replay * 1e3:.1f} us on the device; the same step op by op, queued back to back: "
-          f"{total * 1e3:.1f} us of device time ----")
+    print(
+        f"---- decode at {depth} held: {wall * 1e3:.3f} ms/token graphed (host loop), one graph replay "
+        f"{replay * 1e3:.1f} us on the device; the same step op by op, queued back to back: "
+        f"{total * 1e3:.1f} us of device time ----"
+    )
     for name, (calls, ms) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {name:16s} {calls:5d} calls  {ms * 1e3:8.1f} us  {ms * 1e3 / calls:6.2f} us/call  "
-              f"{ms / total * 100:5.1f} %")
+        print(
+            f"  {name:16s} {calls:5d} calls  {ms * 1e3:8.1f} us  {ms * 1e3 / calls:6.2f} us/call  "
+            f"{ms / total * 100:5.1f} %"
+        )
     rest = total - sum(ms for _calls, ms in by_op.values())
     print(f"  {'(between ops)':16s}              {rest * 1e3:8.1f} us  {rest / total * 100:5.1f} %")
 
 
-GRAPH_OPS = ("rms_norm", "add_rms_norm", "project", "matmul", "gated_mlp", "qk_norm_rope", "store_kv",
-             "flash_attention", "logits_f32", "argmax_rows")
+GRAPH_OPS = (
+    "rms_norm",
+    "add_rms_norm",
+    "project",
+    "matmul",
+    "gated_mlp",
+    "qk_norm_rope",
+    "store_kv",
+    "flash_attention",
+    "logits_f32",
+    "argmax_rows",
+)
 
 
 def replay_us(runner, depth: int, steps: int = 64) -> float:
@@ -252,8 +277,10 @@ def main() -> int:
     eager.erase()
     ops.synchronize()
     wall, total, by_op = gpu_time_by_op(ops, lambda: eager.prefill(tokens))
-    print(f"---- device time of one {args.prompt}-token prefill, queued back to back: {total:.2f} ms "
-          f"(host queued it in {wall * 1e3:.2f} ms) ----")
+    print(
+        f"---- device time of one {args.prompt}-token prefill, queued back to back: {total:.2f} ms "
+        f"(host queued it in {wall * 1e3:.2f} ms) ----"
+    )
     for name, (calls, ms) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:16s} {calls:5d} calls  {ms:8.3f} ms  {ms / total * 100:5.1f} %")
     rest = total - sum(ms for _calls, ms in by_op.values())

@@ -23,14 +23,34 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from bench_session import plain_read  # noqa: E402 - the CPU benchmark's plain read
 
-ADAPTER_CALLS = ("identity", "limits", "check_plan", "can_stage", "begin_staging", "stage_in", "commit_staged",
-                 "begin_apply", "copy_in", "landing_views", "commit", "block_buffers", "wait_copies")
+ADAPTER_CALLS = (
+    "identity",
+    "limits",
+    "check_plan",
+    "can_stage",
+    "begin_staging",
+    "stage_in",
+    "commit_staged",
+    "begin_apply",
+    "copy_in",
+    "landing_views",
+    "commit",
+    "block_buffers",
+    "wait_copies",
+)
 
 
 # (module, name): each library step is wrapped where its caller looks it up.
-LIBRARY_STEPS = (("reader", "open_metadata"), ("validate", "check_limits"), ("reader", "preflight"),
-                 ("datapass", "stream_data"), ("apply", "stream_data"), ("apply", "land_data"),
-                 ("datapass", "check_unchanged"), ("apply", "check_unchanged"))
+LIBRARY_STEPS = (
+    ("reader", "open_metadata"),
+    ("validate", "check_limits"),
+    ("reader", "preflight"),
+    ("datapass", "stream_data"),
+    ("apply", "stream_data"),
+    ("apply", "land_data"),
+    ("datapass", "check_unchanged"),
+    ("apply", "check_unchanged"),
+)
 
 
 def timed_calls(adapter, runner) -> dict[str, float]:
@@ -97,8 +117,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=7915)
     ap.add_argument("--folder", default="/tmp")
     ap.add_argument("--backend", default="cupy", help="numpy runs the same on the CPU (a host pool)")
-    ap.add_argument("--prefill", action="store_true",
-                    help="a real prefill of the tokens (ring checkpoint included) instead of random K/V")
+    ap.add_argument(
+        "--prefill",
+        action="store_true",
+        help="a real prefill of the tokens (ring checkpoint included) instead of random K/V",
+    )
     args = ap.parse_args()
     n = args.tokens
     runner = ModelRunner.load(EngineSettings(model_path=Path(args.model), n_ctx=n + 64, backend=args.backend))
@@ -123,7 +146,9 @@ def main() -> int:
     size = path.stat().st_size
     plain_read(path)
     read_s = min(plain_read(path) for _ in range(3))
-    print(f"{n} tokens, file {size:,} B, block {block >> 20} MiB, plain read {read_s * 1e3:.1f} ms", flush=True)
+    print(
+        f"{n} tokens, file {size:,} B, block {block >> 20} MiB, plain read {read_s * 1e3:.1f} ms", flush=True
+    )
     spent = timed_calls(adapter, runner)
     for mode in ("staged", "streaming"):
         for k in range(3):
@@ -132,8 +157,11 @@ def main() -> int:
             r = sf.restore(path, adapter, mode=mode, block_size=block)
             wall = time.perf_counter() - t0
             calls = ", ".join(f"{name} {ms:.1f}" for name, ms in spent.items())
-            print(f"restore {mode:9s} #{k}: {wall * 1e3:6.1f} ms (read pass {r.read_pass_s * 1e3:5.1f}, apply "
-                  f"{r.apply_s * 1e3:5.1f}) x{wall / read_s:.2f} of the plain read; ms in: {calls}", flush=True)
+            print(
+                f"restore {mode:9s} #{k}: {wall * 1e3:6.1f} ms (read pass {r.read_pass_s * 1e3:5.1f}, apply "
+                f"{r.apply_s * 1e3:5.1f}) x{wall / read_s:.2f} of the plain read; ms in: {calls}",
+                flush=True,
+            )
     # The engine process also holds the tokenizer (tens of thousands of Python objects the collector scans):
     # staged restores with it alive, then after gc.freeze() (start-up objects out of the collector's reach).
     import gc
@@ -150,19 +178,27 @@ def main() -> int:
             sf.restore(path, adapter, mode="staged", block_size=block)
             walls.append(time.perf_counter() - t0)
         collections = sum(st["collections"] for st in gc.get_stats()) - collections
-        print(f"staged, {label}: best {min(walls) * 1e3:6.1f} ms, median {sorted(walls)[2] * 1e3:6.1f} ms, "
-              f"{collections} collections in 5 restores; {len(gc.get_objects())} tracked objects", flush=True)
+        print(
+            f"staged, {label}: best {min(walls) * 1e3:6.1f} ms, median {sorted(walls)[2] * 1e3:6.1f} ms, "
+            f"{collections} collections in 5 restores; {len(gc.get_objects())} tracked objects",
+            flush=True,
+        )
     gc.unfreeze()
     del tokenizer
     for readers, size in ((1, block), (2, block), (4, block), (8, block), (4, 2 * block), (4, 4 * block)):
-        sf.restore(path, adapter, mode="staged", block_size=size, read_threads=readers)  # buffers of that size
+        sf.restore(
+            path, adapter, mode="staged", block_size=size, read_threads=readers
+        )  # buffers of that size
         walls = []
         for _ in range(5):
             t0 = time.perf_counter()
             sf.restore(path, adapter, mode="staged", block_size=size, read_threads=readers)
             walls.append(time.perf_counter() - t0)
-        print(f"staged, {readers} reader(s), {size >> 20} MiB blocks: best {min(walls) * 1e3:6.1f} ms, "
-              f"median {sorted(walls)[2] * 1e3:6.1f} ms", flush=True)
+        print(
+            f"staged, {readers} reader(s), {size >> 20} MiB blocks: best {min(walls) * 1e3:6.1f} ms, "
+            f"median {sorted(walls)[2] * 1e3:6.1f} ms",
+            flush=True,
+        )
     for k in range(3):
         t0 = time.perf_counter()
         sf.save(path, adapter, block_size=block)
@@ -172,8 +208,11 @@ def main() -> int:
         time.sleep(2.0)
         t0 = time.perf_counter()
         r = sf.restore(path, adapter, mode="staged", block_size=block)
-        print(f"staged after 2 s idle #{k}: {(time.perf_counter() - t0) * 1e3:6.1f} ms (read pass "
-              f"{r.read_pass_s * 1e3:5.1f}, apply {r.apply_s * 1e3:5.1f})", flush=True)
+        print(
+            f"staged after 2 s idle #{k}: {(time.perf_counter() - t0) * 1e3:6.1f} ms (read pass "
+            f"{r.read_pass_s * 1e3:5.1f}, apply {r.apply_s * 1e3:5.1f})",
+            flush=True,
+        )
     # The same file restored by an engine process, as the benchmark does.
     import bench_session as BS
 
@@ -184,16 +223,21 @@ def main() -> int:
             if k >= 3:
                 time.sleep(2.0)
             got = engine.restore_measured(path)
-            print(f"engine process RESTORE #{k}{' after 2 s idle' if k >= 3 else ''}: {got['restore_ms']:6.1f} ms "
-                  f"(read pass {got['read_pass_ms']:5.1f}, apply {got['apply_ms']:5.1f}, {got['mode']}), "
-                  f"round trip {got['wall_s'] * 1e3:6.1f} ms", flush=True)
+            print(
+                f"engine process RESTORE #{k}{' after 2 s idle' if k >= 3 else ''}: {got['restore_ms']:6.1f} ms "
+                f"(read pass {got['read_pass_ms']:5.1f}, apply {got['apply_ms']:5.1f}, {got['mode']}), "
+                f"round trip {got['wall_s'] * 1e3:6.1f} ms",
+                flush=True,
+            )
     except Exception as exc:  # e.g. a refusal: the engine's settings differ from this runner's
         print(f"engine process RESTORE failed: {exc}")
     finally:
         engine.quit()
-    for title, run in (("staged restore", lambda: sf.restore(path, adapter, mode="staged", block_size=block)),
-                       ("streaming restore", lambda: sf.restore(path, adapter, mode="streaming", block_size=block)),
-                       ("save", lambda: sf.save(path, adapter, block_size=block))):
+    for title, run in (
+        ("staged restore", lambda: sf.restore(path, adapter, mode="staged", block_size=block)),
+        ("streaming restore", lambda: sf.restore(path, adapter, mode="streaming", block_size=block)),
+        ("save", lambda: sf.save(path, adapter, block_size=block)),
+    ):
         prof = cProfile.Profile()
         prof.enable()
         run()

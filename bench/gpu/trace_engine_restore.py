@@ -31,15 +31,39 @@ from pathlib import Path
 
 import numpy as np
 
-ADAPTER_CALLS = ("check_plan", "can_stage", "begin_staging", "stage_in", "commit_staged", "begin_apply",
-                 "copy_in", "commit", "wait_copies", "block_buffers", "discard_staged")
+ADAPTER_CALLS = (
+    "check_plan",
+    "can_stage",
+    "begin_staging",
+    "stage_in",
+    "commit_staged",
+    "begin_apply",
+    "copy_in",
+    "commit",
+    "wait_copies",
+    "block_buffers",
+    "discard_staged",
+)
 # (module, name): each library step is wrapped where its caller looks it up.
-LIBRARY_STEPS = (("reader", "open_metadata"), ("validate", "check_limits"), ("reader", "preflight"),
-                 ("datapass", "stream_data"), ("apply", "stream_data"), ("apply", "land_data"),
-                 ("reader", "hash_pass"), ("reader", "apply_staged"), ("reader", "apply_streaming"),
-                 ("validate", "decode_metadata"), ("validate", "compute_layout"), ("validate", "binding_check"),
-                 ("validate", "decode_header"), ("validate", "decode_trailer"),
-                 ("validate", "read_exact_parallel"), ("apply", "read_exact_parallel"), ("validate", "fresh_buffer"))
+LIBRARY_STEPS = (
+    ("reader", "open_metadata"),
+    ("validate", "check_limits"),
+    ("reader", "preflight"),
+    ("datapass", "stream_data"),
+    ("apply", "stream_data"),
+    ("apply", "land_data"),
+    ("reader", "hash_pass"),
+    ("reader", "apply_staged"),
+    ("reader", "apply_streaming"),
+    ("validate", "decode_metadata"),
+    ("validate", "compute_layout"),
+    ("validate", "binding_check"),
+    ("validate", "decode_header"),
+    ("validate", "decode_trailer"),
+    ("validate", "read_exact_parallel"),
+    ("apply", "read_exact_parallel"),
+    ("validate", "fresh_buffer"),
+)
 
 
 # ---- the traced engine (runs inside the engine process) -------------------------------------------
@@ -99,7 +123,9 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
             note("read", t0, clock(), (threading.current_thread().name, offset, sum(len(v) for v in views)))
 
     pipelines.OrderedReads._read = traced_read
-    real_xxhash = auth.xxhash  # every pass's hasher (auth.payload_hasher) is a copy of the one started on the prefix
+    real_xxhash = (
+        auth.xxhash
+    )  # every pass's hasher (auth.payload_hasher) is a copy of the one started on the prefix
 
     class TracedHash:
         def __init__(self, *args):
@@ -108,7 +134,12 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
         def update(self, data):
             t0 = clock()
             self.h.update(data)
-            note("hash", t0, clock(), len(memoryview(data).cast("B")) if not isinstance(data, bytes) else len(data))
+            note(
+                "hash",
+                t0,
+                clock(),
+                len(memoryview(data).cast("B")) if not isinstance(data, bytes) else len(data),
+            )
 
         def digest(self):
             return self.h.digest()
@@ -147,8 +178,14 @@ def serve_traced(argv: list[str], out: str, variant: str) -> int:
 # ---- the driver -------------------------------------------------------------------------------------
 class Engine:
     def __init__(self, cmd: list[str], env: dict | None = None):
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         ready = self.read()
         assert ready["event"] == "ready", ready
 
@@ -193,14 +230,18 @@ def summarize(events: list, label: str) -> None:
     hashes = [h for h in by.get("hash", []) if h[0] >= first_read]  # the data section's (not the prefix's)
     hash_bytes = sum(h[2] for h in hashes)
     hash_ms = sum(t1 - t0 for t0, t1, _ in hashes)
-    print(f"  {label}: {whole:.2f} ms | open_metadata {total('open_metadata'):.2f} check_plan {total('check_plan'):.2f} "
-          f"begin_staging {total('begin_staging'):.2f} stream/land {total('stream_data') + total('land_data'):.2f} "
-          f"[{span('read')}] commit_staged {total('commit_staged'):.2f} commit {total('commit'):.2f}")
-    print(f"     reads: {len(reads)} jobs {read_bytes / 1e6:.1f} MB, {read_ms:.2f} ms thread-time "
-          f"({read_bytes / max(read_ms, 1e-9) / 1e6:.1f} GB/s per thread), threads "
-          f"{len({e[0] for _, _, e in reads})}; take waits {total('take'):.2f} ms over {len(by.get('take', []))}; "
-          f"hash {hash_ms:.2f} ms ({hash_bytes / max(hash_ms, 1e-9) / 1e6:.1f} GB/s); stage_in {total('stage_in'):.2f}; "
-          f"copy_in {total('copy_in'):.2f}; wait_copies {total('wait_copies'):.2f} over {len(by.get('wait_copies', []))}")
+    print(
+        f"  {label}: {whole:.2f} ms | open_metadata {total('open_metadata'):.2f} check_plan {total('check_plan'):.2f} "
+        f"begin_staging {total('begin_staging'):.2f} stream/land {total('stream_data') + total('land_data'):.2f} "
+        f"[{span('read')}] commit_staged {total('commit_staged'):.2f} commit {total('commit'):.2f}"
+    )
+    print(
+        f"     reads: {len(reads)} jobs {read_bytes / 1e6:.1f} MB, {read_ms:.2f} ms thread-time "
+        f"({read_bytes / max(read_ms, 1e-9) / 1e6:.1f} GB/s per thread), threads "
+        f"{len({e[0] for _, _, e in reads})}; take waits {total('take'):.2f} ms over {len(by.get('take', []))}; "
+        f"hash {hash_ms:.2f} ms ({hash_bytes / max(hash_ms, 1e-9) / 1e6:.1f} GB/s); stage_in {total('stage_in'):.2f}; "
+        f"copy_in {total('copy_in'):.2f}; wait_copies {total('wait_copies'):.2f} over {len(by.get('wait_copies', []))}"
+    )
     per_block = {"read", "take", "hash", "stage_in", "copy_in", "wait_copies", "RESTORE"}
     steps = sorted((t0, kind, t1 - t0) for kind, t0, t1, _ in events if kind not in per_block)
     print("     steps: " + " ".join(f"{kind}@{t0:.2f}+{d:.2f}" for t0, kind, d in steps))
@@ -212,9 +253,11 @@ def summarize(events: list, label: str) -> None:
             until = takes[i + 1][0] if i + 1 < len(takes) else whole
             mine = [h for h in hashes if t[1] <= h[0] < until]  # what this thread hashed after the take
             h_ms = sum(h[1] - h[0] for h in mine)
-            rows.append(f"#{i} read {r[0]:.2f}-{r[1]:.2f} ({r[2][2] / max(r[1] - r[0], 1e-9) / 1e6:.1f} GB/s, "
-                        f"{r[2][0][-1]}) take {t[0]:.2f}-{t[1]:.2f} hash {h_ms:.2f} ms until {until:.2f}")
-        show = rows[:5] + (["..."] if len(rows) > 8 else []) + rows[max(5, len(rows) - 3):]
+            rows.append(
+                f"#{i} read {r[0]:.2f}-{r[1]:.2f} ({r[2][2] / max(r[1] - r[0], 1e-9) / 1e6:.1f} GB/s, "
+                f"{r[2][0][-1]}) take {t[0]:.2f}-{t[1]:.2f} hash {h_ms:.2f} ms until {until:.2f}"
+            )
+        show = rows[:5] + (["..."] if len(rows) > 8 else []) + rows[max(5, len(rows) - 3) :]
         for row in show:
             print("       " + row)
 
@@ -231,10 +274,24 @@ def main() -> int:
     ap.add_argument("--folder", default="/tmp")
     ap.add_argument("--args", default="", help="more `serve` arguments, e.g. '--kv-resident 1024'")
     ap.add_argument("--mode", default="auto")
-    ap.add_argument("--variant", default="none", help="none | vram-staging | threads=N | block=MiB | spin=MS (see the docstring)")
+    ap.add_argument(
+        "--variant",
+        default="none",
+        help="none | vram-staging | threads=N | block=MiB | spin=MS (see the docstring)",
+    )
     a = ap.parse_args()
-    serve = ["serve", "--model", a.model, "--ctx-size", str(a.tokens + 64), "--backend", a.backend,
-             "--restore-mode", a.mode, *shlex.split(a.args)]
+    serve = [
+        "serve",
+        "--model",
+        a.model,
+        "--ctx-size",
+        str(a.tokens + 64),
+        "--backend",
+        a.backend,
+        "--restore-mode",
+        a.mode,
+        *shlex.split(a.args),
+    ]
     folder = Path(a.folder)
     tag = "".join(c if c.isalnum() else "_" for c in a.args)
     path = folder / f"trace-{Path(a.model).stem}-{a.tokens}-{a.backend}{tag}.ssf"
@@ -245,8 +302,10 @@ def main() -> int:
         e.command("SAVE " + json.dumps({"path": str(path)}))
         e.quit()
     size = path.stat().st_size
-    print(f"{path.name}: {size / 1e6:.1f} MB, {a.tokens} tokens, backend {a.backend} {a.args} "
-          f"variant {a.variant}")
+    print(
+        f"{path.name}: {size / 1e6:.1f} MB, {a.tokens} tokens, backend {a.backend} {a.args} "
+        f"variant {a.variant}"
+    )
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
     from bench_session import plain_read  # the CPU benchmark's plain read
 
@@ -259,8 +318,11 @@ def main() -> int:
             res = e.command("RESTORE " + json.dumps({"path": str(path)}))
             with open(f"{out}.{r}.json") as f:
                 events = json.load(f)
-            summarize(events, f"RESTORE #{r} restore_ms {res['restore_ms']:.2f} (x{res['restore_ms'] / base:.2f}) "
-                              f"mode {res['mode']}, verb")
+            summarize(
+                events,
+                f"RESTORE #{r} restore_ms {res['restore_ms']:.2f} (x{res['restore_ms'] / base:.2f}) "
+                f"mode {res['mode']}, verb",
+            )
         e.quit()
     return 0
 

@@ -66,8 +66,10 @@ import requests
 
 LOOPBACK = "127.0.0.1"
 REFERENCE = Path(__file__).resolve().parents[2] / "tests" / "reference" / "peer-engine-cpu.json"
-WORDS = ("river mountain quiet lantern orange music garden winter silver market paper window story "
-         "engine forest candle harbor pencil thunder velvet meadow copper island rocket").split()
+WORDS = (
+    "river mountain quiet lantern orange music garden winter silver market paper window story "
+    "engine forest candle harbor pencil thunder velvet meadow copper island rocket"
+).split()
 
 
 def free_port() -> int:
@@ -84,7 +86,9 @@ def peer_rows() -> list[dict]:
     return json.loads(REFERENCE.read_text())["batched_bench_smollm2"]
 
 
-PEER_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the file llama.cpp's batched bench ran (batched_bench_smollm2)
+PEER_MODEL = (
+    "SmolLM2-135M-Instruct.Q4_1.gguf"  # the file llama.cpp's batched bench ran (batched_bench_smollm2)
+)
 
 
 def peer_aggregate(model_path: str | None) -> dict[int, float]:
@@ -104,15 +108,24 @@ def peer_shape() -> tuple[int, int]:
 def prompt_tokens(url: str, seed: int, n_tokens: int) -> list[int]:
     rng = random.Random(seed)
     text = " ".join(rng.choice(WORDS) for _ in range(n_tokens * 2))
-    tokens = requests.post(url + "/tokenize", json={"content": text, "add_special": True}, timeout=60).json()["tokens"]
+    tokens = requests.post(url + "/tokenize", json={"content": text, "add_special": True}, timeout=60).json()[
+        "tokens"
+    ]
     assert len(tokens) >= n_tokens, "the text is too short"
     return tokens[:n_tokens]
 
 
 def request_body(prompt: list[int], n_predict: int, slot: int | None) -> dict:
     """A greedy streamed /completion; with a slot, into that slot reusing what it holds (cache_prompt)."""
-    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
-            "stream": True, "return_tokens": True}
+    body = {
+        "prompt": prompt,
+        "n_predict": n_predict,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_prompt": False,
+        "stream": True,
+        "return_tokens": True,
+    }
     if slot is not None:
         body |= {"id_slot": slot, "cache_prompt": True}
     return body
@@ -127,7 +140,7 @@ def one_request(url: str, body: dict, start: threading.Barrier, out: dict) -> No
         for line in response.iter_lines():
             if not line.startswith(b"data: "):
                 continue
-            chunk = json.loads(line[len(b"data: "):])
+            chunk = json.loads(line[len(b"data: ") :])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"])
             if chunk.get("stop"):
@@ -196,7 +209,11 @@ class Sampler:
 
     def snapshot(self) -> tuple[float, dict]:
         now = time.perf_counter()
-        times = {(proc, tid, name): t for proc, pid in self.pids.items() for (tid, name), t in thread_times(pid).items()}
+        times = {
+            (proc, tid, name): t
+            for proc, pid in self.pids.items()
+            for (tid, name), t in thread_times(pid).items()
+        }
         times[MACHINE] = (machine_busy(), 0.0)
         return now, times
 
@@ -231,7 +248,11 @@ class Sampler:
     @staticmethod
     def _delta(first: tuple[float, dict], last: tuple[float, dict]) -> tuple[float, float, dict]:
         (t0, a), (t1, b) = first, last
-        return t0, t1, {key: tuple(y - x for x, y in zip(a.get(key, (0.0, 0.0)), b[key], strict=True)) for key in b}
+        return (
+            t0,
+            t1,
+            {key: tuple(y - x for x, y in zip(a.get(key, (0.0, 0.0)), b[key], strict=True)) for key in b},
+        )
 
 
 def cpu_shares(sampler: Sampler | None, window: tuple[float, float]) -> dict[str, float] | None:
@@ -262,8 +283,15 @@ def server_sampler(server_pid: int, period: float = 0.1) -> Sampler:
     return Sampler(pids, period)
 
 
-def run_level(url: str, clients: int, round_seed: int, prompt_len: int, n_predict: int,
-              sampler: Sampler | None = None, cached: bool = False) -> dict:
+def run_level(
+    url: str,
+    clients: int,
+    round_seed: int,
+    prompt_len: int,
+    n_predict: int,
+    sampler: Sampler | None = None,
+    cached: bool = False,
+) -> dict:
     prompts = [prompt_tokens(url, round_seed * 100 + i, prompt_len) for i in range(clients)]
     slots: list[int | None] = list(range(clients)) if cached else [None] * clients
     if cached:  # each prompt evaluated into its own slot first, one after another (--prompts-cached)
@@ -292,11 +320,18 @@ def run_level(url: str, clients: int, round_seed: int, prompt_len: int, n_predic
         shares = cpu_shares(sampler, (min(r["arrivals"][0] for r in results), end))
     ttft = [(r["arrivals"][0] - r["sent"]) * 1000 for r in results]
     itl = [(b - a) * 1000 for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
-    return {"clients": clients, "basis": basis, "aggregate_decode": aggregate,
-            "end_to_end": clients * n_predict / (end - start),
-            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
-            "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
-            "others_pct": None if shares is None else shares["others"], "cpu_pct": shares}
+    return {
+        "clients": clients,
+        "basis": basis,
+        "aggregate_decode": aggregate,
+        "end_to_end": clients * n_predict / (end - start),
+        "ttft_p50": percentile(ttft, 0.5),
+        "ttft_p99": percentile(ttft, 0.99),
+        "itl_p50": percentile(itl, 0.5),
+        "itl_p99": percentile(itl, 0.99),
+        "others_pct": None if shares is None else shares["others"],
+        "cpu_pct": shares,
+    }
 
 
 def level_row(rounds: list[dict], firsts: list[dict]) -> dict:
@@ -333,8 +368,20 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def start_server(slots: int, ctx_per_slot: int, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    argv = [sys.executable, "-m", "strata_server.cli", "--host", LOOPBACK, "--port", str(port), "-np", str(slots),
-            "-c", str(slots * ctx_per_slot), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "strata_server.cli",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * ctx_per_slot),
+        *extra,
+    ]
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://{LOOPBACK}:{port}"
     deadline = time.monotonic() + 300
@@ -356,18 +403,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="an already running server (started with -np >= the largest level)")
     parser.add_argument("--levels", default="1,2,4,8", help="concurrent clients per round (default: 1,2,4,8)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--n-predict", type=int, default=DEFAULT_N_PREDICT,
-                        help=f"tokens each client generates (default {DEFAULT_N_PREDICT}: a window at 8 clients)")
-    parser.add_argument("--peer-shape", action="store_true",
-                        help="the peer's exact shape (tests/reference/peer-engine-cpu.json: 512-token prompts, "
-                             "32 tokens each), in place of --prompt-tokens and --n-predict")
-    parser.add_argument("--prompts-cached", action="store_true",
-                        help="evaluate each client's prompt into its own slot before the round (id_slot, "
-                             "cache_prompt), so the clients decode together from their first token on: the peer's "
-                             "batched bench's decode phase (with --peer-shape: 512 to 544 tokens deep)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds, each running every level once; a level's row is its median round's "
-                             "figures, its 'x 1 client' the median of the rounds' own ratios (default 3)")
+    parser.add_argument(
+        "--n-predict",
+        type=int,
+        default=DEFAULT_N_PREDICT,
+        help=f"tokens each client generates (default {DEFAULT_N_PREDICT}: a window at 8 clients)",
+    )
+    parser.add_argument(
+        "--peer-shape",
+        action="store_true",
+        help="the peer's exact shape (tests/reference/peer-engine-cpu.json: 512-token prompts, "
+        "32 tokens each), in place of --prompt-tokens and --n-predict",
+    )
+    parser.add_argument(
+        "--prompts-cached",
+        action="store_true",
+        help="evaluate each client's prompt into its own slot before the round (id_slot, "
+        "cache_prompt), so the clients decode together from their first token on: the peer's "
+        "batched bench's decode phase (with --peer-shape: 512 to 544 tokens deep)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds, each running every level once; a level's row is its median round's "
+        "figures, its 'x 1 client' the median of the rounds' own ratios (default 3)",
+    )
     parser.add_argument("--server-args", default="", help="extra strata-server flags (e.g. '--backend cupy')")
     args = parser.parse_args(argv)
     if args.peer_shape:
@@ -387,8 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         n_slots, model_path = props["total_slots"], props.get("model_path")
         assert n_slots >= max(levels), f"the server has {n_slots} slots, fewer than {max(levels)} clients"
         warm = prompt_tokens(url, 0, args.prompt_tokens)  # the first forward passes do one-time work
-        requests.post(url + "/completion", json={"prompt": warm, "n_predict": 4, "cache_prompt": False},
-                      timeout=600).raise_for_status()
+        requests.post(
+            url + "/completion", json={"prompt": warm, "n_predict": 4, "cache_prompt": False}, timeout=600
+        ).raise_for_status()
         # with a server of its own, the other processes' share of each window (their load lands on the decode)
         sampler = server_sampler(proc.pid) if proc is not None else None
         if sampler is not None:
@@ -398,7 +460,10 @@ def main(argv: list[str] | None = None) -> int:
         rounds = [{clients: run_level(url, clients, 1000 * clients + r, args.prompt_tokens, args.n_predict, sampler,
                                       args.prompts_cached)
                    for clients in levels} for r in range(args.rounds)]  # fmt: skip
-        rows = [level_row([rnd[clients] for rnd in rounds], [rnd[levels[0]] for rnd in rounds]) for clients in levels]
+        rows = [
+            level_row([rnd[clients] for rnd in rounds], [rnd[levels[0]] for rnd in rounds])
+            for clients in levels
+        ]
     finally:
         if sampler is not None:
             sampler.stop()
@@ -407,40 +472,66 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
     peer = peer_aggregate(model_path)
     same_shape = (args.prompt_tokens, args.n_predict) == peer_shape()
-    print(f"\n{args.prompt_tokens}-token prompts, {args.n_predict} tokens each; load average {os.getloadavg()[0]:.2f} "
-          "at the end")
-    print(f"{'clients':>7} {'agg decode':>10} {'basis':>6} {'x 1 client':>10} {'peer':>6} {'x peer':>7} "
-          f"{'end to end':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'others':>7}")
+    print(
+        f"\n{args.prompt_tokens}-token prompts, {args.n_predict} tokens each; load average {os.getloadavg()[0]:.2f} "
+        "at the end"
+    )
+    print(
+        f"{'clients':>7} {'agg decode':>10} {'basis':>6} {'x 1 client':>10} {'peer':>6} {'x peer':>7} "
+        f"{'end to end':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'others':>7}"
+    )
     for row in rows:
         p = peer.get(row["clients"])
-        print(f"{row['clients']:>7} {row['aggregate_decode']:>10.1f} {row['basis']:>6} "
-              f"{shown(row['x_first'], 10, '.2f')} {shown(p, 6)} "
-              f"{shown(ratio(row['aggregate_decode'], p), 7, '.2f')} {row['end_to_end']:>10.1f} "
-              f"{shown(row['ttft_p50'], 9, '.0f', 'ms')} {shown(row['ttft_p99'], 9, '.0f', 'ms')} "
-              f"{shown(row['itl_p50'], 8, '.1f', 'ms')} {shown(row['itl_p99'], 8, '.1f', 'ms')} "
-              f"{shown(row['others_pct'], 7, '.0f', '%')}")
+        print(
+            f"{row['clients']:>7} {row['aggregate_decode']:>10.1f} {row['basis']:>6} "
+            f"{shown(row['x_first'], 10, '.2f')} {shown(p, 6)} "
+            f"{shown(ratio(row['aggregate_decode'], p), 7, '.2f')} {row['end_to_end']:>10.1f} "
+            f"{shown(row['ttft_p50'], 9, '.0f', 'ms')} {shown(row['ttft_p99'], 9, '.0f', 'ms')} "
+            f"{shown(row['itl_p50'], 8, '.1f', 'ms')} {shown(row['itl_p99'], 8, '.1f', 'ms')} "
+            f"{shown(row['others_pct'], 7, '.0f', '%')}"
+        )
     if args.rounds > 1:
         for row in rows:
             each = " ".join(shown(x, 0, ".2f") for x in row["x_first_rounds"])
             spread = row["x_first_quartiles"]
-            spread = f" (quartiles {spread[0]:.2f}-{spread[1]:.2f})" if spread and row["clients"] != levels[0] else ""
-            print(f"{row['clients']} clients: x {levels[0]} client{'s' * (levels[0] > 1)} round by round {each}{spread}; "
-                  f"aggregate {' '.join(f'{a:.1f}' for a in row['aggregate_rounds'])}")
+            spread = (
+                f" (quartiles {spread[0]:.2f}-{spread[1]:.2f})"
+                if spread and row["clients"] != levels[0]
+                else ""
+            )
+            print(
+                f"{row['clients']} clients: x {levels[0]} client{'s' * (levels[0] > 1)} round by round {each}{spread}; "
+                f"aggregate {' '.join(f'{a:.1f}' for a in row['aggregate_rounds'])}"
+            )
     for row in rows:
         if row["cpu_pct"]:
             parts = ", ".join(f"{role} {pct:.0f}%" for role, pct in sorted(row["cpu_pct"].items()))
             print(f"{row['clients']} clients, CPU in the window (% of one core): {parts}")
     for row in rows:
         if row["basis"] == SUMMED:
-            print(f"{row['clients']} clients: no window in which every client decoded (the first finished before the "
-                  "last one's first token); 'agg decode' is each client's decode rate after its first token, summed")
+            print(
+                f"{row['clients']} clients: no window in which every client decoded (the first finished before the "
+                "last one's first token); 'agg decode' is each client's decode rate after its first token, summed"
+            )
     if not peer:
         print(f"peer: none for {model_path} (llama.cpp's batched bench in the references ran {PEER_MODEL})")
     elif not same_shape:
-        print(f"peer: llama.cpp's batched bench at its own shape ({' / '.join(map(str, peer_shape()))} tokens), "
-              "not this run's; --peer-shape runs that shape")
-    print(json.dumps({"rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()} for row in rows],
-                      "prompt_tokens": args.prompt_tokens, "n_predict": args.n_predict, "load_start": load}))
+        print(
+            f"peer: llama.cpp's batched bench at its own shape ({' / '.join(map(str, peer_shape()))} tokens), "
+            "not this run's; --peer-shape runs that shape"
+        )
+    print(
+        json.dumps(
+            {
+                "rows": [
+                    {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()} for row in rows
+                ],
+                "prompt_tokens": args.prompt_tokens,
+                "n_predict": args.n_predict,
+                "load_start": load,
+            }
+        )
+    )
     return 0
 
 

@@ -54,8 +54,11 @@ class Load:
         self.url = url
         self.n_predict = n_predict
         self.kinds = {
-            "chat": self.chat, "completion": self.completion, "stream_chat": self.stream_chat,
-            "stream_completion": self.stream_completion, "tokenize": self.tokenize,
+            "chat": self.chat,
+            "completion": self.completion,
+            "stream_chat": self.stream_chat,
+            "stream_completion": self.stream_completion,
+            "tokenize": self.tokenize,
         }
         self.weights = {"chat": 3, "completion": 3, "stream_chat": 2, "stream_completion": 2, "tokenize": 3}
         if slots_enabled:
@@ -66,12 +69,25 @@ class Load:
         return requests.post(self.url + path, json=body, timeout=600, **kwargs)
 
     def chat(self, rng: random.Random) -> requests.Response:
-        return self.post("/v1/chat/completions", {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
-                                                  "max_tokens": self.n_predict, "temperature": 0})
+        return self.post(
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+                "max_tokens": self.n_predict,
+                "temperature": 0,
+            },
+        )
 
     def completion(self, rng: random.Random) -> requests.Response:
-        return self.post("/completion", {"prompt": chatml(rng.choice(PROMPTS)), "n_predict": self.n_predict,
-                                         "temperature": 0.7, "seed": rng.randrange(1000)})
+        return self.post(
+            "/completion",
+            {
+                "prompt": chatml(rng.choice(PROMPTS)),
+                "n_predict": self.n_predict,
+                "temperature": 0.7,
+                "seed": rng.randrange(1000),
+            },
+        )
 
     def _stream(self, path: str, body: dict) -> requests.Response:
         response = self.post(path, {**body, "stream": True}, stream=True)
@@ -82,11 +98,15 @@ class Load:
         return response
 
     def stream_chat(self, rng: random.Random) -> requests.Response:
-        return self._stream("/v1/chat/completions", {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
-                                                     "max_tokens": self.n_predict})
+        return self._stream(
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}], "max_tokens": self.n_predict},
+        )
 
     def stream_completion(self, rng: random.Random) -> requests.Response:
-        return self._stream("/completion", {"prompt": chatml(rng.choice(PROMPTS)), "n_predict": self.n_predict})
+        return self._stream(
+            "/completion", {"prompt": chatml(rng.choice(PROMPTS)), "n_predict": self.n_predict}
+        )
 
     def tokenize(self, rng: random.Random) -> requests.Response:
         return self.post("/tokenize", {"content": rng.choice(PROMPTS) * rng.randint(1, 20)})
@@ -115,11 +135,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=300, help="total requests (default 300)")
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
     parser.add_argument("--n-predict", type=int, default=4, help="tokens per generation (default 4)")
-    parser.add_argument("--max-seconds", type=float, default=420, help="stop issuing requests after this long")
+    parser.add_argument(
+        "--max-seconds", type=float, default=420, help="stop issuing requests after this long"
+    )
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
 
@@ -129,9 +153,26 @@ def main() -> int:
     port = free_port()
     url = f"http://{LOOPBACK}:{port}"
     log = open(workdir / "server.log", "wb")  # noqa: SIM115
-    server = subprocess.Popen([sys.executable, "-m", "strata_server.cli", "--host", LOOPBACK, "--port", str(port),
-                               "--slot-save-path", str(slots), "--metrics", "-c", "2048", "--log-level", "warning"],
-                              stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "strata_server.cli",
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(port),
+            "--slot-save-path",
+            str(slots),
+            "--metrics",
+            "-c",
+            "2048",
+            "--log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         started = time.monotonic()
         while True:
@@ -205,9 +246,13 @@ def main() -> int:
         # Unloaded round trips: what the HTTP layer and the engine protocol add, without queueing.
         idle: dict[str, list[float]] = defaultdict(list)
         for _ in range(30):
-            for kind, call in (("health (idle)", lambda: requests.get(url + "/health", timeout=30)),
-                               ("tokenize (idle)", lambda: requests.post(url + "/tokenize", json={"content": "hi"},
-                                                                          timeout=30))):
+            for kind, call in (
+                ("health (idle)", lambda: requests.get(url + "/health", timeout=30)),
+                (
+                    "tokenize (idle)",
+                    lambda: requests.post(url + "/tokenize", json={"content": "hi"}, timeout=30),
+                ),
+            ):
                 t0 = time.perf_counter()
                 if call().status_code != 200:
                     errors.append(f"{kind}: not 200")
@@ -226,22 +271,33 @@ def main() -> int:
 
     total = sum(len(v) for v in latencies.values())
     cpu = os.cpu_count()
-    print(f"strata-server bounded load: {total} requests, {args.clients} clients, n_predict {args.n_predict}, "
-          f"{run_s:.1f} s ({total / run_s:.2f} req/s); loopback {url}; {cpu} CPUs; server ready in {ready_s:.1f} s")
+    print(
+        f"strata-server bounded load: {total} requests, {args.clients} clients, n_predict {args.n_predict}, "
+        f"{run_s:.1f} s ({total / run_s:.2f} req/s); loopback {url}; {cpu} CPUs; server ready in {ready_s:.1f} s"
+    )
     print("(one slot: latency includes the wait for slot 0 behind the other clients' requests)")
     print(f"{'kind':<18}{'n':>5}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}  statuses")
     for kind in sorted(latencies):
         values = [v * 1000 for v in latencies[kind]]
-        print(f"{kind:<18}{len(values):>5}{statistics.median(values):>10.1f}{percentile(values, 0.99):>10.1f}"
-              f"{max(values):>10.1f}  {dict(outcomes[kind])}")
+        print(
+            f"{kind:<18}{len(values):>5}{statistics.median(values):>10.1f}{percentile(values, 0.99):>10.1f}"
+            f"{max(values):>10.1f}  {dict(outcomes[kind])}"
+        )
     for kind, values in idle.items():
         ms = [v * 1000 for v in values]
-        print(f"{kind:<18}{len(ms):>5}{statistics.median(ms):>10.2f}{percentile(ms, 0.99):>10.2f}{max(ms):>10.2f}  "
-              "(one client, nothing queued)")
-    gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
-              if line.startswith(("llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds"))}
-    print(f"engine throughput over the run: prompt {gauges.get('llamacpp:prompt_tokens_seconds', 0):.1f} tok/s, "
-          f"generation {gauges.get('llamacpp:predicted_tokens_seconds', 0):.2f} tok/s")
+        print(
+            f"{kind:<18}{len(ms):>5}{statistics.median(ms):>10.2f}{percentile(ms, 0.99):>10.2f}{max(ms):>10.2f}  "
+            "(one client, nothing queued)"
+        )
+    gauges = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in metrics.splitlines()
+        if line.startswith(("llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds"))
+    }
+    print(
+        f"engine throughput over the run: prompt {gauges.get('llamacpp:prompt_tokens_seconds', 0):.1f} tok/s, "
+        f"generation {gauges.get('llamacpp:predicted_tokens_seconds', 0):.2f} tok/s"
+    )
     n_503 = sum(o.get(503, 0) for o in outcomes.values())
     print(f"errors other than documented 503s: {len(errors)}; documented 503s: {n_503}")
     for line in errors[:10]:
@@ -250,12 +306,18 @@ def main() -> int:
         values = [r for _, r in rss_samples]
         quarter = max(1, len(values) // 4)
         first_q, last_q = statistics.mean(values[:quarter]), statistics.mean(values[-quarter:])
-        print(f"RSS (master+worker+engine): first quarter mean {first_q / 2**20:.1f} MiB, last quarter mean "
-              f"{last_q / 2**20:.1f} MiB, ratio {last_q / first_q:.3f}, max {max(values) / 2**20:.1f} MiB, "
-              f"{len(values)} samples")
+        print(
+            f"RSS (master+worker+engine): first quarter mean {first_q / 2**20:.1f} MiB, last quarter mean "
+            f"{last_q / 2**20:.1f} MiB, ratio {last_q / first_q:.3f}, max {max(values) / 2**20:.1f} MiB, "
+            f"{len(values)} samples"
+        )
     restarts = [line for line in metrics.splitlines() if line.startswith("strata:engine_restarts_total")]
     print(f"{restarts[0] if restarts else 'no restart metric'}; server exit status {exit_code}")
-    print(json.dumps({"requests": total, "errors": len(errors), "rss_ratio": last_q / first_q if rss_samples else None}))
+    print(
+        json.dumps(
+            {"requests": total, "errors": len(errors), "rss_ratio": last_q / first_q if rss_samples else None}
+        )
+    )
     return 1 if errors or exit_code != 0 else 0
 
 

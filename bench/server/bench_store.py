@@ -77,8 +77,12 @@ def measured(engine: EngineProcess, verb: str, argument) -> dict:
     t0 = time.perf_counter()
     result = engine.result(verb, argument)
     wall = time.perf_counter() - t0
-    return {**result, "wall_ms": wall * 1000, "peak_above": engine.memory("VmHWM") - before,
-            "kept": engine.memory("VmRSS") - before}
+    return {
+        **result,
+        "wall_ms": wall * 1000,
+        "peak_above": engine.memory("VmHWM") - before,
+        "kept": engine.memory("VmRSS") - before,
+    }
 
 
 def synthetic_file(path: Path, n_ctx: int, n_tokens: int) -> None:
@@ -118,14 +122,18 @@ def restore_into_a_live_slot(folder: Path, depths: list[int], repeat: int) -> li
     for depth in depths:
         path = folder / f"depth-{depth}.ssf"
         synthetic_file(path, 8192, depth)
-        arms = {"empty": ("RESTORE_PREFIX", {"path": str(path)}),  # after an ERASE: nothing held
-                "staged": ("RESTORE", {"path": str(path)}),  # the plain RESTORE into a live engine
-                "in place": ("RESTORE_PREFIX", {"path": str(path), "discard_held": True})}
+        arms = {
+            "empty": ("RESTORE_PREFIX", {"path": str(path)}),  # after an ERASE: nothing held
+            "staged": ("RESTORE", {"path": str(path)}),  # the plain RESTORE into a live engine
+            "in place": ("RESTORE_PREFIX", {"path": str(path), "discard_held": True}),
+        }
         engines = {arm: engine("--ctx-size", "8192") for arm in arms}
         runs: dict[str, list[dict]] = {arm: [] for arm in arms}
         try:
             for started in engines.values():
-                started.result("RESTORE_PREFIX", {"path": str(path)})  # the pool's pages resident, a conversation held
+                started.result(
+                    "RESTORE_PREFIX", {"path": str(path)}
+                )  # the pool's pages resident, a conversation held
             for _ in range(repeat + 1):
                 for arm, (verb, argument) in arms.items():
                     if arm == "empty":
@@ -136,9 +144,13 @@ def restore_into_a_live_slot(folder: Path, depths: list[int], repeat: int) -> li
                 started.quit()
         row: dict = {"depth": depth, "file_bytes": path.stat().st_size}
         for arm, (first, *rest) in runs.items():
-            row[arm] = {"wall_ms": statistics.median(r["wall_ms"] for r in rest), "mode": first["mode"],
-                        "restore_ms": statistics.median(r["restore_ms"] for r in rest),
-                        "peak_above": first["peak_above"], "kept": first["kept"]}
+            row[arm] = {
+                "wall_ms": statistics.median(r["wall_ms"] for r in rest),
+                "mode": first["mode"],
+                "restore_ms": statistics.median(r["restore_ms"] for r in rest),
+                "peak_above": first["peak_above"],
+                "kept": first["kept"],
+            }
         rows.append(row)
         path.unlink()
     return rows
@@ -156,8 +168,12 @@ def save_in_the_path(folder: Path, depth: int, repeat: int) -> dict:
     store.create()
     name = "0" * 32 + ".ssf"
     saver = engine("--ctx-size", "8192")
-    runs: dict[str, list[float]] = {"SAVE (fsync)": [], "SAVE sync=false": [], "commit (off the path)": [],
-                                    "RAM copy": []}
+    runs: dict[str, list[float]] = {
+        "SAVE (fsync)": [],
+        "SAVE sync=false": [],
+        "commit (off the path)": [],
+        "RAM copy": [],
+    }
     try:
         saver.result("RESTORE_PREFIX", {"path": str(source)})
         nbytes = source.stat().st_size
@@ -194,9 +210,21 @@ class Server:
     def __init__(self, log: Path, *flags: str):
         self.url = f"http://{LOOPBACK}:{free_port()}"
         self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "strata_server.cli", "--host", LOOPBACK, "--port",
-                                      self.url.rsplit(":", 1)[1], "--metrics", *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "strata_server.cli",
+                "--host",
+                LOOPBACK,
+                "--port",
+                self.url.rsplit(":", 1)[1],
+                "--metrics",
+                *flags,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 300
         while True:
             try:
@@ -225,16 +253,27 @@ def history(chat: int, n_tokens: int) -> str:
     rng = np.random.default_rng(chat)
     return f"Chat {chat}. Remember these notes. " + " ".join(
         f"Entry {i} of ledger {chat}: item {rng.integers(1000)} is in box {rng.integers(100)} on shelf "
-        f"{rng.integers(9)}." for i in range(n_tokens // 25))
+        f"{rng.integers(9)}."
+        for i in range(n_tokens // 25)
+    )
 
 
 def ttft(server: Server, messages: list[dict], n_predict: int) -> tuple[float, str, int]:
     """(seconds to the first content token, the reply, cached_tokens) of one streamed greedy chat turn."""
     t0 = time.perf_counter()
     first, parts, cached = None, [], 0
-    with requests.post(server.url + "/v1/chat/completions", stream=True, timeout=600, json={
-            "messages": messages, "max_tokens": n_predict, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}) as response:
+    with requests.post(
+        server.url + "/v1/chat/completions",
+        stream=True,
+        timeout=600,
+        json={
+            "messages": messages,
+            "max_tokens": n_predict,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -253,30 +292,54 @@ def ttft(server: Server, messages: list[dict], n_predict: int) -> tuple[float, s
 class Chats:
     def __init__(self, k: int, n_history: int, n_predict: int):
         self.n_predict = n_predict
-        self.messages = [[{"role": "system", "content": history(c, n_history)},
-                          {"role": "user", "content": "What is in box 1?"}] for c in range(k)]
+        self.messages = [
+            [
+                {"role": "system", "content": history(c, n_history)},
+                {"role": "user", "content": "What is in box 1?"},
+            ]
+            for c in range(k)
+        ]
         self.turns = [0] * k
 
     def take_turn(self, server: Server, chat: int) -> tuple[float, int]:
         seconds, reply, cached = ttft(server, self.messages[chat], self.n_predict)
         self.turns[chat] += 1
-        self.messages[chat] += [{"role": "assistant", "content": reply},
-                                {"role": "user", "content": f"And what is in box {self.turns[chat] + 1}?"}]
+        self.messages[chat] += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": f"And what is in box {self.turns[chat] + 1}?"},
+        ]
         return seconds, cached
 
 
 def summary(values: list[float]) -> dict:
-    return {"n": len(values), "mean_ms": 1000 * statistics.fmean(values),
-            "p99_ms": 1000 * float(np.percentile(values, 99))}
+    return {
+        "n": len(values),
+        "mean_ms": 1000 * statistics.fmean(values),
+        "p99_ms": 1000 * float(np.percentile(values, 99)),
+    }
 
 
 class Workload:
     """Rounds of turns on servers; each returning turn of a store arm is followed (after the think time)
     by the same chat's next turn, still held in the slot: the pair's ratio is measured at one moment."""
 
-    def __init__(self, folder: Path, k: int, n_history: int, n_rounds: int, n_predict: int, think: float,
-                 cold: bool = True):
-        self.folder, self.k, self.n_history, self.n_rounds, self.n_predict = folder, k, n_history, n_rounds, n_predict
+    def __init__(
+        self,
+        folder: Path,
+        k: int,
+        n_history: int,
+        n_rounds: int,
+        n_predict: int,
+        think: float,
+        cold: bool = True,
+    ):
+        self.folder, self.k, self.n_history, self.n_rounds, self.n_predict = (
+            folder,
+            k,
+            n_history,
+            n_rounds,
+            n_predict,
+        )
         self.think, self.cold = think, cold
         self.common = ("-c", str(max(4096, n_history + 64 * n_rounds * 2 + 512)))
         self.arms: dict[str, list[float]] = {}
@@ -288,8 +351,16 @@ class Workload:
             self.arms.setdefault(f"{arm}: held (next turn)", []).append(held)
             self.ratios.setdefault(arm, []).append(seconds / held)
 
-    def rounds(self, server: Server, chats: Chats, rounds: range, arm: str, think: float,
-               pairs: bool = True, first_arm: str | None = None) -> None:
+    def rounds(
+        self,
+        server: Server,
+        chats: Chats,
+        rounds: range,
+        arm: str,
+        think: float,
+        pairs: bool = True,
+        first_arm: str | None = None,
+    ) -> None:
         for r in rounds:
             for chat in range(self.k):
                 time.sleep(think)
@@ -306,13 +377,25 @@ class Workload:
         if self.cold:
             server = Server(self.folder / "cold.log", *self.common)
             try:  # one returning round: each re-evaluates its whole history
-                self.rounds(server, Chats(self.k, self.n_history, self.n_predict), range(2), "cold (no store)", 0.0,
-                            False)
+                self.rounds(
+                    server,
+                    Chats(self.k, self.n_history, self.n_predict),
+                    range(2),
+                    "cold (no store)",
+                    0.0,
+                    False,
+                )
             finally:
                 server.stop()
         store = self.folder / "store-think"
-        server = Server(self.folder / "b2b.log", *self.common, "--cache-disk", str(self.folder / "store-b2b"),
-                        "--cache-idle-seconds", "0")
+        server = Server(
+            self.folder / "b2b.log",
+            *self.common,
+            "--cache-disk",
+            str(self.folder / "store-b2b"),
+            "--cache-idle-seconds",
+            "0",
+        )
         try:
             chats = Chats(self.k, self.n_history, self.n_predict)
             self.rounds(server, chats, range(1), "store, back to back", 0.0)
@@ -324,9 +407,12 @@ class Workload:
             server.stop()
         if self.ratios.get("store, back to back"):  # printed now too: the think-time arms take minutes more
             ratios = self.ratios["store, back to back"]
-            print(f"   (store, back to back: vs its held next turn mean {statistics.fmean(ratios):4.2f}x, median "
-                  f"{statistics.median(ratios):4.2f}x, worst {max(ratios):4.2f}x, n={len(ratios)}; each: "
-                  f"{' '.join(f'{r:.2f}' for r in ratios)})", flush=True)
+            print(
+                f"   (store, back to back: vs its held next turn mean {statistics.fmean(ratios):4.2f}x, median "
+                f"{statistics.median(ratios):4.2f}x, worst {max(ratios):4.2f}x, n={len(ratios)}; each: "
+                f"{' '.join(f'{r:.2f}' for r in ratios)})",
+                flush=True,
+            )
         flags = (*self.common, "--cache-disk", str(store), "--cache-idle-seconds", str(self.think / 2))
         chats = Chats(self.k, self.n_history, self.n_predict)
         half = (self.n_rounds + 1) // 2 + 1
@@ -337,14 +423,25 @@ class Workload:
             server.stop()
         server = Server(self.folder / "think-2.log", *flags)
         try:
-            self.rounds(server, chats, range(half, self.n_rounds + 1), "store, think time", self.think,
-                        first_arm="store, after a restart (first round)")
+            self.rounds(
+                server,
+                chats,
+                range(half, self.n_rounds + 1),
+                "store, think time",
+                self.think,
+                first_arm="store, after a restart (first round)",
+            )
             disk = server.metric("strata:store_bytes")
         finally:
             server.stop()
-        return {"arms": {name: summary(v) for name, v in self.arms.items()},
-                "ratios": {name: (statistics.fmean(v), max(v), statistics.median(v)) for name, v in self.ratios.items()},
-                "store_bytes": disk, "folder_bytes": sum(p.stat().st_size for p in store.glob("*.ssf"))}
+        return {
+            "arms": {name: summary(v) for name, v in self.arms.items()},
+            "ratios": {
+                name: (statistics.fmean(v), max(v), statistics.median(v)) for name, v in self.ratios.items()
+            },
+            "store_bytes": disk,
+            "folder_bytes": sum(p.stat().st_size for p in store.glob("*.ssf")),
+        }
 
 
 def main() -> int:
@@ -366,34 +463,51 @@ def main() -> int:
     try:
         if args.part in ("all", "restore"):
             depths = [1000, 4000] if args.quick else [2000, 4000, 7915]
-            print("\n1. Restore into a live slot (SmolLM2, n_ctx 8192, f16 K/V; median wall ms of "
-                  f"{args.repeat}; the first one's RSS growth)")
+            print(
+                "\n1. Restore into a live slot (SmolLM2, n_ctx 8192, f16 K/V; median wall ms of "
+                f"{args.repeat}; the first one's RSS growth)"
+            )
             for row in restore_into_a_live_slot(folder, depths, args.repeat):
                 empty = row["empty"]["wall_ms"]
                 print(f"   depth {row['depth']:>5d} ({row['file_bytes'] / MIB:6.1f} MiB):")
                 for arm in ("empty", "staged", "in place"):
                     r = row[arm]
-                    print(f"      {arm:>9s}: {r['wall_ms']:7.1f} ms ({r['wall_ms'] / empty:4.2f}x empty; engine's "
-                          f"restore_ms {r['restore_ms']:6.1f}, {r['mode']}); RSS above before: peak "
-                          f"{r['peak_above'] / MIB:6.1f} MiB, kept {r['kept'] / MIB:6.1f} MiB")
+                    print(
+                        f"      {arm:>9s}: {r['wall_ms']:7.1f} ms ({r['wall_ms'] / empty:4.2f}x empty; engine's "
+                        f"restore_ms {r['restore_ms']:6.1f}, {r['mode']}); RSS above before: peak "
+                        f"{r['peak_above'] / MIB:6.1f} MiB, kept {r['kept'] / MIB:6.1f} MiB"
+                    )
         if args.part in ("all", "save"):
             depth = 1000 if args.quick else 2000
             out = save_in_the_path(folder, depth, max(args.repeat, 5))
-            print(f"\n2. The save of a displaced conversation of {depth} tokens ({out.pop('file_bytes') / MIB:.1f} MiB; "
-                  f"median ms of {max(args.repeat, 5)})")
+            print(
+                f"\n2. The save of a displaced conversation of {depth} tokens ({out.pop('file_bytes') / MIB:.1f} MiB; "
+                f"median ms of {max(args.repeat, 5)})"
+            )
             for arm, ms in out.items():
                 print(f"   {arm:>22s}: {ms:6.1f} ms")
         if args.part in ("all", "workload"):
-            print(f"\n3. Workload: {args.chats} chats, ~{args.history}-token histories, {args.rounds} returning "
-                  f"rounds, {args.predict} tokens a reply, 1 slot (TTFT of returning turns)")
-            out = Workload(folder, args.chats, args.history, args.rounds, args.predict, args.think, not args.no_cold).run()
+            print(
+                f"\n3. Workload: {args.chats} chats, ~{args.history}-token histories, {args.rounds} returning "
+                f"rounds, {args.predict} tokens a reply, 1 slot (TTFT of returning turns)"
+            )
+            out = Workload(
+                folder, args.chats, args.history, args.rounds, args.predict, args.think, not args.no_cold
+            ).run()
             for name, s in out["arms"].items():
                 ratio = out["ratios"].get(name)
-                pair = (f"; vs its held next turn: mean {ratio[0]:4.2f}x, median {ratio[2]:4.2f}x, worst {ratio[1]:4.2f}x"
-                        if ratio else "")
-                print(f"   {name:>50s}: mean {s['mean_ms']:7.1f} ms, p99 {s['p99_ms']:7.1f} ms (n={s['n']}){pair}")
-            print(f"   store on disk: {out['folder_bytes'] / MIB:.1f} MiB in the folder "
-                  f"(strata:store_bytes {out['store_bytes'] / MIB:.1f} MiB)")
+                pair = (
+                    f"; vs its held next turn: mean {ratio[0]:4.2f}x, median {ratio[2]:4.2f}x, worst {ratio[1]:4.2f}x"
+                    if ratio
+                    else ""
+                )
+                print(
+                    f"   {name:>50s}: mean {s['mean_ms']:7.1f} ms, p99 {s['p99_ms']:7.1f} ms (n={s['n']}){pair}"
+                )
+            print(
+                f"   store on disk: {out['folder_bytes'] / MIB:.1f} MiB in the folder "
+                f"(strata:store_bytes {out['store_bytes'] / MIB:.1f} MiB)"
+            )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")

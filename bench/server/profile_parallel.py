@@ -37,7 +37,9 @@ PY_SPY = str(Path(sys.executable).parent / "py-spy")  # installed beside this Py
 def python_thread_names(pid: int) -> dict[int, str]:
     """Native thread id -> Python thread name of `pid`'s Python threads (py-spy dump; Python 3.11 leaves the
     OS names alone). Threads not listed are native (numba's workers)."""
-    out = subprocess.run([PY_SPY, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        [PY_SPY, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+    ).stdout
     return {int(tid, 0): name for tid, name in re.findall(r'^Thread (\S+) \(\w+\): "([^"]*)"', out, re.M)}
 
 
@@ -124,8 +126,10 @@ def run_round(url: str, clients: int, seed: int, prompt_len: int, n_predict: int
     results: list[dict] = [{} for _ in range(clients)]
     barrier = threading.Barrier(clients)
     bodies = [request_body(prompt, n_predict, None) for prompt in prompts]
-    threads = [threading.Thread(target=one_request, args=(url, bodies[i], barrier, results[i]), name=f"client-{i}")
-               for i in range(clients)]
+    threads = [
+        threading.Thread(target=one_request, args=(url, bodies[i], barrier, results[i]), name=f"client-{i}")
+        for i in range(clients)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -155,7 +159,9 @@ def main() -> None:
     parser.add_argument("--n-predict", type=int, default=32)
     parser.add_argument("--sample-ms", type=float, default=20.0)
     parser.add_argument("--server-args", default="")
-    parser.add_argument("--py-spy", type=Path, help="sample the engine and the worker with py-spy, into this folder")
+    parser.add_argument(
+        "--py-spy", type=Path, help="sample the engine and the worker with py-spy, into this folder"
+    )
     args = parser.parse_args()
     set_thread_names()
     load = os.getloadavg()[0]
@@ -168,15 +174,33 @@ def main() -> None:
         pids = {"arbiter": proc.pid, "worker": worker, "engine": engine, "client": os.getpid()}
         names = {"engine": python_thread_names(engine), "worker": python_thread_names(worker)}
         warm = prompt_tokens(url, 0, args.prompt_tokens)
-        requests.post(url + "/completion", json={"prompt": warm, "n_predict": 4, "cache_prompt": False},
-                      timeout=600).raise_for_status()
+        requests.post(
+            url + "/completion", json={"prompt": warm, "n_predict": 4, "cache_prompt": False}, timeout=600
+        ).raise_for_status()
         if args.py_spy:
             args.py_spy.mkdir(parents=True, exist_ok=True)
             for name in ("engine", "worker"):
-                spies.append(subprocess.Popen(
-                    [PY_SPY, "record", "--pid", str(pids[name]), "--threads", "--nonblocking", "--idle", "--format",
-                     "raw", "--rate", "100", "--output", str(args.py_spy / f"{name}.txt")],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                spies.append(
+                    subprocess.Popen(
+                        [
+                            PY_SPY,
+                            "record",
+                            "--pid",
+                            str(pids[name]),
+                            "--threads",
+                            "--nonblocking",
+                            "--idle",
+                            "--format",
+                            "raw",
+                            "--rate",
+                            "100",
+                            "--output",
+                            str(args.py_spy / f"{name}.txt"),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
                 pids[f"py-spy {name}"] = spies[-1].pid
             time.sleep(1.0)
         sampler = Sampler(pids, args.sample_ms / 1000)
@@ -198,8 +222,11 @@ def main() -> None:
             for key, (cpu, wait) in deltas.items():
                 per_thread[key] += cpu
                 waiting[key] += wait
-            print(f"round {r}: window {t1 - t0:.2f} s, {n} tokens, {n / (t1 - t0):.1f} tok/s "
-                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+            print(
+                f"round {r}: window {t1 - t0:.2f} s, {n} tokens, {n / (t1 - t0):.1f} tok/s "
+                f"(load {os.getloadavg()[0]:.2f})",
+                flush=True,
+            )
         sampler.stop()
     finally:
         for spy in spies:
@@ -214,27 +241,37 @@ def main() -> None:
         for table, key in ((groups, group_of(proc_name, python_name)), (processes, proc_name)):
             table[key][0] += cpu
             table[key][1] += waiting[(proc_name, tid, name)]
-    processes["other processes (the machine's busy time less these)"] = [machine - sum(v[0] for v in processes.values()),
-                                                                         0.0]
-    print(f"\n{args.clients} clients, {args.prompt_tokens}-token prompts, {args.n_predict} tokens each, "
-          f"{args.rounds} rounds: {tokens:.0f} tokens in {wall:.2f} s of aggregate window = "
-          f"{tokens / wall:.1f} tok/s; load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+    processes["other processes (the machine's busy time less these)"] = [
+        machine - sum(v[0] for v in processes.values()),
+        0.0,
+    ]
+    print(
+        f"\n{args.clients} clients, {args.prompt_tokens}-token prompts, {args.n_predict} tokens each, "
+        f"{args.rounds} rounds: {tokens:.0f} tokens in {wall:.2f} s of aggregate window = "
+        f"{tokens / wall:.1f} tok/s; load {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
+    )
     header = f"{'':40} {'CPU ms/token':>12} {'% of a core':>11} {'runnable, waiting: ms/token':>28}"
     total = [sum(v[0] for v in processes.values()), sum(v[1] for v in processes.values())]
     for table in (processes | {"the machine (busy, both cores)": total}, groups):
         print(header)
         for name, (cpu, wait) in sorted(table.items(), key=lambda kv: -kv[1][0]):
-            print(f"{name:40} {1000 * cpu / tokens:12.2f} {100 * cpu / wall:10.0f}% {1000 * wait / tokens:28.2f}")
+            print(
+                f"{name:40} {1000 * cpu / tokens:12.2f} {100 * cpu / wall:10.0f}% {1000 * wait / tokens:28.2f}"
+            )
         print()
     print("threads of the engine and the worker:")
     for (proc_name, tid, name), cpu in sorted(per_thread.items(), key=lambda kv: -kv[1]):
         if proc_name in names and cpu > 0:
-            print(f"  {proc_name:7} {tid:>8} {names[proc_name].get(tid, '?'):24} {1000 * cpu / tokens:8.2f} ms/token, "
-                  f"runnable waiting {1000 * waiting[(proc_name, tid, name)] / tokens:.2f}, asleep "
-                  f"{1000 * (wall - cpu - waiting[(proc_name, tid, name)]) / tokens:.2f}")
+            print(
+                f"  {proc_name:7} {tid:>8} {names[proc_name].get(tid, '?'):24} {1000 * cpu / tokens:8.2f} ms/token, "
+                f"runnable waiting {1000 * waiting[(proc_name, tid, name)] / tokens:.2f}, asleep "
+                f"{1000 * (wall - cpu - waiting[(proc_name, tid, name)]) / tokens:.2f}"
+            )
 
     if args.py_spy:
-        print_spy("engine loop thread", spy_table(args.py_spy / "engine.txt", ENGINE_LOOP_PARTS, "MainThread"))
+        print_spy(
+            "engine loop thread", spy_table(args.py_spy / "engine.txt", ENGINE_LOOP_PARTS, "MainThread")
+        )
         print_spy("worker threads", spy_table(args.py_spy / "worker.txt", WORKER_PARTS, None))
 
 

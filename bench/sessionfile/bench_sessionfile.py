@@ -95,7 +95,7 @@ def plain_write(path: str, n: int, buf: memoryview, fallocate: bool = False) -> 
             take = min(len(buf), n - done)
             view = buf[:take]
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             done += take
         os.fsync(fd)
     finally:
@@ -187,15 +187,35 @@ def bench_size(folder: str, gib: float, repeat: int) -> list[tuple]:
                         keep(f"restore {mode} {cache} {copy}", secs, pk.growth)
                         assert rr.mode == mode and target.state is not None
         gb = size / 1e9
-        rows.append((f"{gib:g} GiB", "save", best["save"], best["write+fsync"], "write+fsync", gb, peaks["save"]))
-        rows.append((f"{gib:g} GiB", "save", best["save"], best["fallocate+write+fsync"], "falloc+write+fsync",
-                     gb, peaks["save"]))
+        rows.append(
+            (f"{gib:g} GiB", "save", best["save"], best["write+fsync"], "write+fsync", gb, peaks["save"])
+        )
+        rows.append(
+            (
+                f"{gib:g} GiB",
+                "save",
+                best["save"],
+                best["fallocate+write+fsync"],
+                "falloc+write+fsync",
+                gb,
+                peaks["save"],
+            )
+        )
         for cache in ("cold", "warm"):
             for mode, passes in (("streaming", 2), ("staged", 1)):
                 for copy in ("copy", "no copy"):
                     name = f"restore {mode} {cache} {copy}"
-                    rows.append((f"{gib:g} GiB", name, best[name], best[f"read x{passes} {cache}"],
-                                 f"read x{passes} {cache}", gb * passes, peaks[name]))
+                    rows.append(
+                        (
+                            f"{gib:g} GiB",
+                            name,
+                            best[name],
+                            best[f"read x{passes} {cache}"],
+                            f"read x{passes} {cache}",
+                            gb * passes,
+                            peaks[name],
+                        )
+                    )
     finally:
         for p in (path, base_path):
             if os.path.exists(p):
@@ -226,8 +246,12 @@ class FileSessionAdapter(MemoryAdapter):
     @classmethod
     def from_file(cls, path: str) -> FileSessionAdapter:
         md = inspect(path, verify=False).metadata
-        adapter = cls(EngineIdentity(md.model, md.config), [g.spec for g in md.layers],
-                      max_tokens=md.state.n_tokens, vocab_size=None)
+        adapter = cls(
+            EngineIdentity(md.model, md.config),
+            [g.spec for g in md.layers],
+            max_tokens=md.state.n_tokens,
+            vocab_size=None,
+        )
         restore(path, adapter, mode="streaming")
         return adapter
 
@@ -243,7 +267,9 @@ def _compression_variants(levels: list[int]) -> list[tuple[str, Compression | No
     return out
 
 
-def bench_compression(folder: str, label: str, source, restore_target, levels: list[int], repeat: int) -> list[tuple]:
+def bench_compression(
+    folder: str, label: str, source, restore_target, levels: list[int], repeat: int
+) -> list[tuple]:
     """Rows (label, variant, file bytes, ratio, save s, x none, streaming s, x none, staged s, x none, peak MiB)."""
     path = os.path.join(folder, "bench-z.ssf")
     buffers = BlockBuffers(BLOCK, default_read_threads() + 1)
@@ -274,18 +300,35 @@ def bench_compression(folder: str, label: str, source, restore_target, levels: l
     base_size, base, _ = results["none"]
     rows = []
     for name, (size, best, peak) in results.items():
-        rows.append((label, name, size, size / base_size, best["save"], best["save"] / base["save"],
-                     best["streaming"], best["streaming"] / base["streaming"], best["staged"],
-                     best["staged"] / base["staged"], peak / 2**20))
+        rows.append(
+            (
+                label,
+                name,
+                size,
+                size / base_size,
+                best["save"],
+                best["save"] / base["save"],
+                best["streaming"],
+                best["streaming"] / base["streaming"],
+                best["staged"],
+                best["staged"] / base["staged"],
+                peak / 2**20,
+            )
+        )
     return rows
 
 
 def print_compression_rows(rows: list[tuple]) -> None:
-    print(f"{'session':<22} {'compression':<15} {'file MiB':>9} {'ratio':>6} {'save s':>7} {'x none':>6} "
-          f"{'stream s':>8} {'x none':>6} {'staged s':>8} {'x none':>6} {'peak RSS +MiB':>13}")
+    print(
+        f"{'session':<22} {'compression':<15} {'file MiB':>9} {'ratio':>6} {'save s':>7} {'x none':>6} "
+        f"{'stream s':>8} {'x none':>6} {'staged s':>8} {'x none':>6} {'peak RSS +MiB':>13}"
+    )
     for label, name, size, ratio, save_s, save_x, st_s, st_x, sg_s, sg_x, peak in rows:
-        print(f"{label:<22} {name:<15} {size / 2**20:9.1f} {ratio:6.3f} {save_s:7.3f} {save_x:6.2f} {st_s:8.3f} "
-              f"{st_x:6.2f} {sg_s:8.3f} {sg_x:6.2f} {peak:13.1f}", flush=True)
+        print(
+            f"{label:<22} {name:<15} {size / 2**20:9.1f} {ratio:6.3f} {save_s:7.3f} {save_x:6.2f} {st_s:8.3f} "
+            f"{st_x:6.2f} {sg_s:8.3f} {sg_x:6.2f} {peak:13.1f}",
+            flush=True,
+        )
 
 
 def main() -> int:
@@ -293,10 +336,17 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,4", help="session sizes in GiB, comma-separated")
     ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: the repository's)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per size; the best time of each is kept")
-    ap.add_argument("--compression-levels", default="1,3", help="zstd levels to measure ('' skips compression)")
-    ap.add_argument("--compression-sizes", default=None, help="session sizes in GiB for the compression rows "
-                    "(default: --sizes)")
-    ap.add_argument("--no-plain", action="store_true", help="skip the uncompressed rows against the disk limit")
+    ap.add_argument(
+        "--compression-levels", default="1,3", help="zstd levels to measure ('' skips compression)"
+    )
+    ap.add_argument(
+        "--compression-sizes",
+        default=None,
+        help="session sizes in GiB for the compression rows (default: --sizes)",
+    )
+    ap.add_argument(
+        "--no-plain", action="store_true", help="skip the uncompressed rows against the disk limit"
+    )
     ap.add_argument("--recompress", default=None, help="also measure compression on this session file's K/V")
     args = ap.parse_args()
     folder = args.dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
@@ -304,27 +354,38 @@ def main() -> int:
     st = os.statvfs(folder)
     free = st.f_bavail * st.f_frsize
     sizes = [float(s) for s in args.sizes.split(",")]
-    print(f"strata-sessionfile bench: block {BLOCK >> 20} MiB, {os.cpu_count()} CPUs, folder {folder}, "
-          f"{free / 2**30:.0f} GiB free, Python {sys.version.split()[0]}")
+    print(
+        f"strata-sessionfile bench: block {BLOCK >> 20} MiB, {os.cpu_count()} CPUs, folder {folder}, "
+        f"{free / 2**30:.0f} GiB free, Python {sys.version.split()[0]}"
+    )
     if not args.no_plain:
-        print(f"{'size':>7} {'operation':<34} {'time s':>8} {'limit s':>8} {'ratio':>6} {'GB/s':>6}  "
-              f"{'limit':<18} {'peak RSS +MiB':>13}")
+        print(
+            f"{'size':>7} {'operation':<34} {'time s':>8} {'limit s':>8} {'ratio':>6} {'GB/s':>6}  "
+            f"{'limit':<18} {'peak RSS +MiB':>13}"
+        )
     try:
         for gib in [] if args.no_plain else sizes:
             if free < 2.2 * gib * (1 << 30):
                 print(f"{gib:g} GiB: skipped, only {free / 2**30:.1f} GiB free")
                 continue
             for size, op, secs, limit, limit_name, gb, peak in bench_size(folder, gib, args.repeat):
-                print(f"{size:>7} {op:<34} {secs:8.3f} {limit:8.3f} {secs / limit:6.3f} {gb / secs:6.2f}  "
-                      f"{limit_name:<18} {peak / 2**20:13.1f}", flush=True)
+                print(
+                    f"{size:>7} {op:<34} {secs:8.3f} {limit:8.3f} {secs / limit:6.3f} {gb / secs:6.2f}  "
+                    f"{limit_name:<18} {peak / 2**20:13.1f}",
+                    flush=True,
+                )
         levels = [int(v) for v in args.compression_levels.split(",") if v.strip()]
         if levels:
-            print("\ncompression (page-cache restores; ratios against the uncompressed save/restore of the same "
-                  "session in this run):")
+            print(
+                "\ncompression (page-cache restores; ratios against the uncompressed save/restore of the same "
+                "session in this run):"
+            )
             specs = synthetic_specs()
             ident = fake_identity()
             rows = []
-            csizes = [float(v) for v in args.compression_sizes.split(",")] if args.compression_sizes else sizes
+            csizes = (
+                [float(v) for v in args.compression_sizes.split(",")] if args.compression_sizes else sizes
+            )
             for gib in csizes:
                 if free < 1.2 * gib * (1 << 30):
                     print(f"{gib:g} GiB: skipped, only {free / 2**30:.1f} GiB free")
@@ -333,16 +394,27 @@ def main() -> int:
                 source = KVNormalSource(ident, specs, n_tokens)
 
                 def target(mode):
-                    cls = SinkTarget if mode == "streaming" else type("StagingSink", (StagingMixin, SinkTarget), {})
+                    cls = (
+                        SinkTarget
+                        if mode == "streaming"
+                        else type("StagingSink", (StagingMixin, SinkTarget), {})
+                    )
                     return cls(ident, specs)
 
-                rows += bench_compression(folder, f"{gib:g} GiB f16 N(0,1)", source, target, levels, args.repeat)
+                rows += bench_compression(
+                    folder, f"{gib:g} GiB f16 N(0,1)", source, target, levels, args.repeat
+                )
             if args.recompress:
                 held = FileSessionAdapter.from_file(args.recompress)
 
                 def file_target(mode):
-                    t = FileSessionAdapter(held.identity(), held.specs, max_tokens=held.max_tokens, vocab_size=None,
-                                           staging=(mode == "staged"))
+                    t = FileSessionAdapter(
+                        held.identity(),
+                        held.specs,
+                        max_tokens=held.max_tokens,
+                        vocab_size=None,
+                        staging=(mode == "staged"),
+                    )
                     return t
 
                 label = os.path.basename(args.recompress)[:22]

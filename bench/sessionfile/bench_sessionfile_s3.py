@@ -80,7 +80,7 @@ class RingWriter(io.RawIOBase):
         done = 0
         while done < n:
             take = min(n - done, RING - self.pos)
-            self.ring[self.pos:self.pos + take] = view[done:done + take]
+            self.ring[self.pos : self.pos + take] = view[done : done + take]
             self.pos = (self.pos + take) % RING
             done += take
         self.received += n
@@ -96,8 +96,9 @@ def best(repeat: int, fn) -> float:
     return min(times)
 
 
-def bench_session(client, bucket: str, label: str, specs, n_tokens: int, folder: str, repeat: int,
-                  authenticated: bool) -> list[tuple]:
+def bench_session(
+    client, bucket: str, label: str, specs, n_tokens: int, folder: str, repeat: int, authenticated: bool
+) -> list[tuple]:
     source = PatternSource(fake_identity(), specs, n_tokens, seed=5)
     key, plain_key = f"bench/{label}.ssf", f"bench/{label}.plain"
     local = os.path.join(folder, f"{label}.ssf")
@@ -117,12 +118,14 @@ def bench_session(client, bucket: str, label: str, specs, n_tokens: int, folder:
             with S3Source(client, bucket, key) as src:
                 restore(src, target, mode=mode, key=key_)
             assert target.received > 0 or n_tokens == 0
+
         return run
 
     def plain_download(times: int):
         def run():
             for _ in range(times):
                 client.download_fileobj(bucket, plain_key, RingWriter())
+
         return run
 
     rows = []
@@ -137,11 +140,29 @@ def bench_session(client, bucket: str, label: str, specs, n_tokens: int, folder:
     rows.append((label, size, "restore streaming", t_stream, t_down2, "download_fileobj x2"))
     if authenticated:
         session_key = SessionKey.generate()
-        rows.append((label, size, "save, key", best(repeat, lambda: our_save(session_key)), t_save, "our save"))
-        rows.append((label, size, "staged, key", best(repeat, restore_with("staged", StagingSink, session_key)),
-                     t_staged, "our staged restore"))
-        rows.append((label, size, "streaming, key", best(repeat, restore_with("streaming", SinkTarget, session_key)),
-                     t_stream, "our streaming restore"))
+        rows.append(
+            (label, size, "save, key", best(repeat, lambda: our_save(session_key)), t_save, "our save")
+        )
+        rows.append(
+            (
+                label,
+                size,
+                "staged, key",
+                best(repeat, restore_with("staged", StagingSink, session_key)),
+                t_staged,
+                "our staged restore",
+            )
+        )
+        rows.append(
+            (
+                label,
+                size,
+                "streaming, key",
+                best(repeat, restore_with("streaming", SinkTarget, session_key)),
+                t_stream,
+                "our streaming restore",
+            )
+        )
     for k in (key, plain_key):
         client.delete_object(Bucket=bucket, Key=k)
     os.unlink(local)
@@ -154,8 +175,11 @@ def main() -> int:
     ap.add_argument("--no-smollm2", action="store_true", help="skip the SmolLM2-shaped 7,915-token session")
     ap.add_argument("--repeat", type=int, default=2, help="runs of each operation; the best is kept")
     ap.add_argument("--no-key", action="store_true", help="skip the authenticated rows")
-    ap.add_argument("--endpoint-url", default=None, help="an S3 endpoint to measure (default: a SeaweedFS started "
-                    "for the run)")
+    ap.add_argument(
+        "--endpoint-url",
+        default=None,
+        help="an S3 endpoint to measure (default: a SeaweedFS started for the run)",
+    )
     ap.add_argument("--bucket", default=None, help="the bucket at --endpoint-url")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="strata-s3-bench-") as folder:
@@ -169,23 +193,34 @@ def main() -> int:
             client, bucket = s3_client(args.endpoint_url), args.bucket
         try:
             load = os.getloadavg()[0]
-            print(f"strata-sessionfile S3 bench: {os.cpu_count()} CPUs, load {load:.2f}, endpoint "
-                  f"{store.endpoint_url if store else args.endpoint_url} ({'weed mini' if store else 'given'}), "
-                  f"best of {args.repeat}")
-            print(f"{'session':<24} {'MiB':>7} {'operation':<18} {'ours s':>8} {'boto3 s':>8} {'ratio':>6} "
-                  f"{'MB/s':>7}  baseline")
+            print(
+                f"strata-sessionfile S3 bench: {os.cpu_count()} CPUs, load {load:.2f}, endpoint "
+                f"{store.endpoint_url if store else args.endpoint_url} ({'weed mini' if store else 'given'}), "
+                f"best of {args.repeat}"
+            )
+            print(
+                f"{'session':<24} {'MiB':>7} {'operation':<18} {'ours s':>8} {'boto3 s':>8} {'ratio':>6} "
+                f"{'MB/s':>7}  baseline"
+            )
             sessions = []
             if not args.no_smollm2:
                 sessions.append(("smollm2-7915-tokens", synthetic_specs(30, 3, 64), 7915))
             for gib in (float(g) for g in args.sizes.split(",") if g):
                 specs = synthetic_specs()
-                sessions.append((f"synthetic-{gib:g}GiB", specs, tokens_for_bytes(specs, int(gib * (1 << 30)))))
+                sessions.append(
+                    (f"synthetic-{gib:g}GiB", specs, tokens_for_bytes(specs, int(gib * (1 << 30))))
+                )
             for label, specs, n_tokens in sessions:
-                for row in bench_session(client, bucket, label, specs, n_tokens, folder, args.repeat, not args.no_key):
+                for row in bench_session(
+                    client, bucket, label, specs, n_tokens, folder, args.repeat, not args.no_key
+                ):
                     name, size, op, ours, base, baseline = row
                     moved = size * (2 if "stream" in op else 1)
-                    print(f"{name:<24} {size / 2**20:7.1f} {op:<18} {ours:8.3f} {base:8.3f} {ours / base:6.3f} "
-                          f"{moved / ours / 1e6:7.0f}  {baseline}", flush=True)
+                    print(
+                        f"{name:<24} {size / 2**20:7.1f} {op:<18} {ours:8.3f} {base:8.3f} {ours / base:6.3f} "
+                        f"{moved / ours / 1e6:7.0f}  {baseline}",
+                        flush=True,
+                    )
         finally:
             if store is not None:
                 store.stop()

@@ -11,7 +11,9 @@ from support.server_process import ServerProcess
 E2E_CTX = "2048"
 
 
-def start_server(tmp: Path, *flags: str, name: str = "server", env: dict[str, str] | None = None) -> ServerProcess:
+def start_server(
+    tmp: Path, *flags: str, name: str = "server", env: dict[str, str] | None = None
+) -> ServerProcess:
     return ServerProcess("-c", E2E_CTX, *flags, log_path=tmp / f"{name}.log", env=env).start(wait_healthy=180)
 
 

@@ -15,8 +15,11 @@ REPLY_TOKENS = 12
 
 
 def chat(server, messages: list[dict]) -> dict:
-    response = requests.post(server.url + "/v1/chat/completions", json={
-        "model": "smollm2", "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0}, timeout=300)
+    response = requests.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "smollm2", "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0},
+        timeout=300,
+    )
     response.raise_for_status()
     return response.json()
 
@@ -51,13 +54,18 @@ class ReferenceChat:
 def reference_chat(module_tmp, item: int, next_item: int, name: str) -> ReferenceChat:
     """A chat about `item`, then `next_item`, on a server without a store that never stops (it holds the chat
     between turns): the replies a restored conversation must reproduce."""
-    messages = [{"role": "system", "content": "You are a careful assistant. Facts: " + FACTS},
-                {"role": "user", "content": f"Where is item {item}?"}]
+    messages = [
+        {"role": "system", "content": "You are a careful assistant. Facts: " + FACTS},
+        {"role": "user", "content": f"Where is item {item}?"},
+    ]
     never_stopped = start_server(module_tmp, name=name)
     try:
         first = chat(never_stopped, messages)
-        following = [*messages, {"role": "assistant", "content": reply_of(first)},
-                     {"role": "user", "content": f"And item {next_item}?"}]
+        following = [
+            *messages,
+            {"role": "assistant", "content": reply_of(first)},
+            {"role": "user", "content": f"And item {next_item}?"},
+        ]
         reference = chat(never_stopped, following)
         assert cached_tokens(reference) >= first["usage"]["prompt_tokens"]
     finally:

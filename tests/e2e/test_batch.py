@@ -43,15 +43,25 @@ def test_a_list_of_two_prompts_gives_two_results_in_order(server):
 
 def test_n_two_greedy_choices_are_identical(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    reply = client.chat.completions.create(model="smollm2", messages=MESSAGES, n=2, max_tokens=6, temperature=0)
+    reply = client.chat.completions.create(
+        model="smollm2", messages=MESSAGES, n=2, max_tokens=6, temperature=0
+    )
     assert [c.index for c in reply.choices] == [0, 1]
     assert reply.choices[0].message.content == reply.choices[1].message.content
     assert reply.choices[0].message.content
 
 
 def test_n_two_sampled_choices_follow_the_seed(server):
-    body = {"messages": MESSAGES, "n": 2, "max_tokens": 12, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-            "min_p": 0.0, "seed": 7}
+    body = {
+        "messages": MESSAGES,
+        "n": 2,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "seed": 7,
+    }
     first = post(server, "/v1/chat/completions", body)
     again = post(server, "/v1/chat/completions", body)
     texts = [c["message"]["content"] for c in first["choices"]]
@@ -64,10 +74,15 @@ def test_n_two_sampled_choices_follow_the_seed(server):
 def test_streamed_choices_carry_their_index(server):
     body = {"messages": MESSAGES, "n": 2, "max_tokens": 6, "temperature": 0}
     plain = post(server, "/v1/chat/completions", body)
-    response = requests.post(server.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True,
-                             timeout=300)
+    response = requests.post(
+        server.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=300
+    )
     assert response.status_code == 200
-    chunks = [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    chunks = [
+        line[len("data: ") :]
+        for line in response.iter_lines(decode_unicode=True)
+        if line.startswith("data: ")
+    ]
     assert chunks[-1] == "[DONE]" and chunks.count("[DONE]") == 1
     texts = {0: "", 1: ""}
     for chunk in map(json.loads, chunks[:-1]):

@@ -27,7 +27,9 @@ ENDLESS = {"prompt": PROMPT, "n_predict": -1, "ignore_eos": True, "temperature":
 def server(module_tmp):
     proc = start_server(module_tmp, "--metrics", "--embedding", "--pooling", "mean")
     # The engine's first forward pass is slow (one-time work) and a CANCEL waits for the step in progress.
-    requests.post(proc.url + "/completion", json={"prompt": PROMPT, "n_predict": 1}, timeout=120).raise_for_status()
+    requests.post(
+        proc.url + "/completion", json={"prompt": PROMPT, "n_predict": 1}, timeout=120
+    ).raise_for_status()
     yield proc
     assert proc.stop() == 0
 
@@ -35,8 +37,11 @@ def server(module_tmp):
 def raw_post(server, path: str, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -102,8 +107,16 @@ def test_non_streamed_request_cancelled_when_client_closes(server):
 
 def test_streamed_request_cancelled_when_client_closes(server):
     before = tokens_decoded(server)
-    sock = raw_post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a long story."}],
-                                                     "max_tokens": -1, "ignore_eos": True, "stream": True})
+    sock = raw_post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": -1,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    )
     received = b""
     while b"data: " not in received:
         received += sock.recv(4096)
@@ -116,8 +129,12 @@ def test_request_abandoned_while_waiting_for_the_slot_never_runs(server):
     running = raw_post(server, "/completion", ENDLESS)
     wait_for(lambda: slot(server)["is_processing"], timeout=30)
     waiting = raw_post(server, "/completion", {**ENDLESS, "n_predict": 1500})
-    wait_for(lambda: requests.get(server.url + "/metrics", timeout=10).text.count("llamacpp:requests_deferred 1") == 1,
-             timeout=30)
+    wait_for(
+        lambda: (
+            requests.get(server.url + "/metrics", timeout=10).text.count("llamacpp:requests_deferred 1") == 1
+        ),
+        timeout=30,
+    )
     waiting.close()
     running.close()
     wait_for(lambda: not slot(server)["is_processing"], timeout=30)
@@ -132,25 +149,44 @@ LONG_INPUT = "The quick brown fox jumps over the lazy dog. " * 160  # about 1,60
 
 def test_every_forward_pass_is_in_n_decode_total(server):
     before = forward_passes(server)
-    done = requests.post(server.url + "/completion", json={"prompt": PROMPT, "n_predict": 5, "cache_prompt": False,
-                                                           "temperature": 0}, timeout=120).json()
+    done = requests.post(
+        server.url + "/completion",
+        json={"prompt": PROMPT, "n_predict": 5, "cache_prompt": False, "temperature": 0},
+        timeout=120,
+    ).json()
     # the prompt's chunks, then a decode pass per generated token but the last (never evaluated)
     completion = math.ceil(done["timings"]["prompt_n"] / CHUNK) + done["tokens_predicted"] - 1
     assert forward_passes(server) - before == completion
-    embedded = requests.post(server.url + "/v1/embeddings", json={"input": [LONG_INPUT, "short"]}, timeout=120)
+    embedded = requests.post(
+        server.url + "/v1/embeddings", json={"input": [LONG_INPUT, "short"]}, timeout=120
+    )
     assert embedded.status_code == 200, embedded.text
-    n_tokens = [len(requests.post(server.url + "/tokenize", json={"content": text, "add_special": True},
-                                  timeout=30).json()["tokens"]) for text in (LONG_INPUT, "short")]
+    n_tokens = [
+        len(
+            requests.post(
+                server.url + "/tokenize", json={"content": text, "add_special": True}, timeout=30
+            ).json()["tokens"]
+        )
+        for text in (LONG_INPUT, "short")
+    ]
     assert sum(n_tokens) == embedded.json()["usage"]["prompt_tokens"]
     assert forward_passes(server) - before == completion + sum(math.ceil(n / CHUNK) for n in n_tokens)
 
 
 def test_embeddings_request_stopped_when_client_closes(server):
     n_inputs = 12
-    per_input = math.ceil(len(requests.post(server.url + "/tokenize", json={"content": LONG_INPUT, "add_special": True},
-                                            timeout=30).json()["tokens"]) / CHUNK)
+    per_input = math.ceil(
+        len(
+            requests.post(
+                server.url + "/tokenize", json={"content": LONG_INPUT, "add_special": True}, timeout=30
+            ).json()["tokens"]
+        )
+        / CHUNK
+    )
     before = forward_passes(server)
-    sock = raw_post(server, "/v1/embeddings", {"input": [LONG_INPUT] * n_inputs})  # 48 passes, tens of seconds
+    sock = raw_post(
+        server, "/v1/embeddings", {"input": [LONG_INPUT] * n_inputs}
+    )  # 48 passes, tens of seconds
     time.sleep(1.5)  # a few chunks in
     sock.close()
     wait_for(lambda: forward_passes(server) > before, timeout=30)  # the cancelled EMBED's error line came

@@ -66,17 +66,27 @@ def test_native_embeddings(server):
 def test_embeddings_leave_the_conversation_in_the_slot(server):
     prompt = {"prompt": "The capital of France is", "n_predict": 4, "temperature": 0}
     first = post(server, "/completion", prompt)
-    post(server, "/v1/embeddings", {"input": ["Something else entirely, and longer than the prompt above.", "x"]})
+    post(
+        server,
+        "/v1/embeddings",
+        {"input": ["Something else entirely, and longer than the prompt above.", "x"]},
+    )
     again = post(server, "/completion", prompt)
     assert again["timings"]["cache_n"] == again["tokens_evaluated"] - 1  # the held prompt was reused
     assert again["content"] == first["content"]
 
 
 def test_the_models_default_pooling_is_none(default_pooling_server):
-    tokens = post(default_pooling_server, "/tokenize", {"content": "Hello there", "add_special": True})["tokens"]
+    tokens = post(default_pooling_server, "/tokenize", {"content": "Hello there", "add_special": True})[
+        "tokens"
+    ]
     per_token = post(default_pooling_server, "/embeddings", {"content": "Hello there"})[0]["embedding"]
     assert len(per_token) == len(tokens) and all(len(row) == N_EMBD for row in per_token)
-    response = requests.post(default_pooling_server.url + "/v1/embeddings", json={"input": "Hello"}, timeout=60)
+    response = requests.post(
+        default_pooling_server.url + "/v1/embeddings", json={"input": "Hello"}, timeout=60
+    )
     assert response.status_code == 400
-    assert response.json()["error"]["message"] == \
-        "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
+    assert (
+        response.json()["error"]["message"]
+        == "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
+    )

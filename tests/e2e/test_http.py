@@ -32,8 +32,9 @@ def slots(module_tmp):
 
 @pytest.fixture(scope="module")
 def server(module_tmp, slots):
-    proc = start_server(module_tmp, "--slot-save-path", str(slots), "--metrics", "--api-key", "e2e-key",
-                        "--alias", "smollm2")
+    proc = start_server(
+        module_tmp, "--slot-save-path", str(slots), "--metrics", "--api-key", "e2e-key", "--alias", "smollm2"
+    )
     yield proc
     assert proc.stop() == 0
 
@@ -100,19 +101,30 @@ def test_openai_sdk_chat(server):
     # Both evaluate the prompt afresh: from the prompt cache the last prompt token is evaluated alone, whose logits
     # differ in round-off from a chunk's last row and may flip a near tie (llama-server's cache_prompt says the same).
     fresh = {"cache_prompt": False}
-    reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
-                                           extra_body=fresh)
+    reply = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=8, temperature=0, extra_body=fresh
+    )
     text = reply.choices[0].message.content
     assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
     assert reply.usage.prompt_tokens > 5
-    stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}, extra_body=fresh)
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=fresh,
+    )
     chunks = list(stream)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
-    with_logprobs = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, temperature=0,
-                                                   logprobs=True, top_logprobs=2)
+    assert (
+        chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    )
+    with_logprobs = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     entries = with_logprobs.choices[0].logprobs.content
     assert len(entries) == with_logprobs.usage.completion_tokens and len(entries[0].top_logprobs) == 2
     assert entries[0].logprob == entries[0].top_logprobs[0].logprob  # greedy: the chosen token is the top one
@@ -123,8 +135,9 @@ def test_openai_sdk_chat(server):
 
 
 def test_errors(http, server):
-    bad = http.post(server.url + "/completion", data="{oops", headers={"Content-Type": "application/json"},
-                    timeout=30)
+    bad = http.post(
+        server.url + "/completion", data="{oops", headers={"Content-Type": "application/json"}, timeout=30
+    )
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     missing = http.get(server.url + "/nope", timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "File Not Found"
@@ -141,8 +154,12 @@ def test_host_origin_content_type(http, server):
     assert rebinding.status_code == 403
     foreign = slot(http, "save", "x.bin", headers={"Origin": "http://evil.example"})
     assert foreign.status_code == 403
-    form = http.post(server.url + "/slots/0?action=save", data=json.dumps({"filename": "x.bin"}),
-                     headers={"Content-Type": "text/plain"}, timeout=30)
+    form = http.post(
+        server.url + "/slots/0?action=save",
+        data=json.dumps({"filename": "x.bin"}),
+        headers={"Content-Type": "text/plain"},
+        timeout=30,
+    )
     assert form.status_code == 415
 
 
@@ -163,16 +180,24 @@ def test_refusals_keep_the_conversation(http, slots, smollm2_path, module_tmp):
     (slots / "truncated.bin").write_bytes(bytes(data[: len(data) // 3]))
     (slots / "other-model.bin").write_bytes(_file_from_other_model(smollm2_path, module_tmp))
 
-    cases = [("../good.bin", "Invalid filename"), (str(slots / "good.bin"), "Invalid filename"),
-             ("a/b.bin", "Invalid filename"), ("bad\x01name", "Invalid filename"), ("link.bin", "symbolic link"),
-             ("missing.bin", "'missing.bin'"), ("corrupt.bin", "corrupt"), ("truncated.bin", "trunc"),
-             ("other-model.bin", "model_mismatch")]
+    cases = [
+        ("../good.bin", "Invalid filename"),
+        (str(slots / "good.bin"), "Invalid filename"),
+        ("a/b.bin", "Invalid filename"),
+        ("bad\x01name", "Invalid filename"),
+        ("link.bin", "symbolic link"),
+        ("missing.bin", "'missing.bin'"),
+        ("corrupt.bin", "corrupt"),
+        ("truncated.bin", "trunc"),
+        ("other-model.bin", "model_mismatch"),
+    ]
     for filename, needle in cases:
         response = slot(http, "restore", filename)
         assert response.status_code == 400, (filename, response.text)
         error = response.json()["error"]
-        assert error["type"] == "invalid_request_error" and needle in error["message"] + str(error.get("reason")), \
-            (filename, error)
+        assert error["type"] == "invalid_request_error" and needle in error["message"] + str(
+            error.get("reason")
+        ), (filename, error)
         conversation_intact(http, held)
     for filename in ("../escape.bin", "/tmp/abs.bin", "link.bin"):
         assert slot(http, "save", filename).status_code == 400
@@ -186,8 +211,9 @@ def _file_from_other_model(smollm2_path, folder) -> bytes:
     from strata_server.engine.supervisor import EngineSupervisor
 
     model = other_model_copy(smollm2_path, folder)
-    supervisor = EngineSupervisor([sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(model),
-                                   "--ctx-size", "2048"])
+    supervisor = EngineSupervisor(
+        [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(model), "--ctx-size", "2048"]
+    )
     supervisor.start()
     try:
         assert supervisor.wait_ready(180).info["model_path"] == str(model)
@@ -215,14 +241,18 @@ def _wait_healthy(server) -> None:
 
 def test_engine_sigkill_mid_generation(http, server):
     restarts_before = http.get(server.url + "/props", timeout=30).json()["strata"]["engine_restarts"]
-    with post(http, "/completion", {"prompt": PROMPT, "n_predict": 400, "ignore_eos": True, "stream": True},
-              stream=True) as response:
+    with post(
+        http,
+        "/completion",
+        {"prompt": PROMPT, "n_predict": 400, "ignore_eos": True, "stream": True},
+        stream=True,
+    ) as response:
         assert response.status_code == 200
         lines = (line for line in response.iter_lines() if line and line != b":")
         next(lines)
         os.kill(_engine_pid(server), signal.SIGKILL)
         tail = list(lines)
-    error = json.loads(tail[-1][len(b"data: "):])["error"]
+    error = json.loads(tail[-1][len(b"data: ") :])["error"]
     assert error["code"] == 500 and "restarted" in error["message"]
     _wait_healthy(server)
     # Non-streaming: the client gets a 500 error object.
@@ -240,7 +270,9 @@ def test_engine_sigkill_mid_generation(http, server):
     _wait_healthy(server)
     after = post(http, "/completion", {"prompt": PROMPT, **GREEDY})
     assert after.status_code == 200 and after.json()["tokens_predicted"] > 0
-    assert http.get(server.url + "/props", timeout=30).json()["strata"]["engine_restarts"] == restarts_before + 2
+    assert (
+        http.get(server.url + "/props", timeout=30).json()["strata"]["engine_restarts"] == restarts_before + 2
+    )
 
 
 def test_longest_valid_filename_saves(http, slots):
@@ -260,10 +292,15 @@ def test_slots_erase_template_options(http, server):
     assert erased.json() == {"id_slot": 0, "n_erased": held}
     again = post(http, "/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 1}).json()
     assert again["timings"]["cache_n"] == 0
-    rendered = post(http, "/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}).json()["prompt"]
+    rendered = post(http, "/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}).json()[
+        "prompt"
+    ]
     assert rendered.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in rendered
-    preflight = requests.options(server.url + "/v1/chat/completions", timeout=30, headers={
-        "Origin": "http://site.example", "Access-Control-Request-Method": "POST"})
+    preflight = requests.options(
+        server.url + "/v1/chat/completions",
+        timeout=30,
+        headers={"Origin": "http://site.example", "Access-Control-Request-Method": "POST"},
+    )
     assert preflight.status_code == 200 and preflight.headers["Access-Control-Allow-Origin"] == "*"
     assert "Access-Control-Allow-Credentials" not in preflight.headers
     bad_slot = post(http, "/slots/1?action=erase", {})

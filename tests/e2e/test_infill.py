@@ -14,10 +14,16 @@ from .servers import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-BODY = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n", "n_predict": 8,
-        "temperature": 0}
-NO_FIM = "Infill is not supported by this model: prefix token is missing. suffix token is missing. middle token " \
-         "is missing. "
+BODY = {
+    "input_prefix": "def add(a, b):\n    ",
+    "input_suffix": "\n\nprint(add(1, 2))\n",
+    "n_predict": 8,
+    "temperature": 0,
+}
+NO_FIM = (
+    "Infill is not supported by this model: prefix token is missing. suffix token is missing. middle token "
+    "is missing. "
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +46,9 @@ def test_a_model_without_fim_tokens_is_refused_as_the_peer(plain_server):
     response = requests.post(plain_server.url + "/infill", json=BODY, timeout=60)
     assert response.status_code == 501
     assert response.json() == {"error": {"code": 501, "message": NO_FIM, "type": "not_supported_error"}}
-    after = requests.post(plain_server.url + "/completion", json={"prompt": "def", "n_predict": 2}, timeout=120)
+    after = requests.post(
+        plain_server.url + "/completion", json={"prompt": "def", "n_predict": 2}, timeout=120
+    )
     assert after.status_code == 200  # it keeps serving
 
 
@@ -50,15 +58,27 @@ def test_infill_lays_out_the_prompt_and_generates(fim_server):
     assert response.status_code == 200, response.text
     answer = response.json()
     # SmolLM2 has FIM_REP (<reponame>) but no FIM_SEP: the project name, the snippet separator, then the FIM part
-    assert answer["prompt"] == ("<reponame>myproject\n" + "\n\n--- snippet ---\n\n" + extra[0]["text"]
-                                + "<fim_prefix>" + BODY["input_prefix"] + "<fim_suffix>" + BODY["input_suffix"]
-                                + "<fim_middle>")
+    assert answer["prompt"] == (
+        "<reponame>myproject\n"
+        + "\n\n--- snippet ---\n\n"
+        + extra[0]["text"]
+        + "<fim_prefix>"
+        + BODY["input_prefix"]
+        + "<fim_suffix>"
+        + BODY["input_suffix"]
+        + "<fim_middle>"
+    )
     assert 0 < answer["tokens_predicted"] <= 8 and answer["stop"] is True
     assert answer["stop_type"] in ("limit", "eos") and isinstance(answer["content"], str)
     plain = requests.post(fim_server.url + "/infill", json=BODY, timeout=300).json()
     assert plain["prompt"].endswith("<fim_middle>") and plain["tokens_predicted"] > 0
-    streamed = requests.post(fim_server.url + "/infill", json={**BODY, "stream": True}, stream=True, timeout=300)
-    chunks = [json.loads(line[len("data: "):]) for line in streamed.iter_lines(decode_unicode=True)
-              if line.startswith("data: ")]
+    streamed = requests.post(
+        fim_server.url + "/infill", json={**BODY, "stream": True}, stream=True, timeout=300
+    )
+    chunks = [
+        json.loads(line[len("data: ") :])
+        for line in streamed.iter_lines(decode_unicode=True)
+        if line.startswith("data: ")
+    ]
     assert chunks[-1]["stop"] is True
     assert "".join(c["content"] for c in chunks[:-1]) == plain["content"]

@@ -10,8 +10,10 @@ from .servers import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-TEMPLATE = ("{%- for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-            "{%- if add_generation_prompt %}[assistant] {% endif %}")
+TEMPLATE = (
+    "{%- for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{%- if add_generation_prompt %}[assistant] {% endif %}"
+)
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
@@ -19,8 +21,21 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 def server(module_tmp):
     template = module_tmp / "template.jinja"
     template.write_text(TEMPLATE, encoding="utf-8")
-    proc = start_server(module_tmp, "--chat-template-file", str(template), "--temp", "0", "-n", "3",
-                        "--alias", "strata,smollm2", "--tags", "small,test", "--metrics", name="flags")
+    proc = start_server(
+        module_tmp,
+        "--chat-template-file",
+        str(template),
+        "--temp",
+        "0",
+        "-n",
+        "3",
+        "--alias",
+        "strata,smollm2",
+        "--tags",
+        "small,test",
+        "--metrics",
+        name="flags",
+    )
     yield proc
     assert proc.stop() == 0
 
@@ -70,7 +85,11 @@ def test_builtin_template_by_name(gemma_template_server):
 def test_aliases_tags_and_peer_header_names(server):
     response = requests.get(server.url + "/v1/models", timeout=10)
     entry = response.json()["data"][0]
-    assert entry["id"] == "strata" and entry["aliases"] == ["strata", "smollm2"] and entry["tags"] == ["small", "test"]
+    assert (
+        entry["id"] == "strata"
+        and entry["aliases"] == ["strata", "smollm2"]
+        and entry["tags"] == ["small", "test"]
+    )
     assert "Content-Type" in list(response.raw.headers.keys())  # as sent on the wire
     metrics = requests.get(server.url + "/metrics", timeout=10, headers={"Origin": "http://localhost:3000"})
     names = list(metrics.raw.headers.keys())
@@ -85,21 +104,30 @@ def test_assistant_prefill_and_input_tokens(server):
     assert counted == len(post(server, "/tokenize", {"content": rendered})["tokens"])
     chat = post(server, "/v1/chat/completions", {"messages": messages})
     assert chat["usage"]["prompt_tokens"] == counted
-    refused = requests.post(server.url + "/v1/chat/completions", timeout=60,
-                            json={"messages": messages, "continue_final_message": True})
+    refused = requests.post(
+        server.url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": messages, "continue_final_message": True},
+    )
     assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_return_progress_reports_the_prefill_in_the_stream(server):
     import json
 
-    body = {"prompt": "Once upon a time, in a land far away, there lived", "n_predict": 2, "stream": True,
-            "return_progress": True}
+    body = {
+        "prompt": "Once upon a time, in a land far away, there lived",
+        "n_predict": 2,
+        "stream": True,
+        "return_progress": True,
+    }
     for expected_cache in (None, "total - 1"):
         with requests.post(server.url + "/completion", json=body, stream=True, timeout=120) as response:
             events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ")]
         progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
-        assert progress and progress[-1]["processed"] == progress[-1]["total"] == events[-1]["tokens_evaluated"]
+        assert (
+            progress and progress[-1]["processed"] == progress[-1]["total"] == events[-1]["tokens_evaluated"]
+        )
         if expected_cache:  # the same prompt again: all but its last token reused
             assert progress[-1]["cache"] == progress[-1]["total"] - 1
         assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 2

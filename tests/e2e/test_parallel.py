@@ -20,8 +20,12 @@ from support.stalled import half_requests
 from .servers import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-PROMPTS = ["<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n",
-           "The capital of France is", "def fibonacci(n):", "Once upon a time"]
+PROMPTS = [
+    "<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+]
 PER_SLOT_CTX = 512
 
 
@@ -34,8 +38,17 @@ def folder(module_tmp):
 
 @pytest.fixture(scope="module")
 def server(module_tmp, folder):
-    proc = start_server(module_tmp, "-np", "4", "-c", str(4 * PER_SLOT_CTX), "--slot-save-path", str(folder),
-                        "--metrics", name="parallel")
+    proc = start_server(
+        module_tmp,
+        "-np",
+        "4",
+        "-c",
+        str(4 * PER_SLOT_CTX),
+        "--slot-save-path",
+        str(folder),
+        "--metrics",
+        name="parallel",
+    )
     yield proc
     assert proc.stop() == 0
 
@@ -69,7 +82,9 @@ def test_tokenize_answers_while_slots_stream(server):
 def test_slots_shape(server):
     listed = slots(server.url)
     assert [s["id"] for s in listed] == [0, 1, 2, 3]
-    assert all(s["n_ctx"] == PER_SLOT_CTX and s["speculative"] is False and "is_processing" in s for s in listed)
+    assert all(
+        s["n_ctx"] == PER_SLOT_CTX and s["speculative"] is False and "is_processing" in s for s in listed
+    )
     props = requests.get(server.url + "/props", timeout=30).json()
     assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == PER_SLOT_CTX
 
@@ -78,33 +93,50 @@ def test_restore_from_slot_1_into_slot_0_and_into_a_one_slot_server(server, fold
     body = {"prompt": PROMPTS[0], "n_predict": 8, "temperature": 0}
     first = requests.post(server.url + "/completion", json={**body, "id_slot": 1}, timeout=300).json()
     assert first["id_slot"] == 1
-    saved = requests.post(server.url + "/slots/1", params={"action": "save"}, json={"filename": "one.bin"},
-                          timeout=300).json()
+    saved = requests.post(
+        server.url + "/slots/1", params={"action": "save"}, json={"filename": "one.bin"}, timeout=300
+    ).json()
     assert saved["n_saved"] == first["tokens_cached"]
     alone = requests.post(server.url + "/completion", json={**body, "id_slot": 1}, timeout=300).json()
-    restored = requests.post(server.url + "/slots/0", params={"action": "restore"}, json={"filename": "one.bin"},
-                             timeout=300).json()
+    restored = requests.post(
+        server.url + "/slots/0", params={"action": "restore"}, json={"filename": "one.bin"}, timeout=300
+    ).json()
     assert restored["id_slot"] == 0 and restored["n_restored"] == saved["n_saved"]
     again = requests.post(server.url + "/completion", json={**body, "id_slot": 0}, timeout=300).json()
-    assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1 and again["content"] == alone["content"]
+    assert (
+        again["timings"]["cache_n"] == first["tokens_evaluated"] - 1 and again["content"] == alone["content"]
+    )
     single = start_server(module_tmp, "-c", str(PER_SLOT_CTX), "--slot-save-path", str(folder), name="single")
     try:
-        into = requests.post(single.url + "/slots/0", params={"action": "restore"}, json={"filename": "one.bin"},
-                             timeout=300).json()
+        into = requests.post(
+            single.url + "/slots/0", params={"action": "restore"}, json={"filename": "one.bin"}, timeout=300
+        ).json()
         assert into["n_restored"] == saved["n_saved"], into
         cont = requests.post(single.url + "/completion", json=body, timeout=300).json()
-        assert cont["timings"]["cache_n"] == first["tokens_evaluated"] - 1 and cont["content"] == alone["content"]
+        assert (
+            cont["timings"]["cache_n"] == first["tokens_evaluated"] - 1
+            and cont["content"] == alone["content"]
+        )
     finally:
         assert single.stop() == 0
 
 
 def test_the_prompt_goes_back_to_the_slot_holding_its_conversation(server):
     chat = "<|im_start|>user\nTell me about the moon.<|im_end|>\n<|im_start|>assistant\n"
-    first = requests.post(server.url + "/completion", json={"prompt": chat, "n_predict": 8, "temperature": 0,
-                                                            "id_slot": 3}, timeout=300).json()
+    first = requests.post(
+        server.url + "/completion",
+        json={"prompt": chat, "n_predict": 8, "temperature": 0, "id_slot": 3},
+        timeout=300,
+    ).json()
     requests.post(server.url + "/completion", json={"prompt": "Unrelated text", "n_predict": 2}, timeout=300)
-    turn = chat + first["content"] + "<|im_end|>\n<|im_start|>user\nAnd the sun?<|im_end|>\n<|im_start|>assistant\n"
-    body = requests.post(server.url + "/completion", json={"prompt": turn, "n_predict": 4}, timeout=300).json()
+    turn = (
+        chat
+        + first["content"]
+        + "<|im_end|>\n<|im_start|>user\nAnd the sun?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    body = requests.post(
+        server.url + "/completion", json={"prompt": turn, "n_predict": 4}, timeout=300
+    ).json()
     assert body["id_slot"] == 3 and body["timings"]["cache_n"] >= first["tokens_evaluated"]
 
 
@@ -112,8 +144,11 @@ def test_256_stalled_connections_hold_nothing_while_a_slot_streams(server):
     answers: dict = {}
 
     def stream() -> None:
-        answers["stream"] = requests.post(server.url + "/completion", json={
-            "prompt": PROMPTS[3], "n_predict": 48, "temperature": 0, "ignore_eos": True}, timeout=300)
+        answers["stream"] = requests.post(
+            server.url + "/completion",
+            json={"prompt": PROMPTS[3], "n_predict": 48, "temperature": 0, "ignore_eos": True},
+            timeout=300,
+        )
 
     streaming = threading.Thread(target=stream)
     streaming.start()
@@ -122,10 +157,14 @@ def test_256_stalled_connections_hold_nothing_while_a_slot_streams(server):
         started = time.monotonic()
         assert requests.get(server.url + "/health", timeout=10).status_code == 200
         assert [s["id"] for s in requests.get(server.url + "/slots", timeout=10).json()] == [0, 1, 2, 3]
-        answer = requests.post(server.url + "/completion", json={"prompt": PROMPTS[1], "n_predict": 2}, timeout=60)
+        answer = requests.post(
+            server.url + "/completion", json={"prompt": PROMPTS[1], "n_predict": 2}, timeout=60
+        )
         assert answer.status_code == 200 and answer.json()["tokens_predicted"] == 2
-        print(f"/health, /slots and a completion with 256 stalled connections, a slot streaming: "
-              f"{time.monotonic() - started:.3f} s")
+        print(
+            f"/health, /slots and a completion with 256 stalled connections, a slot streaming: "
+            f"{time.monotonic() - started:.3f} s"
+        )
     finally:
         for sock in stalled:
             sock.close()

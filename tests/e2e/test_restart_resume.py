@@ -16,10 +16,13 @@ from .servers import start_server
 pytest.importorskip("strata_engine.cli", reason="the engine's `serve` command has not landed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SYSTEM = ("You are a careful assistant. Here are the facts you must remember: "
-          + " ".join(f"Item {i} is stored in box {i * 7 % 31} on shelf {i % 5}." for i in range(14)))
-TURN1 = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nWhere is item 12?<|im_end|>\n" \
-        "<|im_start|>assistant\n"
+SYSTEM = "You are a careful assistant. Here are the facts you must remember: " + " ".join(
+    f"Item {i} is stored in box {i * 7 % 31} on shelf {i % 5}." for i in range(14)
+)
+TURN1 = (
+    f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nWhere is item 12?<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 TURN2_SUFFIX = "<|im_end|>\n<|im_start|>user\nAnd item 30?<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = {"temperature": 0, "n_predict": 8, "ignore_eos": True, "return_tokens": True}
 
@@ -77,16 +80,33 @@ def test_restore_failing_after_its_gate_erases_that_slot_only(module_tmp):
     gets alone; the engine is not restarted and the failed slot serves the next request."""
     slots = module_tmp / "slots-slot-failed"
     slots.mkdir()
-    server = start_server(module_tmp, "-np", "2", "-c", "4096", "--slot-save-path", str(slots), "--metrics",
-                          "--restore-mode", "streaming", name="slot-failed",
-                          env={"STRATA_ENGINE_SESSION_FAULT": "restore-after-gate"})
+    server = start_server(
+        module_tmp,
+        "-np",
+        "2",
+        "-c",
+        "4096",
+        "--slot-save-path",
+        str(slots),
+        "--metrics",
+        "--restore-mode",
+        "streaming",
+        name="slot-failed",
+        env={"STRATA_ENGINE_SESSION_FAULT": "restore-after-gate"},
+    )
     try:
         prompt = TURN1[:400]
-        first = call(server.url, "/completion", {"prompt": prompt, "temperature": 0, "n_predict": 2,
-                                                 "id_slot": 0}).json()
+        first = call(
+            server.url, "/completion", {"prompt": prompt, "temperature": 0, "n_predict": 2, "id_slot": 0}
+        ).json()
         assert call(server.url, "/slots/0?action=save", {"filename": "c.bin"}).status_code == 200
-        stream = {"prompt": "Once upon a time", "n_predict": 40, "temperature": 0, "ignore_eos": True,
-                  "id_slot": 1}
+        stream = {
+            "prompt": "Once upon a time",
+            "n_predict": 40,
+            "temperature": 0,
+            "ignore_eos": True,
+            "id_slot": 1,
+        }
         alone, _ = stream_tokens(server.url, stream)
         failed: list[requests.Response] = []
 
@@ -100,8 +120,9 @@ def test_restore_failing_after_its_gate_erases_that_slot_only(module_tmp):
         assert failed[0].status_code == 500, failed[0].text
         error = failed[0].json()["error"]
         assert error["type"] == "server_error" and "slot 0 was erased" in error["message"]
-        after = call(server.url, "/completion", {"prompt": prompt, "temperature": 0, "n_predict": 2,
-                                                 "id_slot": 0}).json()
+        after = call(
+            server.url, "/completion", {"prompt": prompt, "temperature": 0, "n_predict": 2, "id_slot": 0}
+        ).json()
         assert after["timings"]["cache_n"] == 0 and after["content"] == first["content"]
         metrics = requests.get(server.url + "/metrics", timeout=30).text
         for line in ("strata:engine_restarts_total 0", "strata:slot_restore_fail_stops_total 1"):

@@ -38,13 +38,17 @@ REPLY_TOKENS = 12
 
 
 def chat_a() -> list[dict]:
-    return [{"role": "system", "content": "You are a careful assistant. Facts: " + FACTS},
-            {"role": "user", "content": "Where is item 12?"}]
+    return [
+        {"role": "system", "content": "You are a careful assistant. Facts: " + FACTS},
+        {"role": "user", "content": "Where is item 12?"},
+    ]
 
 
 def chat_b() -> list[dict]:
-    return [{"role": "system", "content": "Answer in one line. Known places: " + FACTS[::-1]},
-            {"role": "user", "content": "Where is item 3?"}]
+    return [
+        {"role": "system", "content": "Answer in one line. Known places: " + FACTS[::-1]},
+        {"role": "user", "content": "Where is item 3?"},
+    ]
 
 
 def client(server) -> openai.OpenAI:
@@ -58,8 +62,9 @@ def turn(server, messages: list[dict], **extra) -> tuple[str, int]:
 
 
 def chat(server, messages: list[dict], **extra):
-    return client(server).chat.completions.create(model="smollm2", messages=messages, max_tokens=REPLY_TOKENS,
-                                                  temperature=0, extra_body=extra or None)
+    return client(server).chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=REPLY_TOKENS, temperature=0, extra_body=extra or None
+    )
 
 
 def followed(messages: list[dict], reply: str, question: str) -> list[dict]:
@@ -131,7 +136,13 @@ def returning_turn(server, messages: list[dict], held: int | None, hits: int):
 @pytest.mark.parametrize("stop", ["sigterm", "kill-after-idle-save"])
 def test_a_chat_continues_after_a_restart(module_tmp, never_stopped, stop):
     folder = module_tmp / f"store-{stop}"
-    flags = ("--cache-disk", str(folder), "--metrics", "--cache-idle-seconds", "1" if stop != "sigterm" else "600")
+    flags = (
+        "--cache-disk",
+        str(folder),
+        "--metrics",
+        "--cache-idle-seconds",
+        "1" if stop != "sigterm" else "600",
+    )
     first_reply, reference = reference_turns(never_stopped, chat_a(), "And item 7?")
     server = start_server(module_tmp, *flags, name=f"{stop}-1")
     reply, _ = turn(server, chat_a())
@@ -161,8 +172,9 @@ def test_a_chat_continues_after_a_restart(module_tmp, never_stopped, stop):
         assert server.stop() == 0
 
 
-def test_a_displaced_chat_is_committed_in_the_background_and_a_killed_commit_is_recovered(module_tmp,
-                                                                                          never_stopped):
+def test_a_displaced_chat_is_committed_in_the_background_and_a_killed_commit_is_recovered(
+    module_tmp, never_stopped
+):
     folder = module_tmp / "store-background"
     flags = ("--cache-disk", str(folder), "--metrics", "--cache-idle-seconds", "600")
     a_first, a_reference = reference_turns(never_stopped, chat_a(), "And item 7?")
@@ -170,7 +182,9 @@ def test_a_displaced_chat_is_committed_in_the_background_and_a_killed_commit_is_
     server = start_server(module_tmp, *flags, name="background-1")
     try:
         assert turn(server, chat_a())[0] == a_first
-        assert turn(server, chat_b())[0] == b_first  # a leaves the slot: written by the engine, committed after
+        assert (
+            turn(server, chat_b())[0] == b_first
+        )  # a leaves the slot: written by the engine, committed after
         await_metric(server, 'strata:store_saves_total{trigger="replace"}', 1)
         (a_file,) = stored_files(folder)
         assert not list(folder.glob("*.pending"))
@@ -184,7 +198,7 @@ def test_a_displaced_chat_is_committed_in_the_background_and_a_killed_commit_is_
     a_file.rename(a_file.with_name(a_file.name + ".pending"))
     data = b_file.read_bytes()
     b_file.unlink()
-    b_file.with_name(b_file.name + ".pending").write_bytes(data[:len(data) // 2])
+    b_file.with_name(b_file.name + ".pending").write_bytes(data[: len(data) // 2])
     server = start_server(module_tmp, *flags, name="background-2")
     try:
         reply, cached = turn(server, followed(chat_a(), a_first, "And item 7?"))
@@ -211,9 +225,14 @@ def test_two_conversations_alternating_on_one_slot_hit_the_store_every_turn(modu
         for round_ in range(3):
             for name, messages in chats.items():
                 reply, hits = returning_turn(server, messages, held.get(name), hits)
-                before[name], held[name] = held.get(name, 0), reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
-                last[name], chats[name] = messages, followed(messages, reply.choices[0].message.content,
-                                                             f"And item {round_ + 4}?")
+                before[name], held[name] = (
+                    held.get(name, 0),
+                    reply.usage.prompt_tokens + reply.usage.completion_tokens - 1,
+                )
+                last[name], chats[name] = (
+                    messages,
+                    followed(messages, reply.choices[0].message.content, f"And item {round_ + 4}?"),
+                )
         # a's last question edited (b holds the slot): a's stored conversation is restored, cut back to the edit
         edited = chat(server, [*last["a"][:-1], {"role": "user", "content": "Where is item 29?"}])
         cached = edited.usage.prompt_tokens_details.cached_tokens
@@ -231,12 +250,28 @@ def test_three_chats_on_two_slots_hit_the_store_on_every_returning_turn(module_t
     """--parallel 2: each returning chat takes the least recently used slot, whose conversation is written by
     the engine (SAVE, sync false) and committed off the path; the returning one is restored from the store."""
     folder = module_tmp / "store-two-slots"
-    server = start_server(module_tmp, "-np", "2", "-c", "4096", "--cache-disk", str(folder), "--metrics",
-                          "--cache-idle-seconds", "600", name="two-slots")
+    server = start_server(
+        module_tmp,
+        "-np",
+        "2",
+        "-c",
+        "4096",
+        "--cache-disk",
+        str(folder),
+        "--metrics",
+        "--cache-idle-seconds",
+        "600",
+        name="two-slots",
+    )
     try:
-        chats = {"a": chat_a(), "b": chat_b(),
-                 "c": [{"role": "system", "content": "Be brief. Inventory: " + FACTS[len(FACTS) // 2:] + FACTS},
-                       {"role": "user", "content": "Where is item 20?"}]}
+        chats = {
+            "a": chat_a(),
+            "b": chat_b(),
+            "c": [
+                {"role": "system", "content": "Be brief. Inventory: " + FACTS[len(FACTS) // 2 :] + FACTS},
+                {"role": "user", "content": "Where is item 20?"},
+            ],
+        }
         held: dict[str, int] = {}
         hits = 0
         for round_ in range(3):
@@ -244,7 +279,9 @@ def test_three_chats_on_two_slots_hit_the_store_on_every_returning_turn(module_t
                 reply, hits = returning_turn(server, messages, held.get(name), hits)
                 held[name] = reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
                 chats[name] = followed(messages, reply.choices[0].message.content, f"And item {round_ + 4}?")
-        await_metric(server, 'strata:store_saves_total{trigger="replace"}', 7)  # one per turn but the first two
+        await_metric(
+            server, 'strata:store_saves_total{trigger="replace"}', 7
+        )  # one per turn but the first two
         assert not list(folder.glob("*.pending"))
         assert metric(server, "strata:store_bytes") == sum(p.stat().st_size for p in stored_files(folder))
     finally:
@@ -254,19 +291,35 @@ def test_three_chats_on_two_slots_hit_the_store_on_every_returning_turn(module_t
 def test_fifty_conversations_never_exceed_the_byte_limit(module_tmp):
     folder = module_tmp / "store-bounded"
     limit_mib = 40  # about five 300-token SmolLM2 conversations (22.5 KiB of f16 K/V per token)
-    server = start_server(module_tmp, "--cache-disk", str(folder), "--cache-disk-max", str(limit_mib), "--metrics",
-                          "--cache-idle-seconds", "0", name="bounded")
+    server = start_server(
+        module_tmp,
+        "--cache-disk",
+        str(folder),
+        "--cache-disk-max",
+        str(limit_mib),
+        "--metrics",
+        "--cache-idle-seconds",
+        "0",
+        name="bounded",
+    )
     try:
         for i in range(50):
-            prompt = f"Conversation {i}. " + FACTS[(i * 37) % 200:] + f" Question {i}: where is item {i % 30}?"
-            body = requests.post(server.url + "/completion", json={"prompt": prompt, "n_predict": 1,
-                                                                    "temperature": 0}, timeout=300).json()
+            prompt = (
+                f"Conversation {i}. " + FACTS[(i * 37) % 200 :] + f" Question {i}: where is item {i % 30}?"
+            )
+            body = requests.post(
+                server.url + "/completion",
+                json={"prompt": prompt, "n_predict": 1, "temperature": 0},
+                timeout=300,
+            ).json()
             assert body["tokens_evaluated"] >= 300
             held = sum(p.stat().st_size for p in stored_files(folder))
             assert held <= limit_mib << 20, (i, held)
         assert metric(server, "strata:store_bytes") <= limit_mib << 20
         assert metric(server, "strata:store_evictions_total") >= 40
-        await_metric(server, 'strata:store_saves_total{trigger="replace"}', 49)  # the last commit is off the path
+        await_metric(
+            server, 'strata:store_saves_total{trigger="replace"}', 49
+        )  # the last commit is off the path
     finally:
         assert server.stop() == 0
     assert sum(p.stat().st_size for p in stored_files(folder)) <= limit_mib << 20
@@ -274,13 +327,18 @@ def test_fifty_conversations_never_exceed_the_byte_limit(module_tmp):
 
 def test_a_corrupt_and_a_truncated_file_are_skipped_with_the_right_answer(module_tmp, never_stopped):
     folder = module_tmp / "store-bad"
-    prompts = {"x": "Once upon a time, in a quiet village by the sea, " + FACTS,
-               "y": "Recipe notes: mix the flour and the water slowly. " + FACTS[::-1]}
+    prompts = {
+        "x": "Once upon a time, in a quiet village by the sea, " + FACTS,
+        "y": "Recipe notes: mix the flour and the water slowly. " + FACTS[::-1],
+    }
     server = start_server(module_tmp, "--cache-disk", str(folder), "--metrics", name="bad-1")
     try:
         for prompt in prompts.values():
-            requests.post(server.url + "/completion", json={"prompt": prompt, "n_predict": 2, "temperature": 0},
-                          timeout=300).raise_for_status()
+            requests.post(
+                server.url + "/completion",
+                json={"prompt": prompt, "n_predict": 2, "temperature": 0},
+                timeout=300,
+            ).raise_for_status()
     finally:
         assert server.stop() == 0  # x saved when y replaced it, y at shutdown
     files = {stored_tokens(p): p for p in stored_files(folder)}
@@ -295,10 +353,16 @@ def test_a_corrupt_and_a_truncated_file_are_skipped_with_the_right_answer(module
     try:
         for prompt in prompts.values():
             longer = prompt + " And then?"
-            body = requests.post(server.url + "/completion", json={"prompt": longer, "n_predict": 8,
-                                                                    "temperature": 0}, timeout=300).json()
-            cold = requests.post(never_stopped.url + "/completion", json={
-                "prompt": longer, "n_predict": 8, "temperature": 0, "cache_prompt": False}, timeout=300).json()
+            body = requests.post(
+                server.url + "/completion",
+                json={"prompt": longer, "n_predict": 8, "temperature": 0},
+                timeout=300,
+            ).json()
+            cold = requests.post(
+                never_stopped.url + "/completion",
+                json={"prompt": longer, "n_predict": 8, "temperature": 0, "cache_prompt": False},
+                timeout=300,
+            ).json()
             assert body["timings"]["cache_n"] == 0 and body["content"] == cold["content"]
         assert metric(server, 'strata:store_bad_files_total{reason="truncated"}') == 1  # at the scan
         assert metric(server, 'strata:store_bad_files_total{reason="payload_corrupt"}') == 1  # at the restore
@@ -320,16 +384,28 @@ def test_a_server_of_another_model_sharing_the_folder_ignores_its_files(module_t
     theirs = {p.name: p.stat().st_mtime for p in stored_files(folder)}
     assert len(theirs) == 1
 
-    gemma = start_server(module_tmp, "--cache-disk", str(folder), "--metrics", "-m", str(gemma3_model_path()),
-                         "--cache-idle-seconds", "600", name="shared-gemma3")
+    gemma = start_server(
+        module_tmp,
+        "--cache-disk",
+        str(folder),
+        "--metrics",
+        "-m",
+        str(gemma3_model_path()),
+        "--cache-idle-seconds",
+        "600",
+        name="shared-gemma3",
+    )
     try:
         deadline = time.monotonic() + 60
         while "session store" not in gemma.log():
             assert time.monotonic() < deadline
             time.sleep(0.1)
         assert "0 conversations (0.0 MiB) indexed, 1 of other engines ignored, 0 bad" in gemma.log()
-        body = requests.post(gemma.url + "/completion", json={"prompt": chat_a()[0]["content"], "n_predict": 2,
-                                                               "temperature": 0}, timeout=300).json()
+        body = requests.post(
+            gemma.url + "/completion",
+            json={"prompt": chat_a()[0]["content"], "n_predict": 2, "temperature": 0},
+            timeout=300,
+        ).json()
         assert body["timings"]["cache_n"] == 0 and body["tokens_predicted"] == 2
         assert metric(gemma, "strata:store_files") == 0
         assert metric(gemma, 'strata:store_lookups_total{result="miss"}') == 1

@@ -22,8 +22,11 @@ PROMPT = "Inventory notes, read carefully. " + FACTS
 
 
 def complete(server, prompt: str, **fields) -> dict:
-    response = requests.post(server.url + "/completion", json={"prompt": prompt, "n_predict": 8, "temperature": 0,
-                                                               **fields}, timeout=300)
+    response = requests.post(
+        server.url + "/completion",
+        json={"prompt": prompt, "n_predict": 8, "temperature": 0, **fields},
+        timeout=300,
+    )
     response.raise_for_status()
     return response.json()
 
@@ -67,7 +70,9 @@ def test_a_keyed_store_moves_unauthenticated_files_aside_and_restores_its_own(mo
     assert any(p.name.startswith(unauthenticated.name) for p in (folder / ".bad").iterdir())
     key = sf.SessionKey.from_file(key_path)
     files = stored(folder)  # the same conversation under the same name, now authenticated
-    assert files and all(sf.inspect(p, verify=False, key=key).header.flags & Flags.AUTHENTICATED for p in files)
+    assert files and all(
+        sf.inspect(p, verify=False, key=key).header.flags & Flags.AUTHENTICATED for p in files
+    )
 
     server = start_server(module_tmp, *keyed, name="key-2")
     try:
@@ -77,8 +82,15 @@ def test_a_keyed_store_moves_unauthenticated_files_aside_and_restores_its_own(mo
     finally:
         assert server.stop() == 0
 
-    optional = start_server(module_tmp, "--cache-disk", str(other_folder), "--session-key-file", str(key_path),
-                            "--session-key-optional", name="key-optional")
+    optional = start_server(
+        module_tmp,
+        "--cache-disk",
+        str(other_folder),
+        "--session-key-file",
+        str(key_path),
+        "--session-key-optional",
+        name="key-optional",
+    )
     try:
         body = complete(optional, longer)
         assert body["timings"]["cache_n"] > 400 and body["content"] == cold["content"]  # taken without a MAC

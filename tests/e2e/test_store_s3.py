@@ -25,8 +25,9 @@ def test_a_conversation_started_on_a_continues_on_b(module_tmp, s3_store):
     ref = reference_chat(module_tmp, 12, 7, "s3-reference")  # B must give its replies
     messages, first, following, reference = ref.messages, ref.first, ref.following, ref.reference
 
-    a = start_server(module_tmp, "--cache-disk", str(module_tmp / "disk-a"), *flags, name="s3-a",
-                     env=s3_store.env())
+    a = start_server(
+        module_tmp, "--cache-disk", str(module_tmp / "disk-a"), *flags, name="s3-a", env=s3_store.env()
+    )
     try:
         assert reply_of(chat(a, messages)) == reply_of(first)
     finally:
@@ -40,8 +41,9 @@ def test_a_conversation_started_on_a_continues_on_b(module_tmp, s3_store):
     assert re.fullmatch(r"[0-9a-f]{16}", block) and re.fullmatch(r"[0-9a-f]{32}\.ssf", name)
     assert n_stored >= first["usage"]["prompt_tokens"] + REPLY_TOKENS - 2
 
-    b = start_server(module_tmp, "--cache-disk", str(module_tmp / "disk-b"), *flags, name="s3-b",
-                     env=s3_store.env())
+    b = start_server(
+        module_tmp, "--cache-disk", str(module_tmp / "disk-b"), *flags, name="s3-b", env=s3_store.env()
+    )
     try:
         again = chat(b, following)
         assert cached_tokens(again) >= 0.99 * n_stored  # A's whole conversation, restored from the bucket
@@ -55,8 +57,16 @@ def test_a_conversation_started_on_a_continues_on_b(module_tmp, s3_store):
     # A server with a session key refuses A's objects (no MAC): evaluated cold, the same reply.
     key_path = module_tmp / "fleet.key"
     key_path.write_bytes(bytes(range(32)))
-    c = start_server(module_tmp, "--cache-disk", str(module_tmp / "disk-c"), *flags, "--session-key-file",
-                     str(key_path), name="s3-c", env=s3_store.env())
+    c = start_server(
+        module_tmp,
+        "--cache-disk",
+        str(module_tmp / "disk-c"),
+        *flags,
+        "--session-key-file",
+        str(key_path),
+        name="s3-c",
+        env=s3_store.env(),
+    )
     try:
         cold = chat(c, following)
         assert cached_tokens(cold) == 0 and reply_of(cold) == reply_of(reference)
@@ -71,8 +81,17 @@ def test_without_a_disk_a_conversation_moves_through_the_objects_alone(module_tm
     downloaded, the MAC checked), and B's longer save supersedes it (A's object deleted)."""
     key_path = module_tmp / "nodisk.key"
     key_path.write_bytes(bytes(range(100, 132)))
-    flags = ("--cache-store", f"s3://{s3_store.bucket}/nodisk", "--cache-store-endpoint", s3_store.endpoint_url,
-             "--metrics", "--cache-idle-seconds", "0", "--session-key-file", str(key_path))
+    flags = (
+        "--cache-store",
+        f"s3://{s3_store.bucket}/nodisk",
+        "--cache-store-endpoint",
+        s3_store.endpoint_url,
+        "--metrics",
+        "--cache-idle-seconds",
+        "0",
+        "--session-key-file",
+        str(key_path),
+    )
     ref = reference_chat(module_tmp, 21, 3, "nodisk-reference")
     messages, first, following, reference = ref.messages, ref.first, ref.following, ref.reference
 
@@ -108,14 +127,28 @@ def test_an_unreachable_object_store_leaves_the_server_serving(module_tmp):
     from strata_sessionfile.testing.s3server import free_ports
 
     (port,) = free_ports(1)  # nothing listens there
-    env = {"AWS_ACCESS_KEY_ID": "unused", "AWS_SECRET_ACCESS_KEY": "unused", "AWS_DEFAULT_REGION": "us-east-1"}
-    server = start_server(module_tmp, "--cache-disk", str(module_tmp / "disk-down"), "--metrics", "--cache-store",
-                          "s3://gone/fleet", "--cache-store-endpoint", f"http://127.0.0.1:{port}", name="s3-down",
-                          env=env)
+    env = {
+        "AWS_ACCESS_KEY_ID": "unused",
+        "AWS_SECRET_ACCESS_KEY": "unused",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    server = start_server(
+        module_tmp,
+        "--cache-disk",
+        str(module_tmp / "disk-down"),
+        "--metrics",
+        "--cache-store",
+        "s3://gone/fleet",
+        "--cache-store-endpoint",
+        f"http://127.0.0.1:{port}",
+        name="s3-down",
+        env=env,
+    )
     try:
         prompt = "Inventory notes, read carefully. " + FACTS
-        body = requests.post(server.url + "/completion", json={"prompt": prompt, "n_predict": 4, "temperature": 0},
-                             timeout=300).json()
+        body = requests.post(
+            server.url + "/completion", json={"prompt": prompt, "n_predict": 4, "temperature": 0}, timeout=300
+        ).json()
         assert body["timings"]["cache_n"] == 0 and body["tokens_evaluated"] > 256
         assert metric(server, "strata:store_remote_failures_total") >= 1
         assert requests.get(server.url + "/health", timeout=30).status_code == 200

@@ -36,8 +36,17 @@ class Conversation:
 def conversation(module_tmp, s3_store) -> Conversation:
     ref = reference_chat(module_tmp, 17, 9, "faults-reference")
     messages, first = ref.messages, ref.first
-    a = start_server(module_tmp, "--cache-store", f"s3://{s3_store.bucket}/{PREFIX}", "--cache-store-endpoint",
-                     s3_store.endpoint_url, "--cache-idle-seconds", "0", name="faults-a", env=s3_store.env())
+    a = start_server(
+        module_tmp,
+        "--cache-store",
+        f"s3://{s3_store.bucket}/{PREFIX}",
+        "--cache-store-endpoint",
+        s3_store.endpoint_url,
+        "--cache-idle-seconds",
+        "0",
+        name="faults-a",
+        env=s3_store.env(),
+    )
     try:
         assert reply_of(chat(a, messages)) == reply_of(first)
     finally:
@@ -63,16 +72,30 @@ def store(tmp_path, conversation):
 def server_b(tmp_path, seaweed, proxy, name: str):
     """A server without a disk whose engine restores in two passes (streaming), its store reached through the
     relay."""
-    return start_server(tmp_path, "--cache-store", f"s3://{seaweed.bucket}/{PREFIX}", "--cache-store-endpoint",
-                        proxy.endpoint_url, "--restore-mode", "streaming", "--cache-idle-seconds", "0", "--metrics",
-                        name=name, env=seaweed.env())
+    return start_server(
+        tmp_path,
+        "--cache-store",
+        f"s3://{seaweed.bucket}/{PREFIX}",
+        "--cache-store-endpoint",
+        proxy.endpoint_url,
+        "--restore-mode",
+        "streaming",
+        "--cache-idle-seconds",
+        "0",
+        "--metrics",
+        name=name,
+        env=seaweed.env(),
+    )
 
 
 def still_serving(server, conversation: Conversation) -> None:
     """/health answers, and a completion of another prompt works (its lookup fails: the store is gone)."""
     server.wait_healthy(120)
-    body = requests.post(server.url + "/completion", json={
-        "prompt": "Inventory notes, read carefully. " + FACTS, "n_predict": 4, "temperature": 0}, timeout=300)
+    body = requests.post(
+        server.url + "/completion",
+        json={"prompt": "Inventory notes, read carefully. " + FACTS, "n_predict": 4, "temperature": 0},
+        timeout=300,
+    )
     assert body.status_code == 200 and body.json()["tokens_evaluated"] > 256
     assert reply_of(chat(server, conversation.following)) == reply_of(conversation.reference)
 

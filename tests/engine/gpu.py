@@ -40,8 +40,13 @@ def reference(name: str) -> list[dict]:
     out = []
     for case in json.loads(path.read_text(encoding="utf-8"))["complete"]:
         decode = lambda v: json.loads(v) if isinstance(v, str) else v  # noqa: E731
-        out.append({"prompt_tokens": decode(case["prompt_tokens"]), "tokens": decode(case["tokens"]),
-                    "margins": [top2_margin(step) for step in decode(case["top5_logits"])]})
+        out.append(
+            {
+                "prompt_tokens": decode(case["prompt_tokens"]),
+                "tokens": decode(case["tokens"]),
+                "margins": [top2_margin(step) for step in decode(case["top5_logits"])],
+            }
+        )
     return out
 
 

@@ -73,8 +73,11 @@ class InProcessEngine:
 
     def of(self, request_id: str, event: str | None = None) -> list[tuple[int, dict]]:
         """(step, line) of the lines read for that id (of one event)."""
-        return [(step, line) for step, line in self.log
-                if line.get("id") == request_id and (event is None or line["event"] == event)]
+        return [
+            (step, line)
+            for step, line in self.log
+            if line.get("id") == request_id and (event is None or line["event"] == event)
+        ]
 
     def close(self) -> None:
         os.close(self._write)

@@ -34,7 +34,13 @@ def _with_metadata(file, **added):
 
 
 def _with_tensor(file, name: str, shape: tuple[int, ...]):
-    info = TensorInfo(name=name, shape=shape, ggml_type=gguf.GGMLQuantizationType.F32, offset=0, n_bytes=4 * int(np.prod(shape)))
+    info = TensorInfo(
+        name=name,
+        shape=shape,
+        ggml_type=gguf.GGMLQuantizationType.F32,
+        offset=0,
+        n_bytes=4 * int(np.prod(shape)),
+    )
     return attrs.evolve(file, tensors={**file.tensors, name: info})
 
 
@@ -169,7 +175,9 @@ def test_every_key_gguf_py_knows_is_read_or_refused(model_files, name):
         if _refusal(_with_metadata(file, **{key: _Opaque()}), ModelConfigError) is None
     ]
     assert [key for key in kept if not key.startswith(reviewed)] == []
-    assert "general.author" in kept and "general.type" not in kept  # the rules ran: descriptive kept, typed refused
+    assert (
+        "general.author" in kept and "general.type" not in kept
+    )  # the rules ran: descriptive kept, typed refused
 
 
 # Tensors the families do not compute: llama3 RoPE factors, Q/K/V biases, QK norms, an expert router, and a
@@ -182,7 +190,9 @@ EXTRA_TENSORS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "tensor", "shape"), [(n, t, s) for n, ts in EXTRA_TENSORS.items() for t, s in ts])
+@pytest.mark.parametrize(
+    ("name", "tensor", "shape"), [(n, t, s) for n, ts in EXTRA_TENSORS.items() for t, s in ts]
+)
 def test_a_tensor_the_family_does_not_compute_is_refused_by_name(model_files, name, tensor, shape):
     message = _refusal(_with_tensor(model_files[name], tensor, shape))
     assert message is not None and f"tensor {tensor!r}" in message
@@ -226,7 +236,9 @@ def test_the_keys_read_outside_the_config_are_the_table_s(metadata):
     ],
     ids=["smollm2-llama3-rope-factors", "gemma3-final-softcap"],
 )
-def test_serve_refuses_a_real_file_naming_what_it_would_not_compute(request, tmp_path, name, metadata, tensors, named):
+def test_serve_refuses_a_real_file_naming_what_it_would_not_compute(
+    request, tmp_path, name, metadata, tensors, named
+):
     src = request.getfixturevalue(f"{name}_path")
     path = with_additions(src, tmp_path / "changed.gguf", metadata=metadata, tensors=tensors)
     done = run_cli("serve", "--model", str(path))

@@ -16,7 +16,11 @@ CONVERSATION = [
 
 def test_smollm2_chatml_from_file(templates, tokenizers):
     template, tokenizer = templates["smollm2"], tokenizers["smollm2"]
-    assert template.origin == "file" and template.bos_token == "<|im_start|>" and template.eos_token == "<|im_end|>"
+    assert (
+        template.origin == "file"
+        and template.bos_token == "<|im_start|>"
+        and template.eos_token == "<|im_end|>"
+    )
     assert template.render(CONVERSATION) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n hi <|im_end|>\n"
         "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
@@ -40,7 +44,9 @@ def test_gemma3_builtin_turns(templates, tokenizers):
     )
     ids = tokenizer.encode(prompt, add_special=True)
     assert ids[:3] == [2, 105, 2364] and ids[-3:] == [105, 4368, 107]  # <bos><start_of_turn>user ... model\n
-    assert template.render([{"role": "user", "content": "x"}], add_generation_prompt=False).endswith("<end_of_turn>\n")
+    assert template.render([{"role": "user", "content": "x"}], add_generation_prompt=False).endswith(
+        "<end_of_turn>\n"
+    )
 
 
 def test_text_parts_are_joined(templates):
@@ -91,14 +97,17 @@ def test_continue_final_message_leaves_the_assistant_turn_open(templates):
     template = templates["gemma3"]
     prefill = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is"}]
     assert template.render(prefill, continue_final_message=True) == (
-        "<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\nIt is")
+        "<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\nIt is"
+    )
     alone = template.render([{"role": "assistant", "content": "Once"}], continue_final_message=True)
     assert alone == "<start_of_turn>model\nOnce"
     with pytest.raises(ChatTemplateError, match="the last message to be the assistant's"):
         template.render([{"role": "user", "content": "x"}], continue_final_message=True)
 
 
-@pytest.mark.parametrize(("name", "start"), [("chatml", "<|im_start|>user\nhi"), ("gemma", "<start_of_turn>user\nhi")])
+@pytest.mark.parametrize(
+    ("name", "start"), [("chatml", "<|im_start|>user\nhi"), ("gemma", "<start_of_turn>user\nhi")]
+)
 def test_configured_templates_by_name_and_jinja(name, start):
     messages = [{"role": "user", "content": "hi"}]
     named = ChatTemplate.configured(name)

@@ -165,4 +165,6 @@ def test_only_the_cli_sets_the_engine_process_environment():
     cli = f"import strata_engine.cli; {show}"
     outputs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
                for code in (library, cli)]  # fmt: skip
-    assert [o.stdout.split() for o in outputs] == [["None", "False"], ["4", "True"]], [o.stderr for o in outputs]
+    assert [o.stdout.split() for o in outputs] == [["None", "False"], ["4", "True"]], [
+        o.stderr for o in outputs
+    ]

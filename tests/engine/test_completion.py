@@ -110,7 +110,9 @@ def run(tokenizer, template, script, n_ctx=4096, **fields):
     completer = Completer(runner, tokenizer, template)
     events = []
     request = parse_request({"prompt": "Hi", "temperature": 0, **fields})
-    result = completer.complete(request, on_token=events.append, cancelled=fields.pop("_cancel", lambda: False))
+    result = completer.complete(
+        request, on_token=events.append, cancelled=fields.pop("_cancel", lambda: False)
+    )
     return result, events, runner
 
 
@@ -222,7 +224,9 @@ class LogitsRunner(ScriptedRunner):
     ({"temperature": 0.9, "seed": 7}, False),
 ], ids=["greedy", "neutral-penalties", "no-penalty-window", "repeat", "presence", "logit-bias", "n-probs",
         "grammar", "sampled"])  # fmt: skip
-def test_a_step_hands_only_the_argmax_where_the_sampler_reads_nothing_else(tokenizer, template, fields, argmax):
+def test_a_step_hands_only_the_argmax_where_the_sampler_reads_nothing_else(
+    tokenizer, template, fields, argmax
+):
     """`Generation.argmax_only` asks the runner for the raw logits' argmax only for a greedy row that nothing
     else reads (no penalty, bias, n_probs, constraint); the tokens are those of the logits path either way."""
     script = ids_of(tokenizer, " a", " b", " a", " b", " c")
@@ -241,7 +245,9 @@ def test_a_step_hands_only_the_argmax_where_the_sampler_reads_nothing_else(token
 def test_an_argmax_of_a_non_finite_logit_ends_the_generation(tokenizer, template):
     """A step whose best raw logit is -inf (everything banned) ends the output as EOS, as its logits do."""
     completer = Completer(ScriptedRunner(ids_of(tokenizer, " a")), tokenizer, template)
-    gen = Generation(completer, completer.prepare(parse_request({"prompt": "Hi", "temperature": 0, "n_predict": 4})))
+    gen = Generation(
+        completer, completer.prepare(parse_request({"prompt": "Hi", "temperature": 0, "n_predict": 4}))
+    )
     while gen.phase is Phase.PREFILL:
         gen.prefill_chunk()
     assert gen.argmax_only and gen.pending is not None
@@ -263,10 +269,14 @@ def test_prompt_cache_and_cache_prompt_false(tokenizer, template):
     runner = ScriptedRunner([])
     completer = Completer(runner, tokenizer, template)
     completer.complete(parse_request({"prompt": "one two three", "n_predict": 1, "temperature": 0}))
-    again = completer.complete(parse_request({"prompt": "one two three four", "n_predict": 1, "temperature": 0}))
+    again = completer.complete(
+        parse_request({"prompt": "one two three four", "n_predict": 1, "temperature": 0})
+    )
     assert again.timings.cache_n == 3 and again.timings.prompt_n == 1
     cold = completer.complete(
-        parse_request({"prompt": "one two three four", "n_predict": 1, "temperature": 0, "cache_prompt": False})
+        parse_request(
+            {"prompt": "one two three four", "n_predict": 1, "temperature": 0, "cache_prompt": False}
+        )
     )
     assert runner.erased == 1 and cold.timings.cache_n == 0
 
@@ -367,7 +377,9 @@ def test_gemma3_real_runner_greedy_matches_transformers(gemma3):
 
 def test_prompt_of_exactly_the_context_gets_one_token(tokenizer, template):
     runner = ScriptedRunner(ids_of(tokenizer, " a", " b"), n_ctx=3)
-    result = Completer(runner, tokenizer, template).complete(parse_request({"prompt": [5, 6, 7], "temperature": 0}))
+    result = Completer(runner, tokenizer, template).complete(
+        parse_request({"prompt": [5, 6, 7], "temperature": 0})
+    )
     assert result.stop_type is StopType.LIMIT and len(result.tokens) == 1 and runner.n_held == 3
 
 
@@ -375,7 +387,9 @@ def test_llama_server_values_are_accepted_with_its_meaning(tokenizer, template):
     request = parse_request({"prompt": "x", "top_k": -1, "top_p": 1.5, "min_p": -0.1, "n_predict": -2})
     assert request.n_predict == -1 and request.sampling.top_k == -1
     script = ids_of(tokenizer, " a", " b")
-    result, _, _ = run(tokenizer, template, script, top_k=-1, top_p=0.0, min_p=2.0, n_predict=2, temperature=1.0)
+    result, _, _ = run(
+        tokenizer, template, script, top_k=-1, top_p=0.0, min_p=2.0, n_predict=2, temperature=1.0
+    )
     assert result.tokens == tuple(script)  # top_p <= 0 / min_p > 1 keep the best token only
 
 

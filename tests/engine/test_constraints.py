@@ -42,26 +42,41 @@ def complete(completer, events=None, **fields):
 
 NAMES = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=6)
 LEAVES = st.one_of(
-    st.builds(lambda lo, n: {"type": "string", "minLength": lo, "maxLength": lo + n},
-              st.integers(0, 2), st.integers(1, 6)),
-    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-              st.integers(-100, 100), st.integers(0, 1000)),
-    st.builds(lambda lo, span: {"type": "number", "minimum": lo, "maximum": lo + span},
-              st.integers(-10, 10), st.integers(1, 100)),
+    st.builds(
+        lambda lo, n: {"type": "string", "minLength": lo, "maxLength": lo + n},
+        st.integers(0, 2),
+        st.integers(1, 6),
+    ),
+    st.builds(
+        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+        st.integers(-100, 100),
+        st.integers(0, 1000),
+    ),
+    st.builds(
+        lambda lo, span: {"type": "number", "minimum": lo, "maximum": lo + span},
+        st.integers(-10, 10),
+        st.integers(1, 100),
+    ),
     st.lists(NAMES, min_size=1, max_size=4, unique=True).map(lambda values: {"enum": values}),
     st.just({"type": "boolean"}),
 )
 
 
 def _object(properties: dict) -> dict:
-    return {"type": "object", "properties": properties, "required": sorted(properties),
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": sorted(properties),
+        "additionalProperties": False,
+    }
 
 
 SCHEMAS = st.recursive(
     LEAVES,
     lambda inner: st.one_of(
-        st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, inner, st.integers(1, 3)),
+        st.builds(
+            lambda items, n: {"type": "array", "items": items, "maxItems": n}, inner, st.integers(1, 3)
+        ),
         st.dictionaries(NAMES, inner, min_size=1, max_size=3).map(_object),
     ),
     max_leaves=4,
@@ -78,39 +93,79 @@ def test_generated_schemas_always_validate(completer, schema, sampled):
 
 
 def test_nested_schema_and_json_object(completer):
-    schema = _object({"name": {"type": "string", "maxLength": 12},
-                      "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2},
-                      "size": _object({"w": {"type": "integer", "minimum": 0, "maximum": 99},
-                                       "h": {"type": "number", "minimum": 0, "maximum": 1}})})
+    schema = _object(
+        {
+            "name": {"type": "string", "maxLength": 12},
+            "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2},
+            "size": _object(
+                {
+                    "w": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "h": {"type": "number", "minimum": 0, "maximum": 1},
+                }
+            ),
+        }
+    )
     result = complete(completer, json_schema=schema)
     assert result.stop_type is StopType.EOS
     jsonschema.validate(json.loads(result.content), schema)
-    any_object = complete(completer, json_schema={"type": "object", "maxProperties": 2,
-                                                  "additionalProperties": {"type": "integer"}})
+    any_object = complete(
+        completer,
+        json_schema={"type": "object", "maxProperties": 2, "additionalProperties": {"type": "integer"}},
+    )
     assert isinstance(json.loads(any_object.content), dict)
 
 
 def test_gbnf_grammar(completer):
     grammar = 'root ::= answer ", " digit digit?\nanswer ::= "yes" | "no"\ndigit ::= [0-9]'
     result = complete(completer, grammar=grammar)
-    assert result.stop_type is StopType.EOS and re.fullmatch(r"(yes|no), [0-9]{1,2}", result.content), result.content
+    assert result.stop_type is StopType.EOS and re.fullmatch(r"(yes|no), [0-9]{1,2}", result.content), (
+        result.content
+    )
     sampled = complete(completer, grammar=grammar, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=3)
     assert re.fullmatch(r"(yes|no), [0-9]{1,2}", sampled.content), sampled.content
 
 
-@pytest.mark.parametrize(("fields", "error", "reason", "headline"), [
-    ({"json_schema": {"type": "frobnicate"}}, InvalidJsonSchema, Reason.BAD_JSON_SCHEMA,
-     '"json_schema": JSON schema conversion failed:'),
-    ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, InvalidJsonSchema,
-     Reason.BAD_JSON_SCHEMA, '"json_schema": JSON schema conversion failed:'),
-    ({"json_schema": {"not": {"type": "string"}}}, InvalidJsonSchema, Reason.BAD_JSON_SCHEMA,
-     '"json_schema": JSON schema conversion failed:'),  # a keyword it cannot enforce: refused, not ignored
-    ({"json_schema": False}, InvalidJsonSchema, Reason.BAD_JSON_SCHEMA, '"json_schema": JSON schema conversion'),
-    ({"grammar": 'root ::= "a" ('}, InvalidGrammar, Reason.BAD_GRAMMAR,
-     "Failed to initialize samplers: failed to parse grammar"),
-    ({"grammar": 'answer ::= "yes"'}, InvalidGrammar, Reason.BAD_GRAMMAR,
-     "Failed to initialize samplers: failed to parse grammar"),  # no root rule
-])
+@pytest.mark.parametrize(
+    ("fields", "error", "reason", "headline"),
+    [
+        (
+            {"json_schema": {"type": "frobnicate"}},
+            InvalidJsonSchema,
+            Reason.BAD_JSON_SCHEMA,
+            '"json_schema": JSON schema conversion failed:',
+        ),
+        (
+            {"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}},
+            InvalidJsonSchema,
+            Reason.BAD_JSON_SCHEMA,
+            '"json_schema": JSON schema conversion failed:',
+        ),
+        (
+            {"json_schema": {"not": {"type": "string"}}},
+            InvalidJsonSchema,
+            Reason.BAD_JSON_SCHEMA,
+            '"json_schema": JSON schema conversion failed:',
+        ),  # a keyword it cannot enforce: refused, not ignored
+        (
+            {"json_schema": False},
+            InvalidJsonSchema,
+            Reason.BAD_JSON_SCHEMA,
+            '"json_schema": JSON schema conversion',
+        ),
+        (
+            {"grammar": 'root ::= "a" ('},
+            InvalidGrammar,
+            Reason.BAD_GRAMMAR,
+            "Failed to initialize samplers: failed to parse grammar",
+        ),
+        (
+            {"grammar": 'answer ::= "yes"'},
+            InvalidGrammar,
+            Reason.BAD_GRAMMAR,
+            "Failed to initialize samplers: failed to parse grammar",
+        ),  # no root rule
+    ],
+)
 def test_invalid_constraints_are_refused_before_anything_runs(completer, fields, error, reason, headline):
     complete(completer, n_predict=2)
     held = list(completer.runner.tokens_held)
@@ -124,11 +179,27 @@ def test_invalid_constraints_are_refused_before_anything_runs(completer, fields,
 
 def test_bad_fields_are_named_together():
     with pytest.raises(InvalidRequest) as caught:
-        parse_request({"prompt": "x", "grammar": 3, "json_schema": "{}", "logit_bias": [[1, "a"], ["", 1]],
-                       "presence_penalty": math.inf, "frequency_penalty": "1", "post_sampling_probs": 1})
+        parse_request(
+            {
+                "prompt": "x",
+                "grammar": 3,
+                "json_schema": "{}",
+                "logit_bias": [[1, "a"], ["", 1]],
+                "presence_penalty": math.inf,
+                "frequency_penalty": "1",
+                "post_sampling_probs": 1,
+            }
+        )
     text = str(caught.value)
-    for name in ("grammar", "json_schema", "logit_bias[0][1]", "logit_bias[1][0]", "presence_penalty",
-                 "frequency_penalty", "post_sampling_probs"):
+    for name in (
+        "grammar",
+        "json_schema",
+        "logit_bias[0][1]",
+        "logit_bias[1][0]",
+        "presence_penalty",
+        "frequency_penalty",
+        "post_sampling_probs",
+    ):
         assert name in text, name
     with pytest.raises(InvalidRequest, match="not both"):
         parse_request({"prompt": "x", "grammar": 'root ::= "a"', "json_schema": {}})
@@ -138,7 +209,9 @@ def test_unconstrained_requests_unchanged(completer):
     """Greedy tokens equal the reference's, and no constraint machinery is built for them."""
     case = reference("transformers", "smollm2")["complete"][0]
     fresh = Completer(completer.runner, completer.tokenizer, completer.template)
-    result = fresh.complete(parse_request({"prompt": case["prompt_tokens"], "n_predict": 8, "temperature": 0}))
+    result = fresh.complete(
+        parse_request({"prompt": case["prompt_tokens"], "n_predict": 8, "temperature": 0})
+    )
     assert list(result.tokens) == case["tokens"][:8]
     assert "ll_tokenizer" not in vars(fresh.constraints)  # llguidance's tokenizer was never built
 
@@ -173,8 +246,18 @@ def test_n_probs_shape_sorted_and_summing_at_most_one(completer):
         assert bytes(event.chosen.bytes) == completer.tokenizer.token_bytes(event.id)
     # post-sampling: the chain's distribution (top-k 3 keeps three tokens; greedy keeps one)
     sampled = []
-    complete(completer, sampled, n_predict=4, n_probs=5, post_sampling_probs=True, temperature=1.0, top_k=3,
-             top_p=1.0, min_p=0.0, seed=1)
+    complete(
+        completer,
+        sampled,
+        n_predict=4,
+        n_probs=5,
+        post_sampling_probs=True,
+        temperature=1.0,
+        top_k=3,
+        top_p=1.0,
+        min_p=0.0,
+        seed=1,
+    )
     for event in sampled:
         probs = [p.prob for p in event.probs]
         assert len(probs) == 3 and probs == sorted(probs, reverse=True) and sum(probs) == pytest.approx(1.0)

@@ -57,7 +57,11 @@ def test_pooling_and_normalization(smollm2):
     rows = embed(runner, ids, Pooling.NONE)
     assert rows.shape == (len(ids), runner.config.n_embd)
     np.testing.assert_allclose(rows, hidden_states(runner.model, ids, 512))  # per token: not normalized
-    for pooling, expected in ((Pooling.MEAN, rows.mean(axis=0)), (Pooling.CLS, rows[0]), (Pooling.LAST, rows[-1])):
+    for pooling, expected in (
+        (Pooling.MEAN, rows.mean(axis=0)),
+        (Pooling.CLS, rows[0]),
+        (Pooling.LAST, rows[-1]),
+    ):
         (vector,) = embed(runner, ids, pooling)
         np.testing.assert_allclose(vector, expected / np.linalg.norm(expected), rtol=1e-5, atol=1e-6)
         assert np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
@@ -89,7 +93,9 @@ def test_embed_leaves_the_held_conversation_as_it_was(smollm2):
     finally:
         engine.close()
     assert engine.scheduler.steps == -(-len(tok.encode(TEXT)) // 4)  # a chunk per step
-    np.testing.assert_allclose(answer["embedding"][0], embed(slot, tok.encode(TEXT), Pooling.MEAN)[0], rtol=1e-5)
+    np.testing.assert_allclose(
+        answer["embedding"][0], embed(slot, tok.encode(TEXT), Pooling.MEAN)[0], rtol=1e-5
+    )
     assert len(answer["embedding"]) == 1 and len(answer["embedding"][0]) == runner.config.n_embd
     assert answer["n_tokens"] == len(tok.encode(TEXT))
     assert slot.tokens_held == before[0] and slot.snapshot_state().ring_start == before[1]
@@ -118,9 +124,14 @@ def test_embed_refuses_bad_arguments(smollm2):
 
 def test_ready_line_names_fim_tokens_and_pooling(smollm2):
     runner, tok = smollm2
-    ready = ready_line(SlotSet.sharing(runner, n_ctx=64), tok, ChatTemplate.for_model(runner.gguf.metadata, tok))
+    ready = ready_line(
+        SlotSet.sharing(runner, n_ctx=64), tok, ChatTemplate.for_model(runner.gguf.metadata, tok)
+    )
     assert ready["fim_tokens"] == {role.value: (4 if role is FimToken.REP else None) for role in FimToken}
     assert ready["pooling"] == "none"  # SmolLM2 names none: llama.cpp's default
     meta = {"llama.pooling_type": 1}
-    assert model_pooling(meta, "llama") is Pooling.MEAN and model_pooling({"llama.pooling_type": 4}, "llama") \
-        is Pooling.NONE and model_pooling({}, "gemma3") is Pooling.NONE
+    assert (
+        model_pooling(meta, "llama") is Pooling.MEAN
+        and model_pooling({"llama.pooling_type": 4}, "llama") is Pooling.NONE
+        and model_pooling({}, "gemma3") is Pooling.NONE
+    )

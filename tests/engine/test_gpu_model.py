@@ -275,8 +275,13 @@ def test_cuda_graph_prefill_chunks_match_op_by_op(runners, model, dtype, n_promp
         lo, hi = graphed.pool.held_range(i)
         a, b = graphed.pool.read(i, lo, hi), eager.pool.read(i, lo, hi)
         for x, y in ((a.k, b.k), (a.v, b.v)):
-            assert rel_err(graphed.model.ops.to_host(x).astype(np.float32),
-                           eager.model.ops.to_host(y).astype(np.float32)) < LOGIT_BOUND[dtype], f"layer {i}"
+            assert (
+                rel_err(
+                    graphed.model.ops.to_host(x).astype(np.float32),
+                    eager.model.ops.to_host(y).astype(np.float32),
+                )
+                < LOGIT_BOUND[dtype]
+            ), f"layer {i}"
     token = int(np.argmax(le))
     for step in range(8):
         lg, le = graphed.decode(token), eager.decode(token)
@@ -321,7 +326,9 @@ def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model, g
     alone = base.sibling(n_ctx=256, cuda_graphs=False)
     first = [slots.runners[s].prefill(p).logits for s, p in enumerate(prompts)]
     slots.runners[3].prefill([int(t) for t in rng.integers(100, 5000, 30)])
-    idle = [slots.runners[3].model.ops.to_host(a).copy() for a in slots.runners[3].pool.layer(0).slot_arrays()]
+    idle = [
+        slots.runners[3].model.ops.to_host(a).copy() for a in slots.runners[3].pool.layer(0).slot_arrays()
+    ]
     tokens = [[int(np.argmax(lg))] for lg in first]
     batched: list[list[np.ndarray]] = [[], [], []]
     for _ in range(6):
@@ -370,7 +377,10 @@ def test_graphed_batched_decode_matches_op_by_op(runners, model):
     for batch in ((0, 1, 2, 3, 4, 5, 6, 7), (7, 2, 4, 0, 3), (6, 1, 3), (5, 2)):
         left_out = next(s for s in range(8) if s not in batch) if len(batch) < 8 else None
         if left_out is not None:
-            before = [base.model.ops.to_host(a).copy() for a in graphed.runners[left_out].pool.layer(0).slot_arrays()]
+            before = [
+                base.model.ops.to_host(a).copy()
+                for a in graphed.runners[left_out].pool.layer(0).slot_arrays()
+            ]
         for step in range(4):
             steps = [(s, last[s]) for s in batch]
             lg, le = graphed.decode(steps), eager.decode(steps)
@@ -459,13 +469,18 @@ def test_launched_steps_give_the_synchronous_tokens_and_dropped_rows_keep_their_
                 top2 = np.partition(logits, -2)[-2:]
                 if top2[1] - top2[0] > NEAR_TIE:
                     assert got.token == int(np.argmax(logits)), (batch, step, s)
-                assert abs(got.logit - float(logits.max())) <= GRAPH_BOUND["bf16"] * max(1.0, abs(float(logits.max())))
+                assert abs(got.logit - float(logits.max())) <= GRAPH_BOUND["bf16"] * max(
+                    1.0, abs(float(logits.max()))
+                )
                 last[s] = int(np.argmax(logits))
     assert dropped == 6  # step 1 of each batch drops its middle row (a lone row: the step)
     for s in range(8):
         assert list(ahead.runners[s].tokens_held) == list(plain.runners[s].tokens_held)
     for _ in range(3):  # on from there, every slot (the dropped rows' too): the same tokens
-        out, want = ahead.decode_rows([(s, last[s]) for s in range(8)], [True] * 8), plain.decode([(s, last[s]) for s in range(8)])
+        out, want = (
+            ahead.decode_rows([(s, last[s]) for s in range(8)], [True] * 8),
+            plain.decode([(s, last[s]) for s in range(8)]),
+        )
         for s in range(8):
             top2 = np.partition(want[s], -2)[-2:]
             if top2[1] - top2[0] > NEAR_TIE:
@@ -493,7 +508,9 @@ def test_the_scheduler_launching_ahead_gives_each_stream_its_tokens_alone(runner
     tok = Tokenizer.from_gguf_metadata(meta)
     template = ChatTemplate.for_model(meta, tok)
     base = runners(model, dtype=None)
-    engines = [InProcessEngine(SlotSet.sharing(base, n_slots=n, n_ctx=n * 1024), tok, template) for n in (1, 2)]
+    engines = [
+        InProcessEngine(SlotSet.sharing(base, n_slots=n, n_ctx=n * 1024), tok, template) for n in (1, 2)
+    ]
     alone, e = engines
     try:
         rng = np.random.default_rng(24)
@@ -505,7 +522,10 @@ def test_the_scheduler_launching_ahead_gives_each_stream_its_tokens_alone(runner
 
         plain = alone.command("COMPLETE", greedy_request("p", prompts[0], 40))
         stop = plain["content"][len(plain["content"]) // 2 :][:3]
-        requests = {"w": greedy_request("w", prompts[0], 40, stop=[stop]), "l": greedy_request("l", prompts[1], 50)}
+        requests = {
+            "w": greedy_request("w", prompts[0], 40, stop=[stop]),
+            "l": greedy_request("l", prompts[1], 50),
+        }
         expected = alone_then_together(alone, e, requests)
         assert expected["w"]["stop_type"] == "word"
     finally:

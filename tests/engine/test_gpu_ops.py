@@ -341,7 +341,9 @@ def test_flash_tiles_and_splits():
     assert flash_splits(400, 4096, 64, 132) == 1  # enough row tiles: no split
     assert flash_splits(1, 32768, 16, 132) == 264  # decode at 32K: 2 x 132 SMs
     assert flash_splits(3, 100, 64, 132) == 1  # too few keys to split
-    assert flash_splits(3, 8192, 64, 132, min_tiles=1) == 88  # a tile a split at least: 2 x 132 SMs over 3 heads
+    assert (
+        flash_splits(3, 8192, 64, 132, min_tiles=1) == 88
+    )  # a tile a split at least: 2 x 132 SMs over 3 heads
     assert flash_splits(3, 8192, 64, 132, min_tiles=4) == 32
 
 
@@ -436,7 +438,9 @@ def test_long_chunk_over_a_ring_layer_matches_the_generic_placement(cp, dtype):
         outs = []
         for pool, placement in zip((fast, generic), placements, strict=True):
             pool.begin_append(pos0, n)
-            outs.append(ops.to_host(placement.attend(0, pos0, q, k, v, q_pos0=pos0, window=window, scale=d**-0.5)))
+            outs.append(
+                ops.to_host(placement.attend(0, pos0, q, k, v, q_pos0=pos0, window=window, scale=d**-0.5))
+            )
             pool.commit_append(n)
         held = slice(None) if pos0 + n >= cap else slice(0, pos0 + n)
         for name in ("k", "v"):
@@ -453,7 +457,9 @@ def test_long_chunk_over_a_ring_layer_matches_the_generic_placement(cp, dtype):
 @pytest.mark.parametrize(("n_head", "n_kv", "d", "window", "cap"), [(9, 3, 64, None, 0), (4, 1, 256, None, 0),
                                                                      (4, 1, 256, 512, 1024)])  # fmt: skip
 @pytest.mark.parametrize(("pos0", "n_q"), [(0, 256), (300, 256), (1300, 256), (1300, 1)])
-def test_flash_attention_position_on_the_device_matches_the_argument(cp, n_head, n_kv, d, window, cap, pos0, n_q):
+def test_flash_attention_position_on_the_device_matches_the_argument(
+    cp, n_head, n_kv, d, window, cap, pos0, n_q
+):
     """A captured step's attention (`dyn`: q_pos0 read on the device, keys from slot 0 of the pool or the
     window's start in a ring, splits sized for the whole pool) against the same call with the positions
     as arguments, for chunks of several rows as well as one: equal up to the order the splits merge."""

@@ -198,13 +198,17 @@ def test_in_place_attention_equals_the_gathered_context(kv_type):
             args = dict(q_pos0=pos0, window=window, scale=0.2)
             got = fast_place.attend(layer, pos0, q, k, v, **args)
             want = slow_place.attend(layer, pos0, q, k, v, **args)
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(v).max(), err_msg=f"{pos0} {layer}")
+            np.testing.assert_allclose(
+                got, want, rtol=0, atol=1e-5 * np.abs(v).max(), err_msg=f"{pos0} {layer}"
+            )
         for pool in (fast, slow):
             pool.commit_append(n)
         pos0 += n
         for layer in range(2):
             lo, hi = slow.held_range(layer)
-            for a, b in zip(fast.read(layer, lo, hi).arrays(), slow.read(layer, lo, hi).arrays(), strict=True):
+            for a, b in zip(
+                fast.read(layer, lo, hi).arrays(), slow.read(layer, lo, hi).arrays(), strict=True
+            ):
                 np.testing.assert_array_equal(a, b)
     assert pos0 > 2 * CAP
 
@@ -252,7 +256,9 @@ def test_ring_byte_spans_are_the_token_spans_in_bytes():
     for start in (0, 5, 15, 16, 37):
         for lo in range(0, cap + 1):
             for hi in range(lo, cap + 1):
-                by_token = [(a * row, b * row, off * row) for a, b, off in ring_spans(start + lo, start + hi, cap)]
+                by_token = [
+                    (a * row, b * row, off * row) for a, b, off in ring_spans(start + lo, start + hi, cap)
+                ]
                 assert ring_byte_spans(start, lo * row, (hi - lo) * row, cap, row) == by_token
     # a range that starts and ends inside rows: two pieces where it crosses the ring's end
     assert ring_byte_spans(15, 7, 10, cap, row) == [(187, 192, 0), (0, 5, 5)]

@@ -110,7 +110,10 @@ TINY_LLAMA = {
 
 def test_missing_tensor_is_named(tmp_path):
     path = _tiny_gguf(
-        tmp_path / "m.gguf", "llama", TINY_LLAMA, [("token_embd.weight", (10, 8)), ("output_norm.weight", (8,))]
+        tmp_path / "m.gguf",
+        "llama",
+        TINY_LLAMA,
+        [("token_embd.weight", (10, 8)), ("output_norm.weight", (8,))],
     )
     with pytest.raises(MissingTensor, match="blk.0.attn_norm.weight"):
         ModelRunner.load(EngineSettings(model_path=path))
@@ -118,7 +121,10 @@ def test_missing_tensor_is_named(tmp_path):
 
 def test_tensor_of_the_wrong_shape_is_not_called_missing(tmp_path):
     path = _tiny_gguf(
-        tmp_path / "m.gguf", "llama", TINY_LLAMA, [("token_embd.weight", (10, 8)), ("output_norm.weight", (7,))]
+        tmp_path / "m.gguf",
+        "llama",
+        TINY_LLAMA,
+        [("token_embd.weight", (10, 8)), ("output_norm.weight", (7,))],
     )
     with pytest.raises(TensorShapeMismatch, match=r"'output_norm.weight' has shape \(7,\), expected \(8,\)"):
         ModelRunner.load(EngineSettings(model_path=path))
@@ -141,15 +147,29 @@ def test_backend_defaults_fill_only_what_was_not_given():
         "f32", 512, "numba-q8",
     )  # fmt: skip
     assert numpy_defaults.threads == len(os.sched_getaffinity(0))
-    given = resolve_settings(EngineSettings(model_path="x", compute_dtype="f64", prefill_chunk=7, threads=1), "llama")
-    assert (given.compute_dtype, given.prefill_chunk, given.cpu_kernels, given.threads) == ("f64", 7, "numpy", 1)
+    given = resolve_settings(
+        EngineSettings(model_path="x", compute_dtype="f64", prefill_chunk=7, threads=1), "llama"
+    )
+    assert (given.compute_dtype, given.prefill_chunk, given.cpu_kernels, given.threads) == (
+        "f64",
+        7,
+        "numpy",
+        1,
+    )
     # what a cupy runner fills in (resolving "cupy" needs no device): f16 where the activations fit it
-    gpu = {arch: resolve_settings(EngineSettings(model_path="x", backend="cupy"), arch) for arch in ("llama", "gemma3")}
-    assert {arch: (s.compute_dtype, s.prefill_chunk) for arch, s in gpu.items()} == \
-        {"llama": ("f16", 4096), "gemma3": ("bf16", 4096)}
+    gpu = {
+        arch: resolve_settings(EngineSettings(model_path="x", backend="cupy"), arch)
+        for arch in ("llama", "gemma3")
+    }
+    assert {arch: (s.compute_dtype, s.prefill_chunk) for arch, s in gpu.items()} == {
+        "llama": ("f16", 4096),
+        "gemma3": ("bf16", 4096),
+    }
     assert type(gpu["llama"].compute_dtype) is ComputeDType  # a StrEnum: the plain word in the ready line
     # pure: what the caller resolved, nothing looked up
-    pure = EngineSettings(model_path="x", backend="auto").with_backend_defaults("llama", backend=Backend.CUPY, threads=3)
+    pure = EngineSettings(model_path="x", backend="auto").with_backend_defaults(
+        "llama", backend=Backend.CUPY, threads=3
+    )
     assert (pure.backend, pure.compute_dtype, pure.cpu_kernels, pure.threads) == ("cupy", "f16", "numpy", 3)
 
 
@@ -180,7 +200,10 @@ def test_numba_kernels_agree_with_the_numpy_oracle(request, name):
     from strata_engine.session.identity import runner_identity
 
     path = request.getfixturevalue(f"{name}_path")
-    loaded = [ModelRunner.load(EngineSettings(model_path=path, n_ctx=128, cpu_kernels=k)) for k in ("numba", "numpy")]
+    loaded = [
+        ModelRunner.load(EngineSettings(model_path=path, n_ctx=128, cpu_kernels=k))
+        for k in ("numba", "numpy")
+    ]
     assert [r.settings.cpu_kernels for r in loaded] == ["numba", "numpy"]
     assert runner_identity(loaded[0]) == runner_identity(loaded[1])
     for kv_type, bound in KERNEL_LOGIT_BOUND.items():
@@ -212,7 +235,9 @@ def test_a_warmed_runner_compiles_nothing_in_a_request(request, name):
     from strata_engine.kernel_cache import kernel_dispatchers
 
     path = request.getfixturevalue(f"{name}_path")
-    runner = ModelRunner.load(EngineSettings(model_path=path, n_ctx=1024, cpu_kernels="numba-q8", kv_type="f16"))
+    runner = ModelRunner.load(
+        EngineSettings(model_path=path, n_ctx=1024, cpu_kernels="numba-q8", kv_type="f16")
+    )
     kernels = list(kernel_dispatchers())
     before = {k.py_func.__name__: len(k.overloads) for k in kernels}
     rng = np.random.default_rng(16)

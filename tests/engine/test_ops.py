@@ -114,7 +114,9 @@ def test_gated_mlp(ops, activation):
     wg, wu, wd = rng.standard_normal((16, 8)), rng.standard_normal((16, 8)), rng.standard_normal((8, 16))
     act = ops.silu if activation is Activation.SILU else ops.gelu_tanh
     expected = (act(x @ wg.T) * (x @ wu.T)) @ wd.T
-    np.testing.assert_allclose(ops.gated_mlp(x, np.concatenate([wg, wu]), wd, activation), expected, rtol=1e-12)
+    np.testing.assert_allclose(
+        ops.gated_mlp(x, np.concatenate([wg, wu]), wd, activation), expected, rtol=1e-12
+    )
 
 
 def test_project_equals_the_separate_products_bit_for_bit(ops):
@@ -192,7 +194,9 @@ def test_the_numba_int8_quantization_is_numpys_bit_for_bit(numba_ops, group):
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((9, 3, 64)) * 10.0 ** rng.uniform(-3, 3, (9, 3, 1))).astype(np.float32)
     x[0, 0] = 0.0
-    x[1, 1, :32] = np.arange(-15.5, 16.5, dtype=np.float32)  # block max 15.5: scale 15.5 / 127, q off the ties
+    x[1, 1, :32] = np.arange(
+        -15.5, 16.5, dtype=np.float32
+    )  # block max 15.5: scale 15.5 / 127, q off the ties
     x[2, 2] = np.concatenate([[127.0], np.arange(-62.5, 0.5, dtype=np.float32)])  # scale 1: ties to even
     want_q, want_scale = get_ops("numpy", "f32").quantize_int8(x, group)
     got_q, got_scale = numba_ops.quantize_int8(x, group)
@@ -207,6 +211,8 @@ def test_the_numba_int8_quantization_is_numpys_bit_for_bit(numba_ops, group):
 PRODUCT_RTOL = 1e-5
 ATTENTION_RTOL = 1e-5
 STEP_RTOL = 1e-5
+
+
 @pytest.fixture(scope="module", params=["serial", "parallel"])
 def numba_ops(request):
     """The numba ops, their kernels on the calling thread (a decode step's small work) or over all
@@ -233,7 +239,11 @@ def test_every_packed_type_is_exact_and_the_kernels_read_it(numba_ops):
     parts = []
     for qtype, (_, block, four_bit) in PACKERS.items():
         packed, dense = random_packed(qtype, 6, 512, rng)
-        assert (packed.four_bit, packed.block, packed.values.dtype) == (four_bit, block, np.uint8 if four_bit else np.int8)
+        assert (packed.four_bit, packed.block, packed.values.dtype) == (
+            four_bit,
+            block,
+            np.uint8 if four_bit else np.int8,
+        )
         np.testing.assert_array_equal(packed.dequantize(), dense, err_msg=qtype.name)
         np.testing.assert_array_equal(numba_ops.dequantize(packed), dense, err_msg=qtype.name)
         bound = PRODUCT_RTOL * (np.abs(x) @ np.abs(dense).T)
@@ -242,7 +252,9 @@ def test_every_packed_type_is_exact_and_the_kernels_read_it(numba_ops):
     stacked = stack_rows([p for p, _ in parts])
     dense = np.concatenate([d for _, d in parts])
     np.testing.assert_array_equal(stacked.dequantize(), dense)
-    assert np.all(np.abs(numba_ops.matmul(x, stacked) - x @ dense.T) <= PRODUCT_RTOL * (np.abs(x) @ np.abs(dense).T))
+    assert np.all(
+        np.abs(numba_ops.matmul(x, stacked) - x @ dense.T) <= PRODUCT_RTOL * (np.abs(x) @ np.abs(dense).T)
+    )
 
 
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 9, 16])
@@ -287,7 +299,9 @@ def test_packed_products_match_the_oracle_on_real_weights(numba_ops, model_files
         want = x.astype(np.float64) @ dense.T.astype(np.float64)
         bound = PRODUCT_RTOL * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
         assert got.shape == want.shape and got.dtype == np.float32
-        assert np.all(np.abs(got - want) <= bound), f"{name} {dense.shape}: {np.max(np.abs(got - want) / bound):.2f}"
+        assert np.all(np.abs(got - want) <= bound), (
+            f"{name} {dense.shape}: {np.max(np.abs(got - want) / bound):.2f}"
+        )
 
 
 def test_packed_kernels_keep_one_signature(numba_ops):
@@ -341,7 +355,9 @@ def _stored(ops, x, kv_type):
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "int8"])
 @pytest.mark.parametrize(("n_tok", "held", "n_kv", "n_head", "d", "window"), ATTENTION_CASES)
-def test_attention_over_stored_kv_matches_the_oracle(numba_ops, kv_type, n_tok, held, n_kv, n_head, d, window):
+def test_attention_over_stored_kv_matches_the_oracle(
+    numba_ops, kv_type, n_tok, held, n_kv, n_head, d, window
+):
     """Attention reading K/V as stored (f32, f16, int8 with scales), a full layer's slice and the same
     keys in a ring that wraps, against NumpyOps.attention over the decoded float32 context; and bit for bit
     what it gives over that decoded context (a resident ring's gathered copy) wherever the rows lie."""
@@ -387,7 +403,9 @@ def test_attention_over_stored_kv_matches_the_oracle(numba_ops, kv_type, n_tok, 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "int8"])
 @pytest.mark.parametrize("ring", [False, True])
-@pytest.mark.parametrize(("n_kv", "n_head", "d", "window"), [(3, 9, 64, None), (1, 4, 256, 300), (2, 8, 128, 40)])
+@pytest.mark.parametrize(
+    ("n_kv", "n_head", "d", "window"), [(3, 9, 64, None), (1, 4, 256, 300), (2, 8, 128, 40)]
+)
 def test_a_batched_steps_attention_equals_each_row_attending_alone(kv_type, ring, n_kv, n_head, d, window):
     """`attention_rows` (a batched decode step: one row per slot of a layer's storage for every slot, at its
     own depth, in any slot order) against the oracle over each slot's decoded keys and against `attention`
@@ -399,7 +417,9 @@ def test_a_batched_steps_attention_equals_each_row_attending_alone(kv_type, ring
     held = {2: 650, 0: 1, 3: 333}  # slot -> the row's position (keys 0 .. position held in the slot)
     keys = rng.standard_normal((n_slots, cap, n_kv, d)).astype(np.float32) * 2
     values = rng.standard_normal((n_slots, cap, n_kv, d)).astype(np.float32)
-    (ks, kscale, kf), (vs, vscale, vf) = (_stored(oracle, a.reshape(-1, n_kv, d), kv_type) for a in (keys, values))
+    (ks, kscale, kf), (vs, vscale, vf) = (
+        _stored(oracle, a.reshape(-1, n_kv, d), kv_type) for a in (keys, values)
+    )
     ks, vs, kf, vf = (a.reshape(n_slots, cap, *a.shape[1:]) for a in (ks, vs, kf, vf))
     kscale, vscale = (None if a is None else a.reshape(n_slots, cap, *a.shape[1:]) for a in (kscale, vscale))
     q = rng.standard_normal((len(held), n_head, d)).astype(np.float32)
@@ -415,7 +435,9 @@ def test_a_batched_steps_attention_equals_each_row_attending_alone(kv_type, ring
     for b, (slot, p, lo) in enumerate(zip(slots, positions, k_lo, strict=True)):
         want = oracle.attention(q[b : b + 1], kf[slot, lo : p + 1], vf[slot, lo : p + 1], q_pos0=p, k_pos0=lo,
                                 window=window, scale=0.125)  # fmt: skip
-        np.testing.assert_allclose(got[b : b + 1], want, rtol=0, atol=ATTENTION_RTOL * float(np.abs(vf).max()))
+        np.testing.assert_allclose(
+            got[b : b + 1], want, rtol=0, atol=ATTENTION_RTOL * float(np.abs(vf).max())
+        )
         alone = ops.attention(
             q[b : b + 1], ks[slot, lo : p + 1], vs[slot, lo : p + 1], q_pos0=p, k_pos0=lo, window=window, scale=0.125,
             k_scale=None if kscale is None else kscale[slot, lo : p + 1],
@@ -457,13 +479,31 @@ def test_warm_attention_compiles_what_a_deep_request_runs(kv_type, monkeypatch):
     q = rng.standard_normal((2, 9, 64)).astype(np.float32)
     for threshold in (module.PARALLEL_MIN_SCORES, 0):
         monkeypatch.setattr(module, "PARALLEL_MIN_SCORES", threshold)
-        ops.attention(q, stored[5:60], stored[5:60], q_pos0=58, k_pos0=5, window=None, scale=0.125,
-                      k_scale=None if scale is None else scale[5:60], v_scale=None if scale is None else scale[5:60])
+        ops.attention(
+            q,
+            stored[5:60],
+            stored[5:60],
+            q_pos0=58,
+            k_pos0=5,
+            window=None,
+            scale=0.125,
+            k_scale=None if scale is None else scale[5:60],
+            v_scale=None if scale is None else scale[5:60],
+        )
         ops.attention(q, stored, stored, q_pos0=98, k_pos0=40, window=50, scale=0.125, ring_capacity=80,
                       k_scale=scale, v_scale=scale)  # fmt: skip
     chunk = rng.standard_normal((20, 9, 64)).astype(np.float32)  # a prompt's chunk: blocks of queries
-    ops.attention(chunk, stored[:60], stored[:60], q_pos0=40, k_pos0=0, window=None, scale=0.125,
-                  k_scale=None if scale is None else scale[:60], v_scale=None if scale is None else scale[:60])
+    ops.attention(
+        chunk,
+        stored[:60],
+        stored[:60],
+        q_pos0=40,
+        k_pos0=0,
+        window=None,
+        scale=0.125,
+        k_scale=None if scale is None else scale[:60],
+        v_scale=None if scale is None else scale[:60],
+    )
     ops.attention(chunk, stored, stored, q_pos0=95, k_pos0=40, window=50, scale=0.125, ring_capacity=80,
                   k_scale=scale, v_scale=scale)  # fmt: skip
     arena, arena_scale = np.stack([stored, stored]), None if scale is None else np.stack([scale, scale])
@@ -486,7 +526,9 @@ def test_fused_steps_match_the_oracle(numba_ops, style, norm, activation):
     n_tok, n_head, n_kv, d, e = 3, 4, 2, 16, 64
     x, y = rng.standard_normal((2, n_tok, e)).astype(np.float32)
     w_post, w_next = rng.standard_normal((2, e)).astype(np.float32)
-    np.testing.assert_allclose(numba_ops.rms_norm(x, w_next, 1e-6), oracle.rms_norm(x, w_next, 1e-6), rtol=STEP_RTOL, atol=STEP_RTOL)
+    np.testing.assert_allclose(
+        numba_ops.rms_norm(x, w_next, 1e-6), oracle.rms_norm(x, w_next, 1e-6), rtol=STEP_RTOL, atol=STEP_RTOL
+    )
     for got, want in zip(
         numba_ops.add_rms_norm(x, y, w_post if norm else None, w_next, 1e-6),
         oracle.add_rms_norm(x, y, w_post if norm else None, w_next, 1e-6),
@@ -499,11 +541,23 @@ def test_fused_steps_match_the_oracle(numba_ops, style, norm, activation):
     cos, sin = oracle.rope_tables(7, n_tok, 10000.0, d)
     want_qk = oracle.qk_norm_rope(q, k, d, qn, kn, cos, sin, style, 1e-6)
     for q_in, k_in in ((q, k), (np.asfortranarray(q), np.asfortranarray(k))):  # rows read in place, or copied
-        for got, want in zip(numba_ops.qk_norm_rope(q_in, k_in, d, qn, kn, cos, sin, style, 1e-6), want_qk, strict=True):
+        for got, want in zip(
+            numba_ops.qk_norm_rope(q_in, k_in, d, qn, kn, cos, sin, style, 1e-6), want_qk, strict=True
+        ):
             np.testing.assert_allclose(got, want, rtol=STEP_RTOL, atol=STEP_RTOL)
     n_ff = 64
-    w_gu = PackedWeight(rng.integers(-127, 128, (2 * n_ff, e), dtype=np.int8), rng.random((2 * n_ff, e // QK), dtype=np.float32) / 50, None, QK)
-    w_down = PackedWeight(rng.integers(-127, 128, (e, n_ff), dtype=np.int8), rng.random((e, n_ff // QK), dtype=np.float32) / 50, None, QK)
+    w_gu = PackedWeight(
+        rng.integers(-127, 128, (2 * n_ff, e), dtype=np.int8),
+        rng.random((2 * n_ff, e // QK), dtype=np.float32) / 50,
+        None,
+        QK,
+    )
+    w_down = PackedWeight(
+        rng.integers(-127, 128, (e, n_ff), dtype=np.int8),
+        rng.random((e, n_ff // QK), dtype=np.float32) / 50,
+        None,
+        QK,
+    )
     got = numba_ops.gated_mlp(x, w_gu, w_down, activation)
     want = oracle.gated_mlp(x, w_gu.dequantize(), w_down.dequantize(), activation)
     np.testing.assert_allclose(got, want, rtol=STEP_RTOL, atol=STEP_RTOL * np.abs(want).max())
@@ -525,7 +579,12 @@ def test_gated_activation_is_within_its_bound_of_the_exact_function(activation, 
 
     rng = np.random.default_rng(31)
     n_tok, n_ff = 4, 60_000
-    gate = np.concatenate([np.linspace(-30, 30, 2 * n_ff, dtype=np.float32), rng.standard_normal(2 * n_ff, dtype=np.float32) * 3])
+    gate = np.concatenate(
+        [
+            np.linspace(-30, 30, 2 * n_ff, dtype=np.float32),
+            rng.standard_normal(2 * n_ff, dtype=np.float32) * 3,
+        ]
+    )
     gate = gate.reshape(n_tok, n_ff)
     up = rng.standard_normal((n_tok, n_ff), dtype=np.float32)
     out = np.empty_like(gate)
@@ -536,7 +595,9 @@ def test_gated_activation_is_within_its_bound_of_the_exact_function(activation, 
     with np.errstate(over="ignore"):
         exact = g / (1 + np.exp(-z)) * up
     bound = ACT_RTOL * (1 + np.minimum(np.abs(z), 87)) * np.abs(exact) + 2e-38 * np.abs(g * up)
-    assert np.all(np.abs(out - exact) <= bound), float(np.max(np.abs(out - exact) / np.maximum(bound, 1e-300)))
+    assert np.all(np.abs(out - exact) <= bound), float(
+        np.max(np.abs(out - exact) / np.maximum(bound, 1e-300))
+    )
 
 
 def _f16_store_candidates() -> np.ndarray:
@@ -544,14 +605,18 @@ def _f16_store_candidates() -> np.ndarray:
     neighbours (ties: to even) and the float32 values either side of each, subnormal f16s and what rounds to
     zero or to the smallest of them, float32 subnormals, the overflow edge (65504, 65520 -> inf) and beyond,
     infinities, and random float32 bit patterns of every finite exponent; both signs."""
-    h = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)  # 0 .. 65504, subnormals included
+    h = (
+        np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)
+    )  # 0 .. 65504, subnormals included
     upper = np.append(h[1:], np.float32(65536))  # the next f16 above each (65536: past the largest)
     mids = (h + (upper - h) / 2).astype(np.float32)  # exact in float32 (12 significant bits)
     near = [np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(0))]
     f32_subnormal = np.array([1e-45, 1e-40, 1.1754942e-38], dtype=np.float32)
     rng = np.random.default_rng(32)
     bits = rng.integers(0, 0x7F800000, 200_000, dtype=np.uint32).view(np.float32)
-    edge = np.array([2.0**-25, 2.0**-24, 3 * 2.0**-26, 65519.996, 65520, 65535, 1e5, 3e38, np.inf], dtype=np.float32)
+    edge = np.array(
+        [2.0**-25, 2.0**-24, 3 * 2.0**-26, 65519.996, 65520, 65535, 1e5, 3e38, np.inf], dtype=np.float32
+    )
     mag = np.concatenate([h, mids, *near, f32_subnormal, bits, edge])
     return np.concatenate([mag, -mag])
 
@@ -588,11 +653,18 @@ def test_a_batched_steps_f16_row_store_rounds_as_numpys_cast_bit_for_bit(numba_o
     with np.errstate(over="ignore"):
         for chunk in values.reshape(-1, n_rows, n_kv * d)[:64]:
             fused = np.concatenate([chunk, chunk[::-1]], axis=1)  # [B, 2 Hkv D]: k, v as column views
-            k, v = fused[:, : n_kv * d].reshape(n_rows, n_kv, d), fused[:, n_kv * d :].reshape(n_rows, n_kv, d)
+            k, v = (
+                fused[:, : n_kv * d].reshape(n_rows, n_kv, d),
+                fused[:, n_kv * d :].reshape(n_rows, n_kv, d),
+            )
             k_arena, v_arena = np.full((2, 8, 32, n_kv, d), 7.0, dtype=np.float16)
             numba_ops.store_kv_rows(k, v, k_arena, v_arena, slots, positions)
-            assert np.array_equal(k_arena[slots, positions].view(np.uint16), k.astype(np.float16).view(np.uint16))
-            assert np.array_equal(v_arena[slots, positions].view(np.uint16), v.astype(np.float16).view(np.uint16))
+            assert np.array_equal(
+                k_arena[slots, positions].view(np.uint16), k.astype(np.float16).view(np.uint16)
+            )
+            assert np.array_equal(
+                v_arena[slots, positions].view(np.uint16), v.astype(np.float16).view(np.uint16)
+            )
             untouched = np.ones((8, 32), dtype=bool)
             untouched[slots, positions] = False
             assert (k_arena[untouched] == 7.0).all() and (v_arena[untouched] == 7.0).all()

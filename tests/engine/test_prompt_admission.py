@@ -32,7 +32,14 @@ def _texts() -> list[str]:
         texts += [case["text"] for case in reference("llamacpp", model)["tokenize"]]
     texts += [path.read_text(encoding="utf-8") for path in sorted((REPO / "spec").glob("*.md"))]
     # what the bound must not overestimate: the longest tokens, special tokens, bytes SmolLM2 drops
-    texts += [" " * 80, "\n" + " " * 80, "\n" * 31, "<|im_start|>" * 9, "<start_of_turn>\u2581" * 5, "\x04" * 50]
+    texts += [
+        " " * 80,
+        "\n" + " " * 80,
+        "\n" * 31,
+        "<|im_start|>" * 9,
+        "<start_of_turn>\u2581" * 5,
+        "\x04" * 50,
+    ]
     return texts
 
 
@@ -44,7 +51,9 @@ def test_min_tokens_is_a_lower_bound_on_real_text(tokenizers, model):
     assert tok.max_token_bytes <= max(len(t.encode()) for t in tok.vocab.tokens)
     for text in _texts():
         for add_special in (False, True):
-            assert tok.min_tokens(text, add_special=add_special) <= len(tok.encode(text, add_special=add_special))
+            assert tok.min_tokens(text, add_special=add_special) <= len(
+                tok.encode(text, add_special=add_special)
+            )
     assert tok.min_tokens("x" * 10 * tok.max_token_bytes) == 10
 
 
@@ -78,7 +87,9 @@ def completer(tokenizers, templates):
     ids=["ascii", "cjk", "chat", "mixed"],
 )
 def test_a_huge_prompt_is_refused_before_tokenizing(completer, form):
-    completer.complete(parse_request({"prompt": "The capital of France is", "n_predict": 2, "temperature": 0}))
+    completer.complete(
+        parse_request({"prompt": "The capital of France is", "n_predict": 2, "temperature": 0})
+    )
     held = list(completer.runner.tokens_held)
     with pytest.raises(ContextOverflow) as info:
         completer.complete(parse_request({**form, "n_predict": 1}))
@@ -105,7 +116,9 @@ def test_serve_refuses_a_50_mb_prompt_and_goes_on():
          "--ctx-size", str(N_CTX)],
         input=lines, capture_output=True, timeout=600, check=False,
     )  # fmt: skip
-    print(f"serve: a {len(request) / 1e6:.0f} MB COMPLETE answered, with start-up, in {time.perf_counter() - start:.1f} s")
+    print(
+        f"serve: a {len(request) / 1e6:.0f} MB COMPLETE answered, with start-up, in {time.perf_counter() - start:.1f} s"
+    )
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     ready, *answers = (json.loads(line) for line in done.stdout.splitlines())
     by_id = {line["id"]: line for line in answers}

@@ -45,7 +45,7 @@ def test_error_kinds_table_is_the_enum():
 
 def test_reasons_table_is_the_enum_and_its_kinds():
     errors = section(SPEC, "## Errors")
-    rows = table_rows(errors[errors.index("The reasons the protocol itself gives"):])
+    rows = table_rows(errors[errors.index("The reasons the protocol itself gives") :])
     assert {code(r[0]): code(r[1]) for r in rows} == {r.value: k.value for r, k in P.REASON_KINDS.items()}
     assert set(P.REASON_KINDS) == set(P.Reason)
     too_long = next(r for r in rows if code(r[0]) == P.Reason.LINE_TOO_LONG)
@@ -67,19 +67,24 @@ def test_ready_line_names_the_protocol_version_and_engine():
 def test_slot_verbs_are_the_registry_s_slotted_verbs():
     """The verbs Lines says act on one slot are the ones the registry marks so (they take `slot`, slot_busy)."""
     lines = " ".join(section(SPEC, "## Lines").split())
-    named = lines[lines.index("- `slot`: for the verbs that act on one slot"):].split(")", 1)[0]
+    named = lines[lines.index("- `slot`: for the verbs that act on one slot") :].split(")", 1)[0]
     registry = build_registry()
-    assert sorted(re.findall(r"`([A-Z_]+)`", named)) == sorted(v for v in registry.verbs if registry.get(v).slotted)
+    assert sorted(re.findall(r"`([A-Z_]+)`", named)) == sorted(
+        v for v in registry.verbs if registry.get(v).slotted
+    )
 
 
 def test_the_verbs_answered_off_the_step_loop_are_the_worker_s():
     """Scheduling names the verbs run on the worker thread, and those that start stepped jobs."""
     scheduling = " ".join(section(SPEC, "## Scheduling").split())
-    worker = scheduling[scheduling.index("- `TOKENIZE`"):].split(" run on worker threads", 1)[0]
+    worker = scheduling[scheduling.index("- `TOKENIZE`") :].split(" run on worker threads", 1)[0]
     registry = build_registry()
     on_worker = sorted(v for v in registry.verbs if registry.get(v).dispatch is P.Dispatch.WORKER)
     assert sorted(set(re.findall(r"`([A-Z_]+)`", worker)) - {"COMPLETE"}) == on_worker
-    assert sorted(v for v in registry.verbs if registry.get(v).dispatch is P.Dispatch.JOB) == ["COMPLETE", "EMBED"]
+    assert sorted(v for v in registry.verbs if registry.get(v).dispatch is P.Dispatch.JOB) == [
+        "COMPLETE",
+        "EMBED",
+    ]
     assert {v for v in registry.verbs if registry.get(v).dispatch is P.Dispatch.JOB} == P.CANCELLABLE_VERBS
 
 
@@ -87,8 +92,10 @@ def test_the_cut_chunk_rule_is_the_scheduler_s():
     from strata_engine import scheduler
 
     scheduling = " ".join(section(SPEC, "## Scheduling").split())
-    assert (f"cut to a quarter of `--prefill-chunk` (at least {scheduler.MIN_CUT_CHUNK} tokens" in scheduling
-            and scheduler.CUT_CHUNK_SHARE == 4)  # "a quarter"
+    assert (
+        f"cut to a quarter of `--prefill-chunk` (at least {scheduler.MIN_CUT_CHUNK} tokens" in scheduling
+        and scheduler.CUT_CHUNK_SHARE == 4
+    )  # "a quarter"
 
 
 def test_every_mapped_exception_names_a_listed_kind_and_reason():
@@ -103,10 +110,14 @@ def test_every_mapped_exception_names_a_listed_kind_and_reason():
 def test_the_protocol_module_loads_no_other_engine_code():
     """strata-server imports the vocabulary from it: only the exceptions (a leaf module) come with it."""
     probe = "import json, sys, strata_engine.protocol; print(json.dumps(sorted(sys.modules)))"
-    loaded = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                                       check=True).stdout)
-    assert [m for m in loaded if m.startswith("strata_engine")] == \
-        ["strata_engine", "strata_engine.errors", "strata_engine.protocol"]
+    loaded = json.loads(
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    )
+    assert [m for m in loaded if m.startswith("strata_engine")] == [
+        "strata_engine",
+        "strata_engine.errors",
+        "strata_engine.protocol",
+    ]
     assert "numpy" not in loaded
 
 
@@ -114,11 +125,16 @@ def test_the_wire_layer_loads_no_numpy():
     """The server and its tests' fake engine speak through it: the protocol, the exceptions and the settings'
     enums come with it, no engine code."""
     probe = "import json, sys, strata_engine.wire; print(json.dumps(sorted(sys.modules)))"
-    loaded = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                                       check=True).stdout)
-    assert [m for m in loaded if m.startswith("strata_engine")] == \
-        ["strata_engine", "strata_engine.errors", "strata_engine.protocol", "strata_engine.settings",
-         "strata_engine.wire"]
+    loaded = json.loads(
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    )
+    assert [m for m in loaded if m.startswith("strata_engine")] == [
+        "strata_engine",
+        "strata_engine.errors",
+        "strata_engine.protocol",
+        "strata_engine.settings",
+        "strata_engine.wire",
+    ]
     assert "numpy" not in loaded
 
 
@@ -139,7 +155,9 @@ def test_every_engine_exception_is_defined_in_errors_or_protocol():
                 defined[name] = obj
     assert {cls.__module__ for cls in defined.values()} == {"strata_engine.errors", "strata_engine.protocol"}
     assert all(issubclass(cls, EngineError) for cls in defined.values())
-    assert {"ProtocolError", "FailStop"} == {n for n, c in defined.items() if c.__module__ == "strata_engine.protocol"}
+    assert {"ProtocolError", "FailStop"} == {
+        n for n, c in defined.items() if c.__module__ == "strata_engine.protocol"
+    }
 
 
 def test_every_verb_s_object_is_its_argument_class():
@@ -157,16 +175,23 @@ def test_every_verb_s_object_is_its_argument_class():
         for field in attrs.fields(arguments):
             default = field.default
             if verb in ("COMPLETE", "PROMPT_TOKENS"):  # None there: the engine's default, the spec's column
-                default = getattr(CompletionRequest(), field.name, getattr(SamplingParams(), field.name, None))
+                default = getattr(
+                    CompletionRequest(), field.name, getattr(SamplingParams(), field.name, None)
+                )
             if isinstance(default, bool):
-                assert spec_fields[field.name].strip().endswith(f"= {json.dumps(default)}"), (verb, field.name)
+                assert spec_fields[field.name].strip().endswith(f"= {json.dumps(default)}"), (
+                    verb,
+                    field.name,
+                )
 
 
 def test_arguments_name_every_bad_field_and_ignore_unknown_ones():
     assert wire.arguments(wire.SaveArgs, {"path": "x.ssf", "other": 1}) == wire.SaveArgs("x.ssf", sync=True)
     assert wire.arguments(wire.SaveArgs, {"path": "x.ssf", "sync": False}).sync is False
     try:
-        wire.arguments(wire.RestorePrefixArgs, {"path": "a\nb", "cut_to": -1, "min_keep": "3", "discard_held": 0})
+        wire.arguments(
+            wire.RestorePrefixArgs, {"path": "a\nb", "cut_to": -1, "min_keep": "3", "discard_held": 0}
+        )
     except InvalidRequest as exc:
         assert [p.split()[0] for p in exc.problems] == ["path", "cut_to", "min_keep", "discard_held"]
         assert P.error_payload(exc)["reason"] == P.Reason.BAD_FIELD

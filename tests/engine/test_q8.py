@@ -46,7 +46,9 @@ def _check(got, x, w, name):
     scale = np.abs(x).astype(np.float64) @ np.abs(dense).T
     assert got.dtype == np.float32 and got.shape == (x.shape[0], w.shape[0]), name
     oracle = q8.matmul_q8(x, w)
-    assert np.all(np.abs(got - oracle) <= Q8_ORACLE_RTOL * scale), f"{name}: {np.max(np.abs(got - oracle) / scale):.1e}"
+    assert np.all(np.abs(got - oracle) <= Q8_ORACLE_RTOL * scale), (
+        f"{name}: {np.max(np.abs(got - oracle) / scale):.1e}"
+    )
     _, dx = q8.quantize_rows(x)
     half_step = np.repeat(dx.astype(np.float64) / 2, q8.QX, axis=1) @ np.abs(dense).T
     err = np.abs(got - x.astype(np.float64) @ dense.T)
@@ -65,7 +67,9 @@ def test_quantization_matches_the_oracle_per_weight_block():
     for k in (512, 576, 640):
         x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 100, (m, 1))).astype(np.float32)
         x[1, :32] = 0  # a block of zeros: dx 0, qx 0
-        x[2, :32] = np.resize(np.float32([127, 2.5, -2.5, 0.5, -0.5, 126.5, -126.5, 1.5]), 32)  # dx 1: exact halves
+        x[2, :32] = np.resize(
+            np.float32([127, 2.5, -2.5, 0.5, -0.5, 126.5, -126.5, 1.5]), 32
+        )  # dx 1: exact halves
         qx, dx = q8.quantize_rows(x)
         assert np.abs(qx).max() <= 127 and np.all(qx[1, :32] == 0)
         assert list(qx[2, :8]) == [127, 3, -3, 1, -1, 127, -127, 2]
@@ -97,7 +101,9 @@ def test_a_tiled_weight_keeps_its_bytes_and_reads_its_rows_in_order():
         assert tiled.tiled and not w.tiled and tiled.tile() is tiled and w.natural() is w
         assert tiled.shape == w.shape and tiled.nbytes == w.nbytes and tiled.values.dtype == w.values.dtype
         dwords = w.values.view(np.int32)
-        np.testing.assert_array_equal(tiled.values.view(np.int32)[0, :TILE_ROWS], dwords[:TILE_ROWS, 0])  # row l's dword 0
+        np.testing.assert_array_equal(
+            tiled.values.view(np.int32)[0, :TILE_ROWS], dwords[:TILE_ROWS, 0]
+        )  # row l's dword 0
         flat = tiled.scale.reshape(-1)  # tile 0: block 1 of its 16 rows after their block 0
         np.testing.assert_array_equal(flat[TILE_ROWS : 2 * TILE_ROWS], w.scale[:TILE_ROWS, 1])
         back = tiled.natural()
@@ -139,7 +145,11 @@ def test_a_five_bit_weight_keeps_every_value_in_fewer_bytes():
     assert part.five_bit and np.shares_memory(part.high, five.high)
     np.testing.assert_array_equal(part.natural().values, w.values[TILE_ROWS:48])
     wide = PackedWeight(np.where(w.values == 15, np.int8(16), w.values), w.scale, None, w.block).tile()
-    untiled_or_other = [w, wide, *(random_packed(t, 48, 512, rng)[0].tile() for t in PACKERS if t.name != "Q5_0")]
+    untiled_or_other = [
+        w,
+        wide,
+        *(random_packed(t, 48, 512, rng)[0].tile() for t in PACKERS if t.name != "Q5_0"),
+    ]
     for other in untiled_or_other:
         if other.fits_five_bits():  # another type's values may fall in range (Q8_0 of small weights)
             continue
@@ -162,7 +172,9 @@ def test_five_bit_products_equal_the_int8_ones_bit_for_bit(parallel):
         five = tiled.as_five_bit()
         for n_tok in (1, 2, 7, 8, 9, 17):
             x = rng.standard_normal((n_tok, k)).astype(np.float32)
-            np.testing.assert_array_equal(numba_q8.product(x, five, parallel), numba_q8.product(x, tiled, parallel))
+            np.testing.assert_array_equal(
+                numba_q8.product(x, five, parallel), numba_q8.product(x, tiled, parallel)
+            )
 
 
 @needs_vnni
@@ -205,7 +217,10 @@ def test_q8_products_match_the_oracle_for_every_packing(q8_ops, n_tok):
 
     rng = np.random.default_rng(21)
     for k in (512, 576, 640):
-        weights = [(t.name, random_packed(t, 48, k if t.name[-1] != "K" else 256 * (k // 256), rng)[0]) for t in PACKERS]
+        weights = [
+            (t.name, random_packed(t, 48, k if t.name[-1] != "K" else 256 * (k // 256), rng)[0])
+            for t in PACKERS
+        ]
         weights += [(str(layout), made_packed(layout, 48, k, rng)) for layout in EXTRA_LAYOUTS]
         for name, w in weights:
             tiled = q8_ops.packed_layout(w)
@@ -241,7 +256,9 @@ def test_q8_kernels_compile_once_per_layout(q8_ops):
     """A layout's q8 kernel compiles once: 1, 8 or 20 token rows, K of 16 or 18 blocks, one or two tiles, pass
     the same types (another signature would compile in a request)."""
     rng = np.random.default_rng(24)
-    w = q8_ops.packed_layout(made_packed(EXTRA_LAYOUTS[2], 16, 512, rng))  # int8 16-value blocks, float32 scales, a min
+    w = q8_ops.packed_layout(
+        made_packed(EXTRA_LAYOUTS[2], 16, 512, rng)
+    )  # int8 16-value blocks, float32 scales, a min
     for n_tok in (1, 64):  # the serial kernel, and the parallel one from PARALLEL_MIN_BYTES
         q8_ops.matmul(rng.standard_normal((n_tok, 512)).astype(np.float32), w)
     before = len(numba_q8.matmul_q8.signatures), len(numba_q8.matmul_q8_serial.signatures)
@@ -315,7 +332,9 @@ def test_q8_engine_matches_llama_cpp_while_its_margin_is_clear(name):
 
     path = smollm2_model_path() if name == "smollm2" else gemma3_model_path()
     runners = {
-        kernels: ModelRunner.load(EngineSettings(model_path=path, kv_type="f16", n_ctx=256, cpu_kernels=kernels))
+        kernels: ModelRunner.load(
+            EngineSettings(model_path=path, kv_type="f16", n_ctx=256, cpu_kernels=kernels)
+        )
         for kernels in ("numba-q8", "numba")
     }
     runner = runners["numba-q8"]
@@ -323,7 +342,9 @@ def test_q8_engine_matches_llama_cpp_while_its_margin_is_clear(name):
     worst = 0.0
     for case in reference("llamacpp", name)["complete"]:
         tokens, _ = greedy(runner, case["prompt_tokens"])
-        upto = next((i for i, top5 in enumerate(case["top5"]) if top2_margin(top5) <= LLAMA_CPP_MARGIN), len(tokens))
+        upto = next(
+            (i for i, top5 in enumerate(case["top5"]) if top2_margin(top5) <= LLAMA_CPP_MARGIN), len(tokens)
+        )
         assert tokens[:upto] == case["tokens"][:upto], f"prompt {case['prompt']!r} (compared {upto} steps)"
         forced = {}
         for kernels, each in runners.items():

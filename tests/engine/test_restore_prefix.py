@@ -54,8 +54,10 @@ def test_restore_prefix_cuts_refuses_and_lands_in_place(smollm2, tmp_path):
     path = tmp_path / "chat.ssf"
     assert smollm2.result("SAVE", {"path": str(path)})["n_saved"] == 603
     header = sf.inspect(path, verify=False).header
-    assert smollm2.ready["session_fingerprints"] == {"model": header.model_fingerprint.hex(),
-                                                      "config": header.config_fingerprint.hex()}
+    assert smollm2.ready["session_fingerprints"] == {
+        "model": header.model_fingerprint.hex(),
+        "config": header.config_fingerprint.hex(),
+    }
     # The reference: the engine that held the conversation cuts it to 300 through its prompt cache.
     reference = smollm2.complete(prompt[:300] + other, 8)
     assert reference["timings"]["cache_n"] == 300
@@ -69,8 +71,9 @@ def test_restore_prefix_cuts_refuses_and_lands_in_place(smollm2, tmp_path):
     assert turn["timings"]["cache_n"] == 300 and turn["tokens"] == reference["tokens"]
 
     held = smollm2.result("STATUS")["slots"][0]["tokens_held_digest"]
-    refused = smollm2.command("RESTORE_PREFIX", {"path": str(path), "cut_to": 100, "min_keep": 200,
-                                                 "discard_held": True})
+    refused = smollm2.command(
+        "RESTORE_PREFIX", {"path": str(path), "cut_to": 100, "min_keep": 200, "discard_held": True}
+    )
     assert refused["error"]["type"] == "session_refused"
     assert (refused["error"]["reason"], refused["error"]["resume_point"]) == ("prefix_unreachable", 100)
     assert smollm2.result("STATUS")["slots"][0]["tokens_held_digest"] == held  # refused before the gate: kept
@@ -84,13 +87,19 @@ def test_restore_prefix_cuts_refuses_and_lands_in_place(smollm2, tmp_path):
     corrupt.write_bytes(bytes(data))
     refused = smollm2.command("RESTORE_PREFIX", {"path": str(corrupt), "discard_held": True})
     assert (refused["error"]["type"], refused["error"]["reason"]) == ("session_refused", "payload_corrupt")
-    assert smollm2.result("STATUS")["slots"][0]["n_tokens_held"] == 0  # refused during the in-place read: nothing held
+    assert (
+        smollm2.result("STATUS")["slots"][0]["n_tokens_held"] == 0
+    )  # refused during the in-place read: nothing held
     after = smollm2.complete(prompt[:300] + other, 8)
     cold = smollm2.complete(prompt[:300] + other, 8, cache_prompt=False)  # erased first: nothing left behind
     assert after["timings"]["cache_n"] == 0 and after["tokens"] == cold["tokens"]
 
-    for bad in ({"path": str(path), "cut_to": -1}, {"path": ""}, {"path": str(path), "discard_held": 1},
-                {"path": str(path), "min_keep": "2"}):
+    for bad in (
+        {"path": str(path), "cut_to": -1},
+        {"path": ""},
+        {"path": str(path), "discard_held": 1},
+        {"path": str(path), "min_keep": "2"},
+    ):
         error = smollm2.command("RESTORE_PREFIX", bad)["error"]
         assert (error["type"], error["reason"]) == ("invalid_request", "bad_field"), bad
 
@@ -103,7 +112,9 @@ def test_save_unsynced_writes_the_file_save_writes(smollm2, tmp_path):
     assert smollm2.result("SAVE", {"path": str(synced)})["n_saved"] == 302
     answer = smollm2.result("SAVE", {"path": str(unsynced), "sync": False})
     assert (answer["n_saved"], answer["n_written"]) == (302, unsynced.stat().st_size)
-    assert unsynced.read_bytes() == synced.read_bytes()  # complete once it appears: renamed from its temporary
+    assert (
+        unsynced.read_bytes() == synced.read_bytes()
+    )  # complete once it appears: renamed from its temporary
     assert sorted(p.name for p in tmp_path.iterdir()) == ["synced.ssf", "unsynced.ssf.pending"]
     assert sf.inspect(unsynced).payload_verified
     failed = smollm2.command("SAVE", {"path": str(tmp_path / "no-such-folder" / "x.ssf"), "sync": False})

@@ -21,8 +21,13 @@ N_CTX_SLOT = 512
 
 
 def make_slots(n_slots: int):
-    return SlotSet.sharing(base_runner("smollm2"), n_slots=n_slots, n_ctx=N_CTX_SLOT * n_slots, prefill_chunk=CHUNK,
-                           kv_type="f16")
+    return SlotSet.sharing(
+        base_runner("smollm2"),
+        n_slots=n_slots,
+        n_ctx=N_CTX_SLOT * n_slots,
+        prefill_chunk=CHUNK,
+        kv_type="f16",
+    )
 
 
 @pytest.fixture
@@ -53,8 +58,10 @@ def digest(tokens) -> str:
 def test_concurrent_completes_interleave_and_each_gets_its_greedy_tokens_alone(engine):
     prompts = {"a": prompt(20, 1), "b": prompt(45, 2), "c": prompt(7, 3)}
     alone = engine(1)
-    expected = {rid: alone.command("COMPLETE", greedy(id=rid, prompt=p, n_predict=10, cache_prompt=False))["tokens"]
-                for rid, p in prompts.items()}
+    expected = {
+        rid: alone.command("COMPLETE", greedy(id=rid, prompt=p, n_predict=10, cache_prompt=False))["tokens"]
+        for rid, p in prompts.items()
+    }
     e = engine(3)
     for slot, (rid, p) in enumerate(prompts.items()):
         e.send("COMPLETE", greedy(id=rid, slot=slot, prompt=p, n_predict=10))
@@ -64,7 +71,9 @@ def test_concurrent_completes_interleave_and_each_gets_its_greedy_tokens_alone(e
         assert result["tokens"] == expected[rid]
         assert [line["token"] for _, line in e.of(rid, "token")] == expected[rid]
     order = [line["id"] for _, line in e.log if line["event"] == "token"]
-    assert sum(x != y for x, y in zip(order, order[1:], strict=False)) > 2  # interleaved, not one after another
+    assert (
+        sum(x != y for x, y in zip(order, order[1:], strict=False)) > 2
+    )  # interleaved, not one after another
     # every step decoded every slot that was generating: 3 requests of 10 tokens in well under 30 steps
     assert e.scheduler.steps < 20
     # the steps each request was processing in, and its share of them: summed, the steps and their busy slots
@@ -97,10 +106,12 @@ def test_each_step_is_launched_before_the_last_ones_tokens_are_accepted_and_an_e
     collected, its slot holding what the same request leaves alone. Every stream gets its tokens alone."""
     alone = engine(1)
     plain = alone.command("COMPLETE", greedy(id="p", prompt=prompt(9, 40), n_predict=24, cache_prompt=False))
-    stop = plain["content"][len(plain["content"]) // 2:][:3]
-    requests = {"w": greedy(id="w", prompt=prompt(9, 40), n_predict=24, stop=[stop], cache_prompt=False),
-                "n": greedy(id="n", prompt=prompt(14, 41), n_predict=7, cache_prompt=False),
-                "l": greedy(id="l", prompt=prompt(5, 42), n_predict=30, cache_prompt=False)}
+    stop = plain["content"][len(plain["content"]) // 2 :][:3]
+    requests = {
+        "w": greedy(id="w", prompt=prompt(9, 40), n_predict=24, stop=[stop], cache_prompt=False),
+        "n": greedy(id="n", prompt=prompt(14, 41), n_predict=7, cache_prompt=False),
+        "l": greedy(id="l", prompt=prompt(5, 42), n_predict=30, cache_prompt=False),
+    }
     e = engine(3)
     expected = alone_then_together(alone, e, requests)
     assert expected["w"]["stop_type"] == "word" and len(expected["w"]["tokens"]) < 24
@@ -114,7 +125,9 @@ def test_each_step_is_launched_before_the_last_ones_tokens_are_accepted_and_an_e
 def test_a_long_prompt_delays_another_slots_tokens_by_at_most_one_chunk(engine):
     e = engine(2)
     e.send("COMPLETE", greedy(id="short", slot=0, prompt=prompt(5, 4), n_predict=24))
-    e.send("COMPLETE", greedy(id="long", slot=1, prompt=prompt(20 * CHUNK, 5), n_predict=2, return_progress=True))
+    e.send(
+        "COMPLETE", greedy(id="long", slot=1, prompt=prompt(20 * CHUNK, 5), n_predict=2, return_progress=True)
+    )
     assert e.terminal("short")["event"] == "result" and e.terminal("long")["event"] == "result"
     token_steps = [step for step, _ in e.of("short", "token")]
     assert len(token_steps) == 24
@@ -123,7 +136,9 @@ def test_a_long_prompt_delays_another_slots_tokens_by_at_most_one_chunk(engine):
     processed = [line["processed"] for _, line in e.of("long", "progress")]
     assert len(chunk_steps) == 20 and len(set(chunk_steps)) == 20  # one chunk per step
     assert np.all(np.diff([0, *processed]) <= CHUNK)
-    assert sum(token_steps[0] < s < token_steps[-1] for s in chunk_steps) >= 15  # evaluated while "short" decoded
+    assert (
+        sum(token_steps[0] < s < token_steps[-1] for s in chunk_steps) >= 15
+    )  # evaluated while "short" decoded
 
 
 def test_cancel_one_id_and_the_others_finish(engine):
@@ -180,8 +195,11 @@ def test_slot_busy_duplicate_id_and_bad_slot(engine):
     e = engine(2)
     e.send("COMPLETE", greedy(id="a", slot=1, prompt=prompt(8, 8), n_predict=50))
     e.until(lambda line: line.get("id") == "a" and line["event"] == "token")
-    for verb, arg in (("COMPLETE", greedy(id="b", slot=1, prompt=[5], n_predict=1)),
-                      ("ERASE", {"id": "b", "slot": 1}), ("SAVE", {"id": "b", "slot": 1, "path": "/nonexistent/x"})):
+    for verb, arg in (
+        ("COMPLETE", greedy(id="b", slot=1, prompt=[5], n_predict=1)),
+        ("ERASE", {"id": "b", "slot": 1}),
+        ("SAVE", {"id": "b", "slot": 1, "path": "/nonexistent/x"}),
+    ):
         busy = e.command(verb, arg)
         assert busy["event"] == "error" and busy["slot"] == 1, busy
         assert (busy["error"]["type"], busy["error"]["reason"]) == ("slot_busy", "slot_busy")
@@ -205,7 +223,9 @@ def test_save_one_slot_while_another_streams_and_a_refused_restore_keeps_the_slo
     e.until(lambda line: line.get("id") == "g" and line["event"] == "token")
     path = tmp_path / "slot1.session"
     saved = e.command("SAVE", {"id": "save", "slot": 1, "path": str(path)})
-    assert saved["event"] == "result" and saved["slot"] == 1 and saved["n_saved"] == held["n_tokens_held"] == 64
+    assert (
+        saved["event"] == "result" and saved["slot"] == 1 and saved["n_saved"] == held["n_tokens_held"] == 64
+    )
     assert not e.of("g", "result")  # saved while "g" streamed
     digest1 = e.command("STATUS")["slots"][1]["tokens_held_digest"]
     corrupt = tmp_path / "corrupt.session"
@@ -213,7 +233,9 @@ def test_save_one_slot_while_another_streams_and_a_refused_restore_keeps_the_slo
     data[len(data) // 2] ^= 0xFF
     corrupt.write_bytes(bytes(data))
     refused = e.command("RESTORE", {"id": "r", "slot": 1, "path": str(corrupt)})
-    assert refused["event"] == "error" and refused["error"]["type"] == "session_refused" and refused["slot"] == 1
+    assert (
+        refused["event"] == "error" and refused["error"]["type"] == "session_refused" and refused["slot"] == 1
+    )
     assert e.command("STATUS")["slots"][1]["tokens_held_digest"] == digest1
     assert e.terminal("g")["tokens"] == expected  # the stream went on, unchanged
     # a file of slot 1 restores into slot 0
@@ -237,27 +259,42 @@ def test_an_unexpected_failure_in_a_step_erases_that_slot_and_the_engine_serves_
     try:
         e.send("COMPLETE", greedy(id="a", slot=0, prompt=prompt(6, 13), n_predict=4))
         failed = e.terminal("a")
-        assert [line["event"] for _, line in e.of("a")] == ["token", "error"]  # the prefill's token, then the step
+        assert [line["event"] for _, line in e.of("a")] == [
+            "token",
+            "error",
+        ]  # the prefill's token, then the step
         assert failed["slot"] == 0 and failed["error"]["type"] == "internal"
-        assert "device lost" in failed["error"]["message"] and "slot 0 was erased" in failed["error"]["message"]
+        assert (
+            "device lost" in failed["error"]["message"] and "slot 0 was erased" in failed["error"]["message"]
+        )
         status = e.command("STATUS", {"id": "s"})
         assert status["slots"][0]["n_tokens_held"] == 0 and status["slots"][1]["tokens_held_digest"] == kept
     finally:
         e.close()
 
 
-def test_while_a_slot_generates_a_prompt_is_cut_into_smaller_chunks_and_alone_into_full_ones(tokenizers, templates):
+def test_while_a_slot_generates_a_prompt_is_cut_into_smaller_chunks_and_alone_into_full_ones(
+    tokenizers, templates
+):
     full = 128
-    slots = SlotSet.sharing(base_runner("smollm2"), n_slots=2, n_ctx=2 * N_CTX_SLOT, prefill_chunk=full,
-                            kv_type="f16")
+    slots = SlotSet.sharing(
+        base_runner("smollm2"), n_slots=2, n_ctx=2 * N_CTX_SLOT, prefill_chunk=full, kv_type="f16"
+    )
     e = InProcessEngine(slots, tokenizers["smollm2"], templates["smollm2"])
     try:
-        e.command("COMPLETE", greedy(id="alone", slot=1, prompt=prompt(3 * full, 20), n_predict=1,
-                                     return_progress=True))
-        assert np.diff([0, *(line["processed"] for _, line in e.of("alone", "progress"))]).tolist() == [full] * 3
+        e.command(
+            "COMPLETE",
+            greedy(id="alone", slot=1, prompt=prompt(3 * full, 20), n_predict=1, return_progress=True),
+        )
+        assert (
+            np.diff([0, *(line["processed"] for _, line in e.of("alone", "progress"))]).tolist() == [full] * 3
+        )
         e.send("COMPLETE", greedy(id="gen", slot=0, prompt=prompt(5, 21), n_predict=400))
         e.until(lambda line: line.get("id") == "gen" and line["event"] == "token")
-        e.send("COMPLETE", greedy(id="long", slot=1, prompt=prompt(3 * full, 22), n_predict=1, return_progress=True))
+        e.send(
+            "COMPLETE",
+            greedy(id="long", slot=1, prompt=prompt(3 * full, 22), n_predict=1, return_progress=True),
+        )
         assert e.terminal("long")["timings"]["prompt_n"] == 3 * full
         e.send("CANCEL", {"id": "gen"})
         assert e.terminal("gen")["stop_type"] == "cancelled"
@@ -285,7 +322,9 @@ def test_a_huge_complete_line_is_read_and_parsed_beside_the_steps(engine):
     # the loop went on stepping while the line was read and parsed (not one 64 KiB block per step boundary)
     assert answered_at - sent_at < 64, (sent_at, written_at, answered_at)
     tokens = [step for step, _ in e.of("g", "token")]
-    assert sum(sent_at < step <= answered_at for step in tokens) == answered_at - sent_at  # a token every step
+    assert (
+        sum(sent_at < step <= answered_at for step in tokens) == answered_at - sent_at
+    )  # a token every step
     e.send("CANCEL", {"id": "g"})
     assert e.terminal("g")["stop_type"] == "cancelled"
 
@@ -297,8 +336,11 @@ def test_cancel_ends_an_embed_between_chunks_and_the_engine_serves_on(engine):
     e.send("EMBED", {"id": "emb", "tokens": prompt(30 * CHUNK, 41)})
     e.send("CANCEL", {"id": "emb"})
     cancelled = e.terminal("emb")
-    assert (cancelled["event"], cancelled["error"]["type"], cancelled["error"]["reason"]) == \
-        ("error", "cancelled", "cancelled")
+    assert (cancelled["event"], cancelled["error"]["type"], cancelled["error"]["reason"]) == (
+        "error",
+        "cancelled",
+        "cancelled",
+    )
     done, total = map(int, re.search(r"after (\d+) of (\d+) tokens", cancelled["error"]["message"]).groups())
     assert total == 30 * CHUNK and done < total and done % CHUNK == 0  # ended between two chunks
     e.send("CANCEL", {"id": "emb"})  # no longer in flight: ignored, no line
@@ -353,7 +395,9 @@ def test_every_forward_pass_is_counted_once_embeds_cancels_and_concurrent_steps_
 
 
 def test_the_passes_of_a_request_that_failed_are_counted(tokenizers, templates):
-    slots = FailsAfterItsThirdDecode.sharing(base_runner("smollm2"), n_slots=1, n_ctx=N_CTX_SLOT, prefill_chunk=CHUNK)
+    slots = FailsAfterItsThirdDecode.sharing(
+        base_runner("smollm2"), n_slots=1, n_ctx=N_CTX_SLOT, prefill_chunk=CHUNK
+    )
     e = InProcessEngine(slots, tokenizers["smollm2"], templates["smollm2"])
     try:
         failed = e.command("COMPLETE", greedy(id="f", prompt=prompt(20, 55), n_predict=10))

@@ -31,7 +31,12 @@ def test_ready_line(engine):
     assert ready["event"] == "ready" and ready["protocol"] == 2 and ready["engine"] == "strata-engine"
     assert (ready["architecture"], ready["n_ctx"], ready["n_ctx_train"]) == ("llama", N_CTX, 8192)
     assert (ready["n_slots"], ready["n_ctx_slot"]) == (1, N_CTX)
-    assert (ready["n_vocab"], ready["n_layer"], ready["n_embd"], ready["n_params"]) == (49152, 30, 576, 134515008)
+    assert (ready["n_vocab"], ready["n_layer"], ready["n_embd"], ready["n_params"]) == (
+        49152,
+        30,
+        576,
+        134515008,
+    )
     assert (ready["bos_token"], ready["eos_token"], ready["add_bos"]) == ("<|im_start|>", "<|im_end|>", False)
     assert ready["kv_type"] == "f16" and ready["backend"] == "numpy" and ready["prompt_cache"] is True
     assert ready["cpu_kernels"] == "numba-q8" and ready["threads"] == len(os.sched_getaffinity(0))
@@ -41,7 +46,9 @@ def test_ready_line(engine):
 def test_complete_greedy_matches_the_references(engine):
     case = load_reference("llamacpp-smollm2-135m.json")["complete"][0]
     n = 8
-    lines = engine.all_lines("COMPLETE", {"prompt": case["prompt"], "n_predict": n, "temperature": 0, "n_probs": 2})
+    lines = engine.all_lines(
+        "COMPLETE", {"prompt": case["prompt"], "n_predict": n, "temperature": 0, "n_probs": 2}
+    )
     tokens, result = lines[:-1], lines[-1]
     assert [t["event"] for t in tokens] == ["token"] * n and result["event"] == "result"
     ids = [t["token"] for t in tokens]
@@ -66,7 +73,9 @@ def test_complete_greedy_matches_the_references(engine):
     assert (status["n_slots"], status["n_ctx_slot"], status["slots"][0]["slot"]) == (1, N_CTX, 0)
 
     # the next turn reuses the held prefix
-    again = engine.all_lines("COMPLETE", {"prompt": case["prompt"] + result["content"], "n_predict": 1, "temperature": 0})
+    again = engine.all_lines(
+        "COMPLETE", {"prompt": case["prompt"] + result["content"], "n_predict": 1, "temperature": 0}
+    )
     assert again[-1]["timings"]["cache_n"] >= len(case["prompt_tokens"])
 
 
@@ -88,7 +97,9 @@ def test_tokenize_detokenize_template(engine):
     unparsed = engine.all_lines("TOKENIZE", {"content": text, "parse_special": False})[-1]["tokens"]
     assert 1 not in unparsed
     pieces = engine.all_lines("TOKENIZE", {"content": "Hi 🚀", "with_pieces": True})[-1]["tokens"]
-    assert "".join(p["piece"] if isinstance(p["piece"], str) else bytes(p["piece"]).decode("latin-1") for p in pieces)
+    assert "".join(
+        p["piece"] if isinstance(p["piece"], str) else bytes(p["piece"]).decode("latin-1") for p in pieces
+    )
     assert engine.all_lines("DETOKENIZE", {"tokens": [1, 4093, 198, 6004, 2]})[-1]["content"] == text
     prompt = engine.all_lines("APPLY_TEMPLATE", {"messages": [{"role": "user", "content": "hi"}]})[-1]
     assert prompt["prompt"].endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
@@ -153,8 +164,10 @@ def test_cancel_while_the_prompt_is_read_keeps_what_was_read():
     try:
         assert process.ready["event"] == "ready"
         prompt = " ".join(f"word{i}" for i in range(100))  # ~250 tokens: a dozen chunks and more
-        process.send("COMPLETE", {"id": "p", "prompt": prompt, "n_predict": 8, "temperature": 0,
-                                  "return_progress": True})
+        process.send(
+            "COMPLETE",
+            {"id": "p", "prompt": prompt, "n_predict": 8, "temperature": 0, "return_progress": True},
+        )
         assert process.next_line()["event"] == "progress"  # the prompt is being read
         process.send('CANCEL {"id": "p"}')
         result = process.until_terminal()[-1]
@@ -164,8 +177,9 @@ def test_cancel_while_the_prompt_is_read_keeps_what_was_read():
         assert 16 <= read < result["tokens_evaluated"] and read % 16 == 0
         assert result["n_tokens_held"] == read
         # the next request for the same prompt starts where the cancelled one stopped
-        process.send("COMPLETE", {"prompt": prompt, "n_predict": 1, "temperature": 0,
-                                  "return_progress": True})  # a line per chunk: a loaded machine is slow
+        process.send(
+            "COMPLETE", {"prompt": prompt, "n_predict": 1, "temperature": 0, "return_progress": True}
+        )  # a line per chunk: a loaded machine is slow
         again = process.until_terminal()[-1]
         assert again["stop_type"] == "limit" and again["timings"]["cache_n"] == read
     finally:
@@ -177,14 +191,20 @@ def test_quit_exits_zero():
     try:
         assert process.ready["event"] == "ready"
         # a command sent while a COMPLETE runs is answered between its steps; QUIT waits for it to end
-        process.send("COMPLETE " + json.dumps({"id": "c", "prompt": "Hi", "n_predict": 2, "temperature": 0})
-                     + '\nSTATUS {"id": "s"}\nQUIT {"id": "q"}')
+        process.send(
+            "COMPLETE "
+            + json.dumps({"id": "c", "prompt": "Hi", "n_predict": 2, "temperature": 0})
+            + '\nSTATUS {"id": "s"}\nQUIT {"id": "q"}'
+        )
         terminals = {}
         while "q" not in terminals:
             line = process.next_line()
             if line["event"] == "result":
                 terminals[line["id"]] = line
-        assert terminals["c"]["stop_type"] == "limit" and terminals["s"]["slots"][0]["request_id"] in ("c", None)
+        assert terminals["c"]["stop_type"] == "limit" and terminals["s"]["slots"][0]["request_id"] in (
+            "c",
+            None,
+        )
         assert terminals["q"] == {"event": "result", "id": "q"}
         assert process.proc.wait(timeout=30) == 0
         assert process.lines.get(timeout=10) is None  # nothing after the QUIT result
@@ -250,9 +270,15 @@ def test_line_writer_held_lines_go_out_together_at_the_end():
             assert not readable()  # nothing written before the end
         lines = pipe.read(1 << 16).splitlines()
         assert [json.loads(line) for line in lines] == [
-            {"event": "token", "id": f"r{i}", "token": i, "piece": "é", "content": "é"} for i in range(3)]
+            {"event": "token", "id": f"r{i}", "token": i, "piece": "é", "content": "é"} for i in range(3)
+        ]
         requests[0].answer({"n": 1})  # outside held(): written at once
-        assert readable() and json.loads(pipe.read(1 << 16)) == {"event": "result", "id": "r0", "slot": 0, "n": 1}
+        assert readable() and json.loads(pipe.read(1 << 16)) == {
+            "event": "result",
+            "id": "r0",
+            "slot": 0,
+            "n": 1,
+        }
 
 
 @pytest.mark.slow
@@ -261,12 +287,18 @@ def test_gemma3_serves_with_its_builtin_turns():
     try:
         ready = process.ready
         assert (ready["architecture"], ready["n_vocab"], ready["add_bos"]) == ("gemma3", 262144, True)
-        assert (ready["bos_token"], ready["eos_token"], ready["chat_template_origin"]) == ("<bos>", "<eos>", "builtin:gemma3")
+        assert (ready["bos_token"], ready["eos_token"], ready["chat_template_origin"]) == (
+            "<bos>",
+            "<eos>",
+            "builtin:gemma3",
+        )
         prompt = process.all_lines("APPLY_TEMPLATE", {"messages": [{"role": "user", "content": "hi"}]})
         assert prompt[-1]["prompt"] == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
         case = load_reference("transformers-gemma3-270m.json")["complete"][0]
         lines = process.all_lines("COMPLETE", {"prompt": case["prompt"], "n_predict": 3, "temperature": 0})
-        assert lines[-1]["tokens"] == case["tokens"][:3] and lines[-1]["tokens_evaluated"] == len(case["prompt_tokens"])
+        assert lines[-1]["tokens"] == case["tokens"][:3] and lines[-1]["tokens_evaluated"] == len(
+            case["prompt_tokens"]
+        )
         assert process.all_lines("QUIT")[-1] == {"event": "result"} and process.proc.wait(timeout=30) == 0
     finally:
         process.close()
@@ -277,11 +309,21 @@ def test_two_slots_stream_at_once_and_each_gets_its_tokens_alone():
     try:
         ready = process.ready
         assert (ready["protocol"], ready["n_slots"], ready["n_ctx_slot"], ready["n_ctx"]) == (2, 2, 256, 512)
-        requests = {rid: {"id": rid, "slot": slot, "prompt": prompt, "n_predict": 6, "temperature": 0,
-                          "ignore_eos": True}
-                    for slot, (rid, prompt) in enumerate((("a", "Once upon a time"), ("b", "The capital of France")))}
-        alone = {rid: process.all_lines("COMPLETE", {**r, "slot": 0, "cache_prompt": False})[-1]["tokens"]
-                 for rid, r in requests.items()}
+        requests = {
+            rid: {
+                "id": rid,
+                "slot": slot,
+                "prompt": prompt,
+                "n_predict": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            for slot, (rid, prompt) in enumerate((("a", "Once upon a time"), ("b", "The capital of France")))
+        }
+        alone = {
+            rid: process.all_lines("COMPLETE", {**r, "slot": 0, "cache_prompt": False})[-1]["tokens"]
+            for rid, r in requests.items()
+        }
         for request in requests.values():
             process.send("COMPLETE", (request))
         lines: list[dict] = []
@@ -292,6 +334,8 @@ def test_two_slots_stream_at_once_and_each_gets_its_tokens_alone():
             assert [line["token"] for line in mine[:-1]] == mine[-1]["tokens"] == alone[rid]
             assert mine[-1]["slot"] == requests[rid]["slot"]
         order = [line["id"] for line in lines if line["event"] == "token"]
-        assert sum(x != y for x, y in zip(order, order[1:], strict=False)) > 1  # interleaved, not one after the other
+        assert (
+            sum(x != y for x, y in zip(order, order[1:], strict=False)) > 1
+        )  # interleaved, not one after the other
     finally:
         process.close()

@@ -51,7 +51,9 @@ def models():
         # small; the conformance kit saves and restores a few hundred of them.
         layers = config.layers[:6] if name == "gemma3" else config.layers[:4]
         if name == "gemma3":
-            layers = tuple(attrs.evolve(lc, window=SMALL_WINDOW if lc.window is not None else None) for lc in layers)
+            layers = tuple(
+                attrs.evolve(lc, window=SMALL_WINDOW if lc.window is not None else None) for lc in layers
+            )
         out[name] = (path, gguf, attrs.evolve(config, layers=tuple(layers), n_layer=len(layers)))
     return out
 
@@ -75,8 +77,9 @@ def tmp_path(tmp_path):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def synthetic_runner(models, name: str, kv_type: str = "f16", n_ctx: int = 64,
-                     kv_resident: int | None = None) -> ModelRunner:
+def synthetic_runner(
+    models, name: str, kv_type: str = "f16", n_ctx: int = 64, kv_resident: int | None = None
+) -> ModelRunner:
     path, gguf, config = models[name]
     settings = EngineSettings(path, n_ctx=n_ctx, kv_type=kv_type, kv_resident=kv_resident)
     pool = KVPool(KVGeometry.from_config(config, n_ctx, KVType(kv_type)), get_ops("numpy", "f32"))
@@ -87,6 +90,7 @@ def _random_parts(rng: np.random.Generator, pool: KVPool, i: int, m: int) -> KVP
     layer = pool.layer(i)
     row = layer.k.shape[1:]
     if layer.k_scale is None:
+
         def values():
             return rng.standard_normal((m, *row)).astype(layer.k.dtype)
 
@@ -133,10 +137,18 @@ def live_digest(runner: ModelRunner, sampler: SamplerAccess | None = None) -> tu
     for i in range(pool.geometry.n_layers):
         lo, hi = pool.held_range(i)
         held.append(b"".join(a.tobytes() for a in pool.read(i, lo, hi).arrays()))
-    cps = [(c.position, c.start, b"".join(a.tobytes() for p in c.layers.values() for a in p.arrays()))
-           for c in runner.checkpoints]
-    return (tuple(runner.tokens_held), pool.n_tokens, pool.ring_start, tuple(held), tuple(cps),
-            sampler.get().to_bytes() if sampler else None)
+    cps = [
+        (c.position, c.start, b"".join(a.tobytes() for p in c.layers.values() for a in p.arrays()))
+        for c in runner.checkpoints
+    ]
+    return (
+        tuple(runner.tokens_held),
+        pool.n_tokens,
+        pool.ring_start,
+        tuple(held),
+        tuple(cps),
+        sampler.get().to_bytes() if sampler else None,
+    )
 
 
 def _factory(models, name: str, kv_type: str, staging: bool):
@@ -145,16 +157,20 @@ def _factory(models, name: str, kv_type: str, staging: bool):
     def factory(seed: int) -> EngineSession:
         n = 40 + seed % 7
         runner = fill(synthetic_runner(models, name, kv_type), n, seed, checkpoint_at=n - 2 - seed % 3)
-        return EngineSession(runner, SamplerAccess.holder(SamplerState.seeded(seed)), identity=identity,
-                             staging=staging)
+        return EngineSession(
+            runner, SamplerAccess.holder(SamplerState.seeded(seed)), identity=identity, staging=staging
+        )
 
     return factory
 
 
-@pytest.mark.parametrize(("name", "kv_type", "staging"), [("gemma3", "f16", True), ("smollm2", "int8", False)])
+@pytest.mark.parametrize(
+    ("name", "kv_type", "staging"), [("gemma3", "f16", True), ("smollm2", "int8", False)]
+)
 def test_conformance_kit_passes(models, tmp_path, name, kv_type, staging):
-    ran = run_conformance(_factory(models, name, kv_type, staging), tmp_path, random_truncations=8,
-                          random_flips=24)
+    ran = run_conformance(
+        _factory(models, name, kv_type, staging), tmp_path, random_truncations=8, random_flips=24
+    )
     assert {"round_trip", "truncation", "binding", "gate_before", "gate_after", "file_types"} <= set(ran)
     assert ("staged" in ran) == staging
 
@@ -164,8 +180,9 @@ def test_file_layout_rings_in_logical_order_and_deepest_checkpoint(models, tmp_p
     pool = runner.pool
     ring = pool.geometry.ring_layers[0]
     start = 50 - SMALL_WINDOW
-    assert start % pool.geometry.layers[ring].capacity + SMALL_WINDOW > pool.geometry.layers[ring].capacity, \
+    assert start % pool.geometry.layers[ring].capacity + SMALL_WINDOW > pool.geometry.layers[ring].capacity, (
         "the saved window must wrap around the ring for this test to mean something"
+    )
     path = tmp_path / "s.ssf"
     sf.save(path, EngineSession(runner))
     info = sf.inspect(path)
@@ -182,11 +199,16 @@ def test_file_layout_rings_in_logical_order_and_deepest_checkpoint(models, tmp_p
         assert by_layer[(i, Part.K)] == parts.k.tobytes() and by_layer[(i, Part.V)] == parts.v.tobytes()
     state = info.metadata.state
     fields = json.loads(state.engine_fields)
-    assert fields == {"layout": 1, "ring_start": start, "checkpoint": {"position": 46, "start": 46 - SMALL_WINDOW + 1}}
+    assert fields == {
+        "layout": 1,
+        "ring_start": start,
+        "checkpoint": {"position": 46, "start": 46 - SMALL_WINDOW + 1},
+    }
     cp = runner.checkpoints[-1]
     assert state.checkpoint.token_index == 46
-    assert state.checkpoint.data == b"".join(cp.layers[i].k.tobytes() + cp.layers[i].v.tobytes()
-                                             for i in pool.geometry.ring_layers)
+    assert state.checkpoint.data == b"".join(
+        cp.layers[i].k.tobytes() + cp.layers[i].v.tobytes() for i in pool.geometry.ring_layers
+    )
     assert tuple(state.tokens) == tuple(runner.tokens_held) and state.position == 50
 
 
@@ -200,7 +222,9 @@ def test_int8_layers_are_sub_heads_of_one_scale_each(models, tmp_path):
     sf.save(tmp_path / "q.ssf", EngineSession(runner))
     g = sf.inspect(tmp_path / "q.ssf").metadata.layers[0]
     assert g.part_size(Part.K_SCALES) == runner.pool.read(0, 0, 20).k_scale.nbytes
-    assert config_mapping(runner)["kv_int8_scale_block"] == geometry.n_kv_heads * geometry.head_dim // n_scales
+    assert (
+        config_mapping(runner)["kv_int8_scale_block"] == geometry.n_kv_heads * geometry.head_dim // n_scales
+    )
 
 
 class _CopyingSession(EngineSession):
@@ -234,7 +258,9 @@ def test_round_trip_restores_pool_state_checkpoint_and_sampler(models, tmp_path,
     target = fill(synthetic_runner(models, "gemma3"), 37, seed=6, checkpoint_at=30)
     target_sampler = SamplerAccess.holder(SamplerState.seeded(99))
     spy = _Spy(monkeypatch)
-    session = (EngineSession if landing else _CopyingSession)(target, target_sampler, buffers=BlockBufferCache())
+    session = (EngineSession if landing else _CopyingSession)(
+        target, target_sampler, buffers=BlockBufferCache()
+    )
     report = sf.restore(tmp_path / "s.ssf", session, mode=mode, block_size=4096)
     assert report.mode.value == mode and report.n_tokens == 50
     expected = "landing_views" if landing else ("stage_in" if mode == "staged" else "copy_in")
@@ -272,7 +298,10 @@ def test_save_failure_keeps_the_old_file(models, tmp_path):
 
 @pytest.mark.parametrize("mode", ["streaming", "staged"])
 def test_fault_before_the_gate_leaves_the_live_conversation_exactly(models, tmp_path, mode):
-    sf.save(tmp_path / "s.ssf", EngineSession(fill(synthetic_runner(models, "gemma3"), 44, seed=7, checkpoint_at=40)))
+    sf.save(
+        tmp_path / "s.ssf",
+        EngineSession(fill(synthetic_runner(models, "gemma3"), 44, seed=7, checkpoint_at=40)),
+    )
     live = fill(synthetic_runner(models, "gemma3", kv_resident=4), 33, seed=8, checkpoint_at=31)
     sampler = SamplerAccess.holder(SamplerState.seeded(5))
     before = live_digest(live, sampler)
@@ -282,8 +311,10 @@ def test_fault_before_the_gate_leaves_the_live_conversation_exactly(models, tmp_
     assert live_digest(live, sampler) == before and not session.live_touched
 
 
-@pytest.mark.parametrize(("mode", "fault"), [("streaming", FaultPoint.RESTORE_AFTER_GATE),
-                                             ("streaming", FaultPoint.RESTORE_AT_COMMIT)])
+@pytest.mark.parametrize(
+    ("mode", "fault"),
+    [("streaming", FaultPoint.RESTORE_AFTER_GATE), ("streaming", FaultPoint.RESTORE_AT_COMMIT)],
+)
 def test_fault_after_the_gate_fail_stops_and_drops_the_conversation(models, tmp_path, mode, fault):
     sf.save(tmp_path / "s.ssf", EngineSession(fill(synthetic_runner(models, "smollm2"), 44, seed=7)))
     live = fill(synthetic_runner(models, "smollm2"), 33, seed=8)
@@ -293,7 +324,9 @@ def test_fault_after_the_gate_fail_stops_and_drops_the_conversation(models, tmp_
     assert session.fail_stopped is not None and live.n_held == 0 and live.pool.n_tokens == 0
 
 
-def test_staged_restores_reuse_one_staging_area_and_a_refused_one_keeps_the_live_conversation(models, tmp_path):
+def test_staged_restores_reuse_one_staging_area_and_a_refused_one_keeps_the_live_conversation(
+    models, tmp_path
+):
     """The staging area is mapped once (sized for the whole pool) and reused; a file that fails its hash
     lands in it, never in the pool."""
     buffers = BlockBufferCache()
@@ -351,7 +384,9 @@ def test_the_staging_area_is_populated_at_once_and_a_kernel_without_the_advice_s
     monkeypatch.setattr(module, "_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows: EINVAL, ignored
     sf.save(tmp_path / "s.ssf", EngineSession(fill(synthetic_runner(models, "smollm2"), 40, seed=21)))
     live = fill(synthetic_runner(models, "smollm2"), 25, seed=22)
-    sf.restore(tmp_path / "s.ssf", EngineSession(live, buffers=BlockBufferCache()), mode="staged", block_size=4096)
+    sf.restore(
+        tmp_path / "s.ssf", EngineSession(live, buffers=BlockBufferCache()), mode="staged", block_size=4096
+    )
     assert live.n_held == 40
 
 
@@ -362,16 +397,24 @@ def test_a_fresh_engine_stages_into_its_own_pool(models, tmp_path, session_class
     source = fill(synthetic_runner(models, "gemma3", n_ctx=256), 200, seed=11, checkpoint_at=190)
     sf.save(tmp_path / "s.ssf", EngineSession(source), block_size=4096)
     staged_once = fill(synthetic_runner(models, "gemma3", n_ctx=256), 30, seed=12)  # holds a conversation
-    sf.restore(tmp_path / "s.ssf", session_class(staged_once, buffers=BlockBufferCache()), mode="staged",
-               block_size=4096)
+    sf.restore(
+        tmp_path / "s.ssf",
+        session_class(staged_once, buffers=BlockBufferCache()),
+        mode="staged",
+        block_size=4096,
+    )
     fresh, buffers = synthetic_runner(models, "gemma3", n_ctx=256), BlockBufferCache()
-    report = sf.restore(tmp_path / "s.ssf", session_class(fresh, buffers=buffers), mode="staged", block_size=4096)
+    report = sf.restore(
+        tmp_path / "s.ssf", session_class(fresh, buffers=buffers), mode="staged", block_size=4096
+    )
     assert report.mode is sf.RestoreMode.STAGED and buffers._staging is None
     # (a restore's rings hold the window the file has, not the source's whole ring: compare restores)
     assert live_digest(fresh) == live_digest(staged_once) and fresh.tokens_held == source.tokens_held
 
 
-@pytest.mark.parametrize("fault", [None, FaultPoint.RESTORE_AT_COMMIT], ids=["corrupt-file", "fault-at-commit"])
+@pytest.mark.parametrize(
+    "fault", [None, FaultPoint.RESTORE_AT_COMMIT], ids=["corrupt-file", "fault-at-commit"]
+)
 def test_a_fresh_engine_refuses_a_bad_file_and_still_holds_nothing(models, tmp_path, fault):
     """Staged into its own pool, a fresh engine that meets a corrupt file (or fails at the commit) has lost
     nothing: a clean refusal, not a fail-stop; it holds nothing and restores a good file next."""
@@ -387,7 +430,9 @@ def test_a_fresh_engine_refuses_a_bad_file_and_still_holds_nothing(models, tmp_p
     session = EngineSession(fresh, fault=fault)
     with pytest.raises((E.PayloadCorrupt, E.AdapterFailed)) as info:
         sf.restore(bad, session, mode="staged", block_size=4096)
-    assert not isinstance(info.value, E.FailStop) and not session.live_touched and session.fail_stopped is None
+    assert (
+        not isinstance(info.value, E.FailStop) and not session.live_touched and session.fail_stopped is None
+    )
     assert fresh.n_held == 0 and fresh.pool.n_tokens == 0 and not fresh.checkpoints
     sf.restore(good, EngineSession(fresh), mode="staged", block_size=4096)
     assert fresh.n_held == 44
@@ -438,15 +483,24 @@ class _Tampered:
         return self.inner.copy_out(*args)
 
 
-@pytest.mark.parametrize("change", [
-    pytest.param(lambda st: attrs.evolve(st, engine_fields=b'{"layout":1,"ring_start":0,"checkpoint":null}'),
-                 id="ring_start"),
-    pytest.param(lambda st: attrs.evolve(st, checkpoint=sf.Checkpoint(st.checkpoint.token_index,
-                                                                      st.checkpoint.data[:-4])), id="checkpoint_size"),
-    pytest.param(lambda st: attrs.evolve(st, sampler_state=b"\x00" * 45), id="sampler_state"),
-    pytest.param(lambda st: attrs.evolve(st, position=st.position + 1), id="position"),
-    pytest.param(lambda st: attrs.evolve(st, engine_fields=b"not json"), id="engine_fields"),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(
+            lambda st: attrs.evolve(st, engine_fields=b'{"layout":1,"ring_start":0,"checkpoint":null}'),
+            id="ring_start",
+        ),
+        pytest.param(
+            lambda st: attrs.evolve(
+                st, checkpoint=sf.Checkpoint(st.checkpoint.token_index, st.checkpoint.data[:-4])
+            ),
+            id="checkpoint_size",
+        ),
+        pytest.param(lambda st: attrs.evolve(st, sampler_state=b"\x00" * 45), id="sampler_state"),
+        pytest.param(lambda st: attrs.evolve(st, position=st.position + 1), id="position"),
+        pytest.param(lambda st: attrs.evolve(st, engine_fields=b"not json"), id="engine_fields"),
+    ],
+)
 def test_plans_the_engine_cannot_take_are_refused_before_the_gate(models, tmp_path, change):
     source = EngineSession(fill(synthetic_runner(models, "gemma3"), 44, seed=7, checkpoint_at=41))
     sf.save(tmp_path / "t.ssf", _Tampered(source, change))
@@ -567,7 +621,11 @@ def test_progress_lines_are_a_phase_first_and_last_and_at_most_one_per_interval(
             report(sf.Progress(phase, k << 22, total))
             report(sf.Progress(phase, k << 22, total))
     assert [(x["phase"], x["bytes_done"]) for x in lines] == [
-        ("read", 1 << 22), ("read", total), ("apply", 1 << 22), ("apply", total)]
+        ("read", 1 << 22),
+        ("read", total),
+        ("apply", 1 << 22),
+        ("apply", total),
+    ]
     lines.clear()
     for k in range(1, 31):  # 30 blocks, 40 ms apart: a line every 0.1 s at most
         clock[0] += 0.04
@@ -619,8 +677,12 @@ def test_residency_refill_is_necessary(real_smollm2, tmp_path):
         pool_same = all(
             a.tobytes() == b.tobytes()
             for i in range(source.kv_geometry.n_layers)
-            for a, b in zip(target.pool.read(i, 0, N_REFILL).arrays(),
-                            source.pool.read(i, 0, N_REFILL).arrays(), strict=True))
+            for a, b in zip(
+                target.pool.read(i, 0, N_REFILL).arrays(),
+                source.pool.read(i, 0, N_REFILL).arrays(),
+                strict=True,
+            )
+        )
         return target, pool_same
 
     target, pool_same = restored_turn(())
@@ -649,10 +711,16 @@ def test_identity_covers_what_changes_the_kv_bytes_and_nothing_else(models):
         pool = KVPool(KVGeometry.from_config(cfg, s.n_ctx, KVType(s.kv_type)), get_ops("numpy", "f32"))
         return ModelRunner(s, gguf, cfg, None, pool, make_placement(pool, None))
 
-    rope = attrs.evolve(config, layers=tuple(attrs.evolve(lc, rope_base=lc.rope_base * 2) for lc in config.layers))
+    rope = attrs.evolve(
+        config, layers=tuple(attrs.evolve(lc, rope_base=lc.rope_base * 2) for lc in config.layers)
+    )
     # f64 on numpy's own kernels (numba's compute in f32; the kernels are not in the identity)
-    for changed, key in ((with_config(compute_dtype="f64", cpu_kernels="numpy"), "arithmetic"), (with_config(kv_type="int8"), "kv_type"),
-                         (with_config(n_ctx=128), "n_ctx"), (with_config(rope), "rope")):
+    for changed, key in (
+        (with_config(compute_dtype="f64", cpu_kernels="numpy"), "arithmetic"),
+        (with_config(kv_type="int8"), "kv_type"),
+        (with_config(n_ctx=128), "n_ctx"),
+        (with_config(rope), "rope"),
+    ):
         other = config_mapping(changed)
         assert runner_identity(changed).config.fingerprint != ident.config.fingerprint, key
         assert other[key] != config_mapping(base)[key], key

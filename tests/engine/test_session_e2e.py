@@ -69,6 +69,7 @@ def prompt_tokens(n: int, seed: int) -> list[int]:
 
 # ---- a conversation survives a restart ---------------------------------------------------------------
 
+
 @attrs.frozen
 class Case:
     model: str
@@ -113,8 +114,16 @@ def test_conversation_survives_a_restart(engines, tmp_path, case):
     expected_diverging = never_restarted.complete(diverging, N_NEXT) if case.model == "gemma3" else None
     # Greedy turns draw nothing: the sampler state is still the saved one, so a sampled turn with seed -1
     # (continue the engine's generator) must draw the same tokens after the restart.
-    sampled_turn = {"prompt": next_turn + expected["tokens"], "n_predict": N_NEXT, "temperature": 1.0,
-                    "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": -1, "ignore_eos": True}
+    sampled_turn = {
+        "prompt": next_turn + expected["tokens"],
+        "n_predict": N_NEXT,
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "seed": -1,
+        "ignore_eos": True,
+    }
     expected_sampled = never_restarted.result("COMPLETE", sampled_turn)
     assert never_restarted.quit() == 0
 
@@ -131,7 +140,9 @@ def test_conversation_survives_a_restart(engines, tmp_path, case):
     assert got["tokens"] == expected["tokens"]
     if expected_diverging is not None:
         got_diverging = restarted.complete(diverging, N_NEXT)
-        assert got_diverging["timings"]["cache_n"] == expected_diverging["timings"]["cache_n"] == case.n_prompt
+        assert (
+            got_diverging["timings"]["cache_n"] == expected_diverging["timings"]["cache_n"] == case.n_prompt
+        )
         assert got_diverging["tokens"] == expected_diverging["tokens"]
     got_sampled = restarted.result("COMPLETE", sampled_turn)
     assert got_sampled["tokens"] == expected_sampled["tokens"]
@@ -143,8 +154,16 @@ def test_conversation_survives_a_restart(engines, tmp_path, case):
 REFUSAL_CTX = 256
 
 
-def synthetic_file(path: Path, model: str, *, n_ctx: int = REFUSAL_CTX, kv_type: str = "f16", n_tokens: int = 40,
-                   seed: int = 0, engine_version: str | None = None) -> Path:
+def synthetic_file(
+    path: Path,
+    model: str,
+    *,
+    n_ctx: int = REFUSAL_CTX,
+    kv_type: str = "f16",
+    n_tokens: int = 40,
+    seed: int = 0,
+    engine_version: str | None = None,
+) -> Path:
     """A valid session file of random K/V written by the engine's adapter under the identity of an engine
     process started with `--ctx-size n_ctx --kv-type kv_type` (another engine version if given)."""
     model_path = MODEL_PATHS[model]()
@@ -162,8 +181,12 @@ def synthetic_file(path: Path, model: str, *, n_ctx: int = REFUSAL_CTX, kv_type:
             parts = KVParts(*(rng.standard_normal(shape).astype(layer.k.dtype) for _ in range(2)))
         else:
             sshape = (n_tokens, *layer.k_scale.shape[1:])
-            parts = KVParts(rng.integers(-127, 128, shape, dtype=np.int8), rng.integers(-127, 128, shape, dtype=np.int8),
-                            rng.random(sshape, dtype=np.float32), rng.random(sshape, dtype=np.float32))
+            parts = KVParts(
+                rng.integers(-127, 128, shape, dtype=np.int8),
+                rng.integers(-127, 128, shape, dtype=np.int8),
+                rng.random(sshape, dtype=np.float32),
+                rng.random(sshape, dtype=np.float32),
+            )
         pool.write(i, 0, parts)
     pool.commit_append(n_tokens)
     runner.restore_state(RunnerState(tuple(prompt_tokens(n_tokens, seed)), pool.ring_start))
@@ -185,13 +208,20 @@ def test_refusals_keep_the_live_conversation(engines, tmp_path):
     data_offset = sf.inspect(good).layout.data_offset
     files: dict[str, tuple[Path, str]] = {
         "another model": (synthetic_file(tmp_path / "gemma3.session", "gemma3"), "model_mismatch"),
-        "another K/V type": (synthetic_file(tmp_path / "int8.session", "smollm2", kv_type="int8"), "config_mismatch"),
+        "another K/V type": (
+            synthetic_file(tmp_path / "int8.session", "smollm2", kv_type="int8"),
+            "config_mismatch",
+        ),
         "a smaller context than the file holds": (
-            synthetic_file(tmp_path / "big.session", "smollm2", n_ctx=2 * REFUSAL_CTX, n_tokens=REFUSAL_CTX + 44),
-            "config_mismatch"),
+            synthetic_file(
+                tmp_path / "big.session", "smollm2", n_ctx=2 * REFUSAL_CTX, n_tokens=REFUSAL_CTX + 44
+            ),
+            "config_mismatch",
+        ),
         "another engine version": (
             synthetic_file(tmp_path / "version.session", "smollm2", engine_version="0.0.0-another"),
-            "config_mismatch"),
+            "config_mismatch",
+        ),
     }
     for name, data, reason in (
         ("a flipped K/V byte", _flip(good_bytes, data_offset + 1000), "payload_corrupt"),
@@ -210,7 +240,9 @@ def test_refusals_keep_the_live_conversation(engines, tmp_path):
     files["a second hard link"] = (linked, "multiple_links")
 
     engine = engines("smollm2", "--ctx-size", str(REFUSAL_CTX))
-    empty = engine.result("SAVE", {"path": str(tmp_path / 'empty.session')})  # nothing held: a valid file of 0 tokens
+    empty = engine.result(
+        "SAVE", {"path": str(tmp_path / "empty.session")}
+    )  # nothing held: a valid file of 0 tokens
     assert empty["n_saved"] == 0 and sf.inspect(tmp_path / "empty.session").metadata.state.n_tokens == 0
     live_prompt = prompt_tokens(60, seed=9)
     first = engine.complete(live_prompt, 2)
@@ -237,15 +269,34 @@ def test_refusals_keep_the_live_conversation(engines, tmp_path):
 
 # ---- the gate ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("fault", "mode"), [("restore-after-gate", "streaming"), ("restore-at-commit", "staged")])
-def test_a_fault_after_the_gate_erases_that_slot_only_and_the_other_streams_on(engines, tmp_path, fault, mode):
+@pytest.mark.parametrize(
+    ("fault", "mode"), [("restore-after-gate", "streaming"), ("restore-at-commit", "staged")]
+)
+def test_a_fault_after_the_gate_erases_that_slot_only_and_the_other_streams_on(
+    engines, tmp_path, fault, mode
+):
     good = synthetic_file(tmp_path / "good.session", "smollm2", seed=2)
-    engine = engines("smollm2", "--parallel", "2", "--ctx-size", str(2 * REFUSAL_CTX), "--restore-mode", mode,
-                     env={FAULT_ENV: fault})
+    engine = engines(
+        "smollm2",
+        "--parallel",
+        "2",
+        "--ctx-size",
+        str(2 * REFUSAL_CTX),
+        "--restore-mode",
+        mode,
+        env={FAULT_ENV: fault},
+    )
     engine.complete(prompt_tokens(20, seed=3), 2)  # slot 0 holds a conversation
-    stream = {"id": "s", "slot": 1, "prompt": prompt_tokens(12, seed=4), "n_predict": 12, "temperature": 0,
-              "ignore_eos": True}
+    stream = {
+        "id": "s",
+        "slot": 1,
+        "prompt": prompt_tokens(12, seed=4),
+        "n_predict": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     engine.send("COMPLETE", stream)
     assert engine.next_line()["id"] == "s"  # slot 1 streams
     engine.send("RESTORE", {"id": "r", "slot": 0, "path": str(good)})
@@ -257,7 +308,9 @@ def test_a_fault_after_the_gate_erases_that_slot_only_and_the_other_streams_on(e
     error, result = terminal["r"], terminal["s"]
     assert (error["event"], error["slot"], error["error"]["type"]) == ("error", 0, "slot_failed"), error
     assert "slot 0 was erased" in error["error"]["message"]
-    assert engine.status(0)["n_tokens_held"] == 0 and engine.proc.poll() is None  # that slot only; still serving
+    assert (
+        engine.status(0)["n_tokens_held"] == 0 and engine.proc.poll() is None
+    )  # that slot only; still serving
     alone = engine.result("COMPLETE", {**stream, "id": "again", "cache_prompt": False})
     assert result["stop_type"] == "limit" and result["tokens"] == alone["tokens"]  # the stream was intact
     assert engine.quit() == 0

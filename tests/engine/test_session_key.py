@@ -38,10 +38,21 @@ def engines(tmp_path):
     """Three SmolLM2 engines: keyed (key A, MAC required), other (key B, MAC optional), plain (no key)."""
     started = {}
     try:
-        started["keyed"] = EngineProcess(smollm2_model_path(), "--ctx-size", "1024",
-                                        "--session-key-file", str(key_file(tmp_path / "a.key")))
-        started["other"] = EngineProcess(smollm2_model_path(), "--ctx-size", "1024", "--session-key-optional",
-                                        "--session-key-file", str(key_file(tmp_path / "b.key")))
+        started["keyed"] = EngineProcess(
+            smollm2_model_path(),
+            "--ctx-size",
+            "1024",
+            "--session-key-file",
+            str(key_file(tmp_path / "a.key")),
+        )
+        started["other"] = EngineProcess(
+            smollm2_model_path(),
+            "--ctx-size",
+            "1024",
+            "--session-key-optional",
+            "--session-key-file",
+            str(key_file(tmp_path / "b.key")),
+        )
         started["plain"] = EngineProcess(smollm2_model_path(), "--ctx-size", "1024")
         yield started
     finally:
@@ -75,11 +86,13 @@ def test_keyed_save_restores_and_unauthenticated_files_are_refused_before_the_ga
     data[-24] ^= 0x01  # a byte of the trailer's MAC
     flipped.write_bytes(bytes(data))
     held = keyed.result("STATUS")["slots"][0]["tokens_held_digest"]
-    refusals = [(keyed, "RESTORE", {"path": str(files["plain"])}, "mac_missing"),
-                (keyed, "RESTORE_PREFIX", {"path": str(files["plain"]), "discard_held": True}, "mac_missing"),
-                (keyed, "RESTORE", {"path": str(files["other"])}, "mac_wrong_key"),
-                (keyed, "RESTORE_PREFIX", {"path": str(flipped), "discard_held": True}, "mac_mismatch"),
-                (other, "RESTORE", {"path": str(files["keyed"])}, "mac_wrong_key")]
+    refusals = [
+        (keyed, "RESTORE", {"path": str(files["plain"])}, "mac_missing"),
+        (keyed, "RESTORE_PREFIX", {"path": str(files["plain"]), "discard_held": True}, "mac_missing"),
+        (keyed, "RESTORE", {"path": str(files["other"])}, "mac_wrong_key"),
+        (keyed, "RESTORE_PREFIX", {"path": str(flipped), "discard_held": True}, "mac_mismatch"),
+        (other, "RESTORE", {"path": str(files["keyed"])}, "mac_wrong_key"),
+    ]
     other_held = other.result("STATUS")["slots"][0]["tokens_held_digest"]
     for engine, verb, argument, reason in refusals:
         error = engine.command(verb, argument)["error"]
@@ -100,15 +113,21 @@ def file_tokens(path) -> list[int]:
 
 
 def run_serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(smollm2_model_path()),
-                           *args], capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(smollm2_model_path()), *args],
+        capture_output=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.parametrize("case", ["short", "missing", "optional_alone"])
 def test_a_bad_key_setting_exits_2(tmp_path, case):
-    args = {"short": ["--session-key-file", str(key_file(tmp_path / "short.key", b"x" * 31))],
-            "missing": ["--session-key-file", str(tmp_path / "absent.key")],
-            "optional_alone": ["--session-key-optional"]}[case]
+    args = {
+        "short": ["--session-key-file", str(key_file(tmp_path / "short.key", b"x" * 31))],
+        "missing": ["--session-key-file", str(tmp_path / "absent.key")],
+        "optional_alone": ["--session-key-optional"],
+    }[case]
     done = run_serve(*args)
     assert done.returncode == 2
     fatal = json.loads(done.stdout.splitlines()[-1])

@@ -196,7 +196,10 @@ def test_a_prompt_evaluated_chunk_by_chunk_between_decode_steps_gives_what_it_gi
     for s, prompt in prompts.items():
         expected_tokens, expected_logits = _greedy_alone(alone, prompt, len(decoded[s]))
         assert tokens[s][:-1] == expected_tokens
-        assert max(float(np.abs(a - b).max()) for a, b in zip(decoded[s], expected_logits, strict=True)) <= LOGIT_ATOL
+        assert (
+            max(float(np.abs(a - b).max()) for a, b in zip(decoded[s], expected_logits, strict=True))
+            <= LOGIT_ATOL
+        )
 
 
 def test_prefill_steps_asks_chunk_size_before_each_chunk_and_gives_what_full_chunks_give(make):
@@ -205,8 +208,9 @@ def test_prefill_steps_asks_chunk_size_before_each_chunk_and_gives_what_full_chu
     prompt = [1, *_ids(43, 60)]
     sizes = iter([5, 1, 100, 7] + [3] * 20)  # 100: more than the prefill chunk (16), so 16
     held: list[int] = []
-    steps = runner.prefill_steps(prompt, on_chunk=lambda cache_n, n_held: held.append(n_held),
-                                 chunk_size=lambda: next(sizes))
+    steps = runner.prefill_steps(
+        prompt, on_chunk=lambda cache_n, n_held: held.append(n_held), chunk_size=lambda: next(sizes)
+    )
     while True:
         try:
             next(steps)

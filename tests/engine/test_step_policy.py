@@ -116,10 +116,17 @@ class Harness:
         self.slots = FakeSlots()
         self.policy = Scheduler(self.slots, self.jobs, self.budget, self.writer.held)
 
-    def admit(self, rid: str, slot: int, prompt: int, n_predict: int, argmax_only: bool = True) -> CompleteJob:
+    def admit(
+        self, rid: str, slot: int, prompt: int, n_predict: int, argmax_only: bool = True
+    ) -> CompleteJob:
         """A COMPLETE past its preparation: its slot busy, its prompt waiting for its chunks."""
-        job = CompleteJob(Request("COMPLETE", {}, rid, slot, self.writer), slot, FakeCompleter(), prepare=None,
-                          generation=FakeGeneration(prompt, n_predict, self.budget, argmax_only))
+        job = CompleteJob(
+            Request("COMPLETE", {}, rid, slot, self.writer),
+            slot,
+            FakeCompleter(),
+            prepare=None,
+            generation=FakeGeneration(prompt, n_predict, self.budget, argmax_only),
+        )
         self.jobs.flight.busy[slot] = job
         self.jobs.chunks.append(job)
         return job
@@ -132,7 +139,9 @@ class Harness:
         return [json.loads(line) for line in self.out.getvalue().splitlines()]
 
     def terminal(self, rid: str) -> dict:
-        return next(line for line in self.lines() if line.get("id") == rid and line["event"] in ("result", "error"))
+        return next(
+            line for line in self.lines() if line.get("id") == rid and line["event"] in ("result", "error")
+        )
 
 
 def test_the_cut_chunk():
@@ -152,8 +161,13 @@ def test_every_generating_slot_decodes_in_one_batch_and_a_prompt_takes_one_cut_c
     for _ in range(4):
         h.policy.step(ahead=False)
     # "a" decodes from the second step on, "b" joins it at the third: both in one batch from there
-    assert h.slots.decoded == [[(0, 100)], [(0, 101), (1, 100)], [(0, 102), (1, 101)], [(0, 103), (1, 102)],
-                               [(0, 104), (1, 103)]]
+    assert h.slots.decoded == [
+        [(0, 100)],
+        [(0, 101), (1, 100)],
+        [(0, 102), (1, 101)],
+        [(0, 103), (1, 102)],
+        [(0, 104), (1, 103)],
+    ]
     assert long.generation.chunks == [FULL_CHUNK // 4] * 4  # one chunk per step, cut while slots generate
     h.run()
     assert long.generation.chunks[-1] <= FULL_CHUNK and sum(long.generation.chunks) == 5 * FULL_CHUNK
@@ -161,7 +175,8 @@ def test_every_generating_slot_decodes_in_one_batch_and_a_prompt_takes_one_cut_c
         result = h.terminal(rid)
         assert result["event"] == "result" and len(result["tokens"]) == n
     assert h.jobs.flight.busy == {} and h.jobs.flight.forward_passes == len(h.slots.decoded) + 2 + len(
-        long.generation.chunks)
+        long.generation.chunks
+    )
 
 
 def test_prompts_take_turns_a_chunk_each():
@@ -178,8 +193,14 @@ def test_greedy_rows_launch_the_next_step_ahead_and_a_row_known_to_end_is_left_o
     h = Harness()
     short, longer = h.admit("s", 0, prompt=4, n_predict=3), h.admit("l", 1, prompt=4, n_predict=6)
     h.run()
-    assert h.terminal("s")["tokens"] == [100, 101, 102] and h.terminal("l")["tokens"] == [100, 101, 102, 103,
-                                                                                        104, 105]
+    assert h.terminal("s")["tokens"] == [100, 101, 102] and h.terminal("l")["tokens"] == [
+        100,
+        101,
+        102,
+        103,
+        104,
+        105,
+    ]
     # "s"'s 3rd token is known to end it: the first step launched (with both decoding) leaves its row out
     assert h.slots.launched[0] == [(1, 101)]
     assert all(0 not in [slot for slot, _ in rows] for rows in h.slots.launched)

@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def reference_tokenizers(metadata) -> dict[str, Tokenizer]:
     """The pure-Python encoders (tokenizer/reference.py), the oracle of the compiled ones."""
-    return {name: Tokenizer.from_gguf_metadata(meta, Implementation.REFERENCE) for name, meta in metadata.items()}
+    return {
+        name: Tokenizer.from_gguf_metadata(meta, Implementation.REFERENCE) for name, meta in metadata.items()
+    }
 
 
 def _assert_same_ids(tokenizers, reference_tokenizers, text: str) -> None:
@@ -30,7 +32,10 @@ def _assert_same_ids(tokenizers, reference_tokenizers, text: str) -> None:
         oracle = reference_tokenizers[name]
         for parse_special in (True, False):
             expected = oracle.encode(text, add_special=True, parse_special=parse_special)
-            assert tok.encode(text, add_special=True, parse_special=parse_special) == expected, (name, text[:200])
+            assert tok.encode(text, add_special=True, parse_special=parse_special) == expected, (
+                name,
+                text[:200],
+            )
 
 
 def _cases(peer: str):
@@ -142,12 +147,20 @@ def test_lone_surrogate_becomes_replacement_character(tokenizers):
 
 def _corpus() -> list[str]:
     """Every reference text, the prompts, and this repository's documents (prose, code, tables)."""
-    texts = list(load_reference("prompts.json")["tokenize"]) + list(load_reference("prompts.json")["complete"])
+    texts = list(load_reference("prompts.json")["tokenize"]) + list(
+        load_reference("prompts.json")["complete"]
+    )
     for model in MODELS:
-        texts += [case["text"] for peer in ("llamacpp", "transformers") for case in reference(peer, model)["tokenize"]]
+        texts += [
+            case["text"]
+            for peer in ("llamacpp", "transformers")
+            for case in reference(peer, model)["tokenize"]
+        ]
     texts += [path.read_text(encoding="utf-8") for path in sorted((REPO / "spec").glob("*.md"))]
     texts.append((REPO / "README.md").read_text(encoding="utf-8"))
-    texts.append((REPO / "packages/strata-engine/src/strata_engine/tokenizer/kernels.py").read_text(encoding="utf-8"))
+    texts.append(
+        (REPO / "packages/strata-engine/src/strata_engine/tokenizer/kernels.py").read_text(encoding="utf-8")
+    )
     return texts
 
 
@@ -283,6 +296,10 @@ def test_special_token_partition_equals_llamacpps_algorithm(tokenizers):
               "<|im_start|>", "<|im_end|>", "<|endoftext|>", "\n", " ", "  ", "\t", "x", "user", "<bos>", "<eos>"]  # fmt: skip
     for tok in tokenizers.values():
         for _ in range(80):
-            text = "".join(rng.choice(pieces) * rng.choice([1, 1, 2, 7, 40]) for _ in range(rng.randint(0, 12)))
+            text = "".join(
+                rng.choice(pieces) * rng.choice([1, 1, 2, 7, 40]) for _ in range(rng.randint(0, 12))
+            )
             for parse_special in (True, False):
-                assert tok.vocab.partition(text, parse_special) == _partition_as_llamacpp(tok.vocab, text, parse_special)
+                assert tok.vocab.partition(text, parse_special) == _partition_as_llamacpp(
+                    tok.vocab, text, parse_special
+                )

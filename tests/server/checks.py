@@ -5,9 +5,36 @@ from __future__ import annotations
 import json
 
 # Names fs_validate_filename refuses (the peer's rules), each for a different reason.
-BAD_NAMES = ["", "../x", "/etc/passwd", "a/b", "a\\b", "a..b.bin", "..", ".", "x.", " x", "x ", "a:b", "a*b",
-             "a?b", 'a"b', "a<b", "a>b", "a|b", "a\x01b", "a\x7fb", "a\u0085b", "a\uff0eb", "a\u2215b",
-             "a\u2216b", "a\ufffdb", "a\ufeffb", "\ud800x", "é" * 128]
+BAD_NAMES = [
+    "",
+    "../x",
+    "/etc/passwd",
+    "a/b",
+    "a\\b",
+    "a..b.bin",
+    "..",
+    ".",
+    "x.",
+    " x",
+    "x ",
+    "a:b",
+    "a*b",
+    "a?b",
+    'a"b',
+    "a<b",
+    "a>b",
+    "a|b",
+    "a\x01b",
+    "a\x7fb",
+    "a\u0085b",
+    "a\uff0eb",
+    "a\u2215b",
+    "a\u2216b",
+    "a\ufffdb",
+    "a\ufeffb",
+    "\ud800x",
+    "é" * 128,
+]
 
 
 def assert_error(result, status: int, type_: str, message: str | None = None) -> dict:
@@ -31,6 +58,6 @@ def sse_events(body: str) -> list:
         if frame == ":":
             continue
         assert frame.startswith("data: "), frame
-        payload = frame[len("data: "):]
+        payload = frame[len("data: ") :]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out

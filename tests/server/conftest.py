@@ -34,8 +34,11 @@ def make_api(fake_model: Path):
 
     def make(n_ctx: int = 512, fim: bool = False, **settings):
         config = build_config({}, {"model": str(fake_model), "slot_wait": 0.3, **settings})
-        engine = FakeEngineClient(FakeEngine(str(fake_model), n_ctx=n_ctx, kv_type=config.engine.kv_type, fim=fim),
-                                  n_slots=config.engine.n_slots, similarity=config.slot_prompt_similarity)
+        engine = FakeEngineClient(
+            FakeEngine(str(fake_model), n_ctx=n_ctx, kv_type=config.engine.kv_type, fim=fim),
+            n_slots=config.engine.n_slots,
+            similarity=config.slot_prompt_similarity,
+        )
         app = create_app(engine, config)
         client = falcon.testing.TestClient(app, headers={"Host": "127.0.0.1:8080"})
         return client, engine, config

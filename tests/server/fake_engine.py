@@ -28,8 +28,13 @@ from strata_engine.wire import VERBS, arguments
 
 BOS, EOS = 1, 2
 FIM_PRE, FIM_SUF, FIM_MID = 259, 260, 261  # reported by the ready line only with fim=True
-SPECIALS = {"<|im_start|>": BOS, "<|im_end|>": EOS, "<fim_prefix>": FIM_PRE, "<fim_suffix>": FIM_SUF,
-            "<fim_middle>": FIM_MID}
+SPECIALS = {
+    "<|im_start|>": BOS,
+    "<|im_end|>": EOS,
+    "<fim_prefix>": FIM_PRE,
+    "<fim_suffix>": FIM_SUF,
+    "<fim_middle>": FIM_MID,
+}
 N_VOCAB = 300
 N_EMBD = 8
 POOLINGS = ("none", "mean", "cls", "last")
@@ -107,8 +112,16 @@ def normalized(v: list[float], p: int) -> list[float]:
 
 
 class FakeEngine:
-    def __init__(self, model_path: str, n_ctx: int = 512, kv_type: str = "f16", token_delay: float = 0.0,
-                 prompt_delay: float = 0.0, fim: bool = False, n_slots: int = 1) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        n_ctx: int = 512,
+        kv_type: str = "f16",
+        token_delay: float = 0.0,
+        prompt_delay: float = 0.0,
+        fim: bool = False,
+        n_slots: int = 1,
+    ) -> None:
         self.model_path = model_path
         with open(model_path, encoding="utf-8") as f:
             self.model_name = f.read().strip() or "fake"
@@ -121,17 +134,45 @@ class FakeEngine:
         self.held: list[int] = []
         self.fail_saves = False  # tests: every SAVE fails before its rename (disk full)
         self.cancel_requested: Callable[[], bool] = lambda: False
-        self.n_forward = 0  # its "forward passes": one per prompt, per generated token but the last, per EMBED
+        self.n_forward = (
+            0  # its "forward passes": one per prompt, per generated token but the last, per EMBED
+        )
 
     def ready_line(self) -> dict:
-        return {"event": "ready", "protocol": PROTOCOL_VERSION, "engine": "fake-engine", "engine_version": "0.0.1",
-                "model_path": self.model_path, "model_name": self.model_name, "architecture": "fake",
-                "n_ctx": self.n_ctx * self.n_slots, "n_slots": self.n_slots, "n_ctx_slot": self.n_ctx, "n_ctx_train": 512, "n_vocab": N_VOCAB, "n_layer": 2, "n_embd": 8,
-                "n_params": 1000, "model_size": 4000, "backend": "python", "kv_type": self.kv_type,
-                "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": "chatml",
-                "add_bos": False, "prompt_cache": True, "pooling": "none",
-                "fim_tokens": {"pre": FIM_PRE if self.fim else None, "suf": FIM_SUF if self.fim else None,
-                               "mid": FIM_MID if self.fim else None, "pad": None, "rep": None, "sep": None}}
+        return {
+            "event": "ready",
+            "protocol": PROTOCOL_VERSION,
+            "engine": "fake-engine",
+            "engine_version": "0.0.1",
+            "model_path": self.model_path,
+            "model_name": self.model_name,
+            "architecture": "fake",
+            "n_ctx": self.n_ctx * self.n_slots,
+            "n_slots": self.n_slots,
+            "n_ctx_slot": self.n_ctx,
+            "n_ctx_train": 512,
+            "n_vocab": N_VOCAB,
+            "n_layer": 2,
+            "n_embd": 8,
+            "n_params": 1000,
+            "model_size": 4000,
+            "backend": "python",
+            "kv_type": self.kv_type,
+            "bos_token": "<|im_start|>",
+            "eos_token": "<|im_end|>",
+            "chat_template": "chatml",
+            "add_bos": False,
+            "prompt_cache": True,
+            "pooling": "none",
+            "fim_tokens": {
+                "pre": FIM_PRE if self.fim else None,
+                "suf": FIM_SUF if self.fim else None,
+                "mid": FIM_MID if self.fim else None,
+                "pad": None,
+                "rep": None,
+                "sep": None,
+            },
+        }
 
     # --- dispatch ---------------------------------------------------------------------------------
 
@@ -180,12 +221,17 @@ class FakeEngine:
             yield self.error(ErrorKind.INVALID_REQUEST, f"bad EMBED argument {arg!r}")
             return
         if len(tokens) > self.n_ctx:
-            yield self.error(ErrorKind.EXCEED_CONTEXT_SIZE, "input too long", n_prompt_tokens=len(tokens),
-                             n_ctx=self.n_ctx)
+            yield self.error(
+                ErrorKind.EXCEED_CONTEXT_SIZE, "input too long", n_prompt_tokens=len(tokens), n_ctx=self.n_ctx
+            )
             return
         states = [token_state(tokens[: i + 1]) for i in range(len(tokens))]
-        pooled = {"none": states, "mean": [[sum(col) / len(states) for col in zip(*states, strict=True)]],
-                  "cls": states[:1], "last": states[-1:]}[pooling]
+        pooled = {
+            "none": states,
+            "mean": [[sum(col) / len(states) for col in zip(*states, strict=True)]],
+            "cls": states[:1],
+            "last": states[-1:],
+        }[pooling]
         rows = pooled if pooling == "none" else [normalized(row, p) for row in pooled]
         self.n_forward += 1
         yield {"event": "result", "embedding": rows, "n_tokens": len(tokens)}
@@ -209,9 +255,14 @@ class FakeEngine:
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
     def slot_status(self, slot: int, busy: bool = False) -> dict:
-        return {"slot": slot, "n_ctx": self.n_ctx, "n_past": len(self.held), "n_tokens_held": len(self.held),
-                "tokens_held_digest": hashlib.sha256(json.dumps(self.held).encode()).hexdigest()[:16],
-                "is_processing": busy}
+        return {
+            "slot": slot,
+            "n_ctx": self.n_ctx,
+            "n_past": len(self.held),
+            "n_tokens_held": len(self.held),
+            "tokens_held_digest": hashlib.sha256(json.dumps(self.held).encode()).hexdigest()[:16],
+            "is_processing": busy,
+        }
 
     def do_status(self, arg) -> Iterator[dict]:
         yield status_of([self])
@@ -235,8 +286,12 @@ class FakeEngine:
             yield self.error(ErrorKind.INVALID_REQUEST, "empty prompt")
             return
         if len(prompt) >= self.n_ctx:
-            yield self.error(ErrorKind.EXCEED_CONTEXT_SIZE, "prompt too long", n_prompt_tokens=len(prompt),
-                             n_ctx=self.n_ctx)
+            yield self.error(
+                ErrorKind.EXCEED_CONTEXT_SIZE,
+                "prompt too long",
+                n_prompt_tokens=len(prompt),
+                n_ctx=self.n_ctx,
+            )
             return
         cache_n = 0
         if arg.cache_prompt is not False:
@@ -247,8 +302,14 @@ class FakeEngine:
             time.sleep(self.prompt_delay)
         prompt_ms = (time.perf_counter() - t0) * 1000 + 0.01
         if arg.return_progress:
-            yield {"event": "progress", "phase": "prompt", "total": len(prompt), "cache": cache_n,
-                   "processed": len(prompt), "time_ms": prompt_ms}
+            yield {
+                "event": "progress",
+                "phase": "prompt",
+                "total": len(prompt),
+                "cache": cache_n,
+                "processed": len(prompt),
+                "time_ms": prompt_ms,
+            }
         seq = list(prompt)
         self.held = list(prompt)
         n_predict = -1 if arg.n_predict is None else arg.n_predict
@@ -291,43 +352,77 @@ class FakeEngine:
                 text = text[:cut]
                 content = text[released:]
                 released = len(text)
-                yield {"event": "token", "token": token, "piece": piece_bytes(token).decode("utf-8", "replace"),
-                       "content": content}
+                yield {
+                    "event": "token",
+                    "token": token,
+                    "piece": piece_bytes(token).decode("utf-8", "replace"),
+                    "content": content,
+                }
                 break
             hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             safe = len(text) - hold
             content = text[released:safe] if safe > released else ""
             released = max(released, safe)
-            event = {"event": "token", "token": token, "piece": piece_bytes(token).decode("utf-8", "replace"),
-                     "content": content}
+            event = {
+                "event": "token",
+                "token": token,
+                "piece": piece_bytes(token).decode("utf-8", "replace"),
+                "content": content,
+            }
             if n_probs:
                 chosen = dict(cands).get(token, -9.0)
-                event |= {"logprob": chosen, "prob": 2.718281828 ** chosen, "bytes": list(piece_bytes(token))}
-                event["probs"] = [{"id": t, "token": detokenize([t]), "bytes": list(piece_bytes(t)), "logprob": lp,
-                                   "prob": 2.718281828 ** lp} for t, lp in cands[:n_probs]]
+                event |= {"logprob": chosen, "prob": 2.718281828**chosen, "bytes": list(piece_bytes(token))}
+                event["probs"] = [
+                    {
+                        "id": t,
+                        "token": detokenize([t]),
+                        "bytes": list(piece_bytes(t)),
+                        "logprob": lp,
+                        "prob": 2.718281828**lp,
+                    }
+                    for t, lp in cands[:n_probs]
+                ]
             yield event
         # The last sampled token is never evaluated, so it is not held (as the real engine).
         self.held = prompt + generated[:-1]
         predicted_ms = (time.perf_counter() - t1) * 1000 + 0.01
         n_gen = len(generated)
         self.n_forward += 1 + max(n_gen - 1, 0)
-        yield {"event": "result", "content": text if stop_type != "cancelled" else text[:released],
-               "tokens": generated, "stop_type": stop_type, "stopping_word": stopping_word, "truncated": False,
-               "tokens_evaluated": len(prompt), "tokens_cached": len(self.held), "n_tokens_held": len(self.held),
-               # no batching here: a step for the prompt and one per generated token but the last, each its own
-               "n_steps": 1 + max(n_gen - 1, 0), "step_share": float(1 + max(n_gen - 1, 0)),
-               "timings": {"cache_n": cache_n, "prompt_n": len(prompt) - cache_n, "prompt_ms": prompt_ms,
-                           "prompt_per_token_ms": prompt_ms / max(len(prompt) - cache_n, 1),
-                           "prompt_per_second": 1000 * (len(prompt) - cache_n) / prompt_ms,
-                           "predicted_n": n_gen, "predicted_ms": predicted_ms,
-                           "predicted_per_token_ms": predicted_ms / max(n_gen, 1),
-                           "predicted_per_second": 1000 * n_gen / predicted_ms}}
+        yield {
+            "event": "result",
+            "content": text if stop_type != "cancelled" else text[:released],
+            "tokens": generated,
+            "stop_type": stop_type,
+            "stopping_word": stopping_word,
+            "truncated": False,
+            "tokens_evaluated": len(prompt),
+            "tokens_cached": len(self.held),
+            "n_tokens_held": len(self.held),
+            # no batching here: a step for the prompt and one per generated token but the last, each its own
+            "n_steps": 1 + max(n_gen - 1, 0),
+            "step_share": float(1 + max(n_gen - 1, 0)),
+            "timings": {
+                "cache_n": cache_n,
+                "prompt_n": len(prompt) - cache_n,
+                "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / max(len(prompt) - cache_n, 1),
+                "prompt_per_second": 1000 * (len(prompt) - cache_n) / prompt_ms,
+                "predicted_n": n_gen,
+                "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / max(n_gen, 1),
+                "predicted_per_second": 1000 * n_gen / predicted_ms,
+            },
+        }
 
     def do_prompt_tokens(self, arg) -> Iterator[dict]:
         prompt = self.prompt_of(arg)
         if len(prompt) >= self.n_ctx:
-            yield self.error(ErrorKind.EXCEED_CONTEXT_SIZE, "prompt too long", n_prompt_tokens=len(prompt),
-                             n_ctx=self.n_ctx)
+            yield self.error(
+                ErrorKind.EXCEED_CONTEXT_SIZE,
+                "prompt too long",
+                n_prompt_tokens=len(prompt),
+                n_ctx=self.n_ctx,
+            )
             return
         yield {"event": "result", "tokens": prompt}
 
@@ -344,8 +439,13 @@ class FakeEngine:
     def do_save(self, arg) -> Iterator[dict]:
         path = arg.path
         t0 = time.perf_counter()
-        body = {"magic": MAGIC, "model": self.model_name, "n_ctx": self.n_ctx, "kv_type": self.kv_type,
-                "tokens": self.held}
+        body = {
+            "magic": MAGIC,
+            "model": self.model_name,
+            "n_ctx": self.n_ctx,
+            "kv_type": self.kv_type,
+            "tokens": self.held,
+        }
         body["checksum"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
         data = json.dumps(body).encode()
         # A short temporary name: the target's own name may already be 255 bytes long.
@@ -361,10 +461,16 @@ class FakeEngine:
         except OSError as exc:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-            yield self.error(ErrorKind.SESSION_WRITE_FAILED, f"cannot write {path}: {exc.strerror}", reason="io_error")
+            yield self.error(
+                ErrorKind.SESSION_WRITE_FAILED, f"cannot write {path}: {exc.strerror}", reason="io_error"
+            )
             return
-        yield {"event": "result", "n_saved": len(self.held), "n_written": len(data),
-               "save_ms": (time.perf_counter() - t0) * 1000}
+        yield {
+            "event": "result",
+            "n_saved": len(self.held),
+            "n_written": len(data),
+            "save_ms": (time.perf_counter() - t0) * 1000,
+        }
 
     def do_restore(self, arg) -> Iterator[dict]:
         path = arg.path
@@ -375,7 +481,9 @@ class FakeEngine:
             yield self.error(ErrorKind.SESSION_REFUSED, f"no such file: {path}", reason="not_found")
             return
         except OSError as exc:
-            yield self.error(ErrorKind.SESSION_REFUSED, f"cannot open {path}: {exc.strerror}", reason="not_regular_file")
+            yield self.error(
+                ErrorKind.SESSION_REFUSED, f"cannot open {path}: {exc.strerror}", reason="not_regular_file"
+            )
             return
         with os.fdopen(fd, "rb") as f:
             data = f.read()
@@ -386,26 +494,39 @@ class FakeEngine:
             yield self.error(ErrorKind.SESSION_REFUSED, "not a session file", reason="corrupt")
             return
         fail_after_gate = body.pop("fail_after_gate", None)
-        if body.get("magic") != MAGIC or hashlib.sha256(
-                json.dumps(body, sort_keys=True).encode()).hexdigest() != checksum:
+        if (
+            body.get("magic") != MAGIC
+            or hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest() != checksum
+        ):
             yield self.error(ErrorKind.SESSION_REFUSED, "checksum mismatch", reason="corrupt")
             return
         if body["model"] != self.model_name:
-            yield self.error(ErrorKind.SESSION_REFUSED, f"written by model {body['model']!r}", reason="model_mismatch")
+            yield self.error(
+                ErrorKind.SESSION_REFUSED, f"written by model {body['model']!r}", reason="model_mismatch"
+            )
             return
         if body["n_ctx"] != self.n_ctx or body["kv_type"] != self.kv_type:
-            yield self.error(ErrorKind.SESSION_REFUSED, "written with other settings", reason="config_mismatch")
+            yield self.error(
+                ErrorKind.SESSION_REFUSED, "written with other settings", reason="config_mismatch"
+            )
             return
         if fail_after_gate:
             self.held = []
             if fail_after_gate == "fail_stop":  # erasing the slot failed too: the engine exits 4
                 raise FailStop("apply pass failed after the first block, and so did erasing the slot")
-            yield self.error(ErrorKind.SLOT_FAILED, "apply pass failed after the first block; the slot was erased",
-                             reason="apply_failed")
+            yield self.error(
+                ErrorKind.SLOT_FAILED,
+                "apply pass failed after the first block; the slot was erased",
+                reason="apply_failed",
+            )
             return
         self.held = list(body["tokens"])
-        yield {"event": "result", "n_restored": len(self.held), "n_read": len(data),
-               "restore_ms": (time.perf_counter() - t0) * 1000}
+        yield {
+            "event": "result",
+            "n_restored": len(self.held),
+            "n_read": len(data),
+            "restore_ms": (time.perf_counter() - t0) * 1000,
+        }
 
 
 def mark_fail_after_gate(path: str, fail_stop: bool = False) -> None:
@@ -423,9 +544,17 @@ def mark_fail_after_gate(path: str, fail_stop: bool = False) -> None:
 def status_of(engines: list[FakeEngine], busy: frozenset[int] = frozenset()) -> dict:
     """STATUS of an engine whose slot i is ``engines[i]`` (protocol v2: one entry per slot)."""
     first = engines[0]
-    return {"event": "result", "n_ctx": first.n_ctx * len(engines), "n_slots": len(engines), "n_ctx_slot": first.n_ctx,
-            "is_processing": bool(busy), "kv_type": first.kv_type, "backend": "python", "model_path": first.model_path,
-            "slots": [e.slot_status(i, i in busy) for i, e in enumerate(engines)]}
+    return {
+        "event": "result",
+        "n_ctx": first.n_ctx * len(engines),
+        "n_slots": len(engines),
+        "n_ctx_slot": first.n_ctx,
+        "is_processing": bool(busy),
+        "kv_type": first.kv_type,
+        "backend": "python",
+        "model_path": first.model_path,
+        "slots": [e.slot_status(i, i in busy) for i, e in enumerate(engines)],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -461,8 +590,12 @@ def main(argv: list[str] | None = None) -> int:
         emit({"event": "fatal", "message": f"cannot load model {args.model}"})
         return ExitStatus.MODEL_LOAD
     n_ctx_slot = args.ctx_size // args.parallel
-    engines = [FakeEngine(args.model, n_ctx_slot, args.kv_type, args.token_delay, args.prompt_delay,
-                          n_slots=args.parallel) for _ in range(args.parallel)]
+    engines = [
+        FakeEngine(
+            args.model, n_ctx_slot, args.kv_type, args.token_delay, args.prompt_delay, n_slots=args.parallel
+        )
+        for _ in range(args.parallel)
+    ]
     tools = FakeEngine(args.model, n_ctx_slot, args.kv_type, n_slots=args.parallel)  # slot-less verbs
     lock = threading.Lock()
     busy: dict[int, str | None] = {}  # slot -> the id of the COMPLETE holding it
@@ -488,8 +621,13 @@ def main(argv: list[str] | None = None) -> int:
                         release()
                 emit({**event, **tags})
         except FailStop as exc:
-            emit({"event": "error", **tags, "error": {"type": ErrorKind.FAIL_STOP, "reason": "apply_failed",
-                                                      "message": str(exc)}})
+            emit(
+                {
+                    "event": "error",
+                    **tags,
+                    "error": {"type": ErrorKind.FAIL_STOP, "reason": "apply_failed", "message": str(exc)},
+                }
+            )
             os._exit(ExitStatus.FAIL_STOP)
         finally:
             if verb == "COMPLETE" and slot is not None:
@@ -501,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
                 if slot is not None and busy.get(slot, "") == request_id:
                     busy.pop(slot)
                 cancelled.discard(request_id or "")
+
         return release
 
     lines: queue.Queue = queue.Queue()
@@ -542,8 +681,15 @@ def main(argv: list[str] | None = None) -> int:
             slot = int(arg.get("slot", 0))
             with lock:
                 if slot in busy:
-                    emit({**FakeEngine.error(ErrorKind.SLOT_BUSY, f"slot {slot} is busy", reason="slot_busy"),
-                          "slot": slot, **tags})
+                    emit(
+                        {
+                            **FakeEngine.error(
+                                ErrorKind.SLOT_BUSY, f"slot {slot} is busy", reason="slot_busy"
+                            ),
+                            "slot": slot,
+                            **tags,
+                        }
+                    )
                     continue
                 if verb == "COMPLETE":
                     busy[slot] = arg.get("id")

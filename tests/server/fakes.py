@@ -25,8 +25,9 @@ class FakeLease(EngineLease):
         self._open: Iterator[dict] | None = None
         self._cancel = threading.Event()
 
-    def request(self, verb: str, argument: Mapping[str, Any] | str | None = None, *,
-                idle_s: float | None = None) -> Iterator[dict]:
+    def request(
+        self, verb: str, argument: Mapping[str, Any] | str | None = None, *, idle_s: float | None = None
+    ) -> Iterator[dict]:
         self._finish()
         self.client.commands.append(verb)
         self._cancel.clear()
@@ -53,8 +54,12 @@ class FakeLease(EngineLease):
         except FailStop as exc:
             self._open = None
             self.client.fail_stop()
-            raise_for_error({"event": "error", "error": {"type": ErrorKind.FAIL_STOP, "reason": "apply_failed",
-                                                         "message": str(exc)}})
+            raise_for_error(
+                {
+                    "event": "error",
+                    "error": {"type": ErrorKind.FAIL_STOP, "reason": "apply_failed", "message": str(exc)},
+                }
+            )
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -83,7 +88,9 @@ class FakeEngineClient:
 
     @staticmethod
     def _fresh(like: FakeEngine, n_ctx: int) -> FakeEngine:
-        return FakeEngine(like.model_path, n_ctx, like.kv_type, like.token_delay, like.prompt_delay, fim=like.fim)
+        return FakeEngine(
+            like.model_path, n_ctx, like.kv_type, like.token_delay, like.prompt_delay, fim=like.fim
+        )
 
     def engine_of(self, slot: int | None) -> FakeEngine:
         return self.engine if slot is None else self.slot_engines[slot]
@@ -91,14 +98,22 @@ class FakeEngineClient:
     def status(self) -> EngineStatus:
         info = None
         if self.state is EngineState.READY:
-            info = {**self.engine.ready_line(), "n_slots": self.slots.n_slots,
-                    "n_ctx_slot": self.slot_engines[0].n_ctx}
-        return EngineStatus(self.state, info=info, restarts=self.restarts,
-                            message="" if self.state is EngineState.READY else "Loading model",
-                            n_forward=self.n_forward_lost + sum(e.n_forward for e in [self.engine, *self.slot_engines]))
+            info = {
+                **self.engine.ready_line(),
+                "n_slots": self.slots.n_slots,
+                "n_ctx_slot": self.slot_engines[0].n_ctx,
+            }
+        return EngineStatus(
+            self.state,
+            info=info,
+            restarts=self.restarts,
+            message="" if self.state is EngineState.READY else "Loading model",
+            n_forward=self.n_forward_lost + sum(e.n_forward for e in [self.engine, *self.slot_engines]),
+        )
 
-    def acquire(self, wait_s: float | None = None, *, id_slot: int | None = None,
-                prompt: list[int] | None = None) -> FakeLease:
+    def acquire(
+        self, wait_s: float | None = None, *, id_slot: int | None = None, prompt: list[int] | None = None
+    ) -> FakeLease:
         if self.state is not EngineState.READY:
             raise EngineUnavailable()
         slot = self.slots.acquire(1.0 if wait_s is None else wait_s, id_slot=id_slot, prompt=prompt)

@@ -36,17 +36,24 @@ def test_prompt_lists_are_checked(make_api):
     client, _, _ = make_api()
     for bad in (["a", 3.5], ["a", True], [["a"]], [[1, 2], 7.0], [[1, 999]]):
         assert_error(client.simulate_post("/completion", json={"prompt": bad}), 400, "invalid_request_error")
-    assert_error(client.simulate_post("/completion", json={"prompt": ["a", {"prompt_string": "b"}]}), 501,
-                 "not_supported_error")
+    assert_error(
+        client.simulate_post("/completion", json={"prompt": ["a", {"prompt_string": "b"}]}),
+        501,
+        "not_supported_error",
+    )
     too_many = {"prompt": ["a"] * (MAX_TASKS // 2 + 1), "n": 2}
     assert_error(client.simulate_post("/completion", json=too_many), 400, "invalid_request_error")
-    assert_error(client.simulate_post("/completion", json={"prompt": "a", "n": "2"}), 400, "invalid_request_error")
+    assert_error(
+        client.simulate_post("/completion", json={"prompt": "a", "n": "2"}), 400, "invalid_request_error"
+    )
 
 
 def test_n_choices_on_the_openai_endpoints(make_api):
     client, engine, _ = make_api()
     messages = [{"role": "user", "content": "hi"}]
-    chat = post(client, "/v1/chat/completions", {"messages": messages, "n": 2, "max_tokens": 5, "temperature": 0})
+    chat = post(
+        client, "/v1/chat/completions", {"messages": messages, "n": 2, "max_tokens": 5, "temperature": 0}
+    )
     assert [c["index"] for c in chat["choices"]] == [0, 1]
     # greedy: both choices are the same text
     assert chat["choices"][0]["message"] == chat["choices"][1]["message"]
@@ -55,7 +62,10 @@ def test_n_choices_on_the_openai_endpoints(make_api):
     assert [c["index"] for c in text["choices"]] == [0, 1, 2, 3]
     assert text["choices"][0]["text"] == text["choices"][1]["text"]
     assert text["choices"][2]["text"] == text["choices"][3]["text"]
-    assert text["choices"][0]["text"] == post(client, "/v1/completions", {"prompt": "ab", **GREEDY})["choices"][0]["text"]
+    assert (
+        text["choices"][0]["text"]
+        == post(client, "/v1/completions", {"prompt": "ab", **GREEDY})["choices"][0]["text"]
+    )
     native = post(client, "/completion", {"prompt": "ab", "n_cmpl": 3, **GREEDY})
     assert [a["index"] for a in native] == [0, 1, 2] and len({a["content"] for a in native}) == 1
     # each later choice reuses the prompt its predecessor left in the slot
@@ -70,7 +80,9 @@ def test_choices_are_seeded_as_the_peer_seeds_child_tasks(make_api):
     body = {"prompt": "hello", "n": 3, "seed": 42, "temperature": 1.0, "n_predict": 12}
     first = post(client, "/completion", body)
     assert [a["generation_settings"]["seed"] for a in first] == [42, 43, 44]
-    assert [a["content"] for a in post(client, "/completion", body)] == [a["content"] for a in first]  # reproducible
+    assert [a["content"] for a in post(client, "/completion", body)] == [
+        a["content"] for a in first
+    ]  # reproducible
     alone = post(client, "/completion", {**body, "n": 1, "seed": 43})
     assert alone["content"] == first[1]["content"]  # choice j samples with seed + j
     assert len({a["content"] for a in first}) > 1
@@ -79,21 +91,34 @@ def test_choices_are_seeded_as_the_peer_seeds_child_tasks(make_api):
 def test_streamed_choices_carry_their_index(make_api):
     client, _, _ = make_api()
     messages = [{"role": "user", "content": "hi"}]
-    events = sse_events(client.simulate_post("/v1/chat/completions", json={
-        "messages": messages, "n": 2, "max_tokens": 4, "temperature": 0, "stream": True,
-        "stream_options": {"include_usage": True}}).text)
+    events = sse_events(
+        client.simulate_post(
+            "/v1/chat/completions",
+            json={
+                "messages": messages,
+                "n": 2,
+                "max_tokens": 4,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ).text
+    )
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     chunks = events[:-1]
     indexes = [c["choices"][0]["index"] for c in chunks if c["choices"]]
     assert indexes == sorted(indexes) and set(indexes) == {0, 1}  # the choices run one after another
     for index in (0, 1):
         own = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
-        assert own[0]["delta"] == {"role": "assistant", "content": None} and own[-1]["finish_reason"] == "length"
+        assert (
+            own[0]["delta"] == {"role": "assistant", "content": None} and own[-1]["finish_reason"] == "length"
+        )
     assert sum(1 for c in chunks if not c["choices"]) == 2  # each task's usage chunk
     assert len({c["id"] for c in chunks}) == 1  # one completion id
 
-    native = sse_events(client.simulate_post("/completion", json={"prompt": ["ab", "cd"], **GREEDY,
-                                                                  "stream": True}).text)
+    native = sse_events(
+        client.simulate_post("/completion", json={"prompt": ["ab", "cd"], **GREEDY, "stream": True}).text
+    )
     assert "[DONE]" not in native
     finals = [c for c in native if c["stop"]]
     assert [f["index"] for f in finals] == [0, 1] and [f["prompt"] for f in finals] == ["ab", "cd"]
@@ -104,9 +129,13 @@ def test_streamed_choices_carry_their_index(make_api):
 
 def test_a_failing_task_fails_the_request(make_api):
     client, _, _ = make_api(n_ctx=64)
-    assert_error(client.simulate_post("/completion", json={"prompt": ["ab", "y" * 100], **GREEDY}), 400,
-                 "exceed_context_size_error")
-    events = sse_events(client.simulate_post("/completion", json={"prompt": ["ab", "y" * 100], **GREEDY,
-                                                                  "stream": True}).text)
+    assert_error(
+        client.simulate_post("/completion", json={"prompt": ["ab", "y" * 100], **GREEDY}),
+        400,
+        "exceed_context_size_error",
+    )
+    events = sse_events(
+        client.simulate_post("/completion", json={"prompt": ["ab", "y" * 100], **GREEDY, "stream": True}).text
+    )
     assert events[-1]["error"]["type"] == "exceed_context_size_error"  # after the first task's chunks
     assert any(e.get("stop") for e in events[:-1])

@@ -43,8 +43,12 @@ def test_native_answer_pooled_and_per_token(make_api):
     client, _, _ = make_api(embedding=True)  # the fake model's own pooling: none
     per_token = client.simulate_post("/embedding", json={"content": "hello"}).json[0]["embedding"]
     assert len(per_token) == n_tokens(client, "hello") and all(len(row) == N_EMBD for row in per_token)
-    assert_error(client.simulate_post("/v1/embeddings", json={"input": "hello"}), 400, "invalid_request_error",
-                 "Pooling type 'none' is not OAI compatible. Please use a different pooling type")
+    assert_error(
+        client.simulate_post("/v1/embeddings", json={"input": "hello"}),
+        400,
+        "invalid_request_error",
+        "Pooling type 'none' is not OAI compatible. Please use a different pooling type",
+    )
 
 
 def test_openai_answer(make_api):
@@ -71,7 +75,9 @@ def test_embd_normalize(make_api):
     client, _, _ = make_api(embedding=True, pooling="mean")
 
     def vector(p: int) -> list[float]:
-        return client.simulate_post("/embeddings", json={"content": "abc", "embd_normalize": p}).json[0]["embedding"][0]
+        return client.simulate_post("/embeddings", json={"content": "abc", "embd_normalize": p}).json[0][
+            "embedding"
+        ][0]
 
     raw, taxicab = vector(-1), vector(1)
     assert norm(raw) != pytest.approx(1.0) and sum(map(abs, taxicab)) == pytest.approx(1.0)
@@ -81,24 +87,45 @@ def test_embd_normalize(make_api):
 
 def test_checks_in_the_peer_order(make_api):
     client, _, _ = make_api(embedding=True, pooling="cls")
-    assert_error(client.simulate_post("/v1/embeddings", json={"prompt": "x"}), 400, "invalid_request_error",
-                 '"input" or "content" must be provided')
-    assert_error(client.simulate_post("/v1/embeddings", json={"input": "x", "encoding_format": "hex"}), 400,
-                 "invalid_request_error", "The format to return the embeddings in. Can be either float or base64")
-    assert_error(client.simulate_post("/v1/embeddings", json={"input": ["x", []]}), 400, "invalid_request_error",
-                 "Input content cannot be empty")
-    assert_error(client.simulate_post("/v1/embeddings", json={"input": [1, 999]}), 400, "invalid_request_error")
-    assert_error(client.simulate_post("/v1/embeddings", json={"input": "x", "embd_normalize": "2"}), 400,
-                 "invalid_request_error")
+    assert_error(
+        client.simulate_post("/v1/embeddings", json={"prompt": "x"}),
+        400,
+        "invalid_request_error",
+        '"input" or "content" must be provided',
+    )
+    assert_error(
+        client.simulate_post("/v1/embeddings", json={"input": "x", "encoding_format": "hex"}),
+        400,
+        "invalid_request_error",
+        "The format to return the embeddings in. Can be either float or base64",
+    )
+    assert_error(
+        client.simulate_post("/v1/embeddings", json={"input": ["x", []]}),
+        400,
+        "invalid_request_error",
+        "Input content cannot be empty",
+    )
+    assert_error(
+        client.simulate_post("/v1/embeddings", json={"input": [1, 999]}), 400, "invalid_request_error"
+    )
+    assert_error(
+        client.simulate_post("/v1/embeddings", json={"input": "x", "embd_normalize": "2"}),
+        400,
+        "invalid_request_error",
+    )
 
 
 def test_embeddings_leave_the_conversation_alone(make_api):
     client, engine, _ = make_api(embedding=True, pooling="mean")
-    first = client.simulate_post("/completion", json={"prompt": "hello world", "n_predict": 4, "temperature": 0}).json
+    first = client.simulate_post(
+        "/completion", json={"prompt": "hello world", "n_predict": 4, "temperature": 0}
+    ).json
     held = list(engine.slot_engines[0].held)
     client.simulate_post("/v1/embeddings", json={"input": ["something else entirely", "more"]})
     assert engine.slot_engines[0].held == held
-    again = client.simulate_post("/completion", json={"prompt": "hello world", "n_predict": 4, "temperature": 0}).json
+    again = client.simulate_post(
+        "/completion", json={"prompt": "hello world", "n_predict": 4, "temperature": 0}
+    ).json
     assert again["timings"]["cache_n"] == len("hello world") - 1 and again["content"] == first["content"]
 
 

@@ -49,7 +49,7 @@ def test_every_engine_flag_the_server_takes_round_trips_into_the_engine(fake_mod
             assert getattr(config.engine, field) != getattr(default, field), field
         argv = config.engine.to_argv()
         assert _engine_reads(argv) == config.engine, field
-        assert config.engine_argv()[-len(argv):] == argv  # no serve option is given here
+        assert config.engine_argv()[-len(argv) :] == argv  # no serve option is given here
     assert _engine_reads(load_config(["--model", str(fake_model)]).engine.to_argv()) == default
 
 
@@ -72,8 +72,13 @@ def test_the_server_s_engine_flags_are_the_engine_s(fake_model, tmp_path):
     assert unset.engine == EngineSettings(model_path=fake_model)
     template = tmp_path / "template.jinja"
     template.write_text("{{ messages[0]['content'] }}", encoding="utf-8")
-    from_template_file = load_config(["--model", str(fake_model), "--chat-template-file", str(template)]).engine
-    assert _engine_reads(["--model", str(fake_model), "--chat-template-file", str(template)]) == from_template_file
+    from_template_file = load_config(
+        ["--model", str(fake_model), "--chat-template-file", str(template)]
+    ).engine
+    assert (
+        _engine_reads(["--model", str(fake_model), "--chat-template-file", str(template)])
+        == from_template_file
+    )
     assert _engine_reads(from_template_file.to_argv()) == from_template_file
 
 

@@ -14,8 +14,13 @@ def held(ledger: SlotLedger, slot_id: int) -> list[int] | None:
 
 
 def result(tokens: list[int], n_held: int, content: str = "x") -> dict:
-    return {"tokens": tokens, "n_tokens_held": n_held, "content": content, "tokens_evaluated": 4,
-            "timings": {"prompt_n": 3, "cache_n": 1}}
+    return {
+        "tokens": tokens,
+        "n_tokens_held": n_held,
+        "content": content,
+        "tokens_evaluated": 4,
+        "timings": {"prompt_n": 3, "cache_n": 1},
+    }
 
 
 def test_a_completion_holds_its_prompt_and_what_it_generated_up_to_what_the_engine_held():
@@ -63,7 +68,9 @@ def test_restore_save_erase_and_the_engine_exit():
     ledger.restored(0, as_tokens([4, 5, 6]), Origin.SLOT_FILE, "chat.bin")
     record = ledger[0]
     assert held(ledger, 0) == [4, 5, 6] and record.origin is Origin.SLOT_FILE and record.file == "chat.bin"
-    assert record.n_restored == 3 and record.last_task is None  # the task before it ran on another conversation
+    assert (
+        record.n_restored == 3 and record.last_task is None
+    )  # the task before it ran on another conversation
     ledger.restored(1, None, Origin.SLOT_FILE, "unreadable.bin")
     assert held(ledger, 1) is None and ledger[1].n_restored == 0
 

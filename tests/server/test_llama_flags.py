@@ -13,19 +13,71 @@ from .checks import assert_error
 
 
 def test_sampling_flags_parse_and_every_bad_value_is_reported(fake_model):
-    config = load_config(["--model", str(fake_model), "--temp", "0", "--top-k", "5", "--top-p", "0.5",
-                          "--min-p", "0.1", "-s", "42", "-n", "7", "--repeat-penalty", "1.1",
-                          "--repeat-last-n", "32", "--presence-penalty", "0.25", "--frequency-penalty", "0.5"])
-    assert (config.temp, config.top_k, config.top_p, config.min_p, config.seed, config.n_predict) == \
-        (0.0, 5, 0.5, 0.1, 42, 7)
-    assert (config.repeat_penalty, config.repeat_last_n, config.presence_penalty, config.frequency_penalty) == \
-        (1.1, 32, 0.25, 0.5)
+    config = load_config(
+        [
+            "--model",
+            str(fake_model),
+            "--temp",
+            "0",
+            "--top-k",
+            "5",
+            "--top-p",
+            "0.5",
+            "--min-p",
+            "0.1",
+            "-s",
+            "42",
+            "-n",
+            "7",
+            "--repeat-penalty",
+            "1.1",
+            "--repeat-last-n",
+            "32",
+            "--presence-penalty",
+            "0.25",
+            "--frequency-penalty",
+            "0.5",
+        ]
+    )
+    assert (config.temp, config.top_k, config.top_p, config.min_p, config.seed, config.n_predict) == (
+        0.0,
+        5,
+        0.5,
+        0.1,
+        42,
+        7,
+    )
+    assert (
+        config.repeat_penalty,
+        config.repeat_last_n,
+        config.presence_penalty,
+        config.frequency_penalty,
+    ) == (1.1, 32, 0.25, 0.5)
     with pytest.raises(ConfigError) as info:
-        load_config(["--model", str(fake_model), "--temp", "nan", "--repeat-penalty", "0", "--seed", "-5",
-                     "-n", "-3", "--top-k", "many"])
+        load_config(
+            [
+                "--model",
+                str(fake_model),
+                "--temp",
+                "nan",
+                "--repeat-penalty",
+                "0",
+                "--seed",
+                "-5",
+                "-n",
+                "-3",
+                "--top-k",
+                "many",
+            ]
+        )
     problems = "\n".join(info.value.problems)
-    for expected in ("temp: nan is not a finite number", "repeat_penalty: 0.0 must be above 0", "seed: -5",
-                     "n_predict: -3 is below -2", "top_k: expected an integer"):
+    for expected in (
+        "temp: nan is not a finite number",
+        "repeat_penalty: 0.0 must be above 0",
+        "seed: -5",
+        "n_predict: -3 is below -2",
+        "top_k: expected an integer",
+    ):
         assert expected in problems, expected
 
 
@@ -34,13 +86,21 @@ def test_request_without_fields_gets_the_server_defaults(make_api):
     body = client.simulate_post("/completion", json={"prompt": "hello"}).json
     assert body["tokens_predicted"] == 5
     settings = body["generation_settings"]
-    assert (settings["temperature"], settings["top_k"], settings["seed"], settings["n_predict"]) == (0, 3, 9, 5)
+    assert (settings["temperature"], settings["top_k"], settings["seed"], settings["n_predict"]) == (
+        0,
+        3,
+        9,
+        5,
+    )
     # The request's own fields win.
-    own = client.simulate_post("/completion", json={"prompt": "hello", "n_predict": 2, "temperature": 0.5,
-                                                    "top_k": 7}).json
+    own = client.simulate_post(
+        "/completion", json={"prompt": "hello", "n_predict": 2, "temperature": 0.5, "top_k": 7}
+    ).json
     assert own["tokens_predicted"] == 2
     assert (own["generation_settings"]["temperature"], own["generation_settings"]["top_k"]) == (0.5, 7)
-    chat = client.simulate_post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).json
+    chat = client.simulate_post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    ).json
     assert chat["usage"]["completion_tokens"] == 5
 
 
@@ -50,18 +110,32 @@ def test_server_n_predict_caps_a_request_and_minus_one_means_the_server_s(make_a
         body = client.simulate_post("/completion", json={"prompt": "hello", "n_predict": asked}).json
         assert body["tokens_predicted"] == 4 and body["generation_settings"]["n_predict"] == 4
     unlimited, _, _ = make_api(temp=0)  # llama-server's -1: until a stop or the full context
-    assert unlimited.simulate_post("/completion", json={"prompt": "hi", "ignore_eos": True}).json[
-        "stop_type"] == "limit"
+    assert (
+        unlimited.simulate_post("/completion", json={"prompt": "hi", "ignore_eos": True}).json["stop_type"]
+        == "limit"
+    )
 
 
 def test_props_default_generation_settings_reflect_the_flags(make_api):
     client, _, _ = make_api(temp=0.2, top_p=0.7, n_predict=64, repeat_penalty=1.2, presence_penalty=0.1)
     params = client.simulate_get("/props").json["default_generation_settings"]["params"]
-    assert (params["temperature"], params["top_p"], params["n_predict"], params["repeat_penalty"],
-            params["presence_penalty"], params["frequency_penalty"]) == (0.2, 0.7, 64, 1.2, 0.1, 0.0)
+    assert (
+        params["temperature"],
+        params["top_p"],
+        params["n_predict"],
+        params["repeat_penalty"],
+        params["presence_penalty"],
+        params["frequency_penalty"],
+    ) == (0.2, 0.7, 64, 1.2, 0.1, 0.0)
     defaults = make_api()[0].simulate_get("/props").json["default_generation_settings"]["params"]
-    assert (defaults["temperature"], defaults["top_k"], defaults["top_p"], defaults["min_p"],
-            defaults["n_predict"], defaults["seed"]) == (0.8, 40, 0.95, 0.05, -1, -1)
+    assert (
+        defaults["temperature"],
+        defaults["top_k"],
+        defaults["top_p"],
+        defaults["min_p"],
+        defaults["n_predict"],
+        defaults["seed"],
+    ) == (0.8, 40, 0.95, 0.05, -1, -1)
 
 
 # --- header names, /slots and /metrics at the edges ----------------------------------------------
@@ -71,7 +145,9 @@ def wsgi_header_names(app, path: str, method: str = "GET", headers: dict | None 
     import falcon.testing
 
     names: list[str] = []
-    environ = falcon.testing.create_environ(path, method=method, headers={"Host": "127.0.0.1:8080", **(headers or {})})
+    environ = falcon.testing.create_environ(
+        path, method=method, headers={"Host": "127.0.0.1:8080", **(headers or {})}
+    )
     b"".join(app(environ, lambda status, hdrs, exc_info=None: names.extend(k for k, _ in hdrs)))
     return names
 
@@ -87,8 +163,9 @@ def test_response_header_names_are_cased_as_the_peer_sends_them(fake_model):
     app = with_peer_header_case(create_app(FakeEngineClient(FakeEngine(str(fake_model))), config))
     metrics = wsgi_header_names(app, "/metrics")
     assert "Process-Start-Time-Unix" in metrics and "Content-Type" in metrics
-    options = wsgi_header_names(app, "/completion", "OPTIONS", {"Origin": "http://x.example",
-                                                                "Access-Control-Request-Method": "POST"})
+    options = wsgi_header_names(
+        app, "/completion", "OPTIONS", {"Origin": "http://x.example", "Access-Control-Request-Method": "POST"}
+    )
     assert "Access-Control-Allow-Methods" in options and "Access-Control-Allow-Origin" in options
     assert peer_header_name("x-accel-buffering") == "X-Accel-Buffering"
 
@@ -97,8 +174,12 @@ def test_slots_n_remain_is_minus_one_once_a_task_ended(make_api):
     client, _, _ = make_api(temp=0)
     client.simulate_post("/completion", json={"prompt": "hello", "n_predict": 3})
     next_token = client.simulate_get("/slots").json[0]["next_token"][0]
-    assert next_token == {"has_next_token": False, "has_new_line": next_token["has_new_line"], "n_remain": -1,
-                          "n_decoded": 3}
+    assert next_token == {
+        "has_next_token": False,
+        "has_new_line": next_token["has_new_line"],
+        "n_remain": -1,
+        "n_decoded": 3,
+    }
 
 
 def test_metrics_generation_rate_is_zero_after_one_token(make_api):
@@ -106,10 +187,16 @@ def test_metrics_generation_rate_is_zero_after_one_token(make_api):
     client.simulate_post("/completion", json={"prompt": "hello", "n_predict": 1})
     text = client.simulate_get("/metrics").text
     assert "llamacpp:tokens_predicted_total 1\n" in text
-    assert "llamacpp:predicted_tokens_seconds 0\n" in text and "llamacpp:tokens_predicted_seconds_total 0\n" in text
+    assert (
+        "llamacpp:predicted_tokens_seconds 0\n" in text
+        and "llamacpp:tokens_predicted_seconds_total 0\n" in text
+    )
     client.simulate_post("/completion", json={"prompt": "hello", "n_predict": 4})
-    rate = next(line for line in client.simulate_get("/metrics").text.splitlines()
-                if line.startswith("llamacpp:predicted_tokens_seconds "))
+    rate = next(
+        line
+        for line in client.simulate_get("/metrics").text.splitlines()
+        if line.startswith("llamacpp:predicted_tokens_seconds ")
+    )
     assert float(rate.split()[1]) > 0
 
 
@@ -118,13 +205,23 @@ def test_metrics_generation_rate_is_zero_after_one_token(make_api):
 
 def test_cors_localhost_and_lists_behave_as_the_peer_for_listed_origins(make_api):
     client, _, _ = make_api(cors_origins="localhost,https://app.example")
-    for origin in ("http://localhost:5173", "http://127.0.0.1:3000", "http://[::1]:8000", "https://app.example"):
+    for origin in (
+        "http://localhost:5173",
+        "http://127.0.0.1:3000",
+        "http://[::1]:8000",
+        "https://app.example",
+    ):
         ok = client.simulate_get("/health", headers={"Origin": origin})
         assert ok.headers["access-control-allow-origin"] == origin, origin
         assert ok.headers["access-control-allow-credentials"] == "true"
-        preflight = client.simulate_options("/v1/chat/completions", headers={
-            "Origin": origin, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, content-type"})
+        preflight = client.simulate_options(
+            "/v1/chat/completions",
+            headers={
+                "Origin": origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
         assert preflight.headers["access-control-allow-origin"] == origin
         assert preflight.headers["access-control-allow-credentials"] == "true"
         assert preflight.headers["access-control-allow-headers"] == "*"
@@ -133,8 +230,12 @@ def test_cors_localhost_and_lists_behave_as_the_peer_for_listed_origins(make_api
         assert "access-control-allow-origin" not in refused.headers, origin
     # A wildcard beside listed origins: the listed ones as the peer, the rest without credentials.
     mixed, _, _ = make_api(cors_origins=["*", "http://app.example"])
-    assert mixed.simulate_get("/health", headers={"Origin": "http://app.example"}).headers[
-        "access-control-allow-credentials"] == "true"
+    assert (
+        mixed.simulate_get("/health", headers={"Origin": "http://app.example"}).headers[
+            "access-control-allow-credentials"
+        ]
+        == "true"
+    )
     other = mixed.simulate_get("/health", headers={"Origin": "http://x.example"})
     assert other.headers["access-control-allow-origin"] == "*"
     assert "access-control-allow-credentials" not in other.headers
@@ -154,7 +255,11 @@ def test_alias_and_tags_are_lists(make_api, fake_model):
     for path in ("/v1/models", "/models"):
         models = client.simulate_get(path).json
         entry = models["data"][0]
-        assert entry["id"] == "tiny" and entry["aliases"] == ["tiny", "small"] and entry["tags"] == ["chat", "test"]
+        assert (
+            entry["id"] == "tiny"
+            and entry["aliases"] == ["tiny", "small"]
+            and entry["tags"] == ["chat", "test"]
+        )
         assert models["models"][0]["name"] == "tiny" and models["models"][0]["tags"] == ["chat", "test"]
     assert client.simulate_get("/props").json["model_alias"] == "tiny"
     flags = load_config(["--model", str(fake_model), "-a", "a,b", "--alias", "c", "--tags", "x,y"])
@@ -179,14 +284,22 @@ def test_threads_are_the_engine_s_and_http_threads_are_gunicorn_s(tmp_path, fake
     assert config.http_threads == 8 and config.effective_log_level() == "debug"
     default = load_config(["--model", str(fake_model)])
     assert "--threads" not in default.engine_argv() and "--log-level" not in default.engine_argv()
-    assert default.engine.threads is None and default.http_threads == 32 and default.effective_log_level() == "info"
-    assert load_config(["--model", str(fake_model), "--threads-http", "4"]).http_threads == 4  # the peer's name
+    assert (
+        default.engine.threads is None
+        and default.http_threads == 32
+        and default.effective_log_level() == "info"
+    )
+    assert (
+        load_config(["--model", str(fake_model), "--threads-http", "4"]).http_threads == 4
+    )  # the peer's name
     q8 = load_config(["--model", str(fake_model), "--cpu-kernels", "numba-q8"]).engine_argv()
     assert q8[q8.index("--cpu-kernels") + 1] == "numba-q8" and "--cpu-kernels" not in default.engine_argv()
     with pytest.raises(ConfigError, match="cpu_kernels: 'fast' is not one of numba, numba-q8, numpy"):
         load_config(["--model", str(fake_model), "--cpu-kernels", "fast"])
     path = tmp_path / "strata.toml"
-    path.write_text(f'model = "{fake_model}"\nthreads = 3\nhttp_threads = 5\nverbose = true\n', encoding="utf-8")
+    path.write_text(
+        f'model = "{fake_model}"\nthreads = 3\nhttp_threads = 5\nverbose = true\n', encoding="utf-8"
+    )
     from_file = load_config(["--config", str(path)])
     assert (from_file.engine.threads, from_file.http_threads, from_file.verbose) == (3, 5, True)
     with pytest.raises(ConfigError) as info:
@@ -216,11 +329,21 @@ def test_chat_template_flags_reach_the_engine_and_bad_ones_are_reported(tmp_path
     assert from_file[from_file.index("--chat-template") + 1] == jinja  # the file's text, read once
     with pytest.raises(ConfigError) as info:
         load_config(["--model", str(fake_model), "--chat-template", "llama2"])
-    assert "chat_template: 'llama2' is neither a built-in name (chatml, gemma) nor a jinja template" in \
-        info.value.problems
+    assert (
+        "chat_template: 'llama2' is neither a built-in name (chatml, gemma) nor a jinja template"
+        in info.value.problems
+    )
     with pytest.raises(ConfigError) as info:
-        load_config(["--model", str(fake_model), "--chat-template", "chatml", "--chat-template-file",
-                     str(tmp_path / "missing.jinja")])
+        load_config(
+            [
+                "--model",
+                str(fake_model),
+                "--chat-template",
+                "chatml",
+                "--chat-template-file",
+                str(tmp_path / "missing.jinja"),
+            ]
+        )
     assert len(info.value.problems) == 2  # both given; the file unreadable
 
 
@@ -231,28 +354,46 @@ CHAT_PATHS = ("/v1/chat/completions", "/apply-template", "/v1/chat/completions/i
 
 def test_two_trailing_assistant_messages_are_refused(make_api):
     client, engine, _ = make_api()
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
-                {"role": "assistant", "content": "b"}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "a"},
+        {"role": "assistant", "content": "b"},
+    ]
     for path in CHAT_PATHS:
-        assert_error(client.simulate_post(path, json={"messages": messages}), 400, "invalid_request_error",
-                     "Cannot have 2 or more assistant messages at the end of the list.")
+        assert_error(
+            client.simulate_post(path, json={"messages": messages}),
+            400,
+            "invalid_request_error",
+            "Cannot have 2 or more assistant messages at the end of the list.",
+        )
     assert engine.commands == []
     # With --no-prefill-assistant a final assistant message is a finished turn: nothing to continue.
     finished, _, _ = make_api(prefill_assistant=False)
-    assert finished.simulate_post("/apply-template", json={"messages": messages}).json["prompt"].endswith(
-        "<|im_start|>assistant\nb<|im_end|>\n<|im_start|>assistant\n")
+    assert (
+        finished.simulate_post("/apply-template", json={"messages": messages})
+        .json["prompt"]
+        .endswith("<|im_start|>assistant\nb<|im_end|>\n<|im_start|>assistant\n")
+    )
 
 
 def test_continue_final_message_with_add_generation_prompt_is_refused(make_api):
     client, _, _ = make_api()
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
-    for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": True}):
+    for extra in (
+        {"continue_final_message": True},
+        {"continue_final_message": True, "add_generation_prompt": True},
+    ):
         for path in CHAT_PATHS:
-            assert_error(client.simulate_post(path, json={"messages": messages, **extra}), 400,
-                         "invalid_request_error", "Cannot set both add_generation_prompt and continue_final_message "
-                         "to true.")
-    continued = client.simulate_post("/apply-template", json={"messages": messages, "continue_final_message": True,
-                                                              "add_generation_prompt": False}).json["prompt"]
+            assert_error(
+                client.simulate_post(path, json={"messages": messages, **extra}),
+                400,
+                "invalid_request_error",
+                "Cannot set both add_generation_prompt and continue_final_message to true.",
+            )
+    continued = client.simulate_post(
+        "/apply-template",
+        json={"messages": messages, "continue_final_message": True, "add_generation_prompt": False},
+    ).json["prompt"]
     assert continued == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nHel"
     # A final assistant message is continued by default too (the peer's assistant prefill).
     assert client.simulate_post("/apply-template", json={"messages": messages}).json["prompt"] == continued
@@ -269,8 +410,11 @@ def test_chat_input_tokens_counts_the_rendered_prompt(make_api):
         assert body == {"input_tokens": len(tokenize(prompt))}
     chat = client.simulate_post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json
     assert chat["usage"]["prompt_tokens"] == body["input_tokens"]
-    assert_error(client.simulate_post("/v1/chat/completions/input_tokens", json={"messages": []}), 400,
-                 "invalid_request_error")
+    assert_error(
+        client.simulate_post("/v1/chat/completions/input_tokens", json={"messages": []}),
+        400,
+        "invalid_request_error",
+    )
 
 
 # --- return_progress -------------------------------------------------------------------------------------
@@ -284,24 +428,38 @@ def sse_payloads(text: str) -> list:
 
 def test_return_progress_streams_prompt_progress_chunks(make_api):
     client, _, _ = make_api(temp=0)
-    for path, body in (("/completion", {"prompt": "hello there"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]})):
-        events = sse_payloads(client.simulate_post(path, json={**body, "n_predict": 2, "stream": True,
-                                                               "return_progress": True}).text)
+    for path, body in (
+        ("/completion", {"prompt": "hello there"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
+    ):
+        events = sse_payloads(
+            client.simulate_post(
+                path, json={**body, "n_predict": 2, "stream": True, "return_progress": True}
+            ).text
+        )
         progress = [e for e in events if "prompt_progress" in e]
         assert len(progress) == 1, path
         shown = progress[0]["prompt_progress"]
-        assert set(shown) == {"total", "cache", "processed", "time_ms"} and shown["processed"] == shown["total"] > 0
+        assert (
+            set(shown) == {"total", "cache", "processed", "time_ms"}
+            and shown["processed"] == shown["total"] > 0
+        )
         if path == "/v1/chat/completions":
             assert progress[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
         else:
             assert progress[0]["content"] == "" and progress[0]["stop"] is False
         plain = sse_payloads(client.simulate_post(path, json={**body, "n_predict": 2, "stream": True}).text)
         assert not any("prompt_progress" in e for e in plain)
-    unstreamed = client.simulate_post("/completion", json={"prompt": "x", "n_predict": 1, "return_progress": True})
+    unstreamed = client.simulate_post(
+        "/completion", json={"prompt": "x", "n_predict": 1, "return_progress": True}
+    )
     assert unstreamed.status_code == 200 and "prompt_progress" not in unstreamed.json
-    assert_error(client.simulate_post("/completion", json={"prompt": "x", "return_progress": "yes"}), 400,
-                 "invalid_request_error", "'return_progress' must be true or false")
+    assert_error(
+        client.simulate_post("/completion", json={"prompt": "x", "return_progress": "yes"}),
+        400,
+        "invalid_request_error",
+        "'return_progress' must be true or false",
+    )
 
 
 # --- verbose -> __verbose ------------------------------------------------------------------------------
@@ -310,19 +468,35 @@ def test_return_progress_streams_prompt_progress_chunks(make_api):
 def test_verbose_adds_the_native_answer_as___verbose(make_api):
     client, _, _ = make_api(temp=0)
     messages = [{"role": "user", "content": "hello"}]
-    chat = client.simulate_post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3,
-                                                              "verbose": True}).json
+    chat = client.simulate_post(
+        "/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "verbose": True}
+    ).json
     native = chat["__verbose"]
     assert native["content"] == chat["choices"][0]["message"]["content"] and native["tokens_predicted"] == 3
-    assert native["prompt"] == client.simulate_post("/apply-template", json={"messages": messages}).json["prompt"]
+    assert (
+        native["prompt"]
+        == client.simulate_post("/apply-template", json={"messages": messages}).json["prompt"]
+    )
     assert native["stop"] is True and "generation_settings" in native and "timings" in native
-    text = client.simulate_post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "verbose": True}).json
-    assert text["__verbose"]["prompt"] == "hello" and text["__verbose"]["content"] == text["choices"][0]["text"]
-    stream = sse_payloads(client.simulate_post("/v1/chat/completions", json={
-        "messages": messages, "max_tokens": 3, "verbose": True, "stream": True}).text)
+    text = client.simulate_post(
+        "/v1/completions", json={"prompt": "hello", "max_tokens": 2, "verbose": True}
+    ).json
+    assert (
+        text["__verbose"]["prompt"] == "hello" and text["__verbose"]["content"] == text["choices"][0]["text"]
+    )
+    stream = sse_payloads(
+        client.simulate_post(
+            "/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 3, "verbose": True, "stream": True},
+        ).text
+    )
     final = next(e for e in stream if e["choices"] and e["choices"][0]["finish_reason"])
     assert final["__verbose"]["content"] == native["content"]
-    assert "__verbose" not in client.simulate_post("/v1/chat/completions", json={"messages": messages,
-                                                                                  "max_tokens": 1}).json
-    assert "__verbose" not in client.simulate_post("/completion", json={"prompt": "x", "n_predict": 1,
-                                                                       "verbose": True}).json
+    assert (
+        "__verbose"
+        not in client.simulate_post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json
+    )
+    assert (
+        "__verbose"
+        not in client.simulate_post("/completion", json={"prompt": "x", "n_predict": 1, "verbose": True}).json
+    )

@@ -128,15 +128,25 @@ def test_id_slot_is_honoured_and_checked(api4):
     again = client.simulate_post("/completion", json={"prompt": "abc", **GREEDY, "id_slot": 3}).json
     assert again["timings"]["cache_n"] > 0
     for bad in (4, -2):
-        assert_error(client.simulate_post("/completion", json={"prompt": "abc", "id_slot": bad}), 400,
-                     "invalid_request_error", f"Invalid slot ID: {bad}; this server has slots 0..3")
-    assert client.simulate_post("/completion", json={"prompt": "abc", **GREEDY, "id_slot": -1}).status_code == 200
+        assert_error(
+            client.simulate_post("/completion", json={"prompt": "abc", "id_slot": bad}),
+            400,
+            "invalid_request_error",
+            f"Invalid slot ID: {bad}; this server has slots 0..3",
+        )
+    assert (
+        client.simulate_post("/completion", json={"prompt": "abc", **GREEDY, "id_slot": -1}).status_code
+        == 200
+    )
 
 
 def test_a_conversation_returns_to_the_slot_holding_it(api4):
     client, _, _ = api4
     chats = {slot: f"{'xyz'[slot]}: conversation number {slot}" for slot in range(3)}  # nothing shared
-    first = {slot: client.simulate_post("/completion", json={"prompt": p, **GREEDY}).json for slot, p in chats.items()}
+    first = {
+        slot: client.simulate_post("/completion", json={"prompt": p, **GREEDY}).json
+        for slot, p in chats.items()
+    }
     # Fresh slots are taken least recently used first: 3, 2, 1 (never used, highest id first).
     assert [first[s]["id_slot"] for s in range(3)] == [3, 2, 1]
     for slot in (1, 0, 2):  # each continues where it was, whatever the order
@@ -149,8 +159,10 @@ def test_a_conversation_returns_to_the_slot_holding_it(api4):
     messages = [{"role": "user", "content": "a chat about the weather"}]
     chat = client.simulate_post("/v1/chat/completions", json={"messages": messages, **GREEDY}).json
     client.simulate_post("/completion", json={"prompt": "q: something else", **GREEDY})
-    messages += [{"role": "assistant", "content": chat["choices"][0]["message"]["content"]},
-                 {"role": "user", "content": "and tomorrow?"}]
+    messages += [
+        {"role": "assistant", "content": chat["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "and tomorrow?"},
+    ]
     turn = client.simulate_post("/v1/chat/completions", json={"messages": messages, **GREEDY}).json
     assert turn["timings"]["cache_n"] >= chat["usage"]["prompt_tokens"]
 
@@ -163,20 +175,30 @@ def test_save_one_slot_while_another_streams_and_restore_into_any(api4, make_api
     try:
         saved = slot_post(client, 2, "save", {"filename": "two.bin"}).json
         assert saved["id_slot"] == 2 and saved["n_saved"] == two["tokens_cached"]
-        assert_error(slot_post(client, 7, "save", {"filename": "x.bin"}), 400, "invalid_request_error",
-                     "Invalid slot ID: 7; this server has slots 0..3")
+        assert_error(
+            slot_post(client, 7, "save", {"filename": "x.bin"}),
+            400,
+            "invalid_request_error",
+            "Invalid slot ID: 7; this server has slots 0..3",
+        )
     finally:
         busy.release()
     assert slot_post(client, 1, "save", {"filename": "one.bin"}).json["n_saved"] == one["tokens_cached"]
     restored = slot_post(client, 0, "restore", {"filename": "one.bin"}).json
     assert restored["id_slot"] == 0 and restored["n_restored"] == one["tokens_cached"]
-    again = client.simulate_post("/completion", json={"prompt": "slot one's chat", **GREEDY, "id_slot": 0}).json
+    again = client.simulate_post(
+        "/completion", json={"prompt": "slot one's chat", **GREEDY, "id_slot": 0}
+    ).json
     assert again["timings"]["cache_n"] == one["tokens_evaluated"] - 1 and again["content"] == one["content"]
     assert slot_post(client, 3, "erase").json == {"id_slot": 3, "n_erased": 0}
     # Into a one-slot server with the same per-slot context.
     single, _, _ = make_api(n_ctx=256, slot_save_path=str(slot_dir))
-    assert single.simulate_post("/slots/0", params={"action": "restore"},
-                                json={"filename": "one.bin"}).json["n_restored"] == one["tokens_cached"]
+    assert (
+        single.simulate_post("/slots/0", params={"action": "restore"}, json={"filename": "one.bin"}).json[
+            "n_restored"
+        ]
+        == one["tokens_cached"]
+    )
     cont = single.simulate_post("/completion", json={"prompt": "slot one's chat", **GREEDY}).json
     assert cont["timings"]["cache_n"] == one["tokens_evaluated"] - 1 and cont["content"] == one["content"]
 

@@ -29,8 +29,19 @@ def server(tmp_path_factory):
     model.write_text("fake-model-A\n", encoding="utf-8")
     (tmp / "slots").mkdir()
     engine = " ".join([sys.executable, FAKE_ENGINE_PATH, "serve", "--token-delay", "0.01"])
-    proc = ServerProcess("--model", str(model), "--engine-command", engine, "-np", "4", "-c", "8192",
-                         "--slot-save-path", str(tmp / "slots"), log_path=tmp / "server.log").start(60)
+    proc = ServerProcess(
+        "--model",
+        str(model),
+        "--engine-command",
+        engine,
+        "-np",
+        "4",
+        "-c",
+        "8192",
+        "--slot-save-path",
+        str(tmp / "slots"),
+        log_path=tmp / "server.log",
+    ).start(60)
     yield proc
     assert proc.stop() == 0
 

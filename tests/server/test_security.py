@@ -6,21 +6,46 @@ import pytest
 
 from .checks import assert_error
 
-REBINDING_HOSTS = ["evil.example", "evil.example:8080", "localhost.evil.example", "127.0.0.1.nip.io",
-                   "127.0.0.1.evil.example:8080", "0.0.0.0:8080", "[::2]:8080", "10.0.0.7", ""]
+REBINDING_HOSTS = [
+    "evil.example",
+    "evil.example:8080",
+    "localhost.evil.example",
+    "127.0.0.1.nip.io",
+    "127.0.0.1.evil.example:8080",
+    "0.0.0.0:8080",
+    "[::2]:8080",
+    "10.0.0.7",
+    "",
+]
 
 
 @pytest.mark.parametrize("host", REBINDING_HOSTS)
 def test_foreign_host_refused_on_every_path(make_api, host):
     client, _, _ = make_api()
-    for method, path in (("GET", "/health"), ("GET", "/props"), ("POST", "/completion"), ("OPTIONS", "/props")):
+    for method, path in (
+        ("GET", "/health"),
+        ("GET", "/props"),
+        ("POST", "/completion"),
+        ("OPTIONS", "/props"),
+    ):
         result = client.simulate_request(method, path, headers={"Host": host}, json={"prompt": "x"})
         error = assert_error(result, 403, "permission_error")
         assert "Host" in error["message"]
 
 
-@pytest.mark.parametrize("host", ["localhost", "localhost:8080", "LOCALHOST:1", "127.0.0.1", "127.0.0.1:8080",
-                                  "[::1]:8080", "[::1]", "localhost."])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "localhost",
+        "localhost:8080",
+        "LOCALHOST:1",
+        "127.0.0.1",
+        "127.0.0.1:8080",
+        "[::1]:8080",
+        "[::1]",
+        "localhost.",
+    ],
+)
 def test_loopback_hosts_accepted(make_api, host):
     client, _, _ = make_api()
     assert client.simulate_get("/health", headers={"Host": host}).status_code == 200
@@ -40,11 +65,19 @@ def test_bound_address_and_allowed_hosts(make_api):
 def test_api_key_forms(make_api):
     client, _, _ = make_api(api_key="k1,k2")
     assert_error(client.simulate_get("/props"), 401, "authentication_error", "Invalid API Key")
-    for headers in ({"Authorization": "Bearer k1"}, {"Authorization": "k2"}, {"X-Api-Key": "k1"},
-                    {"Authorization": "bearer k2"}):
+    for headers in (
+        {"Authorization": "Bearer k1"},
+        {"Authorization": "k2"},
+        {"X-Api-Key": "k1"},
+        {"Authorization": "bearer k2"},
+    ):
         assert client.simulate_get("/props", headers=headers).status_code == 200, headers
-    for headers in ({"Authorization": "Bearer nope"}, {"Authorization": "Bearer"}, {"X-Api-Key": "k1x"},
-                    {"Authorization": "Basic azE6"}):
+    for headers in (
+        {"Authorization": "Bearer nope"},
+        {"Authorization": "Bearer"},
+        {"X-Api-Key": "k1x"},
+        {"Authorization": "Basic azE6"},
+    ):
         assert_error(client.simulate_get("/props", headers=headers), 401, "authentication_error")
 
 
@@ -55,9 +88,18 @@ def test_api_key_public_paths_and_protected_ones(make_api, tmp_path, slot_dir):
     assert client.simulate_get("/health").status_code == 200
     assert client.simulate_get("/v1/health").status_code == 200
     assert client.simulate_options("/completion").status_code == 200
-    for method, path in (("GET", "/props"), ("GET", "/v1/models"), ("GET", "/slots"), ("GET", "/metrics"),
-                         ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/completion"),
-                         ("POST", "/v1/chat/completions"), ("POST", "/slots/0?action=erase"), ("GET", "/nope")):
+    for method, path in (
+        ("GET", "/props"),
+        ("GET", "/v1/models"),
+        ("GET", "/slots"),
+        ("GET", "/metrics"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("POST", "/completion"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/slots/0?action=erase"),
+        ("GET", "/nope"),
+    ):
         result = client.simulate_request(method, path, json={})
         assert_error(result, 401, "authentication_error", "Invalid API Key")
     ok = client.simulate_post("/tokenize", json={"content": "a"}, headers={"X-Api-Key": "file-key"})
@@ -67,8 +109,9 @@ def test_api_key_public_paths_and_protected_ones(make_api, tmp_path, slot_dir):
 def test_slot_action_origin_rules_apply_with_a_key(make_api, slot_dir):
     client, _, _ = make_api(api_key="k", slot_save_path=str(slot_dir))
     headers = {"Authorization": "Bearer k", "Origin": "http://evil.example"}
-    result = client.simulate_post("/slots/0", params={"action": "save"}, json={"filename": "a.bin"},
-                                  headers=headers)
+    result = client.simulate_post(
+        "/slots/0", params={"action": "save"}, json={"filename": "a.bin"}, headers=headers
+    )
     assert_error(result, 403, "permission_error")
 
 
@@ -77,9 +120,14 @@ def test_cors_wildcard_without_credentials(make_api):
     result = client.simulate_get("/health", headers={"Origin": "http://site.example"})
     assert result.headers["access-control-allow-origin"] == "*"
     assert "access-control-allow-credentials" not in result.headers
-    preflight = client.simulate_options("/v1/chat/completions", headers={
-        "Origin": "http://site.example", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})
+    preflight = client.simulate_options(
+        "/v1/chat/completions",
+        headers={
+            "Origin": "http://site.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
     assert preflight.status_code == 200 and preflight.text == ""
     assert preflight.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
     assert preflight.headers["access-control-allow-headers"] == "authorization, content-type"

@@ -35,8 +35,12 @@ def held_reuse(client) -> int:
 def test_disabled_without_slot_save_path(make_api):
     client, _, _ = make_api()
     for action in ("save", "restore", "erase"):
-        assert_error(slot_post(client, action, {"filename": "x"}), 501, "not_supported_error",
-                     "This server does not support slots action. Start it with `--slot-save-path`")
+        assert_error(
+            slot_post(client, action, {"filename": "x"}),
+            501,
+            "not_supported_error",
+            "This server does not support slots action. Start it with `--slot-save-path`",
+        )
 
 
 def test_save_restore_erase_shapes(api, slot_dir):
@@ -61,31 +65,42 @@ def test_save_restore_erase_shapes(api, slot_dir):
 
 def test_erase_ignores_body(api):
     client, _, _ = api
-    result = client.simulate_post("/slots/0", params={"action": "erase"}, body="not json",
-                                  content_type="application/json")
+    result = client.simulate_post(
+        "/slots/0", params={"action": "erase"}, body="not json", content_type="application/json"
+    )
     assert result.status_code == 200
 
 
-@pytest.mark.parametrize(("slot", "message"), [
-    ("abc", "Invalid slot ID"), ("1", "Invalid slot ID: 1; this server has one slot, 0"),
-    ("-1", "Invalid slot ID: -1; this server has one slot, 0"), ("1abc", "Invalid slot ID"),
-])
+@pytest.mark.parametrize(
+    ("slot", "message"),
+    [
+        ("abc", "Invalid slot ID"),
+        ("1", "Invalid slot ID: 1; this server has one slot, 0"),
+        ("-1", "Invalid slot ID: -1; this server has one slot, 0"),
+        ("1abc", "Invalid slot ID"),
+    ],
+)
 def test_bad_slot_ids(api, slot, message):
     client, _, _ = api
-    assert_error(slot_post(client, "save", {"filename": "x.bin"}, slot=slot), 400, "invalid_request_error",
-                 message)
+    assert_error(
+        slot_post(client, "save", {"filename": "x.bin"}, slot=slot), 400, "invalid_request_error", message
+    )
 
 
 def test_bad_action_and_bodies(api):
     client, _, _ = api
-    assert_error(slot_post(client, "bogus", {"filename": "x"}), 400, "invalid_request_error", "Invalid action")
-    assert_error(client.simulate_post("/slots/0", body="{}", content_type="application/json"), 400,
-                 "invalid_request_error", "Invalid action")
+    assert_error(
+        slot_post(client, "bogus", {"filename": "x"}), 400, "invalid_request_error", "Invalid action"
+    )
+    assert_error(
+        client.simulate_post("/slots/0", body="{}", content_type="application/json"),
+        400,
+        "invalid_request_error",
+        "Invalid action",
+    )
     assert_error(slot_post(client, "save", {}), 400, "invalid_request_error", "'filename' is required")
     assert_error(slot_post(client, "save", {"filename": 3}), 400, "invalid_request_error")
     assert_error(slot_post(client, "save", None), 400, "invalid_request_error")
-
-
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)
@@ -112,7 +127,9 @@ def test_symlink_in_folder_never_followed(api, slot_dir, tmp_path):
     outside.write_bytes(b"precious")
     (slot_dir / "link.bin").symlink_to(outside)
     for action in ("save", "restore"):
-        error = assert_error(slot_post(client, action, {"filename": "link.bin"}), 400, "invalid_request_error")
+        error = assert_error(
+            slot_post(client, action, {"filename": "link.bin"}), 400, "invalid_request_error"
+        )
         assert "symbolic link" in error["message"]
     assert outside.read_bytes() == b"precious"
     assert held_reuse(client) == first["tokens_evaluated"] - 1
@@ -122,8 +139,9 @@ def test_symlink_in_folder_never_followed(api, slot_dir, tmp_path):
 
 def test_missing_file_named_and_nothing_wiped(api):
     client, _, first = api
-    error = assert_error(slot_post(client, "restore", {"filename": "does-not-exist.bin"}), 400,
-                         "invalid_request_error")
+    error = assert_error(
+        slot_post(client, "restore", {"filename": "does-not-exist.bin"}), 400, "invalid_request_error"
+    )
     assert "'does-not-exist.bin'" in error["message"] and error["reason"] == "not_found"
     assert held_reuse(client) == first["tokens_evaluated"] - 1  # the peer wipes the slot here
 
@@ -145,7 +163,11 @@ def test_refusals_keep_conversation(api, slot_dir, fake_model, tmp_path):
     (slot_dir / "corrupt.bin").write_bytes(bytes(data))
     (slot_dir / "empty.bin").write_bytes(b"")
     client.simulate_post("/completion", json={"prompt": PROMPT, **GREEDY})
-    for name, reason in (("other-model.bin", "model_mismatch"), ("corrupt.bin", "corrupt"), ("empty.bin", "corrupt")):
+    for name, reason in (
+        ("other-model.bin", "model_mismatch"),
+        ("corrupt.bin", "corrupt"),
+        ("empty.bin", "corrupt"),
+    ):
         error = assert_error(slot_post(client, "restore", {"filename": name}), 400, "invalid_request_error")
         assert error["reason"] == reason and repr(name) in error["message"]
         assert error["message"].startswith("Unable to restore slot")
@@ -197,8 +219,15 @@ def test_save_folder_flush_failure_says_file_in_place(api, monkeypatch):
     client, engine, _ = api
 
     def flush_failed(arg):
-        yield {"event": "error", "error": {"type": "session_write_failed", "reason": "dir_fsync_failed",
-                                           "message": "fsync of the folder failed", "file_in_place": True}}
+        yield {
+            "event": "error",
+            "error": {
+                "type": "session_write_failed",
+                "reason": "dir_fsync_failed",
+                "message": "fsync of the folder failed",
+                "file_in_place": True,
+            },
+        }
 
     monkeypatch.setattr(engine.slot_engines[0], "do_save", flush_failed)
     error = assert_error(slot_post(client, "save", {"filename": "x.bin"}), 500, "server_error")

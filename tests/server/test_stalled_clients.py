@@ -21,8 +21,9 @@ STALLED = 256  # 8x the HTTP threads (32): before worker.py, 32 of these made /h
 
 def start_server(tmp_path, fake_model, *flags: str) -> ServerProcess:
     engine = " ".join([sys.executable, str(FAKE_ENGINE), "serve"])
-    return ServerProcess("--model", str(fake_model), "--engine-command", engine, *flags,
-                         log_path=tmp_path / "server.log").start(60)
+    return ServerProcess(
+        "--model", str(fake_model), "--engine-command", engine, *flags, log_path=tmp_path / "server.log"
+    ).start(60)
 
 
 @pytest.mark.parametrize("body", [False, True], ids=["half-head", "head-without-body"])
@@ -36,8 +37,10 @@ def test_stalled_connections_do_not_hold_the_server(tmp_path, fake_model, body):
         assert [s["id"] for s in requests.get(server.url + "/slots", timeout=10).json()] == [0, 1]
         answer = requests.post(server.url + "/completion", json={"prompt": "hi", "n_predict": 2}, timeout=10)
         assert answer.status_code == 200 and answer.json()["tokens_predicted"] == 2
-        print(f"/health, /slots and a completion with {STALLED} stalled connections: "
-              f"{time.monotonic() - started:.3f} s")
+        print(
+            f"/health, /slots and a completion with {STALLED} stalled connections: "
+            f"{time.monotonic() - started:.3f} s"
+        )
         # The stalled requests still complete when their bytes arrive.
         stalled[0].sendall(REST[body])
         assert stalled[0].recv(12) == b"HTTP/1.1 200"
@@ -49,7 +52,9 @@ def test_stalled_connections_do_not_hold_the_server(tmp_path, fake_model, body):
 
 def test_requests_not_complete_within_the_read_timeout_are_closed(tmp_path, fake_model):
     server = start_server(tmp_path, fake_model, "-np", "2", "--timeout", "2")
-    stalled = half_requests(server.port, STALLED // 2, body=False) + half_requests(server.port, STALLED // 2, body=True)
+    stalled = half_requests(server.port, STALLED // 2, body=False) + half_requests(
+        server.port, STALLED // 2, body=True
+    )
     try:
         started = time.monotonic()
         for sock in stalled:
@@ -70,17 +75,20 @@ def test_the_read_timeout_is_stated_in_help():
     assert "read timeout" in build_parser().format_help()
 
 
-@pytest.mark.parametrize(("data", "complete"), [
-    (b"GET / HTTP/1.1\r\nHost: a\r\n", False),
-    (b"GET / HTTP/1.1\r\nHost: a\r\n\r\n", True),
-    (b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nabcd", False),
-    (b"POST / HTTP/1.1\r\ncontent-length:5\r\n\r\nabcde", True),
-    (b"POST / HTTP/1.1\r\nContent-Length: 999999\r\n\r\n", True),  # over the limit: the app refuses it
-    (b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n", True),  # the parser refuses it
-    (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n", False),
-    (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", True),
-    (b"GET /" + b"a" * 70000, True),  # an oversized head: gunicorn's parser refuses it
-])
+@pytest.mark.parametrize(
+    ("data", "complete"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: a\r\n", False),
+        (b"GET / HTTP/1.1\r\nHost: a\r\n\r\n", True),
+        (b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nabcd", False),
+        (b"POST / HTTP/1.1\r\ncontent-length:5\r\n\r\nabcde", True),
+        (b"POST / HTTP/1.1\r\nContent-Length: 999999\r\n\r\n", True),  # over the limit: the app refuses it
+        (b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n", True),  # the parser refuses it
+        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n", False),
+        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", True),
+        (b"GET /" + b"a" * 70000, True),  # an oversized head: gunicorn's parser refuses it
+    ],
+)
 def test_request_complete(data, complete):
     from strata_server.worker import request_complete
 

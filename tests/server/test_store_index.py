@@ -47,14 +47,14 @@ def test_chained_hashes_name_whole_prefixes():
     other = chain_hashes(changed)
     assert other[:2] == hashes[:2] and all(a != b for a, b in zip(other[2:], hashes[2:], strict=True))
     # the same block at another depth hashes differently: a hash names its position too
-    shifted = as_tokens(np.concatenate([t[B:2 * B], t[:B]]))
-    assert chain_hashes(shifted)[1] != hashes[0] and chain_hashes(t[B:2 * B])[0] != hashes[1]
+    shifted = as_tokens(np.concatenate([t[B : 2 * B], t[:B]]))
+    assert chain_hashes(shifted)[1] != hashes[0] and chain_hashes(t[B : 2 * B])[0] != hashes[1]
 
 
 def test_longest_prefix_is_checked_token_by_token_and_prefers_the_shortest_file():
     index = StoreIndex()
     base = tokens(4 * B, 2)
-    a = as_tokens(np.concatenate([base[:3 * B + 40], tokens(300, 3)]))  # shares 3 blocks + 40 tokens
+    a = as_tokens(np.concatenate([base[: 3 * B + 40], tokens(300, 3)]))  # shares 3 blocks + 40 tokens
     b = as_tokens(np.concatenate([base[:B], tokens(600, 4)]))  # shares 1 block
     index.add(conversation("a", a))
     index.add(conversation("b", b))
@@ -83,13 +83,13 @@ def test_a_prompt_that_differs_inside_the_matched_blocks_is_cut_where_it_differs
 def test_strict_prefixes_and_removal():
     index = StoreIndex()
     full = tokens(3 * B + 9, 9)
-    index.add(conversation("p1", full[:B + 3]))
-    index.add(conversation("p2", full[:2 * B]))
+    index.add(conversation("p1", full[: B + 3]))
+    index.add(conversation("p2", full[: 2 * B]))
     index.add(conversation("other", tokens(2 * B, 10)))
     index.add(conversation("self", full))
     assert sorted(c.name for c in index.strict_prefixes_of(full)) == ["p1", "p2"]
     index.remove("p2")
-    assert index.longest_prefix(full[:2 * B]).conversation.name == "self"
+    assert index.longest_prefix(full[: 2 * B]).conversation.name == "self"
     assert index.remove("p2") is None and len(index) == 3
 
 
@@ -107,18 +107,21 @@ def test_least_recently_used_eviction_by_bytes():
     assert [c.name for c in index.over_limit(25, keep=["c1"])] == ["c2", "c3", "c0", "c1"]
 
 
-@pytest.mark.parametrize("held_n, prompt_extra, match_n, expect_restore, expect_save", [
-    (0, 0, 3 * B, True, False),  # an empty slot: restore
-    (2 * B, 20, None, False, False),  # the next turn of the held conversation: nothing to do
-    (2 * B, 20, 2 * B + 100, False, False),  # the store holds only 100 more than the slot: not worth it
-    (2 * B, 20, 3 * B, True, False),  # the store holds a whole block more: restore
-])
+@pytest.mark.parametrize(
+    "held_n, prompt_extra, match_n, expect_restore, expect_save",
+    [
+        (0, 0, 3 * B, True, False),  # an empty slot: restore
+        (2 * B, 20, None, False, False),  # the next turn of the held conversation: nothing to do
+        (2 * B, 20, 2 * B + 100, False, False),  # the store holds only 100 more than the slot: not worth it
+        (2 * B, 20, 3 * B, True, False),  # the store holds a whole block more: restore
+    ],
+)
 def test_plan_for_a_continuing_conversation(held_n, prompt_extra, match_n, expect_restore, expect_save):
     from strata_server.store.index import Match
 
     base = tokens(4 * B, 11)
     held = base[:held_n]
-    prompt = as_tokens(np.concatenate([base[:max(held_n, match_n or 0)], tokens(prompt_extra, 12)]))
+    prompt = as_tokens(np.concatenate([base[: max(held_n, match_n or 0)], tokens(prompt_extra, 12)]))
     match = Match(conversation("m", base), match_n) if match_n else None
     decision = plan(prompt, held, match, min_reuse=B)
     assert (decision.restore is not None, decision.save_first) == (expect_restore, expect_save)
@@ -160,10 +163,13 @@ def test_a_pending_file_left_by_a_kill_is_committed_when_whole_and_removed_when_
     whole, whole_tokens = pending(ours, 1)
     cut, _ = pending(ours, 2)
     data = folder.pending(cut).read_bytes()
-    folder.pending(cut).write_bytes(data[:len(data) // 2])
+    folder.pending(cut).write_bytes(data[: len(data) // 2])
     foreign, _ = pending(theirs, 3)
-    store = SessionStore(StoreSettings(folder=tmp_path, max_bytes=1 << 30, min_reuse=B, idle_s=0), engine=None,
-                         ledger=SlotLedger(1))
+    store = SessionStore(
+        StoreSettings(folder=tmp_path, max_bytes=1 << 30, min_reuse=B, idle_s=0),
+        engine=None,
+        ledger=SlotLedger(1),
+    )
     store.fingerprints = fingerprints
     store.scan()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([whole, foreign + PENDING_SUFFIX])
@@ -204,5 +210,7 @@ def test_a_commit_makes_room_indexes_the_file_and_tells_the_ledger_what_it_holds
     assert [p.name for p in tmp_path.iterdir()] == [second]  # the first evicted: both do not fit
     assert index.get(first) is None and np.array_equal(index.get(second).tokens, second_tokens)
     assert np.array_equal(ledger.tokens(0), second_tokens)
-    assert metrics.evictions == 1 and metrics.saves[SaveTrigger.IDLE] == metrics.saves[SaveTrigger.SHUTDOWN] == 1
+    assert (
+        metrics.evictions == 1 and metrics.saves[SaveTrigger.IDLE] == metrics.saves[SaveTrigger.SHUTDOWN] == 1
+    )
     saves.drain(time.monotonic() + 1)  # nothing pending: returns at once

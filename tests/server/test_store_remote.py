@@ -37,7 +37,9 @@ def test_stale_multipart_uploads_under_the_prefix_are_aborted_at_start(tmp_path,
         assert unfinished(client, store.bucket) == {"fleet/m/c/b/killed.ssf", "other/m/c/b/elsewhere.ssf"}
 
         # The default age: a fresh upload may be a live server's save; nothing is aborted.
-        young = RemoteTier(RemoteSettings.parse(f"s3://{store.bucket}/fleet", store.endpoint_url), None, False)
+        young = RemoteTier(
+            RemoteSettings.parse(f"s3://{store.bucket}/fleet", store.endpoint_url), None, False
+        )
         assert young.settings.stale_upload_age_s == STALE_UPLOAD_AGE_S >= 600
         time.sleep(2.0)
         young.close(1.0)

@@ -21,12 +21,23 @@ from .fake_engine import mark_fail_after_gate
 FAST = RestartPolicy(base_s=0.05, max_s=0.5, stable_s=5.0, ready_timeout_s=20.0)
 
 
-def make(fake_model: Path, *extra: str, policy: RestartPolicy = FAST, on_give_up=None, slot_wait: float = 0.3,
-         command_timeout: float = 30.0) -> EngineSupervisor:
+def make(
+    fake_model: Path,
+    *extra: str,
+    policy: RestartPolicy = FAST,
+    on_give_up=None,
+    slot_wait: float = 0.3,
+    command_timeout: float = 30.0,
+) -> EngineSupervisor:
     argv = [sys.executable, str(FAKE_ENGINE), "serve", "--model", str(fake_model), *extra]
-    supervisor = EngineSupervisor(argv, policy=policy, on_give_up=on_give_up,
-                                  settings=SupervisorSettings(slot_wait_s=slot_wait, command_timeout_s=command_timeout,
-                                                              stop_timeout_s=5.0))
+    supervisor = EngineSupervisor(
+        argv,
+        policy=policy,
+        on_give_up=on_give_up,
+        settings=SupervisorSettings(
+            slot_wait_s=slot_wait, command_timeout_s=command_timeout, stop_timeout_s=5.0
+        ),
+    )
     supervisor.start()
     return supervisor
 
@@ -143,8 +154,9 @@ def test_fail_stop_exit_4_restarts(supervised, tmp_path):
     assert complete(supervisor, "keep this conversation")["timings"]["cache_n"] == 0
 
 
-@pytest.mark.parametrize(("extra", "needle"), [(("--fail-load",), "cannot load model"),
-                                               (("--protocol", "1"), "protocol 1")])
+@pytest.mark.parametrize(
+    ("extra", "needle"), [(("--fail-load",), "cannot load model"), (("--protocol", "1"), "protocol 1")]
+)
 def test_give_up_statuses_not_restarted(fake_model, tmp_path, extra, needle):
     pid_file = tmp_path / "pids"
     reports = []
@@ -162,8 +174,9 @@ def test_give_up_statuses_not_restarted(fake_model, tmp_path, extra, needle):
 
 def test_usage_exit_2_gives_up(tmp_path):
     reports = []
-    supervisor = EngineSupervisor([sys.executable, str(FAKE_ENGINE), "--bogus-flag"], policy=FAST,
-                                  on_give_up=reports.append)
+    supervisor = EngineSupervisor(
+        [sys.executable, str(FAKE_ENGINE), "--bogus-flag"], policy=FAST, on_give_up=reports.append
+    )
     supervisor.start()
     try:
         wait_for(lambda: supervisor.status().state is EngineState.FAILED)

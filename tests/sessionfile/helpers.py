@@ -61,13 +61,13 @@ def mutate(data: bytes, ops, rehash: bool) -> bytes:
         if kind == "flip":
             b[i] ^= (value % 255) + 1
         elif kind == "u32" and i + 4 <= len(b):
-            b[i:i + 4] = struct.pack("<I", value & 0xFFFFFFFF)
+            b[i : i + 4] = struct.pack("<I", value & 0xFFFFFFFF)
         elif kind == "u64" and i + 8 <= len(b):
-            b[i:i + 8] = struct.pack("<Q", value & 0xFFFFFFFFFFFFFFFF)
+            b[i : i + 8] = struct.pack("<Q", value & 0xFFFFFFFFFFFFFFFF)
         elif kind == "insert":
             b[i:i] = bytes([value & 0xFF]) * ((value % 7) + 1)
         elif kind == "delete":
-            del b[i:i + (value % 9) + 1]
+            del b[i : i + (value % 9) + 1]
     if rehash and len(b) >= 64 + 24:
         b = bytearray(refresh(b))
     return bytes(b)
@@ -95,5 +95,5 @@ def restore_invariant(path, staging: bool) -> bool:
     first_touch = min(i for i, e in enumerate(target.events) if e in TOUCH)
     assert "check_plan" in target.events[:first_touch]
     if not staging and Phase.APPLY in phases:  # the read pass finished before anything was applied
-        assert Phase.READ not in phases[phases.index(Phase.APPLY):]
+        assert Phase.READ not in phases[phases.index(Phase.APPLY) :]
     return True

@@ -34,7 +34,7 @@ def _section(out: str, title: str) -> list[str]:
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line == f"  {title}" or line.startswith(f"  {title}  "))
     block = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.startswith("    "):
             break
         block.append(line[4:])
@@ -73,33 +73,58 @@ def test_inspect_text_of_a_uniform_file_is_one_line_per_repeat(tmp_path, capsys)
     _engine_like_file(path, specs, rope, n_tokens=1200)
     assert main(["inspect", str(path)]) == EXIT_VALID
     out = capsys.readouterr().out
-    assert _section(out, "layers") == ["layers 0-29: 3 heads x 64, f16/f16, 1,200 held, 461 kB K + 461 kB V each"]
+    assert _section(out, "layers") == [
+        "layers 0-29: 3 heads x 64, f16/f16, 1,200 held, 461 kB K + 461 kB V each"
+    ]
     assert "  layers              30, 27,648,000 bytes (27.6 MB) of K/V\n" in out
     assert _section(out, "config") == [
-        "engine   strata-engine", "kv_type  f16", "n_layer  30",
-        "rope     all 30 layers: base 100000, dim 64, style interleaved, window null"]
+        "engine   strata-engine",
+        "kv_type  f16",
+        "n_layer  30",
+        "rope     all 30 layers: base 100000, dim 64, style interleaved, window null",
+    ]
     assert main(["inspect", str(path), "--layers"]) == EXIT_VALID
     table = capsys.readouterr().out.split("heads    dk    dv")[1].splitlines()[1:]
-    assert len(table) == 30 and table[29].split() == ["main", "29", "3", "64", "64", "f16/f16", "-", "1200",
-                                                      "460800", "460800", "0", "0", "0"]
+    assert len(table) == 30 and table[29].split() == [
+        "main",
+        "29",
+        "3",
+        "64",
+        "64",
+        "f16/f16",
+        "-",
+        "1200",
+        "460800",
+        "460800",
+        "0",
+        "0",
+        "0",
+    ]
 
 
 def test_inspect_text_groups_layers_that_repeat_apart(tmp_path, capsys):
     """A gemma3-shaped file: a sliding window on 5 of every 6 layers (two kinds of layer and of RoPE)."""
-    specs = [LayerSpec(i, LayerRole.MAIN, 1, 256, 256, DType.F16, DType.F16, 0 if i % 6 == 5 else 8)
-             for i in range(18)]
-    rope = [{"base": 1e6 if i % 6 == 5 else 10000.0, "dim": 256, "window": 0 if i % 6 == 5 else 8}
-            for i in range(18)]
+    specs = [
+        LayerSpec(i, LayerRole.MAIN, 1, 256, 256, DType.F16, DType.F16, 0 if i % 6 == 5 else 8)
+        for i in range(18)
+    ]
+    rope = [
+        {"base": 1e6 if i % 6 == 5 else 10000.0, "dim": 256, "window": 0 if i % 6 == 5 else 8}
+        for i in range(18)
+    ]
     path = tmp_path / "windows.ssf"
     _engine_like_file(path, specs, rope, n_tokens=20)
     assert main(["inspect", str(path), "--verify"]) == EXIT_VALID
     out = capsys.readouterr().out
     assert _section(out, "layers") == [
         "layers 0-4, 6-10, 12-16: 1 head x 256, f16/f16, window 8, 8 held, 4.10 kB K + 4.10 kB V each",
-        "layers 5, 11, 17: 1 head x 256, f16/f16, 20 held, 10.2 kB K + 10.2 kB V each"]
+        "layers 5, 11, 17: 1 head x 256, f16/f16, 20 held, 10.2 kB K + 10.2 kB V each",
+    ]
     config = _section(out, "config")
-    assert config[config.index("rope     layers 0-4, 6-10, 12-16: base 10000, dim 256, window 8") + 1] == \
-        "         layers 5, 11, 17: base 1000000, dim 256, window 0"
+    assert (
+        config[config.index("rope     layers 0-4, 6-10, 12-16: base 10000, dim 256, window 8") + 1]
+        == "         layers 5, 11, 17: base 1000000, dim 256, window 0"
+    )
 
 
 def test_inspect_json_does_not_depend_on_the_text_flags(capsys):
@@ -109,9 +134,21 @@ def test_inspect_json_does_not_depend_on_the_text_flags(capsys):
     assert json.loads(capsys.readouterr().out) == plain and len(plain["layers"]) == 4
 
 
-@pytest.mark.parametrize("n,text", [(0, "0 B"), (999, "999 B"), (1000, "1.00 kB"), (9995, "10.0 kB"),
-                                    (99950, "100 kB"), (999_499, "999 kB"), (999_500, "1.00 MB"),
-                                    (1_244_928, "1.24 MB"), (23_040 * 8192, "189 MB"), (10**12, "1.00 TB")])
+@pytest.mark.parametrize(
+    "n,text",
+    [
+        (0, "0 B"),
+        (999, "999 B"),
+        (1000, "1.00 kB"),
+        (9995, "10.0 kB"),
+        (99950, "100 kB"),
+        (999_499, "999 kB"),
+        (999_500, "1.00 MB"),
+        (1_244_928, "1.24 MB"),
+        (23_040 * 8192, "189 MB"),
+        (10**12, "1.00 TB"),
+    ],
+)
 def test_human_sizes(n, text):
     assert human_size(n) == text
 
@@ -188,14 +225,23 @@ def test_key_file_verifies_the_mac(golden_key_file, capsys):
     assert "trailer 104" in out
     assert main(["inspect", str(mac), "--json"]) == EXIT_VALID
     assert json.loads(capsys.readouterr().out)["authentication"] == {
-        "authenticated": True, "key_id": key_id, "mac_verified": False}
+        "authenticated": True,
+        "key_id": key_id,
+        "mac_verified": False,
+    }
     assert main(["inspect", str(mac)]) == EXIT_VALID
     assert "not verified (use --key-file)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name,reason", [("mac_missing.ssf", "mac_missing"), ("mac_wrong_key.ssf", "mac_wrong_key"),
-                                         ("mac_flipped.ssf", "mac_mismatch"),
-                                         ("mac_payload_digest_mismatch.ssf", "payload_not_authentic")])
+@pytest.mark.parametrize(
+    "name,reason",
+    [
+        ("mac_missing.ssf", "mac_missing"),
+        ("mac_wrong_key.ssf", "mac_wrong_key"),
+        ("mac_flipped.ssf", "mac_mismatch"),
+        ("mac_payload_digest_mismatch.ssf", "payload_not_authentic"),
+    ],
+)
 def test_a_file_the_key_did_not_authenticate_exits_4(name, reason, golden_key_file, capsys):
     argv = ["inspect", str(golden.BAD_DIR / name), "--verify", "--key-file", str(golden_key_file)]
     assert main(argv) == EXIT_UNAUTHENTICATED

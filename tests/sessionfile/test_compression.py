@@ -24,8 +24,9 @@ from . import golden
 from .helpers import LIVE_TOUCH, SMALL, check_refused_cleanly, files_in, mutate, restore_invariant
 
 ZSTD = Compression("zstd", level=3)
-COMPRESSED_BAD = sorted(n for n in json.loads((golden.BAD_DIR / "expected.json").read_text())
-                        if n.startswith("zstd_"))
+COMPRESSED_BAD = sorted(
+    n for n in json.loads((golden.BAD_DIR / "expected.json").read_text()) if n.startswith("zstd_")
+)
 
 
 @pytest.fixture
@@ -121,7 +122,9 @@ def test_without_zstandard_a_compressed_file_is_refused_by_name(no_zstd, tmp_pat
     small = golden.golden_adapter("small_f16")
     before = small.live_digest()
     small.load_snapshot(small.snapshot(), seed=9)  # other K/V bytes: the restore must bring the file's back
-    restore(golden.GOLDEN_DIR / "small_f16.ssf", small, block_size=4096)  # uncompressed files need no zstandard
+    restore(
+        golden.GOLDEN_DIR / "small_f16.ssf", small, block_size=4096
+    )  # uncompressed files need no zstandard
     assert small.live_digest() == before
 
 
@@ -177,8 +180,9 @@ def test_zip_bomb_frame_is_refused_without_allocating(tmp_path):
     assert len(bomb) < 4096
     path = tmp_path / "bomb.ssf"
     path.write_bytes(golden.zstd_rebuild(head, [frames[0], bomb, *frames[2:]]))
-    proc = subprocess.run([sys.executable, "-c", ZIP_BOMB_CHILD, str(path)], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", ZIP_BOMB_CHILD, str(path)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["reason"] == "decompressed_size_mismatch"
@@ -204,8 +208,17 @@ def test_truncation_and_header_flips_compressed(zfile, tmp_path):
     path, data = zfile
     comp = inspect(path).layout.compressed
     assert comp.n_blocks >= 3
-    cuts = {0, 63, 64, comp.header_offset, comp.frames_offset - 1, comp.frames_offset, comp.table_offset,
-            len(data) - 25, len(data) - 1}
+    cuts = {
+        0,
+        63,
+        64,
+        comp.header_offset,
+        comp.frames_offset - 1,
+        comp.frames_offset,
+        comp.table_offset,
+        len(data) - 25,
+        len(data) - 1,
+    }
     cuts |= {o for o, _n in comp.frames()} | {o + n // 2 for o, n in comp.frames()}
     rng = random.Random(11)
     cuts |= {rng.randrange(len(data)) for _ in range(40)}
@@ -225,8 +238,9 @@ def test_every_compression_header_and_table_byte_flipped_with_hashes_refreshed(z
     path, data = zfile
     comp = inspect(path).layout.compressed
     bad = tmp_path / "f.ssf"
-    offsets = list(range(comp.header_offset, comp.header_offset + 16)) + \
-        list(range(comp.table_offset, comp.table_offset + 4 * comp.n_blocks))
+    offsets = list(range(comp.header_offset, comp.header_offset + 16)) + list(
+        range(comp.table_offset, comp.table_offset + 4 * comp.n_blocks)
+    )
     for off in offsets:
         if comp.header_offset + 4 <= off < comp.header_offset + 8:
             continue  # the level is informative (checked below)
@@ -241,12 +255,26 @@ def test_every_compression_header_and_table_byte_flipped_with_hashes_refreshed(z
     restore(bad, SMALL(2), block_size=4096)
 
 
-@settings(max_examples=400, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(ops=st.lists(st.tuples(st.sampled_from(["flip", "flip", "u32", "u64", "insert", "delete"]),
-                              st.integers(min_value=4096, max_value=1 << 16),
-                              st.integers(min_value=0, max_value=(1 << 64) - 1)), min_size=1, max_size=3),
-       rehash=st.booleans(), staging=st.booleans())
+@settings(
+    max_examples=400,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["flip", "flip", "u32", "u64", "insert", "delete"]),
+            st.integers(min_value=4096, max_value=1 << 16),
+            st.integers(min_value=0, max_value=(1 << 64) - 1),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    rehash=st.booleans(),
+    staging=st.booleans(),
+)
 def test_random_mutations_of_compressed_files(zfile, tmp_path, ops, rehash, staging):
     """Mutations in the compressed data section (frames, table): only SessionFileErrors, nothing applied early."""
     _path, data = zfile
@@ -292,8 +320,12 @@ def test_gate_after_a_frame_changes_during_the_apply_pass(zfile, tmp_path):
     target.copy_in = copy_in
     with pytest.raises(E.FailStop) as exc:
         restore(p, target, block_size=4096, mode="streaming")
-    assert exc.value.cause_reason in ("payload_corrupt", "file_changed", "frame_corrupt",
-                                      "decompressed_size_mismatch")
+    assert exc.value.cause_reason in (
+        "payload_corrupt",
+        "file_changed",
+        "frame_corrupt",
+        "decompressed_size_mismatch",
+    )
     assert target.events.count("fail_stop") == 1 and "commit" not in target.events
 
 
@@ -302,8 +334,10 @@ def test_cli_shows_the_compression(capsys):
     path = golden.GOLDEN_DIR / "kv_f16_zstd.ssf"
     assert main(["inspect", str(path), "--verify"]) == EXIT_VALID
     out = capsys.readouterr().out
-    assert ("compression         zstd level 3, 4 blocks of 4,096 bytes (4.10 kB); 7,423 bytes (7.42 kB) stored for "
-            "12,800 bytes (12.8 kB) of K/V (ratio 0.580)\n") in out and "(verified)" in out
+    assert (
+        "compression         zstd level 3, 4 blocks of 4,096 bytes (4.10 kB); 7,423 bytes (7.42 kB) stored for "
+        "12,800 bytes (12.8 kB) of K/V (ratio 0.580)\n"
+    ) in out and "(verified)" in out
     assert main(["inspect", str(path), "--json"]) == EXIT_VALID
     d = json.loads(capsys.readouterr().out)
     expected = json.loads(path.with_suffix(".json").read_text())["compression"]
@@ -333,8 +367,11 @@ def test_failures_during_a_compressed_save_keep_the_old_file(tmp_path, factory, 
     def write(fd, data):
         writes.append(len(data))
         n_frames_done = len(writes) - 1
-        if (where == "prefix" and len(writes) == 1) or (where == "frame" and n_frames_done == 3) or \
-                (where == "table" and len(data) == 4 * (len(writes) - 2)):  # after the prefix and every frame
+        if (
+            (where == "prefix" and len(writes) == 1)
+            or (where == "frame" and n_frames_done == 3)
+            or (where == "table" and len(data) == 4 * (len(writes) - 2))
+        ):  # after the prefix and every frame
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
@@ -344,6 +381,7 @@ def test_failures_during_a_compressed_save_keep_the_old_file(tmp_path, factory, 
     def encoder(options):
         def encode(view):
             raise MemoryError("out of memory in the encoder")
+
         return encode
 
     monkeypatch.setattr(_fileio, "write", write)

@@ -16,8 +16,19 @@ from strata_sessionfile.testing import (
 def test_reference_adapter_passes(tmp_path, staging):
     ran = run_conformance(memory_adapter_factory(n_tokens=200, staging=staging), tmp_path, random_flips=48)
     assert ran == [case.name for case in CASES if staging or case.name != "staged"]  # in the table's order
-    assert ran[:7] == ["round_trip", "truncation", "header_flips", "payload_flips", "binding", "gate_before",
-                       "gate_after"] and ran[-1] == "file_types"
+    assert (
+        ran[:7]
+        == [
+            "round_trip",
+            "truncation",
+            "header_flips",
+            "payload_flips",
+            "binding",
+            "gate_before",
+            "gate_after",
+        ]
+        and ran[-1] == "file_types"
+    )
 
 
 class _OffsetBlindCopyIn(MemoryAdapter):
@@ -40,8 +51,14 @@ class _EagerCheckPlan(MemoryAdapter):
                 p[:] = bytes(len(p))
 
 
-@pytest.mark.parametrize("cls,expect", [(_OffsetBlindCopyIn, "round_trip"), (_ForgetfulCommit, "round_trip"),
-                                        (_EagerCheckPlan, "a refused restore changed the live session")])
+@pytest.mark.parametrize(
+    "cls,expect",
+    [
+        (_OffsetBlindCopyIn, "round_trip"),
+        (_ForgetfulCommit, "round_trip"),
+        (_EagerCheckPlan, "a refused restore changed the live session"),
+    ],
+)
 def test_broken_adapters_fail(tmp_path, cls, expect):
     base = memory_adapter_factory(n_tokens=200)
 

@@ -50,8 +50,9 @@ def test_sigkill_during_saves_never_leaves_a_torn_file(tmp_path):
     mid_save = 0
     kills = 20
     for _ in range(kills):
-        child = subprocess.Popen([sys.executable, "-c", CRASH_CHILD, str(target), str(n_tokens)],
-                                 stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", CRASH_CHILD, str(target), str(n_tokens)], stdout=subprocess.PIPE, text=True
+        )
         try:
             assert child.stdout.readline().strip() == "ready"
             time.sleep(rng.uniform(0.0, 0.3))
@@ -64,7 +65,9 @@ def test_sigkill_during_saves_never_leaves_a_torn_file(tmp_path):
         assert digest in versions, "the target is neither the old nor a complete new file"
         assert inspect(target).payload_verified
         seen[versions[digest]] += 1
-        for leftover in work.iterdir():  # a killed save may leave its temporary; never under the target's name
+        for (
+            leftover
+        ) in work.iterdir():  # a killed save may leave its temporary; never under the target's name
             if leftover.name != "session.ssf":
                 assert leftover.name.startswith(".session.ssf.") and leftover.name.endswith(".strata-tmp")
                 leftover.unlink()
@@ -104,8 +107,12 @@ def test_restore_of_a_2_gib_session_grows_peak_rss_by_at_most_64_mib(tmp_path):
         save(path, PatternSource(fake_identity(), specs, n_tokens, seed=3))
         info = inspect(path, verify=False)
         assert info.layout.data_length >= (2 << 30) - (1 << 20)
-        proc = subprocess.run([sys.executable, "-c", RSS_CHILD, str(path), "streaming"], capture_output=True,
-                              text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", RSS_CHILD, str(path), "streaming"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         growth = out["peak"] - out["base"]
@@ -128,13 +135,19 @@ def test_restore_of_a_compressed_512_mib_session_grows_peak_rss_by_at_most_64_mi
         save(path, PatternSource(fake_identity(), specs, n_tokens, seed=3), compression="zstd")
         info = inspect(path, verify=False)
         assert info.layout.compressed is not None and info.layout.data_length >= (512 << 20) - (1 << 20)
-        proc = subprocess.run([sys.executable, "-c", RSS_CHILD, str(path), "streaming"], capture_output=True,
-                              text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", RSS_CHILD, str(path), "streaming"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         growth = out["peak"] - out["base"]
-        print(f"512 MiB compressed restore ({info.layout.file_size / 2**20:.0f} MiB file): peak RSS growth "
-              f"{growth / 2**20:.1f} MiB")
+        print(
+            f"512 MiB compressed restore ({info.layout.file_size / 2**20:.0f} MiB file): peak RSS growth "
+            f"{growth / 2**20:.1f} MiB"
+        )
         assert out["received"] == info.layout.data_length and out["n_tokens"] == n_tokens
         assert growth <= 64 << 20, f"peak RSS grew by {growth / 2**20:.1f} MiB"
     finally:

@@ -37,8 +37,9 @@ def _failing_write(after_bytes: int, err: int):
 
 
 @pytest.mark.parametrize("after", [0, 100, 5000, 30000])
-@pytest.mark.parametrize("err,cls", [(errno.ENOSPC, E.NoSpace), (errno.EIO, E.WriteFailed),
-                                     (errno.EDQUOT, E.NoSpace)])
+@pytest.mark.parametrize(
+    "err,cls", [(errno.ENOSPC, E.NoSpace), (errno.EIO, E.WriteFailed), (errno.EDQUOT, E.NoSpace)]
+)
 def test_write_failure_keeps_old_file(factory, old_file, monkeypatch, after, err, cls):
     path, old = old_file
     monkeypatch.setattr(_fileio, "write", _failing_write(after, err))

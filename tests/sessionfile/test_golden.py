@@ -47,10 +47,19 @@ def test_golden_file_decodes_to_its_json(name):
         data = path.read_bytes()
         tail = golden.trailer_start(data)
         auth = expected["authentication"]
-        assert auth["key_id"] == key.key_id.hex() == data[tail + 16:tail + 32].hex()
-        assert auth["payload_digest"] == hashlib.sha256(data[64:tail]).hexdigest() == data[tail + 32:tail + 64].hex()
-        assert auth["mac"] == hmac.new(bytes(range(32)), b"strata-session-mac-v1\0" + data[:64] + data[tail:tail + 64],
-                                       "sha256").hexdigest() == data[tail + 64:tail + 96].hex()
+        assert auth["key_id"] == key.key_id.hex() == data[tail + 16 : tail + 32].hex()
+        assert (
+            auth["payload_digest"]
+            == hashlib.sha256(data[64:tail]).hexdigest()
+            == data[tail + 32 : tail + 64].hex()
+        )
+        assert (
+            auth["mac"]
+            == hmac.new(
+                bytes(range(32)), b"strata-session-mac-v1\0" + data[:64] + data[tail : tail + 64], "sha256"
+            ).hexdigest()
+            == data[tail + 64 : tail + 96].hex()
+        )
     else:
         assert "authentication" not in expected
     assert info.layout.file_size == expected["file_size"] == path.stat().st_size
@@ -60,8 +69,11 @@ def test_golden_file_decodes_to_its_json(name):
     if "compression" in expected:
         c = expected["compression"]
         assert comp is not None and comp.codec.name.lower() == c["codec"] and comp.level == c["level"]
-        assert (comp.block_size, comp.n_blocks, list(comp.frame_sizes)) == \
-            (c["block_size"], c["n_blocks"], c["frame_sizes"])
+        assert (comp.block_size, comp.n_blocks, list(comp.frame_sizes)) == (
+            c["block_size"],
+            c["n_blocks"],
+            c["frame_sizes"],
+        )
     else:
         assert comp is None
     assert info.header.model_fingerprint.hex() == h["model_fingerprint"]
@@ -71,8 +83,9 @@ def test_golden_file_decodes_to_its_json(name):
     assert info.payload_hash.hex() == expected["payload_hash"]
     md = info.metadata
     assert md.config.mapping == expected["config"]
-    assert [(f.role, f.size, f.digest.hex()) for f in md.model.files] == \
-        [(f["role"], f["size"], f["digest"]) for f in expected["model_files"]]
+    assert [(f.role, f.size, f.digest.hex()) for f in md.model.files] == [
+        (f["role"], f["size"], f["digest"]) for f in expected["model_files"]
+    ]
     st = expected["state"]
     assert list(md.state.tokens) == st["tokens"]
     assert md.state.position == st["position"]
@@ -85,16 +98,25 @@ def test_golden_file_decodes_to_its_json(name):
     extents = {(e.layer, e.part): e for e in info.layout.extents}
     for li, (g, want) in enumerate(zip(md.layers, expected["layers"], strict=True)):
         assert g.spec.index == want["index"] and g.spec.role.name.lower() == want["role"]
-        assert (g.spec.n_kv_heads, g.spec.head_dim_k, g.spec.head_dim_v) == \
-            (want["n_kv_heads"], want["head_dim_k"], want["head_dim_v"])
-        assert (g.spec.k_dtype.name.lower(), g.spec.v_dtype.name.lower()) == (want["k_dtype"], want["v_dtype"])
-        assert (g.spec.window, g.tokens_held, g.spec.extra_bytes) == \
-            (want["window"], want["tokens_held"], want["extra_bytes"])
+        assert (g.spec.n_kv_heads, g.spec.head_dim_k, g.spec.head_dim_v) == (
+            want["n_kv_heads"],
+            want["head_dim_k"],
+            want["head_dim_v"],
+        )
+        assert (g.spec.k_dtype.name.lower(), g.spec.v_dtype.name.lower()) == (
+            want["k_dtype"],
+            want["v_dtype"],
+        )
+        assert (g.spec.window, g.tokens_held, g.spec.extra_bytes) == (
+            want["window"],
+            want["tokens_held"],
+            want["extra_bytes"],
+        )
         for part in Part:
             hexed = want["parts"][part.name.lower()]
             ext = extents.get((li, part))
             start = ext.data_offset + (info.layout.data_offset if comp is None else 0) if ext else 0
-            got = b"" if ext is None else data[start:start + ext.size]
+            got = b"" if ext is None else data[start : start + ext.size]
             assert got.hex() == hexed, (li, part)
 
 
@@ -104,21 +126,28 @@ def _decompressed_data(path, layout) -> bytes:
 
     data = path.read_bytes()
     dctx = zstandard.ZstdDecompressor()
-    return b"".join(dctx.decompress(data[o:o + n]) for o, n in layout.compressed.frames())
+    return b"".join(dctx.decompress(data[o : o + n]) for o, n in layout.compressed.frames())
 
 
 @pytest.mark.parametrize("name", GOLDEN)
 @pytest.mark.parametrize("mode", ["streaming", "staged"])
 def test_golden_file_restores_and_reencodes_byte_for_byte(name, mode, tmp_path):
     ident, snap, _parts = golden.golden_sessions()[name]
-    target = MemoryAdapter(ident, [g.spec for g in snap.layers], max_tokens=64, vocab_size=300000,
-                           staging=(mode == "staged"))
+    target = MemoryAdapter(
+        ident, [g.spec for g in snap.layers], max_tokens=64, vocab_size=300000, staging=(mode == "staged")
+    )
     key = golden.GOLDEN_KEYS.get(name)
     report = restore(golden.GOLDEN_DIR / f"{name}.ssf", target, mode=mode, block_size=4096, key=key)
     assert report.mode == mode and report.n_tokens == snap.state.n_tokens
     _skip_if_another_libzstd(name)
     out = tmp_path / "again.ssf"
-    save(out, target, block_size=golden.GOLDEN_BLOCK_SIZE, compression=golden.GOLDEN_COMPRESSION.get(name), key=key)
+    save(
+        out,
+        target,
+        block_size=golden.GOLDEN_BLOCK_SIZE,
+        compression=golden.GOLDEN_COMPRESSION.get(name),
+        key=key,
+    )
     assert out.read_bytes() == (golden.GOLDEN_DIR / f"{name}.ssf").read_bytes()
 
 
@@ -148,8 +177,9 @@ def test_bad_authenticated_file_is_refused_before_the_adapter_sees_it(name):
     commit_staged (staged)."""
     ident, snap, _parts = golden.golden_sessions()["small_f16"]
     for staging in (False, True):
-        target = MemoryAdapter(ident, [g.spec for g in snap.layers], max_tokens=64, vocab_size=300000,
-                               staging=staging)
+        target = MemoryAdapter(
+            ident, [g.spec for g in snap.layers], max_tokens=64, vocab_size=300000, staging=staging
+        )
         before = target.live_digest()
         with pytest.raises(E.AuthenticationFailed) as info:
             restore(golden.BAD_DIR / name, target, block_size=4096, key=golden.GOLDEN_KEY)
@@ -163,6 +193,12 @@ def test_bad_authenticated_file_is_refused_before_the_adapter_sees_it(name):
 def test_bad_authenticated_files_read_without_a_key():
     """Without a key the extension is not checked: a MAC made with another key or a flipped MAC byte reads as
     the valid file it otherwise is; the forged payload still passes XXH3 (only the key's holder can tell)."""
-    for name in ("mac_wrong_key", "mac_flipped", "mac_key_id_flipped", "mac_payload_digest_flipped",
-                 "mac_payload_digest_mismatch", "mac_missing"):
+    for name in (
+        "mac_wrong_key",
+        "mac_flipped",
+        "mac_key_id_flipped",
+        "mac_payload_digest_flipped",
+        "mac_payload_digest_mismatch",
+        "mac_missing",
+    ):
         assert inspect(golden.BAD_DIR / f"{name}.ssf").payload_verified, name

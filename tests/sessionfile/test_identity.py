@@ -38,8 +38,10 @@ def test_model_fingerprint_sees_size_samples_role_and_order(tmp_path):
     assert model_fingerprint([("model", a)]) == base
     assert model_fingerprint([("model", b)]).fingerprint != base.fingerprint  # size
     assert model_fingerprint([("draft", a)]).fingerprint != base.fingerprint  # role
-    assert model_fingerprint([("model", a), ("lora", b)]).fingerprint != \
-        model_fingerprint([("lora", b), ("model", a)]).fingerprint  # order
+    assert (
+        model_fingerprint([("model", a), ("lora", b)]).fingerprint
+        != model_fingerprint([("lora", b), ("model", a)]).fingerprint
+    )  # order
     offs = sample_offsets(len(data))
     changed = bytearray(data)
     changed[offs[7] + 100] ^= 1  # inside a sample
@@ -101,8 +103,10 @@ def test_canonical_config_is_order_independent_and_strict():
     a = {"kv_type": "f16", "rope": [{"base": 1e6, "scale": 1.0}], "n_ctx": 8192, "name": "ünï"}
     b = dict(reversed(list(a.items())))
     assert canonical_config(a) == canonical_config(b)
-    assert canonical_config(a) == \
-        '{"kv_type":"f16","n_ctx":8192,"name":"ünï","rope":[{"base":1000000.0,"scale":1.0}]}'.encode()
+    assert (
+        canonical_config(a)
+        == '{"kv_type":"f16","n_ctx":8192,"name":"ünï","rope":[{"base":1000000.0,"scale":1.0}]}'.encode()
+    )
     assert config_fingerprint(a) == config_fingerprint(b)
     assert config_fingerprint({**a, "n_ctx": 4096}).fingerprint != config_fingerprint(a).fingerprint
     for bad in ({"x": float("nan")}, {1: "a"}, {"x": object()}):

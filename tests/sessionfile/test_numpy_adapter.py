@@ -33,8 +33,10 @@ class NumpyKV:
     def __init__(self, spec: LayerSpec, n_ctx: int) -> None:
         self.spec = spec
         cap = spec.window or n_ctx
-        self.parts = {Part.K: np.zeros((cap, spec.n_kv_heads, spec.head_dim_k), NP_DTYPES[spec.k_dtype]),
-                      Part.V: np.zeros((cap, spec.n_kv_heads, spec.head_dim_v), NP_DTYPES[spec.v_dtype])}
+        self.parts = {
+            Part.K: np.zeros((cap, spec.n_kv_heads, spec.head_dim_k), NP_DTYPES[spec.k_dtype]),
+            Part.V: np.zeros((cap, spec.n_kv_heads, spec.head_dim_v), NP_DTYPES[spec.v_dtype]),
+        }
         if spec.k_dtype == DType.I8:
             self.parts[Part.K_SCALES] = np.zeros((cap, spec.n_kv_heads), np.float32)
         if spec.v_dtype == DType.I8:
@@ -65,9 +67,9 @@ def copy_bytes(runs: list[np.ndarray], offset: int, out: np.ndarray | None, src:
             continue
         take = min(n - pos, len(run) - offset)
         if out is not None:
-            out[pos:pos + take] = run[offset:offset + take]
+            out[pos : pos + take] = run[offset : offset + take]
         else:
-            run[offset:offset + take] = src[pos:pos + take]
+            run[offset : offset + take] = src[pos : pos + take]
         pos += take
         offset = 0
         if pos == n:
@@ -90,8 +92,11 @@ class NumpyAdapter:
             for kv in self.layers:
                 slot = kv.n_seen % kv.spec.window if kv.spec.window else kv.n_seen
                 for arr in kv.parts.values():
-                    arr[slot] = rng.standard_normal(arr.shape[1:]).astype(arr.dtype) if arr.dtype != np.int8 \
+                    arr[slot] = (
+                        rng.standard_normal(arr.shape[1:]).astype(arr.dtype)
+                        if arr.dtype != np.int8
                         else rng.integers(-127, 128, arr.shape[1:], dtype=np.int8)
+                    )
                 kv.n_seen += 1
         toks = list(self.state.tokens) + list(tokens)
         self.state = RunningState(toks, len(toks), b"rng", self.state.checkpoint, b"")
@@ -135,9 +140,11 @@ class NumpyAdapter:
         return b"".join(r.tobytes() for r in kv.logical_runs(part, kv.held()))
 
 
-SPECS = [LayerSpec(0, LayerRole.MAIN, 2, 16, 16, DType.F16, DType.F16, 0),
-         LayerSpec(1, LayerRole.MAIN, 2, 16, 16, DType.F16, DType.F16, 32),  # sliding window of 32
-         LayerSpec(2, LayerRole.MAIN, 2, 16, 16, DType.I8, DType.I8, 0)]
+SPECS = [
+    LayerSpec(0, LayerRole.MAIN, 2, 16, 16, DType.F16, DType.F16, 0),
+    LayerSpec(1, LayerRole.MAIN, 2, 16, 16, DType.F16, DType.F16, 32),  # sliding window of 32
+    LayerSpec(2, LayerRole.MAIN, 2, 16, 16, DType.I8, DType.I8, 0),
+]
 
 
 def make(seed: int, n: int = 90) -> NumpyAdapter:

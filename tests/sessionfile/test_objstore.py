@@ -72,7 +72,9 @@ def uploads_under(s3, bucket: str, prefix: str) -> list[dict]:
 def record_requests(s3, operation: str = "GetObject") -> list[dict]:
     """Every request of ``operation`` the client sends from now on: its parameters (botocore's own event)."""
     seen: list[dict] = []
-    s3.meta.events.register(f"provide-client-params.s3.{operation}", lambda params, **kw: seen.append(dict(params)))
+    s3.meta.events.register(
+        f"provide-client-params.s3.{operation}", lambda params, **kw: seen.append(dict(params))
+    )
     return seen
 
 
@@ -90,8 +92,9 @@ class BigSource(PatternSource):
 # --- round trips ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("compression", [None, "zstd"])
 @pytest.mark.parametrize("key", [None, KEY], ids=["plain", "authenticated"])
-def test_round_trip_through_the_store_gives_the_local_files_bytes(s3_store, s3, s3_prefix, tmp_path, compression,
-                                                                  key):
+def test_round_trip_through_the_store_gives_the_local_files_bytes(
+    s3_store, s3, s3_prefix, tmp_path, compression, key
+):
     _needs_codec(compression)
     bucket, name = s3_store.bucket, s3_prefix + "s.ssf"
     local = tmp_path / "s.ssf"
@@ -125,9 +128,15 @@ def test_a_session_of_several_parts_and_ranges(s3_store, s3, s3_prefix, tmp_path
     bucket, name = s3_store.bucket, s3_prefix + "big.ssf"
     local = tmp_path / "big.ssf"
     save(local, BigSource(12 << 20, noise=True), block_size=1 << 20, compression=compression)
-    save(S3Sink(s3, bucket, name, part_size=PART), BigSource(12 << 20, noise=True), block_size=1 << 20,
-         compression=compression)
-    assert object_bytes(s3, bucket, name) == local.read_bytes() and local.stat().st_size > PART  # parts: 2 or more
+    save(
+        S3Sink(s3, bucket, name, part_size=PART),
+        BigSource(12 << 20, noise=True),
+        block_size=1 << 20,
+        compression=compression,
+    )
+    assert (
+        object_bytes(s3, bucket, name) == local.read_bytes() and local.stat().st_size > PART
+    )  # parts: 2 or more
     gets = record_requests(s3)
     with S3Source(s3, bucket, name, range_size=1 << 20) as source:
         info = inspect(source, block_size=4 << 20)
@@ -178,8 +187,12 @@ def test_an_object_replaced_between_the_passes_is_refused_before_the_gate(s3_sto
     target = COPYING(2)
     before = target.live_digest()
     with pytest.raises(E.ObjectReplaced) as info:
-        restore(S3Source(s3, s3_store.bucket, name), recorder(target, {"check_plan": between_passes}),
-                mode="streaming", block_size=4096)
+        restore(
+            S3Source(s3, s3_store.bucket, name),
+            recorder(target, {"check_plan": between_passes}),
+            mode="streaming",
+            block_size=4096,
+        )
     assert info.value.reason == "object_replaced" and isinstance(info.value, E.FileChanged)
     assert not TOUCH & set(target.events) and target.live_digest() == before
 
@@ -195,8 +208,12 @@ def test_an_object_replaced_during_the_staged_pass_is_refused(s3_store, s3, two_
     target = COPYING_STAGING(2)
     before = target.live_digest()
     with pytest.raises(E.ObjectReplaced):
-        restore(S3Source(s3, s3_store.bucket, name), recorder(target, {"stage_in": during}), mode="staged",
-                block_size=4096)
+        restore(
+            S3Source(s3, s3_store.bucket, name),
+            recorder(target, {"stage_in": during}),
+            mode="staged",
+            block_size=4096,
+        )
     assert "discard_staged" in target.events and not LIVE_TOUCH & set(target.events)
     assert target.live_digest() == before
 
@@ -233,8 +250,13 @@ def test_the_store_stopped_mid_restore_is_a_named_error(own_s3_store, when):
     hooks = {"check_plan": stop} if when == "before_gate" else {"copy_in": stop}
     t0 = time.monotonic()
     with pytest.raises(E.SessionFileError) as info:
-        restore(S3Source(s3, bucket, "s.ssf"), recorder(target, hooks), mode="streaming", block_size=4096,
-                read_threads=1)
+        restore(
+            S3Source(s3, bucket, "s.ssf"),
+            recorder(target, hooks),
+            mode="streaming",
+            block_size=4096,
+            read_threads=1,
+        )
     elapsed = time.monotonic() - t0
     if when == "before_gate":
         assert type(info.value) is E.StoreUnavailable and isinstance(info.value, E.ReadFailed)
@@ -264,8 +286,11 @@ class InterruptedSource(BigSource):
 def test_an_interrupted_save_leaves_no_object_and_no_upload(s3_store, s3, s3_prefix):
     bucket, name = s3_store.bucket, s3_prefix + "s.ssf"
     with pytest.raises(KeyboardInterrupt):
-        save(S3Sink(s3, bucket, name, part_size=PART), InterruptedSource(24 << 20, after=12 << 20),
-             block_size=1 << 20)
+        save(
+            S3Sink(s3, bucket, name, part_size=PART),
+            InterruptedSource(24 << 20, after=12 << 20),
+            block_size=1 << 20,
+        )
     assert not object_exists(s3, bucket, name) and uploads_under(s3, bucket, s3_prefix) == []
     assert helpers_alive() == []
 
@@ -303,15 +328,19 @@ save(S3Sink(s3_client(endpoint), bucket, key, part_size=5 << 20), slow, block_si
 
 def test_a_save_killed_mid_upload_never_shows_an_object_and_its_parts_are_aborted(s3_store, s3, s3_prefix):
     bucket, name = s3_store.bucket, s3_prefix + "s.ssf"
-    child = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, s3_store.endpoint_url, bucket, name],
-                             env={**os.environ, **s3_store.env()})
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVE, s3_store.endpoint_url, bucket, name],
+        env={**os.environ, **s3_store.env()},
+    )
     try:
         deadline = time.monotonic() + 120
         parts = []
         while not parts and time.monotonic() < deadline and child.poll() is None:
             uploads = uploads_under(s3, bucket, s3_prefix)
             if uploads:
-                parts = s3.list_parts(Bucket=bucket, Key=name, UploadId=uploads[0]["UploadId"]).get("Parts", [])
+                parts = s3.list_parts(Bucket=bucket, Key=name, UploadId=uploads[0]["UploadId"]).get(
+                    "Parts", []
+                )
             time.sleep(0.05)
         assert parts, "the child stored no part before it ended"
     finally:
@@ -343,7 +372,8 @@ def authenticated_objects(s3_store, s3, s3_prefix, tmp_path):
 
 @pytest.mark.parametrize("mode,factory", [("streaming", COPYING), ("staged", COPYING_STAGING)])
 def test_a_reader_with_a_key_refuses_what_the_key_did_not_authenticate_before_the_adapter(
-        s3_store, s3, authenticated_objects, mode, factory):
+    s3_store, s3, authenticated_objects, mode, factory
+):
     bucket = s3_store.bucket
     target = factory(2)
     restore(S3Source(s3, bucket, authenticated_objects["mac"]), target, mode=mode, block_size=4096, key=KEY)
@@ -352,20 +382,40 @@ def test_a_reader_with_a_key_refuses_what_the_key_did_not_authenticate_before_th
         target = factory(2)
         before = target.live_digest()
         with pytest.raises(cls):
-            restore(S3Source(s3, bucket, authenticated_objects[label]), target, mode=mode, block_size=4096, key=KEY)
+            restore(
+                S3Source(s3, bucket, authenticated_objects[label]),
+                target,
+                mode=mode,
+                block_size=4096,
+                key=KEY,
+            )
         assert not TOUCH & set(target.events), (label, target.events)  # K1-K3: nothing reached the adapter
         assert target.live_digest() == before
     # Without a key, every one of them restores (the MAC is not checked); told not to require one, a reader
     # with a key takes the file without a MAC and still checks the others.
     restore(S3Source(s3, bucket, authenticated_objects["flipped"]), factory(2), mode=mode, block_size=4096)
-    restore(S3Source(s3, bucket, authenticated_objects["plain"]), factory(2), mode=mode, block_size=4096, key=KEY,
-            require_mac=False)
+    restore(
+        S3Source(s3, bucket, authenticated_objects["plain"]),
+        factory(2),
+        mode=mode,
+        block_size=4096,
+        key=KEY,
+        require_mac=False,
+    )
     with pytest.raises(E.MacWrongKey):
-        restore(S3Source(s3, bucket, authenticated_objects["other"]), factory(2), mode=mode, block_size=4096,
-                key=KEY, require_mac=False)
+        restore(
+            S3Source(s3, bucket, authenticated_objects["other"]),
+            factory(2),
+            mode=mode,
+            block_size=4096,
+            key=KEY,
+            require_mac=False,
+        )
 
 
-def test_inspect_reads_an_object_and_verifies_its_mac(s3_store, authenticated_objects, tmp_path, monkeypatch, capsys):
+def test_inspect_reads_an_object_and_verifies_its_mac(
+    s3_store, authenticated_objects, tmp_path, monkeypatch, capsys
+):
     for var, value in s3_store.env().items():
         monkeypatch.setenv(var, value)
     key_file = tmp_path / "session.key"
@@ -422,8 +472,13 @@ def test_a_1_gib_streaming_restore_from_the_store_grows_peak_rss_by_at_most_64_m
     try:
         info = inspect(S3Source(s3, bucket, name), verify=False)
         assert info.layout.data_length >= (1 << 30) - (1 << 20)
-        proc = subprocess.run([sys.executable, "-c", RSS_CHILD, s3_store.endpoint_url, bucket, name],
-                              capture_output=True, text=True, timeout=600, env={**os.environ, **s3_store.env()})
+        proc = subprocess.run(
+            [sys.executable, "-c", RSS_CHILD, s3_store.endpoint_url, bucket, name],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, **s3_store.env()},
+        )
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         growth = out["peak"] - out["base"]

@@ -27,8 +27,12 @@ from .helpers import COPYING, COPYING_STAGING, LANDING, LANDING_STAGING, trailer
 from .helpers import helpers_alive as _helpers_alive
 
 BLOCK = 4096  # the `good` fixture's block size
-FACTORIES = {"streaming-copy": (COPYING, "streaming"), "streaming-land": (LANDING, "streaming"),
-             "staged-copy": (COPYING_STAGING, "staged"), "staged-land": (LANDING_STAGING, "staged")}
+FACTORIES = {
+    "streaming-copy": (COPYING, "streaming"),
+    "streaming-land": (LANDING, "streaming"),
+    "staged-copy": (COPYING_STAGING, "staged"),
+    "staged-land": (LANDING_STAGING, "staged"),
+}
 
 
 @pytest.mark.parametrize("cores,readers", [(1, 1), (2, 1), (3, 2), (5, 4), (64, 4)])
@@ -70,7 +74,7 @@ class _DeferredCopies(MemoryAdapter):
 
     def _run_queued(self) -> None:
         for dest, offset, src in self.queued:
-            dest()[offset:offset + len(src)] = src
+            dest()[offset : offset + len(src)] = src
         self.queued.clear()
 
     def commit(self, state):
@@ -165,7 +169,7 @@ def test_a_merging_adapter_is_told_after_each_block_before_its_hash(good, mode, 
     applied = "".join("p" if e == "piece" else e[0] for e in target.log)
     monkeypatch.undo()
     assert target.live_digest() == COPYING(1).live_digest()
-    applied = applied[applied.index("p"):]  # the pass that hands blocks over (after any read pass)
+    applied = applied[applied.index("p") :]  # the pass that hands blocks over (after any read pass)
     n_blocks = -(-inspect(good).layout.data_length // BLOCK)
     blocks = applied.split("fh")
     assert len(blocks) == n_blocks + 1 and blocks[-1] == ""  # pieces, then one flush, then that block's hash
@@ -179,8 +183,14 @@ def test_a_parallel_read_fills_the_buffer_and_raises_the_first_short_piece(tmp_p
         for threads in (1, 2, 4):
             buf, pieces = bytearray(len(data) - 7), []
             with ReadThreads(threads) as readers:
-                pipelines.read_exact_parallel(source, memoryview(buf), 7, readers, BLOCK,
-                                              lambda view, pieces=pieces: pieces.append(bytes(view)))  # in order
+                pipelines.read_exact_parallel(
+                    source,
+                    memoryview(buf),
+                    7,
+                    readers,
+                    BLOCK,
+                    lambda view, pieces=pieces: pieces.append(bytes(view)),
+                )  # in order
             assert bytes(buf) == data[7:] == b"".join(pieces), threads
         with ReadThreads(4) as readers, pytest.raises(E.Truncated) as info:  # pieces 10, 11 short: 10's error
             pipelines.read_exact_parallel(source, memoryview(bytearray(12 * BLOCK)), 0, readers, BLOCK)
@@ -233,8 +243,14 @@ def test_fewer_given_buffers_mean_fewer_readers_not_a_failure(good):
 
     for count in (2, 3):
         target = COPYING(2)
-        restore(good, target, mode="streaming", block_size=BLOCK, read_threads=4,
-                buffers=BlockBuffers(BLOCK, count))
+        restore(
+            good,
+            target,
+            mode="streaming",
+            block_size=BLOCK,
+            read_threads=4,
+            buffers=BlockBuffers(BLOCK, count),
+        )
         assert target.live_digest() == COPYING(1).live_digest()
     with pytest.raises(ValueError):
         BlockBuffers(BLOCK, 1)
@@ -449,15 +465,15 @@ def test_a_negative_token_id_anywhere_is_refused(tmp_path, good, index):
     at = _token_offset(good) + 4 * (index % n)
     data = bytearray(good.read_bytes())
     assert struct.unpack_from("<i", data, at)[0] == inspect(good).metadata.state.tokens[index % n]
-    for bad in (-1, -(2 ** 31), -300):
+    for bad in (-1, -(2**31), -300):
         struct.pack_into("<i", data, at, bad)
         path = tmp_path / "bad.ssf"
         path.write_bytes(bytes(data))
         with pytest.raises(E.MetadataInvalid, match="a token id is negative"):
             inspect(path, verify=False)
-    struct.pack_into("<i", data, at, 2 ** 31 - 1)  # the largest id is not negative
+    struct.pack_into("<i", data, at, 2**31 - 1)  # the largest id is not negative
     path.write_bytes(bytes(data))
-    assert max(inspect(path, verify=False).metadata.state.tokens) == 2 ** 31 - 1
+    assert max(inspect(path, verify=False).metadata.state.tokens) == 2**31 - 1
 
 
 @pytest.mark.parametrize("numpy_loaded", [True, False], ids=["numpy", "no-numpy"])

@@ -36,8 +36,19 @@ def test_truncation_at_every_section_boundary_and_random_offsets(good_file, tmp_
     path, data = good_file
     info = inspect(path)
     lay = info.layout
-    cuts = {0, 1, 63, 64, 67, 68, lay.data_offset - 1, lay.data_offset, lay.trailer_offset, lay.trailer_offset + 16,
-            lay.file_size - 1}
+    cuts = {
+        0,
+        1,
+        63,
+        64,
+        67,
+        68,
+        lay.data_offset - 1,
+        lay.data_offset,
+        lay.trailer_offset,
+        lay.trailer_offset + 16,
+        lay.file_size - 1,
+    }
     for ext in lay.extents:
         cuts |= {lay.data_offset + ext.data_offset, lay.data_offset + ext.data_offset + ext.size - 1}
     rng = random.Random(7)
@@ -61,20 +72,51 @@ def test_every_single_byte_and_bit_flip_in_the_header(good_file, tmp_path):
 
 
 # --- hypothesis: seeded random payload mutations ---------------------------------------------------
-_interesting = st.sampled_from([0, 1, 2, 3, 4, 5, 255, 4096, 65535, 1 << 16, 1 << 24, 1 << 31, 0xFFFFFFFF,
-                                1 << 32, 1 << 48, (1 << 64) - 1])
-_op = st.tuples(st.sampled_from(["flip", "flip", "u32", "u64", "insert", "delete"]),
-                st.integers(min_value=0, max_value=1 << 20),
-                st.one_of(st.integers(min_value=0, max_value=(1 << 64) - 1), _interesting))
+_interesting = st.sampled_from(
+    [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+        255,
+        4096,
+        65535,
+        1 << 16,
+        1 << 24,
+        1 << 31,
+        0xFFFFFFFF,
+        1 << 32,
+        1 << 48,
+        (1 << 64) - 1,
+    ]
+)
+_op = st.tuples(
+    st.sampled_from(["flip", "flip", "u32", "u64", "insert", "delete"]),
+    st.integers(min_value=0, max_value=1 << 20),
+    st.one_of(st.integers(min_value=0, max_value=(1 << 64) - 1), _interesting),
+)
 # Offsets concentrated in the metadata (where the parser lives) as well as anywhere.
-_meta_op = st.tuples(st.sampled_from(["flip", "u32", "u64"]), st.integers(min_value=64, max_value=700),
-                     st.one_of(st.integers(min_value=0, max_value=(1 << 64) - 1), _interesting))
+_meta_op = st.tuples(
+    st.sampled_from(["flip", "u32", "u64"]),
+    st.integers(min_value=64, max_value=700),
+    st.one_of(st.integers(min_value=0, max_value=(1 << 64) - 1), _interesting),
+)
 
 
-@settings(max_examples=2000, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(ops=st.lists(st.one_of(_op, _meta_op), min_size=1, max_size=4), rehash=st.booleans(),
-       staging=st.booleans())
+@settings(
+    max_examples=2000,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    ops=st.lists(st.one_of(_op, _meta_op), min_size=1, max_size=4),
+    rehash=st.booleans(),
+    staging=st.booleans(),
+)
 def test_random_mutations_only_raise_session_file_errors(good_file, tmp_path, ops, rehash, staging):
     _path, data = good_file
     bad = tmp_path / "m.ssf"
@@ -284,10 +326,12 @@ def test_failures_after_the_gate_fail_stop(good_file, monkeypatch, where):
     if where == "begin_apply":
         target.begin_apply = boom
     elif where == "copy_in_2":
+
         def copy_in(*a):
             if target.events.count("copy_in") == 2:
                 boom()
             cls.copy_in(target, *a)
+
         target.copy_in = copy_in
     elif where == "commit":
         target.commit = boom

@@ -43,8 +43,17 @@ def test_round_trip_every_mode_and_block_size(factory, staging_factory, tmp_path
 def test_empty_session_round_trips(tmp_path):
     f = memory_adapter_factory(n_tokens=0)
     source = f(0)
-    source.load_snapshot(attrs.evolve(source.snapshot(), state=attrs.evolve(source.state, tokens=[], position=0,
-                                      checkpoint=attrs.evolve(source.state.checkpoint, token_index=0))))
+    source.load_snapshot(
+        attrs.evolve(
+            source.snapshot(),
+            state=attrs.evolve(
+                source.state,
+                tokens=[],
+                position=0,
+                checkpoint=attrs.evolve(source.state.checkpoint, token_index=0),
+            ),
+        )
+    )
     source.layers = tuple(attrs.evolve(g, tokens_held=0) for g in source.layers)
     source.load_snapshot(source.snapshot())
     path = tmp_path / "empty.ssf"
@@ -171,7 +180,9 @@ def test_config_mismatch_names_the_key(factory, tmp_path):
     save(path, factory(1))
     other = factory(2)
     ident = other.identity()
-    other._identity = EngineIdentity(ident.model, config_fingerprint({**ident.config.mapping, "kv_type": "i8"}))
+    other._identity = EngineIdentity(
+        ident.model, config_fingerprint({**ident.config.mapping, "kv_type": "i8"})
+    )
     with pytest.raises(E.ConfigMismatch) as info:
         restore(path, other)
     assert info.value.differences == ("kv_type: file 'f16', engine 'i8'",)
@@ -191,8 +202,9 @@ def test_geometry_mismatch_names_layer_and_field(factory, tmp_path):
     assert other.events == []
 
 
-@pytest.mark.parametrize("attr,value,field", [("max_tokens", 100, "state.n_tokens"),
-                                              ("vocab_size", 10, "state.tokens")])
+@pytest.mark.parametrize(
+    "attr,value,field", [("max_tokens", 100, "state.n_tokens"), ("vocab_size", 10, "state.tokens")]
+)
 def test_engine_limits_are_enforced(factory, tmp_path, attr, value, field):
     path = tmp_path / "s.ssf"
     save(path, factory(1))

@@ -26,7 +26,11 @@ def with_renamed_tokens(src: Path, dst: Path, names: dict[int, str]) -> Path:
 
 
 def with_additions(
-    src: Path, dst: Path, *, metadata: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None
+    src: Path,
+    dst: Path,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    tensors: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """`src` with metadata keys (a value: Python's bool, int, float or str, typed as gguf's writer types
     them) and float32 tensors added."""
@@ -53,9 +57,13 @@ def _copy(
     for key, value in extra_metadata.items():
         writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
     for tensor in reader.tensors:
-        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
+        writer.add_tensor_info(
+            tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
+        )
     for name, data in extra_tensors.items():
-        writer.add_tensor_info(name, data.shape, np.dtype(np.float32), data.nbytes, gguf.GGMLQuantizationType.F32)
+        writer.add_tensor_info(
+            name, data.shape, np.dtype(np.float32), data.nbytes, gguf.GGMLQuantizationType.F32
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

@@ -18,13 +18,17 @@ def stream_tokens(url: str, body: dict, on_first: Callable[[], None] | None = No
     """A streamed ``/completion``: every token id of its chunks, and its final chunk."""
     tokens: list[int] = []
     final: dict = {}
-    with requests.post(url + "/completion", json={**body, "stream": True, "return_tokens": True}, stream=True,
-                       timeout=TIMEOUT) as response:
+    with requests.post(
+        url + "/completion",
+        json={**body, "stream": True, "return_tokens": True},
+        stream=True,
+        timeout=TIMEOUT,
+    ) as response:
         assert response.status_code == 200, response.text
         for line in response.iter_lines():
             if not line.startswith(b"data: "):
                 continue
-            chunk = json.loads(line[len(b"data: "):])
+            chunk = json.loads(line[len(b"data: ") :])
             assert "error" not in chunk, chunk
             if chunk["stop"]:
                 final = chunk
@@ -56,6 +60,7 @@ def concurrent_streams_match_solo(url: str, prompts: list[str], n_predict: int) 
     def one(i: int) -> Callable[[], None]:
         def run() -> None:
             together[i] = stream_tokens(url, {**body, "prompt": prompts[i]})[0]
+
         return run
 
     run_threads([one(i) for i in range(len(prompts))])
@@ -69,8 +74,11 @@ def raw_stream(host: str, port: int, body: dict) -> socket.socket:
     token chunk arrived."""
     data = json.dumps({**body, "stream": True}).encode()
     sock = socket.create_connection((host, port), timeout=TIMEOUT)
-    sock.sendall(f"POST /completion HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST /completion HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     received = b""
     while b'"stop": false' not in received:
         chunk = sock.recv(65536)
@@ -93,17 +101,28 @@ def wait_for(predicate: Callable[[], bool], timeout: float) -> float:
 
 def cancel_one_others_finish(url: str, port: int, prompts: list[str], n_predict: int) -> None:
     """One stream's client goes away: its slot is idle soon; the other streams finish in full."""
-    endless = {"prompt": "a story that never ends", "n_predict": -1, "ignore_eos": True, "temperature": 0,
-               "id_slot": 0}
+    endless = {
+        "prompt": "a story that never ends",
+        "n_predict": -1,
+        "ignore_eos": True,
+        "temperature": 0,
+        "id_slot": 0,
+    }
     sock = raw_stream("127.0.0.1", port, endless)
     results: list[tuple[list[int], dict] | None] = [None] * len(prompts)
     started = threading.Event()
 
     def one(i: int) -> Callable[[], None]:
         def run() -> None:
-            body = {"prompt": prompts[i], "n_predict": n_predict, "ignore_eos": True, "temperature": 0,
-                    "id_slot": i + 1}
+            body = {
+                "prompt": prompts[i],
+                "n_predict": n_predict,
+                "ignore_eos": True,
+                "temperature": 0,
+                "id_slot": i + 1,
+            }
             results[i] = stream_tokens(url, body, on_first=started.set if i == 0 else None)
+
         return run
 
     threads = [threading.Thread(target=one(i)) for i in range(len(prompts))]
@@ -122,20 +141,29 @@ def cancel_one_others_finish(url: str, port: int, prompts: list[str], n_predict:
 
 def save_while_another_streams(url: str, filename: str, n_predict: int) -> dict:
     """Slot 2 is saved while slot 1 streams: the save answers before the stream ends."""
-    requests.post(url + "/completion", json={"prompt": "what slot two holds", "n_predict": 4, "temperature": 0,
-                                             "id_slot": 2}, timeout=TIMEOUT).raise_for_status()
+    requests.post(
+        url + "/completion",
+        json={"prompt": "what slot two holds", "n_predict": 4, "temperature": 0, "id_slot": 2},
+        timeout=TIMEOUT,
+    ).raise_for_status()
     saved: dict = {}
     stream_done = threading.Event()
 
     def save() -> None:
-        response = requests.post(url + "/slots/2", params={"action": "save"}, json={"filename": filename},
-                                 timeout=TIMEOUT)
+        response = requests.post(
+            url + "/slots/2", params={"action": "save"}, json={"filename": filename}, timeout=TIMEOUT
+        )
         assert response.status_code == 200, response.text
         saved.update(response.json(), stream_running=not stream_done.is_set())
 
     def stream() -> None:
-        body = {"prompt": "slot one streams", "n_predict": n_predict, "ignore_eos": True, "temperature": 0,
-                "id_slot": 1}
+        body = {
+            "prompt": "slot one streams",
+            "n_predict": n_predict,
+            "ignore_eos": True,
+            "temperature": 0,
+            "id_slot": 1,
+        }
         stream_tokens(url, body, on_first=lambda: threading.Thread(target=save).start())
         stream_done.set()
 
@@ -154,12 +182,16 @@ def tokenize_while_streaming(url: str, prompts: list[str], n_predict: int) -> fl
 
     def one(prompt: str) -> Callable[[], None]:
         def run() -> None:
-            stream_tokens(url, {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "temperature": 0},
-                          on_first=first.set)
+            stream_tokens(
+                url,
+                {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "temperature": 0},
+                on_first=first.set,
+            )
             with lock:
                 remaining[0] -= 1
                 if not remaining[0]:
                     done.set()
+
         return run
 
     threads = [threading.Thread(target=one(p)) for p in prompts]

@@ -108,5 +108,6 @@ def put_multipart(client, bucket: str, key: str, data: bytes) -> str:
     gets another: a new version of the same content)."""
     upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
     part = client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=data)["ETag"]
-    return client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={
-        "Parts": [{"PartNumber": 1, "ETag": part}]})["ETag"]
+    return client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part}]}
+    )["ETag"]

@@ -18,8 +18,12 @@ LOOPBACK = "127.0.0.1"
 def metrics(url: str) -> dict[str, float]:
     """A server's /metrics samples by name (labels included)."""
     text = requests.get(url + "/metrics", timeout=30).text
-    return {name: float(value) for name, value in
-            (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+    return {
+        name: float(value)
+        for name, value in (
+            line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+        )
+    }
 
 
 def free_port() -> int:
@@ -29,12 +33,21 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, log_path: Path, port: int | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *flags: str, log_path: Path, port: int | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
-        self.argv = [sys.executable, "-m", "strata_server.cli", "--host", LOOPBACK, "--port", str(self.port),
-                     *flags]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "strata_server.cli",
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+            *flags,
+        ]
         self.log_path = log_path
         self.env = {**os.environ, **env} if env else None
         self.proc: subprocess.Popen | None = None

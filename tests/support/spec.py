@@ -17,8 +17,8 @@ def section(text: str, title: str) -> str:
     the same or a higher level."""
     start = text.index(title)
     level = len(title) - len(title.lstrip("#"))
-    nxt = re.search(rf"^#{{1,{level}}} ", text[start + len(title):], re.M)
-    return text[start: start + len(title) + (nxt.start() if nxt else len(text))]
+    nxt = re.search(rf"^#{{1,{level}}} ", text[start + len(title) :], re.M)
+    return text[start : start + len(title) + (nxt.start() if nxt else len(text))]
 
 
 def table_rows(text: str) -> list[list[str]]:

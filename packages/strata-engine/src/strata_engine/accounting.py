@@ -59,7 +59,8 @@ READ_KEYS: dict[str, str] = {
 # `<arch>.` keys read outside the config builder (the suffix after `<arch>.`), with the values their reader takes.
 ARCH_KEYS_READ_ELSEWHERE: dict[str, Harmless] = {
     "pooling_type": Harmless(
-        lambda value, file: any(_same(value, code) for code in GGUF_POOLING), f"the embedding pooling codes {sorted(GGUF_POOLING)}"
+        lambda value, file: any(_same(value, code) for code in GGUF_POOLING),
+        f"the embedding pooling codes {sorted(GGUF_POOLING)}",
     ),
 }
 
@@ -76,7 +77,9 @@ HARMLESS_KEYS: dict[str, Harmless] = {
     "tokenizer.huggingface.json": DESCRIPTIVE,  # the same tokenizer in Hugging Face's form; the ggml keys are read
     "split.count": equal_to(1),  # shards are not read
     "split.no": equal_to(0),
-    "split.tensors.count": Harmless(lambda value, file: _same(value, len(file.tensors)), "the file's tensor count"),
+    "split.tensors.count": Harmless(
+        lambda value, file: _same(value, len(file.tensors)), "the file's tensor count"
+    ),
 }
 # By prefix, where the GGUF spec leaves a namespace open: the first matching prefix decides.
 HARMLESS_PREFIXES: tuple[tuple[str, Harmless], ...] = (
@@ -89,9 +92,13 @@ HARMLESS_ARCH_KEYS: dict[str, Harmless] = {
     "expert_count": equal_to(0),
     "expert_used_count": equal_to(0),
     "rope.scaling.type": equal_to("none"),
-    "rope.scaling.factor": equal_to(1.0, 0.0),  # llama.cpp reads 0 as unset; any other factor scales positions
+    "rope.scaling.factor": equal_to(
+        1.0, 0.0
+    ),  # llama.cpp reads 0 as unset; any other factor scales positions
     "rope.scaling.attn_factor": equal_to(1.0),
-    "rope.scaling.original_context_length": Harmless(_no_rope_scaling, "any value while rope.scaling.type is 'none'"),
+    "rope.scaling.original_context_length": Harmless(
+        _no_rope_scaling, "any value while rope.scaling.type is 'none'"
+    ),
     "rope.scaling.finetuned": DESCRIPTIVE,
     "attention.causal": equal_to(True),
     "use_parallel_residual": equal_to(False),
@@ -100,7 +107,13 @@ HARMLESS_ARCH_KEYS: dict[str, Harmless] = {
 
 def _shown(value: Any) -> str:
     text = repr(value)
-    return text if len(text) <= 60 else f"<{type(value).__name__} of {len(value)}>" if hasattr(value, "__len__") else text[:60]
+    return (
+        text
+        if len(text) <= 60
+        else f"<{type(value).__name__} of {len(value)}>"
+        if hasattr(value, "__len__")
+        else text[:60]
+    )
 
 
 def _harmless(key: str, arch: str) -> Harmless | None:

@@ -51,16 +51,26 @@ CHATML = (
 BUILTIN_TEMPLATES: Mapping[str, str] = {"gemma3": GEMMA_TURNS, "gemma2": GEMMA_TURNS, "gemma": GEMMA_TURNS}
 
 # --chat-template NAME -> its template
-NAMED_TEMPLATES: Mapping[ChatTemplateName, str] = {ChatTemplateName.CHATML: CHATML, ChatTemplateName.GEMMA: GEMMA_TURNS}
+NAMED_TEMPLATES: Mapping[ChatTemplateName, str] = {
+    ChatTemplateName.CHATML: CHATML,
+    ChatTemplateName.GEMMA: GEMMA_TURNS,
+}
 
 
 def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"the chat template refused the messages: {message}")
 
 
-def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
-            ensure_ascii: bool = False) -> str:
-    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+def _tojson(
+    value: Any,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+    ensure_ascii: bool = False,
+) -> str:
+    return json.dumps(
+        value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -94,10 +104,16 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                if (
+                    isinstance(part, Mapping)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
                     texts.append(part["text"])
                 else:
-                    problems.append(f"messages[{i}].content[{j}] is not a text part {{type: text, text: str}}")
+                    problems.append(
+                        f"messages[{i}].content[{j}] is not a text part {{type: text, text: str}}"
+                    )
             content = "".join(texts)
         elif content is None:
             content = ""
@@ -119,26 +135,36 @@ class ChatTemplate:
     _template: jinja2.Template = attrs.field(repr=False, alias="_template")
 
     @classmethod
-    def from_source(cls, source: str, *, origin: str, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
+    def from_source(
+        cls, source: str, *, origin: str, bos_token: str = "", eos_token: str = ""
+    ) -> ChatTemplate:
         try:
             template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
-            raise ChatTemplateError(f"the chat template ({origin}) does not parse: line {exc.lineno}: {exc.message}") from exc
+            raise ChatTemplateError(
+                f"the chat template ({origin}) does not parse: line {exc.lineno}: {exc.message}"
+            ) from exc
         return cls(source=source, origin=origin, bos_token=bos_token, eos_token=eos_token, _template=template)
 
     @classmethod
     def configured(cls, value: str, *, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
         """`--chat-template`'s value: a built-in name (`ChatTemplateName`) or a jinja template."""
         if value in values(ChatTemplateName):
-            return cls.from_source(NAMED_TEMPLATES[ChatTemplateName(value)], origin=f"builtin:{value}",
-                                   bos_token=bos_token, eos_token=eos_token)
+            return cls.from_source(
+                NAMED_TEMPLATES[ChatTemplateName(value)],
+                origin=f"builtin:{value}",
+                bos_token=bos_token,
+                eos_token=eos_token,
+            )
         problem = chat_template_problem(value)
         if problem:
             raise ChatTemplateError(f"chat template {problem}")
         return cls.from_source(value, origin="custom", bos_token=bos_token, eos_token=eos_token)
 
     @classmethod
-    def for_model(cls, metadata: Mapping[str, Any], tokenizer: Tokenizer, override: str | None = None) -> ChatTemplate:
+    def for_model(
+        cls, metadata: Mapping[str, Any], tokenizer: Tokenizer, override: str | None = None
+    ) -> ChatTemplate:
         """`override` (`configured`) if given, else the file's template, else the built-in one of its
         architecture, else ChatML."""
         bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
@@ -154,11 +180,19 @@ class ChatTemplate:
                 log.warning("%s; using the built-in template instead", exc)
         arch = str(metadata.get("general.architecture", ""))
         if arch in BUILTIN_TEMPLATES:
-            return cls.from_source(BUILTIN_TEMPLATES[arch], origin=f"builtin:{arch}", bos_token=bos, eos_token=eos)
+            return cls.from_source(
+                BUILTIN_TEMPLATES[arch], origin=f"builtin:{arch}", bos_token=bos, eos_token=eos
+            )
         return cls.from_source(CHATML, origin="builtin:chatml", bos_token=bos, eos_token=eos)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, **extra: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra: Any,
+    ) -> str:
         """The prompt for `messages`. With `continue_final_message` the last message, the assistant's, is left
         open for the model to continue (llama-server's assistant prefill): the others are rendered with the
         generation prompt and the last one's text is appended."""
@@ -166,11 +200,15 @@ class ChatTemplate:
         if not continue_final_message:
             return self._render(normalized, add_generation_prompt, extra)
         if normalized[-1]["role"] != "assistant":
-            raise ChatTemplateError("continue_final_message needs the last message to be the assistant's, "
-                                    f"got {normalized[-1]['role']!r}")
+            raise ChatTemplateError(
+                "continue_final_message needs the last message to be the assistant's, "
+                f"got {normalized[-1]['role']!r}"
+            )
         return self._render(normalized[:-1], True, extra) + normalized[-1]["content"]
 
-    def _render(self, normalized: list[dict[str, str]], add_generation_prompt: bool, extra: Mapping[str, Any]) -> str:
+    def _render(
+        self, normalized: list[dict[str, str]], add_generation_prompt: bool, extra: Mapping[str, Any]
+    ) -> str:
         try:
             return self._template.render(
                 messages=normalized,
@@ -184,4 +222,6 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:  # includes sandbox SecurityError
             raise ChatTemplateError(f"the chat template ({self.origin}) failed: {exc}") from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-            raise ChatTemplateError(f"the chat template ({self.origin}) failed: {type(exc).__name__}: {exc}") from exc
+            raise ChatTemplateError(
+                f"the chat template ({self.origin}) failed: {type(exc).__name__}: {exc}"
+            ) from exc

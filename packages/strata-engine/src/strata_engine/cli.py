@@ -183,9 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.session_key_optional and args.session_key_file is None:
                 raise ValueError("--session-key-optional needs --session-key-file")
-            session_options = SessionOptions.from_environ(args.restore_mode, key=args.session_key_file,
-                                                          require_mac=not args.session_key_optional,
-                                                          object_store_endpoint=args.object_store_endpoint)
+            session_options = SessionOptions.from_environ(
+                args.restore_mode,
+                key=args.session_key_file,
+                require_mac=not args.session_key_optional,
+                object_store_endpoint=args.object_store_endpoint,
+            )
             settings = EngineSettings.from_flags(vars(args))
         except (ValueError, EngineError) as exc:
             print(f"strata-engine serve: {exc}", file=sys.stderr)

@@ -34,8 +34,14 @@ class EngineProcess:
     """`strata-engine serve --model MODEL ARGS` (the environment with `env` added); `ready` is its first line
     (the ready line; a `fatal` one only with `expect_ready=False`)."""
 
-    def __init__(self, model: str | os.PathLike[str], *args: str, env: Mapping[str, str] | None = None,
-                 timeout_s: float = TIMEOUT_S, expect_ready: bool = True):
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = TIMEOUT_S,
+        expect_ready: bool = True,
+    ):
         self.timeout_s = timeout_s
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "strata_engine.cli", "serve", "--model", str(model), *args],
@@ -75,8 +81,10 @@ class EngineProcess:
     def next_line(self) -> dict:
         raw = self.lines.get(timeout=self.timeout_s)
         if raw is None:
-            raise EngineProcessError(f"the engine closed stdout (exit status {self.proc.wait(timeout=30)}); "
-                                     f"stderr: {self.stderr_text()}")
+            raise EngineProcessError(
+                f"the engine closed stdout (exit status {self.proc.wait(timeout=30)}); "
+                f"stderr: {self.stderr_text()}"
+            )
         if not raw.endswith(b"\n"):
             raise EngineProcessError(f"a line without its newline: {raw[:80]!r}")
         return json.loads(raw)
@@ -110,8 +118,10 @@ class EngineProcess:
 
     def complete(self, prompt: list[int] | str, n_predict: int, **fields: Any) -> dict:
         """A greedy COMPLETE's result (past end-of-generation tokens, `fields` added)."""
-        return self.result("COMPLETE", {"prompt": prompt, "n_predict": n_predict, "temperature": 0,
-                                        "ignore_eos": True, **fields})
+        return self.result(
+            "COMPLETE",
+            {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True, **fields},
+        )
 
     def status(self, slot: int = 0) -> dict:
         return self.result("STATUS")["slots"][slot]

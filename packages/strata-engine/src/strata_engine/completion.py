@@ -83,12 +83,21 @@ class CompletionRequest:
 
 
 # COMPLETE's fields that set the sampler chain (`SamplingParams`'s, but the logit bias: resolved in `prepare`)
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "frequency_penalty",
-                   "presence_penalty")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 def completion_request(args: CompleteArgs) -> CompletionRequest:
     """The request of COMPLETE's object, the engine's defaults in place of the fields not given."""
+
     def given(value: Any, default: Any) -> Any:
         return default if value is None else value
 
@@ -106,8 +115,9 @@ def completion_request(args: CompleteArgs) -> CompletionRequest:
         return_progress=given(args.return_progress, request.return_progress),
         add_special=args.add_special,
         n_predict=max(given(args.n_predict, request.n_predict), -1),
-        sampling=SamplingParams(**{field: given(getattr(args, field), getattr(defaults, field))
-                                   for field in SAMPLING_FIELDS}),
+        sampling=SamplingParams(
+            **{field: given(getattr(args, field), getattr(defaults, field)) for field in SAMPLING_FIELDS}
+        ),
         seed=given(args.seed, request.seed),
         stop=given(args.stop, request.stop),
         ignore_eos=given(args.ignore_eos, request.ignore_eos),
@@ -215,7 +225,9 @@ class Timings:
     predicted_per_second: float
 
     @classmethod
-    def measure(cls, cache_n: int, prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float) -> Timings:
+    def measure(
+        cls, cache_n: int, prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float
+    ) -> Timings:
         def per_token_ms(n: int, s: float) -> float:
             return 1000.0 * s / n if n else 0.0
 
@@ -264,8 +276,12 @@ class Runner(Protocol):
     # each next() evaluates one chunk (chunk_size()'s tokens where given); the return value
     # (StopIteration.value) is the PrefillResult (.logits, .cache_n, .prompt_n); closing it early keeps the
     # chunks evaluated
-    def prefill_steps(self, tokens: Sequence[int], on_chunk: Callable[[int, int], None] | None = None,
-                      chunk_size: Callable[[], int] | None = None) -> Generator[None, None, Any]: ...
+    def prefill_steps(
+        self,
+        tokens: Sequence[int],
+        on_chunk: Callable[[int, int], None] | None = None,
+        chunk_size: Callable[[], int] | None = None,
+    ) -> Generator[None, None, Any]: ...
 
     def decode(self, token: int) -> np.ndarray: ...
 
@@ -298,11 +314,16 @@ class Generation:
     sampled, checked against the stop conditions and streamed (`on_token`). Single-slot use is
     `Completer.complete`; the serve loop's scheduler interleaves many (scheduler.py)."""
 
-    def __init__(self, completer: Completer, prepared: Prepared, *,
-                 on_token: Callable[[TokenEvent], None] = lambda event: None,
-                 on_progress: Callable[[PromptProgress], None] | None = None,
-                 cancelled: Callable[[], bool] = lambda: False,
-                 chunk_size: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        completer: Completer,
+        prepared: Prepared,
+        *,
+        on_token: Callable[[TokenEvent], None] = lambda event: None,
+        on_progress: Callable[[PromptProgress], None] | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+        chunk_size: Callable[[], int] | None = None,
+    ):
         self.completer = completer
         self.runner = completer.runner
         self.prepared = prepared
@@ -328,7 +349,9 @@ class Generation:
         def on_chunk(cache_n: int, n_held: int) -> None:
             self._cache_n, self._n_held_read = cache_n, n_held
             if on_progress is not None and request.return_progress:
-                on_progress(PromptProgress(len(prompt), cache_n, n_held, 1000.0 * (self._clock() - self.start)))
+                on_progress(
+                    PromptProgress(len(prompt), cache_n, n_held, 1000.0 * (self._clock() - self.start))
+                )
 
         self.phase = Phase.PREFILL
         # checks the prompt first
@@ -353,7 +376,10 @@ class Generation:
         """Whether accepting `best` ends the generation for a reason known before it is accepted: every stop of
         `accept` but a stop word (an argmax_only row, so no constraint). A step launched ahead of `accept`
         (scheduler) leaves such a row out."""
-        return not math.isfinite(best.logit) or self._stop_without_text(best.token, len(self.generated) + 1) is not None
+        return (
+            not math.isfinite(best.logit)
+            or self._stop_without_text(best.token, len(self.generated) + 1) is not None
+        )
 
     def _stop_without_text(self, token: int, n_generated: int) -> StopType | None:
         """The stop that `token`, the n_generated-th token, brings without looking at the text (a stop word
@@ -397,8 +423,12 @@ class Generation:
     def accept(self, logits: np.ndarray | Argmax) -> bool:
         """Sample from the logits of the last evaluated token (or take their `Argmax`, given only where
         `argmax_only` said so), stream the token; True once done (else `pending` is the token to evaluate next)."""
-        request, tok, sampler, constraint = self.prepared.request, self.completer.tokenizer, self.sampler, \
-            self.prepared.constraint
+        request, tok, sampler, constraint = (
+            self.prepared.request,
+            self.completer.tokenizer,
+            self.sampler,
+            self.prepared.constraint,
+        )
         if isinstance(logits, Argmax):
             assert self.argmax_only, "an Argmax handed to a generation whose sampler reads its logits"
             token, chosen_logit = logits.token, logits.logit
@@ -451,8 +481,13 @@ class Generation:
             tokens_cached=held,
             n_tokens_held=held,
             seed=self.sampler.state.seed,
-            timings=Timings.measure(self._cache_n, self._prompt_n, self.prompt_done - self.start,
-                                    len(self.generated), end - self.prompt_done),
+            timings=Timings.measure(
+                self._cache_n,
+                self._prompt_n,
+                self.prompt_done - self.start,
+                len(self.generated),
+                end - self.prompt_done,
+            ),
         )
         return True
 
@@ -462,9 +497,15 @@ class Completer:
     with `seed` >= 0 starts from that seed, one with -1 continues from where the last one ended.
     `prepare` touches no runner state (the serve loop runs it on its worker thread)."""
 
-    def __init__(self, runner: Runner, tokenizer: Tokenizer, template: ChatTemplate,
-                 clock: Callable[[], float] = time.perf_counter, sampler_state: SamplerState | None = None,
-                 constraints: ConstraintCompiler | None = None):
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        clock: Callable[[], float] = time.perf_counter,
+        sampler_state: SamplerState | None = None,
+        constraints: ConstraintCompiler | None = None,
+    ):
         self.runner = runner
         self.tokenizer = tokenizer
         self.template = template
@@ -481,8 +522,11 @@ class Completer:
         tok = self.tokenizer
         add_special = tok.add_bos if request.add_special is None else request.add_special
         if request.messages is not None:
-            text = self.template.render(list(request.messages), add_generation_prompt=request.add_generation_prompt,
-                                        continue_final_message=request.continue_final_message)
+            text = self.template.render(
+                list(request.messages),
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+            )
             self._refuse_unfit(tok.min_tokens(text, add_special=add_special))
             tokens = tok.encode(text, add_special=add_special, parse_special=True)
         elif isinstance(request.prompt, str):
@@ -503,7 +547,9 @@ class Completer:
                     tokens.append(part)
             bad = [t for t in tokens if not 0 <= t < tok.n_vocab]
             if bad:
-                raise InvalidRequest([f"prompt token ids outside the vocabulary [0, {tok.n_vocab}): {bad[:8]}"])
+                raise InvalidRequest(
+                    [f"prompt token ids outside the vocabulary [0, {tok.n_vocab}): {bad[:8]}"]
+                )
         if not tokens:
             raise InvalidRequest(["the prompt is empty (no tokens)"])
         return tokens
@@ -522,7 +568,9 @@ class Completer:
             else:
                 bad.append(token)
         if bad:
-            raise InvalidRequest([f"logit_bias token ids outside the vocabulary [0, {tok.n_vocab}): {bad[:8]}"])
+            raise InvalidRequest(
+                [f"logit_bias token ids outside the vocabulary [0, {tok.n_vocab}): {bad[:8]}"]
+            )
         return tuple(out)
 
     def token_prob(self, token: int, *, logprob: float | None = None, prob: float | None = None) -> TokenProb:
@@ -535,8 +583,9 @@ class Completer:
         data = self.tokenizer.token_bytes(token)
         return TokenProb(token, data.decode("utf-8", errors="replace"), tuple(data), logprob, prob)
 
-    def probabilities(self, request: CompletionRequest, sampler: Sampler, raw: np.ndarray, adjusted: np.ndarray,
-                      token: int) -> tuple[TokenProb, tuple[TokenProb, ...]]:
+    def probabilities(
+        self, request: CompletionRequest, sampler: Sampler, raw: np.ndarray, adjusted: np.ndarray, token: int
+    ) -> tuple[TokenProb, tuple[TokenProb, ...]]:
         """The sampled token's probability and the `n_probs` best candidates': of softmax(raw logits), as
         llama-server by default; with `post_sampling_probs`, of the chain's last distribution."""
         n = request.n_probs
@@ -548,7 +597,9 @@ class Completer:
         at = np.flatnonzero(c.ids == token)
         chosen = self.token_prob(token, prob=float(probs[at[0]]) if at.size else 0.0)
         # the probabilities are monotone in the candidates' logits: the best logits are the best tokens
-        return chosen, tuple(self.token_prob(int(c.ids[i]), prob=float(probs[i])) for i in best_indices(c.logits, n))
+        return chosen, tuple(
+            self.token_prob(int(c.ids[i]), prob=float(probs[i])) for i in best_indices(c.logits, n)
+        )
 
     def prepare(self, request: CompletionRequest) -> Prepared:
         """Everything that can refuse the request, before any slot is touched."""
@@ -570,8 +621,9 @@ class Completer:
     ) -> CompletionResult:
         """One request start to end on this runner (`strata-engine generate`; tests). `cancelled` is asked
         between prefill chunks (after the first) and at each sampled token."""
-        gen = Generation(self, self.prepare(request), on_token=on_token, on_progress=on_progress,
-                         cancelled=cancelled)
+        gen = Generation(
+            self, self.prepare(request), on_token=on_token, on_progress=on_progress, cancelled=cancelled
+        )
         chunks = 0
         while gen.phase is Phase.PREFILL:
             if chunks and cancelled():

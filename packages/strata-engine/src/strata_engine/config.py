@@ -142,7 +142,9 @@ class _Meta:
             self.problems.append("tensor token_embd.weight is missing")
             return 1
         if stated is not None and stated != info.shape[0]:
-            self.problems.append(f"{self.arch}.vocab_size {stated} differs from token_embd.weight's {info.shape[0]} rows")
+            self.problems.append(
+                f"{self.arch}.vocab_size {stated} differs from token_embd.weight's {info.shape[0]} rows"
+            )
         return info.shape[0]
 
     def finish(self) -> None:

@@ -47,8 +47,12 @@ class OutputConstraint:
 
 # JSON as json.dumps writes it (", " and ": ", no other whitespace): a small model cannot wander into
 # endless whitespace. Keywords llguidance cannot enforce are refused (strict), never silently ignored.
-JSON_COMPILE_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
-                                        "key_separator": ": ", "lenient": False}
+JSON_COMPILE_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": False,
+}
 
 
 def _json_schema_grammar(source: str) -> str:
@@ -72,10 +76,12 @@ class _Compilation:
 
 
 _COMPILATIONS: dict[ConstraintKind, _Compilation] = {
-    ConstraintKind.JSON_SCHEMA: _Compilation(_json_schema_grammar, InvalidJsonSchema,
-                                             '"json_schema": JSON schema conversion failed:'),
-    ConstraintKind.GRAMMAR: _Compilation(_gbnf_grammar, InvalidGrammar,
-                                         "Failed to initialize samplers: failed to parse grammar"),
+    ConstraintKind.JSON_SCHEMA: _Compilation(
+        _json_schema_grammar, InvalidJsonSchema, '"json_schema": JSON schema conversion failed:'
+    ),
+    ConstraintKind.GRAMMAR: _Compilation(
+        _gbnf_grammar, InvalidGrammar, "Failed to initialize samplers: failed to parse grammar"
+    ),
 }
 
 # llguidance's mark of a special token: its bytes start with 0xFF (no UTF-8 text does).
@@ -122,7 +128,9 @@ class Constraint:
     def allowed(self) -> np.ndarray:
         """The tokens the constraint allows next, as a boolean array over the vocabulary."""
         fill_next_token_bitmask(self._matcher, self._bitmask)
-        return np.unpackbits(self._bitmask.view(np.uint8), count=self._n_vocab, bitorder="little").view(np.bool_)
+        return np.unpackbits(self._bitmask.view(np.uint8), count=self._n_vocab, bitorder="little").view(
+            np.bool_
+        )
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """`logits` with every token the constraint forbids at -inf (a new array)."""
@@ -152,8 +160,11 @@ class ConstraintCompiler:
         """llguidance's tokenizer of this vocabulary, built on first use (about a second: bench/engine/DECISIONS.md "Constrained decoding")
         and kept for the engine's life."""
         tok = self._tokenizer
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_LLVocabulary(tok)),
-                                      n_vocab=tok.n_vocab, eos_token=sorted(tok.end_of_generation))
+        return llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_LLVocabulary(tok)),
+            n_vocab=tok.n_vocab,
+            eos_token=sorted(tok.end_of_generation),
+        )
 
     def compile(self, constraint: OutputConstraint) -> Constraint:
         """The request's `Constraint`; `InvalidJsonSchema` / `InvalidGrammar` when it cannot be enforced."""

@@ -64,8 +64,18 @@ class ScratchKV:
         self.k: list[Any] = [None] * n_layer
         self.v: list[Any] = [None] * n_layer
 
-    def attend(self, layer: int, pos0: int, q: Any | None, k_new: Any, v_new: Any, *, q_pos0: int,
-               window: int | None, scale: float) -> Any | None:
+    def attend(
+        self,
+        layer: int,
+        pos0: int,
+        q: Any | None,
+        k_new: Any,
+        v_new: Any,
+        *,
+        q_pos0: int,
+        window: int | None,
+        scale: float,
+    ) -> Any | None:
         xp = self.ops.xp
         held_k, held_v = self.k[layer], self.v[layer]
         k = k_new if held_k is None else xp.concatenate([held_k, k_new])
@@ -77,8 +87,13 @@ class ScratchKV:
         return self.ops.attention(q, k[lo:], v[lo:], q_pos0=q_pos0, k_pos0=lo, window=window, scale=scale)
 
 
-def hidden_state_steps(model: Any, tokens: Sequence[int], chunk: int, chunk_size: Callable[[], int] | None = None,
-                       on_chunk: Callable[[int], None] | None = None) -> Generator[None, None, np.ndarray]:
+def hidden_state_steps(
+    model: Any,
+    tokens: Sequence[int],
+    chunk: int,
+    chunk_size: Callable[[], int] | None = None,
+    on_chunk: Callable[[int], None] | None = None,
+) -> Generator[None, None, np.ndarray]:
     """Every token's output-normed hidden state [T, E] (float32, host), from position 0 on scratch K/V: each
     next() evaluates one chunk (`chunk` tokens, or chunk_size()'s, asked before each chunk, at most `chunk`)
     and tells on_chunk(its tokens); the return value is the states."""
@@ -89,7 +104,9 @@ def hidden_state_steps(model: Any, tokens: Sequence[int], chunk: int, chunk_size
         size = chunk if chunk_size is None else max(1, min(int(chunk_size()), chunk))
         ids = np.asarray(tokens[pos : pos + size], dtype=np.int64)
         span = Rows.chunk(kv, pos, len(ids))
-        h = model.hidden(ids, span, rope_tables(model.ops, model.config, span), want_logits=True, all_rows=True)
+        h = model.hidden(
+            ids, span, rope_tables(model.ops, model.config, span), want_logits=True, all_rows=True
+        )
         rows.append(model.ops.to_host(h).astype(np.float32))
         pos += len(ids)
         if on_chunk is not None:
@@ -115,8 +132,10 @@ def _check(runner: Any, tokens: Sequence[int]) -> None:
         raise ContextOverflow(len(tokens), runner.n_ctx)
     n_vocab = runner.config.n_vocab
     if not 0 <= min(tokens) <= max(tokens) < n_vocab:
-        raise InvalidToken(f"token ids outside the vocabulary [0, {n_vocab}): "
-                           f"{[t for t in tokens if not 0 <= t < n_vocab][:8]}")
+        raise InvalidToken(
+            f"token ids outside the vocabulary [0, {n_vocab}): "
+            f"{[t for t in tokens if not 0 <= t < n_vocab][:8]}"
+        )
 
 
 def pool_rows(states: np.ndarray, pooling: Pooling, p: int) -> np.ndarray:
@@ -143,5 +162,11 @@ def handle_embed(ctx: ServeContext, request: Request) -> ChunkJob:
     def finish(states: np.ndarray) -> Mapping[str, Any]:
         return {"embedding": pool_rows(states, pooling, p).tolist(), "n_tokens": len(tokens)}
 
-    return ChunkJob(request, lambda chunk_size, on_chunk: hidden_state_steps(
-        runner.model, tokens, runner.settings.prefill_chunk, chunk_size, on_chunk), finish, len(tokens))
+    return ChunkJob(
+        request,
+        lambda chunk_size, on_chunk: hidden_state_steps(
+            runner.model, tokens, runner.settings.prefill_chunk, chunk_size, on_chunk
+        ),
+        finish,
+        len(tokens),
+    )

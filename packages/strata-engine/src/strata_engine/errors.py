@@ -125,7 +125,9 @@ class ContextOverflow(EngineError):
         self.slot = slot
         needs = f"at least {n_prompt_tokens}" if at_least else str(n_prompt_tokens)
         where = "" if slot is None else f"slot {slot}: "
-        super().__init__(f"{where}the request needs {needs} tokens of context but the context size is {n_ctx}")
+        super().__init__(
+            f"{where}the request needs {needs} tokens of context but the context size is {n_ctx}"
+        )
 
 
 # ---- running state -----------------------------------------------------------------------------------

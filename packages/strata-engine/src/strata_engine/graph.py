@@ -57,10 +57,10 @@ PAD_TOKEN = 0
 MIN_PREFILL_GRAPH = 32
 
 
-
 def say_op_by_op(error: GraphCaptureFailed) -> None:
     """Said once when a graph is dropped: its steps run op by op from now on."""
     print(f"strata-engine: {error}; running such steps op by op", file=sys.stderr, flush=True)
+
 
 class _StepKV:
     """The K/V access of a captured step: store at, and attend up to, the positions on the device."""
@@ -99,7 +99,11 @@ class _StepInputs:
 
         self.host = cupyx.empty_pinned((3 + n_tokens,), dtype=np.int32)
         self.device = cp.zeros(3 + n_tokens, dtype=cp.int32)
-        self.position, self.last_position, self.last_row = self.device[0:1], self.device[1:2], self.device[2:3]
+        self.position, self.last_position, self.last_row = (
+            self.device[0:1],
+            self.device[1:2],
+            self.device[2:3],
+        )
         self.tokens = self.device[3:]
 
     def stage(self, tokens: Sequence[int], pos: int, stream: Any) -> None:
@@ -127,7 +131,9 @@ class _CapturedStep:
         self.logits: Any = None
         self.best: Any = None  # each logits row's argmax and its value, computed in the graph (`argmax_rows`)
         self._host_best: Any = None  # pinned: where `best` is downloaded
-        self._host_logits: Any = None  # pinned [rows, V], made on first use: where rows of logits are downloaded
+        self._host_logits: Any = (
+            None  # pinned [rows, V], made on first use: where rows of logits are downloaded
+        )
         self.tables: dict[float, tuple[Any, Any]] = {}
         self.launches = 0
 
@@ -150,7 +156,9 @@ class _CapturedStep:
         to_host, stream = cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr
         if self._host_best is None:
             self._host_best = cupyx.empty_pinned(self.best.shape, dtype=np.int32)
-        cp.cuda.runtime.memcpyAsync(self._host_best.ctypes.data, self.best.data.ptr, self.best.nbytes, to_host, stream)
+        cp.cuda.runtime.memcpyAsync(
+            self._host_best.ctypes.data, self.best.data.ptr, self.best.nbytes, to_host, stream
+        )
         if logits_rows and self._host_logits is None:
             self._host_logits = cupyx.empty_pinned(self.logits.shape, dtype=np.float32)
         row_bytes = self.logits.shape[1] * 4
@@ -341,7 +349,9 @@ class BatchDecodeGraph(_CapturedStep):
     def _what(self) -> str:
         return f"{self.n_tokens}-slot decode step"
 
-    def decode_rows(self, steps: Sequence[tuple[int, int, int]], argmax_only: Sequence[bool]) -> list[Argmax | np.ndarray]:
+    def decode_rows(
+        self, steps: Sequence[tuple[int, int, int]], argmax_only: Sequence[bool]
+    ) -> list[Argmax | np.ndarray]:
         """One step of steps = [(arena slot, position, token), ...] (distinct slots, at most n_rows; each
         token's K/V stored in its slot at its position): row b's result is its logits' `Argmax` (computed in
         the graph) where argmax_only[b], else its logits [V], a view of a pinned buffer valid until this
@@ -391,7 +401,9 @@ def _graphs_possible(model: Model, placement: PoolPlacement, enabled: bool) -> b
     return model.config.head_dim in FLASH_HEAD_DIMS
 
 
-def make_batch_graphs(model: Model, placements: Sequence[PoolPlacement], enabled: bool) -> tuple[BatchDecodeGraph, ...]:
+def make_batch_graphs(
+    model: Model, placements: Sequence[PoolPlacement], enabled: bool
+) -> tuple[BatchDecodeGraph, ...]:
     """The batched decode graphs (`batch_graph_sizes`) of slots over `placements` (one arena), where they can be
     captured; none for one slot (its runner's decode graph serves it)."""
     if not placements or not all(_graphs_possible(model, p, enabled) for p in placements):

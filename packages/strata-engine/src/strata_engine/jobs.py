@@ -25,9 +25,18 @@ log = logging.getLogger(__name__)
 
 
 def token_line(event: TokenEvent, unstructure: Callable[[Any], Any]) -> dict[str, Any]:
-    line: dict[str, Any] = {"event": "token", "token": event.id, "piece": event.piece, "content": event.content}
+    line: dict[str, Any] = {
+        "event": "token",
+        "token": event.id,
+        "piece": event.piece,
+        "content": event.content,
+    }
     if event.chosen is not None:
-        line |= {"logprob": event.chosen.logprob, "prob": event.chosen.prob, "bytes": list(event.chosen.bytes)}
+        line |= {
+            "logprob": event.chosen.logprob,
+            "prob": event.chosen.prob,
+            "bytes": list(event.chosen.bytes),
+        }
     if event.probs is not None:
         line["probs"] = [unstructure(p) for p in event.probs]
     return line
@@ -80,16 +89,19 @@ class Jobs:
     """The jobs in flight and their lines. `submit(work, then)` runs work on the preparer thread and then(future)
     in the loop; `chunk_size()` sizes the next prefill chunk (the step policy's `ChunkBudget`)."""
 
-    def __init__(self, flight: Flight, unstructure: Callable[[Any], Any], submit: Submit,
-                 chunk_size: Callable[[], int]):
+    def __init__(
+        self, flight: Flight, unstructure: Callable[[Any], Any], submit: Submit, chunk_size: Callable[[], int]
+    ):
         self.flight = flight
         self.unstructure = unstructure
         self.submit = submit
         self.chunk_size = chunk_size
         self.ids: dict[str, CompleteJob | ChunkJob] = {}  # the ids of jobs in flight
         self.chunks: deque[CompleteJob | ChunkJob] = deque()  # jobs with chunks to evaluate, in turn
-        self._starts: dict[type, Callable[[Any], None]] = {CompleteJob: self._start_complete,
-                                                           ChunkJob: self._start_chunks}
+        self._starts: dict[type, Callable[[Any], None]] = {
+            CompleteJob: self._start_complete,
+            ChunkJob: self._start_chunks,
+        }
 
     def start(self, job: CompleteJob | ChunkJob) -> None:
         if job.request.id is not None:
@@ -121,10 +133,14 @@ class Jobs:
             request.emit({"event": "progress", "phase": PROMPT_PROGRESS_PHASE, **self.unstructure(progress)})
 
         try:
-            job.generation = Generation(job.completer, done.result(),
-                                        on_token=lambda event: request.emit(token_line(event, self.unstructure)),
-                                        on_progress=on_progress, cancelled=lambda: job.cancel,
-                                        chunk_size=self.chunk_size)
+            job.generation = Generation(
+                job.completer,
+                done.result(),
+                on_token=lambda event: request.emit(token_line(event, self.unstructure)),
+                on_progress=on_progress,
+                cancelled=lambda: job.cancel,
+                chunk_size=self.chunk_size,
+            )
         except EngineError as exc:  # the runner refused the prompt before touching the slot
             self.end(job, exc)
             return
@@ -142,8 +158,14 @@ class Jobs:
             assert job.steps is not None
             job.steps.close()
             self.chunks.remove(job)
-            self.end(job, ProtocolError(ErrorKind.CANCELLED, f"{job.request.verb} cancelled after {job.done_tokens}"
-                                        f" of {job.n_tokens} tokens", reason=Reason.CANCELLED.value))
+            self.end(
+                job,
+                ProtocolError(
+                    ErrorKind.CANCELLED,
+                    f"{job.request.verb} cancelled after {job.done_tokens} of {job.n_tokens} tokens",
+                    reason=Reason.CANCELLED.value,
+                ),
+            )
             return
         if not isinstance(job, CompleteJob) or job.cancel:
             return
@@ -154,15 +176,22 @@ class Jobs:
             self.chunks.remove(job)
             self.end(job)
 
-    def end(self, job: CompleteJob | ChunkJob, error: BaseException | None = None,
-            payload: Mapping[str, Any] | None = None) -> None:
+    def end(
+        self,
+        job: CompleteJob | ChunkJob,
+        error: BaseException | None = None,
+        payload: Mapping[str, Any] | None = None,
+    ) -> None:
         """Write the job's terminal line and free its slot and id."""
         if isinstance(job, CompleteJob):
             del self.flight.busy[job.slot]
             if error is None:
                 assert job.generation is not None and job.generation.result is not None
-                payload = {**result_payload(job.generation.result, self.unstructure), "n_steps": job.n_steps,
-                           "step_share": job.step_share}
+                payload = {
+                    **result_payload(job.generation.result, self.unstructure),
+                    "n_steps": job.n_steps,
+                    "step_share": job.step_share,
+                }
         if job.request.id is not None:
             self.ids.pop(job.request.id, None)
         if error is not None:
@@ -173,13 +202,21 @@ class Jobs:
 
     # ---- what a step does to them ---------------------------------------------------------------------
     def decoding(self) -> list[CompleteJob]:
-        return [job for job in self.flight.busy.values() if isinstance(job, CompleteJob)
-                and job.generation is not None and job.generation.phase is Phase.DECODE]
+        return [
+            job
+            for job in self.flight.busy.values()
+            if isinstance(job, CompleteJob)
+            and job.generation is not None
+            and job.generation.phase is Phase.DECODE
+        ]
 
     def count_step(self) -> None:
         """A step in the counts of the COMPLETEs processing (prompt or generation) in it."""
-        processing = [job for job in self.flight.busy.values()
-                      if isinstance(job, CompleteJob) and job.generation is not None]
+        processing = [
+            job
+            for job in self.flight.busy.values()
+            if isinstance(job, CompleteJob) and job.generation is not None
+        ]
         for job in processing:
             job.n_steps += 1
             job.step_share += 1.0 / len(processing)
@@ -201,7 +238,9 @@ class Jobs:
         """Evaluate the job's next chunk; it takes its turn again while it has more."""
         if isinstance(job, ChunkJob):
             assert job.steps is not None
-            self.flight.forward_passes += 1  # each next() evaluates one chunk (its checks ran before its start)
+            self.flight.forward_passes += (
+                1  # each next() evaluates one chunk (its checks ran before its start)
+            )
             try:
                 next(job.steps)
                 self.chunks.append(job)
@@ -235,5 +274,11 @@ class Jobs:
         slot is erased and the error says so."""
         dropped = job.completer.runner.erase()
         log.error("slot %d erased after an unexpected failure (%d tokens dropped)", job.slot, dropped)
-        self.end(job, ProtocolError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc} (slot {job.slot} was "
-                                    f"erased: its K/V may be half-written)", reason=Reason.UNEXPECTED.value))
+        self.end(
+            job,
+            ProtocolError(
+                ErrorKind.INTERNAL,
+                f"{type(exc).__name__}: {exc} (slot {job.slot} was erased: its K/V may be half-written)",
+                reason=Reason.UNEXPECTED.value,
+            ),
+        )

@@ -50,4 +50,8 @@ def restart_if_compiled(argv: Sequence[str]) -> None:
         os.execv(sys.executable, list(argv))
     except OSError as exc:  # this process is loaded: it serves, the compiler's memory kept
         del os.environ[RESTARTED_ENV]
-        print(f"strata-engine: could not start over ({exc}); serving from this process", file=sys.stderr, flush=True)
+        print(
+            f"strata-engine: could not start over ({exc}); serving from this process",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -139,8 +139,14 @@ class ParsedLines:
 
 
 class ServeLoop:
-    def __init__(self, ctx: ServeContext, registry: CommandRegistry, reader: LineReader, writer: LineWriter,
-                 unstructure: Callable[[Any], Any]):
+    def __init__(
+        self,
+        ctx: ServeContext,
+        registry: CommandRegistry,
+        reader: LineReader,
+        writer: LineWriter,
+        unstructure: Callable[[Any], Any],
+    ):
         self.ctx = ctx
         self.registry = registry
         self.writer = writer
@@ -158,11 +164,15 @@ class ServeLoop:
         os.set_blocking(self._wake_r, False)
         self._wake_lock = threading.Lock()  # a task ending after the loop closed the pipe writes nothing
         self._wake_open = True
-        self.lines = ParsedLines(reader, lambda line: parse_line(line, registry, ctx.n_slots, writer), self._wake)
+        self.lines = ParsedLines(
+            reader, lambda line: parse_line(line, registry, ctx.n_slots, writer), self._wake
+        )
         self.quit: Request | None = None
         self.exit: ExitStatus | None = None
         budget = ChunkBudget(ctx.runner_of(0).settings.prefill_chunk)
-        self.jobs = Jobs(ctx.flight, unstructure, lambda work, then: self.submit(work, then, self.preparer), budget)
+        self.jobs = Jobs(
+            ctx.flight, unstructure, lambda work, then: self.submit(work, then, self.preparer), budget
+        )
         self.scheduler = Scheduler(ctx.slots, self.jobs, budget, writer.held)
         self._orders: dict[type, Callable[[Any], None]] = {
             Cancel: lambda order: self.jobs.cancel(order.target),
@@ -243,13 +253,23 @@ class ServeLoop:
         assert command is not None  # a line parsed without an error has its command (protocol.parse_line)
         if command.slotted and request.slot in self.busy:
             owner = self.busy[request.slot].request
-            request.fail(ProtocolError(ErrorKind.SLOT_BUSY, f"slot {request.slot} is busy with a {owner.verb}"
-                                       + (f" (id {owner.id!r})" if owner.id is not None else ""),
-                                       reason=Reason.SLOT_BUSY.value))
+            request.fail(
+                ProtocolError(
+                    ErrorKind.SLOT_BUSY,
+                    f"slot {request.slot} is busy with a {owner.verb}"
+                    + (f" (id {owner.id!r})" if owner.id is not None else ""),
+                    reason=Reason.SLOT_BUSY.value,
+                )
+            )
             return
         if command.dispatch is Dispatch.JOB and request.id is not None and request.id in self.jobs.ids:
-            request.fail(ProtocolError(ErrorKind.INVALID_REQUEST, f"id {request.id!r} is in flight",
-                                       reason=Reason.DUPLICATE_ID.value))
+            request.fail(
+                ProtocolError(
+                    ErrorKind.INVALID_REQUEST,
+                    f"id {request.id!r} is in flight",
+                    reason=Reason.DUPLICATE_ID.value,
+                )
+            )
             return
         if command.dispatch is Dispatch.WORKER:
             self.submit(lambda: command.handler(self.ctx, request), lambda done: self._answer(request, done))
@@ -277,8 +297,12 @@ class ServeLoop:
         elif answer is not None:
             request.answer(answer)
 
-    def submit(self, work: Callable[[], Any], then: Callable[[Future], None],
-               executor: ThreadPoolExecutor | None = None) -> None:
+    def submit(
+        self,
+        work: Callable[[], Any],
+        then: Callable[[Future], None],
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
         """Run `work` on the worker thread (or `executor`); `then(future)` runs in the loop at the first
         boundary after it is done."""
         future = (executor or self.worker).submit(work)

@@ -57,7 +57,9 @@ def engine_version() -> str:
         return "0+unknown"
 
 
-PROMPT_PROGRESS_PHASE = "prompt"  # a COMPLETE's `progress` lines (return_progress); SAVE/RESTORE's are the format's
+PROMPT_PROGRESS_PHASE = (
+    "prompt"  # a COMPLETE's `progress` lines (return_progress); SAVE/RESTORE's are the format's
+)
 
 
 class FimToken(enum.StrEnum):
@@ -100,10 +102,14 @@ class ErrorKind(enum.StrEnum):
 
     INVALID_REQUEST = "invalid_request"
     EXCEED_CONTEXT_SIZE = "exceed_context_size"
-    SLOT_BUSY = "slot_busy"  # the slot named runs a COMPLETE: the client chooses slots, the engine queues nothing
+    SLOT_BUSY = (
+        "slot_busy"  # the slot named runs a COMPLETE: the client chooses slots, the engine queues nothing
+    )
     SESSION_REFUSED = "session_refused"
     SESSION_WRITE_FAILED = "session_write_failed"
-    SLOT_FAILED = "slot_failed"  # a restore failed after the slot's gate: that slot erased, the others untouched
+    SLOT_FAILED = (
+        "slot_failed"  # a restore failed after the slot's gate: that slot erased, the others untouched
+    )
     FAIL_STOP = "fail_stop"
     CANCELLED = "cancelled"  # an EMBED ended by CANCEL before its last chunk (a COMPLETE's is a result)
     INTERNAL = "internal"
@@ -141,7 +147,9 @@ _OTHER_REASON_KINDS: dict[Reason, ErrorKind] = {
     Reason.CANCELLED: ErrorKind.CANCELLED,
     Reason.UNEXPECTED: ErrorKind.INTERNAL,
 }
-REASON_KINDS: dict[Reason, ErrorKind] = {r: _OTHER_REASON_KINDS.get(r, ErrorKind.INVALID_REQUEST) for r in Reason}
+REASON_KINDS: dict[Reason, ErrorKind] = {
+    r: _OTHER_REASON_KINDS.get(r, ErrorKind.INVALID_REQUEST) for r in Reason
+}
 
 
 # -- errors --------------------------------------------------------------------------------------------
@@ -150,7 +158,9 @@ REASON_KINDS: dict[Reason, ErrorKind] = {r: _OTHER_REASON_KINDS.get(r, ErrorKind
 class ProtocolError(EngineError):
     """An error line of an explicit kind (and, for some kinds, extra fields)."""
 
-    def __init__(self, kind: ErrorKind, message: str, *, reason: str = "", extra: Mapping[str, Any] | None = None):
+    def __init__(
+        self, kind: ErrorKind, message: str, *, reason: str = "", extra: Mapping[str, Any] | None = None
+    ):
         self.kind = kind
         self.reason = reason
         self.extra = dict(extra or {})
@@ -191,8 +201,11 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
             return payload
     if isinstance(exc, EngineError):
         return {"type": ErrorKind.INTERNAL.value, "message": str(exc), "reason": type(exc).__name__}
-    return {"type": ErrorKind.INTERNAL.value, "message": f"{type(exc).__name__}: {exc}",
-            "reason": Reason.UNEXPECTED.value}
+    return {
+        "type": ErrorKind.INTERNAL.value,
+        "message": f"{type(exc).__name__}: {exc}",
+        "reason": Reason.UNEXPECTED.value,
+    }
 
 
 def invalid_request(message: str, reason: Reason) -> ProtocolError:
@@ -300,7 +313,10 @@ class LineWriter:
         self._held: list[bytes] | None = None  # inside `held()`: the lines written so far
 
     def write(self, obj: Mapping[str, Any]) -> None:
-        data = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8") + b"\n"
+        data = (
+            json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+            + b"\n"
+        )
         if self._held is not None:
             self._held.append(data)
             return
@@ -337,7 +353,9 @@ class Dispatch(enum.Enum):
     """Where the serve loop runs a verb's handler (spec "Scheduling")."""
 
     NOW = "now"  # in the loop, between two steps (it touches a slot or the loop's state)
-    WORKER = "worker"  # on the worker thread beside the steps (it touches no slot); answered at a step boundary
+    WORKER = (
+        "worker"  # on the worker thread beside the steps (it touches no slot); answered at a step boundary
+    )
     JOB = "job"  # the handler returns a job the steps advance; the job writes the terminal line
     SESSION = "session"  # on the session thread, one at a time, its slot busy; it writes the live pool only
     # after `request.gate.enter()`, which waits for a step boundary and holds the steps until it ends
@@ -377,7 +395,9 @@ class Request:
 
 
 TERMINAL_EVENTS = ("result", "error")
-CANCELLABLE_VERBS = frozenset({"COMPLETE", "EMBED"})  # the verbs a CANCEL ends: the stepped jobs (Dispatch.JOB)
+CANCELLABLE_VERBS = frozenset(
+    {"COMPLETE", "EMBED"}
+)  # the verbs a CANCEL ends: the stepped jobs (Dispatch.JOB)
 
 
 @attrs.define
@@ -424,15 +444,24 @@ class Command:
     argument: ArgumentKind
     handler: Handler
     dispatch: Dispatch = Dispatch.NOW
-    slotted: bool = False  # it acts on one slot: its object may name `slot`, it is refused while the slot is busy
+    slotted: bool = (
+        False  # it acts on one slot: its object may name `slot`, it is refused while the slot is busy
+    )
 
 
 class CommandRegistry:
     def __init__(self) -> None:
         self._commands: dict[str, Command] = {}
 
-    def register(self, verb: str, argument: ArgumentKind, handler: Handler, dispatch: Dispatch = Dispatch.NOW,
-                 *, slotted: bool = False) -> None:
+    def register(
+        self,
+        verb: str,
+        argument: ArgumentKind,
+        handler: Handler,
+        dispatch: Dispatch = Dispatch.NOW,
+        *,
+        slotted: bool = False,
+    ) -> None:
         """Add or replace a verb."""
         if not verb.isupper() or " " in verb:
             raise ValueError(f"verbs are upper-case words, got {verb!r}")
@@ -459,8 +488,11 @@ def _is_slot(value: Any, n_slots: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n_slots
 
 
-def parse_line(line: bytes, registry: CommandRegistry, n_slots: int = 1, writer: LineWriter | None = None) -> ParsedLine:
+def parse_line(
+    line: bytes, registry: CommandRegistry, n_slots: int = 1, writer: LineWriter | None = None
+) -> ParsedLine:
     """The command and its request; a malformed line gives the error to answer instead."""
+
     def refused(message: str, reason: Reason, request: Request | None = None) -> ParsedLine:
         return ParsedLine(None, request or Request("", writer=writer), invalid_request(message, reason))
 
@@ -483,18 +515,26 @@ def parse_line(line: bytes, registry: CommandRegistry, n_slots: int = 1, writer:
             return refused(f"{verb[:64]} takes a JSON object", Reason.BAD_ARGUMENT)
     raw_id = args.get("id")
     if raw_id is not None and not (isinstance(raw_id, str) and 1 <= len(raw_id) <= MAX_ID_CHARS):
-        return refused(f"id must be a string of 1 to {MAX_ID_CHARS} characters, got {str(raw_id)[:64]!r}",
-                       Reason.BAD_FIELD)
+        return refused(
+            f"id must be a string of 1 to {MAX_ID_CHARS} characters, got {str(raw_id)[:64]!r}",
+            Reason.BAD_FIELD,
+        )
     command = registry.get(verb)
     if command is None:
-        return refused(f"unknown verb {verb[:64]!r} (verbs: {', '.join(registry.verbs)})", Reason.UNKNOWN_VERB,
-                       Request(verb, args, raw_id, writer=writer))
+        return refused(
+            f"unknown verb {verb[:64]!r} (verbs: {', '.join(registry.verbs)})",
+            Reason.UNKNOWN_VERB,
+            Request(verb, args, raw_id, writer=writer),
+        )
     slot = None
     if command.slotted:
         slot = args.get("slot", 0)
         if not _is_slot(slot, n_slots):
-            return refused(f"slot must be an integer in [0, {n_slots}), got {str(slot)[:64]}", Reason.BAD_FIELD,
-                           Request(verb, args, raw_id, writer=writer))
+            return refused(
+                f"slot must be an integer in [0, {n_slots}), got {str(slot)[:64]}",
+                Reason.BAD_FIELD,
+                Request(verb, args, raw_id, writer=writer),
+            )
     request = Request(verb, args, raw_id, slot, writer)
     if command.argument is ArgumentKind.JSON and not (sep and rest):
         return refused(f"{verb} needs an argument", Reason.BAD_ARGUMENT, request)

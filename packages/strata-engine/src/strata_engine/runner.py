@@ -145,7 +145,9 @@ class ModelRunner:
     def load(cls, settings: EngineSettings) -> ModelRunner:
         """One conversation on a model loaded from `settings` (n_slots 1; several slots: `SlotSet.load`)."""
         if settings.n_slots != 1:
-            raise SettingsError([f"a ModelRunner holds one slot, not n_slots {settings.n_slots}: use SlotSet.load"])
+            raise SettingsError(
+                [f"a ModelRunner holds one slot, not n_slots {settings.n_slots}: use SlotSet.load"]
+            )
         settings, gguf_file, config, model = cls.load_model(settings)
         return cls._assemble(settings, gguf_file, config, model)
 
@@ -160,7 +162,9 @@ class ModelRunner:
             raise SettingsError([problem])  # the model's default context, shared by too many slots
         settings = resolve_settings(settings, config.architecture)
         assert settings.compute_dtype is not None and settings.cpu_kernels is not None  # resolved just above
-        ops = get_ops(settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads, settings.poll)
+        ops = get_ops(
+            settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads, settings.poll
+        )
         return settings, gguf_file, config, build_model(config, ops, gguf_file)
 
     def sibling(self, **changes: object) -> ModelRunner:
@@ -186,13 +190,17 @@ class ModelRunner:
         """A runner over `placement` (a slot's region of a shared pool: `SlotSet`), else over a pool of its own;
         `warm`: its kernels warmed (`warm_kernels`), which a slot after the first of a SlotSet need not repeat."""
         if placement is None:
-            geometry = KVGeometry.from_config(config, settings.n_ctx_slot(config.n_ctx_train), KVType(settings.kv_type))
+            geometry = KVGeometry.from_config(
+                config, settings.n_ctx_slot(config.n_ctx_train), KVType(settings.kv_type)
+            )
             pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
             placement = make_placement(pool, settings.kv_resident)
         runner = cls(settings, gguf_file, config, model, placement.pool, placement)
         enabled = runner.settings.cuda_graphs
         runner.decode_graph = make_step_graph(model, placement, enabled, 1)
-        made = (make_step_graph(model, placement, enabled, n) for n in prefill_graph_sizes(runner.prefill_chunk))
+        made = (
+            make_step_graph(model, placement, enabled, n) for n in prefill_graph_sizes(runner.prefill_chunk)
+        )
         runner.prefill_graphs = tuple(g for g in made if g is not None)
         runner.capture_graphs()
         if warm:
@@ -235,7 +243,9 @@ class ModelRunner:
         if self.n_held:
             raise EngineError("kernels are warmed up before a conversation is held")
         passes = [Rows.chunk(self.placement, 0, n) for n in sorted({1, min(WARM_UP_TOKENS, self.n_ctx)})]
-        if self.n_ctx >= 2:  # a batched decode step's shape (two one-row spans: `attend_rows`), in this slot alone
+        if (
+            self.n_ctx >= 2
+        ):  # a batched decode step's shape (two one-row spans: `attend_rows`), in this slot alone
             passes.append(Rows((Span(self.placement, 0, 1), Span(self.placement, 1, 1))))
         for rows in passes:
             self.pool.begin_append(0, rows.n_rows)
@@ -336,8 +346,12 @@ class ModelRunner:
         return n
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def prefill(self, tokens: Sequence[int], should_stop: Callable[[], bool] | None = None,
-                on_chunk: Callable[[int, int], None] | None = None) -> PrefillResult:
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        should_stop: Callable[[], bool] | None = None,
+        on_chunk: Callable[[int, int], None] | None = None,
+    ) -> PrefillResult:
         """Evaluate the prompt after the longest reusable held prefix, in chunks of prefill_chunk
         (`prefill_steps`, run to its end).
 
@@ -363,7 +377,9 @@ class ModelRunner:
                 return PrefillResult(logits=None, cache_n=cache_n, prompt_n=n_held - cache_n)
 
     def prefill_steps(
-        self, tokens: Sequence[int], on_chunk: Callable[[int, int], None] | None = None,
+        self,
+        tokens: Sequence[int],
+        on_chunk: Callable[[int, int], None] | None = None,
         chunk_size: Callable[[], int] | None = None,
     ) -> Generator[None, None, PrefillResult]:
         """`prefill` a chunk at a time, for a scheduler that interleaves other slots' steps between chunks.
@@ -383,7 +399,9 @@ class ModelRunner:
         return self._prefill_chunks(tokens, on_chunk, chunk_size)
 
     def _prefill_chunks(
-        self, tokens: list[int], on_chunk: Callable[[int, int], None] | None,
+        self,
+        tokens: list[int],
+        on_chunk: Callable[[int, int], None] | None,
         chunk_size: Callable[[], int] | None = None,
     ) -> Generator[None, None, PrefillResult]:
         n_common = common_prefix_len(tokens, self._tokens) if self.settings.prompt_cache else 0
@@ -406,7 +424,9 @@ class ModelRunner:
                 if self._epoch == epoch:  # not when collected after the conversation moved on
                     self._checkpoint()
                 raise
-        assert logits is not None and not isinstance(logits, Argmax)  # a prefill asks for logits, not their argmax
+        assert logits is not None and not isinstance(
+            logits, Argmax
+        )  # a prefill asks for logits, not their argmax
         self._checkpoint()
         return PrefillResult(logits=logits, cache_n=resume, prompt_n=pos - resume)
 
@@ -439,7 +459,9 @@ class ModelRunner:
             if not 0 <= t < n_vocab:
                 raise InvalidToken(f"token id {t} is outside the vocabulary [0, {n_vocab})", slot=slot)
 
-    def _forward(self, tokens: list[int], want_logits: bool, argmax_only: bool = False) -> np.ndarray | Argmax | None:
+    def _forward(
+        self, tokens: list[int], want_logits: bool, argmax_only: bool = False
+    ) -> np.ndarray | Argmax | None:
         """Evaluate tokens after the held conversation (a graph where one holds the step); logits [V] of the
         last one if asked (with `argmax_only`, a graph step gives their `Argmax` instead)."""
         pos0 = self.begin_step(len(tokens))

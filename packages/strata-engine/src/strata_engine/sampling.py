@@ -91,8 +91,13 @@ def logit_bias(logits: np.ndarray, bias: Sequence[tuple[int, float]]) -> np.ndar
     return out
 
 
-def penalties(logits: np.ndarray, recent: Sequence[int], repeat: float = 1.0, frequency: float = 0.0,
-              presence: float = 0.0) -> np.ndarray:
+def penalties(
+    logits: np.ndarray,
+    recent: Sequence[int],
+    repeat: float = 1.0,
+    frequency: float = 0.0,
+    presence: float = 0.0,
+) -> np.ndarray:
     """llama.cpp's penalties sampler: each token occurring c > 0 times in `recent` has its logit
     divided by `repeat` if positive (multiplied by it otherwise), then lowered by c * `frequency` +
     `presence`. Neutral values (1, 0, 0) or no recent tokens: `logits` itself."""
@@ -243,7 +248,8 @@ class SamplingParams:
     def adjusts(self) -> bool:
         """Whether `Sampler.adjusted` can change logits (a logit bias, a penalty away from its neutral value)."""
         penalised = self.repeat_last_n != 0 and (
-            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        )
         return bool(self.logit_bias) or penalised
 
 

@@ -85,8 +85,13 @@ class Scheduler:
     """The steps over `slots` of the `jobs` in flight; `held_lines()` keeps the lines written meanwhile for one
     write (`protocol.LineWriter.held`)."""
 
-    def __init__(self, slots: Slots, jobs: Jobs, budget: ChunkBudget,
-                 held_lines: Callable[[], AbstractContextManager[None]]):
+    def __init__(
+        self,
+        slots: Slots,
+        jobs: Jobs,
+        budget: ChunkBudget,
+        held_lines: Callable[[], AbstractContextManager[None]],
+    ):
         self.slots = slots
         self.jobs = jobs
         self.budget = budget
@@ -158,7 +163,9 @@ class Scheduler:
         synchronously (the numpy backend) the launch defers the step to its collection."""
         if self.jobs.chunks or not jobs or not all(_generating(job).argmax_only for job in jobs):
             return
-        going = [(job, best) for job, best in zip(jobs, outputs, strict=True) if not _generating(job).ends_at(best)]
+        going = [
+            (job, best) for job, best in zip(jobs, outputs, strict=True) if not _generating(job).ends_at(best)
+        ]
         if not going:
             return
         try:

@@ -57,7 +57,9 @@ def handle_complete(ctx: ServeContext, request: Request) -> CompleteJob:
     """COMPLETE's job: prepared on the preparer thread, then admitted to the steps (jobs.py)."""
     assert request.slot is not None
     completer = ctx.completer_of(request.slot)
-    return CompleteJob(request, request.slot, completer, lambda: completer.prepare(parse_request(request.args)))
+    return CompleteJob(
+        request, request.slot, completer, lambda: completer.prepare(parse_request(request.args))
+    )
 
 
 def handle_prompt_tokens(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
@@ -74,7 +76,9 @@ def handle_prompt_tokens(ctx: ServeContext, request: Request) -> Mapping[str, An
 
 def handle_tokenize(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
     args: TokenizeArgs = arguments_of(request)
-    tokens = ctx.tokenizer.encode(args.content, add_special=args.add_special, parse_special=args.parse_special)
+    tokens = ctx.tokenizer.encode(
+        args.content, add_special=args.add_special, parse_special=args.parse_special
+    )
     if not args.with_pieces:
         return {"tokens": tokens}
     pieces = []
@@ -95,8 +99,13 @@ def handle_detokenize(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
 
 def handle_apply_template(ctx: ServeContext, request: Request) -> Mapping[str, Any]:
     args: ApplyTemplateArgs = arguments_of(request)
-    return {"prompt": ctx.template.render(args.messages, add_generation_prompt=args.add_generation_prompt,
-                                          continue_final_message=args.continue_final_message)}
+    return {
+        "prompt": ctx.template.render(
+            args.messages,
+            add_generation_prompt=args.add_generation_prompt,
+            continue_final_message=args.continue_final_message,
+        )
+    }
 
 
 def tokens_digest(tokens) -> str:
@@ -191,7 +200,9 @@ def _build_registry(session_options: Any, ctx: ServeContext | None) -> tuple[Com
 # -- start-up -----------------------------------------------------------------------------------------
 
 
-def ready_line(slots: Any, tokenizer: Tokenizer, template: ChatTemplate, identity: Any = None) -> dict[str, Any]:
+def ready_line(
+    slots: Any, tokenizer: Tokenizer, template: ChatTemplate, identity: Any = None
+) -> dict[str, Any]:
     """The ready line; `identity` (the session files' `EngineIdentity`) adds the fingerprints a file written
     by this engine carries in its header, so a client can tell its files from other engines'."""
     runner = slots.runners[0]
@@ -232,13 +243,27 @@ def ready_line(slots: Any, tokenizer: Tokenizer, template: ChatTemplate, identit
         "prompt_cache": settings.prompt_cache,
         "fim_tokens": {role.value: tokenizer.vocab.fim.get(role) for role in FimToken},
         "pooling": model_pooling(gguf_file.metadata, config.architecture).value,
-        **({"session_fingerprints": {"model": identity.model.fingerprint.hex(),
-                                     "config": identity.config.fingerprint.hex()}} if identity is not None else {}),
+        **(
+            {
+                "session_fingerprints": {
+                    "model": identity.model.fingerprint.hex(),
+                    "config": identity.config.fingerprint.hex(),
+                }
+            }
+            if identity is not None
+            else {}
+        ),
     }
 
 
-def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = None,
-          session_options: Any = None, restart_argv: Sequence[str] | None = None) -> ExitStatus:
+def serve(
+    settings,
+    *,
+    stdin_fd: int | None = None,
+    stdout: BinaryIO | None = None,
+    session_options: Any = None,
+    restart_argv: Sequence[str] | None = None,
+) -> ExitStatus:
     """Load the model into its slots, write the ready line, serve until QUIT or end of input. With
     `restart_argv` (the command line that started this process), a load that compiled kernels starts the
     process over with it before the ready line (`kernel_cache.restart_if_compiled`)."""
@@ -274,7 +299,9 @@ def serve(settings, *, stdin_fd: int | None = None, stdout: BinaryIO | None = No
     return loop.run()
 
 
-def serve_loop(ctx: ServeContext, registry: CommandRegistry, reader: LineReader, writer: LineWriter) -> ServeLoop:
+def serve_loop(
+    ctx: ServeContext, registry: CommandRegistry, reader: LineReader, writer: LineWriter
+) -> ServeLoop:
     return ServeLoop(ctx, registry, reader, writer, unstructure)
 
 
@@ -282,5 +309,7 @@ def serve_context(slots: Any, tokenizer: Tokenizer, template: ChatTemplate) -> S
     """The verbs' context over loaded slots: a completer per slot (its own sampler generator), one
     constraint compiler for all."""
     constraints = ConstraintCompiler(tokenizer)
-    completers = tuple(Completer(runner, tokenizer, template, constraints=constraints) for runner in slots.runners)
+    completers = tuple(
+        Completer(runner, tokenizer, template, constraints=constraints) for runner in slots.runners
+    )
     return ServeContext(slots=slots, tokenizer=tokenizer, template=template, completers=completers)

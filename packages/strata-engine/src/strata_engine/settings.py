@@ -156,14 +156,22 @@ def _at_least(low: int) -> Callable[[Any], str | None]:
 
 def _from_to(low: int, high: int) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
-        return None if _is_int(value) and low <= value <= high else f"{_shown(value)} must be from {low} to {high}"
+        return (
+            None
+            if _is_int(value) and low <= value <= high
+            else f"{_shown(value)} must be from {low} to {high}"
+        )
 
     return check
 
 
 def _one_of(vocabulary: type[enum.Enum]) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
-        return None if value in values(vocabulary) else f"{_shown(value)} is not one of {', '.join(values(vocabulary))}"
+        return (
+            None
+            if value in values(vocabulary)
+            else f"{_shown(value)} is not one of {', '.join(values(vocabulary))}"
+        )
 
     return check
 
@@ -212,7 +220,9 @@ class Setting:
 
     flags: tuple[str, ...]  # llama-server's names for it where it has the setting; none: not a flag
     help: str  # "{default}" stands for the field's default, "{words}" for its vocabulary's words
-    check: Callable[[Any], str | None]  # why a value cannot be (None: it can); the message leaves out the name
+    check: Callable[
+        [Any], str | None
+    ]  # why a value cannot be (None: it can); the message leaves out the name
     metavar: str | None = None
     vocabulary: type[enum.Enum] | None = None  # the words a value is one of (the field holds the member)
     unset: int | None = None  # strata-server's value that means the default, as llama-server's -c 0 and -t -1
@@ -296,10 +306,19 @@ class EngineSettings:
         help="activations, one of {words} (default: f32 on numpy; on cupy f16, or bf16 for models whose "
         "activations overflow f16: gemma3); logits are computed in f32 either way")  # fmt: skip
     kv_resident: int | None = _setting(
-        "--kv-resident", default=None, check=_optional(_at_least(1)), metavar="N", unset=0,
-        help="keep the K/V in a host pool with an N-token resident ring in front of it (default: a device pool)")
-    prompt_cache: bool = _setting("--no-prompt-cache", default=True, check=_boolean,
-                                  help="do not reuse the held conversation's prefix on the next request")
+        "--kv-resident",
+        default=None,
+        check=_optional(_at_least(1)),
+        metavar="N",
+        unset=0,
+        help="keep the K/V in a host pool with an N-token resident ring in front of it (default: a device pool)",
+    )
+    prompt_cache: bool = _setting(
+        "--no-prompt-cache",
+        default=True,
+        check=_boolean,
+        help="do not reuse the held conversation's prefix on the next request",
+    )
     prefill_chunk: int | None = _setting(
         "--prefill-chunk", default=None, check=_optional(_at_least(1)), metavar="N", server=False,
         help=f"tokens per prefill batch (default: {DEFAULT_PREFILL_CHUNK[Backend.NUMPY]} on numpy, "
@@ -308,8 +327,12 @@ class EngineSettings:
     backend: Backend = _setting("--backend", default=Backend.NUMPY, vocabulary=Backend, metavar="NAME",
                                 help="compute backend, one of {words} (default: {default})")  # fmt: skip
     cuda_graphs: bool = _setting(
-        "--no-cuda-graphs", default=True, check=_boolean, server=False,
-        help="run every decode step and prefill chunk op by op instead of replaying captured CUDA graphs (cupy)")
+        "--no-cuda-graphs",
+        default=True,
+        check=_boolean,
+        server=False,
+        help="run every decode step and prefill chunk op by op instead of replaying captured CUDA graphs (cupy)",
+    )
     cpu_kernels: CpuKernels | None = _setting(
         "--cpu-kernels", default=None, vocabulary=CpuKernels, metavar="NAME",
         help=f"the numpy backend's kernels, one of {{words}}: {DEFAULT_CPU_KERNELS.value} (the default with f32 "
@@ -319,12 +342,22 @@ class EngineSettings:
         "products: closest to transformers) or numpy (float32 weights and BLAS: the reference the kernels are "
         "tested against)")  # fmt: skip
     threads: int | None = _setting(
-        "-t", "--threads", default=None, check=_optional(_at_least(1)), metavar="N", unset=-1,
-        help="CPU threads for the kernels and BLAS (default: the cores the engine may use)")
+        "-t",
+        "--threads",
+        default=None,
+        check=_optional(_at_least(1)),
+        metavar="N",
+        unset=-1,
+        help="CPU threads for the kernels and BLAS (default: the cores the engine may use)",
+    )
     poll: int = _setting(
-        "--poll", default=DEFAULT_POLL, check=_from_to(0, MAX_POLL), metavar=f"0-{MAX_POLL}",
+        "--poll",
+        default=DEFAULT_POLL,
+        check=_from_to(0, MAX_POLL),
+        metavar=f"0-{MAX_POLL}",
         help="how long an idle kernel thread polls for work before it sleeps, as llama-server's --poll (default: "
-        "{default}: awake through a decode step; 0: sleep at once, for a machine whose cores other work needs)")
+        "{default}: awake through a decode step; 0: sleep at once, for a machine whose cores other work needs)",
+    )
     chat_template: str | None = _setting(
         "--chat-template", default=None, check=_optional(chat_template_problem), metavar="NAME|JINJA",
         file_flag="--chat-template-file",
@@ -340,7 +373,9 @@ class EngineSettings:
         """Settings from field values, each problem named by `name(field)` (a flag's key: `from_flags`)."""
         fields = attrs.fields_dict(cls)
         converted = {key: _converted(fields[key], value) for key, value in given.items()}
-        defaults = {field.name: field.default for field in fields.values() if field.default is not attrs.NOTHING}
+        defaults = {
+            field.name: field.default for field in fields.values() if field.default is not attrs.NOTHING
+        }
         if found := _problems({**defaults, **converted}, name):
             raise SettingsError(found)
         return cls(**given)
@@ -405,21 +440,37 @@ def _problems(given: Mapping[str, Any], name: Callable[[str], str]) -> list[str]
             out.append(f"{name(field)}: {text}")
             bad.add(field)
     n_ctx, n_slots = given["n_ctx"], given["n_slots"]
-    if not {"n_ctx", "n_slots"} & bad and n_ctx is not None and (problem := _slot_problem(n_ctx, n_slots, name)):
+    if (
+        not {"n_ctx", "n_slots"} & bad
+        and n_ctx is not None
+        and (problem := _slot_problem(n_ctx, n_slots, name))
+    ):
         out.append(problem)
     dtype, kernels = given["compute_dtype"], given["cpu_kernels"]
     if not {"backend", "compute_dtype"} & bad and given["backend"] == Backend.NUMPY and dtype in _CUPY_DTYPES:
         out.append(f"{name('compute_dtype')} {_shown(dtype)} needs the cupy backend")
-    if not {"cpu_kernels", "compute_dtype"} & bad and kernels in NUMBA_KERNELS and dtype not in (None, ComputeDType.F32):
-        out.append(f"{name('cpu_kernels')} {_shown(kernels)} computes in f32, not {name('compute_dtype')} {_shown(dtype)}")
+    if (
+        not {"cpu_kernels", "compute_dtype"} & bad
+        and kernels in NUMBA_KERNELS
+        and dtype not in (None, ComputeDType.F32)
+    ):
+        out.append(
+            f"{name('cpu_kernels')} {_shown(kernels)} computes in f32, not {name('compute_dtype')} {_shown(dtype)}"
+        )
     return out
 
 
 _CUPY_DTYPES = frozenset({ComputeDType.F16, ComputeDType.BF16})
 # field -> its row; those with flags; field -> the name its flags and strata-server's config file give it
-SETTINGS: Mapping[str, Setting] = MappingProxyType({f.name: f.metadata[_ROW] for f in attrs.fields(EngineSettings)})
-FLAGGED: Mapping[str, Setting] = MappingProxyType({field: row for field, row in SETTINGS.items() if row.flags})
-KEYS: Mapping[str, str] = MappingProxyType({field: row.key if row.flags else field for field, row in SETTINGS.items()})
+SETTINGS: Mapping[str, Setting] = MappingProxyType(
+    {f.name: f.metadata[_ROW] for f in attrs.fields(EngineSettings)}
+)
+FLAGGED: Mapping[str, Setting] = MappingProxyType(
+    {field: row for field, row in SETTINGS.items() if row.flags}
+)
+KEYS: Mapping[str, str] = MappingProxyType(
+    {field: row.key if row.flags else field for field, row in SETTINGS.items()}
+)
 
 
 def add_setting_flags(parser: argparse._ActionsContainer, *, typed: bool = True,
@@ -435,8 +486,11 @@ def add_setting_flags(parser: argparse._ActionsContainer, *, typed: bool = True,
         default = field.default.value if isinstance(field.default, enum.Enum) else field.default
         words = ", ".join(values(row.vocabulary)) if row.vocabulary else ""
         unset = "" if typed or row.unset is None else f"; {row.unset}: the default"
-        options: dict[str, Any] = {"dest": row.key, "default": argparse.SUPPRESS,
-                                   "help": help_of.get(row.key) or row.help.format(default=default, words=words) + unset}
+        options: dict[str, Any] = {
+            "dest": row.key,
+            "default": argparse.SUPPRESS,
+            "help": help_of.get(row.key) or row.help.format(default=default, words=words) + unset,
+        }
         if isinstance(default, bool):
             options["action"] = "store_false" if row.negated else "store_true"
         else:

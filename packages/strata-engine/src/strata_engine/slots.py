@@ -68,7 +68,9 @@ class SlotSet:
         return cls.assemble(runner.kv_settings(**changes), runner.gguf, runner.config, runner.model)
 
     @classmethod
-    def assemble(cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model) -> SlotSet:
+    def assemble(
+        cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model
+    ) -> SlotSet:
         """settings.n_slots slots on a loaded model (settings resolved as `ModelRunner.load_model` does)."""
         total = settings.n_ctx_total(config.n_ctx_train)
         if (problem := settings.slot_problem(total)) is not None:
@@ -123,7 +125,9 @@ class SlotSet:
         The checks run now: a ContextOverflow or InvalidToken names its slot and nothing is launched."""
         steps = self._checked(steps, [True] * len(steps))
         launched = LaunchedStep(self, steps)
-        graph = self._batch_graph_for(len(steps)) if len(steps) > 1 else self.runners[steps[0][0]].decode_graph
+        graph = (
+            self._batch_graph_for(len(steps)) if len(steps) > 1 else self.runners[steps[0][0]].decode_graph
+        )
         if graph is None:
             return launched  # deferred
         opened: list[tuple[ModelRunner, int]] = []
@@ -147,7 +151,9 @@ class SlotSet:
         launched.graph, launched.opened = graph, opened
         return launched
 
-    def _checked(self, steps: Sequence[tuple[int, int]], argmax_only: Sequence[bool]) -> list[tuple[int, int]]:
+    def _checked(
+        self, steps: Sequence[tuple[int, int]], argmax_only: Sequence[bool]
+    ) -> list[tuple[int, int]]:
         """steps as ints, after the checks of a decode step (InvalidRequest, ContextOverflow, InvalidToken)."""
         if len(argmax_only) != len(steps):
             raise InvalidRequest([f"{len(argmax_only)} argmax_only flags for {len(steps)} decode rows"])
@@ -164,7 +170,9 @@ class SlotSet:
             self.runners[slot].check_decode(token, slot)
         return steps
 
-    def decode_rows(self, steps: Sequence[tuple[int, int]], argmax_only: Sequence[bool]) -> list[Argmax | np.ndarray]:
+    def decode_rows(
+        self, steps: Sequence[tuple[int, int]], argmax_only: Sequence[bool]
+    ) -> list[Argmax | np.ndarray]:
         """`decode`, where row b's result is the `Argmax` of its logits if argmax_only[b] (a greedy row whose
         sampler reads nothing else: `completion.Generation.argmax_only`), else its logits [n_vocab]. A
         captured step computes the argmax on the device and downloads only the rows of logits asked for,
@@ -189,9 +197,14 @@ class SlotSet:
                     self._drop_batch_graph(graph, e)
             if out is None:
                 spans = Rows(tuple(Span(runner.placement, pos, 1) for runner, pos in opened))
-                logits = self.model.forward(np.asarray([t for _, t in steps], dtype=np.int64), spans, want_logits=True)
+                logits = self.model.forward(
+                    np.asarray([t for _, t in steps], dtype=np.int64), spans, want_logits=True
+                )
                 assert logits is not None
-                out = [Argmax.of_logits(row) if only else row for row, only in zip(logits, argmax_only, strict=True)]
+                out = [
+                    Argmax.of_logits(row) if only else row
+                    for row, only in zip(logits, argmax_only, strict=True)
+                ]
         except BaseException:
             for runner, pos in opened:
                 runner.abort_step(pos)

@@ -66,8 +66,13 @@ Integer = Annotated[int, Wire("an integer", _is_int)]
 Count = Annotated[int, Wire("an integer >= 0", lambda v: _is_int(v) and v >= 0)]
 Number = Annotated[float, Wire("a finite number", _is_number, float)]
 TokenIds = Annotated[list[int], Wire("a list of token ids", _is_token_ids)]
-Path = Annotated[str, Wire("a non-empty string without line breaks or NUL",
-                           lambda v: isinstance(v, str) and bool(v) and not any(c in v for c in "\r\n\0"))]
+Path = Annotated[
+    str,
+    Wire(
+        "a non-empty string without line breaks or NUL",
+        lambda v: isinstance(v, str) and bool(v) and not any(c in v for c in "\r\n\0"),
+    ),
+]
 
 
 def _problem(name: str, exc: BaseException, type_: Any) -> list[str]:
@@ -103,7 +108,9 @@ def _bias_pairs(raw: Any) -> tuple[tuple[int | str, float], ...]:
             raise InvalidRequest([f"{good}; item {index} is {_shown(pair)}"])
         token, bias = pair
         if not ((_is_int(token) and token >= 0) or (isinstance(token, str) and token)):
-            problems.append(f"logit_bias[{index}][0] must be a token id >= 0 or a non-empty text, got {token!r}")
+            problems.append(
+                f"logit_bias[{index}][0] must be a token id >= 0 or a non-empty text, got {token!r}"
+            )
         elif bias is False:
             pairs.append((token, -math.inf))
         elif _is_number(bias):
@@ -115,28 +122,52 @@ def _bias_pairs(raw: Any) -> tuple[tuple[int | str, float], ...]:
     return tuple(pairs)
 
 
-Prompt = Annotated[str | tuple[str | int, ...], Wire(
-    "a string or a non-empty list of strings and token ids",
-    lambda v: isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(p, str) or _is_int(p)
-                                                                              for p in v)),
-    lambda v: v if isinstance(v, str) else tuple(v))]
-Messages = Annotated[tuple[Mapping[str, Any], ...], Wire(
-    "a non-empty list of {role, content} objects",
-    lambda v: isinstance(v, list) and bool(v) and all(isinstance(m, Mapping) for m in v), tuple)]
-Stop = Annotated[tuple[str, ...], Wire(
-    f"a list of at most {MAX_STOP_STRINGS} non-empty strings",
-    lambda v: isinstance(v, list) and len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v),
-    tuple)]
-LogitBias = Annotated[tuple[tuple[int | str, float], ...], Wire("a list of [token, bias] pairs", lambda v: True,
-                                                                  _bias_pairs)]
-JsonSchema = Annotated[Any, Wire("a JSON schema (an object or a boolean)", lambda v: isinstance(v, (Mapping, bool)))]
+Prompt = Annotated[
+    str | tuple[str | int, ...],
+    Wire(
+        "a string or a non-empty list of strings and token ids",
+        lambda v: (
+            isinstance(v, str)
+            or (isinstance(v, list) and bool(v) and all(isinstance(p, str) or _is_int(p) for p in v))
+        ),
+        lambda v: v if isinstance(v, str) else tuple(v),
+    ),
+]
+Messages = Annotated[
+    tuple[Mapping[str, Any], ...],
+    Wire(
+        "a non-empty list of {role, content} objects",
+        lambda v: isinstance(v, list) and bool(v) and all(isinstance(m, Mapping) for m in v),
+        tuple,
+    ),
+]
+Stop = Annotated[
+    tuple[str, ...],
+    Wire(
+        f"a list of at most {MAX_STOP_STRINGS} non-empty strings",
+        lambda v: (
+            isinstance(v, list) and len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v)
+        ),
+        tuple,
+    ),
+]
+LogitBias = Annotated[
+    tuple[tuple[int | str, float], ...], Wire("a list of [token, bias] pairs", lambda v: True, _bias_pairs)
+]
+JsonSchema = Annotated[
+    Any, Wire("a JSON schema (an object or a boolean)", lambda v: isinstance(v, (Mapping, bool)))
+]
 Grammar = Annotated[str, Wire("a string (GBNF)", lambda v: isinstance(v, str))]
 NPredict = Annotated[int, Wire("an integer >= -2", lambda v: _is_int(v) and v >= -2)]
 AtLeastMinusOne = Annotated[int, Wire("an integer >= -1", lambda v: _is_int(v) and v >= -1)]
 Positive = Annotated[float, Wire("a number > 0", lambda v: _is_number(v) and v > 0.0, float)]
 Seed = Annotated[int, Wire("an integer in [-1, 2^64)", lambda v: _is_int(v) and -1 <= v < 2**64)]
-NProbs = Annotated[int, Wire(f"an integer in [0, {MAX_N_PROBS}]", lambda v: _is_int(v) and 0 <= v <= MAX_N_PROBS)]
-PoolingName = Annotated[Pooling, Wire(f"one of {', '.join(values(Pooling))}", lambda v: v in values(Pooling), Pooling)]
+NProbs = Annotated[
+    int, Wire(f"an integer in [0, {MAX_N_PROBS}]", lambda v: _is_int(v) and 0 <= v <= MAX_N_PROBS)
+]
+PoolingName = Annotated[
+    Pooling, Wire(f"one of {', '.join(values(Pooling))}", lambda v: v in values(Pooling), Pooling)
+]
 
 
 @attrs.frozen
@@ -153,10 +184,14 @@ class CompleteArgs:
     (completion.completion_request applies them)."""
 
     rules: ClassVar[tuple[Rule, ...]] = (
-        Rule(lambda obj: (obj.get("prompt") is None) != (obj.get("messages") is None),
-             "exactly one of prompt and messages must be given"),
-        Rule(lambda obj: obj.get("json_schema") is None or obj.get("grammar") in (None, ""),
-             "give json_schema or grammar, not both"),
+        Rule(
+            lambda obj: (obj.get("prompt") is None) != (obj.get("messages") is None),
+            "exactly one of prompt and messages must be given",
+        ),
+        Rule(
+            lambda obj: obj.get("json_schema") is None or obj.get("grammar") in (None, ""),
+            "give json_schema or grammar, not both",
+        ),
     )
 
     prompt: Prompt | None = None
@@ -242,11 +277,18 @@ class RestorePrefixArgs:
 # ---- the converter ---------------------------------------------------------------------------------------
 
 
+def _wire_hook(type_: Any) -> Callable[[Any, Any], Any]:
+    wire = _wire_of(type_)
+    assert wire is not None  # the factory's predicate asked
+    return lambda value, _: wire.structure(value)
+
+
 def _make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(detailed_validation=True)
     converter.register_structure_hook_factory(
         lambda type_: _wire_of(type_) is not None and getattr(type_, "__metadata__", None) is not None,
-        lambda type_: lambda value, _: _wire_of(type_).structure(value))  # type: ignore[union-attr]
+        _wire_hook,
+    )
     return converter
 
 
@@ -288,7 +330,9 @@ class Verb:
     argument: ArgumentKind
     arguments: type  # its object's class
     dispatch: Dispatch
-    slotted: bool = False  # it acts on one slot: its object may name `slot`, it is refused while the slot is busy
+    slotted: bool = (
+        False  # it acts on one slot: its object may name `slot`, it is refused while the slot is busy
+    )
 
 
 JSON, OPTIONAL = ArgumentKind.JSON, ArgumentKind.OPTIONAL

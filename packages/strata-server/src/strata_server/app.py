@@ -41,10 +41,15 @@ ROUTES: tuple[tuple[tuple[str, ...], type], ...] = (
 )
 
 
-def create_app(engine_client: EngineClient, config: ServerConfig, *, context: ServerContext | None = None
-               ) -> falcon.App:
-    ctx = context or ServerContext(engine=engine_client, config=config, policy=SecurityPolicy(config),
-                                   store=build_store(config, engine_client))
+def create_app(
+    engine_client: EngineClient, config: ServerConfig, *, context: ServerContext | None = None
+) -> falcon.App:
+    ctx = context or ServerContext(
+        engine=engine_client,
+        config=config,
+        policy=SecurityPolicy(config),
+        store=build_store(config, engine_client),
+    )
     engine_client.add_exit_listener(ctx.metrics.record_engine_exit)
     app = falcon.App(middleware=[SecurityMiddleware(ctx.policy, engine_client)])
     for paths, resource_class in ROUTES:

@@ -48,8 +48,10 @@ def choice_count(body: dict) -> int:
 
 def check_task_count(n_prompts: int, n_choices: int) -> None:
     if n_prompts * n_choices > MAX_TASKS:
-        raise invalid_request(f"{n_prompts} prompt(s) x n={n_choices} is {n_prompts * n_choices} completions; "
-                              f"this server runs at most {MAX_TASKS} per request")
+        raise invalid_request(
+            f"{n_prompts} prompt(s) x n={n_choices} is {n_prompts * n_choices} completions; "
+            f"this server runs at most {MAX_TASKS} per request"
+        )
 
 
 def choice_seed(seed: int, choice: int) -> int:
@@ -121,11 +123,14 @@ class TaskSpec:
 
     command: dict
     make_format: Callable[[RunInfo], ResponseFormat]
-    make_verbose: Callable[[RunInfo], NativeCompletionFormat] | None = None  # the peer's __verbose, when asked
+    make_verbose: Callable[[RunInfo], NativeCompletionFormat] | None = (
+        None  # the peer's __verbose, when asked
+    )
 
 
-def build_runs(ctx: ServerContext, info: RunInfo, client: ClientConnection, specs: Sequence[TaskSpec],
-               n_choices: int) -> list[CompletionRun]:
+def build_runs(
+    ctx: ServerContext, info: RunInfo, client: ClientConnection, specs: Sequence[TaskSpec], n_choices: int
+) -> list[CompletionRun]:
     """Prompt ``i``'s choice ``j`` as task ``i * n_choices + j``: seeded per choice (its settings show its
     seed, as the peer's child tasks do), its chunks and answer indexed; one completion id for all."""
     runs: list[CompletionRun] = []
@@ -138,8 +143,16 @@ def build_runs(ctx: ServerContext, info: RunInfo, client: ClientConnection, spec
                 options = attrs.evolve(options, sampling={**options.sampling, "seed": seed})
             own = attrs.evolve(info, options=options)
             verbose = None if spec.make_verbose is None else IndexedFormat(spec.make_verbose(own), index)
-            runs.append(CompletionRun(ctx, {**spec.command, "seed": seed}, options,
-                                      IndexedFormat(spec.make_format(own), index), client=client, verbose=verbose))
+            runs.append(
+                CompletionRun(
+                    ctx,
+                    {**spec.command, "seed": seed},
+                    options,
+                    IndexedFormat(spec.make_format(own), index),
+                    client=client,
+                    verbose=verbose,
+                )
+            )
     return runs
 
 
@@ -173,7 +186,10 @@ class BatchRun:
         same = {k: first.get(k) for k in text_keys}
         for run in self.runs:
             if {k: run.command.get(k) for k in text_keys} == same:
-                run.command = {**{k: v for k, v in run.command.items() if k not in text_keys}, "prompt": tokens}
+                run.command = {
+                    **{k: v for k, v in run.command.items() if k not in text_keys},
+                    "prompt": tokens,
+                }
                 run.prompt = tokens
         return tokens
 

@@ -23,8 +23,11 @@ class ChatPrompt:
 
     def engine_fields(self) -> dict[str, Any]:
         """The fields of COMPLETE and APPLY_TEMPLATE that say how the messages are rendered."""
-        return {"messages": self.messages, "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+        return {
+            "messages": self.messages,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
 
 
 def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:

@@ -68,7 +68,9 @@ class ServerConfig:
     tags: tuple[str, ...] = ()  # /v1/models tags
     host: tuple[str, ...] = (DEFAULT_HOST,)  # every address given is listened on
     port: int = DEFAULT_PORT
-    slot_prompt_similarity: float = 0.1  # a prompt goes to the idle slot sharing more than this of it (0: off)
+    slot_prompt_similarity: float = (
+        0.1  # a prompt goes to the idle slot sharing more than this of it (0: off)
+    )
     restore_mode: str = RestoreMode.AUTO.value  # engine --restore-mode
     slot_save_path: Path | None = None
     api_key: tuple[str, ...] = ()
@@ -81,13 +83,17 @@ class ServerConfig:
     http_threads: int = 32  # gunicorn gthread threads: requests waiting for the slot each hold one
     timeout: int = 600  # read timeout of a request (worker.py) and gunicorn's worker heartbeat (seconds)
     slot_wait: float = 600.0  # seconds a request waits for the busy slot before a 503
-    engine_timeout: float = 0.0  # silence inside one engine command that means "hung": kill, restart; 0: never
+    engine_timeout: float = (
+        0.0  # silence inside one engine command that means "hung": kill, restart; 0: never
+    )
     sse_ping_interval: float = 30.0  # ":" keep-alive comment on a silent stream; 0 turns it off
     max_body_bytes: int = 64 * 1024 * 1024
     engine_command: tuple[str, ...] = ()  # empty: <this python> -m strata_engine.cli serve
     log_level: str = "info"
     verbose: bool = False  # log everything (debug), the engine's log too
-    prefill_assistant: bool = True  # a final assistant message is continued, as the peer (--no-prefill-assistant)
+    prefill_assistant: bool = (
+        True  # a final assistant message is continued, as the peer (--no-prefill-assistant)
+    )
     embedding: bool = False  # /embeddings and /v1/embeddings answer (llama-server's --embeddings)
     pooling: str = ""  # how they pool (a Pooling); empty: the model's own (its GGUF pooling_type, else none)
     # What a request that does not say gets (llama-server's -n/--temp/... flags); a request's fields win.
@@ -107,9 +113,15 @@ class ServerConfig:
     cache_ram: int = 0  # MiB of a RAM-only store (llama-server's --cache-ram); 0: off
     cache_min_reuse: int = DEFAULT_CACHE_MIN_REUSE  # tokens a restore must add to what the slot holds
     cache_idle_seconds: float = DEFAULT_CACHE_IDLE_SECONDS  # save a slot idle this long; 0: never
-    cache_store: str | None = None  # s3://BUCKET/PREFIX: the fleet's object store (behind cache_disk, or alone)
-    cache_store_endpoint: str | None = None  # its endpoint URL (a non-AWS store); None: AWS's, resolved by boto3
-    session_key_file: Path | None = None  # 32 bytes: session files written are authenticated, read ones checked
+    cache_store: str | None = (
+        None  # s3://BUCKET/PREFIX: the fleet's object store (behind cache_disk, or alone)
+    )
+    cache_store_endpoint: str | None = (
+        None  # its endpoint URL (a non-AWS store); None: AWS's, resolved by boto3
+    )
+    session_key_file: Path | None = (
+        None  # 32 bytes: session files written are authenticated, read ones checked
+    )
     session_key_optional: bool = False  # with a key: also restore files without a MAC
 
     def engine_argv(self) -> list[str]:
@@ -120,7 +132,10 @@ class ServerConfig:
         if self.restore_mode != RestoreMode.AUTO:
             argv += ["--restore-mode", self.restore_mode]
         if self.cache_store is not None and self.cache_store_endpoint is not None:
-            argv += ["--object-store-endpoint", self.cache_store_endpoint]  # without --cache-disk it reads the objects
+            argv += [
+                "--object-store-endpoint",
+                self.cache_store_endpoint,
+            ]  # without --cache-disk it reads the objects
         if self.session_key_file is not None:
             argv += ["--session-key-file", str(self.session_key_file)]
             if self.session_key_optional:
@@ -136,8 +151,11 @@ class ServerConfig:
         """Keys from ``api_key`` plus one per non-empty line of ``api_key_file``."""
         keys = [k for k in self.api_key if k]
         if self.api_key_file is not None:
-            keys += [line.strip() for line in self.api_key_file.read_text(encoding="utf-8").splitlines()
-                     if line.strip()]
+            keys += [
+                line.strip()
+                for line in self.api_key_file.read_text(encoding="utf-8").splitlines()
+                if line.strip()
+            ]
         return tuple(keys)
 
     def binds(self) -> list[str]:
@@ -226,7 +244,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError([f"config file {path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}"]) from None
+        raise ConfigError(
+            [f"config file {path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}"]
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError([f"config file {path}: expected a table of settings"])
     return data
@@ -239,8 +259,10 @@ def _fold_cache_types(raw: dict[str, Any], problems: list[str]) -> None:
     if not given:
         return
     if any(t != given[0] for t in given):
-        problems.append(f"kv_type: K and V share one type in Strata; got cache_type_k={k!r}, "
-                        f"cache_type_v={v!r}, kv_type={raw.get('kv_type')!r}")
+        problems.append(
+            f"kv_type: K and V share one type in Strata; got cache_type_k={k!r}, "
+            f"cache_type_v={v!r}, kv_type={raw.get('kv_type')!r}"
+        )
         raw.pop("kv_type", None)
         return
     raw["kv_type"] = given[0]
@@ -255,7 +277,9 @@ def _check_values(config: ServerConfig) -> list[str]:
     if not 0.0 <= config.slot_prompt_similarity <= 1.0:
         problems.append(f"slot_prompt_similarity: {config.slot_prompt_similarity} is outside 0..1 (0: off)")
     if config.restore_mode not in values(RestoreMode):
-        problems.append(f"restore_mode: {config.restore_mode!r} is not one of {', '.join(values(RestoreMode))}")
+        problems.append(
+            f"restore_mode: {config.restore_mode!r} is not one of {', '.join(values(RestoreMode))}"
+        )
     if config.slot_save_path is not None:
         if not config.slot_save_path.is_dir():
             problems.append(f"slot_save_path: not a directory: {config.slot_save_path}")
@@ -285,7 +309,9 @@ def _check_values(config: ServerConfig) -> list[str]:
             problems.append(f"trusted_origins: {origin!r} is not an origin like http://host:port")
     for origin in config.cors_origins:
         if origin not in ("*", "localhost") and not _ORIGIN.match(origin):
-            problems.append(f"cors_origins: {origin!r} is not '*', 'localhost' or an origin like http://host:port")
+            problems.append(
+                f"cors_origins: {origin!r} is not '*', 'localhost' or an origin like http://host:port"
+            )
     for name in ("temp", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
         if not math.isfinite(getattr(config, name)):
             problems.append(f"{name}: {getattr(config, name)} is not a finite number")
@@ -322,7 +348,9 @@ def _check_store(config: ServerConfig) -> list[str]:
         elif any(c in str(config.cache_disk) for c in "\r\n"):
             problems.append("cache_disk: the path contains a line break")
         if config.cache_ram:
-            problems.append("cache_ram: a RAM tier in front of --cache-disk is not built; give one of the two")
+            problems.append(
+                "cache_ram: a RAM tier in front of --cache-disk is not built; give one of the two"
+            )
     if config.cache_disk_max < 1:
         problems.append(f"cache_disk_max: {config.cache_disk_max} MiB must be at least 1")
     if config.cache_ram < 0:
@@ -330,11 +358,16 @@ def _check_store(config: ServerConfig) -> list[str]:
     if config.cache_min_reuse < 1:
         problems.append(f"cache_min_reuse: {config.cache_min_reuse} must be at least 1 token")
     if config.cache_store is not None:
-        if not config.cache_store.startswith(S3_SCHEME) or not config.cache_store[len(S3_SCHEME):].partition("/")[0]:
+        if (
+            not config.cache_store.startswith(S3_SCHEME)
+            or not config.cache_store[len(S3_SCHEME) :].partition("/")[0]
+        ):
             problems.append(f"cache_store: {config.cache_store!r} is not an s3://BUCKET/PREFIX URL")
         if config.cache_ram:
-            problems.append("cache_store: a RAM tier in front of the object store is not built; give --cache-disk "
-                            "DIR in front of it, or neither")
+            problems.append(
+                "cache_store: a RAM tier in front of the object store is not built; give --cache-disk "
+                "DIR in front of it, or neither"
+            )
         try:
             import boto3  # noqa: F401
         except ImportError:
@@ -348,6 +381,7 @@ def _check_store(config: ServerConfig) -> list[str]:
 
 def _format_structure_error(exc: Exception) -> list[str]:
     problems = []
+
     def describe(error: BaseException, type_: Any) -> str:
         if isinstance(error, ValueError) and str(error).startswith("expected"):
             return str(error)
@@ -360,8 +394,12 @@ def _format_structure_error(exc: Exception) -> list[str]:
     return problems
 
 
-def build_config(file_values: Mapping[str, Any] | None = None, flag_values: Mapping[str, Any] | None = None,
-                 *, check_files: bool = True) -> ServerConfig:
+def build_config(
+    file_values: Mapping[str, Any] | None = None,
+    flag_values: Mapping[str, Any] | None = None,
+    *,
+    check_files: bool = True,
+) -> ServerConfig:
     """Defaults < ``file_values`` < ``flag_values``; raises ``ConfigError`` listing every problem."""
     raw: dict[str, Any] = {**(file_values or {}), **(flag_values or {})}
     problems: list[str] = []
@@ -409,7 +447,9 @@ def _engine_settings(raw: dict[str, Any], problems: list[str], check_files: bool
     given: dict[str, Any] = {}
     for key, value in raw.items():
         try:
-            given[key] = _converter.structure(value, flag_type(ENGINE_KEYS[key]) if key in ENGINE_KEYS else Path)
+            given[key] = _converter.structure(
+                value, flag_type(ENGINE_KEYS[key]) if key in ENGINE_KEYS else Path
+            )
         except ValueError as exc:
             problems.append(f"{key}: {exc}")
         else:
@@ -424,8 +464,9 @@ def _engine_settings(raw: dict[str, Any], problems: list[str], check_files: bool
             except (OSError, UnicodeDecodeError) as exc:
                 problems.append(f"{file_key}: cannot read {raw[file_key]}: {exc}")
     if "model" not in raw:
-        problems.append(f"model: no --model given and the default model package {DEFAULT_MODEL_PACKAGE} "
-                        "is not installed")
+        problems.append(
+            f"model: no --model given and the default model package {DEFAULT_MODEL_PACKAGE} is not installed"
+        )
     elif check_files and "model" in given and not given["model"].is_file():
         problems.append(f"model: not a file: {given['model']}")
     model = given.setdefault("model", Path())  # none: the other settings are still checked

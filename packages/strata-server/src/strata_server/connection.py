@@ -47,8 +47,14 @@ class ClientConnection:
         return self._gone
 
 
-def watch_client(events: Iterator[dict], client: ClientConnection, cancel: Callable[[], None], *,
-                 ping_s: float = 0.0, poll_s: float = POLL_INTERVAL_S) -> Iterator[dict]:
+def watch_client(
+    events: Iterator[dict],
+    client: ClientConnection,
+    cancel: Callable[[], None],
+    *,
+    ping_s: float = 0.0,
+    poll_s: float = POLL_INTERVAL_S,
+) -> Iterator[dict]:
     """``events`` of a command requested with ``idle_s=poll_s``, passed on; ``cancel()`` once the client
     is gone (the engine then ends the command at its next step, and its result still comes through).
     The idle events that only served the polling are dropped; one is passed on each ``ping_s`` of engine

@@ -58,5 +58,7 @@ class ServerContext:
         return str(self.engine_info().get("model_path") or self.config.engine.model_path)
 
     def build_info(self) -> str:
-        return f"strata-server-{SERVER_VERSION}+{self.engine_info().get('engine', 'engine')}-" \
-               f"{self.engine_info().get('engine_version', '?')}"
+        return (
+            f"strata-server-{SERVER_VERSION}+{self.engine_info().get('engine', 'engine')}-"
+            f"{self.engine_info().get('engine_version', '?')}"
+        )

@@ -10,9 +10,16 @@ from .config import ServerConfig
 
 # ServerConfig field -> the engine's COMPLETE field (and the request's, and generation_settings' key).
 DEFAULT_FIELDS: dict[str, str] = {
-    "temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
-    "n_predict": "n_predict", "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "seed": "seed",
+    "n_predict": "n_predict",
+    "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
 }
 
 

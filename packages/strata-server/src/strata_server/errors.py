@@ -58,8 +58,14 @@ class ApiError(ServerError):
         self.extra = extra
 
     def body(self) -> dict:
-        return {"error": {"code": self.status, "message": self.message, "type": self.error_type.type_name,
-                          **self.extra}}
+        return {
+            "error": {
+                "code": self.status,
+                "message": self.message,
+                "type": self.error_type.type_name,
+                **self.extra,
+            }
+        }
 
 
 def invalid_request(message: str, **extra: Any) -> ApiError:
@@ -138,8 +144,10 @@ def _from_engine_reply(exc: EngineReplyError) -> ApiError:
                 extra[key] = exc.error[key]
         message = exc.message
         if "n_prompt_tokens" in extra and "n_ctx" in extra:
-            message = (f"request ({extra['n_prompt_tokens']} tokens) exceeds the available context size "
-                       f"({extra['n_ctx']} tokens), try increasing it")
+            message = (
+                f"request ({extra['n_prompt_tokens']} tokens) exceeds the available context size "
+                f"({extra['n_ctx']} tokens), try increasing it"
+            )
         return ApiError(error_type, message, **extra)
     if exc.reason:
         extra["reason"] = exc.reason
@@ -153,8 +161,9 @@ def _from_falcon(exc: falcon.HTTPError) -> ApiError:
     if exc.status_code == 413:
         return ApiError(ErrorType.INVALID_REQUEST, exc.description or "request body too large", status=413)
     by_status = {e.status: e for e in ErrorType if e is not ErrorType.EXCEED_CONTEXT_SIZE}
-    error_type = by_status.get(exc.status_code, ErrorType.INVALID_REQUEST if exc.status_code < 500
-                               else ErrorType.SERVER)
+    error_type = by_status.get(
+        exc.status_code, ErrorType.INVALID_REQUEST if exc.status_code < 500 else ErrorType.SERVER
+    )
     return ApiError(error_type, exc.description or exc.title or "error", status=exc.status_code)
 
 
@@ -170,10 +179,14 @@ def to_api_error(exc: BaseException) -> ApiError:
         case EngineReplyError():
             return _from_engine_reply(exc)
         case EngineDied():
-            return ApiError(ErrorType.SERVER, f"the engine stopped during this request ({exc.detail}); "
-                            "it is being restarted")
+            return ApiError(
+                ErrorType.SERVER,
+                f"the engine stopped during this request ({exc.detail}); it is being restarted",
+            )
         case EngineProtocolViolation():
-            return ApiError(ErrorType.SERVER, f"engine protocol violation ({exc}); the engine is being restarted")
+            return ApiError(
+                ErrorType.SERVER, f"engine protocol violation ({exc}); the engine is being restarted"
+            )
         case falcon.HTTPError():
             return _from_falcon(exc)
     return ApiError(ErrorType.SERVER, "Internal server error")

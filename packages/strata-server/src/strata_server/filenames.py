@@ -32,7 +32,9 @@ def validate_filename(name: str) -> None:
     try:
         encoded = name.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidFilename(f"the name is not valid UTF-8 (code point U+{ord(name[exc.start]):04X})") from None
+        raise InvalidFilename(
+            f"the name is not valid UTF-8 (code point U+{ord(name[exc.start]):04X})"
+        ) from None
     if len(encoded) > MAX_FILENAME_BYTES:
         raise InvalidFilename(f"the name is {len(encoded)} bytes long, the limit is {MAX_FILENAME_BYTES}")
     for index, char in enumerate(name):
@@ -66,7 +68,9 @@ def resolve_slot_file(folder: Path, name: str, *, must_exist: bool) -> Path:
             raise
         return path
     if stat.S_ISLNK(info.st_mode):
-        raise InvalidFilename(f"'{name}' is a symbolic link in the slot save folder; links are never followed")
+        raise InvalidFilename(
+            f"'{name}' is a symbolic link in the slot save folder; links are never followed"
+        )
     if not stat.S_ISREG(info.st_mode):
         raise InvalidFilename(f"'{name}' is not a regular file")
     return path

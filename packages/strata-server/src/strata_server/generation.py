@@ -75,8 +75,10 @@ def token_probabilities(event: dict, post_sampling: bool) -> dict:
         return {"id": p.get("id"), "token": utf8_prefix(data), "bytes": list(data), key: p.get(key)}
 
     chosen = {**event, "id": event.get("token")}  # a token line's "id" is its request's (protocol v2)
-    return {**entry(chosen, str(event.get("piece", ""))),
-            top_key: [entry(p, str(p.get("token", ""))) for p in event.get("probs") or []]}
+    return {
+        **entry(chosen, str(event.get("piece", ""))),
+        top_key: [entry(p, str(p.get("token", ""))) for p in event.get("probs") or []],
+    }
 
 
 def probs_object(probs: list[dict], top: int | None = None) -> dict:
@@ -84,14 +86,21 @@ def probs_object(probs: list[dict], top: int | None = None) -> dict:
     ``top`` (chat's ``top_logprobs``) when given."""
     if top is None:
         return {"content": probs}
-    return {"content": [{k: (v[:top] if k in ("top_logprobs", "top_probs") else v) for k, v in p.items()}
-                        for p in probs]}
+    return {
+        "content": [
+            {k: (v[:top] if k in ("top_logprobs", "top_probs") else v) for k, v in p.items()} for p in probs
+        ]
+    }
 
 
 def prompt_progress(event: dict) -> dict:
     """llama-server's ``prompt_progress`` object from an engine ``progress`` line."""
-    return {"total": event.get("total"), "cache": event.get("cache"), "processed": event.get("processed"),
-            "time_ms": event.get("time_ms")}
+    return {
+        "total": event.get("total"),
+        "cache": event.get("cache"),
+        "processed": event.get("processed"),
+        "time_ms": event.get("time_ms"),
+    }
 
 
 @attrs.frozen
@@ -136,13 +145,22 @@ class ResponseFormat(abc.ABC):
         timings = result.get("timings") or {}
         prompt_tokens = int(result.get("tokens_evaluated", 0))
         completion_tokens = len(result.get("tokens") or [])
-        return {"completion_tokens": completion_tokens, "prompt_tokens": prompt_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": int(timings.get("cache_n", 0))}}
+        return {
+            "completion_tokens": completion_tokens,
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": int(timings.get("cache_n", 0))},
+        }
 
     def openai_envelope(self, obj: str, **fields: Any) -> dict:
-        return {**fields, "created": self.info.created, "model": self.info.options.model or self.info.model,
-                "system_fingerprint": self.info.system_fingerprint, "object": obj, "id": self.info.id}
+        return {
+            **fields,
+            "created": self.info.created,
+            "model": self.info.options.model or self.info.model,
+            "system_fingerprint": self.info.system_fingerprint,
+            "object": obj,
+            "id": self.info.id,
+        }
 
 
 class NativeCompletionFormat(ResponseFormat):
@@ -158,8 +176,14 @@ class NativeCompletionFormat(ResponseFormat):
         return self.info.options.return_tokens
 
     def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict:
-        chunk = {"index": 0, "content": content, "tokens": ids if self.carries_ids() else [],
-                 "stop": False, "id_slot": -1, "tokens_predicted": self.n_predicted}
+        chunk = {
+            "index": 0,
+            "content": content,
+            "tokens": ids if self.carries_ids() else [],
+            "stop": False,
+            "id_slot": -1,
+            "tokens_predicted": self.n_predicted,
+        }
         if probs:
             chunk["completion_probabilities"] = probs
         return chunk
@@ -168,14 +192,23 @@ class NativeCompletionFormat(ResponseFormat):
         tokens = result.get("tokens") or []
         final = {
             # As the peer: in a stream the text and tokens went out in the partial chunks.
-            "index": 0, "content": "" if streamed else str(result.get("content", "")),
+            "index": 0,
+            "content": "" if streamed else str(result.get("content", "")),
             "tokens": tokens if self.info.options.return_tokens and not streamed else [],
-            "id_slot": lease.slot, "stop": True, "model": self.info.options.model or self.info.model,
-            "tokens_predicted": len(tokens), "tokens_evaluated": result.get("tokens_evaluated", 0),
-            "generation_settings": self.info.options.settings(), "prompt": self.prompt_text(lease),
-            "has_new_line": "\n" in str(result.get("content", "")), "truncated": bool(result.get("truncated")),
-            "stop_type": "none" if result.get("stop_type") == "cancelled" else result.get("stop_type", "none"),
-            "stopping_word": result.get("stopping_word", ""), "tokens_cached": result.get("tokens_cached", 0),
+            "id_slot": lease.slot,
+            "stop": True,
+            "model": self.info.options.model or self.info.model,
+            "tokens_predicted": len(tokens),
+            "tokens_evaluated": result.get("tokens_evaluated", 0),
+            "generation_settings": self.info.options.settings(),
+            "prompt": self.prompt_text(lease),
+            "has_new_line": "\n" in str(result.get("content", "")),
+            "truncated": bool(result.get("truncated")),
+            "stop_type": "none"
+            if result.get("stop_type") == "cancelled"
+            else result.get("stop_type", "none"),
+            "stopping_word": result.get("stopping_word", ""),
+            "tokens_cached": result.get("tokens_cached", 0),
             "timings": result.get("timings", {}),
         }
         if probs:
@@ -194,22 +227,44 @@ class TextCompletionFormat(ResponseFormat):
     with ``n_probs`` (or OpenAI's integer ``logprobs``), else null."""
 
     def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict:
-        return self.openai_envelope("text_completion", choices=[
-            {"text": content, "index": 0, "logprobs": probs_object(probs) if probs else None,
-             "finish_reason": None}])
+        return self.openai_envelope(
+            "text_completion",
+            choices=[
+                {
+                    "text": content,
+                    "index": 0,
+                    "logprobs": probs_object(probs) if probs else None,
+                    "finish_reason": None,
+                }
+            ],
+        )
 
     def final_chunks(self, result: dict, lease: EngineLease) -> list[dict]:
         finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
-        return [self.openai_envelope("text_completion", choices=[
-            {"text": "", "index": 0, "logprobs": None, "finish_reason": finish}],
-            usage=self.usage(result), timings=result.get("timings", {}))]
+        return [
+            self.openai_envelope(
+                "text_completion",
+                choices=[{"text": "", "index": 0, "logprobs": None, "finish_reason": finish}],
+                usage=self.usage(result),
+                timings=result.get("timings", {}),
+            )
+        ]
 
     def response(self, result: dict, probs: list[dict], lease: EngineLease) -> dict:
         finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
-        return self.openai_envelope("text_completion", choices=[
-            {"text": result.get("content", ""), "index": 0, "logprobs": probs_object(probs) if probs else None,
-             "finish_reason": finish}],
-            usage=self.usage(result), timings=result.get("timings", {}))
+        return self.openai_envelope(
+            "text_completion",
+            choices=[
+                {
+                    "text": result.get("content", ""),
+                    "index": 0,
+                    "logprobs": probs_object(probs) if probs else None,
+                    "finish_reason": finish,
+                }
+            ],
+            usage=self.usage(result),
+            timings=result.get("timings", {}),
+        )
 
 
 class ChatCompletionFormat(ResponseFormat):
@@ -228,8 +283,9 @@ class ChatCompletionFormat(ResponseFormat):
         return {**self._chunk({"role": "assistant", "content": None}, None), "prompt_progress": progress}
 
     def _chunk(self, delta: dict, finish: str | None, **extra: Any) -> dict:
-        return self.openai_envelope("chat.completion.chunk", choices=[
-            {"finish_reason": finish, "index": 0, "delta": delta}], **extra)
+        return self.openai_envelope(
+            "chat.completion.chunk", choices=[{"finish_reason": finish, "index": 0, "delta": delta}], **extra
+        )
 
     def token_chunk(self, content: str, ids: list[int], probs: list[dict]) -> dict:
         return self._with_logprobs(self._chunk({"content": content}, None), probs)
@@ -238,16 +294,33 @@ class ChatCompletionFormat(ResponseFormat):
         finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
         chunks = [self._chunk({}, finish, timings=result.get("timings", {}))]
         if self.info.options.include_usage:
-            chunks.append(self.openai_envelope("chat.completion.chunk", choices=[], usage=self.usage(result),
-                                               timings=result.get("timings", {})))
+            chunks.append(
+                self.openai_envelope(
+                    "chat.completion.chunk",
+                    choices=[],
+                    usage=self.usage(result),
+                    timings=result.get("timings", {}),
+                )
+            )
         return chunks
 
     def response(self, result: dict, probs: list[dict], lease: EngineLease) -> dict:
         finish = FINISH_REASONS.get(result.get("stop_type", ""), "stop")
-        return self._with_logprobs(self.openai_envelope("chat.completion", choices=[
-            {"finish_reason": finish, "index": 0,
-             "message": {"role": "assistant", "content": result.get("content", "")}}],
-            usage=self.usage(result), timings=result.get("timings", {})), probs)
+        return self._with_logprobs(
+            self.openai_envelope(
+                "chat.completion",
+                choices=[
+                    {
+                        "finish_reason": finish,
+                        "index": 0,
+                        "message": {"role": "assistant", "content": result.get("content", "")},
+                    }
+                ],
+                usage=self.usage(result),
+                timings=result.get("timings", {}),
+            ),
+            probs,
+        )
 
 
 class CompletionRun:
@@ -255,15 +328,23 @@ class CompletionRun:
     ``batch.BatchRun`` holds: ``start`` sends it, then ``collect`` gathers the JSON answer or
     ``task_frames`` streams it as SSE."""
 
-    def __init__(self, ctx: ServerContext, command: dict, options: CompletionOptions,
-                 fmt: ResponseFormat, client: ClientConnection | None = None,
-                 verbose: ResponseFormat | None = None) -> None:
+    def __init__(
+        self,
+        ctx: ServerContext,
+        command: dict,
+        options: CompletionOptions,
+        fmt: ResponseFormat,
+        client: ClientConnection | None = None,
+        verbose: ResponseFormat | None = None,
+    ) -> None:
         self.ctx = ctx
         self.command = command
         self.options = options
         self.fmt = fmt
         self.client = client or ClientConnection(None)
-        self.verbose = verbose  # the peer's ``verbose``: the native answer beside the OpenAI one, as __verbose
+        self.verbose = (
+            verbose  # the peer's ``verbose``: the native answer beside the OpenAI one, as __verbose
+        )
         self.want_probs = int(options.sampling.get("n_probs", 0)) > 0
         self.prompt: Any = command.get("prompt")  # the prompt sent (token ids when the server tokenized it)
 
@@ -272,12 +353,18 @@ class CompletionRun:
         assert lease.slot is not None, "a completion runs on a slot's lease"
         ping = self.ctx.config.sse_ping_interval if self.options.stream else 0
         # The engine's silence is broken every POLL_INTERVAL_S to see whether the client left.
-        command = self.command if self.ctx.store is None else self.ctx.store.prepare(lease, self.command, lease.slot)
+        command = (
+            self.command
+            if self.ctx.store is None
+            else self.ctx.store.prepare(lease, self.command, lease.slot)
+        )
         self.prompt = command.get("prompt")
-        self.ctx.ledger.started(lease.slot, known_tokens(self.prompt),
-                                cache_prompt=command.get("cache_prompt", True) is not False)
-        return watch_client(lease.request("COMPLETE", command, idle_s=POLL_INTERVAL_S),
-                            self.client, lease.cancel, ping_s=ping)
+        self.ctx.ledger.started(
+            lease.slot, known_tokens(self.prompt), cache_prompt=command.get("cache_prompt", True) is not False
+        )
+        return watch_client(
+            lease.request("COMPLETE", command, idle_s=POLL_INTERVAL_S), self.client, lease.cancel, ping_s=ping
+        )
 
     def _record(self, result: dict, lease: EngineLease) -> None:
         self.ctx.metrics.record_completion(result)
@@ -295,8 +382,9 @@ class CompletionRun:
                 return self._with_verbose(self.fmt.response(event, probs, lease), event, probs, lease)
         raise AssertionError("request() ends with a result or raises")
 
-    def task_frames(self, lease: EngineLease, events: Iterator[dict], first: dict | None = None
-                    ) -> Generator[bytes, None, bool]:
+    def task_frames(
+        self, lease: EngineLease, events: Iterator[dict], first: dict | None = None
+    ) -> Generator[bytes, None, bool]:
         """This task's SSE frames (``first``: its first event, already read); returns whether it ended with
         its result (False: an error frame ended it). A client gone cancels it and reads it to its end."""
         batch = TokenBatch()
@@ -323,7 +411,9 @@ class CompletionRun:
                     yield sse_frame(self.fmt.progress_chunk(prompt_progress(event)))
                 elif kind == "result":
                     ended = True
-                    if batch.ids and self.fmt.carries_ids():  # the last tokens had no text (EOS): their ids go out
+                    if (
+                        batch.ids and self.fmt.carries_ids()
+                    ):  # the last tokens had no text (EOS): their ids go out
                         ids, probs = batch.take()
                         yield sse_frame(self.fmt.token_chunk("", ids, probs))
                     self._record(event, lease)
@@ -355,4 +445,3 @@ class CompletionRun:
                     self._record(event, lease)
         except EngineCallError:
             pass  # the engine died meanwhile: release() leaves the restart to the supervisor
-

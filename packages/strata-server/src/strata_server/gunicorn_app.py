@@ -80,16 +80,22 @@ class StrataGunicorn(BaseApplication):
                 self.cfg.set(key, value)
 
     def load(self) -> Any:
-        logging.basicConfig(level=self.config.effective_log_level().upper(), stream=sys.stderr,
-                            format="%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s")
-        settings = SupervisorSettings(slot_wait_s=self.config.slot_wait,
-                                      command_timeout_s=self.config.engine_timeout or None,
-                                      n_slots=self.config.engine.n_slots,
-                                      slot_prompt_similarity=self.config.slot_prompt_similarity)
+        logging.basicConfig(
+            level=self.config.effective_log_level().upper(),
+            stream=sys.stderr,
+            format="%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s",
+        )
+        settings = SupervisorSettings(
+            slot_wait_s=self.config.slot_wait,
+            command_timeout_s=self.config.engine_timeout or None,
+            n_slots=self.config.engine.n_slots,
+            slot_prompt_similarity=self.config.slot_prompt_similarity,
+        )
         self.supervisor = EngineSupervisor(self.config.engine_argv(), settings=settings, on_give_up=_give_up)
         self.store = build_store(self.config, self.supervisor)
-        context = ServerContext(engine=self.supervisor, config=self.config, policy=SecurityPolicy(self.config),
-                                store=self.store)
+        context = ServerContext(
+            engine=self.supervisor, config=self.config, policy=SecurityPolicy(self.config), store=self.store
+        )
         app = create_app(self.supervisor, self.config, context=context)
         self.supervisor.start()
         if self.store is not None:

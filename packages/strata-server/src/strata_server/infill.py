@@ -27,9 +27,11 @@ DEFAULT_FILENAME = "tmp"
 SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"  # between extra chunks of a model without FIM_SEP
 
 # The tokens infill needs, and what the peer says is missing when a model lacks one.
-REQUIRED: dict[FimToken, str] = {FimToken.PRE: "prefix token is missing. ",
-                                 FimToken.SUF: "suffix token is missing. ",
-                                 FimToken.MID: "middle token is missing. "}
+REQUIRED: dict[FimToken, str] = {
+    FimToken.PRE: "prefix token is missing. ",
+    FimToken.SUF: "suffix token is missing. ",
+    FimToken.MID: "middle token is missing. ",
+}
 
 
 def fim_tokens(engine_info: Mapping[str, Any]) -> dict[FimToken, int]:
@@ -72,12 +74,15 @@ def parse_infill(body: Mapping[str, Any]) -> InfillRequest:
 
 
 def _text_or_mixed(value: Any) -> bool:
-    return isinstance(value, str) or (isinstance(value, list) and all(
-        isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)) for v in value))
+    return isinstance(value, str) or (
+        isinstance(value, list)
+        and all(isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)) for v in value)
+    )
 
 
-def extra_context(fim: Mapping[FimToken, int], chunks: Sequence[Mapping[str, str]],
-                  tokenize: Callable[[str], list[int]]) -> list[int]:
+def extra_context(
+    fim: Mapping[FimToken, int], chunks: Sequence[Mapping[str, str]], tokenize: Callable[[str], list[int]]
+) -> list[int]:
     """The repository-level context before the FIM prefix (texts tokenized without special tokens)."""
     out: list[int] = []
     if FimToken.REP in fim:
@@ -93,13 +98,22 @@ def extra_context(fim: Mapping[FimToken, int], chunks: Sequence[Mapping[str, str
     return out
 
 
-def infill_tokens(fim: Mapping[FimToken, int], *, prefix: Sequence[int], suffix: Sequence[int],
-                  prompt: Sequence[int], extra: Sequence[int], bos: int | None, n_predict: int, n_ctx: int,
-                  n_batch: int = N_BATCH) -> list[int]:
+def infill_tokens(
+    fim: Mapping[FimToken, int],
+    *,
+    prefix: Sequence[int],
+    suffix: Sequence[int],
+    prompt: Sequence[int],
+    extra: Sequence[int],
+    bos: int | None,
+    n_predict: int,
+    n_ctx: int,
+    n_batch: int = N_BATCH,
+) -> list[int]:
     """The infill prompt (module docstring); ``bos`` is None for a model that adds none."""
     n_prefix = min(len(prefix), 3 * (n_batch // 4))
     n_suffix = min(len(suffix), max(0, n_batch // 4 - (2 + len(prompt))))
     n_extra = min(max(0, n_ctx - n_batch - 2 * n_predict), len(extra))
-    head = [fim[FimToken.PRE], *prefix[len(prefix) - n_prefix:], *prompt]
+    head = [fim[FimToken.PRE], *prefix[len(prefix) - n_prefix :], *prompt]
     tail = [fim[FimToken.SUF], *suffix[:n_suffix]]
-    return [*extra[len(extra) - n_extra:], *([] if bos is None else [bos]), *head, *tail, fim[FimToken.MID]]
+    return [*extra[len(extra) - n_extra :], *([] if bos is None else [bos]), *head, *tail, fim[FimToken.MID]]

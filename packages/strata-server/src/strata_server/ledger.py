@@ -82,7 +82,9 @@ class SlotLedger:
 
     def _update(self, slot_id: int, **changes: Any) -> None:
         with self._lock:
-            self._records[slot_id] = attrs.evolve(self._records[slot_id], last_active=time.monotonic(), **changes)
+            self._records[slot_id] = attrs.evolve(
+                self._records[slot_id], last_active=time.monotonic(), **changes
+            )
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -91,11 +93,17 @@ class SlotLedger:
         continues nothing the slot held starts a conversation of its own."""
         with self._lock:
             record = self._records[slot_id]
-            shared = (common_prefix(prompt, record.tokens) if cache_prompt and prompt is not None
-                      and record.tokens is not None else 0)
-            fresh: dict[str, Any] = {} if shared else {"origin": Origin.EVALUATED, "file": None, "n_restored": 0}
-            self._records[slot_id] = attrs.evolve(record, tokens=None, prompt=prompt, last_active=time.monotonic(),
-                                                  **fresh)
+            shared = (
+                common_prefix(prompt, record.tokens)
+                if cache_prompt and prompt is not None and record.tokens is not None
+                else 0
+            )
+            fresh: dict[str, Any] = (
+                {} if shared else {"origin": Origin.EVALUATED, "file": None, "n_restored": 0}
+            )
+            self._records[slot_id] = attrs.evolve(
+                record, tokens=None, prompt=prompt, last_active=time.monotonic(), **fresh
+            )
 
     def completed(self, slot_id: int, result: Mapping[str, Any], params: Mapping[str, Any]) -> None:
         """A COMPLETE's result: the slot holds (prompt + generated)[:n_tokens_held] (unknown when the prompt
@@ -106,20 +114,36 @@ class SlotLedger:
             record = self._records[slot_id]
             tokens = None
             if record.prompt is not None:
-                tokens = as_tokens(np.concatenate([record.prompt, np.asarray(generated, dtype="<i4")])
-                                   [: int(result.get("n_tokens_held", 0))])
+                tokens = as_tokens(
+                    np.concatenate([record.prompt, np.asarray(generated, dtype="<i4")])[
+                        : int(result.get("n_tokens_held", 0))
+                    ]
+                )
             self._id_task += 1
-            task = LastTask(id_task=self._id_task, n_prompt_tokens=int(result.get("tokens_evaluated", 0)),
-                            n_prompt_tokens_processed=int(timings.get("prompt_n", 0)),
-                            n_prompt_tokens_cache=int(timings.get("cache_n", 0)), params=dict(params),
-                            has_new_line="\n" in str(result.get("content", "")), n_decoded=len(generated))
-            self._records[slot_id] = attrs.evolve(record, tokens=tokens, prompt=None, last_task=task,
-                                                  last_active=time.monotonic())
+            task = LastTask(
+                id_task=self._id_task,
+                n_prompt_tokens=int(result.get("tokens_evaluated", 0)),
+                n_prompt_tokens_processed=int(timings.get("prompt_n", 0)),
+                n_prompt_tokens_cache=int(timings.get("cache_n", 0)),
+                params=dict(params),
+                has_new_line="\n" in str(result.get("content", "")),
+                n_decoded=len(generated),
+            )
+            self._records[slot_id] = attrs.evolve(
+                record, tokens=tokens, prompt=None, last_task=task, last_active=time.monotonic()
+            )
 
     def restored(self, slot_id: int, tokens: np.ndarray | None, origin: Origin, file: str) -> None:
         """A file's conversation was put in the slot (`tokens`: what the restore kept; None: unknown)."""
-        self._update(slot_id, tokens=tokens, origin=origin, file=file,
-                     n_restored=0 if tokens is None else len(tokens), last_task=None, prompt=None)
+        self._update(
+            slot_id,
+            tokens=tokens,
+            origin=origin,
+            file=file,
+            n_restored=0 if tokens is None else len(tokens),
+            last_task=None,
+            prompt=None,
+        )
 
     def saved(self, slot_id: int, tracked: np.ndarray, tokens: np.ndarray) -> None:
         """A save of the `tracked` tokens wrote `tokens`: the file's are what the slot holds, unless the
@@ -131,8 +155,9 @@ class SlotLedger:
 
     def erased(self, slot_id: int) -> None:
         """The slot's conversation is gone (an erase, a restore that failed after its gate)."""
-        self._update(slot_id, tokens=EMPTY, origin=Origin.NONE, file=None, n_restored=0, last_task=None,
-                     prompt=None)
+        self._update(
+            slot_id, tokens=EMPTY, origin=Origin.NONE, file=None, n_restored=0, last_task=None, prompt=None
+        )
 
     def engine_exited(self, _code: int) -> None:
         """Every slot's conversation died with the engine process."""

@@ -24,8 +24,11 @@ from .slot_manager import invalid_slot_message
 
 
 def _int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            isinstance(value, float) and not value.is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and not value.is_integer())
+    ):
         raise invalid_request(f"'{key}' must be an integer, got {json.dumps(value)}")
     return int(value)
 
@@ -80,8 +83,14 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
 # The engine's defaults (spec/engine-protocol.md), reported in generation_settings and /props: the sampler's
 # are its SamplingParams'.
 ENGINE_DEFAULTS: dict[str, Any] = {
-    "n_predict": -1, **attrs.asdict(SamplingParams(), filter=lambda field, _: field.name != "logit_bias"),
-    "seed": -1, "stop": [], "ignore_eos": False, "cache_prompt": True, "n_probs": 0, "post_sampling_probs": False,
+    "n_predict": -1,
+    **attrs.asdict(SamplingParams(), filter=lambda field, _: field.name != "logit_bias"),
+    "seed": -1,
+    "stop": [],
+    "ignore_eos": False,
+    "cache_prompt": True,
+    "n_probs": 0,
+    "post_sampling_probs": False,
     "logit_bias": [],
 }
 
@@ -95,7 +104,9 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "dynatemp_range": lambda v: v in (None, 0, 0.0),
     "xtc_probability": lambda v: v in (None, 0, 0.0),
     "dry_multiplier": lambda v: v in (None, 0, 0.0),
-    "top_n_sigma": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0),
+    "top_n_sigma": lambda v: (
+        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0)
+    ),
     "t_max_predict_ms": lambda v: v in (None, 0),
 }
 
@@ -150,8 +161,9 @@ def parse_logit_bias(value: Any, n_vocab: int | None) -> tuple[tuple[int | str, 
         if not (isinstance(item, list) and len(item) == 2):
             continue
         token, bias = item
-        if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))
-                                  or not math.isfinite(bias)):
+        if bias is not False and (
+            isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)
+        ):
             continue
         if isinstance(token, int) and not isinstance(token, bool):
             if 0 <= token and (n_vocab is None or token < n_vocab):
@@ -168,8 +180,10 @@ RESPONSE_FORMATS: dict[str, Callable[[dict, Any], Any]] = {
     # OpenAI's json_object is any JSON object; the peer's own shape may carry a schema beside the type.
     "json_object": lambda rf, schema: rf["schema"] if rf.get("schema") is not None else {"type": "object"},
     # OpenAI's {"json_schema": {"name", "schema", "strict"}}; the peer's bare "schema" beside the type too.
-    "json_schema": lambda rf, schema: ((rf["json_schema"].get("schema") if isinstance(rf.get("json_schema"), dict)
-                                        else rf.get("schema")) or {}),
+    "json_schema": lambda rf, schema: (
+        (rf["json_schema"].get("schema") if isinstance(rf.get("json_schema"), dict) else rf.get("schema"))
+        or {}
+    ),
 }
 
 
@@ -184,7 +198,9 @@ def parse_constraint(body: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
             raise invalid_request("'response_format' must be an object")
         kind = response_format.get("type") or "text"
         if kind not in RESPONSE_FORMATS:
-            raise invalid_request(f'response_format type must be one of "text" or "json_object", but got: {kind}')
+            raise invalid_request(
+                f'response_format type must be one of "text" or "json_object", but got: {kind}'
+            )
         schema = RESPONSE_FORMATS[kind](response_format, schema)
     grammar = body.get("grammar")
     if grammar is not None and not isinstance(grammar, str):
@@ -219,8 +235,14 @@ def parse_chat_logprobs(body: Mapping[str, Any]) -> tuple[dict[str, Any], int | 
     return rest, n
 
 
-def parse_options(body: Mapping[str, Any], *, top_logprobs: int | None = None, n_vocab: int | None = None,
-                  chat: bool = False, n_slots: int = 1) -> CompletionOptions:
+def parse_options(
+    body: Mapping[str, Any],
+    *,
+    top_logprobs: int | None = None,
+    n_vocab: int | None = None,
+    chat: bool = False,
+    n_slots: int = 1,
+) -> CompletionOptions:
     sampling: dict[str, Any] = {}
     for field in SAMPLING_FIELDS:
         for key in field.keys:
@@ -269,8 +291,9 @@ def _one_prompt(prompt: Any) -> bool:
         return True
     if not isinstance(prompt, list):
         return False
-    return all(_is_token(p) for p in prompt) or (any(_is_token(p) for p in prompt) and any(isinstance(p, str)
-                                                                                           for p in prompt))
+    return all(_is_token(p) for p in prompt) or (
+        any(_is_token(p) for p in prompt) and any(isinstance(p, str) for p in prompt)
+    )
 
 
 def _checked_prompt(prompt: str | list, where: str, n_vocab: int | None) -> str | list:
@@ -290,22 +313,26 @@ def parse_prompts(body: Mapping[str, Any], *, n_vocab: int | None, key: str = "p
     """The request's prompts, as llama-server reads them (``tokenize_input_prompts``): a string, a token
     list or a list mixing strings and ids is one prompt; any other list is several, each one of those."""
     if key not in body:
-        raise invalid_request(f"\"{key}\" must be provided")
+        raise invalid_request(f'"{key}" must be provided')
     prompt = body[key]
     if isinstance(prompt, dict):
         raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
     if _one_prompt(prompt):
         return [_checked_prompt(prompt, f'"{key}"', n_vocab)]
     if not isinstance(prompt, list):
-        raise invalid_request(f"\"{key}\" must be a string, a list of tokens, a list of mixed strings & tokens, "
-                              "or a list of prompts")
+        raise invalid_request(
+            f'"{key}" must be a string, a list of tokens, a list of mixed strings & tokens, '
+            "or a list of prompts"
+        )
     prompts = []
     for index, item in enumerate(prompt):
         if isinstance(item, dict):
             raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
         if not _one_prompt(item):
-            raise invalid_request(f"element {index} of \"{key}\" must be a string, a list of tokens, or a list "
-                                  "of mixed strings & tokens")
+            raise invalid_request(
+                f'element {index} of "{key}" must be a string, a list of tokens, or a list '
+                "of mixed strings & tokens"
+            )
         prompts.append(_checked_prompt(item, f'"{key}"[{index}]', n_vocab))
     return prompts
 
@@ -336,8 +363,10 @@ def _message_text(content: Any, index: int) -> str:
             if not isinstance(part, dict) or "type" not in part:
                 raise invalid_request(f"'messages'[{index}].content parts must be objects with a 'type'")
             if part["type"] != "text":
-                raise ApiError(ErrorType.NOT_SUPPORTED, f"'messages'[{index}]: content of type "
-                               f"{part['type']!r} is not supported (text only)")
+                raise ApiError(
+                    ErrorType.NOT_SUPPORTED,
+                    f"'messages'[{index}]: content of type {part['type']!r} is not supported (text only)",
+                )
             if not isinstance(part.get("text"), str):
                 raise invalid_request(f"'messages'[{index}].content text part needs a string 'text'")
             parts.append(part["text"])
@@ -348,8 +377,9 @@ def _message_text(content: Any, index: int) -> str:
 def read_json(req: falcon.Request, max_bytes: int, *, allow_empty: bool = False) -> dict[str, Any]:
     """The request body as a JSON object; 413 past ``max_bytes``, 400 for anything not an object."""
     if req.content_length is not None and req.content_length > max_bytes:
-        raise falcon.HTTPContentTooLarge(description=f"request body is {req.content_length} bytes; "
-                                         f"the limit is {max_bytes}")
+        raise falcon.HTTPContentTooLarge(
+            description=f"request body is {req.content_length} bytes; the limit is {max_bytes}"
+        )
     raw = req.bounded_stream.read(max_bytes + 1)
     if len(raw) > max_bytes:
         raise falcon.HTTPContentTooLarge(description=f"request body exceeds {max_bytes} bytes")

@@ -19,7 +19,9 @@ from .errors import ApiError, EngineUnavailable, ErrorType
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_ANY = "*"  # --cors-origins value: any origin, never with credentials (Strata's default)
-CORS_LOCALHOST = "localhost"  # --cors-origins value: origins on a loopback host, any scheme and port (the peer's)
+CORS_LOCALHOST = (
+    "localhost"  # --cors-origins value: origins on a loopback host, any scheme and port (the peer's)
+)
 _WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
 
 
@@ -27,7 +29,7 @@ def split_host_header(value: str) -> str:
     """The host name of a Host header (``[::1]:8080`` -> ``::1``, ``Example.COM.:80`` -> ``example.com``)."""
     value = value.strip().lower()
     if value.startswith("["):
-        host = value[1:value.index("]")] if "]" in value else value[1:]
+        host = value[1 : value.index("]")] if "]" in value else value[1:]
     elif value.count(":") == 1:
         host = value.split(":", 1)[0]
     else:
@@ -47,8 +49,9 @@ class SecurityPolicy:
         self.trusted_origins = frozenset(o.lower().rstrip("/") for o in config.trusted_origins)
         self.cors_wildcard = CORS_ANY in config.cors_origins
         self.cors_localhost = CORS_LOCALHOST in config.cors_origins
-        self.cors_origins = frozenset(o.lower().rstrip("/") for o in config.cors_origins
-                                      if o not in (CORS_ANY, CORS_LOCALHOST))
+        self.cors_origins = frozenset(
+            o.lower().rstrip("/") for o in config.cors_origins if o not in (CORS_ANY, CORS_LOCALHOST)
+        )
 
     def cors_listed(self, origin: str | None) -> bool:
         """An Origin configured by name (or a loopback one with ``localhost``): answered as the peer does."""
@@ -85,8 +88,10 @@ class SecurityPolicy:
         if origin is None:
             return True
         origin = origin.strip().lower().rstrip("/")
-        own = {f"http://{req.get_header('Host', default='').strip().lower()}",
-               f"https://{req.get_header('Host', default='').strip().lower()}"}
+        own = {
+            f"http://{req.get_header('Host', default='').strip().lower()}",
+            f"https://{req.get_header('Host', default='').strip().lower()}",
+        }
         return origin in own or origin in self.trusted_origins
 
 
@@ -99,9 +104,13 @@ class SecurityMiddleware:
         host = req.get_header("Host")
         if not self.policy.host_allowed(host):
             # DNS rebinding: a page on evil.example resolving to 127.0.0.1 sends Host: evil.example.
-            raise ApiError(ErrorType.PERMISSION, f"Invalid Host header: {host!r} is not an allowed host "
-                           "(loopback names, the bound address, --allowed-hosts)" if host else
-                           "Missing Host header")
+            raise ApiError(
+                ErrorType.PERMISSION,
+                f"Invalid Host header: {host!r} is not an allowed host "
+                "(loopback names, the bound address, --allowed-hosts)"
+                if host
+                else "Missing Host header",
+            )
         if req.method == "OPTIONS":
             resp.status = 200
             resp.set_header("Access-Control-Allow-Methods", CORS_METHODS)
@@ -118,8 +127,9 @@ class SecurityMiddleware:
         if self.policy.api_keys and req.path not in PUBLIC_PATHS and not self.policy.key_valid(req):
             raise ApiError(ErrorType.AUTHENTICATION, "Invalid API Key")
 
-    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: object,
-                         req_succeeded: bool) -> None:
+    def process_response(
+        self, req: falcon.Request, resp: falcon.Response, resource: object, req_succeeded: bool
+    ) -> None:
         origin = req.get_header("Origin")
         if origin is not None and self.policy.cors_listed(origin):
             # A configured origin gets the peer's answer: echoed, with credentials.
@@ -134,9 +144,15 @@ class SecurityMiddleware:
 def check_slot_action(req: falcon.Request, policy: SecurityPolicy) -> None:
     """Slot actions write and read files: refuse cross-site requests a browser can send blindly."""
     if not policy.origin_trusted(req):
-        raise ApiError(ErrorType.PERMISSION, f"Origin {req.get_header('Origin')!r} may not use slot actions; "
-                       "only the server's own origin or one listed in --trusted-origins")
+        raise ApiError(
+            ErrorType.PERMISSION,
+            f"Origin {req.get_header('Origin')!r} may not use slot actions; "
+            "only the server's own origin or one listed in --trusted-origins",
+        )
     media = (req.content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
-        raise ApiError(ErrorType.INVALID_REQUEST, "slot actions need Content-Type: application/json "
-                       f"(got {req.content_type or 'none'})", status=415)
+        raise ApiError(
+            ErrorType.INVALID_REQUEST,
+            f"slot actions need Content-Type: application/json (got {req.content_type or 'none'})",
+            status=415,
+        )

@@ -85,7 +85,9 @@ class SlotManager:
 
     # --- leasing ---------------------------------------------------------------------------------
 
-    def acquire(self, wait_s: float, *, id_slot: int | None = None, prompt: Sequence[int] | None = None) -> int:
+    def acquire(
+        self, wait_s: float, *, id_slot: int | None = None, prompt: Sequence[int] | None = None
+    ) -> int:
         """A slot for one request, marked busy; waits its turn up to ``wait_s`` seconds, then ``SlotBusy``."""
         if id_slot is not None and not 0 <= id_slot < self.n_slots:
             raise ValueError(f"slot {id_slot} is outside 0..{self.n_slots - 1}")

@@ -21,7 +21,9 @@ EMPTY = as_tokens([])
 
 def known_tokens(prompt: Any) -> np.ndarray | None:
     """A prompt sent as token ids, as tokens; None for anything else (text the engine tokenizes: unknown here)."""
-    if not isinstance(prompt, (list, np.ndarray)) or not all(isinstance(t, (int, np.integer)) for t in prompt):
+    if not isinstance(prompt, (list, np.ndarray)) or not all(
+        isinstance(t, (int, np.integer)) for t in prompt
+    ):
         return None
     return as_tokens(prompt)
 

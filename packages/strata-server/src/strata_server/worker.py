@@ -119,7 +119,9 @@ class StrataWorker(ThreadWorker):
         now = time.monotonic() if self.alive else float("inf")
         for reading in [r for r in self.reading.values() if r.deadline <= now]:
             if self.alive:
-                self.log.info("closing a connection whose request was not complete within %ss", self.cfg.timeout)
+                self.log.info(
+                    "closing a connection whose request was not complete within %ss", self.cfg.timeout
+                )
             self._drop(reading)
 
     def handle(self, conn: TConn) -> Any:

@@ -72,20 +72,29 @@ def _open_regular(path: str) -> int:
         raise E.PermissionDenied("permission denied", path=path) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise E.SymlinkRefused("the path is a symbolic link; session files are opened without following "
-                                   "links", path=path) from None
+            raise E.SymlinkRefused(
+                "the path is a symbolic link; session files are opened without following links", path=path
+            ) from None
         if exc.errno in (errno.ENXIO, errno.ENODEV):  # sockets, FIFOs without a writer on some systems
             raise E.NotRegularFile("not a regular file", path=path) from None
         raise E.ReadFailed(f"cannot open: {exc.strerror}", path=path) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "a device"
+                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "not a regular file"
+            )
             raise E.NotRegularFile(f"the path is {kind}, not a regular file", path=path)
         if st.st_nlink != 1:
-            raise E.MultipleLinks(f"the file has {st.st_nlink} names (hard links); exactly one is required",
-                                  path=path)
+            raise E.MultipleLinks(
+                f"the file has {st.st_nlink} names (hard links); exactly one is required", path=path
+            )
         os.set_blocking(fd, True)  # O_NONBLOCK only kept a FIFO without a writer from blocking the open
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -121,11 +130,17 @@ class FileSource:
             except InterruptedError:
                 continue
             except OSError as exc:
-                raise E.ReadFailed(f"read of {n - done} bytes failed: {exc.strerror or exc}", path=self.path,
-                                   offset=offset + done) from None
+                raise E.ReadFailed(
+                    f"read of {n - done} bytes failed: {exc.strerror or exc}",
+                    path=self.path,
+                    offset=offset + done,
+                ) from None
             if got == 0:
-                raise short_error(f"file ends at offset {offset + done}, {n - done} bytes short", path=self.path,
-                                  offset=offset + done)
+                raise short_error(
+                    f"file ends at offset {offset + done}, {n - done} bytes short",
+                    path=self.path,
+                    offset=offset + done,
+                )
             done += got
 
     def read(self, n: int, offset: int, *, short_error=E.Truncated) -> bytes:

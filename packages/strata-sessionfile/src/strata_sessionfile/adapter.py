@@ -59,7 +59,9 @@ def adapter_call(fn, *args):
     except E.SessionFileError:
         raise
     except Exception as exc:
-        raise E.AdapterFailed(f"adapter {getattr(fn, '__name__', fn)} raised {type(exc).__name__}: {exc}") from exc
+        raise E.AdapterFailed(
+            f"adapter {getattr(fn, '__name__', fn)} raised {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 @runtime_checkable

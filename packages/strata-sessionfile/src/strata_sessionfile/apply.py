@@ -67,24 +67,40 @@ def _check_prefix_again(opened: OpenedFile, readers: ReadThreads) -> None:
     try:
         read_exact_parallel(source, memoryview(prefix_again), METADATA_OFFSET, readers, HUGE_PAGE)
     except E.Truncated as exc:
-        raise E.FileChanged(f"the file shrank between the read pass and the apply pass ({exc})",
-                            path=opened.path) from None
+        raise E.FileChanged(
+            f"the file shrank between the read pass and the apply pass ({exc})", path=opened.path
+        ) from None
     trailer_again = source.read(len(opened.trailer), opened.layout.trailer_offset, short_error=E.FileChanged)
     comp = opened.layout.compressed
     head_again = table_again = b""
     if comp is not None:
         head_again = source.read(len(opened.section_head), comp.header_offset, short_error=E.FileChanged)
         table_again = source.read(len(opened.table), comp.table_offset, short_error=E.FileChanged)
-    if prefix_again != opened.prefix or trailer_again != opened.trailer or head_again != opened.section_head \
-            or table_again != opened.table:
-        raise E.FileChanged("the metadata, compression header, block table or trailer changed between the read "
-                            "pass and the apply pass", path=opened.path)
+    if (
+        prefix_again != opened.prefix
+        or trailer_again != opened.trailer
+        or head_again != opened.section_head
+        or table_again != opened.table
+    ):
+        raise E.FileChanged(
+            "the metadata, compression header, block table or trailer changed between the read "
+            "pass and the apply pass",
+            path=opened.path,
+        )
     del prefix_again
     opened.bytes_read += len(opened.prefix) + len(trailer_again) + len(head_again) + len(table_again)
 
 
-def apply_streaming(opened: OpenedFile, adapter: SessionTarget, plan: RestorePlan, buffers, block_size, progress,
-                    lander: LandingTarget | None, readers: ReadThreads) -> None:
+def apply_streaming(
+    opened: OpenedFile,
+    adapter: SessionTarget,
+    plan: RestorePlan,
+    buffers,
+    block_size,
+    progress,
+    lander: LandingTarget | None,
+    readers: ReadThreads,
+) -> None:
     """``lander``: the adapter where the file's bytes land straight in its memory, else None."""
     # Before the gate: the file must be exactly what the read pass validated.
     check_unchanged(opened, "between the read pass and the apply pass")
@@ -102,18 +118,29 @@ def apply_streaming(opened: OpenedFile, adapter: SessionTarget, plan: RestorePla
         if not gate[0]:
             open_gate()
         for layer, part, part_offset, length, buf_offset in segments:
-            adapter_call(adapter.copy_in, layer, part, part_offset,
-                         view[buf_offset:buf_offset + length].toreadonly())
+            adapter_call(
+                adapter.copy_in, layer, part, part_offset, view[buf_offset : buf_offset + length].toreadonly()
+            )
         handed_over()
 
     try:
         if lander is not None:  # the gate first: from here on the file's bytes land in the live K/V
             open_gate()
-            opened.bytes_read += land_data(opened, lander.landing_views, block_size, hasher, progress,
-                                           Phase.APPLY, readers)
+            opened.bytes_read += land_data(
+                opened, lander.landing_views, block_size, hasher, progress, Phase.APPLY, readers
+            )
         else:
-            opened.bytes_read += stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY,
-                                             readers, copy_waiter(adapter))
+            opened.bytes_read += stream_data(
+                opened,
+                buffers,
+                block_size,
+                hasher,
+                deliver,
+                progress,
+                Phase.APPLY,
+                readers,
+                copy_waiter(adapter),
+            )
         if not gate[0]:
             open_gate()
         check_digest(opened, hasher, "apply pass")
@@ -125,25 +152,48 @@ def apply_streaming(opened: OpenedFile, adapter: SessionTarget, plan: RestorePla
         raise
 
 
-def apply_staged(opened: OpenedFile, adapter: StagingTarget, plan: RestorePlan, buffers, block_size, progress,
-                 lander: LandingTarget | None, readers: ReadThreads) -> None:
+def apply_staged(
+    opened: OpenedFile,
+    adapter: StagingTarget,
+    plan: RestorePlan,
+    buffers,
+    block_size,
+    progress,
+    lander: LandingTarget | None,
+    readers: ReadThreads,
+) -> None:
     hasher = opened.pass_hasher()
     handed_over = block_handed_over(adapter)
 
     def deliver(view: memoryview, segments) -> None:
         for layer, part, part_offset, length, buf_offset in segments:
-            adapter_call(adapter.stage_in, layer, part, part_offset,
-                         view[buf_offset:buf_offset + length].toreadonly())
+            adapter_call(
+                adapter.stage_in,
+                layer,
+                part,
+                part_offset,
+                view[buf_offset : buf_offset + length].toreadonly(),
+            )
         handed_over()
 
     try:
         adapter_call(adapter.begin_staging, plan)
         if lander is not None:  # straight into the staging area
-            opened.bytes_read += land_data(opened, lander.landing_views, block_size, hasher, progress,
-                                           Phase.APPLY, readers)
+            opened.bytes_read += land_data(
+                opened, lander.landing_views, block_size, hasher, progress, Phase.APPLY, readers
+            )
         else:
-            opened.bytes_read += stream_data(opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY,
-                                             readers, copy_waiter(adapter))
+            opened.bytes_read += stream_data(
+                opened,
+                buffers,
+                block_size,
+                hasher,
+                deliver,
+                progress,
+                Phase.APPLY,
+                readers,
+                copy_waiter(adapter),
+            )
         check_digest(opened, hasher, "staged pass")
         check_unchanged(opened, "during the staged pass")
         adapter_call(adapter.commit_staged, plan.state)

@@ -52,8 +52,10 @@ class SessionKey:
         with open(path, "rb") as f:
             secret = f.read(KEY_SIZE + 1)
         if len(secret) != KEY_SIZE:
-            raise ValueError(f"{os.fspath(path)}: a session key file holds exactly {KEY_SIZE} bytes, this one "
-                             f"{'more' if len(secret) > KEY_SIZE else len(secret)}")
+            raise ValueError(
+                f"{os.fspath(path)}: a session key file holds exactly {KEY_SIZE} bytes, this one "
+                f"{'more' if len(secret) > KEY_SIZE else len(secret)}"
+            )
         return cls(secret)
 
     @classmethod
@@ -119,22 +121,42 @@ def payload_hasher(authenticated: bool, initial: bytes = b"") -> PayloadHasher:
     return AuthenticatedHasher(xxhash.xxh3_128(initial), hashlib.sha256(initial))
 
 
-def check_authentication(header_raw: bytes, flags: int, trailer_raw: bytes, trailer_offset: int,
-                         key: SessionKey | None, require_mac: bool, path: str) -> bytes | None:
+def check_authentication(
+    header_raw: bytes,
+    flags: int,
+    trailer_raw: bytes,
+    trailer_offset: int,
+    key: SessionKey | None,
+    require_mac: bool,
+    path: str,
+) -> bytes | None:
     """Rules K1-K3, from the header and the trailer alone. Returns the authenticated payload digest that every
     pass must reproduce (rule K4), or None when nothing is to be checked (no key, or no MAC allowed)."""
     if not flags & Flags.AUTHENTICATED:
         if require_mac:
-            raise E.MacMissing("the file carries no MAC; this reader accepts only files authenticated by its key",
-                               path=path, offset=10, field="flags")
+            raise E.MacMissing(
+                "the file carries no MAC; this reader accepts only files authenticated by its key",
+                path=path,
+                offset=10,
+                field="flags",
+            )
         return None
     if key is None:
         return None
     key_id, payload_digest, mac = AUTH_EXTENSION_STRUCT.unpack_from(trailer_raw, 16)
     if key_id != key.key_id:
-        raise E.MacWrongKey(f"the file was authenticated with key {key_id.hex()}, not with this reader's key "
-                            f"{key.key_id.hex()}", path=path, offset=trailer_offset + 16, field="key_id")
+        raise E.MacWrongKey(
+            f"the file was authenticated with key {key_id.hex()}, not with this reader's key "
+            f"{key.key_id.hex()}",
+            path=path,
+            offset=trailer_offset + 16,
+            field="key_id",
+        )
     if not hmac.compare_digest(key.mac(header_raw, trailer_raw[:MAC_COVERED_TRAILER]), mac):
-        raise E.MacMismatch("the MAC does not match the header and the payload hashes under this reader's key",
-                            path=path, offset=trailer_offset + 64, field="mac")
+        raise E.MacMismatch(
+            "the MAC does not match the header and the payload hashes under this reader's key",
+            path=path,
+            offset=trailer_offset + 64,
+            field="mac",
+        )
     return payload_digest

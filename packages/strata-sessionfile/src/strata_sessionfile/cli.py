@@ -41,7 +41,11 @@ EXIT_FOR_ERROR: tuple[tuple[type[E.SessionFileError], int], ...] = (
     (E.CompressionUnavailable, EXIT_UNSUPPORTED),
     (E.AuthenticationFailed, EXIT_UNAUTHENTICATED),
 )
-EXIT_KIND = {EXIT_UNREADABLE: "unreadable", EXIT_UNSUPPORTED: "unsupported", EXIT_UNAUTHENTICATED: "unauthenticated"}
+EXIT_KIND = {
+    EXIT_UNREADABLE: "unreadable",
+    EXIT_UNSUPPORTED: "unsupported",
+    EXIT_UNAUTHENTICATED: "unauthenticated",
+}
 
 
 def _compression_dict(lay) -> dict | None:
@@ -49,9 +53,16 @@ def _compression_dict(lay) -> dict | None:
     if comp is None:
         return None
     stored = comp.section_length
-    return {"codec": comp.codec.name.lower(), "level": comp.level, "block_size": comp.block_size,
-            "n_blocks": comp.n_blocks, "frames_bytes": comp.frames_length, "stored_bytes": stored,
-            "data_bytes": lay.data_length, "ratio": round(stored / lay.data_length, 4) if lay.data_length else None}
+    return {
+        "codec": comp.codec.name.lower(),
+        "level": comp.level,
+        "block_size": comp.block_size,
+        "n_blocks": comp.n_blocks,
+        "frames_bytes": comp.frames_length,
+        "stored_bytes": stored,
+        "data_bytes": lay.data_length,
+        "ratio": round(stored / lay.data_length, 4) if lay.data_length else None,
+    }
 
 
 def inspection_dict(info: Inspection) -> dict:
@@ -62,26 +73,56 @@ def inspection_dict(info: Inspection) -> dict:
         "valid": True,
         "path": info.path,
         "payload_verified": info.payload_verified,
-        "header": {"format_version": h.format_version, "flags": h.flags,
-                   "model_fingerprint": h.model_fingerprint.hex(), "config_fingerprint": h.config_fingerprint.hex(),
-                   "payload_length": h.payload_length, "header_hash": f"{h.header_hash:016x}"},
+        "header": {
+            "format_version": h.format_version,
+            "flags": h.flags,
+            "model_fingerprint": h.model_fingerprint.hex(),
+            "config_fingerprint": h.config_fingerprint.hex(),
+            "payload_length": h.payload_length,
+            "header_hash": f"{h.header_hash:016x}",
+        },
         "payload_hash": info.payload_hash.hex() if info.payload_hash else None,
-        "authentication": {"authenticated": info.authenticated, "key_id": info.key_id.hex() if info.key_id else None,
-                           "mac_verified": info.mac_verified},
+        "authentication": {
+            "authenticated": info.authenticated,
+            "key_id": info.key_id.hex() if info.key_id else None,
+            "mac_verified": info.mac_verified,
+        },
         "model_files": [{"role": f.role, "size": f.size, "digest": f.digest.hex()} for f in md.model.files],
         "config": md.config.mapping,
-        "state": {"n_tokens": st.n_tokens, "position": st.position, "first_tokens": list(st.tokens[:8]),
-                  "last_tokens": list(st.tokens[-8:]), "sampler_state_bytes": len(st.sampler_state),
-                  "checkpoint_token_index": st.checkpoint.token_index,
-                  "checkpoint_data_bytes": len(st.checkpoint.data), "engine_fields_bytes": len(st.engine_fields)},
-        "layers": [{"role": g.spec.role.name.lower(), "index": g.spec.index, "n_kv_heads": g.spec.n_kv_heads,
-                    "head_dim_k": g.spec.head_dim_k, "head_dim_v": g.spec.head_dim_v,
-                    "k_dtype": dtype_name(g.spec.k_dtype), "v_dtype": dtype_name(g.spec.v_dtype),
-                    "window": g.spec.window, "tokens_held": g.tokens_held,
-                    "part_bytes": {p.name.lower(): g.part_size(p) for p in Part}} for g in md.layers],
-        "sections": {"header": 64, "metadata": lay.data_offset - 64, "data": stored,
-                     "trailer": lay.file_size - lay.trailer_offset,
-                     "file_size": lay.file_size, "data_offset": lay.data_offset, "kv_bytes": lay.data_length},
+        "state": {
+            "n_tokens": st.n_tokens,
+            "position": st.position,
+            "first_tokens": list(st.tokens[:8]),
+            "last_tokens": list(st.tokens[-8:]),
+            "sampler_state_bytes": len(st.sampler_state),
+            "checkpoint_token_index": st.checkpoint.token_index,
+            "checkpoint_data_bytes": len(st.checkpoint.data),
+            "engine_fields_bytes": len(st.engine_fields),
+        },
+        "layers": [
+            {
+                "role": g.spec.role.name.lower(),
+                "index": g.spec.index,
+                "n_kv_heads": g.spec.n_kv_heads,
+                "head_dim_k": g.spec.head_dim_k,
+                "head_dim_v": g.spec.head_dim_v,
+                "k_dtype": dtype_name(g.spec.k_dtype),
+                "v_dtype": dtype_name(g.spec.v_dtype),
+                "window": g.spec.window,
+                "tokens_held": g.tokens_held,
+                "part_bytes": {p.name.lower(): g.part_size(p) for p in Part},
+            }
+            for g in md.layers
+        ],
+        "sections": {
+            "header": 64,
+            "metadata": lay.data_offset - 64,
+            "data": stored,
+            "trailer": lay.file_size - lay.trailer_offset,
+            "file_size": lay.file_size,
+            "data_offset": lay.data_offset,
+            "kv_bytes": lay.data_length,
+        },
         "compression": _compression_dict(lay),
     }
 
@@ -99,7 +140,13 @@ def human_size(n: int) -> str:
     while value >= 999.5 and step < len(_UNITS) - 1:  # 999.5 would print as 1000 in this unit
         value, step = value / 1000, step + 1
     unit = _UNITS[step]
-    return f"{value:.2f} {unit}" if value < 9.995 else f"{value:.1f} {unit}" if value < 99.95 else f"{value:.0f} {unit}"
+    return (
+        f"{value:.2f} {unit}"
+        if value < 9.995
+        else f"{value:.1f} {unit}"
+        if value < 99.95
+        else f"{value:.0f} {unit}"
+    )
 
 
 def sized(n: int) -> str:
@@ -140,8 +187,9 @@ def _show(value) -> str:
     if isinstance(value, str):
         return value or '""'
     if isinstance(value, dict):
-        return ", ".join(f"{k} {'(' + _show(v) + ')' if isinstance(v, dict) else _show(v)}"
-                         for k, v in value.items())
+        return ", ".join(
+            f"{k} {'(' + _show(v) + ')' if isinstance(v, dict) else _show(v)}" for k, v in value.items()
+        )
     return "[" + ", ".join(_show(v) for v in value) + "]"
 
 
@@ -169,15 +217,22 @@ def config_lines(config: dict, n_layers: int) -> list[str]:
 
 def _layer_shape(g: dict) -> str:
     heads = f"{g['n_kv_heads']} head{'s' if g['n_kv_heads'] != 1 else ''}"
-    dims = str(g["head_dim_k"]) if g["head_dim_k"] == g["head_dim_v"] else f"{g['head_dim_k']} K / {g['head_dim_v']} V"
+    dims = (
+        str(g["head_dim_k"])
+        if g["head_dim_k"] == g["head_dim_v"]
+        else f"{g['head_dim_k']} K / {g['head_dim_v']} V"
+    )
     window = f", window {g['window']:,}" if g["window"] else ""
     parts = [f"{human_size(n)} {_PART_NAMES[p]}" for p, n in g["part_bytes"].items() if n]
-    return (f"{heads} x {dims}, {g['k_dtype']}/{g['v_dtype']}{window}, {g['tokens_held']:,} held, "
-            f"{' + '.join(parts) or 'no K/V'}")
+    return (
+        f"{heads} x {dims}, {g['k_dtype']}/{g['v_dtype']}{window}, {g['tokens_held']:,} held, "
+        f"{' + '.join(parts) or 'no K/V'}"
+    )
 
 
 def layer_lines(layers: list[dict]) -> list[str]:
     """One line per group of identical layers (the same role, shape, dtypes, window and tokens held)."""
+
     def same(g):
         return {k: v for k, v in g.items() if k != "index"}
 
@@ -192,13 +247,17 @@ def layer_lines(layers: list[dict]) -> list[str]:
 
 
 def _print_layer_table(d: dict, w) -> None:
-    w(f"  {'layer':>10} {'heads':>5} {'dk':>5} {'dv':>5} {'k/v':>9} {'window':>6} {'held':>8} "
-      f"{'K':>11} {'V':>11} {'Ksc':>9} {'Vsc':>9} {'extra':>9}\n")
+    w(
+        f"  {'layer':>10} {'heads':>5} {'dk':>5} {'dv':>5} {'k/v':>9} {'window':>6} {'held':>8} "
+        f"{'K':>11} {'V':>11} {'Ksc':>9} {'Vsc':>9} {'extra':>9}\n"
+    )
     for g in d["layers"]:
         pb = g["part_bytes"]
-        w(f"  {g['role'] + ' ' + str(g['index']):>10} {g['n_kv_heads']:>5} {g['head_dim_k']:>5} {g['head_dim_v']:>5} "
-          f"{g['k_dtype'] + '/' + g['v_dtype']:>9} {g['window'] or '-':>6} {g['tokens_held']:>8} {pb['k']:>11} "
-          f"{pb['v']:>11} {pb['k_scales']:>9} {pb['v_scales']:>9} {pb['extra']:>9}\n")
+        w(
+            f"  {g['role'] + ' ' + str(g['index']):>10} {g['n_kv_heads']:>5} {g['head_dim_k']:>5} {g['head_dim_v']:>5} "
+            f"{g['k_dtype'] + '/' + g['v_dtype']:>9} {g['window'] or '-':>6} {g['tokens_held']:>8} {pb['k']:>11} "
+            f"{pb['v']:>11} {pb['k_scales']:>9} {pb['v_scales']:>9} {pb['extra']:>9}\n"
+        )
 
 
 def _print_text(d: dict, out, *, layer_table: bool = False) -> None:
@@ -207,12 +266,17 @@ def _print_text(d: dict, out, *, layer_table: bool = False) -> None:
     sec = d["sections"]
     w(f"{d['path']}: strata session file v{h['format_version']}, {sized(sec['file_size'])}\n")
     w(f"  model fingerprint   {h['model_fingerprint']}\n  config fingerprint  {h['config_fingerprint']}\n")
-    w(f"  payload             {sized(h['payload_length'])}, hash "
-      f"{d['payload_hash'] + ' (verified)' if d['payload_verified'] else 'not verified (use --verify)'}\n")
+    w(
+        f"  payload             {sized(h['payload_length'])}, hash "
+        f"{d['payload_hash'] + ' (verified)' if d['payload_verified'] else 'not verified (use --verify)'}\n"
+    )
     a = d["authentication"]
     if a["authenticated"]:
-        checked = ("MAC verified" + (", payload digest verified" if d["payload_verified"] else "")
-                   if a["mac_verified"] else "not verified (use --key-file)")
+        checked = (
+            "MAC verified" + (", payload digest verified" if d["payload_verified"] else "")
+            if a["mac_verified"]
+            else "not verified (use --key-file)"
+        )
         w(f"  authentication      HMAC-SHA256, key id {a['key_id']}, {checked}\n")
     else:
         w("  authentication      none\n")
@@ -223,19 +287,29 @@ def _print_text(d: dict, out, *, layer_table: bool = False) -> None:
     for line in config_lines(d["config"], n_main):
         w(f"    {line}\n")
     s = d["state"]
-    w(f"  tokens held         {s['n_tokens']:,} (position {s['position']:,}, first {s['first_tokens']}, "
-      f"last {s['last_tokens']})\n")
-    w(f"  checkpoint          token {s['checkpoint_token_index']:,}, {sized(s['checkpoint_data_bytes'])} of data\n")
-    w(f"  sampler state       {sized(s['sampler_state_bytes'])}; engine fields {sized(s['engine_fields_bytes'])}\n")
-    w(f"  sections            header 64, metadata {sized(sec['metadata'])}, data {sized(sec['data'])} at "
-      f"{sec['data_offset']:,}, trailer {sec['trailer']}\n")
+    w(
+        f"  tokens held         {s['n_tokens']:,} (position {s['position']:,}, first {s['first_tokens']}, "
+        f"last {s['last_tokens']})\n"
+    )
+    w(
+        f"  checkpoint          token {s['checkpoint_token_index']:,}, {sized(s['checkpoint_data_bytes'])} of data\n"
+    )
+    w(
+        f"  sampler state       {sized(s['sampler_state_bytes'])}; engine fields {sized(s['engine_fields_bytes'])}\n"
+    )
+    w(
+        f"  sections            header 64, metadata {sized(sec['metadata'])}, data {sized(sec['data'])} at "
+        f"{sec['data_offset']:,}, trailer {sec['trailer']}\n"
+    )
     c = d["compression"]
     if c is None:
         w("  compression         none\n")
     else:
         ratio = f"{c['ratio']:.3f}" if c["ratio"] is not None else "-"
-        w(f"  compression         {c['codec']} level {c['level']}, {c['n_blocks']:,} blocks of {sized(c['block_size'])}; "
-          f"{sized(c['stored_bytes'])} stored for {sized(c['data_bytes'])} of K/V (ratio {ratio})\n")
+        w(
+            f"  compression         {c['codec']} level {c['level']}, {c['n_blocks']:,} blocks of {sized(c['block_size'])}; "
+            f"{sized(c['stored_bytes'])} stored for {sized(c['data_bytes'])} of K/V (ratio {ratio})\n"
+        )
     w(f"  layers              {len(d['layers'])}, {sized(sec['kv_bytes'])} of K/V\n")
     for line in layer_lines(d["layers"]):
         w(f"    {line}\n")
@@ -276,8 +350,10 @@ def _cmd_inspect(args) -> int:
     try:
         info = _inspect(args, key)
     except ImportError:
-        print("unsupported (s3): reading s3:// objects needs boto3: pip install 'strata-sessionfile[s3]'",
-              file=sys.stderr)
+        print(
+            "unsupported (s3): reading s3:// objects needs boto3: pip install 'strata-sessionfile[s3]'",
+            file=sys.stderr,
+        )
         return EXIT_UNSUPPORTED
     except E.SessionFileError as exc:
         code = next((code for cls, code in EXIT_FOR_ERROR if isinstance(exc, cls)), EXIT_INVALID)
@@ -291,8 +367,18 @@ def _cmd_inspect(args) -> int:
             _print_text(d, sys.stdout, layer_table=args.layers)
         return EXIT_VALID
     if args.json:
-        print(json.dumps({"valid": valid, "readable": code != EXIT_UNREADABLE, "reason": err.reason,
-                          "message": str(err), "field": err.field, "offset": err.offset}))
+        print(
+            json.dumps(
+                {
+                    "valid": valid,
+                    "readable": code != EXIT_UNREADABLE,
+                    "reason": err.reason,
+                    "message": str(err),
+                    "field": err.field,
+                    "offset": err.offset,
+                }
+            )
+        )
     else:
         kind = EXIT_KIND.get(code, "invalid")
         print(f"{kind} ({err.reason}): {err}", file=sys.stderr)
@@ -309,19 +395,33 @@ class _Parser(argparse.ArgumentParser):
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = _Parser(prog="strata-sessionfile", description="Strata session file tools (format v1)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("inspect", help="validate a session file and print what it holds",
-                       description="Exit codes: 0 valid, 1 invalid (reason printed), 2 unreadable, 3 unsupported here "
-                       "(--verify of a compressed file without its codec, s3:// without boto3), 4 not authenticated "
-                       "by --key-file's key, 64 usage.")
+    p = sub.add_parser(
+        "inspect",
+        help="validate a session file and print what it holds",
+        description="Exit codes: 0 valid, 1 invalid (reason printed), 2 unreadable, 3 unsupported here "
+        "(--verify of a compressed file without its codec, s3:// without boto3), 4 not authenticated "
+        "by --key-file's key, 64 usage.",
+    )
     p.add_argument("file", help="a session file's path, or an object: s3://BUCKET/KEY")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verify", action="store_true", help="also stream the payload and check its hash")
-    p.add_argument("--layers", action="store_true",
-                   help="also print every layer's row (the summary groups identical layers)")
-    p.add_argument("--key-file", metavar="KEY", help="a 32-byte session key: verify the file's MAC (refuse a file "
-                   "without one); with --verify also its payload digest")
-    p.add_argument("--endpoint-url", metavar="URL", help="the S3 endpoint of an s3:// FILE (a non-AWS store); "
-                   "credentials and region come from the standard AWS environment and config files")
+    p.add_argument(
+        "--layers",
+        action="store_true",
+        help="also print every layer's row (the summary groups identical layers)",
+    )
+    p.add_argument(
+        "--key-file",
+        metavar="KEY",
+        help="a 32-byte session key: verify the file's MAC (refuse a file "
+        "without one); with --verify also its payload digest",
+    )
+    p.add_argument(
+        "--endpoint-url",
+        metavar="URL",
+        help="the S3 endpoint of an s3:// FILE (a non-AWS store); "
+        "credentials and region come from the standard AWS environment and config files",
+    )
     return parser, p
 
 

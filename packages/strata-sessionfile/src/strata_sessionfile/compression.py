@@ -43,8 +43,9 @@ def _load_zstd():
     try:
         import zstandard
     except ImportError as exc:
-        raise E.CompressionUnavailable("zstd compression needs the zstandard package: "
-                                       "pip install 'strata-sessionfile[zstd]'") from exc
+        raise E.CompressionUnavailable(
+            "zstd compression needs the zstandard package: pip install 'strata-sessionfile[zstd]'"
+        ) from exc
     return zstandard
 
 
@@ -72,8 +73,13 @@ class ZstdCodec:
     def encoder(options: Compression) -> Callable[[memoryview], bytes]:
         """block bytes -> one frame holding its content size, no checksum (the payload hash covers the frames)."""
         zstd = _load_zstd()
-        cctx = zstd.ZstdCompressor(level=options.level, threads=options.threads, write_checksum=False,
-                                   write_content_size=True, write_dict_id=False)
+        cctx = zstd.ZstdCompressor(
+            level=options.level,
+            threads=options.threads,
+            write_checksum=False,
+            write_content_size=True,
+            write_dict_id=False,
+        )
         return cctx.compress
 
     @staticmethod
@@ -87,21 +93,31 @@ class ZstdCodec:
             try:
                 declared = zstd.get_frame_parameters(frame).content_size
             except zstd.ZstdError as exc:
-                raise E.FrameCorrupt(f"block {index} is not a zstd frame: {exc}", path=path, offset=offset,
-                                     field=field) from None
+                raise E.FrameCorrupt(
+                    f"block {index} is not a zstd frame: {exc}", path=path, offset=offset, field=field
+                ) from None
             if declared != expected:  # also CONTENTSIZE_UNKNOWN: never decode without a bound
-                what = "does not declare its size" if declared == zstd.CONTENTSIZE_UNKNOWN else \
-                    f"declares {declared} bytes"
-                raise E.DecompressedSizeMismatch(f"block {index} {what}; the block holds {expected}", path=path,
-                                                 offset=offset, field=field)
+                what = (
+                    "does not declare its size"
+                    if declared == zstd.CONTENTSIZE_UNKNOWN
+                    else f"declares {declared} bytes"
+                )
+                raise E.DecompressedSizeMismatch(
+                    f"block {index} {what}; the block holds {expected}", path=path, offset=offset, field=field
+                )
             try:
                 out = dctx.decompress(frame, max_output_size=expected, allow_extra_data=False)
             except zstd.ZstdError as exc:
-                raise E.FrameCorrupt(f"block {index} does not decode: {exc}", path=path, offset=offset,
-                                     field=field) from None
+                raise E.FrameCorrupt(
+                    f"block {index} does not decode: {exc}", path=path, offset=offset, field=field
+                ) from None
             if len(out) != expected:
-                raise E.DecompressedSizeMismatch(f"block {index} decoded to {len(out)} bytes; the block holds "
-                                                 f"{expected}", path=path, offset=offset, field=field)
+                raise E.DecompressedSizeMismatch(
+                    f"block {index} decoded to {len(out)} bytes; the block holds {expected}",
+                    path=path,
+                    offset=offset,
+                    field=field,
+                )
             return out
 
         return decode
@@ -199,44 +215,82 @@ class CompressedLayout:
             pos += size
 
 
-def decode_compressed_section(head: bytes, read_table: Callable[[int, int], bytes], *, data_offset: int,
-                              trailer_offset: int, data_length: int, path: str | None) -> CompressedLayout:
+def decode_compressed_section(
+    head: bytes,
+    read_table: Callable[[int, int], bytes],
+    *,
+    data_offset: int,
+    trailer_offset: int,
+    data_length: int,
+    path: str | None,
+) -> CompressedLayout:
     """Validate the compression header and the block table (rules Z1-Z8) before any frame is read.
 
     ``read_table(offset, n)`` reads the table once its size is known to lie inside the section."""
     section = trailer_offset - data_offset
     if section < COMPRESSION_HEADER_SIZE or len(head) != COMPRESSION_HEADER_SIZE:
-        raise E.CompressionInvalid(f"the data section of {section} bytes cannot hold the "
-                                   f"{COMPRESSION_HEADER_SIZE}-byte compression header", path=path,
-                                   offset=data_offset, field="compression")
+        raise E.CompressionInvalid(
+            f"the data section of {section} bytes cannot hold the "
+            f"{COMPRESSION_HEADER_SIZE}-byte compression header",
+            path=path,
+            offset=data_offset,
+            field="compression",
+        )
     code, reserved, level, block_size, n_blocks = COMPRESSION_HEADER_STRUCT.unpack(head)
     if code not in Codec._value2member_map_:
-        raise E.UnsupportedCompression(f"compression codec {code}; this reader knows "
-                                       f"{', '.join(f'{c.value} ({c.name.lower()})' for c in Codec)}",
-                                       path=path, offset=data_offset, field="compression.codec")
+        raise E.UnsupportedCompression(
+            f"compression codec {code}; this reader knows "
+            f"{', '.join(f'{c.value} ({c.name.lower()})' for c in Codec)}",
+            path=path,
+            offset=data_offset,
+            field="compression.codec",
+        )
     if reserved:
-        raise E.CompressionInvalid(f"reserved field is {reserved:#x}, must be 0", path=path,
-                                   offset=data_offset + 2, field="compression.reserved")
+        raise E.CompressionInvalid(
+            f"reserved field is {reserved:#x}, must be 0",
+            path=path,
+            offset=data_offset + 2,
+            field="compression.reserved",
+        )
     if block_size < MIN_COMPRESSED_BLOCK_SIZE:
-        raise E.CompressionInvalid(f"block size {block_size} is below {MIN_COMPRESSED_BLOCK_SIZE}", path=path,
-                                   offset=data_offset + 8, field="compression.block_size")
+        raise E.CompressionInvalid(
+            f"block size {block_size} is below {MIN_COMPRESSED_BLOCK_SIZE}",
+            path=path,
+            offset=data_offset + 8,
+            field="compression.block_size",
+        )
     if block_size > LIMIT["MAX_COMPRESSED_BLOCK_BYTES"]:
-        raise E.LimitExceeded(f"block size {block_size} is over MAX_COMPRESSED_BLOCK_BYTES", path=path,
-                              offset=data_offset + 8, field="compression.block_size")
+        raise E.LimitExceeded(
+            f"block size {block_size} is over MAX_COMPRESSED_BLOCK_BYTES",
+            path=path,
+            offset=data_offset + 8,
+            field="compression.block_size",
+        )
     if n_blocks > LIMIT["MAX_COMPRESSED_BLOCKS"]:
-        raise E.LimitExceeded(f"{n_blocks} blocks is over MAX_COMPRESSED_BLOCKS", path=path,
-                              offset=data_offset + 12, field="compression.n_blocks")
+        raise E.LimitExceeded(
+            f"{n_blocks} blocks is over MAX_COMPRESSED_BLOCKS",
+            path=path,
+            offset=data_offset + 12,
+            field="compression.n_blocks",
+        )
     want = n_blocks_for(data_length, block_size)
     if n_blocks != want:
-        raise E.CompressionInvalid(f"{n_blocks} blocks; {data_length} data bytes in blocks of {block_size} make "
-                                   f"{want}", path=path, offset=data_offset + 12, field="compression.n_blocks")
+        raise E.CompressionInvalid(
+            f"{n_blocks} blocks; {data_length} data bytes in blocks of {block_size} make {want}",
+            path=path,
+            offset=data_offset + 12,
+            field="compression.n_blocks",
+        )
     table_bytes = BLOCK_ENTRY_STRUCT.size * n_blocks
     frames_offset = data_offset + COMPRESSION_HEADER_SIZE
     table_offset = trailer_offset - table_bytes
     if table_offset < frames_offset:
-        raise E.CompressionInvalid(f"the block table of {table_bytes} bytes does not fit in the data section of "
-                                   f"{section} bytes", path=path, offset=data_offset + 12,
-                                   field="compression.n_blocks")
+        raise E.CompressionInvalid(
+            f"the block table of {table_bytes} bytes does not fit in the data section of {section} bytes",
+            path=path,
+            offset=data_offset + 12,
+            field="compression.n_blocks",
+        )
     sizes = array.array("I")
     sizes.frombytes(read_table(table_offset, table_bytes))
     if sys.byteorder != "little":
@@ -246,13 +300,31 @@ def decode_compressed_section(head: bytes, read_table: Callable[[int, int], byte
     for i, size in enumerate(sizes):
         limit = full_bound if i < n_blocks - 1 else bound(block_length(i, n_blocks, block_size, data_length))
         if not 1 <= size <= limit:
-            raise E.CompressionInvalid(f"block {i}'s frame size {size} is out of range 1..{limit} for its "
-                                       f"{block_length(i, n_blocks, block_size, data_length)} bytes", path=path,
-                                       offset=table_offset + 4 * i, field=f"block_table[{i}]")
+            raise E.CompressionInvalid(
+                f"block {i}'s frame size {size} is out of range 1..{limit} for its "
+                f"{block_length(i, n_blocks, block_size, data_length)} bytes",
+                path=path,
+                offset=table_offset + 4 * i,
+                field=f"block_table[{i}]",
+            )
     frames_length = table_offset - frames_offset
     total = sum(sizes)
     if total != frames_length:
-        raise E.CompressionInvalid(f"the block table adds up to {total} frame bytes; the section holds "
-                                   f"{frames_length}", path=path, offset=table_offset, field="block_table")
-    return CompressedLayout(Codec(code), level, block_size, n_blocks, data_offset, frames_offset, frames_length,
-                            table_offset, data_length, sizes)
+        raise E.CompressionInvalid(
+            f"the block table adds up to {total} frame bytes; the section holds {frames_length}",
+            path=path,
+            offset=table_offset,
+            field="block_table",
+        )
+    return CompressedLayout(
+        Codec(code),
+        level,
+        block_size,
+        n_blocks,
+        data_offset,
+        frames_offset,
+        frames_length,
+        table_offset,
+        data_length,
+        sizes,
+    )

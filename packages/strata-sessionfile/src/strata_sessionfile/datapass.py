@@ -25,12 +25,22 @@ from .validate import OpenedFile, check_digest, check_unchanged
 
 def read_ahead(opened: OpenedFile, buffers, block_size: int, readers: ReadThreads) -> ReadAhead:
     layout = opened.layout
-    return ReadAhead(opened.source, buffers, block_chunks(layout.data_offset, layout.data_length, block_size),
-                     readers)
+    return ReadAhead(
+        opened.source, buffers, block_chunks(layout.data_offset, layout.data_length, block_size), readers
+    )
 
 
-def stream_data(opened: OpenedFile, buffers, block_size: int, hasher, deliver, progress, phase: Phase,
-                readers: ReadThreads, wait_copies: Callable[[], None] | None = None) -> int:
+def stream_data(
+    opened: OpenedFile,
+    buffers,
+    block_size: int,
+    hasher,
+    deliver,
+    progress,
+    phase: Phase,
+    readers: ReadThreads,
+    wait_copies: Callable[[], None] | None = None,
+) -> int:
     """Read the data section in blocks (the ``readers``, at most one block each in flight); on this
     thread, per block in file order, call deliver(view, segments) and hash it. Returns the bytes read from
     the file. ``wait_copies`` (an AsyncCopyTarget's): called before a delivered block's memory is reused
@@ -63,8 +73,15 @@ def stream_data(opened: OpenedFile, buffers, block_size: int, hasher, deliver, p
     return done
 
 
-def stream_frames(opened: OpenedFile, comp: CompressedLayout, hasher, deliver, progress, phase: Phase,
-                  wait_copies: Callable[[], None] | None) -> int:
+def stream_frames(
+    opened: OpenedFile,
+    comp: CompressedLayout,
+    hasher,
+    deliver,
+    progress,
+    phase: Phase,
+    wait_copies: Callable[[], None] | None,
+) -> int:
     """A compressed data section: frames are read and decoded by up to ``decode_workers()`` threads at once
     (zstd releases the GIL), each into exactly its block's size; in file order this thread hashes each
     frame's bytes as they are on disk and calls deliver(decoded, segments). A frame's failure is raised in
@@ -88,8 +105,9 @@ def stream_frames(opened: OpenedFile, comp: CompressedLayout, hasher, deliver, p
             decoders.put(decode)
 
     hasher.update(opened.section_head)
-    work = enumerate(zip(comp.frames(), iter_blocks(layout.extents, layout.data_length, comp.block_size),
-                         strict=True))
+    work = enumerate(
+        zip(comp.frames(), iter_blocks(layout.extents, layout.data_length, comp.block_size), strict=True)
+    )
     pending: collections.deque = collections.deque()
     done = read = 0
     pool = ThreadPoolExecutor(workers, thread_name_prefix="strata-decode")
@@ -132,12 +150,15 @@ def _landing_views(landing_views, layer: int, part, offset: int, length: int) ->
             raise E.AdapterFailed("landing_views must return writable contiguous memoryviews")
         out.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
     if sum(len(v) for v in out) != length:
-        raise E.AdapterFailed(f"landing_views returned {sum(len(v) for v in out)} bytes for a piece of {length}")
+        raise E.AdapterFailed(
+            f"landing_views returned {sum(len(v) for v in out)} bytes for a piece of {length}"
+        )
     return out
 
 
-def land_data(opened: OpenedFile, landing_views, block_size: int, hasher, progress, phase: Phase,
-              readers: ReadThreads) -> int:
+def land_data(
+    opened: OpenedFile, landing_views, block_size: int, hasher, progress, phase: Phase, readers: ReadThreads
+) -> int:
     """Read the data section straight into the adapter's memory (``landing_views`` per piece), hashing each
     block there once it landed: the readers read blocks k+1..k+threads while this thread hashes
     block k (in file order). Returns the bytes read. No read is in flight once this returns or raises."""

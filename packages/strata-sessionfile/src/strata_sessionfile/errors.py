@@ -16,8 +16,9 @@ class SessionFileError(Exception):
 
     reason: str = "session_file_error"
 
-    def __init__(self, message: str, *, path: str | None = None, offset: int | None = None,
-                 field: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, path: str | None = None, offset: int | None = None, field: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.path = path

@@ -35,20 +35,26 @@ HEADER_STRUCT = struct.Struct("<" + "".join(code for _, _, code, _ in HEADER_FIE
 HEADER_HASHED_SIZE = 56  # header_hash = XXH3-64 (seed 0) of header bytes [0, 56)
 assert HEADER_STRUCT.size == HEADER_SIZE
 
-TRAILER_STRUCT = struct.Struct("<16s8s")  # payload_hash (XXH3-128 digest, big-endian as xxhash gives it), end marker
+TRAILER_STRUCT = struct.Struct(
+    "<16s8s"
+)  # payload_hash (XXH3-128 digest, big-endian as xxhash gives it), end marker
 assert TRAILER_STRUCT.size == TRAILER_SIZE
 
 # The trailer extension of an authenticated file (flag AUTHENTICATED, spec section 4.1), between the payload
 # hash and the end marker: key id, payload digest (SHA-256 of the payload), MAC (HMAC-SHA256).
 AUTH_EXTENSION_STRUCT = struct.Struct("<16s32s32s")
 AUTH_TRAILER_SIZE = TRAILER_SIZE + AUTH_EXTENSION_STRUCT.size  # 104
-MAC_COVERED_TRAILER = 64  # the MAC covers the header and trailer bytes [0, 64): payload hash, key id, payload digest
+MAC_COVERED_TRAILER = (
+    64  # the MAC covers the header and trailer bytes [0, 64): payload hash, key id, payload digest
+)
 KEY_SIZE = 32  # bytes of a session key
 KEY_ID_DOMAIN = b"strata-session-key-id-v1\x00"
 MAC_DOMAIN = b"strata-session-mac-v1\x00"
 
 # Metadata records (spec "Payload").
-LAYER_STRUCT = struct.Struct("<IBBBBIIIIIQ")  # index, role, k_dtype, v_dtype, reserved, heads, dk, dv, window, held, extra
+LAYER_STRUCT = struct.Struct(
+    "<IBBBBIIIIIQ"
+)  # index, role, k_dtype, v_dtype, reserved, heads, dk, dv, window, held, extra
 MODEL_FILE_FIXED = struct.Struct("<Q16s")  # size, digest (after the u16-prefixed role)
 
 # Domain tags keep the three hash uses apart.
@@ -146,7 +152,9 @@ LIMITS: tuple[Limit, ...] = (
     Limit("MAX_EXTRA_BYTES", 1 << 32, "bytes of one layer's extra part"),
     Limit("MAX_METADATA_BYTES", 128 << 20, "metadata section bytes"),
     Limit("MAX_PAYLOAD_BYTES", 1 << 48, "payload bytes"),
-    Limit("MAX_COMPRESSED_BLOCK_BYTES", 64 << 20, "uncompressed bytes of one block of a compressed data section"),
+    Limit(
+        "MAX_COMPRESSED_BLOCK_BYTES", 64 << 20, "uncompressed bytes of one block of a compressed data section"
+    ),
     Limit("MAX_COMPRESSED_BLOCKS", 1 << 22, "blocks of a compressed data section"),
 )
 LIMIT = {limit.name: limit.value for limit in LIMITS}

@@ -224,8 +224,9 @@ def _check_json_value(value, where: str):
 def canonical_config(mapping: Mapping) -> bytes:
     """The canonical JSON bytes of a config mapping (see module docstring)."""
     checked = _check_json_value(mapping, "")
-    return json.dumps(checked, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
+    return json.dumps(
+        checked, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
 
 
 def config_identity_from_canonical(canonical: bytes) -> ConfigIdentity:
@@ -280,6 +281,8 @@ def model_differences(file_model: ModelIdentity, engine_model: ModelIdentity) ->
         elif x.size != y.size:
             diffs.append(f"model file {i} ({x.role}) size: file {x.size}, engine {y.size}")
         elif x.digest != y.digest:
-            diffs.append(f"model file {i} ({x.role}) sampled digest differs: file {x.digest.hex()}, "
-                         f"engine {y.digest.hex()}")
+            diffs.append(
+                f"model file {i} ({x.role}) sampled digest differs: file {x.digest.hex()}, "
+                f"engine {y.digest.hex()}"
+            )
     return diffs

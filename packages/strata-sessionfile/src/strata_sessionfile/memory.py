@@ -34,7 +34,9 @@ class BlockBuffers:
             m.close()
 
 
-def block_buffers(adapter, block_size: int, buffers: BlockBuffers | None = None, count: int = 2) -> list[memoryview]:
+def block_buffers(
+    adapter, block_size: int, buffers: BlockBuffers | None = None, count: int = 2
+) -> list[memoryview]:
     """``count`` block buffers: the caller's (BlockBuffers: all it has, which may be fewer), the adapter's own
     (BufferProvider), or fresh maps."""
     if buffers is not None:
@@ -44,7 +46,9 @@ def block_buffers(adapter, block_size: int, buffers: BlockBuffers | None = None,
     if isinstance(adapter, BufferProvider):
         bufs = list(adapter_call(adapter.block_buffers, count, block_size))
         if len(bufs) < count or any(len(b) < block_size or b.readonly for b in bufs[:count]):
-            raise E.AdapterFailed(f"block_buffers must return {count} writable memoryviews of {block_size} bytes")
+            raise E.AdapterFailed(
+                f"block_buffers must return {count} writable memoryviews of {block_size} bytes"
+            )
         return [memoryview(b).cast("B") for b in bufs[:count]]
     return BlockBuffers(block_size, count).views
 

@@ -35,7 +35,9 @@ try:
     import botocore.config
     import botocore.exceptions
 except ImportError as exc:  # the package stands without boto3; only this module needs it
-    raise ImportError("strata_sessionfile.objstore needs boto3: pip install 'strata-sessionfile[s3]'") from exc
+    raise ImportError(
+        "strata_sessionfile.objstore needs boto3: pip install 'strata-sessionfile[s3]'"
+    ) from exc
 
 from . import errors as E
 from .seam import S3_SCHEME, s3_location
@@ -65,25 +67,41 @@ def s3_client(endpoint_url: str | None = None, *, max_pool_connections: int = 32
     """A boto3 S3 client: credentials and region the standard AWS way; ``endpoint_url`` for a non-AWS
     store. Enough pooled connections for a source's and a sink's threads; bounded retries and timeouts, so a
     store that went away is reported in seconds."""
-    config = botocore.config.Config(max_pool_connections=max_pool_connections, connect_timeout=10, read_timeout=60,
-                                    retries={"mode": "standard", "max_attempts": 3})
+    config = botocore.config.Config(
+        max_pool_connections=max_pool_connections,
+        connect_timeout=10,
+        read_timeout=60,
+        retries={"mode": "standard", "max_attempts": 3},
+    )
     # A session of its own: credentials are resolved now, not cached from boto3's default session's first use.
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config, **client_args)
 
 
 def _status(exc: botocore.exceptions.ClientError) -> tuple[int, str]:
-    return (exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0),
-            str(exc.response.get("Error", {}).get("Code", "")))
+    return (
+        exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0),
+        str(exc.response.get("Error", {}).get("Code", "")),
+    )
 
 
-def read_error(exc: Exception, what: str, path: str, *, pinned: bool, offset: int | None = None,
-               short_error: type[E.SessionFileError] = E.Truncated) -> E.SessionFileError:
+def read_error(
+    exc: Exception,
+    what: str,
+    path: str,
+    *,
+    pinned: bool,
+    offset: int | None = None,
+    short_error: type[E.SessionFileError] = E.Truncated,
+) -> E.SessionFileError:
     """The SessionFileError for a failed request of a source: a version gone once pinned is ObjectReplaced."""
     if isinstance(exc, botocore.exceptions.ClientError):
         status, code = _status(exc)
         if status == 412 or (pinned and status == 404):
-            return E.ObjectReplaced(f"{what}: the object was replaced or deleted since it was opened ({code})",
-                                    path=path, offset=offset)
+            return E.ObjectReplaced(
+                f"{what}: the object was replaced or deleted since it was opened ({code})",
+                path=path,
+                offset=offset,
+            )
         if status == 404:
             return E.NotFound(f"no such object ({code})", path=path)
         if status == 403:
@@ -91,7 +109,9 @@ def read_error(exc: Exception, what: str, path: str, *, pinned: bool, offset: in
         if status == 416:
             return short_error(f"{what}: the range lies past the object's end", path=path, offset=offset)
         if status >= 500:
-            return E.StoreUnavailable(f"{what}: the store answered {status} ({code})", path=path, offset=offset)
+            return E.StoreUnavailable(
+                f"{what}: the store answered {status} ({code})", path=path, offset=offset
+            )
         return E.ReadFailed(f"{what}: the store answered {status} ({code})", path=path, offset=offset)
     if isinstance(exc, botocore.exceptions.NoCredentialsError):
         return E.PermissionDenied(f"{what}: no AWS credentials found", path=path)
@@ -114,8 +134,16 @@ class S3Source:
     """An object to read (a ``seam.ByteSource``), its version pinned now: a missing object raises NotFound
     here. ``version_id``: read that version of a versioned bucket (default: the current one, pinned)."""
 
-    def __init__(self, client, bucket: str, key: str, *, version_id: str | None = None,
-                 range_size: int = DEFAULT_RANGE_SIZE, concurrency: int = DEFAULT_READ_CONCURRENCY) -> None:
+    def __init__(
+        self,
+        client,
+        bucket: str,
+        key: str,
+        *,
+        version_id: str | None = None,
+        range_size: int = DEFAULT_RANGE_SIZE,
+        concurrency: int = DEFAULT_READ_CONCURRENCY,
+    ) -> None:
         self.client, self.bucket, self.key = client, bucket, key
         self.path = f"{S3_SCHEME}{bucket}/{key}"
         self.range_size, self.concurrency = range_size, concurrency
@@ -140,12 +168,15 @@ class S3Source:
         """One GET of the first HEAD_BYTES: the version (ETag, version id), the size and those bytes."""
         try:
             try:
-                reply = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes=0-{HEAD_BYTES - 1}",
-                                               **self._version)
+                reply = self.client.get_object(
+                    Bucket=self.bucket, Key=self.key, Range=f"bytes=0-{HEAD_BYTES - 1}", **self._version
+                )
             except botocore.exceptions.ClientError as exc:
                 if _status(exc)[0] != 416:
                     raise
-                return self.client.head_object(Bucket=self.bucket, Key=self.key, **self._version), b""  # empty
+                return self.client.head_object(
+                    Bucket=self.bucket, Key=self.key, **self._version
+                ), b""  # empty
             with reply["Body"] as body:
                 return reply, body.read()
         except _REQUEST_ERRORS as exc:
@@ -166,22 +197,28 @@ class S3Source:
         n = len(buf)
         what = f"reading {n} bytes"
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={offset}-{offset + n - 1}",
-                                          **self._pin)["Body"]
+            body = self.client.get_object(
+                Bucket=self.bucket, Key=self.key, Range=f"bytes={offset}-{offset + n - 1}", **self._pin
+            )["Body"]
             try:
                 done = 0
                 while done < n:
-                    got = body.readinto(buf[done:done + READ_SLICE])
+                    got = body.readinto(buf[done : done + READ_SLICE])
                     if not got:
                         break
                     done += got
             finally:
                 body.close()
         except _REQUEST_ERRORS as exc:
-            raise read_error(exc, what, self.path, pinned=True, offset=offset, short_error=short_error) from None
+            raise read_error(
+                exc, what, self.path, pinned=True, offset=offset, short_error=short_error
+            ) from None
         if done < n:
-            raise short_error(f"the object ends at offset {offset + done}, {n - done} bytes short", path=self.path,
-                              offset=offset + done)
+            raise short_error(
+                f"the object ends at offset {offset + done}, {n - done} bytes short",
+                path=self.path,
+                offset=offset + done,
+            )
 
     def _threads(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -193,18 +230,23 @@ class S3Source:
         """Fill ``buf`` from ``offset`` of the pinned version: ranges of ``range_size`` fetched at once."""
         n = len(buf)
         if offset + n > self._stamp.size:
-            raise short_error(f"the object is {self._stamp.size} bytes; {n} bytes at offset {offset} run past its end",
-                              path=self.path, offset=self._stamp.size)
+            raise short_error(
+                f"the object is {self._stamp.size} bytes; {n} bytes at offset {offset} run past its end",
+                path=self.path,
+                offset=self._stamp.size,
+            )
         if offset + n <= len(self._first):  # fetched with the version
-            buf[:] = self._first[offset:offset + n]
+            buf[:] = self._first[offset : offset + n]
             return
         if n <= self.range_size:
             if n:
                 self._get(buf, offset, short_error)
             return
         pool = self._threads()
-        jobs = [pool.submit(self._get, buf[lo:lo + self.range_size], offset + lo, short_error)
-                for lo in range(0, n, self.range_size)]
+        jobs = [
+            pool.submit(self._get, buf[lo : lo + self.range_size], offset + lo, short_error)
+            for lo in range(0, n, self.range_size)
+        ]
         try:
             for job in jobs:
                 job.result()
@@ -236,8 +278,15 @@ class S3Sink:
     Raises ``WriteFailed`` (the store's error in the message); the writer then calls ``discard``, which
     aborts the upload."""
 
-    def __init__(self, client, bucket: str, key: str, *, part_size: int = DEFAULT_PART_SIZE,
-                 concurrency: int = DEFAULT_UPLOAD_CONCURRENCY) -> None:
+    def __init__(
+        self,
+        client,
+        bucket: str,
+        key: str,
+        *,
+        part_size: int = DEFAULT_PART_SIZE,
+        concurrency: int = DEFAULT_UPLOAD_CONCURRENCY,
+    ) -> None:
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size must be at least {MIN_PART_SIZE} (S3's minimum part)")
         self.client, self.bucket, self.key = client, bucket, key
@@ -258,8 +307,11 @@ class S3Sink:
         return cls(client, *parse_s3_url(url), **kw)
 
     def _fail(self, exc: Exception, what: str) -> E.WriteFailed:
-        detail = (f"the store answered {_status(exc)[0]} ({_status(exc)[1]})"
-                  if isinstance(exc, botocore.exceptions.ClientError) else str(exc))
+        detail = (
+            f"the store answered {_status(exc)[0]} ({_status(exc)[1]})"
+            if isinstance(exc, botocore.exceptions.ClientError)
+            else str(exc)
+        )
         return E.WriteFailed(f"{what} failed: {detail}", path=self.path)
 
     def _part_capacity(self, number: int) -> int:
@@ -283,8 +335,9 @@ class S3Sink:
 
     def _upload(self, number: int, data: bytearray) -> dict:
         try:
-            reply = self.client.upload_part(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
-                                            PartNumber=number, Body=data)
+            reply = self.client.upload_part(
+                Bucket=self.bucket, Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=data
+            )
         except _REQUEST_ERRORS as exc:
             raise self._fail(exc, f"uploading part {number}") from None
         finally:
@@ -312,7 +365,7 @@ class S3Sink:
     def _part_done(self) -> None:
         """The part being filled is complete: part 1 is kept (``write_at``), any other uploaded."""
         buf = self._buf
-        del buf[self._fill:]  # a short last part: truncated in place, not copied
+        del buf[self._fill :]  # a short last part: truncated in place, not copied
         if self._number == 1:
             self._first = buf
         else:
@@ -326,7 +379,7 @@ class S3Sink:
         while view:
             buf = self._buf
             take = min(len(view), len(buf) - self._fill)
-            buf[self._fill:self._fill + take] = view[:take]
+            buf[self._fill : self._fill + take] = view[:take]
             self._fill += take
             view = view[take:]
             if self._fill == len(buf):
@@ -336,7 +389,7 @@ class S3Sink:
         held = self._first if self._first is not None else self._buf if self._number == 1 else None
         if held is None or offset + len(data) > (len(held) if held is self._first else self._fill):
             raise ValueError("an object sink patches only bytes of its first part")
-        held[offset:offset + len(data)] = data
+        held[offset : offset + len(data)] = data
 
     def start_writeback(self, offset: int, length: int) -> None:
         pass  # parts are sent as they fill
@@ -353,8 +406,12 @@ class S3Sink:
     def publish(self) -> None:
         """The object appears, whole (CompleteMultipartUpload)."""
         try:
-            self.client.complete_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
-                                                  MultipartUpload={"Parts": self.parts})
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                MultipartUpload={"Parts": self.parts},
+            )
         except _REQUEST_ERRORS as exc:
             raise self._fail(exc, "completing the multipart upload") from None
         self.upload_id = None

@@ -24,8 +24,9 @@ Segment = tuple[int, int, int, int, int]  # layer, part, part_offset, length, bu
 Tag = TypeVar("Tag")
 
 
-def iter_blocks(extents: Sequence[PartExtent], data_length: int, block_size: int
-                ) -> Iterator[tuple[int, int, list[Segment]]]:
+def iter_blocks(
+    extents: Sequence[PartExtent], data_length: int, block_size: int
+) -> Iterator[tuple[int, int, list[Segment]]]:
     """Split the data section into blocks; yield (block_start, block_length, segments) in file order."""
     ei = 0
     start = 0
@@ -111,8 +112,14 @@ class ReadThreads:
 
 
 # --- reading ----------------------------------------------------------------------------------------
-def read_exact_parallel(source, buf: memoryview, offset: int, readers: ReadThreads, piece: int,
-                        on_piece: Callable[[memoryview], None] | None = None) -> None:
+def read_exact_parallel(
+    source,
+    buf: memoryview,
+    offset: int,
+    readers: ReadThreads,
+    piece: int,
+    on_piece: Callable[[memoryview], None] | None = None,
+) -> None:
     """``source.read_into`` by the ``readers`` at once, each filling whole ``piece``-sized pieces of ``buf`` (a
     fresh buffer's pages are faulted in and zeroed by the thread that first writes them: with huge pages
     one piece per 2 MiB page). ``on_piece(view)``: called on this thread with each piece in buffer order
@@ -125,12 +132,12 @@ def read_exact_parallel(source, buf: memoryview, offset: int, readers: ReadThrea
         if on_piece is not None:
             on_piece(buf)
         return
-    jobs = [readers.submit(source.read_into, buf[lo:lo + piece], offset + lo) for lo in range(0, n, piece)]
+    jobs = [readers.submit(source.read_into, buf[lo : lo + piece], offset + lo) for lo in range(0, n, piece)]
     try:
         for lo, job in zip(range(0, n, piece), jobs, strict=True):
             job.result()
             if on_piece is not None:
-                on_piece(buf[lo:lo + piece])
+                on_piece(buf[lo : lo + piece])
     finally:
         for job in jobs:
             job.cancel()
@@ -188,12 +195,18 @@ class ReadAhead:
     the caller was given is read into again (e.g. to wait for asynchronous copies out of it).
     """
 
-    def __init__(self, source, buffers: Sequence[memoryview], chunks: Iterable[tuple[int, int]],
-                 readers: ReadThreads, before_refill: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        source,
+        buffers: Sequence[memoryview],
+        chunks: Iterable[tuple[int, int]],
+        readers: ReadThreads,
+        before_refill: Callable[[], None] | None = None,
+    ) -> None:
         assert len(buffers) >= 2
         self.threads = min(readers.threads, len(buffers) - 1)
         self.readers = readers
-        self.source, self.buffers, self.chunks = source, buffers[:self.threads + 1], iter(chunks)
+        self.source, self.buffers, self.chunks = source, buffers[: self.threads + 1], iter(chunks)
         self.before_refill = before_refill
         self.reads: OrderedReads[tuple[int, int, int]] | None = None  # tags: (offset, buffer, length)
         self.free = list(range(len(self.buffers)))
@@ -220,7 +233,9 @@ class ReadAhead:
         reads = self.start().reads
         while reads:
             offset, idx, n = reads.take()
-            self._submit_next(reads)  # into the buffer the caller gave back: `threads` reads in flight while it works
+            self._submit_next(
+                reads
+            )  # into the buffer the caller gave back: `threads` reads in flight while it works
             self.given.add(idx)
             yield offset, self.buffers[idx][:n]
             self.free.append(idx)
@@ -273,8 +288,9 @@ class WriteBehind:
     block it starts the kernel's writeback of what it wrote since the last block.
     """
 
-    def __init__(self, sink, buffers: Sequence[memoryview], hasher,
-                 encode: Callable[[memoryview], bytes] | None = None) -> None:
+    def __init__(
+        self, sink, buffers: Sequence[memoryview], hasher, encode: Callable[[memoryview], bytes] | None = None
+    ) -> None:
         self.sink, self.buffers, self.hasher, self.encode = sink, buffers[:2], hasher, encode
         self.frame_sizes: list[int] = []
         self.free: queue.SimpleQueue = queue.SimpleQueue()
@@ -316,8 +332,10 @@ class WriteBehind:
                         self.frame_sizes.append(len(view))
                         self.free.put(idx)  # the caller may refill it while this frame is written
                         freed = True
-                    for lo in range(0, len(view), HASH_SLICE):  # hash each slice while cache-hot, then write it
-                        piece = view[lo:lo + HASH_SLICE]
+                    for lo in range(
+                        0, len(view), HASH_SLICE
+                    ):  # hash each slice while cache-hot, then write it
+                        piece = view[lo : lo + HASH_SLICE]
                         update(piece)
                         write(piece)
                     self._start_writeback()

@@ -60,10 +60,17 @@ def _readers(read_threads: int | ReadThreads | None, target) -> tuple[ReadThread
     return ReadThreads(read_threads), True
 
 
-def inspect(path: str | os.PathLike | ByteSource, *, verify: bool = True, identity: EngineIdentity | None = None,
-            limits: EngineLimits | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-            read_threads: int | ReadThreads | None = None, key: SessionKey | bytes | None = None,
-            require_mac: bool | None = None) -> Inspection:
+def inspect(
+    path: str | os.PathLike | ByteSource,
+    *,
+    verify: bool = True,
+    identity: EngineIdentity | None = None,
+    limits: EngineLimits | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    read_threads: int | ReadThreads | None = None,
+    key: SessionKey | bytes | None = None,
+    require_mac: bool | None = None,
+) -> Inspection:
     """The read pass alone: validate the file (and, if given, its binding to an engine) without applying it.
 
     ``path``: a local file, or a ``ByteSource`` (e.g. ``objstore.S3Source``; the caller's, not closed here).
@@ -75,15 +82,33 @@ def inspect(path: str | os.PathLike | ByteSource, *, verify: bool = True, identi
     try:
         source, own_source = open_source(path)
         try:
-            opened = open_metadata(source, identity, limits, readers, require_codec=verify, hash_prefix=verify, key=key,
-                                   require_mac=require)
+            opened = open_metadata(
+                source,
+                identity,
+                limits,
+                readers,
+                require_codec=verify,
+                hash_prefix=verify,
+                key=key,
+                require_mac=require,
+            )
             digest = None
             if verify:
-                views = (BlockBuffers(block_size, readers.threads + 1).views if opened.layout.compressed is None
-                         else None)
+                views = (
+                    BlockBuffers(block_size, readers.threads + 1).views
+                    if opened.layout.compressed is None
+                    else None
+                )
                 digest = hash_pass(opened, views, block_size, None, readers)
-            info = Inspection(source.path, opened.header, opened.metadata, opened.layout, verify, digest,
-                              opened.auth_digest is not None)
+            info = Inspection(
+                source.path,
+                opened.header,
+                opened.metadata,
+                opened.layout,
+                verify,
+                digest,
+                opened.auth_digest is not None,
+            )
             return attrs.evolve(info, key_id=bytes(opened.trailer[16:32])) if info.authenticated else info
         finally:
             if own_source:
@@ -93,11 +118,19 @@ def inspect(path: str | os.PathLike | ByteSource, *, verify: bool = True, identi
             readers.close()
 
 
-def restore(path: str | os.PathLike | ByteSource, adapter: SessionTarget, *, mode: RestoreMode | str = RestoreMode.AUTO,
-            block_size: int = DEFAULT_BLOCK_SIZE, progress: Callable[[Progress], None] | None = None,
-            memory_available: Callable[[], int | None] | None = memory.memory_available,
-            buffers: BlockBuffers | None = None, read_threads: int | ReadThreads | None = None,
-            key: SessionKey | bytes | None = None, require_mac: bool | None = None) -> RestoreReport:
+def restore(
+    path: str | os.PathLike | ByteSource,
+    adapter: SessionTarget,
+    *,
+    mode: RestoreMode | str = RestoreMode.AUTO,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    progress: Callable[[Progress], None] | None = None,
+    memory_available: Callable[[], int | None] | None = memory.memory_available,
+    buffers: BlockBuffers | None = None,
+    read_threads: int | ReadThreads | None = None,
+    key: SessionKey | bytes | None = None,
+    require_mac: bool | None = None,
+) -> RestoreReport:
     """Validate ``path`` against the adapter's engine and apply it (see the module docstring).
 
     ``path``: a local file, or a ``ByteSource`` (e.g. ``objstore.S3Source``, whose object version is pinned
@@ -118,15 +151,25 @@ def restore(path: str | os.PathLike | ByteSource, adapter: SessionTarget, *, mod
     auth = _auth(key, require_mac)
     readers, own_readers = _readers(read_threads, path)
     try:
-        return _restore(path, adapter, RestoreMode(mode), block_size, progress, memory_available, buffers, readers,
-                        auth)
+        return _restore(
+            path, adapter, RestoreMode(mode), block_size, progress, memory_available, buffers, readers, auth
+        )
     finally:
         if own_readers:
             readers.close()
 
 
-def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, progress, memory_available,
-             buffers: BlockBuffers | None, readers: ReadThreads, auth: tuple[SessionKey | None, bool]) -> RestoreReport:
+def _restore(
+    path,
+    adapter: SessionTarget,
+    mode: RestoreMode,
+    block_size: int,
+    progress,
+    memory_available,
+    buffers: BlockBuffers | None,
+    readers: ReadThreads,
+    auth: tuple[SessionKey | None, bool],
+) -> RestoreReport:
     threads = readers.threads
     t0 = time.perf_counter()
     identity = adapter_call(adapter.identity)
@@ -139,17 +182,31 @@ def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, p
         preflight(opened, block_size, threads + 1, memory_available)
         stager: StagingTarget | None = None  # the adapter, where it stages this session
         if mode is not RestoreMode.STREAMING and isinstance(adapter, StagingTarget):
-            probe = RestorePlan(path, opened.header, opened.metadata, opened.layout, opened.stamp, RestoreMode.STAGED)
+            probe = RestorePlan(
+                path, opened.header, opened.metadata, opened.layout, opened.stamp, RestoreMode.STAGED
+            )
             if adapter_call(adapter.can_stage, probe):
                 stager = adapter
         if mode is RestoreMode.STAGED and stager is None:
-            raise E.StagingUnavailable("staged restore requested but the adapter cannot stage this session",
-                                       path=path)
-        plan = RestorePlan(path, opened.header, opened.metadata, opened.layout, opened.stamp,
-                           RestoreMode.STAGED if stager is not None else RestoreMode.STREAMING)
+            raise E.StagingUnavailable(
+                "staged restore requested but the adapter cannot stage this session", path=path
+            )
+        plan = RestorePlan(
+            path,
+            opened.header,
+            opened.metadata,
+            opened.layout,
+            opened.stamp,
+            RestoreMode.STAGED if stager is not None else RestoreMode.STREAMING,
+        )
         # Zero-copy: the adapter's memory takes the bytes straight from the file (never compressed data).
-        lander = (adapter if opened.layout.compressed is None and isinstance(adapter, LandingTarget)
-                  and adapter_call(adapter.can_land, plan) else None)
+        lander = (
+            adapter
+            if opened.layout.compressed is None
+            and isinstance(adapter, LandingTarget)
+            and adapter_call(adapter.can_land, plan)
+            else None
+        )
         if opened.layout.compressed is not None or (stager is not None and lander is not None):
             views = None  # decode workers read frames into their own buffers; landing needs none
         else:
@@ -166,8 +223,16 @@ def _restore(path, adapter: SessionTarget, mode: RestoreMode, block_size: int, p
             t_read = time.perf_counter()
             apply_streaming(opened, adapter, plan, views, block_size, progress, lander, readers)
         t_end = time.perf_counter()
-        return RestoreReport(path, plan.mode, plan.state.n_tokens, opened.bytes_read, opened.stamp.size,
-                             t_end - t0, t_read - t0, t_end - t_read)
+        return RestoreReport(
+            path,
+            plan.mode,
+            plan.state.n_tokens,
+            opened.bytes_read,
+            opened.stamp.size,
+            t_end - t0,
+            t_read - t0,
+            t_end - t_read,
+        )
     finally:
         if opened is not None and opened.ahead is not None:  # a refusal before the first pass: stop its reads
             opened.ahead.close()

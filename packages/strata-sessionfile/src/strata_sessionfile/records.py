@@ -174,8 +174,9 @@ class EngineLimits:
     """
 
     max_tokens: int
-    layers: tuple[LayerSpec, ...] | None = attrs.field(default=None,
-                                                       converter=attrs.converters.optional(_layer_specs))
+    layers: tuple[LayerSpec, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(_layer_specs)
+    )
     vocab_size: int | None = None
     max_sampler_state_bytes: int | None = None
     max_checkpoint_data_bytes: int | None = None
@@ -210,7 +211,9 @@ class Layout:
     data_length: int
     trailer_offset: int
     file_size: int
-    extents: tuple[PartExtent, ...] = attrs.field(converter=_part_extents, repr=False)  # non-empty parts, file order
+    extents: tuple[PartExtent, ...] = attrs.field(
+        converter=_part_extents, repr=False
+    )  # non-empty parts, file order
     # compression.CompressedLayout of a compressed data section: data_length and extents are then uncompressed.
     compressed: CompressedLayout | None = None
 
@@ -304,7 +307,9 @@ class Inspection:
     layout: Layout
     payload_verified: bool
     payload_hash: bytes | None
-    mac_verified: bool = False  # the MAC was checked with the reader's key (and, if payload_verified, the payload digest)
+    mac_verified: bool = (
+        False  # the MAC was checked with the reader's key (and, if payload_verified, the payload digest)
+    )
     key_id: bytes | None = None  # an authenticated file's key id (spec 4.1), checked or not
 
     @property

@@ -40,8 +40,9 @@ class ByteSource(Protocol):
 
     def stamp(self) -> Stamp: ...
 
-    def read_into(self, buf: memoryview, offset: int, *, short_error: type[E.SessionFileError] = E.Truncated
-                  ) -> None: ...
+    def read_into(
+        self, buf: memoryview, offset: int, *, short_error: type[E.SessionFileError] = E.Truncated
+    ) -> None: ...
 
     def read(self, n: int, offset: int, *, short_error: type[E.SessionFileError] = E.Truncated) -> bytes: ...
 
@@ -86,7 +87,7 @@ S3_SCHEME = "s3://"
 
 def s3_location(url: str) -> tuple[str, str]:
     """``s3://BUCKET/KEY`` -> (bucket, key); ValueError for a malformed URL (boto3 not needed)."""
-    bucket, _, key = url[len(S3_SCHEME):].partition("/") if url.startswith(S3_SCHEME) else ("", "", "")
+    bucket, _, key = url[len(S3_SCHEME) :].partition("/") if url.startswith(S3_SCHEME) else ("", "", "")
     if not bucket or not key:
         raise ValueError(f"not an s3://BUCKET/KEY URL: {url!r}")
     return bucket, key

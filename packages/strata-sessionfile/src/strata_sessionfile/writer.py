@@ -72,17 +72,29 @@ class SessionWriter:
     ``rename``, ``sync_folder`` in this order (``save`` does), then ``report``; ``discard`` after a failure
     before ``rename`` completed removes the temporary. ``stage`` is the stage running or last run."""
 
-    def __init__(self, path: str | os.PathLike | ByteSink, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
-                 progress: Callable[[Progress], None] | None = None, buffers: BlockBuffers | None = None,
-                 compression: Compression | str | None = None, key: SessionKey | bytes | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike | ByteSink,
+        adapter: SessionSource,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        progress: Callable[[Progress], None] | None = None,
+        buffers: BlockBuffers | None = None,
+        compression: Compression | str | None = None,
+        key: SessionKey | bytes | None = None,
+    ) -> None:
         if block_size < MIN_BLOCK_SIZE:
             raise ValueError(f"block_size must be at least {MIN_BLOCK_SIZE}")
         self.options = as_compression(compression)
         self.encode = None
         if self.options is not None:
             if block_size > LIMIT["MAX_COMPRESSED_BLOCK_BYTES"]:
-                raise ValueError(f"a compressed save's block_size must be at most {LIMIT['MAX_COMPRESSED_BLOCK_BYTES']}")
-            self.encode = CODECS[self.options.code].encoder(self.options)  # CompressionUnavailable before any file
+                raise ValueError(
+                    f"a compressed save's block_size must be at most {LIMIT['MAX_COMPRESSED_BLOCK_BYTES']}"
+                )
+            self.encode = CODECS[self.options.code].encoder(
+                self.options
+            )  # CompressionUnavailable before any file
         self.path_arg, self.adapter, self.block_size = path, adapter, block_size
         self.progress, self.buffers = progress, buffers
         self.key = as_key(key)
@@ -94,7 +106,9 @@ class SessionWriter:
     def _enter(self, stage: Stage) -> None:
         want = STAGES[STAGES.index(self.stage) + 1] if self.stage is not None else STAGES[0]
         if stage is not want:
-            raise RuntimeError(f"save stage {stage.name} cannot follow {self.stage.name if self.stage else 'nothing'}")
+            raise RuntimeError(
+                f"save stage {stage.name} cannot follow {self.stage.name if self.stage else 'nothing'}"
+            )
         self.stage = stage
 
     def plan(self) -> None:
@@ -109,22 +123,39 @@ class SessionWriter:
         except E.SessionFileError as exc:
             exc.path = path
             raise
-        self.layout = layout = compute_layout(len(metadata) - 4, snapshot.layers, trailer_size(self.auth_flag))
+        self.layout = layout = compute_layout(
+            len(metadata) - 4, snapshot.layers, trailer_size(self.auth_flag)
+        )
         padding = bytes(layout.data_offset - HEADER_SIZE - len(metadata))
         self.total = layout.file_size  # progress total: the uncompressed file's size
         if self.options is None:
-            self.header = encode_header(identity.model.fingerprint, identity.config.fingerprint,
-                                        payload_length_of(layout), flags=self.auth_flag)
-            self.prefix = [self.header, metadata, padding]  # written piece by piece: no copy of a large metadata
+            self.header = encode_header(
+                identity.model.fingerprint,
+                identity.config.fingerprint,
+                payload_length_of(layout),
+                flags=self.auth_flag,
+            )
+            self.prefix = [
+                self.header,
+                metadata,
+                padding,
+            ]  # written piece by piece: no copy of a large metadata
         else:
             n_blocks = n_blocks_for(layout.data_length, self.block_size)
             if n_blocks > LIMIT["MAX_COMPRESSED_BLOCKS"]:
-                raise E.InvalidSnapshot(f"{layout.data_length} data bytes in blocks of {self.block_size} make "
-                                        f"{n_blocks} blocks, over MAX_COMPRESSED_BLOCKS: use a larger block_size",
-                                        path=path, field="block_size")
+                raise E.InvalidSnapshot(
+                    f"{layout.data_length} data bytes in blocks of {self.block_size} make "
+                    f"{n_blocks} blocks, over MAX_COMPRESSED_BLOCKS: use a larger block_size",
+                    path=path,
+                    field="block_size",
+                )
             # The header is not hashed and holds the final payload length: a placeholder now, written last.
-            self.prefix = [bytes(HEADER_SIZE) + metadata + padding
-                           + encode_compression_header(self.options, self.block_size, n_blocks)]
+            self.prefix = [
+                bytes(HEADER_SIZE)
+                + metadata
+                + padding
+                + encode_compression_header(self.options, self.block_size, n_blocks)
+            ]
 
     def create(self) -> None:
         """CREATE: the temporary file, exclusively (an object's multipart upload)."""
@@ -170,7 +201,7 @@ class SessionWriter:
             for _start, length, segments in iter_blocks(layout.extents, layout.data_length, self.block_size):
                 buf = pipeline.acquire()
                 for layer, part, part_offset, seg_len, buf_offset in segments:
-                    adapter_call(copy_out, layer, part, part_offset, buf[buf_offset:buf_offset + seg_len])
+                    adapter_call(copy_out, layer, part, part_offset, buf[buf_offset : buf_offset + seg_len])
                 pipeline.submit(length)
                 done += length
                 if progress:
@@ -186,8 +217,12 @@ class SessionWriter:
             sink.write(table)
             written += len(table)
             identity = self.identity
-            self.header = encode_header(identity.model.fingerprint, identity.config.fingerprint,
-                                        written - HEADER_SIZE, flags=Flags.DATA_COMPRESSED | self.auth_flag)
+            self.header = encode_header(
+                identity.model.fingerprint,
+                identity.config.fingerprint,
+                written - HEADER_SIZE,
+                flags=Flags.DATA_COMPRESSED | self.auth_flag,
+            )
         self.digest = hasher.digest()
         extension = b""
         if self.key is not None:
@@ -225,8 +260,11 @@ class SessionWriter:
         try:
             self._created().sync_folder()
         except OSError as exc:
-            raise E.DirSyncFailed(f"the new file is in place but flushing its folder failed: {exc.strerror or exc}",
-                                  path=self.path, report=self.report()) from exc
+            raise E.DirSyncFailed(
+                f"the new file is in place but flushing its folder failed: {exc.strerror or exc}",
+                path=self.path,
+                report=self.report(),
+            ) from exc
         self._enter(Stage.DONE)
 
     def discard(self) -> None:
@@ -239,16 +277,30 @@ class SessionWriter:
 
     def report(self) -> SaveReport:
         options = self.options
-        return SaveReport(path=self.path, n_tokens=self.snapshot.state.n_tokens, bytes_written=self.bytes_written,
-                          elapsed_s=time.perf_counter() - self.t0, copy_s=self.t_copy - self.t0,
-                          flush_s=self.t_flush - self.t_copy, rename_s=self.t_rename - self.t_flush,
-                          payload_hash=self.digest, compression=options.codec if options is not None else None,
-                          kv_bytes=self.layout.data_length)
+        return SaveReport(
+            path=self.path,
+            n_tokens=self.snapshot.state.n_tokens,
+            bytes_written=self.bytes_written,
+            elapsed_s=time.perf_counter() - self.t0,
+            copy_s=self.t_copy - self.t0,
+            flush_s=self.t_flush - self.t_copy,
+            rename_s=self.t_rename - self.t_flush,
+            payload_hash=self.digest,
+            compression=options.codec if options is not None else None,
+            kv_bytes=self.layout.data_length,
+        )
 
 
-def save(path: str | os.PathLike | ByteSink, adapter: SessionSource, *, block_size: int = DEFAULT_BLOCK_SIZE,
-         progress: Callable[[Progress], None] | None = None, buffers: BlockBuffers | None = None,
-         compression: Compression | str | None = None, key: SessionKey | bytes | None = None) -> SaveReport:
+def save(
+    path: str | os.PathLike | ByteSink,
+    adapter: SessionSource,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    progress: Callable[[Progress], None] | None = None,
+    buffers: BlockBuffers | None = None,
+    compression: Compression | str | None = None,
+    key: SessionKey | bytes | None = None,
+) -> SaveReport:
     """Write the adapter's session to ``path`` (atomically replacing any file there): a local path, or a
     ``ByteSink`` (e.g. ``objstore.S3Sink``: the object appears when its multipart upload completes).
 
@@ -259,8 +311,15 @@ def save(path: str | os.PathLike | ByteSink, adapter: SessionSource, *, block_si
     ``key`` (a ``SessionKey`` or its 32 bytes): the file is authenticated (flag AUTHENTICATED, spec 4.1): its
     trailer carries the key id, the payload's SHA-256 and the MAC.
     """
-    writer = SessionWriter(path, adapter, block_size=block_size, progress=progress, buffers=buffers,
-                           compression=compression, key=key)
+    writer = SessionWriter(
+        path,
+        adapter,
+        block_size=block_size,
+        progress=progress,
+        buffers=buffers,
+        compression=compression,
+        key=key,
+    )
     writer.plan()
     writer.create()
     try:

@@ -26,7 +26,9 @@ from .pool import KVParts, KVPool
 class RingCheckpoint:
     position: int  # tokens [0, position) were evaluated when it was taken
     start: int  # first position saved: max(0, position - window + 1)
-    layers: dict[int, KVParts]  # ring layer index -> encoded K/V of [start, position), read-only (host or device)
+    layers: dict[
+        int, KVParts
+    ]  # ring layer index -> encoded K/V of [start, position), read-only (host or device)
 
     @property
     def nbytes(self) -> int:

@@ -41,7 +41,9 @@ class InPlacePlacement(PoolPlacement):
         if self.pool.geometry.has_scales:
             self.write(layer, pos0, self.pool.codec.encode(k_new, v_new))
         else:  # a casting copy into the slots, rounding as KVCodec.encode does
-            self.ops.store_kv(k_new, v_new, views.k, views.v, pos0, ring_capacity=g.capacity if g.is_ring else 0)
+            self.ops.store_kv(
+                k_new, v_new, views.k, views.v, pos0, ring_capacity=g.capacity if g.is_ring else 0
+            )
         if q is None:
             return None
         lo = self.context_start(layer, pos0)
@@ -58,7 +60,15 @@ class InPlacePlacement(PoolPlacement):
         )  # fmt: skip
 
     def attend_rows(
-        self, layer: int, spans: Sequence[Any], q: Any, k_new: Any, v_new: Any, *, window: int | None, scale: float
+        self,
+        layer: int,
+        spans: Sequence[Any],
+        q: Any,
+        k_new: Any,
+        v_new: Any,
+        *,
+        window: int | None,
+        scale: float,
     ) -> Any:
         """`PoolPlacement.attend_rows` in one kernel call where every span's placement is one of this arena's
         (the slots' pools at one stride): each row's K/V stored in its slot, then every row attends over its

@@ -38,7 +38,6 @@ def _map_parts(parts: KVParts, fn: Any) -> KVParts:
     return KVParts(*(None if a is None else fn(a) for a in (parts.k, parts.v, parts.k_scale, parts.v_scale)))
 
 
-
 class DevicePool(KVPool):
     """`KVPool` in device memory; `read` gives host copies, `write` accepts host or device parts."""
 
@@ -104,9 +103,9 @@ class MappedHostBuffer:
         self.ptr = ptr
         mem = cp.cuda.UnownedMemory(ptr, max(nbytes, 1), self, cp.cuda.Device().id)
         self.device = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
-        self.host = np.frombuffer(memoryview((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr)), dtype=np.uint8)[
-            :nbytes
-        ]
+        self.host = np.frombuffer(
+            memoryview((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr)), dtype=np.uint8
+        )[:nbytes]
 
 
 class HostMappedPool(KVPool):
@@ -223,7 +222,14 @@ class DevicePoolPlacement(PoolPlacement):
         )
 
     def _attend_long_ring_chunk(
-        self, layer: int, pos0: int, q: Any | None, k_new: Any, v_new: Any, q_pos0: int, window: int | None,
+        self,
+        layer: int,
+        pos0: int,
+        q: Any | None,
+        k_new: Any,
+        v_new: Any,
+        q_pos0: int,
+        window: int | None,
         scale: float,
     ) -> Any | None:
         """A ring layer's chunk too long to attend in place (its stores would overwrite keys its first
@@ -274,4 +280,3 @@ class DeviceResidentRingPlacement(ResidentRingPlacement):
     ring from the host pool, exactly as the CPU placement does."""
 
     resident_pool_type = DevicePool
-

@@ -54,14 +54,30 @@ class PoolPlacement:
         return self.ops.attention(q, k_ctx, v_ctx, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale)
 
     def attend_rows(
-        self, layer: int, spans: Sequence[Any], q: Any, k_new: Any, v_new: Any, *, window: int | None, scale: float
+        self,
+        layer: int,
+        spans: Sequence[Any],
+        q: Any,
+        k_new: Any,
+        v_new: Any,
+        *,
+        window: int | None,
+        scale: float,
     ) -> Any:
         """A batched decode step's attention: row b of q, k_new, v_new [B, ...] is the one row of spans[b]
         (`models.common.Span`: a slot's placement, this one among them, and its position) -> [B, H * D]. Here
         span by span; a placement with a kernel batched over slots attends them together."""
         out = [
-            s.kv.attend(layer, s.pos0, q[b : b + 1], k_new[b : b + 1], v_new[b : b + 1], q_pos0=s.pos0,
-                        window=window, scale=scale)  # fmt: skip
+            s.kv.attend(
+                layer,
+                s.pos0,
+                q[b : b + 1],
+                k_new[b : b + 1],
+                v_new[b : b + 1],
+                q_pos0=s.pos0,
+                window=window,
+                scale=scale,
+            )  # fmt: skip
             for b, s in enumerate(spans)
         ]
         return self.ops.xp.concatenate(out)
@@ -139,7 +155,9 @@ class ResidentRingPlacement(PoolPlacement):
         return KVGeometry(
             kv_type=geo.kv_type,
             n_ctx=geo.n_ctx,
-            layers=tuple(attrs.evolve(g, window=n_resident, capacity=min(n_resident, g.capacity)) for g in geo.layers),
+            layers=tuple(
+                attrs.evolve(g, window=n_resident, capacity=min(n_resident, g.capacity)) for g in geo.layers
+            ),
         )
 
     def reads_pool_directly(self, layer: int) -> bool:

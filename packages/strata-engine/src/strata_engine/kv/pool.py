@@ -84,7 +84,9 @@ def ring_spans(lo: int, hi: int, capacity: int) -> list[tuple[int, int, int]]:
     return wrap_spans(lo, hi - lo, capacity)
 
 
-def ring_byte_spans(start: int, offset: int, length: int, capacity: int, row_bytes: int) -> list[tuple[int, int, int]]:
+def ring_byte_spans(
+    start: int, offset: int, length: int, capacity: int, row_bytes: int
+) -> list[tuple[int, int, int]]:
     """Bytes [offset, offset + length) of a part whose logical byte 0 is position `start` (a ring's
     oldest held token; 0 for a full layer), in `capacity` slots of `row_bytes` each, as (slot byte lo,
     slot byte hi, offset into the range) spans: at most two contiguous copies."""
@@ -161,7 +163,8 @@ class PoolLayout:
         out = []
         for g, parts in zip(self.geometry.layers, self.parts, strict=True):
             arrays = [
-                flat[o : o + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)[slot] for o, shape, dt in parts
+                flat[o : o + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)[slot]
+                for o, shape, dt in parts
             ]
             out.append(LayerKV(g, *arrays, *([None, None] if len(arrays) == 2 else [])))
         return out

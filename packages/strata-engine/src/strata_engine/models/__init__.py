@@ -29,7 +29,10 @@ def account_tensors(config: ModelConfig, gguf_file: GGUFFile) -> None:
     _family(config)(config, None, census)  # type: ignore[arg-type]  # a census needs no ops
     if unread := census.unread():
         raise UncomputedModelPart(
-            [f"{gguf_file.path}: tensor {name!r}: the {config.architecture} family does not compute it" for name in unread]
+            [
+                f"{gguf_file.path}: tensor {name!r}: the {config.architecture} family does not compute it"
+                for name in unread
+            ]
         )
 
 

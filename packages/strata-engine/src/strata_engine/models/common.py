@@ -43,7 +43,15 @@ class BatchedKVAccess(KVAccess, Protocol):
     per slot, together (`spans`: the step's `Span`s, this placement among them)."""
 
     def attend_rows(
-        self, layer: int, spans: Sequence[Span], q: Any, k_new: Any, v_new: Any, *, window: int | None, scale: float
+        self,
+        layer: int,
+        spans: Sequence[Span],
+        q: Any,
+        k_new: Any,
+        v_new: Any,
+        *,
+        window: int | None,
+        scale: float,
     ) -> Any: ...
 
 
@@ -87,7 +95,9 @@ class Rows:
             s = self.spans[0]
             q_pos0 = s.pos0 + s.n - 1 if last_only else s.pos0
             return s.kv.attend(layer, s.pos0, q, k, v, q_pos0=q_pos0, window=window, scale=scale)
-        if q is not None and all(s.n == 1 for s in self.spans):  # a batched decode step: the slots' placements
+        if q is not None and all(
+            s.n == 1 for s in self.spans
+        ):  # a batched decode step: the slots' placements
             # A batched step's spans hold slots' placements (slots.py), never a graph's or an embedding's K/V.
             kv = cast(BatchedKVAccess, self.spans[0].kv)
             return kv.attend_rows(layer, self.spans, q, k, v, window=window, scale=scale)
@@ -115,7 +125,11 @@ def rope_tables(ops: Ops, config: ModelConfig, rows: Rows) -> RopeTables:
     tables = {}
     for base in {lc.rope_base for lc in config.layers}:
         per_span = [ops.rope_tables(s.pos0, s.n, base, config.rope_dim) for s in rows.spans]
-        tables[base] = per_span[0] if len(per_span) == 1 else tuple(ops.xp.concatenate([t[i] for t in per_span]) for i in (0, 1))
+        tables[base] = (
+            per_span[0]
+            if len(per_span) == 1
+            else tuple(ops.xp.concatenate([t[i] for t in per_span]) for i in (0, 1))
+        )
     return tables
 
 
@@ -143,7 +157,9 @@ class TensorCensus:
         if info is None:
             raise MissingTensor(f"{self.file.path}: tensor {name!r} is missing")
         if info.shape != shape:
-            raise TensorShapeMismatch(f"{self.file.path}: tensor {name!r} has shape {info.shape}, expected {shape}")
+            raise TensorShapeMismatch(
+                f"{self.file.path}: tensor {name!r} has shape {info.shape}, expected {shape}"
+            )
         self.named.add(name)
         return info
 

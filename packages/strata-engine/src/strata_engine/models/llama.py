@@ -73,7 +73,12 @@ class LlamaModel:
         return None if h is None else self.ops.logits(h, self.output)
 
     def hidden(
-        self, tokens: Any, rows: Rows, tables: RopeTables, want_logits: bool, last_row: Any = None,
+        self,
+        tokens: Any,
+        rows: Rows,
+        tables: RopeTables,
+        want_logits: bool,
+        last_row: Any = None,
         all_rows: bool = False,
     ) -> Any | None:
         """The forward pass up to the output norm: h [B, E] of each span's last token (None without logits).
@@ -89,13 +94,20 @@ class LlamaModel:
             q, k, v = ops.project(h, layer.wqkv, self.qkv_sizes)  # [T, H*D], [T, Hkv*D], [T, Hkv*D]
             q, k = ops.qk_norm_rope(q, k, c.head_dim, None, None, cos, sin, c.rope_style, c.rms_eps)
             v = v.reshape(T, c.n_head_kv, c.head_dim)
-            last_only = il == c.n_layer - 1 and not all_rows  # past the last K/V write only the logits' rows matter
+            last_only = (
+                il == c.n_layer - 1 and not all_rows
+            )  # past the last K/V write only the logits' rows matter
             if last_only:
                 if not want_logits:
                     rows.attend(ops, il, None, k, v, window=None, scale=c.attn_scale)
                     return None
-                q, x = rows.last_of_each(ops, q, last_row), rows.last_of_each(ops, x, last_row)  # [B, H, D], [B, E]
-            attn = rows.attend(ops, il, q, k, v, window=None, scale=c.attn_scale, last_only=last_only)  # [T|B, H*D]
+                q, x = (
+                    rows.last_of_each(ops, q, last_row),
+                    rows.last_of_each(ops, x, last_row),
+                )  # [B, H, D], [B, E]
+            attn = rows.attend(
+                ops, il, q, k, v, window=None, scale=c.attn_scale, last_only=last_only
+            )  # [T|B, H*D]
             x, h = ops.add_rms_norm(x, ops.matmul(attn, layer.wo), None, layer.ffn_norm, c.rms_eps)
             m = ops.gated_mlp(h, layer.w_gate_up, layer.w_down, c.activation)
             next_norm = self.layers[il + 1].attn_norm if il + 1 < c.n_layer else self.output_norm

@@ -76,7 +76,9 @@ def get_ops(
     try:
         make = OPS_OF_BACKEND[backend]
     except KeyError:
-        raise SettingsError([f"backend {backend!r} is not available (have: {', '.join(OPS_OF_BACKEND)})"]) from None
+        raise SettingsError(
+            [f"backend {backend!r} is not available (have: {', '.join(OPS_OF_BACKEND)})"]
+        ) from None
     set_poll(poll)
     return make(compute_dtype, cpu_kernels, threads)
 

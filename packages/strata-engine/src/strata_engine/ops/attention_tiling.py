@@ -85,7 +85,9 @@ def blocked_attention(
         b1 = min(b0 + key_block, stop)
         s = block_scores(b0, b1)
         if softmax_step is not None:
-            softmax_step(s.reshape(n_kv * rows, b1 - b0), m.reshape(-1), l_sum.reshape(-1), acc.reshape(n_kv * rows, d))
+            softmax_step(
+                s.reshape(n_kv * rows, b1 - b0), m.reshape(-1), l_sum.reshape(-1), acc.reshape(n_kv * rows, d)
+            )
             acc += xp.matmul(s, v[b0:b1].astype(f32, copy=False).transpose(1, 0, 2))
             continue
         m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
@@ -124,10 +126,14 @@ def flash_tiles(head_dim: int, rows: int) -> tuple[int, int]:
 
 
 FLASH_MIN_TILES = 4  # key tiles a split gets at least (`flash_splits`)
-FLASH_DECODE_MIN_TILES = 1  # the same for a one-warp (decode) launch: bench/gpu/DECISIONS.md "Decode attention"
+FLASH_DECODE_MIN_TILES = (
+    1  # the same for a one-warp (decode) launch: bench/gpu/DECISIONS.md "Decode attention"
+)
 
 
-def flash_splits(n_blocks: int, n_keys: int, key_tile: int, n_sm: int, min_tiles: int = FLASH_MIN_TILES) -> int:
+def flash_splits(
+    n_blocks: int, n_keys: int, key_tile: int, n_sm: int, min_tiles: int = FLASH_MIN_TILES
+) -> int:
     """Key splits per row tile: enough blocks to fill the device twice over when the row tiles alone
     do not (decode, short chunks), but never under `min_tiles` key tiles per split."""
     if n_blocks >= 2 * n_sm:

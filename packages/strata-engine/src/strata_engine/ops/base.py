@@ -115,7 +115,9 @@ class InPlaceOps(Ops, Protocol):
     ) -> Any:  # fmt: skip
         """`Ops.attention` where k and v may also be the pool's storage (f16; int8 with k_scale, v_scale)."""
 
-    def store_kv_rows(self, k: Any, v: Any, k_arena: Any, v_arena: Any, slots: list[int], positions: list[int]) -> None:
+    def store_kv_rows(
+        self, k: Any, v: Any, k_arena: Any, v_arena: Any, slots: list[int], positions: list[int]
+    ) -> None:
         """Row b of k, v [B, Hkv, D] into position positions[b] of slot slots[b]."""
 
     def attention_rows(

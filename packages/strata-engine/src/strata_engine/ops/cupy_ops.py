@@ -170,8 +170,12 @@ class CupyOps(NumpyOps):
             ptr, kind = src.data.ptr, MEMCPY_DEVICE_TO_DEVICE
         target = dest.data.ptr + offset
         pending = self._pending_copy
-        if pending is not None and pending[3] == kind and pending[0] + pending[2] == target \
-                and pending[1] + pending[2] == ptr:
+        if (
+            pending is not None
+            and pending[3] == kind
+            and pending[0] + pending[2] == target
+            and pending[1] + pending[2] == ptr
+        ):
             pending[2] += n
             return
         self.flush_copies()
@@ -243,7 +247,15 @@ class CupyOps(NumpyOps):
         y = self.xp.empty((n_tok, n_out), dtype=out_dtype)
         rows = next(r for r in _GEMV_ROWS if r >= n_tok)
         kernel = self.raw.get("strata_gemv", c_type(x.dtype), c_type(y.dtype), rows, act)
-        args = (x, w, y, np.int32(n_tok), np.int32(n_in), np.int32(n_out), np.int32(x.strides[0] // x.itemsize))
+        args = (
+            x,
+            w,
+            y,
+            np.int32(n_tok),
+            np.int32(n_in),
+            np.int32(n_out),
+            np.int32(x.strides[0] // x.itemsize),
+        )
         kernel((-(-n_out // _GEMV_WARPS),), (32 * _GEMV_WARPS,), args)
         return y
 
@@ -352,7 +364,9 @@ class CupyOps(NumpyOps):
         )  # fmt: skip
         kernel((-(-total // 256),), (256,), args)
 
-    def store_kv_rows(self, k: Any, v: Any, k_arena: Any, v_arena: Any, rows: Any, ring_capacity: int = 0) -> None:
+    def store_kv_rows(
+        self, k: Any, v: Any, k_arena: Any, v_arena: Any, rows: Any, ring_capacity: int = 0
+    ) -> None:
         """A batched decode step's K/V: row t of k, v [B, Hkv, D] into slot rows[1 + B + t]'s region of the
         layer's arena k_arena, v_arena [n_slots, capacity, Hkv, D] at position rows[1 + t], for t < rows[0]
         (rows: a device int32 [1 + 2B], read at run time; the rows past rows[0] pad a captured step)."""
@@ -428,13 +442,25 @@ class CupyOps(NumpyOps):
         a CUDA graph: the kernel reads q_pos0 there, and attends from slot 0 of a full layer's pool `k`
         (or the window's start in a ring); splits are sized for the most keys the step could see."""
         if dyn is not None:
-            n_keys = min(ring_capacity, (window or ring_capacity) + q.shape[0] - 1) if ring_capacity else k.shape[0]
+            n_keys = (
+                min(ring_capacity, (window or ring_capacity) + q.shape[0] - 1)
+                if ring_capacity
+                else k.shape[0]
+            )
         else:
             n_keys = q_pos0 + q.shape[0] - k_pos0 if ring_capacity else k.shape[0]
         return self._flash(q, k, v, q_pos0, k_pos0, n_keys, window, scale, ring_capacity, tiles, dyn, None, 0)
 
     def flash_attention_rows(
-        self, q: Any, k_arena: Any, v_arena: Any, rows: Any, *, window: int | None, scale: float, ring_capacity: int = 0
+        self,
+        q: Any,
+        k_arena: Any,
+        v_arena: Any,
+        rows: Any,
+        *,
+        window: int | None,
+        scale: float,
+        ring_capacity: int = 0,
     ) -> Any:
         """A batched decode step's attention in one launch: query row b of q [B, H, D] (position rows[1 + b])
         over its slot's keys (slot rows[1 + B + b] of k_arena, v_arena [n_slots, capacity, Hkv, D]), as
@@ -492,7 +518,9 @@ class CupyOps(NumpyOps):
                 # rounded up to a power of two so a block is whole warps).
                 groups = min(_COMBINE_GROUPS, 1 << (splits - 1).bit_length())
                 combine = self.raw.get("strata_attn_combine_wide", c_type(out.dtype))
-                combine((out_rows,), (groups * d // 4,), args, shared_mem=4 * (-(-splits // 4) * 4 + groups * d))
+                combine(
+                    (out_rows,), (groups * d // 4,), args, shared_mem=4 * (-(-splits // 4) * 4 + groups * d)
+                )
             else:
                 combine = self.raw.get("strata_attn_combine", c_type(out.dtype))
                 combine((-(-out_rows * d // 256),), (256,), args)

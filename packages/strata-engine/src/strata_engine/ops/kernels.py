@@ -53,7 +53,10 @@ class ElementwiseKernels:
         )
         # rows [pos, pos + n) of a flat [rows, width] table, pos read on the device (a captured step)
         self.rows_at = cp.ElementwiseKernel(
-            "raw int32 pos, raw T table, int32 width", "T out", "out = table[pos[0] * width + i]", "strata_rows_at"
+            "raw int32 pos, raw T table, int32 width",
+            "T out",
+            "out = table[pos[0] * width + i]",
+            "strata_rows_at",
         )
         self.gelu_tanh_mul = cp.ElementwiseKernel(
             "T g, T u",

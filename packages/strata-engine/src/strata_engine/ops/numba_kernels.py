@@ -117,7 +117,9 @@ def _block_products(builder, values, x, offset_q, offset_x, nibbles, block):
         x_hi = _load_vector(builder, x, builder.add(offset_x, ir.Constant(_I64, n)), _F32, n)
         prod = builder.fadd(builder.fmul(lo, x_lo), builder.fmul(hi, x_hi))
     else:
-        q = builder.sitofp(_load_vector(builder, values, offset_q, ir.IntType(8), block), ir.VectorType(_F32, block))
+        q = builder.sitofp(
+            _load_vector(builder, values, offset_q, ir.IntType(8), block), ir.VectorType(_F32, block)
+        )
         prod = builder.fmul(q, _load_vector(builder, x, offset_x, _F32, block))
     width = prod.type.count
     while width > _LANES:  # fold halves
@@ -142,18 +144,25 @@ def _row_dot(with_min: bool):
         def codegen(context, builder, signature, args):
             n = block.literal_value
             q_arr, x_arr, s_arr, m_arr, xs_arr = (
-                context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:5], args[:5], strict=True)
+                context.make_array(t)(context, builder, a)
+                for t, a in zip(signature.args[:5], args[:5], strict=True)
             )
             lanes = _lanes(nibbles, n)
             vf = ir.VectorType(_F32, lanes)
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
-            fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32"
+            )
+            fma1 = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32"
+            )
 
             def one_block(b, acc, macc):
                 offset_x = builder.mul(b, ir.Constant(_I64, n))
                 offset_q = builder.mul(b, ir.Constant(_I64, n // 2 if nibbles else n))
                 prod = _block_products(builder, q_arr.data, x_arr.data, offset_q, offset_x, nibbles, n)
-                acc = builder.call(fma, [prod, _splat(builder, _scale_at(builder, s_arr, b, half), lanes), acc])
+                acc = builder.call(
+                    fma, [prod, _splat(builder, _scale_at(builder, s_arr, b, half), lanes), acc]
+                )
                 if with_min:  # min * sum(x) of the block
                     xs = builder.load(builder.gep(xs_arr.data, [b]))
                     macc = builder.call(fma1, [_scale_at(builder, m_arr, b, half), xs, macc])
@@ -168,7 +177,9 @@ def _row_dot(with_min: bool):
             n_blocks = builder.extract_value(s_arr.shape, 0)
             zero_v, zero_s = ir.Constant(vf, [0.0] * lanes), ir.Constant(_F32, 0.0)
             pairs = builder.lshr(n_blocks, ir.Constant(_I64, 1))
-            acc0, acc1, macc0, macc1 = _counted_loop(builder, pairs, block_pair, [zero_v, zero_v, zero_s, zero_s])
+            acc0, acc1, macc0, macc1 = _counted_loop(
+                builder, pairs, block_pair, [zero_v, zero_v, zero_s, zero_s]
+            )
             last = builder.mul(pairs, ir.Constant(_I64, 2))
 
             def tail(i, carried):  # the last block of an odd count
@@ -244,7 +255,9 @@ def _rows_dot(with_min: bool):
             nb = block.literal_value
             lanes = _lanes(nibbles, nb)
             vf = ir.VectorType(_F32, lanes)
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32")
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{lanes}f32"
+            )
             r0_val, rows_val, n_val, tile_val = (
                 context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 3, 7, 8)
             )
@@ -259,7 +272,8 @@ def _rows_dot(with_min: bool):
                 s_rows = [_row_ptr(builder, s_arr, i, scale_elem) for i in weight_rows]
                 m_rows = [_row_ptr(builder, m_arr, i, scale_elem) for i in weight_rows] if with_min else []
                 x_rows = [
-                    _row_ptr(builder, x_arr, builder.add(r0_val, ir.Constant(_I64, r)), _F32) for r in range(n_rows)
+                    _row_ptr(builder, x_arr, builder.add(r0_val, ir.Constant(_I64, r)), _F32)
+                    for r in range(n_rows)
                 ]
 
                 def body(b, accs):
@@ -273,7 +287,9 @@ def _rows_dot(with_min: bool):
                             w.append([builder.call(fma, [qc, d, m]) for qc in q])
                         else:
                             w.append([builder.fmul(qc, d) for qc in q])
-                    out = list(accs)  # accumulator (r * n_w + i) * n_acc + c: token row r, weight row i, chunk c
+                    out = list(
+                        accs
+                    )  # accumulator (r * n_w + i) * n_acc + c: token row r, weight row i, chunk c
                     offset_x = builder.mul(b, ir.Constant(_I64, nb))
                     for r, x_row in enumerate(x_rows):
                         for c in range(n_chunks):  # each x chunk loaded once for the tile's weight rows
@@ -339,7 +355,9 @@ def _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n):
     for m in range(x.shape[0]):
         xr, xs = x[m], xsum[m if has_min else 0]
         if has_min:
-            acc = row_dot_min(row, xr, sc, mn, xs, 32) if block == 32 else row_dot_min(row, xr, sc, mn, xs, 16)
+            acc = (
+                row_dot_min(row, xr, sc, mn, xs, 32) if block == 32 else row_dot_min(row, xr, sc, mn, xs, 16)
+            )
         else:
             acc = row_dot(row, xr, sc, mn, xs, 32) if block == 32 else row_dot(row, xr, sc, mn, xs, 16)
         y[m, n] = acc
@@ -464,7 +482,9 @@ _DOT_ROWS = 4  # query rows per `key_dots` block
 # not fit the registers: each value row read once per four rows (gemma3's 256-wide heads: x1.28). A decode step's
 # few rows stream whole value rows from memory, one row a call there (x1.1 over column blocks; bench/engine/DECISIONS.md "Prompt chunks").
 _SUM_ROWS = 4
-_PREFETCH_KEYS = 32  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
+_PREFETCH_KEYS = (
+    32  # keys ahead whose rows the kernels prefetch (the hardware's prefetch misses strided rows)
+)
 # Software prefetches go to L2, not L1 (prefetcht1: LLVM's locality 2): a batched step's attention from memory
 # x1.2-1.3 over prefetcht0, whose misses hold the L1's few fill buffers (bench/engine/DECISIONS.md "Decode attention").
 PREFETCH_LOCALITY = 2
@@ -583,7 +603,9 @@ def _prefetch_row(builder, arr, index, elem):
     over prefetching the head's own part: bench/engine/DECISIONS.md), _PREFETCH_KEYS keys ahead of the one being read.
     Unrolled, the lines past a shorter row clamped to its last (a loop over the stride cost ~35 instructions a key)."""
     fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch"
+        builder.module,
+        ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
+        "llvm.prefetch",
     )
     row = builder.bitcast(_row_ptr(builder, arr, index, elem), ir.IntType(8).as_pointer())
     last = builder.sub(builder.extract_value(arr.strides, 0), ir.Constant(_I64, 1))
@@ -596,7 +618,9 @@ def _prefetch_row(builder, arr, index, elem):
 
 
 def _kv_intrinsic_args(context, builder, signature, args):
-    return [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)]
+    return [
+        context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3], strict=True)
+    ]
 
 
 _ELEM = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntType(8)}
@@ -604,7 +628,9 @@ _ELEM = {types.uint16: ir.IntType(16), types.float32: _F32, types.int8: ir.IntTy
 
 def _fma(builder):
     vf = ir.VectorType(_F32, _VEC)
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{_VEC}f32")
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{_VEC}f32"
+    )
 
 
 def _literal(value, allowed) -> bool:
@@ -703,7 +729,11 @@ def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
             for r in range(n_rows):
                 for c in range(width):
                     ptr = builder.gep(acc_rows[r], [ir.Constant(_I64, (c0 + c) * _VEC)])
-                    builder.store(final[r * width + c], builder.bitcast(ptr, ir.VectorType(_F32, _VEC).as_pointer()), align=1)
+                    builder.store(
+                        final[r * width + c],
+                        builder.bitcast(ptr, ir.VectorType(_F32, _VEC).as_pointer()),
+                        align=1,
+                    )
         return context.get_dummy_value()
 
     return sig, codegen
@@ -809,7 +839,9 @@ def row_sum(typingctx, row):
     """sum(row) of a contiguous float32 row in one fixed order (16-lane partial sums, `_hsum`, then the tail in
     order): a fastmath loop's sum is vectorized in whatever order LLVM picks for each compiled kernel, and
     the kernels for f16, int8 and float32 storage must round alike."""
-    if not (isinstance(row, types.Array) and row.ndim == 1 and row.dtype == types.float32 and row.layout == "C"):
+    if not (
+        isinstance(row, types.Array) and row.ndim == 1 and row.dtype == types.float32 and row.layout == "C"
+    ):
         return None
 
     def codegen(context, builder, sig, args):
@@ -841,7 +873,9 @@ def _plain_dots(q, keys, scales, has_scales, lo, n, out):
         for i in range(n):
             s = F32(0)
             for j in range(q.shape[1]):
-                s = mul_add(s, q[r, j], decoded(keys[lo + i, j], scales[lo + i, j // 32] if has_scales else F32(1)))
+                s = mul_add(
+                    s, q[r, j], decoded(keys[lo + i, j], scales[lo + i, j // 32] if has_scales else F32(1))
+                )
             out[r, i] = s
 
 
@@ -905,10 +939,14 @@ def _slot_run(p, end, base, capacity):
     return slot, min(end - p, capacity - slot)
 
 
-_I = np.int64  # the kernels pass _attention_split int64s alike (a literal or a prange index would compile another)
+_I = (
+    np.int64
+)  # the kernels pass _attention_split int64s alike (a literal or a prange index would compile another)
 
 
-@njit(fastmath=SAFE_FAST, cache=True)  # one compiled body for the four kernels: inlined into each, +25 s at first start
+@njit(
+    fastmath=SAFE_FAST, cache=True
+)  # one compiled body for the four kernels: inlined into each, +25 s at first start
 def _attention_split(
     sp, q, k, v, k_scale, v_scale, has_scales, n_tok, q_pos0, k_lo, base, capacity, window, acc, m_out, l_out
 ):
@@ -952,7 +990,9 @@ def _attention_split(
                 continue
             sg[: lo - first] = 0
             sg[hi - first :] = 0
-            seen = sg[lo - first : hi - first]  # indexed from 0: numba's index wrap-around check then folds away
+            seen = sg[
+                lo - first : hi - first
+            ]  # indexed from 0: numba's index wrap-around check then folds away
             top = _row_max(seen)
             for i in range(seen.shape[0]):  # vectorized
                 seen[i] = fast_exp(seen[i] - top)
@@ -1030,7 +1070,9 @@ def _merge(acc, m_in, l_in, n_tok, out):
 
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
-def attention(q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out):
+def attention(
+    q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out
+):
     """Causal (sliding-window) GQA attention of queries q [T, H, D] (times `scale`) over the keys at
     positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale, v_scale
     [slots, Hkv, D / 32]) into out [T, H * D]: position p sits in slot p % capacity (a ring, capacity > 0)
@@ -1070,7 +1112,9 @@ def attention_serial(
 
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
-def attention_blocks(q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, block, out):
+def attention_blocks(
+    q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, block, out
+):
     """`attention` of a prompt chunk: queries q [T, H, D] in blocks of `block` tokens, each block one work item
     over all threads (its tokens share every K/V read), its keys one range. The blocks are taken in the order
     first, last, second, second last..., so each thread's contiguous share holds early and late (causal: cheap
@@ -1093,7 +1137,9 @@ def attention_blocks(q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo,
 
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
-def attention_rows(q, scale, k, v, k_scale, v_scale, has_scales, slots, q_pos, k_lo, capacity, window, n_split, out):
+def attention_rows(
+    q, scale, k, v, k_scale, v_scale, has_scales, slots, q_pos, k_lo, capacity, window, n_split, out
+):
     """`attention` of a batched decode step: row b's query q[b] [H, D] at position q_pos[b] over keys
     [k_lo[b], q_pos[b]] of slot slots[b] of a layer's storage for every slot, k, v [n_slots, capacity, Hkv, D]
     (int8: k_scale, v_scale [n_slots, capacity, Hkv, D / 32]; position p at p % capacity in a ring, else at p),
@@ -1277,7 +1323,9 @@ def _store_f16_row(k, v, t, k_dst, v_dst):
             dst_v[j] = half_bits(src_v[j])
 
 
-@njit(fastmath={"nnan", "ninf", "nsz"}, cache=True)  # no reassoc or arcp: the divisions and the rounding are numpy's
+@njit(
+    fastmath={"nnan", "ninf", "nsz"}, cache=True
+)  # no reassoc or arcp: the divisions and the rounding are numpy's
 def quantize_int8_blocks(x, group, q, scale):
     """`NumpyOps.quantize_int8` of x [N, D] float32 over blocks of `group` values of each row: scale[n, j] =
     max|block| / 127 and q = rint(block / scale) clipped to +-127 (an all-zero block: scale 0, q 0), into q [N, D]

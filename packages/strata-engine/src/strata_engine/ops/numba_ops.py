@@ -47,7 +47,9 @@ DEQUANT_CHUNK_BYTES = 2 << 20
 # 16 MiB, bench/engine/DECISIONS.md "Products over both threads"); only toy weights stay serial. On a machine with other work the join waits for
 # a descheduled thread. Products: weight bytes times token rows; attention: keys x query heads x tokens.
 PARALLEL_MIN_BYTES = 64 << 10
-PARALLEL_MIN_SCORES = 1 << 11  # decode from ~230 SmolLM2 keys over all threads (with --poll the threads are awake)
+PARALLEL_MIN_SCORES = (
+    1 << 11
+)  # decode from ~230 SmolLM2 keys over all threads (with --poll the threads are awake)
 # Query tokens up to which attention runs in the tiled kernel; above, key blocks through BLAS.
 ATTN_KERNEL_MAX_TOKENS = 16
 # A longer chunk attends in the kernel too, blocks of ATTN_KERNEL_MAX_TOKENS queries over all threads (1.3-5x
@@ -139,7 +141,9 @@ class NumbaOps(NumpyOps):
             x *= F32(scale)
         return x
 
-    def dequantize(self, w: PackedWeight, out: np.ndarray | None = None, *, parallel: bool = True) -> np.ndarray:
+    def dequantize(
+        self, w: PackedWeight, out: np.ndarray | None = None, *, parallel: bool = True
+    ) -> np.ndarray:
         """float32 [N, K] of a packed weight (into `out` when given), on all threads or this one."""
         if out is None:
             out = np.empty(w.shape, dtype=F32)
@@ -201,7 +205,9 @@ class NumbaOps(NumpyOps):
         (by_row and q8 force either: the benchmarks and tests compare them; the float32 kernels read a tiled
         weight's rows in order from a copy)."""
         m, k = x.shape
-        parallel = self.threads > 1 and m * w.values.nbytes >= PARALLEL_MIN_BYTES  # the scales' bytes: not worth a sum a call
+        parallel = (
+            self.threads > 1 and m * w.values.nbytes >= PARALLEL_MIN_BYTES
+        )  # the scales' bytes: not worth a sum a call
         if w.tiled and (self.q8 if q8 is None else q8):
             return numba_q8.product(x, w, parallel)
         w = w.natural()
@@ -279,7 +285,9 @@ class NumbaOps(NumpyOps):
         k_pool[first : first + n] = k
         v_pool[first : first + n] = v
 
-    def store_kv_rows(self, k: Any, v: Any, k_arena: Any, v_arena: Any, slots: list[int], positions: list[int]) -> None:
+    def store_kv_rows(
+        self, k: Any, v: Any, k_arena: Any, v_arena: Any, slots: list[int], positions: list[int]
+    ) -> None:
         """A batched decode step's K/V, row b of k, v [B, Hkv, D] into position positions[b] of slot slots[b] of
         a layer's arena [n_slots, capacity, Hkv, D] (f16 by `numba_kernels.store_f16_rows`, rounding as numpy's
         cast; f32 by a scatter)."""
@@ -402,4 +410,6 @@ class NumbaOps(NumpyOps):
             has_scales, one, one, one, 0, 0, 1, np.empty((1, n_head * k.shape[2]), dtype=F32),
         )  # fmt: skip
         # the BLAS key blocks' softmax (a wide head deep in a context: gemma3's global layers)
-        nk.online_softmax_step(np.zeros((1, 1), F32), np.full(1, -np.inf, F32), np.zeros(1, F32), np.zeros((1, 1), F32))
+        nk.online_softmax_step(
+            np.zeros((1, 1), F32), np.full(1, -np.inf, F32), np.zeros(1, F32), np.zeros((1, 1), F32)
+        )

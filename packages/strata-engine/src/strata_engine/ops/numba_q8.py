@@ -102,13 +102,18 @@ def q8_tile(typingctx, values, scale, mins, high, t, xq, dxw, xneg, xsum, y, r0,
 
     def codegen(context, builder, signature, args):
         q_arr, s_arr, m_arr, h_arr, xq_arr, dx_arr, xn_arr, xs_arr, y_arr = (
-            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 5, 6, 7, 8, 9)
+            context.make_array(signature.args[i])(context, builder, args[i])
+            for i in (0, 1, 2, 3, 5, 6, 7, 8, 9)
         )
-        t_val, r0_val, rows_val = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (4, 10, 11))
+        t_val, r0_val, rows_val = (
+            context.cast(builder, args[i], signature.args[i], types.int64) for i in (4, 10, 11)
+        )
         dp = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(_V16I, [_V16I] * 3), "llvm.x86.avx512.vpdpbusd.512"
         )
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32"
+        )
         row0 = builder.mul(t_val, ir.Constant(_I64, TILE_ROWS))
         q_tile = _row_ptr(builder, q_arr, row0, _I8)
         scale_elem = ir.IntType(16) if half else _F32
@@ -116,10 +121,14 @@ def q8_tile(typingctx, values, scale, mins, high, t, xq, dxw, xneg, xsum, y, r0,
         m_tile = _row_ptr(builder, m_arr, row0, scale_elem) if with_min else None
         h_tile = _row_ptr(builder, h_arr, row0, _I32) if five else None
         n_blocks = builder.extract_value(s_arr.shape, 1)
-        block_bytes = builder.udiv(builder.extract_value(q_arr.shape, 1), n_blocks)  # of a row: 16 (4-bit), 16 or 32
+        block_bytes = builder.udiv(
+            builder.extract_value(q_arr.shape, 1), n_blocks
+        )  # of a row: 16 (4-bit), 16 or 32
         first_pass = builder.icmp_signed("==", r0_val, ir.Constant(_I64, 0))
         prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch"
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
+            "llvm.prefetch",
         )
 
         def rows_loop(n_rows, loads):
@@ -161,14 +170,18 @@ def q8_tile(typingctx, values, scale, mins, high, t, xq, dxw, xneg, xsum, y, r0,
                         total = ir.Constant(_V16I, [0] * LANES)
                     else:  # -128 sum(qx) (int8 read as q + 128), or -16 sum(qx) (5 bits: q + 16), exactly
                         neg = builder.load(builder.gep(xn_rows[r], [b]))
-                        total = _splat(builder, builder.ashr(neg, ir.Constant(_I32, 3)) if five else neg, LANES)
+                        total = _splat(
+                            builder, builder.ashr(neg, ir.Constant(_I32, 3)) if five else neg, LANES
+                        )
                     for j, w in enumerate(wv):
                         xv = builder.load(builder.gep(xq_rows[r], [builder.add(x0, ir.Constant(_I64, j))]))
                         total = builder.call(dp, [total, w, _splat(builder, xv, LANES)])
                     p = builder.fmul(dw, _splat(builder, builder.load(builder.gep(dx_rows[r], [b])), LANES))
                     acc = builder.call(fma, [builder.sitofp(total, _V16F), p, accs[r]])
                     if with_min:
-                        acc = builder.call(fma, [mw, _splat(builder, builder.load(builder.gep(xs_rows[r], [b])), LANES), acc])
+                        acc = builder.call(
+                            fma, [mw, _splat(builder, builder.load(builder.gep(xs_rows[r], [b])), LANES), acc]
+                        )
                     out.append(acc)
                 return out
 
@@ -176,7 +189,9 @@ def q8_tile(typingctx, values, scale, mins, high, t, xq, dxw, xneg, xsum, y, r0,
             accs = _counted_loop(builder, n_blocks, block, [zero] * n_rows)
             for r in range(n_rows):
                 y_row = _row_ptr(builder, y_arr, x_rows[r], _F32)
-                builder.store(accs[r], builder.bitcast(builder.gep(y_row, [row0]), _V16F.as_pointer()), align=4)
+                builder.store(
+                    accs[r], builder.bitcast(builder.gep(y_row, [row0]), _V16F.as_pointer()), align=4
+                )
 
         done = builder.append_basic_block("q8_done")
         # one loop per token-row count (its accumulators in registers); another count writes nothing
@@ -220,15 +235,18 @@ def quantize_blocks(typingctx, x, r, xq, dx, sums):
     sig = types.void(x, r, xq, dx, sums)
 
     def codegen(context, builder, signature, args):
-        x_arr, xq_arr, dx_arr, sum_arr = (context.make_array(signature.args[i])(context, builder, args[i])
-                                          for i in (0, 2, 3, 4))
+        x_arr, xq_arr, dx_arr, sum_arr = (
+            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 3, 4)
+        )
         row = context.cast(builder, args[1], signature.args[1], types.int64)
         x_row = _row_ptr(builder, x_arr, row, _F32)
         q_row = _row_ptr(builder, xq_arr, row, _I8)
         vf, vi = ir.VectorType(_F32, _HALF_BLOCK), ir.VectorType(_I32, _HALF_BLOCK)
         mod = builder.module
         fabs = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf]), f"llvm.fabs.v{_HALF_BLOCK}f32")
-        vmax = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf, vf]), f"llvm.maxnum.v{_HALF_BLOCK}f32")
+        vmax = cgutils.get_or_insert_function(
+            mod, ir.FunctionType(vf, [vf, vf]), f"llvm.maxnum.v{_HALF_BLOCK}f32"
+        )
         add_all = cgutils.get_or_insert_function(
             mod, ir.FunctionType(_I32, [vi]), f"llvm.vector.reduce.add.v{_HALF_BLOCK}i32"
         )
@@ -236,7 +254,10 @@ def quantize_blocks(typingctx, x, r, xq, dx, sums):
         n_blocks = builder.udiv(builder.extract_value(x_arr.shape, 1), ir.Constant(_I64, QX))
 
         def block(b, carried):
-            at = [builder.add(builder.mul(b, ir.Constant(_I64, QX)), ir.Constant(_I64, h * _HALF_BLOCK)) for h in (0, 1)]
+            at = [
+                builder.add(builder.mul(b, ir.Constant(_I64, QX)), ir.Constant(_I64, h * _HALF_BLOCK))
+                for h in (0, 1)
+            ]
             xs = [_load_vector(builder, x_row, a, _F32, _HALF_BLOCK) for a in at]
             top = builder.call(vmax, [builder.call(fabs, [xs[0]]), builder.call(fabs, [xs[1]])])
             width = _HALF_BLOCK
@@ -248,16 +269,24 @@ def quantize_blocks(typingctx, x, r, xq, dx, sums):
                 ])  # fmt: skip
             amax = builder.extract_element(top, ir.Constant(_I32, 0))
             d = builder.fdiv(amax, ir.Constant(_F32, 127.0))
-            inv = builder.select(builder.fcmp_ordered(">", d, zero), builder.fdiv(ir.Constant(_F32, 1.0), d), zero)
+            inv = builder.select(
+                builder.fcmp_ordered(">", d, zero), builder.fdiv(ir.Constant(_F32, 1.0), d), zero
+            )
             builder.store(d, builder.gep(dx_arr.data, [b]))
             for h, (a, xv) in enumerate(zip(at, xs, strict=True)):
                 v = builder.fmul(xv, _splat(builder, inv, _HALF_BLOCK))
-                half = builder.select(builder.fcmp_ordered(">=", v, ir.Constant(vf, [0.0] * _HALF_BLOCK)),
-                                      ir.Constant(vf, [0.5] * _HALF_BLOCK), ir.Constant(vf, [-0.5] * _HALF_BLOCK))
+                half = builder.select(
+                    builder.fcmp_ordered(">=", v, ir.Constant(vf, [0.0] * _HALF_BLOCK)),
+                    ir.Constant(vf, [0.5] * _HALF_BLOCK),
+                    ir.Constant(vf, [-0.5] * _HALF_BLOCK),
+                )
                 qi = builder.fptosi(builder.fadd(v, half), vi)
                 dst = builder.gep(q_row, [a])
-                builder.store(builder.trunc(qi, ir.VectorType(_I8, _HALF_BLOCK)),
-                              builder.bitcast(dst, ir.VectorType(_I8, _HALF_BLOCK).as_pointer()), align=1)
+                builder.store(
+                    builder.trunc(qi, ir.VectorType(_I8, _HALF_BLOCK)),
+                    builder.bitcast(dst, ir.VectorType(_I8, _HALF_BLOCK).as_pointer()),
+                    align=1,
+                )
                 slot = builder.add(builder.mul(b, ir.Constant(_I64, 2)), ir.Constant(_I64, h))
                 builder.store(builder.call(add_all, [qi]), builder.gep(sum_arr.data, [slot]))
             return []

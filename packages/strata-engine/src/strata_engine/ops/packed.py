@@ -76,7 +76,9 @@ class PackedWeight:
     def rows(self, lo: int, hi: int) -> PackedWeight:
         """Rows [lo, hi) (views; a tiled weight's on tile bounds)."""
         if self.tiled and (lo % TILE_ROWS or (hi % TILE_ROWS and hi != self.shape[0])):
-            raise ValueError(f"rows [{lo}, {hi}) of a tiled weight do not start and end on its {TILE_ROWS}-row tiles")
+            raise ValueError(
+                f"rows [{lo}, {hi}) of a tiled weight do not start and end on its {TILE_ROWS}-row tiles"
+            )
         mins = None if self.min is None else self.min[lo:hi]
         high = None if self.high is None else self.high[lo:hi]
         return PackedWeight(self.values[lo:hi], self.scale[lo:hi], mins, self.block, self.tiled, high)
@@ -94,7 +96,9 @@ class PackedWeight:
             return _tiles(a)[tile, :, lane]
 
         values = pick(self.values.view(np.int32)).view(self.values.dtype)
-        return PackedWeight(values, pick(self.scale), None if self.min is None else pick(self.min), self.block)
+        return PackedWeight(
+            values, pick(self.scale), None if self.min is None else pick(self.min), self.block
+        )
 
     def tile(self) -> PackedWeight:
         """The weight with its rows interleaved in tiles (module docstring): N a multiple of TILE_ROWS, rows of
@@ -102,7 +106,9 @@ class PackedWeight:
         if self.tiled:
             return self
         if self.shape[0] % TILE_ROWS or self.values.shape[1] % 4:
-            raise ValueError(f"a [{self.shape[0]}, {self.shape[1]}] weight cannot be tiled by {TILE_ROWS} rows")
+            raise ValueError(
+                f"a [{self.shape[0]}, {self.shape[1]}] weight cannot be tiled by {TILE_ROWS} rows"
+            )
         mins = None if self.min is None else _interleave(self.min)
         return PackedWeight(_interleave(self.values.view(np.int32)).view(self.values.dtype), _interleave(self.scale), mins,
                             self.block, tiled=True)  # fmt: skip
@@ -114,20 +120,28 @@ class PackedWeight:
     def fits_five_bits(self) -> bool:
         """Whether `as_five_bit` takes this weight."""
         plain = self.tiled and self.values.dtype == np.int8 and self.block == QK and self.min is None
-        return plain and self.values.size > 0 and int(self.values.min()) >= -16 and int(self.values.max()) <= 15
+        return (
+            plain and self.values.size > 0 and int(self.values.min()) >= -16 and int(self.values.max()) <= 15
+        )
 
     def as_five_bit(self) -> PackedWeight:
         """This tiled int8 weight of 32-value blocks, no min, every value in -16..15, in 5 bits a value
         (module docstring); ValueError for any other."""
         if not self.fits_five_bits():
-            raise ValueError("only a tiled int8 weight of 32-value blocks, no min, values in -16..15 fits 5 bits")
+            raise ValueError(
+                "only a tiled int8 weight of 32-value blocks, no min, values in -16..15 fits 5 bits"
+            )
         n, k = self.shape
         # u = q + 16 (uint8 wraps) by [tile, block, dword j, lane, byte m]: value 4j + m of the lane's row
         u = (self.values.view(np.uint8) + np.uint8(16)).reshape(n // TILE_ROWS, k // QK, 8, TILE_ROWS, 4)
         low = u & 15
-        values = np.ascontiguousarray(low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(n, k // 2)  # the 4-bit pairs
+        values = np.ascontiguousarray(low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(
+            n, k // 2
+        )  # the 4-bit pairs
         bits = np.ascontiguousarray((u >> 4).transpose(0, 1, 3, 4, 2))  # [tile, block, lane, m, j]
-        high = np.packbits(bits, axis=-1, bitorder="little").reshape(-1, 4).view(np.uint32)  # byte m: bit j (x86: LE)
+        high = (
+            np.packbits(bits, axis=-1, bitorder="little").reshape(-1, 4).view(np.uint32)
+        )  # byte m: bit j (x86: LE)
         return PackedWeight(values, self.scale, None, QK, tiled=True, high=high.reshape(n, k // QK))
 
     def natural(self) -> PackedWeight:
@@ -304,7 +318,9 @@ PACKERS: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Packed], int, b
 DENSE_TYPES = frozenset({T.F32, T.F16, T.BF16})  # kept as float32 arrays
 
 
-def pack_tensor(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...], name: str) -> PackedWeight | None:
+def pack_tensor(
+    raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...], name: str
+) -> PackedWeight | None:
     """A 2-D tensor's raw bytes in the kernels' layout; None for a float tensor (kept dense)."""
     if ggml_type in DENSE_TYPES:
         return None

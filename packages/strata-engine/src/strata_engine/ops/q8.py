@@ -40,7 +40,9 @@ def matmul_q8(x: np.ndarray, w: PackedWeight) -> np.ndarray:
     qw = w.int_values().astype(np.int64).reshape(n, nb, w.block)
     qxb = qx.astype(np.int64).reshape(m, nb, w.block)
     dots = np.einsum("nbj,mbj->mnb", qw, qxb).astype(np.float64)
-    dxb = np.repeat(dx, QX // w.block, axis=1) if w.block < QX else dx  # the activation scale of each weight block
+    dxb = (
+        np.repeat(dx, QX // w.block, axis=1) if w.block < QX else dx
+    )  # the activation scale of each weight block
     scale, mins = w.float_scales()
     y = np.einsum("mnb,nb,mb->mn", dots, scale.astype(np.float64), dxb.astype(np.float64))
     if mins is not None:

@@ -226,7 +226,9 @@ class EngineSession:
             if starts[i] < runner.pool.ring_start:
                 raise E.InvalidSnapshot(
                     f"layer {i} must save positions [{starts[i]}, {n}) but its ring holds from "
-                    f"{runner.pool.ring_start} only", field=f"layers[{i}]")
+                    f"{runner.pool.ring_start} only",
+                    field=f"layers[{i}]",
+                )
         checkpoint, engine_fields = self.fields.encode(n, state.deepest_checkpoint, runner.pool.ops.to_host)
         running = RunningState(
             tokens=state.tokens,
@@ -255,8 +257,9 @@ class EngineSession:
         n = st.n_tokens
         where: dict[str, Any] = {"path": plan.path}
         if st.position != n:
-            raise E.InconsistentState(f"position {st.position} differs from the {n} tokens held",
-                                      field="state.position", **where)
+            raise E.InconsistentState(
+                f"position {st.position} differs from the {n} tokens held", field="state.position", **where
+            )
         ring_start, checkpoints = self.fields.decode(st, where)
         sampler = None
         if st.sampler_state:
@@ -274,7 +277,9 @@ class EngineSession:
             if keep < self.cut.min_keep:
                 raise PrefixUnreachable(
                     f"{plan.path}: the deepest resume point at or below {self.cut.cut_to} of its {n} tokens is "
-                    f"{keep}, below the {self.cut.min_keep} asked for", keep)
+                    f"{keep}, below the {self.cut.min_keep} asked for",
+                    keep,
+                )
         self._prepared = _Prepared(id(plan), runner_state, sampler, self._starts(n), keep)
 
     def _require_prepared(self, plan: RestorePlan) -> _Prepared:
@@ -329,7 +334,9 @@ class EngineSession:
             dest = self._staged[layer][part]
             assert dest is not None  # None only for an empty part, which has no bytes to land
             return [dest[offset : offset + length].data]  # a memoryview of the slice
-        if self._staging_in_pool:  # staged into a pool that holds nothing: its slots (no conversation to keep)
+        if (
+            self._staging_in_pool
+        ):  # staged into a pool that holds nothing: its slots (no conversation to keep)
             flat, segs = self._segments(layer, part, self._prepared_starts()[layer], offset, length)
             return [memoryview(flat[lo:hi]) for lo, hi, _d in segs]
         # streaming, after the gate (begin_apply): the live pool's slots

@@ -43,15 +43,17 @@ class EngineFieldsCodec:
         return sum(self.geometry.token_bytes(i) for i in self.ring_layers)
 
     # ---- save ------------------------------------------------------------------------------------
-    def encode(self, n: int, checkpoint: RingCheckpoint | None,
-               to_host: Callable[[Any], np.ndarray]) -> tuple[Checkpoint, bytes]:
+    def encode(
+        self, n: int, checkpoint: RingCheckpoint | None, to_host: Callable[[Any], np.ndarray]
+    ) -> tuple[Checkpoint, bytes]:
         """(the file's checkpoint, the engine fields) for a conversation of n tokens."""
         file_checkpoint, cp_fields = self._encode_checkpoint(checkpoint, to_host)
         fields = {"layout": SESSION_LAYOUT_VERSION, "ring_start": self.ring_start(n), "checkpoint": cp_fields}
         return file_checkpoint, json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
-    def _encode_checkpoint(self, cp: RingCheckpoint | None,
-                           to_host: Callable[[Any], np.ndarray]) -> tuple[Checkpoint, dict | None]:
+    def _encode_checkpoint(
+        self, cp: RingCheckpoint | None, to_host: Callable[[Any], np.ndarray]
+    ) -> tuple[Checkpoint, dict | None]:
         if cp is None or not self.ring_layers:
             return Checkpoint(0, b""), None
         n_bytes = (cp.position - cp.start) * self.checkpoint_token_bytes()
@@ -60,7 +62,9 @@ class EngineFieldsCodec:
             return Checkpoint(0, b""), None
         # One copy: join reads each (contiguous) array's buffer directly. A device pool keeps its
         # checkpoints on the device (kv/checkpoints.py): they come to the host here, at the save.
-        chunks = [np.ascontiguousarray(to_host(arr)).data for i in self.ring_layers for arr in cp.layers[i].arrays()]
+        chunks = [
+            np.ascontiguousarray(to_host(arr)).data for i in self.ring_layers for arr in cp.layers[i].arrays()
+        ]
         return Checkpoint(cp.position, b"".join(chunks)), {"position": cp.position, "start": cp.start}
 
     # ---- restore ---------------------------------------------------------------------------------
@@ -71,35 +75,52 @@ class EngineFieldsCodec:
         try:
             fields = json.loads(st.engine_fields.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise E.InconsistentState(f"engine fields are not JSON: {exc}", field="state.engine_fields",
-                                      **where) from None
+            raise E.InconsistentState(
+                f"engine fields are not JSON: {exc}", field="state.engine_fields", **where
+            ) from None
         if not isinstance(fields, dict) or fields.get("layout") != SESSION_LAYOUT_VERSION:
-            raise E.InconsistentState(f"engine fields {fields!r} are not layout {SESSION_LAYOUT_VERSION}",
-                                      field="state.engine_fields", **where)
+            raise E.InconsistentState(
+                f"engine fields {fields!r} are not layout {SESSION_LAYOUT_VERSION}",
+                field="state.engine_fields",
+                **where,
+            )
         ring_start = self.ring_start(n)
         if fields.get("ring_start") != ring_start:
-            raise E.InconsistentState(f"ring_start {fields.get('ring_start')!r} should be {ring_start}",
-                                      field="state.engine_fields.ring_start", **where)
+            raise E.InconsistentState(
+                f"ring_start {fields.get('ring_start')!r} should be {ring_start}",
+                field="state.engine_fields.ring_start",
+                **where,
+            )
         return ring_start, self._decode_checkpoint(st, fields.get("checkpoint", "missing"), where)
 
     def _decode_checkpoint(self, st: RunningState, cp_fields: Any, where: dict) -> tuple[RingCheckpoint, ...]:
         data, index = st.checkpoint.data, st.checkpoint.token_index
         if cp_fields is None:
             if data or index:
-                raise E.InconsistentState("checkpoint data without its engine fields", field="state.checkpoint",
-                                          **where)
+                raise E.InconsistentState(
+                    "checkpoint data without its engine fields", field="state.checkpoint", **where
+                )
             return ()
-        if (not isinstance(cp_fields, dict) or self.window is None  # window: None exactly without rings
-                or cp_fields.get("position") != index
-                or cp_fields.get("start") != max(0, index - self.window + 1)):
-            raise E.InconsistentState(f"checkpoint fields {cp_fields!r} do not match token index {index}",
-                                      field="state.engine_fields.checkpoint", **where)
+        if (
+            not isinstance(cp_fields, dict)
+            or self.window is None  # window: None exactly without rings
+            or cp_fields.get("position") != index
+            or cp_fields.get("start") != max(0, index - self.window + 1)
+        ):
+            raise E.InconsistentState(
+                f"checkpoint fields {cp_fields!r} do not match token index {index}",
+                field="state.engine_fields.checkpoint",
+                **where,
+            )
         start = cp_fields["start"]
         count = index - start
         expected = count * self.checkpoint_token_bytes()
         if len(data) != expected:
-            raise E.InconsistentState(f"checkpoint data is {len(data)} bytes; {count} tokens of the ring layers "
-                                      f"are {expected}", field="state.checkpoint.data", **where)
+            raise E.InconsistentState(
+                f"checkpoint data is {len(data)} bytes; {count} tokens of the ring layers are {expected}",
+                field="state.checkpoint.data",
+                **where,
+            )
         geometry = self.geometry
         sdt = geometry.storage_dtype
         buf = np.frombuffer(data, dtype=np.uint8)  # bytes are immutable: read-only views, no copy
@@ -120,7 +141,10 @@ class EngineFieldsCodec:
             k, v = take((count, *g.row_shape), sdt), take((count, *g.row_shape), sdt)
             ks = vs = None
             if geometry.has_scales:
-                ks, vs = take((count, *g.scale_shape), SCALE_DTYPE), take((count, *g.scale_shape), SCALE_DTYPE)
+                ks, vs = (
+                    take((count, *g.scale_shape), SCALE_DTYPE),
+                    take((count, *g.scale_shape), SCALE_DTYPE),
+                )
             layers[i] = KVParts(k, v, ks, vs)
         assert pos == len(data)
         return (RingCheckpoint(position=index, start=start, layers=layers),)

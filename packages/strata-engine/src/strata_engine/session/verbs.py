@@ -78,9 +78,15 @@ class SessionOptions:
     object_store_endpoint: str | None = None  # s3:// paths: a non-AWS store's endpoint (None: AWS's)
 
     @classmethod
-    def from_environ(cls, restore_mode: str = "auto", environ: Mapping[str, str] | None = None, *,
-                     key: sf.SessionKey | None = None, require_mac: bool = True,
-                     object_store_endpoint: str | None = None) -> SessionOptions:
+    def from_environ(
+        cls,
+        restore_mode: str = "auto",
+        environ: Mapping[str, str] | None = None,
+        *,
+        key: sf.SessionKey | None = None,
+        require_mac: bool = True,
+        object_store_endpoint: str | None = None,
+    ) -> SessionOptions:
         """The options for `strata-engine serve`; a fault point only from FAULT_ENV (tests)."""
         env = os.environ if environ is None else environ
         raw = env.get(FAULT_ENV, "").strip()
@@ -89,11 +95,17 @@ class SessionOptions:
             try:
                 fault = FaultPoint(raw)
             except ValueError:
-                raise ValueError(f"{FAULT_ENV}={raw!r}: expected one of "
-                                 f"{', '.join(f.value for f in FaultPoint)}") from None
+                raise ValueError(
+                    f"{FAULT_ENV}={raw!r}: expected one of {', '.join(f.value for f in FaultPoint)}"
+                ) from None
             log.warning("session fault injection armed: %s (tests only)", fault.value)
-        return cls(restore_mode=restore_mode, fault=fault, key=key, require_mac=require_mac,
-                   object_store_endpoint=object_store_endpoint)
+        return cls(
+            restore_mode=restore_mode,
+            fault=fault,
+            key=key,
+            require_mac=require_mac,
+            object_store_endpoint=object_store_endpoint,
+        )
 
 
 class GatedSession(EngineSession):
@@ -146,7 +158,9 @@ class SessionVerbs:
             b[:] = bytes(len(b))
 
     def read_threads(self) -> int:
-        return self.options.read_threads if self.options.read_threads is not None else sf.default_read_threads()
+        return (
+            self.options.read_threads if self.options.read_threads is not None else sf.default_read_threads()
+        )
 
     def readers(self) -> sf.ReadThreads:
         """The threads every RESTORE reads with, kept for the process's life (starting them per pass cost
@@ -162,8 +176,9 @@ class SessionVerbs:
                 try:
                     from strata_sessionfile.objstore import s3_client
                 except ImportError as exc:
-                    raise ProtocolError(ErrorKind.INVALID_REQUEST, f"s3:// paths: {exc}",
-                                        reason=Reason.BAD_ARGUMENT.value) from None
+                    raise ProtocolError(
+                        ErrorKind.INVALID_REQUEST, f"s3:// paths: {exc}", reason=Reason.BAD_ARGUMENT.value
+                    ) from None
                 self._s3_client = s3_client(self.options.object_store_endpoint)
             return self._s3_client
 
@@ -175,7 +190,9 @@ class SessionVerbs:
         try:
             return s3_location(path)
         except ValueError as exc:
-            raise ProtocolError(ErrorKind.INVALID_REQUEST, str(exc), reason=Reason.BAD_ARGUMENT.value) from None
+            raise ProtocolError(
+                ErrorKind.INVALID_REQUEST, str(exc), reason=Reason.BAD_ARGUMENT.value
+            ) from None
 
     def _sink(self, path: str, sync: bool = True) -> Any:
         """What a save writes: the path, a file not fsynced, or an object (durable once its upload completes:
@@ -208,8 +225,14 @@ class SessionVerbs:
             self._identity_of = (key, runner_identity(runner))
         return self._identity_of[1]
 
-    def adapter(self, ctx: ServeContext, slot: int, cut: PrefixCut | None = None,
-                discard_held: bool = False, gate: Any = None) -> EngineSession:
+    def adapter(
+        self,
+        ctx: ServeContext,
+        slot: int,
+        cut: PrefixCut | None = None,
+        discard_held: bool = False,
+        gate: Any = None,
+    ) -> EngineSession:
         runner = ctx.runner_of(slot)
         return (EngineSession if gate is None else partial(GatedSession, gate=gate))(
             runner,
@@ -235,8 +258,14 @@ class SessionVerbs:
             if p.phase == last[0] and p.bytes_done < p.bytes_total and now - last[2] < PROGRESS_INTERVAL_S:
                 return
             last[:] = [p.phase, p.bytes_done, now]
-            request.emit({"event": "progress", "phase": p.phase.value, "bytes_done": p.bytes_done,
-                          "bytes_total": p.bytes_total})
+            request.emit(
+                {
+                    "event": "progress",
+                    "phase": p.phase.value,
+                    "bytes_done": p.bytes_done,
+                    "bytes_total": p.bytes_total,
+                }
+            )
 
         return report
 
@@ -246,15 +275,24 @@ class SessionVerbs:
         sink = self._sink(parsed.path, parsed.sync)  # a malformed s3:// URL: a bad argument
         adapter = self.adapter(ctx, request.slot, gate=request.gate)
         try:
-            report = sf.save(sink, adapter, block_size=self.block_size(adapter.runner), progress=self._progress(request),
-                             key=self.options.key)
+            report = sf.save(
+                sink,
+                adapter,
+                block_size=self.block_size(adapter.runner),
+                progress=self._progress(request),
+                key=self.options.key,
+            )
         except E.DirSyncFailed as exc:
-            raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason,
-                                extra={"file_in_place": True}) from exc
+            raise ProtocolError(
+                ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason, extra={"file_in_place": True}
+            ) from exc
         except E.SessionFileError as exc:
             raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason) from exc
-        return {"n_saved": report.n_tokens, "n_written": report.bytes_written,
-                "save_ms": round(report.elapsed_s * 1000.0, 3)}
+        return {
+            "n_saved": report.n_tokens,
+            "n_written": report.bytes_written,
+            "save_ms": round(report.elapsed_s * 1000.0, 3),
+        }
 
     def restore(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         parsed: RestoreArgs = arguments_of(request)
@@ -268,40 +306,61 @@ class SessionVerbs:
         cut = None
         if parsed.cut_to is not None or parsed.min_keep:
             cut = PrefixCut(runner.n_ctx if parsed.cut_to is None else parsed.cut_to, parsed.min_keep)
-        answer = self._restore(request, parsed.path,
-                               self.adapter(ctx, request.slot, cut, parsed.discard_held, request.gate))
+        answer = self._restore(
+            request, parsed.path, self.adapter(ctx, request.slot, cut, parsed.discard_held, request.gate)
+        )
         return {**answer, "n_kept": runner.n_held}
 
     def _restore(self, request: Request, path: str, adapter: EngineSession) -> Mapping[str, Any]:
         location = self._object(path)  # a malformed s3:// URL: a bad argument, not a refused file
         try:
             with self._source(path, location) as source:
-                report = sf.restore(source, adapter, mode=self.options.restore_mode,
-                                    block_size=self.block_size(adapter.runner), progress=self._progress(request),
-                                    read_threads=self.readers(), key=self.options.key,
-                                    require_mac=self.options.require_mac and self.options.key is not None)
+                report = sf.restore(
+                    source,
+                    adapter,
+                    mode=self.options.restore_mode,
+                    block_size=self.block_size(adapter.runner),
+                    progress=self._progress(request),
+                    read_threads=self.readers(),
+                    key=self.options.key,
+                    require_mac=self.options.require_mac and self.options.key is not None,
+                )
         except E.FailStop as exc:
             self._slot_failed(adapter, request.slot, str(exc), exc.cause_reason, exc)
         except BaseException as exc:
             if adapter.live_touched:  # e.g. a staged switch that failed half-way: nothing vouches for the K/V
                 adapter.fail_stop(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
                 reason = exc.reason if isinstance(exc, E.SessionFileError) else "adapter_failed"
-                self._slot_failed(adapter, request.slot, f"restore failed after the slot's K/V was written: {exc}",
-                                  reason, exc)
+                self._slot_failed(
+                    adapter,
+                    request.slot,
+                    f"restore failed after the slot's K/V was written: {exc}",
+                    reason,
+                    exc,
+                )
             if isinstance(exc.__cause__, PrefixUnreachable):  # raised in check_plan, wrapped by the library
-                raise ProtocolError(ErrorKind.SESSION_REFUSED, str(exc.__cause__),
-                                    reason=Reason.PREFIX_UNREACHABLE.value,
-                                    extra={"resume_point": exc.__cause__.resume_point}) from exc
+                raise ProtocolError(
+                    ErrorKind.SESSION_REFUSED,
+                    str(exc.__cause__),
+                    reason=Reason.PREFIX_UNREACHABLE.value,
+                    extra={"resume_point": exc.__cause__.resume_point},
+                ) from exc
             if isinstance(exc, E.SessionFileError):
                 raise ProtocolError(ErrorKind.SESSION_REFUSED, str(exc), reason=exc.reason) from exc
             raise
-        return {"n_restored": report.n_tokens, "n_read": report.bytes_read,
-                "restore_ms": round(report.elapsed_s * 1000.0, 3), "mode": report.mode.value,
-                "read_pass_ms": round(report.read_pass_s * 1000.0, 3), "apply_ms": round(report.apply_s * 1000.0, 3)}
-
+        return {
+            "n_restored": report.n_tokens,
+            "n_read": report.bytes_read,
+            "restore_ms": round(report.elapsed_s * 1000.0, 3),
+            "mode": report.mode.value,
+            "read_pass_ms": round(report.read_pass_s * 1000.0, 3),
+            "apply_ms": round(report.apply_s * 1000.0, 3),
+        }
 
     @staticmethod
-    def _slot_failed(adapter: EngineSession, slot: int | None, message: str, reason: str, cause: BaseException):
+    def _slot_failed(
+        adapter: EngineSession, slot: int | None, message: str, reason: str, cause: BaseException
+    ):
         """A restore failed after the gate: only this slot's region was written, so erasing the slot confines
         the failure to it (`slot_failed`); if even the erase fails, nothing vouches for the pool (`FailStop`)."""
         try:
@@ -311,12 +370,16 @@ class SessionVerbs:
             log.exception("erasing slot %s after a failed restore failed", slot)
             raise FailStop(f"{message}; erasing slot {slot} failed too: {exc}", reason=reason) from cause
         log.error("slot %s erased after a restore failed past its gate: %s", slot, message)
-        raise ProtocolError(ErrorKind.SLOT_FAILED, f"{message} (slot {slot} was erased; the other slots are intact)",
-                            reason=reason) from cause
+        raise ProtocolError(
+            ErrorKind.SLOT_FAILED,
+            f"{message} (slot {slot} was erased; the other slots are intact)",
+            reason=reason,
+        ) from cause
 
 
-def register_session_verbs(registry: CommandRegistry, options: SessionOptions | None = None,
-                           ctx: ServeContext | None = None) -> SessionVerbs:
+def register_session_verbs(
+    registry: CommandRegistry, options: SessionOptions | None = None, ctx: ServeContext | None = None
+) -> SessionVerbs:
     """Install SAVE, RESTORE and RESTORE_PREFIX. With `ctx`, `SessionVerbs.warm` runs now (fingerprinting the model files
     takes ~0.2-0.7 s on a 262K-token vocabulary: start-up time, not the first verb's)."""
     verbs = SessionVerbs(options or SessionOptions())

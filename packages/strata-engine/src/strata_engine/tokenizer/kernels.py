@@ -138,8 +138,11 @@ def build_text_table(tok_cps, tok_off, n_slots):
         slot = np.int64(h & np.uint64(mask))
         while ids[slot] != _EMPTY:
             other = ids[slot]
-            if (hashes[slot] == h and tok_off[other + 1] - tok_off[other] == stop - start
-                    and _same_span(tok_cps, tok_off[other], tok_cps, start, stop - start)):
+            if (
+                hashes[slot] == h
+                and tok_off[other + 1] - tok_off[other] == stop - start
+                and _same_span(tok_cps, tok_off[other], tok_cps, start, stop - start)
+            ):
                 break
             slot = (slot + 1) & mask
         hashes[slot] = h
@@ -158,8 +161,11 @@ def _text_id(hashes, ids, tok_cps, tok_off, cps, start, stop):
         token = ids[slot]
         if token == _EMPTY:
             return np.int64(-1)
-        if (hashes[slot] == h and tok_off[token + 1] - tok_off[token] == n
-                and _same_span(tok_cps, tok_off[token], cps, start, n)):
+        if (
+            hashes[slot] == h
+            and tok_off[token + 1] - tok_off[token] == n
+            and _same_span(tok_cps, tok_off[token], cps, start, n)
+        ):
             return np.int64(token)
         slot = (slot + 1) & mask
 
@@ -323,8 +329,14 @@ def _utf8(cp, dest, at):
 def _scratch(room):
     """Per-word arrays for words of up to `room` symbols: symbol, size, next, previous, and the heap's
     keys and values (at most 3 entries a symbol: one per initial pair, two per merge)."""
-    return (np.empty(room, np.int32), np.empty(room, np.int32), np.empty(room, np.int32),
-            np.empty(room, np.int32), np.empty(3 * room, np.int64), np.empty(3 * room, np.int32))
+    return (
+        np.empty(room, np.int32),
+        np.empty(room, np.int32),
+        np.empty(room, np.int32),
+        np.empty(room, np.int32),
+        np.empty(3 * room, np.int64),
+        np.empty(3 * room, np.int32),
+    )
 
 
 # -- GPT-2 byte-level BPE --------------------------------------------------------------------------------
@@ -398,7 +410,9 @@ def _bpe_merge(sym, size_of, nxt, prv, m, pair_keys, pair_values, merge_result, 
         if before >= 0:
             rank = _pair_rank(pair_keys, pair_values, sym[before], sym[left])
             if rank >= 0:
-                size = _heap_push(heap_keys, heap_values, size, (rank << 32) | before, size_of[before] + total)
+                size = _heap_push(
+                    heap_keys, heap_values, size, (rank << 32) | before, size_of[before] + total
+                )
         if after >= 0:
             rank = _pair_rank(pair_keys, pair_values, sym[left], sym[after])
             if rank >= 0:
@@ -406,8 +420,21 @@ def _bpe_merge(sym, size_of, nxt, prv, m, pair_keys, pair_values, merge_result, 
 
 
 @njit(cache=True, nogil=True)
-def bpe_encode(cps, item_start, item_stop, item_token, classes, digits_apart, byte_symbol, pair_keys, pair_values,
-               merge_result, n_vocab, fallback_off, fallback_ids):
+def bpe_encode(
+    cps,
+    item_start,
+    item_stop,
+    item_token,
+    classes,
+    digits_apart,
+    byte_symbol,
+    pair_keys,
+    pair_values,
+    merge_result,
+    n_vocab,
+    fallback_off,
+    fallback_ids,
+):
     """Token ids of a sequence of items: text cps[item_start[k]:item_stop[k]], or, where item_token[k] >= 0,
     that token itself (a special token found by the partition).
 
@@ -454,7 +481,9 @@ def bpe_encode(cps, item_start, item_stop, item_token, classes, digits_apart, by
                     sym[m] = byte_symbol[utf8[b]]
                     size_of[m] = 1
                     m += 1
-            _bpe_merge(sym, size_of, nxt, prv, m, pair_keys, pair_values, merge_result, heap_keys, heap_values)
+            _bpe_merge(
+                sym, size_of, nxt, prv, m, pair_keys, pair_values, merge_result, heap_keys, heap_values
+            )
             first = n_out
             k = 0  # the first symbol is never merged away
             while k >= 0:
@@ -507,15 +536,38 @@ def _spm_merge(cps, base, m, size_of, nxt, prv, heap_keys, heap_values, tables, 
         after = _unlink(size_of, nxt, prv, left, right, total)
         before = prv[left]
         if before >= 0 and size_of[before] + total <= max_token_len:
-            size = _spm_push(cps, base, np.int64(before), np.int64(left + total), size, heap_keys, heap_values, tables)
+            size = _spm_push(
+                cps, base, np.int64(before), np.int64(left + total), size, heap_keys, heap_values, tables
+            )
         if after >= 0 and total + size_of[after] <= max_token_len:
-            size = _spm_push(cps, base, np.int64(left), np.int64(after + size_of[after]), size, heap_keys, heap_values,
-                             tables)
+            size = _spm_push(
+                cps,
+                base,
+                np.int64(left),
+                np.int64(after + size_of[after]),
+                size,
+                heap_keys,
+                heap_values,
+                tables,
+            )
 
 
 @njit(cache=True, nogil=True)
-def spm_encode(cps, item_start, item_stop, item_token, text_hashes, text_ids, tok_cps, tok_off, max_token_len,
-               score_rank, space_joiners, byte_ids, unk_id):
+def spm_encode(
+    cps,
+    item_start,
+    item_stop,
+    item_token,
+    text_hashes,
+    text_ids,
+    tok_cps,
+    tok_off,
+    max_token_len,
+    score_rank,
+    space_joiners,
+    byte_ids,
+    unk_id,
+):
     """Token ids of a sequence of items (text cps[item_start[k]:item_stop[k]], spaces already U+2581, or
     the token item_token[k] where >= 0), and -1; or no ids and the byte that has neither a byte token
     nor an unknown token to stand for it.

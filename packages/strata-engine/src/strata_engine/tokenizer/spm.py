@@ -59,7 +59,9 @@ class SentencePieceEncoder:
         )
         self._max_token_len = int(lengths.max())
         # the best score first: rank 0; equal scores share a rank (the leftmost pair then wins)
-        self._score_rank = np.unique(-np.asarray(vocab.scores, np.float64), return_inverse=True)[1].astype(np.int32)
+        self._score_rank = np.unique(-np.asarray(vocab.scores, np.float64), return_inverse=True)[1].astype(
+            np.int32
+        )
         # the characters that precede a U+2581 inside some token: a word boundary is a U+2581 after any other
         joiners = {ord(text[at - 1]) for text in tokens for at in _space_marks(text) if at}
         self._space_joiners = np.array(sorted(joiners), np.uint32)

@@ -114,9 +114,7 @@ def gpt2_pattern() -> re.Pattern[str]:
     which is what llama.cpp's hand-written `unicode_regex_split_custom_gpt2` implements."""
     c = character_classes()
     L, N, S = c["L"], c["N"], c["S"]
-    return re.compile(
-        rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
-    )
+    return re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+")
 
 
 @functools.cache

@@ -47,12 +47,36 @@ FIM_KEYS: dict[FimToken, tuple[str, ...]] = {
     FimToken.SEP: ("tokenizer.ggml.fim_sep_token_id",),
 }
 FIM_TEXTS: dict[FimToken, tuple[str, ...]] = {
-    FimToken.PRE: ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-                   "<|code_prefix|>", "<|prefix|>"),
-    FimToken.SUF: ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-                   "<|code_suffix|>", "<|suffix|>"),
-    FimToken.MID: ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-                   "<|code_middle|>", "<|middle|>"),
+    FimToken.PRE: (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<｜fim▁begin｜>",
+        "<PRE>",
+        "▁<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    FimToken.SUF: (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<｜fim▁hole｜>",
+        "<SUF>",
+        "▁<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    FimToken.MID: (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<｜fim▁end｜>",
+        "<MID>",
+        "▁<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
     FimToken.PAD: ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     FimToken.REP: ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     FimToken.SEP: ("<|file_sep|>",),
@@ -177,8 +201,9 @@ class Vocabulary:
         return fragments
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, default_add_bos: bool,
-                           default_add_space_prefix: bool) -> Vocabulary:
+    def from_gguf_metadata(
+        cls, metadata: Mapping[str, Any], *, default_add_bos: bool, default_add_space_prefix: bool
+    ) -> Vocabulary:
         problems: list[str] = []
         tokens_raw = metadata.get("tokenizer.ggml.tokens")
         if not isinstance(tokens_raw, (list, tuple)) or not tokens_raw:
@@ -266,7 +291,9 @@ class Vocabulary:
         )
 
 
-def _fim_tokens(metadata: Mapping[str, Any], token_to_id: Mapping[str, int], types: np.ndarray) -> dict[FimToken, int]:
+def _fim_tokens(
+    metadata: Mapping[str, Any], token_to_id: Mapping[str, int], types: np.ndarray
+) -> dict[FimToken, int]:
     """Each FIM token the file names (`FIM_KEYS`) or the vocabulary holds by text (`FIM_TEXTS`, made control
     tokens). An id outside the vocabulary is ignored, as llama.cpp ignores it."""
     found: dict[FimToken, int] = {}

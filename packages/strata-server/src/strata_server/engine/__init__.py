@@ -3,5 +3,13 @@
 from .client import EngineClient, EngineLease, EngineState, EngineStatus, engine_call
 from .supervisor import EngineSupervisor, RestartPolicy, SupervisorSettings
 
-__all__ = ["EngineClient", "EngineLease", "EngineState", "EngineStatus", "engine_call", "EngineSupervisor",
-           "RestartPolicy", "SupervisorSettings"]
+__all__ = [
+    "EngineClient",
+    "EngineLease",
+    "EngineState",
+    "EngineStatus",
+    "engine_call",
+    "EngineSupervisor",
+    "RestartPolicy",
+    "SupervisorSettings",
+]

@@ -55,8 +55,9 @@ class EngineLease(abc.ABC):
         self.acquired_at = time.monotonic()
 
     @abc.abstractmethod
-    def request(self, verb: str, argument: Mapping[str, Any] | str | None = None, *,
-                idle_s: float | None = None) -> Iterator[dict]:
+    def request(
+        self, verb: str, argument: Mapping[str, Any] | str | None = None, *, idle_s: float | None = None
+    ) -> Iterator[dict]:
         """Send one command; yield its answer lines up to and including the terminal ``result``.
 
         A terminal ``error`` line raises ``EngineReplyError``; the engine dying raises ``EngineDied``.
@@ -105,8 +106,9 @@ class EngineClient(Protocol):
 
     def status(self) -> EngineStatus: ...
 
-    def acquire(self, wait_s: float | None = None, *, id_slot: int | None = None,
-                prompt: Sequence[int] | None = None) -> EngineLease:
+    def acquire(
+        self, wait_s: float | None = None, *, id_slot: int | None = None, prompt: Sequence[int] | None = None
+    ) -> EngineLease:
         """A lease on a slot (``id_slot``, else the one ``SlotManager`` chooses for ``prompt``); raises
         ``EngineUnavailable`` (not ready) or ``SlotBusy`` (waited its turn too long)."""
 

@@ -66,8 +66,12 @@ class EngineProcess:
     engine) rather than the engine directly. Its stderr is inherited: engine logs go to the server's.
     """
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                 on_forward: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        on_forward: Callable[[int], None] | None = None,
+    ) -> None:
         self.argv = list(argv)
         # the engine's count of forward passes (the latest ``n_forward`` of its lines); on_forward(increase)
         self.n_forward = 0
@@ -79,12 +83,19 @@ class EngineProcess:
         self._ended = False
         self._write_lock = threading.Lock()
         self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
-            env=dict(env) if env is not None else None, start_new_session=True, bufsize=0,
+            self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            env=dict(env) if env is not None else None,
+            start_new_session=True,
+            bufsize=0,
         )
         self.pid = self.proc.pid
         self.doomed = False  # it announced its exit (fail_stop): no new command may start on it
-        self._reader = threading.Thread(target=self._read_lines, name=f"engine-stdout-{self.pid}", daemon=True)
+        self._reader = threading.Thread(
+            target=self._read_lines, name=f"engine-stdout-{self.pid}", daemon=True
+        )
         self._reader.start()
 
     def _read_lines(self) -> None:
@@ -248,16 +259,24 @@ class ProcessLease(EngineLease):
     (cancelled, read to its end) before the lease's next command and on release; one that never ends
     gets the engine killed, since it can no longer be trusted."""
 
-    def __init__(self, slots: SlotManager | None, slot: int | None, process: EngineProcess, *,
-                 command_timeout_s: float | None, recover_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        slots: SlotManager | None,
+        slot: int | None,
+        process: EngineProcess,
+        *,
+        command_timeout_s: float | None,
+        recover_timeout_s: float = 30.0,
+    ) -> None:
         super().__init__(slots, slot)
         self.process = process
         self.command_timeout_s = command_timeout_s
         self.recover_timeout_s = recover_timeout_s
         self._open: Call | None = None
 
-    def request(self, verb: str, argument: Mapping[str, Any] | str | None = None, *,
-                idle_s: float | None = None) -> Iterator[dict]:
+    def request(
+        self, verb: str, argument: Mapping[str, Any] | str | None = None, *, idle_s: float | None = None
+    ) -> Iterator[dict]:
         assert not self._released, "request on a released lease"
         assert argument is None or isinstance(argument, Mapping), "protocol v2 arguments are JSON objects"
         self._recover()
@@ -289,7 +308,10 @@ class ProcessLease(EngineLease):
             silent = 0.0
             if event["event"] in TERMINAL_EVENTS:
                 self._close(call)
-                if event["event"] == "error" and (event.get("error") or {}).get("type") == ErrorKind.FAIL_STOP:
+                if (
+                    event["event"] == "error"
+                    and (event.get("error") or {}).get("type") == ErrorKind.FAIL_STOP
+                ):
                     self.process.doomed = True  # exit 4 follows; the supervisor restarts it
                 raise_for_error(event)
                 yield event
@@ -321,8 +343,10 @@ class ProcessLease(EngineLease):
                 event = call.next_event(timeout=max(deadline - time.monotonic(), 0.0))
                 if event is None:
                     self.process.kill()
-                    raise EngineDied(f"no terminal line for an unfinished {call.verb} within "
-                                     f"{self.recover_timeout_s:g} s; the engine was killed")
+                    raise EngineDied(
+                        f"no terminal line for an unfinished {call.verb} within "
+                        f"{self.recover_timeout_s:g} s; the engine was killed"
+                    )
                 if event["event"] in TERMINAL_EVENTS:
                     break
         finally:

@@ -66,9 +66,15 @@ class SupervisorSettings:
 class EngineSupervisor:
     """``EngineClient`` over a supervised child process (see module docstring)."""
 
-    def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 policy: RestartPolicy = RestartPolicy(), settings: SupervisorSettings = SupervisorSettings(),
-                 on_give_up: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        policy: RestartPolicy = RestartPolicy(),
+        settings: SupervisorSettings = SupervisorSettings(),
+        on_give_up: Callable[[str], None] | None = None,
+    ) -> None:
         self.argv = list(argv)
         self.env = env
         self.policy = policy
@@ -81,7 +87,9 @@ class EngineSupervisor:
         self._process: EngineProcess | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._exit_listeners: list[Callable[[int], None]] = [self.slots.ledger.engine_exited]  # slots die with it
+        self._exit_listeners: list[Callable[[int], None]] = [
+            self.slots.ledger.engine_exited
+        ]  # slots die with it
         self._incompatible: str | None = None
         self._n_forward = 0  # every process's forward passes (EngineStatus.n_forward)
 
@@ -99,8 +107,9 @@ class EngineSupervisor:
         with self._mutex:
             self._n_forward += increase
 
-    def acquire(self, wait_s: float | None = None, *, id_slot: int | None = None,
-                prompt: Sequence[int] | None = None) -> ProcessLease:
+    def acquire(
+        self, wait_s: float | None = None, *, id_slot: int | None = None, prompt: Sequence[int] | None = None
+    ) -> ProcessLease:
         wait = self.settings.slot_wait_s if wait_s is None else wait_s
         self._ready_process()
         slot = self.slots.acquire(wait, id_slot=id_slot, prompt=prompt)  # SlotBusy after the wait
@@ -112,7 +121,9 @@ class EngineSupervisor:
         return ProcessLease(self.slots, slot, process, command_timeout_s=self.settings.command_timeout_s)
 
     def command(self) -> ProcessLease:
-        return ProcessLease(None, None, self._ready_process(), command_timeout_s=self.settings.command_timeout_s)
+        return ProcessLease(
+            None, None, self._ready_process(), command_timeout_s=self.settings.command_timeout_s
+        )
 
     def _ready_process(self) -> EngineProcess:
         with self._mutex:
@@ -212,11 +223,21 @@ class EngineSupervisor:
                 return
             consecutive_failures = 1 if uptime >= self.policy.stable_s else consecutive_failures + 1
             delay = self.policy.delay(consecutive_failures)
-            log.warning("engine pid %d stopped (%s) after %.1f s; restarting in %.2f s",
-                        process.pid, detail, uptime, delay)
+            log.warning(
+                "engine pid %d stopped (%s) after %.1f s; restarting in %.2f s",
+                process.pid,
+                detail,
+                uptime,
+                delay,
+            )
             with self._mutex:
-                self._status = attrs.evolve(self._status, state=EngineState.RESTARTING, last_exit=code,
-                                            restarts=self._status.restarts + 1, message="Loading model")
+                self._status = attrs.evolve(
+                    self._status,
+                    state=EngineState.RESTARTING,
+                    last_exit=code,
+                    restarts=self._status.restarts + 1,
+                    message="Loading model",
+                )
             self._wake.wait(delay)
         self._set(EngineState.STOPPED)
 
@@ -226,8 +247,11 @@ class EngineSupervisor:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                log.error("engine pid %d not ready after %.0f s; killing it", process.pid,
-                          self.policy.ready_timeout_s)
+                log.error(
+                    "engine pid %d not ready after %.0f s; killing it",
+                    process.pid,
+                    self.policy.ready_timeout_s,
+                )
                 process.kill()
                 return None
             try:
@@ -253,18 +277,28 @@ class EngineSupervisor:
                 return None
             if event.get("protocol") != PROTOCOL_VERSION:
                 # Restarting cannot fix this: the same engine will answer the same way.
-                self._incompatible = (f"the engine speaks protocol {event.get('protocol')!r}, "
-                                      f"this server speaks {PROTOCOL_VERSION}")
+                self._incompatible = (
+                    f"the engine speaks protocol {event.get('protocol')!r}, "
+                    f"this server speaks {PROTOCOL_VERSION}"
+                )
                 process.kill()
                 return None
             if event.get("n_slots", 1) != self.slots.n_slots:
-                self._incompatible = (f"the engine holds {event.get('n_slots')!r} slots, the server was started "
-                                      f"with --parallel {self.slots.n_slots}")
+                self._incompatible = (
+                    f"the engine holds {event.get('n_slots')!r} slots, the server was started "
+                    f"with --parallel {self.slots.n_slots}"
+                )
                 process.kill()
                 return None
-            log.info("engine pid %d ready: %s (%s, %s slot(s) of n_ctx %s, kv %s)", process.pid,
-                     event.get("model_path"), event.get("backend"), event.get("n_slots", 1),
-                     event.get("n_ctx_slot", event.get("n_ctx")), event.get("kv_type"))
+            log.info(
+                "engine pid %d ready: %s (%s, %s slot(s) of n_ctx %s, kv %s)",
+                process.pid,
+                event.get("model_path"),
+                event.get("backend"),
+                event.get("n_slots", 1),
+                event.get("n_ctx_slot", event.get("n_ctx")),
+                event.get("kv_type"),
+            )
             self._set(EngineState.READY, info=event, message="")
             return None
 
@@ -275,5 +309,12 @@ class EngineSupervisor:
             self.on_give_up(message)
 
 
-__all__ = ["EngineSupervisor", "RestartPolicy", "SupervisorSettings", "EXIT_ACTIONS", "ExitAction",
-           "EngineDied", "EngineProtocolViolation"]
+__all__ = [
+    "EngineSupervisor",
+    "RestartPolicy",
+    "SupervisorSettings",
+    "EXIT_ACTIONS",
+    "ExitAction",
+    "EngineDied",
+    "EngineProtocolViolation",
+]

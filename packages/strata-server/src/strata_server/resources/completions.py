@@ -57,8 +57,9 @@ def stream_fields(body: dict, stream: bool) -> dict:
     return {"return_progress": True} if value and stream else {}
 
 
-def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Response, make_format,
-                       verbose_allowed: bool = True) -> None:
+def _respond_to_prompt(
+    ctx: ServerContext, req: falcon.Request, resp: falcon.Response, make_format, verbose_allowed: bool = True
+) -> None:
     """A prompt-based completion: parse the body, run its prompts (n choices each) on slot 0, answer in the
     endpoint's format."""
     body = read_json(req, ctx.config.max_body_bytes)
@@ -74,8 +75,11 @@ def _respond_to_prompt(ctx: ServerContext, req: falcon.Request, resp: falcon.Res
 
     def spec(prompt: str | list) -> TaskSpec:
         echo = functools.partial(prompt_text, prompt)
-        return TaskSpec({"prompt": prompt, **options.engine_fields(), **extra}, functools.partial(make_format, prompt=prompt),
-                        (lambda own: NativeCompletionFormat(own, echo)) if verbose else None)
+        return TaskSpec(
+            {"prompt": prompt, **options.engine_fields(), **extra},
+            functools.partial(make_format, prompt=prompt),
+            (lambda own: NativeCompletionFormat(own, echo)) if verbose else None,
+        )
 
     client = ClientConnection.of(req.env)
     BatchRun(ctx, build_runs(ctx, info, client, [spec(p) for p in prompts], n_choices), client).respond(resp)
@@ -88,8 +92,13 @@ class CompletionResource:
         self.ctx = ctx
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        _respond_to_prompt(self.ctx, req, resp, lambda info, prompt: NativeCompletionFormat(
-            info, functools.partial(prompt_text, prompt)), verbose_allowed=False)  # it is the native answer
+        _respond_to_prompt(
+            self.ctx,
+            req,
+            resp,
+            lambda info, prompt: NativeCompletionFormat(info, functools.partial(prompt_text, prompt)),
+            verbose_allowed=False,
+        )  # it is the native answer
 
 
 class TextCompletionResource:
@@ -113,17 +122,26 @@ class ChatCompletionResource:
         prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
         n_choices = choice_count(body)
         check_task_count(1, n_choices)
-        options = parse_options(body, top_logprobs=top_logprobs, n_vocab=self.ctx.engine_info().get("n_vocab"),
-                                chat=True, n_slots=self.ctx.n_slots())
+        options = parse_options(
+            body,
+            top_logprobs=top_logprobs,
+            n_vocab=self.ctx.engine_info().get("n_vocab"),
+            chat=True,
+            n_slots=self.ctx.n_slots(),
+        )
         options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
 
         def verbose(own: RunInfo) -> NativeCompletionFormat:
             # __verbose's prompt is the rendered chat, asked of the engine under the same lease.
-            return NativeCompletionFormat(own, lambda lease: str(
-                lease.call("APPLY_TEMPLATE", prompt.engine_fields()).get("prompt", "")))
+            return NativeCompletionFormat(
+                own, lambda lease: str(lease.call("APPLY_TEMPLATE", prompt.engine_fields()).get("prompt", ""))
+            )
 
-        spec = TaskSpec({**prompt.engine_fields(), **options.engine_fields(), **stream_fields(body, options.stream)},
-                        ChatCompletionFormat, verbose if wants_verbose(body) else None)
+        spec = TaskSpec(
+            {**prompt.engine_fields(), **options.engine_fields(), **stream_fields(body, options.stream)},
+            ChatCompletionFormat,
+            verbose if wants_verbose(body) else None,
+        )
         client = ClientConnection.of(req.env)
         BatchRun(self.ctx, build_runs(self.ctx, info, client, [spec], n_choices), client).respond(resp)

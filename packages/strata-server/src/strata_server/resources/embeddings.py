@@ -49,11 +49,15 @@ class EmbeddingsResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         if not self.ctx.config.embedding:
-            raise ApiError(ErrorType.NOT_SUPPORTED, "This server does not support embeddings. Start it with "
-                           "`--embeddings`")
+            raise ApiError(
+                ErrorType.NOT_SUPPORTED,
+                "This server does not support embeddings. Start it with `--embeddings`",
+            )
         pooling = self.pooling()
         if self.openai and pooling == Pooling.NONE:
-            raise invalid_request("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
+            raise invalid_request(
+                "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
+            )
         body = read_json(req, self.ctx.config.max_body_bytes)
         openai = self.openai
         if "input" in body:
@@ -74,24 +78,37 @@ class EmbeddingsResource:
             inputs = [tokenize_mixed(lease, p, add_special=True, parse_special=True) for p in prompts]
             if any(not tokens for tokens in inputs):
                 raise invalid_request("Input content cannot be empty")
-            rows = [embed_watched(lease, {"tokens": tokens, "pooling": pooling, "normalize": normalize},
-                                  client)["embedding"] for tokens in inputs]
+            rows = [
+                embed_watched(lease, {"tokens": tokens, "pooling": pooling, "normalize": normalize}, client)[
+                    "embedding"
+                ]
+                for tokens in inputs
+            ]
         if not openai:
             resp.media = [{"index": i, "embedding": embedding} for i, embedding in enumerate(rows)]
             return
         resp.media = self._openai(body, rows, [len(tokens) for tokens in inputs], encoding == "base64")
 
-    def _openai(self, body: dict, rows: list[list[list[float]]], n_tokens: list[int], as_base64: bool) -> dict:
+    def _openai(
+        self, body: dict, rows: list[list[list[float]]], n_tokens: list[int], as_base64: bool
+    ) -> dict:
         def item(index: int, vector: list[float]) -> dict[str, Any]:
             if as_base64:
-                return {"embedding": encode_base64(vector), "index": index, "object": "embedding",
-                        "encoding_format": "base64"}
+                return {
+                    "embedding": encode_base64(vector),
+                    "index": index,
+                    "object": "embedding",
+                    "encoding_format": "base64",
+                }
             return {"embedding": vector, "index": index, "object": "embedding"}
 
         model = body.get("model")
-        return {"model": model if isinstance(model, str) and model else self.ctx.model_id(), "object": "list",
-                "usage": {"prompt_tokens": sum(n_tokens), "total_tokens": sum(n_tokens)},
-                "data": [item(i, embedding[0]) for i, embedding in enumerate(rows)]}
+        return {
+            "model": model if isinstance(model, str) and model else self.ctx.model_id(),
+            "object": "list",
+            "usage": {"prompt_tokens": sum(n_tokens), "total_tokens": sum(n_tokens)},
+            "data": [item(i, embedding[0]) for i, embedding in enumerate(rows)],
+        }
 
 
 class OpenAIEmbeddingsResource(EmbeddingsResource):

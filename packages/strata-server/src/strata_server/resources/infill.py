@@ -32,21 +32,37 @@ class InfillResource:
         request = parse_infill(body)
         n_choices = choice_count(body)
         check_task_count(1, n_choices)
-        options = parse_options(body, n_vocab=self.ctx.engine_info().get("n_vocab"), n_slots=self.ctx.n_slots())
+        options = parse_options(
+            body, n_vocab=self.ctx.engine_info().get("n_vocab"), n_slots=self.ctx.n_slots()
+        )
         options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
         with self.ctx.engine.command() as lease:
+
             def text(content: str | list, parse_special: bool = False) -> list[int]:
                 return tokenize_mixed(lease, content, add_special=False, parse_special=parse_special)
 
-            bos = tokenize_mixed(lease, "", add_special=True, parse_special=False)[:1] if info.get("add_bos") else []
+            bos = (
+                tokenize_mixed(lease, "", add_special=True, parse_special=False)[:1]
+                if info.get("add_bos")
+                else []
+            )
             tokens = infill_tokens(
-                fim, prefix=text(request.input_prefix), suffix=text(request.input_suffix),
+                fim,
+                prefix=text(request.input_prefix),
+                suffix=text(request.input_suffix),
                 prompt=text(request.prompt, parse_special=True),
-                extra=extra_context(fim, request.input_extra, text), bos=bos[0] if bos else None,
-                n_predict=self.ctx.config.n_predict, n_ctx=self.ctx.n_ctx_slot())
-        run_info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
+                extra=extra_context(fim, request.input_extra, text),
+                bos=bos[0] if bos else None,
+                n_predict=self.ctx.config.n_predict,
+                n_ctx=self.ctx.n_ctx_slot(),
+            )
+        run_info = RunInfo(
+            model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info()
+        )
         echo = functools.partial(prompt_text, tokens)
-        spec = TaskSpec({"prompt": tokens, **options.engine_fields(), **stream_fields(body, options.stream)},
-                        lambda own: NativeCompletionFormat(own, echo))
+        spec = TaskSpec(
+            {"prompt": tokens, **options.engine_fields(), **stream_fields(body, options.stream)},
+            lambda own: NativeCompletionFormat(own, echo),
+        )
         client = ClientConnection.of(req.env)
         BatchRun(self.ctx, build_runs(self.ctx, run_info, client, [spec], n_choices), client).respond(resp)

@@ -35,33 +35,50 @@ SLOTS_ENDPOINT_DISABLED = "This server does not support slots endpoint. Start it
 def file_tokens(path: Path) -> np.ndarray | None:
     """The tokens a restored session file put in the slot (for the next request's slot choice); None: unknown."""
     try:
-        return as_tokens(np.frombuffer(sf.inspect(path, verify=False, read_threads=1).metadata.state.tokens,
-                                       dtype="<i4"))
+        return as_tokens(
+            np.frombuffer(sf.inspect(path, verify=False, read_threads=1).metadata.state.tokens, dtype="<i4")
+        )
     except (sf.SessionFileError, OSError):
         return None
 
 
 def last_task_fields(task: LastTask) -> dict[str, Any]:
     """The peer's fields of a slot's last task in ``GET /slots``."""
-    return {"id_task": task.id_task, "n_prompt_tokens": task.n_prompt_tokens,
-            "n_prompt_tokens_processed": task.n_prompt_tokens_processed,
-            "n_prompt_tokens_cache": task.n_prompt_tokens_cache, "params": dict(task.params),
-            # A recorded task has ended: the peer shows n_remain -1 then, whatever n_predict was.
-            "next_token": [{"has_next_token": False, "has_new_line": task.has_new_line, "n_remain": -1,
-                            "n_decoded": task.n_decoded}]}
+    return {
+        "id_task": task.id_task,
+        "n_prompt_tokens": task.n_prompt_tokens,
+        "n_prompt_tokens_processed": task.n_prompt_tokens_processed,
+        "n_prompt_tokens_cache": task.n_prompt_tokens_cache,
+        "params": dict(task.params),
+        # A recorded task has ended: the peer shows n_remain -1 then, whatever n_predict was.
+        "next_token": [
+            {
+                "has_next_token": False,
+                "has_new_line": task.has_new_line,
+                "n_remain": -1,
+                "n_decoded": task.n_decoded,
+            }
+        ],
+    }
 
 
 def conversation_fields(record: SlotRecord) -> dict[str, Any]:
     """Strata's ``conversation`` of a slot in ``GET /slots``: where what it holds came from."""
-    return {"origin": record.origin.value, "file": record.file, "n_restored": record.n_restored,
-            "n_tokens": record.n_tokens}
+    return {
+        "origin": record.origin.value,
+        "file": record.file,
+        "n_restored": record.n_restored,
+        "n_tokens": record.n_tokens,
+    }
 
 
 class SlotsResource:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
         self.actions: dict[str, Callable[[falcon.Request, int], dict]] = {
-            "save": self._save, "restore": self._restore, "erase": self._erase,
+            "save": self._save,
+            "restore": self._restore,
+            "erase": self._erase,
         }
 
     # --- GET /slots -------------------------------------------------------------------------------
@@ -119,8 +136,11 @@ class SlotsResource:
             raise invalid_request(f"Invalid filename: {exc}", reason="invalid_filename") from None
         except FileNotFoundError:
             self.ctx.metrics.record_refusal("not_found")
-            raise invalid_request(f"Unable to restore slot: no file named {filename!r} in the slot save folder; "
-                                  "the conversation is kept", reason="not_found") from None
+            raise invalid_request(
+                f"Unable to restore slot: no file named {filename!r} in the slot save folder; "
+                "the conversation is kept",
+                reason="not_found",
+            ) from None
 
     def _save(self, req: falcon.Request, slot_id: int) -> dict:
         filename = self._filename(req)
@@ -133,18 +153,28 @@ class SlotsResource:
                 self.ctx.metrics.record_save_failure()
                 if exc.kind == ErrorKind.SESSION_WRITE_FAILED:
                     if exc.error.get("file_in_place"):
-                        outcome = (f"the new {filename!r} is in place, but flushing the folder failed, so it "
-                                   "may not survive a power loss")
+                        outcome = (
+                            f"the new {filename!r} is in place, but flushing the folder failed, so it "
+                            "may not survive a power loss"
+                        )
                     else:
                         outcome = f"any previous file named {filename!r} is untouched"
-                    raise ApiError(ErrorType.SERVER, f"Unable to save slot: {exc.message}; {outcome}",
-                                   reason=exc.reason or "write_failed") from None
+                    raise ApiError(
+                        ErrorType.SERVER,
+                        f"Unable to save slot: {exc.message}; {outcome}",
+                        reason=exc.reason or "write_failed",
+                    ) from None
                 raise
         n_written = int(result.get("n_written", 0))
         save_ms = float(result.get("save_ms", 0.0))
         self.ctx.metrics.record_save(n_written, save_ms)
-        return {"id_slot": slot_id, "filename": filename, "n_saved": int(result.get("n_saved", 0)),
-                "n_written": n_written, "timings": {"save_ms": save_ms}}
+        return {
+            "id_slot": slot_id,
+            "filename": filename,
+            "n_saved": int(result.get("n_saved", 0)),
+            "n_written": n_written,
+            "timings": {"save_ms": save_ms},
+        }
 
     def _restore(self, req: falcon.Request, slot_id: int) -> dict:
         filename = self._filename(req)
@@ -157,35 +187,52 @@ class SlotsResource:
                 if exc.kind == ErrorKind.SESSION_REFUSED:
                     reason = str(exc.reason or "refused")
                     self.ctx.metrics.record_refusal(reason)
-                    raise invalid_request(f"Unable to restore slot: {filename!r} was refused ({reason}): "
-                                          f"{exc.message}; the conversation is kept", reason=reason) from None
+                    raise invalid_request(
+                        f"Unable to restore slot: {filename!r} was refused ({reason}): "
+                        f"{exc.message}; the conversation is kept",
+                        reason=reason,
+                    ) from None
                 if exc.kind == ErrorKind.SLOT_FAILED:  # protocol v2: that slot erased, the others go on
                     self.ctx.metrics.record_fail_stop()
                     self.ctx.ledger.erased(slot_id)
-                    raise ApiError(ErrorType.SERVER, f"Unable to restore slot: {filename!r} failed after the "
-                                   f"restore began writing ({exc.reason or 'slot_failed'}): {exc.message}; slot "
-                                   f"{slot_id} was erased (its conversation is lost), the other slots are untouched",
-                                   reason=exc.reason or "slot_failed") from None
+                    raise ApiError(
+                        ErrorType.SERVER,
+                        f"Unable to restore slot: {filename!r} failed after the "
+                        f"restore began writing ({exc.reason or 'slot_failed'}): {exc.message}; slot "
+                        f"{slot_id} was erased (its conversation is lost), the other slots are untouched",
+                        reason=exc.reason or "slot_failed",
+                    ) from None
                 if exc.kind == ErrorKind.FAIL_STOP:
                     self.ctx.metrics.record_fail_stop()
                     self.ctx.ledger.erased(slot_id)
-                    raise ApiError(ErrorType.SERVER, f"Unable to restore slot: {filename!r} failed after the "
-                                   f"restore began writing ({exc.reason or 'fail_stop'}): {exc.message}; the "
-                                   "engine is restarting and the conversation is lost",
-                                   reason=exc.reason or "fail_stop") from None
+                    raise ApiError(
+                        ErrorType.SERVER,
+                        f"Unable to restore slot: {filename!r} failed after the "
+                        f"restore began writing ({exc.reason or 'fail_stop'}): {exc.message}; the "
+                        "engine is restarting and the conversation is lost",
+                        reason=exc.reason or "fail_stop",
+                    ) from None
                 raise
             except EngineDied as exc:
                 self.ctx.metrics.record_fail_stop()
                 self.ctx.ledger.erased(slot_id)
-                raise ApiError(ErrorType.SERVER, f"Unable to restore slot: the engine stopped during the restore "
-                               f"({exc.detail}); it is restarting and the conversation is lost",
-                               reason="engine_died") from None
+                raise ApiError(
+                    ErrorType.SERVER,
+                    f"Unable to restore slot: the engine stopped during the restore "
+                    f"({exc.detail}); it is restarting and the conversation is lost",
+                    reason="engine_died",
+                ) from None
         n_read = int(result.get("n_read", 0))
         restore_ms = float(result.get("restore_ms", 0.0))
         self.ctx.metrics.record_restore(n_read, restore_ms)
         self.ctx.ledger.restored(slot_id, file_tokens(path), Origin.SLOT_FILE, path.name)
-        return {"id_slot": slot_id, "filename": filename, "n_restored": int(result.get("n_restored", 0)),
-                "n_read": n_read, "timings": {"restore_ms": restore_ms}}
+        return {
+            "id_slot": slot_id,
+            "filename": filename,
+            "n_restored": int(result.get("n_restored", 0)),
+            "n_read": n_read,
+            "timings": {"restore_ms": restore_ms},
+        }
 
     def _erase(self, req: falcon.Request, slot_id: int) -> dict:
         with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:

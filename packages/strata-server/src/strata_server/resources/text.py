@@ -26,9 +26,12 @@ class TokenizeResource:
         content = body.get("content", "")
         if not isinstance(content, str):
             raise invalid_request("'content' must be a string")
-        command = {"content": content, "add_special": _flag(body, "add_special", False),
-                   "parse_special": _flag(body, "parse_special", True),
-                   "with_pieces": _flag(body, "with_pieces", False)}
+        command = {
+            "content": content,
+            "add_special": _flag(body, "add_special", False),
+            "parse_special": _flag(body, "parse_special", True),
+            "with_pieces": _flag(body, "with_pieces", False),
+        }
         with self.ctx.engine.command() as lease:
             result = lease.call("TOKENIZE", command)
         resp.media = {"tokens": result.get("tokens", [])}
@@ -81,6 +84,7 @@ class ChatInputTokensResource:
         with self.ctx.engine.command() as lease:
             rendered = lease.call("APPLY_TEMPLATE", prompt.engine_fields()).get("prompt", "")
             # Tokenized as COMPLETE tokenizes a rendered chat: the model's BOS rule, special tokens parsed.
-            tokens = lease.call("TOKENIZE", {"content": rendered, "add_special": add_bos,
-                                             "parse_special": True})["tokens"]
+            tokens = lease.call(
+                "TOKENIZE", {"content": rendered, "add_special": add_bos, "parse_special": True}
+            )["tokens"]
         resp.media = {"input_tokens": len(tokens)}

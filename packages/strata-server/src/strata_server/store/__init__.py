@@ -41,21 +41,43 @@ def session_key(config: ServerConfig) -> sf.SessionKey | None:
 def store_settings(config: ServerConfig) -> StoreSettings | None:
     """The store the config asks for, or None."""
     key, require_mac = session_key(config), not config.session_key_optional
-    remote = (RemoteSettings.parse(config.cache_store, config.cache_store_endpoint)
-              if config.cache_store is not None else None)
+    remote = (
+        RemoteSettings.parse(config.cache_store, config.cache_store_endpoint)
+        if config.cache_store is not None
+        else None
+    )
     if config.cache_disk is not None:
-        return StoreSettings(folder=config.cache_disk, max_bytes=config.cache_disk_max * MIB,
-                             min_reuse=config.cache_min_reuse, idle_s=config.cache_idle_seconds, key=key,
-                             require_mac=require_mac, remote=remote)
+        return StoreSettings(
+            folder=config.cache_disk,
+            max_bytes=config.cache_disk_max * MIB,
+            min_reuse=config.cache_min_reuse,
+            idle_s=config.cache_idle_seconds,
+            key=key,
+            require_mac=require_mac,
+            remote=remote,
+        )
     if config.cache_ram > 0:
         root = RAM_FOLDER_ROOT if RAM_FOLDER_ROOT.is_dir() else Path(tempfile.gettempdir())
         # Like llama-server's RAM cache it dies with the server: no idle or shutdown saves.
-        return StoreSettings(folder=root / f"strata-cache-ram-{os.getuid()}-{config.port}",
-                             max_bytes=config.cache_ram * MIB, min_reuse=config.cache_min_reuse, idle_s=0.0,
-                             ephemeral=True, key=key, require_mac=require_mac)
+        return StoreSettings(
+            folder=root / f"strata-cache-ram-{os.getuid()}-{config.port}",
+            max_bytes=config.cache_ram * MIB,
+            min_reuse=config.cache_min_reuse,
+            idle_s=0.0,
+            ephemeral=True,
+            key=key,
+            require_mac=require_mac,
+        )
     if remote is not None:  # the object store alone: no byte limit of this server's (a lifecycle rule's)
-        return StoreSettings(folder=None, max_bytes=UNBOUNDED, min_reuse=config.cache_min_reuse,
-                             idle_s=config.cache_idle_seconds, key=key, require_mac=require_mac, remote=remote)
+        return StoreSettings(
+            folder=None,
+            max_bytes=UNBOUNDED,
+            min_reuse=config.cache_min_reuse,
+            idle_s=config.cache_idle_seconds,
+            key=key,
+            require_mac=require_mac,
+            remote=remote,
+        )
     return None
 
 
@@ -64,5 +86,12 @@ def build_store(config: ServerConfig, engine: EngineClient) -> SessionStore | No
     return SessionStore(settings, engine, engine.slots.ledger) if settings is not None else None
 
 
-__all__ = ["BLOCK_TOKENS", "Fingerprints", "SessionStore", "StoreIndex", "StoreSettings", "build_store",
-           "store_settings"]
+__all__ = [
+    "BLOCK_TOKENS",
+    "Fingerprints",
+    "SessionStore",
+    "StoreIndex",
+    "StoreSettings",
+    "build_store",
+    "store_settings",
+]

@@ -36,8 +36,13 @@ FOLDER_MODE = 0o700
 
 
 class StoreFolder:
-    def __init__(self, path: Path, key: sf.SessionKey | None = None, require_mac: bool = False,
-                 remote: RemoteTier | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        key: sf.SessionKey | None = None,
+        require_mac: bool = False,
+        remote: RemoteTier | None = None,
+    ) -> None:
         self.path = path
         self.key = key  # a file whose MAC does not check under it (or that has none, when required) is bad
         self.require_mac = require_mac
@@ -89,11 +94,14 @@ class StoreFolder:
         """Header and metadata of one file (with `verify`, its payload hash too) and its size;
         SessionFileError when they are not valid."""
         path = self.pending(name) if pending else self.file(name)
-        inspection = sf.inspect(path, verify=verify, read_threads=1, key=self.key, require_mac=self.require_mac)
+        inspection = sf.inspect(
+            path, verify=verify, read_threads=1, key=self.key, require_mac=self.require_mac
+        )
         return inspection, path.stat().st_size
 
-    def conversation(self, name: str, fingerprints: Fingerprints, pending: bool = False,
-                     verify: bool = False) -> StoredConversation | None:
+    def conversation(
+        self, name: str, fingerprints: Fingerprints, pending: bool = False, verify: bool = False
+    ) -> StoredConversation | None:
         """The stored conversation of one file, or None when it belongs to another engine."""
         inspection, size = self.read(name, pending, verify)
         if not fingerprints.match(inspection.header):
@@ -157,6 +165,10 @@ class StoreFolder:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            log.warning("session store: %s failed validation (%s) and could not be moved aside (%s); removing it",
-                        name, reason, exc)
+            log.warning(
+                "session store: %s failed validation (%s) and could not be moved aside (%s); removing it",
+                name,
+                reason,
+                exc,
+            )
             self.remove(name)

@@ -28,7 +28,7 @@ def chain_hashes(tokens: np.ndarray, block: int = BLOCK_TOKENS) -> list[int]:
     hashes, h = [], 0
     data = tokens.astype("<i4", copy=False)
     for start in range(0, len(data) - block + 1, block):
-        h = xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + data[start:start + block].tobytes())
+        h = xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + data[start : start + block].tobytes())
         hashes.append(h)
     return hashes
 
@@ -116,7 +116,10 @@ class StoreIndex:
                     n = common_prefix(prompt, conversation.tokens)
                     if n < depth * BLOCK_TOKENS:
                         continue  # a hash collision: the tokens disagree inside the hashed blocks
-                    if best is None or (n, -conversation.n_tokens) > (best.n_tokens, -best.conversation.n_tokens):
+                    if best is None or (n, -conversation.n_tokens) > (
+                        best.n_tokens,
+                        -best.conversation.n_tokens,
+                    ):
                         best = Match(conversation, n)
                 if best is not None:
                     return best
@@ -133,7 +136,9 @@ class StoreIndex:
         with self._lock:
             candidates = {name for h in hashes for name in self._by_hash.get(h, ())}
             found = [self._by_name[name] for name in candidates]
-        return [c for c in found if c.n_tokens < len(tokens) and common_prefix(tokens, c.tokens) == c.n_tokens]
+        return [
+            c for c in found if c.n_tokens < len(tokens) and common_prefix(tokens, c.tokens) == c.n_tokens
+        ]
 
     def bytes_held(self) -> int:
         with self._lock:

@@ -108,38 +108,110 @@ class StoreMetrics:
     def rows(self, bytes_held: int, files_held: int, limit_bytes: int) -> list[Row]:
         with self._lock:
             return [
-                ("strata:store_lookups_total", "counter", "Prompts looked up in the session store, by result.",
-                 [(f'{{result="{r}"}}', self.lookups[r]) for r in Lookup]),
-                ("strata:store_saves_total", "counter", "Conversations saved to the session store, by trigger.",
-                 [(f'{{trigger="{t}"}}', self.saves[t]) for t in SaveTrigger]),
-                ("strata:store_save_failures_total", "counter", "Session store saves that failed (nothing replaced).",
-                 [("", self.save_failures)]),
-                ("strata:store_save_bytes_total", "counter", "Bytes written by session store saves.",
-                 [("", self.save_bytes)]),
-                ("strata:store_restore_bytes_total", "counter", "Bytes read by session store restores.",
-                 [("", self.restore_bytes)]),
-                ("strata:store_restored_tokens_total", "counter", "Tokens kept in the slot by session store restores.",
-                 [("", self.restored_tokens)]),
-                ("strata:store_evictions_total", "counter", "Stored conversations evicted (least recently used).",
-                 [("", self.evictions)]),
-                ("strata:store_evicted_bytes_total", "counter", "Bytes of the evicted conversations.",
-                 [("", self.evicted_bytes)]),
-                ("strata:store_bad_files_total", "counter", "Store files that failed validation and were moved aside, "
-                 "by reason.", [(f'{{reason="{r}"}}', n) for r, n in sorted(self.bad_files.items())] or [("", 0)]),
-                ("strata:store_fetches_total", "counter", "Conversations the object store (--cache-store) "
-                 "supplied for a prompt: downloaded into --cache-disk, or without it restored straight from the "
-                 "object.", [("", self.fetches)]),
-                ("strata:store_fetch_bytes_total", "counter", "Bytes downloaded from the object store into --cache-disk.",
-                 [("", self.fetch_bytes)]),
-                ("strata:store_remote_failures_total", "counter", "Object-store lookups or downloads that failed.",
-                 [("", self.remote_failures)]),
-                ("strata:store_bytes", "gauge", "Bytes of this server's files in the session store.", [("", bytes_held)]),
-                ("strata:store_files", "gauge", "This server's files in the session store.", [("", files_held)]),
-                ("strata:store_limit_bytes", "gauge", "The session store's byte limit (--cache-disk-max).",
-                 [("", limit_bytes)]),
-                ("strata:store_save_seconds", "histogram", "Session store save latency.", self.save_seconds.samples()),
-                ("strata:store_restore_seconds", "histogram", "Session store restore latency.",
-                 self.restore_seconds.samples()),
+                (
+                    "strata:store_lookups_total",
+                    "counter",
+                    "Prompts looked up in the session store, by result.",
+                    [(f'{{result="{r}"}}', self.lookups[r]) for r in Lookup],
+                ),
+                (
+                    "strata:store_saves_total",
+                    "counter",
+                    "Conversations saved to the session store, by trigger.",
+                    [(f'{{trigger="{t}"}}', self.saves[t]) for t in SaveTrigger],
+                ),
+                (
+                    "strata:store_save_failures_total",
+                    "counter",
+                    "Session store saves that failed (nothing replaced).",
+                    [("", self.save_failures)],
+                ),
+                (
+                    "strata:store_save_bytes_total",
+                    "counter",
+                    "Bytes written by session store saves.",
+                    [("", self.save_bytes)],
+                ),
+                (
+                    "strata:store_restore_bytes_total",
+                    "counter",
+                    "Bytes read by session store restores.",
+                    [("", self.restore_bytes)],
+                ),
+                (
+                    "strata:store_restored_tokens_total",
+                    "counter",
+                    "Tokens kept in the slot by session store restores.",
+                    [("", self.restored_tokens)],
+                ),
+                (
+                    "strata:store_evictions_total",
+                    "counter",
+                    "Stored conversations evicted (least recently used).",
+                    [("", self.evictions)],
+                ),
+                (
+                    "strata:store_evicted_bytes_total",
+                    "counter",
+                    "Bytes of the evicted conversations.",
+                    [("", self.evicted_bytes)],
+                ),
+                (
+                    "strata:store_bad_files_total",
+                    "counter",
+                    "Store files that failed validation and were moved aside, by reason.",
+                    [(f'{{reason="{r}"}}', n) for r, n in sorted(self.bad_files.items())] or [("", 0)],
+                ),
+                (
+                    "strata:store_fetches_total",
+                    "counter",
+                    "Conversations the object store (--cache-store) "
+                    "supplied for a prompt: downloaded into --cache-disk, or without it restored straight from the "
+                    "object.",
+                    [("", self.fetches)],
+                ),
+                (
+                    "strata:store_fetch_bytes_total",
+                    "counter",
+                    "Bytes downloaded from the object store into --cache-disk.",
+                    [("", self.fetch_bytes)],
+                ),
+                (
+                    "strata:store_remote_failures_total",
+                    "counter",
+                    "Object-store lookups or downloads that failed.",
+                    [("", self.remote_failures)],
+                ),
+                (
+                    "strata:store_bytes",
+                    "gauge",
+                    "Bytes of this server's files in the session store.",
+                    [("", bytes_held)],
+                ),
+                (
+                    "strata:store_files",
+                    "gauge",
+                    "This server's files in the session store.",
+                    [("", files_held)],
+                ),
+                (
+                    "strata:store_limit_bytes",
+                    "gauge",
+                    "The session store's byte limit (--cache-disk-max).",
+                    [("", limit_bytes)],
+                ),
+                (
+                    "strata:store_save_seconds",
+                    "histogram",
+                    "Session store save latency.",
+                    self.save_seconds.samples(),
+                ),
+                (
+                    "strata:store_restore_seconds",
+                    "histogram",
+                    "Session store restore latency.",
+                    self.restore_seconds.samples(),
+                ),
             ]
 
 

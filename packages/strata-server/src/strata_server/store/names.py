@@ -27,7 +27,11 @@ class Fingerprints:
     @classmethod
     def of_ready_line(cls, info: dict) -> Fingerprints | None:
         fp = info.get("session_fingerprints")
-        if not isinstance(fp, dict) or not isinstance(fp.get("model"), str) or not isinstance(fp.get("config"), str):
+        if (
+            not isinstance(fp, dict)
+            or not isinstance(fp.get("model"), str)
+            or not isinstance(fp.get("config"), str)
+        ):
             return None
         return cls(fp["model"], fp["config"])
 

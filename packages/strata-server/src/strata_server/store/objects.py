@@ -32,8 +32,9 @@ from .shelf import Adoption
 log = logging.getLogger("strata_server.store")
 
 # Refusals that say nothing about the object's bytes: it is looked at afresh by the next lookup.
-TRANSIENT_REASONS = frozenset(cls.reason for cls in (E.ObjectReplaced, E.StoreUnavailable, E.ReadFailed,
-                                                     E.NotFound, E.FileChanged))
+TRANSIENT_REASONS = frozenset(
+    cls.reason for cls in (E.ObjectReplaced, E.StoreUnavailable, E.ReadFailed, E.NotFound, E.FileChanged)
+)
 
 
 class ObjectShelf:
@@ -74,15 +75,21 @@ class ObjectShelf:
             self._keys[name] = prefix + name
         return {"path": self.file(name)}
 
-    def conversation(self, name: str, fingerprints: Fingerprints, pending: bool = False,
-                     verify: bool = False) -> StoredConversation | None:
+    def conversation(
+        self, name: str, fingerprints: Fingerprints, pending: bool = False, verify: bool = False
+    ) -> StoredConversation | None:
         """An object read back (its header and metadata: one ranged GET; with `verify`, all of it). An object
         has no pending stage: `pending` reads the object itself."""
         from strata_sessionfile.objstore import S3Source
 
         with S3Source(self.remote.client, self.remote.settings.bucket, self._key(name)) as source:
-            inspection = sf.inspect(source, verify=verify, read_threads=1, key=self.remote.key,
-                                    require_mac=self.remote.require_mac)
+            inspection = sf.inspect(
+                source,
+                verify=verify,
+                read_threads=1,
+                key=self.remote.key,
+                require_mac=self.remote.require_mac,
+            )
             size = source.stamp().size
         if not fingerprints.match(inspection.header):
             return None

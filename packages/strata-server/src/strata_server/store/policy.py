@@ -35,12 +35,20 @@ def worth_saving(tokens: np.ndarray | None, min_reuse: int) -> bool:
     return tokens is not None and len(tokens) >= max(BLOCK_TOKENS, min_reuse)
 
 
-def plan(prompt: np.ndarray, held: np.ndarray | None, match: Match | None, *, min_reuse: int,
-         cache_prompt: bool = True) -> Plan:
+def plan(
+    prompt: np.ndarray,
+    held: np.ndarray | None,
+    match: Match | None,
+    *,
+    min_reuse: int,
+    cache_prompt: bool = True,
+) -> Plan:
     """What to do for one request (`held`: the slot's tokens, None when unknown)."""
     held_common = common_prefix(prompt, held) if held is not None and cache_prompt else 0
     restore = None
     if cache_prompt and match is not None and match.n_tokens - held_common >= min_reuse:
         restore = match
     dropped = len(held) - held_common if held is not None else 0
-    return Plan(held_common, dropped >= BLOCK_TOKENS, restore, held_common + min_reuse if restore is not None else 0)
+    return Plan(
+        held_common, dropped >= BLOCK_TOKENS, restore, held_common + min_reuse if restore is not None else 0
+    )

@@ -38,7 +38,9 @@ log = logging.getLogger("strata_server.store")
 
 LISTING_TTL_S = 2.0  # a conversation another server uploaded is found this soon
 MAX_CANDIDATES = 64  # objects whose metadata one lookup reads at most (newest first)
-STALE_UPLOAD_AGE_S = 3600.0  # an unfinished multipart upload this old is a killed server's: aborted at start-up
+STALE_UPLOAD_AGE_S = (
+    3600.0  # an unfinished multipart upload this old is a killed server's: aborted at start-up
+)
 
 
 @attrs.frozen
@@ -51,7 +53,9 @@ class RemoteSettings:
     @classmethod
     def parse(cls, url: str, endpoint_url: str | None = None) -> RemoteSettings:
         """``s3://BUCKET`` or ``s3://BUCKET/PREFIX``; ValueError naming the URL otherwise."""
-        bucket, _, prefix = url[len(S3_SCHEME):].partition("/") if url.startswith(S3_SCHEME) else ("", "", "")
+        bucket, _, prefix = (
+            url[len(S3_SCHEME) :].partition("/") if url.startswith(S3_SCHEME) else ("", "", "")
+        )
         if not bucket:
             raise ValueError(f"not an s3://BUCKET/PREFIX URL: {url!r}")
         return cls(bucket, prefix.strip("/"), endpoint_url or None)
@@ -80,21 +84,28 @@ class RemoteTier:
         self._uploads: queue.Queue[tuple[Path, str] | None] = queue.Queue()
         self._uploader = threading.Thread(target=self._upload_loop, name="session-store-upload", daemon=True)
         self._uploader.start()
-        threading.Thread(target=self._abort_stale_uploads, name="session-store-stale-uploads", daemon=True).start()
+        threading.Thread(
+            target=self._abort_stale_uploads, name="session-store-stale-uploads", daemon=True
+        ).start()
 
     def _abort_stale_uploads(self) -> None:
         from strata_sessionfile.objstore import abort_stale_uploads
 
         prefix = f"{self.settings.prefix}/" if self.settings.prefix else ""
         try:
-            aborted = abort_stale_uploads(self.client, self.settings.bucket, prefix,
-                                          older_than_s=self.settings.stale_upload_age_s)
+            aborted = abort_stale_uploads(
+                self.client, self.settings.bucket, prefix, older_than_s=self.settings.stale_upload_age_s
+            )
         except Exception as exc:  # noqa: BLE001 -- the store unreachable now: its parts wait for the next start
             log.warning("session store: listing unfinished uploads failed: %s", exc)
             return
         if aborted:
-            log.info("session store: aborted %d unfinished uploads older than %.0f s under %s", aborted,
-                     self.settings.stale_upload_age_s, prefix or "the bucket")
+            log.info(
+                "session store: aborted %d unfinished uploads older than %.0f s under %s",
+                aborted,
+                self.settings.stale_upload_age_s,
+                prefix or "the bucket",
+            )
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -119,8 +130,12 @@ class RemoteTier:
                 t0 = time.perf_counter()
                 # boto3's managed transfer: multipart for large files, the object appears only when complete.
                 self.client.upload_file(str(path), self.settings.bucket, key)
-                log.info("session store: uploaded %s (%.1f MiB) in %.0f ms", key, path.stat().st_size / (1 << 20),
-                         (time.perf_counter() - t0) * 1000)
+                log.info(
+                    "session store: uploaded %s (%.1f MiB) in %.0f ms",
+                    key,
+                    path.stat().st_size / (1 << 20),
+                    (time.perf_counter() - t0) * 1000,
+                )
             except FileNotFoundError:
                 pass  # evicted before its upload
             except Exception as exc:  # noqa: BLE001 -- the store's server keeps serving; the file stays local
@@ -149,7 +164,9 @@ class RemoteTier:
         if cached is not None and now - cached[0] < LISTING_TTL_S:
             return cached[1]
         objects = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.settings.bucket, Prefix=prefix):
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.settings.bucket, Prefix=prefix
+        ):
             objects += [o for o in page.get("Contents", []) if NAME.match(o["Key"].rpartition("/")[2])]
         keys = [o["Key"] for o in sorted(objects, key=lambda o: o["LastModified"], reverse=True)]
         with self._lock:
@@ -166,8 +183,9 @@ class RemoteTier:
         tokens = None
         try:
             with S3Source(self.client, self.settings.bucket, key) as source:
-                inspection = sf.inspect(source, verify=False, read_threads=1, key=self.key,
-                                        require_mac=self.require_mac)
+                inspection = sf.inspect(
+                    source, verify=False, read_threads=1, key=self.key, require_mac=self.require_mac
+                )
             if fingerprints.match(inspection.header):
                 tokens = np.frombuffer(inspection.metadata.state.tokens, dtype="<i4").copy()
         except sf.SessionFileError as exc:
@@ -188,8 +206,9 @@ class RemoteTier:
             if tokens is None or name != conversation_name(fingerprints, tokens):
                 continue  # not ours, refused, or named for other tokens: never downloaded
             n = common_prefix(prompt, tokens)
-            if n >= max(at_least, BLOCK_TOKENS) and (best is None or (n, -len(tokens)) > (best.n_match,
-                                                                                          -len(best.tokens))):
+            if n >= max(at_least, BLOCK_TOKENS) and (
+                best is None or (n, -len(tokens)) > (best.n_match, -len(best.tokens))
+            ):
                 with self._lock:
                     nbytes = self._sizes.get(key, 0)
                 best = Candidate(key, name, tokens, n, nbytes)

@@ -54,8 +54,16 @@ class Saves:
     """The store's saves and evictions. `files` is the store's lock of the committed files and the index
     against a lookup + restore: no eviction comes between those two."""
 
-    def __init__(self, settings: StoreSettings, engine: EngineClient, ledger: SlotLedger, shelf: Shelf,
-                 index: StoreIndex, metrics: StoreMetrics, files: threading.RLock) -> None:
+    def __init__(
+        self,
+        settings: StoreSettings,
+        engine: EngineClient,
+        ledger: SlotLedger,
+        shelf: Shelf,
+        index: StoreIndex,
+        metrics: StoreMetrics,
+        files: threading.RLock,
+    ) -> None:
         self.settings = settings
         self.engine = engine
         self.ledger = ledger
@@ -83,7 +91,9 @@ class Saves:
         while (job := self._commits.get()) is not None:
             try:
                 self.commit(job)
-            except Exception:  # the thread must outlive one bad commit: later saves and waiting requests need it
+            except (
+                Exception
+            ):  # the thread must outlive one bad commit: later saves and waiting requests need it
                 log.exception("session store: committing %s failed", job.name)
 
     def commit_later(self, job: PendingSave) -> None:
@@ -96,12 +106,17 @@ class Saves:
         tokens = self.ledger.tokens(slot_id)
         with self._committed:
             pending = list(self._pending.values())
-        return (fingerprints is not None and worth_saving(tokens, self.settings.min_reuse)
-                and tokens is not None and not self.index.covers(tokens)
-                and not any(common_prefix(tokens, p) == len(tokens) for p in pending))
+        return (
+            fingerprints is not None
+            and worth_saving(tokens, self.settings.min_reuse)
+            and tokens is not None
+            and not self.index.covers(tokens)
+            and not any(common_prefix(tokens, p) == len(tokens) for p in pending)
+        )
 
-    def save(self, lease: EngineLease, slot_id: int, trigger: SaveTrigger,
-             fingerprints: Fingerprints | None) -> PendingSave | None:
+    def save(
+        self, lease: EngineLease, slot_id: int, trigger: SaveTrigger, fingerprints: Fingerprints | None
+    ) -> PendingSave | None:
         """The engine writes the slot's conversation pending its commit, unless the store holds it already."""
         if not self.needs_save(slot_id, fingerprints):
             return None
@@ -113,13 +128,25 @@ class Saves:
             result = lease.call("SAVE", self.shelf.target(name, fingerprints, tokens))
         except EngineReplyError as exc:
             self.metrics.save_failed()
-            log.warning("session store: saving slot %d (%d tokens, %s) failed: %s", slot_id, len(tokens),
-                        trigger, exc.message)
+            log.warning(
+                "session store: saving slot %d (%d tokens, %s) failed: %s",
+                slot_id,
+                len(tokens),
+                trigger,
+                exc.message,
+            )
             return None
         with self._committed:
             self._pending[name] = tokens
-        return PendingSave(slot_id, trigger, name, tokens, fingerprints, int(result.get("n_written", 0)),
-                           time.perf_counter() - t0)
+        return PendingSave(
+            slot_id,
+            trigger,
+            name,
+            tokens,
+            fingerprints,
+            int(result.get("n_written", 0)),
+            time.perf_counter() - t0,
+        )
 
     def save_idle_slots(self, fingerprints: Fingerprints) -> None:
         """Save each slot idle for --cache-idle-seconds whose conversation is not stored yet."""
@@ -142,8 +169,11 @@ class Saves:
         """At shutdown: every slot whose conversation is not stored yet (bounded by `deadline`, logged)."""
         for slot_id in range(self.ledger.n_slots):
             if not self.needs_save(slot_id, fingerprints):
-                log.info("session store: slot %d has nothing to save at shutdown (stored already, too short or "
-                         "unknown)", slot_id)
+                log.info(
+                    "session store: slot %d has nothing to save at shutdown (stored already, too short or "
+                    "unknown)",
+                    slot_id,
+                )
                 continue
             try:
                 with self.engine.acquire(max(0.0, deadline - time.monotonic()), id_slot=slot_id) as lease:
@@ -174,22 +204,36 @@ class Saves:
             self.shelf.sync_pending(job.name)
         except (sf.SessionFileError, OSError) as exc:
             self.metrics.save_failed()
-            log.error("session store: the conversation saved for slot %d does not read back or sync (%s); "
-                      "removing it", job.slot_id, exc)
+            log.error(
+                "session store: the conversation saved for slot %d does not read back or sync (%s); "
+                "removing it",
+                job.slot_id,
+                exc,
+            )
             self.shelf.remove_pending(job.name)
             return
         if stored.nbytes > self.settings.max_bytes:
             self.shelf.remove_pending(job.name)
             self.metrics.evicted(stored.nbytes)
-            log.warning("session store: a conversation of %.1f MiB is larger than the store's limit (%.1f MiB); "
-                        "not kept", stored.nbytes / MIB, self.settings.max_bytes / MIB)
+            log.warning(
+                "session store: a conversation of %.1f MiB is larger than the store's limit (%.1f MiB); "
+                "not kept",
+                stored.nbytes / MIB,
+                self.settings.max_bytes / MIB,
+            )
             return
         if not np.array_equal(stored.tokens, job.tokens):
-            log.warning("session store: slot %d held %d tokens, not the %d tracked; the file's are kept",
-                        job.slot_id, stored.n_tokens, len(job.tokens))
+            log.warning(
+                "session store: slot %d held %d tokens, not the %d tracked; the file's are kept",
+                job.slot_id,
+                stored.n_tokens,
+                len(job.tokens),
+            )
             self.ledger.saved(job.slot_id, job.tokens, stored.tokens)
         with self.files:
-            older = self.index.strict_prefixes_of(stored.tokens)  # replaced by this one: dropped after it lands
+            older = self.index.strict_prefixes_of(
+                stored.tokens
+            )  # replaced by this one: dropped after it lands
             room = self.settings.max_bytes - stored.nbytes + sum(c.nbytes for c in older)
             for victim in self.index.over_limit(room, keep=[c.name for c in older]):
                 self.drop(victim)  # before the rename: the folder never holds more than the limit
@@ -198,8 +242,11 @@ class Saves:
                 self.shelf.publish(job.name)
             except OSError as exc:
                 self.metrics.save_failed()
-                log.error("session store: renaming the file saved for slot %d failed (%s); removing it",
-                          job.slot_id, exc)
+                log.error(
+                    "session store: renaming the file saved for slot %d failed (%s); removing it",
+                    job.slot_id,
+                    exc,
+                )
                 self.shelf.remove_pending(job.name)
                 return
             self.index.add(stored)
@@ -209,9 +256,16 @@ class Saves:
         self.shelf.share(job.name, job.fingerprints, stored.tokens)
         commit_s = time.perf_counter() - t0
         self.metrics.saved(job.trigger, job.n_written or stored.nbytes, job.write_s + commit_s)
-        log.info("session store: saved slot %d (%d tokens, %.1f MiB, %s) in %.0f ms + %.0f ms committing as %s",
-                 job.slot_id, stored.n_tokens, stored.nbytes / MIB, job.trigger, job.write_s * 1000, commit_s * 1000,
-                 self.shelf.file(job.name))
+        log.info(
+            "session store: saved slot %d (%d tokens, %.1f MiB, %s) in %.0f ms + %.0f ms committing as %s",
+            job.slot_id,
+            stored.n_tokens,
+            stored.nbytes / MIB,
+            job.trigger,
+            job.write_s * 1000,
+            commit_s * 1000,
+            self.shelf.file(job.name),
+        )
 
     def drain(self, deadline: float) -> None:
         """Wait for the pending saves' commits (at shutdown)."""
@@ -241,5 +295,9 @@ class Saves:
             self.drop(victim)
             self.metrics.evicted(victim.nbytes)
             if victim.name == keep:
-                log.warning("session store: a conversation of %.1f MiB is larger than the store's limit "
-                            "(%.1f MiB); not kept", victim.nbytes / MIB, self.settings.max_bytes / MIB)
+                log.warning(
+                    "session store: a conversation of %.1f MiB is larger than the store's limit "
+                    "(%.1f MiB); not kept",
+                    victim.nbytes / MIB,
+                    self.settings.max_bytes / MIB,
+                )

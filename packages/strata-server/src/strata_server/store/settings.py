@@ -20,9 +20,13 @@ class StoreSettings:
     max_bytes: int
     min_reuse: int
     idle_s: float  # 0: no idle saves
-    ephemeral: bool = False  # a RAM-only store: emptied at start, removed at shutdown, never saved at shutdown
+    ephemeral: bool = (
+        False  # a RAM-only store: emptied at start, removed at shutdown, never saved at shutdown
+    )
     key: sf.SessionKey | None = None  # --session-key-file: files are read only when their MAC checks
-    require_mac: bool = True  # with a key: a file without a MAC is bad (moved aside), as the engine refuses it
+    require_mac: bool = (
+        True  # with a key: a file without a MAC is bad (moved aside), as the engine refuses it
+    )
     remote: RemoteSettings | None = None  # --cache-store: the object-store tier behind the folder
     shutdown_budget_s: float = SHUTDOWN_BUDGET_S
     scan_budget_s: float = SCAN_BUDGET_S

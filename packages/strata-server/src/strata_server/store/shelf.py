@@ -49,8 +49,9 @@ class Shelf(Protocol):
         """SAVE's argument (less the slot) that writes `tokens` under `name`, pending its commit."""
         ...
 
-    def conversation(self, name: str, fingerprints: Fingerprints, pending: bool = False,
-                     verify: bool = False) -> StoredConversation | None:
+    def conversation(
+        self, name: str, fingerprints: Fingerprints, pending: bool = False, verify: bool = False
+    ) -> StoredConversation | None:
         """Header and metadata of one conversation (`pending`: as written, before its commit); None when it
         belongs to another engine; SessionFileError when they are not valid."""
 

@@ -63,12 +63,16 @@ class SessionStore:
         self.engine = engine
         self.ledger = ledger
         require_mac = settings.require_mac and settings.key is not None
-        self.remote = RemoteTier(settings.remote, settings.key, require_mac) if settings.remote is not None else None
+        self.remote = (
+            RemoteTier(settings.remote, settings.key, require_mac) if settings.remote is not None else None
+        )
         self.shelf = open_shelf(settings, self.remote)
         self.index = StoreIndex()
         self.metrics = StoreMetrics()
         self.fingerprints: Fingerprints | None = None
-        self._files = threading.RLock()  # committed files and index vs a lookup + restore (no eviction between)
+        self._files = (
+            threading.RLock()
+        )  # committed files and index vs a lookup + restore (no eviction between)
         self.saves = Saves(settings, engine, ledger, self.shelf, self.index, self.metrics, self._files)
         self._ready = threading.Event()  # the shelf was scanned for this engine
         self._stop = threading.Event()
@@ -112,8 +116,12 @@ class SessionStore:
         indexed = foreign = bad = 0
         for done, name in enumerate(names):
             if time.monotonic() - t0 > self.settings.scan_budget_s:
-                log.warning("session store: scan stopped after %.0f s; %d of %d files left unindexed",
-                            self.settings.scan_budget_s, len(names) - done, len(names))
+                log.warning(
+                    "session store: scan stopped after %.0f s; %d of %d files left unindexed",
+                    self.settings.scan_budget_s,
+                    len(names) - done,
+                    len(names),
+                )
                 break
             try:
                 conversation = self.shelf.conversation(name, self.fingerprints)
@@ -129,9 +137,16 @@ class SessionStore:
                 self.index.add(conversation)
                 indexed += 1
         self.saves.evict()
-        log.info("session store %s: %d conversations (%.1f MiB) indexed, %d of other engines ignored, %d bad, "
-                 "in %.2f s", self.shelf.path, indexed, self.index.bytes_held() / MIB, foreign, bad,
-                 time.monotonic() - t0)
+        log.info(
+            "session store %s: %d conversations (%.1f MiB) indexed, %d of other engines ignored, %d bad, "
+            "in %.2f s",
+            self.shelf.path,
+            indexed,
+            self.index.bytes_held() / MIB,
+            foreign,
+            bad,
+            time.monotonic() - t0,
+        )
         self._ready.set()
 
     def _recover(self, name: str) -> None:
@@ -144,13 +159,21 @@ class SessionStore:
             if stored is not None:
                 self.shelf.sync_pending(name)
                 self.shelf.publish(name)
-                log.info("session store: committed %s, left pending by a server stopped before its commit", name)
+                log.info(
+                    "session store: committed %s, left pending by a server stopped before its commit", name
+                )
         except sf.SessionFileError as exc:
-            log.warning("session store: %s%s, left pending, does not verify (%s); removing it", name,
-                        PENDING_SUFFIX, exc.reason)
+            log.warning(
+                "session store: %s%s, left pending, does not verify (%s); removing it",
+                name,
+                PENDING_SUFFIX,
+                exc.reason,
+            )
             self.shelf.remove_pending(name)
         except OSError as exc:
-            log.warning("session store: %s%s, left pending, could not be committed: %s", name, PENDING_SUFFIX, exc)
+            log.warning(
+                "session store: %s%s, left pending, could not be committed: %s", name, PENDING_SUFFIX, exc
+            )
 
     def shutdown(self) -> None:
         """Save every slot whose conversation is not stored yet (bounded, logged); stop the threads."""
@@ -203,7 +226,9 @@ class SessionStore:
         --cache-min-reuse tokens more than the slot and the shelf already have (it is then a local hit)."""
         assert self.remote is not None and self.fingerprints is not None
         local = self.index.longest_prefix(prompt)
-        have = max(local.n_tokens if local is not None else 0, common_prefix(prompt, held) if held is not None else 0)
+        have = max(
+            local.n_tokens if local is not None else 0, common_prefix(prompt, held) if held is not None else 0
+        )
         if len(prompt) < have + self.settings.min_reuse:
             return  # no object could add enough: no request (the usual next turn of a chat held here)
         candidate = None
@@ -227,17 +252,27 @@ class SessionStore:
             return
         self.index.add(stored)
         self.metrics.fetched(adoption.downloaded)
-        log.info("session store: %s %s (%d tokens, %d of the prompt's, %.1f MiB) from the object store in "
-                 "%.0f ms", "fetched" if adoption.downloaded else "found (restored in place)", candidate.key,
-                 stored.n_tokens, candidate.n_match, stored.nbytes / MIB, (time.perf_counter() - t0) * 1000)
+        log.info(
+            "session store: %s %s (%d tokens, %d of the prompt's, %.1f MiB) from the object store in %.0f ms",
+            "fetched" if adoption.downloaded else "found (restored in place)",
+            candidate.key,
+            stored.n_tokens,
+            candidate.n_match,
+            stored.nbytes / MIB,
+            (time.perf_counter() - t0) * 1000,
+        )
         self.saves.evict(keep=candidate.name)
 
     def _restore(self, lease: EngineLease, slot_id: int, prompt: np.ndarray, decision: Plan) -> None:
         match = decision.restore
         assert match is not None
         name = match.conversation.name
-        request = {"path": str(self.shelf.file(name)), "cut_to": match.n_tokens, "min_keep": decision.min_keep,
-                   "discard_held": True}  # the slot's conversation was saved, or is not worth keeping
+        request = {
+            "path": str(self.shelf.file(name)),
+            "cut_to": match.n_tokens,
+            "min_keep": decision.min_keep,
+            "discard_held": True,
+        }  # the slot's conversation was saved, or is not worth keeping
         t0 = time.perf_counter()
         try:
             result = lease.call("RESTORE_PREFIX", request)

@@ -17,7 +17,21 @@ from .reference import MemoryAdapter, fake_identity, make_snapshot, memory_adapt
 from .synthetic import PATTERN_SIZE, PatternSource, SinkTarget, synthetic_specs, tokens_for_bytes
 
 __all__ = [
-    "CASES", "PATTERN_SIZE", "TRAILER_BACK", "Case", "ConformanceFailure", "ConformanceRun", "MemoryAdapter",
-    "PatternSource", "SinkTarget", "fake_identity", "make_snapshot", "memory_adapter_factory", "pattern_bytes",
-    "recorder", "run_conformance", "synthetic_specs", "tokens_for_bytes",
+    "CASES",
+    "PATTERN_SIZE",
+    "TRAILER_BACK",
+    "Case",
+    "ConformanceFailure",
+    "ConformanceRun",
+    "MemoryAdapter",
+    "PatternSource",
+    "SinkTarget",
+    "fake_identity",
+    "make_snapshot",
+    "memory_adapter_factory",
+    "pattern_bytes",
+    "recorder",
+    "run_conformance",
+    "synthetic_specs",
+    "tokens_for_bytes",
 ]

@@ -86,8 +86,15 @@ class ConformanceRun:
             f.write(data)
         return self.bad
 
-    def expect_refusal(self, case: str, path: str, expected: type[E.SessionFileError] | tuple = E.SessionFileError,
-                       hooks=None, mode="auto", key: SessionKey | None = None) -> E.SessionFileError | None:
+    def expect_refusal(
+        self,
+        case: str,
+        path: str,
+        expected: type[E.SessionFileError] | tuple = E.SessionFileError,
+        hooks=None,
+        mode="auto",
+        key: SessionKey | None = None,
+    ) -> E.SessionFileError | None:
         """Restore ``path`` into a fresh adapter: it must be refused with ``expected``, before the gate, and the
         adapter's live session must be what it was."""
         target = self.factory(2)
@@ -119,8 +126,23 @@ def _section_boundaries(path: str) -> list[int]:
     """Offsets where a truncation is most likely to be mishandled: each section's edges, each part's (or
     each frame's) first and middle byte."""
     lay = inspect(path, verify=False).layout
-    points = {0, 1, 8, 16, 32, 48, 56, 63, 64, 68, lay.data_offset - 1, lay.data_offset, lay.trailer_offset,
-              lay.trailer_offset + 16, lay.file_size - 1}
+    points = {
+        0,
+        1,
+        8,
+        16,
+        32,
+        48,
+        56,
+        63,
+        64,
+        68,
+        lay.data_offset - 1,
+        lay.data_offset,
+        lay.trailer_offset,
+        lay.trailer_offset + 16,
+        lay.file_size - 1,
+    }
     if lay.compressed is None:
         for ext in lay.extents:
             points.add(lay.data_offset + ext.data_offset)
@@ -166,14 +188,17 @@ def round_trip(run: ConformanceRun) -> None:
         run.fail(f"inspect: {type(exc).__name__}: {exc}")
         return
     if layout.data_length < 3 * run.block_size:
-        run.fail(f"the factory's session has {layout.data_length} K/V bytes; the gate cases need at least 3 "
-                 f"blocks ({3 * run.block_size})")
+        run.fail(
+            f"the factory's session has {layout.data_length} K/V bytes; the gate cases need at least 3 "
+            f"blocks ({3 * run.block_size})"
+        )
 
 
 def truncation(run: ConformanceRun) -> None:
     """The file cut at every section boundary and at random offsets: refused as truncated."""
-    cuts = _section_boundaries(run.good) + [run.rng.randrange(len(run.good_bytes))
-                                            for _ in range(run.random_truncations)]
+    cuts = _section_boundaries(run.good) + [
+        run.rng.randrange(len(run.good_bytes)) for _ in range(run.random_truncations)
+    ]
     for cut in cuts:
         run.expect_refusal(f"truncation at {cut}", run.write_bad(run.good_bytes[:cut]), E.Truncated)
 
@@ -211,6 +236,7 @@ def binding(run: ConformanceRun) -> None:
 def gate_before(run: ConformanceRun) -> None:
     """Before the gate: the adapter's own refusal in check_plan, and a file modified, grown or shrunk
     between the passes, are clean refusals."""
+
     def refuse(plan):
         raise E.GeometryMismatch("conformance: refused by check_plan")
 
@@ -225,17 +251,22 @@ def gate_before(run: ConformanceRun) -> None:
             f.seek(plan.layout.data_offset)
             f.write(bytes([byte[0] ^ 1]))
 
-    run.expect_refusal("modified between passes", bad, E.FileChanged, hooks={"check_plan": modify_in_place},
-                       mode="streaming")
-    for what, change in (("grew", lambda f, n: f.truncate(n + 1)), ("shrank", lambda f, n: f.truncate(n - 1))):
+    run.expect_refusal(
+        "modified between passes", bad, E.FileChanged, hooks={"check_plan": modify_in_place}, mode="streaming"
+    )
+    for what, change in (
+        ("grew", lambda f, n: f.truncate(n + 1)),
+        ("shrank", lambda f, n: f.truncate(n - 1)),
+    ):
         shutil.copyfile(run.good, bad)
 
         def hook(plan, change=change):
             with open(bad, "r+b") as f:
                 change(f, plan.layout.file_size)
 
-        run.expect_refusal(f"file {what} between passes", bad, E.FileChanged, hooks={"check_plan": hook},
-                           mode="streaming")
+        run.expect_refusal(
+            f"file {what} between passes", bad, E.FileChanged, hooks={"check_plan": hook}, mode="streaming"
+        )
 
 
 def gate_after(run: ConformanceRun) -> None:
@@ -273,8 +304,13 @@ def staged(run: ConformanceRun) -> None:
     """A file changed during the staged pass: refused, the live session untouched (no fail-stop)."""
     shutil.copyfile(run.good, run.bad)
     flip_last = _flip_byte_once(run.bad, TRAILER_BACK)
-    run.expect_refusal("staged, changed during the pass", run.bad, (E.PayloadCorrupt, E.FileChanged),
-                       hooks={"stage_in": flip_last, "landing_views": flip_last}, mode="staged")
+    run.expect_refusal(
+        "staged, changed during the pass",
+        run.bad,
+        (E.PayloadCorrupt, E.FileChanged),
+        hooks={"stage_in": flip_last, "landing_views": flip_last},
+        mode="staged",
+    )
 
 
 def file_types(run: ConformanceRun) -> None:
@@ -326,15 +362,23 @@ def authentication(run: ConformanceRun) -> None:
     # compressed file's changed frame may be refused by its decoder first).
     layout = inspect(path, verify=False).layout
     comp = layout.compressed
-    at, refused = ((tail - 1, E.PayloadNotAuthentic) if comp is None else
-                   (_middle_of_last_frame(comp),
-                    (E.PayloadNotAuthentic, E.FrameCorrupt, E.DecompressedSizeMismatch)))
+    at, refused = (
+        (tail - 1, E.PayloadNotAuthentic)
+        if comp is None
+        else (
+            _middle_of_last_frame(comp),
+            (E.PayloadNotAuthentic, E.FrameCorrupt, E.DecompressedSizeMismatch),
+        )
+    )
     data = bytearray(expected)
     data[at] ^= 1
-    data[tail:tail + 16] = xxhash.xxh3_128_digest(bytes(data[HEADER_SIZE:tail]))
-    data[tail + 64:tail + 96] = key.mac(bytes(data[:HEADER_SIZE]), bytes(data[tail:tail + MAC_COVERED_TRAILER]))
-    run.expect_refusal("payload changed under its hash", run.write_bad(bytes(data)), refused, key=key,
-                       mode="streaming")
+    data[tail : tail + 16] = xxhash.xxh3_128_digest(bytes(data[HEADER_SIZE:tail]))
+    data[tail + 64 : tail + 96] = key.mac(
+        bytes(data[:HEADER_SIZE]), bytes(data[tail : tail + MAC_COVERED_TRAILER])
+    )
+    run.expect_refusal(
+        "payload changed under its hash", run.write_bad(bytes(data)), refused, key=key, mode="streaming"
+    )
 
 
 def _middle_of_last_frame(comp) -> int:
@@ -367,13 +411,27 @@ CASES: tuple[Case, ...] = (
 )
 
 
-def run_conformance(adapter_factory: Callable[[int], SessionAdapter], workdir: str | os.PathLike, *,
-                    block_size: int = 4096, random_truncations: int = 16, random_flips: int = 64,
-                    seed: int = 0, compression: Compression | str | None = None) -> list[str]:
+def run_conformance(
+    adapter_factory: Callable[[int], SessionAdapter],
+    workdir: str | os.PathLike,
+    *,
+    block_size: int = 4096,
+    random_truncations: int = 16,
+    random_flips: int = 64,
+    seed: int = 0,
+    compression: Compression | str | None = None,
+) -> list[str]:
     """Run every case that applies, in ``CASES`` order; return the names of those that ran; raise
     ConformanceFailure listing every failure."""
-    run = ConformanceRun(adapter_factory, os.fspath(workdir), block_size, compression, random_truncations,
-                         random_flips, random.Random(seed)).start()
+    run = ConformanceRun(
+        adapter_factory,
+        os.fspath(workdir),
+        block_size,
+        compression,
+        random_truncations,
+        random_flips,
+        random.Random(seed),
+    ).start()
     ran = []
     for case in CASES:
         if case.applies(run):

@@ -14,6 +14,7 @@ from ..records import EngineIdentity
 
 def _recorded(name: str):
     """A method that records the call, runs the case's hook for it, then forwards it."""
+
     def method(self, *args):
         self.calls.append(name)
         hook = self.hooks.get(name)
@@ -27,6 +28,7 @@ def _recorded(name: str):
 
 def _forwarded(name: str):
     """A method that only forwards the call."""
+
     def method(self, *args):
         return getattr(self._inner, name)(*args)
 
@@ -37,16 +39,25 @@ def _forwarded(name: str):
 class Recorder:
     """Forwards to an adapter and records which restore-side calls it received."""
 
-    LIVE_CALLS = ("begin_apply", "copy_in", "commit", "fail_stop", "commit_staged")  # what changes a live session
+    LIVE_CALLS = (
+        "begin_apply",
+        "copy_in",
+        "commit",
+        "fail_stop",
+        "commit_staged",
+    )  # what changes a live session
 
     def __init__(self, inner, hooks: dict[str, Callable] | None = None) -> None:
         self._inner = inner
         self.calls: list[str] = []
         self.hooks = hooks or {}
 
-    identity, limits, snapshot, copy_out = (_forwarded(n) for n in ("identity", "limits", "snapshot", "copy_out"))
+    identity, limits, snapshot, copy_out = (
+        _forwarded(n) for n in ("identity", "limits", "snapshot", "copy_out")
+    )
     check_plan, begin_apply, copy_in, commit, fail_stop = (
-        _recorded(n) for n in ("check_plan", "begin_apply", "copy_in", "commit", "fail_stop"))
+        _recorded(n) for n in ("check_plan", "begin_apply", "copy_in", "commit", "fail_stop")
+    )
 
     @property
     def touched(self) -> bool:
@@ -56,7 +67,8 @@ class Recorder:
 class StagingRecorder(Recorder):
     can_stage = _forwarded("can_stage")
     begin_staging, stage_in, commit_staged, discard_staged = (
-        _recorded(n) for n in ("begin_staging", "stage_in", "commit_staged", "discard_staged"))
+        _recorded(n) for n in ("begin_staging", "stage_in", "commit_staged", "discard_staged")
+    )
 
 
 class LandingCalls:
@@ -75,8 +87,12 @@ class LandingStagingRecorder(LandingCalls, StagingRecorder):
 
 def recorder(adapter, hooks: dict[str, Callable] | None = None) -> Recorder:
     staging, landing = isinstance(adapter, StagingTarget), isinstance(adapter, LandingTarget)
-    cls = {(False, False): Recorder, (True, False): StagingRecorder, (False, True): LandingRecorder,
-           (True, True): LandingStagingRecorder}[staging, landing]
+    cls = {
+        (False, False): Recorder,
+        (True, False): StagingRecorder,
+        (False, True): LandingRecorder,
+        (True, True): LandingStagingRecorder,
+    }[staging, landing]
     return cls(adapter, hooks)
 
 

@@ -27,8 +27,12 @@ def fake_identity(name: str = "test-model", config: dict | None = None) -> Engin
     """An engine identity for tests: a model fingerprint from a made-up file list, a config mapping."""
     digest = xxhash.xxh3_128_digest(name.encode())
     model = model_identity_from_files([ModelFile("model", 1000, digest)])
-    return EngineIdentity(model, config_fingerprint(config if config is not None else
-                                                    {"engine": "memory", "engine_version": "1", "kv_type": "f16"}))
+    return EngineIdentity(
+        model,
+        config_fingerprint(
+            config if config is not None else {"engine": "memory", "engine_version": "1", "kv_type": "f16"}
+        ),
+    )
 
 
 def pattern_bytes(n: int, seed: int) -> bytes:
@@ -41,8 +45,9 @@ def pattern_bytes(n: int, seed: int) -> bytes:
     return bytes(out[:n])
 
 
-def make_snapshot(specs: Sequence[LayerSpec], n_tokens: int, seed: int = 0, *, vocab: int = 1000,
-                  draft_lag: int = 1) -> Snapshot:
+def make_snapshot(
+    specs: Sequence[LayerSpec], n_tokens: int, seed: int = 0, *, vocab: int = 1000, draft_lag: int = 1
+) -> Snapshot:
     rng = random.Random(seed)
     tokens = [rng.randrange(vocab) for _ in range(n_tokens)]
     layers = []
@@ -50,9 +55,13 @@ def make_snapshot(specs: Sequence[LayerSpec], n_tokens: int, seed: int = 0, *, v
         cap = s.capacity(n_tokens)
         held = cap if s.role == 0 else max(0, cap - draft_lag)
         layers.append(LayerGeometry(s, held))
-    state = RunningState(tokens, n_tokens, pattern_bytes(rng.randrange(0, 64), seed),
-                         Checkpoint(max(0, n_tokens - rng.randrange(0, 3)), pattern_bytes(rng.randrange(0, 16), seed + 1)),
-                         b'{"note":"engine field"}')
+    state = RunningState(
+        tokens,
+        n_tokens,
+        pattern_bytes(rng.randrange(0, 64), seed),
+        Checkpoint(max(0, n_tokens - rng.randrange(0, 3)), pattern_bytes(rng.randrange(0, 16), seed + 1)),
+        b'{"note":"engine field"}',
+    )
     return Snapshot(state, tuple(layers))
 
 
@@ -64,8 +73,16 @@ class MemoryAdapter:
     library's handling of several views per piece is exercised too.
     """
 
-    def __init__(self, identity: EngineIdentity, specs: Sequence[LayerSpec], *, max_tokens: int = 4096,
-                 vocab_size: int | None = 1000, staging: bool = False, zero_copy: bool = False) -> None:
+    def __init__(
+        self,
+        identity: EngineIdentity,
+        specs: Sequence[LayerSpec],
+        *,
+        max_tokens: int = 4096,
+        vocab_size: int | None = 1000,
+        staging: bool = False,
+        zero_copy: bool = False,
+    ) -> None:
         self._identity = identity
         self.specs = tuple(specs)
         self.max_tokens = max_tokens
@@ -85,8 +102,10 @@ class MemoryAdapter:
     def load_snapshot(self, snap: Snapshot, seed: int = 0) -> MemoryAdapter:
         self.state = snap.state
         self.layers = snap.layers
-        self.parts = [[bytearray(pattern_bytes(g.part_size(p), seed * 7919 + li * 5 + p)) for p in Part]
-                      for li, g in enumerate(snap.layers)]
+        self.parts = [
+            [bytearray(pattern_bytes(g.part_size(p), seed * 7919 + li * 5 + p)) for p in Part]
+            for li, g in enumerate(snap.layers)
+        ]
         return self
 
     def live_digest(self) -> bytes:
@@ -106,12 +125,12 @@ class MemoryAdapter:
         return Snapshot(self.state, self.layers)
 
     def copy_out(self, layer: int, part: Part, offset: int, dest: memoryview) -> None:
-        dest[:] = self.parts[layer][part][offset:offset + len(dest)]
+        dest[:] = self.parts[layer][part][offset : offset + len(dest)]
 
     @staticmethod
     def _halves(data: bytearray, offset: int, length: int) -> list[memoryview]:
-        view = memoryview(data)[offset:offset + length]
-        return [view[:length // 2], view[length // 2:]]
+        view = memoryview(data)[offset : offset + length]
+        return [view[: length // 2], view[length // 2 :]]
 
     # -- LandingTarget (only with zero_copy=True) ----------------------------------------------------
     def can_land(self, plan: RestorePlan) -> bool:
@@ -127,9 +146,14 @@ class MemoryAdapter:
 
     # -- SessionTarget -----------------------------------------------------------------------------
     def limits(self) -> EngineLimits:
-        return EngineLimits(max_tokens=self.max_tokens, layers=self.specs, vocab_size=self.vocab_size,
-                            max_sampler_state_bytes=4096, max_checkpoint_data_bytes=4096,
-                            max_engine_fields_bytes=4096)
+        return EngineLimits(
+            max_tokens=self.max_tokens,
+            layers=self.specs,
+            vocab_size=self.vocab_size,
+            max_sampler_state_bytes=4096,
+            max_checkpoint_data_bytes=4096,
+            max_engine_fields_bytes=4096,
+        )
 
     def check_plan(self, plan: RestorePlan) -> None:
         self.events.append("check_plan")
@@ -144,7 +168,7 @@ class MemoryAdapter:
     def copy_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
         self.events.append("copy_in")
         assert src.readonly
-        self.parts[layer][part][offset:offset + len(src)] = src
+        self.parts[layer][part][offset : offset + len(src)] = src
 
     def commit(self, state: RunningState) -> None:
         self.events.append("commit")
@@ -166,7 +190,7 @@ class MemoryAdapter:
     def stage_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
         self.events.append("stage_in")
         assert self._staged is not None
-        self._staged[1][layer][part][offset:offset + len(src)] = src
+        self._staged[1][layer][part][offset : offset + len(src)] = src
 
     def commit_staged(self, state: RunningState) -> None:
         self.events.append("commit_staged")
@@ -180,14 +204,23 @@ class MemoryAdapter:
         self._staged = None
 
 
-def memory_adapter_factory(specs: Sequence[LayerSpec] | None = None, *, n_tokens: int = 40,
-                           staging: bool = False, identity: EngineIdentity | None = None,
-                           zero_copy: bool = False) -> Callable[[int], MemoryAdapter]:
+def memory_adapter_factory(
+    specs: Sequence[LayerSpec] | None = None,
+    *,
+    n_tokens: int = 40,
+    staging: bool = False,
+    identity: EngineIdentity | None = None,
+    zero_copy: bool = False,
+) -> Callable[[int], MemoryAdapter]:
     """A factory for run_conformance: seed -> MemoryAdapter holding a session derived from the seed."""
     if specs is None:
-        specs = [LayerSpec(i, LayerRole.MAIN, 2, 16, 16, DType.F16, DType.F16, 8 if i % 3 == 2 else 0)
-                 for i in range(4)] + [LayerSpec(4, LayerRole.MAIN, 2, 16, 16, DType.I8, DType.I8, 0, 24),
-                                       LayerSpec(0, LayerRole.DRAFT, 1, 8, 8, DType.F32, DType.F32, 0)]
+        specs = [
+            LayerSpec(i, LayerRole.MAIN, 2, 16, 16, DType.F16, DType.F16, 8 if i % 3 == 2 else 0)
+            for i in range(4)
+        ] + [
+            LayerSpec(4, LayerRole.MAIN, 2, 16, 16, DType.I8, DType.I8, 0, 24),
+            LayerSpec(0, LayerRole.DRAFT, 1, 8, 8, DType.F32, DType.F32, 0),
+        ]
     ident = identity or fake_identity()
 
     def factory(seed: int) -> MemoryAdapter:

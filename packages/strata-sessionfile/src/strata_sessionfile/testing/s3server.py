@@ -20,8 +20,16 @@ from pathlib import Path
 LOOPBACK = "127.0.0.1"
 GRPC_OFFSET = 10000  # weed's admin worker dials the admin port + 10000 whatever -admin.port.grpc says
 # Each component of `weed mini` listens on its own port: every one is chosen free, none left at its default.
-PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-              "s3.port", "s3.port.grpc")
+PORT_FLAGS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+)
 
 
 def weed_binary() -> str | None:
@@ -78,15 +86,32 @@ class SeaweedS3:
         ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
         admin, admin_grpc = _free_pair()
         self.endpoint_url = f"http://{LOOPBACK}:{ports['s3.port']}"
-        argv = [weed, "mini", f"-dir={data}", f"-bucket={self.bucket}", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
-                *(f"-{flag}={port}" for flag, port in ports.items()), f"-admin.port={admin}",
-                f"-admin.port.grpc={admin_grpc}", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                "-master.telemetry=false"]
+        argv = [
+            weed,
+            "mini",
+            f"-dir={data}",
+            f"-bucket={self.bucket}",
+            f"-ip={LOOPBACK}",
+            f"-ip.bind={LOOPBACK}",
+            *(f"-{flag}={port}" for flag, port in ports.items()),
+            f"-admin.port={admin}",
+            f"-admin.port.grpc={admin_grpc}",
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+        ]
         # `weed mini` makes its first user from these variables: S3 then checks every request's signature.
         env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
         self._log = open(self.workdir / "weed.log", "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=self.workdir,
+            start_new_session=True,
+        )
         self._wait_ready(timeout)
         return self
 
@@ -111,13 +136,21 @@ class SeaweedS3:
     def client(self, **kw):
         from ..objstore import s3_client
 
-        return s3_client(self.endpoint_url, aws_access_key_id=self.access_key,
-                         aws_secret_access_key=self.secret_key, region_name=self.region, **kw)
+        return s3_client(
+            self.endpoint_url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=self.region,
+            **kw,
+        )
 
     def env(self) -> dict[str, str]:
         """The standard AWS variables that reach this store's bucket (for a child process or a CLI)."""
-        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
-                "AWS_DEFAULT_REGION": self.region}
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
 
     def log(self) -> str:
         path = self.workdir / "weed.log"

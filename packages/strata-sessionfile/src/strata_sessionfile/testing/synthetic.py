@@ -21,8 +21,10 @@ PATTERN_SIZE = 1 << 20
 
 
 def synthetic_specs(n_layers: int = 24, n_kv_heads: int = 8, head_dim: int = 128) -> list[LayerSpec]:
-    return [LayerSpec(i, LayerRole.MAIN, n_kv_heads, head_dim, head_dim, DType.F16, DType.F16)
-            for i in range(n_layers)]
+    return [
+        LayerSpec(i, LayerRole.MAIN, n_kv_heads, head_dim, head_dim, DType.F16, DType.F16)
+        for i in range(n_layers)
+    ]
 
 
 def tokens_for_bytes(specs: Sequence[LayerSpec], n_bytes: int) -> int:
@@ -37,7 +39,9 @@ class PatternSource:
 
     LAYER_STRIDE, PART_STRIDE = 4099, 613  # where each layer's and part's bytes start in the pattern
 
-    def __init__(self, identity: EngineIdentity, specs: Sequence[LayerSpec], n_tokens: int, seed: int = 0) -> None:
+    def __init__(
+        self, identity: EngineIdentity, specs: Sequence[LayerSpec], n_tokens: int, seed: int = 0
+    ) -> None:
         self._identity = identity
         self.specs = tuple(specs)
         self._snapshot = make_snapshot(specs, n_tokens, seed, vocab=32000)
@@ -55,7 +59,7 @@ class PatternSource:
         pos, n = 0, len(dest)
         while pos < n:
             take = min(n - pos, size - start)
-            dest[pos:pos + take] = self._pattern[start:start + take]
+            dest[pos : pos + take] = self._pattern[start : start + take]
             pos += take
             start = 0
 
@@ -64,8 +68,14 @@ class SinkTarget:
     """A SessionTarget that copies every received byte into a fixed ring "pool" (allocated and touched up
     front, like an engine's pool) and keeps the running state; for RSS measurements and benchmarks."""
 
-    def __init__(self, identity: EngineIdentity, specs: Sequence[LayerSpec], *, max_tokens: int = 1 << 24,
-                 pool_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        identity: EngineIdentity,
+        specs: Sequence[LayerSpec],
+        *,
+        max_tokens: int = 1 << 24,
+        pool_bytes: int = 64 << 20,
+    ) -> None:
         self._identity = identity
         self.specs = tuple(specs)
         self.max_tokens = max_tokens
@@ -92,7 +102,7 @@ class SinkTarget:
         done = 0
         while done < n:
             take = min(n - done, len(self.pool) - self._pos)
-            self.pool[self._pos:self._pos + take] = src[done:done + take]
+            self.pool[self._pos : self._pos + take] = src[done : done + take]
             self._pos = (self._pos + take) % len(self.pool)
             done += take
         self.received += n
