@@ -78,7 +78,10 @@ class EngineProc:
 
     def quit(self) -> int:
         self.proc.stdin.close()
-        return self.proc.wait(timeout=120)
+        code = self.proc.wait(timeout=120)
+        self.proc.stdout.close()  # the pipes and the log closed here, not left to the collector
+        self.log.close()
+        return code
 
 
 def _start(model: str, placement: str, tmp_path: Path, backend="cupy", env=None, mode="auto") -> EngineProc:
