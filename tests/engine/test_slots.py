@@ -138,12 +138,29 @@ def test_batched_decode_equals_each_slot_decoded_alone(make, kv_type):
             logits[s].append(row)
             tokens[s].append(int(np.argmax(row)))
     assert _region_bytes(slots.runners[3]) == idle
+    bound = LOGIT_ATOL if kv_type == "f32" else LOGIT_ATOL_INT8
     for s, prompt in enumerate(prompts):
         expected_tokens, expected_logits = _greedy_alone(alone, prompt, len(tokens[s]) - 1)
-        assert tokens[s][:-1] == expected_tokens
-        worst = max(float(np.abs(a - b).max()) for a, b in zip(logits[s], expected_logits, strict=True))
-        assert worst <= (LOGIT_ATOL if kv_type == "f32" else LOGIT_ATOL_INT8), (s, worst)
+        # a near tie (top-2 margin within twice the bound) may flip with the summation order; past it the two
+        # continuations differ and nothing more compares
+        n = _until_near_tie(expected_logits, 2 * bound)
+        k = min(n + 1, len(expected_tokens))  # the tokens that follow clear margins
+        assert tokens[s][:k] == expected_tokens[:k], (s, n)
+        # the logits of step n still follow equal tokens
+        worst = max(
+            float(np.abs(a - b).max()) for a, b in zip(logits[s][:k], expected_logits[:k], strict=True)
+        )
+        assert worst <= bound, (s, worst)
         assert slots.runners[s].tokens_held == (*prompt, *tokens[s][:-1])
+
+
+def _until_near_tie(steps: list[np.ndarray], margin: float) -> int:
+    """How many decode steps' logits come before the first whose top-2 margin is within `margin`."""
+    for i, row in enumerate(steps):
+        top2 = np.partition(row, -2)[-2:]
+        if top2[1] - top2[0] <= margin:
+            return i
+    return len(steps)
 
 
 def test_decode_rows_hand_the_argmax_or_the_logits_per_row(make):
