@@ -124,27 +124,30 @@ class LoadedModel:
     # ---- start-up --------------------------------------------------------------------------------
     def prepare(self, placements: Sequence[PoolPlacement]) -> None:
         """Start-up of the slots over `placements` (regions of one arena, nothing held): each slot's step graphs
-        made and captured, the kernels warmed on the first (they serve every slot), the batch graphs captured."""
+        made and captured, the kernels warmed on the first (they serve every slot), the batch graphs captured.
+        `graph_capture_s`: the seconds the captures took."""
         enabled = self.settings.cuda_graphs
-        t0 = time.perf_counter()
+        capture_s = 0.0
         for i, placement in enumerate(placements):
             made = (make_step_graph(self.model, placement, enabled, n)
                     for n in prefill_graph_sizes(self.settings.prefill_chunk))  # fmt: skip
             graphs = SlotGraphs(make_step_graph(self.model, placement, enabled, 1), tuple(g for g in made if g))
             if graphs.all():  # only where there are graphs: a CPU model keeps no record of its slots
                 self._slot_graphs[placement] = graphs
-                self._capture(placement, graphs)
+                capture_s += self._capture(placement, graphs)
             if i == 0:
                 self.warm_kernels(placement)
         batch = make_batch_graphs(self.model, placements, enabled)
         if batch:
-            self._batch_graphs[placements[0].pool.arena] = graphs = BatchGraphs(batch)
+            self._batch_graphs[placements[0].pool.arena] = batch_graphs = BatchGraphs(batch)
+            t0 = time.perf_counter()
             for graph in batch:
                 try:
                     graph.prepare()  # its capture stores nothing: the pool is untouched
                 except GraphCaptureFailed as e:
-                    graphs.drop(graph, e)
-        self.graph_capture_s = time.perf_counter() - t0 - self.kernel_warm_s
+                    batch_graphs.drop(graph, e)
+            capture_s += time.perf_counter() - t0
+        self.graph_capture_s = capture_s
 
     def graphs_of(self, placement: PoolPlacement) -> SlotGraphs:
         """The step graphs captured over `placement` (none where it has none)."""
@@ -155,11 +158,13 @@ class LoadedModel:
         return self._batch_graphs.get(arena) or BatchGraphs()
 
     @staticmethod
-    def _capture(placement: PoolPlacement, graphs: SlotGraphs) -> None:
+    def _capture(placement: PoolPlacement, graphs: SlotGraphs) -> float:
         """Capture the step graphs now (start-up: vLLM does the same) rather than in the first decode step and
         the first full chunk a request brings, which would pay the capture (bench/gpu/DECISIONS.md "Decode as a
         CUDA graph"). Each runs once on placeholder tokens at position 0, whose K/V are then dropped (the pool
-        holds nothing before and after). A capture that fails is said once on stderr and that step runs op by op."""
+        holds nothing before and after). A capture that fails is said once on stderr and that step runs op by op.
+        Returns the seconds spent."""
+        t0 = time.perf_counter()
         pool = placement.pool
         for graph in graphs.all():
             if graph.graph is not None:
@@ -173,6 +178,7 @@ class LoadedModel:
                 pool.abort_append()
                 pool.reset()
                 placement.truncated(0)
+        return time.perf_counter() - t0
 
     def warm_kernels(self, placement: PoolPlacement) -> float:
         """Compile (or load from numba's disk cache) the kernels a request would run, now, over an empty slot's
