@@ -268,3 +268,23 @@ def test_a_warmed_slot_set_compiles_nothing_in_a_batched_step(smollm2_path):
     slots.runners[1].erase()
     slots.runners[1].decode(int(np.argmax(slots.runners[1].prefill(long_prompt).logits)))
     assert {k.py_func.__name__: len(k.overloads) for k in kernels} == before
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_a_warmed_runner_compiles_nothing_in_an_embedding(request, name):
+    """EMBED evaluates on scratch K/V held in float32 (embedding.ScratchKV), not the pool's storage type: the
+    warm-up covers those attention signatures too, so a server's first embedding request (prompt chunks past
+    the warm-up's, at depth) neither compiles nor loads a kernel: on a cold cache that took over 120 s."""
+    from strata_engine.embedding import hidden_states
+    from strata_engine.kernel_cache import kernel_dispatchers
+
+    path = request.getfixturevalue(f"{name}_path")
+    runner = ModelRunner.load(
+        EngineSettings(model_path=path, n_ctx=1024, cpu_kernels="numba-q8", kv_type="f16")
+    )
+    kernels = list(kernel_dispatchers())
+    before = {k.py_func.__name__: len(k.overloads) for k in kernels}
+    prompt = [2] + np.random.default_rng(17).integers(100, 5000, 700).tolist()
+    hidden_states(runner.model, prompt, runner.settings.prefill_chunk)
+    after = {k.py_func.__name__: len(k.overloads) for k in kernels}
+    assert {n: (before.get(n), c) for n, c in after.items() if before.get(n) != c} == {}

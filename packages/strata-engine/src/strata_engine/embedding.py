@@ -78,8 +78,9 @@ class ScratchKV:
     ) -> Any | None:
         xp = self.ops.xp
         held_k, held_v = self.k[layer], self.v[layer]
-        k = k_new if held_k is None else xp.concatenate([held_k, k_new])
-        v = v_new if held_v is None else xp.concatenate([held_v, v_new])
+        # contiguous from the first chunk (k_new, v_new may be views of a fused product): one kernel signature
+        k = xp.ascontiguousarray(k_new) if held_k is None else xp.concatenate([held_k, k_new])
+        v = xp.ascontiguousarray(v_new) if held_v is None else xp.concatenate([held_v, v_new])
         self.k[layer], self.v[layer] = k, v
         if q is None:
             return None

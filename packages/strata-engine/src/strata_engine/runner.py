@@ -235,7 +235,7 @@ class ModelRunner:
         of one token, one of a short prompt past the packed products' row limit and one shaped as a batched
         decode step of two rows, on placeholder
         tokens at position 0 whose K/V are then dropped, and the attention kernels over the pool's storage
-        that those short passes do not reach (`Ops.warm_attention`). Nothing for ops without compiled
+        and over an embedding's scratch K/V that those short passes do not reach (`Ops.warm_attention`). Nothing for ops without compiled
         kernels. Returns the seconds spent."""
         t0 = time.perf_counter()
         if not self.model.ops.compiles_kernels:
@@ -256,6 +256,9 @@ class ModelRunner:
                 self.erase()
         views = self.pool.layer(0)
         self.model.ops.warm_attention(views.k, views.v, views.k_scale, views.v_scale)
+        # EMBED attends over scratch K/V in the compute dtype (embedding.ScratchKV), not the pool's storage
+        scratch = self.model.ops.xp.zeros((1, *views.k.shape[1:]), dtype=self.model.ops.dtype)
+        self.model.ops.warm_attention(scratch, scratch)
         self.kernel_warm_s = time.perf_counter() - t0
         return self.kernel_warm_s
 
