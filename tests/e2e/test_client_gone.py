@@ -16,7 +16,7 @@ from support.server_process import metrics
 
 from .servers import start_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = "<|im_start|>user\nWrite a very long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
 # Runs to the end of the 2,048-token context unless cancelled (about 11 s on this model and machine).

@@ -8,7 +8,7 @@ import requests
 
 from .servers import start_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 TEMPLATE = (
     "{%- for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
