@@ -13,14 +13,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import strata_sessionfile as sf
+from strata_engine.client import EngineProcess
 
 from .gpu import MODELS, long_prompt, model_path
 
@@ -29,64 +24,9 @@ pytestmark = pytest.mark.gpu
 PLACEMENTS = {"device-pool": [], "host-pool+ring64": ["--kv-resident", "64"]}
 
 
-class EngineProc:
-    """One `strata-engine serve` process spoken to over its line protocol."""
-
-    def __init__(self, model: Path, args: list[str], log: Path, env: dict[str, str] | None = None):
-        cmd = [
-            sys.executable,
-            "-m",
-            "strata_engine.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--ctx-size",
-            "2048",
-        ]
-        self.log = log.open("a")
-        self.proc = subprocess.Popen(
-            [*cmd, *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.ready = self._read()
-        assert self.ready.get("event") == "ready", self.ready
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"engine exited ({self.proc.wait()}); see {self.log.name}")
-        return json.loads(line)
-
-    def command(self, line: str) -> dict:
-        """Send one line; return its terminal event (result or error)."""
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        while True:
-            event = self._read()
-            if event["event"] in ("result", "error"):
-                return event
-
-    def complete(self, prompt: list[int], n_predict: int) -> dict:
-        request = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "seed": 1}
-        event = self.command("COMPLETE " + json.dumps(request))
-        assert event["event"] == "result", event
-        return event
-
-    def quit(self) -> int:
-        self.proc.stdin.close()
-        code = self.proc.wait(timeout=120)
-        self.proc.stdout.close()  # the pipes and the log closed here, not left to the collector
-        self.log.close()
-        return code
-
-
-def _start(model: str, placement: str, tmp_path: Path, backend="cupy", env=None, mode="auto") -> EngineProc:
-    args = ["--backend", backend, "--restore-mode", mode, *PLACEMENTS[placement]]
-    return EngineProc(model_path(model), args, tmp_path / "engine.log", env)
+def _start(model: str, placement: str, backend="cupy", env=None, mode="auto") -> EngineProcess:
+    args = ["--ctx-size", "2048", "--backend", backend, "--restore-mode", mode, *PLACEMENTS[placement]]
+    return EngineProcess(model_path(model), *args, env=env)
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
@@ -95,17 +35,17 @@ def test_save_new_process_restore_next_turn(tmp_path, model, placement):
     pytest.importorskip("cupy")
     path = tmp_path / "s.ssf"
     prompt = long_prompt(3)
-    a = _start(model, placement, tmp_path)
+    a = _start(model, placement)
     assert a.ready["backend"] == "cupy"
     first = a.complete(prompt, 8)
-    saved = a.command("SAVE " + json.dumps({"path": str(path)}))
+    saved = a.command("SAVE", {"path": str(path)})
     assert saved["event"] == "result" and saved["n_saved"] == first["n_tokens_held"]
     next_prompt = prompt + first["tokens"] + long_prompt(11, 40)
     never_restarted = a.complete(next_prompt, 16)
     assert a.quit() == 0
 
-    b = _start(model, placement, tmp_path)
-    restored = b.command("RESTORE " + json.dumps({"path": str(path)}))
+    b = _start(model, placement)
+    restored = b.command("RESTORE", {"path": str(path)})
     assert restored["event"] == "result", restored
     assert restored["n_restored"] == first["n_tokens_held"]
     after_restore = b.complete(next_prompt, 16)
@@ -123,15 +63,15 @@ def test_fault_after_the_gate_erases_the_slot_and_keeps_serving(tmp_path, model,
     on; the slot then evaluates a prompt from nothing."""
     pytest.importorskip("cupy")
     path = tmp_path / "s.ssf"
-    a = _start(model, "device-pool", tmp_path)
+    a = _start(model, "device-pool")
     a.complete(long_prompt(3), 4)
-    assert a.command("SAVE " + json.dumps({"path": str(path)}))["event"] == "result"
+    assert a.command("SAVE", {"path": str(path)})["event"] == "result"
     a.quit()
-    b = _start(model, "device-pool", tmp_path, env={"STRATA_ENGINE_SESSION_FAULT": fault}, mode=mode)
+    b = _start(model, "device-pool", env={"STRATA_ENGINE_SESSION_FAULT": fault}, mode=mode)
     b.complete(long_prompt(5, 100), 2)
-    event = b.command("RESTORE " + json.dumps({"path": str(path)}))
+    event = b.command("RESTORE", {"path": str(path)})
     assert event["event"] == "error" and event["error"]["type"] == "slot_failed", event
-    assert b.command("STATUS")["slots"][0]["n_tokens_held"] == 0
+    assert b.status()["n_tokens_held"] == 0
     again = b.complete(long_prompt(5, 100), 2)
     assert again["timings"]["cache_n"] == 0
     assert b.quit() == 0
@@ -141,13 +81,13 @@ def test_fault_after_the_gate_erases_the_slot_and_keeps_serving(tmp_path, model,
 def test_fault_before_the_gate_keeps_serving(tmp_path, model):
     pytest.importorskip("cupy")
     path = tmp_path / "s.ssf"
-    a = _start(model, "device-pool", tmp_path)
+    a = _start(model, "device-pool")
     a.complete(long_prompt(3), 4)
-    assert a.command("SAVE " + json.dumps({"path": str(path)}))["event"] == "result"
+    assert a.command("SAVE", {"path": str(path)})["event"] == "result"
     a.quit()
-    b = _start(model, "device-pool", tmp_path, env={"STRATA_ENGINE_SESSION_FAULT": "restore-before-gate"})
+    b = _start(model, "device-pool", env={"STRATA_ENGINE_SESSION_FAULT": "restore-before-gate"})
     held = b.complete(long_prompt(5, 100), 2)
-    event = b.command("RESTORE " + json.dumps({"path": str(path)}))
+    event = b.command("RESTORE", {"path": str(path)})
     assert event["event"] == "error" and event["error"]["type"] == "session_refused", event
     status = b.command("STATUS")
     assert status["slots"][0]["n_tokens_held"] == held["n_tokens_held"]
@@ -161,9 +101,9 @@ def test_a_fresh_engine_refuses_a_corrupt_file_then_restores_a_good_one(tmp_path
     pytest.importorskip("cupy")
     good, bad = tmp_path / "good.ssf", tmp_path / "bad.ssf"
     prompt = long_prompt(3)
-    a = _start("smollm2", placement, tmp_path)
+    a = _start("smollm2", placement)
     first = a.complete(prompt, 8)
-    assert a.command("SAVE " + json.dumps({"path": str(good)}))["event"] == "result"
+    assert a.command("SAVE", {"path": str(good)})["event"] == "result"
     next_prompt = prompt + first["tokens"] + long_prompt(11, 40)
     never_restarted = a.complete(next_prompt, 8)
     assert a.quit() == 0
@@ -172,12 +112,12 @@ def test_a_fresh_engine_refuses_a_corrupt_file_then_restores_a_good_one(tmp_path
     data[layout.data_offset + layout.data_length - 3] ^= 0x20  # the last block: after most bytes landed
     bad.write_bytes(bytes(data))
 
-    b = _start("smollm2", placement, tmp_path, mode="staged")  # holds nothing: stages into its own pool
-    event = b.command("RESTORE " + json.dumps({"path": str(bad)}))
+    b = _start("smollm2", placement, mode="staged")  # holds nothing: stages into its own pool
+    event = b.command("RESTORE", {"path": str(bad)})
     assert event["event"] == "error" and event["error"]["type"] == "session_refused", event
     assert event["error"]["reason"] == "payload_corrupt", event
-    assert b.command("STATUS")["slots"][0]["n_tokens_held"] == 0
-    restored = b.command("RESTORE " + json.dumps({"path": str(good)}))
+    assert b.status()["n_tokens_held"] == 0
+    restored = b.command("RESTORE", {"path": str(good)})
     assert restored["event"] == "result" and restored["mode"] == "staged", restored
     after_restore = b.complete(next_prompt, 8)
     assert after_restore["timings"]["cache_n"] >= 0.999 * restored["n_restored"]
@@ -189,14 +129,14 @@ def test_a_fresh_engine_refuses_a_corrupt_file_then_restores_a_good_one(tmp_path
 def test_numpy_backend_file_is_refused_by_the_cupy_backend(tmp_path, model):
     pytest.importorskip("cupy")
     path = tmp_path / "n.ssf"
-    n = _start(model, "device-pool", tmp_path, backend="numpy")
+    n = _start(model, "device-pool", backend="numpy")
     n.complete(long_prompt(3, 40), 2)
-    assert n.command("SAVE " + json.dumps({"path": str(path)}))["event"] == "result"
+    assert n.command("SAVE", {"path": str(path)})["event"] == "result"
     n.quit()
-    g = _start(model, "device-pool", tmp_path)
+    g = _start(model, "device-pool")
     held = g.complete(long_prompt(5, 60), 2)
-    event = g.command("RESTORE " + json.dumps({"path": str(path)}))
+    event = g.command("RESTORE", {"path": str(path)})
     assert event["event"] == "error" and event["error"]["type"] == "session_refused", event
     assert event["error"]["reason"] == "config_mismatch", event
-    assert g.command("STATUS")["slots"][0]["n_tokens_held"] == held["n_tokens_held"]
+    assert g.status()["n_tokens_held"] == held["n_tokens_held"]
     assert g.quit() == 0
