@@ -40,6 +40,7 @@ from .remote import RemoteTier
 from .saving import Saves
 from .settings import MIB, StoreSettings
 from .shelf import Shelf
+from .writebehind import WriteBehindSaver
 
 log = logging.getLogger("strata_server.store")
 
@@ -63,17 +64,24 @@ class SessionStore:
         self.engine = engine
         self.ledger = ledger
         require_mac = settings.require_mac and settings.key is not None
+        self.metrics = StoreMetrics()
         self.remote = (
-            RemoteTier(settings.remote, settings.key, require_mac) if settings.remote is not None else None
+            RemoteTier(settings.remote, settings.key, require_mac, self.metrics)
+            if settings.remote is not None
+            else None
         )
         self.shelf = open_shelf(settings, self.remote)
         self.index = StoreIndex()
-        self.metrics = StoreMetrics()
         self.fingerprints: Fingerprints | None = None
         self._files = (
             threading.RLock()
         )  # committed files and index vs a lookup + restore (no eviction between)
         self.saves = Saves(settings, engine, ledger, self.shelf, self.index, self.metrics, self._files)
+        self.write_behind = (
+            WriteBehindSaver(engine, self.saves, self.metrics, lambda: self.fingerprints)
+            if settings.remote is not None and settings.write_behind
+            else None
+        )
         self._ready = threading.Event()  # the shelf was scanned for this engine
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,6 +93,8 @@ class SessionStore:
             shutil.rmtree(self.settings.folder, ignore_errors=True)
         self.shelf.create()
         self.saves.start()
+        if self.write_behind is not None:
+            self.write_behind.start()
         self._thread = threading.Thread(target=self._run, name="session-store", daemon=True)
         self._thread.start()
 
@@ -180,6 +190,8 @@ class SessionStore:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        if self.write_behind is not None:
+            self.write_behind.stop(timeout_s=5.0)  # the shutdown saves below take over
         deadline = time.monotonic() + self.settings.shutdown_budget_s
         self.saves.drain(deadline)
         try:
@@ -218,6 +230,12 @@ class SessionStore:
             self.metrics.lookup(Lookup.MISS if match is None else Lookup.HELD)
         rest = {k: v for k, v in command.items() if k not in ("messages", "prompt")}
         return {**rest, "prompt": prompt.tolist()}
+
+    def turn_done(self, slot_id: int) -> None:
+        """A completion on `slot_id` ended and gave its lease back: with write-behind, its conversation is
+        saved and shared off this request's path."""
+        if self.write_behind is not None:
+            self.write_behind.turn_done(slot_id)
 
     # --- restoring --------------------------------------------------------------------------------
 
