@@ -133,3 +133,14 @@ def test_closing_wakes_a_waiting_taker():
     dirty.close()
     taker.join(timeout=5)
     assert not taker.is_alive() and taken == [None]
+
+
+def test_an_object_deleted_since_listed_is_told_apart_from_a_store_failure():
+    """A newer turn's upload deletes the older object a peer may have listed: that peer lists again."""
+    from botocore.exceptions import ClientError, EndpointConnectionError
+    from strata_server.store.remote import missing
+
+    assert missing(ClientError({"Error": {"Code": "404", "Message": "Not Found"}}, "HeadObject"))
+    assert missing(ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject"))
+    assert not missing(ClientError({"Error": {"Code": "AccessDenied"}}, "GetObject"))
+    assert not missing(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))

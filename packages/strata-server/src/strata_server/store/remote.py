@@ -71,6 +71,15 @@ class RemoteSettings:
         return cls(bucket, prefix.strip("/"), endpoint_url or None, queue_bytes=queue_bytes)
 
 
+MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})  # S3's answers for an object that is not there
+
+
+def missing(exc: BaseException) -> bool:
+    """Whether `exc` is the object store saying the object is not there (deleted since it was listed)."""
+    response = getattr(exc, "response", None)
+    return isinstance(response, dict) and str(response.get("Error", {}).get("Code")) in MISSING_CODES
+
+
 @attrs.frozen
 class Candidate:
     key: str

@@ -36,7 +36,7 @@ from .metrics import Lookup, Row, SaveTrigger, StoreMetrics
 from .names import PENDING_SUFFIX, Fingerprints
 from .objects import ObjectShelf
 from .policy import Plan, plan
-from .remote import RemoteTier
+from .remote import RemoteTier, missing
 from .saving import Saves
 from .settings import MIB, StoreSettings
 from .shelf import Shelf
@@ -249,20 +249,28 @@ class SessionStore:
         )
         if len(prompt) < have + self.settings.min_reuse:
             return  # no object could add enough: no request (the usual next turn of a chat held here)
-        candidate = None
-        try:
-            candidate = self.remote.best(prompt, self.fingerprints, have + self.settings.min_reuse)
-            if candidate is None or self.index.get(candidate.name) is not None:
+        for attempt in range(2):
+            candidate = None
+            try:
+                candidate = self.remote.best(prompt, self.fingerprints, have + self.settings.min_reuse)
+                if candidate is None or self.index.get(candidate.name) is not None:
+                    return
+                t0 = time.perf_counter()
+                adoption = self.shelf.adopt(candidate, self.fingerprints)
+                break
+            except sf.SessionFileError as exc:
+                if candidate is not None:
+                    self._bad_file(candidate.name, exc.reason)
                 return
-            t0 = time.perf_counter()
-            adoption = self.shelf.adopt(candidate, self.fingerprints)
-        except sf.SessionFileError as exc:
-            if candidate is not None:
-                self._bad_file(candidate.name, exc.reason)
-            return
-        except Exception as exc:  # noqa: BLE001 -- the store unreachable: evaluated from what is local
-            log.warning("session store: the object store's lookup failed: %s", exc)
-            self.metrics.remote_failed()
+            except Exception as exc:  # noqa: BLE001 -- the store unreachable: evaluated from what is local
+                if attempt == 0 and candidate is not None and missing(exc):
+                    # Deleted since listed (its server's newer turn replaced it): listed again.
+                    self.remote.forget(candidate.key)
+                    continue
+                log.warning("session store: the object store's lookup failed: %s", exc)
+                self.metrics.remote_failed()
+                return
+        else:
             return
         stored = adoption.conversation
         if stored is None:
