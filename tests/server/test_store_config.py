@@ -152,3 +152,17 @@ def test_the_object_store_alone_and_its_engine_flag(tmp_path, fake_model):
     ]
     help_text = " ".join(build_parser().format_help().split())
     assert "Alone: conversations are saved straight to objects" in help_text
+
+
+def test_write_behind_on_by_default_its_queue_and_its_flags(tmp_path, fake_model):
+    base = ["--model", str(fake_model), "--cache-disk", str(tmp_path / "store"), "--cache-store", "s3://b/p"]
+    settings = store_settings(load_config(base))
+    assert settings.write_behind and settings.remote.queue_bytes == 1024 * MIB
+    settings = store_settings(load_config([*base, "--no-cache-write-behind", "--cache-store-queue", "64"]))
+    assert not settings.write_behind and settings.remote.queue_bytes == 64 * MIB
+    help_text = " ".join(build_parser().format_help().split())
+    assert "(default: 1024)" in help_text.rsplit("--cache-store-queue", 1)[1][:400]
+    assert "--no-cache-write-behind" in help_text
+    with pytest.raises(ConfigError) as info:
+        load_config([*base, "--cache-store-queue", "0"])
+    assert info.value.problems == ["cache_store_queue: 0 MiB must be at least 1"]

@@ -202,7 +202,7 @@ class BatchRun:
                 for run in self.runs:
                     self._check_client()  # a client gone between tasks: the rest never run
                     answers.append(run.collect(run.start(lease), lease))
-                lease.release()
+                self._release(lease)
                 resp.media = merge_answers(answers, self.native)
                 return
             # The first line decides between a JSON error (e.g. context exceeded) and a stream. A long
@@ -231,7 +231,13 @@ class BatchRun:
             if self.runs[0].fmt.sends_done:
                 yield sse_frame("[DONE]")
         finally:
-            lease.release()
+            self._release(lease)
+
+    def _release(self, lease: EngineLease) -> None:
+        """The lease given back, then the slot handed to the store's write-behind (its part of the path)."""
+        lease.release()
+        if self.ctx.store is not None and lease.slot is not None:
+            self.ctx.store.turn_done(lease.slot)
 
 
 def _inner(fmt: ResponseFormat) -> ResponseFormat:

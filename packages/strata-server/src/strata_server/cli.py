@@ -16,6 +16,7 @@ from .config import (
     DEFAULT_CACHE_DISK_MAX_MIB,
     DEFAULT_CACHE_IDLE_SECONDS,
     DEFAULT_CACHE_MIN_REUSE,
+    DEFAULT_CACHE_STORE_QUEUE_MIB,
     DEFAULT_HOST,
     DEFAULT_MODEL_FILE,
     DEFAULT_MODEL_PACKAGE,
@@ -302,6 +303,20 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
         "--cache-store-endpoint",
         metavar="URL",
         help="the object store's endpoint, for a non-AWS store (default: AWS's)",
+    )
+    add(
+        "--cache-store-queue",
+        metavar="MiB",
+        help="most MiB of files waiting for their upload to --cache-store; a conversation's pending upload is "
+        "replaced by its newer turn's, and the oldest are dropped when full (they go with their next save) "
+        f"(default: {DEFAULT_CACHE_STORE_QUEUE_MIB})",
+    )
+    add(
+        "--no-cache-write-behind",
+        dest="cache_write_behind",
+        action="store_false",
+        help="with --cache-store: do not save and upload each conversation as its reply is sent; it then "
+        "reaches the store only when its slot takes another, after --cache-idle-seconds, or at shutdown",
     )
     add(
         "--session-key-file",

@@ -36,6 +36,7 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DEFAULT_CACHE_DISK_MAX_MIB = 10240
 DEFAULT_CACHE_MIN_REUSE = 256
 DEFAULT_CACHE_IDLE_SECONDS = 30.0
+DEFAULT_CACHE_STORE_QUEUE_MIB = 1024
 _SAMPLING = SamplingParams()  # the engine's sampling defaults: the server's unless its flags say otherwise
 # The engine's settings the server offers: their keys (the long flag names with _, as the config file has them),
 # a file flag's too (--chat-template-file: chat_template_file).
@@ -119,6 +120,8 @@ class ServerConfig:
     cache_store_endpoint: str | None = (
         None  # its endpoint URL (a non-AWS store); None: AWS's, resolved by boto3
     )
+    cache_store_queue: int = DEFAULT_CACHE_STORE_QUEUE_MIB  # MiB of files waiting for their upload at most
+    cache_write_behind: bool = True  # with cache_store: save and upload every turn as its reply is sent
     session_key_file: Path | None = (
         None  # 32 bytes: session files written are authenticated, read ones checked
     )
@@ -374,6 +377,8 @@ def _check_store(config: ServerConfig) -> list[str]:
             problems.append("cache_store: needs boto3 (pip install 'strata-server[s3]')")
     elif config.cache_store_endpoint is not None:
         problems.append("cache_store_endpoint: needs cache_store")
+    if config.cache_store_queue < 1:
+        problems.append(f"cache_store_queue: {config.cache_store_queue} MiB must be at least 1")
     if config.cache_idle_seconds < 0:
         problems.append(f"cache_idle_seconds: {config.cache_idle_seconds} is negative (0: no idle saves)")
     return problems

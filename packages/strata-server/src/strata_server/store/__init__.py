@@ -9,6 +9,8 @@ restored into the slot.
   * objects.py: without --cache-disk, the objects themselves (saved to and restored from).
 * remote.py: the object store of a fleet (`--cache-store s3://BUCKET/PREFIX`): listing, headers, uploads.
 * policy.py: when to save and restore (pure decisions).
+* uploads.py: the object store's upload queue (pure: supersede, byte limit).
+* writebehind.py: with --cache-store, each conversation a completion extends saved and uploaded off its path.
 * saving.py: the saves, their commits (a thread of their own), the pending saves a lookup waits for, eviction.
 * store.py: `SessionStore`: the start-up scan, the request path's lookup, fetch and restore, shutdown.
 * settings.py: `StoreSettings`; metrics.py: its Prometheus series.
@@ -42,7 +44,7 @@ def store_settings(config: ServerConfig) -> StoreSettings | None:
     """The store the config asks for, or None."""
     key, require_mac = session_key(config), not config.session_key_optional
     remote = (
-        RemoteSettings.parse(config.cache_store, config.cache_store_endpoint)
+        RemoteSettings.parse(config.cache_store, config.cache_store_endpoint, config.cache_store_queue * MIB)
         if config.cache_store is not None
         else None
     )
@@ -55,6 +57,7 @@ def store_settings(config: ServerConfig) -> StoreSettings | None:
             key=key,
             require_mac=require_mac,
             remote=remote,
+            write_behind=config.cache_write_behind,
         )
     if config.cache_ram > 0:
         root = RAM_FOLDER_ROOT if RAM_FOLDER_ROOT.is_dir() else Path(tempfile.gettempdir())
@@ -77,6 +80,7 @@ def store_settings(config: ServerConfig) -> StoreSettings | None:
             key=key,
             require_mac=require_mac,
             remote=remote,
+            write_behind=config.cache_write_behind,
         )
     return None
 

@@ -7,6 +7,8 @@ import enum
 import threading
 from collections import Counter
 
+from .uploads import UploadResult
+
 # Seconds; a restore of a few MB takes milliseconds, a save of hundreds of MB up to a second or two.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -28,6 +30,16 @@ class SaveTrigger(enum.StrEnum):
     REPLACE = "replace"  # its slot was about to take another conversation
     IDLE = "idle"  # its slot was idle for --cache-idle-seconds
     SHUTDOWN = "shutdown"  # SIGTERM / SIGINT
+    WRITE_BEHIND = "write_behind"  # a completion just extended it (with --cache-store)
+
+
+class WriteBehind(enum.StrEnum):
+    """What a write-behind found after a completion (the `result` label of strata:store_write_behind_total)."""
+
+    SAVED = "saved"  # the slot's conversation was saved (and queued for its upload)
+    NOTHING = "nothing"  # nothing new to save: stored already, too short, or unknown
+    BUSY = "busy"  # the slot had already taken the next request: that request's end saves it
+    FAILED = "failed"  # the engine's SAVE failed (counted in strata:store_save_failures_total too)
 
 
 class Histogram:
@@ -65,6 +77,13 @@ class StoreMetrics:
         self.remote_failures = 0  # object-store lookups or downloads that failed (the prompt went on locally)
         self.save_seconds = Histogram()
         self.restore_seconds = Histogram()
+        self.write_behinds: Counter[WriteBehind] = Counter()
+        self.write_behind_lease_seconds = Histogram()  # the slot's lease held by a write-behind's SAVE
+        self.uploads: Counter[UploadResult] = Counter()
+        self.upload_bytes = 0
+        self.upload_seconds = Histogram()
+        self.upload_queue_bytes = 0
+        self.upload_queue_limit = 0
 
     def lookup(self, result: Lookup) -> None:
         with self._lock:
@@ -104,6 +123,23 @@ class StoreMetrics:
     def remote_failed(self) -> None:
         with self._lock:
             self.remote_failures += 1
+
+    def write_behind(self, result: WriteBehind, lease_s: float | None = None) -> None:
+        with self._lock:
+            self.write_behinds[result] += 1
+            if lease_s is not None:
+                self.write_behind_lease_seconds.observe(lease_s)
+
+    def uploaded(self, result: UploadResult, nbytes: int = 0, seconds: float | None = None) -> None:
+        with self._lock:
+            self.uploads[result] += 1
+            self.upload_bytes += nbytes
+            if seconds is not None:
+                self.upload_seconds.observe(seconds)
+
+    def upload_queue(self, nbytes: int, limit: int) -> None:
+        with self._lock:
+            self.upload_queue_bytes, self.upload_queue_limit = nbytes, limit
 
     def rows(self, bytes_held: int, files_held: int, limit_bytes: int) -> list[Row]:
         with self._lock:
@@ -181,6 +217,48 @@ class StoreMetrics:
                     "counter",
                     "Object-store lookups or downloads that failed.",
                     [("", self.remote_failures)],
+                ),
+                (
+                    "strata:store_write_behind_total",
+                    "counter",
+                    "Write-behind saves after a completion (with --cache-store), by result.",
+                    [(f'{{result="{r}"}}', self.write_behinds[r]) for r in WriteBehind],
+                ),
+                (
+                    "strata:store_write_behind_lease_seconds",
+                    "histogram",
+                    "How long a write-behind save held its slot (the engine's SAVE; a request for the slot waits).",
+                    self.write_behind_lease_seconds.samples(),
+                ),
+                (
+                    "strata:store_uploads_total",
+                    "counter",
+                    "Uploads to the object store (--cache-store), by result.",
+                    [(f'{{result="{r}"}}', self.uploads[r]) for r in UploadResult],
+                ),
+                (
+                    "strata:store_upload_bytes_total",
+                    "counter",
+                    "Bytes uploaded to the object store.",
+                    [("", self.upload_bytes)],
+                ),
+                (
+                    "strata:store_upload_seconds",
+                    "histogram",
+                    "Object-store upload latency.",
+                    self.upload_seconds.samples(),
+                ),
+                (
+                    "strata:store_upload_queue_bytes",
+                    "gauge",
+                    "Bytes of files waiting for their upload to the object store.",
+                    [("", self.upload_queue_bytes)],
+                ),
+                (
+                    "strata:store_upload_queue_limit_bytes",
+                    "gauge",
+                    "The upload queue's byte limit (--cache-store-queue).",
+                    [("", self.upload_queue_limit)],
                 ),
                 (
                     "strata:store_bytes",

@@ -14,13 +14,17 @@ At start-up the multipart uploads under the prefix older than STALE_UPLOAD_AGE_S
 server killed during a save or an upload; a live one finishes far sooner). Requests that fail for a moment
 (a dropped connection, a 5xx, throttling) are retried with back-off by boto3's standard retry mode
 (objstore.s3_client).
+
+Uploads run on a thread of their own from a bounded queue (uploads.py: a conversation's pending upload
+superseded by its newer turn, a byte limit); an upload that lands deletes the objects of this server's own
+earlier uploads it extends (the conversation's older turns), as objects.py's shelf does: the server never
+deletes another's objects.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from pathlib import Path
@@ -32,7 +36,9 @@ from strata_sessionfile.seam import S3_SCHEME
 
 from ..tokens import common_prefix
 from .index import BLOCK_TOKENS, chain_hashes
+from .metrics import StoreMetrics
 from .names import NAME, Fingerprints, conversation_name
+from .uploads import Upload, UploadQueue, UploadResult, holds
 
 log = logging.getLogger("strata_server.store")
 
@@ -41,6 +47,7 @@ MAX_CANDIDATES = 64  # objects whose metadata one lookup reads at most (newest f
 STALE_UPLOAD_AGE_S = (
     3600.0  # an unfinished multipart upload this old is a killed server's: aborted at start-up
 )
+UPLOAD_QUEUE_BYTES = 1 << 30  # bytes of files waiting for their upload at most (--cache-store-queue)
 
 
 @attrs.frozen
@@ -49,16 +56,28 @@ class RemoteSettings:
     prefix: str  # without a trailing slash; may be empty
     endpoint_url: str | None = None
     stale_upload_age_s: float = STALE_UPLOAD_AGE_S
+    queue_bytes: int = UPLOAD_QUEUE_BYTES
 
     @classmethod
-    def parse(cls, url: str, endpoint_url: str | None = None) -> RemoteSettings:
+    def parse(
+        cls, url: str, endpoint_url: str | None = None, queue_bytes: int = UPLOAD_QUEUE_BYTES
+    ) -> RemoteSettings:
         """``s3://BUCKET`` or ``s3://BUCKET/PREFIX``; ValueError naming the URL otherwise."""
         bucket, _, prefix = (
             url[len(S3_SCHEME) :].partition("/") if url.startswith(S3_SCHEME) else ("", "", "")
         )
         if not bucket:
             raise ValueError(f"not an s3://BUCKET/PREFIX URL: {url!r}")
-        return cls(bucket, prefix.strip("/"), endpoint_url or None)
+        return cls(bucket, prefix.strip("/"), endpoint_url or None, queue_bytes=queue_bytes)
+
+
+MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})  # S3's answers for an object that is not there
+
+
+def missing(exc: BaseException) -> bool:
+    """Whether `exc` is the object store saying the object is not there (deleted since it was listed)."""
+    response = getattr(exc, "response", None)
+    return isinstance(response, dict) and str(response.get("Error", {}).get("Code")) in MISSING_CODES
 
 
 @attrs.frozen
@@ -71,17 +90,31 @@ class Candidate:
 
 
 class RemoteTier:
-    def __init__(self, settings: RemoteSettings, key: sf.SessionKey | None, require_mac: bool) -> None:
+    def __init__(
+        self,
+        settings: RemoteSettings,
+        key: sf.SessionKey | None,
+        require_mac: bool,
+        metrics: StoreMetrics | None = None,
+    ) -> None:
         from strata_sessionfile.objstore import s3_client
 
         self.settings = settings
+        self.metrics = metrics or StoreMetrics()
         self.key, self.require_mac = key, require_mac
         self.client = s3_client(settings.endpoint_url)
         self._lock = threading.Lock()
         self._listings: dict[str, tuple[float, list[str]]] = {}  # prefix -> (time listed, keys newest first)
         self._tokens: dict[str, np.ndarray | None] = {}  # key -> its tokens (None: not ours or bad)
         self._sizes: dict[str, int] = {}  # key -> the object's size, as listed
-        self._uploads: queue.Queue[tuple[Path, str] | None] = queue.Queue()
+        self._queued = threading.Condition()  # guards _queue, _uploading, _closed
+        self._queue = UploadQueue(settings.queue_bytes)
+        self._uploading = 0  # uploads taken from the queue, not finished
+        self._closed = False
+        self._uploaded: dict[
+            str, np.ndarray
+        ] = {}  # key -> tokens of this server's objects (deleted when extended)
+        self.metrics.upload_queue(0, settings.queue_bytes)
         self._uploader = threading.Thread(target=self._upload_loop, name="session-store-upload", daemon=True)
         self._uploader.start()
         threading.Thread(
@@ -120,40 +153,107 @@ class RemoteTier:
 
     def upload(self, path: Path, fingerprints: Fingerprints, tokens: np.ndarray) -> None:
         prefix = self.block_prefix(fingerprints, tokens)
-        if prefix is not None:
-            self._uploads.put((path, prefix + path.name))
+        if prefix is None:
+            return
+        try:
+            nbytes = path.stat().st_size
+        except FileNotFoundError:
+            self.metrics.uploaded(UploadResult.GONE)
+            return
+        with self._queued:
+            offered = self._queue.offer(Upload(path, prefix + path.name, tokens, nbytes))
+            self.metrics.upload_queue(self._queue.bytes, self._queue.max_bytes)
+            self._queued.notify_all()
+        for _ in offered.superseded:
+            self.metrics.uploaded(UploadResult.SUPERSEDED)
+        for dropped in offered.dropped:
+            self.metrics.uploaded(UploadResult.DROPPED)
+            log.warning(
+                "session store: upload of %s (%.1f MiB) dropped: the upload queue's %.0f MiB are full",
+                dropped.key,
+                dropped.nbytes / (1 << 20),
+                self._queue.max_bytes / (1 << 20),
+            )
+
+    def _next_upload(self) -> Upload | None:
+        """The next upload (waiting for one); None once closed."""
+        with self._queued:
+            while (upload := self._queue.take()) is None and not self._closed:
+                self._queued.wait()
+            if upload is not None:
+                self._uploading += 1
+                self.metrics.upload_queue(self._queue.bytes, self._queue.max_bytes)
+            return upload
 
     def _upload_loop(self) -> None:
-        while (job := self._uploads.get()) is not None:
-            path, key = job
+        while (upload := self._next_upload()) is not None:
             try:
-                t0 = time.perf_counter()
-                # boto3's managed transfer: multipart for large files, the object appears only when complete.
-                self.client.upload_file(str(path), self.settings.bucket, key)
-                log.info(
-                    "session store: uploaded %s (%.1f MiB) in %.0f ms",
-                    key,
-                    path.stat().st_size / (1 << 20),
-                    (time.perf_counter() - t0) * 1000,
-                )
-            except FileNotFoundError:
-                pass  # evicted before its upload
-            except Exception as exc:  # noqa: BLE001 -- the store's server keeps serving; the file stays local
-                log.warning("session store: uploading %s failed: %s", key, exc)
+                self._upload(upload)
             finally:
-                self._uploads.task_done()
+                with self._queued:
+                    self._uploading -= 1
+                    self._queued.notify_all()
+
+    def _upload(self, upload: Upload) -> None:
+        t0 = time.perf_counter()
+        try:
+            # boto3's managed transfer: multipart for large files, the object appears only when complete.
+            self.client.upload_file(str(upload.path), self.settings.bucket, upload.key)
+        except FileNotFoundError:
+            self.metrics.uploaded(UploadResult.GONE)  # evicted or replaced before its upload
+            return
+        except Exception as exc:  # noqa: BLE001 -- the store's server keeps serving; the file stays local
+            self.metrics.uploaded(UploadResult.FAILED)
+            log.warning("session store: uploading %s failed: %s", upload.key, exc)
+            return
+        seconds = time.perf_counter() - t0
+        self.metrics.uploaded(UploadResult.UPLOADED, upload.nbytes, seconds)
+        log.info(
+            "session store: uploaded %s (%.1f MiB) in %.0f ms",
+            upload.key,
+            upload.nbytes / (1 << 20),
+            seconds * 1000,
+        )
+        self._delete_extended(upload)
+
+    def _delete_extended(self, upload: Upload) -> None:
+        """The objects of this server's earlier uploads that `upload` extends (older turns): deleted."""
+        folder = upload.key.rpartition("/")[0]
+        with self._lock:
+            older = [
+                k
+                for k, t in self._uploaded.items()
+                if k != upload.key and k.rpartition("/")[0] == folder and holds(upload.tokens, t)
+            ]
+            self._uploaded[upload.key] = upload.tokens
+            for key in older:
+                del self._uploaded[key]
+        for key in older:
+            try:
+                self.client.delete_object(Bucket=self.settings.bucket, Key=key)
+            except Exception as exc:  # noqa: BLE001 -- the object stays; a lifecycle rule removes it
+                log.warning("session store: deleting %s failed: %s", key, exc)
+            self.forget(key)
 
     def drain(self, budget_s: float) -> bool:
         """Wait (at most budget_s) for the queued uploads; whether all finished."""
         deadline = time.monotonic() + budget_s
-        while self._uploads.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return not self._uploads.unfinished_tasks
+        with self._queued:
+            while len(self._queue) or self._uploading:
+                if not self._queued.wait(max(0.0, deadline - time.monotonic())):
+                    break
+            return not (len(self._queue) or self._uploading)
+
+    def unfinished(self) -> int:
+        with self._queued:
+            return len(self._queue) + self._uploading
 
     def close(self, budget_s: float) -> None:
         if not self.drain(budget_s):
-            log.warning("session store: %d uploads unfinished at shutdown", self._uploads.unfinished_tasks)
-        self._uploads.put(None)
+            log.warning("session store: %d uploads unfinished at shutdown", self.unfinished())
+        with self._queued:
+            self._closed = True
+            self._queued.notify_all()
 
     # --- lookups ------------------------------------------------------------------------------
 

@@ -28,5 +28,6 @@ class StoreSettings:
         True  # with a key: a file without a MAC is bad (moved aside), as the engine refuses it
     )
     remote: RemoteSettings | None = None  # --cache-store: the object-store tier behind the folder
+    write_behind: bool = True  # with `remote`: save and upload each conversation a completion extends
     shutdown_budget_s: float = SHUTDOWN_BUDGET_S
     scan_budget_s: float = SCAN_BUDGET_S

@@ -36,10 +36,11 @@ from .metrics import Lookup, Row, SaveTrigger, StoreMetrics
 from .names import PENDING_SUFFIX, Fingerprints
 from .objects import ObjectShelf
 from .policy import Plan, plan
-from .remote import RemoteTier
+from .remote import RemoteTier, missing
 from .saving import Saves
 from .settings import MIB, StoreSettings
 from .shelf import Shelf
+from .writebehind import WriteBehindSaver
 
 log = logging.getLogger("strata_server.store")
 
@@ -63,17 +64,24 @@ class SessionStore:
         self.engine = engine
         self.ledger = ledger
         require_mac = settings.require_mac and settings.key is not None
+        self.metrics = StoreMetrics()
         self.remote = (
-            RemoteTier(settings.remote, settings.key, require_mac) if settings.remote is not None else None
+            RemoteTier(settings.remote, settings.key, require_mac, self.metrics)
+            if settings.remote is not None
+            else None
         )
         self.shelf = open_shelf(settings, self.remote)
         self.index = StoreIndex()
-        self.metrics = StoreMetrics()
         self.fingerprints: Fingerprints | None = None
         self._files = (
             threading.RLock()
         )  # committed files and index vs a lookup + restore (no eviction between)
         self.saves = Saves(settings, engine, ledger, self.shelf, self.index, self.metrics, self._files)
+        self.write_behind = (
+            WriteBehindSaver(engine, self.saves, self.metrics, lambda: self.fingerprints)
+            if settings.remote is not None and settings.write_behind
+            else None
+        )
         self._ready = threading.Event()  # the shelf was scanned for this engine
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,6 +93,8 @@ class SessionStore:
             shutil.rmtree(self.settings.folder, ignore_errors=True)
         self.shelf.create()
         self.saves.start()
+        if self.write_behind is not None:
+            self.write_behind.start()
         self._thread = threading.Thread(target=self._run, name="session-store", daemon=True)
         self._thread.start()
 
@@ -180,6 +190,8 @@ class SessionStore:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        if self.write_behind is not None:
+            self.write_behind.stop(timeout_s=5.0)  # the shutdown saves below take over
         deadline = time.monotonic() + self.settings.shutdown_budget_s
         self.saves.drain(deadline)
         try:
@@ -219,6 +231,12 @@ class SessionStore:
         rest = {k: v for k, v in command.items() if k not in ("messages", "prompt")}
         return {**rest, "prompt": prompt.tolist()}
 
+    def turn_done(self, slot_id: int) -> None:
+        """A completion on `slot_id` ended and gave its lease back: with write-behind, its conversation is
+        saved and shared off this request's path."""
+        if self.write_behind is not None:
+            self.write_behind.turn_done(slot_id)
+
     # --- restoring --------------------------------------------------------------------------------
 
     def _fetch_remote(self, prompt: np.ndarray, held: np.ndarray | None) -> None:
@@ -231,20 +249,28 @@ class SessionStore:
         )
         if len(prompt) < have + self.settings.min_reuse:
             return  # no object could add enough: no request (the usual next turn of a chat held here)
-        candidate = None
-        try:
-            candidate = self.remote.best(prompt, self.fingerprints, have + self.settings.min_reuse)
-            if candidate is None or self.index.get(candidate.name) is not None:
+        for attempt in range(2):
+            candidate = None
+            try:
+                candidate = self.remote.best(prompt, self.fingerprints, have + self.settings.min_reuse)
+                if candidate is None or self.index.get(candidate.name) is not None:
+                    return
+                t0 = time.perf_counter()
+                adoption = self.shelf.adopt(candidate, self.fingerprints)
+                break
+            except sf.SessionFileError as exc:
+                if candidate is not None:
+                    self._bad_file(candidate.name, exc.reason)
                 return
-            t0 = time.perf_counter()
-            adoption = self.shelf.adopt(candidate, self.fingerprints)
-        except sf.SessionFileError as exc:
-            if candidate is not None:
-                self._bad_file(candidate.name, exc.reason)
-            return
-        except Exception as exc:  # noqa: BLE001 -- the store unreachable: evaluated from what is local
-            log.warning("session store: the object store's lookup failed: %s", exc)
-            self.metrics.remote_failed()
+            except Exception as exc:  # noqa: BLE001 -- the store unreachable: evaluated from what is local
+                if attempt == 0 and candidate is not None and missing(exc):
+                    # Deleted since listed (its server's newer turn replaced it): listed again.
+                    self.remote.forget(candidate.key)
+                    continue
+                log.warning("session store: the object store's lookup failed: %s", exc)
+                self.metrics.remote_failed()
+                return
+        else:
             return
         stored = adoption.conversation
         if stored is None:
