@@ -454,9 +454,9 @@ def _unpack_tokens(words: array.array, path: str) -> array.array:
 def _skip_checkpoints(w: _Walk) -> int:
     """Walk llama-server's context-checkpoint appendix ("SCKP") after the state; its count."""
     at = w.pos
-    magic, version, count = struct.unpack("<III", w.take(12, "checkpoint appendix"))
-    if magic != CKPT_MAGIC:
+    if w.size - at < 4 or w.src.read(4, at) != U32.pack(CKPT_MAGIC):
         raise E.SlotTrailingData(f"{w.size - at} bytes after the last section", path=w.src.path, offset=at)
+    _magic, version, count = struct.unpack("<III", w.take(12, "checkpoint appendix"))
     if version != CKPT_VERSION:
         raise E.SlotUnsupportedVersion(f"checkpoint appendix version {version}", path=w.src.path, offset=at + 4)
     for i in range(count):
