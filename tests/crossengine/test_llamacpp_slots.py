@@ -13,7 +13,9 @@ import strata_sessionfile as sf
 from strata_engine.session import EngineSession, runner_identity
 from strata_sessionfile import llamacpp as L
 
-PROMPT = "<|im_start|>user\nName three colours and say why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = (
+    "<|im_start|>user\nName three colours and say why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
+)
 N_REPLY = 12
 
 
@@ -41,7 +43,10 @@ def test_llama_server_slot_restores_in_strata_engine(llama, runner, smollm2_path
     L.slot_to_session(llama.slots / "chat.bin", smollm2_path, out, config=runner_identity(runner).config)
     info = sf.inspect(out)
     n = info.metadata.state.n_tokens
-    assert n == slot.sections[0].n_cells and info.header.model_fingerprint == runner_identity(runner).model.fingerprint
+    assert (
+        n == slot.sections[0].n_cells
+        and info.header.model_fingerprint == runner_identity(runner).model.fingerprint
+    )
 
     runner.erase()
     sf.restore(out, EngineSession(runner))
@@ -85,5 +90,7 @@ def test_llama_server_refuses_nothing_it_wrote_back(llama, smollm2_path, tmp_pat
     llama.post("/slots/0?action=save", {"filename": "again.bin"})
     src = llama.slots / "again.bin"
     L.slot_to_session(src, smollm2_path, tmp_path / "again.ssf")
-    L.session_to_slot(tmp_path / "again.ssf", smollm2_path, tmp_path / "back.bin", L.SlotOptions(v_trans=llama.v_trans))
+    L.session_to_slot(
+        tmp_path / "again.ssf", smollm2_path, tmp_path / "back.bin", L.SlotOptions(v_trans=llama.v_trans)
+    )
     assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()

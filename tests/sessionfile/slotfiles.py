@@ -94,9 +94,15 @@ def bad_slot_files() -> dict[str, tuple[bytes, type[E.SessionFileError]]]:
         "truncated_in_k": (good[: len(good) // 2], E.SlotTruncated),
         "truncated_last_byte": (good[:-1], E.SlotTruncated),
         "token_count_past_end": (good[:8] + struct.pack("<I", 1 << 20) + good[12:], E.SlotTruncated),
-        "cell_count_past_end": (good[:cells_at] + struct.pack("<I", 1 << 22) + good[cells_at + 4 :], E.SlotTruncated),
+        "cell_count_past_end": (
+            good[:cells_at] + struct.pack("<I", 1 << 22) + good[cells_at + 4 :],
+            E.SlotTruncated,
+        ),
         "trailing_data": (good + b"\0" * 7, E.SlotTrailingData),
-        "zero_streams": (good[:tokens_end] + struct.pack("<I", 0) + good[tokens_end + 4 :], E.SlotLimitExceeded),
+        "zero_streams": (
+            good[:tokens_end] + struct.pack("<I", 0) + good[tokens_end + 4 :],
+            E.SlotLimitExceeded,
+        ),
         "unknown_k_type": (slot_bytes(k_type=UNKNOWN_TYPE), E.SlotUnsupportedType),
         "k_row_of_another_model": (slot_bytes(k_row_bytes=ROW * 4), E.SlotGeometryMismatch),
         "layer_count_of_another_model": (slot_bytes(n_layer=N_LAYER + 1), E.SlotGeometryMismatch),

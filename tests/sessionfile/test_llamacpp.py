@@ -149,12 +149,16 @@ def test_cli_convert_both_ways(model, tmp_path, capsys):
     src.write_bytes(slotfiles.slot_bytes(6, seed=9))
     ssf, back = tmp_path / "s.ssf", tmp_path / "back.bin"
     assert main(["convert", str(src), "--model", str(model), "-o", str(ssf)]) == EXIT_VALID
-    assert main(["convert", str(ssf), "--to", "llama.cpp", "--model", str(model), "-o", str(back)]) == EXIT_VALID
+    assert (
+        main(["convert", str(ssf), "--to", "llama.cpp", "--model", str(model), "-o", str(back)]) == EXIT_VALID
+    )
     assert back.read_bytes() == src.read_bytes()
     # --like: the config identity of another session file, carried over
     like = tmp_path / "like.ssf"
     L.slot_to_session(src, model, like, config={"engine": "someone", "n_ctx": 64})
-    assert main(["convert", str(src), "--model", str(model), "-o", str(ssf), "--like", str(like)]) == EXIT_VALID
+    assert (
+        main(["convert", str(src), "--model", str(model), "-o", str(ssf), "--like", str(like)]) == EXIT_VALID
+    )
     assert sf.inspect(ssf).metadata.config.mapping == {"engine": "someone", "n_ctx": 64}
 
 
@@ -169,7 +173,9 @@ def test_q8_0_round_trip_needs_numpy(model, tmp_path):
     src.write_bytes(slotfiles.slot_bytes(n, seed=2))
     L.slot_to_session(src, model, tmp_path / "s.ssf")
     with pytest.raises(E.SlotUnsupportedType):  # 8 values per row are not whole 32-value blocks
-        L.session_to_slot(tmp_path / "s.ssf", model, tmp_path / "q.bin", L.SlotOptions(k_type=L.GGMLType.Q8_0))
+        L.session_to_slot(
+            tmp_path / "s.ssf", model, tmp_path / "q.bin", L.SlotOptions(k_type=L.GGMLType.Q8_0)
+        )
     raw = values[:64].tobytes()
     q = L.quantize_q8_0(raw, sf.DType.F16)
     assert len(q) == 2 * 34

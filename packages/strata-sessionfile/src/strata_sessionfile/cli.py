@@ -416,8 +416,12 @@ def _inspect_slot(args) -> int:
     if args.json:
         print(json.dumps(d, indent=1, sort_keys=True))
         return EXIT_VALID
-    print(f"{d['path']}: llama.cpp sequence state file, version {d['version']} (llama.cpp {', '.join(d['builds'])})")
-    print(f"  {d['n_tokens']} tokens, {human_size(d['file_size'])}; {d['checkpoints']} context checkpoints appended")
+    print(
+        f"{d['path']}: llama.cpp sequence state file, version {d['version']} (llama.cpp {', '.join(d['builds'])})"
+    )
+    print(
+        f"  {d['n_tokens']} tokens, {human_size(d['file_size'])}; {d['checkpoints']} context checkpoints appended"
+    )
     for i, s in enumerate(d["sections"]):
         print(
             f"  cache {i}: {s['n_cells']} cells (positions {s['positions']}), {s['n_layer']} layers, "
@@ -442,10 +446,14 @@ def _cmd_convert(args) -> int:
             print(f"{args.output}: llama.cpp slot file of {report.n_tokens} tokens")
         else:
             if not is_slot_file(args.file):
-                return _usage(f"{args.file} is not a llama.cpp slot file (give --to llama.cpp for a session file)")
+                return _usage(
+                    f"{args.file} is not a llama.cpp slot file (give --to llama.cpp for a session file)"
+                )
             config = config_of(args.like) if args.like else None
             saved = slot_to_session(args.file, args.model, args.output, config=config)
-            print(f"{args.output}: session file of {saved.n_tokens} tokens, {human_size(saved.bytes_written)}")
+            print(
+                f"{args.output}: session file of {saved.n_tokens} tokens, {human_size(saved.bytes_written)}"
+            )
     except E.SessionFileError as exc:
         return _error_exit(exc, False)
     return EXIT_VALID
@@ -499,10 +507,18 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument("--model", required=True, help="the GGUF model the conversation belongs to")
     c.add_argument("-o", "--output", required=True, help="the file to write (replaced atomically)")
     c.add_argument("--to", choices=("session", "llama.cpp"), default="session")
-    c.add_argument("--like", metavar="ENGINE.ssf", help="take the config identity of this engine's session file")
-    c.add_argument("--v-trans", action="store_true", help="lay V out transposed (llama.cpp without flash attention)")
-    c.add_argument("--k-type", choices=sorted(GGML_TYPE_BY_NAME), help="K type of the slot file (default: kept)")
-    c.add_argument("--v-type", choices=sorted(GGML_TYPE_BY_NAME), help="V type of the slot file (default: kept)")
+    c.add_argument(
+        "--like", metavar="ENGINE.ssf", help="take the config identity of this engine's session file"
+    )
+    c.add_argument(
+        "--v-trans", action="store_true", help="lay V out transposed (llama.cpp without flash attention)"
+    )
+    c.add_argument(
+        "--k-type", choices=sorted(GGML_TYPE_BY_NAME), help="K type of the slot file (default: kept)"
+    )
+    c.add_argument(
+        "--v-type", choices=sorted(GGML_TYPE_BY_NAME), help="V type of the slot file (default: kept)"
+    )
     return parser, p
 
 

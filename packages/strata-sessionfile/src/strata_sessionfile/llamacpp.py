@@ -136,7 +136,19 @@ def _gemma3_windows(meta: Mapping[str, Any], n_layer: int) -> list[int]:
 
 # Architectures whose llama.cpp cache this module knows: the sliding window of each layer (no cell ext).
 ARCH_WINDOWS = {"llama": _no_windows, "gemma3": _gemma3_windows}
-GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+GGUF_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 GGUF_STRING, GGUF_ARRAY = 8, 9
 MAX_GGUF_KV_BYTES = 256 << 20  # the key/value table must lie in the file's first 256 MiB
 MAX_KEPT_ARRAY = 4096  # arrays longer than this (the vocabulary) are skipped, not decoded
@@ -164,7 +176,9 @@ class _GGUFCursor:
     def string(self) -> str:
         n = self.scalar("<Q")
         if n > self.end - self.pos:
-            raise E.SlotModelUnsupported("GGUF string runs past the table", path=self.src.path, offset=self.pos)
+            raise E.SlotModelUnsupported(
+                "GGUF string runs past the table", path=self.src.path, offset=self.pos
+            )
         return self.take(n).decode("utf-8", "replace")
 
     def value(self, vtype: int) -> Any:
@@ -177,7 +191,9 @@ class _GGUFCursor:
             if etype in GGUF_SCALARS and count > MAX_KEPT_ARRAY:
                 size = struct.calcsize(GGUF_SCALARS[etype]) * count
                 if size > self.end - self.pos:
-                    raise E.SlotModelUnsupported("GGUF array past the table", path=self.src.path, offset=self.pos)
+                    raise E.SlotModelUnsupported(
+                        "GGUF array past the table", path=self.src.path, offset=self.pos
+                    )
                 self.pos += size
                 return None
             if count > self.end - self.pos:  # every element takes at least one byte
@@ -231,7 +247,7 @@ def model_geometry(path: str | os.PathLike) -> ModelGeometry:
     dv = int(meta.get(f"{arch}.attention.value_length", dk))
     windows = windows_of(meta, n_layer)
     layers = tuple(ModelLayer(il, heads_kv[il], dk, dv, windows[il]) for il in range(n_layer))
-    return ModelGeometry(arch, layers)
+    return ModelGeometry(str(arch), layers)
 
 
 # --- the file's structure ---------------------------------------------------------------------------
@@ -282,7 +298,9 @@ class _Walk:
     def need(self, n: int, what: str) -> None:
         if n > self.size - self.pos:
             raise E.SlotTruncated(
-                f"{what} needs {n} bytes, {self.size - self.pos} are left", path=self.src.path, offset=self.pos
+                f"{what} needs {n} bytes, {self.size - self.pos} are left",
+                path=self.src.path,
+                offset=self.pos,
             )
 
     def take(self, n: int, what: str) -> bytes:
@@ -421,7 +439,9 @@ def read_slot_file(path: str | os.PathLike, geometry: ModelGeometry | None = Non
             )
         appendix = _skip_checkpoints(w) if w.pos < size else 0
         if w.pos != size:
-            raise E.SlotTrailingData(f"{size - w.pos} bytes after the last section", path=src.path, offset=w.pos)
+            raise E.SlotTrailingData(
+                f"{size - w.pos} bytes after the last section", path=src.path, offset=w.pos
+            )
         return SlotFile(src.path, size, tokens, tuple(sections), appendix)
 
 
@@ -444,7 +464,9 @@ def _unpack_tokens(words: array.array, path: str) -> array.array:
         raise E.SlotTruncated(f"packed token list of {n} tokens in {len(words)} words", path=path, offset=20)
     if words[3 + n] != 0:
         raise E.SlotUnsupportedType(
-            f"{words[3 + n]} media chunks (multimodal prompts are not converted)", path=path, field="tokens.media"
+            f"{words[3 + n]} media chunks (multimodal prompts are not converted)",
+            path=path,
+            field="tokens.media",
         )
     if any(words[4 + n :]):  # the writer pads to whole words with zeros
         raise E.SlotTrailingData("bytes after the packed token list", path=path, field="tokens")
@@ -458,7 +480,9 @@ def _skip_checkpoints(w: _Walk) -> int:
         raise E.SlotTrailingData(f"{w.size - at} bytes after the last section", path=w.src.path, offset=at)
     _magic, version, count = struct.unpack("<III", w.take(12, "checkpoint appendix"))
     if version != CKPT_VERSION:
-        raise E.SlotUnsupportedVersion(f"checkpoint appendix version {version}", path=w.src.path, offset=at + 4)
+        raise E.SlotUnsupportedVersion(
+            f"checkpoint appendix version {version}", path=w.src.path, offset=at + 4
+        )
     for i in range(count):
         w.take(16, f"checkpoint {i}")
         for blob in ("target", "draft", "spec"):
@@ -472,7 +496,9 @@ def _read_section(w: _Walk, sec: int, model: tuple[ModelLayer, ...] | None) -> S
     at = w.pos
     n_stream = w.u32("n_stream")
     if not 1 <= n_stream <= MAX_STREAMS:
-        raise E.SlotLimitExceeded(f"{n_stream} streams", path=path, offset=at, field=f"sections[{sec}].n_stream")
+        raise E.SlotLimitExceeded(
+            f"{n_stream} streams", path=path, offset=at, field=f"sections[{sec}].n_stream"
+        )
     stream, positions = -1, array.array("i")
     parts: tuple[tuple[SlotPart, ...], tuple[SlotPart, ...]] = ((), ())
     v_trans, n_rot_k, n_rot_v = False, 0, 0
@@ -486,7 +512,9 @@ def _read_section(w: _Walk, sec: int, model: tuple[ModelLayer, ...] | None) -> S
                 f"streams {stream} and {s} both hold cells", path=path, offset=at, field=f"sections[{sec}]"
             )
         if n_cells > LIMIT["MAX_TOKENS"]:
-            raise E.SlotLimitExceeded(f"{n_cells} cells", path=path, offset=at, field=f"sections[{sec}].cell_count")
+            raise E.SlotLimitExceeded(
+                f"{n_cells} cells", path=path, offset=at, field=f"sections[{sec}].cell_count"
+            )
         stream = s
         positions = _read_cells(w, n_cells, sec)
         at = w.pos
@@ -640,7 +668,9 @@ class _LayerSource:
 class SlotSource:
     """A SessionSource over a slot file: ``save(out, SlotSource(...))`` writes it as format v1."""
 
-    def __init__(self, slot: SlotFile, geometry: ModelGeometry, identity: EngineIdentity, engine_fields: bytes):
+    def __init__(
+        self, slot: SlotFile, geometry: ModelGeometry, identity: EngineIdentity, engine_fields: bytes
+    ):
         self.slot, self.geometry, self._identity = slot, geometry, identity
         self.engine_fields = engine_fields
         full = [s for s, layers in zip(slot.sections, geometry.sections, strict=True) if not layers[0].window]
@@ -656,7 +686,9 @@ class SlotSource:
 
     def _layers(self, n: int) -> list[_LayerSource]:
         out: dict[int, _LayerSource] = {}
-        for sec_no, (section, model) in enumerate(zip(self.slot.sections, self.geometry.sections, strict=True)):
+        for sec_no, (section, model) in enumerate(
+            zip(self.slot.sections, self.geometry.sections, strict=True)
+        ):
             window = model[0].window
             held = min(n, window) if window else n
             if section.n_cells != held:
@@ -697,11 +729,10 @@ class SlotSource:
         return self._identity
 
     def snapshot(self) -> Snapshot:
-        state = RunningState(tokens=self.slot.tokens[: self.n], position=self.n, engine_fields=self.engine_fields)
+        state = RunningState(
+            tokens=self.slot.tokens[: self.n], position=self.n, engine_fields=self.engine_fields
+        )
         return Snapshot(state, tuple(LayerGeometry(la.spec, la.held) for la in self.layers))
-
-    def open(self) -> None:
-        self._src = FileSource(self.slot.path)
 
     def close(self) -> None:
         if self._src is not None:
@@ -719,8 +750,7 @@ class SlotSource:
 
     def _source(self) -> FileSource:
         if self._src is None:
-            self.open()
-        assert self._src is not None
+            self._src = FileSource(self.slot.path)
         return self._src
 
     def _gather_rows(self, sp: SlotPart, la: _LayerSource, offset: int, dest: memoryview) -> None:
@@ -744,13 +774,15 @@ class SlotSource:
             for j in range(sp.n_embd):
                 column = raw[j * c : (j + 1) * c]
                 if len(la.runs) > 1 or la.runs[0][1] != 0:
-                    column = array.array(code, b"".join(column[cell : cell + n].tobytes() for _, cell, n in la.runs))
+                    column = array.array(
+                        code, b"".join(column[cell : cell + n].tobytes() for _, cell, n in la.runs)
+                    )
                 out[j :: sp.n_embd] = column
             data = out.tobytes()
         else:
             rows = bytearray(la.held * sp.row_bytes)
             self._gather_rows(sp, la, 0, memoryview(rows))
-            data = dequantize_q8_0(rows, la.held * sp.n_embd)
+            data = dequantize_q8_0(bytes(rows), la.held * sp.n_embd)
         self._cache = (layer, part, data)
         return data
 
@@ -818,7 +850,12 @@ class SlotTarget:
     """A SessionTarget that writes the restored session as a slot file (crash-safe, through FileSink)."""
 
     def __init__(
-        self, out: str, geometry: ModelGeometry, model: ModelIdentity, config: ConfigIdentity, opts: SlotOptions
+        self,
+        out: str,
+        geometry: ModelGeometry,
+        model: ModelIdentity,
+        config: ConfigIdentity,
+        opts: SlotOptions,
     ):
         self.out, self.geometry, self.opts = out, geometry, opts
         self._identity = EngineIdentity(model, config)
@@ -846,7 +883,9 @@ class SlotTarget:
             have = (s.index, s.n_kv_heads, s.head_dim_k, s.head_dim_v, s.window, s.extra_bytes)
             want = (la.index, la.n_kv_heads, la.head_dim_k, la.head_dim_v, la.window, 0)
             if have != want:
-                problems.append(f"layer {i} is (index, heads, dk, dv, window, extra) {have}; the model's {want}")
+                problems.append(
+                    f"layer {i} is (index, heads, dk, dv, window, extra) {have}; the model's {want}"
+                )
             for dt in (s.k_dtype, s.v_dtype):
                 if dt not in V1_TO_GGML:
                     problems.append(f"layer {i} holds {DTYPES[dt].name}, which llama.cpp's cache cannot take")
@@ -893,7 +932,9 @@ class SlotTarget:
                         info = GGML_TYPES[dst]
                         n_embd = la.n_embd_k if part is Part.K else la.n_embd_v
                         if n_embd % info.block:
-                            raise E.SlotUnsupportedType(f"{n_embd} values per row are not whole {info.name} blocks")
+                            raise E.SlotUnsupportedType(
+                                f"{n_embd} values per row are not whole {info.name} blocks"
+                            )
                         trans = part is Part.V and opts.v_trans
                         if trans:
                             if info.block != 1:
@@ -922,7 +963,7 @@ class SlotTarget:
         out = self._parts[(layer, part)]
         assert self.sink is not None
         if not out.transposed and V1_TO_GGML[out.src] is out.dst:
-            self.sink.write_at(src, out.offset + offset)  # the same bytes: no copy, no arithmetic
+            self.sink.write_at(src, out.offset + offset)  # type: ignore[arg-type]  # pwrite takes any buffer
             return
         buf = self._pending.get((layer, part))
         if buf is None:
@@ -987,5 +1028,3 @@ def session_to_slot(
         return restore(session_path, target, mode="streaming", block_size=block_size)
     finally:
         target.discard()
-
-
