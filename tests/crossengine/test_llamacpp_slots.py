@@ -13,6 +13,8 @@ import strata_sessionfile as sf
 from strata_engine.session import EngineSession, runner_identity
 from strata_sessionfile import llamacpp as L
 
+from .llama_server import FLASH_ATTN, LlamaServer
+
 PROMPT = (
     "<|im_start|>user\nName three colours and say why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
 )
@@ -94,3 +96,26 @@ def test_llama_server_refuses_nothing_it_wrote_back(llama, smollm2_path, tmp_pat
         tmp_path / "again.ssf", smollm2_path, tmp_path / "back.bin", L.SlotOptions(v_trans=llama.v_trans)
     )
     assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
+
+
+def test_gemma3_iswa_slot_file_through_v1_keeps_every_state_byte(gemma3_path, tmp_path):
+    """gemma3's two caches (3 global layers holding every token, 15 sliding-window layers holding the last
+    512) past the window: through format v1 and back, the state is byte for byte llama-server's; its
+    context-checkpoint appendix is not carried over."""
+    llama = LlamaServer(gemma3_path, tmp_path, FLASH_ATTN["v_rows"])
+    text = " ".join(f"w{i}" for i in range(300))
+    llama.complete(llama.tokenize(text), 2)
+    llama.post("/slots/0?action=save", {"filename": "g.bin"})
+    src = tmp_path / "g.bin"
+    slot = L.read_slot_file(src, L.model_geometry(gemma3_path))
+    full, swa = slot.sections
+    assert full.n_cells > 512 and swa.n_cells == 512 and len(full.k) == 3 and len(swa.k) == 15
+    assert min(swa.positions) == full.n_cells - 512
+    L.slot_to_session(src, gemma3_path, tmp_path / "g.ssf")
+    held = [g.tokens_held for g in sf.inspect(tmp_path / "g.ssf").metadata.layers]
+    assert held == [full.n_cells if i % 6 == 5 else 512 for i in range(18)]
+    L.session_to_slot(tmp_path / "g.ssf", gemma3_path, tmp_path / "back.bin")
+    back = (tmp_path / "back.bin").read_bytes()
+    original = src.read_bytes()
+    assert original[: len(back)] == back
+    assert slot.checkpoints == 0 or original[len(back) : len(back) + 4] == b"SCKP"
