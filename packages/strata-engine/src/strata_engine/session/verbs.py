@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -36,6 +37,7 @@ from typing import Any
 import attrs
 import strata_sessionfile as sf
 from strata_sessionfile import errors as E
+from strata_sessionfile import llamacpp
 from strata_sessionfile.seam import S3_SCHEME, FileSink, s3_location
 
 from ..errors import PrefixUnreachable
@@ -313,6 +315,8 @@ class SessionVerbs:
 
     def _restore(self, request: Request, path: str, adapter: EngineSession) -> Mapping[str, Any]:
         location = self._object(path)  # a malformed s3:// URL: a bad argument, not a refused file
+        if location is None and llamacpp.is_slot_file(path):
+            return self._restore_slot_file(request, path, adapter)
         try:
             with self._source(path, location) as source:
                 report = sf.restore(
@@ -356,6 +360,23 @@ class SessionVerbs:
             "read_pass_ms": round(report.read_pass_s * 1000.0, 3),
             "apply_ms": round(report.apply_s * 1000.0, 3),
         }
+
+    def _restore_slot_file(self, request: Request, path: str, adapter: EngineSession) -> Mapping[str, Any]:
+        """A llama.cpp slot file (what llama-server wrote in --slot-save-path): converted, against this
+        engine's model and identity, into a temporary format v1 file beside nothing live, then restored
+        from it; a file that does not convert is refused before the slot is touched."""
+        with tempfile.TemporaryDirectory(prefix="strata-slot-") as tmp:
+            converted = os.path.join(tmp, "converted.ssf")
+            try:
+                llamacpp.slot_to_session(
+                    path,
+                    adapter.runner.settings.model_path,
+                    converted,
+                    config=adapter.identity().config,
+                )
+            except E.SessionFileError as exc:
+                raise ProtocolError(ErrorKind.SESSION_REFUSED, str(exc), reason=exc.reason) from exc
+            return self._restore(request, converted, adapter)
 
     @staticmethod
     def _slot_failed(
