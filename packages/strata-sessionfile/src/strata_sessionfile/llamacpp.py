@@ -157,17 +157,23 @@ MAX_KEPT_ARRAY = 4096  # arrays longer than this (the vocabulary) are skipped, n
 class _GGUFCursor:
     """Sequential reads of a GGUF's key/value table through a FileSource, bounded by the table limit."""
 
+    CHUNK = 1 << 20  # read ahead: the table is tens of thousands of small fields (the vocabulary)
+
     def __init__(self, src: FileSource, size: int) -> None:
         self.src, self.pos, self.end = src, 0, min(size, MAX_GGUF_KV_BYTES)
+        self.buf, self.buf_at = b"", 0
 
     def take(self, n: int) -> bytes:
         if self.pos + n > self.end:
             raise E.SlotModelUnsupported(
                 "GGUF key/value table runs past its bound", path=self.src.path, offset=self.pos
             )
-        data = self.src.read(n, self.pos)
+        lo = self.pos - self.buf_at
+        if lo < 0 or lo + n > len(self.buf):
+            self.buf_at, lo = self.pos, 0
+            self.buf = self.src.read(min(max(n, self.CHUNK), self.end - self.pos), self.pos)
         self.pos += n
-        return data
+        return self.buf[lo : lo + n]
 
     def scalar(self, code: str) -> Any:
         st = struct.Struct(code)
