@@ -56,7 +56,7 @@ class LlamaServer:
     def tokenize(self, text: str) -> list[int]:
         return self.post("/tokenize", {"content": text, "add_special": True})["tokens"]
 
-    def complete(self, tokens: list[int], n: int) -> dict:
+    def complete(self, tokens: list[int], n: int, n_probs: int = 0) -> dict:
         """Greedy completion of a token prompt in slot 0, reusing what the slot holds."""
         return self.post(
             "/completion",
@@ -69,5 +69,6 @@ class LlamaServer:
                 "id_slot": 0,
                 "return_tokens": True,
                 "samplers": ["top_k"],
+                "n_probs": n_probs,
             },
         )

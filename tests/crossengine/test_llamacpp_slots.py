@@ -84,9 +84,15 @@ def test_strata_engine_session_restores_in_llama_server(llama, runner, smollm2_p
     warm = llama.complete(turn, N_REPLY)
     assert warm["timings"]["cache_n"] == len(prompt)  # every restored token reused
     llama.post("/slots/0?action=erase", {})
-    cold = llama.complete(turn, N_REPLY)
+    cold = llama.complete(turn, N_REPLY, n_probs=2)
     assert cold["timings"]["cache_n"] == 0
-    assert warm["tokens"] == cold["tokens"]
+    # strata-engine's K/V are not llama.cpp's bit for bit: the replies agree up to a step where llama.cpp's
+    # own cold run was near a tie between its two best tokens
+    pairs = zip(warm["tokens"], cold["tokens"], strict=True)
+    differ = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    if differ is not None:
+        top = cold["completion_probabilities"][differ]["top_logprobs"]
+        assert abs(top[0]["logprob"] - top[1]["logprob"]) < 0.5, (differ, top)
 
 
 def test_llama_server_refuses_nothing_it_wrote_back(llama, smollm2_path, tmp_path):
@@ -120,7 +126,9 @@ def test_gemma3_iswa_slot_file_through_v1_keeps_every_state_byte(gemma3_path, tm
     held = [g.tokens_held for g in sf.inspect(tmp_path / "g.ssf").metadata.layers]
     assert held == [full.n_cells if i % 6 == 5 else 512 for i in range(18)]
     L.session_to_slot(tmp_path / "g.ssf", gemma3_path, tmp_path / "back.bin")
-    back = (tmp_path / "back.bin").read_bytes()
-    original = src.read_bytes()
-    assert original[: len(back)] == back
-    assert slot.checkpoints == 0 or original[len(back) : len(back) + 4] == b"SCKP"
+    # the window cache's cells come back in position order (llama-server's ring may start mid-cache): the
+    # same state, so converting it again gives the same format v1 payload
+    L.slot_to_session(tmp_path / "back.bin", gemma3_path, tmp_path / "again.ssf")
+    assert sf.inspect(tmp_path / "again.ssf").payload_hash == sf.inspect(tmp_path / "g.ssf").payload_hash
+    again = L.read_slot_file(tmp_path / "back.bin", L.model_geometry(gemma3_path))
+    assert again.checkpoints == 0 and list(again.sections[1].positions) == sorted(swa.positions)

@@ -34,15 +34,16 @@ def strata(smollm2_path, tmp_path_factory):
     server.stop()
 
 
-def complete(url: str, tokens: list[int]) -> dict:
+def complete(url: str, tokens: list[int], *, cache_prompt: bool = True) -> dict:
     body = {
         "prompt": tokens,
         "n_predict": N_REPLY,
         "temperature": 0,
-        "cache_prompt": True,
+        "cache_prompt": cache_prompt,
         "return_tokens": True,
+        "id_slot": 0,
     }
-    return requests.post(url + "/completion", json={**body, "id_slot": 0}, timeout=600).json()
+    return requests.post(url + "/completion", json=body, timeout=600).json()
 
 
 @pytest.mark.parametrize("layout", ["v_trans", "v_rows"])
@@ -62,7 +63,7 @@ def test_strata_server_restores_llama_servers_slot_file(strata, smollm2_path, la
     warm = complete(strata.url, turn)
     assert warm["timings"]["cache_n"] == n
     requests.post(strata.url + "/slots/0?action=erase", timeout=60)
-    cold = complete(strata.url, turn)
+    cold = complete(strata.url, turn, cache_prompt=False)  # neither the slot nor the session store
     assert cold["timings"]["cache_n"] == 0
     assert warm["tokens"] == cold["tokens"]
 
