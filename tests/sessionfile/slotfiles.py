@@ -23,9 +23,15 @@ def _gguf_string(s: str) -> bytes:
     return struct.pack("<Q", len(s)) + s.encode()
 
 
-def tiny_gguf(arch: str = "llama", n_layer: int = N_LAYER) -> bytes:
-    """A GGUF v3 file with no tensors: the keys llama.cpp's cache geometry comes from."""
+def tiny_gguf(arch: str = "llama", n_layer: int = N_LAYER, vocab: int = 0) -> bytes:
+    """A GGUF v3 file with no tensors: the keys llama.cpp's cache geometry comes from (and, with `vocab`, a
+    token list of that many strings before them, as real files have)."""
+    words = b"".join(_gguf_string(f"t{i}") for i in range(vocab))
+    tokens = (
+        [(_gguf_string("tokenizer.ggml.tokens"), 9, struct.pack("<IQ", 8, vocab) + words)] if vocab else []
+    )
     kv = [
+        *tokens,
         (_gguf_string("general.architecture"), 8, _gguf_string(arch)),
         (_gguf_string(f"{arch}.block_count"), 4, struct.pack("<I", n_layer)),
         (_gguf_string(f"{arch}.embedding_length"), 4, struct.pack("<I", N_EMBD)),

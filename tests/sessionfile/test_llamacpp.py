@@ -42,6 +42,15 @@ def test_geometry_of_the_tiny_model(model):
     assert [(la.n_kv_heads, la.head_dim_k, la.window) for la in g.layers] == [(2, 4, 0)] * slotfiles.N_LAYER
 
 
+def test_geometry_walks_past_a_long_vocabulary(tmp_path):
+    path = tmp_path / "v.gguf"
+    path.write_bytes(slotfiles.tiny_gguf(vocab=5000))
+    assert len(L.model_geometry(path).layers) == slotfiles.N_LAYER
+    path.write_bytes(slotfiles.tiny_gguf(vocab=5000)[:-200])  # the table cut short
+    with pytest.raises(E.SlotModelUnsupported):
+        L.model_geometry(path)
+
+
 @pytest.mark.parametrize("v_trans", [False, True])
 def test_slot_file_to_v1_and_back_byte_for_byte(model, tmp_path, v_trans):
     src = tmp_path / "slot.bin"

@@ -202,6 +202,15 @@ class _GGUFCursor:
                     )
                 self.pos += size
                 return None
+            if etype == GGUF_STRING and count > MAX_KEPT_ARRAY:  # the vocabulary: walked, not decoded
+                for _ in range(count):
+                    n = self.scalar("<Q")
+                    if n > self.end - self.pos:
+                        raise E.SlotModelUnsupported(
+                            "GGUF string past the table", path=self.src.path, offset=self.pos
+                        )
+                    self.pos += n
+                return None
             if count > self.end - self.pos:  # every element takes at least one byte
                 raise E.SlotModelUnsupported("GGUF array past the table", path=self.src.path, offset=self.pos)
             items = [self.value(etype) for _ in range(count)]
@@ -819,11 +828,13 @@ def slot_to_session(
     config: ConfigIdentity | Mapping[str, Any] | None = None,
     engine_fields: bytes = b"",
     block_size: int = 4 << 20,
+    geometry: ModelGeometry | None = None,
 ):
     """Convert a llama.cpp slot file written with ``model`` into a format v1 file at ``out``; the file
     carries ``model``'s fingerprint and ``config`` (an engine's config identity, or a mapping; default: a
-    mapping naming llama.cpp). Returns the SaveReport."""
-    geometry = model_geometry(model)
+    mapping naming llama.cpp). ``geometry``: ``model_geometry(model)``, kept by a caller that converts often.
+    Returns the SaveReport."""
+    geometry = geometry or model_geometry(model)
     slot = read_slot_file(slot_path, geometry)
     if config is None:
         config = llamacpp_config(slot, geometry)
@@ -1023,11 +1034,12 @@ def session_to_slot(
     opts: SlotOptions = SlotOptions(),
     *,
     block_size: int = 4 << 20,
+    geometry: ModelGeometry | None = None,
 ):
     """Convert a format v1 file of ``model`` into a llama.cpp slot file at ``out`` (crash-safe: the old
     file at ``out`` stays until the new one is whole). The file's model fingerprint must be ``model``'s;
     its layers must be the model's. Returns the RestoreReport."""
-    geometry = model_geometry(model)
+    geometry = geometry or model_geometry(model)
     config = config_of(session_path)
     target = SlotTarget(os.fspath(out), geometry, _model_identity(model), config, opts)
     try:
