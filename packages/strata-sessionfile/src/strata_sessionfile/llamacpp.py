@@ -19,7 +19,7 @@ import enum
 import os
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -782,18 +782,8 @@ class SlotSource:
             return self._cache[2]
         src = self._source()
         if sp.transposed:
-            code = {2: "H", 4: "I"}[sp.row_bytes]
-            raw = array.array(code, src.read(sp.n_embd * la.n_cells * sp.row_bytes, sp.offset))
-            out = array.array(code, bytes(la.held * sp.n_embd * sp.row_bytes))
-            c = la.n_cells
-            for j in range(sp.n_embd):
-                column = raw[j * c : (j + 1) * c]
-                if len(la.runs) > 1 or la.runs[0][1] != 0:
-                    column = array.array(
-                        code, b"".join(column[cell : cell + n].tobytes() for _, cell, n in la.runs)
-                    )
-                out[j :: sp.n_embd] = column
-            data = out.tobytes()
+            raw = src.read(sp.n_embd * la.n_cells * sp.row_bytes, sp.offset)
+            data = _untranspose(raw, sp.row_bytes, sp.n_embd, la.n_cells, la.runs)
         else:
             rows = bytearray(la.held * sp.row_bytes)
             self._gather_rows(sp, la, 0, memoryview(rows))
@@ -1022,9 +1012,51 @@ def _slot_values(values: bytes, out: _OutPart) -> bytes:
     data = convert_values(values, out.src, out.dst)
     if not out.transposed:
         return data
-    code = {2: "H", 4: "I"}[GGML_TYPES[out.dst].block_bytes]
-    rows = array.array(code, data)
-    return b"".join(rows[j :: out.n_embd].tobytes() for j in range(out.n_embd))
+    return _transpose(data, GGML_TYPES[out.dst].block_bytes, out.n_embd)
+
+
+ELEMENT_CODES = {2: "H", 4: "I"}  # array typecodes by element size (f16/bf16, f32)
+
+
+def _optional_numpy() -> Any:
+    """numpy where installed: transposing a layer's V is one copy there, a loop over values without it."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    return np
+
+
+def _untranspose(
+    raw: bytes, el: int, n_embd: int, n_cells: int, runs: Sequence[tuple[int, int, int]]
+) -> bytes:
+    """A transposed V ([value][cell]) as rows ([token][value]) in position order (``runs``)."""
+    np = _optional_numpy()
+    in_order = len(runs) == 1 and runs[0][1] == 0
+    if np is not None:
+        cols = np.frombuffer(raw, dtype=f"<u{el}").reshape(n_embd, n_cells)
+        if not in_order:
+            cols = np.concatenate([cols[:, cell : cell + n] for _, cell, n in runs], axis=1)
+        return np.ascontiguousarray(cols.T).tobytes()
+    code = ELEMENT_CODES[el]
+    src = array.array(code, raw)
+    out = array.array(code, bytes(len(raw)))
+    for j in range(n_embd):
+        column = src[j * n_cells : (j + 1) * n_cells]
+        if not in_order:
+            column = array.array(code, b"".join(column[cell : cell + n].tobytes() for _, cell, n in runs))
+        out[j::n_embd] = column
+    return out.tobytes()
+
+
+def _transpose(data: bytes, el: int, n_embd: int) -> bytes:
+    """Rows ([token][value]) as llama.cpp's transposed V ([value][token])."""
+    np = _optional_numpy()
+    if np is not None:
+        rows = np.frombuffer(data, dtype=f"<u{el}").reshape(-1, n_embd)
+        return np.ascontiguousarray(rows.T).tobytes()
+    src = array.array(ELEMENT_CODES[el], data)
+    return b"".join(src[j::n_embd].tobytes() for j in range(n_embd))
 
 
 def session_to_slot(
