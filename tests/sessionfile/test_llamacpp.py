@@ -6,6 +6,7 @@ CLI's convert and inspect. The real llama.cpp round trips are in tests/crossengi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 
@@ -192,3 +193,13 @@ def test_q8_0_round_trip_needs_numpy(model, tmp_path):
     step = np.abs(values[:64].astype(np.float32)).reshape(2, 32).max(axis=1) / 127
     assert np.all(np.abs(back - values[:64]).reshape(2, 32) <= step[:, None] * 0.51 + 1e-3)
     assert struct.unpack("<e", q[:2])[0] == pytest.approx(step[0], rel=1e-3)
+
+
+def test_q8_0_without_numpy_is_a_named_refusal():
+    """Where numpy is not installed (the package alone), q8_0 is refused by name, not with an ImportError."""
+    if importlib.util.find_spec("numpy") is not None:
+        pytest.skip("numpy is installed here: test_q8_0_round_trip_needs_numpy runs instead")
+    with pytest.raises(E.ConversionUnavailable):
+        L.dequantize_q8_0(bytes(34), 32)
+    with pytest.raises(E.ConversionUnavailable):
+        L.quantize_q8_0(bytes(64), sf.DType.F16)
