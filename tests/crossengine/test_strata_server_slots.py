@@ -74,3 +74,26 @@ def test_strata_server_restores_llama_servers_slot_file(strata, smollm2_path, la
     assert r.status_code == 400 and "slot_truncated" in r.text, r.text
     again = complete(strata.url, turn)
     assert again["timings"]["cache_n"] >= len(turn) - 1
+
+
+@pytest.mark.parametrize("layout", ["v_trans", "v_rows"])
+def test_strata_server_saves_for_llama_server(strata, smollm2_path, layout):
+    """`?action=save` with `"format": "llama.cpp"`: llama-server restores the file and reuses every token."""
+    llama = LlamaServer(smollm2_path, strata.folder, FLASH_ATTN[layout])
+    prompt = llama.tokenize(PROMPT)
+    complete(strata.url, prompt)
+    name = f"for-llama-{layout}.bin"
+    body = {"filename": name, "format": "llama.cpp", "v_trans": layout == "v_trans"}
+    r = requests.post(strata.url + "/slots/0?action=save", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    n = r.json()["n_saved"]
+    assert L.is_slot_file(strata.folder / name)
+
+    restored = llama.post("/slots/0?action=restore", {"filename": name})
+    assert restored.get("n_restored") == n, restored
+    held = list(L.read_slot_file(strata.folder / name).tokens)
+    turn = held + llama.tokenize("<|im_end|>\n<|im_start|>user\nAnd two more?")[1:]
+    warm = llama.complete(turn, N_REPLY)
+    assert warm["timings"]["cache_n"] == n
+    bad = requests.post(strata.url + "/slots/0?action=save", json={**body, "format": "gguf"}, timeout=60)
+    assert bad.status_code == 400 and "'format' must be one of" in bad.text

@@ -48,6 +48,7 @@ from ..protocol import (
     ProtocolError,
     Reason,
     Request,
+    SaveFormat,
     ServeContext,
 )
 from ..wire import RestoreArgs, RestorePrefixArgs, SaveArgs, arguments_of, register
@@ -274,6 +275,8 @@ class SessionVerbs:
     def save(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         parsed: SaveArgs = arguments_of(request)
         assert request.slot is not None
+        if parsed.format is SaveFormat.LLAMA_CPP:
+            return self._save_slot_file(ctx, request, parsed)
         sink = self._sink(parsed.path, parsed.sync)  # a malformed s3:// URL: a bad argument
         adapter = self.adapter(ctx, request.slot, gate=request.gate)
         try:
@@ -294,6 +297,37 @@ class SessionVerbs:
             "n_saved": report.n_tokens,
             "n_written": report.bytes_written,
             "save_ms": round(report.elapsed_s * 1000.0, 3),
+        }
+
+    def _save_slot_file(self, ctx: ServeContext, request: Request, parsed: SaveArgs) -> Mapping[str, Any]:
+        """SAVE in llama.cpp's format: the session saved as format v1 into a temporary folder, then converted
+        (crash-safe: the file at `path` is replaced only by a whole new one)."""
+        if self._object(parsed.path) is not None:
+            raise ProtocolError(
+                ErrorKind.INVALID_REQUEST,
+                "a llama.cpp slot file is saved to a local path",
+                reason=Reason.BAD_ARGUMENT.value,
+            )
+        assert request.slot is not None
+        adapter = self.adapter(ctx, request.slot, gate=request.gate)
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="strata-slot-") as tmp:
+            try:
+                saved = sf.save(
+                    os.path.join(tmp, "session.ssf"), adapter, block_size=self.block_size(adapter.runner)
+                )
+                llamacpp.session_to_slot(
+                    os.path.join(tmp, "session.ssf"),
+                    adapter.runner.settings.model_path,
+                    parsed.path,
+                    llamacpp.SlotOptions(v_trans=parsed.v_trans),
+                )
+            except E.SessionFileError as exc:
+                raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason) from exc
+        return {
+            "n_saved": saved.n_tokens,
+            "n_written": os.path.getsize(parsed.path),
+            "save_ms": round((time.perf_counter() - started) * 1000.0, 3),
         }
 
     def restore(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
