@@ -16,8 +16,9 @@ FLASH_ATTN = {"v_trans": "LLAMA_FLASH_ATTN_TYPE_DISABLED", "v_rows": "LLAMA_FLAS
 class LlamaServer:
     """llama-server in this process: HTTP on an ephemeral port, one slot, slot files in `slots`."""
 
-    def __init__(self, model: Path, slots: Path, flash_attn: str) -> None:
+    def __init__(self, model: Path, slots: Path, flash_attn: str, kv_type: str = "GGML_TYPE_F16") -> None:
         p = xlc.CommonParams()
+        p.cache_type_k = p.cache_type_v = getattr(xlc.ggml_type, kv_type)
         p.model.path = str(model)
         p.n_parallel = 1
         p.n_ctx = 2048

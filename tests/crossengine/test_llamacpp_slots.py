@@ -9,8 +9,10 @@ its own cold one; strata-engine saves -> converted -> llama-server restores, reu
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import strata_sessionfile as sf
 from strata_engine.session import EngineSession, runner_identity
+from strata_sessionfile import errors as E
 from strata_sessionfile import llamacpp as L
 
 from .llama_server import FLASH_ATTN, LlamaServer
@@ -132,3 +134,33 @@ def test_gemma3_iswa_slot_file_through_v1_keeps_every_state_byte(gemma3_path, tm
     assert sf.inspect(tmp_path / "again.ssf").payload_hash == sf.inspect(tmp_path / "g.ssf").payload_hash
     again = L.read_slot_file(tmp_path / "back.bin", L.model_geometry(gemma3_path))
     assert again.checkpoints == 0 and list(again.sections[1].positions) == sorted(swa.positions)
+
+
+def test_q8_0_slot_file_dequantized_restores_in_strata_engine(runner, smollm2_path, tmp_path, monkeypatch):
+    """llama.cpp's q8_0 cache: rotated by default (a named refusal); with the rotation off, dequantized to
+    f16 it restores in strata-engine, every token reused, the same greedy continuation as its cold one."""
+    for rotated in (True, False):
+        if not rotated:
+            monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")  # read when llama.cpp builds its cache
+        llama = LlamaServer(smollm2_path, tmp_path, FLASH_ATTN["v_rows"], kv_type="GGML_TYPE_Q8_0")
+        prompt = llama.tokenize(PROMPT)
+        llama.complete(prompt, 4)
+        llama.post("/slots/0?action=save", {"filename": f"q8-{rotated}.bin"})
+        src, out = tmp_path / f"q8-{rotated}.bin", tmp_path / f"q8-{rotated}.ssf"
+        slot = L.read_slot_file(src, L.model_geometry(smollm2_path))
+        assert {p.ggml_type for p in slot.sections[0].k} == {L.GGMLType.Q8_0}
+        if rotated:
+            with pytest.raises(E.SlotRotated):
+                L.slot_to_session(src, smollm2_path, out, config=runner_identity(runner).config)
+            continue
+        L.slot_to_session(src, smollm2_path, out, config=runner_identity(runner).config)
+        runner.erase()
+        sf.restore(out, EngineSession(runner))
+        n = runner.n_held
+        turn = list(slot.tokens[:n]) + llama.tokenize("<|im_end|>\n<|im_start|>user\nAnd grass?")[1:]
+        cache_n, restored, logits = greedy(runner, turn)
+        assert cache_n == n
+        runner.erase()
+        _, cold, cold_logits = greedy(runner, turn)
+        assert restored == cold
+        assert float(np.max(np.abs(log_softmax(logits) - log_softmax(cold_logits)))) < 0.5
