@@ -74,6 +74,13 @@ class FimToken(enum.StrEnum):
     SEP = "sep"  # before a file name
 
 
+class SaveFormat(enum.StrEnum):
+    """What a SAVE writes: a format v1 session file, or llama.cpp's slot file (spec/llama-cpp-slot.md)."""
+
+    STRATA = "strata"
+    LLAMA_CPP = "llama.cpp"
+
+
 class ExitStatus(enum.IntEnum):
     """How `strata-engine serve` ends (spec "Exit statuses")."""
 

@@ -19,7 +19,7 @@ import attrs
 import cattrs
 
 from .errors import InvalidRequest
-from .protocol import ArgumentKind, CommandRegistry, Dispatch, Handler, Request
+from .protocol import ArgumentKind, CommandRegistry, Dispatch, Handler, Request, SaveFormat
 from .settings import Pooling, values
 
 MAX_N_PROBS = 100
@@ -165,6 +165,9 @@ Seed = Annotated[int, Wire("an integer in [-1, 2^64)", lambda v: _is_int(v) and 
 NProbs = Annotated[
     int, Wire(f"an integer in [0, {MAX_N_PROBS}]", lambda v: _is_int(v) and 0 <= v <= MAX_N_PROBS)
 ]
+SaveFormatName = Annotated[
+    SaveFormat, Wire(f"one of {', '.join(values(SaveFormat))}", lambda v: v in values(SaveFormat), SaveFormat)
+]
 PoolingName = Annotated[
     Pooling, Wire(f"one of {', '.join(values(Pooling))}", lambda v: v in values(Pooling), Pooling)
 ]
@@ -259,6 +262,8 @@ class ApplyTemplateArgs:
 class SaveArgs:
     path: Path
     sync: Boolean = True  # False: neither the file nor its folder fsynced (the client makes it durable later)
+    format: SaveFormatName = SaveFormat.STRATA  # llama.cpp: a slot file llama-server restores
+    v_trans: Boolean = False  # llama.cpp only: V transposed, for a llama-server without flash attention
 
 
 @attrs.frozen

@@ -44,6 +44,9 @@ Records
     ``Inspection``; enums ``Part``, ``DType``, ``LayerRole``, ``RestoreMode``.
 Errors (``strata_sessionfile.errors``)
     ``SessionFileError`` and subclasses, each with a stable ``reason`` string (``errors.all_reasons()``).
+llama.cpp slot files (``strata_sessionfile.llamacpp``; spec/llama-cpp-slot.md)
+    ``read_slot_file(path, geometry)``, ``model_geometry(gguf)``, ``slot_to_session(slot, gguf, out, config=)``,
+    ``session_to_slot(ssf, gguf, out, SlotOptions(v_trans=, k_type=, v_type=))``; the CLI's ``convert``.
 Testing (``strata_sessionfile.testing``)
     ``MemoryAdapter`` (in-memory reference adapter), ``run_conformance(adapter_factory, workdir)`` (one
     function per case, listed in ``CASES``).

@@ -25,6 +25,16 @@ from . import errors as E
 from .auth import SessionKey
 from .codec import dtype_name
 from .format import Part
+from .llamacpp import (
+    GGML_TYPE_BY_NAME,
+    SlotOptions,
+    config_of,
+    describe,
+    is_slot_file,
+    read_slot_file,
+    session_to_slot,
+    slot_to_session,
+)
 from .reader import inspect
 from .records import Inspection
 from .seam import S3_SCHEME, s3_location
@@ -347,6 +357,8 @@ def _cmd_inspect(args) -> int:
             return _usage(str(exc))
     elif args.endpoint_url is not None:
         return _usage("--endpoint-url applies to an s3:// object only")
+    if not args.file.startswith(S3_SCHEME) and is_slot_file(args.file):
+        return _inspect_slot(args)
     try:
         info = _inspect(args, key)
     except ImportError:
@@ -383,6 +395,68 @@ def _cmd_inspect(args) -> int:
         kind = EXIT_KIND.get(code, "invalid")
         print(f"{kind} ({err.reason}): {err}", file=sys.stderr)
     return code
+
+
+def _error_exit(err: E.SessionFileError, as_json: bool) -> int:
+    code = next((code for cls, code in EXIT_FOR_ERROR if isinstance(err, cls)), EXIT_INVALID)
+    if as_json:
+        print(json.dumps({"valid": False, "reason": err.reason, "message": str(err), "offset": err.offset}))
+    else:
+        print(f"{EXIT_KIND.get(code, 'invalid')} ({err.reason}): {err}", file=sys.stderr)
+    return code
+
+
+def _inspect_slot(args) -> int:
+    """A llama.cpp slot file: its structure (no model given, so the layers are checked against each other
+    and the file's size only)."""
+    try:
+        d = {"valid": True, **describe(read_slot_file(args.file))}
+    except E.SessionFileError as exc:
+        return _error_exit(exc, args.json)
+    if args.json:
+        print(json.dumps(d, indent=1, sort_keys=True))
+        return EXIT_VALID
+    print(
+        f"{d['path']}: llama.cpp sequence state file, version {d['version']} (llama.cpp {', '.join(d['builds'])})"
+    )
+    print(
+        f"  {d['n_tokens']} tokens, {human_size(d['file_size'])}; {d['checkpoints']} context checkpoints appended"
+    )
+    for i, s in enumerate(d["sections"]):
+        print(
+            f"  cache {i}: {s['n_cells']} cells (positions {s['positions']}), {s['n_layer']} layers, "
+            f"K {'/'.join(s['k_types'])}, V {'/'.join(s['v_types'])}{' transposed' if s['v_trans'] else ''}, "
+            f"{s['k_row_values']} K values per row"
+        )
+    print("  convert: strata-sessionfile convert FILE --model M.gguf -o OUT.ssf")
+    return EXIT_VALID
+
+
+def _cmd_convert(args) -> int:
+    """``convert SLOT --model M.gguf -o OUT.ssf [--like ENGINE.ssf]`` or
+    ``convert FILE.ssf --to llama.cpp --model M.gguf -o OUT.bin [--v-trans] [--k-type T] [--v-type T]``."""
+    try:
+        if args.to == "llama.cpp":
+            opts = SlotOptions(
+                k_type=GGML_TYPE_BY_NAME[args.k_type] if args.k_type else None,
+                v_type=GGML_TYPE_BY_NAME[args.v_type] if args.v_type else None,
+                v_trans=args.v_trans,
+            )
+            report = session_to_slot(args.file, args.model, args.output, opts)
+            print(f"{args.output}: llama.cpp slot file of {report.n_tokens} tokens")
+        else:
+            if not is_slot_file(args.file):
+                return _usage(
+                    f"{args.file} is not a llama.cpp slot file (give --to llama.cpp for a session file)"
+                )
+            config = config_of(args.like) if args.like else None
+            saved = slot_to_session(args.file, args.model, args.output, config=config)
+            print(
+                f"{args.output}: session file of {saved.n_tokens} tokens, {human_size(saved.bytes_written)}"
+            )
+    except E.SessionFileError as exc:
+        return _error_exit(exc, False)
+    return EXIT_VALID
 
 
 class _Parser(argparse.ArgumentParser):
@@ -422,6 +496,29 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="the S3 endpoint of an s3:// FILE (a non-AWS store); "
         "credentials and region come from the standard AWS environment and config files",
     )
+    c = sub.add_parser(
+        "convert",
+        help="convert a llama.cpp slot file to a session file, or back (--to llama.cpp)",
+        description="The slot file carries no model identity: --model names the GGUF it was written with; "
+        "its layers, heads, head sizes, types and windows are checked against it and its fingerprint is "
+        "written into the session file.",
+    )
+    c.add_argument("file", help="a llama.cpp slot file, or (with --to llama.cpp) a session file")
+    c.add_argument("--model", required=True, help="the GGUF model the conversation belongs to")
+    c.add_argument("-o", "--output", required=True, help="the file to write (replaced atomically)")
+    c.add_argument("--to", choices=("session", "llama.cpp"), default="session")
+    c.add_argument(
+        "--like", metavar="ENGINE.ssf", help="take the config identity of this engine's session file"
+    )
+    c.add_argument(
+        "--v-trans", action="store_true", help="lay V out transposed (llama.cpp without flash attention)"
+    )
+    c.add_argument(
+        "--k-type", choices=sorted(GGML_TYPE_BY_NAME), help="K type of the slot file (default: kept)"
+    )
+    c.add_argument(
+        "--v-type", choices=sorted(GGML_TYPE_BY_NAME), help="V type of the slot file (default: kept)"
+    )
     return parser, p
 
 
@@ -432,8 +529,10 @@ def inspect_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parsers()[0].parse_args(argv)
-    return _cmd_inspect(args)
+    return COMMANDS[args.command](args)
 
+
+COMMANDS = {"inspect": _cmd_inspect, "convert": _cmd_convert}
 
 if __name__ == "__main__":
     sys.exit(main())

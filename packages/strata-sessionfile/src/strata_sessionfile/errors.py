@@ -289,6 +289,83 @@ class DirSyncFailed(SessionFileError):
         self.report = report
 
 
+# --- llama.cpp sequence state files (strata_sessionfile.llamacpp; spec/llama-cpp-slot.md) ---------------
+class SlotFileError(SessionFileError):
+    """A llama.cpp slot file (``llama_state_seq_save_file``) cannot be read or written as asked."""
+
+    reason = "slot_file_error"
+
+
+class SlotBadMagic(SlotFileError):
+    """The first four bytes are not llama.cpp's sequence state magic ``ggsq``."""
+
+    reason = "slot_bad_magic"
+
+
+class SlotUnsupportedVersion(SlotFileError):
+    """A sequence state version other than the one this reader knows (4, llama.cpp b11549)."""
+
+    reason = "slot_unsupported_version"
+
+
+class SlotTruncated(SlotFileError):
+    """A count or length runs past the end of the file (checked before anything is read or allocated)."""
+
+    reason = "slot_truncated"
+
+
+class SlotTrailingData(SlotFileError):
+    """Bytes follow the last cache section."""
+
+    reason = "slot_trailing_data"
+
+
+class SlotLimitExceeded(SlotFileError):
+    """A count is over the format's limits (tokens, streams, layers)."""
+
+    reason = "slot_limit_exceeded"
+
+
+class SlotUnsupportedType(SlotFileError):
+    """A ggml type this converter does not read or write (or a quantized type laid out transposed)."""
+
+    reason = "slot_unsupported_type"
+
+
+class SlotCellsInvalid(SlotFileError):
+    """The cells do not form one conversation: several sequences per cell, several streams with cells,
+    positions that are not one run, or fewer tokens than cells."""
+
+    reason = "slot_cells_invalid"
+
+
+class SlotGeometryMismatch(SlotFileError):
+    """The file's layers disagree with the model's geometry (layer count, K/V row size, heads, head size,
+    sliding windows, V transposition)."""
+
+    reason = "slot_geometry_mismatch"
+
+
+class SlotRotated(SlotFileError):
+    """The K/V rows carry llama.cpp's Hadamard rotation of quantized caches (n_rot != 0), which this
+    converter does not undo."""
+
+    reason = "slot_rotated"
+
+
+class SlotModelUnsupported(SlotFileError):
+    """The GGUF model's architecture or metadata is not one whose cache layout this converter knows."""
+
+    reason = "slot_model_unsupported"
+
+
+class ConversionUnavailable(SlotFileError):
+    """The conversion asked for needs numpy (quantizing or dequantizing q8_0, changing a dtype), which is
+    not installed; the file may well be valid."""
+
+    reason = "conversion_unavailable"
+
+
 def _all_subclasses(cls: type[SessionFileError]) -> list[type[SessionFileError]]:
     out: list[type[SessionFileError]] = []
     for sub in cls.__subclasses__():

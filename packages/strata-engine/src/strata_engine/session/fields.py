@@ -72,6 +72,9 @@ class EngineFieldsCodec:
         """(ring_start, checkpoints) of a file's running state; InconsistentState where its engine fields or
         checkpoint bytes do not match its token count. Touches nothing."""
         n = st.n_tokens
+        if not st.engine_fields and not st.checkpoint.data and not st.checkpoint.token_index:
+            # a file another tool wrote (a converted llama.cpp slot file) holds the K/V and nothing of ours
+            return self.ring_start(n), ()
         try:
             fields = json.loads(st.engine_fields.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

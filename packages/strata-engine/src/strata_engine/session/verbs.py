@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -36,6 +37,7 @@ from typing import Any
 import attrs
 import strata_sessionfile as sf
 from strata_sessionfile import errors as E
+from strata_sessionfile import llamacpp
 from strata_sessionfile.seam import S3_SCHEME, FileSink, s3_location
 
 from ..errors import PrefixUnreachable
@@ -46,6 +48,7 @@ from ..protocol import (
     ProtocolError,
     Reason,
     Request,
+    SaveFormat,
     ServeContext,
 )
 from ..wire import RestoreArgs, RestorePrefixArgs, SaveArgs, arguments_of, register
@@ -272,6 +275,8 @@ class SessionVerbs:
     def save(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         parsed: SaveArgs = arguments_of(request)
         assert request.slot is not None
+        if parsed.format is SaveFormat.LLAMA_CPP:
+            return self._save_slot_file(ctx, request, parsed)
         sink = self._sink(parsed.path, parsed.sync)  # a malformed s3:// URL: a bad argument
         adapter = self.adapter(ctx, request.slot, gate=request.gate)
         try:
@@ -294,6 +299,37 @@ class SessionVerbs:
             "save_ms": round(report.elapsed_s * 1000.0, 3),
         }
 
+    def _save_slot_file(self, ctx: ServeContext, request: Request, parsed: SaveArgs) -> Mapping[str, Any]:
+        """SAVE in llama.cpp's format: the session saved as format v1 into a temporary folder, then converted
+        (crash-safe: the file at `path` is replaced only by a whole new one)."""
+        if self._object(parsed.path) is not None:
+            raise ProtocolError(
+                ErrorKind.INVALID_REQUEST,
+                "a llama.cpp slot file is saved to a local path",
+                reason=Reason.BAD_ARGUMENT.value,
+            )
+        assert request.slot is not None
+        adapter = self.adapter(ctx, request.slot, gate=request.gate)
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="strata-slot-") as tmp:
+            try:
+                saved = sf.save(
+                    os.path.join(tmp, "session.ssf"), adapter, block_size=self.block_size(adapter.runner)
+                )
+                llamacpp.session_to_slot(
+                    os.path.join(tmp, "session.ssf"),
+                    adapter.runner.settings.model_path,
+                    parsed.path,
+                    llamacpp.SlotOptions(v_trans=parsed.v_trans),
+                )
+            except E.SessionFileError as exc:
+                raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason) from exc
+        return {
+            "n_saved": saved.n_tokens,
+            "n_written": os.path.getsize(parsed.path),
+            "save_ms": round((time.perf_counter() - started) * 1000.0, 3),
+        }
+
     def restore(self, ctx: ServeContext, request: Request) -> Mapping[str, Any]:
         parsed: RestoreArgs = arguments_of(request)
         assert request.slot is not None
@@ -313,6 +349,8 @@ class SessionVerbs:
 
     def _restore(self, request: Request, path: str, adapter: EngineSession) -> Mapping[str, Any]:
         location = self._object(path)  # a malformed s3:// URL: a bad argument, not a refused file
+        if location is None and llamacpp.is_slot_file(path):
+            return self._restore_slot_file(request, path, adapter)
         try:
             with self._source(path, location) as source:
                 report = sf.restore(
@@ -356,6 +394,23 @@ class SessionVerbs:
             "read_pass_ms": round(report.read_pass_s * 1000.0, 3),
             "apply_ms": round(report.apply_s * 1000.0, 3),
         }
+
+    def _restore_slot_file(self, request: Request, path: str, adapter: EngineSession) -> Mapping[str, Any]:
+        """A llama.cpp slot file (what llama-server wrote in --slot-save-path): converted, against this
+        engine's model and identity, into a temporary format v1 file beside nothing live, then restored
+        from it; a file that does not convert is refused before the slot is touched."""
+        with tempfile.TemporaryDirectory(prefix="strata-slot-") as tmp:
+            converted = os.path.join(tmp, "converted.ssf")
+            try:
+                llamacpp.slot_to_session(
+                    path,
+                    adapter.runner.settings.model_path,
+                    converted,
+                    config=adapter.identity().config,
+                )
+            except E.SessionFileError as exc:
+                raise ProtocolError(ErrorKind.SESSION_REFUSED, str(exc), reason=exc.reason) from exc
+            return self._restore(request, converted, adapter)
 
     @staticmethod
     def _slot_failed(

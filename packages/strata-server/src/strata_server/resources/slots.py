@@ -16,7 +16,8 @@ from typing import Any
 import falcon
 import numpy as np
 import strata_sessionfile as sf
-from strata_engine.protocol import ErrorKind
+from strata_engine.protocol import ErrorKind, SaveFormat
+from strata_engine.settings import values
 
 from ..context import ServerContext
 from ..errors import ApiError, EngineDied, EngineReplyError, ErrorType, invalid_request
@@ -116,14 +117,32 @@ class SlotsResource:
             raise invalid_request("Invalid action")
         resp.media = action(req, int(id_slot))
 
+    def _body(self, req: falcon.Request) -> dict:
+        """The request's JSON object, read once (the stream reads only once)."""
+        if "slot_body" not in req.context:
+            req.context.slot_body = read_json(req, self.ctx.config.max_body_bytes)
+        return req.context.slot_body
+
     def _filename(self, req: falcon.Request) -> str:
-        body = read_json(req, self.ctx.config.max_body_bytes)
+        body = self._body(req)
         if "filename" not in body:
             raise invalid_request("'filename' is required")
         filename = body["filename"]
         if not isinstance(filename, str):
             raise invalid_request(f"'filename' must be a string, got {type(filename).__name__}")
         return filename
+
+    def _save_format(self, req: falcon.Request) -> dict:
+        """`"format": "llama.cpp"` (and `"v_trans": true` for a llama-server without flash attention): the
+        file is llama.cpp's slot file, so a user can go back to llama-server."""
+        body = self._body(req)
+        fmt = body.get("format", SaveFormat.STRATA.value)
+        if fmt not in values(SaveFormat):
+            raise invalid_request(f"'format' must be one of {', '.join(values(SaveFormat))}, got {fmt!r}")
+        v_trans = body.get("v_trans", False)
+        if not isinstance(v_trans, bool):
+            raise invalid_request(f"'v_trans' must be a boolean, got {type(v_trans).__name__}")
+        return {"format": fmt, "v_trans": v_trans} if fmt != SaveFormat.STRATA else {}
 
     def _path(self, filename: str, *, must_exist: bool) -> Path:
         folder = self.ctx.config.slot_save_path
@@ -148,7 +167,7 @@ class SlotsResource:
         with self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=slot_id) as lease:
             lease.used = False
             try:
-                result = lease.call("SAVE", {"path": str(path)})
+                result = lease.call("SAVE", {"path": str(path), **self._save_format(req)})
             except EngineReplyError as exc:
                 self.ctx.metrics.record_save_failure()
                 if exc.kind == ErrorKind.SESSION_WRITE_FAILED:
