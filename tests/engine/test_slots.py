@@ -442,6 +442,9 @@ def test_load_reads_the_model_once_for_every_slot():
     assert [r.n_ctx for r in slots.runners] == [33, 33, 33]
     assert all(r.model is slots.model and r.pool.arena is slots.runners[0].pool.arena for r in slots.runners)
     assert all(r.settings.n_slots == 1 and r.settings.n_ctx == 33 for r in slots.runners)
+    assert all(r.loaded is slots.loaded for r in slots.runners)  # one loaded model under every slot
+    other = slots.loaded.with_settings(kv_type="f32", n_ctx=64)  # other K/V settings: the same weights
+    assert other.model is slots.model and other.settings.kv_type == "f32" and slots.settings.kv_type == "f16"
 
 
 def test_resident_rings_of_the_slots_share_one_arena_and_read_what_the_pool_holds():
