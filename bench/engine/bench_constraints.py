@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 from strata_engine.constraints import ConstraintCompiler, ConstraintKind, OutputConstraint
-from strata_engine.runner import ModelRunner
 from strata_engine.sampling import Sampler, SamplerState, SamplingParams
 from strata_engine.settings import EngineSettings
+from strata_engine.slots import SlotSet
 from strata_engine.tokenizer import Tokenizer
 
 SCHEMA = {
@@ -67,7 +67,7 @@ def per_token_ms(samples: list[float], n_tokens: int) -> float:
 
 
 def bench_model(name: str, repeats: int) -> dict:
-    runner = ModelRunner.load(EngineSettings(model_path=model_path(name), n_ctx=1024))
+    runner = SlotSet.load(EngineSettings(model_path=model_path(name), n_ctx=1024)).runners[0]
     tok = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
     compiler = ConstraintCompiler(tok)
     t0 = time.perf_counter()

@@ -34,6 +34,7 @@ import psutil
 from strata_engine.kernel_cache import compiled_here
 from strata_engine.runner import ModelRunner
 from strata_engine.settings import DEFAULT_CPU_KERNELS, CpuKernels, EngineSettings, values
+from strata_engine.slots import SlotSet
 
 REFERENCE = Path(__file__).resolve().parents[2] / "tests" / "reference" / "peer-engine-cpu.json"
 PEER_FILES = {"smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf", "gemma3": "gemma-3-270m-q4_k_m.gguf"}
@@ -85,7 +86,7 @@ def bench_model(
 ) -> dict[tuple[str, int], float]:
     path = model_path(name)
     t0 = time.perf_counter()
-    runner = ModelRunner.load(
+    runner = SlotSet.load(
         EngineSettings(
             model_path=path,
             kv_type=kv_type,
@@ -93,11 +94,11 @@ def bench_model(
             cpu_kernels=kernels,
             threads=threads,
         )
-    )
+    ).runners[0]
     s = runner.settings
     print(
         f"{name} ({kernels}, {s.threads} threads): loaded in {time.perf_counter() - t0:.1f} s "
-        f"(kernel warm-up {runner.kernel_warm_s:.1f} s)",
+        f"(kernel warm-up {runner.loaded.kernel_warm_s:.1f} s)",
         flush=True,
     )
     bos = int(runner.gguf.metadata.get("tokenizer.ggml.bos_token_id", 1))

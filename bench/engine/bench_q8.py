@@ -26,14 +26,14 @@ def decode_ab(name: str, threads: int | None, depths: list[int], gen: int, round
     """A prefill of `prefill` tokens, then greedy decode at each depth, the float32 and the q8 runner in turns
     (False: `numba`, True: `numba-q8`)."""
     from bench_engine import model_path
-    from strata_engine.runner import ModelRunner
     from strata_engine.settings import EngineSettings
+    from strata_engine.slots import SlotSet
 
     runners = {
-        q8: ModelRunner.load(
+        q8: SlotSet.load(
             EngineSettings(model_path=model_path(name), kv_type="f16", n_ctx=max(*depths, prefill) + gen + 8,
                            cpu_kernels="numba-q8" if q8 else "numba", threads=threads)
-        )
+        ).runners[0]
         for q8 in (False, True)
     }  # fmt: skip
     rng = np.random.default_rng(1)

@@ -33,23 +33,23 @@ import numpy as np
 
 
 def engine_runner(path: Path, n_ctx: int, dtype: str, chunk: int):
-    from strata_engine.runner import ModelRunner
     from strata_engine.settings import EngineSettings
+    from strata_engine.slots import SlotSet
 
-    return ModelRunner.load(
+    return SlotSet.load(
         EngineSettings(model_path=path, n_ctx=n_ctx, backend="cupy", compute_dtype=dtype, prefill_chunk=chunk)
-    )
+    ).runners[0]
 
 
 def time_engine(runner, tokens: list[int], n_decode: int) -> dict:
     ops = runner.model.ops
     runner.erase()
     ops.synchronize()
-    replays = sum(g.launches for g in runner.prefill_graphs)
+    replays = sum(g.launches for g in runner.graphs.prefill)
     t0 = time.perf_counter()
     logits = runner.prefill(tokens).logits  # logits on the host: the device work is done
     t_prefill = time.perf_counter() - t0
-    replays = sum(g.launches for g in runner.prefill_graphs) - replays
+    replays = sum(g.launches for g in runner.graphs.prefill) - replays
     first = int(np.argmax(logits))
     tok = first
     t0 = time.perf_counter()
@@ -67,7 +67,7 @@ def time_engine(runner, tokens: list[int], n_decode: int) -> dict:
     for _ in range(n_decode):
         tok = runner.decode_row(tok, argmax_only=True).token
     t_greedy = time.perf_counter() - t0
-    graph = runner.decode_graph
+    graph = runner.graphs.decode
     return {
         "prefill_s": t_prefill, "decode_s": t_decode, "tg_s": t_tg, "greedy_s": t_greedy, "first_token": first,
         "decode_graph": graph is not None and graph.launches > 0, "prefill_graph_replays": replays,
@@ -231,9 +231,9 @@ def main() -> int:
         n_ctx = max(lengths) + 3 * args.decode + 8  # three decode loops a run
         toks = np.random.default_rng(7).integers(100, 5000, max(lengths)).tolist()
         runner = engine_runner(Path(path), n_ctx, args.dtype, args.chunk)
-        sizes = ", ".join(str(g.n_tokens) for g in runner.prefill_graphs) or "none"
+        sizes = ", ".join(str(g.n_tokens) for g in runner.graphs.prefill) or "none"
         print(
-            f"[{name}] CUDA graphs captured at load in {runner.graph_capture_s * 1e3:.0f} ms (decode step; "
+            f"[{name}] CUDA graphs captured at load in {runner.loaded.graph_capture_s * 1e3:.0f} ms (decode step; "
             f"prefill steps of {sizes} tokens)",
             flush=True,
         )

@@ -73,12 +73,13 @@ def real_conversations(models: dict[str, int], folder: Path, placements: list[st
 def synthetic_session(n_tokens: int, folder: Path) -> dict:
     import cupy as cp
     import strata_sessionfile as sf
-    from strata_engine.runner import ModelRunner, RunnerState
+    from strata_engine.runner import RunnerState
     from strata_engine.session import EngineSession
     from strata_engine.settings import EngineSettings
+    from strata_engine.slots import SlotSet
 
     settings = EngineSettings(model_path=MODELS["smollm2"], n_ctx=n_tokens, backend="cupy")
-    runner = ModelRunner.load(settings)
+    runner = SlotSet.load(settings).runners[0]
     pool = runner.pool
     rng = cp.random.default_rng(1)
     for i in range(pool.geometry.n_layers):
@@ -102,7 +103,7 @@ def synthetic_session(n_tokens: int, folder: Path) -> dict:
     r["plain_read_cold_s"] = BS.plain_read(path)
     r["plain_read_warm_s"] = min(BS.plain_read(path) for _ in range(2))
     # In-process restores of the warm file, twice: a first-restore-only cost shows as their difference.
-    runner = ModelRunner.load(settings)
+    runner = SlotSet.load(settings).runners[0]
     for k in (1, 2):
         t0 = time.perf_counter()
         sf.restore(path, EngineSession(runner))

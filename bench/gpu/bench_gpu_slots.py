@@ -68,10 +68,10 @@ def device_ms(slots: SlotSet, b: int, n_prompt: int, first: list[int], replays: 
 
     steps = [(slots.runners[s].pool.slot, n_prompt, first[s]) for s in range(b)]
     if b == 1:
-        graph = slots.runners[0].decode_graph
+        graph = slots.runners[0].graphs.decode
         graph.inputs.stage([first[0]], n_prompt, graph.stream)
     else:
-        graph = next(g for g in slots.batch_graphs if g.n_tokens >= b)
+        graph = next(g for g in slots.batch_graphs.graphs if g.n_tokens >= b)
         graph.batch_inputs.stage(steps, graph.stream)
     graph.graph.launch(graph.stream)  # stores the K/V of position n_prompt again: the same values
     start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -99,7 +99,7 @@ def op_profile(slots: SlotSet, b: int, n_prompt: int, first: list[int]) -> dict[
     import cupy as cp
     from strata_engine.graph import BatchDecodeGraph
 
-    graph = next((g for g in slots.batch_graphs if g.n_tokens == b), None)
+    graph = next((g for g in slots.batch_graphs.graphs if g.n_tokens == b), None)
     if graph is None:
         graph = BatchDecodeGraph(slots.model, slots.runners[0].placement, b)
         graph.prepare()
@@ -162,18 +162,18 @@ def main() -> None:
         t0 = time.perf_counter()
         graphed = SlotSet.load(settings)
         load_s = time.perf_counter() - t0
-        eager = SlotSet.sharing(
-            graphed.runners[0], n_slots=n_slots, n_ctx=n_slots * args.n_ctx_slot, cuda_graphs=False
+        eager = SlotSet(
+            graphed.loaded.with_settings(n_ctx=n_slots * args.n_ctx_slot, cuda_graphs=False), n_slots
         )
         print(f"{name} {DTYPES[name]}: {n_slots} slots of {graphed.n_ctx_slot} tokens, prompt {args.prompt}, "
-              f"{args.gen} steps; batch graphs {[g.n_tokens for g in graphed.batch_graphs]} captured in "
-              f"{graphed.graph_capture_s * 1000:.0f} ms (load {load_s:.1f} s)")  # fmt: skip
+              f"{args.gen} steps; batch graphs {[g.n_tokens for g in graphed.batch_graphs.graphs]}; all graphs captured "
+              f"in {graphed.loaded.graph_capture_s * 1000:.0f} ms (load {load_s:.1f} s)")  # fmt: skip
         rng = np.random.default_rng(0)
         first = []
         for slot in range(n_slots):
             prompt = [int(t) for t in rng.integers(100, 20000, args.prompt)]
             for slots in (graphed, eager):
-                slots.runners[slot].prefill_graphs = ()  # the same K/V on both sides
+                slots.runners[slot].graphs.prefill = ()  # the same K/V on both sides
                 logits = slots.runners[slot].prefill(prompt).logits
             first.append(int(np.argmax(logits)))
         rows, base = [], {}
@@ -208,7 +208,7 @@ def main() -> None:
             kept = getattr(cupy_ops, constant)
             setattr(cupy_ops, constant, int(rows))
             try:
-                other = SlotSet.sharing(graphed.runners[0], n_slots=n_slots, n_ctx=n_slots * args.n_ctx_slot)
+                other = SlotSet(graphed.loaded.with_settings(n_ctx=n_slots * args.n_ctx_slot), n_slots)
                 times = [device_ms(other, b, args.prompt, first) for b in batches]
             finally:
                 setattr(cupy_ops, constant, kept)

@@ -123,7 +123,7 @@ def decode_device_profile(graphed, eager, ops, depth: int, steps: int = 64) -> N
     ops.synchronize()
     wall = (time.perf_counter() - t0) / steps
     spin = cp.RawKernel(SPIN, "spin")
-    graph = graphed.decode_graph
+    graph = graphed.graphs.decode
     if graph is None:  # f32 compute: no graphs (graph.py); the op-by-op step alone
         eager = graphed
     with graph.stream if graph is not None else cp.cuda.Stream() as stream:
@@ -174,7 +174,7 @@ def replay_us(runner, depth: int, steps: int = 64) -> float:
     `steps` replays queued back to back behind a spin kernel)."""
     import cupy as cp
 
-    graph = runner.decode_graph
+    graph = runner.graphs.decode
     graph.graph = None  # the next step captures again, with whatever the ops do now
     runner.decode(7)
     runner.cut_back(depth)
@@ -233,8 +233,8 @@ def op_costs(runner, ops, depth: int) -> None:
 
 
 def main() -> int:
-    from strata_engine.runner import ModelRunner
     from strata_engine.settings import EngineSettings
+    from strata_engine.slots import SlotSet
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -247,8 +247,8 @@ def main() -> int:
     settings = EngineSettings(
         model_path=Path(args.model), n_ctx=8192, backend="cupy", compute_dtype=args.dtype
     )
-    graphed = ModelRunner.load(settings)
-    eager = graphed.sibling(cuda_graphs=False)
+    graphed = SlotSet.load(settings).runners[0]
+    eager = SlotSet(graphed.loaded.with_settings(cuda_graphs=False), 1).runners[0]
     tokens = np.random.default_rng(0).integers(100, 5000, args.prompt).tolist()
     ops = graphed.model.ops
 

@@ -106,11 +106,12 @@ def timed_calls(adapter, runner) -> dict[str, float]:
 
 def main() -> int:
     import strata_sessionfile as sf
-    from strata_engine.runner import ModelRunner, RunnerState
+    from strata_engine.runner import RunnerState
     from strata_engine.session import EngineSession
     from strata_engine.session.buffers import BlockBufferCache
     from strata_engine.session.verbs import SessionOptions, SessionVerbs
     from strata_engine.settings import EngineSettings
+    from strata_engine.slots import SlotSet
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -124,7 +125,8 @@ def main() -> int:
     )
     args = ap.parse_args()
     n = args.tokens
-    runner = ModelRunner.load(EngineSettings(model_path=Path(args.model), n_ctx=n + 64, backend=args.backend))
+    settings = EngineSettings(model_path=Path(args.model), n_ctx=n + 64, backend=args.backend)
+    runner = SlotSet.load(settings).runners[0]
     pool, xp = runner.pool, runner.model.ops.xp
     tokens = tuple(int(t) for t in np.random.default_rng(2).integers(100, 5000, n))
     if args.prefill:

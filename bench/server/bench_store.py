@@ -91,7 +91,8 @@ def synthetic_file(path: Path, n_ctx: int, n_tokens: int) -> None:
     from strata_engine.config import ModelConfig
     from strata_engine.gguf import read_gguf
     from strata_engine.kv import KVGeometry, KVParts, KVPool, make_placement
-    from strata_engine.ops import get_ops
+    from strata_engine.loaded import LoadedModel
+    from strata_engine.ops import get_ops, resolve_settings
     from strata_engine.runner import ModelRunner, RunnerState
     from strata_engine.session import EngineSession
     from strata_engine.settings import EngineSettings, KVType
@@ -100,7 +101,8 @@ def synthetic_file(path: Path, n_ctx: int, n_tokens: int) -> None:
     config = ModelConfig.from_gguf(gguf)
     settings = EngineSettings(smollm2(), n_ctx=n_ctx, kv_type="f16", backend="numpy")
     pool = KVPool(KVGeometry.from_config(config, n_ctx, KVType.F16), get_ops("numpy", "f32"))
-    runner = ModelRunner(settings, gguf, config, None, pool, make_placement(pool, None))
+    loaded = LoadedModel(resolve_settings(settings, config.architecture), gguf, config, None)  # no weights
+    runner = ModelRunner(loaded, make_placement(pool, None))
     rng = np.random.default_rng(n_tokens)
     for lo in range(0, n_tokens, 1024):
         m = min(1024, n_tokens - lo)

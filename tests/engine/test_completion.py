@@ -362,12 +362,13 @@ def test_gemma3_end_of_turn_stops(gemma3):
 
 @pytest.mark.slow
 def test_gemma3_real_runner_greedy_matches_transformers(gemma3):
-    from strata_engine.runner import ModelRunner
     from strata_engine.settings import EngineSettings
+
+    from .runners import load_runner
 
     tokenizer, template = gemma3
     case = load_reference("transformers-gemma3-270m.json")["complete"][0]
-    runner = ModelRunner.load(EngineSettings(model_path=gemma3_model_path(), n_ctx=64))
+    runner = load_runner(EngineSettings(model_path=gemma3_model_path(), n_ctx=64))
     completer = Completer(runner, tokenizer, template)
     result = completer.complete(parse_request({"prompt": case["prompt"], "n_predict": 4, "temperature": 0}))
     assert completer.prompt_tokens(parse_request({"prompt": case["prompt"]})) == case["prompt_tokens"]

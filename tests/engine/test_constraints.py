@@ -19,7 +19,7 @@ from strata_engine.completion import Completer, StopType, parse_request
 from strata_engine.errors import InvalidGrammar, InvalidJsonSchema, InvalidRequest
 from strata_engine.protocol import Reason, error_payload
 
-from .runners import base_runner, reference
+from .runners import base_runner, reference, sibling
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ N_PREDICT = 256  # far more than any generated schema's longest output needs (~1
 
 @pytest.fixture(scope="module")
 def completer(tokenizers, templates):
-    runner = base_runner("smollm2").sibling(kv_type="f32", n_ctx=1024)
+    runner = sibling(base_runner("smollm2"), kv_type="f32", n_ctx=1024)
     return Completer(runner, tokenizers["smollm2"], templates["smollm2"])
 
 

@@ -11,11 +11,10 @@ from strata_engine.errors import ContextOverflow, InvalidRequest, InvalidToken
 from strata_engine.protocol import FimToken, Request
 from strata_engine.serve import build_registry, ready_line, serve_context
 from strata_engine.settings import Pooling
-from strata_engine.slots import SlotSet
 from strata_engine.tokenizer import Tokenizer
 
 from .inprocess import InProcessEngine
-from .runners import base_runner
+from .runners import base_runner, sharing, sibling
 
 TEXT = "The capital of France is Paris, and the capital of Italy is"
 
@@ -36,7 +35,7 @@ def test_the_scratch_pass_is_the_models_forward_pass(smollm2):
     ids = tok.encode(TEXT, add_special=True)
     h = hidden_states(runner.model, ids, chunk=4)  # several chunks on the scratch K/V
     assert h.shape == (len(ids), runner.config.n_embd) and h.dtype == np.float32
-    fresh = runner.sibling()
+    fresh = sibling(runner)
     np.testing.assert_allclose(logits_of_last_row(runner, h), fresh.prefill(ids).logits, atol=2e-4)
 
 
@@ -47,7 +46,7 @@ def test_the_scratch_pass_keeps_gemma3s_sliding_window():
     ids = tok.encode(" ".join(f"w{i}" for i in range(260)), add_special=True)
     assert len(ids) > 512 + 256  # past the 512-token window, over several chunks
     h = hidden_states(runner.model, ids, chunk=256)
-    fresh = runner.sibling(prefill_chunk=256)
+    fresh = sibling(runner, prefill_chunk=256)
     np.testing.assert_allclose(logits_of_last_row(runner, h), fresh.prefill(ids).logits, atol=2e-4)
 
 
@@ -82,7 +81,7 @@ def test_normalize_is_llamacpps_embd_normalize():
 
 def test_embed_leaves_the_held_conversation_as_it_was(smollm2):
     runner, tok = smollm2
-    slots = SlotSet.sharing(runner, n_ctx=256, prefill_chunk=4)
+    slots = sharing(runner, n_ctx=256, prefill_chunk=4)
     slot = slots.runners[0]
     held = tok.encode("<|im_start|>user\nHello there<|im_end|>\n", add_special=True)
     slot.prefill(held)
@@ -105,7 +104,7 @@ def test_embed_leaves_the_held_conversation_as_it_was(smollm2):
 
 def test_embed_refuses_bad_arguments(smollm2):
     runner, tok = smollm2
-    ctx = serve_context(SlotSet.sharing(runner, n_ctx=16), tok, None)
+    ctx = serve_context(sharing(runner, n_ctx=16), tok, None)
     handler = build_registry().get("EMBED").handler
 
     def call(args):
@@ -124,9 +123,7 @@ def test_embed_refuses_bad_arguments(smollm2):
 
 def test_ready_line_names_fim_tokens_and_pooling(smollm2):
     runner, tok = smollm2
-    ready = ready_line(
-        SlotSet.sharing(runner, n_ctx=64), tok, ChatTemplate.for_model(runner.gguf.metadata, tok)
-    )
+    ready = ready_line(sharing(runner, n_ctx=64), tok, ChatTemplate.for_model(runner.gguf.metadata, tok))
     assert ready["fim_tokens"] == {role.value: (4 if role is FimToken.REP else None) for role in FimToken}
     assert ready["pooling"] == "none"  # SmolLM2 names none: llama.cpp's default
     meta = {"llama.pooling_type": 1}

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from .gpu import MODELS, greedy, long_prompt, model_path, prefill_twins, reference, rel_err
+from .runners import load_runner, sharing, sibling
 
 pytestmark = pytest.mark.gpu
 
@@ -64,7 +65,7 @@ def runners():
                 cpu_kernels="numba" if backend == "numpy" else None,
             )
             try:
-                cache[key] = ModelRunner.load(settings)
+                cache[key] = load_runner(settings)
             except Exception as e:
                 if dtype in ("bf16", None) and "not available" in str(e):
                     pytest.skip(str(e))
@@ -98,7 +99,7 @@ def test_default_settings_reproduce_transformers_greedy_tokens(runners, model):
 
     runner = runners(model, dtype=None)
     assert runner.settings.compute_dtype == DEFAULT_COMPUTE_DTYPE[runner.config.architecture]["cupy"]
-    assert runner.decode_graph is not None  # the decode steps replay the graph, its logits included
+    assert runner.graphs.decode is not None  # the decode steps replay the graph, its logits included
     for case in reference(model):
         want, margins = case["tokens"], case["margins"]
         got, _, logits = greedy(runner, case["prompt_tokens"], len(want))
@@ -221,12 +222,12 @@ def test_cuda_graph_decode_matches_op_by_op(runners, model, dtype, n_prompt):
     float32 merge; one flipped rounding of a bf16 activation moves bf16 logits by ~0.4 % (seen on the
     H200: 0.0085 for gemma3, step 0). gemma3's 1,500-token prompt makes the steps cross its 1,024-slot
     ring's wrap, read by position in the graph."""
-    graphed = runners(model, dtype=dtype).sibling()
-    graphed.prefill_graphs = ()  # the prompt op by op on both: the decode steps start from the same K/V
-    eager = graphed.sibling(cuda_graphs=False)
-    assert graphed.decode_graph is not None and eager.decode_graph is None
+    graphed = sibling(runners(model, dtype=dtype))
+    graphed.graphs.prefill = ()  # the prompt op by op on both: the decode steps start from the same K/V
+    eager = sibling(graphed, cuda_graphs=False)
+    assert graphed.graphs.decode is not None and eager.graphs.decode is None
     prompt = np.random.default_rng(n_prompt).integers(100, 5000, n_prompt).tolist()
-    launches = graphed.decode_graph.launches
+    launches = graphed.graphs.decode.launches
     lg, le = graphed.prefill(prompt).logits, eager.prefill(prompt).logits
     np.testing.assert_array_equal(lg, le)  # prefill is the same code on both
     token = int(np.argmax(le))
@@ -237,7 +238,7 @@ def test_cuda_graph_decode_matches_op_by_op(runners, model, dtype, n_prompt):
         if top2[1] - top2[0] > NEAR_TIE:
             assert int(np.argmax(lg)) == int(np.argmax(le)), f"step {step}"
         token = int(np.argmax(le))
-    assert graphed.decode_graph.launches == launches + 24
+    assert graphed.graphs.decode.launches == launches + 24
     assert list(graphed.tokens_held) == list(eager.tokens_held)
 
 
@@ -260,16 +261,16 @@ def test_cuda_graph_prefill_chunks_match_op_by_op(runners, model, dtype, n_promp
     from strata_engine.graph import StepGraph
 
     base = runners(model, dtype=dtype)
-    graphed = base.sibling(prefill_chunk=256)
-    eager = base.sibling(prefill_chunk=256, cuda_graphs=False)
+    graphed = sibling(base, prefill_chunk=256)
+    eager = sibling(base, prefill_chunk=256, cuda_graphs=False)
     if graphed.kv_geometry.ring_layers:
-        assert graphed.prefill_graphs == ()
-        graphed.prefill_graphs = (StepGraph(graphed.model, graphed.placement, 256),)
-    assert [g.n_tokens for g in graphed.prefill_graphs][-1] == 256 and eager.prefill_graphs == ()
+        assert graphed.graphs.prefill == ()
+        graphed.graphs.prefill = (StepGraph(graphed.model, graphed.placement, 256),)
+    assert [g.n_tokens for g in graphed.graphs.prefill][-1] == 256 and eager.graphs.prefill == ()
     prompt = np.random.default_rng(n_prompt + 1).integers(100, 5000, n_prompt).tolist()
     lg, le = graphed.prefill(prompt).logits, eager.prefill(prompt).logits
     # every chunk replayed a graph: the full ones and the last, padded to the next size
-    assert sum(g.launches for g in graphed.prefill_graphs) == -(-n_prompt // 256)
+    assert sum(g.launches for g in graphed.graphs.prefill) == -(-n_prompt // 256)
     assert rel_err(lg, le) < GRAPH_BOUND[dtype]
     for i in range(graphed.kv_geometry.n_layers):
         lo, hi = graphed.pool.held_range(i)
@@ -312,18 +313,17 @@ def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model, g
     decode graph of 4 rows, padded): three slots at different depths decoded together give each slot's
     greedy tokens decoded alone (where the top-1 margin is clear), logits within BATCH_BOUND, and a fourth
     slot's bytes are untouched (the padding row stores nothing)."""
-    from strata_engine.slots import SlotSet
 
     base = runners(model, dtype=None)
     dtype = base.settings.compute_dtype
     # Alone op by op; the prompts op by op on both sides.
-    slots = SlotSet.sharing(base, n_slots=4, n_ctx=4 * 256, cuda_graphs=graphs)
-    assert [g.n_tokens for g in slots.batch_graphs] == ([2, 4] if graphs else [])
+    slots = sharing(base, n_slots=4, n_ctx=4 * 256, cuda_graphs=graphs)
+    assert [g.n_tokens for g in slots.batch_graphs.graphs] == ([2, 4] if graphs else [])
     for runner in slots.runners:
-        runner.prefill_graphs = ()
+        runner.graphs.prefill = ()
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(100, 5000, n)] for n in (7, 40, 130)]
-    alone = base.sibling(n_ctx=256, cuda_graphs=False)
+    alone = sibling(base, n_ctx=256, cuda_graphs=False)
     first = [slots.runners[s].prefill(p).logits for s, p in enumerate(prompts)]
     slots.runners[3].prefill([int(t) for t in rng.integers(100, 5000, 30)])
     idle = [
@@ -338,7 +338,7 @@ def test_batched_decode_of_three_slots_matches_each_slot_alone(runners, model, g
             tokens[s].append(int(np.argmax(out[s])))
     now = [slots.runners[3].model.ops.to_host(a) for a in slots.runners[3].pool.layer(0).slot_arrays()]
     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(idle, now, strict=True))
-    assert [g.launches for g in slots.batch_graphs] == ([0, 6] if graphs else [])
+    assert [g.launches for g in slots.batch_graphs.graphs] == ([0, 6] if graphs else [])
     for s, prompt in enumerate(prompts):
         alone.erase()
         logits = alone.prefill(prompt).logits
@@ -358,18 +358,17 @@ def test_graphed_batched_decode_matches_op_by_op(runners, model):
     GRAPH_BOUND, greedy tokens identical while the top-1 margin is clear, the slots left out of a step (and
     the padding rows) write nothing, and both hold the same tokens. The slots hold 5 to 1,500 tokens:
     gemma3's deeper ones decode across their 1,024-slot ring's wrap, read by position in the graph."""
-    from strata_engine.slots import SlotSet
 
     base = runners(model, dtype=None)
     dtype = base.settings.compute_dtype
-    graphed = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 2048)
-    eager = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 2048, cuda_graphs=False)
-    assert [g.n_tokens for g in graphed.batch_graphs] == [2, 4, 8] and eager.batch_graphs == ()
+    graphed = sharing(base, n_slots=8, n_ctx=8 * 2048)
+    eager = sharing(base, n_slots=8, n_ctx=8 * 2048, cuda_graphs=False)
+    assert [g.n_tokens for g in graphed.batch_graphs.graphs] == [2, 4, 8] and eager.batch_graphs.graphs == ()
     rng = np.random.default_rng(15)
     last = []
     for slot, n in enumerate((5, 300, 1100, 1500, 40, 700, 1030, 90)):
         prompt = [int(t) for t in rng.integers(100, 5000, n)]
-        graphed.runners[slot].prefill_graphs = ()  # op by op on both sides: the same K/V
+        graphed.runners[slot].graphs.prefill = ()  # op by op on both sides: the same K/V
         lg, le = graphed.runners[slot].prefill(prompt).logits, eager.runners[slot].prefill(prompt).logits
         np.testing.assert_array_equal(lg, le)
         last.append(int(np.argmax(le)))
@@ -395,7 +394,7 @@ def test_graphed_batched_decode_matches_op_by_op(runners, model):
         if left_out is not None:
             after = [base.model.ops.to_host(a) for a in graphed.runners[left_out].pool.layer(0).slot_arrays()]
             assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after, strict=True))
-    assert [g.launches for g in graphed.batch_graphs] == [4, 4, 8]
+    assert [g.launches for g in graphed.batch_graphs.graphs] == [4, 4, 8]
     for s in range(8):
         assert list(graphed.runners[s].tokens_held) == list(eager.runners[s].tokens_held)
     print(f"{model} {dtype}: worst graph vs op by op logits {worst:.2e} relative L2")
@@ -408,12 +407,11 @@ def test_device_argmax_steps_give_the_logits_paths_greedy_tokens(runners, model)
     np.argmax on the host, from the same K/V in twin slot sets: the same token and logit in every row, and
     the rows of a mixed step that ask for logits get exactly `decode`'s (the same replays: equality, no bound)."""
     from strata_engine.sampling import Argmax
-    from strata_engine.slots import SlotSet
 
     base = runners(model, dtype=None)
-    fast = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 512)
-    plain = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 512)
-    assert [g.n_tokens for g in fast.batch_graphs] == [2, 4, 8]
+    fast = sharing(base, n_slots=8, n_ctx=8 * 512)
+    plain = sharing(base, n_slots=8, n_ctx=8 * 512)
+    assert [g.n_tokens for g in fast.batch_graphs.graphs] == [2, 4, 8]
     last = prefill_twins(fast, plain, (5, 300, 110, 450, 40, 70, 230, 90), seed=21)
     checked = 0
     for batch in ((0, 1, 2, 3, 4, 5, 6, 7), (7, 2, 4, 0, 3), (6, 1, 3), (5, 2), (4,)):
@@ -430,8 +428,8 @@ def test_device_argmax_steps_give_the_logits_paths_greedy_tokens(runners, model)
                 else:
                     np.testing.assert_array_equal(out[row], want[row])
                 last[s] = int(np.argmax(want[row]))
-    assert [g.launches for g in fast.batch_graphs] == [4, 4, 8]
-    assert fast.runners[4].decode_graph is not None and fast.runners[4].decode_graph.launches == 4
+    assert [g.launches for g in fast.batch_graphs.graphs] == [4, 4, 8]
+    assert fast.runners[4].graphs.decode is not None and fast.runners[4].graphs.decode.launches == 4
     for s in range(8):
         assert list(fast.runners[s].tokens_held) == list(plain.runners[s].tokens_held)
     print(f"{model}: {checked} device-argmax rows equal to the host's argmax of the logits")
@@ -445,11 +443,10 @@ def test_launched_steps_give_the_synchronous_tokens_and_dropped_rows_keep_their_
     dropped row's slot holds what it held (its K/V was stored past the conversation's end), and every slot then
     decodes on to the same tokens -- gemma3's slots 700-900 deep across their 1,024-slot rings, whose slot a
     dropped row overwrote."""
-    from strata_engine.slots import SlotSet
 
     base = runners(model, dtype=None)
-    ahead = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 1024)
-    plain = SlotSet.sharing(base, n_slots=8, n_ctx=8 * 1024)
+    ahead = sharing(base, n_slots=8, n_ctx=8 * 1024)
+    plain = sharing(base, n_slots=8, n_ctx=8 * 1024)
     last = prefill_twins(ahead, plain, (5, 700, 130, 900, 40, 810, 230, 60), seed=23)
     dropped = 0
     for batch in ((0, 1, 2, 3, 4, 5, 6, 7), (7, 3, 5, 0, 1), (6, 1, 3), (5, 3), (1,), (3,)):
@@ -486,8 +483,8 @@ def test_launched_steps_give_the_synchronous_tokens_and_dropped_rows_keep_their_
             if top2[1] - top2[0] > NEAR_TIE:
                 assert out[s].token == int(np.argmax(want[s])), s
             last[s] = int(np.argmax(want[s]))
-    assert all(g.launches > 0 for g in ahead.batch_graphs)
-    assert ahead.runners[1].decode_graph is not None and ahead.runners[1].decode_graph.launches == 3
+    assert all(g.launches > 0 for g in ahead.batch_graphs.graphs)
+    assert ahead.runners[1].graphs.decode is not None and ahead.runners[1].graphs.decode.launches == 3
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -499,7 +496,6 @@ def test_the_scheduler_launching_ahead_gives_each_stream_its_tokens_alone(runner
     order that may flip a near-tie)."""
     from strata_engine.chat import ChatTemplate
     from strata_engine.gguf import read_gguf
-    from strata_engine.slots import SlotSet
     from strata_engine.tokenizer import Tokenizer
 
     from .inprocess import InProcessEngine, alone_then_together
@@ -508,9 +504,7 @@ def test_the_scheduler_launching_ahead_gives_each_stream_its_tokens_alone(runner
     tok = Tokenizer.from_gguf_metadata(meta)
     template = ChatTemplate.for_model(meta, tok)
     base = runners(model, dtype=None)
-    engines = [
-        InProcessEngine(SlotSet.sharing(base, n_slots=n, n_ctx=n * 1024), tok, template) for n in (1, 2)
-    ]
+    engines = [InProcessEngine(sharing(base, n_slots=n, n_ctx=n * 1024), tok, template) for n in (1, 2)]
     alone, e = engines
     try:
         rng = np.random.default_rng(24)

@@ -22,6 +22,8 @@ from strata_engine.ops import resolve_settings
 from strata_engine.runner import ModelRunner
 from strata_engine.settings import Backend, ComputeDType, EngineSettings
 
+from .runners import load_runner, sibling
+
 # |logit difference| between the numba and numpy CPU kernels per K/V type: f32 sums in another order
 # (measured up to 7e-5); with f16 K/V, values near a rounding boundary round to neighbouring f16s
 # (measured up to 8e-3).
@@ -116,7 +118,7 @@ def test_missing_tensor_is_named(tmp_path):
         [("token_embd.weight", (10, 8)), ("output_norm.weight", (8,))],
     )
     with pytest.raises(MissingTensor, match="blk.0.attn_norm.weight"):
-        ModelRunner.load(EngineSettings(model_path=path))
+        load_runner(EngineSettings(model_path=path))
 
 
 def test_tensor_of_the_wrong_shape_is_not_called_missing(tmp_path):
@@ -127,7 +129,7 @@ def test_tensor_of_the_wrong_shape_is_not_called_missing(tmp_path):
         [("token_embd.weight", (10, 8)), ("output_norm.weight", (7,))],
     )
     with pytest.raises(TensorShapeMismatch, match=r"'output_norm.weight' has shape \(7,\), expected \(8,\)"):
-        ModelRunner.load(EngineSettings(model_path=path))
+        load_runner(EngineSettings(model_path=path))
 
 
 def test_settings_problems_are_collected():
@@ -183,11 +185,11 @@ def test_every_architecture_has_its_default_compute_dtypes():
 
 
 def test_a_loaded_runner_names_what_runs_and_has_no_graph_on_numpy(smollm2_path):
-    runner = ModelRunner.load(EngineSettings(model_path=smollm2_path, n_ctx=64))
+    runner = load_runner(EngineSettings(model_path=smollm2_path, n_ctx=64))
     assert (runner.settings.backend, runner.settings.compute_dtype, runner.settings.prefill_chunk) == (
         "numpy", "f32", 512,
     )  # fmt: skip
-    assert runner.decode_graph is None  # CUDA graphs are a cupy-backend affair
+    assert runner.graphs.decode is None  # CUDA graphs are a cupy-backend affair
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
@@ -201,13 +203,12 @@ def test_numba_kernels_agree_with_the_numpy_oracle(request, name):
 
     path = request.getfixturevalue(f"{name}_path")
     loaded = [
-        ModelRunner.load(EngineSettings(model_path=path, n_ctx=128, cpu_kernels=k))
-        for k in ("numba", "numpy")
+        load_runner(EngineSettings(model_path=path, n_ctx=128, cpu_kernels=k)) for k in ("numba", "numpy")
     ]
     assert [r.settings.cpu_kernels for r in loaded] == ["numba", "numpy"]
     assert runner_identity(loaded[0]) == runner_identity(loaded[1])
     for kv_type, bound in KERNEL_LOGIT_BOUND.items():
-        _agree([r.sibling(kv_type=kv_type) for r in loaded], bound)
+        _agree([sibling(r, kv_type=kv_type) for r in loaded], bound)
 
 
 def _agree(runners: list[ModelRunner], bound: float) -> None:
@@ -229,15 +230,13 @@ def _agree(runners: list[ModelRunner], bound: float) -> None:
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_a_warmed_runner_compiles_nothing_in_a_request(request, name):
-    """After `ModelRunner.load` (its kernel warm-up) with the q8 products and f16 K/V, prompt chunks longer than
+    """After `SlotSet.load` (its kernel warm-up) with the q8 products and f16 K/V, prompt chunks longer than
     the warm-up's (a first turn, then a second at depth: gemma3's sliding layers wrap their rings) and decode
     steps neither compile nor load from numba's disk cache a kernel signature: a request would pay seconds."""
     from strata_engine.kernel_cache import kernel_dispatchers
 
     path = request.getfixturevalue(f"{name}_path")
-    runner = ModelRunner.load(
-        EngineSettings(model_path=path, n_ctx=1024, cpu_kernels="numba-q8", kv_type="f16")
-    )
+    runner = load_runner(EngineSettings(model_path=path, n_ctx=1024, cpu_kernels="numba-q8", kv_type="f16"))
     kernels = list(kernel_dispatchers())
     before = {k.py_func.__name__: len(k.overloads) for k in kernels}
     rng = np.random.default_rng(16)
@@ -279,9 +278,7 @@ def test_a_warmed_runner_compiles_nothing_in_an_embedding(request, name):
     from strata_engine.kernel_cache import kernel_dispatchers
 
     path = request.getfixturevalue(f"{name}_path")
-    runner = ModelRunner.load(
-        EngineSettings(model_path=path, n_ctx=1024, cpu_kernels="numba-q8", kv_type="f16")
-    )
+    runner = load_runner(EngineSettings(model_path=path, n_ctx=1024, cpu_kernels="numba-q8", kv_type="f16"))
     kernels = list(kernel_dispatchers())
     before = {k.py_func.__name__: len(k.overloads) for k in kernels}
     prompt = [2] + np.random.default_rng(17).integers(100, 5000, 700).tolist()

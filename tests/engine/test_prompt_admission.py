@@ -19,7 +19,7 @@ from strata_engine.completion import Completer, parse_request
 from strata_engine.errors import ContextOverflow
 from support.data import load_reference, smollm2_model_path
 
-from .runners import MODELS, base_runner, reference
+from .runners import MODELS, base_runner, reference, sibling
 
 REPO = Path(__file__).resolve().parents[2]
 N_CTX = 256
@@ -72,7 +72,7 @@ def test_min_tokens_is_a_lower_bound_on_any_text(tokenizers, text):
 
 @pytest.fixture(scope="module")
 def completer(tokenizers, templates):
-    runner = base_runner("smollm2").sibling(n_ctx=N_CTX)
+    runner = sibling(base_runner("smollm2"), n_ctx=N_CTX)
     return Completer(runner, tokenizers["smollm2"], templates["smollm2"])
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from strata_engine.errors import ContextOverflow, EngineError, InvalidToken
 
-from .runners import base_runner
+from .runners import base_runner, sibling
 
 # A resumed run evaluates tokens in other batch shapes than a cold run (decode steps, other chunk
 # boundaries), so BLAS sums differ in the last bits: with f32 K/V the logits agree to LOGIT_ATOL and the
@@ -31,12 +31,12 @@ def _greedy_from(runner, logits, n):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return base_runner("smollm2").sibling(kv_type="f32", n_ctx=1024, prefill_chunk=64)
+    return sibling(base_runner("smollm2"), kv_type="f32", n_ctx=1024, prefill_chunk=64)
 
 
 def test_reused_prefix_equals_cold_run(smollm2):
     warm = smollm2
-    cold = smollm2.sibling()
+    cold = sibling(smollm2)
     first = [1] + _ids(1, 150)
     warm.erase()
     res = warm.prefill(first)
@@ -62,7 +62,7 @@ def test_reused_prefix_equals_cold_run(smollm2):
 
 
 def test_a_stopped_prefill_keeps_its_chunks_and_the_next_one_resumes(smollm2):
-    runner, cold = smollm2.sibling(), smollm2.sibling()
+    runner, cold = sibling(smollm2), sibling(smollm2)
     prompt = [1] + _ids(4, 300)
     asked = []
 
@@ -88,13 +88,13 @@ def test_whole_prompt_held_re_evaluates_the_last_token(smollm2):
     again = smollm2.prefill(prompt)
     assert (again.cache_n, again.prompt_n) == (len(prompt) - 1, 1)
     np.testing.assert_allclose(again.logits, first.logits, atol=LOGIT_ATOL)
-    off = smollm2.sibling(prompt_cache=False)
+    off = sibling(smollm2, prompt_cache=False)
     off.prefill(prompt)
     assert off.prefill(prompt).cache_n == 0
 
 
 def test_erase_and_refusals(smollm2):
-    small = smollm2.sibling(n_ctx=32)
+    small = sibling(smollm2, n_ctx=32)
     with pytest.raises(ContextOverflow) as exc:
         small.prefill(list(range(33)))
     assert (exc.value.n_prompt_tokens, exc.value.n_ctx) == (33, 32)
@@ -118,7 +118,7 @@ def test_state_moves_between_runners(smollm2):
     a.erase()
     prompt = [1] + _ids(5, 120)
     reply, _ = _greedy_from(a, a.prefill(prompt).logits, 3)
-    b = a.sibling(kv_resident=50)
+    b = sibling(a, kv_resident=50)
     for i in range(a.kv_geometry.n_layers):
         lo, hi = a.pool.held_range(i)
         b.pool.write(i, lo, a.pool.read(i, lo, hi))
@@ -131,8 +131,8 @@ def test_state_moves_between_runners(smollm2):
 
 
 def test_resident_ring_equals_pool_placement(smollm2):
-    pool = smollm2.sibling(kv_type="f16")
-    resident = smollm2.sibling(kv_type="f16", kv_resident=48)
+    pool = sibling(smollm2, kv_type="f16")
+    resident = sibling(smollm2, kv_type="f16", kv_resident=48)
     prompt = [1] + _ids(7, 200)
     for runner in (pool, resident):
         runner.erase()
@@ -154,9 +154,9 @@ def test_gemma3_long_conversation_matches_cold_runs():
     the rings, and a turn that diverges where the rings no longer reach (resumed from the checkpoint at
     the end of the first prompt) both equal cold runs; the resident-ring placement follows bit for bit."""
     base = base_runner("gemma3")
-    warm = base.sibling(kv_type="f32", n_ctx=2048)
-    resident = warm.sibling(kv_resident=200)
-    cold = warm.sibling()
+    warm = sibling(base, kv_type="f32", n_ctx=2048)
+    resident = sibling(warm, kv_resident=200)
+    cold = sibling(warm)
     window = base.config.max_window
     assert window == 512
     p1 = [2] + _ids(11, 1099)  # 1,100 tokens > 2 x window
@@ -199,7 +199,7 @@ def test_gemma3_long_conversation_matches_cold_runs():
 
 
 def test_failed_forward_keeps_a_consistent_conversation(smollm2, monkeypatch):
-    runner = smollm2.sibling()
+    runner = sibling(smollm2)
     prompt = [1] + _ids(9, 100)
     runner.prefill(prompt)
     real = runner.placement.attend
@@ -216,5 +216,5 @@ def test_failed_forward_keeps_a_consistent_conversation(smollm2, monkeypatch):
     assert list(runner.tokens_held) == prompt[: len(runner.tokens_held)]
     assert runner.pool.n_tokens == len(runner.tokens_held)
     follow = prompt + _ids(10, 20)
-    cold = smollm2.sibling()
+    cold = sibling(smollm2)
     np.testing.assert_allclose(runner.prefill(follow).logits, cold.prefill(follow).logits, atol=LOGIT_ATOL)

@@ -183,14 +183,15 @@ def test_the_loader_tiles_what_the_q8_kernels_take(gemma3_path):
     bits, a numba one's neither; gemma3's tied embeddings, tiled, give the untiled table's rows."""
     import attrs
     from strata_engine.ops.packed import PackedWeight
-    from strata_engine.runner import ModelRunner
     from strata_engine.settings import EngineSettings
+
+    from .runners import load_runner
 
     def packed(model):
         layers = [[getattr(layer, f.name) for f in attrs.fields(type(layer))] for layer in model.layers]
         return [w for w in [*vars(model).values(), *sum(layers, [])] if isinstance(w, PackedWeight)]
 
-    runners = {k: ModelRunner.load(EngineSettings(model_path=str(gemma3_path), n_ctx=64, cpu_kernels=k))
+    runners = {k: load_runner(EngineSettings(model_path=str(gemma3_path), n_ctx=64, cpu_kernels=k))
                for k in ("numba-q8", "numba")}  # fmt: skip
     q8_weights, f32_weights = packed(runners["numba-q8"].model), packed(runners["numba"].model)
     assert q8_weights and all(w.tiled for w in q8_weights)
@@ -324,17 +325,14 @@ LLAMA_CPP_MARGIN = 0.5
 def test_q8_engine_matches_llama_cpp_while_its_margin_is_clear(name):
     """Greedy decoding with q8 products gives llama.cpp's tokens up to its first step whose top-1 margin is
     <= 0.5 (as the default path must), and its logits stay within Q8_LOGIT_BOUND of the float32 products'."""
-    from strata_engine.runner import ModelRunner
     from strata_engine.settings import EngineSettings
     from support.data import gemma3_model_path, smollm2_model_path
 
-    from .runners import greedy, reference, top2_margin
+    from .runners import greedy, load_runner, reference, top2_margin
 
     path = smollm2_model_path() if name == "smollm2" else gemma3_model_path()
     runners = {
-        kernels: ModelRunner.load(
-            EngineSettings(model_path=path, kv_type="f16", n_ctx=256, cpu_kernels=kernels)
-        )
+        kernels: load_runner(EngineSettings(model_path=path, kv_type="f16", n_ctx=256, cpu_kernels=kernels))
         for kernels in ("numba-q8", "numba")
     }
     runner = runners["numba-q8"]

@@ -14,14 +14,14 @@ from strata_engine.scheduler import CUT_CHUNK_SHARE
 from strata_engine.slots import LaunchedStep, SlotSet
 
 from .inprocess import InProcessEngine, alone_then_together
-from .runners import base_runner
+from .runners import base_runner, sharing
 
 CHUNK = 16
 N_CTX_SLOT = 512
 
 
 def make_slots(n_slots: int):
-    return SlotSet.sharing(
+    return sharing(
         base_runner("smollm2"),
         n_slots=n_slots,
         n_ctx=N_CTX_SLOT * n_slots,
@@ -252,7 +252,9 @@ class DeviceLost(SlotSet):
 
 
 def test_an_unexpected_failure_in_a_step_erases_that_slot_and_the_engine_serves_on(tokenizers, templates):
-    slots = DeviceLost.sharing(base_runner("smollm2"), n_slots=2, n_ctx=2 * N_CTX_SLOT, prefill_chunk=CHUNK)
+    slots = sharing(
+        base_runner("smollm2"), slot_set=DeviceLost, n_slots=2, n_ctx=2 * N_CTX_SLOT, prefill_chunk=CHUNK
+    )
     slots.runners[1].prefill(prompt(10, 12))
     kept = digest(slots.runners[1].tokens_held)
     e = InProcessEngine(slots, tokenizers["smollm2"], templates["smollm2"])
@@ -277,7 +279,7 @@ def test_while_a_slot_generates_a_prompt_is_cut_into_smaller_chunks_and_alone_in
     tokenizers, templates
 ):
     full = 128
-    slots = SlotSet.sharing(
+    slots = sharing(
         base_runner("smollm2"), n_slots=2, n_ctx=2 * N_CTX_SLOT, prefill_chunk=full, kv_type="f16"
     )
     e = InProcessEngine(slots, tokenizers["smollm2"], templates["smollm2"])
@@ -395,8 +397,12 @@ def test_every_forward_pass_is_counted_once_embeds_cancels_and_concurrent_steps_
 
 
 def test_the_passes_of_a_request_that_failed_are_counted(tokenizers, templates):
-    slots = FailsAfterItsThirdDecode.sharing(
-        base_runner("smollm2"), n_slots=1, n_ctx=N_CTX_SLOT, prefill_chunk=CHUNK
+    slots = sharing(
+        base_runner("smollm2"),
+        slot_set=FailsAfterItsThirdDecode,
+        n_slots=1,
+        n_ctx=N_CTX_SLOT,
+        prefill_chunk=CHUNK,
     )
     e = InProcessEngine(slots, tokenizers["smollm2"], templates["smollm2"])
     try:

@@ -38,6 +38,8 @@ from strata_sessionfile import errors as E
 from strata_sessionfile.testing import run_conformance
 from support.data import gemma3_model_path, smollm2_model_path
 
+from .runners import bare_runner
+
 SMALL_WINDOW = 8  # synthetic gemma3: ring capacity 16
 
 
@@ -83,7 +85,7 @@ def synthetic_runner(
     path, gguf, config = models[name]
     settings = EngineSettings(path, n_ctx=n_ctx, kv_type=kv_type, kv_resident=kv_resident)
     pool = KVPool(KVGeometry.from_config(config, n_ctx, KVType(kv_type)), get_ops("numpy", "f32"))
-    return ModelRunner(settings, gguf, config, None, pool, make_placement(pool, kv_resident))
+    return bare_runner(settings, gguf, config, make_placement(pool, kv_resident))
 
 
 def _random_parts(rng: np.random.Generator, pool: KVPool, i: int, m: int) -> KVParts:
@@ -649,10 +651,10 @@ N_RESIDENT = 16
 
 @pytest.fixture(scope="module")
 def real_smollm2():
-    from .runners import base_runner  # one load of the weights per test process
+    from .runners import base_runner, sibling  # one load of the weights per test process
 
     def load(**kw) -> ModelRunner:
-        return base_runner("smollm2").sibling(n_ctx=256, kv_type="f16", **kw)
+        return sibling(base_runner("smollm2"), n_ctx=256, kv_type="f16", **kw)
 
     return load
 
@@ -709,7 +711,7 @@ def test_identity_covers_what_changes_the_kv_bytes_and_nothing_else(models):
     def with_config(cfg=config, **settings) -> ModelRunner:
         s = attrs.evolve(base.settings, **settings)
         pool = KVPool(KVGeometry.from_config(cfg, s.n_ctx, KVType(s.kv_type)), get_ops("numpy", "f32"))
-        return ModelRunner(s, gguf, cfg, None, pool, make_placement(pool, None))
+        return bare_runner(s, gguf, cfg, make_placement(pool, None))
 
     rope = attrs.evolve(
         config, layers=tuple(attrs.evolve(lc, rope_base=lc.rope_base * 2) for lc in config.layers)

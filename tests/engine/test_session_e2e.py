@@ -33,10 +33,12 @@ from strata_engine.config import ModelConfig
 from strata_engine.gguf import read_gguf
 from strata_engine.kv import KVGeometry, KVParts, KVPool, make_placement
 from strata_engine.ops import get_ops
-from strata_engine.runner import ModelRunner, RunnerState
+from strata_engine.runner import RunnerState
 from strata_engine.session import FAULT_ENV, EngineSession, runner_identity
 from strata_engine.settings import EngineSettings, KVType
 from support.data import gemma3_model_path, smollm2_model_path
+
+from .runners import bare_runner
 
 FAIL_STOP_STATUS = 4
 MODEL_PATHS = {"smollm2": smollm2_model_path, "gemma3": gemma3_model_path}
@@ -171,7 +173,7 @@ def synthetic_file(
     config = ModelConfig.from_gguf(gguf)
     settings = EngineSettings(model_path, n_ctx=n_ctx, kv_type=kv_type, backend="numpy")
     pool = KVPool(KVGeometry.from_config(config, n_ctx, KVType(kv_type)), get_ops("numpy", "f32"))
-    runner = ModelRunner(settings, gguf, config, None, pool, make_placement(pool, None))
+    runner = bare_runner(settings, gguf, config, make_placement(pool, None))
     rng = np.random.default_rng(seed)
     pool.begin_append(0, n_tokens)
     for i in range(pool.geometry.n_layers):

@@ -23,13 +23,14 @@ from strata_engine.errors import (
     SettingsError,
 )
 from strata_engine.graph import BatchDecodeGraph, StepGraph
+from strata_engine.loaded import LoadedModel
 from strata_engine.runner import ModelRunner
 from strata_engine.sampling import Argmax
 from strata_engine.session import EngineSession
 from strata_engine.settings import EngineSettings
 from strata_engine.slots import SlotSet
 
-from .runners import base_runner
+from .runners import base_runner, sharing
 
 # The batch's products sum B rows where a slot alone sums one (other BLAS kernels, other summation
 # orders), so logits agree to float round-off, not bit for bit: with f32 K/V within LOGIT_ATOL (measured:
@@ -70,15 +71,15 @@ def make(request):
     case's model."""
     name = request.param
     base = base_runner(name.split("-")[0])
-    settings = base.kv_settings(kv_type="f32", prefill_chunk=16)
+    settings = base.loaded.with_settings(kv_type="f32", prefill_chunk=16).settings
     if name == "gemma3-rings":
         config, model = _small_window_gemma3(base)
     else:
         config, model = base.config, base.model
 
     def make(n_slots: int, kv_type: str = "f32") -> SlotSet:
-        return SlotSet.assemble(attrs.evolve(settings, n_slots=n_slots, n_ctx=n_slots * N_CTX_SLOT, kv_type=kv_type),
-                                base.gguf, config, model)  # fmt: skip
+        settings_n = attrs.evolve(settings, n_ctx=n_slots * N_CTX_SLOT, kv_type=kv_type)
+        return SlotSet(LoadedModel(settings_n, base.gguf, config, model), n_slots)
 
     make.name = name
     return make
@@ -335,15 +336,15 @@ def test_a_graph_whose_launch_fails_is_dropped_at_once_and_the_step_runs_op_by_o
         for target in (slots, reference):
             target.runners[s].prefill(_ids(40 + s, 10 + s))
     batch, single = _FailingBatchGraph(3), _FailingStepGraph()
-    slots.batch_graphs = (batch,)
-    slots.runners[2].decode_graph = single
+    slots.batch_graphs.graphs = (batch,)
+    slots.runners[2].graphs.decode = single
     for steps in ([(0, 7), (1, 7)], [(0, 9), (1, 9)], [(2, 7)], [(2, 9)]):
         launched = slots.launch(steps)
         assert launched.graph is None  # deferred: collect evaluates the rows op by op
         got = launched.collect([True] * len(steps))
         assert got == reference.decode_rows(steps, [True] * len(steps))
     assert (batch.launches, single.launches) == (1, 1)  # dropped at the first failure, never tried again
-    assert slots.batch_graphs == () and slots.runners[2].decode_graph is None
+    assert slots.batch_graphs.graphs == () and slots.runners[2].graphs.decode is None
     said = capfd.readouterr().err
     assert said.count("capture failed: injected; running such steps op by op") == 2
 
@@ -423,10 +424,13 @@ def test_settings_share_the_context_among_the_slots():
     with pytest.raises(SettingsError, match="fewer than 16"):
         EngineSettings(path, n_ctx=60, n_slots=4)
     assert EngineSettings(path, n_ctx=64, n_slots=4).n_ctx_slot(8192) == 16  # 16 tokens each: enough
+    loaded = base_runner("smollm2").loaded
     with pytest.raises(SettingsError):
-        ModelRunner.load(EngineSettings(path, n_ctx=64, n_slots=2))
+        SlotSet(loaded, 0)
+    with pytest.raises(SettingsError, match="fewer than 16"):
+        SlotSet(loaded.with_settings(n_ctx=64), 5)  # 12 tokens each
     with pytest.raises(SettingsError):
-        base_runner("smollm2").sibling(n_slots=2)
+        loaded.with_settings(cpu_kernels="numpy")  # what the weights depend on stays as loaded
     with pytest.raises(SettingsError, match="fewer than 16"):
         SlotSet.load(EngineSettings(path, n_slots=1000))  # the model's default context, shared by too many
 
@@ -438,12 +442,15 @@ def test_load_reads_the_model_once_for_every_slot():
     assert [r.n_ctx for r in slots.runners] == [33, 33, 33]
     assert all(r.model is slots.model and r.pool.arena is slots.runners[0].pool.arena for r in slots.runners)
     assert all(r.settings.n_slots == 1 and r.settings.n_ctx == 33 for r in slots.runners)
+    assert all(r.loaded is slots.loaded for r in slots.runners)  # one loaded model under every slot
+    other = slots.loaded.with_settings(kv_type="f32", n_ctx=64)  # other K/V settings: the same weights
+    assert other.model is slots.model and other.settings.kv_type == "f32" and slots.settings.kv_type == "f16"
 
 
 def test_resident_rings_of_the_slots_share_one_arena_and_read_what_the_pool_holds():
     base = base_runner("smollm2")
-    direct = SlotSet.sharing(base, n_slots=2, n_ctx=2 * N_CTX_SLOT, kv_type="f16")
-    resident = SlotSet.sharing(base, n_slots=2, n_ctx=2 * N_CTX_SLOT, kv_type="f16", kv_resident=8)
+    direct = sharing(base, n_slots=2, n_ctx=2 * N_CTX_SLOT, kv_type="f16")
+    resident = sharing(base, n_slots=2, n_ctx=2 * N_CTX_SLOT, kv_type="f16", kv_resident=8)
     rings = [r.placement.resident for r in resident.runners]
     assert rings[0].arena is rings[1].arena and rings[0].arena.n_slots == 2
     assert not np.shares_memory(rings[0].layer(0).k, rings[1].layer(0).k)

@@ -2,7 +2,8 @@
 
 Modules: `gguf` (lean reader, dequantization), `config` (ModelConfig), `ops` (the `Ops` interface and its
 numpy / cupy backends), `models` (one module per family), `embedding` (EMBED), `kv` (the K/V pools, rings, placements,
-checkpoints), `runner` (ModelRunner: prefill with prompt cache, decode, erase), `session` (the session
+checkpoints), `loaded` (LoadedModel: weights, settings, warm-up, CUDA graphs), `runner` (ModelRunner: one slot:
+prefill with prompt cache, decode, erase), `slots` (SlotSet: the slots on one model), `session` (the session
 file adapter and its verbs), `protocol` (the engine protocol's vocabulary, registry and loop), `serve`
 (the verbs on it), `completion` (the generation loop), `sampling` (the sampler chain), `constraints`
 (structured output with llguidance), `settings` (and the vocabularies: K/V types, compute dtypes,

@@ -3,11 +3,11 @@ backend's answer to launch overhead.
 
 A step of a small model is ~12 kernels per layer, each a few microseconds of GPU work (a decode step)
 or tens (a 4,096-token chunk of smollm2) behind tens of microseconds of Python and CuPy dispatch; op by
-op, the GPU waits on the interpreter. So a runner captures a decode step, and prefill steps of
-32, 64, ... tokens up to a full chunk (`prefill_graph_sizes`), once each into a CUDA graph
-(`cupy.cuda.Stream.begin_capture`) when it is assembled (`ModelRunner.capture_graphs`: start-up, on
-placeholder tokens); a prefill chunk then replays the smallest graph that holds it, padded, and each
-step is one graph launch plus one small copy.
+op, the GPU waits on the interpreter. So each slot's decode step, and prefill steps of
+32, 64, ... tokens up to a full chunk (`prefill_graph_sizes`), are captured once each into a CUDA graph
+(`cupy.cuda.Stream.begin_capture`) when the slots are built (`loaded.LoadedModel.prepare`: start-up, on
+placeholder tokens; the loaded model holds them); a prefill chunk then replays the smallest graph that
+holds it, padded, and each step is one graph launch plus one small copy.
 
 What makes one graph serve every position: nothing in the captured step depends on a host value.
 The position (and the last real token's position and row), and the token ids live in one device

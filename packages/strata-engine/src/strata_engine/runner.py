@@ -1,9 +1,10 @@
 """ModelRunner: one conversation (a slot; `slots.SlotSet` holds several on one model, each a runner over its
 region of one K/V pool) on one model: prefill with prompt-cache reuse, decode, erase.
 
-The runner holds the model (shared by the slots), its K/V pool (its slot's region), the placement and the
-ring checkpoints. Its running state is the tokens whose K/V is held (`tokens_held`; position = their count),
-the pool's extent and the checkpoints; `snapshot_state` / `restore_state` move that state in and out for the session adapter.
+The runner holds the loaded model (`loaded.LoadedModel`: weights, settings, graphs; shared by the slots),
+its K/V pool (its slot's region), the placement and the ring checkpoints; `slots.SlotSet` builds it. Its
+running state is the tokens whose K/V is held (`tokens_held`; position = their count), the pool's extent and
+the checkpoints; `snapshot_state` / `restore_state` move that state in and out for the session adapter.
 
 Prompt cache (`prefill`): the request reuses the longest common prefix of its tokens and the held ones
 that is a valid resume point (see `_resume_point`), drops the rest of the held conversation, and
@@ -16,37 +17,19 @@ When the whole prompt is already held the last token is evaluated again for its 
 from __future__ import annotations
 
 import array
-import time
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
 
 import attrs
 import numpy as np
 
 from .config import ModelConfig
-from .errors import ContextOverflow, EngineError, InvalidToken, KVStateError, SettingsError
-from .gguf import GGUFFile, read_gguf
-from .graph import GraphCaptureFailed, StepGraph, make_step_graph, prefill_graph_sizes, say_op_by_op
-from .kv import (
-    KVGeometry,
-    KVPool,
-    PoolPlacement,
-    RingCheckpoint,
-    make_placement,
-    make_pool,
-    restore_checkpoint,
-    take_checkpoint,
-)
-from .models import Model, build_model
-from .models.common import Rows, Span
-from .ops import get_ops, resolve_settings
+from .errors import ContextOverflow, EngineError, GraphCaptureFailed, InvalidToken, KVStateError
+from .gguf import GGUFFile
+from .kv import PoolPlacement, RingCheckpoint, restore_checkpoint, take_checkpoint
+from .loaded import LoadedModel
+from .models import Model
+from .models.common import Rows
 from .sampling import Argmax
-from .settings import EngineSettings, KVType
-
-# Tokens of the warm-up's second forward pass: more rows than the packed products take (they go to BLAS:
-# numba_ops.PACKED_MAX_ROWS, 64) and more queries than the attention kernel takes (key blocks through
-# BLAS), so every path is compiled.
-WARM_UP_TOKENS = 72
 
 
 @attrs.frozen
@@ -104,163 +87,40 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class ModelRunner:
-    """See the module docstring. Not thread-safe: the serve loop calls it from one thread."""
+    """See the module docstring. Built by `slots.SlotSet` (its one constructor of slots) over a placement of its
+    arena. Not thread-safe: the serve loop calls it from one thread."""
 
-    def __init__(
-        self,
-        settings: EngineSettings,
-        gguf_file: GGUFFile,
-        config: ModelConfig,
-        model: Model,
-        pool: KVPool,
-        placement: PoolPlacement,
-    ):
-        # what runs is what the settings (and files) say
-        self.settings = resolve_settings(settings, config.architecture)
-        self.gguf = gguf_file
-        self.config = config
-        self.model = model
-        self.pool = pool
+    def __init__(self, loaded: LoadedModel, placement: PoolPlacement):
+        self.loaded = loaded
         self.placement = placement
-        self.kv_geometry = pool.geometry
-        self.n_ctx = pool.geometry.n_ctx
+        self.pool = placement.pool
+        self.kv_geometry = self.pool.geometry
+        self.n_ctx = self.kv_geometry.n_ctx
+        # the model's settings, with this slot's share of the context
+        self.settings = attrs.evolve(loaded.settings, n_ctx=self.n_ctx, n_slots=1)
+        # the CUDA graphs of this slot's steps (the loaded model captured them); a step none holds runs op by op
+        self.graphs = loaded.graphs_of(placement)
         self._tokens: list[int] = []
         self._checkpoints: list[RingCheckpoint] = []
         self._epoch = 0  # bumped by every change of the held conversation (see `_prefill_chunks`)
-        # CUDA graphs of a decode step and of prefill steps (ascending sizes up to a chunk): `_assemble`
-        # adds them where they can be captured (graph.py); a step none holds, or one whose capture failed,
-        # runs op by op.
-        self.decode_graph: StepGraph | None = None
-        self.prefill_graphs: tuple[StepGraph, ...] = ()
-        self.graph_capture_s = 0.0
-        self.kernel_warm_s = 0.0
+
+    @property
+    def model(self) -> Model:
+        return self.loaded.model
+
+    @property
+    def gguf(self) -> GGUFFile:
+        return self.loaded.gguf
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.loaded.config
 
     @property
     def prefill_chunk(self) -> int:
         """Tokens a prefill step takes (the settings' default resolved when the model loaded)."""
         assert self.settings.prefill_chunk is not None
         return self.settings.prefill_chunk
-
-    @classmethod
-    def load(cls, settings: EngineSettings) -> ModelRunner:
-        """One conversation on a model loaded from `settings` (n_slots 1; several slots: `SlotSet.load`)."""
-        if settings.n_slots != 1:
-            raise SettingsError(
-                [f"a ModelRunner holds one slot, not n_slots {settings.n_slots}: use SlotSet.load"]
-            )
-        settings, gguf_file, config, model = cls.load_model(settings)
-        return cls._assemble(settings, gguf_file, config, model)
-
-    @staticmethod
-    def load_model(settings: EngineSettings) -> tuple[EngineSettings, GGUFFile, ModelConfig, Model]:
-        """Read the GGUF file and build the model. "auto" and the defaults for the backend and the model are
-        resolved here, so the settings held (and the config fingerprint) name the backend, compute dtype and
-        chunk actually running."""
-        gguf_file = read_gguf(settings.model_path)
-        config = ModelConfig.from_gguf(gguf_file)
-        if (problem := settings.slot_problem(settings.n_ctx_total(config.n_ctx_train))) is not None:
-            raise SettingsError([problem])  # the model's default context, shared by too many slots
-        settings = resolve_settings(settings, config.architecture)
-        assert settings.compute_dtype is not None and settings.cpu_kernels is not None  # resolved just above
-        ops = get_ops(
-            settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads, settings.poll
-        )
-        return settings, gguf_file, config, build_model(config, ops, gguf_file)
-
-    def sibling(self, **changes: object) -> ModelRunner:
-        """A runner on the same loaded model (weights shared, nothing reloaded) with its own K/V pool,
-        placement and conversation; `changes` may alter the K/V settings (n_ctx, kv_type,
-        kv_resident, prompt_cache, prefill_chunk, max_checkpoints), not what the weights depend on."""
-        if changes.get("n_slots", 1) != 1:
-            raise SettingsError([f"a sibling holds one slot, not n_slots {changes['n_slots']}"])
-        return self._assemble(self.kv_settings(**changes), self.gguf, self.config, self.model)
-
-    def kv_settings(self, **changes: Any) -> EngineSettings:
-        """This runner's settings with K/V settings changed (`sibling`), validated."""
-        fixed = {"model_path", "compute_dtype", "backend", "cpu_kernels", "threads", "poll"} & set(changes)
-        if fixed:
-            raise SettingsError([f"{name} cannot differ from the loaded model's" for name in sorted(fixed)])
-        return attrs.evolve(self.settings, **changes)
-
-    @classmethod
-    def _assemble(
-        cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model,
-        placement: PoolPlacement | None = None, warm: bool = True,
-    ) -> ModelRunner:  # fmt: skip
-        """A runner over `placement` (a slot's region of a shared pool: `SlotSet`), else over a pool of its own;
-        `warm`: its kernels warmed (`warm_kernels`), which a slot after the first of a SlotSet need not repeat."""
-        if placement is None:
-            geometry = KVGeometry.from_config(
-                config, settings.n_ctx_slot(config.n_ctx_train), KVType(settings.kv_type)
-            )
-            pool = make_pool(geometry, model.ops, settings.kv_resident)  # device / host-mapped pools on cupy
-            placement = make_placement(pool, settings.kv_resident)
-        runner = cls(settings, gguf_file, config, model, placement.pool, placement)
-        enabled = runner.settings.cuda_graphs
-        runner.decode_graph = make_step_graph(model, placement, enabled, 1)
-        made = (
-            make_step_graph(model, placement, enabled, n) for n in prefill_graph_sizes(runner.prefill_chunk)
-        )
-        runner.prefill_graphs = tuple(g for g in made if g is not None)
-        runner.capture_graphs()
-        if warm:
-            runner.warm_kernels()
-        return runner
-
-    def capture_graphs(self) -> float:
-        """Capture the CUDA graphs now (start-up: vLLM does the same) rather than in the first decode step
-        and the first full chunk a request brings, which would pay the capture (bench/gpu/DECISIONS.md "Decode as a CUDA graph"). Each
-        runs once on placeholder tokens at position 0, whose K/V are then dropped (the pool holds nothing
-        before and after). A capture that fails is said once on stderr and that step runs op by op.
-        Returns the seconds spent."""
-        t0 = time.perf_counter()
-        if self.n_held:
-            raise EngineError("graphs are captured before a conversation is held")
-        for graph in (*self.prefill_graphs, self.decode_graph):
-            if graph is None or graph.graph is not None:
-                continue
-            self.pool.begin_append(0, graph.n_tokens)
-            try:
-                graph.prepare()
-            except GraphCaptureFailed as e:
-                self.drop_graph(graph, e)
-            finally:
-                self.pool.abort_append()
-                self.erase()
-        self.graph_capture_s = time.perf_counter() - t0
-        return self.graph_capture_s
-
-    def warm_kernels(self) -> float:
-        """Compile (or load from numba's disk cache) the kernels a request would run, now: a forward pass
-        of one token, one of a short prompt past the packed products' row limit and one shaped as a batched
-        decode step of two rows, on placeholder
-        tokens at position 0 whose K/V are then dropped, and the attention kernels over the pool's storage
-        and over an embedding's scratch K/V that those short passes do not reach (`Ops.warm_attention`). Nothing for ops without compiled
-        kernels. Returns the seconds spent."""
-        t0 = time.perf_counter()
-        if not self.model.ops.compiles_kernels:
-            return 0.0
-        if self.n_held:
-            raise EngineError("kernels are warmed up before a conversation is held")
-        passes = [Rows.chunk(self.placement, 0, n) for n in sorted({1, min(WARM_UP_TOKENS, self.n_ctx)})]
-        if (
-            self.n_ctx >= 2
-        ):  # a batched decode step's shape (two one-row spans: `attend_rows`), in this slot alone
-            passes.append(Rows((Span(self.placement, 0, 1), Span(self.placement, 1, 1))))
-        for rows in passes:
-            self.pool.begin_append(0, rows.n_rows)
-            try:
-                self.model.forward(np.zeros(rows.n_rows, dtype=np.int64), rows, want_logits=True)
-            finally:
-                self.pool.abort_append()
-                self.erase()
-        views = self.pool.layer(0)
-        self.model.ops.warm_attention(views.k, views.v, views.k_scale, views.v_scale)
-        # EMBED attends over scratch K/V in the compute dtype (embedding.ScratchKV), not the pool's storage
-        scratch = self.model.ops.xp.zeros((1, *views.k.shape[1:]), dtype=self.model.ops.dtype)
-        self.model.ops.warm_attention(scratch, scratch)
-        self.kernel_warm_s = time.perf_counter() - t0
-        return self.kernel_warm_s
 
     # ---- state ---------------------------------------------------------------------------------
     @property
@@ -470,12 +330,12 @@ class ModelRunner:
         pos0 = self.begin_step(len(tokens))
         try:
             logits, ran = None, False
-            graph = self._graph_for(len(tokens), pos0, want_logits)
+            graph = self.graphs.for_step(len(tokens), pos0, want_logits, self.n_ctx)
             if graph is not None:
                 try:
                     logits, ran = graph.step(tokens, pos0, want_logits, argmax_only), True
                 except GraphCaptureFailed as e:  # the step is redone op by op (it is idempotent)
-                    self.drop_graph(graph, e)
+                    self.graphs.drop(graph, e)
             if not ran:
                 ids = np.asarray(tokens, dtype=np.int64)
                 out = self.model.forward(ids, Rows.chunk(self.placement, pos0, len(tokens)), want_logits)
@@ -503,23 +363,6 @@ class ModelRunner:
         """The step failed: keep a consistent state, the deepest valid resume point at or below pos0."""
         self.pool.abort_append()
         self._resume_at(pos0)
-
-    def _graph_for(self, n_tokens: int, pos0: int, want_logits: bool) -> StepGraph | None:
-        """The decode graph for one token with logits; else the smallest prefill graph holding the step
-        whose padded rows stay inside the pool."""
-        if n_tokens == 1 and want_logits and self.decode_graph is not None:
-            return self.decode_graph
-        for graph in self.prefill_graphs:
-            if graph.n_tokens >= n_tokens and pos0 + graph.n_tokens <= self.n_ctx:
-                return graph
-        return None
-
-    def drop_graph(self, graph: StepGraph, error: GraphCaptureFailed) -> None:
-        """A graph whose capture failed: said on stderr; its steps run op by op from now on."""
-        say_op_by_op(error)
-        if graph is self.decode_graph:
-            self.decode_graph = None
-        self.prefill_graphs = tuple(g for g in self.prefill_graphs if g is not graph)
 
     # ---- prompt cache and checkpoints ----------------------------------------------------------
     def _resume_at(self, target: int) -> int:

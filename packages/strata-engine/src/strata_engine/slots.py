@@ -13,21 +13,22 @@ equal each slot's decoded alone up to float round-off (the products' summation o
 count; tests/engine/test_slots.py measures it). On the cupy backend a step of B > 1 slots replays a CUDA
 graph of the smallest batch-size bucket holding it (`graph.BatchDecodeGraph`: 2, 4, 8, ... n_slots,
 captured at start-up), padded with rows that store nothing; a step of one slot replays its runner's graph.
+The loaded model (`loaded.LoadedModel`) captures and holds every graph: the slots' and the batches'.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
 from .config import ModelConfig
-from .errors import InvalidRequest, SettingsError
+from .errors import GraphCaptureFailed, InvalidRequest, SettingsError
 from .gguf import GGUFFile
-from .graph import BatchDecodeGraph, GraphCaptureFailed, StepGraph, make_batch_graphs, say_op_by_op
+from .graph import BatchDecodeGraph, StepGraph
 from .kv import KVGeometry, make_arena, make_placements
+from .loaded import LoadedModel
 from .models import Model
 from .models.common import Rows, Span
 from .runner import ModelRunner
@@ -36,17 +37,44 @@ from .settings import EngineSettings, KVType
 
 
 class SlotSet:
-    """See the module docstring. Not thread-safe: the scheduler calls it from one thread."""
+    """See the module docstring: `SlotSet(loaded, n_slots)` is the one constructor of slots. Not thread-safe: the
+    scheduler calls it from one thread."""
 
-    def __init__(self, settings: EngineSettings, runners: Sequence[ModelRunner]):
-        self.settings = settings  # n_ctx: the total, n_slots: how many; each runner's settings: its own share
-        self.runners = tuple(runners)
-        self.model: Model = self.runners[0].model
-        self.gguf: GGUFFile = self.runners[0].gguf
-        self.config: ModelConfig = self.runners[0].config
-        # Batched decode graphs, ascending sizes (`capture_batch_graphs`); a step none holds runs op by op.
-        self.batch_graphs: tuple[BatchDecodeGraph, ...] = ()
-        self.graph_capture_s = 0.0
+    def __init__(self, loaded: LoadedModel, n_slots: int):
+        """n_slots slots of the model's context // n_slots tokens each, carved out of one pool, on `loaded`'s
+        weights (its settings: the context of all slots together and the K/V settings); their graphs captured
+        and the kernels warmed (`LoadedModel.prepare`)."""
+        settings = attrs.evolve(loaded.settings, n_slots=n_slots)  # validated: SettingsError
+        total = settings.n_ctx_total(loaded.config.n_ctx_train)
+        if (problem := settings.slot_problem(total)) is not None:
+            raise SettingsError([problem])
+        self.loaded = loaded
+        self.settings = attrs.evolve(settings, n_ctx=total)  # n_ctx: the total; each runner's: its own share
+        geometry = KVGeometry.from_config(loaded.config, total // n_slots, KVType(settings.kv_type))
+        ops = loaded.model.ops
+        arena = make_arena(geometry, ops, settings.kv_resident, n_slots)
+        placements = make_placements(arena.pools(ops), settings.kv_resident)
+        loaded.prepare(placements)
+        self.runners = tuple(ModelRunner(loaded, placement) for placement in placements)
+        # Batched decode graphs, ascending sizes; a step none holds runs op by op.
+        self.batch_graphs = loaded.batch_graphs_of(arena)
+
+    @classmethod
+    def load(cls, settings: EngineSettings) -> SlotSet:
+        """Load the model once and carve settings.n_slots slots of n_ctx // n_slots tokens each out of one pool."""
+        return cls(LoadedModel.load(settings), settings.n_slots)
+
+    @property
+    def model(self) -> Model:
+        return self.loaded.model
+
+    @property
+    def gguf(self) -> GGUFFile:
+        return self.loaded.gguf
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.loaded.config
 
     @property
     def n_slots(self) -> int:
@@ -55,58 +83,6 @@ class SlotSet:
     @property
     def n_ctx_slot(self) -> int:
         return self.runners[0].n_ctx
-
-    @classmethod
-    def load(cls, settings: EngineSettings) -> SlotSet:
-        """Load the model once and carve settings.n_slots slots of n_ctx // n_slots tokens each out of one pool."""
-        return cls.assemble(*ModelRunner.load_model(settings))
-
-    @classmethod
-    def sharing(cls, runner: ModelRunner, **changes: object) -> SlotSet:
-        """Slots on the model `runner` loaded (weights shared, nothing reloaded): its settings with `changes`
-        (n_slots, n_ctx: the total, and the K/V settings `ModelRunner.sibling` takes)."""
-        return cls.assemble(runner.kv_settings(**changes), runner.gguf, runner.config, runner.model)
-
-    @classmethod
-    def assemble(
-        cls, settings: EngineSettings, gguf_file: GGUFFile, config: ModelConfig, model: Model
-    ) -> SlotSet:
-        """settings.n_slots slots on a loaded model (settings resolved as `ModelRunner.load_model` does)."""
-        total = settings.n_ctx_total(config.n_ctx_train)
-        if (problem := settings.slot_problem(total)) is not None:
-            raise SettingsError([problem])
-        n_ctx_slot = total // settings.n_slots
-        slot_settings = attrs.evolve(settings, n_ctx=n_ctx_slot, n_slots=1)
-        geometry = KVGeometry.from_config(config, n_ctx_slot, KVType(settings.kv_type))
-        arena = make_arena(geometry, model.ops, settings.kv_resident, settings.n_slots)
-        placements = make_placements(arena.pools(model.ops), settings.kv_resident)
-        # The slots share the model's kernels: the first slot's warm-up compiles (or loads) them for all.
-        runners = [ModelRunner._assemble(slot_settings, gguf_file, config, model, placement, warm=i == 0)
-                   for i, placement in enumerate(placements)]  # fmt: skip
-        slots = cls(attrs.evolve(settings, n_ctx=total), runners)
-        slots.batch_graphs = make_batch_graphs(model, placements, runners[0].settings.cuda_graphs)
-        slots.capture_batch_graphs()
-        return slots
-
-    def capture_batch_graphs(self) -> float:
-        """Capture the batched decode graphs now (start-up, not the first step of several slots); one whose
-        capture fails is dropped (its steps run op by op) and said on stderr. Returns the seconds spent."""
-        t0 = time.perf_counter()
-        for graph in self.batch_graphs:
-            try:
-                graph.prepare()  # its capture stores nothing: the pool is untouched
-            except GraphCaptureFailed as e:
-                self._drop_batch_graph(graph, e)
-        self.graph_capture_s = time.perf_counter() - t0
-        return self.graph_capture_s
-
-    def _drop_batch_graph(self, graph: BatchDecodeGraph, error: GraphCaptureFailed) -> None:
-        """A batch graph whose capture failed: said on stderr; its steps run op by op from now on."""
-        say_op_by_op(error)
-        self.batch_graphs = tuple(g for g in self.batch_graphs if g is not graph)
-
-    def _batch_graph_for(self, n_rows: int) -> BatchDecodeGraph | None:
-        return next((g for g in self.batch_graphs if g.n_tokens >= n_rows), None)
 
     def decode(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
         """Evaluate one token in each of several slots: steps = [(slot, token), ...], distinct slots.
@@ -126,7 +102,9 @@ class SlotSet:
         steps = self._checked(steps, [True] * len(steps))
         launched = LaunchedStep(self, steps)
         graph = (
-            self._batch_graph_for(len(steps)) if len(steps) > 1 else self.runners[steps[0][0]].decode_graph
+            self.batch_graphs.for_rows(len(steps))
+            if len(steps) > 1
+            else self.runners[steps[0][0]].graphs.decode
         )
         if graph is None:
             return launched  # deferred
@@ -144,9 +122,9 @@ class SlotSet:
             if not isinstance(exc, GraphCaptureFailed):
                 raise
             if isinstance(graph, BatchDecodeGraph):  # dropped now: collect (and later steps) run op by op
-                self._drop_batch_graph(graph, exc)
+                self.batch_graphs.drop(graph, exc)
             else:
-                self.runners[steps[0][0]].drop_graph(graph, exc)
+                self.runners[steps[0][0]].graphs.drop(graph, exc)
             return launched
         launched.graph, launched.opened = graph, opened
         return launched
@@ -188,13 +166,13 @@ class SlotSet:
             for runner in runners:
                 opened.append((runner, runner.begin_step(1)))
             out: list[Argmax | np.ndarray] | None = None
-            graph = self._batch_graph_for(len(steps))
+            graph = self.batch_graphs.for_rows(len(steps))
             if graph is not None:
                 try:
                     rows = [(r.pool.slot, pos, t) for (r, pos), (_, t) in zip(opened, steps, strict=True)]
                     out = graph.decode_rows(rows, argmax_only)
                 except GraphCaptureFailed as e:  # the step is redone op by op (it is idempotent)
-                    self._drop_batch_graph(graph, e)
+                    self.batch_graphs.drop(graph, e)
             if out is None:
                 spans = Rows(tuple(Span(runner.placement, pos, 1) for runner, pos in opened))
                 logits = self.model.forward(

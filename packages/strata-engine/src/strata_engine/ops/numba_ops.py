@@ -25,7 +25,7 @@ from .threads import default_threads, set_threads
 F32 = np.float32
 # Token rows up to which a product runs in the packed kernel; above, dequantized chunks through BLAS
 # (the multi-row kernel is 1.15-1.6x BLAS's speed at 64 rows, 1.1-1.25x at 128, on 1 and 2 threads:
-# bench/engine/DECISIONS.md "Multi-row float32 products"). runner.WARM_UP_TOKENS exceeds it.
+# bench/engine/DECISIONS.md "Multi-row float32 products"). loaded.WARM_UP_TOKENS exceeds it.
 PACKED_MAX_ROWS = 64
 # With q8 products (`--cpu-kernels numba-q8`), token rows up to which a product runs in the q8 kernel: a
 # prefill chunk too (SmolLM2, 1 thread: 1.9x / 2.3x / 1.6x dequantize + BLAS at 64 / 128 / 512 rows,
