@@ -25,7 +25,7 @@ def llama(request, smollm2_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner(smollm2_path):
-    from strata_engine.runner import ModelRunner
     from strata_engine.settings import EngineSettings
+    from strata_engine.slots import SlotSet
 
-    return ModelRunner.load(EngineSettings(model_path=smollm2_path, kv_type="f16", n_ctx=2048))
+    return SlotSet.load(EngineSettings(model_path=smollm2_path, kv_type="f16", n_ctx=2048)).runners[0]
