@@ -147,8 +147,8 @@ class ChatTemplate:
 
     source: str = attrs.field(repr=False)  # the jinja text, or the built-in format's name
     origin: str  # "file" (tokenizer.chat_template), "custom", or "builtin:<name>"
-    bos_token: str
-    eos_token: str
+    bos_token: str = ""
+    eos_token: str = ""
     add_bos: bool = False  # the tokenizer adds BOS: a rendered leading BOS text is dropped, as the peer does
     add_eos: bool = False  # likewise a trailing EOS text
     _template: jinja2.Template | None = attrs.field(default=None, repr=False, alias="_template")
@@ -185,11 +185,12 @@ class ChatTemplate:
         return attrs.evolve(made, supports_thinking=made._reacts_to_thinking())
 
     @classmethod
-    def builtin(cls, name: ChatTemplateName, **tokens: Any) -> ChatTemplate:
+    def builtin(cls, name: ChatTemplateName, *, origin: str = "", **tokens: Any) -> ChatTemplate:
         """llama.cpp's built-in format `name`; chatml is its jinja CHATML (the peer's, tools and all)."""
+        origin = origin or f"builtin:{name}"
         if name == ChatTemplateName.CHATML:
-            return cls.from_source(CHATML, origin=f"builtin:{name}", **tokens)
-        return cls(source=str(name), origin=f"builtin:{name}", _format=FORMATS[name], **tokens)
+            return cls.from_source(CHATML, origin=origin, **tokens)
+        return cls(source=str(name), origin=origin, _format=FORMATS[name], **tokens)
 
     @classmethod
     def configured(cls, value: str, **tokens: Any) -> ChatTemplate:
@@ -224,7 +225,7 @@ class ChatTemplate:
                 log.warning("%s; using the built-in template instead", exc)
         arch = str(metadata.get("general.architecture", ""))
         if arch in BUILTIN_TEMPLATES:
-            return cls.builtin(BUILTIN_TEMPLATES[arch], **tokens)
+            return cls.builtin(BUILTIN_TEMPLATES[arch], origin=f"builtin:{arch}", **tokens)
         return cls.from_source(CHATML, origin="builtin:chatml", **tokens)
 
     def render(
