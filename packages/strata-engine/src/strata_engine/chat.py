@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 import jinja2
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .chat_formats import FORMATS, Format
@@ -69,6 +70,19 @@ def _strftime_now(fmt: str) -> str:
 
 class _Empty(jinja2.ChainableUndefined):
     """An undefined variable, a member of one, or one added to a string, is empty (llama.cpp's jinja)."""
+
+    def _refused(self) -> bool:  # what the sandbox refused stays an error, not an empty value
+        return issubclass(self._undefined_exception, SecurityError)
+
+    def __getattr__(self, name: str) -> Any:
+        if self._refused():
+            self._fail_with_undefined_error()
+        return super().__getattr__(name)
+
+    def __str__(self) -> str:
+        if self._refused():
+            self._fail_with_undefined_error()
+        return ""
 
     def __add__(self, other: Any) -> Any:
         return other
