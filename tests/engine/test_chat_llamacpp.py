@@ -72,7 +72,10 @@ def test_jinja_template_is_llama_servers(template, file_templates):
             chat_template_kwargs=kwargs,
         )
         # a render across midnight matches either day
-        assert prompt in {expected(case["prompt"], before), expected(case["prompt"], datetime.date.today())}, case
+        assert prompt in {
+            expected(case["prompt"], before),
+            expected(case["prompt"], datetime.date.today()),
+        }, case
 
 
 @pytest.mark.parametrize(

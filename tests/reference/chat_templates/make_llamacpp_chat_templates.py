@@ -79,7 +79,9 @@ def apply(url: str, body: dict) -> str | None:
 
 def main(source: Path, model: str) -> None:
     chat = (source / "src" / "llama-chat.cpp").read_text()
-    table = chat[chat.index("LLM_CHAT_TEMPLATES = {") : chat.index("};", chat.index("LLM_CHAT_TEMPLATES = {"))]
+    table = chat[
+        chat.index("LLM_CHAT_TEMPLATES = {") : chat.index("};", chat.index("LLM_CHAT_TEMPLATES = {"))
+    ]
     names = re.findall(r'\{\s*"([^"]+)",\s*LLM_CHAT_TEMPLATE_', table)
     named: dict[str, dict[str, str | None]] = {}
     for name in names:
@@ -115,15 +117,17 @@ def main(source: Path, model: str) -> None:
                                 "chat_template_kwargs": kwargs,
                                 "add_generation_prompt": generation,
                             }
-                            jinja.append({
-                                "template": path.name,
-                                "reasoning": reasoning,
-                                "messages": messages_name,
-                                "tools": tools_name,
-                                "chat_template_kwargs": kwargs_name,
-                                "add_generation_prompt": generation,
-                                "prompt": apply(url, body),
-                            })
+                            jinja.append(
+                                {
+                                    "template": path.name,
+                                    "reasoning": reasoning,
+                                    "messages": messages_name,
+                                    "tools": tools_name,
+                                    "chat_template_kwargs": kwargs_name,
+                                    "add_generation_prompt": generation,
+                                    "prompt": apply(url, body),
+                                }
+                            )
             del server
     # the prompts repeat across the grid: each is kept once, the grid names its index
     prompts = sorted({case["prompt"] for case in jinja if case["prompt"] is not None})
@@ -140,7 +144,9 @@ def main(source: Path, model: str) -> None:
         "jinja": jinja,
         "prompts": prompts,
     }
-    (HERE.parent / "llamacpp-chat-templates.json").write_text(json.dumps(out, indent=0, ensure_ascii=False) + "\n")
+    (HERE.parent / "llamacpp-chat-templates.json").write_text(
+        json.dumps(out, indent=0, ensure_ascii=False) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .chat_formats import FORMATS, Format
 from .errors import ChatTemplateError
-from .settings import ChatTemplateName, chat_template_problem, values
+from .settings import MESSAGE_EXTRAS, ChatTemplateName, chat_template_problem, values
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,6 @@ BUILTIN_TEMPLATES: Mapping[str, ChatTemplateName] = {
 
 # llama-server's date variables (common_chat_extra_context): name -> strftime format
 DATE_VARIABLES: Mapping[str, str] = {"date_string": "%d %b %Y", "datetime": "%b %d %Y"}
-
-# the message keys a jinja template sees besides role and content (OpenAI's tool-calling fields)
-MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
 
 # the one user message llama.cpp renders to learn whether a template reacts to enable_thinking
 THINKING_PROBE = ({"role": "user", "content": "test"},)
@@ -222,7 +219,7 @@ class ChatTemplate:
     ) -> ChatTemplate:
         """`override` (`configured`) if given, else the file's template, else the built-in one of its
         architecture, else ChatML."""
-        tokens = {
+        tokens: dict[str, Any] = {
             "bos_token": tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
             "eos_token": tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else "",
             "add_bos": tokenizer.add_bos,
@@ -303,7 +300,9 @@ class ChatTemplate:
         if self._format is not None:
             return self._format(normalized, add_generation_prompt)
         assert self._template is not None
-        flags = {"add_generation_prompt": True} if add_generation_prompt else {}  # else undefined, as the peer's
+        flags = (
+            {"add_generation_prompt": True} if add_generation_prompt else {}
+        )  # else undefined, as the peer's
         try:
             text = self._template.render(messages=normalized, **{**context, **flags})
         except ChatTemplateError:

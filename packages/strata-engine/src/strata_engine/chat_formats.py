@@ -97,7 +97,9 @@ def _by_role(turns: Mapping[str, Callable[[str], str]], generation: str, prefix:
 
 
 def _monarch(chat: Turns, add_ass: bool) -> str:
-    out = "".join(("" if i == 0 else "<s>") + f"{m['role']}\n{m['content']}</s>\n" for i, m in enumerate(chat))
+    out = "".join(
+        ("" if i == 0 else "<s>") + f"{m['role']}\n{m['content']}</s>\n" for i, m in enumerate(chat)
+    )
     return out + ("<s>assistant\n" if add_ass else "")
 
 
@@ -275,6 +277,11 @@ def _pangu_embedded(chat: Turns, add_ass: bool) -> str:
     return "".join(out) + ("[unused9]助手：" if add_ass else "")
 
 
+def _wrapped(head: str, tail: str) -> Callable[[str], str]:
+    """One role's turn: `head`, the trimmed content, `tail`."""
+    return lambda text: head + _trim(text) + tail
+
+
 def _header(open_: str, close: str, end: str, generation: str) -> Format:
     """Llama 3-style turns: a role header, the trimmed content, an end-of-turn token."""
     return _each(lambda role, text: f"{open_}{role}{close}{_trim(text)}{end}", generation)
@@ -293,7 +300,9 @@ FORMATS: Mapping[N, Format] = {
     N.MISTRAL_V7: _mistral_v7(" "),
     N.MISTRAL_V7_TEKKEN: _mistral_v7(""),
     N.PHI3: _each(lambda role, text: f"<|{role}|>\n{text}<|end|>\n", "<|assistant|>\n"),
-    N.PHI4: _each(lambda role, text: f"<|im_start|>{role}<|im_sep|>{text}<|im_end|>", "<|im_start|>assistant<|im_sep|>"),
+    N.PHI4: _each(
+        lambda role, text: f"<|im_start|>{role}<|im_sep|>{text}<|im_end|>", "<|im_start|>assistant<|im_sep|>"
+    ),
     N.FALCON3: _each(lambda role, text: f"<|{role}|>\n{text}\n", "<|assistant|>\n"),
     N.ZEPHYR: _each(lambda role, text: f"<|{role}|>\n{text}<|endoftext|>\n", "<|assistant|>\n"),
     N.MONARCH: _monarch,
@@ -343,7 +352,7 @@ FORMATS: Mapping[N, Format] = {
     N.DEEPSEEK_OCR: lambda chat, add_ass: "".join(m["content"] for m in chat),
     N.COMMAND_R: _by_role(
         {
-            role: (lambda token: lambda text: f"<|START_OF_TURN_TOKEN|>{token}{_trim(text)}<|END_OF_TURN_TOKEN|>")(token)
+            role: _wrapped(f"<|START_OF_TURN_TOKEN|>{token}", "<|END_OF_TURN_TOKEN|>")
             for role, token in (
                 ("system", "<|SYSTEM_TOKEN|>"),
                 ("user", "<|USER_TOKEN|>"),
@@ -353,7 +362,10 @@ FORMATS: Mapping[N, Format] = {
         "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
     ),
     N.LLAMA3: _header(
-        "<|start_header_id|>", "<|end_header_id|>\n\n", "<|eot_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        "<|start_header_id|>",
+        "<|end_header_id|>\n\n",
+        "<|eot_id|>",
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
     ),
     N.CHATGLM3: _each(lambda role, text: f"<|{role}|>\n {text}", "<|assistant|>", prefix="[gMASK]sop"),
     N.CHATGLM4: _each(lambda role, text: f"<|{role}|>\n{text}", "<|assistant|>\n", prefix="[gMASK]<sop>"),
@@ -378,7 +390,7 @@ FORMATS: Mapping[N, Format] = {
     ),
     N.EXAONE_MOE: _by_role(
         {
-            role: (lambda role: lambda text: f"<|{role}|>\n{_trim(text)}<|endofturn|>\n")(role)
+            role: _wrapped(f"<|{role}|>\n", "<|endofturn|>\n")
             for role in ("system", "user", "assistant", "tool")
         },
         "<|assistant|>\n",
@@ -389,16 +401,22 @@ FORMATS: Mapping[N, Format] = {
     N.GRANITE_4_1: _granite4,
     N.GIGACHAT: _gigachat,
     N.MEGREZ: _each(
-        lambda role, text: f"<|role_start|>{role}<|role_end|>{text}<|turn_end|>", "<|role_start|>assistant<|role_end|>"
+        lambda role, text: f"<|role_start|>{role}<|role_end|>{text}<|turn_end|>",
+        "<|role_start|>assistant<|role_end|>",
     ),
     N.YANDEX: _by_role(
-        {"user": lambda text: f" Пользователь: {text}\n\n", "assistant": lambda text: f" Ассистент: {text}\n\n"},
+        {
+            "user": lambda text: f" Пользователь: {text}\n\n",
+            "assistant": lambda text: f" Ассистент: {text}\n\n",
+        },
         " Ассистент:[SEP]",
     ),
     N.BAILING: _bailing(think=False),
     N.BAILING_THINK: _bailing(think=True),
     N.BAILING2: _bailing2,
-    N.LLAMA4: _header("<|header_start|>", "<|header_end|>\n\n", "<|eot|>", "<|header_start|>assistant<|header_end|>\n\n"),
+    N.LLAMA4: _header(
+        "<|header_start|>", "<|header_end|>\n\n", "<|eot|>", "<|header_start|>assistant<|header_end|>\n\n"
+    ),
     N.SMOLVLM: _each(
         lambda role, text: (
             text + "\n\n"
@@ -412,7 +430,9 @@ FORMATS: Mapping[N, Format] = {
     ),
     N.HUNYUAN_MOE: _hunyuan_moe,
     N.GPT_OSS: _each(
-        lambda role, text: f"<|start|>{role}<|message|>{text}" + ("<|return|>" if role == "assistant" else "<|end|>"),
+        lambda role, text: (
+            f"<|start|>{role}<|message|>{text}" + ("<|return|>" if role == "assistant" else "<|end|>")
+        ),
         "<|start|>assistant",
     ),
     N.HUNYUAN_DENSE: _hunyuan_dense,

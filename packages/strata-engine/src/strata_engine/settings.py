@@ -110,6 +110,10 @@ class ChatTemplateName(enum.StrEnum):
     SOLAR_OPEN = "solar-open"
 
 
+# the message keys a chat template sees besides role and content (OpenAI's tool-calling fields)
+MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
+
+
 class Pooling(enum.StrEnum):
     """How EMBED pools a prompt's hidden states (llama-server's `--pooling`; its `rank` is not offered)."""
 

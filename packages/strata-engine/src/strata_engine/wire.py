@@ -141,9 +141,7 @@ Messages = Annotated[
         tuple,
     ),
 ]
-Tools = Annotated[
-    tuple[Any, ...], Wire("a list (OpenAI's tools)", lambda v: isinstance(v, list), tuple)
-]
+Tools = Annotated[tuple[Any, ...], Wire("a list (OpenAI's tools)", lambda v: isinstance(v, list), tuple)]
 TemplateKwargs = Annotated[
     Mapping[str, Any], Wire("an object (chat template variables)", lambda v: isinstance(v, Mapping), dict)
 ]

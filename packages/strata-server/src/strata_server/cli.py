@@ -111,6 +111,26 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: continued, as llama-server)",
     )
     add(
+        "-rea",
+        "--reasoning",
+        metavar="on|off|auto",
+        help="the chat templates' enable_thinking: on, off, or auto = on where the template reacts to it "
+        "(default: auto, as llama-server); a request's chat_template_kwargs.enable_thinking wins",
+    )
+    add(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help='a JSON object of more chat template variables, e.g. \'{"key": "value"}\'; a request\'s '
+        "chat_template_kwargs win",
+    )
+    add(
+        "--jinja",
+        dest="jinja",
+        action="store_true",
+        help="llama-server's flag, always on: templates are jinja (a built-in --chat-template name renders "
+        "llama.cpp's C++ format of that name, as llama-server with --no-jinja)",
+    )
+    add(
         "--embedding",
         "--embeddings",
         dest="embedding",
@@ -199,7 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: this Python with -m strata_engine.cli serve)",
     )
     add("--log-level", metavar="LEVEL", help="debug, info, warning, error (default: info)")
-    add("-v", "--verbose", action="store_true", help="log everything (debug level), the engine's log too")
+    add(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log everything (debug level), the engine's log too; every answer carries __verbose unless the "
+        "request sets verbose: false (as llama-server)",
+    )
     sampling = parser.add_argument_group(
         "default sampling and output (what a request that does not set the "
         "field gets; a request's own fields win)"
