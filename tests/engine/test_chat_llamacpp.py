@@ -10,21 +10,11 @@ import pytest
 from strata_engine.chat import ChatTemplate
 from strata_engine.errors import ChatTemplateError
 from strata_engine.settings import ChatTemplateName, values
-from support.data import REFERENCE_DIR, load_reference
+from support.chat_reference import REFERENCE, TEMPLATES_DIR, TEST_TOOL, jinja_cases, matches_today
 
-REFERENCE = load_reference("llamacpp-chat-templates.json")
-TEMPLATES = REFERENCE_DIR / "chat_templates"
 # what llama-server puts in the template kwargs for --reasoning on|off (common/arg.cpp), and always
 REASONING_KWARGS = {"on": {"enable_thinking": True}, "off": {"enable_thinking": False}, "auto": {}}
 ALWAYS_KWARGS = {"preserve_reasoning": True}
-
-
-def expected(index: int, today: datetime.date) -> str:
-    return (
-        REFERENCE["prompts"][index]
-        .replace("{date_string}", today.strftime("%d %b %Y"))
-        .replace("{datetime}", today.strftime("%b %d %Y"))
-    )
 
 
 def test_every_llamacpp_name_is_built_in():
@@ -43,7 +33,7 @@ def test_named_format_is_llama_servers(name):
 def test_named_format_refuses_tools():
     template = ChatTemplate.configured("llama3")
     with pytest.raises(ChatTemplateError, match="tools need a jinja chat template"):
-        template.render([{"role": "user", "content": "x"}], tools=[REFERENCE["tools"]["test_tool"][0]])
+        template.render([{"role": "user", "content": "x"}], tools=[TEST_TOOL])
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +41,15 @@ def file_templates(metadata, tokenizers) -> dict[str, ChatTemplate]:
     """Each .jinja given as --chat-template to SmolLM2 (the model the reference was rendered on)."""
     return {
         path.name: ChatTemplate.for_model(metadata["smollm2"], tokenizers["smollm2"], path.read_text())
-        for path in sorted(TEMPLATES.glob("*.jinja"))
+        for path in sorted(TEMPLATES_DIR.glob("*.jinja"))
     }
 
 
-@pytest.mark.parametrize("template", sorted(path.name for path in TEMPLATES.glob("*.jinja")))
+@pytest.mark.parametrize("template", sorted(path.name for path in TEMPLATES_DIR.glob("*.jinja")))
 def test_jinja_template_is_llama_servers(template, file_templates):
     """Every case of the reference grid: --reasoning, messages, tools absent/empty/one, the request's
     chat_template_kwargs, with and without the generation prompt."""
-    cases = [case for case in REFERENCE["jinja"] if case["template"] == template]
+    cases = jinja_cases(template)
     assert len(cases) == 3 * 2 * 3 * 3 * 2
     for case in cases:
         kwargs = {**ALWAYS_KWARGS, **REASONING_KWARGS[case["reasoning"]]}
@@ -71,11 +61,7 @@ def test_jinja_template_is_llama_servers(template, file_templates):
             tools=REFERENCE["tools"][case["tools"]],
             chat_template_kwargs=kwargs,
         )
-        # a render across midnight matches either day
-        assert prompt in {
-            expected(case["prompt"], before),
-            expected(case["prompt"], datetime.date.today()),
-        }, case
+        assert matches_today(prompt, REFERENCE["prompts"][case["prompt"]], before), case
 
 
 @pytest.mark.parametrize(
@@ -126,6 +112,6 @@ def test_tool_calls_reach_the_template(file_templates):
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "content": "done", "tool_call_id": "0"},
     ]
-    prompt = template.render(messages, tools=REFERENCE["tools"]["test_tool"])
+    prompt = template.render(messages, tools=[TEST_TOOL])
     assert '<tool_call>\n{"name": "test", "arguments": {"success": true}}\n</tool_call>' in prompt
     assert "<tool_response>\ndone\n</tool_response>" in prompt
