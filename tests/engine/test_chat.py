@@ -115,4 +115,4 @@ def test_configured_templates_by_name_and_jinja(name, start):
     custom = ChatTemplate.configured("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
     assert custom.origin == "custom" and custom.render(messages) == "<hi>"
     with pytest.raises(ChatTemplateError, match="neither a built-in name"):
-        ChatTemplate.configured("llama2")
+        ChatTemplate.configured("llama9")

@@ -130,6 +130,22 @@ def test_cli_exit_status_and_help(capsys):
         assert flag in help_text, flag
 
 
+def test_help_and_readme_list_every_supported_architecture():
+    """The list comes from the engine's tables at run time; the README names each too."""
+    from pathlib import Path
+
+    from strata_engine.model_check import supported_architectures
+
+    architectures = supported_architectures()
+    assert "llama" in architectures and "gemma3" in architectures
+    help_text = " ".join(build_parser().format_help().split())
+    assert f"supported architecture ({', '.join(architectures)};" in help_text
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    models = " ".join(readme[readme.index("Models: ") :].split("\n\n")[0].split())
+    for arch in architectures:
+        assert f"`{arch}`" in models, arch
+
+
 def test_console_script_help():
     result = subprocess.run(
         [sys.executable, "-m", "strata_server.cli", "--help"], capture_output=True, text=True, timeout=60

@@ -328,11 +328,10 @@ def test_chat_template_flags_reach_the_engine_and_bad_ones_are_reported(tmp_path
     from_file = load_config(["--model", str(fake_model), "--chat-template-file", str(path)]).engine_argv()
     assert from_file[from_file.index("--chat-template") + 1] == jinja  # the file's text, read once
     with pytest.raises(ConfigError) as info:
-        load_config(["--model", str(fake_model), "--chat-template", "llama2"])
-    assert (
-        "chat_template: 'llama2' is neither a built-in name (chatml, gemma) nor a jinja template"
-        in info.value.problems
-    )
+        load_config(["--model", str(fake_model), "--chat-template", "llama9"])
+    (problem,) = info.value.problems
+    assert problem.startswith("chat_template: 'llama9' is neither a built-in name (chatml, llama2, ")
+    assert problem.endswith("solar-open) nor a jinja template")
     with pytest.raises(ConfigError) as info:
         load_config(
             [
@@ -345,6 +344,27 @@ def test_chat_template_flags_reach_the_engine_and_bad_ones_are_reported(tmp_path
             ]
         )
     assert len(info.value.problems) == 2  # both given; the file unreadable
+
+
+def test_reasoning_and_template_kwargs_flags(fake_model):
+    """--reasoning and --chat-template-kwargs make the template kwargs every chat starts from, as
+    llama-server's default_template_kwargs (preserve_reasoning always; enable_thinking for on|off)."""
+    base = ["--model", str(fake_model), "--jinja"]
+    assert load_config(base).template_kwargs() == {"preserve_reasoning": True}
+    assert load_config([*base, "-rea", "off"]).template_kwargs() == {
+        "preserve_reasoning": True,
+        "enable_thinking": False,
+    }
+    given = load_config(
+        [*base, "--reasoning", "on", "--chat-template-kwargs", '{"a": [1], "preserve_reasoning": false}']
+    )
+    assert given.template_kwargs() == {"preserve_reasoning": False, "a": [1], "enable_thinking": True}
+    with pytest.raises(ConfigError) as info:
+        load_config([*base, "--reasoning", "maybe", "--chat-template-kwargs", "[1]"])
+    assert info.value.problems == [
+        "reasoning: 'maybe' is not one of on, off, auto",
+        "chat_template_kwargs: must be a JSON object, got '[1]'",
+    ]
 
 
 # --- chat validation, assistant prefill, input token count -------------------------------------------

@@ -73,3 +73,14 @@ def _copy(
         writer.write_tensor_data(np.ascontiguousarray(data, dtype=np.float32))
     writer.close()
     return dst
+
+
+def of_architecture(dst: Path, arch: str) -> Path:
+    """A small well-formed GGUF of architecture `arch` (one f32 tensor, no weights worth the name)."""
+    writer = gguf.GGUFWriter(dst, arch=arch)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -68,6 +68,8 @@ class CompletionRequest:
     messages: tuple[Mapping[str, Any], ...] | None = None
     add_generation_prompt: bool = True  # messages: end with the assistant's turn header
     continue_final_message: bool = False  # messages: continue the last (assistant) message instead
+    tools: tuple[Any, ...] | None = None  # messages: the chat template's `tools`
+    chat_template_kwargs: Mapping[str, Any] | None = None  # messages: more chat template variables
     return_progress: bool = False  # report the prefill's progress after each chunk
     add_special: bool | None = None  # None: the model's add_bos
     n_predict: int = -1
@@ -112,6 +114,8 @@ def completion_request(args: CompleteArgs) -> CompletionRequest:
         messages=args.messages,
         add_generation_prompt=given(args.add_generation_prompt, request.add_generation_prompt),
         continue_final_message=given(args.continue_final_message, request.continue_final_message),
+        tools=args.tools,
+        chat_template_kwargs=args.chat_template_kwargs,
         return_progress=given(args.return_progress, request.return_progress),
         add_special=args.add_special,
         n_predict=max(given(args.n_predict, request.n_predict), -1),
@@ -526,6 +530,8 @@ class Completer:
                 list(request.messages),
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
+                tools=request.tools,
+                chat_template_kwargs=request.chat_template_kwargs,
             )
             self._refuse_unfit(tok.min_tokens(text, add_special=add_special))
             tokens = tok.encode(text, add_special=add_special, parse_special=True)

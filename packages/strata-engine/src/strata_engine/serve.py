@@ -104,6 +104,8 @@ def handle_apply_template(ctx: ServeContext, request: Request) -> Mapping[str, A
             args.messages,
             add_generation_prompt=args.add_generation_prompt,
             continue_final_message=args.continue_final_message,
+            tools=args.tools,
+            chat_template_kwargs=args.chat_template_kwargs,
         )
     }
 

@@ -51,10 +51,67 @@ class Backend(enum.StrEnum):
 
 
 class ChatTemplateName(enum.StrEnum):
-    """Built-in chat templates that `--chat-template` takes by name (llama-server's names for them)."""
+    """Built-in chat formats that `--chat-template` takes by name: llama.cpp b11549's LLM_CHAT_TEMPLATES, every
+    one (chat_formats.FORMATS renders them)."""
 
-    CHATML = "chatml"  # SmolLM2's turns
-    GEMMA = "gemma"  # gemma3's turns
+    CHATML = "chatml"
+    LLAMA2 = "llama2"
+    LLAMA2_SYS = "llama2-sys"
+    LLAMA2_SYS_BOS = "llama2-sys-bos"
+    LLAMA2_SYS_STRIP = "llama2-sys-strip"
+    MISTRAL_V1 = "mistral-v1"
+    MISTRAL_V3 = "mistral-v3"
+    MISTRAL_V3_TEKKEN = "mistral-v3-tekken"
+    MISTRAL_V7 = "mistral-v7"
+    MISTRAL_V7_TEKKEN = "mistral-v7-tekken"
+    PHI3 = "phi3"
+    PHI4 = "phi4"
+    FALCON3 = "falcon3"
+    ZEPHYR = "zephyr"
+    MONARCH = "monarch"
+    GEMMA = "gemma"
+    ORION = "orion"
+    OPENCHAT = "openchat"
+    VICUNA = "vicuna"
+    VICUNA_ORCA = "vicuna-orca"
+    DEEPSEEK = "deepseek"
+    DEEPSEEK2 = "deepseek2"
+    DEEPSEEK3 = "deepseek3"
+    DEEPSEEK_OCR = "deepseek-ocr"
+    COMMAND_R = "command-r"
+    LLAMA3 = "llama3"
+    CHATGLM3 = "chatglm3"
+    CHATGLM4 = "chatglm4"
+    GLMEDGE = "glmedge"
+    MINICPM = "minicpm"
+    EXAONE3 = "exaone3"
+    EXAONE4 = "exaone4"
+    EXAONE_MOE = "exaone-moe"
+    RWKV_WORLD = "rwkv-world"
+    GRANITE = "granite"
+    GRANITE_4_0 = "granite-4.0"
+    GRANITE_4_1 = "granite-4.1"
+    GIGACHAT = "gigachat"
+    MEGREZ = "megrez"
+    YANDEX = "yandex"
+    BAILING = "bailing"
+    BAILING_THINK = "bailing-think"
+    BAILING2 = "bailing2"
+    LLAMA4 = "llama4"
+    SMOLVLM = "smolvlm"
+    HUNYUAN_MOE = "hunyuan-moe"
+    GPT_OSS = "gpt-oss"
+    HUNYUAN_DENSE = "hunyuan-dense"
+    HUNYUAN_VL = "hunyuan-vl"
+    KIMI_K2 = "kimi-k2"
+    SEED_OSS = "seed_oss"
+    GROK_2 = "grok-2"
+    PANGU_EMBEDDED = "pangu-embedded"
+    SOLAR_OPEN = "solar-open"
+
+
+# the message keys a chat template sees besides role and content (OpenAI's tool-calling fields)
+MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
 
 
 class Pooling(enum.StrEnum):

@@ -141,6 +141,10 @@ Messages = Annotated[
         tuple,
     ),
 ]
+Tools = Annotated[tuple[Any, ...], Wire("a list (OpenAI's tools)", lambda v: isinstance(v, list), tuple)]
+TemplateKwargs = Annotated[
+    Mapping[str, Any], Wire("an object (chat template variables)", lambda v: isinstance(v, Mapping), dict)
+]
 Stop = Annotated[
     tuple[str, ...],
     Wire(
@@ -202,6 +206,8 @@ class CompleteArgs:
     add_special: Boolean | None = None  # None: the model's add_bos
     add_generation_prompt: Boolean | None = None
     continue_final_message: Boolean | None = None
+    tools: Tools | None = None  # messages: the template's `tools`
+    chat_template_kwargs: TemplateKwargs | None = None  # messages: more template variables
     return_progress: Boolean | None = None
     n_predict: NPredict | None = None
     temperature: Number | None = None
@@ -256,6 +262,8 @@ class ApplyTemplateArgs:
     messages: Any = None  # the chat template checks them (a refusal is a chat_template error)
     add_generation_prompt: Boolean = True
     continue_final_message: Boolean = False
+    tools: Tools | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 @attrs.frozen

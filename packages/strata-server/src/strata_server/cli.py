@@ -28,6 +28,7 @@ from .config import (
     read_config_file,
 )
 
+MODEL_REFUSED = 3  # exit status: the model file is unsupported, refused or unreadable (2: bad configuration)
 LIST_FLAGS = ("api_key", "allowed_hosts", "trusted_origins", "cors_origins", "alias", "tags", "host")
 
 EPILOG = """\
@@ -46,6 +47,8 @@ and a file without one (unless --session-key-optional) or of another key is refu
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from strata_engine.model_check import supported_architectures
+
     parser = argparse.ArgumentParser(
         prog="strata-server",
         argument_default=argparse.SUPPRESS,
@@ -63,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         engine,
         typed=False,
         help_of={
-            "model": f"GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from the {DEFAULT_MODEL_PACKAGE} package, "
-            f"{DEFAULT_MODEL_FILE})"
+            "model": f"GGUF model file of a supported architecture ({', '.join(supported_architectures())}; "
+            "a file holding a key or tensor the engine does not compute is refused before the port is bound) "
+            f"(default: SmolLM2-135M-Instruct Q4_1 from the {DEFAULT_MODEL_PACKAGE} package, {DEFAULT_MODEL_FILE})"
         },
     )  # the engine's settings: -m, -c, -np, --kv-type, ..., -t, --poll
     add(
@@ -110,6 +114,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="a chat's final assistant message is a finished turn, not one for the model to continue "
         "(default: continued, as llama-server)",
+    )
+    add(
+        "-rea",
+        "--reasoning",
+        metavar="on|off|auto",
+        help="the chat templates' enable_thinking: on, off, or auto = on where the template reacts to it "
+        "(default: auto, as llama-server); a request's chat_template_kwargs.enable_thinking wins",
+    )
+    add(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help='a JSON object of more chat template variables, e.g. \'{"key": "value"}\'; a request\'s '
+        "chat_template_kwargs win",
+    )
+    add(
+        "--jinja",
+        dest="jinja",
+        action="store_true",
+        help="llama-server's flag, always on: templates are jinja (a built-in --chat-template name renders "
+        "llama.cpp's C++ format of that name, as llama-server with --no-jinja)",
     )
     add(
         "--embedding",
@@ -200,7 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: this Python with -m strata_engine.cli serve)",
     )
     add("--log-level", metavar="LEVEL", help="debug, info, warning, error (default: info)")
-    add("-v", "--verbose", action="store_true", help="log everything (debug level), the engine's log too")
+    add(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log everything (debug level), the engine's log too; every answer carries __verbose unless the "
+        "request sets verbose: false (as llama-server)",
+    )
     sampling = parser.add_argument_group(
         "default sampling and output (what a request that does not set the "
         "field gets; a request's own fields win)"
@@ -355,8 +385,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"strata-server: {exc}\n")
         return 2
+    from strata_engine.errors import EngineError
+    from strata_engine.model_check import check_model_file
+
     from .gunicorn_app import StrataGunicorn
 
+    # before the port is bound: a file strata-engine refuses never gets a listening server (another
+    # --engine-command is its own judge of the files it takes)
+    try:
+        if not config.engine_command:
+            check_model_file(config.engine.model_path)
+    except (EngineError, OSError) as exc:
+        sys.stderr.write(f"strata-server: cannot serve {config.engine.model_path}: {exc}\n")
+        return MODEL_REFUSED
     exposed = [h for h in config.host if h not in LOOPBACK_HOSTS]
     if exposed and not config.api_key and not config.api_key_file:
         sys.stderr.write(f"strata-server: warning: listening on {', '.join(exposed)} without --api-key\n")

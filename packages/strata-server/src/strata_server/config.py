@@ -8,6 +8,7 @@ flags, defaults and checks come from the engine's settings table), nested as ``S
 
 from __future__ import annotations
 
+import enum
 import importlib.metadata
 import json
 import math
@@ -43,6 +44,24 @@ _SAMPLING = SamplingParams()  # the engine's sampling defaults: the server's unl
 ENGINE_KEYS: dict[str, str] = {row.key: field for field, row in FLAGGED.items() if row.server}
 ENGINE_FILE_KEYS: dict[str, str] = {f"{row.key}_file": row.key for row in FLAGGED.values()
                                     if row.server and row.file_flag}  # fmt: skip
+
+
+class Reasoning(enum.StrEnum):
+    """llama-server's -rea/--reasoning: the chat templates' enable_thinking."""
+
+    ON = "on"  # true
+    OFF = "off"  # false
+    AUTO = "auto"  # true where the template reacts to it (the engine's ChatTemplate.supports_thinking)
+
+
+# --reasoning -> what llama-server adds to the template kwargs for it (common/arg.cpp)
+REASONING_KWARGS: Mapping[Reasoning, Mapping[str, Any]] = {
+    Reasoning.ON: {"enable_thinking": True},
+    Reasoning.OFF: {"enable_thinking": False},
+    Reasoning.AUTO: {},
+}
+# what llama-server always adds to the template kwargs (common_params_parse: --reasoning-preserve's default)
+ALWAYS_TEMPLATE_KWARGS: Mapping[str, Any] = {"preserve_reasoning": True}
 
 
 class ConfigError(ServerError):
@@ -91,7 +110,12 @@ class ServerConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     engine_command: tuple[str, ...] = ()  # empty: <this python> -m strata_engine.cli serve
     log_level: str = "info"
-    verbose: bool = False  # log everything (debug), the engine's log too
+    verbose: bool = False  # log everything (debug), the engine's log too; answers carry __verbose
+    reasoning: str = Reasoning.AUTO.value  # a Reasoning: the chat templates' enable_thinking
+    chat_template_kwargs: str = ""  # a JSON object: more chat template variables (a request's own win)
+    jinja: bool = (
+        True  # llama-server's --jinja: always on (a built-in name renders its C++ format, as --no-jinja)
+    )
     prefill_assistant: bool = (
         True  # a final assistant message is continued, as the peer (--no-prefill-assistant)
     )
@@ -146,6 +170,12 @@ class ServerConfig:
         if self.verbose:
             argv += ["--log-level", "DEBUG"]
         return argv
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template variables every request starts from (llama-server's default_template_kwargs:
+        preserve_reasoning unless given, --chat-template-kwargs, --reasoning on|off's enable_thinking)."""
+        given = json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
+        return {**ALWAYS_TEMPLATE_KWARGS, **given, **REASONING_KWARGS[Reasoning(self.reasoning)]}
 
     def effective_log_level(self) -> str:
         return "debug" if self.verbose else self.log_level.lower()
@@ -271,6 +301,18 @@ def _fold_cache_types(raw: dict[str, Any], problems: list[str]) -> None:
     raw["kv_type"] = given[0]
 
 
+def _check_template_kwargs(text: str) -> list[str]:
+    if not text:
+        return []
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return [f"chat_template_kwargs: not valid JSON: {exc}"]
+    if not isinstance(value, dict):
+        return [f"chat_template_kwargs: must be a JSON object, got {text[:64]!r}"]
+    return []
+
+
 def _check_values(config: ServerConfig) -> list[str]:
     problems = []
     if not config.host:
@@ -295,6 +337,13 @@ def _check_values(config: ServerConfig) -> list[str]:
             problems.append(f"api_key_file: cannot read {config.api_key_file}: {exc}")
     if config.pooling and config.pooling not in values(Pooling):
         problems.append(f"pooling: {config.pooling!r} is not one of {', '.join(values(Pooling))}")
+    if config.reasoning not in values(Reasoning):
+        problems.append(f"reasoning: {config.reasoning!r} is not one of {', '.join(values(Reasoning))}")
+    problems += _check_template_kwargs(config.chat_template_kwargs)
+    if not config.jinja:
+        problems.append(
+            "jinja: Strata always renders jinja (a built-in --chat-template name is its C++ format)"
+        )
     if config.http_threads < 1:
         problems.append(f"http_threads: {config.http_threads} must be at least 1")
     if config.timeout < 1:

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import falcon
 from strata_engine.sampling import SamplingParams
+from strata_engine.settings import MESSAGE_EXTRAS
 
 from .errors import ApiError, ErrorType, invalid_request
 from .slot_manager import invalid_slot_message
@@ -337,7 +338,7 @@ def parse_prompts(body: Mapping[str, Any], *, n_vocab: int | None, key: str = "p
     return prompts
 
 
-def parse_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+def parse_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid_request("'messages' must be a non-empty array")
@@ -348,7 +349,8 @@ def parse_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise invalid_request(f"'messages'[{index}].role must be a non-empty string")
-        out.append({"role": role, "content": _message_text(message.get("content"), index)})
+        extras = {key: message[key] for key in MESSAGE_EXTRAS if message.get(key) is not None}
+        out.append({"role": role, "content": _message_text(message.get("content"), index), **extras})
     return out
 
 

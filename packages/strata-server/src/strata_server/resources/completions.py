@@ -41,9 +41,10 @@ def prompt_text(prompt: str | list, lease: EngineLease) -> str:
     return "".join(parts)
 
 
-def wants_verbose(body: dict) -> bool:
-    """The peer's ``verbose``: an OpenAI answer also carries the native one as ``__verbose``."""
-    value = body.get("verbose", False)
+def wants_verbose(body: dict, default: bool) -> bool:
+    """The peer's ``verbose``: an OpenAI answer also carries the native one as ``__verbose``; the default is
+    the server's --verbose, as the peer's."""
+    value = body.get("verbose", default)
     if not isinstance(value, bool):
         raise invalid_request("'verbose' must be true or false")
     return value
@@ -70,7 +71,7 @@ def _respond_to_prompt(
     options = parse_options(body, n_vocab=n_vocab, n_slots=ctx.n_slots())
     options = attrs.evolve(options, sampling=with_defaults(options.sampling, ctx.config))
     info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
-    verbose = wants_verbose(body) and verbose_allowed
+    verbose = wants_verbose(body, ctx.config.verbose) and verbose_allowed
     extra = stream_fields(body, options.stream)
 
     def spec(prompt: str | list) -> TaskSpec:
@@ -119,7 +120,7 @@ class ChatCompletionResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body, top_logprobs = parse_chat_logprobs(read_json(req, self.ctx.config.max_body_bytes))
-        prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
+        prompt = parse_chat_prompt(body, self.ctx.config)
         n_choices = choice_count(body)
         check_task_count(1, n_choices)
         options = parse_options(
@@ -141,7 +142,7 @@ class ChatCompletionResource:
         spec = TaskSpec(
             {**prompt.engine_fields(), **options.engine_fields(), **stream_fields(body, options.stream)},
             ChatCompletionFormat,
-            verbose if wants_verbose(body) else None,
+            verbose if wants_verbose(body, self.ctx.config.verbose) else None,
         )
         client = ClientConnection.of(req.env)
         BatchRun(self.ctx, build_runs(self.ctx, info, client, [spec], n_choices), client).respond(resp)

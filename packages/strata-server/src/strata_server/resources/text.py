@@ -65,7 +65,7 @@ class ApplyTemplateResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.ctx.config.max_body_bytes)
-        prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
+        prompt = parse_chat_prompt(body, self.ctx.config)
         with self.ctx.engine.command() as lease:
             result = lease.call("APPLY_TEMPLATE", prompt.engine_fields())
         resp.media = {"prompt": result.get("prompt", "")}
@@ -79,7 +79,7 @@ class ChatInputTokensResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.ctx.config.max_body_bytes)
-        prompt = parse_chat_prompt(body, prefill_assistant=self.ctx.config.prefill_assistant)
+        prompt = parse_chat_prompt(body, self.ctx.config)
         add_bos = bool(self.ctx.engine_info().get("add_bos"))
         with self.ctx.engine.command() as lease:
             rendered = lease.call("APPLY_TEMPLATE", prompt.engine_fields()).get("prompt", "")
