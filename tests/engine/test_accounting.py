@@ -180,14 +180,21 @@ def test_every_key_gguf_py_knows_is_read_or_refused(model_files, name):
     )  # the rules ran: descriptive kept, typed refused
 
 
-# Tensors the families do not compute: llama3 RoPE factors, Q/K/V biases, QK norms, an expert router, and a
-# layer past block_count.
+# Tensors the families do not compute: Q/K/V biases and QK norms where the family has none, RoPE factors in
+# gemma3, an expert router, and a layer past block_count (llama's `rope_freqs.weight` is computed: the llama3
+# RoPE scaling, tests/engine/test_families.py).
 EXTRA_TENSORS = {
-    "smollm2": [("rope_freqs.weight", (32,)), ("blk.0.attn_q.bias", (576,)), ("blk.0.attn_q_norm.weight", (64,)),
+    "smollm2": [("blk.0.attn_q.bias", (576,)), ("blk.0.attn_q_norm.weight", (64,)),
                 ("blk.0.ffn_gate_inp.weight", (8, 576)), ("blk.30.attn_norm.weight", (576,))],
     "gemma3": [("rope_freqs.weight", (128,)), ("blk.0.attn_k.bias", (256,)), ("blk.0.ffn_gate_inp.weight", (8, 640)),
                ("blk.18.attn_norm.weight", (640,))],
 }  # fmt: skip
+
+
+def test_llama_rope_factors_of_the_wrong_length_are_refused_by_name(model_files):
+    """A `rope_freqs.weight` is read (llama3 RoPE scaling) only at rope_dim / 2 values."""
+    message = _refusal(_with_tensor(model_files["smollm2"], "rope_freqs.weight", (31,)), ModelConfigError)
+    assert message is not None and "rope_freqs.weight has shape (31,), expected (32,)" in message
 
 
 @pytest.mark.parametrize(
@@ -231,10 +238,10 @@ def test_the_keys_read_outside_the_config_are_the_table_s(metadata):
 @pytest.mark.parametrize(
     ("name", "metadata", "tensors", "named"),
     [
-        ("smollm2", {}, {"rope_freqs.weight": np.ones(32, np.float32)}, "rope_freqs.weight"),
+        ("smollm2", {}, {"blk.0.attn_q.bias": np.ones(576, np.float32)}, "blk.0.attn_q.bias"),
         ("gemma3", {"gemma3.final_logit_softcapping": 30.0}, {}, "gemma3.final_logit_softcapping"),
     ],
-    ids=["smollm2-llama3-rope-factors", "gemma3-final-softcap"],
+    ids=["smollm2-q-bias", "gemma3-final-softcap"],
 )
 def test_serve_refuses_a_real_file_naming_what_it_would_not_compute(
     request, tmp_path, name, metadata, tensors, named
