@@ -200,12 +200,15 @@ def _common(m: _Meta) -> dict[str, Any]:
     )
 
 
-def _standard(m: _Meta, arch: str, rope_style: RopeStyle, **facts: Any) -> ModelConfig:
+def _standard(
+    m: _Meta, arch: str, rope_style: RopeStyle, *, reads_rope_factors: bool = False, **facts: Any
+) -> ModelConfig:
     """A pre-norm SwiGLU decoder with one RoPE base for every layer and full causal attention (llama, qwen2,
-    qwen3): what differs is the RoPE pairing and the facts given (biases, QK norms)."""
+    qwen3): what differs is the RoPE pairing, whether the file may carry RoPE factors, and the facts given
+    (biases, QK norms)."""
     c = _common(m)
     rope_base = m.get("rope.freq_base", float, 10000.0)
-    rope_factors = m.tensor_values(ROPE_FACTORS_TENSOR, (c["rope_dim"] // 2,))
+    rope_factors = m.tensor_values(ROPE_FACTORS_TENSOR, (c["rope_dim"] // 2,)) if reads_rope_factors else None
     m.finish()
     return ModelConfig(
         architecture=arch,
@@ -227,7 +230,7 @@ ROPE_FACTORS_TENSOR = "rope_freqs.weight"
 
 
 def _llama(m: _Meta) -> ModelConfig:
-    return _standard(m, "llama", RopeStyle.INTERLEAVED, qk_norm=False)
+    return _standard(m, "llama", RopeStyle.INTERLEAVED, reads_rope_factors=True, qk_norm=False)
 
 
 def _qwen2(m: _Meta) -> ModelConfig:
