@@ -124,7 +124,9 @@ def test_configs_name_each_family_s_facts(files):
         "qwen2": ("qwen2", RopeStyle.NEOX, True, False, 4, 2, 32, False),
         "qwen3": ("qwen3", RopeStyle.NEOX, False, True, 4, 2, 64, False),
     }
-    assert configs["mistral"].rope_factors is None and "factors" not in configs["mistral"].rope_fingerprint()[0]
+    assert (
+        configs["mistral"].rope_factors is None and "factors" not in configs["mistral"].rope_fingerprint()[0]
+    )
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

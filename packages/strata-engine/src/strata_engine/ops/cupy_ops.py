@@ -293,7 +293,8 @@ class CupyOps(NumpyOps):
         if cos_all is None or cos_all.shape[0] < pos0 + n:
             cp = self.xp
             rows = max(4096, 1 << (pos0 + n - 1).bit_length())
-            inv_freq = cp.asarray(rope_angles(1, 1, base, rope_dim, factors)[0])  # float64: position 1's angles
+            # float64: position 1's angles
+            inv_freq = cp.asarray(rope_angles(1, 1, base, rope_dim, factors)[0])
             angles = cp.arange(rows, dtype=cp.float64)[:, None] * inv_freq[None, :]
             cos_all, sin_all = cp.cos(angles).astype(cp.float32), cp.sin(angles).astype(cp.float32)
             self._rope_cache[key] = (cos_all, sin_all)
