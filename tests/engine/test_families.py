@@ -1,5 +1,5 @@
 """The families beyond the real models' (Llama 3.x with its llama3 RoPE scaling, Mistral-style `llama`, Qwen2.5,
-Qwen3) against transformers, on tiny random-weight models written to GGUF as llama.cpp's converter writes them
+Qwen3, Phi-3 with a sliding window) against transformers, on tiny random-weight models written to GGUF as llama.cpp's converter writes them
 (support/families.py): f32, f16 and Q8_0 files, every CPU kernel set.
 
 For each, strata-engine's logits at every position (every row of chunked prefill passes, through
@@ -123,7 +123,12 @@ def test_configs_name_each_family_s_facts(files):
         "mistral": ("llama", RopeStyle.INTERLEAVED, False, False, 4, 2, 32, True),
         "qwen2": ("qwen2", RopeStyle.NEOX, True, False, 4, 2, 32, False),
         "qwen3": ("qwen3", RopeStyle.NEOX, False, True, 4, 2, 64, False),
+        "phi3": ("phi3", RopeStyle.NEOX, False, False, 4, 2, 32, False),
     }
+    assert {lc.window for lc in configs["phi3"].layers} == {16}
+    assert all(
+        lc.window is None for name in ("llama3", "mistral", "qwen2", "qwen3") for lc in configs[name].layers
+    )
     assert (
         configs["mistral"].rope_factors is None and "factors" not in configs["mistral"].rope_fingerprint()[0]
     )
@@ -153,6 +158,14 @@ REFUSED = [
     ("qwen2", {"qwen2.rope.scaling.type": "yarn"}, {}, "qwen2.rope.scaling.type"),
     ("qwen3", {"qwen3.attention.sliding_window": 16}, {}, "qwen3.attention.sliding_window"),
     ("llama3", {"llama.rope.scaling.type": "linear"}, {}, "llama.rope.scaling.type"),
+    (
+        "phi3",
+        {},
+        {"rope_factors_long.weight": (16,), "rope_factors_short.weight": (16,)},
+        "rope_factors_long.weight",
+    ),
+    ("phi3", {"phi3.rope.scaling.attn_factor": 1.19}, {}, "phi3.rope.scaling.attn_factor"),
+    ("phi3", {}, {"blk.0.attn_q.weight": (128, 128)}, "blk.0.attn_q.weight"),
 ]
 
 

@@ -44,7 +44,7 @@ class Family:
     config: dict[str, Any]
     permute_qk: bool  # `llama`: Q/K rows permuted for interleaved RoPE (LlamaModel.permute)
     rope_factors: bool = False  # llama3 RoPE scaling: rope_freqs.weight
-    writes_rope_dim: bool = False  # LlamaModel.set_gguf_parameters adds rope.dimension_count and vocab_size
+    keys: Callable[[gguf.GGUFWriter, Any], None] = lambda w, c: _text_model_keys(w, c)  # the converter's
 
 
 _COMMON = dict(
@@ -58,13 +58,13 @@ FAMILIES: dict[str, Family] = {
         dict(_COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 32}),
-        permute_qk=True, rope_factors=True, writes_rope_dim=True,
+        permute_qk=True, rope_factors=True, keys=lambda w, c: _llama_keys(w, c),
     ),
     # Mistral-style: plain RoPE, GQA, tied output.
     "mistral": Family(
         "llama", "LlamaConfig", "LlamaForCausalLM",
         dict(_COMMON, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-        permute_qk=True, writes_rope_dim=True,
+        permute_qk=True, keys=lambda w, c: _llama_keys(w, c),
     ),
     "qwen2": Family(
         "qwen2", "Qwen2Config", "Qwen2ForCausalLM",
@@ -75,6 +75,13 @@ FAMILIES: dict[str, Family] = {
         "qwen3", "Qwen3Config", "Qwen3ForCausalLM",
         dict(_COMMON, head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
         permute_qk=False,
+    ),
+    # Phi-3: fused QKV and gate-up tensors, a sliding window shorter than the test prompts on every layer.
+    "phi3": Family(
+        "phi3", "Phi3Config", "Phi3ForCausalLM",
+        dict(_COMMON, sliding_window=16, pad_token_id=0, bos_token_id=BOS, eos_token_id=EOS,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        permute_qk=False, keys=lambda w, c: _phi3_keys(w, c),
     ),
 }  # fmt: skip
 
@@ -87,6 +94,7 @@ LAYER_TENSORS = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
 }  # fmt: skip
 TOP_TENSORS = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -165,11 +173,7 @@ def _tokenizer(w: gguf.GGUFWriter) -> None:
     w.add_add_bos_token(True)
 
 
-def write_gguf(model: Any, family: Family, path: Path, file_type: str) -> Path:
-    """The model as convert_hf_to_gguf.py --outtype `file_type` writes it."""
-    ftype, qtype = FILE_TYPES[file_type]
-    c = model.config
-    w = gguf.GGUFWriter(str(path), family.arch)
+def _shape_keys(w: gguf.GGUFWriter, c: Any) -> None:
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -178,13 +182,37 @@ def write_gguf(model: Any, family: Family, path: Path, file_type: str) -> Path:
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    if "head_dim" in c.to_dict() and c.head_dim is not None:
+
+
+def _text_model_keys(w: gguf.GGUFWriter, c: Any) -> None:
+    """TextModel.set_gguf_parameters (llama3's RoPE type writes no scaling key: its factors are a tensor)."""
+    _shape_keys(w, c)
+    if getattr(c, "head_dim", None) is not None:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
+
+
+def _llama_keys(w: gguf.GGUFWriter, c: Any) -> None:
+    """LlamaModel.set_gguf_parameters: TextModel's, the vocabulary size and the RoPE dimensions."""
+    _text_model_keys(w, c)
+    w.add_vocab_size(c.vocab_size)
+    w.add_rope_dimension_count(c.head_dim or c.hidden_size // c.num_attention_heads)
+
+
+def _phi3_keys(w: gguf.GGUFWriter, c: Any) -> None:
+    """Phi3MiniModel.set_gguf_parameters (its own: no key length; the window 0 where the config has none)."""
+    _shape_keys(w, c)
+    w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_sliding_window(c.sliding_window or 0)
+
+
+def write_gguf(model: Any, family: Family, path: Path, file_type: str) -> Path:
+    """The model as convert_hf_to_gguf.py --outtype `file_type` writes it."""
+    ftype, qtype = FILE_TYPES[file_type]
+    w = gguf.GGUFWriter(str(path), family.arch)
+    family.keys(w, model.config)
     w.add_file_type(ftype)
-    if family.writes_rope_dim:
-        w.add_vocab_size(c.vocab_size)
-        w.add_rope_dimension_count(c.head_dim or c.hidden_size // c.num_attention_heads)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _tokenizer(w)
     for name, tensor in _gguf_tensors(model, family).items():

@@ -201,14 +201,18 @@ def _common(m: _Meta) -> dict[str, Any]:
 
 
 def _standard(
-    m: _Meta, arch: str, rope_style: RopeStyle, *, reads_rope_factors: bool = False, **facts: Any
-) -> ModelConfig:
-    """A pre-norm SwiGLU decoder with one RoPE base for every layer and full causal attention (llama, qwen2,
-    qwen3): what differs is the RoPE pairing, whether the file may carry RoPE factors, and the facts given
-    (biases, QK norms)."""
+    m: _Meta, arch: str, rope_style: RopeStyle, *, reads_rope_factors: bool = False, reads_window: bool = False,
+    **facts: Any,
+) -> ModelConfig:  # fmt: skip
+    """A pre-norm SwiGLU decoder with one RoPE base and one attention span for every layer (llama, qwen2, qwen3,
+    phi3): what differs is the RoPE pairing, whether the file may carry RoPE factors or a sliding window (every
+    layer's: phi3; 0 = none), and the facts given (biases, QK norms)."""
     c = _common(m)
     rope_base = m.get("rope.freq_base", float, 10000.0)
     rope_factors = m.tensor_values(ROPE_FACTORS_TENSOR, (c["rope_dim"] // 2,)) if reads_rope_factors else None
+    window = m.get("attention.sliding_window", int, 0) if reads_window else 0
+    if window < 0:
+        m.problems.append(f"{m.arch}.attention.sliding_window must not be negative, got {window}")
     m.finish()
     return ModelConfig(
         architecture=arch,
@@ -217,7 +221,7 @@ def _standard(
         attn_scale=1.0 / math.sqrt(c["head_dim"]),
         embed_scale=1.0,
         post_norms=False,
-        layers=tuple(LayerConfig(rope_base=rope_base, window=None) for _ in range(c["n_layer"])),
+        layers=tuple(LayerConfig(rope_base=rope_base, window=window or None) for _ in range(c["n_layer"])),
         rope_factors=rope_factors,
         config_tensors=tuple(m.tensors_read),
         **facts,
@@ -239,6 +243,11 @@ def _qwen2(m: _Meta) -> ModelConfig:
 
 def _qwen3(m: _Meta) -> ModelConfig:
     return _standard(m, "qwen3", RopeStyle.NEOX, qk_norm=True)
+
+
+def _phi3(m: _Meta) -> ModelConfig:
+    # the window as transformers applies it (llama.cpp b11549 turns Phi-3's off: it differs past the window)
+    return _standard(m, "phi3", RopeStyle.NEOX, reads_window=True, qk_norm=False)
 
 
 # gemma3 facts the GGUF leaves out: every 6th layer (il % 6 == 5) is global with the file's rope base
@@ -274,5 +283,5 @@ def _gemma3(m: _Meta) -> ModelConfig:
 
 
 ARCHITECTURES: dict[str, Callable[[_Meta], ModelConfig]] = {
-    "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma3": _gemma3,
+    "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3, "gemma3": _gemma3,
 }  # fmt: skip

@@ -127,6 +127,7 @@ DEFAULT_COMPUTE_DTYPE: dict[str, dict[str, ComputeDType]] = {
     # Qwen2.5 and Qwen3 are trained in bf16 and their activation outliers are known to overflow f16
     "qwen2": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.BF16},
     "qwen3": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.BF16},
+    "phi3": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.BF16},  # trained in bf16 likewise
 }
 
 

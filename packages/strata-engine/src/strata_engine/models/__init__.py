@@ -9,13 +9,14 @@ from ..ops import Ops
 from .common import Decoder, TensorCensus, WeightLoader
 from .gemma3 import Gemma3Model
 from .llama import LlamaModel
+from .phi3 import Phi3Model
 from .qwen2 import Qwen2Model
 from .qwen3 import Qwen3Model
 
 Model = Decoder
 
 MODEL_FAMILIES: dict[str, type[Model]] = {
-    "llama": LlamaModel, "qwen2": Qwen2Model, "qwen3": Qwen3Model, "gemma3": Gemma3Model,
+    "llama": LlamaModel, "qwen2": Qwen2Model, "qwen3": Qwen3Model, "phi3": Phi3Model, "gemma3": Gemma3Model,
 }  # fmt: skip
 
 
@@ -47,6 +48,6 @@ def build_model(config: ModelConfig, ops: Ops, gguf_file: GGUFFile) -> Model:
 
 
 __all__ = [
-    "MODEL_FAMILIES", "Gemma3Model", "LlamaModel", "Model", "Qwen2Model", "Qwen3Model", "account_tensors",
+    "MODEL_FAMILIES", "Gemma3Model", "LlamaModel", "Model", "Phi3Model", "Qwen2Model", "Qwen3Model", "account_tensors",
     "build_model",
 ]  # fmt: skip
