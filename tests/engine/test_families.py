@@ -48,6 +48,10 @@ from support.gguf_variants import with_additions
 EXACT_BOUND = 1e-4
 # With the q8 products (numba-q8 where AVX512-VNNI runs them) activations are quantized to int8 per 32 values.
 Q8_BOUND = 0.1
+# On the GPU with float32 compute and K/V (cuBLAS float32 accumulation, no TF32; the exact attention path).
+GPU_F32_BOUND = 1e-3
+# On the GPU with the default compute dtype (f16 for llama, bf16 for the others) and f16 K/V.
+GPU_DEFAULT_BOUND = 0.25
 KERNELS = ("numpy", "numba", "numba-q8")
 PROMPT = [BOS] + np.random.default_rng(40).integers(0, 256, 39).tolist()
 PREFILL_CHUNK = 16  # chunked passes at depth: K/V written and attended across chunks
@@ -134,11 +138,33 @@ def test_configs_name_each_family_s_facts(files):
     )
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_session_restores_in_a_fresh_runner_with_the_next_logits_bit_equal(files, tmp_path, family):
+@pytest.mark.parametrize("compute", ["f32", "default"])
+def test_gpu_logits_match_transformers(files, family, compute):
+    """On the device (CuPy, CUDA graphs for the decode steps): a prefill's last row, then decode steps."""
+    path = files(family, "q8_0")
+    ref = _reference(path, family)
+    exact = compute == "f32"
+    runner = ModelRunner.load(
+        EngineSettings(model_path=path, n_ctx=128, backend="cupy", compute_dtype="f32" if exact else None,
+                       kv_type="f32" if exact else "f16")
+    )  # fmt: skip
+    split = 24
+    steps = [runner.prefill(PROMPT[:split]).logits] + [runner.decode(t) for t in PROMPT[split:]]
+    _check(
+        np.stack(steps), ref[split - 1 :], GPU_F32_BOUND if exact else GPU_DEFAULT_BOUND, f"cupy {compute}"
+    )
+
+
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_session_restores_in_a_fresh_runner_with_the_next_logits_bit_equal(
+    files, tmp_path, family, backend
+):
     """Default kernels and K/V storage on the Q8_0 file: save after a prompt, restore into a runner loaded
     anew, and the next token's logits (and the one after) equal the runner's that never stopped."""
-    settings = EngineSettings(model_path=files(family, "q8_0"), n_ctx=128)
+    settings = EngineSettings(model_path=files(family, "q8_0"), n_ctx=128, backend=backend)
     source = ModelRunner.load(settings)
     source.prefill(PROMPT)
     sf.save(tmp_path / "s.ssf", EngineSession(source))
