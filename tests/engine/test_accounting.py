@@ -18,6 +18,7 @@ from strata_engine.chat import ChatTemplate
 from strata_engine.config import ModelConfig
 from strata_engine.embedding import model_pooling
 from strata_engine.errors import ModelConfigError, UncomputedModelPart
+from strata_engine.gguf import read_gguf
 from strata_engine.gguf.reader import TensorInfo
 from strata_engine.models import account_tensors
 from strata_engine.tokenizer import Tokenizer
@@ -26,6 +27,7 @@ from support.gguf_variants import with_additions
 from .engine_cli import run_cli
 
 MODELS = ("smollm2", "gemma3")
+FAMILY_FILES = ("llama3", "qwen2", "qwen3", "phi3")  # support/families.py
 ARCH = {"smollm2": "llama", "gemma3": "gemma3"}
 
 
@@ -162,11 +164,12 @@ ACCEPTED_UNREAD = ("general.", "quantize.", "tokenizer.chat_template.", "tokeniz
                    "{arch}.rope.scaling.original_context_length")  # fmt: skip
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_every_key_gguf_py_knows_is_read_or_refused(model_files, name):
+@pytest.mark.parametrize("name", MODELS + FAMILY_FILES)
+def test_every_key_gguf_py_knows_is_read_or_refused(model_files, family_files, name):
     """Each key the GGUF converters write, added with a value no rule accepts, is refused unless the engine
-    reads it (its reader then refuses the value or uses it) or the key only describes (general.*, ...)."""
-    file = model_files[name]
+    reads it (its reader then refuses the value or uses it) or the key only describes (general.*, ...): for the
+    real models and each family's tiny model (support/families.py)."""
+    file = model_files[name] if name in MODELS else read_gguf(family_files(name, "f32"))
     arch = file.architecture
     reviewed = tuple(p.format(arch=arch) for p in ACCEPTED_UNREAD)
     kept = [

@@ -39,7 +39,6 @@ from support.families import (
     llama3_rope_factors,
     reference_logits,
     reference_model,
-    write_gguf,
 )
 from support.gguf_variants import with_additions
 
@@ -57,17 +56,9 @@ PROMPT = [BOS] + np.random.default_rng(40).integers(0, 256, 39).tolist()
 PREFILL_CHUNK = 16  # chunked passes at depth: K/V written and attended across chunks
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    """(family, file type) -> the tiny model's GGUF, written once per module."""
-    folder = tmp_path_factory.mktemp("families")
-
-    @functools.cache
-    def file(family: str, file_type: str) -> Path:
-        f = FAMILIES[family]
-        return write_gguf(hf_model(f), f, folder / f"{family}-{file_type}.gguf", file_type)
-
-    return file
+@pytest.fixture
+def files(family_files):
+    return family_files
 
 
 @functools.cache
