@@ -42,8 +42,8 @@ from support.families import (
 )
 from support.gguf_variants import with_additions
 
-# |logit difference| against transformers' float32 forward with float32 compute and K/V: sums in another order
-# only (measured at most 5e-6 on logits up to ~4 in magnitude, every family, file type and CPU kernel set).
+# |logit difference| against transformers' float32 forward (bench/engine/DECISIONS.md "The families' bounds"):
+# float32 compute and K/V, sums in another order only.
 EXACT_BOUND = 1e-4
 # With the q8 products (numba-q8 where AVX512-VNNI runs them) activations are quantized to int8 per 32 values.
 Q8_BOUND = 0.1
