@@ -1,5 +1,5 @@
 """The families beyond the real models' (Llama 3.x with its llama3 RoPE scaling, Mistral-style `llama`, Qwen2.5,
-Qwen3, Phi-3 with a sliding window) against transformers, on tiny random-weight models written to GGUF as llama.cpp's converter writes them
+Qwen3, Phi-3 with a sliding window, Phi-3.5 / Phi-4-mini's longrope) against transformers, on tiny random-weight models written to GGUF as llama.cpp's converter writes them
 (support/families.py): f32, f16 and Q8_0 files, every CPU kernel set.
 
 For each, strata-engine's logits at every position (every row of chunked prefill passes, through
@@ -23,7 +23,7 @@ import pytest
 import strata_sessionfile as sf
 from strata_engine.config import ModelConfig, RopeStyle
 from strata_engine.embedding import hidden_states
-from strata_engine.errors import UncomputedModelPart
+from strata_engine.errors import SettingsError, UncomputedModelPart
 from strata_engine.gguf import read_gguf
 from strata_engine.models import account_tensors, build_model
 from strata_engine.ops import get_ops
@@ -107,6 +107,24 @@ def test_llama3_rope_factors_are_computed(files):
     assert np.abs(logits - _reference(path, "llama3")).max() > 100 * EXACT_BOUND
 
 
+def test_phi3_longrope_factors_follow_the_context(files):
+    """The long factors where the context exceeds the original one (llama.cpp's choice; transformers' for a
+    sequence that long), the short ones within it; cos / sin times the file's attention factor either way; a
+    sibling across the original context is refused (its rotation would differ from the loaded model's)."""
+    path = files("phi3_longrope", "f32")
+    config = ModelConfig.from_gguf(read_gguf(path))
+    params = hf_model(FAMILIES["phi3_longrope"]).config.rope_parameters
+    assert config.long_rope is not None and config.long_rope.original_context == 32
+    long, short = config.for_context(128), config.for_context(32)
+    assert long.rope_factors == tuple(np.float32(params["long_factor"]).tolist())
+    assert short.rope_factors == tuple(np.float32(params["short_factor"]).tolist())
+    assert long.rope_scale == short.rope_scale == pytest.approx(np.sqrt(1 + np.log(8) / np.log(32)))
+    runner = ModelRunner.load(EngineSettings(model_path=path, n_ctx=128, cpu_kernels="numpy"))
+    assert runner.config == long
+    with pytest.raises(SettingsError, match="longrope"):
+        runner.sibling(n_ctx=32)
+
+
 def test_configs_name_each_family_s_facts(files):
     configs = {name: ModelConfig.from_gguf(read_gguf(files(name, "f32"))) for name in FAMILIES}
     facts = {
@@ -119,10 +137,13 @@ def test_configs_name_each_family_s_facts(files):
         "qwen2": ("qwen2", RopeStyle.NEOX, True, False, 4, 2, 32, False),
         "qwen3": ("qwen3", RopeStyle.NEOX, False, True, 4, 2, 64, False),
         "phi3": ("phi3", RopeStyle.NEOX, False, False, 4, 2, 32, False),
+        "phi3_longrope": ("phi3", RopeStyle.NEOX, False, False, 4, 2, 32, False),
     }
     assert {lc.window for lc in configs["phi3"].layers} == {16}
     assert all(
-        lc.window is None for name in ("llama3", "mistral", "qwen2", "qwen3") for lc in configs[name].layers
+        lc.window is None
+        for name in ("llama3", "mistral", "qwen2", "qwen3", "phi3_longrope")
+        for lc in configs[name].layers
     )
     assert (
         configs["mistral"].rope_factors is None and "factors" not in configs["mistral"].rope_fingerprint()[0]
@@ -175,12 +196,7 @@ REFUSED = [
     ("qwen2", {"qwen2.rope.scaling.type": "yarn"}, {}, "qwen2.rope.scaling.type"),
     ("qwen3", {"qwen3.attention.sliding_window": 16}, {}, "qwen3.attention.sliding_window"),
     ("llama3", {"llama.rope.scaling.type": "linear"}, {}, "llama.rope.scaling.type"),
-    (
-        "phi3",
-        {},
-        {"rope_factors_long.weight": (16,), "rope_factors_short.weight": (16,)},
-        "rope_factors_long.weight",
-    ),
+    ("qwen2", {}, {"rope_factors_long.weight": (16,)}, "rope_factors_long.weight"),
     ("phi3", {"phi3.rope.scaling.attn_factor": 1.19}, {}, "phi3.rope.scaling.attn_factor"),
     ("phi3", {}, {"blk.0.attn_q.weight": (128, 128)}, "blk.0.attn_q.weight"),
 ]

@@ -4,8 +4,8 @@ the Q/K row permutation of `llama`, the llama3 `rope_freqs.weight`), in f32, f16
 float32 logits on exactly the weights a file holds (read back from it and dequantized by `gguf`).
 
 No model is downloaded: the weights are random (seeded), every feature of the family switched on (llama3 RoPE
-scaling with an original context shorter than the test prompts, GQA, Q/K/V biases, per-head QK norms, untied
-output where the family allows it). gguf-py quantizes Q8_0 but not Q4_K or Q6_K (its `quantize` raises
+scaling and Phi-3's longrope with an original context shorter than the test prompts, GQA, Q/K/V biases,
+per-head QK norms, sliding windows, untied output where the family allows it). gguf-py quantizes Q8_0 but not Q4_K or Q6_K (its `quantize` raises
 NotImplementedError for the k-quants), so those types are not written here.
 """
 
@@ -81,6 +81,16 @@ FAMILIES: dict[str, Family] = {
         "phi3", "Phi3Config", "Phi3ForCausalLM",
         dict(_COMMON, sliding_window=16, pad_token_id=0, bos_token_id=BOS, eos_token_id=EOS,
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        permute_qk=False, keys=lambda w, c: _phi3_keys(w, c),
+    ),
+    # Phi-3.5 / Phi-4-mini: longrope (an original context shorter than the test prompts: the long factors), no
+    # window (written as 0).
+    "phi3_longrope": Family(
+        "phi3", "Phi3Config", "Phi3ForCausalLM",
+        dict(_COMMON, pad_token_id=0, bos_token_id=BOS, eos_token_id=EOS, original_max_position_embeddings=32,
+             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                              "short_factor": np.linspace(1.0, 1.5, 16).tolist(),
+                              "long_factor": np.linspace(1.0, 6.0, 16).tolist()}),
         permute_qk=False, keys=lambda w, c: _phi3_keys(w, c),
     ),
 }  # fmt: skip
@@ -200,11 +210,18 @@ def _llama_keys(w: gguf.GGUFWriter, c: Any) -> None:
 
 
 def _phi3_keys(w: gguf.GGUFWriter, c: Any) -> None:
-    """Phi3MiniModel.set_gguf_parameters (its own: no key length; the window 0 where the config has none)."""
+    """Phi3MiniModel.set_gguf_parameters (its own: no key length; the window 0 where the config has none), and
+    with longrope factors generate_extra_tensors' attention factor."""
     _shape_keys(w, c)
-    w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+    original = c.rope_parameters.get("original_max_position_embeddings", c.original_max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(original)
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     w.add_sliding_window(c.sliding_window or 0)
+    if c.rope_parameters.get("long_factor"):
+        scale = c.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        )
 
 
 def write_gguf(model: Any, family: Family, path: Path, file_type: str) -> Path:
@@ -244,6 +261,9 @@ def _gguf_tensors(model: Any, family: Family) -> dict[str, np.ndarray]:
         out[f"blk.{i}.{LAYER_TENSORS[rest]}"] = data
     if family.rope_factors:
         out["rope_freqs.weight"] = llama3_rope_factors(c)
+    if long := c.rope_parameters.get("long_factor"):  # Phi3MiniModel.generate_extra_tensors
+        out["rope_factors_long.weight"] = np.asarray(long, dtype=np.float32)
+        out["rope_factors_short.weight"] = np.asarray(c.rope_parameters["short_factor"], dtype=np.float32)
     return out
 
 

@@ -42,6 +42,18 @@ class LayerConfig:
 
 
 @attrs.frozen
+class LongRope:
+    """Phi-3's longrope scaling: RoPE frequency divisors for a context up to `original_context` tokens
+    (`short`) and beyond (`long`), chosen by the context the model runs with (llama.cpp's rule), and cos / sin
+    multiplied by `attn_factor`."""
+
+    original_context: int
+    short: tuple[float, ...]
+    long: tuple[float, ...]
+    attn_factor: float
+
+
+@attrs.frozen
 class ModelConfig:
     architecture: str
     n_vocab: int
@@ -68,6 +80,16 @@ class ModelConfig:
     qkv_bias: bool = False  # Q/K/V projections add a bias (qwen2)
     # tensors the config builder read (their values are in the config): accounted for as computed
     config_tensors: tuple[str, ...] = ()
+    rope_scale: float = 1.0  # cos / sin multiplied by it (longrope's attention factor)
+    long_rope: LongRope | None = None  # `for_context` resolves it into rope_factors and rope_scale
+
+    def for_context(self, n_ctx: int) -> ModelConfig:
+        """The config as it computes with n_ctx positions a conversation (longrope's factors chosen)."""
+        lr = self.long_rope
+        if lr is None:
+            return self
+        factors = lr.long if n_ctx > lr.original_context else lr.short
+        return attrs.evolve(self, rope_factors=factors, rope_scale=lr.attn_factor)
 
     @property
     def n_group(self) -> int:
@@ -90,7 +112,9 @@ class ModelConfig:
     def rope_fingerprint(self) -> list[dict[str, Any]]:
         """The resolved RoPE configuration per layer (part of the session file's config fingerprint; the
         factors only where a file has them, so files without keep the fingerprint they had)."""
-        factors = {} if self.rope_factors is None else {"factors": list(self.rope_factors)}
+        factors: dict[str, Any] = {} if self.rope_factors is None else {"factors": list(self.rope_factors)}
+        if self.rope_scale != 1.0:
+            factors["scale"] = self.rope_scale
         return [
             {
                 "style": self.rope_style.value,
@@ -245,9 +269,28 @@ def _qwen3(m: _Meta) -> ModelConfig:
     return _standard(m, "qwen3", RopeStyle.NEOX, qk_norm=True)
 
 
+def _long_rope(m: _Meta, rope_dim: int) -> LongRope | None:
+    """Phi-3's longrope factors (both tensors, with their original context and attention factor), or None."""
+    short = m.tensor_values("rope_factors_short.weight", (rope_dim // 2,))
+    long = m.tensor_values("rope_factors_long.weight", (rope_dim // 2,))
+    if short is None and long is None:
+        return None
+    if short is None or long is None:
+        m.problems.append("longrope needs both rope_factors_short.weight and rope_factors_long.weight")
+        return None
+    return LongRope(
+        original_context=m.positive("rope.scaling.original_context_length"),
+        short=short,
+        long=long,
+        attn_factor=m.get("rope.scaling.attn_factor", float, 1.0),
+    )
+
+
 def _phi3(m: _Meta) -> ModelConfig:
     # the window as transformers applies it (llama.cpp b11549 turns Phi-3's off: it differs past the window)
-    return _standard(m, "phi3", RopeStyle.NEOX, reads_window=True, qk_norm=False)
+    long_rope = _long_rope(m, m.get("rope.dimension_count", int, required=False) or 0)
+    config = _standard(m, "phi3", RopeStyle.NEOX, reads_window=True, qk_norm=False)
+    return attrs.evolve(config, long_rope=long_rope)
 
 
 # gemma3 facts the GGUF leaves out: every 6th layer (il % 6 == 5) is global with the file's rope base

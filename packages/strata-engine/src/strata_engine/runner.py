@@ -160,6 +160,7 @@ class ModelRunner:
         config = ModelConfig.from_gguf(gguf_file)
         if (problem := settings.slot_problem(settings.n_ctx_total(config.n_ctx_train))) is not None:
             raise SettingsError([problem])  # the model's default context, shared by too many slots
+        config = config.for_context(settings.n_ctx_slot(config.n_ctx_train))
         settings = resolve_settings(settings, config.architecture)
         assert settings.compute_dtype is not None and settings.cpu_kernels is not None  # resolved just above
         ops = get_ops(
@@ -180,7 +181,10 @@ class ModelRunner:
         fixed = {"model_path", "compute_dtype", "backend", "cpu_kernels", "threads", "poll"} & set(changes)
         if fixed:
             raise SettingsError([f"{name} cannot differ from the loaded model's" for name in sorted(fixed)])
-        return attrs.evolve(self.settings, **changes)
+        settings = attrs.evolve(self.settings, **changes)
+        if self.config.for_context(settings.n_ctx_slot(self.config.n_ctx_train)) != self.config:
+            raise SettingsError(["n_ctx crosses the model's longrope original context: load the model anew"])
+        return settings
 
     @classmethod
     def _assemble(

@@ -125,7 +125,8 @@ def rope_tables(ops: Ops, config: ModelConfig, rows: Rows) -> RopeTables:
     tables = {}
     for base in {lc.rope_base for lc in config.layers}:
         per_span = [
-            ops.rope_tables(s.pos0, s.n, base, config.rope_dim, config.rope_factors) for s in rows.spans
+            ops.rope_tables(s.pos0, s.n, base, config.rope_dim, config.rope_factors, config.rope_scale)
+            for s in rows.spans
         ]
         tables[base] = (
             per_span[0]

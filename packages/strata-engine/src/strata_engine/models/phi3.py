@@ -1,17 +1,19 @@
-"""The phi3 family (Phi-3 and Phi-4-mini without longrope factors: files holding them are refused).
+"""The phi3 family (Phi-3, Phi-3.5 and Phi-4-mini).
 
 x = embed(tokens)
 for each layer:
     h = rms_norm(x) * attn_norm
     q | k | v = h Wqkv^T                                     (one fused tensor, attn_qkv)
-    q, k = rope_neox(q, k, pos)                              (rotate-half)
+    q, k = rope_neox(q, k, pos)       (rotate-half; longrope: theta_i / factors[i], cos and sin times attn_factor,
+                                       the long factors where the context exceeds the original one)
     x = x + softmax(q k^T / sqrt(D) + causal/window mask) v Wo^T    (every layer's window: sliding_window)
     h = rms_norm(x) * ffn_norm
     g | u = h Wgu^T                                          (one fused tensor, ffn_up: [Wg; Wu])
     x = x + (silu(g) * u) Wd^T
 logits = (rms_norm(x_last) * output_norm) W_out^T
 
-The pass itself is `common.Decoder`'s: the file's fused tensors are its stacked [Wq; Wk; Wv] and [Wg; Wu].
+The pass itself is `common.Decoder`'s: the file's fused tensors are its stacked [Wq; Wk; Wv] and [Wg; Wu];
+the longrope factors (`rope_factors_long/short.weight`) are read by the config (`ModelConfig.for_context`).
 """
 
 from __future__ import annotations

@@ -73,10 +73,11 @@ class Ops(Protocol):
     def gated_mlp(self, x: Any, w_gate_up: Any, w_down: Any, activation: Activation) -> Any: ...
 
     def rope_tables(
-        self, pos0: int, n: int, base: float, rope_dim: int, factors: tuple[float, ...] | None = None
-    ) -> tuple[Any, Any]:
+        self, pos0: int, n: int, base: float, rope_dim: int, factors: tuple[float, ...] | None = None,
+        scale: float = 1.0,
+    ) -> tuple[Any, Any]:  # fmt: skip
         """cos, sin [n, rope_dim / 2] for positions pos0 .. pos0 + n - 1, frequency i divided by factors[i]
-        where given."""
+        where given, both multiplied by `scale`."""
 
     def rope(self, x: Any, cos: Any, sin: Any, style: RopeStyle) -> Any: ...
 

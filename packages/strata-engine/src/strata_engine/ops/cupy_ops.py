@@ -110,7 +110,7 @@ class CupyOps(NumpyOps):
         self._pending_copy: list[int] | None = None  # [dest, src, nbytes, kind] not yet queued (copy_bytes)
         self.score_budget = ATTENTION_SCORE_BUDGET  # bytes of float32 scores per attention key block
         self.flash_min_tiles = FLASH_DECODE_MIN_TILES  # key tiles per split of a decode launch at least
-        self._rope_cache: dict[tuple[float, int, tuple[float, ...] | None], tuple[Any, Any]] = {}
+        self._rope_cache: dict[tuple[float, int, tuple[float, ...] | None, float], tuple[Any, Any]] = {}
 
     # ---- data movement -------------------------------------------------------------------------
     def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:
@@ -283,12 +283,13 @@ class CupyOps(NumpyOps):
 
     # ---- rotary position embedding -------------------------------------------------------------
     def rope_tables(
-        self, pos0: int, n: int, base: float, rope_dim: int, factors: tuple[float, ...] | None = None
-    ) -> tuple[Any, Any]:
+        self, pos0: int, n: int, base: float, rope_dim: int, factors: tuple[float, ...] | None = None,
+        scale: float = 1.0,
+    ) -> tuple[Any, Any]:  # fmt: skip
         """float32 device tables whatever the compute dtype (the kernel rotates in float32): slices of
         per-base tables made on the device (float64 angles and cos/sin, rounded once), grown by
         doubling (made on the host they cost a chunk milliseconds: bench/gpu/DECISIONS.md "Work kept on the device")."""
-        key = (base, rope_dim, factors)
+        key = (base, rope_dim, factors, scale)
         cos_all, sin_all = self._rope_cache.get(key, (None, None))
         if cos_all is None or cos_all.shape[0] < pos0 + n:
             cp = self.xp
@@ -296,7 +297,10 @@ class CupyOps(NumpyOps):
             # float64: position 1's angles
             inv_freq = cp.asarray(rope_angles(1, 1, base, rope_dim, factors)[0])
             angles = cp.arange(rows, dtype=cp.float64)[:, None] * inv_freq[None, :]
-            cos_all, sin_all = cp.cos(angles).astype(cp.float32), cp.sin(angles).astype(cp.float32)
+            cos_all, sin_all = (
+                (scale * cp.cos(angles)).astype(cp.float32),
+                (scale * cp.sin(angles)).astype(cp.float32),
+            )
             self._rope_cache[key] = (cos_all, sin_all)
         return cos_all[pos0 : pos0 + n], sin_all[pos0 : pos0 + n]
 

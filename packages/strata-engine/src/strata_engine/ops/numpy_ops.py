@@ -135,14 +135,18 @@ class NumpyOps:
 
     # ---- rotary position embedding -------------------------------------------------------------
     def rope_tables(
-        self, pos0: int, n: int, base: float, rope_dim: int, factors: tuple[float, ...] | None = None
-    ) -> tuple[Any, Any]:
+        self, pos0: int, n: int, base: float, rope_dim: int, factors: tuple[float, ...] | None = None,
+        scale: float = 1.0,
+    ) -> tuple[Any, Any]:  # fmt: skip
         """cos, sin [n, rope_dim/2] for positions pos0 .. pos0+n-1: theta_i = pos * base^(-2i/rope_dim)
-        / factors[i] (factors None: all 1).
+        / factors[i] (factors None: all 1), cos and sin times `scale` (longrope's attention factor).
 
         Angles are formed in float64 (exact for any position below 2^53) and rounded once."""
         angles = rope_angles(pos0, n, base, rope_dim, factors)
-        return self.asarray(np.cos(angles), self.dtype), self.asarray(np.sin(angles), self.dtype)
+        cos, sin = np.cos(angles), np.sin(angles)
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return self.asarray(cos, self.dtype), self.asarray(sin, self.dtype)
 
     def rope(self, x: Any, cos: Any, sin: Any, style: RopeStyle) -> Any:
         """Rotate x [T, heads, D] (first rope_dim dims) by the tables [T, rope_dim/2]."""
