@@ -18,6 +18,7 @@ from strata_engine.chat import ChatTemplate
 from strata_engine.config import ModelConfig
 from strata_engine.embedding import model_pooling
 from strata_engine.errors import ModelConfigError, UncomputedModelPart
+from strata_engine.gguf import read_gguf
 from strata_engine.gguf.reader import TensorInfo
 from strata_engine.models import account_tensors
 from strata_engine.tokenizer import Tokenizer
@@ -26,6 +27,7 @@ from support.gguf_variants import with_additions
 from .engine_cli import run_cli
 
 MODELS = ("smollm2", "gemma3")
+FAMILY_FILES = ("llama3", "qwen2", "qwen3", "phi3", "phi3_longrope")  # support/families.py
 ARCH = {"smollm2": "llama", "gemma3": "gemma3"}
 
 
@@ -162,11 +164,12 @@ ACCEPTED_UNREAD = ("general.", "quantize.", "tokenizer.chat_template.", "tokeniz
                    "{arch}.rope.scaling.original_context_length")  # fmt: skip
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_every_key_gguf_py_knows_is_read_or_refused(model_files, name):
+@pytest.mark.parametrize("name", MODELS + FAMILY_FILES)
+def test_every_key_gguf_py_knows_is_read_or_refused(model_files, family_files, name):
     """Each key the GGUF converters write, added with a value no rule accepts, is refused unless the engine
-    reads it (its reader then refuses the value or uses it) or the key only describes (general.*, ...)."""
-    file = model_files[name]
+    reads it (its reader then refuses the value or uses it) or the key only describes (general.*, ...): for the
+    real models and each family's tiny model (support/families.py)."""
+    file = model_files[name] if name in MODELS else read_gguf(family_files(name, "f32"))
     arch = file.architecture
     reviewed = tuple(p.format(arch=arch) for p in ACCEPTED_UNREAD)
     kept = [
@@ -180,14 +183,21 @@ def test_every_key_gguf_py_knows_is_read_or_refused(model_files, name):
     )  # the rules ran: descriptive kept, typed refused
 
 
-# Tensors the families do not compute: llama3 RoPE factors, Q/K/V biases, QK norms, an expert router, and a
-# layer past block_count.
+# Tensors the families do not compute: Q/K/V biases and QK norms where the family has none, RoPE factors in
+# gemma3, an expert router, and a layer past block_count (llama's `rope_freqs.weight` is computed: the llama3
+# RoPE scaling, tests/engine/test_families.py).
 EXTRA_TENSORS = {
-    "smollm2": [("rope_freqs.weight", (32,)), ("blk.0.attn_q.bias", (576,)), ("blk.0.attn_q_norm.weight", (64,)),
+    "smollm2": [("blk.0.attn_q.bias", (576,)), ("blk.0.attn_q_norm.weight", (64,)),
                 ("blk.0.ffn_gate_inp.weight", (8, 576)), ("blk.30.attn_norm.weight", (576,))],
     "gemma3": [("rope_freqs.weight", (128,)), ("blk.0.attn_k.bias", (256,)), ("blk.0.ffn_gate_inp.weight", (8, 640)),
                ("blk.18.attn_norm.weight", (640,))],
 }  # fmt: skip
+
+
+def test_llama_rope_factors_of_the_wrong_length_are_refused_by_name(model_files):
+    """A `rope_freqs.weight` is read (llama3 RoPE scaling) only at rope_dim / 2 values."""
+    message = _refusal(_with_tensor(model_files["smollm2"], "rope_freqs.weight", (31,)), ModelConfigError)
+    assert message is not None and "rope_freqs.weight has shape (31,), expected (32,)" in message
 
 
 @pytest.mark.parametrize(
@@ -231,10 +241,10 @@ def test_the_keys_read_outside_the_config_are_the_table_s(metadata):
 @pytest.mark.parametrize(
     ("name", "metadata", "tensors", "named"),
     [
-        ("smollm2", {}, {"rope_freqs.weight": np.ones(32, np.float32)}, "rope_freqs.weight"),
+        ("smollm2", {}, {"blk.0.attn_q.bias": np.ones(576, np.float32)}, "blk.0.attn_q.bias"),
         ("gemma3", {"gemma3.final_logit_softcapping": 30.0}, {}, "gemma3.final_logit_softcapping"),
     ],
-    ids=["smollm2-llama3-rope-factors", "gemma3-final-softcap"],
+    ids=["smollm2-q-bias", "gemma3-final-softcap"],
 )
 def test_serve_refuses_a_real_file_naming_what_it_would_not_compute(
     request, tmp_path, name, metadata, tensors, named

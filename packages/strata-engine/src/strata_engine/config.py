@@ -17,14 +17,14 @@ import attrs
 
 from .accounting import uncomputed_keys
 from .errors import ModelConfigError, UncomputedModelPart, UnsupportedArchitecture
-from .gguf import GGUFFile
+from .gguf import GGUFFile, dequantize_tensor
 
 
 class RopeStyle(enum.Enum):
     """How RoPE pairs the dimensions of a head."""
 
     INTERLEAVED = "interleaved"  # pairs (2i, 2i+1): llama GGUFs (Q/K rows stored permuted for it)
-    NEOX = "neox"  # pairs (i, i + d/2), "rotate half": gemma3
+    NEOX = "neox"  # pairs (i, i + d/2), "rotate half": gemma3, qwen2, qwen3
 
 
 class Activation(enum.Enum):
@@ -39,6 +39,18 @@ class LayerConfig:
 
     rope_base: float
     window: int | None
+
+
+@attrs.frozen
+class LongRope:
+    """Phi-3's longrope scaling: RoPE frequency divisors for a context up to `original_context` tokens
+    (`short`) and beyond (`long`), chosen by the context the model runs with (llama.cpp's rule), and cos / sin
+    multiplied by `attn_factor`."""
+
+    original_context: int
+    short: tuple[float, ...]
+    long: tuple[float, ...]
+    attn_factor: float
 
 
 @attrs.frozen
@@ -62,6 +74,22 @@ class ModelConfig:
     post_norms: bool
     tied_output: bool
     layers: tuple[LayerConfig, ...]
+    # RoPE frequency divisors [rope_dim / 2] (llama.cpp's freq_factors: theta_i = p * base^(-2i/d) / factors[i]):
+    # a Llama 3.x file's `rope_freqs.weight`; None: all 1
+    rope_factors: tuple[float, ...] | None = None
+    qkv_bias: bool = False  # Q/K/V projections add a bias (qwen2)
+    # tensors the config builder read (their values are in the config): accounted for as computed
+    config_tensors: tuple[str, ...] = ()
+    rope_scale: float = 1.0  # cos / sin multiplied by it (longrope's attention factor)
+    long_rope: LongRope | None = None  # `for_context` resolves it into rope_factors and rope_scale
+
+    def for_context(self, n_ctx: int) -> ModelConfig:
+        """The config as it computes with n_ctx positions a conversation (longrope's factors chosen)."""
+        lr = self.long_rope
+        if lr is None:
+            return self
+        factors = lr.long if n_ctx > lr.original_context else lr.short
+        return attrs.evolve(self, rope_factors=factors, rope_scale=lr.attn_factor)
 
     @property
     def n_group(self) -> int:
@@ -82,13 +110,18 @@ class ModelConfig:
         return max(windows) if windows else None
 
     def rope_fingerprint(self) -> list[dict[str, Any]]:
-        """The resolved RoPE configuration per layer (part of the session file's config fingerprint)."""
+        """The resolved RoPE configuration per layer (part of the session file's config fingerprint; the
+        factors only where a file has them, so files without keep the fingerprint they had)."""
+        factors: dict[str, Any] = {} if self.rope_factors is None else {"factors": list(self.rope_factors)}
+        if self.rope_scale != 1.0:
+            factors["scale"] = self.rope_scale
         return [
             {
                 "style": self.rope_style.value,
                 "base": layer.rope_base,
                 "dim": self.rope_dim,
                 "window": layer.window,
+                **factors,
             }
             for layer in self.layers
         ]
@@ -113,6 +146,7 @@ class _Meta:
         self.arch = arch
         self.problems: list[str] = []
         self.read: set[str] = set()
+        self.tensors_read: list[str] = []
 
     def get(self, key: str, kind: type, default: Any = None, *, required: bool = True) -> Any:
         full = f"{self.arch}.{key}"
@@ -147,6 +181,17 @@ class _Meta:
             )
         return info.shape[0]
 
+    def tensor_values(self, name: str, shape: tuple[int, ...]) -> tuple[float, ...] | None:
+        """A small tensor the config holds by value (RoPE factors), checked for shape; None where absent."""
+        info = self.file.tensors.get(name)
+        if info is None:
+            return None
+        if info.shape != shape:
+            self.problems.append(f"tensor {name} has shape {info.shape}, expected {shape}")
+            return None
+        self.tensors_read.append(name)
+        return tuple(float(v) for v in dequantize_tensor(self.file, name).reshape(-1))
+
     def finish(self) -> None:
         uncomputed = uncomputed_keys(self.file, self.arch, self.read)
         if self.problems or uncomputed:
@@ -179,21 +224,73 @@ def _common(m: _Meta) -> dict[str, Any]:
     )
 
 
-def _llama(m: _Meta) -> ModelConfig:
+def _standard(
+    m: _Meta, arch: str, rope_style: RopeStyle, *, reads_rope_factors: bool = False, reads_window: bool = False,
+    **facts: Any,
+) -> ModelConfig:  # fmt: skip
+    """A pre-norm SwiGLU decoder with one RoPE base and one attention span for every layer (llama, qwen2, qwen3,
+    phi3): what differs is the RoPE pairing, whether the file may carry RoPE factors or a sliding window (every
+    layer's: phi3; 0 = none), and the facts given (biases, QK norms)."""
     c = _common(m)
     rope_base = m.get("rope.freq_base", float, 10000.0)
+    rope_factors = m.tensor_values(ROPE_FACTORS_TENSOR, (c["rope_dim"] // 2,)) if reads_rope_factors else None
+    window = m.get("attention.sliding_window", int, 0) if reads_window else 0
+    if window < 0:
+        m.problems.append(f"{m.arch}.attention.sliding_window must not be negative, got {window}")
     m.finish()
     return ModelConfig(
-        architecture="llama",
-        rope_style=RopeStyle.INTERLEAVED,
+        architecture=arch,
+        rope_style=rope_style,
         activation=Activation.SILU,
         attn_scale=1.0 / math.sqrt(c["head_dim"]),
         embed_scale=1.0,
-        qk_norm=False,
         post_norms=False,
-        layers=tuple(LayerConfig(rope_base=rope_base, window=None) for _ in range(c["n_layer"])),
+        layers=tuple(LayerConfig(rope_base=rope_base, window=window or None) for _ in range(c["n_layer"])),
+        rope_factors=rope_factors,
+        config_tensors=tuple(m.tensors_read),
+        **facts,
         **c,
     )
+
+
+# Llama 3.x's RoPE scaling: the converter writes the per-frequency divisors as this tensor (no metadata key).
+ROPE_FACTORS_TENSOR = "rope_freqs.weight"
+
+
+def _llama(m: _Meta) -> ModelConfig:
+    return _standard(m, "llama", RopeStyle.INTERLEAVED, reads_rope_factors=True, qk_norm=False)
+
+
+def _qwen2(m: _Meta) -> ModelConfig:
+    return _standard(m, "qwen2", RopeStyle.NEOX, qk_norm=False, qkv_bias=True)
+
+
+def _qwen3(m: _Meta) -> ModelConfig:
+    return _standard(m, "qwen3", RopeStyle.NEOX, qk_norm=True)
+
+
+def _long_rope(m: _Meta, rope_dim: int) -> LongRope | None:
+    """Phi-3's longrope factors (both tensors, with their original context and attention factor), or None."""
+    short = m.tensor_values("rope_factors_short.weight", (rope_dim // 2,))
+    long = m.tensor_values("rope_factors_long.weight", (rope_dim // 2,))
+    if short is None and long is None:
+        return None
+    if short is None or long is None:
+        m.problems.append("longrope needs both rope_factors_short.weight and rope_factors_long.weight")
+        return None
+    return LongRope(
+        original_context=m.positive("rope.scaling.original_context_length"),
+        short=short,
+        long=long,
+        attn_factor=m.get("rope.scaling.attn_factor", float, 1.0),
+    )
+
+
+def _phi3(m: _Meta) -> ModelConfig:
+    # the window as transformers applies it (llama.cpp b11549 turns Phi-3's off: it differs past the window)
+    long_rope = _long_rope(m, m.get("rope.dimension_count", int, required=False) or 0)
+    config = _standard(m, "phi3", RopeStyle.NEOX, reads_window=True, qk_norm=False)
+    return attrs.evolve(config, long_rope=long_rope)
 
 
 # gemma3 facts the GGUF leaves out: every 6th layer (il % 6 == 5) is global with the file's rope base
@@ -228,4 +325,6 @@ def _gemma3(m: _Meta) -> ModelConfig:
     )
 
 
-ARCHITECTURES: dict[str, Callable[[_Meta], ModelConfig]] = {"llama": _llama, "gemma3": _gemma3}
+ARCHITECTURES: dict[str, Callable[[_Meta], ModelConfig]] = {
+    "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3, "gemma3": _gemma3,
+}  # fmt: skip

@@ -191,7 +191,7 @@ class _CapturedStep:
         cp, c = self.ops.xp, self.model.config
         # The backend's RoPE tables over the whole context, made (on the default allocator) before the
         # capture: the step gathers its rows from them, so they must outlive the graph unchanged.
-        self.tables = {base: self.ops.rope_tables(0, self.n_ctx, base, c.rope_dim)
+        self.tables = {base: self.ops.rope_tables(0, self.n_ctx, base, c.rope_dim, c.rope_factors, c.rope_scale)
                        for base in sorted({lc.rope_base for lc in c.layers})}  # fmt: skip
         with cp.cuda.using_allocator(self.memory.malloc), self.stream:
             # A first run on the stream compiles the kernels, creates cuBLAS's state for this stream

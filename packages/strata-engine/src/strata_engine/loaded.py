@@ -110,6 +110,7 @@ class LoadedModel:
         config = ModelConfig.from_gguf(gguf_file)
         if (problem := settings.slot_problem(settings.n_ctx_total(config.n_ctx_train))) is not None:
             raise SettingsError([problem])  # the model's default context, shared by too many slots
+        config = config.for_context(settings.n_ctx_slot(config.n_ctx_train))
         settings = resolve_settings(settings, config.architecture)
         assert settings.compute_dtype is not None and settings.cpu_kernels is not None  # resolved just above
         ops = get_ops(
@@ -122,7 +123,10 @@ class LoadedModel:
         prompt_cache, prefill_chunk, max_checkpoints, cuda_graphs), validated; its own graphs."""
         if fixed := WEIGHT_SETTINGS & set(changes):
             raise SettingsError([f"{name} cannot differ from the loaded model's" for name in sorted(fixed)])
-        return type(self)(attrs.evolve(self.settings, **changes), self.gguf, self.config, self.model)
+        settings = attrs.evolve(self.settings, **changes)
+        if self.config.for_context(settings.n_ctx_slot(self.config.n_ctx_train)) != self.config:
+            raise SettingsError(["n_ctx crosses the model's longrope original context: load the model anew"])
+        return type(self)(settings, self.gguf, self.config, self.model)
 
     @property
     def prefill_chunk(self) -> int:

@@ -181,6 +181,10 @@ DEFAULT_PREFILL_CHUNK: dict[str, int] = {Backend.NUMPY: 512, Backend.CUPY: 4096}
 DEFAULT_COMPUTE_DTYPE: dict[str, dict[str, ComputeDType]] = {
     "llama": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.F16},
     "gemma3": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.BF16},
+    # Qwen2.5 and Qwen3 are trained in bf16 and their activation outliers are known to overflow f16
+    "qwen2": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.BF16},
+    "qwen3": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.BF16},
+    "phi3": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.BF16},  # trained in bf16 likewise
 }
 
 

@@ -6,13 +6,18 @@ from ..config import ModelConfig
 from ..errors import UncomputedModelPart, UnsupportedArchitecture
 from ..gguf import GGUFFile
 from ..ops import Ops
-from .common import TensorCensus, WeightLoader
+from .common import Decoder, TensorCensus, WeightLoader
 from .gemma3 import Gemma3Model
 from .llama import LlamaModel
+from .phi3 import Phi3Model
+from .qwen2 import Qwen2Model
+from .qwen3 import Qwen3Model
 
-Model = LlamaModel | Gemma3Model
+Model = Decoder
 
-MODEL_FAMILIES: dict[str, type[Model]] = {"llama": LlamaModel, "gemma3": Gemma3Model}
+MODEL_FAMILIES: dict[str, type[Model]] = {
+    "llama": LlamaModel, "qwen2": Qwen2Model, "qwen3": Qwen3Model, "phi3": Phi3Model, "gemma3": Gemma3Model,
+}  # fmt: skip
 
 
 def _family(config: ModelConfig) -> type[Model]:
@@ -24,8 +29,9 @@ def _family(config: ModelConfig) -> type[Model]:
 
 def account_tensors(config: ModelConfig, gguf_file: GGUFFile) -> None:
     """Check every tensor the family needs (present, shaped) and refuse a file holding any tensor the family
-    does not compute (a Llama 3 file's `rope_freqs`, biases, expert routers, ...), before a weight is read."""
+    does not compute (biases or QK norms it lacks, expert routers, a layer past block_count, ...), before a weight is read."""
     census = TensorCensus(gguf_file)
+    census.read_by_config(config.config_tensors)
     _family(config)(config, None, census)  # type: ignore[arg-type]  # a census needs no ops
     if unread := census.unread():
         raise UncomputedModelPart(
@@ -41,4 +47,7 @@ def build_model(config: ModelConfig, ops: Ops, gguf_file: GGUFFile) -> Model:
     return _family(config)(config, ops, WeightLoader(gguf_file, ops))
 
 
-__all__ = ["MODEL_FAMILIES", "Gemma3Model", "LlamaModel", "Model", "account_tensors", "build_model"]
+__all__ = [
+    "MODEL_FAMILIES", "Gemma3Model", "LlamaModel", "Model", "Phi3Model", "Qwen2Model", "Qwen3Model", "account_tensors",
+    "build_model",
+]  # fmt: skip

@@ -124,13 +124,151 @@ def rope_tables(ops: Ops, config: ModelConfig, rows: Rows) -> RopeTables:
     """The cos / sin tables of every row's position [T, rope_dim / 2], for every RoPE base the layers use."""
     tables = {}
     for base in {lc.rope_base for lc in config.layers}:
-        per_span = [ops.rope_tables(s.pos0, s.n, base, config.rope_dim) for s in rows.spans]
+        per_span = [
+            ops.rope_tables(s.pos0, s.n, base, config.rope_dim, config.rope_factors, config.rope_scale)
+            for s in rows.spans
+        ]
         tables[base] = (
             per_span[0]
             if len(per_span) == 1
             else tuple(ops.xp.concatenate([t[i] for t in per_span]) for i in (0, 1))
         )
     return tables
+
+
+@attrs.frozen(eq=False)
+class DecoderLayer:
+    """One pre-norm block's weights; a part the family lacks is None."""
+
+    attn_norm: Any  # [E]
+    wqkv: Any  # [(H + 2 Hkv) D, E] = [Wq; Wk; Wv]
+    wo: Any  # [E, H*D]
+    ffn_norm: Any  # [E]
+    w_gate_up: Any  # [2F, E] = [Wg; Wu]
+    w_down: Any  # [E, F]
+    bqkv: Any = None  # [(H + 2 Hkv) D] = [bq; bk; bv] (qwen2)
+    q_norm: Any = None  # [D], per head (qwen3, gemma3)
+    k_norm: Any = None  # [D]
+    post_attn_norm: Any = None  # [E]: the attention branch normalised before the residual add (gemma3)
+    post_ffn_norm: Any = None  # [E]
+
+
+def attention_weights(c: ModelConfig, w: TensorCensus, i: int) -> dict[str, Any]:
+    """Layer i's attention norm and separate Q/K/V/O matrices, stacked as [Wq; Wk; Wv]."""
+    E, H, Hkv, D = c.n_embd, c.n_head, c.n_head_kv, c.head_dim
+    return dict(
+        attn_norm=w(f"blk.{i}.attn_norm.weight", (E,)),
+        wqkv=w.fused(
+            (f"blk.{i}.attn_q.weight", (H * D, E)),
+            (f"blk.{i}.attn_k.weight", (Hkv * D, E)),
+            (f"blk.{i}.attn_v.weight", (Hkv * D, E)),
+        ),
+        wo=w(f"blk.{i}.attn_output.weight", (E, H * D)),
+    )
+
+
+def mlp_weights(c: ModelConfig, w: TensorCensus, i: int) -> dict[str, Any]:
+    """Layer i's MLP norm and separate gate/up/down matrices, stacked as [Wg; Wu]."""
+    E, F = c.n_embd, c.n_ff
+    return dict(
+        ffn_norm=w(f"blk.{i}.ffn_norm.weight", (E,)),
+        w_gate_up=w.fused((f"blk.{i}.ffn_gate.weight", (F, E)), (f"blk.{i}.ffn_up.weight", (F, E))),
+        w_down=w(f"blk.{i}.ffn_down.weight", (E, F)),
+    )
+
+
+class Decoder:
+    """The forward pass the families share (each family's module names its weights and says its math):
+
+    x = embed(tokens) * embed_scale
+    for each layer il (RoPE base and window: config.layers[il]):
+        h = rms_norm(x) * attn_norm
+        q, k, v = h Wq^T (+ bq), h Wk^T (+ bk), h Wv^T (+ bv)
+        q, k = rms_norm_per_head(q) * q_norm, rms_norm_per_head(k) * k_norm      (where the family has them)
+        q, k = rope(q, k, pos)
+        a = softmax(q k^T * attn_scale + causal/window mask) v Wo^T            (GQA: H/Hkv queries a K/V head)
+        x = x + (rms_norm(a) * post_attn_norm, or a)
+        h = rms_norm(x) * ffn_norm
+        m = (act(h Wg^T) * h Wu^T) Wd^T
+        x = x + (rms_norm(m) * post_ffn_norm, or m)
+    logits = (rms_norm(x_last) * output_norm) W_out^T
+
+    Wq, Wk, Wv are stored stacked as one [Wq; Wk; Wv] and Wg, Wu as [Wg; Wu] (one product each on the
+    GPU); each residual add is fused with the norm that follows it (`add_rms_norm`).
+
+    The rows may belong to several conversations (`Rows`: a batched decode step has one row per slot): every
+    step is row-wise except the K/V store and attention, which each conversation's rows do in and over its own
+    slot's K/V, with RoPE at each row's own position."""
+
+    config: ModelConfig
+    ops: Ops
+    tok_embd: Any  # [V, E]
+    output_norm: Any  # [E]
+    output: Any  # [V, E]
+    layers: list[DecoderLayer]
+
+    def __init__(self, config: ModelConfig, ops: Ops, w: TensorCensus):
+        """The weights every family has under llama.cpp's names; the family's constructor adds its layers."""
+        self.config = c = config
+        self.ops = ops
+        H, Hkv, D = c.n_head, c.n_head_kv, c.head_dim
+        self.qkv_sizes = (H * D, Hkv * D, Hkv * D)
+        self.tok_embd = w("token_embd.weight", (c.n_vocab, c.n_embd))
+        self.output_norm = w("output_norm.weight", (c.n_embd,))
+        self.output = self.tok_embd if c.tied_output else w("output.weight", (c.n_vocab, c.n_embd))
+
+    def forward(self, tokens: np.ndarray, rows: Rows, want_logits: bool) -> np.ndarray | None:
+        """Evaluate tokens [T] (rows: whose conversation and position each is); store their K/V; logits
+        [B, V] of each span's last token if asked (a chunk: B = 1; a batched decode step: B = T)."""
+        h = self.hidden(tokens, rows, rope_tables(self.ops, self.config, rows), want_logits)
+        return None if h is None else self.ops.logits(h, self.output)
+
+    def hidden(
+        self,
+        tokens: Any,
+        rows: Rows,
+        tables: RopeTables,
+        want_logits: bool,
+        last_row: Any = None,
+        all_rows: bool = False,
+    ) -> Any | None:
+        """The forward pass up to the output norm: h [B, E] of each span's last token (None without logits).
+        tokens: ids [T] on the host or the device; tables: cos, sin [T, rope_dim/2] per RoPE base;
+        last_row: the row of a single span's last real token when it is not T - 1 (`Rows.last_of_each`);
+        all_rows: h [T, E] of every token instead (embeddings)."""
+        c, ops = self.config, self.ops
+        T = len(tokens)
+        x = ops.embed(self.tok_embd, tokens, scale=c.embed_scale)  # [T, E]
+        h = ops.rms_norm(x, self.layers[0].attn_norm, c.rms_eps)
+        for il, layer in enumerate(self.layers):
+            lc = c.layers[il]
+            cos, sin = tables[lc.rope_base]
+            q, k, v = ops.project(h, layer.wqkv, self.qkv_sizes, layer.bqkv)  # [T, H*D], [T, Hkv*D] x 2
+            q, k = ops.qk_norm_rope(
+                q, k, c.head_dim, layer.q_norm, layer.k_norm, cos, sin, c.rope_style, c.rms_eps
+            )
+            v = v.reshape(T, c.n_head_kv, c.head_dim)
+            last_only = (
+                il == c.n_layer - 1 and not all_rows
+            )  # past the last K/V write only the logits' rows matter
+            if last_only:
+                if not want_logits:
+                    rows.attend(ops, il, None, k, v, window=lc.window, scale=c.attn_scale)
+                    return None
+                q, x = (
+                    rows.last_of_each(ops, q, last_row),
+                    rows.last_of_each(ops, x, last_row),
+                )  # [B, H, D], [B, E]
+            attn = rows.attend(
+                ops, il, q, k, v, window=lc.window, scale=c.attn_scale, last_only=last_only
+            )  # [T|B, H*D]
+            x, h = ops.add_rms_norm(
+                x, ops.matmul(attn, layer.wo), layer.post_attn_norm, layer.ffn_norm, c.rms_eps
+            )
+            m = ops.gated_mlp(h, layer.w_gate_up, layer.w_down, c.activation)
+            next_norm = self.layers[il + 1].attn_norm if il + 1 < c.n_layer else self.output_norm
+            x, h = ops.add_rms_norm(x, m, layer.post_ffn_norm, next_norm, c.rms_eps)
+        return h  # each span's last row (or every row), output-normed
 
 
 class TensorCensus:
@@ -147,6 +285,10 @@ class TensorCensus:
     def fused(self, *named: tuple[str, tuple[int, ...]]) -> Any:
         for name, shape in named:
             self._info(name, shape)
+
+    def read_by_config(self, names: Sequence[str]) -> None:
+        """Tensors the config builder read and holds by value (RoPE factors): computed, not unread."""
+        self.named.update(names)
 
     def unread(self) -> list[str]:
         """The file's tensors that no weight of the family was loaded from."""

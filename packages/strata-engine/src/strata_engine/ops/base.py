@@ -66,13 +66,18 @@ class Ops(Protocol):
     def matmul(self, x: Any, w: Any) -> Any:
         """x [T, in] @ W^T for W [out, in] -> [T, out] in the compute dtype."""
 
-    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...]) -> list[Any]:
-        """x @ W^T for W = [W_1; W_2; ...] (blocks of `sizes` rows): one [T, size] array per block."""
+    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...], bias: Any | None = None) -> list[Any]:
+        """x @ W^T (+ bias) for W = [W_1; W_2; ...] (blocks of `sizes` rows) and a fused bias [sum(sizes)]
+        where given: one [T, size] array per block."""
 
     def gated_mlp(self, x: Any, w_gate_up: Any, w_down: Any, activation: Activation) -> Any: ...
 
-    def rope_tables(self, pos0: int, n: int, base: float, rope_dim: int) -> tuple[Any, Any]:
-        """cos, sin [n, rope_dim / 2] for positions pos0 .. pos0 + n - 1."""
+    def rope_tables(
+        self, pos0: int, n: int, base: float, rope_dim: int, factors: tuple[float, ...] | None = None,
+        scale: float = 1.0,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        """cos, sin [n, rope_dim / 2] for positions pos0 .. pos0 + n - 1, frequency i divided by factors[i]
+        where given, both multiplied by `scale`."""
 
     def rope(self, x: Any, cos: Any, sin: Any, style: RopeStyle) -> Any: ...
 

@@ -110,7 +110,7 @@ class CupyOps(NumpyOps):
         self._pending_copy: list[int] | None = None  # [dest, src, nbytes, kind] not yet queued (copy_bytes)
         self.score_budget = ATTENTION_SCORE_BUDGET  # bytes of float32 scores per attention key block
         self.flash_min_tiles = FLASH_DECODE_MIN_TILES  # key tiles per split of a decode launch at least
-        self._rope_cache: dict[tuple[float, int], tuple[Any, Any]] = {}
+        self._rope_cache: dict[tuple[float, int, tuple[float, ...] | None, float], tuple[Any, Any]] = {}
 
     # ---- data movement -------------------------------------------------------------------------
     def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:
@@ -259,8 +259,10 @@ class CupyOps(NumpyOps):
         kernel((-(-n_out // _GEMV_WARPS),), (32 * _GEMV_WARPS,), args)
         return y
 
-    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...]) -> list[Any]:
+    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...], bias: Any | None = None) -> list[Any]:
         y = self.matmul(x, w_fused)  # one product; the parts are column views of it
+        if bias is not None:
+            y += bias  # in place: nothing allocated inside a captured step
         out, col = [], 0
         for n in sizes:
             out.append(y[:, col : col + n])
@@ -280,18 +282,25 @@ class CupyOps(NumpyOps):
         return self.matmul(act, w_down)  # act(gate) * up in one kernel, then the down product
 
     # ---- rotary position embedding -------------------------------------------------------------
-    def rope_tables(self, pos0: int, n: int, base: float, rope_dim: int) -> tuple[Any, Any]:
+    def rope_tables(
+        self, pos0: int, n: int, base: float, rope_dim: int, factors: tuple[float, ...] | None = None,
+        scale: float = 1.0,
+    ) -> tuple[Any, Any]:  # fmt: skip
         """float32 device tables whatever the compute dtype (the kernel rotates in float32): slices of
         per-base tables made on the device (float64 angles and cos/sin, rounded once), grown by
         doubling (made on the host they cost a chunk milliseconds: bench/gpu/DECISIONS.md "Work kept on the device")."""
-        key = (base, rope_dim)
+        key = (base, rope_dim, factors, scale)
         cos_all, sin_all = self._rope_cache.get(key, (None, None))
         if cos_all is None or cos_all.shape[0] < pos0 + n:
             cp = self.xp
             rows = max(4096, 1 << (pos0 + n - 1).bit_length())
-            inv_freq = cp.asarray(rope_angles(1, 1, base, rope_dim)[0])  # float64: position 1's angles
+            # float64: position 1's angles
+            inv_freq = cp.asarray(rope_angles(1, 1, base, rope_dim, factors)[0])
             angles = cp.arange(rows, dtype=cp.float64)[:, None] * inv_freq[None, :]
-            cos_all, sin_all = cp.cos(angles).astype(cp.float32), cp.sin(angles).astype(cp.float32)
+            cos_all, sin_all = (
+                (scale * cp.cos(angles)).astype(cp.float32),
+                (scale * cp.sin(angles)).astype(cp.float32),
+            )
             self._rope_cache[key] = (cos_all, sin_all)
         return cos_all[pos0 : pos0 + n], sin_all[pos0 : pos0 + n]
 

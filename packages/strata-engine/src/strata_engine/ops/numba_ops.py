@@ -243,11 +243,13 @@ class NumbaOps(NumpyOps):
             return self.packed_matmul(x, w)
         return self.blas_matmul(x, w)
 
-    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...]) -> list[Any]:
-        """One product over the fused weight, returned as column views per block."""
+    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...], bias: Any | None = None) -> list[Any]:
+        """One product over the fused weight (the fused bias added), returned as column views per block."""
         if not isinstance(w_fused, PackedWeight):
-            return super().project(x, w_fused, sizes)
+            return super().project(x, w_fused, sizes, bias)
         y = self.matmul(x, w_fused)
+        if bias is not None:
+            y += bias
         out, col = [], 0
         for n in sizes:
             out.append(y[:, col : col + n])

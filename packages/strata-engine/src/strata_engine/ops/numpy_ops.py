@@ -22,9 +22,14 @@ GELU_C = math.sqrt(2.0 / math.pi)
 INT8_MAX = 127.0
 
 
-def rope_angles(pos0: int, n: int, base: float, rope_dim: int) -> np.ndarray:
-    """float64 angles [n, rope_dim/2]: position * base^(-2i/rope_dim) for positions pos0 .. pos0+n-1."""
+def rope_angles(
+    pos0: int, n: int, base: float, rope_dim: int, factors: tuple[float, ...] | None = None
+) -> np.ndarray:
+    """float64 angles [n, rope_dim/2]: position * base^(-2i/rope_dim) / factors[i] for positions pos0 ..
+    pos0+n-1 (factors None: all 1)."""
     inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+    if factors is not None:
+        inv_freq /= np.asarray(factors, dtype=np.float64)
     return np.arange(pos0, pos0 + n, dtype=np.float64)[:, None] * inv_freq[None, :]
 
 
@@ -106,13 +111,17 @@ class NumpyOps:
         """x [T, in] @ W^T for W [out, in] -> [T, out]."""
         return x @ w.T
 
-    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...]) -> list[Any]:
-        """x @ W^T for a fused weight W = [W_1; W_2; ...] whose blocks have `sizes` rows: one product
-        per block here (each block is a contiguous row range, so BLAS computes exactly what it would
-        for the separate weight); the GPU twin makes one product and returns column views."""
+    def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...], bias: Any | None = None) -> list[Any]:
+        """x @ W^T (+ b) for a fused weight W = [W_1; W_2; ...] whose blocks have `sizes` rows (and a fused
+        bias b = [b_1; b_2; ...] where given): one product per block here (each block is a contiguous row
+        range, so BLAS computes exactly what it would for the separate weight); the GPU twin makes one
+        product and returns column views."""
         out, row = [], 0
         for n in sizes:
-            out.append(self.matmul(x, w_fused[row : row + n]))
+            y = self.matmul(x, w_fused[row : row + n])
+            if bias is not None:
+                y += bias[row : row + n]
+            out.append(y)
             row += n
         return out
 
@@ -125,12 +134,19 @@ class NumpyOps:
         return self.matmul(act, w_down)
 
     # ---- rotary position embedding -------------------------------------------------------------
-    def rope_tables(self, pos0: int, n: int, base: float, rope_dim: int) -> tuple[Any, Any]:
-        """cos, sin [n, rope_dim/2] for positions pos0 .. pos0+n-1: theta_i = pos * base^(-2i/rope_dim).
+    def rope_tables(
+        self, pos0: int, n: int, base: float, rope_dim: int, factors: tuple[float, ...] | None = None,
+        scale: float = 1.0,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        """cos, sin [n, rope_dim/2] for positions pos0 .. pos0+n-1: theta_i = pos * base^(-2i/rope_dim)
+        / factors[i] (factors None: all 1), cos and sin times `scale` (longrope's attention factor).
 
         Angles are formed in float64 (exact for any position below 2^53) and rounded once."""
-        angles = rope_angles(pos0, n, base, rope_dim)
-        return self.asarray(np.cos(angles), self.dtype), self.asarray(np.sin(angles), self.dtype)
+        angles = rope_angles(pos0, n, base, rope_dim, factors)
+        cos, sin = np.cos(angles), np.sin(angles)
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return self.asarray(cos, self.dtype), self.asarray(sin, self.dtype)
 
     def rope(self, x: Any, cos: Any, sin: Any, style: RopeStyle) -> Any:
         """Rotate x [T, heads, D] (first rope_dim dims) by the tables [T, rope_dim/2]."""
