@@ -25,6 +25,11 @@ def with_renamed_tokens(src: Path, dst: Path, names: dict[int, str]) -> Path:
     return _copy(src, dst, rename)
 
 
+def with_metadata(src: Path, dst: Path, values: Mapping[str, Any]) -> Path:
+    """`src` with the metadata keys of `values` given those values (of the types they have there)."""
+    return _copy(src, dst, lambda key, value: values.get(key, value))
+
+
 def with_additions(
     src: Path,
     dst: Path,

@@ -9,7 +9,14 @@ from typing import Any
 import attrs
 
 from ..errors import TokenizerError, UnsupportedTokenizer
-from .bpe import BytePairEncoder, normal_token_bytes
+from .bpe import (
+    DEFAULT_PRE,
+    BytePairEncoder,
+    clean_up_spaces,
+    default_add_bos,
+    normal_token_bytes,
+    pre_tokenizer_of,
+)
 from .reference import ReferenceBytePairEncoder, ReferenceSentencePieceEncoder
 from .spm import SPACE_MARK, SentencePieceEncoder
 from .stream import Utf8Stream
@@ -32,10 +39,13 @@ class TokenizerKind:
     """How to build one `tokenizer.ggml.model` kind, with llama.cpp's defaults for keys a file omits."""
 
     encoders: Mapping[Implementation, EncoderFactory]
-    default_add_bos: bool
+    # llama.cpp's default where the file has no tokenizer.ggml.add_bos_token (byte-level BPE: per pre-tokenizer)
+    default_add_bos: Callable[[Mapping[str, Any]], bool]
     default_add_space_prefix: bool
     # False: spaces are escaped as U+2581 in the vocabulary (SentencePiece), else byte-level (GPT-2).
     byte_level: bool
+    # whether decoding ends with llama.cpp's `clean_spaces` pass (bpe.clean_up_spaces)
+    clean_spaces: Callable[[Mapping[str, Any]], bool]
 
 
 def _bpe(encoder: type) -> EncoderFactory:
@@ -43,7 +53,7 @@ def _bpe(encoder: type) -> EncoderFactory:
         merges = metadata.get("tokenizer.ggml.merges")
         if not isinstance(merges, (list, tuple)):
             raise TokenizerError("tokenizer.ggml.merges is required by the gpt2 (byte-level BPE) tokenizer")
-        return encoder(vocab, merges, str(metadata.get("tokenizer.ggml.pre", "default")))
+        return encoder(vocab, merges, str(metadata.get("tokenizer.ggml.pre", DEFAULT_PRE)))
 
     return build
 
@@ -55,11 +65,13 @@ def _spm(encoder: type) -> EncoderFactory:
 TOKENIZER_KINDS: Mapping[str, TokenizerKind] = {
     "gpt2": TokenizerKind(
         {Implementation.COMPILED: _bpe(BytePairEncoder), Implementation.REFERENCE: _bpe(ReferenceBytePairEncoder)},
-        default_add_bos=False, default_add_space_prefix=False, byte_level=True,
+        default_add_bos=default_add_bos, default_add_space_prefix=False,
+        byte_level=True, clean_spaces=lambda metadata: pre_tokenizer_of(metadata).clean_spaces,
     ),
     "llama": TokenizerKind(
         {Implementation.COMPILED: _spm(SentencePieceEncoder), Implementation.REFERENCE: _spm(ReferenceSentencePieceEncoder)},
-        default_add_bos=True, default_add_space_prefix=True, byte_level=False,
+        default_add_bos=lambda metadata: True, default_add_space_prefix=True, byte_level=False,
+        clean_spaces=lambda metadata: False,
     ),
 }  # fmt: skip
 
@@ -67,9 +79,10 @@ TOKENIZER_KINDS: Mapping[str, TokenizerKind] = {
 class Tokenizer:
     """Tokenization identical to llama.cpp's for the supported kinds (`TOKENIZER_KINDS`)."""
 
-    def __init__(self, model: str, kind: TokenizerKind, vocab: Vocabulary, encoder: Any):
+    def __init__(self, model: str, kind: TokenizerKind, vocab: Vocabulary, encoder: Any, clean_spaces: bool):
         self.model = model
         self._kind = kind
+        self.clean_spaces = clean_spaces
         self.vocab = vocab
         self._encoder = encoder
         self.max_token_bytes = self._longest_token_bytes()
@@ -94,10 +107,11 @@ class Tokenizer:
             )
         vocab = Vocabulary.from_gguf_metadata(
             metadata,
-            default_add_bos=kind.default_add_bos,
+            default_add_bos=kind.default_add_bos(metadata),
             default_add_space_prefix=kind.default_add_space_prefix,
         )
-        return cls(model, kind, vocab, kind.encoders[implementation](vocab, metadata))
+        encoder = kind.encoders[implementation](vocab, metadata)
+        return cls(model, kind, vocab, encoder, kind.clean_spaces(metadata))
 
     # -- facts --------------------------------------------------------------------------------------
 
@@ -207,18 +221,22 @@ class Tokenizer:
         """The token's own text; an incomplete UTF-8 sequence shows as U+FFFD."""
         return self.token_bytes(token_id, special=special).decode("utf-8", errors="replace")
 
-    def decode_bytes(self, token_ids: Iterable[int], *, special: bool = True) -> bytes:
+    def decode_bytes(self, token_ids: Iterable[int], *, special: bool = True, clean: bool = False) -> bytes:
+        """The tokens' bytes one after the other (llama-server's /detokenize); with `clean`, then llama.cpp's
+        `clean_spaces` pass where the model's pre-tokenizer has it on (llama_detokenize, as llama-server's
+        echoed "prompt")."""
         parts = []
         for i, token_id in enumerate(token_ids):
             data = self.token_bytes(token_id, special=special)
             if i == 0 and self.vocab.add_space_prefix and not self._kind.byte_level and data[:1] == b" ":
                 data = data[1:]  # the space the encoder prefixed
             parts.append(data)
-        return b"".join(parts)
+        text = b"".join(parts)
+        return clean_up_spaces(text) if clean and self.clean_spaces else text
 
-    def decode(self, token_ids: Iterable[int], *, special: bool = True) -> str:
-        """Text of `token_ids` (invalid UTF-8 shows as U+FFFD)."""
-        return self.decode_bytes(token_ids, special=special).decode("utf-8", errors="replace")
+    def decode(self, token_ids: Iterable[int], *, special: bool = True, clean: bool = False) -> str:
+        """Text of `token_ids` (invalid UTF-8 shows as U+FFFD); `clean` as in `decode_bytes`."""
+        return self.decode_bytes(token_ids, special=special, clean=clean).decode("utf-8", errors="replace")
 
     @staticmethod
     def stream() -> Utf8Stream:

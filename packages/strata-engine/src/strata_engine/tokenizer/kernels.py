@@ -9,6 +9,8 @@ reference.py is the pure-Python oracle they must agree with.
 
 from __future__ import annotations
 
+import enum
+
 import numpy as np
 from numba import njit
 
@@ -17,8 +19,20 @@ from .unicode import CharClass
 _LETTER = int(CharClass.LETTER)
 _NUMBER = int(CharClass.NUMBER)
 _SPACE = int(CharClass.SPACE)
-_APOSTROPHE, _BLANK, _SPACE_MARK = ord("'"), ord(" "), ord("\u2581")
+_APOSTROPHE, _BLANK, _SPACE_MARK, _CR, _LF = ord("'"), ord(" "), ord("\u2581"), ord("\r"), ord("\n")
 _S, _T, _M, _D, _R, _V, _L, _E = (ord(c) for c in "stmdrvle")
+
+
+
+class WordSplit(enum.IntEnum):
+    """The compiled word splitters of byte-level BPE (`bpe_encode`'s `word_split`)."""
+
+    GPT2 = 0  # gpt2_word_end
+    LLAMA3 = 1  # llama3_word_end
+
+
+_LLAMA3_SPLIT = int(WordSplit.LLAMA3)
+
 
 # A key word of a hash table slot that holds nothing (pair keys are >= 0).
 _EMPTY = -1
@@ -388,6 +402,49 @@ def gpt2_word_end(cps, classes, i, end):
 
 
 @njit(cache=True, nogil=True)
+def _ascii_lower(c):
+    return c + 32 if 65 <= c <= 90 else c
+
+
+@njit(cache=True, nogil=True)
+def llama3_word_end(cps, classes, i, end, max_digits):
+    """End of the Llama 3 regex's match at `i` in cps[:end] (unicode.llama3_pattern; Qwen2's where
+    `max_digits` is 1); alternatives are tried in the regex's order, lookahead stops at `end`."""
+    c = cps[i]
+    if c == _APOSTROPHE and i + 1 < end:  # (?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])
+        c1 = _ascii_lower(cps[i + 1])
+        if c1 == _S or c1 == _T or c1 == _M or c1 == _D:
+            return i + 2
+        if i + 2 < end:
+            c2 = _ascii_lower(cps[i + 2])
+            if (c1 == _R and c2 == _E) or (c1 == _V and c2 == _E) or (c1 == _L and c2 == _L):
+                return i + 3
+    own_class = classes[c]
+    if own_class & _LETTER:  # [^\r\n\p{L}\p{N}]?\p{L}+, without the optional character
+        return _run_end(cps, classes, i, end, np.int64(_LETTER))
+    if c != _CR and c != _LF and not own_class & _NUMBER and i + 1 < end and classes[cps[i + 1]] & _LETTER:
+        return _run_end(cps, classes, i + 1, end, np.int64(_LETTER))
+    if own_class & _NUMBER:  # \p{N}{1,max_digits}
+        j = i + 1
+        while j < end and j - i < max_digits and classes[cps[j]] & _NUMBER:
+            j += 1
+        return j
+    start = i + 1 if c == _BLANK and i + 1 < end and classes[cps[i + 1]] == 0 else i
+    if classes[cps[start]] == 0:  # ' ?[^\s\p{L}\p{N}]+[\r\n]*'
+        j = _other_end(cps, classes, start, end)
+        while j < end and (cps[j] == _CR or cps[j] == _LF):
+            j += 1
+        return j
+    j = _run_end(cps, classes, i, end, np.int64(_SPACE))  # what is left starts with \s
+    for k in range(j - 1, i - 1, -1):  # '\s*[\r\n]+': up to the run's last line break
+        if cps[k] == _CR or cps[k] == _LF:
+            return k + 1
+    if j < end and j - i >= 2:  # '\s+(?!\S)|\s+'
+        return j - 1
+    return j
+
+
+@njit(cache=True, nogil=True)
 def _bpe_merge(sym, size_of, nxt, prv, m, pair_keys, pair_values, merge_result, heap_keys, heap_values):
     """Merge the word sym[:m] (one byte each) by rank, lowest first, leftmost among equals."""
     _link(nxt, prv, m)
@@ -426,7 +483,9 @@ def bpe_encode(
     item_stop,
     item_token,
     classes,
+    word_split,
     digits_apart,
+    max_digits,
     byte_symbol,
     pair_keys,
     pair_values,
@@ -434,19 +493,25 @@ def bpe_encode(
     n_vocab,
     fallback_off,
     fallback_ids,
+    whole_words,
 ):
     """Token ids of a sequence of items: text cps[item_start[k]:item_stop[k]], or, where item_token[k] >= 0,
     that token itself (a special token found by the partition).
 
-    Words: every \\p{N} alone when `digits_apart`, then the GPT-2 split of what lies between. Each
-    word's UTF-8 bytes start as `byte_symbol[b]`; symbols >= n_vocab are merge results that are not
-    tokens, emitted as `fallback_ids[fallback_off[s - n_vocab]:fallback_off[s - n_vocab + 1]]`.
-    A word seen before in this call copies its first occurrence's ids (the word cache)."""
+    Words: every \\p{N} alone when `digits_apart`, then the `word_split` split (`WordSplit`) of what lies
+    between. Each word's UTF-8 bytes start as `byte_symbol[b]`; symbols >= n_vocab are merge results that
+    are not tokens, emitted as `fallback_ids[fallback_off[s - n_vocab]:fallback_off[s - n_vocab + 1]]`.
+    `whole_words` (byte_chars, text_hashes, text_ids, tok_cps, tok_off), where byte_chars is not empty:
+    a word whose GPT-2 characters (byte_chars[b]) are a token's text is that token, unmerged
+    (`ignore_merges`). A word seen before in this call copies its first occurrence's ids (the word cache)."""
     out = np.empty(cps.size // 2 + item_token.size + 16, np.int32)
     n_out = np.int64(0)
     cache = _word_cache(cps.size)
     room = np.int64(64)
     sym, size_of, nxt, prv, heap_keys, heap_values = _scratch(room)
+    word_chars = np.empty(room, np.uint32)
+    byte_chars, text_hashes, text_ids, tok_cps, tok_off = whole_words
+    whole = byte_chars.size > 0
     utf8 = np.empty(4, np.uint8)
     for item in range(item_token.size):
         if item_token[item] >= 0:
@@ -465,7 +530,10 @@ def bpe_encode(
                         segment_end = i
                         while segment_end < stop and not classes[cps[segment_end]] & _NUMBER:
                             segment_end += 1
-                j = gpt2_word_end(cps, classes, i, segment_end)
+                if word_split == _LLAMA3_SPLIT:
+                    j = llama3_word_end(cps, classes, i, segment_end, max_digits)
+                else:
+                    j = gpt2_word_end(cps, classes, i, segment_end)
             slot, h = _cache_slot(cache, cps, i, j)
             hit, out, n_out = _cached_ids(cache, slot, out, n_out)
             if hit:
@@ -474,13 +542,24 @@ def bpe_encode(
             if 4 * (j - i) > room:
                 room = 4 * (j - i)
                 sym, size_of, nxt, prv, heap_keys, heap_values = _scratch(room)
+                word_chars = np.empty(room, np.uint32)
             m = np.int64(0)
             for k in range(i, j):
                 n_bytes = _utf8(cps[k], utf8, 0)
                 for b in range(n_bytes):
                     sym[m] = byte_symbol[utf8[b]]
                     size_of[m] = 1
+                    if whole:
+                        word_chars[m] = byte_chars[utf8[b]]
                     m += 1
+            if whole and m > 1:
+                token = _text_id(text_hashes, text_ids, tok_cps, tok_off, word_chars, 0, m)
+                if token >= 0:
+                    first = n_out
+                    out, n_out = _emit(out, n_out, token)
+                    _cache_word(cache, slot, h, i, j, first, n_out)
+                    i = j
+                    continue
             _bpe_merge(
                 sym, size_of, nxt, prv, m, pair_keys, pair_values, merge_result, heap_keys, heap_values
             )

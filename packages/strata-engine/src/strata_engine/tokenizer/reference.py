@@ -69,6 +69,7 @@ class ReferenceBytePairEncoder:
         spec = pre_tokenizer_spec(pre)
         self.vocab = vocab
         self._splits = [make() for make in spec.splits]
+        self._ignore_merges = spec.ignore_merges
         self._ranks = rank_merges(merges)
         self._byte_chars = bytes_to_unicode()
         self._word_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
@@ -104,7 +105,7 @@ class ReferenceBytePairEncoder:
     def _merge_word(self, word: str) -> tuple[int, ...]:
         token_to_id = self.vocab.token_to_id
         whole = token_to_id.get(word)
-        if len(word) == 1 and whole is not None:
+        if whole is not None and (len(word) == 1 or self._ignore_merges):
             return (whole,)
         ranks = self._ranks
         symbols = merge_symbols(list(word), lambda left, right: ranks.get((left, right)))

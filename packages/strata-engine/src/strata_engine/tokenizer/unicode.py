@@ -117,6 +117,32 @@ def gpt2_pattern() -> re.Pattern[str]:
     return re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+")
 
 
+def _llama3_style_pattern(max_digits: int | None) -> re.Pattern[str]:
+    """Llama 3's split as llama.cpp writes it (its `(?i:...)` contractions spelled out in ASCII):
+    `(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}|
+    ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+`, with `\\p{N}` taken `max_digits` at a time
+    (None: one at a time, Qwen2's)."""
+    c = character_classes()
+    L, N, S = c["L"], c["N"], c["S"]
+    digits = "{1,%d}" % max_digits if max_digits else ""
+    return re.compile(
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+        rf"|[^\r\n{L}{N}]?[{L}]+|[{N}]{digits}| ?[^{S}{L}{N}]+[\r\n]*|[{S}]*[\r\n]+|[{S}]+(?![^{S}])|[{S}]+"
+    )
+
+
+@functools.cache
+def llama3_pattern() -> re.Pattern[str]:
+    """Llama 3's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3): numbers in runs of up to three digits."""
+    return _llama3_style_pattern(3)
+
+
+@functools.cache
+def qwen2_pattern() -> re.Pattern[str]:
+    """Qwen2's split (LLAMA_VOCAB_PRE_TYPE_QWEN2): Llama 3's with every \\p{N} on its own."""
+    return _llama3_style_pattern(None)
+
+
 @functools.cache
 def single_number_pattern() -> re.Pattern[str]:
     """`\\p{N}`: every number character on its own (the digit split of starcoder-style pre-tokenizers)."""

@@ -84,6 +84,13 @@ FIM_TEXTS: dict[FimToken, tuple[str, ...]] = {
 # FIM tokens that end a generation (llama.cpp adds them to its end-of-generation set).
 FIM_END_OF_GENERATION = (FimToken.PAD, FimToken.REP, FimToken.SEP)
 
+# llama.cpp's per-token attributes by model name (llama_vocab::impl::load): where general.name, lowercased,
+# contains one of these, every special token but the RSTRIP_KEPT ones drops the whitespace after it.
+RSTRIP_MODEL_NAMES = ("phi-3", "phi3")
+RSTRIP_KEPT = frozenset({"<unk>", "<s>", "<|endoftext|>"})
+# What the stripping drops: C's isspace in the "C" locale, byte by byte (no non-ASCII space).
+_C_SPACES = " \t\n\v\f\r"
+
 # Types rendered as their literal text when special tokens are shown, and the types that only a
 # parse_special tokenization recognises in text (user-defined tokens are always recognised).
 _SPECIAL_TYPES = (TokenType.CONTROL, TokenType.UNKNOWN)
@@ -96,6 +103,22 @@ class SpecialToken:
     id: int
     needs_parse_special: bool
     rank: int = 0  # position in `Vocabulary.special_tokens` (longest first)
+    rstrip: bool = False  # the whitespace after it is dropped (llama.cpp's LLAMA_TOKEN_ATTR_RSTRIP)
+
+    def split(self, fragment: str) -> list[str | int]:
+        """`fragment` around every non-overlapping occurrence of this token, as llama.cpp splits it."""
+        out: list[str | int] = []
+        start = 0
+        while (at := fragment.find(self.text, start)) >= 0:
+            if at > start:
+                out.append(fragment[start:at])
+            out.append(self.id)
+            start = at + len(self.text)
+            while self.rstrip and start < len(fragment) and fragment[start] in _C_SPACES:
+                start += 1
+        if start < len(fragment):
+            out.append(fragment[start:])
+        return out
 
 
 # Above this many special tokens sharing a first character (gemma3 has ~6,400 starting with "<"), their
@@ -192,11 +215,7 @@ class Vocabulary:
                 if isinstance(fragment, int) or special.text not in fragment:
                     split.append(fragment)
                     continue
-                for i, part in enumerate(fragment.split(special.text)):
-                    if i:
-                        split.append(special.id)
-                    if part:
-                        split.append(part)
+                split.extend(special.split(fragment))
             fragments = split
         return fragments
 
@@ -268,8 +287,12 @@ class Vocabulary:
 
         partition_ids = np.nonzero(np.isin(types, [t.value for t in _PARTITION_TYPES]))[0].tolist()
         by_length = sorted(partition_ids, key=lambda i: -len(tokens[i].encode("utf-8")))
+        model_name = str(metadata.get("general.name", "")).lower()
+        rstrip = any(name in model_name for name in RSTRIP_MODEL_NAMES)
         specials = [
-            SpecialToken(tokens[i], i, int(types[i]) != TokenType.USER_DEFINED, rank)
+            SpecialToken(
+                tokens[i], i, int(types[i]) != TokenType.USER_DEFINED, rank, rstrip and tokens[i] not in RSTRIP_KEPT
+            )
             for rank, i in enumerate(by_length)
         ]
         types.setflags(write=False)
