@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from strata_engine.errors import InvalidToken, TokenizerError, UnsupportedTokenizer
 from strata_engine.tokenizer import Implementation, Tokenizer, TokenType, Utf8Stream
 from support.data import load_reference
+from support.tokenizer_texts import PIECES
 
 from .runners import MODELS, reference
 
@@ -191,21 +192,9 @@ def test_compiled_sentencepiece_merges_across_words_where_a_token_does(tokenizer
             _assert_same_ids({"gemma3": tokenizers["gemma3"]}, reference_tokenizers, text)
 
 
-# Pieces the pre-tokenizers and merges treat specially: scripts, emoji sequences, whitespace runs, digits
-# of several kinds, contractions (any case), special-token texts and near misses.
-_PIECES = [
-    "'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "'LL", "'x", "''", " '", "n't",
-    " ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", "\u00a0", "\u3000", "\u2028", "\u200b", "\x0b", "\x1c",
-    "0", "7", "42", "٣", "１", "Ⅻ", "½", "²", "3.14", "-1e9",
-    "Hello", " world", "Привет", "мир", "東京", "日本語", "مرحبا", "नमस्ते", "ಕನ್ನಡ", "สวัสดี", "한국어", "Ελλάδα",
-    "🚀", "👍🏽", "👩‍💻", "🇫🇷", "❤️", "\U0001f9d1\u200d\U0001f33e",
-    "\u2581", "▁▁", "> </", ">\u2581<", "Ġ", "Ċ", ".", ",", "!?", "...", "—", "«»", "()", "{}", "#", "**", "`", "</", "/>",
-    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<start_of_turn>", "<end_of_turn>", "<bos>", "<unused7>",
-    "<0x0A>", "<", ">", "|",
-]  # fmt: skip
 _MIXED_TEXT = st.lists(
     st.one_of(
-        st.sampled_from(_PIECES),
+        st.sampled_from(PIECES),
         st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=8),
     ),
     max_size=40,
@@ -288,17 +277,28 @@ def _partition_as_llamacpp(vocab, text: str, parse_special: bool) -> list:
                     out.append(fragment[start:at])
                 out.append(special.id)
                 start = at + len(special.text)
+                if special.rstrip:  # LLAMA_TOKEN_ATTR_RSTRIP: isspace() after it skipped
+                    while start < len(fragment) and fragment[start] in " \t\n\v\f\r":
+                        start += 1
             if start < len(fragment):
                 out.append(fragment[start:])
         fragments = out
     return fragments
 
 
-def test_special_token_partition_equals_llamacpps_algorithm(tokenizers):
+@pytest.fixture(scope="module")
+def phi3_named(metadata) -> Tokenizer:
+    """gemma3's vocabulary in a file named as Phi-3 files are: llama.cpp strips the whitespace after each of its
+    special tokens (user-defined "\n" and space runs included) but <unk>, <s> and <|endoftext|>."""
+    return Tokenizer.from_gguf_metadata({**metadata["gemma3"], "general.name": "Phi3 Mini 4k Instruct"})
+
+
+def test_special_token_partition_equals_llamacpps_algorithm(tokenizers, phi3_named):
     rng = random.Random(11)
     pieces = ["<start_of_turn>", "<end_of_turn>", "<unused12>", "<unused1", "<b>", "</b", "<", ">", "[multimodal]",
-              "<|im_start|>", "<|im_end|>", "<|endoftext|>", "\n", " ", "  ", "\t", "x", "user", "<bos>", "<eos>"]  # fmt: skip
-    for tok in tokenizers.values():
+              "<|im_start|>", "<|im_end|>", "<|endoftext|>", "\n", " ", "  ", "\t", "x", "user", "<bos>", "<eos>",
+              "<unk>", "\r\n", "\u3000"]  # fmt: skip
+    for tok in [*tokenizers.values(), phi3_named]:
         for _ in range(80):
             text = "".join(
                 rng.choice(pieces) * rng.choice([1, 1, 2, 7, 40]) for _ in range(rng.randint(0, 12))
@@ -307,3 +307,14 @@ def test_special_token_partition_equals_llamacpps_algorithm(tokenizers):
                 assert tok.vocab.partition(text, parse_special) == _partition_as_llamacpp(
                     tok.vocab, text, parse_special
                 )
+
+
+def test_phi3_special_tokens_strip_the_whitespace_after_them(tokenizers, phi3_named):
+    stripping = {s.text for s in phi3_named.vocab.special_tokens if s.rstrip}
+    assert {"<start_of_turn>", "<end_of_turn>", "\n", "<eos>"} <= stripping
+    assert not stripping & {"<unk>", "<s>", "<|endoftext|>"}
+    assert not any(s.rstrip for tok in tokenizers.values() for s in tok.vocab.special_tokens)
+    gemma = tokenizers["gemma3"]
+    # (the longer special tokens split first: "\n" after <end_of_turn> goes with the stripped run)
+    turn = "<start_of_turn>\x0b\x0cuser Hi<end_of_turn>\n \t<unk>\x0b x"
+    assert phi3_named.encode(turn) == gemma.encode("<start_of_turn>user Hi<end_of_turn><unk>\x0b x")

@@ -70,7 +70,7 @@ _QWEN2 = PreTokenizerSpec(splits=(qwen2_pattern,), word_split=kernels.WordSplit.
 PRE_TOKENIZERS: Mapping[str, PreTokenizerSpec] = {
     "smollm": _SMOLLM,
     **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
+        ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
         _LLAMA3,
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), attrs.evolve(_QWEN2, clean_spaces=False)),
