@@ -5,6 +5,7 @@ trips, special-token handling, streaming UTF-8, bad metadata."""
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from strata_engine.errors import InvalidToken, TokenizerError, UnsupportedTokenizer
 from strata_engine.tokenizer import Implementation, Tokenizer, TokenType, Utf8Stream
 from support.data import load_reference
+from support.gguf_variants import phi3_named_metadata
 from support.tokenizer_texts import PIECES
 
 from .runners import MODELS, reference
@@ -79,6 +81,8 @@ def test_facts_from_metadata(tokenizers):
     assert {2, 0} <= smol.end_of_generation  # <|im_end|> (eos), <|endoftext|>
     assert {1, 106} <= gemma.end_of_generation  # <eos>, <end_of_turn>
     assert 105 not in gemma.end_of_generation  # <start_of_turn>
+    # "</s>" (a user-defined token there): llama.cpp b11549 ends generation on it by text, a control token
+    assert 212 in gemma.end_of_generation and gemma.vocab.token_type(212) is TokenType.CONTROL
     assert gemma.vocab.token_type(107) is TokenType.USER_DEFINED  # "\n"
 
 
@@ -288,9 +292,9 @@ def _partition_as_llamacpp(vocab, text: str, parse_special: bool) -> list:
 
 @pytest.fixture(scope="module")
 def phi3_named(metadata) -> Tokenizer:
-    """gemma3's vocabulary in a file named as Phi-3 files are: llama.cpp strips the whitespace after each of its
-    special tokens (user-defined "\n" and space runs included) but <unk>, <s> and <|endoftext|>."""
-    return Tokenizer.from_gguf_metadata({**metadata["gemma3"], "general.name": "Phi3 Mini 4k Instruct"})
+    """gemma3's vocabulary in a file named as Phi-3 files are (support/gguf_variants.py): llama.cpp strips the
+    whitespace after each of its special tokens but <unk>, <s> and <|endoftext|>."""
+    return Tokenizer.from_gguf_metadata({**metadata["gemma3"], **phi3_named_metadata(metadata["gemma3"])})
 
 
 def test_special_token_partition_equals_llamacpps_algorithm(tokenizers, phi3_named):
@@ -311,10 +315,23 @@ def test_special_token_partition_equals_llamacpps_algorithm(tokenizers, phi3_nam
 
 def test_phi3_special_tokens_strip_the_whitespace_after_them(tokenizers, phi3_named):
     stripping = {s.text for s in phi3_named.vocab.special_tokens if s.rstrip}
-    assert {"<start_of_turn>", "<end_of_turn>", "\n", "<eos>"} <= stripping
+    assert {"<start_of_turn>", "<end_of_turn>", "<eos>", "[multimodal]"} <= stripping
     assert not stripping & {"<unk>", "<s>", "<|endoftext|>"}
     assert not any(s.rstrip for tok in tokenizers.values() for s in tok.vocab.special_tokens)
     gemma = tokenizers["gemma3"]
     # (the longer special tokens split first: "\n" after <end_of_turn> goes with the stripped run)
     turn = "<start_of_turn>\x0b\x0cuser Hi<end_of_turn>\n \t<unk>\x0b x"
     assert phi3_named.encode(turn) == gemma.encode("<start_of_turn>user Hi<end_of_turn><unk>\x0b x")
+
+
+def test_a_phi3_name_needs_the_tokens_llamacpp_sets_by_name(metadata):
+    with pytest.raises(TokenizerError, match=re.escape("the vocabulary lacks <|endoftext|>")):
+        Tokenizer.from_gguf_metadata({**metadata["gemma3"], "general.name": "Phi3"})
+
+
+def test_end_tag_is_normal_where_a_gemma4_marker_ends_generation(metadata):
+    """llama.cpp's rule for gemma4 and plamo vocabularies: with <|tool_response>, "</s>" is a normal token."""
+    tokens = ["<|tool_response>" if t == "<unused2>" else t for t in metadata["gemma3"]["tokenizer.ggml.tokens"]]
+    tok = Tokenizer.from_gguf_metadata({**metadata["gemma3"], "tokenizer.ggml.tokens": tokens})
+    assert tokens.index("<|tool_response>") in tok.end_of_generation
+    assert 212 not in tok.end_of_generation and tok.vocab.token_type(212) is TokenType.NORMAL

@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 
 TOKENS_KEY = "tokenizer.ggml.tokens"
+TYPES_KEY = "tokenizer.ggml.token_type"
 # SmolLM2's control tokens <gh_stars>, <issue_start>, <issue_comment>, renamed to StarCoder's FIM texts.
 SMOLLM2_FIM_NAMES = {7: "<fim_prefix>", 8: "<fim_suffix>", 9: "<fim_middle>"}
 
@@ -23,6 +24,20 @@ def with_renamed_tokens(src: Path, dst: Path, names: dict[int, str]) -> Path:
         return [names.get(i, text) for i, text in enumerate(value)] if key == TOKENS_KEY else value
 
     return _copy(src, dst, rename)
+
+
+def phi3_named_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """What makes a SentencePiece file (gemma3's) a Phi-3 one to llama.cpp's tokenizer: a Phi-3 general.name, the
+    one text it sets attributes of by that name that gemma3 lacks (<|endoftext|>: an unused token renamed), and,
+    as in Phi-3's vocabulary, no special token starting with whitespace (gemma3's user-defined runs of newlines,
+    spaces and tabs made normal: which of two such runs of one length strips the other would be up to the
+    order llama.cpp's std::sort leaves equal lengths in)."""
+    tokens = [("<|endoftext|>" if t == "<unused1>" else t) for t in metadata[TOKENS_KEY]]
+    types = [
+        gguf.TokenType.NORMAL if kind == gguf.TokenType.USER_DEFINED and text[:1].isspace() else kind
+        for text, kind in zip(tokens, np.asarray(metadata[TYPES_KEY]).tolist(), strict=True)
+    ]
+    return {"general.name": "Phi3 Mini 4k Instruct", TOKENS_KEY: tokens, TYPES_KEY: types}
 
 
 def with_metadata(src: Path, dst: Path, values: Mapping[str, Any]) -> Path:

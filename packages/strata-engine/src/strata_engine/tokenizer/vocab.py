@@ -26,14 +26,19 @@ class TokenType(enum.IntEnum):
     BYTE = 6
 
 
-# Texts that end generation (llama.cpp detects these by text; a token with one of these texts is
+# Texts that end generation (llama.cpp b11549 detects these by text; a token with one of these texts is
 # treated as a control token even if the file says otherwise).
 END_OF_GENERATION_TEXTS: frozenset[str] = frozenset(
     {
-        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
-        "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+        "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+        "<｜end▁of▁sentence｜>", "[e~[", "<|ifm|im_end|>",
     }
 )  # fmt: skip
+# Where one of these ends generation too, "</s>" is a normal token instead (gemma4's and plamo's vocabularies).
+NORMAL_END_TAG_MARKERS = frozenset({"<|tool_response>", "<|plamo:eos|>"})
+END_TAG = "</s>"
 
 # Fill-in-the-middle tokens: the GGUF keys that name each (the first present wins; the last of PRE, SUF
 # and MID is llama.cpp's deprecated name), else the first of the texts the vocabulary holds (llama.cpp
@@ -88,6 +93,8 @@ FIM_END_OF_GENERATION = (FimToken.PAD, FimToken.REP, FimToken.SEP)
 # contains one of these, every special token but the RSTRIP_KEPT ones drops the whitespace after it.
 RSTRIP_MODEL_NAMES = ("phi-3", "phi3")
 RSTRIP_KEPT = frozenset({"<unk>", "<s>", "<|endoftext|>"})
+# The texts llama.cpp sets attributes of by name there: a vocabulary lacking one fails its load.
+RSTRIP_NAMED = RSTRIP_KEPT | {"</s>"}
 # What the stripping drops: C's isspace in the "C" locale, byte by byte (no non-ASCII space).
 _C_SPACES = " \t\n\v\f\r"
 
@@ -284,11 +291,20 @@ class Vocabulary:
 
         fim = _fim_tokens(metadata, token_to_id, types)
         end_of_generation.update(fim[role] for role in FIM_END_OF_GENERATION if role in fim)
+        end_tag = token_to_id.get(END_TAG)
+        if end_tag in end_of_generation and any(tokens[i] in NORMAL_END_TAG_MARKERS for i in end_of_generation):
+            end_of_generation.discard(end_tag)
+            types[end_tag] = TokenType.NORMAL
 
         partition_ids = np.nonzero(np.isin(types, [t.value for t in _PARTITION_TYPES]))[0].tolist()
         by_length = sorted(partition_ids, key=lambda i: -len(tokens[i].encode("utf-8")))
         model_name = str(metadata.get("general.name", "")).lower()
         rstrip = any(name in model_name for name in RSTRIP_MODEL_NAMES)
+        if rstrip and (missing := sorted(RSTRIP_NAMED - token_to_id.keys())):
+            raise TokenizerError(
+                f"general.name = {metadata.get('general.name')!r} names a Phi-3 model, whose tokens "
+                f"{', '.join(sorted(RSTRIP_NAMED))} llama.cpp sets attributes of; the vocabulary lacks {', '.join(missing)}"
+            )
         specials = [
             SpecialToken(
                 tokens[i], i, int(types[i]) != TokenType.USER_DEFINED, rank, rstrip and tokens[i] not in RSTRIP_KEPT
