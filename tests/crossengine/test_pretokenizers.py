@@ -56,7 +56,11 @@ def test_clean_spaces_equals_llamacpps_echoed_prompt(bpe_pair):
     """llama-server echoes a completion's prompt through llama_detokenize: clean_spaces where the pre-type
     has it on (its /detokenize does not clean)."""
     tok = bpe_pair.tokenizer
-    for text in ["Hello , world ! I 'm ' x ' fine .", "a ' b 's c 're d 'd e 'll ?! , .", *mixed_texts(41, 20)]:
+    for text in [
+        "Hello , world ! I 'm ' x ' fine .",
+        "a ' b 's c 're d 'd e 'll ?! , .",
+        *mixed_texts(41, 20),
+    ]:
         ids = tok.encode(text, parse_special=False)
         echoed = bpe_pair.server.post("/completion", {"prompt": ids, "n_predict": 1})["prompt"]
         assert tok.decode(ids, clean=True) == echoed, text

@@ -37,7 +37,9 @@ _FOLDED_OR_SPACED = "\x1c\x1d\x1e\x1f\u017f\u212a"
 _COMPARABLE = st.characters(blacklist_categories=("Cs", "Cn"), max_codepoint=0x3FFFF).filter(
     lambda ch: ch not in _FOLDED_OR_SPACED and unicodedata.category(ch) != "Cn"
 )
-_TEXT = st.lists(st.one_of(st.sampled_from(PIECES), st.text(_COMPARABLE, max_size=8)), max_size=30).map("".join)
+_TEXT = st.lists(st.one_of(st.sampled_from(PIECES), st.text(_COMPARABLE, max_size=8)), max_size=30).map(
+    "".join
+)
 
 
 def _regex_words(pattern: str, text: str) -> list[str]:
@@ -89,14 +91,19 @@ def encoders(metadata) -> dict[str, tuple[Tokenizer, Tokenizer]]:
     out = {}
     for name in PRE_TYPES:
         meta = {**metadata["smollm2"], "tokenizer.ggml.pre": name}
-        out[name] = (Tokenizer.from_gguf_metadata(meta), Tokenizer.from_gguf_metadata(meta, Implementation.REFERENCE))
+        out[name] = (
+            Tokenizer.from_gguf_metadata(meta),
+            Tokenizer.from_gguf_metadata(meta, Implementation.REFERENCE),
+        )
     return out
 
 
 def _assert_same_ids(pair: tuple[Tokenizer, Tokenizer], text: str) -> None:
     compiled, oracle = pair
     for parse_special in (True, False):
-        assert compiled.encode(text, parse_special=parse_special) == oracle.encode(text, parse_special=parse_special)
+        assert compiled.encode(text, parse_special=parse_special) == oracle.encode(
+            text, parse_special=parse_special
+        )
 
 
 @pytest.mark.parametrize("name", PRE_TYPES)
@@ -118,9 +125,15 @@ def test_ignore_merges_takes_a_whole_word_token(metadata):
     """llama3's pre-types skip the merges for a word that is a token. With SmolLM2's merges cut to the first
     thousand, most longer tokens are out of the merges' reach: a word that is one of them still comes out
     whole under llama-bpe, and not under qwen2 (the same split for words without digits, merges kept)."""
-    cut = {**metadata["smollm2"], "tokenizer.ggml.merges": metadata["smollm2"]["tokenizer.ggml.merges"][:1000]}
+    cut = {
+        **metadata["smollm2"],
+        "tokenizer.ggml.merges": metadata["smollm2"]["tokenizer.ggml.merges"][:1000],
+    }
     llama, qwen = ({**cut, "tokenizer.ggml.pre": pre} for pre in ("llama-bpe", "qwen2"))
-    compiled, oracle = Tokenizer.from_gguf_metadata(llama), Tokenizer.from_gguf_metadata(llama, Implementation.REFERENCE)
+    compiled, oracle = (
+        Tokenizer.from_gguf_metadata(llama),
+        Tokenizer.from_gguf_metadata(llama, Implementation.REFERENCE),
+    )
     merged = Tokenizer.from_gguf_metadata(qwen)
     words = ReferenceBytePairEncoder(compiled.vocab, [], "llama-bpe")
     whole_only_here = 0

@@ -331,7 +331,9 @@ def test_a_phi3_name_needs_the_tokens_llamacpp_sets_by_name(metadata):
 
 def test_end_tag_is_normal_where_a_gemma4_marker_ends_generation(metadata):
     """llama.cpp's rule for gemma4 and plamo vocabularies: with <|tool_response>, "</s>" is a normal token."""
-    tokens = ["<|tool_response>" if t == "<unused2>" else t for t in metadata["gemma3"]["tokenizer.ggml.tokens"]]
+    tokens = [
+        "<|tool_response>" if t == "<unused2>" else t for t in metadata["gemma3"]["tokenizer.ggml.tokens"]
+    ]
     tok = Tokenizer.from_gguf_metadata({**metadata["gemma3"], "tokenizer.ggml.tokens": tokens})
     assert tokens.index("<|tool_response>") in tok.end_of_generation
     assert 212 not in tok.end_of_generation and tok.vocab.token_type(212) is TokenType.NORMAL

@@ -70,10 +70,22 @@ _QWEN2 = PreTokenizerSpec(splits=(qwen2_pattern,), word_split=kernels.WordSplit.
 PRE_TOKENIZERS: Mapping[str, PreTokenizerSpec] = {
     "smollm": _SMOLLM,
     **dict.fromkeys(
-        ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
+        (
+            "llama-bpe",
+            "llama3",
+            "llama-v3",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+        ),
         _LLAMA3,
     ),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), attrs.evolve(_QWEN2, clean_spaces=False)),
+    **dict.fromkeys(
+        ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), attrs.evolve(_QWEN2, clean_spaces=False)
+    ),
     "megrez": _QWEN2,  # the one QWEN2 name that leaves clean_spaces on
 }
 

@@ -23,7 +23,6 @@ _APOSTROPHE, _BLANK, _SPACE_MARK, _CR, _LF = ord("'"), ord(" "), ord("\u2581"), 
 _S, _T, _M, _D, _R, _V, _L, _E = (ord(c) for c in "stmdrvle")
 
 
-
 class WordSplit(enum.IntEnum):
     """The compiled word splitters of byte-level BPE (`bpe_encode`'s `word_split`)."""
 

@@ -124,7 +124,7 @@ def _llama3_style_pattern(max_digits: int | None) -> re.Pattern[str]:
     (None: one at a time, Qwen2's)."""
     c = character_classes()
     L, N, S = c["L"], c["N"], c["S"]
-    digits = "{1,%d}" % max_digits if max_digits else ""
+    digits = f"{{1,{max_digits}}}" if max_digits else ""
     return re.compile(
         "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
         rf"|[^\r\n{L}{N}]?[{L}]+|[{N}]{digits}| ?[^{S}{L}{N}]+[\r\n]*|[{S}]*[\r\n]+|[{S}]+(?![^{S}])|[{S}]+"

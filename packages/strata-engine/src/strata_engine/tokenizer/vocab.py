@@ -292,7 +292,9 @@ class Vocabulary:
         fim = _fim_tokens(metadata, token_to_id, types)
         end_of_generation.update(fim[role] for role in FIM_END_OF_GENERATION if role in fim)
         end_tag = token_to_id.get(END_TAG)
-        if end_tag in end_of_generation and any(tokens[i] in NORMAL_END_TAG_MARKERS for i in end_of_generation):
+        if end_tag in end_of_generation and any(
+            tokens[i] in NORMAL_END_TAG_MARKERS for i in end_of_generation
+        ):
             end_of_generation.discard(end_tag)
             types[end_tag] = TokenType.NORMAL
 
@@ -307,7 +309,11 @@ class Vocabulary:
             )
         specials = [
             SpecialToken(
-                tokens[i], i, int(types[i]) != TokenType.USER_DEFINED, rank, rstrip and tokens[i] not in RSTRIP_KEPT
+                tokens[i],
+                i,
+                int(types[i]) != TokenType.USER_DEFINED,
+                rank,
+                rstrip and tokens[i] not in RSTRIP_KEPT,
             )
             for rank, i in enumerate(by_length)
         ]
