@@ -2,7 +2,8 @@
 
 A raw-text fragment is split into words by the pre-tokenizer named in `tokenizer.ggml.pre`; each word's
 UTF-8 bytes are mapped to GPT-2's printable characters; then, per word, the adjacent pair with the
-lowest merge rank is merged (ties: leftmost first) until no ranked pair is left.
+lowest merge rank is merged (ties: leftmost first) until no ranked pair is left (under Llama 3's
+pre-tokenizers a word that is a token as a whole is that token, unmerged).
 
 The loops run compiled (kernels.bpe_encode) on integer symbols: every vocabulary token keeps its id,
 and a string that the merges use or produce but that is not a token gets an id from n_vocab up (left

@@ -1,5 +1,5 @@
-"""The compiled hot loops of the encoders (numba, compiled once and cached on disk): the GPT-2 split,
-the BPE merge loop over integer symbols with a binary heap, open-addressing hash tables (merge pairs,
+"""The compiled hot loops of the encoders (numba, compiled once and cached on disk): the GPT-2 and Llama 3
+word splits, the BPE merge loop over integer symbols with a binary heap, open-addressing hash tables (merge pairs,
 token texts, the per-call word cache).
 
 They take and return NumPy arrays only, so they run without the GIL (`nogil`): a thread tokenizing a
