@@ -54,6 +54,7 @@ READ_KEYS: dict[str, str] = {
     )},
     **{key: "the tokenizer (fill-in-the-middle tokens)" for keys in FIM_KEYS.values() for key in keys},
     "tokenizer.chat_template": "the chat renderer",
+    "general.name": "the tokenizer (a Phi-3 name drops the spaces after special tokens, as llama.cpp)",
 }  # fmt: skip
 
 # `<arch>.` keys read outside the config builder (the suffix after `<arch>.`), with the values their reader takes.
