@@ -126,21 +126,7 @@ def apply_streaming(
     try:
         if lander is not None:  # the gate first: from here on the file's bytes land in the live K/V
             open_gate()
-            opened.bytes_read += land_data(
-                opened, lander.landing_views, block_size, hasher, progress, Phase.APPLY, readers
-            )
-        else:
-            opened.bytes_read += stream_data(
-                opened,
-                buffers,
-                block_size,
-                hasher,
-                deliver,
-                progress,
-                Phase.APPLY,
-                readers,
-                copy_waiter(adapter),
-            )
+        _read_payload(opened, adapter, buffers, block_size, hasher, deliver, progress, lander, readers)
         if not gate[0]:
             open_gate()
         check_digest(opened, hasher, "apply pass")
@@ -150,6 +136,21 @@ def apply_streaming(
         if gate[0]:
             raise fail_stop(adapter, exc, opened.path) from exc
         raise
+
+
+def _read_payload(
+    opened: OpenedFile, adapter, buffers, block_size, hasher, deliver, progress,
+    lander: LandingTarget | None, readers: ReadThreads,
+) -> None:  # fmt: skip
+    """The apply pass over the payload: landed in `lander`'s memory, else streamed through `deliver`."""
+    if lander is not None:
+        opened.bytes_read += land_data(
+            opened, lander.landing_views, block_size, hasher, progress, Phase.APPLY, readers
+        )
+    else:
+        opened.bytes_read += stream_data(
+            opened, buffers, block_size, hasher, deliver, progress, Phase.APPLY, readers, copy_waiter(adapter)
+        )
 
 
 def apply_staged(
@@ -178,22 +179,8 @@ def apply_staged(
 
     try:
         adapter_call(adapter.begin_staging, plan)
-        if lander is not None:  # straight into the staging area
-            opened.bytes_read += land_data(
-                opened, lander.landing_views, block_size, hasher, progress, Phase.APPLY, readers
-            )
-        else:
-            opened.bytes_read += stream_data(
-                opened,
-                buffers,
-                block_size,
-                hasher,
-                deliver,
-                progress,
-                Phase.APPLY,
-                readers,
-                copy_waiter(adapter),
-            )
+        # the lander's bytes go straight into the staging area
+        _read_payload(opened, adapter, buffers, block_size, hasher, deliver, progress, lander, readers)
         check_digest(opened, hasher, "staged pass")
         check_unchanged(opened, "during the staged pass")
         adapter_call(adapter.commit_staged, plan.state)
