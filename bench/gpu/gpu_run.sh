@@ -14,6 +14,7 @@
 #           TRACE_VARIANTS, default "none vram-staging"; e.g. "threads=8 block=8")
 #   probe-io  bench/gpu/probe_gpu_io.py (reads by 1-8 threads, XXH3, host->device copies, write+fsync)
 #   tests  every tests/engine/test_gpu*.py
+#   families  the GPU cases of tests/engine/test_families.py (tiny random models of each family vs transformers)
 #   bench  bench/gpu/bench_gpu.py (engine vs transformers), then bench/gpu/bench_gpu_session.py
 #   slots  the batched decode tests (test_gpu_model.py -k batched)
 #   bench-slots  bench/gpu/bench_gpu_slots.py (step time per B op by op vs graphs; aggregate tok/s at B = 1..8)
@@ -89,6 +90,7 @@ PY
       } 2>&1 | tee "$OUT/trace_restore.log" | grep -vE "^       " ;;
     probe-io) python3 bench/gpu/probe_gpu_io.py --folder /tmp 2>&1 | tee "$OUT/probe_io.log" || rc=1 ;;
     tests) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_ops.py tests/engine/test_gpu_model.py tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/tests.log" || rc=1 ;;
+    families) python3 -m pytest -p no:cacheprovider -q -rA -m gpu tests/engine/test_families.py 2>&1 | tee "$OUT/families.log" || rc=1 ;;
     model-k) python3 -m pytest -p no:cacheprovider -q -rA tests/engine/test_gpu_model.py -k "$MODEL_K" 2>&1 | tee "$OUT/model-k.log" || rc=1 ;;
     model) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_model.py 2>&1 | tee "$OUT/model.log" || rc=1 ;;
     session) python3 -m pytest -p no:cacheprovider -q -rA --durations=15 tests/engine/test_gpu_session.py 2>&1 | tee "$OUT/session.log" || rc=1 ;;
