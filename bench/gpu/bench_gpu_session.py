@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from strata_engine.client import EngineProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 import bench_session as BS  # noqa: E402 - the CPU benchmark's procedure, reused with GPU settings
@@ -33,12 +34,12 @@ MODELS: dict[str, Path] = {}
 EXTRA_ARGS: list[str] = []
 
 
-class GpuEngine(BS.Engine):
-    def __init__(self, model: str, *args: str):
-        super().__init__(model, *args, *EXTRA_ARGS)
+def gpu_engine(model: str, *args: str) -> EngineProcess:
+    """bench_session's engine, on the models given here with the GPU arguments added."""
+    return EngineProcess(MODELS[model], *args, *EXTRA_ARGS, timeout_s=3600)
 
 
-BS.Engine = GpuEngine
+BS.engine = gpu_engine
 BS.model_path = lambda name: MODELS[name]
 
 
@@ -113,12 +114,12 @@ def synthetic_session(n_tokens: int, folder: Path) -> dict:
     EXTRA_ARGS[:] = ["--backend", "cupy"]
     for mode in ("auto", "streaming"):
         for temp in ("cold", "warm"):
-            e = GpuEngine("smollm2", "--ctx-size", str(n_tokens), "--restore-mode", mode)
+            e = gpu_engine("smollm2", "--ctx-size", str(n_tokens), "--restore-mode", mode)
             if temp == "cold":
                 evict(path)
             else:
                 BS.plain_read(path)
-            r[f"restore_{mode}_{temp}"] = e.restore_measured(path)
+            r[f"restore_{mode}_{temp}"] = BS.restore_measured(e, path)
             e.quit()
     return r
 
