@@ -97,3 +97,18 @@ def test_strata_server_saves_for_llama_server(strata, smollm2_path, layout):
     assert warm["timings"]["cache_n"] == n
     bad = requests.post(strata.url + "/slots/0?action=save", json={**body, "format": "gguf"}, timeout=60)
     assert bad.status_code == 400 and "'format' must be one of" in bad.text
+
+
+def test_strata_server_refuses_another_models_slot_file(strata, gemma3_path):
+    """A slot file llama-server wrote with gemma3, restored into a SmolLM2 strata-server: refused by name
+    (its geometry is not this model's), and the conversation slot 0 holds is kept."""
+    llama = LlamaServer(gemma3_path, strata.folder, FLASH_ATTN["v_rows"])
+    llama.complete(llama.tokenize("The sky is"), 2)
+    assert llama.post("/slots/0?action=save", {"filename": "gemma3.bin"})["n_saved"] > 0
+
+    held = complete(strata.url, list(range(100, 140)))
+    turn = list(range(100, 140)) + held["tokens"]
+    r = requests.post(strata.url + "/slots/0?action=restore", json={"filename": "gemma3.bin"}, timeout=600)
+    assert r.status_code == 400 and "slot_geometry_mismatch" in r.text, r.text
+    again = complete(strata.url, turn)
+    assert again["timings"]["cache_n"] >= len(turn) - 1
