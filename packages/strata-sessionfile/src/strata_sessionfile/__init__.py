@@ -46,7 +46,11 @@ Errors (``strata_sessionfile.errors``)
     ``SessionFileError`` and subclasses, each with a stable ``reason`` string (``errors.all_reasons()``).
 llama.cpp slot files (``strata_sessionfile.llamacpp``; spec/llama-cpp-slot.md)
     ``read_slot_file(path, geometry)``, ``model_geometry(gguf)``, ``slot_to_session(slot, gguf, out, config=)``,
-    ``session_to_slot(ssf, gguf, out, SlotOptions(v_trans=, k_type=, v_type=))``; the CLI's ``convert``.
+    ``session_to_slot(ssf, gguf, out, SlotOptions(v_trans=, k_type=, v_type=))``, ``restore_slot(slot, gguf,
+    target)`` (straight into an engine, no v1 file between); the CLI's ``convert``.
+Transfer (``transfer(source, target)``)
+    a session from a ``SessionSource`` straight into a ``SessionTarget``, with the checks and apply modes a
+    restore of the file ``save(source)`` writes would have.
 Testing (``strata_sessionfile.testing``)
     ``MemoryAdapter`` (in-memory reference adapter), ``run_conformance(adapter_factory, workdir)`` (one
     function per case, listed in ``CASES``).
@@ -54,7 +58,7 @@ Testing (``strata_sessionfile.testing``)
 Inside: ``writer`` (``save`` as the named stages of ``SessionWriter``), ``reader`` (``inspect``, ``restore``)
 over ``validate`` (the checks), ``datapass`` (the passes over the data section) and ``apply`` (streaming and
 staged); ``pipelines`` (reader and writer threads), ``memory`` (buffers, the RAM probe); the byte seam:
-``seam`` (the interfaces), ``_fileio`` (local files: the only module that opens, reads or writes one) and
+``transfer`` (adapter to adapter, no file); ``seam`` (the interfaces), ``_fileio`` (local files: the only module that opens, reads or writes one) and
 ``objstore`` (an S3-compatible object store).
 """
 
@@ -97,6 +101,7 @@ from .records import (
     Snapshot,
 )
 from .seam import ByteSink, ByteSource
+from .transfer import transfer
 from .validate import check_limits
 from .writer import save
 
@@ -148,4 +153,5 @@ __all__ = [
     "model_fingerprint",
     "restore",
     "save",
+    "transfer",
 ]

@@ -19,14 +19,15 @@ import enum
 import os
 import struct
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from . import errors as E
 from ._fileio import FileSink, FileSource
-from .format import DTYPES, LIMIT, DType, LayerRole, Part
+from .adapter import SessionTarget, adapter_call
+from .format import DEFAULT_BLOCK_SIZE, DTYPES, LIMIT, DType, LayerRole, Part
 from .identity import config_fingerprint, model_fingerprint
 from .reader import inspect, restore
 from .records import (
@@ -36,10 +37,14 @@ from .records import (
     LayerGeometry,
     LayerSpec,
     ModelIdentity,
+    Progress,
+    RestoreMode,
     RestorePlan,
+    RestoreReport,
     RunningState,
     Snapshot,
 )
+from .transfer import transfer
 from .writer import save
 
 SLOT_MAGIC = 0x67677371  # LLAMA_FILE_MAGIC_GGSQ, 'ggsq' read as a little-endian u32
@@ -832,6 +837,46 @@ def slot_to_session(
     source = SlotSource(slot, geometry, EngineIdentity(_model_identity(model), cfg), engine_fields)
     try:
         return save(out, source, block_size=block_size)
+    finally:
+        source.close()
+
+
+def _stat(path: str | os.PathLike) -> tuple[int, ...]:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def restore_slot(
+    slot_path: str | os.PathLike,
+    model: str | os.PathLike,
+    target: SessionTarget,
+    *,
+    engine_fields: bytes = b"",
+    mode: RestoreMode | str = RestoreMode.AUTO,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    progress: Callable[[Progress], None] | None = None,
+    geometry: ModelGeometry | None = None,
+) -> RestoreReport:
+    """Restore a llama.cpp slot file written with ``model`` straight into an engine (``target``), with no
+    format v1 file in between: the engine sees the plan and the checks a restore of the converted file
+    would give it (``transfer``). The slot file names no engine configuration: it is bound to the target's
+    (as ``slot_to_session(config=...)`` binds it); the model is ``model``'s fingerprint. A file changed
+    while it is restored is refused (``FileChanged``; staged: the live session kept)."""
+    geometry = geometry or model_geometry(model)
+    before = _stat(slot_path)
+    slot = read_slot_file(slot_path, geometry)
+    config = adapter_call(target.identity).config
+    source = SlotSource(slot, geometry, EngineIdentity(_model_identity(model), config), engine_fields)
+    try:
+        return transfer(
+            source,
+            target,
+            path=os.fspath(slot_path),
+            mode=mode,
+            block_size=block_size,
+            progress=progress,
+            changed=lambda: _stat(slot_path) != before,
+        )
     finally:
         source.close()
 

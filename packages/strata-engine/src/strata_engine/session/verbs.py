@@ -30,7 +30,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -144,6 +144,7 @@ class SessionVerbs:
         self._readers: sf.ReadThreads | None = None
         self._s3_client = None
         self._s3_lock = threading.Lock()
+        self._slot_geometry: llamacpp.ModelGeometry | None = None
 
     def warm(self, ctx: ServeContext) -> None:
         """Start-up work that would otherwise land in the first SAVE/RESTORE: the identity (fingerprinting
@@ -159,6 +160,13 @@ class SessionVerbs:
         count = self.read_threads() + 1  # a restore's buffers (a save uses the first two)
         for b in block_buffers(runner.pool, self.buffers, count, self.block_size(runner)):
             b[:] = bytes(len(b))
+
+    def slot_geometry(self, runner) -> llamacpp.ModelGeometry:
+        """The model's geometry as llama.cpp's slot files lay it out, read from the GGUF once: its key walk
+        costs a large part of a slot file's restore (bench/sessionfile/DECISIONS.md)."""
+        if self._slot_geometry is None:
+            self._slot_geometry = llamacpp.model_geometry(runner.settings.model_path)
+        return self._slot_geometry
 
     def read_threads(self) -> int:
         return (
@@ -321,6 +329,7 @@ class SessionVerbs:
                     adapter.runner.settings.model_path,
                     parsed.path,
                     llamacpp.SlotOptions(v_trans=parsed.v_trans),
+                    geometry=self.slot_geometry(adapter.runner),
                 )
             except E.SessionFileError as exc:
                 raise ProtocolError(ErrorKind.SESSION_WRITE_FAILED, str(exc), reason=exc.reason) from exc
@@ -350,10 +359,24 @@ class SessionVerbs:
     def _restore(self, request: Request, path: str, adapter: EngineSession) -> Mapping[str, Any]:
         location = self._object(path)  # a malformed s3:// URL: a bad argument, not a refused file
         if location is None and llamacpp.is_slot_file(path):
-            return self._restore_slot_file(request, path, adapter)
-        try:
+            # llama-server's file (--slot-save-path): straight into the slot, checked as its v1 file would be
+            return self._applied(
+                request,
+                adapter,
+                lambda: llamacpp.restore_slot(
+                    path,
+                    adapter.runner.settings.model_path,
+                    adapter,
+                    mode=self.options.restore_mode,
+                    block_size=self.block_size(adapter.runner),
+                    progress=self._progress(request),
+                    geometry=self.slot_geometry(adapter.runner),
+                ),
+            )
+
+        def run() -> sf.RestoreReport:
             with self._source(path, location) as source:
-                report = sf.restore(
+                return sf.restore(
                     source,
                     adapter,
                     mode=self.options.restore_mode,
@@ -363,6 +386,16 @@ class SessionVerbs:
                     key=self.options.key,
                     require_mac=self.options.require_mac and self.options.key is not None,
                 )
+
+        return self._applied(request, adapter, run)
+
+    def _applied(
+        self, request: Request, adapter: EngineSession, run: Callable[[], sf.RestoreReport]
+    ) -> Mapping[str, Any]:
+        """`run` (a restore into `adapter`), its failures mapped to the protocol's: refused before the gate, the
+        slot failed (erased) after it."""
+        try:
+            report = run()
         except E.FailStop as exc:
             self._slot_failed(adapter, request.slot, str(exc), exc.cause_reason, exc)
         except BaseException as exc:
@@ -394,23 +427,6 @@ class SessionVerbs:
             "read_pass_ms": round(report.read_pass_s * 1000.0, 3),
             "apply_ms": round(report.apply_s * 1000.0, 3),
         }
-
-    def _restore_slot_file(self, request: Request, path: str, adapter: EngineSession) -> Mapping[str, Any]:
-        """A llama.cpp slot file (what llama-server wrote in --slot-save-path): converted, against this
-        engine's model and identity, into a temporary format v1 file beside nothing live, then restored
-        from it; a file that does not convert is refused before the slot is touched."""
-        with tempfile.TemporaryDirectory(prefix="strata-slot-") as tmp:
-            converted = os.path.join(tmp, "converted.ssf")
-            try:
-                llamacpp.slot_to_session(
-                    path,
-                    adapter.runner.settings.model_path,
-                    converted,
-                    config=adapter.identity().config,
-                )
-            except E.SessionFileError as exc:
-                raise ProtocolError(ErrorKind.SESSION_REFUSED, str(exc), reason=exc.reason) from exc
-            return self._restore(request, converted, adapter)
 
     @staticmethod
     def _slot_failed(
