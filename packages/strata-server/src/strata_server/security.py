@@ -17,6 +17,10 @@ from .engine.client import EngineClient, EngineState
 from .errors import ApiError, EngineUnavailable, ErrorType
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+# Served without the API key, as llama-server's key middleware exempts its web page and its static files
+# (tools/server/server-http.cpp); the page's own requests carry the key the user types in.
+PAGE_PATHS = frozenset({"/", "/index.html", "/bundle.js", "/bundle.css"})
+PAGE_METHODS = frozenset({"GET", "HEAD"})
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_ANY = "*"  # --cors-origins value: any origin, never with credentials (Strata's default)
 CORS_LOCALHOST = (
@@ -124,7 +128,8 @@ class SecurityMiddleware:
         if req.path not in PUBLIC_PATHS and self.engine.status().state is not EngineState.READY:
             status = self.engine.status()
             raise EngineUnavailable(status.message if status.state is EngineState.FAILED else "Loading model")
-        if self.policy.api_keys and req.path not in PUBLIC_PATHS and not self.policy.key_valid(req):
+        page = req.path in PAGE_PATHS and req.method in PAGE_METHODS
+        if self.policy.api_keys and req.path not in PUBLIC_PATHS and not page and not self.policy.key_valid(req):
             raise ApiError(ErrorType.AUTHENTICATION, "Invalid API Key")
 
     def process_response(
