@@ -134,6 +134,7 @@ class ServerConfig:
     frequency_penalty: float = _SAMPLING.frequency_penalty
     # -- the session store (store/) --
     cache_disk: Path | None = None  # folder of the session store; None: off
+    cache_disk_loose_permissions: bool = False  # a cache_disk others could write in: warned, not refused
     cache_disk_max: int = DEFAULT_CACHE_DISK_MAX_MIB  # MiB of this server's files in it
     cache_ram: int = 0  # MiB of a RAM-only store (llama-server's --cache-ram); 0: off
     cache_min_reuse: int = DEFAULT_CACHE_MIN_REUSE  # tokens a restore must add to what the slot holds
@@ -399,6 +400,11 @@ def _check_store(config: ServerConfig) -> list[str]:
             problems.append(f"cache_disk: not a directory: {config.cache_disk}")
         elif any(c in str(config.cache_disk) for c in "\r\n"):
             problems.append("cache_disk: the path contains a line break")
+        elif not config.cache_disk_loose_permissions:
+            problems += [
+                f"cache_disk: {p} (or give --cache-disk-loose-permissions to only warn)"
+                for p in cache_disk_warnings(config)
+            ]
         if config.cache_ram:
             problems.append(
                 "cache_ram: a RAM tier in front of --cache-disk is not built; give one of the two"
@@ -431,6 +437,15 @@ def _check_store(config: ServerConfig) -> list[str]:
     if config.cache_idle_seconds < 0:
         problems.append(f"cache_idle_seconds: {config.cache_idle_seconds} is negative (0: no idle saves)")
     return problems
+
+
+def cache_disk_warnings(config: ServerConfig) -> list[str]:
+    """Why cache_disk, if it exists, is not private to the server's user (store/trust.py)."""
+    from .store.trust import folder_problems  # here: the store package imports this module
+
+    if config.cache_disk is None or not config.cache_disk.is_dir():
+        return []
+    return folder_problems(config.cache_disk)
 
 
 def _format_structure_error(exc: Exception) -> list[str]:

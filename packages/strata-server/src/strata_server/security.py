@@ -129,7 +129,12 @@ class SecurityMiddleware:
             status = self.engine.status()
             raise EngineUnavailable(status.message if status.state is EngineState.FAILED else "Loading model")
         page = req.path in PAGE_PATHS and req.method in PAGE_METHODS
-        if self.policy.api_keys and req.path not in PUBLIC_PATHS and not page and not self.policy.key_valid(req):
+        if (
+            self.policy.api_keys
+            and req.path not in PUBLIC_PATHS
+            and not page
+            and not self.policy.key_valid(req)
+        ):
             raise ApiError(ErrorType.AUTHENTICATION, "Invalid API Key")
 
     def process_response(
