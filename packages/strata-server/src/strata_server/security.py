@@ -151,8 +151,10 @@ class SecurityMiddleware:
             resp.set_header("Access-Control-Allow-Origin", "*")
 
 
-def check_slot_action(req: falcon.Request, policy: SecurityPolicy) -> None:
-    """Slot actions write and read files: refuse cross-site requests a browser can send blindly."""
+def check_slot_action(req: falcon.Request, policy: SecurityPolicy, *, bodyless_ok: bool = False) -> None:
+    """Slot actions write and read files: refuse cross-site requests a browser can send blindly. With
+    `bodyless_ok` (erase, which reads no body: llama-server takes it without one) a request with no body at
+    all passes the Content-Type rule; a body must still be JSON."""
     if not policy.origin_trusted(req):
         raise ApiError(
             ErrorType.PERMISSION,
@@ -160,6 +162,8 @@ def check_slot_action(req: falcon.Request, policy: SecurityPolicy) -> None:
             "only the server's own origin or one listed in --trusted-origins",
         )
     media = (req.content_type or "").split(";", 1)[0].strip().lower()
+    if bodyless_ok and not media and not req.content_length:
+        return
     if media != "application/json":
         raise ApiError(
             ErrorType.INVALID_REQUEST,

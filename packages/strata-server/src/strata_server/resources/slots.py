@@ -29,6 +29,7 @@ from ..slot_manager import invalid_slot_message
 from ..tokens import as_tokens
 
 _SLOT_ID = re.compile(r"^[+-]?\d+$")
+BODYLESS_ACTIONS = frozenset({"erase"})  # actions that read no body: accepted without one, as llama-server
 SLOT_ACTIONS_DISABLED = "This server does not support slots action. Start it with `--slot-save-path`"
 SLOTS_ENDPOINT_DISABLED = "This server does not support slots endpoint. Start it with `--slots`"
 
@@ -106,7 +107,7 @@ class SlotsResource:
     def on_post_slot(self, req: falcon.Request, resp: falcon.Response, id_slot: str) -> None:
         if self.ctx.config.slot_save_path is None:
             raise ApiError(ErrorType.NOT_SUPPORTED, SLOT_ACTIONS_DISABLED)
-        check_slot_action(req, self.ctx.policy)
+        check_slot_action(req, self.ctx.policy, bodyless_ok=req.get_param("action") in BODYLESS_ACTIONS)
         if not _SLOT_ID.match(id_slot):
             raise invalid_request("Invalid slot ID")
         n_slots = self.ctx.n_slots()
