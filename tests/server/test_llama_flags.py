@@ -104,11 +104,13 @@ def test_request_without_fields_gets_the_server_defaults(make_api):
     assert chat["usage"]["completion_tokens"] == 5
 
 
-def test_server_n_predict_caps_a_request_and_minus_one_means_the_server_s(make_api):
+def test_a_request_s_n_predict_wins_over_the_server_s_and_minus_one_means_the_server_s(make_api):
     client, _, _ = make_api(temp=0, n_predict=4)
-    for asked in (100, -1):
-        body = client.simulate_post("/completion", json={"prompt": "hello", "n_predict": asked}).json
-        assert body["tokens_predicted"] == 4 and body["generation_settings"]["n_predict"] == 4
+    for asked, predicted in ((8, 8), (2, 2), (-1, 4)):  # llama-server b11549: the request's count, larger too
+        body = client.simulate_post(
+            "/completion", json={"prompt": "hello", "n_predict": asked, "ignore_eos": True}
+        ).json
+        assert body["tokens_predicted"] == predicted and body["generation_settings"]["n_predict"] == predicted
     unlimited, _, _ = make_api(temp=0)  # llama-server's -1: until a stop or the full context
     assert (
         unlimited.simulate_post("/completion", json={"prompt": "hi", "ignore_eos": True}).json["stop_type"]
@@ -255,13 +257,14 @@ def test_alias_and_tags_are_lists(make_api, fake_model):
     for path in ("/v1/models", "/models"):
         models = client.simulate_get(path).json
         entry = models["data"][0]
+        # llama-server b11549 keeps the aliases in a std::set: sorted, the first of them the id
         assert (
-            entry["id"] == "tiny"
-            and entry["aliases"] == ["tiny", "small"]
+            entry["id"] == "small"
+            and entry["aliases"] == ["small", "tiny"]
             and entry["tags"] == ["chat", "test"]
         )
-        assert models["models"][0]["name"] == "tiny" and models["models"][0]["tags"] == ["chat", "test"]
-    assert client.simulate_get("/props").json["model_alias"] == "tiny"
+        assert models["models"][0]["name"] == "small" and models["models"][0]["tags"] == ["chat", "test"]
+    assert client.simulate_get("/props").json["model_alias"] == "small"
     flags = load_config(["--model", str(fake_model), "-a", "a,b", "--alias", "c", "--tags", "x,y"])
     assert flags.alias == ("a", "b", "c") and flags.tags == ("x", "y")
     plain, _, _ = make_api()

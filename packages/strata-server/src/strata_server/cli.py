@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--alias",
         metavar="NAME[,NAME...]",
         action="append",
-        help="model names: the first is the id "
-        "reported by /v1/models and in responses, all are its aliases (default: the model path)",
+        help="model names, all its aliases; as llama-server keeps them (unique, sorted), the first in sort order "
+        "is the id reported by /v1/models and in responses (default: the model path)",
     )
     add("--tags", metavar="TAG[,TAG...]", action="append", help="model tags reported by /v1/models")
     add(
@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="n_predict",
         metavar="N",
         help=f"tokens to generate (default: {default['n_predict']}, until a stop or the full "
-        "context); N > 0 also caps a request's own n_predict",
+        "context); a request's own n_predict wins, as llama-server's",
     )
     sampling.add_argument(
         "--repeat-penalty",

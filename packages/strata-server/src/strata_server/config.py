@@ -84,7 +84,7 @@ def default_model_path() -> Path | None:
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     engine: EngineSettings  # the engine's settings (-m, -c, -np, --kv-type, ...; the model: the packaged one)
-    alias: tuple[str, ...] = ()  # names of the model (/v1/models id = the first; aliases = all)
+    alias: tuple[str, ...] = ()  # names of the model, as given (model_aliases: as llama-server keeps them)
     tags: tuple[str, ...] = ()  # /v1/models tags
     host: tuple[str, ...] = (DEFAULT_HOST,)  # every address given is listened on
     port: int = DEFAULT_PORT
@@ -127,7 +127,7 @@ class ServerConfig:
     top_p: float = _SAMPLING.top_p
     min_p: float = _SAMPLING.min_p
     seed: int = -1
-    n_predict: int = -1  # -1: until a stop condition or the full context; N > 0 also caps a request's own
+    n_predict: int = -1  # -1: until a stop condition or the full context; a request's own n_predict wins
     repeat_penalty: float = _SAMPLING.repeat_penalty
     repeat_last_n: int = _SAMPLING.repeat_last_n
     presence_penalty: float = _SAMPLING.presence_penalty
@@ -177,6 +177,11 @@ class ServerConfig:
         preserve_reasoning unless given, --chat-template-kwargs, --reasoning on|off's enable_thinking)."""
         given = json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
         return {**ALWAYS_TEMPLATE_KWARGS, **given, **REASONING_KWARGS[Reasoning(self.reasoning)]}
+
+    def model_aliases(self) -> tuple[str, ...]:
+        """The aliases as llama-server b11549 keeps them (a std::set: unique, in byte order); the first is the
+        model's id (/v1/models, /props model_alias, responses' model)."""
+        return tuple(sorted(set(self.alias), key=lambda a: a.encode("utf-8")))
 
     def effective_log_level(self) -> str:
         return "debug" if self.verbose else self.log_level.lower()

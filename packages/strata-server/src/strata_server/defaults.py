@@ -28,11 +28,11 @@ def sampling_defaults(config: ServerConfig) -> dict[str, Any]:
 
 
 def with_defaults(sampling: Mapping[str, Any], config: ServerConfig) -> dict[str, Any]:
-    """A request's engine fields over the server's defaults. As the peer: a request's ``n_predict`` of -1
-    (or none) means the server's ``-n``, and a server ``-n`` above 0 caps what a request asks for."""
+    """A request's engine fields over the server's defaults. As the peer (b11549): a request's ``n_predict`` of
+    -1 (or none) means the server's ``-n``; a request's own count wins over it, larger or not."""
     merged = {**sampling_defaults(config), **sampling}
     n_predict = merged["n_predict"]
-    if n_predict < 0 or (config.n_predict > 0 and n_predict > config.n_predict):
+    if n_predict < 0:
         n_predict = config.n_predict
     merged["n_predict"] = max(n_predict, -1)  # llama.cpp's -2 ("until the context is full") is -1 here
     return merged
