@@ -52,13 +52,14 @@ def last_task_fields(task: LastTask) -> dict[str, Any]:
         "n_prompt_tokens_processed": task.n_prompt_tokens_processed,
         "n_prompt_tokens_cache": task.n_prompt_tokens_cache,
         "params": dict(task.params),
-        # A recorded task has ended: the peer shows n_remain -1 then, whatever n_predict was.
+        # A recorded task has ended: the peer (b11549) shows n_remain -1 and n_decoded 0 then, whatever the task
+        # asked and decoded (its count is in /metrics and the task's answer).
         "next_token": [
             {
                 "has_next_token": False,
                 "has_new_line": task.has_new_line,
                 "n_remain": -1,
-                "n_decoded": task.n_decoded,
+                "n_decoded": 0,
             }
         ],
     }
