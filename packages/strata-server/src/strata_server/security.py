@@ -17,9 +17,9 @@ from .engine.client import EngineClient, EngineState
 from .errors import ApiError, EngineUnavailable, ErrorType
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
-# Served without the API key, as llama-server's key middleware exempts its web page and its static files
-# (tools/server/server-http.cpp); the page's own requests carry the key the user types in.
-PAGE_PATHS = frozenset({"/", "/index.html", "/bundle.js", "/bundle.css"})
+# Served without the API key, as llama-server b11549's key middleware exempts its web page (one file with its
+# scripts inlined; /bundle.js and /bundle.css answer 401 there); the page's own requests carry the user's key.
+PAGE_PATHS = frozenset({"/", "/index.html"})
 PAGE_METHODS = frozenset({"GET", "HEAD"})
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_ANY = "*"  # --cors-origins value: any origin, never with credentials (Strata's default)
