@@ -60,6 +60,9 @@ def test_request_without_fields_uses_the_server_defaults(server):
     assert again["content"] == first["content"]  # greedy by the server's --temp 0
     own = post(server, "/completion", {"prompt": "The capital of France is", "n_predict": 1})
     assert own["tokens_predicted"] == 1
+    # ignore_eos bans SmolLM2's end-of-generation tokens, listed as llama-server b11549 lists them
+    ignoring = post(server, "/completion", {"prompt": "Hi", "n_predict": 1, "ignore_eos": True})
+    assert ignoring["generation_settings"]["logit_bias"] == [{"bias": None, "token": t} for t in (0, 2, 4)]
     props = requests.get(server.url + "/props", timeout=10).json()
     params = props["default_generation_settings"]["params"]
     assert params["temperature"] == 0 and params["n_predict"] == 3

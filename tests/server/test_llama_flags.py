@@ -523,3 +523,17 @@ def test_verbose_adds_the_native_answer_as___verbose(make_api):
         "__verbose"
         not in client.simulate_post("/completion", json={"prompt": "x", "n_predict": 1, "verbose": True}).json
     )
+
+
+def test_ignore_eos_bans_every_end_of_generation_token_and_lists_it(make_api):
+    """llama-server's ignore_eos: each end-of-generation token in logit_bias with a null bias (its -inf), after
+    the request's own pairs; without ignore_eos only the request's."""
+    client, _, _ = make_api(temp=0)
+    body = {"prompt": "hello", "n_predict": 2, "logit_bias": [[5, 1.5]]}
+    own = client.simulate_post("/completion", json=body).json["generation_settings"]["logit_bias"]
+    assert own == [{"bias": 1.5, "token": 5}]
+    ignoring = client.simulate_post("/completion", json={**body, "ignore_eos": True}).json
+    assert ignoring["generation_settings"]["logit_bias"] == [
+        {"bias": 1.5, "token": 5},
+        {"bias": None, "token": 2},  # the fake engine's one end-of-generation token
+    ]

@@ -3,10 +3,13 @@ request's own fields, as llama-server applies its command-line defaults."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from .config import ServerConfig
+from .params import CompletionOptions
 
 # ServerConfig field -> the engine's COMPLETE field (and the request's, and generation_settings' key).
 DEFAULT_FIELDS: dict[str, str] = {
@@ -36,3 +39,16 @@ def with_defaults(sampling: Mapping[str, Any], config: ServerConfig) -> dict[str
         n_predict = config.n_predict
     merged["n_predict"] = max(n_predict, -1)  # llama.cpp's -2 ("until the context is full") is -1 here
     return merged
+
+
+def server_options(
+    options: CompletionOptions, config: ServerConfig, eog_tokens: Sequence[int] | None
+) -> CompletionOptions:
+    """A request's options as the engine runs them: its sampling over the server's defaults, and with
+    ``ignore_eos`` every end-of-generation token banned (listed in ``logit_bias`` with a null bias, after the
+    request's own pairs), as llama-server does: such a token is never sampled, not only never a stop."""
+    options = attrs.evolve(options, sampling=with_defaults(options.sampling, config))
+    if not options.sampling.get("ignore_eos") or not eog_tokens:
+        return options
+    bans = tuple((int(token), False) for token in eog_tokens)
+    return attrs.evolve(options, logit_bias=options.logit_bias + bans)
