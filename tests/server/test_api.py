@@ -395,7 +395,8 @@ def test_get_slots(make_api):
     client.simulate_post("/completion", json={"prompt": "abc", "n_predict": 3})
     slot = client.simulate_get("/slots").json[0]
     assert slot["n_prompt_tokens"] == 3 and slot["params"]["n_predict"] == 3
-    assert isinstance(slot["next_token"], list) and slot["next_token"][0]["n_decoded"] == 0  # idle: the peer's 0
+    # idle: n_decoded 0, as the peer's
+    assert isinstance(slot["next_token"], list) and slot["next_token"][0]["n_decoded"] == 0
     lease = engine.acquire()
     try:
         assert client.simulate_get("/slots").json[0]["is_processing"] is True

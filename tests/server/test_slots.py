@@ -218,10 +218,14 @@ def test_slot_actions_need_json_and_no_foreign_origin(make_api, slot_dir):
     bare = client.simulate_post("/slots/0", params={"action": "erase"})
     assert bare.status_code == 200 and bare.json == {"id_slot": 0, "n_erased": 0}
     for action in ("save", "restore"):
-        assert_error(client.simulate_post("/slots/0", params={"action": action}), 415, "invalid_request_error")
+        assert_error(
+            client.simulate_post("/slots/0", params={"action": action}), 415, "invalid_request_error"
+        )
     text = client.simulate_post("/slots/0", params={"action": "erase"}, body="x", content_type="text/plain")
     assert_error(text, 415, "invalid_request_error")
-    foreign = client.simulate_post("/slots/0", params={"action": "erase"}, headers={"Origin": "http://evil.example"})
+    foreign = client.simulate_post(
+        "/slots/0", params={"action": "erase"}, headers={"Origin": "http://evil.example"}
+    )
     assert_error(foreign, 403, "permission_error")
 
 
