@@ -526,3 +526,25 @@ def test_every_engine_error_kind_has_its_http_error():
         assert (body["code"], body["type"]) == (status, type_name), kind
     unknown = to_api_error(EngineReplyError({"type": "from_a_newer_engine", "message": "m"}))
     assert unknown.status == 500
+
+
+def test_json_object_prompts_are_llama_server_s(make_api):
+    """{"prompt_string": TEXT} is a prompt (alone or in a list), as llama-server b11549 takes it; with media
+    it is 501 (text models only); an object without a prompt string (an OpenAI content part) is llama-server's
+    400."""
+    client, _, _ = make_api()
+    plain = client.simulate_post("/completion", json={"prompt": "hello", **GREEDY}).json
+    one = client.simulate_post("/completion", json={"prompt": {"prompt_string": "hello"}, **GREEDY}).json
+    assert one["content"] == plain["content"] and one["tokens_evaluated"] == plain["tokens_evaluated"]
+    listed = client.simulate_post(
+        "/completion", json={"prompt": [{"prompt_string": "hello"}, "hi"], **GREEDY}
+    )
+    assert [a["content"] for a in listed.json][0] == plain["content"]
+    media = {"prompt_string": "<__media__>", "multimodal_data": ["aGk="]}
+    assert_error(client.simulate_post("/completion", json={"prompt": media}), 501, "not_supported_error")
+    part = {"type": "text", "text": "hello"}
+    for prompt in (part, [part]):
+        error = assert_error(
+            client.simulate_post("/completion", json={"prompt": prompt}), 400, "invalid_request_error"
+        )
+        assert "a JSON object containing a prompt string" in error["message"]
