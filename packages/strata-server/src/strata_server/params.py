@@ -325,7 +325,7 @@ def parse_prompts(body: Mapping[str, Any], *, n_vocab: int | None, key: str = "p
             f'"{key}" must be a string, a list of tokens, a list of mixed strings & tokens, '
             "or a list of prompts"
         )
-    prompts = []
+    prompts: list[str | list] = []
     for index, item in enumerate(prompt):
         if isinstance(item, dict):
             prompts.append(_object_prompt(item, f'"{key}"[{index}]'))
