@@ -128,10 +128,14 @@ def test_return_progress_reports_the_prefill_in_the_stream(server):
         with requests.post(server.url + "/completion", json=body, stream=True, timeout=120) as response:
             events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ")]
         progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
-        assert (
-            progress and progress[-1]["processed"] == progress[-1]["total"] == events[-1]["tokens_evaluated"]
-        )
+        # as llama-server b11549: one event before the evaluation (processed = cache), then one per batch
+        # (-b 2048: this prompt is one), the last with every token processed
+        before, last = progress
+        assert before["processed"] == before["cache"] == last["cache"] and before["total"] == last["total"]
+        assert last["processed"] == last["total"] == events[-1]["tokens_evaluated"]
         if expected_cache:  # the same prompt again: all but its last token reused
-            assert progress[-1]["cache"] == progress[-1]["total"] - 1
+            assert last["cache"] == last["total"] - 1
+        else:
+            assert before["processed"] == 0
         assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 2
         assert events.index(next(e for e in events if "prompt_progress" in e)) == 0  # before any token

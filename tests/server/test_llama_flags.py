@@ -537,3 +537,34 @@ def test_ignore_eos_bans_every_end_of_generation_token_and_lists_it(make_api):
         {"bias": 1.5, "token": 5},
         {"bias": None, "token": 2},  # the fake engine's one end-of-generation token
     ]
+
+
+def test_return_progress_cadence_is_llama_server_s_batches():
+    """The engine tells every prefill chunk; a stream reports llama-server's cadence: the event before the
+    evaluation, then one per --batch-size batch and the last (b11549 with -b 16 on a 61-token prompt:
+    processed 0, 16, 32, 48, 61; the same prompt again: 60, 61)."""
+    from strata_server.generation import ProgressCadence
+
+    def sent(cache: int, total: int, chunk: int, n_batch: int) -> list[int]:
+        cadence = ProgressCadence(n_batch)
+        told = [cache, *range(cache + chunk, total, chunk), total]  # as the engine tells them
+        return [n for n in told if cadence.due({"total": total, "cache": cache, "processed": n})]
+
+    assert sent(0, 61, 8, 16) == [0, 16, 32, 48, 61]  # chunks smaller than a batch
+    assert sent(0, 61, 16, 16) == [0, 16, 32, 48, 61]
+    assert sent(60, 61, 16, 16) == [60, 61]
+    assert sent(0, 61, 12, 16) == [0, 24, 36, 48, 61]  # a chunk crossing a batch's end reports on it
+    assert sent(0, 600, 512, 2048) == [0, 600]
+
+
+def test_batch_flags_cap_the_engine_s_prefill_chunk(fake_model):
+    assert "--prefill-chunk" not in load_config(["--model", str(fake_model)]).engine_argv()
+    for flags, chunk in ((["-b", "16"], "16"), (["-ub", "64"], "64"), (["-b", "256", "-ub", "32"], "32")):
+        config = load_config(["--model", str(fake_model), *flags])
+        argv = config.engine_argv()
+        assert argv[argv.index("--prefill-chunk") + 1] == chunk
+    assert load_config(["--model", str(fake_model), "-b", "16"]).progress_batch() == 16
+    assert load_config(["--model", str(fake_model)]).progress_batch() == 2048
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model", str(fake_model), "-b", "0"])
+    assert info.value.problems == ["batch_size: 0 must be at least 1 token"]

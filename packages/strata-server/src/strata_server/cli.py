@@ -235,6 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="log everything (debug level), the engine's log too; every answer carries __verbose unless the "
         "request sets verbose: false (as llama-server)",
     )
+    add(
+        "-b",
+        "--batch-size",
+        metavar="N",
+        help="llama-server's logical batch: a stream with return_progress reports the prompt's evaluation once "
+        "per N tokens (default: 2048); given, it also caps the engine's prefill chunk",
+    )
+    add(
+        "-ub",
+        "--ubatch-size",
+        metavar="N",
+        help="llama-server's physical batch: the engine evaluates a prompt N tokens at a time at most (default: "
+        "the engine's prefill chunk, 512 on the CPU)",
+    )
     sampling = parser.add_argument_group(
         "default sampling and output (what a request that does not set the "
         "field gets; a request's own fields win)"

@@ -38,6 +38,7 @@ DEFAULT_CACHE_DISK_MAX_MIB = 10240
 DEFAULT_CACHE_MIN_REUSE = 256
 DEFAULT_CACHE_IDLE_SECONDS = 30.0
 DEFAULT_CACHE_STORE_QUEUE_MIB = 1024
+DEFAULT_BATCH_SIZE = 2048  # llama-server's -b/--batch-size default: return_progress reports per batch
 _SAMPLING = SamplingParams()  # the engine's sampling defaults: the server's unless its flags say otherwise
 # The engine's settings the server offers: their keys (the long flag names with _, as the config file has them),
 # a file flag's too (--chat-template-file: chat_template_file).
@@ -130,6 +131,11 @@ class ServerConfig:
     n_predict: int = -1  # -1: until a stop condition or the full context; a request's own n_predict wins
     repeat_penalty: float = _SAMPLING.repeat_penalty
     repeat_last_n: int = _SAMPLING.repeat_last_n
+    # llama-server's -b/--batch-size (a logical batch: return_progress's cadence) and -ub/--ubatch-size (tokens
+    # per forward pass); either given caps the engine's prefill chunk at the smaller, as llama.cpp never
+    # evaluates more than a batch at once. None: the engine's own chunk (-b's cadence: 2048).
+    batch_size: int | None = None
+    ubatch_size: int | None = None
     presence_penalty: float = _SAMPLING.presence_penalty
     frequency_penalty: float = _SAMPLING.frequency_penalty
     # -- the session store (store/) --
@@ -164,6 +170,8 @@ class ServerConfig:
                 "--object-store-endpoint",
                 self.cache_store_endpoint,
             ]  # without --cache-disk it reads the objects
+        if (chunk := self.prefill_chunk()) is not None:
+            argv += ["--prefill-chunk", str(chunk)]
         if self.session_key_file is not None:
             argv += ["--session-key-file", str(self.session_key_file)]
             if self.session_key_optional:
@@ -177,6 +185,15 @@ class ServerConfig:
         preserve_reasoning unless given, --chat-template-kwargs, --reasoning on|off's enable_thinking)."""
         given = json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
         return {**ALWAYS_TEMPLATE_KWARGS, **given, **REASONING_KWARGS[Reasoning(self.reasoning)]}
+
+    def prefill_chunk(self) -> int | None:
+        """The engine's prefill chunk -b/-ub ask for (the smaller given), or None: the engine's default."""
+        given = [n for n in (self.batch_size, self.ubatch_size) if n is not None]
+        return min(given) if given else None
+
+    def progress_batch(self) -> int:
+        """Prompt tokens per return_progress event, as llama-server's -b."""
+        return self.batch_size if self.batch_size is not None else DEFAULT_BATCH_SIZE
 
     def model_aliases(self) -> tuple[str, ...]:
         """The aliases as llama-server b11549 keeps them (a std::set: unique, in byte order); the first is the
@@ -350,6 +367,9 @@ def _check_values(config: ServerConfig) -> list[str]:
         problems.append(
             "jinja: Strata always renders jinja (a built-in --chat-template name is its C++ format)"
         )
+    for name in ("batch_size", "ubatch_size"):
+        if (value := getattr(config, name)) is not None and value < 1:
+            problems.append(f"{name}: {value} must be at least 1 token")
     if config.http_threads < 1:
         problems.append(f"http_threads: {config.http_threads} must be at least 1")
     if config.timeout < 1:
