@@ -38,10 +38,14 @@ def test_prompt_lists_are_checked(make_api):
     client, _, _ = make_api()
     for bad in (["a", 3.5], ["a", True], [["a"]], [[1, 2], 7.0], [[1, 999]]):
         assert_error(client.simulate_post("/completion", json={"prompt": bad}), 400, "invalid_request_error")
+    # llama-server's JSON object prompt is one of the list's prompts; with media it is 501 (text models only)
+    listed = client.simulate_post(
+        "/completion", json={"prompt": ["a", {"prompt_string": "b"}], "n_predict": 2}
+    )
+    assert listed.status_code == 200 and [a["prompt"] for a in listed.json] == ["a", "b"]
+    media = {"prompt_string": "b", "multimodal_data": ["aGk="]}
     assert_error(
-        client.simulate_post("/completion", json={"prompt": ["a", {"prompt_string": "b"}]}),
-        501,
-        "not_supported_error",
+        client.simulate_post("/completion", json={"prompt": ["a", media]}), 501, "not_supported_error"
     )
     too_many = {"prompt": ["a"] * (MAX_TASKS // 2 + 1), "n": 2}
     assert_error(client.simulate_post("/completion", json=too_many), 400, "invalid_request_error")
