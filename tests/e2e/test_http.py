@@ -305,3 +305,24 @@ def test_slots_erase_template_options(http, server):
     assert "Access-Control-Allow-Credentials" not in preflight.headers
     bad_slot = post(http, "/slots/1?action=erase", {})
     assert bad_slot.status_code == 400 and "one slot" in bad_slot.json()["error"]["message"]
+
+
+def test_a_prompt_sure_not_to_fit_is_refused_without_waiting_for_the_busy_slot(http):
+    """The one slot generating, a prompt whose bytes alone exceed the context: refused at once (before it
+    waits for the slot, which is still busy when the refusal arrives), its count a lower bound said so."""
+    busy = {"prompt": PROMPT, "n_predict": 96, "ignore_eos": True, "temperature": 0, "stream": True}
+    with http.post(http.base + "/completion", json=busy, stream=True, timeout=300) as stream:
+        lines = (line for line in stream.iter_lines() if line)
+        assert json.loads(next(lines)[len(b"data: ") :])["stop"] is False  # a token: the slot is busy
+        huge = post(http, "/completion", {"prompt": "word " * 100_000, "n_predict": 1})
+        still_busy = http.get(http.base + "/slots", timeout=60).json()[0]["is_processing"]
+        final = json.loads(list(lines)[-1][len(b"data: ") :])
+    assert huge.status_code == 400, huge.text
+    error = huge.json()["error"]
+    assert error["type"] == "exceed_context_size_error" and error["n_ctx"] == 2048
+    assert error["message"] == (
+        f"request (at least {error['n_prompt_tokens']} tokens) exceeds the available context size "
+        "(2048 tokens), try increasing it"
+    )
+    assert error["n_prompt_tokens"] > 2048
+    assert still_busy and final["stop"] and final["tokens_predicted"] == 96

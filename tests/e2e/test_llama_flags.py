@@ -60,6 +60,9 @@ def test_request_without_fields_uses_the_server_defaults(server):
     assert again["content"] == first["content"]  # greedy by the server's --temp 0
     own = post(server, "/completion", {"prompt": "The capital of France is", "n_predict": 1})
     assert own["tokens_predicted"] == 1
+    # ignore_eos bans SmolLM2's end-of-generation tokens, listed as llama-server b11549 lists them
+    ignoring = post(server, "/completion", {"prompt": "Hi", "n_predict": 1, "ignore_eos": True})
+    assert ignoring["generation_settings"]["logit_bias"] == [{"bias": None, "token": t} for t in (0, 2, 4)]
     props = requests.get(server.url + "/props", timeout=10).json()
     params = props["default_generation_settings"]["params"]
     assert params["temperature"] == 0 and params["n_predict"] == 3
@@ -86,8 +89,8 @@ def test_aliases_tags_and_peer_header_names(server):
     response = requests.get(server.url + "/v1/models", timeout=10)
     entry = response.json()["data"][0]
     assert (
-        entry["id"] == "strata"
-        and entry["aliases"] == ["strata", "smollm2"]
+        entry["id"] == "smollm2"  # llama-server's choice: the first in sort order
+        and entry["aliases"] == ["smollm2", "strata"]
         and entry["tags"] == ["small", "test"]
     )
     assert "Content-Type" in list(response.raw.headers.keys())  # as sent on the wire
@@ -125,10 +128,14 @@ def test_return_progress_reports_the_prefill_in_the_stream(server):
         with requests.post(server.url + "/completion", json=body, stream=True, timeout=120) as response:
             events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ")]
         progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
-        assert (
-            progress and progress[-1]["processed"] == progress[-1]["total"] == events[-1]["tokens_evaluated"]
-        )
+        # as llama-server b11549: one event before the evaluation (processed = cache), then one per batch
+        # (-b 2048: this prompt is one), the last with every token processed
+        before, last = progress
+        assert before["processed"] == before["cache"] == last["cache"] and before["total"] == last["total"]
+        assert last["processed"] == last["total"] == events[-1]["tokens_evaluated"]
         if expected_cache:  # the same prompt again: all but its last token reused
-            assert progress[-1]["cache"] == progress[-1]["total"] - 1
+            assert last["cache"] == last["total"] - 1
+        else:
+            assert before["processed"] == 0
         assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 2
         assert events.index(next(e for e in events if "prompt_progress" in e)) == 0  # before any token

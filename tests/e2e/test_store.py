@@ -17,6 +17,7 @@ shared folder), the OpenAI SDK for chats.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -242,8 +243,17 @@ def test_two_conversations_alternating_on_one_slot_hit_the_store_every_turn(modu
         assert metric(server, 'strata:store_saves_total{trigger="replace"}') >= 5
     finally:
         assert server.stop() == 0
+        log = server.log_path.read_text(errors="replace")
+    # every restore logged at INFO with its time, as saves are
+    restores = re.findall(
+        r"session store: restored slot 0 from (\S+) \(\d+ tokens kept, .*\) in (\d+) ms", log
+    )
+    assert len(restores) == hits + 1 and all(int(ms) > 0 for _, ms in restores)
     if store == "disk":
         assert stored_files(folder)
+    else:  # the RAM store's folder: a name of its own, under /dev/shm, gone with the server
+        ram = Path(restores[0][0]).parent
+        assert ram.name.startswith(f"strata-cache-ram-{os.geteuid()}-") and not ram.exists()
 
 
 def test_three_chats_on_two_slots_hit_the_store_on_every_returning_turn(module_tmp):

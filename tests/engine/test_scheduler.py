@@ -132,8 +132,10 @@ def test_a_long_prompt_delays_another_slots_tokens_by_at_most_one_chunk(engine):
     token_steps = [step for step, _ in e.of("short", "token")]
     assert len(token_steps) == 24
     assert np.all(np.diff(token_steps) == 1)  # one token every step, from its first to its last
-    chunk_steps = [step for step, _ in e.of("long", "progress")]
-    processed = [line["processed"] for _, line in e.of("long", "progress")]
+    before, *chunks = e.of("long", "progress")  # one line before the evaluation, then one per chunk
+    assert before[1]["processed"] == before[1]["cache"] == 0
+    chunk_steps = [step for step, _ in chunks]
+    processed = [line["processed"] for _, line in chunks]
     assert len(chunk_steps) == 20 and len(set(chunk_steps)) == 20  # one chunk per step
     assert np.all(np.diff([0, *processed]) <= CHUNK)
     assert (
@@ -288,9 +290,8 @@ def test_while_a_slot_generates_a_prompt_is_cut_into_smaller_chunks_and_alone_in
             "COMPLETE",
             greedy(id="alone", slot=1, prompt=prompt(3 * full, 20), n_predict=1, return_progress=True),
         )
-        assert (
-            np.diff([0, *(line["processed"] for _, line in e.of("alone", "progress"))]).tolist() == [full] * 3
-        )
+        processed = [line["processed"] for _, line in e.of("alone", "progress")]  # before, then per chunk
+        assert np.diff(processed).tolist() == [full] * 3 and processed[0] == 0
         e.send("COMPLETE", greedy(id="gen", slot=0, prompt=prompt(5, 21), n_predict=400))
         e.until(lambda line: line.get("id") == "gen" and line["event"] == "token")
         e.send(
@@ -300,10 +301,11 @@ def test_while_a_slot_generates_a_prompt_is_cut_into_smaller_chunks_and_alone_in
         assert e.terminal("long")["timings"]["prompt_n"] == 3 * full
         e.send("CANCEL", {"id": "gen"})
         assert e.terminal("gen")["stop_type"] == "cancelled"
-        chunks = np.diff([0, *(line["processed"] for _, line in e.of("long", "progress"))]).tolist()
+        lines = e.of("long", "progress")  # one before the evaluation, then one per chunk
+        chunks = np.diff([line["processed"] for _, line in lines]).tolist()
         assert chunks == [full // CUT_CHUNK_SHARE] * 3 * CUT_CHUNK_SHARE  # cut while "gen" generated
         token_steps = [step for step, _ in e.of("gen", "token")]
-        chunk_steps = [step for step, _ in e.of("long", "progress")]
+        chunk_steps = [step for step, _ in lines[1:]]
         assert token_steps[0] < chunk_steps[0] and chunk_steps[-1] < token_steps[-1]
         assert np.all(np.diff(token_steps) == 1)  # a token every step meanwhile
     finally:

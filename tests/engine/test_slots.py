@@ -387,7 +387,8 @@ def test_prefill_steps_evaluate_one_chunk_per_step_and_equal_prefill(make):
         while True:
             next(steps)
             held.append(slots.runners[0].n_held)
-    assert held == [16, 32] and progress == [(0, 16), (0, 32), (0, 41)]
+    # told once before the first chunk (nothing held to reuse: 0), then after each chunk
+    assert held == [16, 32] and progress == [(0, 0), (0, 16), (0, 32), (0, 41)]
     result = done.value.value
     assert result.cache_n == 0 and result.prompt_n == 41
     reference = slots.runners[1].prefill(prompt)

@@ -160,6 +160,7 @@ class FakeEngine:
             "kv_type": self.kv_type,
             "bos_token": "<|im_start|>",
             "eos_token": "<|im_end|>",
+            "eog_tokens": [EOS],
             "chat_template": "chatml",
             "add_bos": False,
             "prompt_cache": True,

@@ -395,7 +395,8 @@ def test_get_slots(make_api):
     client.simulate_post("/completion", json={"prompt": "abc", "n_predict": 3})
     slot = client.simulate_get("/slots").json[0]
     assert slot["n_prompt_tokens"] == 3 and slot["params"]["n_predict"] == 3
-    assert isinstance(slot["next_token"], list) and slot["next_token"][0]["n_decoded"] == 3
+    # idle: n_decoded 0, as the peer's
+    assert isinstance(slot["next_token"], list) and slot["next_token"][0]["n_decoded"] == 0
     lease = engine.acquire()
     try:
         assert client.simulate_get("/slots").json[0]["is_processing"] is True
@@ -525,3 +526,25 @@ def test_every_engine_error_kind_has_its_http_error():
         assert (body["code"], body["type"]) == (status, type_name), kind
     unknown = to_api_error(EngineReplyError({"type": "from_a_newer_engine", "message": "m"}))
     assert unknown.status == 500
+
+
+def test_json_object_prompts_are_llama_server_s(make_api):
+    """{"prompt_string": TEXT} is a prompt (alone or in a list), as llama-server b11549 takes it; with media
+    it is 501 (text models only); an object without a prompt string (an OpenAI content part) is llama-server's
+    400."""
+    client, _, _ = make_api()
+    plain = client.simulate_post("/completion", json={"prompt": "hello", **GREEDY}).json
+    one = client.simulate_post("/completion", json={"prompt": {"prompt_string": "hello"}, **GREEDY}).json
+    assert one["content"] == plain["content"] and one["tokens_evaluated"] == plain["tokens_evaluated"]
+    listed = client.simulate_post(
+        "/completion", json={"prompt": [{"prompt_string": "hello"}, "hi"], **GREEDY}
+    )
+    assert [a["content"] for a in listed.json][0] == plain["content"]
+    media = {"prompt_string": "<__media__>", "multimodal_data": ["aGk="]}
+    assert_error(client.simulate_post("/completion", json={"prompt": media}), 501, "not_supported_error")
+    part = {"type": "text", "text": "hello"}
+    for prompt in (part, [part]):
+        error = assert_error(
+            client.simulate_post("/completion", json={"prompt": prompt}), 400, "invalid_request_error"
+        )
+        assert "a JSON object containing a prompt string" in error["message"]

@@ -24,7 +24,9 @@ def test_a_list_of_prompts_answers_a_list_in_order(make_api):
     assert isinstance(answers, list) and [a["index"] for a in answers] == [0, 1]
     assert [a["prompt"] for a in answers] == ["abc", "hello"]
     assert [a["content"] for a in answers] == [s["content"] for s in singles]
-    assert engine.commands == ["COMPLETE", "COMPLETE"]  # one after another on the slot
+    # the first prompt tokenized before the slot is taken (a prompt too long is refused without waiting for
+    # it), then one COMPLETE after another on the slot
+    assert engine.commands == ["PROMPT_TOKENS", "COMPLETE", "COMPLETE"]
     # token lists and mixed lists are prompts too; a single prompt in a list answers one object
     mixed = post(client, "/completion", {"prompt": [[100, 101, 102], [100, "bc"]], **GREEDY})
     assert [a["content"] for a in mixed] == [singles[0]["content"]] * 2
@@ -36,10 +38,14 @@ def test_prompt_lists_are_checked(make_api):
     client, _, _ = make_api()
     for bad in (["a", 3.5], ["a", True], [["a"]], [[1, 2], 7.0], [[1, 999]]):
         assert_error(client.simulate_post("/completion", json={"prompt": bad}), 400, "invalid_request_error")
+    # llama-server's JSON object prompt is one of the list's prompts; with media it is 501 (text models only)
+    listed = client.simulate_post(
+        "/completion", json={"prompt": ["a", {"prompt_string": "b"}], "n_predict": 2}
+    )
+    assert listed.status_code == 200 and [a["prompt"] for a in listed.json] == ["a", "b"]
+    media = {"prompt_string": "b", "multimodal_data": ["aGk="]}
     assert_error(
-        client.simulate_post("/completion", json={"prompt": ["a", {"prompt_string": "b"}]}),
-        501,
-        "not_supported_error",
+        client.simulate_post("/completion", json={"prompt": ["a", media]}), 501, "not_supported_error"
     )
     too_many = {"prompt": ["a"] * (MAX_TASKS // 2 + 1), "n": 2}
     assert_error(client.simulate_post("/completion", json=too_many), 400, "invalid_request_error")
@@ -72,7 +78,7 @@ def test_n_choices_on_the_openai_endpoints(make_api):
     assert all(a["timings"]["cache_n"] == a["tokens_evaluated"] - 1 for a in native[1:])
     engine.commands.clear()
     assert "choices" in post(client, "/v1/completions", {"prompt": "ab", "n": 0, **GREEDY})  # below 1: one
-    assert engine.commands == ["COMPLETE"]
+    assert engine.commands == ["PROMPT_TOKENS", "COMPLETE"]
 
 
 def test_choices_are_seeded_as_the_peer_seeds_child_tasks(make_api):

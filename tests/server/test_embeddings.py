@@ -136,3 +136,14 @@ def test_the_flags_as_llama_servers(fake_model):
     assert not load_config(["--model", str(fake_model)]).embedding
     with pytest.raises(ConfigError, match="pooling: 'rank' is not one of none, mean, cls, last"):
         build_config({}, {"model": str(fake_model), "pooling": "rank"})
+
+
+def test_embedding_inputs_as_llama_server_takes_them(make_api):
+    """/embeddings' content as a {"prompt_string": ...} object is a text (b11549 answers it 200); a list of
+    OpenAI content parts is llama-server's 400, not a 501."""
+    client, _, _ = make_api(embedding=True, pooling="last")
+    plain = client.simulate_post("/embeddings", json={"content": "hello"})
+    wrapped = client.simulate_post("/embeddings", json={"content": {"prompt_string": "hello"}})
+    assert wrapped.status_code == 200 and wrapped.json == plain.json
+    parts = {"content": [{"type": "text", "text": "hello"}]}
+    assert_error(client.simulate_post("/embeddings", json=parts), 400, "invalid_request_error")

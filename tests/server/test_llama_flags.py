@@ -104,11 +104,13 @@ def test_request_without_fields_gets_the_server_defaults(make_api):
     assert chat["usage"]["completion_tokens"] == 5
 
 
-def test_server_n_predict_caps_a_request_and_minus_one_means_the_server_s(make_api):
+def test_a_request_s_n_predict_wins_over_the_server_s_and_minus_one_means_the_server_s(make_api):
     client, _, _ = make_api(temp=0, n_predict=4)
-    for asked in (100, -1):
-        body = client.simulate_post("/completion", json={"prompt": "hello", "n_predict": asked}).json
-        assert body["tokens_predicted"] == 4 and body["generation_settings"]["n_predict"] == 4
+    for asked, predicted in ((8, 8), (2, 2), (-1, 4)):  # llama-server b11549: the request's count, larger too
+        body = client.simulate_post(
+            "/completion", json={"prompt": "hello", "n_predict": asked, "ignore_eos": True}
+        ).json
+        assert body["tokens_predicted"] == predicted and body["generation_settings"]["n_predict"] == predicted
     unlimited, _, _ = make_api(temp=0)  # llama-server's -1: until a stop or the full context
     assert (
         unlimited.simulate_post("/completion", json={"prompt": "hi", "ignore_eos": True}).json["stop_type"]
@@ -170,7 +172,7 @@ def test_response_header_names_are_cased_as_the_peer_sends_them(fake_model):
     assert peer_header_name("x-accel-buffering") == "X-Accel-Buffering"
 
 
-def test_slots_n_remain_is_minus_one_once_a_task_ended(make_api):
+def test_slots_n_remain_is_minus_one_and_n_decoded_zero_once_a_task_ended(make_api):
     client, _, _ = make_api(temp=0)
     client.simulate_post("/completion", json={"prompt": "hello", "n_predict": 3})
     next_token = client.simulate_get("/slots").json[0]["next_token"][0]
@@ -178,7 +180,7 @@ def test_slots_n_remain_is_minus_one_once_a_task_ended(make_api):
         "has_next_token": False,
         "has_new_line": next_token["has_new_line"],
         "n_remain": -1,
-        "n_decoded": 3,
+        "n_decoded": 0,  # llama-server b11549's idle slot, whatever its last task decoded
     }
 
 
@@ -255,13 +257,14 @@ def test_alias_and_tags_are_lists(make_api, fake_model):
     for path in ("/v1/models", "/models"):
         models = client.simulate_get(path).json
         entry = models["data"][0]
+        # llama-server b11549 keeps the aliases in a std::set: sorted, the first of them the id
         assert (
-            entry["id"] == "tiny"
-            and entry["aliases"] == ["tiny", "small"]
+            entry["id"] == "small"
+            and entry["aliases"] == ["small", "tiny"]
             and entry["tags"] == ["chat", "test"]
         )
-        assert models["models"][0]["name"] == "tiny" and models["models"][0]["tags"] == ["chat", "test"]
-    assert client.simulate_get("/props").json["model_alias"] == "tiny"
+        assert models["models"][0]["name"] == "small" and models["models"][0]["tags"] == ["chat", "test"]
+    assert client.simulate_get("/props").json["model_alias"] == "small"
     flags = load_config(["--model", str(fake_model), "-a", "a,b", "--alias", "c", "--tags", "x,y"])
     assert flags.alias == ("a", "b", "c") and flags.tags == ("x", "y")
     plain, _, _ = make_api()
@@ -520,3 +523,48 @@ def test_verbose_adds_the_native_answer_as___verbose(make_api):
         "__verbose"
         not in client.simulate_post("/completion", json={"prompt": "x", "n_predict": 1, "verbose": True}).json
     )
+
+
+def test_ignore_eos_bans_every_end_of_generation_token_and_lists_it(make_api):
+    """llama-server's ignore_eos: each end-of-generation token in logit_bias with a null bias (its -inf), after
+    the request's own pairs; without ignore_eos only the request's."""
+    client, _, _ = make_api(temp=0)
+    body = {"prompt": "hello", "n_predict": 2, "logit_bias": [[5, 1.5]]}
+    own = client.simulate_post("/completion", json=body).json["generation_settings"]["logit_bias"]
+    assert own == [{"bias": 1.5, "token": 5}]
+    ignoring = client.simulate_post("/completion", json={**body, "ignore_eos": True}).json
+    assert ignoring["generation_settings"]["logit_bias"] == [
+        {"bias": 1.5, "token": 5},
+        {"bias": None, "token": 2},  # the fake engine's one end-of-generation token
+    ]
+
+
+def test_return_progress_cadence_is_llama_server_s_batches():
+    """The engine tells every prefill chunk; a stream reports llama-server's cadence: the event before the
+    evaluation, then one per --batch-size batch and the last (b11549 with -b 16 on a 61-token prompt:
+    processed 0, 16, 32, 48, 61; the same prompt again: 60, 61)."""
+    from strata_server.generation import ProgressCadence
+
+    def sent(cache: int, total: int, chunk: int, n_batch: int) -> list[int]:
+        cadence = ProgressCadence(n_batch)
+        told = [cache, *range(cache + chunk, total, chunk), total]  # as the engine tells them
+        return [n for n in told if cadence.due({"total": total, "cache": cache, "processed": n})]
+
+    assert sent(0, 61, 8, 16) == [0, 16, 32, 48, 61]  # chunks smaller than a batch
+    assert sent(0, 61, 16, 16) == [0, 16, 32, 48, 61]
+    assert sent(60, 61, 16, 16) == [60, 61]
+    assert sent(0, 61, 12, 16) == [0, 24, 36, 48, 61]  # a chunk crossing a batch's end reports on it
+    assert sent(0, 600, 512, 2048) == [0, 600]
+
+
+def test_batch_flags_cap_the_engine_s_prefill_chunk(fake_model):
+    assert "--prefill-chunk" not in load_config(["--model", str(fake_model)]).engine_argv()
+    for flags, chunk in ((["-b", "16"], "16"), (["-ub", "64"], "64"), (["-b", "256", "-ub", "32"], "32")):
+        config = load_config(["--model", str(fake_model), *flags])
+        argv = config.engine_argv()
+        assert argv[argv.index("--prefill-chunk") + 1] == chunk
+    assert load_config(["--model", str(fake_model), "-b", "16"]).progress_batch() == 16
+    assert load_config(["--model", str(fake_model)]).progress_batch() == 2048
+    with pytest.raises(ConfigError) as info:
+        load_config(["--model", str(fake_model), "-b", "0"])
+    assert info.value.problems == ["batch_size: 0 must be at least 1 token"]

@@ -101,7 +101,7 @@ def test_slots_props_and_metrics_list_every_slot(api4):
         assert all(s["n_ctx"] == 256 and s["speculative"] is False for s in slots)
         assert [s["is_processing"] for s in slots] == [False, True, False, False]
         assert "params" not in slots[0] and slots[2]["n_prompt_tokens"] == done["tokens_evaluated"]
-        assert slots[2]["next_token"][0]["n_decoded"] == done["tokens_predicted"]
+        assert slots[2]["next_token"][0]["n_decoded"] == 0 < done["tokens_predicted"]  # idle, as the peer's
         props = client.simulate_get("/props").json
         assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 256
         text = client.simulate_get("/metrics").text

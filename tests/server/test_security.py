@@ -99,9 +99,14 @@ def test_api_key_public_paths_and_protected_ones(make_api, tmp_path, slot_dir):
         ("POST", "/v1/chat/completions"),
         ("POST", "/slots/0?action=erase"),
         ("GET", "/nope"),
+        ("POST", "/"),
+        ("GET", "/bundle.js"),  # llama-server b11549 answers 401 there too
+        ("GET", "/bundle.css"),
     ):
         result = client.simulate_request(method, path, json={})
         assert_error(result, 401, "authentication_error", "Invalid API Key")
+    for path in ("/", "/index.html"):  # the web page, exempt as llama-server b11549 exempts it
+        assert client.simulate_get(path).status_code != 401, path
     ok = client.simulate_post("/tokenize", json={"content": "a"}, headers={"X-Api-Key": "file-key"})
     assert ok.status_code == 200
 

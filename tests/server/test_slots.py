@@ -213,6 +213,20 @@ def test_slot_actions_need_json_and_no_foreign_origin(make_api, slot_dir):
         assert slot_post(client, "save", body, headers={"Origin": origin}).status_code == 200
     assert slot_post(client, "save", body, content_type="application/json; charset=utf-8").status_code == 200
     assert not list(slot_dir.glob(".strata-tmp-*"))
+    # erase reads no body: without one it is taken, as llama-server takes it; a body must still be JSON, and a
+    # foreign Origin is still refused
+    bare = client.simulate_post("/slots/0", params={"action": "erase"})
+    assert bare.status_code == 200 and bare.json == {"id_slot": 0, "n_erased": 0}
+    for action in ("save", "restore"):
+        assert_error(
+            client.simulate_post("/slots/0", params={"action": action}), 415, "invalid_request_error"
+        )
+    text = client.simulate_post("/slots/0", params={"action": "erase"}, body="x", content_type="text/plain")
+    assert_error(text, 415, "invalid_request_error")
+    foreign = client.simulate_post(
+        "/slots/0", params={"action": "erase"}, headers={"Origin": "http://evil.example"}
+    )
+    assert_error(foreign, 403, "permission_error")
 
 
 def test_save_folder_flush_failure_says_file_in_place(api, monkeypatch):

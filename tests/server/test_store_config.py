@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from strata_server.cli import build_parser, load_config
 from strata_server.config import ConfigError
@@ -36,7 +38,7 @@ def test_flags_and_file(tmp_path, fake_model):
     assert (settings.min_reuse, settings.idle_s, settings.ephemeral) == (512, 2.5, False)
     ram = store_settings(load_config(["--model", str(fake_model), "--cache-ram", "128", "--port", "9123"]))
     assert ram.ephemeral and ram.max_bytes == 128 * MIB and ram.idle_s == 0
-    assert ram.folder.name.endswith("-9123")
+    assert ram.folder.name.startswith(f"strata-cache-ram-{os.geteuid()}-9123-")  # then a random part
 
 
 def test_every_store_problem_reported_together(tmp_path, fake_model):

@@ -290,3 +290,13 @@ def test_the_package_stands_without_boto3():
     out = json.loads(proc.stdout)
     assert out["restored"] and "strata-sessionfile[s3]" in out["objstore"]
     assert out["exit"] == EXIT_UNSUPPORTED and "needs boto3" in proc.stderr
+
+
+def test_a_reader_that_stops_early_changes_neither_the_verdict_nor_stderr():
+    """`inspect FILE | head`: the pipe's reader is gone before the output is written; the exit code is the
+    file's verdict (0), with no BrokenPipeError traceback."""
+    command = [sys.executable, "-m", "strata_sessionfile.cli", "inspect", str(GOOD), "--layers"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before anything is written
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err.decode()) == (EXIT_VALID, "")

@@ -246,9 +246,10 @@ class Timings:
             prompt_per_second=per_second(prompt_n, prompt_s),
             predicted_n=predicted_n,
             predicted_ms=1000.0 * predicted_s,
-            predicted_per_token_ms=per_token_ms(predicted_n, predicted_s),
-            # llama-server's generation clock starts at the first token: one token has no rate.
-            predicted_per_second=per_second(predicted_n, predicted_s) if predicted_n > 1 else 0.0,
+            # llama-server's generation clock starts at the first token (sampled from the prompt's logits):
+            # its rates count the n - 1 tokens after it (b11549: 3 tokens in 1833 ms -> 916.7 ms a token)
+            predicted_per_token_ms=per_token_ms(predicted_n - 1, predicted_s) if predicted_n > 1 else 0.0,
+            predicted_per_second=per_second(predicted_n - 1, predicted_s) if predicted_n > 1 else 0.0,
         )
 
 

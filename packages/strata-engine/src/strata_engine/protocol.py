@@ -204,7 +204,11 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
         if isinstance(exc, cls):
             payload: dict[str, Any] = {"type": kind.value, "message": str(exc), "reason": reason.value}
             if isinstance(exc, ContextOverflow):
-                payload |= {"n_prompt_tokens": exc.n_prompt_tokens, "n_ctx": exc.n_ctx}
+                payload |= {
+                    "n_prompt_tokens": exc.n_prompt_tokens,
+                    "n_ctx": exc.n_ctx,
+                    "at_least": exc.at_least,
+                }
             return payload
     if isinstance(exc, EngineError):
         return {"type": ErrorKind.INTERNAL.value, "message": str(exc), "reason": type(exc).__name__}

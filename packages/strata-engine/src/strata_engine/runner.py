@@ -250,7 +250,8 @@ class ModelRunner:
         The prompt is checked now (EngineError, ContextOverflow, InvalidToken: nothing held changes); the
         prompt cache's cut-back happens at the first next(). Each next() evaluates one chunk
         (prefill_chunk tokens, or chunk_size()'s, asked before each chunk: a scheduler cuts them smaller
-        while other slots generate), tells on_chunk(cache_n, n_held), and yields None; the one that
+        while other slots generate), tells on_chunk(cache_n, n_held), and yields None (the first next() also
+        tells on_chunk(cache_n, cache_n) before its chunk: llama-server's progress before evaluation); the one that
         evaluates the last chunk returns the PrefillResult (StopIteration.value). Closing the generator early
         keeps the chunks already evaluated (and takes the turn's ring checkpoint), as should_stop does."""
         tokens = [int(t) for t in tokens]
@@ -270,6 +271,8 @@ class ModelRunner:
         n_common = common_prefix_len(tokens, self._tokens) if self.settings.prompt_cache else 0
         resume = pos = self._resume_at(min(n_common, len(tokens) - 1))
         chunk = self.prefill_chunk
+        if on_chunk is not None:
+            on_chunk(resume, pos)  # before evaluation: what the held conversation gives
         while True:
             if chunk_size is not None:
                 chunk = max(1, min(int(chunk_size()), self.prefill_chunk))

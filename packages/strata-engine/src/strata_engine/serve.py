@@ -239,6 +239,7 @@ def ready_line(
         "kv_resident": settings.kv_resident,
         "bos_token": text_of(tokenizer.bos_id),
         "eos_token": text_of(tokenizer.eos_id),
+        "eog_tokens": sorted(tokenizer.end_of_generation),
         "chat_template": template.source,
         "chat_template_origin": template.origin,
         "add_bos": tokenizer.add_bos,

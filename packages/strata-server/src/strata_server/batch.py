@@ -169,12 +169,11 @@ class BatchRun:
 
     def _acquire(self) -> EngineLease:
         """A slot: the one the request names, else the one whose held tokens share most of the prompt
-        (SlotManager's rule); with several slots the prompt is tokenized first, once."""
+        (SlotManager's rule). The prompt is tokenized first, once, slot-less: a prompt longer than the
+        context is refused before it waits for a slot (the engine checks it as COMPLETE would)."""
         id_slot = self.runs[0].options.id_slot
-        prompt = None
         # Tokenized with a named slot too: what that slot then holds is known to later requests' choice.
-        if self.ctx.n_slots() > 1 and self.ctx.config.slot_prompt_similarity > 0:
-            prompt = self._tokenize_first_prompt()
+        prompt = self._tokenize_first_prompt()
         return self.ctx.engine.acquire(self.ctx.config.slot_wait, id_slot=id_slot, prompt=prompt)
 
     def _tokenize_first_prompt(self) -> list[int]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import shlex
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,10 +27,12 @@ from .config import (
     ConfigError,
     ServerConfig,
     build_config,
+    cache_disk_warnings,
     read_config_file,
 )
 
 MODEL_REFUSED = 3  # exit status: the model file is unsupported, refused or unreadable (2: bad configuration)
+PORT_TAKEN = 4  # exit status: an address to listen on is taken (or cannot be bound)
 LIST_FLAGS = ("api_key", "allowed_hosts", "trusted_origins", "cors_origins", "alias", "tags", "host")
 
 EPILOG = """\
@@ -76,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--alias",
         metavar="NAME[,NAME...]",
         action="append",
-        help="model names: the first is the id "
-        "reported by /v1/models and in responses, all are its aliases (default: the model path)",
+        help="model names, all its aliases; as llama-server keeps them (unique, sorted), the first in sort order "
+        "is the id reported by /v1/models and in responses (default: the model path)",
     )
     add("--tags", metavar="TAG[,TAG...]", action="append", help="model tags reported by /v1/models")
     add(
@@ -231,6 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="log everything (debug level), the engine's log too; every answer carries __verbose unless the "
         "request sets verbose: false (as llama-server)",
     )
+    add(
+        "-b",
+        "--batch-size",
+        metavar="N",
+        help="llama-server's logical batch: a stream with return_progress reports the prompt's evaluation once "
+        "per N tokens (default: 2048); given, it also caps the engine's prefill chunk",
+    )
+    add(
+        "-ub",
+        "--ubatch-size",
+        metavar="N",
+        help="llama-server's physical batch: the engine evaluates a prompt N tokens at a time at most (default: "
+        "the engine's prefill chunk, 512 on the CPU)",
+    )
     sampling = parser.add_argument_group(
         "default sampling and output (what a request that does not set the "
         "field gets; a request's own fields win)"
@@ -254,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="n_predict",
         metavar="N",
         help=f"tokens to generate (default: {default['n_predict']}, until a stop or the full "
-        "context); N > 0 also caps a request's own n_predict",
+        "context); a request's own n_predict wins, as llama-server's",
     )
     sampling.add_argument(
         "--repeat-penalty",
@@ -293,8 +311,16 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
     add(
         "--cache-disk",
         metavar="DIR",
-        help="the store's folder (created 0700 if missing; servers of other "
+        help="the store's folder (created 0700 if missing; one owned by another user or writable by group or "
+        "others is refused, see --cache-disk-loose-permissions; servers of other "
         "models or settings may share it: their files are ignored) (default: off)",
+    )
+    add(
+        "--cache-disk-loose-permissions",
+        action="store_true",
+        help="start even when the --cache-disk folder is owned by another user or writable by group or others "
+        "(default: refused, as OpenSSH refuses a loose key file: another user could read every kept conversation "
+        "or plant one the store restores); a warning is printed instead",
     )
     add(
         "--cache-disk-max",
@@ -379,12 +405,33 @@ def load_config(argv: list[str] | None = None) -> ServerConfig:
     return build_config(file_values, flag_values(args))
 
 
+def bind_problem(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be listened on (taken, or no such address), as gunicorn binds it; None if free."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return str(exc)
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn: TIME_WAIT is no obstacle
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return "the port is taken" if exc.errno == errno.EADDRINUSE else str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv)
     except ConfigError as exc:
         sys.stderr.write(f"strata-server: {exc}\n")
         return 2
+    # before the banner: gunicorn would print it, retry the bind for 5 s, then exit 1
+    for host in config.host:
+        if (problem := bind_problem(host, config.port)) is not None:
+            sys.stderr.write(f"strata-server: cannot listen on {host} port {config.port}: {problem}\n")
+            return PORT_TAKEN
     from strata_engine.errors import EngineError
     from strata_engine.model_check import check_model_file
 
@@ -398,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     except (EngineError, OSError) as exc:
         sys.stderr.write(f"strata-server: cannot serve {config.engine.model_path}: {exc}\n")
         return MODEL_REFUSED
+    for warning in cache_disk_warnings(config):  # with --cache-disk-loose-permissions (else refused)
+        sys.stderr.write(f"strata-server: warning: cache_disk: {warning}\n")
     exposed = [h for h in config.host if h not in LOOPBACK_HOSTS]
     if exposed and not config.api_key and not config.api_key_file:
         sys.stderr.write(f"strata-server: warning: listening on {', '.join(exposed)} without --api-key\n")

@@ -38,6 +38,7 @@ DEFAULT_CACHE_DISK_MAX_MIB = 10240
 DEFAULT_CACHE_MIN_REUSE = 256
 DEFAULT_CACHE_IDLE_SECONDS = 30.0
 DEFAULT_CACHE_STORE_QUEUE_MIB = 1024
+DEFAULT_BATCH_SIZE = 2048  # llama-server's -b/--batch-size default: return_progress reports per batch
 _SAMPLING = SamplingParams()  # the engine's sampling defaults: the server's unless its flags say otherwise
 # The engine's settings the server offers: their keys (the long flag names with _, as the config file has them),
 # a file flag's too (--chat-template-file: chat_template_file).
@@ -84,7 +85,7 @@ def default_model_path() -> Path | None:
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     engine: EngineSettings  # the engine's settings (-m, -c, -np, --kv-type, ...; the model: the packaged one)
-    alias: tuple[str, ...] = ()  # names of the model (/v1/models id = the first; aliases = all)
+    alias: tuple[str, ...] = ()  # names of the model, as given (model_aliases: as llama-server keeps them)
     tags: tuple[str, ...] = ()  # /v1/models tags
     host: tuple[str, ...] = (DEFAULT_HOST,)  # every address given is listened on
     port: int = DEFAULT_PORT
@@ -127,13 +128,19 @@ class ServerConfig:
     top_p: float = _SAMPLING.top_p
     min_p: float = _SAMPLING.min_p
     seed: int = -1
-    n_predict: int = -1  # -1: until a stop condition or the full context; N > 0 also caps a request's own
+    n_predict: int = -1  # -1: until a stop condition or the full context; a request's own n_predict wins
     repeat_penalty: float = _SAMPLING.repeat_penalty
     repeat_last_n: int = _SAMPLING.repeat_last_n
+    # llama-server's -b/--batch-size (a logical batch: return_progress's cadence) and -ub/--ubatch-size (tokens
+    # per forward pass); either given caps the engine's prefill chunk at the smaller, as llama.cpp never
+    # evaluates more than a batch at once. None: the engine's own chunk (-b's cadence: 2048).
+    batch_size: int | None = None
+    ubatch_size: int | None = None
     presence_penalty: float = _SAMPLING.presence_penalty
     frequency_penalty: float = _SAMPLING.frequency_penalty
     # -- the session store (store/) --
     cache_disk: Path | None = None  # folder of the session store; None: off
+    cache_disk_loose_permissions: bool = False  # a cache_disk others could write in: warned, not refused
     cache_disk_max: int = DEFAULT_CACHE_DISK_MAX_MIB  # MiB of this server's files in it
     cache_ram: int = 0  # MiB of a RAM-only store (llama-server's --cache-ram); 0: off
     cache_min_reuse: int = DEFAULT_CACHE_MIN_REUSE  # tokens a restore must add to what the slot holds
@@ -163,6 +170,8 @@ class ServerConfig:
                 "--object-store-endpoint",
                 self.cache_store_endpoint,
             ]  # without --cache-disk it reads the objects
+        if (chunk := self.prefill_chunk()) is not None:
+            argv += ["--prefill-chunk", str(chunk)]
         if self.session_key_file is not None:
             argv += ["--session-key-file", str(self.session_key_file)]
             if self.session_key_optional:
@@ -176,6 +185,20 @@ class ServerConfig:
         preserve_reasoning unless given, --chat-template-kwargs, --reasoning on|off's enable_thinking)."""
         given = json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
         return {**ALWAYS_TEMPLATE_KWARGS, **given, **REASONING_KWARGS[Reasoning(self.reasoning)]}
+
+    def prefill_chunk(self) -> int | None:
+        """The engine's prefill chunk -b/-ub ask for (the smaller given), or None: the engine's default."""
+        given = [n for n in (self.batch_size, self.ubatch_size) if n is not None]
+        return min(given) if given else None
+
+    def progress_batch(self) -> int:
+        """Prompt tokens per return_progress event, as llama-server's -b."""
+        return self.batch_size if self.batch_size is not None else DEFAULT_BATCH_SIZE
+
+    def model_aliases(self) -> tuple[str, ...]:
+        """The aliases as llama-server b11549 keeps them (a std::set: unique, in byte order); the first is the
+        model's id (/v1/models, /props model_alias, responses' model)."""
+        return tuple(sorted(set(self.alias), key=lambda a: a.encode("utf-8")))
 
     def effective_log_level(self) -> str:
         return "debug" if self.verbose else self.log_level.lower()
@@ -344,6 +367,9 @@ def _check_values(config: ServerConfig) -> list[str]:
         problems.append(
             "jinja: Strata always renders jinja (a built-in --chat-template name is its C++ format)"
         )
+    for name in ("batch_size", "ubatch_size"):
+        if (value := getattr(config, name)) is not None and value < 1:
+            problems.append(f"{name}: {value} must be at least 1 token")
     if config.http_threads < 1:
         problems.append(f"http_threads: {config.http_threads} must be at least 1")
     if config.timeout < 1:
@@ -399,6 +425,11 @@ def _check_store(config: ServerConfig) -> list[str]:
             problems.append(f"cache_disk: not a directory: {config.cache_disk}")
         elif any(c in str(config.cache_disk) for c in "\r\n"):
             problems.append("cache_disk: the path contains a line break")
+        elif not config.cache_disk_loose_permissions:
+            problems += [
+                f"cache_disk: {p} (or give --cache-disk-loose-permissions to only warn)"
+                for p in cache_disk_warnings(config)
+            ]
         if config.cache_ram:
             problems.append(
                 "cache_ram: a RAM tier in front of --cache-disk is not built; give one of the two"
@@ -431,6 +462,15 @@ def _check_store(config: ServerConfig) -> list[str]:
     if config.cache_idle_seconds < 0:
         problems.append(f"cache_idle_seconds: {config.cache_idle_seconds} is negative (0: no idle saves)")
     return problems
+
+
+def cache_disk_warnings(config: ServerConfig) -> list[str]:
+    """Why cache_disk, if it exists, is not private to the server's user (store/trust.py)."""
+    from .store.trust import folder_problems  # here: the store package imports this module
+
+    if config.cache_disk is None or not config.cache_disk.is_dir():
+        return []
+    return folder_problems(config.cache_disk)
 
 
 def _format_structure_error(exc: Exception) -> list[str]:

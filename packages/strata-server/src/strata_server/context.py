@@ -54,7 +54,7 @@ class ServerContext:
 
     def model_id(self) -> str:
         if self.config.alias:
-            return self.config.alias[0]
+            return self.config.model_aliases()[0]
         return str(self.engine_info().get("model_path") or self.config.engine.model_path)
 
     def build_info(self) -> str:

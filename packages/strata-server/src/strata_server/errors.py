@@ -144,8 +144,14 @@ def _from_engine_reply(exc: EngineReplyError) -> ApiError:
                 extra[key] = exc.error[key]
         message = exc.message
         if "n_prompt_tokens" in extra and "n_ctx" in extra:
+            # refused before tokenizing: the count is a lower bound (engine-protocol.md), said so
+            count = (
+                f"at least {extra['n_prompt_tokens']}"
+                if exc.error.get("at_least")
+                else extra["n_prompt_tokens"]
+            )
             message = (
-                f"request ({extra['n_prompt_tokens']} tokens) exceeds the available context size "
+                f"request ({count} tokens) exceeds the available context size "
                 f"({extra['n_ctx']} tokens), try increasing it"
             )
         return ApiError(error_type, message, **extra)

@@ -103,6 +103,24 @@ def prompt_progress(event: dict) -> dict:
     }
 
 
+class ProgressCadence:
+    """llama-server's return_progress cadence: the event before the evaluation (processed = cache), then one
+    each time a --batch-size batch of the prompt is evaluated, and the last; the engine tells every prefill
+    chunk, which may be smaller (a chunk cut while other slots generate)."""
+
+    def __init__(self, n_batch: int) -> None:
+        self.n_batch = n_batch
+        self.sent: int | None = None  # the processed count of the last event sent
+
+    def due(self, progress: dict) -> bool:
+        processed, cache, total = (int(progress.get(k) or 0) for k in ("processed", "cache", "total"))
+        batches = (processed - cache) // self.n_batch
+        if self.sent is None or processed >= total or batches > (self.sent - cache) // self.n_batch:
+            self.sent = processed
+            return True
+        return False
+
+
 @attrs.frozen
 class RunInfo:
     model: str
@@ -388,6 +406,7 @@ class CompletionRun:
         """This task's SSE frames (``first``: its first event, already read); returns whether it ended with
         its result (False: an error frame ended it). A client gone cancels it and reads it to its end."""
         batch = TokenBatch()
+        cadence = ProgressCadence(self.ctx.config.progress_batch())
         ended = False
         try:
             for chunk in self.fmt.start_chunks():
@@ -408,7 +427,9 @@ class CompletionRun:
                         ids, probs = batch.take()
                         yield sse_frame(self.fmt.token_chunk(content, ids, probs))
                 elif kind == "progress":
-                    yield sse_frame(self.fmt.progress_chunk(prompt_progress(event)))
+                    progress = prompt_progress(event)
+                    if cadence.due(progress):
+                        yield sse_frame(self.fmt.progress_chunk(progress))
                 elif kind == "result":
                     ended = True
                     if (

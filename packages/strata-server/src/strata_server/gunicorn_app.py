@@ -26,6 +26,7 @@ from .context import ServerContext
 from .engine.supervisor import EngineSupervisor, SupervisorSettings
 from .security import SecurityPolicy
 from .store import SessionStore, build_store
+from .store.trust import StoreFolderRefused
 from .wsgi import with_peer_header_case
 
 log = logging.getLogger("strata_server")
@@ -99,5 +100,9 @@ class StrataGunicorn(BaseApplication):
         app = create_app(self.supervisor, self.config, context=context)
         self.supervisor.start()
         if self.store is not None:
-            self.store.start()  # scans the folder once the engine is ready
+            try:
+                self.store.start()  # scans the folder once the engine is ready
+            except StoreFolderRefused as exc:
+                self.supervisor.stop()
+                _give_up(str(exc))
         return with_peer_header_case(app)

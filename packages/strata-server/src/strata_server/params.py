@@ -317,7 +317,7 @@ def parse_prompts(body: Mapping[str, Any], *, n_vocab: int | None, key: str = "p
         raise invalid_request(f'"{key}" must be provided')
     prompt = body[key]
     if isinstance(prompt, dict):
-        raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
+        return [_object_prompt(prompt, f'"{key}"')]
     if _one_prompt(prompt):
         return [_checked_prompt(prompt, f'"{key}"', n_vocab)]
     if not isinstance(prompt, list):
@@ -325,10 +325,11 @@ def parse_prompts(body: Mapping[str, Any], *, n_vocab: int | None, key: str = "p
             f'"{key}" must be a string, a list of tokens, a list of mixed strings & tokens, '
             "or a list of prompts"
         )
-    prompts = []
+    prompts: list[str | list] = []
     for index, item in enumerate(prompt):
         if isinstance(item, dict):
-            raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
+            prompts.append(_object_prompt(item, f'"{key}"[{index}]'))
+            continue
         if not _one_prompt(item):
             raise invalid_request(
                 f'element {index} of "{key}" must be a string, a list of tokens, or a list '
@@ -336,6 +337,21 @@ def parse_prompts(body: Mapping[str, Any], *, n_vocab: int | None, key: str = "p
             )
         prompts.append(_checked_prompt(item, f'"{key}"[{index}]', n_vocab))
     return prompts
+
+
+def _object_prompt(item: Mapping[str, Any], where: str) -> str:
+    """llama-server's JSON object prompt, ``{"prompt_string": TEXT, "multimodal_data": [...]}``: its text (media:
+    501, this server runs text models); an object without a prompt string is refused as llama-server refuses it
+    (an OpenAI content part ``{"type": "text", ...}`` among them)."""
+    text = item.get("prompt_string")
+    if not isinstance(text, str):
+        raise invalid_request(
+            f"{where} elements must be a string, a list of tokens, a JSON object containing a prompt string, "
+            "or a list of mixed strings & tokens"
+        )
+    if item.get("multimodal_data"):
+        raise ApiError(ErrorType.NOT_SUPPORTED, "multimodal prompts are not supported by this server")
+    return text
 
 
 def parse_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -17,6 +17,10 @@ from .engine.client import EngineClient, EngineState
 from .errors import ApiError, EngineUnavailable, ErrorType
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+# Served without the API key, as llama-server b11549's key middleware exempts its web page (one file with its
+# scripts inlined; /bundle.js and /bundle.css answer 401 there); the page's own requests carry the user's key.
+PAGE_PATHS = frozenset({"/", "/index.html"})
+PAGE_METHODS = frozenset({"GET", "HEAD"})
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_ANY = "*"  # --cors-origins value: any origin, never with credentials (Strata's default)
 CORS_LOCALHOST = (
@@ -124,7 +128,13 @@ class SecurityMiddleware:
         if req.path not in PUBLIC_PATHS and self.engine.status().state is not EngineState.READY:
             status = self.engine.status()
             raise EngineUnavailable(status.message if status.state is EngineState.FAILED else "Loading model")
-        if self.policy.api_keys and req.path not in PUBLIC_PATHS and not self.policy.key_valid(req):
+        page = req.path in PAGE_PATHS and req.method in PAGE_METHODS
+        if (
+            self.policy.api_keys
+            and req.path not in PUBLIC_PATHS
+            and not page
+            and not self.policy.key_valid(req)
+        ):
             raise ApiError(ErrorType.AUTHENTICATION, "Invalid API Key")
 
     def process_response(
@@ -141,8 +151,10 @@ class SecurityMiddleware:
             resp.set_header("Access-Control-Allow-Origin", "*")
 
 
-def check_slot_action(req: falcon.Request, policy: SecurityPolicy) -> None:
-    """Slot actions write and read files: refuse cross-site requests a browser can send blindly."""
+def check_slot_action(req: falcon.Request, policy: SecurityPolicy, *, bodyless_ok: bool = False) -> None:
+    """Slot actions write and read files: refuse cross-site requests a browser can send blindly. With
+    `bodyless_ok` (erase, which reads no body: llama-server takes it without one) a request with no body at
+    all passes the Content-Type rule; a body must still be JSON."""
     if not policy.origin_trusted(req):
         raise ApiError(
             ErrorType.PERMISSION,
@@ -150,6 +162,8 @@ def check_slot_action(req: falcon.Request, policy: SecurityPolicy) -> None:
             "only the server's own origin or one listed in --trusted-origins",
         )
     media = (req.content_type or "").split(";", 1)[0].strip().lower()
+    if bodyless_ok and not media and not req.content_length:
+        return
     if media != "application/json":
         raise ApiError(
             ErrorType.INVALID_REQUEST,

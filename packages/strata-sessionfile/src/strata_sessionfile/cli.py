@@ -10,13 +10,16 @@ the full per-layer table, ``--json`` prints everything (the same object whatever
 
 Exit codes (spec section 11): 0 valid, 1 invalid (the reason is printed), 2 unreadable, 3 unsupported here
 (``--verify`` of a compressed file without its codec's module, an ``s3://`` object without boto3), 4 not
-authenticated by the key, 64 usage.
+authenticated by the key, 64 usage. A reader that stops reading early (``| head``) cuts the output short
+without changing the exit code.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import TypeVar
@@ -527,9 +530,43 @@ def inspect_parser() -> argparse.ArgumentParser:
     return _parsers()[1]
 
 
+class _ReaderMayLeave:
+    """stdout whose reader may stop reading (``| head``): the rest of the output is dropped and the exit code
+    stays the verdict's (Python's default: a BrokenPipeError traceback and exit 1, which reads "invalid")."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.left = False
+
+    def write(self, text: str) -> int:
+        if not self.left:
+            try:
+                self.stream.write(text)
+            except BrokenPipeError:
+                self._leave()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.left:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._leave()
+
+    def _leave(self) -> None:
+        self.left = True
+        # the interpreter's own flush at exit must not meet the closed pipe again (Python's documented recipe)
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parsers()[0].parse_args(argv)
-    return COMMANDS[args.command](args)
+    out = _ReaderMayLeave(sys.stdout)
+    with contextlib.redirect_stdout(out):  # type: ignore[type-var]
+        code = COMMANDS[args.command](args)
+        out.flush()
+    return code
 
 
 COMMANDS = {"inspect": _cmd_inspect, "convert": _cmd_convert}

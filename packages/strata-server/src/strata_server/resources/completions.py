@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 
-import attrs
 import falcon
 
 from ..batch import BatchRun, TaskSpec, build_runs, check_task_count, choice_count
 from ..chat_prompt import parse_chat_prompt
 from ..connection import ClientConnection
 from ..context import ServerContext
-from ..defaults import with_defaults
+from ..defaults import server_options
 from ..engine.client import EngineLease
 from ..errors import invalid_request
 from ..generation import (
@@ -69,7 +68,7 @@ def _respond_to_prompt(
     n_choices = choice_count(body)
     check_task_count(len(prompts), n_choices)
     options = parse_options(body, n_vocab=n_vocab, n_slots=ctx.n_slots())
-    options = attrs.evolve(options, sampling=with_defaults(options.sampling, ctx.config))
+    options = server_options(options, ctx.config, ctx.engine_info().get("eog_tokens"))
     info = RunInfo(model=ctx.model_id(), options=options, system_fingerprint=ctx.build_info())
     verbose = wants_verbose(body, ctx.config.verbose) and verbose_allowed
     extra = stream_fields(body, options.stream)
@@ -130,7 +129,7 @@ class ChatCompletionResource:
             chat=True,
             n_slots=self.ctx.n_slots(),
         )
-        options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
+        options = server_options(options, self.ctx.config, self.ctx.engine_info().get("eog_tokens"))
         info = RunInfo(model=self.ctx.model_id(), options=options, system_fingerprint=self.ctx.build_info())
 
         def verbose(own: RunInfo) -> NativeCompletionFormat:

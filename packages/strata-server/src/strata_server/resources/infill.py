@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import functools
 
-import attrs
 import falcon
 
 from ..batch import BatchRun, TaskSpec, build_runs, check_task_count, choice_count
 from ..connection import ClientConnection
 from ..context import ServerContext
-from ..defaults import with_defaults
+from ..defaults import server_options
 from ..generation import NativeCompletionFormat, RunInfo
 from ..infill import extra_context, fim_tokens, infill_tokens, parse_infill
 from ..params import parse_options, read_json
@@ -35,7 +34,7 @@ class InfillResource:
         options = parse_options(
             body, n_vocab=self.ctx.engine_info().get("n_vocab"), n_slots=self.ctx.n_slots()
         )
-        options = attrs.evolve(options, sampling=with_defaults(options.sampling, self.ctx.config))
+        options = server_options(options, self.ctx.config, self.ctx.engine_info().get("eog_tokens"))
         with self.ctx.engine.command() as lease:
 
             def text(content: str | list, parse_special: bool = False) -> list[int]:

@@ -73,7 +73,7 @@ class ModelsResource:
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         info = self.ctx.engine_info()
         model_id = self.ctx.model_id()
-        aliases, tags = list(self.ctx.config.alias), list(self.ctx.config.tags)
+        aliases, tags = list(self.ctx.config.model_aliases()), list(self.ctx.config.tags)
         meta = {
             "vocab_type": info.get("vocab_type"),
             "n_vocab": info.get("n_vocab"),

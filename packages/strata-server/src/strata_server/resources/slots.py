@@ -29,6 +29,7 @@ from ..slot_manager import invalid_slot_message
 from ..tokens import as_tokens
 
 _SLOT_ID = re.compile(r"^[+-]?\d+$")
+BODYLESS_ACTIONS = frozenset({"erase"})  # actions that read no body: accepted without one, as llama-server
 SLOT_ACTIONS_DISABLED = "This server does not support slots action. Start it with `--slot-save-path`"
 SLOTS_ENDPOINT_DISABLED = "This server does not support slots endpoint. Start it with `--slots`"
 
@@ -51,13 +52,14 @@ def last_task_fields(task: LastTask) -> dict[str, Any]:
         "n_prompt_tokens_processed": task.n_prompt_tokens_processed,
         "n_prompt_tokens_cache": task.n_prompt_tokens_cache,
         "params": dict(task.params),
-        # A recorded task has ended: the peer shows n_remain -1 then, whatever n_predict was.
+        # A recorded task has ended: the peer (b11549) shows n_remain -1 and n_decoded 0 then, whatever the task
+        # asked and decoded (its count is in /metrics and the task's answer).
         "next_token": [
             {
                 "has_next_token": False,
                 "has_new_line": task.has_new_line,
                 "n_remain": -1,
-                "n_decoded": task.n_decoded,
+                "n_decoded": 0,
             }
         ],
     }
@@ -106,7 +108,7 @@ class SlotsResource:
     def on_post_slot(self, req: falcon.Request, resp: falcon.Response, id_slot: str) -> None:
         if self.ctx.config.slot_save_path is None:
             raise ApiError(ErrorType.NOT_SUPPORTED, SLOT_ACTIONS_DISABLED)
-        check_slot_action(req, self.ctx.policy)
+        check_slot_action(req, self.ctx.policy, bodyless_ok=req.get_param("action") in BODYLESS_ACTIONS)
         if not _SLOT_ID.match(id_slot):
             raise invalid_request("Invalid slot ID")
         n_slots = self.ctx.n_slots()

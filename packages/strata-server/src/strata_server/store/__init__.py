@@ -18,7 +18,6 @@ restored into the slot.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from .names import Fingerprints
 from .remote import RemoteSettings
 from .settings import MIB, StoreSettings
 from .store import SessionStore
+from .trust import ram_folder
 
 UNBOUNDED = 1 << 62
 RAM_FOLDER_ROOT = Path("/dev/shm")  # tmpfs: a RAM-only store's files live in memory
@@ -63,7 +63,7 @@ def store_settings(config: ServerConfig) -> StoreSettings | None:
         root = RAM_FOLDER_ROOT if RAM_FOLDER_ROOT.is_dir() else Path(tempfile.gettempdir())
         # Like llama-server's RAM cache it dies with the server: no idle or shutdown saves.
         return StoreSettings(
-            folder=root / f"strata-cache-ram-{os.getuid()}-{config.port}",
+            folder=ram_folder(root, config.port),
             max_bytes=config.cache_ram * MIB,
             min_reuse=config.cache_min_reuse,
             idle_s=0.0,

@@ -28,6 +28,7 @@ from .index import StoredConversation
 from .names import NAME, PENDING, PENDING_SUFFIX, Fingerprints
 from .remote import Candidate, RemoteTier
 from .shelf import Adoption
+from .trust import create_private, owned, owner
 
 log = logging.getLogger("strata_server.store")
 
@@ -42,15 +43,26 @@ class StoreFolder:
         key: sf.SessionKey | None = None,
         require_mac: bool = False,
         remote: RemoteTier | None = None,
+        private: bool = False,
     ) -> None:
         self.path = path
         self.key = key  # a file whose MAC does not check under it (or that has none, when required) is bad
         self.require_mac = require_mac
         self.remote = remote  # --cache-store: the object store behind the folder
+        self.private = private  # --cache-ram: a folder this server creates (trust.create_private)
+        self._lock: int | None = None  # the private folder's locked descriptor, held for the server's life
 
     def create(self) -> None:
-        """The folder, created 0700 if missing (an existing one keeps its mode)."""
-        self.path.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+        """The folder, created 0700 if missing (an existing one keeps its mode: the config refused a loose
+        one); a private one is created new (trust.StoreFolderRefused when something is at its name)."""
+        if self.private:
+            self._lock = create_private(self.path)
+        else:
+            self.path.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+
+    def trusted(self, name: str) -> bool:
+        """Whether a committed file is the server's user's: another user's is never indexed or restored."""
+        return owned(self.file(name))
 
     def file(self, name: str) -> Path:
         assert NAME.match(name), name
@@ -79,7 +91,7 @@ class StoreFolder:
     def names(self) -> Iterator[str]:
         with os.scandir(self.path) as entries:
             for entry in entries:
-                if NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
+                if NAME.match(entry.name) and self._ours(entry):
                     yield entry.name
 
     def pending_names(self) -> Iterator[str]:
@@ -87,8 +99,21 @@ class StoreFolder:
         with os.scandir(self.path) as entries:
             for entry in entries:
                 found = PENDING.match(entry.name)
-                if found and entry.is_file(follow_symlinks=False):
+                if found and self._ours(entry):
                     yield found.group(1)
+
+    @staticmethod
+    def _ours(entry: os.DirEntry) -> bool:
+        """A regular file (not a link) of the server's user; another user's is logged and left alone."""
+        if not entry.is_file(follow_symlinks=False):
+            return False
+        uid = entry.stat(follow_symlinks=False).st_uid
+        if uid != owner():
+            log.warning(
+                "session store: %s belongs to uid %d, not to this server's user: ignored", entry.path, uid
+            )
+            return False
+        return True
 
     def read(self, name: str, pending: bool = False, verify: bool = False) -> tuple[sf.Inspection, int]:
         """Header and metadata of one file (with `verify`, its payload hash too) and its size;

@@ -89,6 +89,14 @@ class Candidate:
     nbytes: int  # the object's size
 
 
+@attrs.frozen
+class Search:
+    """What a lookup in the object store found for a prompt."""
+
+    candidate: Candidate | None  # the best object, if any holds enough of the prompt
+    refused: int  # objects under the prompt's first block refused for their bytes (a MAC, a bad header)
+
+
 class RemoteTier:
     def __init__(
         self,
@@ -106,6 +114,7 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._listings: dict[str, tuple[float, list[str]]] = {}  # prefix -> (time listed, keys newest first)
         self._tokens: dict[str, np.ndarray | None] = {}  # key -> its tokens (None: not ours or bad)
+        self._refused: set[str] = set()  # keys of objects refused for their bytes (a lookup's `refused`)
         self._sizes: dict[str, int] = {}  # key -> the object's size, as listed
         self._queued = threading.Condition()  # guards _queue, _uploading, _closed
         self._queue = UploadQueue(settings.queue_bytes)
@@ -290,18 +299,25 @@ class RemoteTier:
                 tokens = np.frombuffer(inspection.metadata.state.tokens, dtype="<i4").copy()
         except sf.SessionFileError as exc:
             log.warning("session store: object %s refused (%s); not used", key, exc.reason)
+            self.metrics.bad_file(str(exc.reason))
+            with self._lock:
+                self._refused.add(key)
         with self._lock:
             self._tokens[key] = tokens
         return tokens
 
-    def best(self, prompt: np.ndarray, fingerprints: Fingerprints, at_least: int) -> Candidate | None:
-        """The object sharing the longest prefix with `prompt`, if it holds at least `at_least` of its tokens."""
+    def best(self, prompt: np.ndarray, fingerprints: Fingerprints, at_least: int) -> Search:
+        """The object sharing the longest prefix with `prompt`, if it holds at least `at_least` of its tokens;
+        and how many objects that could have matched were refused."""
         prefix = self.block_prefix(fingerprints, prompt)
         if prefix is None:
-            return None
+            return Search(None, 0)
         best: Candidate | None = None
+        refused = 0
         for key in self._list(prefix)[:MAX_CANDIDATES]:
             tokens = self._object_tokens(key, fingerprints)
+            with self._lock:
+                refused += key in self._refused
             name = key.rpartition("/")[2]
             if tokens is None or name != conversation_name(fingerprints, tokens):
                 continue  # not ours, refused, or named for other tokens: never downloaded
@@ -312,12 +328,13 @@ class RemoteTier:
                 with self._lock:
                     nbytes = self._sizes.get(key, 0)
                 best = Candidate(key, name, tokens, n, nbytes)
-        return best
+        return Search(best, refused)
 
     def forget(self, key: str) -> None:
         """What was read of an object (replaced, deleted, or unreadable for a moment): read again when listed."""
         with self._lock:
             self._tokens.pop(key, None)
+            self._refused.discard(key)
             self._listings.clear()
 
     def mark_bad(self, key: str) -> None:

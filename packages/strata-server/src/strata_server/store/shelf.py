@@ -49,6 +49,10 @@ class Shelf(Protocol):
         """SAVE's argument (less the slot) that writes `tokens` under `name`, pending its commit."""
         ...
 
+    def trusted(self, name: str) -> bool:
+        """Whether a committed conversation may be restored (a file of another user may not)."""
+        ...
+
     def conversation(
         self, name: str, fingerprints: Fingerprints, pending: bool = False, verify: bool = False
     ) -> StoredConversation | None:

@@ -53,7 +53,7 @@ def open_shelf(settings: StoreSettings, remote: RemoteTier | None) -> Shelf:
     """The folder (with the object store behind it, if any), or the object store's objects alone."""
     require_mac = settings.require_mac and settings.key is not None
     if settings.folder is not None:
-        return StoreFolder(settings.folder, settings.key, require_mac, remote)
+        return StoreFolder(settings.folder, settings.key, require_mac, remote, private=settings.ephemeral)
     assert remote is not None, "a store without a folder has an object store"
     return ObjectShelf(remote)
 
@@ -89,8 +89,7 @@ class SessionStore:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.settings.ephemeral and self.settings.folder is not None:
-            shutil.rmtree(self.settings.folder, ignore_errors=True)
+        """trust.StoreFolderRefused when the folder is not the server user's own."""
         self.shelf.create()
         self.saves.start()
         if self.write_behind is not None:
@@ -216,8 +215,9 @@ class SessionStore:
         if ready and cache_prompt:
             self.saves.await_commits(prompt, common_prefix(prompt, held) if held is not None else 0)
         with self._files:
+            refused = 0
             if ready and cache_prompt and self.remote is not None:
-                self._fetch_remote(prompt, held)
+                refused = self._fetch_remote(prompt, held)
             match = self.index.longest_prefix(prompt) if ready and cache_prompt else None
             decision = plan(prompt, held, match, min_reuse=self.settings.min_reuse, cache_prompt=cache_prompt)
             if ready and decision.save_first:
@@ -227,7 +227,8 @@ class SessionStore:
             if decision.restore is not None:
                 self._restore(lease, slot_id, prompt, decision)
         if ready and decision.restore is None:
-            self.metrics.lookup(Lookup.MISS if match is None else Lookup.HELD)
+            found = Lookup.HELD if match is not None else Lookup.REFUSED if refused else Lookup.MISS
+            self.metrics.lookup(found)
         rest = {k: v for k, v in command.items() if k not in ("messages", "prompt")}
         return {**rest, "prompt": prompt.tolist()}
 
@@ -239,29 +240,32 @@ class SessionStore:
 
     # --- restoring --------------------------------------------------------------------------------
 
-    def _fetch_remote(self, prompt: np.ndarray, held: np.ndarray | None) -> None:
+    def _fetch_remote(self, prompt: np.ndarray, held: np.ndarray | None) -> int:
         """Fetch the object store's longest match for `prompt` onto the shelf when it holds at least
-        --cache-min-reuse tokens more than the slot and the shelf already have (it is then a local hit)."""
+        --cache-min-reuse tokens more than the slot and the shelf already have (it is then a local hit); the
+        number of objects that could have matched but were refused for their bytes (a MAC, a bad header)."""
         assert self.remote is not None and self.fingerprints is not None
         local = self.index.longest_prefix(prompt)
         have = max(
             local.n_tokens if local is not None else 0, common_prefix(prompt, held) if held is not None else 0
         )
         if len(prompt) < have + self.settings.min_reuse:
-            return  # no object could add enough: no request (the usual next turn of a chat held here)
+            return 0  # no object could add enough: no request (the usual next turn of a chat held here)
+        refused = 0
         for attempt in range(2):
             candidate = None
             try:
-                candidate = self.remote.best(prompt, self.fingerprints, have + self.settings.min_reuse)
+                search = self.remote.best(prompt, self.fingerprints, have + self.settings.min_reuse)
+                candidate, refused = search.candidate, search.refused
                 if candidate is None or self.index.get(candidate.name) is not None:
-                    return
+                    return refused
                 t0 = time.perf_counter()
                 adoption = self.shelf.adopt(candidate, self.fingerprints)
                 break
             except sf.SessionFileError as exc:
                 if candidate is not None:
                     self._bad_file(candidate.name, exc.reason)
-                return
+                return refused + 1
             except Exception as exc:  # noqa: BLE001 -- the store unreachable: evaluated from what is local
                 if attempt == 0 and candidate is not None and missing(exc):
                     # Deleted since listed (its server's newer turn replaced it): listed again.
@@ -269,30 +273,35 @@ class SessionStore:
                     continue
                 log.warning("session store: the object store's lookup failed: %s", exc)
                 self.metrics.remote_failed()
-                return
+                return refused
         else:
-            return
+            return refused
         stored = adoption.conversation
         if stored is None:
             self.shelf.remove(candidate.name)
-            return
+            return refused
         self.index.add(stored)
         self.metrics.fetched(adoption.downloaded)
-        log.info(
-            "session store: %s %s (%d tokens, %d of the prompt's, %.1f MiB) from the object store in %.0f ms",
-            "fetched" if adoption.downloaded else "found (restored in place)",
-            candidate.key,
-            stored.n_tokens,
-            candidate.n_match,
-            stored.nbytes / MIB,
-            (time.perf_counter() - t0) * 1000,
+        described = f"{candidate.key} ({stored.n_tokens} tokens, {candidate.n_match} of the prompt's, " + (
+            f"{stored.nbytes / MIB:.1f} MiB)"
         )
+        if adoption.downloaded:
+            ms = (time.perf_counter() - t0) * 1000
+            log.info("session store: fetched %s from the object store in %.0f ms", described, ms)
+        else:  # its restore, read straight from the object, is logged with its time
+            log.info("session store: found %s in the object store", described)
         self.saves.evict(keep=candidate.name)
+        return refused
 
     def _restore(self, lease: EngineLease, slot_id: int, prompt: np.ndarray, decision: Plan) -> None:
         match = decision.restore
         assert match is not None
         name = match.conversation.name
+        if not self.shelf.trusted(name):  # replaced since its scan by another user's file: never read
+            log.warning("session store: %s is not this server's user's file any more; not restored", name)
+            self.index.remove(name)
+            self.metrics.lookup(Lookup.REFUSED)
+            return
         request = {
             "path": str(self.shelf.file(name)),
             "cut_to": match.n_tokens,
@@ -324,6 +333,14 @@ class SessionStore:
         self.index.touch(name)
         self.shelf.touch(name)
         self.metrics.restored(int(result.get("n_read", 0)), n_kept, seconds)
+        log.info(
+            "session store: restored slot %d from %s (%d tokens kept, %.1f MiB read) in %.0f ms",
+            slot_id,
+            self.shelf.file(name),
+            n_kept,
+            int(result.get("n_read", 0)) / MIB,
+            seconds * 1000,
+        )
         self.ledger.restored(slot_id, prompt[:n_kept], Origin.STORE, name)
 
     def _bad_file(self, name: str, reason: str) -> None:
