@@ -17,6 +17,7 @@ from strata_engine.slots import SlotSet
 from strata_sessionfile import errors as E
 from strata_sessionfile import hf
 from strata_sessionfile.testing import run_conformance
+from transformers import DynamicCache
 
 # Token ids of each vocabulary (the tokenizers are strata-engine's business, not this test's): SmolLM2's starts
 # with <|im_start|>, gemma3's with its bos.
@@ -99,13 +100,18 @@ def _k_rows(path, layer: int, shape: tuple[int, ...]) -> np.ndarray:
         return np.frombuffer(f.read(ext.size), "<f4").reshape(shape)
 
 
+@pytest.fixture(scope="module")
+def gemma3(gemma3_path):
+    return hf.load_model(gemma3_path)
+
+
 @pytest.mark.parametrize("family", ["smollm2", "gemma3"])
 def test_k_rows_are_strata_engines(family, request, tmp_path):
     """The adapter's K rows of transformers' prefill are strata-engine's own rows of the same prompt (the
     GGUF's head layout): SmolLM2's needed the per-head permutation, gemma3's none; each mapping checked by
     the other one failing."""
     path = request.getfixturevalue(f"{family}_path")
-    model = request.getfixturevalue("smollm2") if family == "smollm2" else hf.load_model(path)
+    model = request.getfixturevalue(family)
     runner = request.getfixturevalue("smollm2_runner") if family == "smollm2" else _runner(path)
     prompt = SMOLLM2_PROMPT if family == "smollm2" else GEMMA3_PROMPT
     cache = hf.new_cache(model)
@@ -185,3 +191,30 @@ def _other_model() -> sf.ModelIdentity:
     from strata_sessionfile.identity import model_identity_from_files
 
     return model_identity_from_files([sf.ModelFile("model", 1, b"\x01" * 16)])
+
+
+def test_sliding_layers_past_the_window(gemma3, tmp_path):
+    """gemma3 past its window: the file's sliding layers hold the last `window` positions, the loaded cache
+    holds them again and attends as transformers' own cache does; transformers' own cache (window - 1 kept)
+    is refused by name."""
+    window = max(la.window for la in gemma3.layers)
+    n = window + 2
+    ids = torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(0))
+    ours, theirs = hf.new_cache(gemma3), DynamicCache(config=gemma3.config)
+    with torch.no_grad():
+        for cache in (ours, theirs):
+            gemma3.module(ids, past_key_values=cache, use_cache=True)
+    path = tmp_path / "window.ssf"
+    hf.save_cache(gemma3, ours, ids[0].tolist(), path)
+    held = {g.spec.window: g.tokens_held for g in sf.inspect(path).metadata.layers}
+    assert held == {0: n, window: window}
+    with pytest.raises(E.CacheLengthMismatch, match="new_cache"):
+        hf.save_cache(gemma3, theirs, ids[0].tolist(), tmp_path / "theirs.ssf")
+
+    loaded, tokens = hf.load_cache(gemma3, path)
+    assert tokens == ids[0].tolist() and loaded.get_seq_length() == n
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(loaded.layers, ours.layers, strict=True))
+    step = torch.tensor([[7]])
+    with torch.no_grad():
+        got, want = (gemma3.module(step, past_key_values=c, use_cache=True).logits for c in (loaded, theirs))
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
