@@ -47,6 +47,10 @@ Errors (``strata_sessionfile.errors``)
 llama.cpp slot files (``strata_sessionfile.llamacpp``; spec/llama-cpp-slot.md)
     ``read_slot_file(path, geometry)``, ``model_geometry(gguf)``, ``slot_to_session(slot, gguf, out, config=)``,
     ``session_to_slot(ssf, gguf, out, SlotOptions(v_trans=, k_type=, v_type=))``; the CLI's ``convert``.
+transformers caches (``strata_sessionfile.hf``; spec/transformers-cache.md; needs torch and transformers)
+    ``load_model(gguf)`` / ``GGUFModel.bind(model, gguf)``, ``new_cache(model)``,
+    ``save_cache(model, cache, tokens, path, kv_dtype=, config=)``, ``load_cache(model, path, dtype=) -> (cache,
+    tokens)``; ``CacheSession``, the adapter under both.
 Testing (``strata_sessionfile.testing``)
     ``MemoryAdapter`` (in-memory reference adapter), ``run_conformance(adapter_factory, workdir)`` (one
     function per case, listed in ``CASES``).
