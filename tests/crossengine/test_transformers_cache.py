@@ -200,10 +200,16 @@ def test_sliding_layers_past_the_window(gemma3, tmp_path):
     window = max(la.window for la in gemma3.layers)
     n = window + 2
     ids = torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(0))
-    ours, theirs = hf.new_cache(gemma3), DynamicCache(config=gemma3.config)
+    ours = hf.new_cache(gemma3)
     with torch.no_grad():
-        for cache in (ours, theirs):
-            gemma3.module(ids, past_key_values=cache, use_cache=True)
+        gemma3.module(ids, past_key_values=ours, use_cache=True)
+    theirs = DynamicCache(
+        config=gemma3.config
+    )  # transformers' own layers over the same K/V (one prefill, not two)
+    for i, layer in enumerate(ours.layers):
+        theirs.update(layer.keys, layer.values, i)
+        if layer.is_sliding:
+            theirs.layers[i].cumulative_length = n
     path = tmp_path / "window.ssf"
     hf.save_cache(gemma3, ours, ids[0].tolist(), path)
     held = {g.spec.window: g.tokens_held for g in sf.inspect(path).metadata.layers}
