@@ -366,7 +366,6 @@ class ConversionUnavailable(SlotFileError):
     reason = "conversion_unavailable"
 
 
-
 # --- transformers caches (strata_sessionfile.hf; spec/transformers-cache.md) ----------------------------
 class CacheError(SessionFileError):
     """A transformers cache cannot be saved or loaded as asked."""
