@@ -70,6 +70,8 @@ class KRows(enum.Enum):
 K_ROWS: dict[str, KRows] = {"llama": KRows.INTERLEAVED, "gemma3_text": KRows.SAME}
 # format v1 dtype -> torch dtype name (i8 has no transformers cache counterpart)
 TORCH_DTYPES: dict[DType, str] = {DType.F32: "float32", DType.F16: "float16", DType.BF16: "bfloat16"}
+# the dtypes numpy holds (bf16 is converted by torch)
+NUMPY_DTYPES: dict[DType, str] = {DType.F32: "<f4", DType.F16: "<f2"}
 
 
 def _libs() -> tuple[Any, Any, Any]:
@@ -384,12 +386,19 @@ class CacheSession:
         la = self.model.layers[layer]
         row_bytes = la.n_kv_heads * la.head_dim * DTYPES[self.kv_dtype].itemsize
         t0, t1 = offset // row_bytes, -(-(offset + len(dest)) // row_bytes)
-        chunk = rows[t0:t1]
+        chunk = rows[t0:t1].to(device="cpu")
         perm = self.model.k_permutation(la.head_dim) if part is Part.K else None
-        if perm is not None:
-            chunk = chunk[..., perm[0]]
-        chunk = chunk.to(device="cpu", dtype=_torch_dtype(self.kv_dtype, "kv_dtype")).contiguous()
-        raw = chunk.view(torch.uint8).reshape(-1).numpy()
+        file_np = NUMPY_DTYPES.get(self.kv_dtype)
+        if file_np is not None and _file_dtype(chunk.dtype, "cache") in NUMPY_DTYPES:
+            # numpy moves the rows: one gather and one cast, single-threaded (bench/sessionfile/DECISIONS.md)
+            a = chunk.numpy()
+            a = np.ascontiguousarray(a[..., perm[0]] if perm is not None else a, dtype=file_np)
+            raw = a.view(np.uint8).reshape(-1)
+        else:  # bf16 on either side: torch converts
+            if perm is not None:
+                chunk = chunk[..., perm[0]]
+            chunk = chunk.to(dtype=_torch_dtype(self.kv_dtype, "kv_dtype")).contiguous()
+            raw = chunk.view(torch.uint8).reshape(-1).numpy()
         lo = offset - t0 * row_bytes
         np.frombuffer(dest, dtype=np.uint8)[:] = raw[lo : lo + len(dest)]
 
@@ -463,13 +472,17 @@ class CacheSession:
 
     def _tensor(self, raw: Any, g: LayerGeometry, la: CacheLayer, part: Part, torch: Any) -> Any:
         """A part's file bytes as transformers' [1, heads, held, dim] tensor in the cache dtype."""
+        np = _libs()[0]
         dt = g.spec.k_dtype if part is Part.K else g.spec.v_dtype
-        x = (
-            torch.from_numpy(raw)
-            .view(_torch_dtype(dt, f"layers[{la.index}]"))
-            .view(g.tokens_held, la.n_kv_heads, la.head_dim)
-        )
         perm = self.model.k_permutation(la.head_dim) if part is Part.K else None
+        shape = (g.tokens_held, la.n_kv_heads, la.head_dim)
+        file_np, cache_dt = NUMPY_DTYPES.get(dt), _file_dtype(self.dtype, "dtype")
+        if file_np is not None and cache_dt in NUMPY_DTYPES:
+            # numpy: the gather writes [heads, held, dim] in order, the cast is skipped where dtypes agree
+            x = raw.view(file_np).reshape(shape).transpose(1, 0, 2)
+            y = np.ascontiguousarray(x[..., perm[1]] if perm is not None else x, dtype=NUMPY_DTYPES[cache_dt])
+            return torch.from_numpy(y).unsqueeze(0)
+        x = torch.from_numpy(raw).view(_torch_dtype(dt, f"layers[{la.index}]")).view(shape)
         if perm is not None:
             x = x[..., perm[1]]
         return x.transpose(0, 1).unsqueeze(0).to(self.dtype).contiguous()
