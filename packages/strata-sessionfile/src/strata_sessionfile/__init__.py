@@ -51,6 +51,10 @@ llama.cpp slot files (``strata_sessionfile.llamacpp``; spec/llama-cpp-slot.md)
 Transfer (``transfer(source, target)``)
     a session from a ``SessionSource`` straight into a ``SessionTarget``, with the checks and apply modes a
     restore of the file ``save(source)`` writes would have.
+transformers caches (``strata_sessionfile.hf``; spec/transformers-cache.md; needs torch and transformers)
+    ``load_model(gguf)`` / ``GGUFModel.bind(model, gguf)``, ``new_cache(model)``,
+    ``save_cache(model, cache, tokens, path, kv_dtype=, config=)``, ``load_cache(model, path, dtype=) -> (cache,
+    tokens)``; ``CacheSession``, the adapter under both.
 Testing (``strata_sessionfile.testing``)
     ``MemoryAdapter`` (in-memory reference adapter), ``run_conformance(adapter_factory, workdir)`` (one
     function per case, listed in ``CASES``).

@@ -366,6 +366,34 @@ class ConversionUnavailable(SlotFileError):
     reason = "conversion_unavailable"
 
 
+# --- transformers caches (strata_sessionfile.hf; spec/transformers-cache.md) ----------------------------
+class CacheError(SessionFileError):
+    """A transformers cache cannot be saved or loaded as asked."""
+
+    reason = "cache_error"
+
+
+class CacheUnsupported(CacheError):
+    """The model's architecture has no verified K row mapping, the cache is not a DynamicCache of attention
+    layers on one sequence, a dtype cannot be converted, or torch / transformers are not installed."""
+
+    reason = "cache_unsupported"
+
+
+class CacheGeometryMismatch(CacheError):
+    """The cache's or the file's layers, K/V heads, head sizes or sliding windows are not the model's (or the
+    transformers model is not the GGUF's)."""
+
+    reason = "cache_geometry_mismatch"
+
+
+class CacheLengthMismatch(CacheError):
+    """A cache layer holds other tokens than the token list says: fewer or more, or a sliding-window layer
+    that dropped a position the file must keep."""
+
+    reason = "cache_length_mismatch"
+
+
 def _all_subclasses(cls: type[SessionFileError]) -> list[type[SessionFileError]]:
     out: list[type[SessionFileError]] = []
     for sub in cls.__subclasses__():

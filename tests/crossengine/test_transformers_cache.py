@@ -1,0 +1,226 @@
+"""transformers caches through format v1 (strata_sessionfile.hf) against the real transformers (loading the
+GGUF strata-engine loads, f32) and strata-engine (f32 K/V): transformers' cache -> strata-engine continues
+as transformers does; strata-engine's file -> transformers continues as strata-engine does; gemma3's K
+rows (not permuted) and SmolLM2's (permuted) equal strata-engine's own; the conformance kit; refusals.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+import strata_sessionfile as sf
+import torch
+from strata_engine.session import EngineSession, runner_identity
+from strata_engine.settings import EngineSettings
+from strata_engine.slots import SlotSet
+from strata_sessionfile import errors as E
+from strata_sessionfile import hf
+from strata_sessionfile.testing import run_conformance
+from transformers import DynamicCache
+
+# Token ids of each vocabulary (the tokenizers are strata-engine's business, not this test's): SmolLM2's starts
+# with <|im_start|>, gemma3's with its bos.
+SMOLLM2_PROMPT = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+GEMMA3_PROMPT = [2, 818, 5279, 529, 7001, 563, 9079, 236761, 669, 5279, 529]
+N_REPLY = 8
+
+
+def _runner(path):
+    return SlotSet.load(EngineSettings(model_path=path, kv_type="f32", n_ctx=512)).runners[0]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return hf.load_model(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def smollm2_runner(smollm2_path):
+    return _runner(smollm2_path)
+
+
+def hf_greedy(model: hf.GGUFModel, cache, first_input: list[int], n: int = N_REPLY) -> list[int]:
+    """transformers' greedy continuation of what ``cache`` holds, ``first_input`` fed first."""
+    out: list[int] = []
+    ids = first_input
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model.module(torch.tensor([ids]), past_key_values=cache, use_cache=True).logits
+            out.append(int(logits[0, -1].argmax()))
+            ids = [out[-1]]
+    return out
+
+
+def engine_greedy(runner, first_logits, n: int = N_REPLY) -> list[int]:
+    out = [int(np.argmax(first_logits))]
+    while len(out) < n:
+        out.append(int(np.argmax(runner.decode(out[-1]))))
+    return out
+
+
+def test_transformers_cache_continues_in_strata_engine(smollm2, smollm2_runner, tmp_path):
+    prompt = SMOLLM2_PROMPT
+    cache = hf.new_cache(smollm2)
+    with torch.no_grad():
+        logits = smollm2.module(torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True).logits
+    assert logits.shape[1] == len(prompt) - 1
+    path = tmp_path / "hf.ssf"
+    hf.save_cache(smollm2, cache, prompt[:-1], path, config=runner_identity(smollm2_runner).config)
+    expected = hf_greedy(smollm2, cache, [prompt[-1]])  # transformers' own continuation
+
+    runner = smollm2_runner
+    runner.erase()
+    sf.restore(path, EngineSession(runner))
+    assert runner.n_held == len(prompt) - 1
+    res = runner.prefill(prompt)
+    assert res.cache_n == len(prompt) - 1  # every token transformers computed is reused
+    assert engine_greedy(runner, res.logits) == expected
+
+
+def test_strata_engine_file_continues_in_transformers(smollm2, smollm2_runner, tmp_path):
+    runner = smollm2_runner
+    runner.erase()
+    res = runner.prefill(SMOLLM2_PROMPT)
+    path = tmp_path / "engine.ssf"
+    sf.save(path, EngineSession(runner))
+    expected = engine_greedy(runner, res.logits)
+
+    cache, tokens = hf.load_cache(smollm2, path)
+    assert tokens == SMOLLM2_PROMPT and cache.get_seq_length() == len(SMOLLM2_PROMPT)
+    assert [expected[0], *hf_greedy(smollm2, cache, [expected[0]], N_REPLY - 1)] == expected
+
+
+def _k_rows(path, layer: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Layer ``layer``'s K part of a format v1 file, f32."""
+    info = sf.inspect(path)
+    ext = next(e for e in info.layout.extents if e.layer == layer and e.part is sf.Part.K)
+    with open(path, "rb") as f:
+        f.seek(info.layout.data_offset + ext.data_offset)
+        return np.frombuffer(f.read(ext.size), "<f4").reshape(shape)
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_path):
+    return hf.load_model(gemma3_path)
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma3"])
+def test_k_rows_are_strata_engines(family, request, tmp_path):
+    """The adapter's K rows of transformers' prefill are strata-engine's own rows of the same prompt (the
+    GGUF's head layout): SmolLM2's needed the per-head permutation, gemma3's none; each mapping checked by
+    the other one failing."""
+    path = request.getfixturevalue(f"{family}_path")
+    model = request.getfixturevalue(family)
+    runner = request.getfixturevalue("smollm2_runner") if family == "smollm2" else _runner(path)
+    prompt = SMOLLM2_PROMPT if family == "smollm2" else GEMMA3_PROMPT
+    cache = hf.new_cache(model)
+    with torch.no_grad():
+        model.module(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    hf.save_cache(model, cache, prompt, tmp_path / "hf.ssf")
+    runner.erase()
+    runner.prefill(prompt)
+    sf.save(tmp_path / "engine.ssf", EngineSession(runner))
+    la = model.layers[-1]
+    shape = (len(prompt), la.n_kv_heads, la.head_dim)
+    mine, theirs = (_k_rows(tmp_path / name, la.index, shape) for name in ("hf.ssf", "engine.ssf"))
+    scale = float(np.abs(theirs).max())
+    other = attrs.evolve(model, k_rows=({hf.KRows.SAME, hf.KRows.INTERLEAVED} - {model.k_rows}).pop())
+    hf.save_cache(other, cache, prompt, tmp_path / "other.ssf")
+    wrong = _k_rows(tmp_path / "other.ssf", la.index, shape)
+    assert model.k_rows is {"smollm2": hf.KRows.INTERLEAVED, "gemma3": hf.KRows.SAME}[family]
+    assert float(np.abs(mine - theirs).max()) < 0.05 * scale
+    assert float(np.abs(wrong - theirs).max()) > 0.2 * scale
+
+
+def _random_cache(model: hf.GGUFModel, n: int, seed: int, cache=None):
+    g = torch.Generator().manual_seed(seed)
+    cache = cache if cache is not None else hf.new_cache(model)
+    for i, la in enumerate(model.layers):
+        kv = [torch.randn(1, la.n_kv_heads, n, la.head_dim, generator=g) for _ in range(2)]
+        cache.update(*kv, i)
+    return cache
+
+
+def test_conformance_kit(smollm2, tmp_path):
+    def factory(seed: int) -> hf.CacheSession:
+        n = 1 + seed
+        return hf.CacheSession(smollm2, _random_cache(smollm2, n, seed), range(seed, seed + n))
+
+    assert "round_trip" in run_conformance(factory, tmp_path)
+
+
+def test_refusals_are_named(smollm2, smollm2_runner, tmp_path):
+    prompt = SMOLLM2_PROMPT[:4]
+    cache = _random_cache(smollm2, len(prompt), 0)
+    good = tmp_path / "good.ssf"
+    hf.save_cache(smollm2, cache, prompt, good)
+    with pytest.raises(E.CacheLengthMismatch, match="4 positions"):
+        hf.save_cache(smollm2, cache, prompt + [5], tmp_path / "short.ssf")
+    with pytest.raises(E.CacheGeometryMismatch, match="layers"):
+        hf.save_cache(smollm2, type(cache)(), prompt, tmp_path / "empty.ssf")
+    big = _random_cache(smollm2, len(prompt), 0, cache=hf.new_cache(smollm2))
+    big.layers[3].keys = torch.cat([big.layers[3].keys] * 2)  # two sequences
+    with pytest.raises(E.CacheGeometryMismatch, match="one sequence"):
+        hf.save_cache(smollm2, big, prompt, tmp_path / "batch.ssf")
+    with pytest.raises(E.CacheUnsupported, match="i8"):
+        hf.save_cache(smollm2, cache, prompt, tmp_path / "i8.ssf", kv_dtype=sf.DType.I8)
+    # a file of another model, an f16/int8 engine's file, a truncated one: refused, nothing returned
+    runner = smollm2_runner
+    runner.erase()
+    runner.prefill(prompt)
+    engine_file = tmp_path / "engine.ssf"
+    sf.save(
+        engine_file,
+        EngineSession(runner, identity=sf.EngineIdentity(_other_model(), runner_identity(runner).config)),
+    )
+    with pytest.raises(E.ModelMismatch):
+        hf.load_cache(smollm2, engine_file)
+    data = good.read_bytes()
+    (tmp_path / "cut.ssf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(E.Truncated):
+        hf.load_cache(smollm2, tmp_path / "cut.ssf")
+    with pytest.raises(E.ConfigMismatch):
+        hf.load_cache(smollm2, good, config=runner_identity(runner).config)
+    cache2, tokens = hf.load_cache(smollm2, good, dtype=torch.float16)
+    assert tokens == prompt and cache2.layers[0].keys.dtype == torch.float16
+    assert torch.equal(cache2.layers[7].values, cache.layers[7].values.half())
+
+
+def _other_model() -> sf.ModelIdentity:
+    from strata_sessionfile.identity import model_identity_from_files
+
+    return model_identity_from_files([sf.ModelFile("model", 1, b"\x01" * 16)])
+
+
+def test_sliding_layers_past_the_window(gemma3, tmp_path):
+    """gemma3 past its window: the file's sliding layers hold the last `window` positions, the loaded cache
+    holds them again and attends as transformers' own cache does; transformers' own cache (window - 1 kept)
+    is refused by name."""
+    window = max(la.window for la in gemma3.layers)
+    n = window + 2
+    ids = torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(0))
+    ours = hf.new_cache(gemma3)
+    with torch.no_grad():
+        gemma3.module(ids, past_key_values=ours, use_cache=True)
+    theirs = DynamicCache(
+        config=gemma3.config
+    )  # transformers' own layers over the same K/V (one prefill, not two)
+    for i, layer in enumerate(ours.layers):
+        theirs.update(layer.keys, layer.values, i)
+        if layer.is_sliding:
+            theirs.layers[i].cumulative_length = n
+    path = tmp_path / "window.ssf"
+    hf.save_cache(gemma3, ours, ids[0].tolist(), path)
+    held = {g.spec.window: g.tokens_held for g in sf.inspect(path).metadata.layers}
+    assert held == {0: n, window: window}
+    with pytest.raises(E.CacheLengthMismatch, match="new_cache"):
+        hf.save_cache(gemma3, theirs, ids[0].tolist(), tmp_path / "theirs.ssf")
+
+    loaded, tokens = hf.load_cache(gemma3, path)
+    assert tokens == ids[0].tolist() and loaded.get_seq_length() == n
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(loaded.layers, ours.layers, strict=True))
+    step = torch.tensor([[7]])
+    with torch.no_grad():
+        got, want = (gemma3.module(step, past_key_values=c, use_cache=True).logits for c in (loaded, theirs))
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
