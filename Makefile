@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 # Every version pinned (constraints.txt), so a fresh machine and CI resolve what was tested.
 PIN := -c constraints.txt
 
-.PHONY: serve test test-sessionfile-alone test-engine-alone venv bench lint clean
+.PHONY: serve test test-sessionfile-alone test-engine-alone venv venvs bench lint clean
 
 serve: $(STAMP)
 	$(BIN)/strata-server $(ARGS)
@@ -29,7 +29,14 @@ venv: $(STAMP)
 ALONE_VENV := .venv-sessionfile-alone
 ALONE_BIN := $(ALONE_VENV)/bin
 
-test-sessionfile-alone:
+ALONE_STAMP := $(ALONE_VENV)/.installed
+# Built again whenever the package's sources change: it holds a wheel of them, not the checkout.
+SESSIONFILE_SOURCES := $(shell find packages/strata-sessionfile -name '*.py' -o -name pyproject.toml)
+
+test-sessionfile-alone: $(ALONE_STAMP)
+	$(ALONE_BIN)/python -m pytest tests/sessionfile -p no:cacheprovider $(PYTEST_ARGS)
+
+$(ALONE_STAMP): pyproject.toml constraints.txt $(SESSIONFILE_SOURCES)
 	rm -rf $(ALONE_VENV)
 	$(PYTHON) -m venv $(ALONE_VENV)
 	$(ALONE_BIN)/python -m pip install -q --upgrade 'pip>=25.1'
@@ -38,7 +45,7 @@ test-sessionfile-alone:
 		extra = [m for m in ("numpy", "strata_engine", "strata_server", "gguf") if u.find_spec(m)]; \
 		sys.exit(f"not alone: {extra} importable" if extra else None if "site-packages" in s.__file__ \
 		else f"strata_sessionfile comes from {s.__file__}, not the installed wheel")'
-	$(ALONE_BIN)/python -m pytest tests/sessionfile -p no:cacheprovider $(PYTEST_ARGS)
+	touch $@
 
 # strata-engine stands on its own too: a fresh venv holding strata-sessionfile and strata-engine (wheels) and
 # their tests' tools, no strata-server, runs tests/engine (GPU tests skip without a GPU). CI runs the engine's
@@ -46,7 +53,13 @@ test-sessionfile-alone:
 ENGINE_VENV := .venv-engine-alone
 ENGINE_BIN := $(ENGINE_VENV)/bin
 
-test-engine-alone:
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+ENGINE_SOURCES := $(SESSIONFILE_SOURCES) $(shell find packages/strata-engine -name '*.py' -o -name pyproject.toml)
+
+test-engine-alone: $(ENGINE_STAMP)
+	$(ENGINE_BIN)/python -m pytest tests/engine -p no:cacheprovider $(PYTEST_ARGS)
+
+$(ENGINE_STAMP): pyproject.toml constraints.txt $(ENGINE_SOURCES)
 	rm -rf $(ENGINE_VENV)
 	$(PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_BIN)/python -m pip install -q --upgrade 'pip>=25.1'
@@ -57,7 +70,10 @@ test-engine-alone:
 		extra = [m for m in ("strata_server", "falcon", "gunicorn") if u.find_spec(m)]; \
 		sys.exit(f"not alone: {extra} importable" if extra else None if "site-packages" in e.__file__ \
 		else f"strata_engine comes from {e.__file__}, not the installed wheel")'
-	$(ENGINE_BIN)/python -m pytest tests/engine -p no:cacheprovider $(PYTEST_ARGS)
+	touch $@
+
+# Every venv the tests use, built side by side (`make -j3 venvs`: CI does, the downloads and installs overlap).
+venvs: $(STAMP) $(ALONE_STAMP) $(ENGINE_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -81,4 +97,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(ALONE_VENV)
+	rm -rf $(VENV) $(ALONE_VENV) $(ENGINE_VENV)
