@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -25,9 +26,11 @@ class StoreProxy:
     ``before_request(b"HEAD", fn)`` runs ``fn`` once, before the first request of that method is passed on (a
     reader's version check between its passes); ``after_bytes(n, fn)`` once ``n`` more bytes came back from the
     store. An action that returns ``StoreProxy.DROP`` closes that connection instead (a request lost on the
-    way). The store itself stays real; the relay only watches and passes bytes."""
+    way). ``latency_s`` holds each request of ``slow_methods`` (all by default) that long before it is passed
+    on (a slow store). The store itself stays real; the relay only watches, waits and passes bytes."""
 
     DROP = "drop"
+    METHODS = (b"GET ", b"HEAD ", b"PUT ", b"POST ", b"DELETE ")  # how a request's first bytes begin
 
     def __init__(self, upstream_url: str) -> None:
         parts = urlsplit(upstream_url)
@@ -39,6 +42,8 @@ class StoreProxy:
         self._byte_hooks: list[list] = []  # [bytes still to pass, action]
         self._sockets: list = []
         self._closed = False
+        self.latency_s = 0.0
+        self.slow_methods = self.METHODS
         threading.Thread(target=self._accept, name="store-proxy", daemon=True).start()
 
     def before_request(self, method: bytes, action) -> None:
@@ -83,6 +88,8 @@ class StoreProxy:
     def _pump(self, source, sink, to_store: bool) -> None:
         try:
             while chunk := source.recv(1 << 16):
+                if to_store and self.latency_s and chunk.startswith(self.slow_methods):
+                    time.sleep(self.latency_s)
                 if [action() for action in self._due(chunk, to_store)].count(self.DROP):
                     break
                 sink.sendall(chunk)
