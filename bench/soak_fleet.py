@@ -108,6 +108,7 @@ class Record:
     given_up: Counter = attrs.Factory(Counter)  # conversation -> turns never answered
     noise: Counter = attrs.Factory(Counter)
     faults: list[tuple[float, float, str]] = attrs.Factory(list)
+    samples: list[tuple[float, int, int]] = attrs.Factory(list)  # (seconds in, fleet RSS, store bytes)
 
     def add(self, turn: TurnResult) -> None:
         with self.lock:
@@ -359,9 +360,9 @@ class FleetRig:
             time.sleep(hold_s)
             self.seaweed.start()
         elif kind == "slow_store":
-            self.relay.latency_s = 1.0
+            self.relay.slow(1.0)
             time.sleep(hold_s)
-            self.relay.latency_s = 0.0
+            self.relay.fast()
         elif kind == "full_disk":
             if self.tmpfs is None:
                 return False
@@ -405,7 +406,7 @@ def run_phase(url: str, all_plans: list[Plan], args, record: Record, rig: FleetR
             target=noise, args=(url, record, stop, random.Random(args.seed + 2), args.noise_every_s)
         )
     ]
-    samples: list[tuple[float, int, int]] = []
+    samples = record.samples
     t0 = time.monotonic()
     deadline = t0 + args.max_seconds
     if rig is not None:
@@ -435,7 +436,6 @@ def run_phase(url: str, all_plans: list[Plan], args, record: Record, rig: FleetR
     stop.set()
     for t in threads:
         t.join()
-    record.samples = samples  # type: ignore[attr-defined]
     return time.monotonic() - t0
 
 
@@ -499,7 +499,7 @@ def report(
     short_calm = [t for t in later if t.cache_n < 0.99 * t.history_before and not in_fault(t, fleet.faults)]
     ttft = [t.ttft_s for t in ok if t.ttft_s is not None]
     ttft_alone = [t.ttft_s for t in alone.turns if t.outcome == "ok" and t.ttft_s is not None]
-    samples = getattr(fleet, "samples", [])
+    samples = fleet.samples
     print(f"soak: {args.servers} servers x -np {args.np} behind HAProxy, SeaweedFS; {args.conversations} conversations "
           f"of {args.turns[0]}-{args.turns[1]} turns, {args.clients} at once; {fleet_s:.0f} s (one server: {alone_s:.0f} s)")  # fmt: skip
     print(f"turns answered: {len(ok)} (one server: {sum(t.outcome == 'ok' for t in alone.turns)}); clients that left "

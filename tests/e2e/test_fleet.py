@@ -21,6 +21,7 @@ import requests
 import strata_sessionfile as sf
 from strata_server.store.folder import BAD_FOLDER
 from strata_server.store.names import NAME
+from strata_server.store.remote import LISTING_TTL_S
 from support.fleet import HAProxy, haproxy_binary, served_by
 from support.s3 import StoreProxy
 from support.server_process import ServerProcess, metrics
@@ -39,7 +40,7 @@ UPLOAD_FAILED = 'strata:store_uploads_total{result="failed"}'
 SAVE_FAILURES = "strata:store_save_failures_total"
 WRITE_BEHIND_FAILED = 'strata:store_write_behind_total{result="failed"}'
 WRITE_BEHIND_SAVED = 'strata:store_write_behind_total{result="saved"}'
-SLOW_STORE_S = 2.0  # the relay's latency per write request (an upload's) in the slow-store test
+SLOW_STORE_S = 60.0  # the relay holds each write request (an upload's) this long at most, or until let go
 
 
 def mount_tmpfs(path: Path, mib: int) -> bool:
@@ -213,10 +214,14 @@ def settled(server: ServerProcess, timeout: float = 60.0) -> None:
 
 
 def shared_turn(fleet: Fleet, conversation: Conversation, question: str) -> Turn:
-    """A turn through HAProxy, returned once its server's write-behind upload landed in the bucket."""
+    """A turn through HAProxy, returned once its server's write-behind upload landed in the bucket and the
+    client thought for a moment: no sooner than half a listing's lifetime after the turn began, so the
+    listing a server made at its last turn (N_SERVERS turns ago, round robin) has expired."""
+    t0 = time.monotonic()
     before = {n: metrics(s.url).get(UPLOADED, 0.0) for n, s in fleet.servers.items()}
     turn = conversation.turn(fleet.url, question)
     wait_metric(fleet.servers[turn.server], UPLOADED, before[turn.server])
+    time.sleep(max(0.0, t0 + LISTING_TTL_S / 2 - time.monotonic()))
     return turn
 
 
@@ -322,25 +327,27 @@ def test_the_store_stopped_and_started(fleet):
 def test_a_slow_store_slows_no_completion(fleet):
     name, server = next(iter(fleet.servers.items()))
     conversation = Conversation("slow store")
+    uploaded = metrics(server.url).get(UPLOADED, 0.0)
     conversation.turn(server.url, "Where is item 9?")
+    wait_metric(server, UPLOADED, uploaded)
     before = metrics(server.url)
-    # A store slow to take writes: each PUT and POST (an upload's requests) waits; lookups (GET, HEAD) do not,
-    # since a turn's lookup is in its path by design.
-    fleet.relay.slow_methods = (b"PUT ", b"POST ")
-    fleet.relay.latency_s = SLOW_STORE_S
+    # A store slow to take writes: each PUT and POST (an upload's requests) waits SLOW_STORE_S or until the
+    # test lets it go; lookups (GET, HEAD) do not wait, since a turn's lookup is in its path by design.
+    fleet.relay.slow(SLOW_STORE_S, (b"PUT ", b"POST "))
     try:
         # The chat held by its server: each turn's write-behind upload waits on the store, the turns don't.
         turns = [conversation.turn(server.url, f"And item {item}?") for item in (13, 14, 15)]
-        wait_metric(server, UPLOADED, before[UPLOADED], timeout=120)
+        during = metrics(server.url)
     finally:
-        fleet.relay.latency_s = 0.0
-        fleet.relay.slow_methods = StoreProxy.METHODS
-    assert max(t.seconds for t in turns) < SLOW_STORE_S, [t.seconds for t in turns]
+        fleet.relay.fast()
+    assert during[UPLOADED] == before[UPLOADED]  # every turn answered while its upload waited on the store
+    assert during[UPLOAD_FAILED] == before[UPLOAD_FAILED]
+    assert during[WRITE_BEHIND_SAVED] >= before[WRITE_BEHIND_SAVED] + 1  # saved locally, the upload pending
     settled(server)
     after = metrics(server.url)
     uploads = after["strata:store_upload_seconds_count"] - before["strata:store_upload_seconds_count"]
     upload_s = after["strata:store_upload_seconds_sum"] - before["strata:store_upload_seconds_sum"]
-    assert uploads >= 1 and upload_s / uploads >= SLOW_STORE_S  # the uploads were slow
+    assert uploads >= 1 and upload_s / uploads > max(t.seconds for t in turns)  # uploads slower than any turn
     # Nothing lost: the last turn reached the bucket and another server continues from it.
     other = [s for n, s in fleet.servers.items() if n != name][0]
     assert conversation.turn(other.url, "And item 16?").cache_n >= 0.99 * turns[-1].history

@@ -42,7 +42,9 @@ frontend fleet
 
 backend strata
     balance roundrobin
-    option httpchk GET /health
+    # HTTP/1.1 with a Host header: strata-server refuses a request without one (its Host check).
+    option httpchk
+    http-check send meth GET uri /health ver HTTP/1.1 hdr Host {host}
     http-check expect status 200
     http-response set-header {served_by} %[srv_name]
     default-server inter {inter}ms fall {fall} rise {rise}
@@ -97,7 +99,8 @@ class HAProxy:
         return self
 
     def status(self) -> dict[str, str]:
-        """Each server's state as HAProxy holds it ("UP", "DOWN", ...), from `show stat` on its admin socket."""
+        """Each server's state as HAProxy holds it ("UP" once checked, "DOWN", ...), from `show stat` on its
+        admin socket."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as admin:
             admin.connect(str(self.admin_socket))
             admin.sendall(b"show stat\n")
@@ -107,8 +110,11 @@ class HAProxy:
         lines = data.decode().splitlines()
         header = lines[0].lstrip("# ").split(",")
         rows = [dict(zip(header, line.split(","), strict=False)) for line in lines[1:] if line]
+        # A server is up once a check passed (HAProxy starts every server up, before its first check).
         return {
-            r["svname"]: r["status"] for r in rows if r["pxname"] == "strata" and r["svname"] in self.backends
+            r["svname"]: r["status"] if r["check_status"] == "L7OK" else f"{r['status']} {r['check_status']}"
+            for r in rows
+            if r["pxname"] == "strata" and r["svname"] in self.backends
         }
 
     def wait_up(self, names: set[str], timeout: float = 30.0) -> None:
@@ -122,7 +128,7 @@ class HAProxy:
                 state = self.status()
             except OSError:
                 state = {}  # not listening on its socket yet
-            if state and {n for n, s in state.items() if s.startswith("UP")} == names:
+            if state and {n for n, s in state.items() if s == "UP"} == names:
                 return
             time.sleep(0.05)
         raise AssertionError(f"HAProxy does not hold {sorted(names)} up after {timeout} s: {state}")

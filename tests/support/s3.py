@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -26,8 +25,9 @@ class StoreProxy:
     ``before_request(b"HEAD", fn)`` runs ``fn`` once, before the first request of that method is passed on (a
     reader's version check between its passes); ``after_bytes(n, fn)`` once ``n`` more bytes came back from the
     store. An action that returns ``StoreProxy.DROP`` closes that connection instead (a request lost on the
-    way). ``latency_s`` holds each request of ``slow_methods`` (all by default) that long before it is passed
-    on (a slow store). The store itself stays real; the relay only watches, waits and passes bytes."""
+    way). ``slow(seconds, methods)`` holds each request of those methods that long before it is passed on (a
+    slow store), or until ``fast()``. The store itself stays real; the relay only watches, waits and passes
+    bytes."""
 
     DROP = "drop"
     METHODS = (b"GET ", b"HEAD ", b"PUT ", b"POST ", b"DELETE ")  # how a request's first bytes begin
@@ -44,11 +44,21 @@ class StoreProxy:
         self._closed = False
         self.latency_s = 0.0
         self.slow_methods = self.METHODS
+        self._fast = threading.Event()  # set: the requests held by slow() go on at once
         threading.Thread(target=self._accept, name="store-proxy", daemon=True).start()
 
     def before_request(self, method: bytes, action) -> None:
         with self._lock:
             self._request_hooks.append((method + b" ", action))
+
+    def slow(self, seconds: float, methods: tuple[bytes, ...] = METHODS) -> None:
+        self._fast.clear()
+        self.slow_methods, self.latency_s = methods, seconds
+
+    def fast(self) -> None:
+        """No latency any more; the requests held now go on."""
+        self.latency_s = 0.0
+        self._fast.set()
 
     def after_bytes(self, n: int, action) -> None:
         with self._lock:
@@ -89,7 +99,7 @@ class StoreProxy:
         try:
             while chunk := source.recv(1 << 16):
                 if to_store and self.latency_s and chunk.startswith(self.slow_methods):
-                    time.sleep(self.latency_s)
+                    self._fast.wait(self.latency_s)
                 if [action() for action in self._due(chunk, to_store)].count(self.DROP):
                     break
                 sink.sendall(chunk)
