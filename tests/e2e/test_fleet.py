@@ -338,16 +338,14 @@ def test_a_slow_store_slows_no_completion(fleet):
         # The chat held by its server: each turn's write-behind upload waits on the store, the turns don't.
         turns = [conversation.turn(server.url, f"And item {item}?") for item in (13, 14, 15)]
         during = metrics(server.url)
+        held = fleet.relay.held
     finally:
         fleet.relay.fast()
-    assert during[UPLOADED] == before[UPLOADED]  # every turn answered while its upload waited on the store
+    assert held >= 1  # an upload's request waits on the store now, the turns answered meanwhile
+    assert during[UPLOADED] == before[UPLOADED]  # none of their uploads landed yet
     assert during[UPLOAD_FAILED] == before[UPLOAD_FAILED]
     assert during[WRITE_BEHIND_SAVED] >= before[WRITE_BEHIND_SAVED] + 1  # saved locally, the upload pending
     settled(server)
-    after = metrics(server.url)
-    uploads = after["strata:store_upload_seconds_count"] - before["strata:store_upload_seconds_count"]
-    upload_s = after["strata:store_upload_seconds_sum"] - before["strata:store_upload_seconds_sum"]
-    assert uploads >= 1 and upload_s / uploads > max(t.seconds for t in turns)  # uploads slower than any turn
     # Nothing lost: the last turn reached the bucket and another server continues from it.
     other = [s for n, s in fleet.servers.items() if n != name][0]
     assert conversation.turn(other.url, "And item 16?").cache_n >= 0.99 * turns[-1].history

@@ -45,6 +45,7 @@ class StoreProxy:
         self.latency_s = 0.0
         self.slow_methods = self.METHODS
         self._fast = threading.Event()  # set: the requests held by slow() go on at once
+        self.held = 0  # requests slow() holds now
         threading.Thread(target=self._accept, name="store-proxy", daemon=True).start()
 
     def before_request(self, method: bytes, action) -> None:
@@ -54,6 +55,13 @@ class StoreProxy:
     def slow(self, seconds: float, methods: tuple[bytes, ...] = METHODS) -> None:
         self._fast.clear()
         self.slow_methods, self.latency_s = methods, seconds
+
+    def _hold(self) -> None:
+        with self._lock:
+            self.held += 1
+        self._fast.wait(self.latency_s)
+        with self._lock:
+            self.held -= 1
 
     def fast(self) -> None:
         """No latency any more; the requests held now go on."""
@@ -99,7 +107,7 @@ class StoreProxy:
         try:
             while chunk := source.recv(1 << 16):
                 if to_store and self.latency_s and chunk.startswith(self.slow_methods):
-                    self._fast.wait(self.latency_s)
+                    self._hold()
                 if [action() for action in self._due(chunk, to_store)].count(self.DROP):
                     break
                 sink.sendall(chunk)
