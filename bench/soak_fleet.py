@@ -141,7 +141,7 @@ def stream_turn(url: str, messages: list[dict], leave: bool, timeout: float) -> 
                 done = True
                 break
             event = json.loads(payload)
-            delta = event["choices"][0].get("delta", {}).get("content") or ""
+            delta = ((event.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
             if delta and ttft is None:
                 ttft = time.perf_counter() - t0
                 if leave:
@@ -490,10 +490,8 @@ def report(
     ok = [t for t in fleet.turns if t.outcome == "ok"]
     errors = Counter(t.outcome for t in fleet.turns if t.outcome not in ("ok", "left"))
     left = sum(t.outcome == "left" for t in fleet.turns)
-    lost = sorted(
-        i for i in range(args.conversations)
-        if fleet.given_up[i] or alone.given_up[i] or fleet.transcripts.get(i) != alone.transcripts.get(i)
-    )  # fmt: skip
+    compared = [i for i in range(args.conversations) if not alone.given_up[i]]  # the reference is whole
+    lost = [i for i in compared if fleet.given_up[i] or fleet.transcripts.get(i) != alone.transcripts.get(i)]
     later = [t for t in ok if t.history_before]
     share = [min(1.0, t.cache_n / t.history_before) for t in later]
     short_calm = [t for t in later if t.cache_n < 0.99 * t.history_before and not in_fault(t, fleet.faults)]
@@ -509,7 +507,7 @@ def report(
         "other requests by kind and status: " + ", ".join(f"{k} {n}" for k, n in sorted(fleet.noise.items()))
     )
     print("faults: " + (", ".join(f"{k} at {s - fleet.faults[0][0]:.0f} s for {e - s:.0f} s" for s, e, k in fleet.faults) or "none"))  # fmt: skip
-    print(f"conversations whose history was lost: {len(lost)} {lost[:10]}")
+    print(f"conversations whose history was lost: {len(lost)} of {len(compared)} compared {lost[:10]}")
     if share:
         print(f"cached-token share per turn after the first: mean {statistics.mean(share):.3f}, p10 "
               f"{percentile(share, 0.1):.3f}, p50 {percentile(share, 0.5):.3f}; turns restoring < 99% of the history "
@@ -532,7 +530,7 @@ def report(
             ("corrupt frames", errors["corrupt_frame"] > 0),
             ("server errors", any(k.endswith(":500") for k in fleet.noise) or errors["http_500"] > 0),
             ("RSS grew", not rss_flat),
-            ("files left", any(leftovers.values())),
+            ("files left", leftovers["pending files"] + leftovers["files in .bad/"] > 0),
         )
         if bad
     ]
