@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
@@ -132,9 +133,13 @@ def fleet(module_tmp, s3_store):
     finally:
         if haproxy is not None:
             haproxy.stop()
-        for server in [*servers.values(), *([reference] if reference is not None else [])]:
-            if server.proc is not None and server.proc.poll() is None:
-                server.stop()
+        running = [
+            s
+            for s in [*servers.values(), *([reference] if reference is not None else [])]
+            if s.proc is not None and s.proc.poll() is None
+        ]
+        with ThreadPoolExecutor(len(running) or 1) as pool:  # their shutdown saves at once
+            list(pool.map(ServerProcess.stop, running))
         relay.close()
         if mounted:
             subprocess.run(["umount", "-l", str(full_disk)], check=False)
