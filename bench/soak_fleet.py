@@ -420,7 +420,13 @@ def run_phase(url: str, all_plans: list[Plan], args, record: Record, rig: FleetR
                     else rng.choice(kinds)
                 )
                 start = time.monotonic()
-                if rig.fault(kind, rng, rng.uniform(3, 10)):
+                try:
+                    injected = rig.fault(kind, rng, rng.uniform(3, 10))
+                except Exception as exc:  # noqa: BLE001 -- counted and shown; the soak goes on with its faults
+                    with record.lock:
+                        record.noise[f"fault_{kind}:{type(exc).__name__}"] += 1
+                    injected = True
+                if injected:
                     record.faults.append((start, time.monotonic(), kind))
 
         def sampler() -> None:

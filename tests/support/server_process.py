@@ -85,8 +85,8 @@ class ServerProcess:
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
-            except requests.ConnectionError:
-                pass
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # not listening yet, or too busy to answer within 2 s (a loaded machine)
             time.sleep(0.1)
         raise AssertionError(f"server not healthy after {timeout} s:\n{self.log()}")
 
