@@ -14,11 +14,19 @@ HEALTHY_WITHIN_S = 600
 
 
 def start_server(
-    tmp: Path, *flags: str, name: str = "server", env: dict[str, str] | None = None
+    tmp: Path,
+    *flags: str,
+    name: str = "server",
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    own_group: bool = False,
+    wait: bool = True,
 ) -> ServerProcess:
-    return ServerProcess("-c", E2E_CTX, *flags, log_path=tmp / f"{name}.log", env=env).start(
-        wait_healthy=HEALTHY_WITHIN_S
+    """A started server (healthy unless `wait` is false: the caller then waits, starting others meanwhile)."""
+    server = ServerProcess(
+        "-c", E2E_CTX, *flags, log_path=tmp / f"{name}.log", env=env, port=port, own_group=own_group
     )
+    return server.start(wait_healthy=HEALTHY_WITHIN_S if wait else 0)
 
 
 def other_model_copy(smollm2_path: Path, folder: Path) -> Path:

@@ -25,9 +25,12 @@ class StoreProxy:
     ``before_request(b"HEAD", fn)`` runs ``fn`` once, before the first request of that method is passed on (a
     reader's version check between its passes); ``after_bytes(n, fn)`` once ``n`` more bytes came back from the
     store. An action that returns ``StoreProxy.DROP`` closes that connection instead (a request lost on the
-    way). The store itself stays real; the relay only watches and passes bytes."""
+    way). ``slow(seconds, methods)`` holds each request of those methods that long before it is passed on (a
+    slow store), or until ``fast()``. The store itself stays real; the relay only watches, waits and passes
+    bytes."""
 
     DROP = "drop"
+    METHODS = (b"GET ", b"HEAD ", b"PUT ", b"POST ", b"DELETE ")  # how a request's first bytes begin
 
     def __init__(self, upstream_url: str) -> None:
         parts = urlsplit(upstream_url)
@@ -39,11 +42,31 @@ class StoreProxy:
         self._byte_hooks: list[list] = []  # [bytes still to pass, action]
         self._sockets: list = []
         self._closed = False
+        self.latency_s = 0.0
+        self.slow_methods = self.METHODS
+        self._fast = threading.Event()  # set: the requests held by slow() go on at once
+        self.held = 0  # requests slow() holds now
         threading.Thread(target=self._accept, name="store-proxy", daemon=True).start()
 
     def before_request(self, method: bytes, action) -> None:
         with self._lock:
             self._request_hooks.append((method + b" ", action))
+
+    def slow(self, seconds: float, methods: tuple[bytes, ...] = METHODS) -> None:
+        self._fast.clear()
+        self.slow_methods, self.latency_s = methods, seconds
+
+    def _hold(self) -> None:
+        with self._lock:
+            self.held += 1
+        self._fast.wait(self.latency_s)
+        with self._lock:
+            self.held -= 1
+
+    def fast(self) -> None:
+        """No latency any more; the requests held now go on."""
+        self.latency_s = 0.0
+        self._fast.set()
 
     def after_bytes(self, n: int, action) -> None:
         with self._lock:
@@ -83,6 +106,8 @@ class StoreProxy:
     def _pump(self, source, sink, to_store: bool) -> None:
         try:
             while chunk := source.recv(1 << 16):
+                if to_store and self.latency_s and chunk.startswith(self.slow_methods):
+                    self._hold()
                 if [action() for action in self._due(chunk, to_store)].count(self.DROP):
                     break
                 sink.sendall(chunk)

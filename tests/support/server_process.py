@@ -34,7 +34,12 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(
-        self, *flags: str, log_path: Path, port: int | None = None, env: dict[str, str] | None = None
+        self,
+        *flags: str,
+        log_path: Path,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        own_group: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
@@ -50,11 +55,20 @@ class ServerProcess:
         ]
         self.log_path = log_path
         self.env = {**os.environ, **env} if env else None
+        self.own_group = (
+            own_group  # a process group of its own: kill() ends gunicorn, worker and engine at once
+        )
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait_healthy: float = 120.0) -> ServerProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=self.own_group,
+        )
         if wait_healthy:
             try:
                 self.wait_healthy(wait_healthy)
@@ -71,8 +85,8 @@ class ServerProcess:
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
-            except requests.ConnectionError:
-                pass
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # not listening yet, or too busy to answer within 2 s (a loaded machine)
             time.sleep(0.1)
         raise AssertionError(f"server not healthy after {timeout} s:\n{self.log()}")
 
@@ -88,5 +102,15 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             os.kill(self.proc.pid, signal.SIGKILL)
             code = self.proc.wait(10)
+        self._log.close()
+        return code
+
+    def kill(self) -> int:
+        """SIGKILL to the server's whole process group (own_group): gunicorn, its worker and the engine die at
+        once, as on a crashed machine; nothing of it runs on."""
+        assert self.proc is not None and self.own_group
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        code = self.proc.wait(10)
         self._log.close()
         return code

