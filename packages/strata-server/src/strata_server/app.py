@@ -12,6 +12,7 @@ from .resources.completions import ChatCompletionResource, CompletionResource, T
 from .resources.embeddings import EmbeddingsResource, OpenAIEmbeddingsResource
 from .resources.infill import InfillResource
 from .resources.info import HealthResource, MetricsResource, ModelsResource, PropsResource
+from .resources.conversations import ConversationsResource
 from .resources.slots import SlotsResource
 from .resources.text import (
     ApplyTemplateResource,
@@ -20,7 +21,9 @@ from .resources.text import (
     TokenizeResource,
 )
 from .security import SecurityMiddleware, SecurityPolicy
+from .resources.webui import WebUiResource
 from .store import build_store
+from .webui import ASSETS
 
 # route -> resource class; aliases as the peer registers them (tools/server/server.cpp).
 ROUTES: tuple[tuple[tuple[str, ...], type], ...] = (
@@ -59,6 +62,14 @@ def create_app(
     slots = SlotsResource(ctx)
     app.add_route("/slots", slots)
     app.add_route("/slots/{id_slot}", slots, suffix="slot")
+    conversations = ConversationsResource(ctx)
+    app.add_route("/conversations", conversations)
+    app.add_route("/conversations/{conversation_id}", conversations, suffix="one")
+    app.add_route("/conversations/{conversation_id}/file", conversations, suffix="file")
+    if config.webui:
+        webui = WebUiResource(ctx)
+        for path in ASSETS:
+            app.add_route(path, webui)
     app.add_error_handler(Exception, handle_error)
     app.add_error_handler(falcon.HTTPError, handle_error)
     return app

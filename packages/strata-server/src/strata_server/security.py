@@ -15,8 +15,10 @@ import falcon
 from .config import LOOPBACK_HOSTS, ServerConfig
 from .engine.client import EngineClient, EngineState
 from .errors import ApiError, EngineUnavailable, ErrorType
+from .webui import WEBUI_PATHS
 
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+# The page itself needs no key (it asks for one) and loads while the engine does.
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"}) | WEBUI_PATHS
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_ANY = "*"  # --cors-origins value: any origin, never with credentials (Strata's default)
 CORS_LOCALHOST = (
@@ -141,14 +143,19 @@ class SecurityMiddleware:
             resp.set_header("Access-Control-Allow-Origin", "*")
 
 
-def check_slot_action(req: falcon.Request, policy: SecurityPolicy) -> None:
-    """Slot actions write and read files: refuse cross-site requests a browser can send blindly."""
+def check_origin(req: falcon.Request, policy: SecurityPolicy, what: str) -> None:
+    """What reads or writes files: refuse cross-site requests a browser can send blindly."""
     if not policy.origin_trusted(req):
         raise ApiError(
             ErrorType.PERMISSION,
-            f"Origin {req.get_header('Origin')!r} may not use slot actions; "
+            f"Origin {req.get_header('Origin')!r} may not use {what}; "
             "only the server's own origin or one listed in --trusted-origins",
         )
+
+
+def check_slot_action(req: falcon.Request, policy: SecurityPolicy) -> None:
+    """Slot actions write and read files: refuse cross-site requests a browser can send blindly."""
+    check_origin(req, policy, "slot actions")
     media = (req.content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
         raise ApiError(

@@ -1,0 +1,205 @@
+"""The store's conversations as a person sees them (the web page and `/conversations`): listing, deleting,
+the file of one, and an uploaded session file adopted into the store.
+
+A conversation's id is its file name without the suffix: a content hash of the engine's fingerprints and
+its tokens (names.py), so it is the same after a restart and on every server of a fleet sharing one object
+store. A conversation that a turn extends is saved under a new id (the older file is dropped as its prefix).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import attrs
+import numpy as np
+import strata_sessionfile as sf
+
+from ..errors import ServerError
+from ..tokens import common_prefix
+from .folder import StoreFolder
+from .index import StoredConversation
+from .metrics import SaveTrigger
+from .names import SUFFIX, Fingerprints, conversation_name
+from .saving import PendingSave
+from .store import SessionStore
+
+ID = re.compile(r"^[0-9a-f]{32}$")
+UPLOAD_PREFIX = ".upload-"  # a temporary upload: never a NAME, so no scan reads it
+UPLOAD_SLOT = -1  # the slot of a PendingSave that no slot wrote (log lines only)
+CHUNK = 1 << 20
+
+
+class CatalogError(ServerError):
+    """A request on the store's conversations that cannot be served; `reason` names why."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class UnknownConversation(CatalogError):
+    pass
+
+
+class UploadRefused(CatalogError):
+    pass
+
+
+class NotSupported(CatalogError):
+    pass
+
+
+@attrs.frozen
+class Entry:
+    """One stored conversation as the list shows it."""
+
+    id: str
+    conversation: StoredConversation
+    used_at: float  # seconds since the epoch (the file's mtime: the store's least-recently-used clock)
+    where: tuple[str, ...]  # "slot N", "disk" / "ram", "object store"
+
+
+def conversation_id(name: str) -> str:
+    return name.removesuffix(SUFFIX)
+
+
+def name_of(conversation_id: str) -> str:
+    if not ID.match(conversation_id):
+        raise UnknownConversation(
+            f"'id' must be 32 lowercase hex digits, got {conversation_id[:64]!r}", "invalid_id"
+        )
+    return conversation_id + SUFFIX
+
+
+class Catalog:
+    """The conversations one `SessionStore` keeps, for people."""
+
+    def __init__(self, store: SessionStore) -> None:
+        self.store = store
+
+    def _fingerprints(self) -> Fingerprints:
+        if self.store.fingerprints is None:
+            raise NotSupported("the session store is still starting (the engine is loading)", "loading")
+        return self.store.fingerprints
+
+    def _places(self) -> tuple[str, ...]:
+        settings = self.store.settings
+        places = []
+        if settings.folder is not None:
+            places.append("ram" if settings.ephemeral else "disk")
+        if settings.remote is not None:
+            places.append("object store")
+        return tuple(places)
+
+    def entries(self) -> list[Entry]:
+        """Every conversation the index holds, most recently used first."""
+        self._fingerprints()
+        held = [(slot, record.tokens) for slot, record in enumerate(self.store.ledger.snapshot())]
+        places = self._places()
+        found = []
+        for conversation in self.store.index.snapshot():
+            slots = tuple(
+                f"slot {slot}"
+                for slot, tokens in held
+                if tokens is not None and common_prefix(tokens, conversation.tokens) == conversation.n_tokens
+            )
+            used_at = self.store.shelf.used_at(conversation.name)
+            found.append(Entry(conversation_id(conversation.name), conversation, used_at, slots + places))
+        found.sort(key=lambda e: -e.used_at)
+        return found
+
+    def get(self, conversation_id: str) -> Entry:
+        name = name_of(conversation_id)
+        for entry in self.entries():
+            if entry.conversation.name == name:
+                return entry
+        raise UnknownConversation(f"no stored conversation with id {conversation_id!r}", "not_found")
+
+    def folder(self) -> StoreFolder:
+        shelf = self.store.shelf
+        if not isinstance(shelf, StoreFolder):
+            raise NotSupported(
+                "downloads and uploads need a store folder (--cache-disk or --cache-ram); this server keeps "
+                "its conversations in the object store only",
+                "no_folder",
+            )
+        return shelf
+
+    def path(self, conversation_id: str) -> Path:
+        """The committed file of a conversation (for a download)."""
+        entry = self.get(conversation_id)
+        return self.folder().file(entry.conversation.name)
+
+    def delete(self, conversation_id: str) -> Entry:
+        """The file goes (and its object, with an object store); the index forgets it."""
+        entry = self.get(conversation_id)
+        name = entry.conversation.name
+        with self.store._files:  # no lookup + restore of it in between (the store's own lock)
+            self.store.index.remove(name)
+            self.store.shelf.remove(name)
+        remote = self.store.remote
+        if remote is not None:
+            prefix = remote.block_prefix(self._fingerprints(), entry.conversation.tokens)
+            if prefix is not None:
+                remote.client.delete_object(Bucket=remote.settings.bucket, Key=prefix + name)
+                remote.forget(prefix + name)
+        return entry
+
+    def upload(self, chunks: Iterable[bytes], max_bytes: int) -> tuple[Entry, bool]:
+        """A session file (format v1) from a client, validated in full like any restore (hashes, MAC,
+        fingerprints of this engine) and committed under its content name; (entry, whether it was new).
+        A refused file leaves nothing behind."""
+        fingerprints = self._fingerprints()
+        folder = self.folder()
+        fd, tmp_name = tempfile.mkstemp(prefix=UPLOAD_PREFIX, dir=folder.path)
+        tmp = Path(tmp_name)
+        try:
+            size = 0
+            with os.fdopen(fd, "wb") as out:
+                for chunk in chunks:
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise UploadRefused(
+                            f"the upload is over the limit of {max_bytes} bytes", "too_large"
+                        )
+                    out.write(chunk)
+            if size == 0:
+                raise UploadRefused("the upload is empty; send a session file as the body", "empty")
+            try:
+                inspection = sf.inspect(
+                    tmp,
+                    verify=True,
+                    read_threads=1,
+                    key=folder.key,
+                    require_mac=folder.require_mac,
+                )
+            except sf.SessionFileError as exc:
+                raise UploadRefused(f"not a valid session file: {exc}", str(exc.reason)) from None
+            if not fingerprints.match(inspection.header):
+                raise UploadRefused(
+                    "the session file was written for another model or engine setting than this server's",
+                    "fingerprint_mismatch",
+                )
+            tokens = np.frombuffer(inspection.metadata.state.tokens, dtype="<i4")
+            name = conversation_name(fingerprints, tokens)
+            if self.store.index.get(name) is not None:
+                return self.get(conversation_id(name)), False
+            os.replace(tmp, folder.pending(name))
+        finally:
+            tmp.unlink(missing_ok=True)
+        # Committed as a save is (synced, room made, indexed, shared): the upload is one more save.
+        self.store.saves.commit(
+            PendingSave(UPLOAD_SLOT, SaveTrigger.UPLOAD, name, tokens.copy(), fingerprints, size, 0.0)
+        )
+        try:
+            return self.get(conversation_id(name)), True
+        except UnknownConversation:
+            raise UploadRefused(
+                "the session file is valid but the store did not keep it (larger than its byte limit?)",
+                "not_kept",
+            ) from None
+
