@@ -162,7 +162,7 @@ class ConversationsResource:
     def on_delete_one(self, req: falcon.Request, resp: falcon.Response, conversation_id: str) -> None:
         catalog = self._catalog(req)
         try:
-            entry = catalog.delete(conversation_id)
+            entry = catalog.delete(conversation_id, self.ctx.config.slot_wait)
         except CatalogError as exc:
             raise api_error(exc) from None
         resp.media = {"id": entry.id, "deleted": True}

@@ -28,15 +28,15 @@ function askKey(message) {
   });
 }
 
-async function api(path, options = {}, retried = false) {
-  const headers = Object.assign({}, options.headers || {});
-  if (state.key) headers.Authorization = "Bearer " + state.key;
-  const response = await fetch(path, Object.assign({}, options, { headers }));
-  if (response.status === 401 && !retried) {
+async function api(path, options = {}) {
+  for (;;) {
+    const headers = Object.assign({}, options.headers || {});
+    if (state.key) headers.Authorization = "Bearer " + state.key;
+    const response = await fetch(path, Object.assign({}, options, { headers }));
+    if (response.status !== 401) return response;
+    // Asked until a key works: every request waiting for it goes on with the same key.
     await askKey(state.key ? "That key was refused." : "");
-    return api(path, options, true);
   }
-  return response;
 }
 
 async function errorText(response) {

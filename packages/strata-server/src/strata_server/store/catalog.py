@@ -60,7 +60,12 @@ class Entry:
     id: str
     conversation: StoredConversation
     used_at: float  # seconds since the epoch (the file's mtime: the store's least-recently-used clock)
-    where: tuple[str, ...]  # "slot N", "disk" / "ram", "object store"
+    slots: tuple[int, ...]  # the slots holding it (or more of it)
+    places: tuple[str, ...]  # "disk" / "ram", "object store"
+
+    @property
+    def where(self) -> tuple[str, ...]:
+        return tuple(f"slot {s}" for s in self.slots) + self.places
 
 
 def conversation_id(name: str) -> str:
@@ -103,12 +108,12 @@ class Catalog:
         found = []
         for conversation in self.store.index.snapshot():
             slots = tuple(
-                f"slot {slot}"
+                slot
                 for slot, tokens in held
                 if tokens is not None and common_prefix(tokens, conversation.tokens) == conversation.n_tokens
             )
             used_at = self.store.shelf.used_at(conversation.name)
-            found.append(Entry(conversation_id(conversation.name), conversation, used_at, slots + places))
+            found.append(Entry(conversation_id(conversation.name), conversation, used_at, slots, places))
         found.sort(key=lambda e: -e.used_at)
         return found
 
@@ -134,10 +139,18 @@ class Catalog:
         entry = self.get(conversation_id)
         return self.folder().file(entry.conversation.name)
 
-    def delete(self, conversation_id: str) -> Entry:
-        """The file goes (and its object, with an object store); the index forgets it."""
+    def delete(self, conversation_id: str, slot_wait_s: float) -> Entry:
+        """The file goes (and its object, with an object store); the index forgets it; a slot holding it is
+        erased (else the store would save it again when that slot idles)."""
         entry = self.get(conversation_id)
         name = entry.conversation.name
+        for slot in entry.slots:
+            with self.store.engine.acquire(slot_wait_s, id_slot=slot) as lease:
+                lease.used = False
+                held = self.store.ledger.tokens(slot)
+                if held is not None and common_prefix(held, entry.conversation.tokens) == entry.conversation.n_tokens:
+                    lease.call("ERASE", {})
+                    self.store.ledger.erased(slot)
         with self.store._files:  # no lookup + restore of it in between (the store's own lock)
             self.store.index.remove(name)
             self.store.shelf.remove(name)
