@@ -20,7 +20,6 @@ import pytest
 import requests
 from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.keys import Keys
-
 from support.server_process import ServerProcess
 
 from .browser import Browser, missing_browser
@@ -35,7 +34,9 @@ SYSTEM = "You answer in one short line. Facts: " + " ".join(
     f"Item {i} is stored in box {i * 7 % 31} on shelf {i % 5}." for i in range(30)
 )
 QUESTION = "Where is item 12?"
-XSS_USER = '<img src=x onerror="window.__xss=1"> <script>window.__xss=2</script> [open](javascript:window.__xss=3)'
+XSS_USER = (
+    '<img src=x onerror="window.__xss=1"> <script>window.__xss=2</script> [open](javascript:window.__xss=3)'
+)
 XSS_REPLY = '<img src=y onerror="window.__xss=4"><b>bold</b> [link](javascript:window.__xss=5)'
 SHORT = 6  # tokens per reply: short generations keep the module cheap
 SAVED_WITHIN_S = 60.0
@@ -162,7 +163,10 @@ def test_conversations_api_rules(site):
     foreign = site.get("/conversations", headers={"Origin": "http://evil.example"})
     assert foreign.status_code == 403 and "Origin" in foreign.json()["error"]["message"]
     wrong_type = requests.post(
-        site.url + "/conversations", data=b"{}", headers={**AUTH, "Content-Type": "application/json"}, timeout=30
+        site.url + "/conversations",
+        data=b"{}",
+        headers={**AUTH, "Content-Type": "application/json"},
+        timeout=30,
     )
     assert wrong_type.status_code == 415
     assert site.get("/conversations/" + "0" * 32).status_code == 404
@@ -204,7 +208,9 @@ def test_stop_mid_stream(site, page):
     settings(page, max_tokens=400)
     send(page, "Write a long story about a lighthouse keeper and his cat, with many chapters.")
     page.until(
-        lambda: reply_items(page) and len(reply_items(page)[-1].find_element("css selector", ".body").text) > 8,
+        lambda: (
+            reply_items(page) and len(reply_items(page)[-1].find_element("css selector", ".body").text) > 8
+        ),
         "the reply to begin",
     )
     page.by_id("input").send_keys(Keys.ESCAPE)
@@ -218,7 +224,8 @@ def test_reload_lists_the_conversation(site, page):
     site.wait_listed(QUESTION)
     page.driver.refresh()
     page.until(
-        lambda: any(QUESTION in b.text for b in page.css("#conversations li .title")), "the chat after a reload"
+        lambda: any(QUESTION in b.text for b in page.css("#conversations li .title")),
+        "the chat after a reload",
     )
     assert page.by_id("key-dialog").get_attribute("open") is None, "the key is kept in the browser"
     page.shot("listed-after-reload")
@@ -306,7 +313,9 @@ def test_delete_from_the_page(site, page):
     kept = site.wait_listed(QUESTION)
     page.driver.get(site.url + "/")
     item = page.until(
-        lambda: next((li for li in page.css("#conversations li") if li.get_attribute("data-id") == kept["id"]), None),
+        lambda: next(
+            (li for li in page.css("#conversations li") if li.get_attribute("data-id") == kept["id"]), None
+        ),
         "the conversation in the list",
     )
     site.saved_file = site.get(f"/conversations/{kept['id']}/file").content  # for the upload below

@@ -9,10 +9,10 @@ from .context import ServerContext
 from .engine.client import EngineClient
 from .errors import handle_error
 from .resources.completions import ChatCompletionResource, CompletionResource, TextCompletionResource
+from .resources.conversations import ConversationsResource
 from .resources.embeddings import EmbeddingsResource, OpenAIEmbeddingsResource
 from .resources.infill import InfillResource
 from .resources.info import HealthResource, MetricsResource, ModelsResource, PropsResource
-from .resources.conversations import ConversationsResource
 from .resources.slots import SlotsResource
 from .resources.text import (
     ApplyTemplateResource,
@@ -20,8 +20,8 @@ from .resources.text import (
     DetokenizeResource,
     TokenizeResource,
 )
-from .security import SecurityMiddleware, SecurityPolicy
 from .resources.webui import WebUiResource
+from .security import SecurityMiddleware, SecurityPolicy
 from .store import build_store
 from .webui import ASSETS
 

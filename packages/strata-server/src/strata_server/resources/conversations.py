@@ -25,7 +25,9 @@ MAX_LIMIT = 200
 UPLOAD_MEDIA = "application/octet-stream"
 MAX_UPLOAD_BYTES = 1 << 30  # an upload is also bounded by the store's byte limit
 TITLE_CACHE_SIZE = 4096
-NO_STORE = "This server keeps no conversations. Start it with `--cache-disk DIR` (or --cache-ram, --cache-store)"
+NO_STORE = (
+    "This server keeps no conversations. Start it with `--cache-disk DIR` (or --cache-ram, --cache-store)"
+)
 
 # CatalogError -> how it is answered.
 ERRORS: dict[type[CatalogError], ErrorType] = {
@@ -175,7 +177,9 @@ class ConversationsResource:
         except CatalogError as exc:
             raise api_error(exc) from None
         except FileNotFoundError:
-            raise api_error(UnknownConversation(f"{conversation_id!r} was just removed", "not_found")) from None
+            raise api_error(
+                UnknownConversation(f"{conversation_id!r} was just removed", "not_found")
+            ) from None
         resp.content_type = UPLOAD_MEDIA
         resp.set_header("Content-Disposition", f'attachment; filename="{conversation_id}.ssf"')
         resp.set_stream(stream, path.stat().st_size)

@@ -148,7 +148,10 @@ class Catalog:
             with self.store.engine.acquire(slot_wait_s, id_slot=slot) as lease:
                 lease.used = False
                 held = self.store.ledger.tokens(slot)
-                if held is not None and common_prefix(held, entry.conversation.tokens) == entry.conversation.n_tokens:
+                if (
+                    held is not None
+                    and common_prefix(held, entry.conversation.tokens) == entry.conversation.n_tokens
+                ):
                     lease.call("ERASE", {})
                     self.store.ledger.erased(slot)
         with self.store._files:  # no lookup + restore of it in between (the store's own lock)
@@ -176,9 +179,7 @@ class Catalog:
                 for chunk in chunks:
                     size += len(chunk)
                     if size > max_bytes:
-                        raise UploadRefused(
-                            f"the upload is over the limit of {max_bytes} bytes", "too_large"
-                        )
+                        raise UploadRefused(f"the upload is over the limit of {max_bytes} bytes", "too_large")
                     out.write(chunk)
             if size == 0:
                 raise UploadRefused("the upload is empty; send a session file as the body", "empty")
@@ -215,4 +216,3 @@ class Catalog:
                 "the session file is valid but the store did not keep it (larger than its byte limit?)",
                 "not_kept",
             ) from None
-
