@@ -26,6 +26,7 @@ from .engine.client import IDLE_EVENT, EngineLease
 from .errors import EngineCallError, sse_error_frame
 from .params import CompletionOptions
 from .tokens import known_tokens
+from .transcript import notes_of
 
 FINISH_REASONS = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
 SSE_PING = b":\n\n"
@@ -369,7 +370,12 @@ class CompletionRun:
     def _record(self, result: dict, lease: EngineLease) -> None:
         self.ctx.metrics.record_completion(result)
         assert lease.slot is not None
-        self.ctx.ledger.completed(lease.slot, result, self.options.settings())
+        notes = (
+            notes_of(self.command["messages"], str(result.get("content", "")))
+            if "messages" in self.command
+            else None
+        )
+        self.ctx.ledger.completed(lease.slot, result, self.options.settings(), notes)
 
     def collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
         probs = []

@@ -52,6 +52,7 @@ class SlotRecord:
     last_task: LastTask | None = None
     last_active: float = attrs.Factory(time.monotonic)
     prompt: np.ndarray | None = None  # the prompt of the COMPLETE in flight (None: none, or not token ids)
+    notes: str | None = None  # the chat turn's messages and reply (transcript.notes_of) that `tokens` hold
 
     @property
     def n_tokens(self) -> int | None:
@@ -102,12 +103,14 @@ class SlotLedger:
                 {} if shared else {"origin": Origin.EVALUATED, "file": None, "n_restored": 0}
             )
             self._records[slot_id] = attrs.evolve(
-                record, tokens=None, prompt=prompt, last_active=time.monotonic(), **fresh
+                record, tokens=None, prompt=prompt, notes=None, last_active=time.monotonic(), **fresh
             )
 
-    def completed(self, slot_id: int, result: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+    def completed(
+        self, slot_id: int, result: Mapping[str, Any], params: Mapping[str, Any], notes: str | None = None
+    ) -> None:
         """A COMPLETE's result: the slot holds (prompt + generated)[:n_tokens_held] (unknown when the prompt
-        was text), and this is its last task."""
+        was text), and this is its last task; `notes`: the chat turn's text, saved with those tokens."""
         generated = [int(t) for t in result.get("tokens") or []]
         timings = result.get("timings") or {}
         with self._lock:
@@ -130,7 +133,12 @@ class SlotLedger:
                 n_decoded=len(generated),
             )
             self._records[slot_id] = attrs.evolve(
-                record, tokens=tokens, prompt=None, last_task=task, last_active=time.monotonic()
+                record,
+                tokens=tokens,
+                prompt=None,
+                last_task=task,
+                notes=notes if tokens is not None else None,
+                last_active=time.monotonic(),
             )
 
     def restored(self, slot_id: int, tokens: np.ndarray | None, origin: Origin, file: str) -> None:
@@ -143,6 +151,7 @@ class SlotLedger:
             n_restored=0 if tokens is None else len(tokens),
             last_task=None,
             prompt=None,
+            notes=None,
         )
 
     def saved(self, slot_id: int, tracked: np.ndarray, tokens: np.ndarray) -> None:
@@ -156,7 +165,14 @@ class SlotLedger:
     def erased(self, slot_id: int) -> None:
         """The slot's conversation is gone (an erase, a restore that failed after its gate)."""
         self._update(
-            slot_id, tokens=EMPTY, origin=Origin.NONE, file=None, n_restored=0, last_task=None, prompt=None
+            slot_id,
+            tokens=EMPTY,
+            origin=Origin.NONE,
+            file=None,
+            n_restored=0,
+            last_task=None,
+            prompt=None,
+            notes=None,
         )
 
     def engine_exited(self, _code: int) -> None:

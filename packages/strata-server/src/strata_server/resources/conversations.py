@@ -18,7 +18,7 @@ from ..context import ServerContext
 from ..errors import ApiError, ErrorType, invalid_request
 from ..security import check_origin
 from ..store.catalog import Catalog, CatalogError, Entry, NotSupported, UnknownConversation, UploadRefused
-from ..transcript import Transcript, read_transcript
+from ..transcript import Transcript, messages_of_notes, read_transcript, transcript_of_notes
 
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 200
@@ -66,15 +66,21 @@ class Transcripts:
         self._lock = threading.Lock()
         self._cache: dict[str, Transcript] = {}
 
-    def of(self, entries: list[Entry]) -> dict[str, Transcript]:
+    def of(self, catalog: Catalog, entries: list[Entry]) -> dict[str, Transcript]:
         with self._lock:
             found = {e.id: self._cache[e.id] for e in entries if e.id in self._cache}
         missing = [e for e in entries if e.id not in found]
         if missing:
             with self.ctx.engine.command() as lease:
                 for e in missing:
-                    text = lease.call("DETOKENIZE", {"tokens": e.conversation.tokens.tolist()})["content"]
-                    found[e.id] = read_transcript(str(text))
+                    text = str(
+                        lease.call("DETOKENIZE", {"tokens": e.conversation.tokens.tolist()})["content"]
+                    )
+                    fields = catalog.notes(e)
+                    messages = messages_of_notes(fields) if fields is not None else None
+                    found[e.id] = (
+                        transcript_of_notes(text, messages) if messages is not None else read_transcript(text)
+                    )
             with self._lock:
                 if len(self._cache) > TITLE_CACHE_SIZE:
                     self._cache.clear()
@@ -91,6 +97,7 @@ def entry_fields(entry: Entry, transcript: Transcript) -> dict[str, Any]:
         "n_bytes": entry.conversation.nbytes,
         "used_at": entry.used_at,
         "where": list(entry.where),
+        "text_from": "notes" if transcript.from_notes else "tokens",
     }
 
 
@@ -115,10 +122,10 @@ class ConversationsResource:
         except CatalogError as exc:
             raise api_error(exc) from None
         if query:
-            texts = self.transcripts.of(entries)
+            texts = self.transcripts.of(catalog, entries)
             entries = [e for e in entries if query in texts[e.id].title.lower()]
         page = entries[offset : offset + limit]
-        texts = self.transcripts.of(page)
+        texts = self.transcripts.of(catalog, page)
         resp.media = {
             "conversations": [entry_fields(e, texts[e.id]) for e in page],
             "total": len(entries),
@@ -149,7 +156,10 @@ class ConversationsResource:
         except CatalogError as exc:
             raise api_error(exc) from None
         resp.status = falcon.HTTP_201 if created else falcon.HTTP_200
-        resp.media = {**entry_fields(entry, self.transcripts.of([entry])[entry.id]), "created": created}
+        resp.media = {
+            **entry_fields(entry, self.transcripts.of(catalog, [entry])[entry.id]),
+            "created": created,
+        }
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, conversation_id: str) -> None:
         catalog = self._catalog(req)
@@ -157,7 +167,7 @@ class ConversationsResource:
             entry = catalog.get(conversation_id)
         except CatalogError as exc:
             raise api_error(exc) from None
-        transcript = self.transcripts.of([entry])[entry.id]
+        transcript = self.transcripts.of(catalog, [entry])[entry.id]
         messages = list(transcript.messages) if transcript.messages is not None else None
         resp.media = {**entry_fields(entry, transcript), "text": transcript.text, "messages": messages}
 

@@ -124,6 +124,18 @@ class Catalog:
                 return entry
         raise UnknownConversation(f"no stored conversation with id {conversation_id!r}", "not_found")
 
+    def notes(self, entry: Entry) -> bytes | None:
+        """The engine fields of a conversation's file (where a chat's notes are kept), read from its header
+        and metadata under the store's key; None on the object store alone (its text is read from tokens)."""
+        shelf = self.store.shelf
+        if not isinstance(shelf, StoreFolder):
+            return None
+        try:
+            inspection, _ = shelf.read(entry.conversation.name)
+        except (sf.SessionFileError, OSError):
+            return None  # removed or replaced meanwhile: read from its tokens
+        return inspection.metadata.state.engine_fields
+
     def folder(self) -> StoreFolder:
         shelf = self.store.shelf
         if not isinstance(shelf, StoreFolder):

@@ -120,12 +120,15 @@ class Saves:
         """The engine writes the slot's conversation pending its commit, unless the store holds it already."""
         if not self.needs_save(slot_id, fingerprints):
             return None
-        tokens = self.ledger.tokens(slot_id)
+        record = self.ledger[slot_id]
+        tokens = record.tokens
         assert tokens is not None and fingerprints is not None
         name = conversation_name(fingerprints, tokens)
+        # The chat's text goes into the file (its engine fields), under its hashes and MAC.
+        notes = {"notes": record.notes} if record.notes is not None else {}
         t0 = time.perf_counter()
         try:
-            result = lease.call("SAVE", self.shelf.target(name, fingerprints, tokens))
+            result = lease.call("SAVE", {**self.shelf.target(name, fingerprints, tokens), **notes})
         except EngineReplyError as exc:
             self.metrics.save_failed()
             log.warning(
