@@ -238,7 +238,7 @@ def test_api_list_get_page_search_download(site):
     kept = site.wait_listed(QUESTION)
     assert re.fullmatch(r"[0-9a-f]{32}", kept["id"])
     assert kept["n_tokens"] > 256 and kept["n_bytes"] > kept["n_tokens"] * 20_000
-    assert "disk" in kept["where"] and kept["n_messages"] == 3
+    assert "disk" in kept["where"] and kept["n_messages"] == 3 and kept["text_from"] == "notes"
     one = site.get(f"/conversations/{kept['id']}").json()
     assert [m["role"] for m in one["messages"]] == ["system", "user", "assistant"]
     assert one["messages"][0]["content"] == SYSTEM and one["messages"][1]["content"] == QUESTION
@@ -270,7 +270,8 @@ def test_restart_then_continue_with_history_restored(site, page):
     assert wait_reply_done(page, 2) == "done"
     stats = reply_items(page)[-1].find_element("css selector", ".stats").text
     restored = int(re.search(r"(\d+) tokens restored or reused", stats).group(1))
-    assert restored >= kept["n_tokens"] - 1, stats  # the history came from the file, not evaluated again
+    # The history came from the file, not evaluated again (the reply's last tokens may tokenize otherwise).
+    assert restored >= kept["n_tokens"] - SHORT, stats
     page.shot("continued-restored")
 
 
