@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import strata_sessionfile as sf
 from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.keys import Keys
 from support.server_process import ServerProcess
@@ -273,6 +274,53 @@ def test_restart_then_continue_with_history_restored(site, page):
     # The history came from the file, not evaluated again (the reply's last tokens may tokenize otherwise).
     assert restored >= kept["n_tokens"] - SHORT, stats
     page.shot("continued-restored")
+    site.continued = site.wait_listed(QUESTION, at_least_tokens=kept["n_tokens"] + 3)
+
+
+def test_rename_from_the_page_keeps_the_id_and_survives_the_next_turn(site, page):
+    kept = site.continued
+    page.driver.get(site.url + "/")
+    item = page.until(
+        lambda: next(
+            (li for li in page.css("#conversations li") if li.get_attribute("data-id") == kept["id"]), None
+        ),
+        "the conversation in the list",
+    )
+    item.find_element("css selector", "button.rename").click()
+    alert = page.until(lambda: _alert(page), "the rename prompt")
+    alert.send_keys("Boxes & shelves")
+    alert.accept()
+    page.until(
+        lambda: any(b.text == "Boxes & shelves" for b in page.css("#conversations li .title")),
+        "the new title",
+    )
+    page.shot("renamed")
+    renamed = site.get(f"/conversations/{kept['id']}").json()
+    assert renamed["title"] == "Boxes & shelves" and renamed["id"] == kept["id"]
+    assert renamed["messages"] == site.get(f"/conversations/{kept['id']}").json()["messages"]
+    assert sf.inspect(site.store / f"{kept['id']}.ssf", verify=True).payload_verified
+    bad = requests.patch(
+        site.url + f"/conversations/{kept['id']}",
+        data="{}",
+        headers={**AUTH, "Content-Type": "text/plain"},
+        timeout=30,
+    )
+    assert bad.status_code == 415
+    # The next turn (restored from the renamed file) is saved under a new id with the title carried.
+    page.by_id("new-chat").click()
+    open_titled(page, "Boxes & shelves")
+    settings(page, max_tokens=SHORT)
+    send(page, "And item 4?")
+    assert wait_reply_done(page, len(page.css("#messages li.user"))) == "done"
+    site.renamed = site.wait_listed("Boxes & shelves", at_least_tokens=kept["n_tokens"] + 5)
+    assert site.renamed["id"] != kept["id"]
+
+
+def _alert(page: Browser):
+    try:
+        return page.driver.switch_to.alert
+    except NoAlertPresentException:
+        return None
 
 
 # --- XSS -----------------------------------------------------------------------------------------
@@ -311,7 +359,7 @@ def test_markup_in_titles_messages_and_replies_does_nothing(site, page):
 
 
 def test_delete_from_the_page(site, page):
-    kept = site.wait_listed(QUESTION)
+    kept = site.wait_listed("Boxes & shelves", at_least_tokens=site.renamed["n_tokens"])
     page.driver.get(site.url + "/")
     item = page.until(
         lambda: next(

@@ -26,7 +26,6 @@ from .engine.client import IDLE_EVENT, EngineLease
 from .errors import EngineCallError, sse_error_frame
 from .params import CompletionOptions
 from .tokens import known_tokens
-from .transcript import notes_of
 
 FINISH_REASONS = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
 SSE_PING = b":\n\n"
@@ -370,12 +369,7 @@ class CompletionRun:
     def _record(self, result: dict, lease: EngineLease) -> None:
         self.ctx.metrics.record_completion(result)
         assert lease.slot is not None
-        notes = (
-            notes_of(self.command["messages"], str(result.get("content", "")))
-            if "messages" in self.command
-            else None
-        )
-        self.ctx.ledger.completed(lease.slot, result, self.options.settings(), notes)
+        self.ctx.ledger.completed(lease.slot, result, self.options.settings(), self.command.get("messages"))
 
     def collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
         probs = []

@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 
 from .tokens import EMPTY, as_tokens, common_prefix
+from .transcript import Notes, turn_notes
 
 
 class Origin(enum.StrEnum):
@@ -52,7 +53,8 @@ class SlotRecord:
     last_task: LastTask | None = None
     last_active: float = attrs.Factory(time.monotonic)
     prompt: np.ndarray | None = None  # the prompt of the COMPLETE in flight (None: none, or not token ids)
-    notes: str | None = None  # the chat turn's messages and reply (transcript.notes_of) that `tokens` hold
+    notes: Notes | None = None  # the chat turn's messages and reply that `tokens` hold (saved with them)
+    title: str | None = None  # a title a person gave the conversation: kept while the slot continues it
 
     @property
     def n_tokens(self) -> int | None:
@@ -100,17 +102,17 @@ class SlotLedger:
                 else 0
             )
             fresh: dict[str, Any] = (
-                {} if shared else {"origin": Origin.EVALUATED, "file": None, "n_restored": 0}
+                {} if shared else {"origin": Origin.EVALUATED, "file": None, "n_restored": 0, "title": None}
             )
             self._records[slot_id] = attrs.evolve(
                 record, tokens=None, prompt=prompt, notes=None, last_active=time.monotonic(), **fresh
             )
 
     def completed(
-        self, slot_id: int, result: Mapping[str, Any], params: Mapping[str, Any], notes: str | None = None
+        self, slot_id: int, result: Mapping[str, Any], params: Mapping[str, Any], messages: Any = None
     ) -> None:
         """A COMPLETE's result: the slot holds (prompt + generated)[:n_tokens_held] (unknown when the prompt
-        was text), and this is its last task; `notes`: the chat turn's text, saved with those tokens."""
+        was text), and this is its last task; `messages`: a chat turn's, kept (with the reply) as its notes."""
         generated = [int(t) for t in result.get("tokens") or []]
         timings = result.get("timings") or {}
         with self._lock:
@@ -137,12 +139,19 @@ class SlotLedger:
                 tokens=tokens,
                 prompt=None,
                 last_task=task,
-                notes=notes if tokens is not None else None,
+                notes=(
+                    turn_notes(messages, str(result.get("content", "")), record.title)
+                    if tokens is not None and messages is not None
+                    else None
+                ),
                 last_active=time.monotonic(),
             )
 
-    def restored(self, slot_id: int, tokens: np.ndarray | None, origin: Origin, file: str) -> None:
-        """A file's conversation was put in the slot (`tokens`: what the restore kept; None: unknown)."""
+    def restored(
+        self, slot_id: int, tokens: np.ndarray | None, origin: Origin, file: str, title: str | None = None
+    ) -> None:
+        """A file's conversation was put in the slot (`tokens`: what the restore kept; None: unknown;
+        `title`: the one its notes keep)."""
         self._update(
             slot_id,
             tokens=tokens,
@@ -152,7 +161,15 @@ class SlotLedger:
             last_task=None,
             prompt=None,
             notes=None,
+            title=title,
         )
+
+    def titled(self, slot_id: int, title: str) -> None:
+        """A person renamed the conversation the slot holds: its next saves carry the title."""
+        with self._lock:
+            record = self._records[slot_id]
+            notes = attrs.evolve(record.notes, title=title) if record.notes is not None else None
+            self._records[slot_id] = attrs.evolve(record, title=title, notes=notes)
 
     def saved(self, slot_id: int, tracked: np.ndarray, tokens: np.ndarray) -> None:
         """A save of the `tracked` tokens wrote `tokens`: the file's are what the slot holds, unless the
@@ -173,6 +190,7 @@ class SlotLedger:
             last_task=None,
             prompt=None,
             notes=None,
+            title=None,
         )
 
     def engine_exited(self, _code: int) -> None:

@@ -156,10 +156,15 @@ def check_origin(req: falcon.Request, policy: SecurityPolicy, what: str) -> None
 def check_slot_action(req: falcon.Request, policy: SecurityPolicy) -> None:
     """Slot actions write and read files: refuse cross-site requests a browser can send blindly."""
     check_origin(req, policy, "slot actions")
+    check_json_body(req, "slot actions")
+
+
+def check_json_body(req: falcon.Request, what: str) -> None:
+    """A JSON body: a cross-site form cannot send one without a preflight."""
     media = (req.content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
         raise ApiError(
             ErrorType.INVALID_REQUEST,
-            f"slot actions need Content-Type: application/json (got {req.content_type or 'none'})",
+            f"{what} need Content-Type: application/json (got {req.content_type or 'none'})",
             status=415,
         )

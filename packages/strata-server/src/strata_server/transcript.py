@@ -1,10 +1,11 @@
 """A stored conversation's text as a person reads it.
 
-A chat turn's messages (as the client sent them, plus the reply) are the slot's *notes*: the store's save
-hands them to the engine, which keeps them in the session file's engine fields, under its hashes and MAC
-(`notes_of`, `messages_of_notes`). A file without notes (saved by a slot action, or by a text completion)
-shows its tokens detokenized by the engine, split into messages only where that text is wholly ChatML
-(the packaged model's template). The title is the first user message. A leaf: no server imports (the engine's bound on notes only).
+A chat turn's messages (as the client sent them, plus the reply) and a title a person gave are a slot's
+*notes*: the store's save hands them to the engine, which keeps them in the session file's engine fields,
+under its hashes and MAC (`Notes.encode`, `read_notes`). A file without notes (saved by a slot action, or
+after a text completion) shows its tokens detokenized by the engine, split into messages only where that text
+is wholly ChatML (the packaged model's template). The title is the given one, else the first user message.
+A leaf: no server imports (the engine's bound on notes only).
 """
 
 from __future__ import annotations
@@ -18,23 +19,18 @@ import attrs
 from strata_engine.session.fields import MAX_NOTES_BYTES
 
 NOTES_VERSION = 1
-
+NOTES_KEY = "notes"  # the engine fields' key (spec/engine-protocol.md, SAVE)
 CHATML_MESSAGE = re.compile(r"<\|im_start\|>([A-Za-z_]+)\n(.*?)(?:<\|im_end\|>\n?|\Z)", re.S)
 CHATML_START = "<|im_start|>"
 TITLE_CHARS = 80
+MAX_TITLE_CHARS = 200
+
+Messages = tuple[dict[str, str], ...]
 
 
-@attrs.frozen
-class Transcript:
-    text: str
-    messages: tuple[dict[str, str], ...] | None  # None: not ChatML, shown as its text
-    title: str
-    from_notes: bool = False  # the messages are the file's notes, not read from its detokenized text
-
-
-def notes_of(messages: Any, reply: str) -> str | None:
-    """A chat turn's notes: its messages and the reply, as JSON; None unless every message is a role and a
-    string content (a multimodal or tool message is not kept as text)."""
+def text_messages(messages: Any) -> Messages | None:
+    """`messages` as (role, string content) pairs; None unless every one is (a multimodal or tool message is
+    not kept as text)."""
     if not isinstance(messages, Sequence) or isinstance(messages, str):
         return None
     kept = []
@@ -46,52 +42,80 @@ def notes_of(messages: Any, reply: str) -> str | None:
         ):
             return None
         kept.append({"role": m["role"], "content": m["content"]})
-    kept.append({"role": "assistant", "content": reply})
-    notes = json.dumps({"v": NOTES_VERSION, "messages": kept}, ensure_ascii=False, separators=(",", ":"))
-    # Over the engine's bound the conversation is saved without them (its text then read from its tokens).
-    return notes if len(notes.encode("utf-8", "surrogatepass")) <= MAX_NOTES_BYTES else None
+    return tuple(kept)
 
 
-def messages_of_notes(engine_fields: bytes) -> tuple[dict[str, str], ...] | None:
-    """The messages a session file's engine fields keep, or None (no notes, or not ours)."""
+@attrs.frozen
+class Notes:
+    messages: Messages | None = None
+    title: str | None = None  # given by a person (PATCH /conversations/{id}); None: the first user message
+
+    def encode(self) -> str | None:
+        """The JSON the engine keeps; None where it would be over the engine's bound (the conversation is
+        then saved without it, its text read from its tokens)."""
+        notes = json.dumps(
+            {"v": NOTES_VERSION, "messages": self.messages, "title": self.title},
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
+        return notes if len(notes.encode("utf-8", "surrogatepass")) <= MAX_NOTES_BYTES else None
+
+
+def turn_notes(messages: Any, reply: str, title: str | None) -> Notes | None:
+    """A chat turn's notes: its messages, the reply, and the title the conversation carries."""
+    kept = text_messages(messages)
+    return None if kept is None else Notes((*kept, {"role": "assistant", "content": reply}), title)
+
+
+def read_notes(engine_fields: bytes) -> Notes | None:
+    """The notes a session file's engine fields keep, or None (none, or not ours)."""
     try:
-        fields = json.loads(engine_fields.decode("utf-8"))
-        notes = json.loads(fields["notes"]) if isinstance(fields, dict) and "notes" in fields else None
-    except (UnicodeDecodeError, ValueError, TypeError):
+        fields = json.loads(bytes(engine_fields).decode("utf-8"))
+        raw = fields.get(NOTES_KEY) if isinstance(fields, dict) else None
+        notes = json.loads(raw) if isinstance(raw, str) else None
+    except (UnicodeDecodeError, ValueError):
         return None
-    if (
-        not isinstance(notes, dict)
-        or notes.get("v") != NOTES_VERSION
-        or not isinstance(notes.get("messages"), list)
-    ):
+    if not isinstance(notes, dict) or notes.get("v") != NOTES_VERSION:
         return None
-    found = []
-    for m in notes["messages"]:
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            return None
-        found.append({"role": m["role"], "content": m["content"]})
-    return tuple(found)
+    messages = text_messages(notes["messages"]) if notes.get("messages") is not None else None
+    title = notes.get("title")
+    if (notes.get("messages") is not None and messages is None) or not isinstance(title, str | None):
+        return None
+    return Notes(messages, title)
 
 
-def transcript_of_notes(text: str, messages: tuple[dict[str, str], ...]) -> Transcript:
-    return Transcript(text, messages, title_of(text, messages), from_notes=True)
+def with_notes(engine_fields: bytes, notes: str) -> bytes:
+    """A file's engine fields with `notes` in place of its own (everything else kept as it was)."""
+    fields = json.loads(bytes(engine_fields).decode("utf-8")) if engine_fields else {}
+    if not isinstance(fields, dict):
+        raise ValueError("the engine fields are not a JSON object")
+    fields[NOTES_KEY] = notes
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
-def read_transcript(text: str) -> Transcript:
+@attrs.frozen
+class Transcript:
+    text: str
+    messages: Messages | None  # None: not ChatML, shown as its text
+    title: str
+    from_notes: bool = False  # the messages are the file's notes, not read from its detokenized text
+
+
+def read_transcript(text: str, notes: Notes | None = None) -> Transcript:
+    """The transcript of a conversation's detokenized `text` and its file's notes, if any."""
+    if notes is not None and notes.messages is not None:
+        return Transcript(text, notes.messages, notes.title or title_of(text, notes.messages), True)
     messages = None
     if text.startswith(CHATML_START):
-        found = [{"role": m.group(1), "content": m.group(2)} for m in CHATML_MESSAGE.finditer(text)]
+        found = list(CHATML_MESSAGE.finditer(text))
         # Only a text that is wholly ChatML messages is split: anything else would be a guess.
-        if "".join(m.group(0) for m in CHATML_MESSAGE.finditer(text)) == text:
-            messages = tuple(found)
-    return Transcript(text, messages, title_of(text, messages))
+        if "".join(m.group(0) for m in found) == text:
+            messages = tuple({"role": m.group(1), "content": m.group(2)} for m in found)
+    title = notes.title if notes is not None and notes.title else title_of(text, messages)
+    return Transcript(text, messages, title)
 
 
-def title_of(text: str, messages: tuple[dict[str, str], ...] | None) -> str:
+def title_of(text: str, messages: Messages | None) -> str:
     first = next((m["content"] for m in messages or () if m["role"] == "user"), None)
     source = (first if first is not None else text).strip()
     line = " ".join(source.split())

@@ -16,9 +16,10 @@ import falcon
 
 from ..context import ServerContext
 from ..errors import ApiError, ErrorType, invalid_request
-from ..security import check_origin
+from ..params import read_json
+from ..security import check_json_body, check_origin
 from ..store.catalog import Catalog, CatalogError, Entry, NotSupported, UnknownConversation, UploadRefused
-from ..transcript import Transcript, messages_of_notes, read_transcript, transcript_of_notes
+from ..transcript import MAX_TITLE_CHARS, Transcript, read_transcript
 
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 200
@@ -66,6 +67,11 @@ class Transcripts:
         self._lock = threading.Lock()
         self._cache: dict[str, Transcript] = {}
 
+    def forget(self, conversation_id: str) -> None:
+        """Its file was written again (a rename): read it again."""
+        with self._lock:
+            self._cache.pop(conversation_id, None)
+
     def of(self, catalog: Catalog, entries: list[Entry]) -> dict[str, Transcript]:
         with self._lock:
             found = {e.id: self._cache[e.id] for e in entries if e.id in self._cache}
@@ -76,11 +82,7 @@ class Transcripts:
                     text = str(
                         lease.call("DETOKENIZE", {"tokens": e.conversation.tokens.tolist()})["content"]
                     )
-                    fields = catalog.notes(e)
-                    messages = messages_of_notes(fields) if fields is not None else None
-                    found[e.id] = (
-                        transcript_of_notes(text, messages) if messages is not None else read_transcript(text)
-                    )
+                    found[e.id] = read_transcript(text, catalog.notes(e))
             with self._lock:
                 if len(self._cache) > TITLE_CACHE_SIZE:
                     self._cache.clear()
@@ -170,6 +172,22 @@ class ConversationsResource:
         transcript = self.transcripts.of(catalog, [entry])[entry.id]
         messages = list(transcript.messages) if transcript.messages is not None else None
         resp.media = {**entry_fields(entry, transcript), "text": transcript.text, "messages": messages}
+
+    def on_patch_one(self, req: falcon.Request, resp: falcon.Response, conversation_id: str) -> None:
+        catalog = self._catalog(req)
+        check_json_body(req, "renames")
+        title = read_json(req, self.ctx.config.max_body_bytes).get("title")
+        if not isinstance(title, str) or not title.strip():
+            raise invalid_request("'title' must be a non-empty string")
+        title = " ".join(title.split())
+        if len(title) > MAX_TITLE_CHARS:
+            raise invalid_request(f"'title' must be at most {MAX_TITLE_CHARS} characters, got {len(title)}")
+        try:
+            entry = catalog.retitle(conversation_id, title)
+        except CatalogError as exc:
+            raise api_error(exc) from None
+        self.transcripts.forget(entry.id)
+        resp.media = entry_fields(entry, self.transcripts.of(catalog, [entry])[entry.id])
 
     def on_delete_one(self, req: falcon.Request, resp: falcon.Response, conversation_id: str) -> None:
         catalog = self._catalog(req)

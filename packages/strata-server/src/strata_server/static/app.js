@@ -130,12 +130,17 @@ function conversationItem(c) {
   download.type = "button";
   download.textContent = "Download";
   download.addEventListener("click", () => downloadConversation(c.id));
+  const rename = document.createElement("button");
+  rename.type = "button";
+  rename.className = "rename";
+  rename.textContent = "Rename";
+  rename.addEventListener("click", () => renameConversation(c.id, c.title));
   const remove = document.createElement("button");
   remove.type = "button";
   remove.className = "delete";
   remove.textContent = "Delete";
   remove.addEventListener("click", () => deleteConversation(c.id, c.title));
-  actions.append(download, remove);
+  actions.append(rename, download, remove);
   li.append(title, meta, actions);
   return li;
 }
@@ -182,6 +187,19 @@ async function deleteConversation(id, title) {
   if (!response.ok) { setStatus(await errorText(response), true); return; }
   if (state.currentId === id) newChat();
   setStatus("Deleted.");
+  loadList(false);
+}
+
+async function renameConversation(id, title) {
+  const wanted = prompt("New title:", title);
+  if (wanted === null || !wanted.trim()) return;
+  const response = await api("/conversations/" + encodeURIComponent(id), {
+    method: "PATCH",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ title: wanted }),
+  });
+  if (!response.ok) { setStatus(await errorText(response), true); return; }
+  setStatus("Renamed.");
   loadList(false);
 }
 

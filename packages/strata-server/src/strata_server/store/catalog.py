@@ -20,16 +20,18 @@ import strata_sessionfile as sf
 
 from ..errors import ServerError
 from ..tokens import common_prefix
+from ..transcript import Notes, read_notes
 from .folder import StoreFolder
 from .index import StoredConversation
 from .metrics import SaveTrigger
 from .names import SUFFIX, Fingerprints, conversation_name
+from .retitle import CompressedFile, retitled
 from .saving import PendingSave
 from .store import SessionStore
 
 ID = re.compile(r"^[0-9a-f]{32}$")
 UPLOAD_PREFIX = ".upload-"  # a temporary upload: never a NAME, so no scan reads it
-UPLOAD_SLOT = -1  # the slot of a PendingSave that no slot wrote (log lines only)
+UPLOAD_SLOT = -1  # the slot of a PendingSave that no slot wrote (an upload, a rename; log lines only)
 CHUNK = 1 << 20
 
 
@@ -124,9 +126,9 @@ class Catalog:
                 return entry
         raise UnknownConversation(f"no stored conversation with id {conversation_id!r}", "not_found")
 
-    def notes(self, entry: Entry) -> bytes | None:
-        """The engine fields of a conversation's file (where a chat's notes are kept), read from its header
-        and metadata under the store's key; None on the object store alone (its text is read from tokens)."""
+    def notes(self, entry: Entry) -> Notes | None:
+        """The notes of a conversation's file (a chat's messages, a title), read from its header and metadata
+        under the store's key; None on the object store alone (its text is read from tokens)."""
         shelf = self.store.shelf
         if not isinstance(shelf, StoreFolder):
             return None
@@ -134,7 +136,30 @@ class Catalog:
             inspection, _ = shelf.read(entry.conversation.name)
         except (sf.SessionFileError, OSError):
             return None  # removed or replaced meanwhile: read from its tokens
-        return inspection.metadata.state.engine_fields
+        return read_notes(inspection.metadata.state.engine_fields)
+
+    def retitle(self, conversation_id: str, title: str) -> Entry:
+        """The conversation's file written again with `title` in its notes (same tokens, same id), committed
+        as a save; a slot holding it carries the title into its next saves."""
+        entry = self.get(conversation_id)
+        folder = self.folder()
+        name = entry.conversation.name
+        pending = folder.pending(name)
+        try:
+            n_written = retitled(folder.file(name), pending, title, folder.key, folder.require_mac)
+        except (sf.SessionFileError, CompressedFile, ValueError) as exc:
+            pending.unlink(missing_ok=True)
+            raise UploadRefused(f"the conversation's file cannot be renamed: {exc}", "not_renamed") from None
+        except FileNotFoundError:
+            pending.unlink(missing_ok=True)
+            raise UnknownConversation(f"{conversation_id!r} was just removed", "not_found") from None
+        for slot in entry.slots:
+            self.store.ledger.titled(slot, title)
+        tokens = entry.conversation.tokens
+        self.store.saves.commit(
+            PendingSave(UPLOAD_SLOT, SaveTrigger.RENAME, name, tokens, self._fingerprints(), n_written, 0.0)
+        )
+        return self.get(conversation_id)
 
     def folder(self) -> StoreFolder:
         shelf = self.store.shelf

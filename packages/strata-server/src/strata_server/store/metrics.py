@@ -32,6 +32,7 @@ class SaveTrigger(enum.StrEnum):
     SHUTDOWN = "shutdown"  # SIGTERM / SIGINT
     WRITE_BEHIND = "write_behind"  # a completion just extended it (with --cache-store)
     UPLOAD = "upload"  # a client uploaded it (POST /conversations)
+    RENAME = "rename"  # written again with a title (PATCH /conversations/{id})
 
 
 class WriteBehind(enum.StrEnum):

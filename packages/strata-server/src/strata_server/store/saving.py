@@ -25,6 +25,7 @@ from ..engine.client import EngineClient, EngineLease
 from ..errors import EngineCallError, EngineReplyError
 from ..ledger import SlotLedger
 from ..tokens import common_prefix
+from ..transcript import Notes
 from .index import StoredConversation, StoreIndex
 from .metrics import SaveTrigger, StoreMetrics
 from .names import Fingerprints, conversation_name
@@ -125,7 +126,9 @@ class Saves:
         assert tokens is not None and fingerprints is not None
         name = conversation_name(fingerprints, tokens)
         # The chat's text goes into the file (its engine fields), under its hashes and MAC.
-        notes = {"notes": record.notes} if record.notes is not None else {}
+        kept = record.notes or (Notes(title=record.title) if record.title is not None else None)
+        encoded = kept.encode() if kept is not None else None
+        notes = {"notes": encoded} if encoded is not None else {}
         t0 = time.perf_counter()
         try:
             result = lease.call("SAVE", {**self.shelf.target(name, fingerprints, tokens), **notes})

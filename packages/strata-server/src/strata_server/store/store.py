@@ -30,6 +30,7 @@ from ..engine.client import EngineClient, EngineLease, EngineState
 from ..errors import EngineDied, EngineReplyError
 from ..ledger import Origin, SlotLedger
 from ..tokens import as_tokens, common_prefix
+from ..transcript import read_notes
 from .folder import StoreFolder
 from .index import StoreIndex
 from .metrics import Lookup, Row, SaveTrigger, StoreMetrics
@@ -324,7 +325,17 @@ class SessionStore:
         self.index.touch(name)
         self.shelf.touch(name)
         self.metrics.restored(int(result.get("n_read", 0)), n_kept, seconds)
-        self.ledger.restored(slot_id, prompt[:n_kept], Origin.STORE, name)
+        self.ledger.restored(slot_id, prompt[:n_kept], Origin.STORE, name, title=self._title(name))
+
+    def _title(self, name: str) -> str | None:
+        """The title a person gave a conversation (its file's notes): the slot's next saves carry it."""
+        if not isinstance(self.shelf, StoreFolder):
+            return None  # the object store alone: titles are not read back (spec/http-api.md, section 9)
+        try:
+            notes = read_notes(self.shelf.read(name)[0].metadata.state.engine_fields)
+        except (sf.SessionFileError, OSError):
+            return None
+        return notes.title if notes is not None else None
 
     def _bad_file(self, name: str, reason: str) -> None:
         """Logged once (here), moved aside, never restored again."""
