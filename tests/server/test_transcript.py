@@ -54,3 +54,13 @@ def test_text_without_notes_split_only_where_it_is_wholly_chatml():
     assert other.messages is None and len(other.title) == TITLE_CHARS
     assert read_transcript("<|im_start|>user\nA<|im_end|>\ntrailing words").messages is None
     assert read_transcript("plain", Notes(None, "Given")).title == "Given"
+
+
+def test_a_title_is_carried_only_by_a_turn_that_extends_the_titled_messages():
+    from strata_server.ledger import carried_title
+
+    titled = Notes(({"role": "system", "content": "S"}, {"role": "user", "content": "A"}), "Mine")
+    extended = [*titled.messages, {"role": "user", "content": "B"}]
+    assert carried_title(titled, extended) == "Mine"
+    assert carried_title(titled, [{"role": "system", "content": "S"}, {"role": "user", "content": "X"}]) is None
+    assert carried_title(None, extended) is None and carried_title(Notes(None, "Mine"), extended) is None

@@ -89,7 +89,8 @@ class Catalog:
         self.store = store
 
     def _fingerprints(self) -> Fingerprints:
-        if self.store.fingerprints is None:
+        # A request right after start-up waits briefly for the scan, as a completion does.
+        if not self.store.wait_ready() or self.store.fingerprints is None:
             raise NotSupported("the session store is still starting (the engine is loading)", "loading")
         return self.store.fingerprints
 

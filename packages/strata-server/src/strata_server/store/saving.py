@@ -126,7 +126,7 @@ class Saves:
         assert tokens is not None and fingerprints is not None
         name = conversation_name(fingerprints, tokens)
         # The chat's text goes into the file (its engine fields), under its hashes and MAC.
-        kept = record.notes or (Notes(title=record.title) if record.title is not None else None)
+        kept = record.notes or (Notes(title=record.title.title) if record.title is not None else None)
         encoded = kept.encode() if kept is not None else None
         notes = {"notes": encoded} if encoded is not None else {}
         t0 = time.perf_counter()

@@ -30,7 +30,7 @@ from ..engine.client import EngineClient, EngineLease, EngineState
 from ..errors import EngineDied, EngineReplyError
 from ..ledger import Origin, SlotLedger
 from ..tokens import as_tokens, common_prefix
-from ..transcript import read_notes
+from ..transcript import Notes, read_notes
 from .folder import StoreFolder
 from .index import StoreIndex
 from .metrics import Lookup, Row, SaveTrigger, StoreMetrics
@@ -186,6 +186,10 @@ class SessionStore:
                 "session store: %s%s, left pending, could not be committed: %s", name, PENDING_SUFFIX, exc
             )
 
+    def wait_ready(self, timeout_s: float = READY_WAIT_S) -> bool:
+        """Whether the start-up scan is done (waiting for it at most `timeout_s`)."""
+        return self._ready.wait(timeout_s)
+
     def shutdown(self) -> None:
         """Save every slot whose conversation is not stored yet (bounded, logged); stop the threads."""
         self._stop.set()
@@ -325,17 +329,16 @@ class SessionStore:
         self.index.touch(name)
         self.shelf.touch(name)
         self.metrics.restored(int(result.get("n_read", 0)), n_kept, seconds)
-        self.ledger.restored(slot_id, prompt[:n_kept], Origin.STORE, name, title=self._title(name))
+        self.ledger.restored(slot_id, prompt[:n_kept], Origin.STORE, name, notes=self._notes(name))
 
-    def _title(self, name: str) -> str | None:
-        """The title a person gave a conversation (its file's notes): the slot's next saves carry it."""
+    def _notes(self, name: str) -> Notes | None:
+        """A conversation's notes (its file's): a turn continuing it carries its title on."""
         if not isinstance(self.shelf, StoreFolder):
-            return None  # the object store alone: titles are not read back (spec/http-api.md, section 9)
+            return None  # the object store alone: notes are not read back (spec/http-api.md, section 9)
         try:
-            notes = read_notes(self.shelf.read(name)[0].metadata.state.engine_fields)
+            return read_notes(self.shelf.read(name)[0].metadata.state.engine_fields)
         except (sf.SessionFileError, OSError):
             return None
-        return notes.title if notes is not None else None
 
     def _bad_file(self, name: str, reason: str) -> None:
         """Logged once (here), moved aside, never restored again."""
