@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
@@ -72,6 +73,7 @@ class Browser:
         return self.driver.execute_script(script, *args)
 
     def until(self, check: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
-        return WebDriverWait(self.driver, timeout, poll_frequency=0.1).until(
-            lambda _: check(), message=f"waited {timeout} s for {what}"
-        )
+        # The list is drawn again under the test's feet: an element gone stale is looked up again.
+        return WebDriverWait(
+            self.driver, timeout, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,)
+        ).until(lambda _: check(), message=f"waited {timeout} s for {what}")
