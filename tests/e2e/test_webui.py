@@ -130,15 +130,27 @@ def wait_reply_done(page: Browser, n: int) -> str:
 
 
 def open_titled(page: Browser, title_part: str) -> None:
-    def found():
+    def clicked():
         for b in page.css("#conversations li .title"):
             if title_part in b.text:
-                return b
+                b.click()  # inside the wait: a list drawn again meanwhile is looked up again
+                return True
         page.js("document.getElementById('search').dispatchEvent(new Event('input'))")  # list again
-        return None
+        return False
 
-    page.until(found, f"{title_part!r} in the list", timeout=SAVED_WITHIN_S).click()
+    page.until(clicked, f"{title_part!r} in the list", timeout=SAVED_WITHIN_S)
     page.until(lambda: page.css("#messages li.user"), "the conversation to open")
+
+
+def click_in_item(page: Browser, conversation_id: str, selector: str) -> None:
+    def clicked():
+        for li in page.css("#conversations li"):
+            if li.get_attribute("data-id") == conversation_id:
+                li.find_element("css selector", selector).click()
+                return True
+        return False
+
+    page.until(clicked, f"{selector} of {conversation_id} in the list")
 
 
 # --- the page and the API's rules --------------------------------------------------------------
@@ -232,6 +244,27 @@ def test_reload_lists_the_conversation(site, page):
     page.shot("listed-after-reload")
 
 
+def test_keyboard_narrow_window_and_dark_mode(site, page):
+    box = page.by_id("input")
+    box.send_keys("first line", Keys.SHIFT, Keys.ENTER, Keys.SHIFT, "second line")
+    assert box.get_attribute("value") == "first line\nsecond line" and not page.css("#messages li")
+    box.clear()
+    page.driver.execute_cdp_cmd(
+        "Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "dark"}]}
+    )
+    page.driver.set_window_size(420, 800)
+    try:
+        background = page.js("return getComputedStyle(document.body).backgroundColor")
+        assert sum(int(v) for v in re.findall(r"\d+", background)[:3]) < 3 * 64, background
+        assert page.by_id("toggle-list").is_displayed()
+        width = page.js("return document.documentElement.scrollWidth")
+        assert width <= 420, f"the page is {width} px wide in a 420 px window"
+        page.shot("narrow-dark")
+    finally:
+        page.driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+        page.driver.set_window_size(1200, 900)
+
+
 # --- the API -----------------------------------------------------------------------------------
 
 
@@ -280,13 +313,7 @@ def test_restart_then_continue_with_history_restored(site, page):
 def test_rename_from_the_page_keeps_the_id_and_survives_the_next_turn(site, page):
     kept = site.continued
     page.driver.get(site.url + "/")
-    item = page.until(
-        lambda: next(
-            (li for li in page.css("#conversations li") if li.get_attribute("data-id") == kept["id"]), None
-        ),
-        "the conversation in the list",
-    )
-    item.find_element("css selector", "button.rename").click()
+    click_in_item(page, kept["id"], "button.rename")
     alert = page.until(lambda: _alert(page), "the rename prompt")
     alert.send_keys("Boxes & shelves")
     alert.accept()
@@ -361,14 +388,8 @@ def test_markup_in_titles_messages_and_replies_does_nothing(site, page):
 def test_delete_from_the_page(site, page):
     kept = site.wait_listed("Boxes & shelves", at_least_tokens=site.renamed["n_tokens"])
     page.driver.get(site.url + "/")
-    item = page.until(
-        lambda: next(
-            (li for li in page.css("#conversations li") if li.get_attribute("data-id") == kept["id"]), None
-        ),
-        "the conversation in the list",
-    )
     site.saved_file = site.get(f"/conversations/{kept['id']}/file").content  # for the upload below
-    item.find_element("css selector", "button.delete").click()
+    click_in_item(page, kept["id"], "button.delete")
     page.until(lambda: _accept_alert(page), "the delete confirmation")
     page.until(
         lambda: all(li.get_attribute("data-id") != kept["id"] for li in page.css("#conversations li")),

@@ -323,7 +323,10 @@ async function send(text) {
             renderBody(body, content);
             reply.scrollIntoView({ block: "end" });
           }
-          if (chunk.timings) stats.textContent = statsText(chunk.timings);
+          if (chunk.timings) {
+            stats.textContent = statsText(chunk.timings);
+            reply.scrollIntoView({ block: "end" });
+          }
         }
       }
     }
@@ -358,7 +361,7 @@ async function loadProps() {
   const response = await api("/props");
   if (!response.ok) { setStatus(await errorText(response), true); return; }
   const props = await response.json();
-  const model = props.model_alias || (props.model_path || "").split("/").pop();
+  const model = String(props.model_alias || props.model_path || "").split("/").pop();
   const nCtx = props.default_generation_settings && props.default_generation_settings.n_ctx;
   $("model").textContent = model + (nCtx ? " · context " + nCtx : "");
 }
