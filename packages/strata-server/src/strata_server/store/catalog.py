@@ -8,6 +8,7 @@ store. A conversation that a turn extends is saved under a new id (the older fil
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
@@ -28,6 +29,8 @@ from .names import SUFFIX, Fingerprints, conversation_name
 from .retitle import CompressedFile, retitled
 from .saving import PendingSave
 from .store import SessionStore
+
+log = logging.getLogger("strata_server.store")
 
 ID = re.compile(r"^[0-9a-f]{32}$")
 UPLOAD_PREFIX = ".upload-"  # a temporary upload: never a NAME, so no scan reads it
@@ -192,15 +195,15 @@ class Catalog:
                 ):
                     lease.call("ERASE", {})
                     self.store.ledger.erased(slot)
-        with self.store._files:  # no lookup + restore of it in between (the store's own lock)
-            self.store.index.remove(name)
-            self.store.shelf.remove(name)
+        self.store.remove(name)
         remote = self.store.remote
-        if remote is not None:
-            prefix = remote.block_prefix(self._fingerprints(), entry.conversation.tokens)
-            if prefix is not None:
+        prefix = remote.block_prefix(self._fingerprints(), entry.conversation.tokens) if remote else None
+        if remote is not None and prefix is not None:
+            try:
                 remote.client.delete_object(Bucket=remote.settings.bucket, Key=prefix + name)
-                remote.forget(prefix + name)
+            except Exception as exc:  # noqa: BLE001 -- the local file is gone; the bucket's lifecycle rules remain
+                log.warning("session store: deleting the object %s%s failed: %s", prefix, name, exc)
+            remote.forget(prefix + name)
         return entry
 
     def upload(self, chunks: Iterable[bytes], max_bytes: int) -> tuple[Entry, bool]:

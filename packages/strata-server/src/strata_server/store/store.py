@@ -331,6 +331,14 @@ class SessionStore:
         self.metrics.restored(int(result.get("n_read", 0)), n_kept, seconds)
         self.ledger.restored(slot_id, prompt[:n_kept], Origin.STORE, name, notes=self._notes(name))
 
+    def remove(self, name: str) -> None:
+        """A conversation a person deleted: its file goes and the index forgets it, never between a lookup and
+        its restore."""
+        with self._files:
+            conversation = self.index.get(name)
+            if conversation is not None:
+                self.saves.drop(conversation)
+
     def _notes(self, name: str) -> Notes | None:
         """A conversation's notes (its file's): a turn continuing it carries its title on."""
         if not isinstance(self.shelf, StoreFolder):
