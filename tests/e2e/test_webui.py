@@ -206,6 +206,10 @@ def test_key_prompt_then_a_streamed_chat(site, page):
     page.js(
         "window.__renders = 0; new MutationObserver(() => window.__renders++)"
         ".observe(document.getElementById('messages'), {childList: true, subtree: true});"
+        # The return_progress bar, caught while it shows (it hides at the first token).
+        "window.__progress = ''; new MutationObserver(() => { const p = document.getElementById('progress');"
+        " if (!p.hidden) window.__progress = document.getElementById('progress-text').textContent; })"
+        ".observe(document.getElementById('progress'), {attributes: true, childList: true, subtree: true});"
     )
     send(page, QUESTION)
     assert wait_reply_done(page, 1) == "done"
@@ -213,6 +217,9 @@ def test_key_prompt_then_a_streamed_chat(site, page):
     assert reply.find_element("css selector", ".body").text.strip()
     assert "tokens restored or reused" in reply.find_element("css selector", ".stats").text
     assert page.js("return window.__renders") >= 3
+    assert re.fullmatch(
+        r"prompt \d+ / \d+ tokens \(\d+ restored or reused\)", page.js("return window.__progress")
+    )
     page.shot("streamed-reply")
 
 

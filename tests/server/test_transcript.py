@@ -62,5 +62,7 @@ def test_a_title_is_carried_only_by_a_turn_that_extends_the_titled_messages():
     titled = Notes(({"role": "system", "content": "S"}, {"role": "user", "content": "A"}), "Mine")
     extended = [*titled.messages, {"role": "user", "content": "B"}]
     assert carried_title(titled, extended) == "Mine"
-    assert carried_title(titled, [{"role": "system", "content": "S"}, {"role": "user", "content": "X"}]) is None
+    assert (
+        carried_title(titled, [{"role": "system", "content": "S"}, {"role": "user", "content": "X"}]) is None
+    )
     assert carried_title(None, extended) is None and carried_title(Notes(None, "Mine"), extended) is None
