@@ -206,10 +206,10 @@ def test_key_prompt_then_a_streamed_chat(site, page):
     page.js(
         "window.__renders = 0; new MutationObserver(() => window.__renders++)"
         ".observe(document.getElementById('messages'), {childList: true, subtree: true});"
-        # The return_progress bar, caught while it shows (it hides at the first token).
-        "window.__progress = ''; new MutationObserver(() => { const p = document.getElementById('progress');"
-        " if (!p.hidden) window.__progress = document.getElementById('progress-text').textContent; })"
-        ".observe(document.getElementById('progress'), {attributes: true, childList: true, subtree: true});"
+        # The return_progress bar's text as it was drawn (it hides again at the first token).
+        "window.__progress = ''; new MutationObserver((records) => { for (const r of records)"
+        " for (const n of r.addedNodes) if (n.nodeType === 3) window.__progress = n.data; })"
+        ".observe(document.getElementById('progress-text'), {childList: true});"
     )
     send(page, QUESTION)
     assert wait_reply_done(page, 1) == "done"
