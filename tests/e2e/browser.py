@@ -48,6 +48,7 @@ class Browser:
         for flag in CHROMIUM_FLAGS:
             options.add_argument(flag)
         options.add_argument(f"--user-data-dir={profile}")
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # CSP violations land in the console
         self.driver = webdriver.Chrome(options=options, service=Service(executable_path=str(CHROMEDRIVER)))
         self.shots = SCREENSHOTS / shots
         shutil.rmtree(self.shots, ignore_errors=True)
@@ -62,6 +63,10 @@ class Browser:
         path = self.shots / f"{self.count:02d}-{state}.png"
         self.driver.save_screenshot(str(path))
         return path
+
+    def console(self) -> list[str]:
+        """The console's messages since the last call."""
+        return [entry["message"] for entry in self.driver.get_log("browser")]
 
     def by_id(self, element_id: str) -> WebElement:
         return self.driver.find_element(By.ID, element_id)

@@ -267,6 +267,8 @@ def test_keyboard_narrow_window_and_dark_mode(site, page):
         width = page.js("return document.documentElement.scrollWidth")
         assert width <= 420, f"the page is {width} px wide in a 420 px window"
         page.shot("narrow-dark")
+        violations = [m for m in page.console() if "Content Security Policy" in m]
+        assert not violations, violations
     finally:
         page.driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
         page.driver.set_window_size(1200, 900)
@@ -387,6 +389,7 @@ def test_markup_in_titles_messages_and_replies_does_nothing(site, page):
     assert page.js("return window.__xss === undefined")
     assert not page.css("#messages img, #messages script, #messages b, #messages a")
     assert not page.css("#conversations img, #conversations script, #conversations a")
+    assert not [m for m in page.console() if "Content Security Policy" in m]
 
 
 # --- delete, upload ------------------------------------------------------------------------------
