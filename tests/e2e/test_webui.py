@@ -49,7 +49,18 @@ class Site:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.store = tmp / "store"
-        self.flags = ("--cache-disk", str(self.store), "--cache-idle-seconds", "0.5", "--api-key", KEY)
+        self.slots = tmp / "slots"
+        self.slots.mkdir()
+        self.flags = (
+            "--cache-disk",
+            str(self.store),
+            "--cache-idle-seconds",
+            "0.5",
+            "--api-key",
+            KEY,
+            "--slot-save-path",
+            str(self.slots),
+        )
         self.server = start_server(tmp, *self.flags, name="webui")
 
     @property
@@ -449,3 +460,39 @@ def test_upload_from_the_page_then_continue(site, page, module_tmp):
     stats = reply_items(page)[-1].find_element("css selector", ".stats").text
     assert int(re.search(r"(\d+) tokens restored or reused", stats).group(1)) > 256, stats
     page.shot("uploaded-continued")
+
+
+def test_a_llama_cpp_slot_file_uploaded_is_converted_and_continued(site):
+    saved = requests.post(
+        site.url + "/slots/0?action=save",
+        headers=AUTH,
+        json={"filename": "chat.bin", "format": "llama.cpp"},
+        timeout=120,
+    )
+    assert saved.status_code == 200, saved.text
+    n_saved = saved.json()["n_saved"]
+    held = site.wait_listed("Boxes & shelves", at_least_tokens=n_saved)
+    gone = requests.delete(site.url + f"/conversations/{held['id']}", headers=AUTH, timeout=60)
+    assert gone.status_code == 200, gone.text  # the slot holding it is erased too
+    upload = requests.post(
+        site.url + "/conversations",
+        data=(site.slots / "chat.bin").read_bytes(),
+        headers={**AUTH, "Content-Type": "application/octet-stream"},
+        timeout=120,
+    )
+    assert upload.status_code == 201, upload.text
+    kept = upload.json()
+    assert kept["n_tokens"] == n_saved and kept["text_from"] == "tokens" and kept["n_messages"] >= 5
+    messages = site.get(f"/conversations/{kept['id']}").json()["messages"]
+    reply = requests.post(
+        site.url + "/v1/chat/completions",
+        headers=AUTH,
+        json={
+            "messages": [*messages, {"role": "user", "content": "Bye."}],
+            "max_tokens": SHORT,
+            "temperature": 0,
+        },
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_saved - SHORT

@@ -7,14 +7,22 @@ from __future__ import annotations
 import json
 
 from strata_engine.session.fields import MAX_NOTES_BYTES
-from strata_server.transcript import TITLE_CHARS, Notes, read_notes, read_transcript, turn_notes, with_notes
+from strata_server.transcript import (
+    TITLE_CHARS,
+    Notes,
+    inherits,
+    read_notes,
+    read_transcript,
+    turn_notes,
+    with_notes,
+)
 
 FIELDS = json.dumps({"layout": 1, "ring_start": 0, "checkpoint": None}).encode()
 
 
 def test_notes_round_trip_through_the_engine_fields():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<script>x</script>"}]
-    notes = turn_notes(messages, "Hi <img onerror=1>", title=None)
+    notes = turn_notes(messages, "Hi <img onerror=1>")
     assert notes is not None and notes.encode() is not None
     fields = with_notes(FIELDS, notes.encode())
     assert json.loads(fields)["layout"] == 1  # the engine's own fields are kept
@@ -27,8 +35,8 @@ def test_notes_round_trip_through_the_engine_fields():
 
 
 def test_notes_only_for_text_messages_and_within_the_engine_bound():
-    assert turn_notes([{"role": "user", "content": [{"type": "text", "text": "a"}]}], "b", None) is None
-    assert turn_notes("a prompt", "b", None) is None
+    assert turn_notes([{"role": "user", "content": [{"type": "text", "text": "a"}]}], "b") is None
+    assert turn_notes("a prompt", "b") is None
     assert Notes(({"role": "user", "content": "x" * MAX_NOTES_BYTES},)).encode() is None
 
 
@@ -56,13 +64,13 @@ def test_text_without_notes_split_only_where_it_is_wholly_chatml():
     assert read_transcript("plain", Notes(None, "Given")).title == "Given"
 
 
-def test_a_title_is_carried_only_by_a_turn_that_extends_the_titled_messages():
-    from strata_server.ledger import carried_title
-
-    titled = Notes(({"role": "system", "content": "S"}, {"role": "user", "content": "A"}), "Mine")
-    extended = [*titled.messages, {"role": "user", "content": "B"}]
-    assert carried_title(titled, extended) == "Mine"
-    assert (
-        carried_title(titled, [{"role": "system", "content": "S"}, {"role": "user", "content": "X"}]) is None
+def test_a_save_inherits_the_title_of_the_conversation_it_extends():
+    older = Notes(({"role": "user", "content": "A"}, {"role": "assistant", "content": "cut rep"}), "Mine")
+    newer = turn_notes(
+        [{"role": "user", "content": "A"}, {"role": "assistant", "content": "cut reply"}], "ok"
     )
-    assert carried_title(None, extended) is None and carried_title(Notes(None, "Mine"), extended) is None
+    assert inherits(newer, older) == "Mine"
+    other = turn_notes([{"role": "user", "content": "B"}], "ok")
+    assert inherits(other, older) is None
+    assert inherits(None, older) == "Mine"  # no messages of its own: the tokens extend the titled ones
+    assert inherits(newer, Notes(older.messages)) is None and inherits(newer, None) is None

@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 
 from .tokens import EMPTY, as_tokens, common_prefix
-from .transcript import Notes, text_messages, turn_notes
+from .transcript import Notes, turn_notes
 
 
 class Origin(enum.StrEnum):
@@ -54,22 +54,10 @@ class SlotRecord:
     last_active: float = attrs.Factory(time.monotonic)
     prompt: np.ndarray | None = None  # the prompt of the COMPLETE in flight (None: none, or not token ids)
     notes: Notes | None = None  # the chat turn's messages and reply that `tokens` hold (saved with them)
-    # A title a person gave the conversation, and its messages then: a chat turn whose messages extend those
-    # carries the title on (a prompt that only shares a prefix, a system prompt, does not).
-    title: Notes | None = None
 
     @property
     def n_tokens(self) -> int | None:
         return None if self.tokens is None else len(self.tokens)
-
-
-def carried_title(title: Notes | None, messages: Any) -> str | None:
-    """The title a chat turn carries on: the slot's, where the turn's messages extend the titled ones."""
-    if title is None or title.messages is None:
-        return None
-    sent = text_messages(messages)
-    n = len(title.messages)
-    return title.title if sent is not None and sent[:n] == title.messages else None
 
 
 class SlotLedger:
@@ -136,7 +124,7 @@ class SlotLedger:
                     ]
                 )
             notes = (
-                turn_notes(messages, str(result.get("content", "")), carried_title(record.title, messages))
+                turn_notes(messages, str(result.get("content", "")))
                 if tokens is not None and messages is not None
                 else None
             )
@@ -156,15 +144,11 @@ class SlotLedger:
                 prompt=None,
                 last_task=task,
                 notes=notes,
-                title=notes if notes is not None and notes.title is not None else None,
                 last_active=time.monotonic(),
             )
 
-    def restored(
-        self, slot_id: int, tokens: np.ndarray | None, origin: Origin, file: str, notes: Notes | None = None
-    ) -> None:
-        """A file's conversation was put in the slot (`tokens`: what the restore kept; None: unknown;
-        `notes`: the file's, whose title a turn continuing it carries on)."""
+    def restored(self, slot_id: int, tokens: np.ndarray | None, origin: Origin, file: str) -> None:
+        """A file's conversation was put in the slot (`tokens`: what the restore kept; None: unknown)."""
         self._update(
             slot_id,
             tokens=tokens,
@@ -174,15 +158,7 @@ class SlotLedger:
             last_task=None,
             prompt=None,
             notes=None,
-            title=notes if notes is not None and notes.title is not None else None,
         )
-
-    def titled(self, slot_id: int, title: str) -> None:
-        """A person renamed the conversation the slot holds: its next saves (and turns) carry the title."""
-        with self._lock:
-            record = self._records[slot_id]
-            notes = attrs.evolve(record.notes or Notes(), title=title)
-            self._records[slot_id] = attrs.evolve(record, title=notes, notes=notes)
 
     def saved(self, slot_id: int, tracked: np.ndarray, tokens: np.ndarray) -> None:
         """A save of the `tracked` tokens wrote `tokens`: the file's are what the slot holds, unless the
@@ -203,7 +179,6 @@ class SlotLedger:
             last_task=None,
             prompt=None,
             notes=None,
-            title=None,
         )
 
     def engine_exited(self, _code: int) -> None:

@@ -61,10 +61,22 @@ class Notes:
         return notes if len(notes.encode("utf-8", "surrogatepass")) <= MAX_NOTES_BYTES else None
 
 
-def turn_notes(messages: Any, reply: str, title: str | None) -> Notes | None:
-    """A chat turn's notes: its messages, the reply, and the title the conversation carries."""
+def turn_notes(messages: Any, reply: str) -> Notes | None:
+    """A chat turn's notes: its messages and the reply."""
     kept = text_messages(messages)
-    return None if kept is None else Notes((*kept, {"role": "assistant", "content": reply}), title)
+    return None if kept is None else Notes((*kept, {"role": "assistant", "content": reply}))
+
+
+def inherits(notes: Notes | None, older: Notes | None) -> str | None:
+    """The title a save inherits from the stored conversation it extends (and replaces): that one's, unless
+    both keep messages and the newer ones do not begin with the older ones."""
+    if older is None or older.title is None:
+        return None
+    if notes is not None and notes.messages is not None and older.messages is not None:
+        n = len(older.messages) - 1  # the older reply may have been cut where the newer turn began
+        if notes.messages[:n] != older.messages[:n]:
+            return None
+    return older.title
 
 
 def read_notes(engine_fields: bytes) -> Notes | None:

@@ -68,7 +68,7 @@ class Transcripts:
         self._cache: dict[str, Transcript] = {}
 
     def forget(self, conversation_id: str) -> None:
-        """Its file was written again (a rename): read it again."""
+        """Its file was written again or removed (a rename, a delete): read it again next time."""
         with self._lock:
             self._cache.pop(conversation_id, None)
 
@@ -157,6 +157,8 @@ class ConversationsResource:
             entry, created = catalog.upload(iter(lambda: stream.read(1 << 20), b""), limit)
         except CatalogError as exc:
             raise api_error(exc) from None
+        if created:  # the same id may have named a file with other notes before (deleted since)
+            self.transcripts.forget(entry.id)
         resp.status = falcon.HTTP_201 if created else falcon.HTTP_200
         resp.media = {
             **entry_fields(entry, self.transcripts.of(catalog, [entry])[entry.id]),
@@ -195,6 +197,7 @@ class ConversationsResource:
             entry = catalog.delete(conversation_id, self.ctx.config.slot_wait)
         except CatalogError as exc:
             raise api_error(exc) from None
+        self.transcripts.forget(entry.id)
         resp.media = {"id": entry.id, "deleted": True}
 
     def on_get_file(self, req: falcon.Request, resp: falcon.Response, conversation_id: str) -> None:

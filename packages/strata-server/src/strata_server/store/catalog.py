@@ -18,10 +18,11 @@ from pathlib import Path
 import attrs
 import numpy as np
 import strata_sessionfile as sf
+from strata_sessionfile import llamacpp
 
 from ..errors import ServerError
 from ..tokens import common_prefix
-from ..transcript import Notes, read_notes
+from ..transcript import Notes
 from .folder import StoreFolder
 from .index import StoredConversation
 from .metrics import SaveTrigger
@@ -134,17 +135,11 @@ class Catalog:
         """The notes of a conversation's file (a chat's messages, a title), read from its header and metadata
         under the store's key; None on the object store alone (its text is read from tokens)."""
         shelf = self.store.shelf
-        if not isinstance(shelf, StoreFolder):
-            return None
-        try:
-            inspection, _ = shelf.read(entry.conversation.name)
-        except (sf.SessionFileError, OSError):
-            return None  # removed or replaced meanwhile: read from its tokens
-        return read_notes(inspection.metadata.state.engine_fields)
+        return shelf.notes(entry.conversation.name) if isinstance(shelf, StoreFolder) else None
 
     def retitle(self, conversation_id: str, title: str) -> Entry:
         """The conversation's file written again with `title` in its notes (same tokens, same id), committed
-        as a save; a slot holding it carries the title into its next saves."""
+        as a save; a later save that extends it inherits the title."""
         entry = self.get(conversation_id)
         folder = self.folder()
         name = entry.conversation.name
@@ -157,13 +152,34 @@ class Catalog:
         except FileNotFoundError:
             pending.unlink(missing_ok=True)
             raise UnknownConversation(f"{conversation_id!r} was just removed", "not_found") from None
-        for slot in entry.slots:
-            self.store.ledger.titled(slot, title)
         tokens = entry.conversation.tokens
         self.store.saves.commit(
             PendingSave(UPLOAD_SLOT, SaveTrigger.RENAME, name, tokens, self._fingerprints(), n_written, 0.0)
         )
         return self.get(conversation_id)
+
+    def _convert_slot_file(self, slot_file: Path, out: Path) -> None:
+        """A llama.cpp slot file converted against this server's model, carrying the config identity of a
+        conversation this engine saved (the slot file has no identity of its own: `strata-sessionfile convert
+        --like`); validated afterwards like any upload."""
+        model = dict(self.store.engine.status().info or {}).get("model_path")
+        kept = self.store.index.snapshot()
+        if not isinstance(model, str) or not kept:
+            raise UploadRefused(
+                "a llama.cpp slot file is converted with the identity of a conversation this server keeps; "
+                "it keeps none yet (restore the slot file through /slots/0?action=restore instead)",
+                "no_reference_file",
+            )
+        folder = self.folder()
+        try:
+            config = llamacpp.config_of(folder.file(kept[-1].name))
+            llamacpp.slot_to_session(slot_file, model, out, config=config)
+        except sf.SessionFileError as exc:
+            raise UploadRefused(f"the llama.cpp slot file does not convert: {exc}", str(exc.reason)) from None
+        except FileNotFoundError:
+            raise UploadRefused(
+                "the reference conversation was removed meanwhile; upload again", "retry"
+            ) from None
 
     def folder(self) -> StoreFolder:
         shelf = self.store.shelf
@@ -224,6 +240,13 @@ class Catalog:
                     out.write(chunk)
             if size == 0:
                 raise UploadRefused("the upload is empty; send a session file as the body", "empty")
+            if llamacpp.is_slot_file(tmp):
+                converted = tmp.with_name(tmp.name + SUFFIX)
+                try:
+                    self._convert_slot_file(tmp, converted)
+                    os.replace(converted, tmp)
+                finally:
+                    converted.unlink(missing_ok=True)
             try:
                 inspection = sf.inspect(
                     tmp,

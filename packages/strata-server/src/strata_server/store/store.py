@@ -30,7 +30,6 @@ from ..engine.client import EngineClient, EngineLease, EngineState
 from ..errors import EngineDied, EngineReplyError
 from ..ledger import Origin, SlotLedger
 from ..tokens import as_tokens, common_prefix
-from ..transcript import Notes, read_notes
 from .folder import StoreFolder
 from .index import StoreIndex
 from .metrics import Lookup, Row, SaveTrigger, StoreMetrics
@@ -329,7 +328,7 @@ class SessionStore:
         self.index.touch(name)
         self.shelf.touch(name)
         self.metrics.restored(int(result.get("n_read", 0)), n_kept, seconds)
-        self.ledger.restored(slot_id, prompt[:n_kept], Origin.STORE, name, notes=self._notes(name))
+        self.ledger.restored(slot_id, prompt[:n_kept], Origin.STORE, name)
 
     def remove(self, name: str) -> None:
         """A conversation a person deleted: its file goes and the index forgets it, never between a lookup and
@@ -338,15 +337,6 @@ class SessionStore:
             conversation = self.index.get(name)
             if conversation is not None:
                 self.saves.drop(conversation)
-
-    def _notes(self, name: str) -> Notes | None:
-        """A conversation's notes (its file's): a turn continuing it carries its title on."""
-        if not isinstance(self.shelf, StoreFolder):
-            return None  # the object store alone: notes are not read back (spec/http-api.md, section 9)
-        try:
-            return read_notes(self.shelf.read(name)[0].metadata.state.engine_fields)
-        except (sf.SessionFileError, OSError):
-            return None
 
     def _bad_file(self, name: str, reason: str) -> None:
         """Logged once (here), moved aside, never restored again."""
