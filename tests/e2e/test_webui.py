@@ -6,8 +6,10 @@ tests/e2e/screenshots/webui/.
 The tests run in file order and build on each other (one server, short generations): the page and its CSP;
 the API's key, Origin and Content-Type rules; the key prompt, a streamed chat, a stop mid-stream; the
 conversation listed after a reload; the API's list, paging, search, get, download; a restart, then the
-conversation continued from the page with its history restored (the page shows the restored count); the XSS
-cases; delete; a bad upload refused with nothing stored, a good one continued from the page.
+conversation continued from the page with its history restored (the page shows the restored count); a rename
+(same id, the title inherited by the next turn's file); the XSS cases (and no CSP violation in the console);
+delete; a bad upload refused with nothing stored, a good one continued from the page; a llama.cpp slot file
+uploaded, converted and continued.
 """
 
 from __future__ import annotations
