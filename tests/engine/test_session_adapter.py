@@ -279,6 +279,19 @@ def test_round_trip_restores_pool_state_checkpoint_and_sampler(models, tmp_path,
     assert restored[5] == original[5]
 
 
+def test_notes_are_kept_in_the_engine_fields_and_a_restore_ignores_them(models, tmp_path):
+    source = fill(synthetic_runner(models, "smollm2"), 20, seed=7)
+    notes = '{"v":1,"messages":[{"role":"user","content":"<b>é</b>"}]}'
+    sf.save(tmp_path / "n.ssf", EngineSession(source, notes=notes))
+    fields = json.loads(sf.inspect(tmp_path / "n.ssf", verify=True).metadata.state.engine_fields)
+    assert fields["notes"] == notes
+    sf.save(tmp_path / "plain.ssf", EngineSession(source))
+    assert "notes" not in json.loads(sf.inspect(tmp_path / "plain.ssf").metadata.state.engine_fields)
+    target = synthetic_runner(models, "smollm2")
+    sf.restore(tmp_path / "n.ssf", EngineSession(target))
+    assert tuple(target.tokens_held) == tuple(source.tokens_held)
+
+
 def test_empty_conversation_saves_and_restores_as_empty(models, tmp_path):
     empty = synthetic_runner(models, "smollm2")
     report = sf.save(tmp_path / "e.ssf", EngineSession(empty))

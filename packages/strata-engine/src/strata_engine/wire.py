@@ -272,6 +272,7 @@ class SaveArgs:
     sync: Boolean = True  # False: neither the file nor its folder fsynced (the client makes it durable later)
     format: SaveFormatName = SaveFormat.STRATA  # llama.cpp: a slot file llama-server restores
     v_trans: Boolean = False  # llama.cpp only: V transposed, for a llama-server without flash attention
+    notes: Text | None = None  # the client's text, kept in the file's engine fields (format v1 only)
 
 
 @attrs.frozen

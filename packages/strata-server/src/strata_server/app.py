@@ -9,6 +9,7 @@ from .context import ServerContext
 from .engine.client import EngineClient
 from .errors import handle_error
 from .resources.completions import ChatCompletionResource, CompletionResource, TextCompletionResource
+from .resources.conversations import ConversationsResource
 from .resources.embeddings import EmbeddingsResource, OpenAIEmbeddingsResource
 from .resources.infill import InfillResource
 from .resources.info import HealthResource, MetricsResource, ModelsResource, PropsResource
@@ -19,8 +20,10 @@ from .resources.text import (
     DetokenizeResource,
     TokenizeResource,
 )
+from .resources.webui import WebUiResource
 from .security import SecurityMiddleware, SecurityPolicy
 from .store import build_store
+from .webui import ASSETS
 
 # route -> resource class; aliases as the peer registers them (tools/server/server.cpp).
 ROUTES: tuple[tuple[tuple[str, ...], type], ...] = (
@@ -59,6 +62,14 @@ def create_app(
     slots = SlotsResource(ctx)
     app.add_route("/slots", slots)
     app.add_route("/slots/{id_slot}", slots, suffix="slot")
+    conversations = ConversationsResource(ctx)
+    app.add_route("/conversations", conversations)
+    app.add_route("/conversations/{conversation_id}", conversations, suffix="one")
+    app.add_route("/conversations/{conversation_id}/file", conversations, suffix="file")
+    if config.webui:
+        webui = WebUiResource(ctx)
+        for path in ASSETS:
+            app.add_route(path, webui)
     app.add_error_handler(Exception, handle_error)
     app.add_error_handler(falcon.HTTPError, handle_error)
     return app

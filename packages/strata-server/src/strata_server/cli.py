@@ -169,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--metrics", action="store_true", help="enable GET /metrics (Prometheus text; default: disabled, 501)"
     )
+    add("--webui", dest="webui", action="store_true", help="serve the chat page at GET / (default)")
+    add("--no-webui", dest="webui", action="store_false", help="no chat page (GET / answers 404)")
     add("--slots", dest="slots", action="store_true", help="enable GET /slots (default)")
     add("--no-slots", dest="slots", action="store_false", help="disable GET /slots (501)")
     add(

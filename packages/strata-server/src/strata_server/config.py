@@ -97,6 +97,7 @@ class ServerConfig:
     api_key: tuple[str, ...] = ()
     api_key_file: Path | None = None
     metrics: bool = False
+    webui: bool = True  # GET /: the chat page (--no-webui, llama-server's flag)
     slots: bool = True  # GET /slots (the POST actions are gated by slot_save_path alone, as the peer)
     allowed_hosts: tuple[str, ...] = ()
     trusted_origins: tuple[str, ...] = ()

@@ -387,7 +387,7 @@ class CompletionRun:
     def _record(self, result: dict, lease: EngineLease) -> None:
         self.ctx.metrics.record_completion(result)
         assert lease.slot is not None
-        self.ctx.ledger.completed(lease.slot, result, self.options.settings())
+        self.ctx.ledger.completed(lease.slot, result, self.options.settings(), self.command.get("messages"))
 
     def collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
         probs = []

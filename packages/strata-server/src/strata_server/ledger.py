@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 
 from .tokens import EMPTY, as_tokens, common_prefix
+from .transcript import Notes, turn_notes
 
 
 class Origin(enum.StrEnum):
@@ -52,6 +53,7 @@ class SlotRecord:
     last_task: LastTask | None = None
     last_active: float = attrs.Factory(time.monotonic)
     prompt: np.ndarray | None = None  # the prompt of the COMPLETE in flight (None: none, or not token ids)
+    notes: Notes | None = None  # the chat turn's messages and reply that `tokens` hold (saved with them)
 
     @property
     def n_tokens(self) -> int | None:
@@ -102,12 +104,14 @@ class SlotLedger:
                 {} if shared else {"origin": Origin.EVALUATED, "file": None, "n_restored": 0}
             )
             self._records[slot_id] = attrs.evolve(
-                record, tokens=None, prompt=prompt, last_active=time.monotonic(), **fresh
+                record, tokens=None, prompt=prompt, notes=None, last_active=time.monotonic(), **fresh
             )
 
-    def completed(self, slot_id: int, result: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+    def completed(
+        self, slot_id: int, result: Mapping[str, Any], params: Mapping[str, Any], messages: Any = None
+    ) -> None:
         """A COMPLETE's result: the slot holds (prompt + generated)[:n_tokens_held] (unknown when the prompt
-        was text), and this is its last task."""
+        was text), and this is its last task; `messages`: a chat turn's, kept (with the reply) as its notes."""
         generated = [int(t) for t in result.get("tokens") or []]
         timings = result.get("timings") or {}
         with self._lock:
@@ -119,6 +123,11 @@ class SlotLedger:
                         : int(result.get("n_tokens_held", 0))
                     ]
                 )
+            notes = (
+                turn_notes(messages, str(result.get("content", "")))
+                if tokens is not None and messages is not None
+                else None
+            )
             self._id_task += 1
             task = LastTask(
                 id_task=self._id_task,
@@ -130,7 +139,12 @@ class SlotLedger:
                 n_decoded=len(generated),
             )
             self._records[slot_id] = attrs.evolve(
-                record, tokens=tokens, prompt=None, last_task=task, last_active=time.monotonic()
+                record,
+                tokens=tokens,
+                prompt=None,
+                last_task=task,
+                notes=notes,
+                last_active=time.monotonic(),
             )
 
     def restored(self, slot_id: int, tokens: np.ndarray | None, origin: Origin, file: str) -> None:
@@ -143,6 +157,7 @@ class SlotLedger:
             n_restored=0 if tokens is None else len(tokens),
             last_task=None,
             prompt=None,
+            notes=None,
         )
 
     def saved(self, slot_id: int, tracked: np.ndarray, tokens: np.ndarray) -> None:
@@ -156,7 +171,14 @@ class SlotLedger:
     def erased(self, slot_id: int) -> None:
         """The slot's conversation is gone (an erase, a restore that failed after its gate)."""
         self._update(
-            slot_id, tokens=EMPTY, origin=Origin.NONE, file=None, n_restored=0, last_task=None, prompt=None
+            slot_id,
+            tokens=EMPTY,
+            origin=Origin.NONE,
+            file=None,
+            n_restored=0,
+            last_task=None,
+            prompt=None,
+            notes=None,
         )
 
     def engine_exited(self, _code: int) -> None:

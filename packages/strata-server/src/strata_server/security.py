@@ -15,11 +15,12 @@ import falcon
 from .config import LOOPBACK_HOSTS, ServerConfig
 from .engine.client import EngineClient, EngineState
 from .errors import ApiError, EngineUnavailable, ErrorType
+from .webui import WEBUI_PATHS
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
-# Served without the API key, as llama-server b11549's key middleware exempts its web page (one file with its
-# scripts inlined; /bundle.js and /bundle.css answer 401 there); the page's own requests carry the user's key.
-PAGE_PATHS = frozenset({"/", "/index.html"})
+# The page and its two files are read without a key (it asks for one; llama-server b11549 exempts its page too)
+# and while the engine loads; the page's own requests carry the user's key. Any other method needs the key.
+PAGE_PATHS = WEBUI_PATHS
 PAGE_METHODS = frozenset({"GET", "HEAD"})
 CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_ANY = "*"  # --cors-origins value: any origin, never with credentials (Strata's default)
@@ -125,16 +126,11 @@ class SecurityMiddleware:
             resp.content_length = 0
             resp.complete = True
             return
-        if req.path not in PUBLIC_PATHS and self.engine.status().state is not EngineState.READY:
+        public = req.path in PUBLIC_PATHS or (req.path in PAGE_PATHS and req.method in PAGE_METHODS)
+        if not public and self.engine.status().state is not EngineState.READY:
             status = self.engine.status()
             raise EngineUnavailable(status.message if status.state is EngineState.FAILED else "Loading model")
-        page = req.path in PAGE_PATHS and req.method in PAGE_METHODS
-        if (
-            self.policy.api_keys
-            and req.path not in PUBLIC_PATHS
-            and not page
-            and not self.policy.key_valid(req)
-        ):
+        if self.policy.api_keys and not public and not self.policy.key_valid(req):
             raise ApiError(ErrorType.AUTHENTICATION, "Invalid API Key")
 
     def process_response(
@@ -151,22 +147,32 @@ class SecurityMiddleware:
             resp.set_header("Access-Control-Allow-Origin", "*")
 
 
+def check_origin(req: falcon.Request, policy: SecurityPolicy, what: str) -> None:
+    """What reads or writes files: refuse cross-site requests a browser can send blindly."""
+    if not policy.origin_trusted(req):
+        raise ApiError(
+            ErrorType.PERMISSION,
+            f"Origin {req.get_header('Origin')!r} may not use {what}; "
+            "only the server's own origin or one listed in --trusted-origins",
+        )
+
+
 def check_slot_action(req: falcon.Request, policy: SecurityPolicy, *, bodyless_ok: bool = False) -> None:
     """Slot actions write and read files: refuse cross-site requests a browser can send blindly. With
     `bodyless_ok` (erase, which reads no body: llama-server takes it without one) a request with no body at
     all passes the Content-Type rule; a body must still be JSON."""
-    if not policy.origin_trusted(req):
-        raise ApiError(
-            ErrorType.PERMISSION,
-            f"Origin {req.get_header('Origin')!r} may not use slot actions; "
-            "only the server's own origin or one listed in --trusted-origins",
-        )
+    check_origin(req, policy, "slot actions")
+    check_json_body(req, "slot actions", bodyless_ok=bodyless_ok)
+
+
+def check_json_body(req: falcon.Request, what: str, *, bodyless_ok: bool = False) -> None:
+    """A JSON body: a cross-site form cannot send one without a preflight."""
     media = (req.content_type or "").split(";", 1)[0].strip().lower()
     if bodyless_ok and not media and not req.content_length:
         return
     if media != "application/json":
         raise ApiError(
             ErrorType.INVALID_REQUEST,
-            f"slot actions need Content-Type: application/json (got {req.content_type or 'none'})",
+            f"{what} need Content-Type: application/json (got {req.content_type or 'none'})",
             status=415,
         )

@@ -130,8 +130,10 @@ class EngineSession:
         buffers: BlockBufferCache | None = None,
         cut: PrefixCut | None = None,
         discard_held: bool = False,
+        notes: str | None = None,
     ):
         self.runner = runner
+        self.notes = notes  # a save's client text, kept in the engine fields (covered by the hashes and MAC)
         self.sampler = sampler or SamplerAccess.holder()
         self._identity = identity
         self.staging = staging
@@ -229,7 +231,9 @@ class EngineSession:
                     f"{runner.pool.ring_start} only",
                     field=f"layers[{i}]",
                 )
-        checkpoint, engine_fields = self.fields.encode(n, state.deepest_checkpoint, runner.pool.ops.to_host)
+        checkpoint, engine_fields = self.fields.encode(
+            n, state.deepest_checkpoint, runner.pool.ops.to_host, self.notes
+        )
         running = RunningState(
             tokens=state.tokens,
             position=n,

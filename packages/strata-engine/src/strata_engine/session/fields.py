@@ -2,7 +2,8 @@
 object) and the deepest ring checkpoint's bytes, encoded at a save and decoded and checked at a restore
 (the layout: spec/engine-protocol.md, "Sessions").
 
-engine_fields = ``{"checkpoint": {"position", "start"} | null, "layout": 1, "ring_start": int}``; the
+engine_fields = ``{"checkpoint": {"position", "start"} | null, "layout": 1, "ring_start": int}``, plus
+``"notes": str`` where the SAVE carried the client's text (a restore ignores it); the
 checkpoint's data = every ring layer's K, V (and int8 scales) of positions [start, position), in ring-layer
 order. A field that does not match what the token count implies is refused (`InconsistentState`).
 """
@@ -24,7 +25,8 @@ from .identity import SESSION_LAYOUT_VERSION
 
 log = logging.getLogger(__name__)
 
-MAX_ENGINE_FIELDS_BYTES = 4096
+MAX_NOTES_BYTES = 512 * 1024  # a SAVE's notes (UTF-8): a conversation's text as its client keeps it
+MAX_ENGINE_FIELDS_BYTES = MAX_NOTES_BYTES + 4096
 
 
 class EngineFieldsCodec:
@@ -44,11 +46,21 @@ class EngineFieldsCodec:
 
     # ---- save ------------------------------------------------------------------------------------
     def encode(
-        self, n: int, checkpoint: RingCheckpoint | None, to_host: Callable[[Any], np.ndarray]
+        self,
+        n: int,
+        checkpoint: RingCheckpoint | None,
+        to_host: Callable[[Any], np.ndarray],
+        notes: str | None = None,
     ) -> tuple[Checkpoint, bytes]:
         """(the file's checkpoint, the engine fields) for a conversation of n tokens."""
         file_checkpoint, cp_fields = self._encode_checkpoint(checkpoint, to_host)
-        fields = {"layout": SESSION_LAYOUT_VERSION, "ring_start": self.ring_start(n), "checkpoint": cp_fields}
+        fields: dict[str, Any] = {
+            "layout": SESSION_LAYOUT_VERSION,
+            "ring_start": self.ring_start(n),
+            "checkpoint": cp_fields,
+        }
+        if notes is not None:  # absent otherwise: a file without notes is byte for byte what it was
+            fields["notes"] = notes
         return file_checkpoint, json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     def _encode_checkpoint(

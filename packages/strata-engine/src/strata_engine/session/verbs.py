@@ -54,6 +54,7 @@ from ..protocol import (
 from ..wire import RestoreArgs, RestorePrefixArgs, SaveArgs, arguments_of, register
 from .adapter import EngineSession, FaultPoint, PrefixCut, SamplerAccess
 from .buffers import BlockBufferCache, block_buffers
+from .fields import MAX_NOTES_BYTES
 from .identity import runner_identity
 
 log = logging.getLogger(__name__)
@@ -243,6 +244,7 @@ class SessionVerbs:
         cut: PrefixCut | None = None,
         discard_held: bool = False,
         gate: Any = None,
+        notes: str | None = None,
     ) -> EngineSession:
         runner = ctx.runner_of(slot)
         return (EngineSession if gate is None else partial(GatedSession, gate=gate))(
@@ -254,6 +256,7 @@ class SessionVerbs:
             buffers=self.buffers,
             cut=cut,
             discard_held=discard_held,
+            notes=notes,
         )
 
     @staticmethod
@@ -286,7 +289,13 @@ class SessionVerbs:
         if parsed.format is SaveFormat.LLAMA_CPP:
             return self._save_slot_file(ctx, request, parsed)
         sink = self._sink(parsed.path, parsed.sync)  # a malformed s3:// URL: a bad argument
-        adapter = self.adapter(ctx, request.slot, gate=request.gate)
+        if parsed.notes is not None and len(parsed.notes.encode("utf-8", "surrogatepass")) > MAX_NOTES_BYTES:
+            raise ProtocolError(
+                ErrorKind.INVALID_REQUEST,
+                f"notes: {len(parsed.notes.encode('utf-8', 'surrogatepass'))} bytes is over {MAX_NOTES_BYTES}",
+                reason=Reason.BAD_ARGUMENT.value,
+            )
+        adapter = self.adapter(ctx, request.slot, gate=request.gate, notes=parsed.notes)
         try:
             report = sf.save(
                 sink,

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import strata_sessionfile as sf
 
+from ..transcript import Notes, read_notes
 from .index import StoredConversation
 from .names import NAME, PENDING, PENDING_SUFFIX, Fingerprints
 from .remote import Candidate, RemoteTier
@@ -132,6 +133,13 @@ class StoreFolder:
         if not fingerprints.match(inspection.header):
             return None
         return StoredConversation(name, size, np.frombuffer(inspection.metadata.state.tokens, dtype="<i4"))
+
+    def notes(self, name: str) -> Notes | None:
+        """The notes a committed file keeps (a chat's messages, a title); None: none, or unreadable now."""
+        try:
+            return read_notes(self.read(name)[0].metadata.state.engine_fields)
+        except (sf.SessionFileError, OSError):
+            return None
 
     def sync_pending(self, name: str) -> None:
         """fsync a pending file's bytes (the slow part of a commit; OSError: it stays pending)."""

@@ -95,6 +95,11 @@ class StoreIndex:
         with self._lock:
             return self._by_name.get(name)
 
+    def snapshot(self) -> list[StoredConversation]:
+        """Every stored conversation, least recently used first."""
+        with self._lock:
+            return list(self._by_name.values())
+
     def touch(self, name: str) -> None:
         """Mark it used now (a restore)."""
         with self._lock:

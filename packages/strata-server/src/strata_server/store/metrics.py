@@ -31,6 +31,8 @@ class SaveTrigger(enum.StrEnum):
     IDLE = "idle"  # its slot was idle for --cache-idle-seconds
     SHUTDOWN = "shutdown"  # SIGTERM / SIGINT
     WRITE_BEHIND = "write_behind"  # a completion just extended it (with --cache-store)
+    UPLOAD = "upload"  # a client uploaded it (POST /conversations)
+    RENAME = "rename"  # written again with a title (PATCH /conversations/{id})
 
 
 class WriteBehind(enum.StrEnum):

@@ -25,6 +25,8 @@ from ..engine.client import EngineClient, EngineLease
 from ..errors import EngineCallError, EngineReplyError
 from ..ledger import SlotLedger
 from ..tokens import common_prefix
+from ..transcript import Notes, inherits
+from .folder import StoreFolder
 from .index import StoredConversation, StoreIndex
 from .metrics import SaveTrigger, StoreMetrics
 from .names import Fingerprints, conversation_name
@@ -120,12 +122,21 @@ class Saves:
         """The engine writes the slot's conversation pending its commit, unless the store holds it already."""
         if not self.needs_save(slot_id, fingerprints):
             return None
-        tokens = self.ledger.tokens(slot_id)
+        record = self.ledger[slot_id]
+        tokens = record.tokens
         assert tokens is not None and fingerprints is not None
         name = conversation_name(fingerprints, tokens)
+        # The chat's text goes into the file (its engine fields), under its hashes and MAC, with the title of
+        # the stored conversation it extends (which its commit replaces).
+        kept = record.notes
+        title = self._inherited_title(tokens, kept)
+        if title is not None:
+            kept = attrs.evolve(kept or Notes(), title=title)
+        encoded = kept.encode() if kept is not None else None
+        notes = {"notes": encoded} if encoded is not None else {}
         t0 = time.perf_counter()
         try:
-            result = lease.call("SAVE", self.shelf.target(name, fingerprints, tokens))
+            result = lease.call("SAVE", {**self.shelf.target(name, fingerprints, tokens), **notes})
         except EngineReplyError as exc:
             self.metrics.save_failed()
             log.warning(
@@ -147,6 +158,16 @@ class Saves:
             int(result.get("n_written", 0)),
             time.perf_counter() - t0,
         )
+
+    def _inherited_title(self, tokens: np.ndarray, notes: Notes | None) -> str | None:
+        """The title a person gave the longest stored conversation that `tokens` extend, if any."""
+        if not isinstance(self.shelf, StoreFolder):
+            return None  # the object store alone: titles are not read back (spec/http-api.md, section 9)
+        for older in sorted(self.index.strict_prefixes_of(tokens), key=lambda c: -c.n_tokens):
+            title = inherits(notes, self.shelf.notes(older.name))
+            if title is not None:
+                return title
+        return None
 
     def save_idle_slots(self, fingerprints: Fingerprints) -> None:
         """Save each slot idle for --cache-idle-seconds whose conversation is not stored yet."""

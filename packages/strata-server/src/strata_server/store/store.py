@@ -184,6 +184,10 @@ class SessionStore:
                 "session store: %s%s, left pending, could not be committed: %s", name, PENDING_SUFFIX, exc
             )
 
+    def wait_ready(self, timeout_s: float = READY_WAIT_S) -> bool:
+        """Whether the start-up scan is done (waiting for it at most `timeout_s`)."""
+        return self._ready.wait(timeout_s)
+
     def shutdown(self) -> None:
         """Save every slot whose conversation is not stored yet (bounded, logged); stop the threads."""
         self._stop.set()
@@ -342,6 +346,14 @@ class SessionStore:
             seconds * 1000,
         )
         self.ledger.restored(slot_id, prompt[:n_kept], Origin.STORE, name)
+
+    def remove(self, name: str) -> None:
+        """A conversation a person deleted: its file goes and the index forgets it, never between a lookup and
+        its restore."""
+        with self._files:
+            conversation = self.index.get(name)
+            if conversation is not None:
+                self.saves.drop(conversation)
 
     def _bad_file(self, name: str, reason: str) -> None:
         """Logged once (here), moved aside, never restored again."""
