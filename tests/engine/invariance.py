@@ -46,7 +46,10 @@ def small_window(loaded: LoadedModel, window: int) -> LoadedModel:
 def slot_set(loaded: LoadedModel, **settings: Any) -> SlotSet:
     """N_SLOTS slots of N_CTX_SLOT tokens on `loaded`'s weights (f16 K/V, the default, unless asked)."""
     changes = {"n_ctx": N_SLOTS * N_CTX_SLOT, "kv_type": "f16", **settings}
-    return SlotSet(attrs.evolve(loaded, settings=attrs.evolve(loaded.settings, **changes)), N_SLOTS)
+    return SlotSet(
+        LoadedModel(attrs.evolve(loaded.settings, **changes), loaded.gguf, loaded.config, loaded.model),
+        N_SLOTS,
+    )
 
 
 def prefill(runner: ModelRunner, tokens: list[int], chunk: int | None = None) -> np.ndarray:
