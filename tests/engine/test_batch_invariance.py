@@ -19,19 +19,7 @@ from .runners import base_runner
 
 SMALL_WINDOW = 8
 CHUNKS = (1, 7, 17, 64)
-CASES = [
-    ("smollm2", "numba-q8"),
-    ("smollm2", "numba"),
-    ("gemma3", "numba-q8"),
-    ("gemma3", "numba"),
-    pytest.param(
-        ("smollm2", "numpy"),
-        marks=pytest.mark.xfail(
-            raises=AssertionError,
-            reason="the numpy backend's BLAS products and sums depend on the rows (not built)",
-        ),
-    ),  # fmt: skip
-]
+CASES = [("smollm2", "numba-q8"), ("smollm2", "numba"), ("gemma3", "numba-q8"), ("gemma3", "numba")]
 
 
 @functools.cache
@@ -73,3 +61,13 @@ def test_prompt_chunks_of_any_size_give_the_same_kv_and_logits(case, chunk):
     chunked = prefill(runner, PROMPT, chunk)
     assert first_difference([chunked, whole], [solo[0], solo[0]]) is None
     assert held_kv(runner) == kv
+
+
+@pytest.mark.xfail(
+    raises=AssertionError, reason="the numpy backend's BLAS products and sums depend on the rows"
+)
+def test_the_numpy_backend_is_not_batch_invariant():
+    """Not built (issue 41 asks it of numpy too): one batched comparison, kept cheap, that fails today."""
+    numpy = LoadedModel.load(EngineSettings(model_path=smollm2_model_path(), n_ctx=4096, cpu_kernels="numpy"))
+    slots = slot_set(numpy, prefill_chunk=512)  # its float32 weights not kept past the test
+    assert first_difference(batched(slots, 1), alone(slots)) is None
