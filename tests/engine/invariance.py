@@ -17,9 +17,10 @@ from strata_engine.slots import SlotSet
 N_SLOTS = 8
 N_CTX_SLOT = 320
 DECODE_STEPS = 4
-# The slot under test: its prompt crosses two 64-key attention splits; the others' depths put the batch's rows
-# in other splits (a row of 3 keys, one at a split's edge, several splits long).
-PROMPT_LEN = 150
+# The slot under test: its prompt crosses four 64-key attention splits and is deep enough for its step alone to
+# attend over both threads (before the fixed splits, cut in two there and whole in a batch: other bits); the others'
+# depths put the batch's rows in other splits (a row of 3 keys, one at a split's edge, several splits long).
+PROMPT_LEN = 260
 OTHER_LENS = (3, 64, 65, 200, 20, 129, 7)
 INTERLEAVED_LEN = 90  # the prompt evaluated chunk by chunk between the batched steps
 INTERLEAVED_CHUNK = 16
