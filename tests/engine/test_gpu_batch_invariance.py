@@ -15,7 +15,9 @@ from .invariance import PROMPT, alone, batched, first_difference, held_kv, prefi
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.xfail(raises=AssertionError, reason="the GPU path is not batch-invariant (issue 41: not built)"),
+    pytest.mark.xfail(
+        raises=AssertionError, reason="the GPU path is not batch-invariant (issue 41: not built)"
+    ),
 ]
 
 
