@@ -18,7 +18,7 @@ from .invariance import PROMPT, alone, batched, first_difference, held_kv, prefi
 from .runners import base_runner
 
 SMALL_WINDOW = 8
-CHUNKS = (1, 7, 17, 64)
+CHUNKS = (7, 17, 64)  # a chunk of at most 16 queries takes the decode kernel, a longer one the blocks
 CASES = [("smollm2", "numba-q8"), ("smollm2", "numba"), ("gemma3", "numba-q8"), ("gemma3", "numba")]
 
 
