@@ -20,7 +20,8 @@ from strata_server.params import ENGINE_DEFAULTS
 EXAMPLES: dict[str, list[str]] = {
     "n_ctx": ["-c", "4096"], "n_slots": ["-np", "4"], "kv_type": ["--kv-type", "int8"],
     "kv_resident": ["--kv-resident", "256"], "prompt_cache": ["--no-prompt-cache"], "backend": ["--backend", "auto"],
-    "cpu_kernels": ["--cpu-kernels", "numba"], "threads": ["-t", "3"], "poll": ["--poll", "0"],
+    "cpu_kernels": ["--cpu-kernels", "numba"], "batch_invariant": ["--no-batch-invariant"], "threads": ["-t", "3"],
+    "poll": ["--poll", "0"],
     "chat_template": ["--chat-template", "gemma"],
 }  # fmt: skip
 

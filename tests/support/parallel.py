@@ -14,8 +14,14 @@ import requests
 TIMEOUT = 300
 
 
-def stream_tokens(url: str, body: dict, on_first: Callable[[], None] | None = None) -> tuple[list[int], dict]:
-    """A streamed ``/completion``: every token id of its chunks, and its final chunk."""
+def stream_tokens(
+    url: str,
+    body: dict,
+    on_first: Callable[[], None] | None = None,
+    on_count: tuple[int, Callable[[], None]] | None = None,
+) -> tuple[list[int], dict]:
+    """A streamed ``/completion``: every token id of its chunks, and its final chunk. on_count = (n, call): call()
+    once n tokens have arrived."""
     tokens: list[int] = []
     final: dict = {}
     with requests.post(
@@ -37,6 +43,9 @@ def stream_tokens(url: str, body: dict, on_first: Callable[[], None] | None = No
             if on_first is not None and tokens:
                 on_first()
                 on_first = None
+            if on_count is not None and len(tokens) >= on_count[0]:
+                on_count[1]()
+                on_count = None
     if final:  # every token the engine generated went out in the stream (an EOS among them)
         assert len(tokens) == final["tokens_predicted"], (len(tokens), final["tokens_predicted"])
     return tokens, final
@@ -67,6 +76,74 @@ def concurrent_streams_match_solo(url: str, prompts: list[str], n_predict: int) 
     assert all(len(t) == n_predict for t in alone)
     assert together == alone
     return alone
+
+
+def staggered_streams_match_solo(url: str, prompts: list[str], n_predict: int, every: int) -> list[list[int]]:
+    """Each prompt's greedy tokens streamed alone, then together with prompt i + 1 sent once prompt i has streamed
+    `every` tokens (arriving mid-way through the others' replies, its prompt's chunks between their steps): the
+    same tokens for each (batch invariance)."""
+    body = {"n_predict": n_predict, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    alone = [stream_tokens(url, {**body, "prompt": p})[0] for p in prompts]
+    together: list[list[int] | None] = [None] * len(prompts)
+    sent = [threading.Event() for _ in prompts]
+    sent[0].set()
+
+    def one(i: int) -> Callable[[], None]:
+        def run() -> None:
+            assert sent[i].wait(TIMEOUT), f"prompt {i} was never sent"
+            after = (every, sent[i + 1].set) if i + 1 < len(prompts) else None
+            together[i] = stream_tokens(url, {**body, "prompt": prompts[i]}, on_count=after)[0]
+
+        return run
+
+    run_threads([one(i) for i in range(len(prompts))])
+    assert all(len(t) == n_predict for t in alone)
+    for i, (a, t) in enumerate(zip(alone, together, strict=True)):
+        differs = [j for j, (x, y) in enumerate(zip(a, t or [], strict=False)) if x != y]
+        assert t == a, f"prompt {i}: {len(t or [])} tokens, the first difference at token {differs[:1]}"
+    return alone
+
+
+def restore_under_load_continues_exactly(
+    url: str, filename: str, prompt: str, others: list[str], n_predict: int
+) -> None:
+    """A conversation in slot 0 saved after its first turn; its second turn answered from the held conversation
+    (never restarted), then again after the file is restored into slot 0 while the other slots stream: the same
+    tokens and the same reused prefix (batch invariance across a restore)."""
+    body = {"n_predict": n_predict, "temperature": 0, "ignore_eos": True, "id_slot": 0}
+    first, _ = stream_tokens(url, {**body, "prompt": prompt})
+    saved = requests.post(
+        url + "/slots/0", params={"action": "save"}, json={"filename": filename}, timeout=TIMEOUT
+    )
+    assert saved.status_code == 200, saved.text
+    turn = {**body, "prompt": [*tokenize(url, prompt), *first, *tokenize(url, " Go on.")]}
+    held, held_final = stream_tokens(url, turn)
+    streaming = threading.Event()
+    restored: dict = {}
+
+    def other(i: int) -> Callable[[], None]:
+        def run() -> None:
+            stream_tokens(url, {**body, "id_slot": i + 1, "prompt": others[i], "n_predict": 3 * n_predict},
+                          on_first=streaming.set)  # fmt: skip
+
+        return run
+
+    def restore_and_answer() -> None:
+        assert streaming.wait(TIMEOUT)
+        answer = requests.post(url + "/slots/0", params={"action": "restore"}, json={"filename": filename},
+                               timeout=TIMEOUT)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        restored["tokens"], restored["final"] = stream_tokens(url, turn)
+
+    run_threads([*(other(i) for i in range(len(others))), restore_and_answer])
+    assert restored["tokens"] == held
+    assert restored["final"]["timings"]["cache_n"] == held_final["timings"]["cache_n"] > 0
+
+
+def tokenize(url: str, text: str) -> list[int]:
+    response = requests.post(url + "/tokenize", json={"content": text}, timeout=TIMEOUT)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
 
 
 def raw_stream(host: str, port: int, body: dict) -> socket.socket:

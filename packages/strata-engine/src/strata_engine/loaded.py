@@ -40,7 +40,9 @@ from .settings import EngineSettings
 WARM_UP_TOKENS = 72
 
 # What the weights depend on: `with_settings` keeps these as loaded.
-WEIGHT_SETTINGS = frozenset({"model_path", "compute_dtype", "backend", "cpu_kernels", "threads", "poll"})
+WEIGHT_SETTINGS = frozenset(
+    {"model_path", "compute_dtype", "backend", "cpu_kernels", "threads", "poll", "batch_invariant"}
+)
 
 
 @attrs.define(eq=False)
@@ -114,8 +116,9 @@ class LoadedModel:
         settings = resolve_settings(settings, config.architecture)
         assert settings.compute_dtype is not None and settings.cpu_kernels is not None  # resolved just above
         ops = get_ops(
-            settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads, settings.poll
-        )
+            settings.backend, settings.compute_dtype, settings.cpu_kernels, settings.threads, settings.poll,
+            batch_invariant=settings.batch_invariant,
+        )  # fmt: skip
         return cls(settings, gguf_file, config, build_model(config, ops, gguf_file))
 
     def with_settings(self, **changes: Any) -> LoadedModel:

@@ -402,6 +402,14 @@ class EngineSettings:
         "products; on a CPU without AVX512-VNNI numba's float32 products), numba (the same kernels with float32 "
         "products: closest to transformers) or numpy (float32 weights and BLAS: the reference the kernels are "
         "tested against)")  # fmt: skip
+    batch_invariant: bool = _setting(
+        "--no-batch-invariant",
+        default=True,
+        check=_boolean,
+        help="let a slot's arithmetic depend on the batch and the prompt chunks (CPU: float32 products of several "
+        "rows through BLAS or weight-row pairs, gemma3's long global attention through BLAS); by default a "
+        "conversation's logits are the same bits whatever else runs",
+    )
     threads: int | None = _setting(
         "-t",
         "--threads",

@@ -17,36 +17,37 @@ from .numpy_ops import NumpyOps
 from .threads import default_threads, set_poll, set_threads
 
 
-def _numpy_ops(compute_dtype: str, threads: int | None) -> Ops:
+def _numpy_ops(compute_dtype: str, threads: int | None, batch_invariant: bool) -> Ops:
+    """BLAS's products and numpy's sums: not batch-invariant (the reference: its arithmetic stays as it is)."""
     if threads is not None:
         set_threads(threads)
     return NumpyOps(compute_dtype)
 
 
-def _numba_ops(compute_dtype: str, threads: int | None, q8: bool = False) -> Ops:
+def _numba_ops(compute_dtype: str, threads: int | None, batch_invariant: bool, q8: bool = False) -> Ops:
     from .numba_ops import NumbaOps  # imports numba only when its kernels are asked for
 
-    return NumbaOps(compute_dtype, threads, q8=q8)
+    return NumbaOps(compute_dtype, threads, q8=q8, batch_invariant=batch_invariant)
 
 
-def _numba_q8_ops(compute_dtype: str, threads: int | None) -> Ops:
-    return _numba_ops(compute_dtype, threads, q8=True)
+def _numba_q8_ops(compute_dtype: str, threads: int | None, batch_invariant: bool) -> Ops:
+    return _numba_ops(compute_dtype, threads, batch_invariant, q8=True)
 
 
-def _cupy_ops(compute_dtype: str, threads: int | None) -> Ops:
+def _cupy_ops(compute_dtype: str, threads: int | None, batch_invariant: bool) -> Ops:
     from .cupy_ops import CupyOps  # imports cupy only when the GPU backend is asked for
 
     return CupyOps(compute_dtype)
 
 
-# The numpy backend's kernels (settings.CpuKernels) -> the ops factory (compute dtype, threads).
-CPU_OPS: dict[str, Callable[[str, int | None], Ops]] = {
+# The numpy backend's kernels (settings.CpuKernels) -> the ops factory (compute dtype, threads, batch-invariant).
+CPU_OPS: dict[str, Callable[[str, int | None, bool], Ops]] = {
     CpuKernels.NUMPY: _numpy_ops, CpuKernels.NUMBA: _numba_ops, CpuKernels.NUMBA_Q8: _numba_q8_ops,
 }  # fmt: skip
 # A backend (settings.Backend, "auto" resolved) -> the ops factory computing on it, given the CPU kernels.
-OPS_OF_BACKEND: dict[str, Callable[[str, str, int | None], Ops]] = {
-    Backend.NUMPY: lambda dtype, kernels, threads: CPU_OPS[kernels](dtype, threads),
-    Backend.CUPY: lambda dtype, kernels, threads: _cupy_ops(dtype, threads),
+OPS_OF_BACKEND: dict[str, Callable[[str, str, int | None, bool], Ops]] = {
+    Backend.NUMPY: lambda dtype, kernels, threads, invariant: CPU_OPS[kernels](dtype, threads, invariant),
+    Backend.CUPY: lambda dtype, kernels, threads, invariant: _cupy_ops(dtype, threads, invariant),
 }
 
 
@@ -68,10 +69,11 @@ def resolve_settings(settings: EngineSettings, architecture: str) -> EngineSetti
 
 def get_ops(
     backend: str = Backend.NUMPY, compute_dtype: str = "f32", cpu_kernels: str = CpuKernels.NUMPY,
-    threads: int | None = None, poll: int = DEFAULT_POLL,
+    threads: int | None = None, poll: int = DEFAULT_POLL, *, batch_invariant: bool = True,
 ) -> Ops:  # fmt: skip
     """The ops of a backend; on numpy, of `cpu_kernels`, on `threads` threads (None: as they are) polling
-    `poll` (`threads.set_poll`) where their threads are not started yet."""
+    `poll` (`threads.set_poll`) where their threads are not started yet; batch_invariant: a row's arithmetic
+    never depends on the other rows of its pass (`settings.EngineSettings.batch_invariant`)."""
     backend = resolve_backend(backend)
     try:
         make = OPS_OF_BACKEND[backend]
@@ -80,7 +82,7 @@ def get_ops(
             [f"backend {backend!r} is not available (have: {', '.join(OPS_OF_BACKEND)})"]
         ) from None
     set_poll(poll)
-    return make(compute_dtype, cpu_kernels, threads)
+    return make(compute_dtype, cpu_kernels, threads, batch_invariant)
 
 
 __all__ = ["CPU_OPS", "OPS_OF_BACKEND", "NumpyOps", "Ops", "get_ops", "resolve_backend", "resolve_settings"]

@@ -394,16 +394,17 @@ def _weight_tile(n_tok):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def matmul_packed(x, xsum, values, scale, mins, has_min, block, by_row, y):
+def matmul_packed(x, xsum, values, scale, mins, has_min, block, by_row, pairs, y):
     """y = x W^T for a packed weight, weight rows over all threads: a token row at a time (by_row:
     `row_dot`, plus min * sum(x) per block where it has mins, xsum [M, K / block]) or each block of a tile
-    of weight rows decoded once for a group of token rows (`rows_dot`; xsum read only for the rows past the
-    last full tile). One kernel for both: warming one warms both."""
+    of weight rows decoded once for a group of token rows (`rows_dot`; pairs of weight rows from PAIR_MIN_ROWS
+    token rows where `pairs`, else one: the same bits whatever the token rows; xsum read only for the rows past
+    the last full tile). One kernel for both: warming one warms both."""
     if by_row:
         for n in prange(values.shape[0]):
             _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
     else:
-        tile = _weight_tile(x.shape[0])
+        tile = _weight_tile(x.shape[0]) if pairs else 1
         full = values.shape[0] // tile
         for t in prange(full):
             _matmul_rows(x, values, scale, mins, has_min, block, y, t * tile, tile)
@@ -413,13 +414,13 @@ def matmul_packed(x, xsum, values, scale, mins, has_min, block, by_row, y):
 
 
 @njit(fastmath=True, cache=True)
-def matmul_packed_serial(x, xsum, values, scale, mins, has_min, block, by_row, y):
+def matmul_packed_serial(x, xsum, values, scale, mins, has_min, block, by_row, pairs, y):
     """`matmul_packed` on the calling thread (a product too small to be worth a parallel region)."""
     if by_row:
         for n in range(values.shape[0]):
             _matmul_row(x, xsum, values, scale, mins, has_min, block, y, n)
     else:
-        tile = _weight_tile(x.shape[0])
+        tile = _weight_tile(x.shape[0]) if pairs else 1
         full = values.shape[0] // tile
         for t in range(full):
             _matmul_rows(x, values, scale, mins, has_min, block, y, t * tile, tile)
@@ -939,6 +940,17 @@ def _slot_run(p, end, base, capacity):
     return slot, min(end - p, capacity - slot)
 
 
+# Keys per attention split, cut at multiples of it in positions: a query's arithmetic never depends on the batch,
+# the chunk or the thread count (one split cost ~1 % of a 64-key decode step's attention over splits of the span).
+ATTN_SPLIT_KEYS = 64
+
+
+@njit(cache=True, inline="always")
+def split_count(k_lo, k_hi):
+    """The attention splits of keys [k_lo, k_hi) (`_attention_split`)."""
+    return max(1, (k_hi + ATTN_SPLIT_KEYS - 1) // ATTN_SPLIT_KEYS - k_lo // ATTN_SPLIT_KEYS)
+
+
 _I = (
     np.int64
 )  # the kernels pass _attention_split int64s alike (a literal or a prange index would compile another)
@@ -950,16 +962,16 @@ _I = (
 def _attention_split(
     sp, q, k, v, k_scale, v_scale, has_scales, n_tok, q_pos0, k_lo, base, capacity, window, acc, m_out, l_out
 ):
-    """Split sp of acc.shape[0] equal key ranges of [k_lo, q_pos0 + T), every K/V head: per row r of q
-    [Hkv, T * G, D] (token r // G), the max m_out of its visible scores, the sum l_out of exp(s - m) and
-    acc = sum exp(s - m) v, merged by `_merge`."""
-    n_split = acc.shape[0]
+    """Split sp of [k_lo, q_pos0 + T) cut at multiples of ATTN_SPLIT_KEYS positions (`split_count` of them),
+    every K/V head: per row r of q [Hkv, T * G, D] (token r // G), the max m_out of its visible scores, the sum
+    l_out of exp(s - m) and acc = sum exp(s - m) v, merged by `_merge`. The cuts sit at fixed positions, so a
+    query's partials are the same bits whatever else the call attends (batch-invariant)."""
     n_kv, rows, d = q.shape
     group = rows // n_tok
     k_hi = q_pos0 + n_tok
-    per_split = (k_hi - k_lo + n_split - 1) // n_split
-    s_lo = k_lo + sp * per_split
-    s_hi = min(k_hi, s_lo + per_split)
+    cut = (k_lo // ATTN_SPLIT_KEYS + sp) * ATTN_SPLIT_KEYS
+    s_lo = max(k_lo, cut)
+    s_hi = min(k_hi, cut + ATTN_SPLIT_KEYS)
     first = s_lo if window <= 0 else max(s_lo, q_pos0 - window + 1)  # the rows' key ranges together
     a = acc[sp]
     a[:] = 0
@@ -1077,7 +1089,8 @@ def attention(
     positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale, v_scale
     [slots, Hkv, D / 32]) into out [T, H * D]: position p sits in slot p % capacity (a ring, capacity > 0)
     or p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). The keys
-    are cut into n_split equal ranges, one work item each over all threads, merged at the end."""
+    are cut at multiples of ATTN_SPLIT_KEYS (n_split = `split_count(k_lo, q_pos0 + T)`), one work item each
+    over all threads, merged at the end."""
     n_kv = k.shape[1]
     qs = _grouped_queries(q, n_kv, scale)
     rows, d = qs.shape[1], qs.shape[2]
@@ -1116,23 +1129,26 @@ def attention_blocks(
     q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, block, out
 ):
     """`attention` of a prompt chunk: queries q [T, H, D] in blocks of `block` tokens, each block one work item
-    over all threads (its tokens share every K/V read), its keys one range. The blocks are taken in the order
-    first, last, second, second last..., so each thread's contiguous share holds early and late (causal: cheap
-    and costly) blocks alike."""
+    over all threads (its tokens share every K/V read), its keys cut as a decode step's (`_attention_split`: the
+    same bits a query gets alone). The blocks are taken in the order first, last, second, second last..., so each
+    thread's contiguous share holds early and late (causal: cheap and costly) blocks alike."""
     n_tok, n_kv = q.shape[0], k.shape[1]
     n_blocks = (n_tok + block - 1) // block
     for i in prange(n_blocks):
         ib = i // 2 if i % 2 == 0 else n_blocks - 1 - i // 2
         t0 = ib * block
         t1 = min(n_tok, t0 + block)
+        lo = k_lo if window <= 0 else max(k_lo, q_pos0 + t0 - window + 1)  # the block's first visible key
+        n_split = split_count(lo, q_pos0 + t1)
         qs = _grouped_queries(q[t0:t1], n_kv, scale)
-        acc = np.empty((1, n_kv, qs.shape[1], qs.shape[2]), dtype=F32)
-        m = np.empty((1, n_kv, qs.shape[1]), dtype=F32)
-        l_sum = np.empty((1, n_kv, qs.shape[1]), dtype=F32)
-        _attention_split(
-            _I(0), qs, k, v, k_scale, v_scale, has_scales, t1 - t0, q_pos0 + t0, k_lo, base, capacity, window, acc,
-            m, l_sum,
-        )  # fmt: skip
+        acc = np.empty((n_split, n_kv, qs.shape[1], qs.shape[2]), dtype=F32)
+        m = np.empty((n_split, n_kv, qs.shape[1]), dtype=F32)
+        l_sum = np.empty((n_split, n_kv, qs.shape[1]), dtype=F32)
+        for sp in range(n_split):
+            _attention_split(
+                _I(sp), qs, k, v, k_scale, v_scale, has_scales, t1 - t0, q_pos0 + t0, lo, base, capacity, window,
+                acc, m, l_sum,
+            )  # fmt: skip
         _merge(acc, m, l_sum, t1 - t0, out[t0:t1])
 
 
@@ -1143,7 +1159,8 @@ def attention_rows(
     """`attention` of a batched decode step: row b's query q[b] [H, D] at position q_pos[b] over keys
     [k_lo[b], q_pos[b]] of slot slots[b] of a layer's storage for every slot, k, v [n_slots, capacity, Hkv, D]
     (int8: k_scale, v_scale [n_slots, capacity, Hkv, D / 32]; position p at p % capacity in a ring, else at p),
-    into out [B, H * D]. The work items, each row's n_split key ranges, run over all threads."""
+    into out [B, H * D]. The work items, each row's key ranges cut as `attention`'s (n_split: the most any row
+    has; a row's others are empty), run over all threads."""
     n_rows, n_kv = q.shape[0], k.shape[2]
     group, d = q.shape[1] // n_kv, q.shape[2]
     acc = np.empty((n_rows, n_split, n_kv, group, d), dtype=F32)

@@ -60,8 +60,6 @@ ATTN_BLAS_MIN_HEAD_DIM = 256
 ATTN_BLAS_MIN_HELD = 6144
 # Keys per block of the BLAS path (scores [Hkv, G*T, block] float32 stay a few MiB).
 ATTN_BLAS_KEY_BLOCK = 512
-# Keys per split of the attention kernel at least (fewer splits than threads * 2 otherwise).
-ATTN_MIN_SPLIT = 64
 _DUMMY_2D = np.zeros((1, 1), dtype=F32)
 _NO_NORM = np.ones(1, dtype=F32)
 _DUMMY_3D = np.zeros((1, 1, 1), dtype=F32)
@@ -116,8 +114,19 @@ class NumbaOps(NumpyOps):
     attends_in_place = True
     compiles_kernels = True
 
-    def __init__(self, dtype: str = "f32", threads: int | None = None, *, q8: bool = False):
+    def __init__(
+        self,
+        dtype: str = "f32",
+        threads: int | None = None,
+        *,
+        q8: bool = False,
+        batch_invariant: bool = True,
+    ):
         super().__init__(dtype)
+        # a row's arithmetic never depends on the pass's other rows: one float32 product kernel for every row
+        # count (no BLAS, no row_dot, no weight-row pairs), attention always in the kernel (its splits at fixed
+        # positions); the q8 products are invariant as they are
+        self.batch_invariant = batch_invariant
         if self.dtype != F32:
             raise ValueError(f"the numba kernels compute in f32, not {dtype}")
         self.threads = set_threads(threads if threads is not None else default_threads())
@@ -213,10 +222,11 @@ class NumbaOps(NumpyOps):
         w = w.natural()
         y = np.empty((m, w.shape[0]), dtype=F32)
         has_min = w.min is not None
-        by_row = m <= BY_ROW_MAX_ROWS if by_row is None else by_row
+        if by_row is None:
+            by_row = m <= BY_ROW_MAX_ROWS and not self.batch_invariant
         xsum = x.reshape(m, k // w.block, w.block).sum(axis=-1) if has_min else _DUMMY_2D
         kernel = nk.matmul_packed if parallel else nk.matmul_packed_serial
-        kernel(x, xsum, w.values, w.scale, _mins(w), has_min, w.block, by_row, y)
+        kernel(x, xsum, w.values, w.scale, _mins(w), has_min, w.block, by_row, not self.batch_invariant, y)
         return y
 
     def blas_matmul(self, x: np.ndarray, w: PackedWeight) -> np.ndarray:
@@ -239,7 +249,8 @@ class NumbaOps(NumpyOps):
             return super().matmul(x, w)
         x = np.ascontiguousarray(x, dtype=F32)
         m = x.shape[0]
-        if m <= PACKED_MAX_ROWS or (self.q8 and m <= Q8_MAX_ROWS and w.tiled):
+        q8 = self.q8 and w.tiled
+        if m <= PACKED_MAX_ROWS or (q8 and m <= Q8_MAX_ROWS) or self.batch_invariant:
             return self.packed_matmul(x, w)
         return self.blas_matmul(x, w)
 
@@ -324,7 +335,11 @@ class NumbaOps(NumpyOps):
         n_tok = q.shape[0]
         k_hi = q_pos0 + n_tok if ring_capacity else k_pos0 + k.shape[0]
         k_lo = k_pos0 if window is None else max(k_pos0, q_pos0 - window + 1)
-        blas = q.shape[2] >= ATTN_BLAS_MIN_HEAD_DIM and q_pos0 - k_lo >= ATTN_BLAS_MIN_HELD
+        blas = (
+            not self.batch_invariant
+            and q.shape[2] >= ATTN_BLAS_MIN_HEAD_DIM
+            and q_pos0 - k_lo >= ATTN_BLAS_MIN_HELD
+        )
         if n_tok > ATTN_KERNEL_MAX_TOKENS and not blas:
             out = np.empty((n_tok, q.shape[1] * q.shape[2]), dtype=F32)
             has_scales = k_scale is not None
@@ -355,7 +370,7 @@ class NumbaOps(NumpyOps):
         n_tok, n_head, d = q.shape
         span = max(1, k_hi - k_lo)
         parallel = self.threads > 1 and span * n_head * n_tok >= PARALLEL_MIN_SCORES
-        n_split = max(1, min(self.threads, span // ATTN_MIN_SPLIT)) if parallel else 1
+        n_split = nk.split_count(k_lo, k_hi)
         out = np.empty((n_tok, n_head * d), dtype=F32)
         has_scales = k_scale is not None
         kernel = nk.attention if parallel else nk.attention_serial
@@ -375,8 +390,7 @@ class NumbaOps(NumpyOps):
         capacity, Hkv, D] (int8: with k_scale, v_scale), a ring of `capacity` where it is > 0 -> [B, H * D].
         The rows (each cut into key ranges until there are two work items a thread) run over all threads."""
         n_rows, n_head, d = q.shape
-        shortest = min(p + 1 - lo for p, lo in zip(q_pos, k_lo, strict=True))
-        n_split = max(1, min(-(-2 * self.threads // n_rows), shortest // ATTN_MIN_SPLIT))
+        n_split = max(nk.split_count(lo, p + 1) for p, lo in zip(q_pos, k_lo, strict=True))
         out = np.empty((n_rows, n_head * d), dtype=F32)
         has_scales = k_scale is not None
         nk.attention_rows(
