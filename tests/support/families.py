@@ -94,6 +94,10 @@ FAMILIES: dict[str, Family] = {
                               "long_factor": np.linspace(1.0, 6.0, 16).tolist()}),
         permute_qk=False, keys=lambda w, c: _phi3_keys(w, c),
     ),
+}  # fmt: skip
+# Families the engine's own tests cover with the real model (tests/engine: gemma3), tiny here for the cross-engine
+# cache tests (tests/crossengine/test_transformers_cache.py): not in FAMILIES, whose tests they would lengthen.
+MORE_FAMILIES: dict[str, Family] = {
     # Gemma 3: six layers (five sliding, the sixth global: the GGUF leaves the pattern to the engine), a window
     # of 8, per-head QK norms, post norms, tied output; norm weights written +1 as the converter does.
     "gemma3": Family(
@@ -103,6 +107,7 @@ FAMILIES: dict[str, Family] = {
         permute_qk=False, norm_plus_one=True, keys=lambda w, c: _gemma3_keys(w, c),
     ),
 }  # fmt: skip
+ALL_FAMILIES = {**FAMILIES, **MORE_FAMILIES}
 
 # transformers' per-layer tensor names -> llama.cpp's (gguf's TensorNameMap, as the converter maps them)
 LAYER_TENSORS = {
