@@ -22,7 +22,7 @@ from strata_sessionfile import errors as E
 from strata_sessionfile import hf
 from strata_sessionfile.testing import run_conformance
 from support.families import BOS, FAMILIES, reference_model
-from transformers import DynamicCache
+from transformers import AutoConfig, DynamicCache
 
 # Token ids of each vocabulary (the tokenizers are strata-engine's business, not this test's): SmolLM2's starts
 # with <|im_start|>, gemma3's with its bos.
@@ -109,13 +109,13 @@ def _k_rows(path, layer: int, shape: tuple[int, ...]) -> np.ndarray:
 @pytest.fixture(scope="module")
 def tiny(family_files):
     """family -> (the tiny f32 GGUF bound to transformers' model of it, a strata-engine runner of it), on first
-    use. transformers' GGUF loader loads each, but llama3's RoPE factors: that model is built from the file's
-    weights with the family's config (support/families.py)."""
+    use. transformers' GGUF loader loads each, but for what it drops (BY_CONFIG): that model is built from the
+    file's weights with the family's config (support/families.py)."""
 
     @functools.cache
     def get(family: str) -> tuple[hf.GGUFModel, object]:
         path = family_files(family, "f32")
-        if family == "llama3":
+        if family in BY_CONFIG:
             model = hf.GGUFModel.bind(reference_model(FAMILIES[family], path), path)
         else:
             model = hf.load_model(path)
@@ -151,6 +151,14 @@ def test_smollm2_k_rows_are_strata_engines(smollm2, smollm2_runner, tmp_path):
     sf.save(tmp_path / "engine.ssf", EngineSession(smollm2_runner))
     _check_k_rows(smollm2, cache, SMOLLM2_PROMPT, tmp_path / "engine.ssf", tmp_path)
 
+
+# What transformers' GGUF loader (5.x) drops, so that load_model refuses the tiny file: llama3's RoPE factors
+# (rope_freqs.weight), qwen3's key_length (head_dim 64 here; released Qwen3s' 128 is its default), Phi-3's window.
+BY_CONFIG = {
+    "llama3": ("llama3", E.CacheUnsupported, "rope_freqs"),
+    "qwen3": ("qwen3", E.CacheGeometryMismatch, r"\(2, 128, 128, 0\); the GGUF 2, \(2, 64, 64, 0\)"),
+    "phi3": ("phi3", E.CacheUnsupported, "phi3"),
+}
 
 # family -> its K row mapping (llama3: RoPE scaled by rope_freqs.weight; mistral-style: plain `llama`)
 TINY_K_ROWS = {
@@ -192,12 +200,14 @@ def test_tiny_family_caches_cross_both_ways(family, tiny, tmp_path):
     assert hf_greedy(model, loaded, [TINY_PROMPT[-1]]) == expected
 
 
-@pytest.mark.parametrize(("family", "named"), [("llama3", "rope_freqs"), ("phi3", "phi3")])
-def test_what_transformers_loads_differently_is_refused(family, named, family_files):
-    """transformers' GGUF loader drops llama3's RoPE factors (its K rows would not be the file's) and Phi-3's
-    window: refused by name, not converted wrong."""
-    with pytest.raises(E.CacheUnsupported, match=named):
-        hf.load_model(family_files(family, "f32"))
+@pytest.mark.parametrize(("family", "error", "named"), BY_CONFIG.values(), ids=list(BY_CONFIG))
+def test_what_transformers_loads_differently_is_refused(family, error, named, family_files):
+    """What transformers' GGUF loader drops is refused by name, not converted wrong (its config of the file is
+    what load_model binds; the tiny phi3's weights it cannot load: its default pad token is past the vocabulary)."""
+    path = family_files(family, "f32")
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with pytest.raises(error, match=named):
+        hf.GGUFModel.bind(config, path)
 
 
 def _random_cache(model: hf.GGUFModel, n: int, seed: int, cache=None):
