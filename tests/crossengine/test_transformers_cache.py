@@ -305,3 +305,19 @@ def test_sliding_layers_past_the_window(tiny, tmp_path):
     with torch.no_grad():
         got, want = (gemma3.module(step, past_key_values=c, use_cache=True).logits for c in (loaded, theirs))
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_an_f16_engine_takes_the_cache_as_f16(tiny, family_files, tmp_path):
+    """The README's path to strata-server (f16 K/V by default): kv_dtype="f16" and the engine's config."""
+    model = tiny("qwen2")[0]
+    runner = SlotSet.load(
+        EngineSettings(model_path=family_files("qwen2", "f32"), kv_type="f16", n_ctx=128)
+    ).runners[0]
+    held = TINY_PROMPT[:-1]
+    cache = hf.new_cache(model)
+    with torch.no_grad():
+        model.module(torch.tensor([held]), past_key_values=cache, use_cache=True)
+    path = tmp_path / "f16.ssf"
+    hf.save_cache(model, cache, held, path, config=runner_identity(runner).config, kv_dtype="f16")
+    sf.restore(path, EngineSession(runner))
+    assert runner.prefill(TINY_PROMPT).cache_n == len(held)
