@@ -252,7 +252,9 @@ def _read_gguf(path: str | os.PathLike, *, tensors: bool) -> tuple[dict[str, Any
             names.add(cur.string())
             n_dims = cur.scalar("<I")
             if n_dims > 8:
-                raise E.SlotModelUnsupported(f"GGUF tensor of {n_dims} dimensions", path=src.path, offset=cur.pos)
+                raise E.SlotModelUnsupported(
+                    f"GGUF tensor of {n_dims} dimensions", path=src.path, offset=cur.pos
+                )
             cur.take(8 * n_dims + 4 + 8)  # dimensions, type, offset
         return meta, frozenset(names)
 
