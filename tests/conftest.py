@@ -48,3 +48,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def family_files(tmp_path_factory):
+    """(family, file type) -> the tiny model's GGUF (support/families.py), written on first use."""
+    import functools
+
+    from support.families import ALL_FAMILIES, hf_model, write_gguf
+
+    folder = tmp_path_factory.mktemp("families")
+
+    @functools.cache
+    def file(family: str, file_type: str):
+        f = ALL_FAMILIES[family]
+        return write_gguf(hf_model(f), f, folder / f"{family}-{file_type}.gguf", file_type)
+
+    return file

@@ -1,10 +1,14 @@
 """transformers caches through format v1 (strata_sessionfile.hf) against the real transformers (loading the
 GGUF strata-engine loads, f32) and strata-engine (f32 K/V): transformers' cache -> strata-engine continues
-as transformers does; strata-engine's file -> transformers continues as strata-engine does; gemma3's K
-rows (not permuted) and SmolLM2's (permuted) equal strata-engine's own; the conformance kit; refusals.
+as transformers does; strata-engine's file -> transformers continues as strata-engine does; each family's K
+rows equal strata-engine's own (SmolLM2's and llama's permuted, gemma3's, qwen2's and qwen3's not); the
+conformance kit; refusals. SmolLM2 is the real model, one transformers model and one runner for the module;
+the other families are tiny random models (support/families.py) that transformers' GGUF loader loads.
 """
 
 from __future__ import annotations
+
+import functools
 
 import attrs
 import numpy as np
@@ -17,17 +21,19 @@ from strata_engine.slots import SlotSet
 from strata_sessionfile import errors as E
 from strata_sessionfile import hf
 from strata_sessionfile.testing import run_conformance
-from transformers import DynamicCache
+from support.families import BOS, FAMILIES, reference_model
+from transformers import AutoConfig, DynamicCache
 
 # Token ids of each vocabulary (the tokenizers are strata-engine's business, not this test's): SmolLM2's starts
 # with <|im_start|>, gemma3's with its bos.
 SMOLLM2_PROMPT = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
-GEMMA3_PROMPT = [2, 818, 5279, 529, 7001, 563, 9079, 236761, 669, 5279, 529]
+# The tiny models' (byte tokens): longer than gemma3's window (8), so its sliding layers hold a part.
+TINY_PROMPT = [BOS, *b"The cat sat on a"]
 N_REPLY = 8
 
 
-def _runner(path):
-    return SlotSet.load(EngineSettings(model_path=path, kv_type="f32", n_ctx=512)).runners[0]
+def _runner(path, n_ctx: int = 512):
+    return SlotSet.load(EngineSettings(model_path=path, kv_type="f32", n_ctx=n_ctx)).runners[0]
 
 
 @pytest.fixture(scope="module")
@@ -101,36 +107,107 @@ def _k_rows(path, layer: int, shape: tuple[int, ...]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def gemma3(gemma3_path):
-    return hf.load_model(gemma3_path)
+def tiny(family_files):
+    """family -> (the tiny f32 GGUF bound to transformers' model of it, a strata-engine runner of it), on first
+    use. transformers' GGUF loader loads each, but for what it drops (BY_CONFIG): that model is built from the
+    file's weights with the family's config (support/families.py)."""
+
+    @functools.cache
+    def get(family: str) -> tuple[hf.GGUFModel, object]:
+        path = family_files(family, "f32")
+        if family in BY_CONFIG:
+            model = hf.GGUFModel.bind(reference_model(FAMILIES[family], path), path)
+        else:
+            model = hf.load_model(path)
+        return model, _runner(path, n_ctx=128)
+
+    return get
 
 
-@pytest.mark.parametrize("family", ["smollm2", "gemma3"])
-def test_k_rows_are_strata_engines(family, request, tmp_path):
-    """The adapter's K rows of transformers' prefill are strata-engine's own rows of the same prompt (the
-    GGUF's head layout): SmolLM2's needed the per-head permutation, gemma3's none; each mapping checked by
-    the other one failing."""
-    path = request.getfixturevalue(f"{family}_path")
-    model = request.getfixturevalue(family)
-    runner = request.getfixturevalue("smollm2_runner") if family == "smollm2" else _runner(path)
-    prompt = SMOLLM2_PROMPT if family == "smollm2" else GEMMA3_PROMPT
+def _check_k_rows(model: hf.GGUFModel, cache, tokens: list[int], engine_file, tmp_path) -> None:
+    """Every layer's K rows the adapter writes from ``cache`` are strata-engine's in ``engine_file`` (the same
+    tokens), and the other mapping's are not: each mapping checked by the other one failing."""
+    hf.save_cache(model, cache, tokens, tmp_path / "mine.ssf")
+    other = attrs.evolve(model, k_rows=({hf.KRows.SAME, hf.KRows.INTERLEAVED} - {model.k_rows}).pop())
+    hf.save_cache(other, cache, tokens, tmp_path / "other.ssf")
+    for la in model.layers:
+        shape = (min(len(tokens), la.window or len(tokens)), la.n_kv_heads, la.head_dim)
+        mine, theirs, wrong = (
+            _k_rows(p, la.index, shape) for p in (tmp_path / "mine.ssf", engine_file, tmp_path / "other.ssf")
+        )
+        scale = float(np.abs(theirs).max())
+        assert float(np.abs(mine - theirs).max()) < 0.05 * scale, f"layer {la.index}"
+        assert float(np.abs(wrong - theirs).max()) > 0.2 * scale, f"layer {la.index}"
+
+
+def test_smollm2_k_rows_are_strata_engines(smollm2, smollm2_runner, tmp_path):
+    """SmolLM2's (a `llama` GGUF) K rows needed the per-head permutation."""
+    assert smollm2.k_rows is hf.KRows.INTERLEAVED
+    cache = hf.new_cache(smollm2)
+    with torch.no_grad():
+        smollm2.module(torch.tensor([SMOLLM2_PROMPT]), past_key_values=cache, use_cache=True)
+    smollm2_runner.erase()
+    smollm2_runner.prefill(SMOLLM2_PROMPT)
+    sf.save(tmp_path / "engine.ssf", EngineSession(smollm2_runner))
+    _check_k_rows(smollm2, cache, SMOLLM2_PROMPT, tmp_path / "engine.ssf", tmp_path)
+
+
+# What transformers' GGUF loader (5.x) drops, so that load_model refuses the tiny file: llama3's RoPE factors
+# (rope_freqs.weight), qwen3's key_length (head_dim 64 here; released Qwen3s' 128 is its default), Phi-3's window.
+BY_CONFIG = {
+    "llama3": ("llama3", E.CacheUnsupported, "rope_freqs"),
+    "qwen3": ("qwen3", E.CacheGeometryMismatch, r"\(2, 128, 128, 0\); the GGUF 2, \(2, 64, 64, 0\)"),
+    "phi3": ("phi3", E.CacheUnsupported, "phi3"),
+}
+
+# family -> its K row mapping (llama3: RoPE scaled by rope_freqs.weight; mistral-style: plain `llama`)
+TINY_K_ROWS = {
+    "gemma3": hf.KRows.SAME,
+    "qwen2": hf.KRows.SAME,
+    "qwen3": hf.KRows.SAME,
+    "mistral": hf.KRows.INTERLEAVED,
+    "llama3": hf.KRows.INTERLEAVED,
+}
+
+
+@pytest.mark.parametrize("family", list(TINY_K_ROWS))
+def test_tiny_family_caches_cross_both_ways(family, tiny, tmp_path):
+    """K rows equal strata-engine's on every layer; transformers' cache -> strata-engine continues as
+    transformers does; strata-engine's file -> transformers continues as strata-engine does."""
+    model, runner = tiny(family)
+    assert model.k_rows is TINY_K_ROWS[family]
+    held = TINY_PROMPT[:-1]
+    runner.erase()
+    runner.prefill(held)
+    engine_file = tmp_path / "engine.ssf"
+    sf.save(engine_file, EngineSession(runner))
     cache = hf.new_cache(model)
     with torch.no_grad():
-        model.module(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
-    hf.save_cache(model, cache, prompt, tmp_path / "hf.ssf")
+        model.module(torch.tensor([held]), past_key_values=cache, use_cache=True)
+    _check_k_rows(model, cache, held, engine_file, tmp_path)
+
+    path = tmp_path / "hf.ssf"
+    hf.save_cache(model, cache, held, path, config=runner_identity(runner).config)
+    expected = hf_greedy(model, cache, [TINY_PROMPT[-1]])  # transformers' own continuation
     runner.erase()
-    runner.prefill(prompt)
-    sf.save(tmp_path / "engine.ssf", EngineSession(runner))
-    la = model.layers[-1]
-    shape = (len(prompt), la.n_kv_heads, la.head_dim)
-    mine, theirs = (_k_rows(tmp_path / name, la.index, shape) for name in ("hf.ssf", "engine.ssf"))
-    scale = float(np.abs(theirs).max())
-    other = attrs.evolve(model, k_rows=({hf.KRows.SAME, hf.KRows.INTERLEAVED} - {model.k_rows}).pop())
-    hf.save_cache(other, cache, prompt, tmp_path / "other.ssf")
-    wrong = _k_rows(tmp_path / "other.ssf", la.index, shape)
-    assert model.k_rows is {"smollm2": hf.KRows.INTERLEAVED, "gemma3": hf.KRows.SAME}[family]
-    assert float(np.abs(mine - theirs).max()) < 0.05 * scale
-    assert float(np.abs(wrong - theirs).max()) > 0.2 * scale
+    sf.restore(path, EngineSession(runner))
+    res = runner.prefill(TINY_PROMPT)
+    assert res.cache_n == len(held)  # every token transformers computed is reused
+    assert engine_greedy(runner, res.logits) == expected
+
+    loaded, tokens = hf.load_cache(model, engine_file)
+    assert tokens == held
+    assert hf_greedy(model, loaded, [TINY_PROMPT[-1]]) == expected
+
+
+@pytest.mark.parametrize(("family", "error", "named"), BY_CONFIG.values(), ids=list(BY_CONFIG))
+def test_what_transformers_loads_differently_is_refused(family, error, named, family_files):
+    """What transformers' GGUF loader drops is refused by name, not converted wrong (its config of the file is
+    what load_model binds; the tiny phi3's weights it cannot load: its default pad token is past the vocabulary)."""
+    path = family_files(family, "f32")
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with pytest.raises(error, match=named):
+        hf.GGUFModel.bind(config, path)
 
 
 def _random_cache(model: hf.GGUFModel, n: int, seed: int, cache=None):
@@ -142,10 +219,13 @@ def _random_cache(model: hf.GGUFModel, n: int, seed: int, cache=None):
     return cache
 
 
-def test_conformance_kit(smollm2, tmp_path):
+def test_conformance_kit(tiny, tmp_path):
+    """On the tiny gemma3: its sliding layers too, and seconds where SmolLM2's 30 layers take half a minute."""
+    gemma3 = tiny("gemma3")[0]
+
     def factory(seed: int) -> hf.CacheSession:
-        n = 1 + seed
-        return hf.CacheSession(smollm2, _random_cache(smollm2, n, seed), range(seed, seed + n))
+        n = 24 + seed  # past the window, and the three blocks of K/V the kit's gate cases need
+        return hf.CacheSession(gemma3, _random_cache(gemma3, n, seed), range(seed, seed + n))
 
     assert "round_trip" in run_conformance(factory, tmp_path)
 
@@ -193,13 +273,14 @@ def _other_model() -> sf.ModelIdentity:
     return model_identity_from_files([sf.ModelFile("model", 1, b"\x01" * 16)])
 
 
-def test_sliding_layers_past_the_window(gemma3, tmp_path):
+def test_sliding_layers_past_the_window(tiny, tmp_path):
     """gemma3 past its window: the file's sliding layers hold the last `window` positions, the loaded cache
     holds them again and attends as transformers' own cache does; transformers' own cache (window - 1 kept)
     is refused by name."""
+    gemma3 = tiny("gemma3")[0]
     window = max(la.window for la in gemma3.layers)
     n = window + 2
-    ids = torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 250, (1, n), generator=torch.Generator().manual_seed(0))
     ours = hf.new_cache(gemma3)
     with torch.no_grad():
         gemma3.module(ids, past_key_values=ours, use_cache=True)
@@ -224,3 +305,19 @@ def test_sliding_layers_past_the_window(gemma3, tmp_path):
     with torch.no_grad():
         got, want = (gemma3.module(step, past_key_values=c, use_cache=True).logits for c in (loaded, theirs))
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_an_f16_engine_takes_the_cache_as_f16(tiny, family_files, tmp_path):
+    """The README's path to strata-server (f16 K/V by default): kv_dtype="f16" and the engine's config."""
+    model = tiny("qwen2")[0]
+    runner = SlotSet.load(
+        EngineSettings(model_path=family_files("qwen2", "f32"), kv_type="f16", n_ctx=128)
+    ).runners[0]
+    held = TINY_PROMPT[:-1]
+    cache = hf.new_cache(model)
+    with torch.no_grad():
+        model.module(torch.tensor([held]), past_key_values=cache, use_cache=True)
+    path = tmp_path / "f16.ssf"
+    hf.save_cache(model, cache, held, path, config=runner_identity(runner).config, kv_dtype="f16")
+    sf.restore(path, EngineSession(runner))
+    assert runner.prefill(TINY_PROMPT).cache_n == len(held)

@@ -44,6 +44,7 @@ class Family:
     config: dict[str, Any]
     permute_qk: bool  # `llama`: Q/K rows permuted for interleaved RoPE (LlamaModel.permute)
     rope_factors: bool = False  # llama3 RoPE scaling: rope_freqs.weight
+    norm_plus_one: bool = False  # gemma: the converter writes RMS norm weights as 1 + w
     keys: Callable[[gguf.GGUFWriter, Any], None] = lambda w, c: _text_model_keys(w, c)  # the converter's
 
 
@@ -94,6 +95,19 @@ FAMILIES: dict[str, Family] = {
         permute_qk=False, keys=lambda w, c: _phi3_keys(w, c),
     ),
 }  # fmt: skip
+# Families the engine's own tests cover with the real model (tests/engine: gemma3), tiny here for the cross-engine
+# cache tests (tests/crossengine/test_transformers_cache.py): not in FAMILIES, whose tests they would lengthen.
+MORE_FAMILIES: dict[str, Family] = {
+    # Gemma 3: six layers (five sliding, the sixth global: the GGUF leaves the pattern to the engine), a window
+    # of 8, per-head QK norms, post norms, tied output; norm weights written +1 as the converter does.
+    "gemma3": Family(
+        "gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM",
+        dict(_COMMON, num_hidden_layers=6, head_dim=32, sliding_window=8, query_pre_attn_scalar=256,
+             tie_word_embeddings=True, pad_token_id=0, bos_token_id=BOS, eos_token_id=EOS),
+        permute_qk=False, norm_plus_one=True, keys=lambda w, c: _gemma3_keys(w, c),
+    ),
+}  # fmt: skip
+ALL_FAMILIES = {**FAMILIES, **MORE_FAMILIES}
 
 # transformers' per-layer tensor names -> llama.cpp's (gguf's TensorNameMap, as the converter maps them)
 LAYER_TENSORS = {
@@ -105,6 +119,7 @@ LAYER_TENSORS = {
     "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
     "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }  # fmt: skip
 TOP_TENSORS = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -224,6 +239,21 @@ def _phi3_keys(w: gguf.GGUFWriter, c: Any) -> None:
         )
 
 
+def _gemma3_keys(w: gguf.GGUFWriter, c: Any) -> None:
+    """Gemma3Model.set_gguf_parameters: the global layers' RoPE base, the window, the head size."""
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_sliding_window(c.sliding_window)
+
+
 def write_gguf(model: Any, family: Family, path: Path, file_type: str) -> Path:
     """The model as convert_hf_to_gguf.py --outtype `file_type` writes it."""
     ftype, qtype = FILE_TYPES[file_type]
@@ -243,6 +273,14 @@ def write_gguf(model: Any, family: Family, path: Path, file_type: str) -> Path:
     return path
 
 
+# gemma's extra norms move post_attention_layernorm from the FFN's input to the attention branch's output
+GEMMA_TENSORS = {"post_attention_layernorm.weight": "post_attention_norm.weight"}
+
+
+def _layer_tensor(family: Family, rest: str) -> str:
+    return (family.norm_plus_one and GEMMA_TENSORS.get(rest)) or LAYER_TENSORS[rest]
+
+
 def _gguf_tensors(model: Any, family: Family) -> dict[str, np.ndarray]:
     c = model.config
     out = {}
@@ -251,14 +289,16 @@ def _gguf_tensors(model: Any, family: Family) -> dict[str, np.ndarray]:
         if hf_name in TOP_TENSORS:
             if hf_name == "lm_head.weight" and c.tie_word_embeddings:
                 continue
-            out[TOP_TENSORS[hf_name]] = data
+            out[TOP_TENSORS[hf_name]] = data + (family.norm_plus_one and hf_name == "model.norm.weight")
             continue
         _, _, i, rest = hf_name.split(".", 3)
+        if family.norm_plus_one and rest.endswith("norm.weight"):
+            data = data + 1.0
         if family.permute_qk and rest == "self_attn.q_proj.weight":
             data = permute(data, c.num_attention_heads)
         elif family.permute_qk and rest == "self_attn.k_proj.weight":
             data = permute(data, c.num_key_value_heads)
-        out[f"blk.{i}.{LAYER_TENSORS[rest]}"] = data
+        out[f"blk.{i}.{_layer_tensor(family, rest)}"] = data
     if family.rope_factors:
         out["rope_freqs.weight"] = llama3_rope_factors(c)
     if long := c.rope_parameters.get("long_factor"):  # Phi3MiniModel.generate_extra_tensors
@@ -289,10 +329,12 @@ def reference_model(family: Family, path: Path) -> Any:
             name = TOP_TENSORS[hf_name]
             if hf_name == "lm_head.weight" and c.tie_word_embeddings:
                 name = "token_embd.weight"
-            state[hf_name] = weights[name]
+            state[hf_name] = weights[name] - (family.norm_plus_one and hf_name == "model.norm.weight")
             continue
         _, _, i, rest = hf_name.split(".", 3)
-        data = weights[f"blk.{i}.{LAYER_TENSORS[rest]}"]
+        data = weights[f"blk.{i}.{_layer_tensor(family, rest)}"]
+        if family.norm_plus_one and rest.endswith("norm.weight"):
+            data = data - 1.0
         if family.permute_qk and rest == "self_attn.q_proj.weight":
             data = unpermute(data, c.num_attention_heads)
         elif family.permute_qk and rest == "self_attn.k_proj.weight":

@@ -39,7 +39,7 @@ import attrs
 from . import errors as E
 from .format import DEFAULT_BLOCK_SIZE, DTYPES, DType, LayerRole, Part
 from .identity import config_fingerprint, model_fingerprint
-from .llamacpp import ModelGeometry, config_of, model_geometry
+from .llamacpp import ModelGeometry, config_of, gguf_tensor_names, model_geometry
 from .reader import restore
 from .records import (
     ConfigIdentity,
@@ -66,8 +66,18 @@ class KRows(enum.Enum):
     INTERLEAVED = "interleaved"  # file[2i + h] = hf[h * D/2 + i]: llama.cpp's converter permuted Q/K
 
 
-# transformers model_type -> the K row mapping, checked against strata-engine (tests/crossengine).
-K_ROWS: dict[str, KRows] = {"llama": KRows.INTERLEAVED, "gemma3_text": KRows.SAME}
+# transformers model_type -> the K row mapping, checked against strata-engine (tests/crossengine): llama.cpp's
+# converter permutes `llama` only; qwen2 and qwen3 are rotate-half in both. Phi-3 is not here: transformers' GGUF
+# loader drops its sliding window and longrope factors, which strata-engine applies (spec/transformers-cache.md).
+K_ROWS: dict[str, KRows] = {
+    "llama": KRows.INTERLEAVED,
+    "gemma3_text": KRows.SAME,
+    "qwen2": KRows.SAME,
+    "qwen3": KRows.SAME,
+}
+# A GGUF tensor of RoPE factors -> the rope_type transformers' config needs to apply them (its GGUF loader reads
+# neither tensor: a model loaded by load_model computes unscaled RoPE, so its K rows are not the file's).
+ROPE_FACTOR_TENSORS: dict[str, str] = {"rope_freqs.weight": "llama3", "rope_factors_long.weight": "longrope"}
 # format v1 dtype -> torch dtype name (i8 has no transformers cache counterpart)
 TORCH_DTYPES: dict[DType, str] = {DType.F32: "float32", DType.F16: "float16", DType.BF16: "bfloat16"}
 # the dtypes numpy holds (bf16 is converted by torch)
@@ -169,6 +179,26 @@ def _check_against_gguf(layers: tuple[CacheLayer, ...], gguf: ModelGeometry, pat
         )
 
 
+def _rope_types(config: Any) -> set[str]:
+    """The config's RoPE types (gemma3 keeps one per layer type)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = [v for v in params.values() if isinstance(v, Mapping)]
+    return {str(p.get("rope_type", "default")) for p in (nested or [params])}
+
+
+def _check_rope(config: Any, tensors: frozenset[str], path: str) -> None:
+    """The GGUF's RoPE factor tensors must be ones transformers' config applies, or the K rows differ."""
+    for name, rope_type in ROPE_FACTOR_TENSORS.items():
+        if name in tensors and rope_type not in _rope_types(config):
+            raise E.CacheUnsupported(
+                f"the GGUF has {name} ({rope_type} RoPE) but transformers' config's rope_type is "
+                f"{'/'.join(sorted(_rope_types(config)))} (its GGUF loader drops the factors: bind a model "
+                f"whose config has rope_type {rope_type!r})",
+                path=path,
+                field="config.rope_parameters",
+            )
+
+
 @attrs.frozen
 class GGUFModel:
     """A transformers model (or its config alone: enough to convert caches) bound to the GGUF it was loaded
@@ -196,6 +226,7 @@ class GGUFModel:
             )
         layers = _config_layers(config)
         _check_against_gguf(layers, model_geometry(path), path)
+        _check_rope(config, gguf_tensor_names(path), path)
         identity = model_fingerprint([(MODEL_ROLE, path)])
         return cls(config, path, identity, layers, k_rows, module)
 

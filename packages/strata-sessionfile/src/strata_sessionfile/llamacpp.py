@@ -140,7 +140,7 @@ def _gemma3_windows(meta: Mapping[str, Any], n_layer: int) -> list[int]:
 
 
 # Architectures whose llama.cpp cache this module knows: the sliding window of each layer (no cell ext).
-ARCH_WINDOWS = {"llama": _no_windows, "gemma3": _gemma3_windows}
+ARCH_WINDOWS = {"llama": _no_windows, "qwen2": _no_windows, "qwen3": _no_windows, "gemma3": _gemma3_windows}
 GGUF_SCALARS = {
     0: "<B",
     1: "<b",
@@ -225,18 +225,38 @@ class _GGUFCursor:
 
 def gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """The GGUF file's key/value table (arrays over MAX_KEPT_ARRAY items left out), read in bounded steps."""
+    return _read_gguf(path, tensors=False)[0]
+
+
+def gguf_tensor_names(path: str | os.PathLike) -> frozenset[str]:
+    """The names of the GGUF file's tensors (their infos follow the key/value table, in the same bound)."""
+    return _read_gguf(path, tensors=True)[1]
+
+
+def _read_gguf(path: str | os.PathLike, *, tensors: bool) -> tuple[dict[str, Any], frozenset[str]]:
     with FileSource(os.fspath(path)) as src:
         cur = _GGUFCursor(src, src.stamp().size)
         if cur.take(4) != b"GGUF":
             raise E.SlotModelUnsupported("not a GGUF file", path=src.path, offset=0)
-        version, _n_tensors, n_kv = struct.unpack("<IQQ", cur.take(20))
-        if version not in (2, 3) or n_kv > 1 << 20:
-            raise E.SlotModelUnsupported(f"GGUF version {version} with {n_kv} keys", path=src.path, offset=4)
+        version, n_tensors, n_kv = struct.unpack("<IQQ", cur.take(20))
+        if version not in (2, 3) or n_kv > 1 << 20 or n_tensors > 1 << 20:
+            raise E.SlotModelUnsupported(
+                f"GGUF version {version} with {n_kv} keys, {n_tensors} tensors", path=src.path, offset=4
+            )
         meta: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
             meta[key] = cur.value(cur.scalar("<I"))
-        return meta
+        names = set()
+        for _ in range(n_tensors if tensors else 0):
+            names.add(cur.string())
+            n_dims = cur.scalar("<I")
+            if n_dims > 8:
+                raise E.SlotModelUnsupported(
+                    f"GGUF tensor of {n_dims} dimensions", path=src.path, offset=cur.pos
+                )
+            cur.take(8 * n_dims + 4 + 8)  # dimensions, type, offset
+        return meta, frozenset(names)
 
 
 def _per_layer(value: Any, n_layer: int, key: str) -> list[int]:
