@@ -931,6 +931,14 @@ def _row_max(s):
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
+def _soft_cap(s, cap):
+    """s -> cap * tanh(s / cap) in place (gemma2's attention logit soft-cap)."""
+    inv = F32(1) / cap
+    for i in range(s.shape[0]):
+        s[i] = cap * np.tanh(s[i] * inv)
+
+
+@njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _slot_run(p, end, base, capacity):
     """The slot of position p and how many positions from p (before `end`) lie in consecutive slots."""
     if capacity <= 0:
@@ -948,11 +956,12 @@ _I = (
     fastmath=SAFE_FAST, cache=True
 )  # one compiled body for the four kernels: inlined into each, +25 s at first start
 def _attention_split(
-    sp, q, k, v, k_scale, v_scale, has_scales, n_tok, q_pos0, k_lo, base, capacity, window, acc, m_out, l_out
-):
+    sp, q, k, v, k_scale, v_scale, has_scales, n_tok, q_pos0, k_lo, base, capacity, window, softcap, acc, m_out,
+    l_out,
+):  # fmt: skip
     """Split sp of acc.shape[0] equal key ranges of [k_lo, q_pos0 + T), every K/V head: per row r of q
-    [Hkv, T * G, D] (token r // G), the max m_out of its visible scores, the sum l_out of exp(s - m) and
-    acc = sum exp(s - m) v, merged by `_merge`."""
+    [Hkv, T * G, D] (token r // G), the max m_out of its visible scores (soft-capped by `softcap` > 0 first),
+    the sum l_out of exp(s - m) and acc = sum exp(s - m) v, merged by `_merge`."""
     n_split = acc.shape[0]
     n_kv, rows, d = q.shape
     group = rows // n_tok
@@ -993,6 +1002,8 @@ def _attention_split(
             seen = sg[
                 lo - first : hi - first
             ]  # indexed from 0: numba's index wrap-around check then folds away
+            if softcap > 0:
+                _soft_cap(seen, softcap)
             top = _row_max(seen)
             for i in range(seen.shape[0]):  # vectorized
                 seen[i] = fast_exp(seen[i] - top)
@@ -1071,9 +1082,10 @@ def _merge(acc, m_in, l_in, n_tok, out):
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
 def attention(
-    q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out
+    q, scale, softcap, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out
 ):
-    """Causal (sliding-window) GQA attention of queries q [T, H, D] (times `scale`) over the keys at
+    """Causal (sliding-window) GQA attention of queries q [T, H, D] (times `scale`; scores soft-capped by
+    softcap * tanh(s / softcap) where softcap > 0, a float32 like scale) over the keys at
     positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale, v_scale
     [slots, Hkv, D / 32]) into out [T, H * D]: position p sits in slot p % capacity (a ring, capacity > 0)
     or p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). The keys
@@ -1086,15 +1098,15 @@ def attention(
     l_sum = np.empty((n_split, n_kv, rows), dtype=F32)
     for sp in prange(n_split):
         _attention_split(
-            _I(sp), qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
-            m, l_sum,
+            _I(sp), qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, softcap,
+            acc, m, l_sum,
         )  # fmt: skip
     _merge(acc, m, l_sum, q.shape[0], out)
 
 
 @njit(fastmath=SAFE_FAST, cache=True)
 def attention_serial(
-    q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out
+    q, scale, softcap, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out
 ):
     """`attention` on the calling thread (too few keys to be worth a parallel region)."""
     n_kv = k.shape[1]
@@ -1105,15 +1117,15 @@ def attention_serial(
     l_sum = np.empty((n_split, n_kv, rows), dtype=F32)
     for sp in range(n_split):
         _attention_split(
-            _I(sp), qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
-            m, l_sum,
+            _I(sp), qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, softcap,
+            acc, m, l_sum,
         )  # fmt: skip
     _merge(acc, m, l_sum, q.shape[0], out)
 
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
 def attention_blocks(
-    q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, block, out
+    q, scale, softcap, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, block, out
 ):
     """`attention` of a prompt chunk: queries q [T, H, D] in blocks of `block` tokens, each block one work item
     over all threads (its tokens share every K/V read), its keys one range. The blocks are taken in the order
@@ -1130,15 +1142,15 @@ def attention_blocks(
         m = np.empty((1, n_kv, qs.shape[1]), dtype=F32)
         l_sum = np.empty((1, n_kv, qs.shape[1]), dtype=F32)
         _attention_split(
-            _I(0), qs, k, v, k_scale, v_scale, has_scales, t1 - t0, q_pos0 + t0, k_lo, base, capacity, window, acc,
-            m, l_sum,
+            _I(0), qs, k, v, k_scale, v_scale, has_scales, t1 - t0, q_pos0 + t0, k_lo, base, capacity, window,
+            softcap, acc, m, l_sum,
         )  # fmt: skip
         _merge(acc, m, l_sum, t1 - t0, out[t0:t1])
 
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
 def attention_rows(
-    q, scale, k, v, k_scale, v_scale, has_scales, slots, q_pos, k_lo, capacity, window, n_split, out
+    q, scale, softcap, k, v, k_scale, v_scale, has_scales, slots, q_pos, k_lo, capacity, window, n_split, out
 ):
     """`attention` of a batched decode step: row b's query q[b] [H, D] at position q_pos[b] over keys
     [k_lo[b], q_pos[b]] of slot slots[b] of a layer's storage for every slot, k, v [n_slots, capacity, Hkv, D]
@@ -1155,7 +1167,7 @@ def attention_rows(
         at = slots[b] if has_scales else 0
         _attention_split(
             _I(sp), qs, k[slots[b]], v[slots[b]], k_scale[at], v_scale[at], has_scales, _I(1), q_pos[b], k_lo[b],
-            _I(0), capacity, window, acc[b], m[b], l_sum[b],
+            _I(0), capacity, window, softcap, acc[b], m[b], l_sum[b],
         )  # fmt: skip
     for b in prange(n_rows):
         _merge(acc[b], m[b], l_sum[b], 1, out[b : b + 1])
