@@ -331,7 +331,8 @@ def _gemma3(m: _Meta) -> ModelConfig:
 # gemma2 facts, as llama.cpp b11549 fills in what the file leaves out: every other layer (il % 2 == 0) uses the
 # sliding window (4096 unless the file says), the rest full attention, one RoPE base; the soft-caps default to
 # 50 (attention scores) and 30 (logits); the attention scale is 1/sqrt(head_dim), but 1/sqrt(n_embd / n_head)
-# for the 46-layer (27B) model, whose query_pre_attn_scalar is that.
+# for the 46-layer (27B) model, whose query_pre_attn_scalar is that. The output is token_embd whatever the file
+# holds (an output.weight is then unread, so refused: llama.cpp's gemma2 never reads one).
 GEMMA2_LOCAL_EVERY = 2
 GEMMA2_DEFAULT_WINDOW = 4096
 GEMMA2_DEFAULT_ATTN_SOFTCAP = 50.0
@@ -365,7 +366,7 @@ def _gemma2(m: _Meta) -> ModelConfig:
         layers=layers,
         attn_softcap=attn_softcap,
         final_softcap=final_softcap,
-        **c,
+        **{**c, "tied_output": True},
     )
 
 
