@@ -1,6 +1,6 @@
 """Fixtures of the engine's tests: each real model's GGUF metadata, tokenizer and chat template, read
 once per test process and keyed by model ("smollm2", "gemma3"); the tiny random-weight models of the other
-families (support/families.py), written once per test process. Loaded runners: runners.py.
+families (support/families.py) come from the root conftest.py. Loaded runners: runners.py.
 
 The engine is imported inside the fixtures: the GPU tests collect on a machine that lacks what only
 these need (jinja2 for the templates)."""
@@ -40,20 +40,3 @@ def model_files(smollm2_path, gemma3_path):
     from strata_engine.gguf import read_gguf
 
     return {"smollm2": read_gguf(smollm2_path), "gemma3": read_gguf(gemma3_path)}
-
-
-@pytest.fixture(scope="session")
-def family_files(tmp_path_factory):
-    """(family, file type) -> the tiny model's GGUF (support/families.py), written on first use."""
-    import functools
-
-    from support.families import FAMILIES, hf_model, write_gguf
-
-    folder = tmp_path_factory.mktemp("families")
-
-    @functools.cache
-    def file(family: str, file_type: str):
-        f = FAMILIES[family]
-        return write_gguf(hf_model(f), f, folder / f"{family}-{file_type}.gguf", file_type)
-
-    return file

@@ -275,6 +275,40 @@ def test_attention_matches_numpy(cp, dtype, n_q, n_k, n_head, n_kv, d, q_pos0, w
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "n_head", "n_kv", "d", "q_pos0", "window"),
+    [
+        (37, 100, 8, 4, 64, 63, 40),  # a chunk over a held prefix, gemma2's local layer
+        (1, 5000, 8, 4, 256, 4999, None),  # decode: key splits merged by the combine
+    ],
+)
+def test_soft_capped_flash_attention_matches_numpy(cp, dtype, n_q, n_k, n_head, n_kv, d, q_pos0, window):
+    """gemma2's attention logit soft-cap in strata_flash_attn (applied to base-2 scores) and the exact path,
+    scores large enough for the cap to bite; without the cap the kernel's result is another."""
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(n_q + n_k + d)
+    q, k, v, q0, k0 = _attention_case(rng, n_q, n_k, n_head, n_kv, d, q_pos0)
+    q *= 4
+    qd, kd, vd = ops.asarray(q, ops.dtype), ops.asarray(k, ops.dtype), ops.asarray(v, ops.dtype)
+    host = [ops.to_host(a).astype(np.float32) for a in (qd, kd, vd)]
+    want = ref.attention(*host, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5, softcap=2.0)
+    got = ops.to_host(
+        ops.flash_attention(qd, kd, vd, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5, softcap=2.0)
+    )
+    assert rel_err(got, want) < FLASH_TOL[dtype]
+    uncapped = ops.to_host(
+        ops.flash_attention(qd, kd, vd, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5)
+    )
+    assert rel_err(uncapped, want) > 10 * FLASH_TOL[dtype]
+    f32 = _ops("f32")  # the exact path: blocked_attention on the device
+    exact = f32.attention(
+        *(f32.asarray(a) for a in host), q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5, softcap=2.0
+    )
+    assert rel_err(f32.to_host(exact), want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
 @pytest.mark.parametrize("kv_dtype", ["compute", "f16", "f32"])
 @pytest.mark.parametrize(
     ("n_q", "n_k", "n_head", "n_kv", "d", "q_pos0", "window"),
