@@ -517,11 +517,12 @@ def test_flash_attention_position_on_the_device_matches_the_argument(
     assert rel_err(ops.to_host(got).astype(np.float32), ops.to_host(want).astype(np.float32)) < 1e-2
 
 
-def _ring_reference(ref, q, keys, values, pos, window, cap, scale):
+def _ring_reference(ref, q, keys, values, pos, window, cap, scale, softcap=0.0):
     """NumPy attention of one query at `pos` over the keys a slot holds (position p in slot p % cap when cap)."""
     k_pos0 = max(0, pos - window + 1) if window else 0
     where = np.arange(k_pos0, pos + 1) % cap if cap else np.arange(k_pos0, pos + 1)
-    return ref.attention(q, keys[where], values[where], q_pos0=pos, k_pos0=k_pos0, window=window, scale=scale)
+    return ref.attention(q, keys[where], values[where], q_pos0=pos, k_pos0=k_pos0, window=window, scale=scale,
+                         softcap=softcap)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -583,13 +584,18 @@ def test_both_split_merges_match_numpy(cp, monkeypatch, wide, dtype, n_q, n_head
 @pytest.mark.gpu
 @pytest.mark.parametrize("min_tiles", [1, 4])
 @pytest.mark.parametrize(
-    ("dtype", "n_head", "n_kv", "d", "window", "cap"),
-    [("f16", 9, 3, 64, None, 0), ("bf16", 4, 1, 256, None, 0), ("bf16", 4, 1, 256, 512, 1024)],
+    ("dtype", "n_head", "n_kv", "d", "window", "cap", "softcap"),
+    [
+        ("f16", 9, 3, 64, None, 0, 0.0),
+        ("bf16", 4, 1, 256, None, 0, 0.0),
+        ("bf16", 4, 1, 256, 512, 1024, 0.0),
+        ("bf16", 8, 4, 64, 40, 64, 1.0),
+    ],  # fmt: skip
 )
-def test_flash_attention_rows_matches_numpy(cp, min_tiles, dtype, n_head, n_kv, d, window, cap):
+def test_flash_attention_rows_matches_numpy(cp, min_tiles, dtype, n_head, n_kv, d, window, cap, softcap):
     """A batched decode step's attention (`flash_attention_rows`: each row over its own slot of the arena, its
     splits merged per row) against NumPy's attention of each row alone; the rows' lengths differ (one key,
-    a few tiles, a full or wrapped slot) and their slots are out of order."""
+    a few tiles, a full or wrapped slot) and their slots are out of order; gemma2's soft-capped scores too."""
     ops, ref = _ops(dtype), NumpyOps("f32")
     ops.flash_min_tiles = min_tiles
     rng = np.random.default_rng(d + min_tiles)
@@ -600,11 +606,13 @@ def test_flash_attention_rows_matches_numpy(cp, min_tiles, dtype, n_head, n_kv, 
     q = ops.asarray(rng.standard_normal((3, n_head, d)).astype(np.float32), ops.dtype)
     rows = cp.asarray([3, *positions, *slots], dtype=cp.int32)
     got = ops.to_host(ops.flash_attention_rows(q, k_arena, v_arena, rows, window=window, scale=d**-0.5,
-                                               ring_capacity=cap)).astype(np.float32)  # fmt: skip
+                                               softcap=softcap, ring_capacity=cap)).astype(np.float32)  # fmt: skip
     assert got.shape == (3, n_head * d)
     host_q, host_k, host_v = (ops.to_host(a).astype(np.float32) for a in (q, k_arena, v_arena))
     for b, (pos, slot) in enumerate(zip(positions, slots, strict=True)):
-        want = _ring_reference(ref, host_q[b : b + 1], host_k[slot], host_v[slot], pos, window, cap, d**-0.5)
+        want = _ring_reference(
+            ref, host_q[b : b + 1], host_k[slot], host_v[slot], pos, window, cap, d**-0.5, softcap
+        )
         assert rel_err(got[b : b + 1], want) < FLASH_TOL[dtype], (b, pos)
 
 
