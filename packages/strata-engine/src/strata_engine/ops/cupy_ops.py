@@ -69,6 +69,11 @@ GEMV_ROWS = 2
 HEAD_GEMV_ROWS = 2
 
 
+# strata_flash_attn's CAPPED template argument: a soft-capped instance of its own, so the kernel of a model
+# without a cap is the one it was.
+_CAPPED = {True: "true", False: "false"}
+
+
 def _device_dtypes(cp: Any) -> dict[str, np.dtype]:
     out: dict[str, np.dtype] = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
     try:  # bfloat16 needs ml_dtypes and a CuPy that accepts it
@@ -523,8 +528,9 @@ class CupyOps(NumpyOps):
             part_o = cp.empty((n_batch * splits, n_kv, rows_pad, d), dtype=cp.float32)
             part_ml = cp.empty((n_batch * splits, n_kv, rows_pad, 2), dtype=cp.float32)
         kernel = self.raw.get(
-            "strata_flash_attn", c_type(q.dtype), c_type(k.dtype), c_type(out.dtype), d, warps, key_tile
-        )
+            "strata_flash_attn", c_type(q.dtype), c_type(k.dtype), c_type(out.dtype), d, warps, key_tile,
+            _CAPPED[softcap > 0],
+        )  # fmt: skip
         smem = (block_rows + 4 * key_tile) * (d + 8) * 2  # Q tile, two K and two V tiles, f16
         self.raw.allow_shared_memory(kernel, smem)
         args: tuple[Any, ...] = (

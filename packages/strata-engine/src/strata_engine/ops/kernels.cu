@@ -281,15 +281,15 @@ __device__ __forceinline__ void stage_kv_tile(const KT* __restrict__ k, const KT
 // k_pos0 + j, stored in slot j (ring_cap == 0) or slot (k_pos0 + j) % ring_cap. A query at position p
 // sees keys at kp <= p with p - kp < window (window 0: unlimited). out [T, H, D] when n_splits == 1;
 // else part_o [n_splits, Hkv, rows_pad, D] (unnormalised) and part_ml [n_splits, Hkv, rows_pad, 2].
-// `scale_log2` is the softmax scale times log2(e): scores are kept in base 2. `softcap_log2` > 0 (gemma2's
+// `scale_log2` is the softmax scale times log2(e): scores are kept in base 2. CAPPED: `softcap_log2` (gemma2's
 // attention logit soft-cap times log2(e)) caps each scaled score s as softcap_log2 * tanh(s / softcap_log2),
-// which is log2(e) * cap * tanh(s_e / cap) of the natural score s_e; 0: no cap. With `dyn` (a step
+// which is log2(e) * cap * tanh(s_e / cap) of the natural score s_e. With `dyn` (a step
 // captured in a CUDA graph) q_pos0 = dyn[0], and the keys are every position up to the last query's:
 // from slot 0 of a full layer's pool, or from the window's start in a ring. With `batch` ([n_real,
 // position[B], slot[B]]: a batched decode step) grid z is B x n_splits: batch row b's n_q queries (q and out
 // rows b * n_q ..) attend as with dyn = position[b] over k, v + slot[b] * slot_stride (its slot's region
 // of the layer's arena); its partial results are splits b * n_splits .. of part_o / part_ml.
-template <typename QT, typename KT, typename OT, int D, int NW, int BC>
+template <typename QT, typename KT, typename OT, int D, int NW, int BC, bool CAPPED>
 __global__ void __launch_bounds__(NW * 32)
 strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
                   OT* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
@@ -416,7 +416,7 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
             }
         }
 
-        if (softcap_log2 > 0.f) {  // uniform over the launch: without a cap, one untaken branch a tile
+        if constexpr (CAPPED) {  // an instance of its own: the uncapped one is the kernel it was without a cap
             const float inv_cap = 1.f / softcap_log2;
 #pragma unroll
             for (int nt = 0; nt < NT_S; nt++) {
