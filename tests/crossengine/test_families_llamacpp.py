@@ -33,7 +33,7 @@ N_PREDICT = 8
 # |log-probability difference| of llama.cpp's top-k tokens (llama.cpp quantizes a product's activations to 8 bits
 # a value on a Q8_0 file, strata-engine too where the CPU has AVX512-VNNI; f16 K/V on both sides):
 # bench/engine/DECISIONS.md "The families against llama.cpp".
-LOGPROB_BOUND = 0.15
+LOGPROB_BOUND = 0.1
 # transformers' float32 forward against llama.cpp's quantized activations and f16 K/V.
 TRANSFORMERS_BOUND = 0.1
 # A top-1 margin (log-probability) below which either side may take another token than llama.cpp's.

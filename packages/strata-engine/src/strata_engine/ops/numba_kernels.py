@@ -930,12 +930,15 @@ def _row_max(s):
     return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
 
 
-@njit(fastmath=SAFE_FAST, cache=True, inline="always")
+@njit(fastmath=SAFE_FAST, cache=True)
 def _soft_cap(s, cap):
-    """s -> cap * tanh(s / cap) in place (gemma2's attention logit soft-cap)."""
+    """s -> cap * tanh(s / cap) in place over scores [Hkv, rows, keys] (gemma2's attention logit soft-cap)."""
     inv = F32(1) / cap
-    for i in range(s.shape[0]):
-        s[i] = cap * np.tanh(s[i] * inv)
+    for h in range(s.shape[0]):
+        for r in range(s.shape[1]):
+            row = s[h, r]
+            for i in range(row.shape[0]):
+                row[i] = cap * np.tanh(row[i] * inv)
 
 
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
@@ -988,6 +991,8 @@ def _attention_split(
                 ks = k_scale[:, min(hk, k_scale.shape[1] - 1)]
                 _dots(q[hk], k[:, hk], ks, has_scales, slot, run, scores[hk, :, p - first :])
             p += run
+    if softcap > 0:  # one branch a split, outside the row loop: without a cap, the loops are as they were
+        _soft_cap(scores[:, :, :n], softcap)
     for hk in range(n_kv):
         for r in range(rows):  # softmax over the row's visible keys; the others weigh 0
             qp = q_pos0 + r // group
@@ -1002,8 +1007,6 @@ def _attention_split(
             seen = sg[
                 lo - first : hi - first
             ]  # indexed from 0: numba's index wrap-around check then folds away
-            if softcap > 0:
-                _soft_cap(seen, softcap)
             top = _row_max(seen)
             for i in range(seen.shape[0]):  # vectorized
                 seen[i] = fast_exp(seen[i] - top)
