@@ -26,6 +26,24 @@ def gemma3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_files(tmp_path_factory):
+    """(family, file type) -> the tiny model's GGUF (support/families.py), written on first use: the engine's
+    tests against transformers and the cross-engine tests against llama.cpp read the same files."""
+    import functools
+
+    from support.families import ALL_FAMILIES, hf_model, write_gguf
+
+    folder = tmp_path_factory.mktemp("families")
+
+    @functools.cache
+    def file(family: str, file_type: str) -> Path:
+        f = ALL_FAMILIES[family]
+        return write_gguf(hf_model(f), f, folder / f"{family}-{file_type}.gguf", file_type)
+
+    return file
+
+
+@pytest.fixture(scope="session")
 def reference_dir() -> Path:
     if not REFERENCE_DIR.is_dir():
         pytest.fail(f"reference data not found at {REFERENCE_DIR}")
@@ -48,20 +66,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-
-
-@pytest.fixture(scope="session")
-def family_files(tmp_path_factory):
-    """(family, file type) -> the tiny model's GGUF (support/families.py), written on first use."""
-    import functools
-
-    from support.families import ALL_FAMILIES, hf_model, write_gguf
-
-    folder = tmp_path_factory.mktemp("families")
-
-    @functools.cache
-    def file(family: str, file_type: str):
-        f = ALL_FAMILIES[family]
-        return write_gguf(hf_model(f), f, folder / f"{family}-{file_type}.gguf", file_type)
-
-    return file

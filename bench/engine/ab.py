@@ -129,6 +129,8 @@ def ab_attention(a: argparse.Namespace) -> None:
     ops = {"here": get_ops("numpy", "f32", "numba-q8", a.threads),
            "other": other_get_ops("numpy", "f32", "numba-q8", a.threads)}  # fmt: skip
     for name, make in attention_cases(np.random.default_rng(0)):
+        if a.only not in name:
+            continue
         cases = {side: make(o) for side, o in ops.items()}
         outs = {side: f() for side, f in cases.items()}  # compiles or loads each tree's kernels
         diff = float(np.max(np.abs(outs["here"] - outs["other"])))
@@ -188,6 +190,7 @@ def main() -> int:
     att = sub.add_parser("attention", help="the attention kernels alone")
     att.add_argument("--rounds", type=int, default=21)
     att.add_argument("--threads", type=int, default=2)
+    att.add_argument("--only", default="", help="the cases whose name holds this text")
     att.set_defaults(run=ab_attention)
     eng = sub.add_parser("engine", help="whole decode steps and a prefill")
     eng.add_argument("--rounds", type=int, default=12)

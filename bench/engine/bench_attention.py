@@ -85,7 +85,7 @@ def current_call(ops):
     def call(q, k, v, *, q_pos0, k_lo, window, scale):
         n_tok = q.shape[0]
         return ops.attention_kernel(q, k, v, None, None, q_pos0=q_pos0, k_lo=k_lo, k_hi=q_pos0 + n_tok, base=k_lo,
-                                    capacity=0, window=window, scale=scale)  # fmt: skip
+                                    capacity=0, window=window, scale=scale, softcap=0.0)  # fmt: skip
 
     return call
 

@@ -57,8 +57,9 @@ class LlamaServer:
     def tokenize(self, text: str) -> list[int]:
         return self.post("/tokenize", {"content": text, "add_special": True})["tokens"]
 
-    def complete(self, tokens: list[int], n: int, n_probs: int = 0) -> dict:
-        """Greedy completion of a token prompt in slot 0, reusing what the slot holds."""
+    def complete(self, tokens: list[int], n: int, n_probs: int = 0, **more: object) -> dict:
+        """Greedy completion of a token prompt in slot 0, reusing what the slot holds (`more`: other fields of
+        the request, logit_bias, ignore_eos, ...)."""
         return self.post(
             "/completion",
             {
@@ -71,5 +72,6 @@ class LlamaServer:
                 "return_tokens": True,
                 "samplers": ["top_k"],
                 "n_probs": n_probs,
+                **more,
             },
         )

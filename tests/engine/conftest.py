@@ -1,6 +1,6 @@
 """Fixtures of the engine's tests: each real model's GGUF metadata, tokenizer and chat template, read
 once per test process and keyed by model ("smollm2", "gemma3"); the tiny random-weight models of the other
-families are tests/conftest.py's family_files. Loaded runners: runners.py.
+families (support/families.py) come from the root conftest.py's family_files. Loaded runners: runners.py.
 
 The engine is imported inside the fixtures: the GPU tests collect on a machine that lacks what only
 these need (jinja2 for the templates)."""

@@ -27,7 +27,7 @@ from support.gguf_variants import with_additions
 from .engine_cli import run_cli
 
 MODELS = ("smollm2", "gemma3")
-FAMILY_FILES = ("llama3", "qwen2", "qwen3", "phi3", "phi3_longrope")  # support/families.py
+FAMILY_FILES = ("llama3", "qwen2", "qwen3", "phi3", "phi3_longrope", "gemma2")  # support/families.py
 ARCH = {"smollm2": "llama", "gemma3": "gemma3"}
 
 

@@ -1,13 +1,16 @@
 """The families beyond the real models' (Llama 3.x with its llama3 RoPE scaling, Mistral-style `llama`, Qwen2.5,
-Qwen3, Phi-3 with a sliding window, Phi-3.5 / Phi-4-mini's longrope) against transformers, on tiny random-weight models written to GGUF as llama.cpp's converter writes them
+Qwen3, Phi-3 with a sliding window, Phi-3.5 / Phi-4-mini's longrope, Gemma 2 with both soft-caps and its alternating
+window) against transformers, on tiny random-weight models written to GGUF as llama.cpp's converter writes them
 (support/families.py): f32, f16 and Q8_0 files, every CPU kernel set.
 
 For each, strata-engine's logits at every position (every row of chunked prefill passes, through
 `embedding.hidden_states`; and the last row of a prefill then decode steps, through the runner) are compared
 with transformers' float32 forward on exactly the weights the file holds: max |d| <= EXACT_BOUND, and the
 top-1 token equal wherever the reference's top-2 margin exceeds twice the bound. Only the GGUF writer is ours;
-llama.cpp's reading of the same files (which would prove that writer right independently) is not run here.
-Then: the llama3 RoPE factors change the result beyond the bound (ignoring them would be seen), a session
+llama.cpp's reading of the same files, which proves that writer right independently, is
+tests/crossengine/test_families_llamacpp.py.
+Then: the llama3 RoPE factors and gemma2's soft-caps change the result beyond the bound (ignoring them would be
+seen), a session
 saved after a prompt restores in a fresh runner with the next logits equal bit for bit, and a tensor or key
 a family does not compute is refused by name.
 """
@@ -23,7 +26,7 @@ import pytest
 import strata_sessionfile as sf
 from strata_engine.config import ModelConfig, RopeStyle
 from strata_engine.embedding import hidden_states
-from strata_engine.errors import SettingsError, UncomputedModelPart
+from strata_engine.errors import ModelConfigError, SettingsError, UncomputedModelPart
 from strata_engine.gguf import read_gguf
 from strata_engine.models import account_tensors, build_model
 from strata_engine.ops import get_ops
@@ -88,7 +91,7 @@ def test_logits_at_every_position_match_transformers(files, family, file_type, k
     ref = _reference(path, family)
     runner = load_runner(EngineSettings(model_path=path, n_ctx=128, cpu_kernels=kernels, kv_type="f32"))
     model = runner.model
-    every_row = model.ops.logits(hidden_states(model, PROMPT, PREFILL_CHUNK), model.output)
+    every_row = model.logits(hidden_states(model, PROMPT, PREFILL_CHUNK))
     _check(every_row, ref, _bound(kernels), "chunked prefill, every row")
     split = 24
     steps = [runner.prefill(PROMPT[:split]).logits] + [runner.decode(t) for t in PROMPT[split:]]
@@ -104,8 +107,45 @@ def test_llama3_rope_factors_are_computed(files):
     assert config.rope_factors == tuple(factors.tolist()) and len(set(factors.tolist())) > 2  # all 3 regimes
     assert config.rope_fingerprint()[0]["factors"] == factors.tolist()
     unscaled = build_model(attrs.evolve(config, rope_factors=None), get_ops(), read_gguf(path))
-    logits = unscaled.ops.logits(hidden_states(unscaled, PROMPT, PREFILL_CHUNK), unscaled.output)
+    logits = unscaled.logits(hidden_states(unscaled, PROMPT, PREFILL_CHUNK))
     assert np.abs(logits - _reference(path, "llama3")).max() > 100 * EXACT_BOUND
+
+
+@pytest.mark.parametrize("cap", ["attn_softcap", "final_softcap"])
+def test_gemma2_soft_caps_are_computed(files, cap):
+    """The file's caps are the config's, and the same weights without either cap leave transformers by far more
+    than the bound (the test model's scores and logits are a few units: both caps bite)."""
+    path = files("gemma2", "f32")
+    config = ModelConfig.from_gguf(read_gguf(path))
+    hf = hf_model(FAMILIES["gemma2"]).config
+    assert (config.attn_softcap, config.final_softcap) == (
+        hf.attn_logit_softcapping,
+        hf.final_logit_softcapping,
+    )
+    uncapped = build_model(attrs.evolve(config, **{cap: 0.0}), get_ops(), read_gguf(path))
+    logits = uncapped.logits(hidden_states(uncapped, PROMPT, PREFILL_CHUNK))
+    assert np.abs(logits - _reference(path, "gemma2")).max() > 100 * EXACT_BOUND
+
+
+def test_gemma2_config_fills_in_what_llama_cpp_does(files):
+    """Without the caps' and the window's keys: llama.cpp's defaults (50, 30, 4096); 46 layers (the 27B): the
+    attention scale 1/sqrt(E / H) instead of 1/sqrt(head_dim); a cap of 0 (llama.cpp would divide by it) refused."""
+    file = read_gguf(files("gemma2", "f32"))
+    keys = (
+        "gemma2.attn_logit_softcapping",
+        "gemma2.final_logit_softcapping",
+        "gemma2.attention.sliding_window",
+    )
+    bare = attrs.evolve(file, metadata={k: v for k, v in file.metadata.items() if k not in keys})
+    config = ModelConfig.from_gguf(bare)
+    assert (config.attn_softcap, config.final_softcap) == (50.0, 30.0)
+    assert [lc.window for lc in config.layers] == [4096, None]
+    assert config.attn_scale == 1 / 8  # head_dim 64
+    big = ModelConfig.from_gguf(attrs.evolve(file, metadata={**file.metadata, "gemma2.block_count": 46}))
+    assert big.attn_scale == pytest.approx(1 / np.sqrt(128 / 4))
+    assert [lc.window for lc in big.layers[:4]] == [16, None, 16, None]
+    with pytest.raises(ModelConfigError, match="gemma2.attn_logit_softcapping must be positive"):
+        ModelConfig.from_gguf(attrs.evolve(file, metadata={**file.metadata, keys[0]: 0.0}))
 
 
 def test_phi3_longrope_factors_follow_the_context(files):
@@ -139,8 +179,14 @@ def test_configs_name_each_family_s_facts(files):
         "qwen3": ("qwen3", RopeStyle.NEOX, False, True, 4, 2, 64, False),
         "phi3": ("phi3", RopeStyle.NEOX, False, False, 4, 2, 32, False),
         "phi3_longrope": ("phi3", RopeStyle.NEOX, False, False, 4, 2, 32, False),
+        "gemma2": ("gemma2", RopeStyle.NEOX, False, False, 4, 2, 64, True),
     }
     assert {lc.window for lc in configs["phi3"].layers} == {16}
+    assert [lc.window for lc in configs["gemma2"].layers] == [16, None]  # local, global
+    assert (configs["gemma2"].attn_softcap, configs["gemma2"].final_softcap) == (2.0, 5.0)
+    assert all(
+        (c.attn_softcap, c.final_softcap) == (0.0, 0.0) for name, c in configs.items() if name != "gemma2"
+    )
     assert all(
         lc.window is None
         for name in ("llama3", "mistral", "qwen2", "qwen3", "phi3_longrope")
@@ -200,6 +246,13 @@ REFUSED = [
     ("qwen2", {}, {"rope_factors_long.weight": (16,)}, "rope_factors_long.weight"),
     ("phi3", {"phi3.rope.scaling.attn_factor": 1.19}, {}, "phi3.rope.scaling.attn_factor"),
     ("phi3", {}, {"blk.0.attn_q.weight": (128, 128)}, "blk.0.attn_q.weight"),
+    ("gemma2", {}, {"blk.0.attn_q_norm.weight": (64,)}, "blk.0.attn_q_norm.weight"),
+    ("gemma2", {}, {"rope_freqs.weight": (32,)}, "rope_freqs.weight"),
+    ("gemma2", {}, {"output.weight": (512, 128)}, "output.weight"),
+    ("gemma2", {"gemma2.rope.scaling.type": "linear"}, {}, "gemma2.rope.scaling.type"),
+    ("gemma2", {"gemma2.expert_count": 4}, {}, "gemma2.expert_count"),
+    ("llama3", {"llama.final_logit_softcapping": 30.0}, {}, "llama.final_logit_softcapping"),
+    ("qwen2", {"qwen2.attn_logit_softcapping": 50.0}, {}, "qwen2.attn_logit_softcapping"),
 ]
 
 

@@ -275,6 +275,40 @@ def test_attention_matches_numpy(cp, dtype, n_q, n_k, n_head, n_kv, d, q_pos0, w
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "n_head", "n_kv", "d", "q_pos0", "window"),
+    [
+        (37, 100, 8, 4, 64, 63, 40),  # a chunk over a held prefix, gemma2's local layer
+        (1, 5000, 8, 4, 256, 4999, None),  # decode: key splits merged by the combine
+    ],
+)
+def test_soft_capped_flash_attention_matches_numpy(cp, dtype, n_q, n_k, n_head, n_kv, d, q_pos0, window):
+    """gemma2's attention logit soft-cap in strata_flash_attn (applied to base-2 scores) and the exact path,
+    scores large enough for the cap to bite; without the cap the kernel's result is another."""
+    ops, ref = _ops(dtype), NumpyOps("f32")
+    rng = np.random.default_rng(n_q + n_k + d)
+    q, k, v, q0, k0 = _attention_case(rng, n_q, n_k, n_head, n_kv, d, q_pos0)
+    q *= 4
+    qd, kd, vd = ops.asarray(q, ops.dtype), ops.asarray(k, ops.dtype), ops.asarray(v, ops.dtype)
+    host = [ops.to_host(a).astype(np.float32) for a in (qd, kd, vd)]
+    want = ref.attention(*host, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5, softcap=2.0)
+    got = ops.to_host(
+        ops.flash_attention(qd, kd, vd, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5, softcap=2.0)
+    )
+    assert rel_err(got, want) < FLASH_TOL[dtype]
+    uncapped = ops.to_host(
+        ops.flash_attention(qd, kd, vd, q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5)
+    )
+    assert rel_err(uncapped, want) > 10 * FLASH_TOL[dtype]
+    f32 = _ops("f32")  # the exact path: blocked_attention on the device
+    exact = f32.attention(
+        *(f32.asarray(a) for a in host), q_pos0=q0, k_pos0=k0, window=window, scale=d**-0.5, softcap=2.0
+    )
+    assert rel_err(f32.to_host(exact), want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
 @pytest.mark.parametrize("kv_dtype", ["compute", "f16", "f32"])
 @pytest.mark.parametrize(
     ("n_q", "n_k", "n_head", "n_kv", "d", "q_pos0", "window"),
@@ -439,7 +473,9 @@ def test_long_chunk_over_a_ring_layer_matches_the_generic_placement(cp, dtype):
         for pool, placement in zip((fast, generic), placements, strict=True):
             pool.begin_append(pos0, n)
             outs.append(
-                ops.to_host(placement.attend(0, pos0, q, k, v, q_pos0=pos0, window=window, scale=d**-0.5))
+                ops.to_host(
+                    placement.attend(0, pos0, q, k, v, q_pos0=pos0, window=window, scale=d**-0.5, softcap=0.0)
+                )
             )
             pool.commit_append(n)
         held = slice(None) if pos0 + n >= cap else slice(0, pos0 + n)
@@ -483,11 +519,12 @@ def test_flash_attention_position_on_the_device_matches_the_argument(
     assert rel_err(ops.to_host(got).astype(np.float32), ops.to_host(want).astype(np.float32)) < 1e-2
 
 
-def _ring_reference(ref, q, keys, values, pos, window, cap, scale):
+def _ring_reference(ref, q, keys, values, pos, window, cap, scale, softcap=0.0):
     """NumPy attention of one query at `pos` over the keys a slot holds (position p in slot p % cap when cap)."""
     k_pos0 = max(0, pos - window + 1) if window else 0
     where = np.arange(k_pos0, pos + 1) % cap if cap else np.arange(k_pos0, pos + 1)
-    return ref.attention(q, keys[where], values[where], q_pos0=pos, k_pos0=k_pos0, window=window, scale=scale)
+    return ref.attention(q, keys[where], values[where], q_pos0=pos, k_pos0=k_pos0, window=window, scale=scale,
+                         softcap=softcap)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -549,13 +586,18 @@ def test_both_split_merges_match_numpy(cp, monkeypatch, wide, dtype, n_q, n_head
 @pytest.mark.gpu
 @pytest.mark.parametrize("min_tiles", [1, 4])
 @pytest.mark.parametrize(
-    ("dtype", "n_head", "n_kv", "d", "window", "cap"),
-    [("f16", 9, 3, 64, None, 0), ("bf16", 4, 1, 256, None, 0), ("bf16", 4, 1, 256, 512, 1024)],
+    ("dtype", "n_head", "n_kv", "d", "window", "cap", "softcap"),
+    [
+        ("f16", 9, 3, 64, None, 0, 0.0),
+        ("bf16", 4, 1, 256, None, 0, 0.0),
+        ("bf16", 4, 1, 256, 512, 1024, 0.0),
+        ("bf16", 8, 4, 64, 40, 64, 1.0),
+    ],  # fmt: skip
 )
-def test_flash_attention_rows_matches_numpy(cp, min_tiles, dtype, n_head, n_kv, d, window, cap):
+def test_flash_attention_rows_matches_numpy(cp, min_tiles, dtype, n_head, n_kv, d, window, cap, softcap):
     """A batched decode step's attention (`flash_attention_rows`: each row over its own slot of the arena, its
     splits merged per row) against NumPy's attention of each row alone; the rows' lengths differ (one key,
-    a few tiles, a full or wrapped slot) and their slots are out of order."""
+    a few tiles, a full or wrapped slot) and their slots are out of order; gemma2's soft-capped scores too."""
     ops, ref = _ops(dtype), NumpyOps("f32")
     ops.flash_min_tiles = min_tiles
     rng = np.random.default_rng(d + min_tiles)
@@ -566,11 +608,13 @@ def test_flash_attention_rows_matches_numpy(cp, min_tiles, dtype, n_head, n_kv, 
     q = ops.asarray(rng.standard_normal((3, n_head, d)).astype(np.float32), ops.dtype)
     rows = cp.asarray([3, *positions, *slots], dtype=cp.int32)
     got = ops.to_host(ops.flash_attention_rows(q, k_arena, v_arena, rows, window=window, scale=d**-0.5,
-                                               ring_capacity=cap)).astype(np.float32)  # fmt: skip
+                                               softcap=softcap, ring_capacity=cap)).astype(np.float32)  # fmt: skip
     assert got.shape == (3, n_head * d)
     host_q, host_k, host_v = (ops.to_host(a).astype(np.float32) for a in (q, k_arena, v_arena))
     for b, (pos, slot) in enumerate(zip(positions, slots, strict=True)):
-        want = _ring_reference(ref, host_q[b : b + 1], host_k[slot], host_v[slot], pos, window, cap, d**-0.5)
+        want = _ring_reference(
+            ref, host_q[b : b + 1], host_k[slot], host_v[slot], pos, window, cap, d**-0.5, softcap
+        )
         assert rel_err(got[b : b + 1], want) < FLASH_TOL[dtype], (b, pos)
 
 

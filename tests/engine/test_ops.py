@@ -401,6 +401,56 @@ def test_attention_over_stored_kv_matches_the_oracle(
     np.testing.assert_array_equal(got_ring, decoded)
 
 
+def _capped_attention(q, k, v, q_pos0, window, scale, cap):
+    """Soft-capped causal attention written out in float64 (keys from position 0): the numpy oracle's oracle."""
+    qp = q_pos0 + np.arange(q.shape[0])[:, None]
+    kp = np.arange(k.shape[0])[None, :]
+    visible = (kp <= qp) & ((qp - kp < window) if window else True)
+    group = q.shape[1] // k.shape[1]
+    out = np.empty((q.shape[0], q.shape[1], q.shape[2]))
+    for h in range(q.shape[1]):
+        s = q[:, h].astype(np.float64) @ k[:, h // group].T.astype(np.float64) * scale
+        s = np.where(visible, cap * np.tanh(s / cap), -np.inf)
+        w = np.exp(s - s.max(axis=-1, keepdims=True))
+        out[:, h] = (w / w.sum(axis=-1, keepdims=True)) @ v[:, h // group]
+    return out.reshape(q.shape[0], -1)
+
+
+# (tokens, held, Hkv, H, D, window): a decode step, a chunk of the tiled kernel (blocks of queries) in a window, a
+# chunk of 256-wide heads past SOFTCAP_BLAS_HELD keys (the BLAS key blocks, their threshold lowered to it).
+SOFTCAP_CASES = [(1, 300, 2, 4, 64, None), (40, 100, 2, 4, 64, 60), (20, 1200, 1, 4, 256, None)]
+SOFTCAP_BLAS_HELD = 1000
+
+
+@pytest.mark.parametrize(("n_tok", "held", "n_kv", "n_head", "d", "window"), SOFTCAP_CASES)
+def test_soft_capped_attention_matches_the_oracle(
+    numba_ops, monkeypatch, n_tok, held, n_kv, n_head, d, window
+):
+    """gemma2's attention logit soft-cap on every CPU path (numpy, numba's kernels: one range, key splits,
+    query blocks, BLAS key blocks; a batched step's rows), scores large enough for the cap to bite (|s| ~ 4 * cap)."""
+    from strata_engine.ops import numba_ops as module
+
+    monkeypatch.setattr(module, "ATTN_BLAS_MIN_HELD", SOFTCAP_BLAS_HELD)
+    oracle = get_ops("numpy", "f32")
+    rng = np.random.default_rng(50)
+    s, cap = held + n_tok, 2.0
+    q = rng.standard_normal((n_tok, n_head, d)).astype(np.float32) * 4
+    k = rng.standard_normal((s, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((s, n_kv, d)).astype(np.float32)
+    exact = _capped_attention(q, k, v, held, window, d**-0.5, cap)
+    want = oracle.attention(q, k, v, q_pos0=held, k_pos0=0, window=window, scale=d**-0.5, softcap=cap)
+    np.testing.assert_allclose(want, exact, rtol=0, atol=1e-5)
+    uncapped = oracle.attention(q, k, v, q_pos0=held, k_pos0=0, window=window, scale=d**-0.5)
+    assert np.abs(uncapped - exact).max() > 0.1  # the cap bites
+    got = numba_ops.attention(q, k, v, q_pos0=held, k_pos0=0, window=window, scale=d**-0.5, softcap=cap)
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-5)
+    rows = numba_ops.attention_rows(
+        q[-1:], k[None], v[None], None, None, slots=[0], q_pos=[s - 1], k_lo=[0 if window is None else s - window],
+        capacity=0, window=window or 0, scale=d**-0.5, softcap=cap,
+    )  # fmt: skip
+    np.testing.assert_allclose(rows, exact[-1:], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "int8"])
 @pytest.mark.parametrize("ring", [False, True])
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ float32 logits on exactly the weights a file holds (read back from it and dequan
 
 No model is downloaded: the weights are random (seeded), every feature of the family switched on (llama3 RoPE
 scaling and Phi-3's longrope with an original context shorter than the test prompts, GQA, Q/K/V biases,
-per-head QK norms, sliding windows, untied output where the family allows it). gguf-py quantizes Q8_0 but not Q4_K or Q6_K (its `quantize` raises
+per-head QK norms, sliding windows, Gemma 2's soft-caps, untied output where the family allows it). gguf-py quantizes Q8_0 but not Q4_K or Q6_K (its `quantize` raises
 NotImplementedError for the k-quants), so those types are not written here.
 """
 
@@ -44,8 +44,13 @@ class Family:
     config: dict[str, Any]
     permute_qk: bool  # `llama`: Q/K rows permuted for interleaved RoPE (LlamaModel.permute)
     rope_factors: bool = False  # llama3 RoPE scaling: rope_freqs.weight
-    norm_plus_one: bool = False  # gemma: the converter writes RMS norm weights as 1 + w
     keys: Callable[[gguf.GGUFWriter, Any], None] = lambda w, c: _text_model_keys(w, c)  # the converter's
+    layer_tensors: dict[str, str] = attrs.field(factory=dict)  # the family's own names over LAYER_TENSORS'
+    # added to every norm weight by the converter (gemma: transformers multiplies by 1 + weight)
+    norm_offset: float = 0.0
+
+    def gguf_layer_tensor(self, hf_rest: str) -> str:
+        return self.layer_tensors.get(hf_rest) or LAYER_TENSORS[hf_rest]
 
 
 _COMMON = dict(
@@ -94,6 +99,19 @@ FAMILIES: dict[str, Family] = {
                               "long_factor": np.linspace(1.0, 6.0, 16).tolist()}),
         permute_qk=False, keys=lambda w, c: _phi3_keys(w, c),
     ),
+    # Gemma 2: both soft-caps low enough to bite (scores and logits of a few units), a sliding window shorter than
+    # the test prompts on the even layers, head_dim 64 (H * D is not E; a head size the GPU's flash kernel
+    # takes), query_pre_attn_scalar = head_dim (llama.cpp's scale for every size but the 27B), tied output.
+    "gemma2": Family(
+        "gemma2", "Gemma2Config", "Gemma2ForCausalLM",
+        dict(_COMMON, head_dim=64, tie_word_embeddings=True, sliding_window=16, query_pre_attn_scalar=64,
+             attn_logit_softcapping=2.0, final_logit_softcapping=5.0, pad_token_id=0, bos_token_id=BOS,
+             eos_token_id=EOS, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        permute_qk=False, keys=lambda w, c: _gemma2_keys(w, c), norm_offset=1.0,
+        layer_tensors={"post_attention_layernorm.weight": "post_attention_norm.weight",
+                       "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+    ),
 }  # fmt: skip
 # Families the engine's own tests cover with the real model (tests/engine: gemma3), tiny here for the cross-engine
 # cache tests (tests/crossengine/test_transformers_cache.py): not in FAMILIES, whose tests they would lengthen.
@@ -104,7 +122,10 @@ MORE_FAMILIES: dict[str, Family] = {
         "gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM",
         dict(_COMMON, num_hidden_layers=6, head_dim=32, sliding_window=8, query_pre_attn_scalar=256,
              tie_word_embeddings=True, pad_token_id=0, bos_token_id=BOS, eos_token_id=EOS),
-        permute_qk=False, norm_plus_one=True, keys=lambda w, c: _gemma3_keys(w, c),
+        permute_qk=False, keys=lambda w, c: _gemma3_keys(w, c), norm_offset=1.0,
+        layer_tensors={"post_attention_layernorm.weight": "post_attention_norm.weight",
+                       "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
     ),
 }  # fmt: skip
 ALL_FAMILIES = {**FAMILIES, **MORE_FAMILIES}
@@ -119,7 +140,6 @@ LAYER_TENSORS = {
     "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
     "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }  # fmt: skip
 TOP_TENSORS = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -138,8 +158,8 @@ def hf_model(family: Family, seed: int = 0) -> Any:
     model = getattr(transformers, family.model_class)(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            if name.endswith("norm.weight"):  # a multiplier near 1 (gemma's is 1 + weight)
+                p.copy_(1.0 - family.norm_offset + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn_like(p))
             else:
@@ -254,6 +274,22 @@ def _gemma3_keys(w: gguf.GGUFWriter, c: Any) -> None:
     w.add_sliding_window(c.sliding_window)
 
 
+def _gemma2_keys(w: gguf.GGUFWriter, c: Any) -> None:
+    """Gemma2Model.set_gguf_parameters: no RoPE base (llama.cpp's default, 10000), both soft-caps, the window."""
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    w.add_final_logit_softcapping(c.final_logit_softcapping)
+    w.add_sliding_window(c.sliding_window)
+
+
 def write_gguf(model: Any, family: Family, path: Path, file_type: str) -> Path:
     """The model as convert_hf_to_gguf.py --outtype `file_type` writes it."""
     ftype, qtype = FILE_TYPES[file_type]
@@ -273,32 +309,24 @@ def write_gguf(model: Any, family: Family, path: Path, file_type: str) -> Path:
     return path
 
 
-# gemma's extra norms move post_attention_layernorm from the FFN's input to the attention branch's output
-GEMMA_TENSORS = {"post_attention_layernorm.weight": "post_attention_norm.weight"}
-
-
-def _layer_tensor(family: Family, rest: str) -> str:
-    return (family.norm_plus_one and GEMMA_TENSORS.get(rest)) or LAYER_TENSORS[rest]
-
-
 def _gguf_tensors(model: Any, family: Family) -> dict[str, np.ndarray]:
     c = model.config
     out = {}
     for hf_name, p in model.state_dict().items():
         data = p.detach().numpy()
+        if hf_name.endswith("norm.weight"):
+            data = data + np.float32(family.norm_offset)
         if hf_name in TOP_TENSORS:
             if hf_name == "lm_head.weight" and c.tie_word_embeddings:
                 continue
-            out[TOP_TENSORS[hf_name]] = data + (family.norm_plus_one and hf_name == "model.norm.weight")
+            out[TOP_TENSORS[hf_name]] = data
             continue
         _, _, i, rest = hf_name.split(".", 3)
-        if family.norm_plus_one and rest.endswith("norm.weight"):
-            data = data + 1.0
         if family.permute_qk and rest == "self_attn.q_proj.weight":
             data = permute(data, c.num_attention_heads)
         elif family.permute_qk and rest == "self_attn.k_proj.weight":
             data = permute(data, c.num_key_value_heads)
-        out[f"blk.{i}.{_layer_tensor(family, rest)}"] = data
+        out[f"blk.{i}.{family.gguf_layer_tensor(rest)}"] = data
     if family.rope_factors:
         out["rope_freqs.weight"] = llama3_rope_factors(c)
     if long := c.rope_parameters.get("long_factor"):  # Phi3MiniModel.generate_extra_tensors
@@ -329,17 +357,18 @@ def reference_model(family: Family, path: Path) -> Any:
             name = TOP_TENSORS[hf_name]
             if hf_name == "lm_head.weight" and c.tie_word_embeddings:
                 name = "token_embd.weight"
-            state[hf_name] = weights[name] - (family.norm_plus_one and hf_name == "model.norm.weight")
+            state[hf_name] = weights[name]
             continue
         _, _, i, rest = hf_name.split(".", 3)
-        data = weights[f"blk.{i}.{_layer_tensor(family, rest)}"]
-        if family.norm_plus_one and rest.endswith("norm.weight"):
-            data = data - 1.0
+        data = weights[f"blk.{i}.{family.gguf_layer_tensor(rest)}"]
         if family.permute_qk and rest == "self_attn.q_proj.weight":
             data = unpermute(data, c.num_attention_heads)
         elif family.permute_qk and rest == "self_attn.k_proj.weight":
             data = unpermute(data, c.num_key_value_heads)
         state[hf_name] = data
+    state = {
+        k: v - np.float32(family.norm_offset) if k.endswith("norm.weight") else v for k, v in state.items()
+    }
     model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in state.items()})
     return model
 

@@ -82,6 +82,9 @@ class ModelConfig:
     config_tensors: tuple[str, ...] = ()
     rope_scale: float = 1.0  # cos / sin multiplied by it (longrope's attention factor)
     long_rope: LongRope | None = None  # `for_context` resolves it into rope_factors and rope_scale
+    # soft-caps (gemma2): scores s -> cap * tanh(s / cap) after the scaling, logits likewise; 0 = none
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
 
     def for_context(self, n_ctx: int) -> ModelConfig:
         """The config as it computes with n_ctx positions a conversation (longrope's factors chosen)."""
@@ -325,6 +328,48 @@ def _gemma3(m: _Meta) -> ModelConfig:
     )
 
 
+# gemma2 facts, as llama.cpp b11549 fills in what the file leaves out: every other layer (il % 2 == 0) uses the
+# sliding window (4096 unless the file says), the rest full attention, one RoPE base; the soft-caps default to
+# 50 (attention scores) and 30 (logits); the attention scale is 1/sqrt(head_dim), but 1/sqrt(n_embd / n_head)
+# for the 46-layer (27B) model, whose query_pre_attn_scalar is that. The output is token_embd whatever the file
+# holds (an output.weight is then unread, so refused: llama.cpp's gemma2 never reads one).
+GEMMA2_LOCAL_EVERY = 2
+GEMMA2_DEFAULT_WINDOW = 4096
+GEMMA2_DEFAULT_ATTN_SOFTCAP = 50.0
+GEMMA2_DEFAULT_FINAL_SOFTCAP = 30.0
+GEMMA2_27B_LAYERS = 46
+
+
+def _gemma2(m: _Meta) -> ModelConfig:
+    c = _common(m)
+    rope_base = m.get("rope.freq_base", float, 10000.0)
+    window = m.positive("attention.sliding_window", GEMMA2_DEFAULT_WINDOW)
+    attn_softcap = m.get("attn_logit_softcapping", float, GEMMA2_DEFAULT_ATTN_SOFTCAP)
+    final_softcap = m.get("final_logit_softcapping", float, GEMMA2_DEFAULT_FINAL_SOFTCAP)
+    for key, cap in (("attn_logit_softcapping", attn_softcap), ("final_logit_softcapping", final_softcap)):
+        if not cap > 0:  # llama.cpp divides by it: 0 or less is no cap it computes
+            m.problems.append(f"gemma2.{key} must be positive, got {cap}")
+    m.finish()
+    query_scalar = c["n_embd"] // c["n_head"] if c["n_layer"] == GEMMA2_27B_LAYERS else c["head_dim"]
+    layers = tuple(
+        LayerConfig(rope_base=rope_base, window=window if il % GEMMA2_LOCAL_EVERY == 0 else None)
+        for il in range(c["n_layer"])
+    )
+    return ModelConfig(
+        architecture="gemma2",
+        rope_style=RopeStyle.NEOX,
+        activation=Activation.GELU_TANH,
+        attn_scale=1.0 / math.sqrt(query_scalar),
+        embed_scale=math.sqrt(c["n_embd"]),
+        qk_norm=False,
+        post_norms=True,
+        layers=layers,
+        attn_softcap=attn_softcap,
+        final_softcap=final_softcap,
+        **{**c, "tied_output": True},
+    )
+
+
 ARCHITECTURES: dict[str, Callable[[_Meta], ModelConfig]] = {
-    "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3, "gemma3": _gemma3,
+    "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3, "gemma2": _gemma2, "gemma3": _gemma3,
 }  # fmt: skip

@@ -75,6 +75,7 @@ class ScratchKV:
         q_pos0: int,
         window: int | None,
         scale: float,
+        softcap: float,
     ) -> Any | None:
         xp = self.ops.xp
         held_k, held_v = self.k[layer], self.v[layer]
@@ -85,7 +86,9 @@ class ScratchKV:
         if q is None:
             return None
         lo = 0 if window is None else max(0, pos0 - window + 1)
-        return self.ops.attention(q, k[lo:], v[lo:], q_pos0=q_pos0, k_pos0=lo, window=window, scale=scale)
+        return self.ops.attention(
+            q, k[lo:], v[lo:], q_pos0=q_pos0, k_pos0=lo, window=window, scale=scale, softcap=softcap
+        )
 
 
 def hidden_state_steps(

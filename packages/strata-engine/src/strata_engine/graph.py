@@ -74,6 +74,7 @@ class _StepKV:
     def attend(
         self, layer: int, pos0: int, q: Any | None, k_new: Any, v_new: Any, *, q_pos0: int, window: int | None,
         scale: float,
+        softcap: float,
     ) -> Any | None:  # fmt: skip
         views = self.pool.layer(layer)
         g = self.pool.geometry.layers[layer]
@@ -85,7 +86,7 @@ class _StepKV:
         assert q.shape[0] in (k_new.shape[0], 1)
         dyn = self.position if q.shape[0] == k_new.shape[0] else self.last_position
         return self.ops.flash_attention(
-            q, views.k, views.v, q_pos0=0, k_pos0=0, window=window, scale=scale, ring_capacity=ring, dyn=dyn,
+            q, views.k, views.v, q_pos0=0, k_pos0=0, window=window, scale=scale, softcap=softcap, ring_capacity=ring, dyn=dyn,
         )  # fmt: skip
 
 
@@ -274,7 +275,7 @@ class StepGraph(_CapturedStep):
         last_row = self.inputs.last_row if n > 1 else None
         rows = Rows.chunk(self.kv, 0, n)  # the position is on the device (`_StepKV`), not this 0
         h = self.model.hidden(self.inputs.tokens, rows, tables, want_logits=True, last_row=last_row)
-        return ops.logits_f32(h, self.model.output)  # [1, V]
+        return ops.logits_f32(h, self.model.output, self.model.config.final_softcap)  # [1, V]
 
 
 class _BatchInputs:
@@ -322,13 +323,13 @@ class _BatchRows:
 
     def attend(
         self, ops: Any, layer: int, q: Any | None, k: Any, v: Any, *, window: int | None, scale: float,
-        last_only: bool = False,
+        softcap: float, last_only: bool = False,
     ) -> Any | None:  # fmt: skip
         k_arena, v_arena, ring = self.layers[layer]
         ops.store_kv_rows(k, v, k_arena, v_arena, self.rows, ring_capacity=ring)
         if q is None:
             return None
-        return ops.flash_attention_rows(q, k_arena, v_arena, self.rows, window=window, scale=scale,
+        return ops.flash_attention_rows(q, k_arena, v_arena, self.rows, window=window, scale=scale, softcap=softcap,
                                         ring_capacity=ring)  # fmt: skip
 
     def last_of_each(self, ops: Any, a: Any, row: Any | None = None) -> Any:
@@ -388,7 +389,7 @@ class BatchDecodeGraph(_CapturedStep):
         tables = {base: tuple(ops.xp.take(t, positions, axis=0) for t in (cos, sin))
                   for base, (cos, sin) in self.tables.items()}  # fmt: skip
         h = self.model.hidden(self.batch_inputs.tokens, self.rows, tables, want_logits=True)  # type: ignore[arg-type]
-        return ops.logits_f32(h, self.model.output)  # [B, V]
+        return ops.logits_f32(h, self.model.output, self.model.config.final_softcap)  # [B, V]
 
 
 def _graphs_possible(model: Model, placement: PoolPlacement, enabled: bool) -> bool:

@@ -180,6 +180,7 @@ DEFAULT_PREFILL_CHUNK: dict[str, int] = {Backend.NUMPY: 512, Backend.CUPY: 4096}
 # float32 either way (`Ops.logits`). A new architecture gets a row here (tests/engine/test_models.py).
 DEFAULT_COMPUTE_DTYPE: dict[str, dict[str, ComputeDType]] = {
     "llama": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.F16},
+    "gemma2": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.BF16},  # gemma3's residual stream
     "gemma3": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.BF16},
     # Qwen2.5 and Qwen3 are trained in bf16 and their activation outliers are known to overflow f16
     "qwen2": {Backend.NUMPY: ComputeDType.F32, Backend.CUPY: ComputeDType.BF16},

@@ -32,11 +32,14 @@ class InPlacePlacement(PoolPlacement):
         q_pos0: int,
         window: int | None,
         scale: float,
+        softcap: float,
     ) -> Any | None:
         g = self.pool.geometry.layers[layer]
         n_new = k_new.shape[0]
         if g.window is not None and n_new > g.capacity - g.window + 1:  # a ring chunk too long
-            return super().attend(layer, pos0, q, k_new, v_new, q_pos0=q_pos0, window=window, scale=scale)
+            return super().attend(
+                layer, pos0, q, k_new, v_new, q_pos0=q_pos0, window=window, scale=scale, softcap=softcap
+            )
         views = self.pool.layer(layer)
         if self.pool.geometry.has_scales:
             self.write(layer, pos0, self.pool.codec.encode(k_new, v_new))
@@ -55,7 +58,7 @@ class InPlacePlacement(PoolPlacement):
             k_scale = None if views.k_scale is None else views.k_scale[lo:end]
             v_scale = None if views.v_scale is None else views.v_scale[lo:end]
         return self.ops.attention(
-            q, k, v, q_pos0=q_pos0, k_pos0=lo, window=window, scale=scale, ring_capacity=capacity,
+            q, k, v, q_pos0=q_pos0, k_pos0=lo, window=window, scale=scale, softcap=softcap, ring_capacity=capacity,
             k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
 
@@ -69,6 +72,7 @@ class InPlacePlacement(PoolPlacement):
         *,
         window: int | None,
         scale: float,
+        softcap: float,
     ) -> Any:
         """`PoolPlacement.attend_rows` in one kernel call where every span's placement is one of this arena's
         (the slots' pools at one stride): each row's K/V stored in its slot, then every row attends over its
@@ -76,7 +80,9 @@ class InPlacePlacement(PoolPlacement):
         one thread idle for a quarter of the step)."""
         arena = self.pool.arena
         if not all(type(s.kv) is type(self) and s.kv.pool.arena is arena for s in spans):
-            return super().attend_rows(layer, spans, q, k_new, v_new, window=window, scale=scale)
+            return super().attend_rows(
+                layer, spans, q, k_new, v_new, window=window, scale=scale, softcap=softcap
+            )
         g = self.pool.geometry.layers[layer]
         parts = self.pool.arena_layer(layer)
         k, v = parts[0], parts[1]
@@ -95,5 +101,5 @@ class InPlacePlacement(PoolPlacement):
             k_lo.append(lo if window is None else max(lo, s.pos0 - window + 1))
         return self.ops.attention_rows(
             q, k, v, k_scale, v_scale, slots=slots, q_pos=[s.pos0 for s in spans],
-            k_lo=k_lo, capacity=g.capacity if g.is_ring else 0, window=window or 0, scale=scale,
+            k_lo=k_lo, capacity=g.capacity if g.is_ring else 0, window=window or 0, scale=scale, softcap=softcap,
         )  # fmt: skip

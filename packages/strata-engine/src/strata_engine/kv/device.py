@@ -199,13 +199,16 @@ class DevicePoolPlacement(PoolPlacement):
         q_pos0: int,
         window: int | None,
         scale: float,
+        softcap: float,
     ) -> Any | None:
         g = self.pool.geometry.layers[layer]
         n_new = k_new.shape[0]
         if g.window is None or self.pool.geometry.has_scales:  # not a ring
-            return super().attend(layer, pos0, q, k_new, v_new, q_pos0=q_pos0, window=window, scale=scale)
+            return super().attend(
+                layer, pos0, q, k_new, v_new, q_pos0=q_pos0, window=window, scale=scale, softcap=softcap
+            )
         if n_new > g.capacity - g.window + 1:
-            return self._attend_long_ring_chunk(layer, pos0, q, k_new, v_new, q_pos0, window, scale)
+            return self._attend_long_ring_chunk(layer, pos0, q, k_new, v_new, q_pos0, window, scale, softcap)
         views = self.pool.layer(layer)
         self.ops.store_kv(k_new, v_new, views.k, views.v, pos0, ring_capacity=g.capacity)  # rounds as encode
         if q is None:
@@ -218,6 +221,7 @@ class DevicePoolPlacement(PoolPlacement):
             k_pos0=self.context_start(layer, pos0),
             window=window,
             scale=scale,
+            softcap=softcap,
             ring_capacity=g.capacity,
         )
 
@@ -231,6 +235,7 @@ class DevicePoolPlacement(PoolPlacement):
         q_pos0: int,
         window: int | None,
         scale: float,
+        softcap: float,
     ) -> Any | None:
         """A ring layer's chunk too long to attend in place (its stores would overwrite keys its first
         queries still see). The context [lo, pos0 + T) is made in the pool's storage type: the ring's
@@ -259,7 +264,9 @@ class DevicePoolPlacement(PoolPlacement):
                           ring_capacity=cap)  # fmt: skip
         if q is None:
             return None
-        return self.ops.attention(q, k_ctx, v_ctx, q_pos0=q_pos0, k_pos0=lo, window=window, scale=scale)
+        return self.ops.attention(
+            q, k_ctx, v_ctx, q_pos0=q_pos0, k_pos0=lo, window=window, scale=scale, softcap=softcap
+        )
 
     def attend_kv(self, layer: int, pos0: int, k_new: Any, v_new: Any) -> tuple[Any, Any, int]:
         g = self.pool.geometry.layers[layer]

@@ -45,13 +45,16 @@ class PoolPlacement:
         q_pos0: int,
         window: int | None,
         scale: float,
+        softcap: float,
     ) -> Any | None:
         """Store the chunk's K/V [T, Hkv, D] at positions pos0..; with q [T', H, D] (queries at q_pos0..)
         return their attention [T', H*D] over every key they may see; without q, only store."""
         k_ctx, v_ctx, k_pos0 = self.attend_kv(layer, pos0, k_new, v_new)
         if q is None:
             return None
-        return self.ops.attention(q, k_ctx, v_ctx, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale)
+        return self.ops.attention(
+            q, k_ctx, v_ctx, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale, softcap=softcap
+        )
 
     def attend_rows(
         self,
@@ -63,6 +66,7 @@ class PoolPlacement:
         *,
         window: int | None,
         scale: float,
+        softcap: float,
     ) -> Any:
         """A batched decode step's attention: row b of q, k_new, v_new [B, ...] is the one row of spans[b]
         (`models.common.Span`: a slot's placement, this one among them, and its position) -> [B, H * D]. Here
@@ -77,6 +81,7 @@ class PoolPlacement:
                 q_pos0=s.pos0,
                 window=window,
                 scale=scale,
+                softcap=softcap,
             )  # fmt: skip
             for b, s in enumerate(spans)
         ]

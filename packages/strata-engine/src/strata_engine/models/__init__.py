@@ -7,6 +7,7 @@ from ..errors import UncomputedModelPart, UnsupportedArchitecture
 from ..gguf import GGUFFile
 from ..ops import Ops
 from .common import Decoder, TensorCensus, WeightLoader
+from .gemma2 import Gemma2Model
 from .gemma3 import Gemma3Model
 from .llama import LlamaModel
 from .phi3 import Phi3Model
@@ -16,7 +17,8 @@ from .qwen3 import Qwen3Model
 Model = Decoder
 
 MODEL_FAMILIES: dict[str, type[Model]] = {
-    "llama": LlamaModel, "qwen2": Qwen2Model, "qwen3": Qwen3Model, "phi3": Phi3Model, "gemma3": Gemma3Model,
+    "llama": LlamaModel, "qwen2": Qwen2Model, "qwen3": Qwen3Model, "phi3": Phi3Model, "gemma2": Gemma2Model,
+    "gemma3": Gemma3Model,
 }  # fmt: skip
 
 
@@ -48,6 +50,6 @@ def build_model(config: ModelConfig, ops: Ops, gguf_file: GGUFFile) -> Model:
 
 
 __all__ = [
-    "MODEL_FAMILIES", "Gemma3Model", "LlamaModel", "Model", "Phi3Model", "Qwen2Model", "Qwen3Model", "account_tensors",
+    "MODEL_FAMILIES", "Gemma2Model", "Gemma3Model", "LlamaModel", "Model", "Phi3Model", "Qwen2Model", "Qwen3Model", "account_tensors",
     "build_model",
 ]  # fmt: skip

@@ -22,7 +22,8 @@ ARENA_FILE_MULTIPLE = 3
 
 class KVAccess(Protocol):
     """What a forward pass needs from the K/V placement (see kv.placement): store the chunk's K/V
-    [T, Hkv, D] at positions pos0.., then (q given) attend over everything the queries may see."""
+    [T, Hkv, D] at positions pos0.., then (q given) attend over everything the queries may see (scores times
+    `scale`, then soft-capped by `softcap` where it is > 0: `Ops.attention`)."""
 
     def attend(
         self,
@@ -35,6 +36,7 @@ class KVAccess(Protocol):
         q_pos0: int,
         window: int | None,
         scale: float,
+        softcap: float,
     ) -> Any | None: ...
 
 
@@ -52,6 +54,7 @@ class BatchedKVAccess(KVAccess, Protocol):
         *,
         window: int | None,
         scale: float,
+        softcap: float,
     ) -> Any: ...
 
 
@@ -87,26 +90,28 @@ class Rows:
 
     def attend(
         self, ops: Ops, layer: int, q: Any | None, k: Any, v: Any, *, window: int | None, scale: float,
-        last_only: bool = False,
+        softcap: float, last_only: bool = False,
     ) -> Any | None:  # fmt: skip
         """Store each span's K/V rows k, v [T, Hkv, D] in its slot and (q given) attend its queries over that
         slot's keys: q [T, H, D] (every row), or [B, H, D] (each span's last row: `last_only`) -> [T or B, H*D]."""
         if len(self.spans) == 1:  # one chunk: its rows as they are
             s = self.spans[0]
             q_pos0 = s.pos0 + s.n - 1 if last_only else s.pos0
-            return s.kv.attend(layer, s.pos0, q, k, v, q_pos0=q_pos0, window=window, scale=scale)
+            return s.kv.attend(
+                layer, s.pos0, q, k, v, q_pos0=q_pos0, window=window, scale=scale, softcap=softcap
+            )
         if q is not None and all(
             s.n == 1 for s in self.spans
         ):  # a batched decode step: the slots' placements
             # A batched step's spans hold slots' placements (slots.py), never a graph's or an embedding's K/V.
             kv = cast(BatchedKVAccess, self.spans[0].kv)
-            return kv.attend_rows(layer, self.spans, q, k, v, window=window, scale=scale)
+            return kv.attend_rows(layer, self.spans, q, k, v, window=window, scale=scale, softcap=softcap)
         out, r = [], 0
         for b, s in enumerate(self.spans):
             q_s = None if q is None else q[b : b + 1] if last_only else q[r : r + s.n]
             q_pos0 = s.pos0 + s.n - 1 if last_only else s.pos0
             out.append(s.kv.attend(layer, s.pos0, q_s, k[r : r + s.n], v[r : r + s.n], q_pos0=q_pos0,
-                                   window=window, scale=scale))  # fmt: skip
+                                   window=window, scale=scale, softcap=softcap))  # fmt: skip
             r += s.n
         return None if q is None else ops.xp.concatenate(out)
 
@@ -186,12 +191,13 @@ class Decoder:
         q, k, v = h Wq^T (+ bq), h Wk^T (+ bk), h Wv^T (+ bv)
         q, k = rms_norm_per_head(q) * q_norm, rms_norm_per_head(k) * k_norm      (where the family has them)
         q, k = rope(q, k, pos)
-        a = softmax(q k^T * attn_scale + causal/window mask) v Wo^T            (GQA: H/Hkv queries a K/V head)
+        s = q k^T * attn_scale, soft-capped: attn_softcap * tanh(s / attn_softcap)      (where the cap is > 0)
+        a = softmax(s + causal/window mask) v Wo^T                             (GQA: H/Hkv queries a K/V head)
         x = x + (rms_norm(a) * post_attn_norm, or a)
         h = rms_norm(x) * ffn_norm
         m = (act(h Wg^T) * h Wu^T) Wd^T
         x = x + (rms_norm(m) * post_ffn_norm, or m)
-    logits = (rms_norm(x_last) * output_norm) W_out^T
+    logits = (rms_norm(x_last) * output_norm) W_out^T, soft-capped by final_softcap       (where it is > 0)
 
     Wq, Wk, Wv are stored stacked as one [Wq; Wk; Wv] and Wg, Wu as [Wg; Wu] (one product each on the
     GPU); each residual add is fused with the norm that follows it (`add_rms_norm`).
@@ -221,7 +227,11 @@ class Decoder:
         """Evaluate tokens [T] (rows: whose conversation and position each is); store their K/V; logits
         [B, V] of each span's last token if asked (a chunk: B = 1; a batched decode step: B = T)."""
         h = self.hidden(tokens, rows, rope_tables(self.ops, self.config, rows), want_logits)
-        return None if h is None else self.ops.logits(h, self.output)
+        return None if h is None else self.logits(h)
+
+    def logits(self, h: Any) -> np.ndarray:
+        """Host float32 logits [B, V] of output-normed rows h [B, E] (soft-capped where the family caps them)."""
+        return self.ops.logits(h, self.output, self.config.final_softcap)
 
     def hidden(
         self,
@@ -253,14 +263,24 @@ class Decoder:
             )  # past the last K/V write only the logits' rows matter
             if last_only:
                 if not want_logits:
-                    rows.attend(ops, il, None, k, v, window=lc.window, scale=c.attn_scale)
+                    rows.attend(
+                        ops, il, None, k, v, window=lc.window, scale=c.attn_scale, softcap=c.attn_softcap
+                    )
                     return None
                 q, x = (
                     rows.last_of_each(ops, q, last_row),
                     rows.last_of_each(ops, x, last_row),
                 )  # [B, H, D], [B, E]
             attn = rows.attend(
-                ops, il, q, k, v, window=lc.window, scale=c.attn_scale, last_only=last_only
+                ops,
+                il,
+                q,
+                k,
+                v,
+                window=lc.window,
+                scale=c.attn_scale,
+                softcap=c.attn_softcap,
+                last_only=last_only,
             )  # [T|B, H*D]
             x, h = ops.add_rms_norm(
                 x, ops.matmul(attn, layer.wo), layer.post_attn_norm, layer.ffn_norm, c.rms_eps

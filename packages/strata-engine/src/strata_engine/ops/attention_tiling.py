@@ -13,6 +13,15 @@ ATTENTION_SCORE_BUDGET = 256 << 20
 MIN_KEY_BLOCK = 256
 
 
+def soft_cap(xp: Any, s: Any, cap: float) -> Any:
+    """s -> cap * tanh(s / cap) in place (gemma2's attention scores and logits); cap 0: s untouched."""
+    if cap > 0:
+        s *= s.dtype.type(1.0 / cap)
+        xp.tanh(s, out=s)
+        s *= s.dtype.type(cap)
+    return s
+
+
 def blocked_attention(
     xp: Any,
     q: Any,
@@ -23,6 +32,7 @@ def blocked_attention(
     k_pos0: int,
     window: int | None,
     scale: float,
+    softcap: float = 0.0,
     key_block: int,
     out_dtype: Any,
     softmax_step: Any = None,
@@ -31,7 +41,7 @@ def blocked_attention(
 
     q [T, H, D]; k, v [S, Hkv, D] (any float dtype; computed in float32). A query at position p sees
     keys at j <= p with p - j < window. Key blocks wholly outside every query's view are skipped.
-    Returns [T, H*D] in `out_dtype`. Per block: s = (q * scale) k^T + mask; m' = max(m, rowmax s);
+    Returns [T, H*D] in `out_dtype`. Per block: s = soft_cap((q * scale) k^T, softcap) + mask; m' = max(m, rowmax s);
     acc = acc * e^(m - m') + e^(s - m') v; l = l * e^(m - m') + rowsum e^(s - m'); out = acc / l.
     softmax_step(s, m, l, acc) [R, B], [R], [R], [R, D] (a compiled kernel: `numba_kernels.online_softmax_step`)
     may do a block's softmax part in place of the array library's passes."""
@@ -53,7 +63,7 @@ def blocked_attention(
 
     def block_scores(b0: int, b1: int) -> Any:
         """Masked, scaled scores of keys [b0, b1): [Hkv, G*T, b1 - b0] float32."""
-        s = xp.matmul(qg, k[b0:b1].astype(f32, copy=False).transpose(1, 2, 0))
+        s = soft_cap(xp, xp.matmul(qg, k[b0:b1].astype(f32, copy=False).transpose(1, 2, 0)), softcap)
         kpos0, kpos1 = k_pos0 + b0, k_pos0 + b1 - 1
         if kpos1 > q_first or (window is not None and q_last - kpos0 >= window):
             kpos = xp.arange(kpos0, kpos1 + 1)[None, :]  # [1, B]

@@ -93,16 +93,18 @@ class Ops(Protocol):
 
     def attention(
         self, q: Any, k: Any, v: Any, *, q_pos0: int, k_pos0: int, window: int | None, scale: float,
-        ring_capacity: int = 0,
+        softcap: float = 0.0, ring_capacity: int = 0,
     ) -> Any:  # fmt: skip
-        """Causal (optionally sliding-window) GQA attention: q [T, H, D] over k, v [S, Hkv, D] -> [T, H*D]."""
+        """Causal (optionally sliding-window) GQA attention: q [T, H, D] over k, v [S, Hkv, D] -> [T, H*D].
+        Scores are q k^T * scale, then softcap * tanh(s / softcap) where softcap > 0 (gemma2), then masked."""
 
     def warm_attention(self, k: Any, v: Any, k_scale: Any = None, v_scale: Any = None) -> None:
         """With `compiles_kernels`: compile (or load) the attention kernels for this storage that a warm-up's
         short forward passes do not reach (their parallel twins)."""
 
-    def logits(self, x: Any, w_out: Any) -> np.ndarray:
-        """x [T, E] @ W_out^T accumulated in float32 whatever the compute dtype -> host float32 [T, V]."""
+    def logits(self, x: Any, w_out: Any, softcap: float = 0.0) -> np.ndarray:
+        """x [T, E] @ W_out^T accumulated in float32 whatever the compute dtype -> host float32 [T, V],
+        soft-capped (softcap * tanh(z / softcap)) where softcap > 0."""
 
     # ---- int8 K/V --------------------------------------------------------------------------------
     def quantize_int8(self, x: Any, group: int | None = None) -> tuple[Any, Any]: ...
@@ -116,7 +118,7 @@ class InPlaceOps(Ops, Protocol):
 
     def attention(
         self, q: Any, k: Any, v: Any, *, q_pos0: int, k_pos0: int, window: int | None, scale: float,
-        ring_capacity: int = 0, k_scale: Any = None, v_scale: Any = None,
+        softcap: float = 0.0, ring_capacity: int = 0, k_scale: Any = None, v_scale: Any = None,
     ) -> Any:  # fmt: skip
         """`Ops.attention` where k and v may also be the pool's storage (f16; int8 with k_scale, v_scale)."""
 
@@ -127,6 +129,6 @@ class InPlaceOps(Ops, Protocol):
 
     def attention_rows(
         self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, *, slots: list[int], q_pos: list[int],
-        k_lo: list[int], capacity: int, window: int, scale: float,
+        k_lo: list[int], capacity: int, window: int, scale: float, softcap: float = 0.0,
     ) -> np.ndarray:  # fmt: skip
         """Row b's query q[b] [H, D] at q_pos[b] over keys [k_lo[b], q_pos[b]] of slot slots[b] -> [B, H * D]."""

@@ -32,6 +32,7 @@ from .attention_tiling import (
     flash_splits,
     flash_tiles,
     key_block_for,
+    soft_cap,
 )
 from .cublas import Cublas
 from .kernels import ElementwiseKernels, RawKernels, c_type
@@ -66,6 +67,11 @@ GEMV_ROWS = 2
 # The output head takes strata_gemv up to this many rows, cuBLAS beyond: gemma3's 262,144 x 640 head at 8 rows
 # costs ~0.2 ms more a step by strata_gemv (bench/gpu/DECISIONS.md "Small-row products").
 HEAD_GEMV_ROWS = 2
+
+
+# strata_flash_attn's CAPPED template argument: a soft-capped instance of its own, so the kernel of a model
+# without a cap is the one it was.
+_CAPPED = {True: "true", False: "false"}
 
 
 def _device_dtypes(cp: Any) -> dict[str, np.dtype]:
@@ -404,13 +410,22 @@ class CupyOps(NumpyOps):
         k_pos0: int,
         window: int | None,
         scale: float,
+        softcap: float = 0.0,
         ring_capacity: int = 0,
     ) -> Any:
         n_q, n_head, d = q.shape
         n_kv = k.shape[1]
         if self.dtype != np.float32 and d in FLASH_HEAD_DIMS and n_head % n_kv == 0:
             return self.flash_attention(
-                q, k, v, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale, ring_capacity=ring_capacity
+                q,
+                k,
+                v,
+                q_pos0=q_pos0,
+                k_pos0=k_pos0,
+                window=window,
+                scale=scale,
+                softcap=softcap,
+                ring_capacity=ring_capacity,
             )
         if ring_capacity:  # the exact path reads a contiguous context: gather it from the ring
             slots = self.xp.arange(k_pos0, q_pos0 + n_q) % ring_capacity
@@ -425,6 +440,7 @@ class CupyOps(NumpyOps):
             k_pos0=k_pos0,
             window=window,
             scale=scale,
+            softcap=softcap,
             key_block=block,
             out_dtype=self.dtype,
         )
@@ -439,13 +455,15 @@ class CupyOps(NumpyOps):
         k_pos0: int,
         window: int | None,
         scale: float,
+        softcap: float = 0.0,
         ring_capacity: int = 0,
         tiles: tuple[int, int] | None = None,
         dyn: Any = None,
     ) -> Any:
         """`attention` on the tensor cores (strata_flash_attn; f16 operands, f32 accumulation), with a
         split over the keys merged by strata_attn_combine when the query rows alone cannot fill the
-        device. Same arguments and result; k, v may be f16, bf16 or f32 whatever the compute dtype.
+        device. Same arguments and result (the scores soft-capped in the kernel where softcap > 0); k, v may be
+        f16, bf16 or f32 whatever the compute dtype.
         `tiles` (warps, keys per tile) overrides `flash_tiles` (for benchmarks comparing shapes).
         `dyn` (a device int32 [1] holding the first query's position) makes the call position-free for
         a CUDA graph: the kernel reads q_pos0 there, and attends from slot 0 of a full layer's pool `k`
@@ -458,7 +476,9 @@ class CupyOps(NumpyOps):
             )
         else:
             n_keys = q_pos0 + q.shape[0] - k_pos0 if ring_capacity else k.shape[0]
-        return self._flash(q, k, v, q_pos0, k_pos0, n_keys, window, scale, ring_capacity, tiles, dyn, None, 0)
+        return self._flash(
+            q, k, v, q_pos0, k_pos0, n_keys, window, scale, softcap, ring_capacity, tiles, dyn, None, 0
+        )
 
     def flash_attention_rows(
         self,
@@ -469,6 +489,7 @@ class CupyOps(NumpyOps):
         *,
         window: int | None,
         scale: float,
+        softcap: float = 0.0,
         ring_capacity: int = 0,
     ) -> Any:
         """A batched decode step's attention in one launch: query row b of q [B, H, D] (position rows[1 + b])
@@ -477,12 +498,12 @@ class CupyOps(NumpyOps):
         Key splits are sized for the most keys a row could see. Returns [B, H*D]."""
         cap = k_arena.shape[1]
         n_keys = min(ring_capacity, window or ring_capacity) if ring_capacity else cap
-        return self._flash(q, k_arena, v_arena, 0, 0, n_keys, window, scale, ring_capacity, None, None, rows,
-                           k_arena.strides[0] // k_arena.itemsize)  # fmt: skip
+        return self._flash(q, k_arena, v_arena, 0, 0, n_keys, window, scale, softcap, ring_capacity, None, None,
+                           rows, k_arena.strides[0] // k_arena.itemsize)  # fmt: skip
 
     def _flash(
         self, q: Any, k: Any, v: Any, q_pos0: int, k_pos0: int, n_keys: int, window: int | None, scale: float,
-        ring_capacity: int, tiles: tuple[int, int] | None, dyn: Any, batch: Any, slot_stride: int,
+        softcap: float, ring_capacity: int, tiles: tuple[int, int] | None, dyn: Any, batch: Any, slot_stride: int,
     ) -> Any:  # fmt: skip
         """strata_flash_attn (and strata_attn_combine) over q [T, H, D], or, with `batch`, over B rows of one
         query each (q [B, H, D], k, v the arena's [n_slots, capacity, Hkv, D])."""
@@ -507,14 +528,16 @@ class CupyOps(NumpyOps):
             part_o = cp.empty((n_batch * splits, n_kv, rows_pad, d), dtype=cp.float32)
             part_ml = cp.empty((n_batch * splits, n_kv, rows_pad, 2), dtype=cp.float32)
         kernel = self.raw.get(
-            "strata_flash_attn", c_type(q.dtype), c_type(k.dtype), c_type(out.dtype), d, warps, key_tile
-        )
+            "strata_flash_attn", c_type(q.dtype), c_type(k.dtype), c_type(out.dtype), d, warps, key_tile,
+            _CAPPED[softcap > 0],
+        )  # fmt: skip
         smem = (block_rows + 4 * key_tile) * (d + 8) * 2  # Q tile, two K and two V tiles, f16
         self.raw.allow_shared_memory(kernel, smem)
         args: tuple[Any, ...] = (
             q, k, v, out, part_o, part_ml, np.int32(n_q), np.int32(n_head), np.int32(n_kv), np.int32(q_pos0),
             np.int32(k_pos0), np.int32(n_keys), np.int32(ring_capacity), np.int32(window or 0),
-            np.float32(scale * _LOG2E), np.int32(splits), np.int32(rows_pad), _NULL if dyn is None else dyn,
+            np.float32(scale * _LOG2E), np.float32(softcap * _LOG2E), np.int32(splits), np.int32(rows_pad),
+            _NULL if dyn is None else dyn,
             _NULL if batch is None else batch, np.int64(slot_stride),
         )  # fmt: skip
         kernel((row_tiles, n_kv, splits * n_batch), (32 * warps,), args, shared_mem=smem)
@@ -546,18 +569,21 @@ class CupyOps(NumpyOps):
         return out
 
     # ---- output --------------------------------------------------------------------------------
-    def logits(self, x: Any, w_out: Any) -> np.ndarray:
-        return self.to_host(self.logits_f32(x, w_out))
+    def logits(self, x: Any, w_out: Any, softcap: float = 0.0) -> np.ndarray:
+        return self.to_host(self.logits_f32(x, w_out, softcap))
 
-    def logits_f32(self, x: Any, w_out: Any) -> Any:
+    def logits_f32(self, x: Any, w_out: Any, softcap: float = 0.0) -> Any:
         """x [T, E] @ W_out^T on the device, accumulated and returned in float32 whatever the compute dtype:
-        rounded to bf16, close candidates tie exactly and greedy decoding leaves f32's tokens."""
+        rounded to bf16, close candidates tie exactly and greedy decoding leaves f32's tokens. Soft-capped
+        (softcap * tanh(z / softcap), in place: a captured step's too) where softcap > 0."""
         cp = self.xp
         x = cp.ascontiguousarray(x)
         assert x.dtype == w_out.dtype and w_out.flags.c_contiguous and x.shape[1] == w_out.shape[1]
         if x.shape[0] <= HEAD_GEMV_ROWS and self._gemv_fits(x, w_out):
-            return self._gemv(x, w_out, w_out.shape[0], cp.float32, -1)
-        return self.cublas.linear(cp, x, w_out, out_dtype=cp.float32)
+            out = self._gemv(x, w_out, w_out.shape[0], cp.float32, -1)
+        else:
+            out = self.cublas.linear(cp, x, w_out, out_dtype=cp.float32)
+        return soft_cap(cp, out, softcap)
 
     def argmax_rows(self, logits: Any) -> Any:
         """Each row of float32 logits [B, V]: its first maximal index (np.argmax's, NaN first) and that value,

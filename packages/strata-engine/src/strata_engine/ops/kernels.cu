@@ -1,7 +1,7 @@
 // The CuPy backend's hand-written kernels (compiled by NVRTC through cupy.RawModule; see cupy_ops.py).
 //
-// * strata_flash_attn: causal / sliding-window GQA attention on the tensor cores (mma.sync m16n8k16,
-//   f16 operands, f32 accumulation), FlashAttention-2 style: a warp owns 16 query rows, keeps its
+// * strata_flash_attn: causal / sliding-window GQA attention, its scores optionally soft-capped (gemma2), on
+//   the tensor cores (mma.sync m16n8k16, f16 operands, f32 accumulation), FlashAttention-2 style: a warp owns 16 query rows, keeps its
 //   scores, running max / sum and output accumulator in registers, and walks the keys in tiles staged
 //   through shared memory. Rows are (position, head-in-group) pairs of one K/V head, so the G query
 //   heads that share a K/V head share each K/V tile. Keys are read where they are stored (a pool slice
@@ -281,18 +281,20 @@ __device__ __forceinline__ void stage_kv_tile(const KT* __restrict__ k, const KT
 // k_pos0 + j, stored in slot j (ring_cap == 0) or slot (k_pos0 + j) % ring_cap. A query at position p
 // sees keys at kp <= p with p - kp < window (window 0: unlimited). out [T, H, D] when n_splits == 1;
 // else part_o [n_splits, Hkv, rows_pad, D] (unnormalised) and part_ml [n_splits, Hkv, rows_pad, 2].
-// `scale_log2` is the softmax scale times log2(e): scores are kept in base 2. With `dyn` (a step
+// `scale_log2` is the softmax scale times log2(e): scores are kept in base 2. CAPPED: `softcap_log2` (gemma2's
+// attention logit soft-cap times log2(e)) caps each scaled score s as softcap_log2 * tanh(s / softcap_log2),
+// which is log2(e) * cap * tanh(s_e / cap) of the natural score s_e. With `dyn` (a step
 // captured in a CUDA graph) q_pos0 = dyn[0], and the keys are every position up to the last query's:
 // from slot 0 of a full layer's pool, or from the window's start in a ring. With `batch` ([n_real,
 // position[B], slot[B]]: a batched decode step) grid z is B x n_splits: batch row b's n_q queries (q and out
 // rows b * n_q ..) attend as with dyn = position[b] over k, v + slot[b] * slot_stride (its slot's region
 // of the layer's arena); its partial results are splits b * n_splits .. of part_o / part_ml.
-template <typename QT, typename KT, typename OT, int D, int NW, int BC>
+template <typename QT, typename KT, typename OT, int D, int NW, int BC, bool CAPPED>
 __global__ void __launch_bounds__(NW * 32)
 strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
                   OT* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
                   int n_q, int H, int Hkv, int q_pos0, int k_pos0, int n_keys, int ring_cap, int window,
-                  float scale_log2, int n_splits, int rows_pad, const int* __restrict__ dyn,
+                  float scale_log2, float softcap_log2, int n_splits, int rows_pad, const int* __restrict__ dyn,
                   const int* __restrict__ batch, long long slot_stride) {
     int split = blockIdx.z;
     int b = 0;  // the batch row (a batched decode step), else 0
@@ -411,6 +413,15 @@ strata_flash_attn(const QT* __restrict__ q, const KT* __restrict__ k, const KT* 
                 ldsm_x4(b, Ks + ((nt + (mat >> 1)) * 8 + mrow) * LD + kk * 16 + 8 * (mat & 1));
                 mma_16816(s[nt], a, b);
                 mma_16816(s[nt + 1], a, b + 2);
+            }
+        }
+
+        if constexpr (CAPPED) {  // an instance of its own: the uncapped one is the kernel it was without a cap
+            const float inv_cap = 1.f / softcap_log2;
+#pragma unroll
+            for (int nt = 0; nt < NT_S; nt++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[nt][e] = softcap_log2 * tanhf(s[nt][e] * inv_cap);
             }
         }
 

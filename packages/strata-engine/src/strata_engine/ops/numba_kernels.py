@@ -931,6 +931,17 @@ def _row_max(s):
     return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
 
 
+@njit(fastmath=SAFE_FAST, cache=True)
+def _soft_cap(s, cap):
+    """s -> cap * tanh(s / cap) in place over scores [Hkv, rows, keys] (gemma2's attention logit soft-cap)."""
+    inv = F32(1) / cap
+    for h in range(s.shape[0]):
+        for r in range(s.shape[1]):
+            row = s[h, r]
+            for i in range(row.shape[0]):
+                row[i] = cap * np.tanh(row[i] * inv)
+
+
 @njit(fastmath=SAFE_FAST, cache=True, inline="always")
 def _slot_run(p, end, base, capacity):
     """The slot of position p and how many positions from p (before `end`) lie in consecutive slots."""
@@ -960,12 +971,14 @@ _I = (
     fastmath=SAFE_FAST, cache=True
 )  # one compiled body for the four kernels: inlined into each, +25 s at first start
 def _attention_split(
-    sp, q, k, v, k_scale, v_scale, has_scales, n_tok, q_pos0, k_lo, base, capacity, window, acc, m_out, l_out
-):
+    sp, q, k, v, k_scale, v_scale, has_scales, n_tok, q_pos0, k_lo, base, capacity, window, softcap, acc, m_out,
+    l_out,
+):  # fmt: skip
     """Split sp of [k_lo, q_pos0 + T) cut at multiples of ATTN_SPLIT_KEYS positions (`split_count` of them),
-    every K/V head: per row r of q [Hkv, T * G, D] (token r // G), the max m_out of its visible scores, the sum
-    l_out of exp(s - m) and acc = sum exp(s - m) v, merged by `_merge`. The cuts sit at fixed positions, so a
-    query's partials are the same bits whatever else the call attends (batch-invariant)."""
+    every K/V head: per row r of q [Hkv, T * G, D] (token r // G), the max m_out of its visible scores
+    (soft-capped by `softcap` > 0 first), the sum l_out of exp(s - m) and acc = sum exp(s - m) v, merged by
+    `_merge`. The cuts sit at fixed positions, so a query's partials are the same bits whatever else the call
+    attends (batch-invariant)."""
     n_kv, rows, d = q.shape
     group = rows // n_tok
     k_hi = q_pos0 + n_tok
@@ -991,6 +1004,8 @@ def _attention_split(
                 ks = k_scale[:, min(hk, k_scale.shape[1] - 1)]
                 _dots(q[hk], k[:, hk], ks, has_scales, slot, run, scores[hk, :, p - first :])
             p += run
+    if softcap > 0:  # one branch a split, outside the row loop: without a cap, the loops are as they were
+        _soft_cap(scores[:, :, :n], softcap)
     for hk in range(n_kv):
         for r in range(rows):  # softmax over the row's visible keys; the others weigh 0
             qp = q_pos0 + r // group
@@ -1083,9 +1098,10 @@ def _merge(acc, m_in, l_in, n_tok, out):
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
 def attention(
-    q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out
+    q, scale, softcap, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out
 ):
-    """Causal (sliding-window) GQA attention of queries q [T, H, D] (times `scale`) over the keys at
+    """Causal (sliding-window) GQA attention of queries q [T, H, D] (times `scale`; scores soft-capped by
+    softcap * tanh(s / softcap) where softcap > 0, a float32 like scale) over the keys at
     positions [k_lo, q_pos0 + T), read from storage k, v [slots, Hkv, D] (int8: with k_scale, v_scale
     [slots, Hkv, D / 32]) into out [T, H * D]: position p sits in slot p % capacity (a ring, capacity > 0)
     or p - base. A query at position p sees keys j <= p with p - j < window (window 0: no window). The keys
@@ -1099,15 +1115,15 @@ def attention(
     l_sum = np.empty((n_split, n_kv, rows), dtype=F32)
     for sp in prange(n_split):
         _attention_split(
-            _I(sp), qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
-            m, l_sum,
+            _I(sp), qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, softcap,
+            acc, m, l_sum,
         )  # fmt: skip
     _merge(acc, m, l_sum, q.shape[0], out)
 
 
 @njit(fastmath=SAFE_FAST, cache=True)
 def attention_serial(
-    q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out
+    q, scale, softcap, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, n_split, out
 ):
     """`attention` on the calling thread (too few keys to be worth a parallel region)."""
     n_kv = k.shape[1]
@@ -1118,15 +1134,15 @@ def attention_serial(
     l_sum = np.empty((n_split, n_kv, rows), dtype=F32)
     for sp in range(n_split):
         _attention_split(
-            _I(sp), qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, acc,
-            m, l_sum,
+            _I(sp), qs, k, v, k_scale, v_scale, has_scales, q.shape[0], q_pos0, k_lo, base, capacity, window, softcap,
+            acc, m, l_sum,
         )  # fmt: skip
     _merge(acc, m, l_sum, q.shape[0], out)
 
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
 def attention_blocks(
-    q, scale, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, block, out
+    q, scale, softcap, k, v, k_scale, v_scale, has_scales, q_pos0, k_lo, base, capacity, window, block, out
 ):
     """`attention` of a prompt chunk: queries q [T, H, D] in blocks of `block` tokens, each block one work item
     over all threads (its tokens share every K/V read), its keys cut as a decode step's (`_attention_split`: the
@@ -1147,14 +1163,14 @@ def attention_blocks(
         for sp in range(n_split):
             _attention_split(
                 _I(sp), qs, k, v, k_scale, v_scale, has_scales, t1 - t0, q_pos0 + t0, lo, base, capacity, window,
-                acc, m, l_sum,
+                softcap, acc, m, l_sum,
             )  # fmt: skip
         _merge(acc, m, l_sum, t1 - t0, out[t0:t1])
 
 
 @njit(parallel=True, fastmath=SAFE_FAST, cache=True)
 def attention_rows(
-    q, scale, k, v, k_scale, v_scale, has_scales, slots, q_pos, k_lo, capacity, window, n_split, out
+    q, scale, softcap, k, v, k_scale, v_scale, has_scales, slots, q_pos, k_lo, capacity, window, n_split, out
 ):
     """`attention` of a batched decode step: row b's query q[b] [H, D] at position q_pos[b] over keys
     [k_lo[b], q_pos[b]] of slot slots[b] of a layer's storage for every slot, k, v [n_slots, capacity, Hkv, D]
@@ -1172,7 +1188,7 @@ def attention_rows(
         at = slots[b] if has_scales else 0
         _attention_split(
             _I(sp), qs, k[slots[b]], v[slots[b]], k_scale[at], v_scale[at], has_scales, _I(1), q_pos[b], k_lo[b],
-            _I(0), capacity, window, acc[b], m[b], l_sum[b],
+            _I(0), capacity, window, softcap, acc[b], m[b], l_sum[b],
         )  # fmt: skip
     for b in prange(n_rows):
         _merge(acc[b], m[b], l_sum[b], 1, out[b : b + 1])

@@ -324,6 +324,7 @@ class NumbaOps(NumpyOps):
         k_pos0: int,
         window: int | None,
         scale: float,
+        softcap: float = 0.0,
         ring_capacity: int = 0,
         k_scale: Any = None,
         v_scale: Any = None,
@@ -344,7 +345,7 @@ class NumbaOps(NumpyOps):
             out = np.empty((n_tok, q.shape[1] * q.shape[2]), dtype=F32)
             has_scales = k_scale is not None
             nk.attention_blocks(
-                np.ascontiguousarray(q, dtype=F32), F32(scale), storage_view(k), storage_view(v),
+                np.ascontiguousarray(q, dtype=F32), F32(scale), F32(softcap), storage_view(k), storage_view(v),
                 k_scale if has_scales else _DUMMY_3D, v_scale if has_scales else _DUMMY_3D, has_scales, q_pos0, k_lo,
                 k_pos0, ring_capacity, window or 0, ATTN_KERNEL_MAX_TOKENS, out,
             )  # fmt: skip
@@ -355,17 +356,17 @@ class NumbaOps(NumpyOps):
             keys = StoredRows(k, k_scale, first, n, ring_capacity)
             values = StoredRows(v, v_scale, first, n, ring_capacity)
             return blocked_attention(
-                np, q, keys, values, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale,
+                np, q, keys, values, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale, softcap=softcap,
                 key_block=ATTN_BLAS_KEY_BLOCK, out_dtype=F32, softmax_step=nk.online_softmax_step,
             )  # fmt: skip
         return self.attention_kernel(
             q, k, v, k_scale, v_scale, q_pos0=q_pos0, k_lo=k_lo, k_hi=k_hi, base=k_pos0,
-            capacity=ring_capacity, window=window or 0, scale=scale,
+            capacity=ring_capacity, window=window or 0, scale=scale, softcap=softcap,
         )  # fmt: skip
 
     def attention_kernel(
         self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, *, q_pos0: int, k_lo: int, k_hi: int,
-        base: int, capacity: int, window: int, scale: float,
+        base: int, capacity: int, window: int, scale: float, softcap: float,
     ) -> np.ndarray:  # fmt: skip
         n_tok, n_head, d = q.shape
         span = max(1, k_hi - k_lo)
@@ -375,7 +376,7 @@ class NumbaOps(NumpyOps):
         has_scales = k_scale is not None
         kernel = nk.attention if parallel else nk.attention_serial
         kernel(
-            np.ascontiguousarray(q, dtype=F32), F32(scale), storage_view(k), storage_view(v),
+            np.ascontiguousarray(q, dtype=F32), F32(scale), F32(softcap), storage_view(k), storage_view(v),
             k_scale if has_scales else _DUMMY_3D, v_scale if has_scales else _DUMMY_3D, has_scales, q_pos0, k_lo,
             base, capacity, window, n_split, out,
         )  # fmt: skip
@@ -383,7 +384,7 @@ class NumbaOps(NumpyOps):
 
     def attention_rows(
         self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, *, slots: list[int], q_pos: list[int],
-        k_lo: list[int], capacity: int, window: int, scale: float,
+        k_lo: list[int], capacity: int, window: int, scale: float, softcap: float = 0.0,
     ) -> np.ndarray:  # fmt: skip
         """A batched decode step's attention in one kernel call: row b's query q[b] [H, D] at q_pos[b] over
         keys [k_lo[b], q_pos[b]] of slot slots[b] of a layer's storage for every slot, k, v [n_slots,
@@ -394,7 +395,7 @@ class NumbaOps(NumpyOps):
         out = np.empty((n_rows, n_head * d), dtype=F32)
         has_scales = k_scale is not None
         nk.attention_rows(
-            np.ascontiguousarray(q, dtype=F32), F32(scale), storage_view(k), storage_view(v),
+            np.ascontiguousarray(q, dtype=F32), F32(scale), F32(softcap), storage_view(k), storage_view(v),
             k_scale if has_scales else _DUMMY_4D, v_scale if has_scales else _DUMMY_4D, has_scales,
             np.asarray(slots, dtype=np.int64), np.asarray(q_pos, dtype=np.int64), np.asarray(k_lo, dtype=np.int64),
             capacity, window, n_split, out,
@@ -410,18 +411,18 @@ class NumbaOps(NumpyOps):
         has_scales = k_scale is not None
         for kernel in (nk.attention, nk.attention_serial):
             kernel(
-                q, F32(1), storage_view(k[:1]), storage_view(v[:1]), k_scale[:1] if has_scales else _DUMMY_3D,
+                q, F32(1), F32(0), storage_view(k[:1]), storage_view(v[:1]), k_scale[:1] if has_scales else _DUMMY_3D,
                 v_scale[:1] if has_scales else _DUMMY_3D, has_scales, 0, 0, 0, 0, 0, 1,
                 np.empty((1, n_head * k.shape[2]), dtype=F32),
             )  # fmt: skip
         nk.attention_blocks(
-            q, F32(1), storage_view(k[:1]), storage_view(v[:1]), k_scale[:1] if has_scales else _DUMMY_3D,
+            q, F32(1), F32(0), storage_view(k[:1]), storage_view(v[:1]), k_scale[:1] if has_scales else _DUMMY_3D,
             v_scale[:1] if has_scales else _DUMMY_3D, has_scales, 0, 0, 0, 0, 0, ATTN_KERNEL_MAX_TOKENS,
             np.empty((1, n_head * k.shape[2]), dtype=F32),
         )  # fmt: skip
         one = np.zeros(1, dtype=np.int64)
         nk.attention_rows(
-            q, F32(1), storage_view(k[None, :1]), storage_view(v[None, :1]),
+            q, F32(1), F32(0), storage_view(k[None, :1]), storage_view(v[None, :1]),
             k_scale[None, :1] if has_scales else _DUMMY_4D, v_scale[None, :1] if has_scales else _DUMMY_4D,
             has_scales, one, one, one, 0, 0, 1, np.empty((1, n_head * k.shape[2]), dtype=F32),
         )  # fmt: skip

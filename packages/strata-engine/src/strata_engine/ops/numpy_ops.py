@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..config import Activation, RopeStyle
+from .attention_tiling import soft_cap
 
 GELU_C = math.sqrt(2.0 / math.pi)
 INT8_MAX = 127.0
@@ -210,9 +211,10 @@ class NumpyOps:
         k_pos0: int,
         window: int | None,
         scale: float,
+        softcap: float = 0.0,
         ring_capacity: int = 0,
     ) -> Any:
-        """Causal (optionally sliding-window) grouped-query attention.
+        """Causal (optionally sliding-window) grouped-query attention, scores soft-capped where softcap > 0.
 
         q [T, H, D] for positions q_pos0 .. q_pos0+T-1; k, v [S, Hkv, D] for positions k_pos0 ..
         k_pos0+S-1. A query at p sees keys at j <= p with p - j < window. Returns [T, H*D].
@@ -229,6 +231,7 @@ class NumpyOps:
         qg = q.reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3).reshape(n_kv, group * n_q, d)
         scores = xp.matmul(qg, k.transpose(1, 2, 0))  # [Hkv, G*T, S]
         scores *= self.dtype.type(scale)
+        soft_cap(xp, scores, softcap)
         scores = scores.reshape(n_kv, group, n_q, n_k)
         bias = self.mask_bias(q_pos0, n_q, k_pos0, n_k, window)
         if bias is not None:
@@ -279,6 +282,7 @@ class NumpyOps:
         return blocks.reshape(q.shape)
 
     # ---- output --------------------------------------------------------------------------------
-    def logits(self, x: Any, w_out: Any) -> np.ndarray:
-        """x [T, E] @ W_out^T -> float32 host logits [T, V] (computed in the compute dtype: f32 or f64)."""
-        return self.to_host(self.matmul(x, w_out)).astype(np.float32, copy=False)
+    def logits(self, x: Any, w_out: Any, softcap: float = 0.0) -> np.ndarray:
+        """x [T, E] @ W_out^T -> float32 host logits [T, V] (computed in the compute dtype: f32 or f64),
+        soft-capped where softcap > 0."""
+        return soft_cap(np, self.to_host(self.matmul(x, w_out)).astype(np.float32, copy=False), softcap)
