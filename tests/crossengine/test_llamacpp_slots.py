@@ -36,15 +36,26 @@ def best_gap(logits: np.ndarray, cold_logits: np.ndarray, k: int = 10) -> float:
     return float(np.max(np.abs(log_softmax(logits)[best] - log_softmax(cold_logits)[best])))
 
 
-def greedy(runner, tokens: list[int], n: int = N_REPLY) -> tuple[int, list[int], np.ndarray]:
-    """(tokens reused from what the runner held, greedy continuation, first logits)."""
+def greedy(runner, tokens: list[int], n: int = N_REPLY) -> tuple[int, list[int], list[np.ndarray]]:
+    """(tokens reused from what the runner held, greedy continuation, the logits each token was picked from)."""
     res = runner.prefill(tokens)
-    first = logits = res.logits
+    logits = res.logits
     out: list[int] = []
+    steps: list[np.ndarray] = []
     for _ in range(n):
+        steps.append(logits)
         out.append(int(np.argmax(logits)))
         logits = runner.decode(out[-1])
-    return res.cache_n, out, first
+    return res.cache_n, out, steps
+
+
+def assert_same_until_a_near_tie(restored: list[int], cold: list[int], cold_steps: list[np.ndarray]) -> None:
+    """The continuation from llama.cpp's K/V equals strata-engine's cold one, or leaves it only at a step where
+    the cold run's two best tokens were within 0.5 of each other (the K/V differ in their last bits)."""
+    differ = next((i for i, (a, b) in enumerate(zip(restored, cold, strict=True)) if a != b), None)
+    if differ is not None:
+        top2 = np.sort(log_softmax(cold_steps[differ]))[-2:]
+        assert top2[1] - top2[0] < 0.5, (differ, top2)
 
 
 def test_llama_server_slot_restores_in_strata_engine(llama, runner, smollm2_path, tmp_path):
@@ -69,12 +80,12 @@ def test_llama_server_slot_restores_in_strata_engine(llama, runner, smollm2_path
     sf.restore(out, EngineSession(runner))
     assert runner.n_held == n
     turn = list(slot.tokens[:n]) + llama.tokenize("<|im_end|>\n<|im_start|>user\nAnd grass?")[1:]
-    cache_n, restored, logits = greedy(runner, turn)
+    cache_n, restored, steps = greedy(runner, turn)
     assert cache_n == n  # every token of llama.cpp's conversation reused
     runner.erase()
-    _, cold, cold_logits = greedy(runner, turn)
-    assert restored == cold
-    assert best_gap(logits, cold_logits) < 0.5
+    _, cold, cold_steps = greedy(runner, turn)
+    assert_same_until_a_near_tie(restored, cold, cold_steps)
+    assert best_gap(steps[0], cold_steps[0]) < 0.5
     assert first["tokens"]  # llama-server produced the reply that the slot holds
 
 
@@ -151,12 +162,14 @@ def test_gemma3_iswa_slot_file_through_v1_keeps_every_state_byte(gemma3_path, tm
     sf.restore(tmp_path / "e.ssf", EngineSession(runner))
     assert runner.n_held == full.n_cells
     turn = list(slot.tokens[: full.n_cells]) + llama.tokenize(" w300 w301")[1:]
-    cache_n, restored, logits = greedy(runner, turn, 4)
+    cache_n, restored, steps = greedy(runner, turn, 4)
     assert cache_n == full.n_cells
     runner.erase()
-    _, cold, cold_logits = greedy(runner, turn, 4)
-    assert restored == cold
-    assert best_gap(logits, cold_logits) < 1.0  # gemma3's Q4_K products: llama.cpp quantizes the activations
+    _, cold, cold_steps = greedy(runner, turn, 4)
+    assert_same_until_a_near_tie(restored, cold, cold_steps)
+    assert (
+        best_gap(steps[0], cold_steps[0]) < 1.0
+    )  # gemma3's Q4_K products: llama.cpp quantizes the activations
 
 
 def test_q8_0_slot_file_dequantized_restores_in_strata_engine(runner, smollm2_path, tmp_path, monkeypatch):
@@ -181,9 +194,9 @@ def test_q8_0_slot_file_dequantized_restores_in_strata_engine(runner, smollm2_pa
         sf.restore(out, EngineSession(runner))
         n = runner.n_held
         turn = list(slot.tokens[:n]) + llama.tokenize("<|im_end|>\n<|im_start|>user\nAnd grass?")[1:]
-        cache_n, restored, logits = greedy(runner, turn)
+        cache_n, restored, steps = greedy(runner, turn)
         assert cache_n == n
         runner.erase()
-        _, cold, cold_logits = greedy(runner, turn)
-        assert restored == cold
-        assert best_gap(logits, cold_logits) < 0.5
+        _, cold, cold_steps = greedy(runner, turn)
+        assert_same_until_a_near_tie(restored, cold, cold_steps)
+        assert best_gap(steps[0], cold_steps[0]) < 0.5
