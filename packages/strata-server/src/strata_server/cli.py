@@ -429,11 +429,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"strata-server: {exc}\n")
         return 2
-    # before the banner: gunicorn would print it, retry the bind for 5 s, then exit 1
-    for host in config.host:
-        if (problem := bind_problem(host, config.port)) is not None:
-            sys.stderr.write(f"strata-server: cannot listen on {host} port {config.port}: {problem}\n")
-            return PORT_TAKEN
     from strata_engine.errors import EngineError
     from strata_engine.model_check import check_model_file
 
@@ -447,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     except (EngineError, OSError) as exc:
         sys.stderr.write(f"strata-server: cannot serve {config.engine.model_path}: {exc}\n")
         return MODEL_REFUSED
+    # then the port, before the banner: gunicorn would print it, retry the bind for 5 s, then exit 1
+    for host in config.host:
+        if (problem := bind_problem(host, config.port)) is not None:
+            sys.stderr.write(f"strata-server: cannot listen on {host} port {config.port}: {problem}\n")
+            return PORT_TAKEN
     for warning in cache_disk_warnings(config):  # with --cache-disk-loose-permissions (else refused)
         sys.stderr.write(f"strata-server: warning: cache_disk: {warning}\n")
     exposed = [h for h in config.host if h not in LOOPBACK_HOSTS]

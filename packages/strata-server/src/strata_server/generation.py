@@ -365,6 +365,8 @@ class CompletionRun:
         )
         self.want_probs = int(options.sampling.get("n_probs", 0)) > 0
         self.prompt: Any = command.get("prompt")  # the prompt sent (token ids when the server tokenized it)
+        # A chat turn's messages, kept as the conversation's notes even once the prompt is sent as tokens.
+        self.messages: Any = command.get("messages")
 
     def start(self, lease: EngineLease) -> Iterator[dict]:
         """Send the COMPLETE; its events, watched for the client's departure (which cancels it)."""
@@ -387,7 +389,7 @@ class CompletionRun:
     def _record(self, result: dict, lease: EngineLease) -> None:
         self.ctx.metrics.record_completion(result)
         assert lease.slot is not None
-        self.ctx.ledger.completed(lease.slot, result, self.options.settings(), self.command.get("messages"))
+        self.ctx.ledger.completed(lease.slot, result, self.options.settings(), self.messages)
 
     def collect(self, events: Iterator[dict], lease: EngineLease) -> dict:
         probs = []

@@ -165,6 +165,16 @@ TEMP_SUFFIX = ".strata-tmp"
 NAME_MAX = 255  # bytes in one path component on Linux filesystems
 
 
+def discard_writes(fd: int) -> None:
+    """Point `fd` at /dev/null: what is still written to it (the interpreter's flush at exit of a stream whose
+    reader left) goes nowhere instead of meeting a closed pipe (Python's documented recipe)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
 def temporary_name(name: str) -> str:
     """``.<name>.<12 hex>.strata-tmp``, the name cut (on a character boundary) so the whole fits NAME_MAX:
     a target name near NAME_MAX is valid, so its temporary must not be longer than the limit."""

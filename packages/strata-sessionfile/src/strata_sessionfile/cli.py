@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import TypeVar
 
 from . import errors as E
+from ._fileio import discard_writes
 from .auth import SessionKey
 from .codec import dtype_name
 from .format import Part
@@ -555,9 +555,9 @@ class _ReaderMayLeave:
 
     def _leave(self) -> None:
         self.left = True
-        # the interpreter's own flush at exit must not meet the closed pipe again (Python's documented recipe)
+        # the interpreter's own flush at exit must not meet the closed pipe again
         with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            discard_writes(self.stream.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
