@@ -235,8 +235,9 @@ def test_prefill_steps_asks_chunk_size_before_each_chunk_and_gives_what_full_chu
         except StopIteration as done:
             result = done.value
             break
-    assert held[:5] == [5, 6, 22, 29, 32] and held[-1] == len(prompt)
-    assert set(np.diff(held[4:]).tolist()) <= {1, 2, 3}  # the last chunk takes what is left
+    # first the progress before evaluation (what the cache holds: nothing), then one after each chunk
+    assert held[:6] == [0, 5, 6, 22, 29, 32] and held[-1] == len(prompt)
+    assert set(np.diff(held[5:]).tolist()) <= {1, 2, 3}  # the last chunk takes what is left
     assert result.prompt_n == len(prompt) and list(runner.tokens_held) == prompt
     assert float(np.abs(result.logits - alone.prefill(prompt).logits).max()) <= LOGIT_ATOL
 
