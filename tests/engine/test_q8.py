@@ -238,14 +238,15 @@ def test_q8_products_match_the_oracle_for_every_packing(q8_ops, n_tok):
 @pytest.mark.parametrize("n_tok", [1, 8, 64, 65, 600])
 def test_q8_products_on_real_weights(q8_ops, model_files, name, n_tok):
     """Both models' weight shapes (layer 0's fused products, the head's first 4,096 rows) through `matmul`:
-    the q8 kernel up to Q8_MAX_ROWS rows (a prefill chunk), the float32 BLAS path above."""
+    the q8 kernel at every row count (batch-invariant, the default), and with invariance off up to Q8_MAX_ROWS
+    rows (a prefill chunk), the float32 BLAS path above."""
     from strata_engine.ops.numba_ops import Q8_MAX_ROWS
 
     rng = np.random.default_rng(22)
     for w, dense in real_weights(model_files[name], 4096):
         x = rng.standard_normal((n_tok, dense.shape[1])).astype(np.float32)
         got = q8_ops.matmul(x, q8_ops.packed_layout(w))
-        if n_tok <= Q8_MAX_ROWS:
+        if n_tok <= Q8_MAX_ROWS or q8_ops.batch_invariant:
             _check(got, x, w, f"{name} {dense.shape}")
         else:
             want = x.astype(np.float64) @ dense.T.astype(np.float64)
