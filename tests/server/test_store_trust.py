@@ -120,12 +120,13 @@ def test_files_of_another_user_are_never_indexed_or_restored(tmp_path):
     assert not folder.trusted(ours)
 
 
-def test_a_taken_port_is_reported_before_the_banner(fake_model, capsys):
+def test_a_taken_port_is_reported_before_the_banner(smollm2_path, capsys):
+    """The model is checked first (a refused file exits 3 whatever the port), then the port."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["--model", str(fake_model), "--port", str(port)]) == PORT_TAKEN
+        assert main(["--model", str(smollm2_path), "--port", str(port)]) == PORT_TAKEN
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1 port {port}: the port is taken" in err
     assert "http://" not in err  # no banner
