@@ -259,8 +259,8 @@ def _phi3_keys(w: gguf.GGUFWriter, c: Any) -> None:
         )
 
 
-def _gemma3_keys(w: gguf.GGUFWriter, c: Any) -> None:
-    """Gemma3Model.set_gguf_parameters: the global layers' RoPE base, the window, the head size."""
+def _gemma_keys(w: gguf.GGUFWriter, c: Any) -> None:
+    """What Gemma2Model and Gemma3Model.set_gguf_parameters share: the shapes, the head size, the window."""
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -270,24 +270,20 @@ def _gemma3_keys(w: gguf.GGUFWriter, c: Any) -> None:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
     w.add_sliding_window(c.sliding_window)
+
+
+def _gemma3_keys(w: gguf.GGUFWriter, c: Any) -> None:
+    """Gemma3Model.set_gguf_parameters: gemma's, and the global layers' RoPE base."""
+    _gemma_keys(w, c)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
 
 
 def _gemma2_keys(w: gguf.GGUFWriter, c: Any) -> None:
-    """Gemma2Model.set_gguf_parameters: no RoPE base (llama.cpp's default, 10000), both soft-caps, the window."""
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    """Gemma2Model.set_gguf_parameters: gemma's, no RoPE base (llama.cpp's default, 10000), both soft-caps."""
+    _gemma_keys(w, c)
     w.add_attn_logit_softcapping(c.attn_logit_softcapping)
     w.add_final_logit_softcapping(c.final_logit_softcapping)
-    w.add_sliding_window(c.sliding_window)
 
 
 def write_gguf(model: Any, family: Family, path: Path, file_type: str) -> Path:
