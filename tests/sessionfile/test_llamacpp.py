@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import struct
+import sys
 
 import pytest
 import strata_sessionfile as sf
@@ -76,6 +77,50 @@ def test_transposed_v_becomes_rows_in_position_order(model, tmp_path):
     v = data[len(data) - row * n * 2 :]
     want = b"".join(v[(j * n + t) * 2 : (j * n + t) * 2 + 2] for t in range(n) for j in range(row))
     assert _part(tmp_path / "t.ssf", slotfiles.N_LAYER - 1, Part.V) == want
+
+
+@pytest.mark.parametrize("cut", [1, 7, 16, 40])
+@pytest.mark.parametrize("numba", [False, True])
+def test_transposed_v_any_byte_range_in_position_order(model, tmp_path, cut, numba, monkeypatch):
+    """copy_out of a transposed V straight into the caller's view: a range cut mid-row at either end, cells
+    out of position order, gives exactly those bytes of the rows (numpy's and numba's transposes alike)."""
+    pytest.importorskip("numpy")
+    if numba:
+        pytest.importorskip("numba")
+    else:  # transpose_into takes numba's kernel only where numba is loaded
+        monkeypatch.delitem(sys.modules, "numba", raising=False)
+    n, positions = 9, [3, 4, 5, 0, 1, 2, 8, 6, 7]
+    data = slotfiles.slot_bytes(n, v_trans=True, seed=7, positions=positions)
+    (tmp_path / "t.bin").write_bytes(data)
+    geo = L.model_geometry(model)
+    source = L.SlotSource(L.read_slot_file(tmp_path / "t.bin", geo), geo, None, b"")
+    row = slotfiles.ROW
+    v = data[len(data) - row * n * 2 :]  # the last layer's transposed V: [value][cell]
+    rows = b"".join(
+        v[(j * n + positions.index(t)) * 2 : (j * n + positions.index(t)) * 2 + 2]
+        for t in range(n)
+        for j in range(row)
+    )
+    got = bytearray(len(rows))
+    try:
+        for offset in range(0, len(rows), cut):
+            piece = memoryview(got)[offset : offset + cut]
+            source.copy_out(slotfiles.N_LAYER - 1, Part.V, offset, piece)
+    finally:
+        source.close()
+    assert bytes(got) == rows
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (13, 21), (1, 5), (192, 7)])
+@pytest.mark.parametrize("dtype", ["<u2", "<u4"])
+def test_numba_transpose_kernel_equals_numpy(shape, dtype):
+    np = pytest.importorskip("numpy")
+    kernel = pytest.importorskip("strata_sessionfile._transpose_kernel")
+    src = np.random.default_rng(1).integers(0, 1 << 16, (shape[1] + 3, shape[0] + 5)).astype(dtype)
+    view = src[2 : 2 + shape[1], 1 : 1 + shape[0]]  # strided, as a run of cells is
+    dst = np.zeros(shape, dtype)
+    kernel.transpose_blocked(dst, view)
+    assert (dst == view.T).all()
 
 
 def test_cells_out_of_order_are_put_in_position_order(model, tmp_path):

@@ -723,6 +723,8 @@ class SlotSource:
         self.layers = self._layers(n)
         self._src: FileSource | None = None
         self._cache: tuple[int, Part, bytes] | None = None  # one rearranged layer part at a time
+        self._cols: tuple[int, Part, Any] | None = None  # one transposed V's columns at a time (numpy)
+        self._cols_buf: Any = None
 
     def _layers(self, n: int) -> list[_LayerSource]:
         out: dict[int, _LayerSource] = {}
@@ -782,11 +784,42 @@ class SlotSource:
     def copy_out(self, layer: int, part: Part, offset: int, dest: memoryview) -> None:
         la = self.layers[layer]
         sp = la.k if part is Part.K else la.v
-        if sp.transposed or sp.ggml_type is GGMLType.Q8_0:
+        if sp.transposed and (np := _optional_numpy()) is not None:
+            self._untranspose_into(np, layer, part, la, sp, offset, dest)
+        elif sp.transposed or sp.ggml_type is GGMLType.Q8_0:
             data = self._rearranged(layer, part, la, sp)
-            dest[:] = data[offset : offset + len(dest)]
-            return
-        self._gather_rows(sp, la, offset, dest)
+            dest[:] = memoryview(data)[offset : offset + len(dest)]
+        else:
+            self._gather_rows(sp, la, offset, dest)
+
+    def _columns(self, np: Any, layer: int, part: Part, la: _LayerSource, sp: SlotPart) -> Any:
+        """The layer part's transposed V ([value][cell]), read once into one buffer kept for every layer."""
+        if self._cols is not None and self._cols[:2] == (layer, part):
+            return self._cols[2]
+        size = sp.n_embd * la.n_cells * sp.row_bytes
+        if self._cols_buf is None or len(self._cols_buf) < size:
+            self._cols_buf = np.empty(size, np.uint8)
+        self._source().read_into(memoryview(self._cols_buf)[:size], sp.offset)
+        cols = self._cols_buf[:size].view(f"<u{sp.row_bytes}").reshape(sp.n_embd, la.n_cells)
+        self._cols = (layer, part, cols)
+        return cols
+
+    def _untranspose_into(
+        self, np: Any, layer: int, part: Part, la: _LayerSource, sp: SlotPart, offset: int, dest: memoryview
+    ) -> None:
+        """Bytes [offset, offset + len(dest)) of the part's rows, transposed from its columns straight into
+        dest: whole rows in place, a row cut by either end of dest through one row's scratch."""
+        cols = self._columns(np, layer, part, la, sp)
+        row, end = sp.n_embd * sp.row_bytes, offset + len(dest)
+        first, last = -(-offset // row), end // row  # the whole rows in dest
+        if first < last:
+            rows = np.frombuffer(dest, cols.dtype, (last - first) * sp.n_embd, first * row - offset)
+            _untranspose_runs(cols, rows.reshape(-1, sp.n_embd), first, la.runs)
+        for t in {offset // row, (end - 1) // row} - set(range(first, last)):
+            one = np.empty((1, sp.n_embd), cols.dtype)
+            _untranspose_runs(cols, one, t, la.runs)
+            lo, hi = max(offset, t * row), min(end, (t + 1) * row)
+            dest[lo - offset : hi - offset] = one.view(np.uint8).reshape(-1)[lo - t * row : hi - t * row]
 
     def _source(self) -> FileSource:
         if self._src is None:
@@ -937,6 +970,7 @@ class SlotTarget:
         self._meta: list[tuple[int, bytes]] = []
         self.n_tokens = 0
         self.size = 0
+        self._cols_buf: Any = None
 
     def identity(self) -> EngineIdentity:
         return self._identity
@@ -1043,7 +1077,39 @@ class SlotTarget:
         buf[offset : offset + len(src)] = src
         if offset + len(src) == len(buf):  # the layer part is whole: rearrange it and write it
             del self._pending[(layer, part)]
-            self.sink.write_at(_slot_values(bytes(buf), out), out.offset)
+            self.sink.write_at(self._slot_values(buf, out), out.offset)
+
+    def _slot_values(self, values: bytearray, out: _OutPart) -> Any:
+        """A whole layer part, format v1 rows in position order, as the slot file lays it out."""
+        data = values if V1_TO_GGML[out.src] is out.dst else convert_values(values, out.src, out.dst)
+        if not out.transposed:
+            return data
+        el = GGML_TYPES[out.dst].block_bytes
+        np = _optional_numpy()
+        if np is None:
+            return _transpose(bytes(data), el, out.n_embd)
+        if self._cols_buf is None or len(self._cols_buf) < len(data):
+            self._cols_buf = np.empty(len(data), np.uint8)  # one layer's V, kept for the next layer
+        cols = self._cols_buf[: len(data)].view(f"<u{el}").reshape(out.n_embd, -1)
+        transpose_into(cols, np.frombuffer(data, cols.dtype).reshape(-1, out.n_embd))
+        return memoryview(cols.reshape(-1).view(np.uint8))
+
+    # A StagingTarget: the temporary file is the staging area (nothing is published before the commit), so
+    # a conversion reads its v1 file once, not in a checking pass and then an applying pass.
+    def can_stage(self, plan: RestorePlan) -> bool:
+        return True
+
+    def begin_staging(self, plan: RestorePlan) -> None:
+        self.begin_apply(plan)
+
+    def stage_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
+        self.copy_in(layer, part, offset, src)
+
+    def commit_staged(self, state: RunningState) -> None:
+        self.commit(state)
+
+    def discard_staged(self) -> None:
+        self.discard()
 
     def commit(self, state: RunningState) -> None:
         assert self.sink is not None
@@ -1072,14 +1138,6 @@ class _OutPart:
     transposed: bool
 
 
-def _slot_values(values: bytes, out: _OutPart) -> bytes:
-    """A whole layer part, format v1 rows in position order, as the slot file lays it out."""
-    data = convert_values(values, out.src, out.dst)
-    if not out.transposed:
-        return data
-    return _transpose(data, GGML_TYPES[out.dst].block_bytes, out.n_embd)
-
-
 ELEMENT_CODES = {2: "H", 4: "I"}  # array typecodes by element size (f16/bf16, f32)
 
 
@@ -1095,14 +1153,8 @@ def _optional_numpy() -> Any:
 def _untranspose(
     raw: bytes, el: int, n_embd: int, n_cells: int, runs: Sequence[tuple[int, int, int]]
 ) -> bytes:
-    """A transposed V ([value][cell]) as rows ([token][value]) in position order (``runs``)."""
-    np = _optional_numpy()
+    """A transposed V ([value][cell]) as rows ([token][value]) in position order (``runs``), without numpy."""
     in_order = len(runs) == 1 and runs[0][1] == 0
-    if np is not None:
-        cols = np.frombuffer(raw, dtype=f"<u{el}").reshape(n_embd, n_cells)
-        if not in_order:
-            cols = np.concatenate([cols[:, cell : cell + n] for _, cell, n in runs], axis=1)
-        return np.ascontiguousarray(cols.T).tobytes()
     code = ELEMENT_CODES[el]
     src = array.array(code, raw)
     out = array.array(code, bytes(len(raw)))
@@ -1114,12 +1166,36 @@ def _untranspose(
     return out.tobytes()
 
 
+def _untranspose_runs(cols: Any, rows: Any, first: int, runs: Sequence[tuple[int, int, int]]) -> None:
+    """rows[i] = the values of position first + i: each run's cells (``_runs``) transposed into place."""
+    hi_all = first + len(rows)
+    for t0, cell0, count in runs:
+        lo, hi = max(first, t0), min(hi_all, t0 + count)
+        if lo < hi:
+            transpose_into(rows[lo - first : hi - first], cols[:, cell0 + lo - t0 : cell0 + hi - t0])
+
+
+def transpose_into(dst: Any, src: Any) -> None:
+    """dst[...] = src.T (2-D numpy arrays of one dtype): numba's blocked kernel where this process has numba
+    loaded already (an engine), else numpy's strided copy (bench/sessionfile/DECISIONS.md, "llama.cpp slot
+    files"): importing numba costs more than it saves one conversion."""
+    kernel = _numba_transpose() if "numba" in sys.modules else None
+    if kernel is None or not (src.flags.aligned and dst.flags.aligned):
+        dst[...] = src.T
+    else:
+        kernel(dst, src)
+
+
+def _numba_transpose() -> Callable[[Any, Any], None] | None:
+    try:
+        from ._transpose_kernel import transpose_blocked
+    except ImportError:  # numba loaded but unusable (a partial install): numpy's copy
+        return None
+    return transpose_blocked
+
+
 def _transpose(data: bytes, el: int, n_embd: int) -> bytes:
-    """Rows ([token][value]) as llama.cpp's transposed V ([value][token])."""
-    np = _optional_numpy()
-    if np is not None:
-        rows = np.frombuffer(data, dtype=f"<u{el}").reshape(-1, n_embd)
-        return np.ascontiguousarray(rows.T).tobytes()
+    """Rows ([token][value]) as llama.cpp's transposed V ([value][token]), without numpy."""
     src = array.array(ELEMENT_CODES[el], data)
     return b"".join(src[j::n_embd].tobytes() for j in range(n_embd))
 
@@ -1140,6 +1216,6 @@ def session_to_slot(
     config = config_of(session_path)
     target = SlotTarget(os.fspath(out), geometry, _model_identity(model), config, opts)
     try:
-        return restore(session_path, target, mode="streaming", block_size=block_size)
+        return restore(session_path, target, mode="staged", block_size=block_size)
     finally:
         target.discard()
