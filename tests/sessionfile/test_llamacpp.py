@@ -111,6 +111,62 @@ def test_transposed_v_any_byte_range_in_position_order(model, tmp_path, cut, num
     assert bytes(got) == rows
 
 
+class _CutPieces(L.SlotTarget):
+    """A SlotTarget handed each piece in cuts of `cut` bytes (rows cut mid-value and across pieces)."""
+
+    cut = 1
+
+    def stage_in(self, layer, part, offset, src):
+        for lo in range(0, len(src), self.cut):
+            super().stage_in(layer, part, offset + lo, src[lo : lo + self.cut])
+
+
+@pytest.mark.parametrize("cut", [3, 16, 50])
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_slot_file_written_from_pieces_cut_mid_row(model, tmp_path, cut, v_trans):
+    """The slot file written from pieces that cut rows anywhere is the one written from whole blocks (a V
+    transposed into the kept columns; K converted to f32, so no part is a straight copy)."""
+    pytest.importorskip("numpy")
+    src = tmp_path / "slot.bin"
+    src.write_bytes(slotfiles.slot_bytes(11, v_trans=v_trans, seed=8))
+    L.slot_to_session(src, model, tmp_path / "s.ssf")
+    opts = L.SlotOptions(k_type=L.GGMLType.F32, v_trans=v_trans)
+    L.session_to_slot(tmp_path / "s.ssf", model, tmp_path / "whole.bin", opts)
+    target = _CutPieces(
+        str(tmp_path / "cut.bin"),
+        L.model_geometry(model),
+        sf.model_fingerprint([("model", model)]),
+        L.config_of(tmp_path / "s.ssf"),
+        opts,
+    )
+    target.cut = cut
+    sf.restore(tmp_path / "s.ssf", target, mode="staged")
+    assert (tmp_path / "cut.bin").read_bytes() == (tmp_path / "whole.bin").read_bytes()
+
+
+def test_slot_target_refuses_pieces_out_of_order(model, tmp_path):
+    pytest.importorskip("numpy")
+    (tmp_path / "slot.bin").write_bytes(slotfiles.slot_bytes(6, v_trans=True, seed=2))
+    L.slot_to_session(tmp_path / "slot.bin", model, tmp_path / "s.ssf")
+
+    class Skipping(L.SlotTarget):
+        def stage_in(self, layer, part, offset, src):
+            if part is Part.V:
+                offset += 2  # as if a piece were lost
+            super().stage_in(layer, part, offset, src)
+
+    target = Skipping(
+        str(tmp_path / "x.bin"),
+        L.model_geometry(model),
+        sf.model_fingerprint([("model", model)]),
+        L.config_of(tmp_path / "s.ssf"),
+        L.SlotOptions(v_trans=True),
+    )
+    with pytest.raises(E.AdapterFailed):
+        sf.restore(tmp_path / "s.ssf", target, mode="staged")
+    assert not (tmp_path / "x.bin").exists()
+
+
 @pytest.mark.parametrize("shape", [(8, 16), (13, 21), (1, 5), (192, 7)])
 @pytest.mark.parametrize("dtype", ["<u2", "<u4"])
 def test_numba_transpose_kernel_equals_numpy(shape, dtype):

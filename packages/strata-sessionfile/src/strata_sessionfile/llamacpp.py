@@ -971,6 +971,8 @@ class SlotTarget:
         self.n_tokens = 0
         self.size = 0
         self._cols_buf: Any = None
+        self._carry_of: tuple[int, Part] | None = None  # the part whose pieces are coming in (numpy)
+        self._carry, self._next = b"", 0  # its row cut by the last piece's end; the next piece's offset
 
     def identity(self) -> EngineIdentity:
         return self._identity
@@ -1071,28 +1073,53 @@ class SlotTarget:
         if not out.transposed and V1_TO_GGML[out.src] is out.dst:
             self.sink.write_at(src, out.offset + offset)  # type: ignore[arg-type]  # pwrite takes any buffer
             return
+        np = _optional_numpy()
+        if np is not None:
+            self._rows_in(np, layer, part, out, offset, src)
+            return
+        # without numpy only a transpose of the same dtype gets here: the whole layer part, then rearranged
         buf = self._pending.get((layer, part))
         if buf is None:
             buf = self._pending[(layer, part)] = bytearray(out.held * out.n_embd * DTYPES[out.src].itemsize)
         buf[offset : offset + len(src)] = src
-        if offset + len(src) == len(buf):  # the layer part is whole: rearrange it and write it
+        if offset + len(src) == len(buf):
             del self._pending[(layer, part)]
-            self.sink.write_at(self._slot_values(buf, out), out.offset)
+            self.sink.write_at(_transpose(bytes(buf), GGML_TYPES[out.dst].block_bytes, out.n_embd), out.offset)
 
-    def _slot_values(self, values: bytearray, out: _OutPart) -> Any:
-        """A whole layer part, format v1 rows in position order, as the slot file lays it out."""
-        data = values if V1_TO_GGML[out.src] is out.dst else convert_values(values, out.src, out.dst)
-        if not out.transposed:
-            return data
+    def _rows_in(self, np: Any, layer: int, part: Part, out: _OutPart, offset: int, src: memoryview) -> None:
+        """A part's pieces, in order: their whole rows converted and written (a transposed V: transposed into
+        the layer's columns, kept in one buffer and written once whole); a row cut by a piece's end waits
+        for the next piece."""
+        row, key = out.n_embd * DTYPES[out.src].itemsize, (layer, part)
+        if self._carry_of != key:
+            self._carry_of, self._carry, self._next = key, b"", 0
+        if offset != self._next:
+            raise E.AdapterFailed(f"layer {layer} {part.name}: a piece at byte {offset}, expected {self._next}")
+        data = self._carry + bytes(src) if self._carry else src
+        first, whole = (offset - len(self._carry)) // row, len(data) // row * row
+        if whole:
+            rows = memoryview(data)[:whole]
+            values = rows if V1_TO_GGML[out.src] is out.dst else convert_values(rows, out.src, out.dst)
+            if out.transposed:
+                cols = self._columns(np, out)
+                piece = np.frombuffer(values, cols.dtype).reshape(-1, out.n_embd)
+                transpose_into(cols[:, first : first + len(piece)], piece)
+            else:
+                self.sink.write_at(values, out.offset + first * GGML_TYPES[out.dst].row_size(out.n_embd))  # type: ignore[union-attr]
+        self._carry, self._next = bytes(data[whole:]), offset + len(src)
+        if self._next == out.held * row:
+            self._carry_of = None
+            if out.transposed:
+                whole_part = self._columns(np, out).reshape(-1).view(np.uint8)
+                self.sink.write_at(memoryview(whole_part), out.offset)  # type: ignore[union-attr]
+
+    def _columns(self, np: Any, out: _OutPart) -> Any:
+        """The layer's transposed V ([value][token]) being filled: one buffer, kept for every layer."""
         el = GGML_TYPES[out.dst].block_bytes
-        np = _optional_numpy()
-        if np is None:
-            return _transpose(bytes(data), el, out.n_embd)
-        if self._cols_buf is None or len(self._cols_buf) < len(data):
-            self._cols_buf = np.empty(len(data), np.uint8)  # one layer's V, kept for the next layer
-        cols = self._cols_buf[: len(data)].view(f"<u{el}").reshape(out.n_embd, -1)
-        transpose_into(cols, np.frombuffer(data, cols.dtype).reshape(-1, out.n_embd))
-        return memoryview(cols.reshape(-1).view(np.uint8))
+        size = out.n_embd * out.held * el
+        if self._cols_buf is None or len(self._cols_buf) < size:
+            self._cols_buf = np.empty(size, np.uint8)
+        return self._cols_buf[:size].view(f"<u{el}").reshape(out.n_embd, out.held)
 
     # A StagingTarget: the temporary file is the staging area (nothing is published before the commit), so
     # a conversion reads its v1 file once, not in a checking pass and then an applying pass.
