@@ -1095,23 +1095,34 @@ class SlotTarget:
             self._carry_of, self._carry, self._next = key, b"", 0
         if offset != self._next:
             raise E.AdapterFailed(f"layer {layer} {part.name}: a piece at byte {offset}, expected {self._next}")
-        data = self._carry + bytes(src) if self._carry else src
-        first, whole = (offset - len(self._carry)) // row, len(data) // row * row
+        if self._carry:  # the cut row first, completed from the head of this piece
+            take = min(row - len(self._carry), len(src))
+            self._carry += bytes(src[:take])
+            if len(self._carry) == row:
+                self._put_rows(np, out, (offset + take) // row - 1, memoryview(self._carry))
+                self._carry = b""
+            src, offset = src[take:], offset + take
+        whole = len(src) // row * row
         if whole:
-            rows = memoryview(data)[:whole]
-            values = rows if V1_TO_GGML[out.src] is out.dst else convert_values(rows, out.src, out.dst)
-            if out.transposed:
-                cols = self._columns(np, out)
-                piece = np.frombuffer(values, cols.dtype).reshape(-1, out.n_embd)
-                transpose_into(cols[:, first : first + len(piece)], piece)
-            else:
-                self.sink.write_at(values, out.offset + first * GGML_TYPES[out.dst].row_size(out.n_embd))  # type: ignore[union-attr]
-        self._carry, self._next = bytes(data[whole:]), offset + len(src)
+            self._put_rows(np, out, offset // row, src[:whole])
+        self._carry += bytes(src[whole:])
+        self._next = offset + len(src)
         if self._next == out.held * row:
             self._carry_of = None
             if out.transposed:
                 whole_part = self._columns(np, out).reshape(-1).view(np.uint8)
                 self.sink.write_at(memoryview(whole_part), out.offset)  # type: ignore[union-attr]
+
+    def _put_rows(self, np: Any, out: _OutPart, first: int, rows: memoryview) -> None:
+        """Whole rows from row ``first`` on: converted, and written (a transposed V: into its columns)."""
+        values = rows if V1_TO_GGML[out.src] is out.dst else convert_values(rows, out.src, out.dst)
+        if out.transposed:
+            cols = self._columns(np, out)
+            piece = np.frombuffer(values, cols.dtype).reshape(-1, out.n_embd)
+            transpose_into(cols[:, first : first + len(piece)], piece)
+        else:
+            assert self.sink is not None
+            self.sink.write_at(values, out.offset + first * GGML_TYPES[out.dst].row_size(out.n_embd))  # type: ignore[arg-type]
 
     def _columns(self, np: Any, out: _OutPart) -> Any:
         """The layer's transposed V ([value][token]) being filled: one buffer, kept for every layer."""
