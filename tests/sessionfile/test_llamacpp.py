@@ -304,3 +304,41 @@ def test_q8_0_without_numpy_is_a_named_refusal():
         L.dequantize_q8_0(bytes(34), 32)
     with pytest.raises(E.ConversionUnavailable):
         L.quantize_q8_0(bytes(64), sf.DType.F16)
+
+
+def test_hadamard_is_llama_cpps_own_inverse():
+    """ggml_gen_hadamard's matrix: Sylvester's order, first row and column +1/sqrt(n), symmetric, squared I."""
+    np = pytest.importorskip("numpy")
+    for n in (64, 128):
+        h = L.hadamard(np, n)
+        assert np.allclose(h, h.T) and np.allclose(h @ h, np.eye(n), atol=1e-5)
+        assert np.allclose(h[0], 1 / np.sqrt(n)) and np.allclose(np.abs(h), 1 / np.sqrt(n))
+        assert h[1, 1] < 0 and h[n // 2, n // 2] < 0 and h[n // 2, 0] > 0
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "dims", "part", "n_rot"),
+    [
+        (L.GGMLType.Q8_0, [64] * 3, Part.K, 64),
+        (L.GGMLType.Q8_0, [128] * 3, Part.K, 128),
+        (L.GGMLType.Q8_0, [256], Part.K, 256),
+        (L.GGMLType.Q8_0, [128], Part.V, 64),
+        (L.GGMLType.Q8_0, [80], Part.K, 0),
+        (L.GGMLType.Q8_0, [64, 128], Part.K, 0),  # layers of two head sizes: llama.cpp rotates none
+        (L.GGMLType.F16, [128], Part.K, 0),
+    ],
+)
+def test_rotation_is_llama_cpps_rule(ggml_type, dims, part, n_rot):
+    assert L.llamacpp_rotation(ggml_type, dims, part) == n_rot
+
+
+def test_q8_0_rotation_undone_on_the_way_in_and_made_on_the_way_out():
+    """Quantizing with a rotation and dequantizing with it gives back the values (q8_0's rounding spread
+    over each run of n_rot values); dequantized without undoing it, they are other values."""
+    np = pytest.importorskip("numpy")
+    x = np.random.default_rng(3).standard_normal(4 * 128).astype("<f2")
+    rotated = L.quantize_q8_0(x.tobytes(), sf.DType.F16, 64)
+    back = np.frombuffer(L.dequantize_q8_0(rotated, len(x), 64), "<f2").astype(np.float32)
+    assert np.abs(back - x.astype(np.float32)).max() < 0.05
+    still = np.frombuffer(L.dequantize_q8_0(rotated, len(x)), "<f2").astype(np.float32)
+    assert np.abs(still - x.astype(np.float32)).max() > 0.5

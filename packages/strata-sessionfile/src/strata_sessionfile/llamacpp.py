@@ -623,18 +623,34 @@ def _numpy(why: str) -> Any:
     return np
 
 
-def dequantize_q8_0(raw: bytes | memoryview, n_values: int) -> bytes:
-    """q8_0 blocks (f16 scale, 32 int8) as little-endian f16 values."""
+def hadamard(np: Any, n: int) -> Any:
+    """The orthonormal Walsh-Hadamard matrix of size n (a power of two), as llama.cpp's ggml_gen_hadamard
+    builds it (Sylvester's order, scaled by 1/sqrt(n)): symmetric, its own inverse."""
+    h = np.ones((1, 1), np.float32)
+    while len(h) < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.float32(np.sqrt(n))
+
+
+def _rotate(np: Any, x: Any, n_rot: int) -> Any:
+    """Each run of n_rot values times the Hadamard matrix (llama_mul_mat_hadamard): rotates, and undoes it."""
+    return x if not n_rot else (x.reshape(-1, n_rot) @ hadamard(np, n_rot)).reshape(-1)
+
+
+def dequantize_q8_0(raw: bytes | memoryview, n_values: int, n_rot: int = 0) -> bytes:
+    """q8_0 blocks (f16 scale, 32 int8) as little-endian f16 values; ``n_rot``: llama.cpp's Hadamard rotation
+    of the cache, undone."""
     np = _numpy("dequantizing q8_0")
     blocks = np.frombuffer(raw, dtype=np.dtype([("d", "<f2"), ("q", "i1", 32)]))
     out = blocks["q"].astype(np.float32) * blocks["d"].astype(np.float32)[:, None]
-    return out.reshape(-1)[:n_values].astype("<f2").tobytes()
+    return _rotate(np, out.reshape(-1)[:n_values], n_rot).astype("<f2").tobytes()
 
 
-def quantize_q8_0(raw: bytes | memoryview, src_dtype: DType) -> bytes:
-    """Values (f16/f32/bf16) as q8_0 blocks, rounding as ggml's quantize_row_q8_0_ref does."""
+def quantize_q8_0(raw: bytes | memoryview, src_dtype: DType, n_rot: int = 0) -> bytes:
+    """Values (f16/f32/bf16) as q8_0 blocks, rounding as ggml's quantize_row_q8_0_ref does; ``n_rot``: first
+    rotated as llama.cpp rotates a quantized cache."""
     np = _numpy("quantizing q8_0")
-    x = _as_f32(np, raw, src_dtype).reshape(-1, 32)
+    x = _rotate(np, _as_f32(np, raw, src_dtype), n_rot).reshape(-1, 32)
     amax = np.abs(x).max(axis=1)
     d = amax / 127.0
     inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
@@ -654,12 +670,13 @@ def _as_f32(np: Any, raw: bytes | memoryview, dtype: DType) -> Any:
     raise E.SlotUnsupportedType(f"no conversion from {DTYPES[dtype].name}")
 
 
-def convert_values(raw: bytes | memoryview, src: DType, dst: GGMLType) -> bytes:
-    """Values of dtype ``src`` as ``dst`` rows (ggml's rounding: f16 round-to-nearest, bf16 truncation-free)."""
+def convert_values(raw: bytes | memoryview, src: DType, dst: GGMLType, n_rot: int = 0) -> bytes:
+    """Values of dtype ``src`` as ``dst`` rows (ggml's rounding: f16 round-to-nearest, bf16 truncation-free;
+    q8_0 rotated by ``n_rot`` first)."""
     if V1_TO_GGML.get(src) is dst:
         return bytes(raw)
     if dst is GGMLType.Q8_0:
-        return quantize_q8_0(raw, src)
+        return quantize_q8_0(raw, src, n_rot)
     np = _numpy(f"converting {DTYPES[src].name} to {GGML_TYPES[dst].name}")
     x = _as_f32(np, raw, src)
     if dst is GGMLType.F32:
@@ -703,6 +720,38 @@ class _LayerSource:
     runs: tuple[tuple[int, int, int], ...]
     spec: LayerSpec
     held: int
+    k_rot: int = 0  # llama.cpp's Hadamard rotation of a quantized K / V (0: none)
+    v_rot: int = 0
+
+
+def llamacpp_rotation(ggml_type: GGMLType, head_dims: Sequence[int], part: Part) -> int:
+    """The Hadamard rotation llama.cpp b11549 gives a cache of this type (llama_kv_cache's constructor): a
+    quantized one whose layers share one head size, a multiple of 64; K by the largest power of two that
+    divides it, V by 64. 0: none (unquantized, or LLAMA_ATTN_ROT_DISABLE=1 on its side)."""
+    dims = set(head_dims)
+    if GGML_TYPES[ggml_type].block == 1 or len(dims) != 1 or next(iter(dims)) % 64:
+        return 0
+    n, dim = 64, next(iter(dims))
+    while part is Part.K and dim % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def _check_rotation(
+    n_rot: int, parts: Sequence[SlotPart], head_dims: Sequence[int], sec: int, kind: str
+) -> int:
+    """A rotation this converter undoes: of q8_0 rows only, by a power of two from 64 that divides every head."""
+    if n_rot == 0:
+        return 0
+    quantized = all(GGML_TYPES[p.ggml_type].block > 1 for p in parts)
+    if not quantized or n_rot < 64 or n_rot & (n_rot - 1) or any(d % n_rot for d in head_dims):
+        raise E.SlotRotated(
+            f"n_rot_{kind} {n_rot} over {sorted({GGML_TYPES[p.ggml_type].name for p in parts})} rows of heads "
+            f"{sorted(set(head_dims))}: not a rotation llama.cpp makes (a power of two from 64 dividing the head "
+            "size, of a quantized cache)",
+            field=f"sections[{sec}].n_rot_{kind}",
+        )
+    return n_rot
 
 
 class SlotSource:
@@ -746,13 +795,16 @@ class SlotSource:
             except E.SlotCellsInvalid as exc:
                 exc.path, exc.field = self.slot.path, f"sections[{sec_no}].{exc.field}"
                 raise
-            if section.n_rot_k or section.n_rot_v:
-                raise E.SlotRotated(
-                    f"n_rot_k {section.n_rot_k}, n_rot_v {section.n_rot_v}: a quantized cache rotated by llama.cpp "
-                    "(run llama.cpp with LLAMA_ATTN_ROT_DISABLE=1, or an f16 cache)",
-                    path=self.slot.path,
-                    field=f"sections[{sec_no}].n_rot_k",
+            try:
+                k_rot = _check_rotation(
+                    section.n_rot_k, section.k, [la.head_dim_k for la in model], sec_no, "k"
                 )
+                v_rot = _check_rotation(
+                    section.n_rot_v, section.v, [la.head_dim_v for la in model], sec_no, "v"
+                )
+            except E.SlotRotated as exc:
+                exc.path = self.slot.path
+                raise
             for la, k, v in zip(model, section.k, section.v, strict=True):
                 spec = LayerSpec(
                     index=la.index,
@@ -764,7 +816,7 @@ class SlotSource:
                     v_dtype=GGML_TYPES[v.ggml_type].v1,
                     window=la.window,
                 )
-                out[la.index] = _LayerSource(k, v, section.n_cells, runs, spec, held)
+                out[la.index] = _LayerSource(k, v, section.n_cells, runs, spec, held, k_rot, v_rot)
         return [out[i] for i in sorted(out)]
 
     def identity(self) -> EngineIdentity:
@@ -845,7 +897,7 @@ class SlotSource:
         else:
             rows = bytearray(la.held * sp.row_bytes)
             self._gather_rows(sp, la, 0, memoryview(rows))
-            data = dequantize_q8_0(bytes(rows), la.held * sp.n_embd)
+            data = dequantize_q8_0(bytes(rows), la.held * sp.n_embd, la.k_rot if part is Part.K else la.v_rot)
         self._cache = (layer, part, data)
         return data
 
@@ -947,6 +999,7 @@ class SlotOptions:
     k_type: GGMLType | None = None
     v_type: GGMLType | None = None
     v_trans: bool = False  # llama.cpp with flash attention off transposes V
+    rotate: bool = True  # a q8_0 cache rotated as llama.cpp rotates it (False: for LLAMA_ATTN_ROT_DISABLE=1)
     n_stream: int = 1  # llama-server's unified cache has one
     stream: int = 0
 
@@ -1031,7 +1084,8 @@ class SlotTarget:
                 if not cells:
                     continue
                 meta += b"".join(CELL.pack(p, 1, 0) for p in range(n - held, n))
-                meta += DATA_HEAD.pack(int(opts.v_trans), len(section), 0, 0)
+                rot = {part: self._rotation(section, part) for part in (Part.K, Part.V)}
+                meta += DATA_HEAD.pack(int(opts.v_trans), len(section), rot[Part.K], rot[Part.V])
                 for part in (Part.K, Part.V):
                     for la in section:
                         layer, g = by_index[la.index]
@@ -1054,11 +1108,21 @@ class SlotTarget:
                         pos += len(meta)
                         meta = bytearray()
                         size = held * info.row_size(n_embd)
-                        self._parts[(layer, part)] = _OutPart(pos, size, src, dst, n_embd, held, trans)
+                        out = _OutPart(pos, size, src, dst, n_embd, held, trans, rot[part])
+                        self._parts[(layer, part)] = out
                         pos += size
         self._meta.append((pos, bytes(meta)))
         self.size = pos + len(meta)
         self.n_tokens = n
+
+    def _rotation(self, section: tuple[ModelLayer, ...], part: Part) -> int:
+        """The rotation llama.cpp gives this cache's K or V of the options' type (none unless rotating)."""
+        ggml_type = self.opts.k_type if part is Part.K else self.opts.v_type
+        if not self.opts.rotate or ggml_type is None:
+            return 0
+        return llamacpp_rotation(
+            ggml_type, [la.head_dim_k if part is Part.K else la.head_dim_v for la in section], part
+        )
 
     def begin_apply(self, plan: RestorePlan) -> None:
         self.sink = FileSink(self.out)
@@ -1084,7 +1148,9 @@ class SlotTarget:
         buf[offset : offset + len(src)] = src
         if offset + len(src) == len(buf):
             del self._pending[(layer, part)]
-            self.sink.write_at(_transpose(bytes(buf), GGML_TYPES[out.dst].block_bytes, out.n_embd), out.offset)
+            self.sink.write_at(
+                _transpose(bytes(buf), GGML_TYPES[out.dst].block_bytes, out.n_embd), out.offset
+            )
 
     def _rows_in(self, np: Any, layer: int, part: Part, out: _OutPart, offset: int, src: memoryview) -> None:
         """A part's pieces, in order: their whole rows converted and written (a transposed V: transposed into
@@ -1094,7 +1160,9 @@ class SlotTarget:
         if self._carry_of != key:
             self._carry_of, self._carry, self._next = key, b"", 0
         if offset != self._next:
-            raise E.AdapterFailed(f"layer {layer} {part.name}: a piece at byte {offset}, expected {self._next}")
+            raise E.AdapterFailed(
+                f"layer {layer} {part.name}: a piece at byte {offset}, expected {self._next}"
+            )
         if self._carry:  # the cut row first, completed from the head of this piece
             take = min(row - len(self._carry), len(src))
             self._carry += bytes(src[:take])
@@ -1115,7 +1183,7 @@ class SlotTarget:
 
     def _put_rows(self, np: Any, out: _OutPart, first: int, rows: memoryview) -> None:
         """Whole rows from row ``first`` on: converted, and written (a transposed V: into its columns)."""
-        values = rows if V1_TO_GGML[out.src] is out.dst else convert_values(rows, out.src, out.dst)
+        values = rows if V1_TO_GGML[out.src] is out.dst else convert_values(rows, out.src, out.dst, out.n_rot)
         if out.transposed:
             cols = self._columns(np, out)
             piece = np.frombuffer(values, cols.dtype).reshape(-1, out.n_embd)
@@ -1174,6 +1242,7 @@ class _OutPart:
     n_embd: int
     held: int
     transposed: bool
+    n_rot: int = 0
 
 
 ELEMENT_CODES = {2: "H", 4: "I"}  # array typecodes by element size (f16/bf16, f32)
