@@ -20,8 +20,8 @@ ratios, the load average.
 from __future__ import annotations
 
 import argparse
-import os
 import importlib.metadata
+import os
 import statistics
 import sys
 import tempfile

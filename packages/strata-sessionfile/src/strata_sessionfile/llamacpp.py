@@ -1178,8 +1178,8 @@ class SlotTarget:
         if self._next == out.held * row:
             self._carry_of = None
             if out.transposed:
-                whole_part = self._columns(np, out).reshape(-1).view(np.uint8)
-                self.sink.write_at(memoryview(whole_part), out.offset)  # type: ignore[union-attr]
+                assert self.sink is not None
+                self.sink.write_at(self._columns(np, out).reshape(-1).view(np.uint8), out.offset)
 
     def _put_rows(self, np: Any, out: _OutPart, first: int, rows: memoryview) -> None:
         """Whole rows from row ``first`` on: converted, and written (a transposed V: into its columns)."""
