@@ -692,6 +692,8 @@ def _runs(positions: array.array, first: int) -> list[tuple[int, int, int]]:
     """(logical start, cell start, count) runs putting the cells in position order, positions
     ``first, first + 1, ...``; SlotCellsInvalid where the positions are not exactly that run."""
     n = len(positions)
+    if positions == array.array("i", range(first, first + n)):  # in order already (compared in C)
+        return [(0, 0, n)] if n else []
     where = [-1] * n
     for cell, pos in enumerate(positions):
         t = pos - first
@@ -867,7 +869,7 @@ class SlotSource:
         if first < last:
             rows = np.frombuffer(dest, cols.dtype, (last - first) * sp.n_embd, first * row - offset)
             _untranspose_runs(cols, rows.reshape(-1, sp.n_embd), first, la.runs)
-        for t in {offset // row, (end - 1) // row} - set(range(first, last)):
+        for t in {t for t, cut in ((offset // row, offset % row), (end // row, end % row)) if cut}:
             one = np.empty((1, sp.n_embd), cols.dtype)
             _untranspose_runs(cols, one, t, la.runs)
             lo, hi = max(offset, t * row), min(end, (t + 1) * row)
