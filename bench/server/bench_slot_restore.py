@@ -9,8 +9,9 @@ transposed as llama.cpp writes it with flash attention off) lies in one --slot-s
   * strata-server (SmolLM2, -c 8192): the same request on the slot file (converted against the model into a
     temporary v1 file, then restored), then `?action=save` of what it restored as v1 and the restore of
     that v1 file.
-Each restore's wall time through HTTP, the median of --repeat (page cache warm: every file was read
-before). Printed: the medians and the ratios.
+Each restore's wall time through HTTP (page cache warm: every file was read before); strata-server's two
+restores in --repeat paired rounds (slot file, then v1 file). Printed: the medians, the median of the rounds'
+ratios, the load average.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/server/bench_slot_restore.py \
         [--tokens 7915] [--repeat 5]
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import statistics
 import sys
 import tempfile
@@ -68,18 +70,20 @@ def llama_server(model: Path, folder: Path, v_trans: bool):
         time.sleep(0.2)
 
 
+def restore_once(base: str, name: str) -> float:
+    """Wall time of one `?action=restore` of `name` into slot 0."""
+    t = time.perf_counter()
+    r = requests.post(base + "/slots/0?action=restore", json={"filename": name}, timeout=600)
+    elapsed = time.perf_counter() - t
+    if r.status_code != 200:
+        raise RuntimeError(f"restore of {name} at {base}: {r.status_code} {r.text}")
+    return elapsed
+
+
 def restore_s(base: str, name: str, repeat: int) -> float:
     """Median wall time of `?action=restore` of `name` into slot 0, after a first (warming) one."""
-    times = []
-    for i in range(repeat + 1):
-        t = time.perf_counter()
-        r = requests.post(base + "/slots/0?action=restore", json={"filename": name}, timeout=600)
-        elapsed = time.perf_counter() - t
-        if r.status_code != 200:
-            raise RuntimeError(f"restore of {name} at {base}: {r.status_code} {r.text}")
-        if i:
-            times.append(elapsed)
-    return statistics.median(times)
+    restore_once(base, name)
+    return statistics.median(restore_once(base, name) for _ in range(repeat))
 
 
 def main() -> None:
@@ -99,20 +103,29 @@ def main() -> None:
                 folder / "strata.log", "-m", str(model), "-c", str(N_CTX), "--slot-save-path", str(d)
             )
             try:
-                slot = restore_s(strata.url, "llama.bin", args.repeat)
+                restore_once(strata.url, "llama.bin")  # warm: the slot geometry, any kernel's compile
                 r = requests.post(
                     strata.url + "/slots/0?action=save", json={"filename": "v1.ssf"}, timeout=600
                 )
                 assert r.status_code == 200 and r.json()["n_saved"] == args.tokens, r.text
-                v1 = restore_s(strata.url, "v1.ssf", args.repeat)
+                restore_once(strata.url, "v1.ssf")
+                # paired rounds: a shared machine's load moves both restores of a round alike
+                rounds = [
+                    (restore_once(strata.url, "llama.bin"), restore_once(strata.url, "v1.ssf"))
+                    for _ in range(args.repeat)
+                ]
             finally:
                 strata.stop()
+            slot = statistics.median(a for a, _ in rounds)
+            v1 = statistics.median(b for _, b in rounds)
+            ratio = statistics.median(a / b for a, b in rounds)
             size = (folder / "llama.bin").stat().st_size / 2**20
             print(
                 f"{args.tokens} tokens, {'V transposed' if v_trans else 'V rows'}, {size:.0f} MiB: "
                 f"strata-server slot file {slot * 1000:.0f} ms, v1 file {v1 * 1000:.0f} ms "
-                f"(x{slot / v1:.2f}); llama-server's own restore {peer * 1000:.0f} ms "
-                f"(strata slot file / llama-server x{slot / peer:.2f}, v1 / llama-server x{v1 / peer:.2f})"
+                f"(median of the rounds' ratios x{ratio:.2f}); llama-server's own restore {peer * 1000:.0f} ms "
+                f"(strata slot file / llama-server x{slot / peer:.2f}, v1 / llama-server x{v1 / peer:.2f}); "
+                f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
             )
 
 

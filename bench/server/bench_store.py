@@ -235,6 +235,8 @@ class Server:
             except requests.ConnectionError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                if self.proc.poll() is None:  # not left running behind the failed benchmark
+                    self.stop()
                 raise RuntimeError(f"server did not start (see {log})")
             time.sleep(0.1)
 

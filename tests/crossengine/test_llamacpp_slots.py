@@ -8,54 +8,17 @@ its own cold one; strata-engine saves -> converted -> llama-server restores, reu
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import strata_sessionfile as sf
 from strata_engine.session import EngineSession, runner_identity
-from strata_sessionfile import errors as E
 from strata_sessionfile import llamacpp as L
 
+from .continuation import N_REPLY, assert_same_until_a_near_tie, best_gap, greedy
 from .llama_server import FLASH_ATTN, LlamaServer
 
 PROMPT = (
     "<|im_start|>user\nName three colours and say why the sky is blue.<|im_end|>\n<|im_start|>assistant\n"
 )
-N_REPLY = 12
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64) - float(np.max(x))
-    return x - np.log(np.sum(np.exp(x)))
-
-
-def best_gap(logits: np.ndarray, cold_logits: np.ndarray, k: int = 10) -> float:
-    """The largest log-probability difference over the cold run's k best tokens. llama.cpp's K/V are not
-    strata-engine's bit for bit (other kernels, chosen by the CPU's features): the far tail of a 49K-262K
-    vocabulary moves by up to ~0.6-1.6 (measured), the tokens that matter by far less."""
-    best = np.argsort(cold_logits)[-k:]
-    return float(np.max(np.abs(log_softmax(logits)[best] - log_softmax(cold_logits)[best])))
-
-
-def greedy(runner, tokens: list[int], n: int = N_REPLY) -> tuple[int, list[int], list[np.ndarray]]:
-    """(tokens reused from what the runner held, greedy continuation, the logits each token was picked from)."""
-    res = runner.prefill(tokens)
-    logits = res.logits
-    out: list[int] = []
-    steps: list[np.ndarray] = []
-    for _ in range(n):
-        steps.append(logits)
-        out.append(int(np.argmax(logits)))
-        logits = runner.decode(out[-1])
-    return res.cache_n, out, steps
-
-
-def assert_same_until_a_near_tie(restored: list[int], cold: list[int], cold_steps: list[np.ndarray]) -> None:
-    """The continuation from llama.cpp's K/V equals strata-engine's cold one, or leaves it only at a step where
-    the cold run's two best tokens were within 0.5 of each other (the K/V differ in their last bits)."""
-    differ = next((i for i, (a, b) in enumerate(zip(restored, cold, strict=True)) if a != b), None)
-    if differ is not None:
-        top2 = np.sort(log_softmax(cold_steps[differ]))[-2:]
-        assert top2[1] - top2[0] < 0.5, (differ, top2)
 
 
 def test_llama_server_slot_restores_in_strata_engine(llama, runner, smollm2_path, tmp_path):
@@ -172,31 +135,67 @@ def test_gemma3_iswa_slot_file_through_v1_keeps_every_state_byte(gemma3_path, tm
     )  # gemma3's Q4_K products: llama.cpp quantizes the activations
 
 
-def test_q8_0_slot_file_dequantized_restores_in_strata_engine(runner, smollm2_path, tmp_path, monkeypatch):
-    """llama.cpp's q8_0 cache: rotated by default (a named refusal); with the rotation off, dequantized to
-    f16 it restores in strata-engine, every token reused, the same greedy continuation as its cold one."""
-    for rotated in (True, False):
-        if not rotated:
-            monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")  # read when llama.cpp builds its cache
-        llama = LlamaServer(smollm2_path, tmp_path, FLASH_ATTN["v_rows"], kv_type="GGML_TYPE_Q8_0")
-        prompt = llama.tokenize(PROMPT)
-        llama.complete(prompt, 4)
-        llama.post("/slots/0?action=save", {"filename": f"q8-{rotated}.bin"})
-        src, out = tmp_path / f"q8-{rotated}.bin", tmp_path / f"q8-{rotated}.ssf"
-        slot = L.read_slot_file(src, L.model_geometry(smollm2_path))
-        assert {p.ggml_type for p in slot.sections[0].k} == {L.GGMLType.Q8_0}
-        if rotated:
-            with pytest.raises(E.SlotRotated):
-                L.slot_to_session(src, smollm2_path, out, config=runner_identity(runner).config)
-            continue
-        L.slot_to_session(src, smollm2_path, out, config=runner_identity(runner).config)
-        runner.erase()
-        sf.restore(out, EngineSession(runner))
-        n = runner.n_held
-        turn = list(slot.tokens[:n]) + llama.tokenize("<|im_end|>\n<|im_start|>user\nAnd grass?")[1:]
-        cache_n, restored, steps = greedy(runner, turn)
-        assert cache_n == n
-        runner.erase()
-        _, cold, cold_steps = greedy(runner, turn)
-        assert_same_until_a_near_tie(restored, cold, cold_steps)
-        assert best_gap(steps[0], cold_steps[0]) < 0.5
+@pytest.mark.parametrize("rotated", [True, False])
+def test_q8_0_slot_file_dequantized_restores_in_strata_engine(
+    runner, smollm2_path, tmp_path, monkeypatch, rotated
+):
+    """llama.cpp's q8_0 cache, Hadamard-rotated (its default: n_rot_k = n_rot_v = 64 for SmolLM2's 64-value
+    heads) or not (LLAMA_ATTN_ROT_DISABLE=1): dequantized to f16 (the rotation undone) it restores in
+    strata-engine, every token reused, the same greedy continuation as its cold one."""
+    if not rotated:
+        monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")  # read when llama.cpp builds its cache
+    llama = LlamaServer(smollm2_path, tmp_path, FLASH_ATTN["v_rows"], kv_type="GGML_TYPE_Q8_0")
+    prompt = llama.tokenize(PROMPT)
+    llama.complete(prompt, 4)
+    llama.post("/slots/0?action=save", {"filename": "q8.bin"})
+    src, out = tmp_path / "q8.bin", tmp_path / "q8.ssf"
+    slot = L.read_slot_file(src, L.model_geometry(smollm2_path))
+    assert {p.ggml_type for p in slot.sections[0].k} == {L.GGMLType.Q8_0}
+    assert (slot.sections[0].n_rot_k, slot.sections[0].n_rot_v) == ((64, 64) if rotated else (0, 0))
+    L.slot_to_session(src, smollm2_path, out, config=runner_identity(runner).config)
+    runner.erase()
+    sf.restore(out, EngineSession(runner))
+    n = runner.n_held
+    turn = list(slot.tokens[:n]) + llama.tokenize("<|im_end|>\n<|im_start|>user\nAnd grass?")[1:]
+    cache_n, restored, steps = greedy(runner, turn)
+    assert cache_n == n
+    runner.erase()
+    _, cold, cold_steps = greedy(runner, turn)
+    assert_same_until_a_near_tie(restored, cold, cold_steps)
+    assert best_gap(steps[0], cold_steps[0]) < 0.5
+
+
+@pytest.mark.parametrize("rotated", [True, False])
+def test_strata_engine_session_restores_in_llama_servers_q8_0_cache(
+    runner, smollm2_path, tmp_path, monkeypatch, rotated
+):
+    """strata-engine's f16 session quantized to q8_0, rotated as llama.cpp rotates its cache (or not, for a
+    llama.cpp run with LLAMA_ATTN_ROT_DISABLE=1): llama-server restores it, reuses every token and continues
+    as it does cold (up to a near tie of its own cold run); without the rotation it refuses the file."""
+    if not rotated:
+        monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
+    llama = LlamaServer(smollm2_path, tmp_path, FLASH_ATTN["v_rows"], kv_type="GGML_TYPE_Q8_0")
+    prompt = llama.tokenize(PROMPT)
+    runner.erase()
+    runner.prefill(prompt)
+    sf.save(tmp_path / "s.ssf", EngineSession(runner))
+    q8 = L.GGMLType.Q8_0
+    for name, rotate in (("other.bin", not rotated), ("q8.bin", rotated)):
+        opts = L.SlotOptions(k_type=q8, v_type=q8, rotate=rotate)
+        L.session_to_slot(tmp_path / "s.ssf", smollm2_path, tmp_path / name, opts)
+    llama.post("/slots/0?action=erase", {})
+    refused = llama.post("/slots/0?action=restore", {"filename": "other.bin"})
+    assert "n_restored" not in refused, refused  # n_rot is checked against the cache's own
+    restored = llama.post("/slots/0?action=restore", {"filename": "q8.bin"})
+    assert restored.get("n_restored") == len(prompt), restored
+    turn = prompt + llama.tokenize("Blue, red")[1:]
+    warm = llama.complete(turn, N_REPLY)
+    assert warm["timings"]["cache_n"] == len(prompt)
+    llama.post("/slots/0?action=erase", {})
+    cold = llama.complete(turn, N_REPLY, n_probs=2)
+    differ = next(
+        (i for i, (a, b) in enumerate(zip(warm["tokens"], cold["tokens"], strict=True)) if a != b), None
+    )
+    if differ is not None:
+        top = cold["completion_probabilities"][differ]["top_logprobs"]
+        assert abs(top[0]["logprob"] - top[1]["logprob"]) < 0.5, (differ, top)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import struct
+import sys
 
 import pytest
 import strata_sessionfile as sf
@@ -76,6 +77,106 @@ def test_transposed_v_becomes_rows_in_position_order(model, tmp_path):
     v = data[len(data) - row * n * 2 :]
     want = b"".join(v[(j * n + t) * 2 : (j * n + t) * 2 + 2] for t in range(n) for j in range(row))
     assert _part(tmp_path / "t.ssf", slotfiles.N_LAYER - 1, Part.V) == want
+
+
+@pytest.mark.parametrize("cut", [1, 7, 16, 40])
+@pytest.mark.parametrize("numba", [False, True])
+def test_transposed_v_any_byte_range_in_position_order(model, tmp_path, cut, numba, monkeypatch):
+    """copy_out of a transposed V straight into the caller's view: a range cut mid-row at either end, cells
+    out of position order, gives exactly those bytes of the rows (numpy's and numba's transposes alike)."""
+    pytest.importorskip("numpy")
+    if numba:
+        pytest.importorskip("numba")
+    else:  # transpose_into takes numba's kernel only where numba is loaded
+        monkeypatch.delitem(sys.modules, "numba", raising=False)
+    n, positions = 9, [3, 4, 5, 0, 1, 2, 8, 6, 7]
+    data = slotfiles.slot_bytes(n, v_trans=True, seed=7, positions=positions)
+    (tmp_path / "t.bin").write_bytes(data)
+    geo = L.model_geometry(model)
+    source = L.SlotSource(L.read_slot_file(tmp_path / "t.bin", geo), geo, None, b"")
+    row = slotfiles.ROW
+    v = data[len(data) - row * n * 2 :]  # the last layer's transposed V: [value][cell]
+    rows = b"".join(
+        v[(j * n + positions.index(t)) * 2 : (j * n + positions.index(t)) * 2 + 2]
+        for t in range(n)
+        for j in range(row)
+    )
+    got = bytearray(len(rows))
+    try:
+        for offset in range(0, len(rows), cut):
+            piece = memoryview(got)[offset : offset + cut]
+            source.copy_out(slotfiles.N_LAYER - 1, Part.V, offset, piece)
+    finally:
+        source.close()
+    assert bytes(got) == rows
+
+
+class _CutPieces(L.SlotTarget):
+    """A SlotTarget handed each piece in cuts of `cut` bytes (rows cut mid-value and across pieces)."""
+
+    cut = 1
+
+    def stage_in(self, layer, part, offset, src):
+        for lo in range(0, len(src), self.cut):
+            super().stage_in(layer, part, offset + lo, src[lo : lo + self.cut])
+
+
+@pytest.mark.parametrize("cut", [3, 16, 50])
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_slot_file_written_from_pieces_cut_mid_row(model, tmp_path, cut, v_trans):
+    """The slot file written from pieces that cut rows anywhere is the one written from whole blocks (a V
+    transposed into the kept columns; K converted to f32, so no part is a straight copy)."""
+    pytest.importorskip("numpy")
+    src = tmp_path / "slot.bin"
+    src.write_bytes(slotfiles.slot_bytes(11, v_trans=v_trans, seed=8))
+    L.slot_to_session(src, model, tmp_path / "s.ssf")
+    opts = L.SlotOptions(k_type=L.GGMLType.F32, v_trans=v_trans)
+    L.session_to_slot(tmp_path / "s.ssf", model, tmp_path / "whole.bin", opts)
+    target = _CutPieces(
+        str(tmp_path / "cut.bin"),
+        L.model_geometry(model),
+        sf.model_fingerprint([("model", model)]),
+        L.config_of(tmp_path / "s.ssf"),
+        opts,
+    )
+    target.cut = cut
+    sf.restore(tmp_path / "s.ssf", target, mode="staged")
+    assert (tmp_path / "cut.bin").read_bytes() == (tmp_path / "whole.bin").read_bytes()
+
+
+def test_slot_target_refuses_pieces_out_of_order(model, tmp_path):
+    pytest.importorskip("numpy")
+    (tmp_path / "slot.bin").write_bytes(slotfiles.slot_bytes(6, v_trans=True, seed=2))
+    L.slot_to_session(tmp_path / "slot.bin", model, tmp_path / "s.ssf")
+
+    class Skipping(L.SlotTarget):
+        def stage_in(self, layer, part, offset, src):
+            if part is Part.V:
+                offset += 2  # as if a piece were lost
+            super().stage_in(layer, part, offset, src)
+
+    target = Skipping(
+        str(tmp_path / "x.bin"),
+        L.model_geometry(model),
+        sf.model_fingerprint([("model", model)]),
+        L.config_of(tmp_path / "s.ssf"),
+        L.SlotOptions(v_trans=True),
+    )
+    with pytest.raises(E.AdapterFailed):
+        sf.restore(tmp_path / "s.ssf", target, mode="staged")
+    assert not (tmp_path / "x.bin").exists()
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (13, 21), (1, 5), (192, 7)])
+@pytest.mark.parametrize("dtype", ["<u2", "<u4"])
+def test_numba_transpose_kernel_equals_numpy(shape, dtype):
+    np = pytest.importorskip("numpy")
+    kernel = pytest.importorskip("strata_sessionfile._transpose_kernel")
+    src = np.random.default_rng(1).integers(0, 1 << 16, (shape[1] + 3, shape[0] + 5)).astype(dtype)
+    view = src[2 : 2 + shape[1], 1 : 1 + shape[0]]  # strided, as a run of cells is
+    dst = np.zeros(shape, dtype)
+    kernel.transpose_blocked(dst, view)
+    assert (dst == view.T).all()
 
 
 def test_cells_out_of_order_are_put_in_position_order(model, tmp_path):
@@ -203,3 +304,41 @@ def test_q8_0_without_numpy_is_a_named_refusal():
         L.dequantize_q8_0(bytes(34), 32)
     with pytest.raises(E.ConversionUnavailable):
         L.quantize_q8_0(bytes(64), sf.DType.F16)
+
+
+def test_hadamard_is_llama_cpps_own_inverse():
+    """ggml_gen_hadamard's matrix: Sylvester's order, first row and column +1/sqrt(n), symmetric, squared I."""
+    np = pytest.importorskip("numpy")
+    for n in (64, 128):
+        h = L.hadamard(np, n)
+        assert np.allclose(h, h.T) and np.allclose(h @ h, np.eye(n), atol=1e-5)
+        assert np.allclose(h[0], 1 / np.sqrt(n)) and np.allclose(np.abs(h), 1 / np.sqrt(n))
+        assert h[1, 1] < 0 and h[n // 2, n // 2] < 0 and h[n // 2, 0] > 0
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "dims", "part", "n_rot"),
+    [
+        (L.GGMLType.Q8_0, [64] * 3, Part.K, 64),
+        (L.GGMLType.Q8_0, [128] * 3, Part.K, 128),
+        (L.GGMLType.Q8_0, [256], Part.K, 256),
+        (L.GGMLType.Q8_0, [128], Part.V, 64),
+        (L.GGMLType.Q8_0, [80], Part.K, 0),
+        (L.GGMLType.Q8_0, [64, 128], Part.K, 0),  # layers of two head sizes: llama.cpp rotates none
+        (L.GGMLType.F16, [128], Part.K, 0),
+    ],
+)
+def test_rotation_is_llama_cpps_rule(ggml_type, dims, part, n_rot):
+    assert L.llamacpp_rotation(ggml_type, dims, part) == n_rot
+
+
+def test_q8_0_rotation_undone_on_the_way_in_and_made_on_the_way_out():
+    """Quantizing with a rotation and dequantizing with it gives back the values (q8_0's rounding spread
+    over each run of n_rot values); dequantized without undoing it, they are other values."""
+    np = pytest.importorskip("numpy")
+    x = np.random.default_rng(3).standard_normal(4 * 128).astype("<f2")
+    rotated = L.quantize_q8_0(x.tobytes(), sf.DType.F16, 64)
+    back = np.frombuffer(L.dequantize_q8_0(rotated, len(x), 64), "<f2").astype(np.float32)
+    assert np.abs(back - x.astype(np.float32)).max() < 0.05
+    still = np.frombuffer(L.dequantize_q8_0(rotated, len(x)), "<f2").astype(np.float32)
+    assert np.abs(still - x.astype(np.float32)).max() > 0.5

@@ -437,13 +437,15 @@ def _inspect_slot(args) -> int:
 
 def _cmd_convert(args) -> int:
     """``convert SLOT --model M.gguf -o OUT.ssf [--like ENGINE.ssf]`` or
-    ``convert FILE.ssf --to llama.cpp --model M.gguf -o OUT.bin [--v-trans] [--k-type T] [--v-type T]``."""
+    ``convert FILE.ssf --to llama.cpp --model M.gguf -o OUT.bin [--v-trans] [--k-type T] [--v-type T]
+    [--no-rotate]``."""
     try:
         if args.to == "llama.cpp":
             opts = SlotOptions(
                 k_type=GGML_TYPE_BY_NAME[args.k_type] if args.k_type else None,
                 v_type=GGML_TYPE_BY_NAME[args.v_type] if args.v_type else None,
                 v_trans=args.v_trans,
+                rotate=not args.no_rotate,
             )
             report = session_to_slot(args.file, args.model, args.output, opts)
             print(f"{args.output}: llama.cpp slot file of {report.n_tokens} tokens")
@@ -521,6 +523,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     c.add_argument(
         "--v-type", choices=sorted(GGML_TYPE_BY_NAME), help="V type of the slot file (default: kept)"
+    )
+    c.add_argument(
+        "--no-rotate",
+        action="store_true",
+        help="a q8_0 cache without llama.cpp's Hadamard rotation (for llama.cpp run with LLAMA_ATTN_ROT_DISABLE=1)",
     )
     return parser, p
 

@@ -347,8 +347,8 @@ class SlotGeometryMismatch(SlotFileError):
 
 
 class SlotRotated(SlotFileError):
-    """The K/V rows carry llama.cpp's Hadamard rotation of quantized caches (n_rot != 0), which this
-    converter does not undo."""
+    """The K/V rows carry a Hadamard rotation (n_rot != 0) that llama.cpp does not make: of unquantized rows, or
+    not a power of two from 64 dividing the head size (llama.cpp's own rotation of a q8_0 cache is undone)."""
 
     reason = "slot_rotated"
 

@@ -623,18 +623,34 @@ def _numpy(why: str) -> Any:
     return np
 
 
-def dequantize_q8_0(raw: bytes | memoryview, n_values: int) -> bytes:
-    """q8_0 blocks (f16 scale, 32 int8) as little-endian f16 values."""
+def hadamard(np: Any, n: int) -> Any:
+    """The orthonormal Walsh-Hadamard matrix of size n (a power of two), as llama.cpp's ggml_gen_hadamard
+    builds it (Sylvester's order, scaled by 1/sqrt(n)): symmetric, its own inverse."""
+    h = np.ones((1, 1), np.float32)
+    while len(h) < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.float32(np.sqrt(n))
+
+
+def _rotate(np: Any, x: Any, n_rot: int) -> Any:
+    """Each run of n_rot values times the Hadamard matrix (llama_mul_mat_hadamard): rotates, and undoes it."""
+    return x if not n_rot else (x.reshape(-1, n_rot) @ hadamard(np, n_rot)).reshape(-1)
+
+
+def dequantize_q8_0(raw: bytes | memoryview, n_values: int, n_rot: int = 0) -> bytes:
+    """q8_0 blocks (f16 scale, 32 int8) as little-endian f16 values; ``n_rot``: llama.cpp's Hadamard rotation
+    of the cache, undone."""
     np = _numpy("dequantizing q8_0")
     blocks = np.frombuffer(raw, dtype=np.dtype([("d", "<f2"), ("q", "i1", 32)]))
     out = blocks["q"].astype(np.float32) * blocks["d"].astype(np.float32)[:, None]
-    return out.reshape(-1)[:n_values].astype("<f2").tobytes()
+    return _rotate(np, out.reshape(-1)[:n_values], n_rot).astype("<f2").tobytes()
 
 
-def quantize_q8_0(raw: bytes | memoryview, src_dtype: DType) -> bytes:
-    """Values (f16/f32/bf16) as q8_0 blocks, rounding as ggml's quantize_row_q8_0_ref does."""
+def quantize_q8_0(raw: bytes | memoryview, src_dtype: DType, n_rot: int = 0) -> bytes:
+    """Values (f16/f32/bf16) as q8_0 blocks, rounding as ggml's quantize_row_q8_0_ref does; ``n_rot``: first
+    rotated as llama.cpp rotates a quantized cache."""
     np = _numpy("quantizing q8_0")
-    x = _as_f32(np, raw, src_dtype).reshape(-1, 32)
+    x = _rotate(np, _as_f32(np, raw, src_dtype), n_rot).reshape(-1, 32)
     amax = np.abs(x).max(axis=1)
     d = amax / 127.0
     inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
@@ -654,12 +670,13 @@ def _as_f32(np: Any, raw: bytes | memoryview, dtype: DType) -> Any:
     raise E.SlotUnsupportedType(f"no conversion from {DTYPES[dtype].name}")
 
 
-def convert_values(raw: bytes | memoryview, src: DType, dst: GGMLType) -> bytes:
-    """Values of dtype ``src`` as ``dst`` rows (ggml's rounding: f16 round-to-nearest, bf16 truncation-free)."""
+def convert_values(raw: bytes | memoryview, src: DType, dst: GGMLType, n_rot: int = 0) -> bytes:
+    """Values of dtype ``src`` as ``dst`` rows (ggml's rounding: f16 round-to-nearest, bf16 truncation-free;
+    q8_0 rotated by ``n_rot`` first)."""
     if V1_TO_GGML.get(src) is dst:
         return bytes(raw)
     if dst is GGMLType.Q8_0:
-        return quantize_q8_0(raw, src)
+        return quantize_q8_0(raw, src, n_rot)
     np = _numpy(f"converting {DTYPES[src].name} to {GGML_TYPES[dst].name}")
     x = _as_f32(np, raw, src)
     if dst is GGMLType.F32:
@@ -675,6 +692,8 @@ def _runs(positions: array.array, first: int) -> list[tuple[int, int, int]]:
     """(logical start, cell start, count) runs putting the cells in position order, positions
     ``first, first + 1, ...``; SlotCellsInvalid where the positions are not exactly that run."""
     n = len(positions)
+    if positions == array.array("i", range(first, first + n)):  # in order already (compared in C)
+        return [(0, 0, n)] if n else []
     where = [-1] * n
     for cell, pos in enumerate(positions):
         t = pos - first
@@ -703,6 +722,38 @@ class _LayerSource:
     runs: tuple[tuple[int, int, int], ...]
     spec: LayerSpec
     held: int
+    k_rot: int = 0  # llama.cpp's Hadamard rotation of a quantized K / V (0: none)
+    v_rot: int = 0
+
+
+def llamacpp_rotation(ggml_type: GGMLType, head_dims: Sequence[int], part: Part) -> int:
+    """The Hadamard rotation llama.cpp b11549 gives a cache of this type (llama_kv_cache's constructor): a
+    quantized one whose layers share one head size, a multiple of 64; K by the largest power of two that
+    divides it, V by 64. 0: none (unquantized, or LLAMA_ATTN_ROT_DISABLE=1 on its side)."""
+    dims = set(head_dims)
+    if GGML_TYPES[ggml_type].block == 1 or len(dims) != 1 or next(iter(dims)) % 64:
+        return 0
+    n, dim = 64, next(iter(dims))
+    while part is Part.K and dim % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def _check_rotation(
+    n_rot: int, parts: Sequence[SlotPart], head_dims: Sequence[int], sec: int, kind: str
+) -> int:
+    """A rotation this converter undoes: of q8_0 rows only, by a power of two from 64 that divides every head."""
+    if n_rot == 0:
+        return 0
+    quantized = all(GGML_TYPES[p.ggml_type].block > 1 for p in parts)
+    if not quantized or n_rot < 64 or n_rot & (n_rot - 1) or any(d % n_rot for d in head_dims):
+        raise E.SlotRotated(
+            f"n_rot_{kind} {n_rot} over {sorted({GGML_TYPES[p.ggml_type].name for p in parts})} rows of heads "
+            f"{sorted(set(head_dims))}: not a rotation llama.cpp makes (a power of two from 64 dividing the head "
+            "size, of a quantized cache)",
+            field=f"sections[{sec}].n_rot_{kind}",
+        )
+    return n_rot
 
 
 class SlotSource:
@@ -723,6 +774,8 @@ class SlotSource:
         self.layers = self._layers(n)
         self._src: FileSource | None = None
         self._cache: tuple[int, Part, bytes] | None = None  # one rearranged layer part at a time
+        self._cols: tuple[int, Part, Any] | None = None  # one transposed V's columns at a time (numpy)
+        self._cols_buf: Any = None
 
     def _layers(self, n: int) -> list[_LayerSource]:
         out: dict[int, _LayerSource] = {}
@@ -744,13 +797,16 @@ class SlotSource:
             except E.SlotCellsInvalid as exc:
                 exc.path, exc.field = self.slot.path, f"sections[{sec_no}].{exc.field}"
                 raise
-            if section.n_rot_k or section.n_rot_v:
-                raise E.SlotRotated(
-                    f"n_rot_k {section.n_rot_k}, n_rot_v {section.n_rot_v}: a quantized cache rotated by llama.cpp "
-                    "(run llama.cpp with LLAMA_ATTN_ROT_DISABLE=1, or an f16 cache)",
-                    path=self.slot.path,
-                    field=f"sections[{sec_no}].n_rot_k",
+            try:
+                k_rot = _check_rotation(
+                    section.n_rot_k, section.k, [la.head_dim_k for la in model], sec_no, "k"
                 )
+                v_rot = _check_rotation(
+                    section.n_rot_v, section.v, [la.head_dim_v for la in model], sec_no, "v"
+                )
+            except E.SlotRotated as exc:
+                exc.path = self.slot.path
+                raise
             for la, k, v in zip(model, section.k, section.v, strict=True):
                 spec = LayerSpec(
                     index=la.index,
@@ -762,7 +818,7 @@ class SlotSource:
                     v_dtype=GGML_TYPES[v.ggml_type].v1,
                     window=la.window,
                 )
-                out[la.index] = _LayerSource(k, v, section.n_cells, runs, spec, held)
+                out[la.index] = _LayerSource(k, v, section.n_cells, runs, spec, held, k_rot, v_rot)
         return [out[i] for i in sorted(out)]
 
     def identity(self) -> EngineIdentity:
@@ -782,11 +838,42 @@ class SlotSource:
     def copy_out(self, layer: int, part: Part, offset: int, dest: memoryview) -> None:
         la = self.layers[layer]
         sp = la.k if part is Part.K else la.v
-        if sp.transposed or sp.ggml_type is GGMLType.Q8_0:
+        if sp.transposed and (np := _optional_numpy()) is not None:
+            self._untranspose_into(np, layer, part, la, sp, offset, dest)
+        elif sp.transposed or sp.ggml_type is GGMLType.Q8_0:
             data = self._rearranged(layer, part, la, sp)
-            dest[:] = data[offset : offset + len(dest)]
-            return
-        self._gather_rows(sp, la, offset, dest)
+            dest[:] = memoryview(data)[offset : offset + len(dest)]
+        else:
+            self._gather_rows(sp, la, offset, dest)
+
+    def _columns(self, np: Any, layer: int, part: Part, la: _LayerSource, sp: SlotPart) -> Any:
+        """The layer part's transposed V ([value][cell]), read once into one buffer kept for every layer."""
+        if self._cols is not None and self._cols[:2] == (layer, part):
+            return self._cols[2]
+        size = sp.n_embd * la.n_cells * sp.row_bytes
+        if self._cols_buf is None or len(self._cols_buf) < size:
+            self._cols_buf = np.empty(size, np.uint8)
+        self._source().read_into(memoryview(self._cols_buf)[:size], sp.offset)
+        cols = self._cols_buf[:size].view(f"<u{sp.row_bytes}").reshape(sp.n_embd, la.n_cells)
+        self._cols = (layer, part, cols)
+        return cols
+
+    def _untranspose_into(
+        self, np: Any, layer: int, part: Part, la: _LayerSource, sp: SlotPart, offset: int, dest: memoryview
+    ) -> None:
+        """Bytes [offset, offset + len(dest)) of the part's rows, transposed from its columns straight into
+        dest: whole rows in place, a row cut by either end of dest through one row's scratch."""
+        cols = self._columns(np, layer, part, la, sp)
+        row, end = sp.n_embd * sp.row_bytes, offset + len(dest)
+        first, last = -(-offset // row), end // row  # the whole rows in dest
+        if first < last:
+            rows = np.frombuffer(dest, cols.dtype, (last - first) * sp.n_embd, first * row - offset)
+            _untranspose_runs(cols, rows.reshape(-1, sp.n_embd), first, la.runs)
+        for t in {t for t, cut in ((offset // row, offset % row), (end // row, end % row)) if cut}:
+            one = np.empty((1, sp.n_embd), cols.dtype)
+            _untranspose_runs(cols, one, t, la.runs)
+            lo, hi = max(offset, t * row), min(end, (t + 1) * row)
+            dest[lo - offset : hi - offset] = one.view(np.uint8).reshape(-1)[lo - t * row : hi - t * row]
 
     def _source(self) -> FileSource:
         if self._src is None:
@@ -812,7 +899,7 @@ class SlotSource:
         else:
             rows = bytearray(la.held * sp.row_bytes)
             self._gather_rows(sp, la, 0, memoryview(rows))
-            data = dequantize_q8_0(bytes(rows), la.held * sp.n_embd)
+            data = dequantize_q8_0(bytes(rows), la.held * sp.n_embd, la.k_rot if part is Part.K else la.v_rot)
         self._cache = (layer, part, data)
         return data
 
@@ -914,6 +1001,7 @@ class SlotOptions:
     k_type: GGMLType | None = None
     v_type: GGMLType | None = None
     v_trans: bool = False  # llama.cpp with flash attention off transposes V
+    rotate: bool = True  # a q8_0 cache rotated as llama.cpp rotates it (False: for LLAMA_ATTN_ROT_DISABLE=1)
     n_stream: int = 1  # llama-server's unified cache has one
     stream: int = 0
 
@@ -937,6 +1025,9 @@ class SlotTarget:
         self._meta: list[tuple[int, bytes]] = []
         self.n_tokens = 0
         self.size = 0
+        self._cols_buf: Any = None
+        self._carry_of: tuple[int, Part] | None = None  # the part whose pieces are coming in (numpy)
+        self._carry, self._next = b"", 0  # its row cut by the last piece's end; the next piece's offset
 
     def identity(self) -> EngineIdentity:
         return self._identity
@@ -995,7 +1086,8 @@ class SlotTarget:
                 if not cells:
                     continue
                 meta += b"".join(CELL.pack(p, 1, 0) for p in range(n - held, n))
-                meta += DATA_HEAD.pack(int(opts.v_trans), len(section), 0, 0)
+                rot = {part: self._rotation(section, part) for part in (Part.K, Part.V)}
+                meta += DATA_HEAD.pack(int(opts.v_trans), len(section), rot[Part.K], rot[Part.V])
                 for part in (Part.K, Part.V):
                     for la in section:
                         layer, g = by_index[la.index]
@@ -1018,11 +1110,21 @@ class SlotTarget:
                         pos += len(meta)
                         meta = bytearray()
                         size = held * info.row_size(n_embd)
-                        self._parts[(layer, part)] = _OutPart(pos, size, src, dst, n_embd, held, trans)
+                        out = _OutPart(pos, size, src, dst, n_embd, held, trans, rot[part])
+                        self._parts[(layer, part)] = out
                         pos += size
         self._meta.append((pos, bytes(meta)))
         self.size = pos + len(meta)
         self.n_tokens = n
+
+    def _rotation(self, section: tuple[ModelLayer, ...], part: Part) -> int:
+        """The rotation llama.cpp gives this cache's K or V of the options' type (none unless rotating)."""
+        ggml_type = self.opts.k_type if part is Part.K else self.opts.v_type
+        if not self.opts.rotate or ggml_type is None:
+            return 0
+        return llamacpp_rotation(
+            ggml_type, [la.head_dim_k if part is Part.K else la.head_dim_v for la in section], part
+        )
 
     def begin_apply(self, plan: RestorePlan) -> None:
         self.sink = FileSink(self.out)
@@ -1037,13 +1139,85 @@ class SlotTarget:
         if not out.transposed and V1_TO_GGML[out.src] is out.dst:
             self.sink.write_at(src, out.offset + offset)  # type: ignore[arg-type]  # pwrite takes any buffer
             return
+        np = _optional_numpy()
+        if np is not None:
+            self._rows_in(np, layer, part, out, offset, src)
+            return
+        # without numpy only a transpose of the same dtype gets here: the whole layer part, then rearranged
         buf = self._pending.get((layer, part))
         if buf is None:
             buf = self._pending[(layer, part)] = bytearray(out.held * out.n_embd * DTYPES[out.src].itemsize)
         buf[offset : offset + len(src)] = src
-        if offset + len(src) == len(buf):  # the layer part is whole: rearrange it and write it
+        if offset + len(src) == len(buf):
             del self._pending[(layer, part)]
-            self.sink.write_at(_slot_values(bytes(buf), out), out.offset)
+            self.sink.write_at(
+                _transpose(bytes(buf), GGML_TYPES[out.dst].block_bytes, out.n_embd), out.offset
+            )
+
+    def _rows_in(self, np: Any, layer: int, part: Part, out: _OutPart, offset: int, src: memoryview) -> None:
+        """A part's pieces, in order: their whole rows converted and written (a transposed V: transposed into
+        the layer's columns, kept in one buffer and written once whole); a row cut by a piece's end waits
+        for the next piece."""
+        row, key = out.n_embd * DTYPES[out.src].itemsize, (layer, part)
+        if self._carry_of != key:
+            self._carry_of, self._carry, self._next = key, b"", 0
+        if offset != self._next:
+            raise E.AdapterFailed(
+                f"layer {layer} {part.name}: a piece at byte {offset}, expected {self._next}"
+            )
+        if self._carry:  # the cut row first, completed from the head of this piece
+            take = min(row - len(self._carry), len(src))
+            self._carry += bytes(src[:take])
+            if len(self._carry) == row:
+                self._put_rows(np, out, (offset + take) // row - 1, memoryview(self._carry))
+                self._carry = b""
+            src, offset = src[take:], offset + take
+        whole = len(src) // row * row
+        if whole:
+            self._put_rows(np, out, offset // row, src[:whole])
+        self._carry += bytes(src[whole:])
+        self._next = offset + len(src)
+        if self._next == out.held * row:
+            self._carry_of = None
+            if out.transposed:
+                assert self.sink is not None
+                self.sink.write_at(self._columns(np, out).reshape(-1).view(np.uint8), out.offset)
+
+    def _put_rows(self, np: Any, out: _OutPart, first: int, rows: memoryview) -> None:
+        """Whole rows from row ``first`` on: converted, and written (a transposed V: into its columns)."""
+        values = rows if V1_TO_GGML[out.src] is out.dst else convert_values(rows, out.src, out.dst, out.n_rot)
+        if out.transposed:
+            cols = self._columns(np, out)
+            piece = np.frombuffer(values, cols.dtype).reshape(-1, out.n_embd)
+            transpose_into(cols[:, first : first + len(piece)], piece)
+        else:
+            assert self.sink is not None
+            self.sink.write_at(values, out.offset + first * GGML_TYPES[out.dst].row_size(out.n_embd))  # type: ignore[arg-type]
+
+    def _columns(self, np: Any, out: _OutPart) -> Any:
+        """The layer's transposed V ([value][token]) being filled: one buffer, kept for every layer."""
+        el = GGML_TYPES[out.dst].block_bytes
+        size = out.n_embd * out.held * el
+        if self._cols_buf is None or len(self._cols_buf) < size:
+            self._cols_buf = np.empty(size, np.uint8)
+        return self._cols_buf[:size].view(f"<u{el}").reshape(out.n_embd, out.held)
+
+    # A StagingTarget: the temporary file is the staging area (nothing is published before the commit), so
+    # a conversion reads its v1 file once, not in a checking pass and then an applying pass.
+    def can_stage(self, plan: RestorePlan) -> bool:
+        return True
+
+    def begin_staging(self, plan: RestorePlan) -> None:
+        self.begin_apply(plan)
+
+    def stage_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
+        self.copy_in(layer, part, offset, src)
+
+    def commit_staged(self, state: RunningState) -> None:
+        self.commit(state)
+
+    def discard_staged(self) -> None:
+        self.discard()
 
     def commit(self, state: RunningState) -> None:
         assert self.sink is not None
@@ -1070,14 +1244,7 @@ class _OutPart:
     n_embd: int
     held: int
     transposed: bool
-
-
-def _slot_values(values: bytes, out: _OutPart) -> bytes:
-    """A whole layer part, format v1 rows in position order, as the slot file lays it out."""
-    data = convert_values(values, out.src, out.dst)
-    if not out.transposed:
-        return data
-    return _transpose(data, GGML_TYPES[out.dst].block_bytes, out.n_embd)
+    n_rot: int = 0
 
 
 ELEMENT_CODES = {2: "H", 4: "I"}  # array typecodes by element size (f16/bf16, f32)
@@ -1095,14 +1262,8 @@ def _optional_numpy() -> Any:
 def _untranspose(
     raw: bytes, el: int, n_embd: int, n_cells: int, runs: Sequence[tuple[int, int, int]]
 ) -> bytes:
-    """A transposed V ([value][cell]) as rows ([token][value]) in position order (``runs``)."""
-    np = _optional_numpy()
+    """A transposed V ([value][cell]) as rows ([token][value]) in position order (``runs``), without numpy."""
     in_order = len(runs) == 1 and runs[0][1] == 0
-    if np is not None:
-        cols = np.frombuffer(raw, dtype=f"<u{el}").reshape(n_embd, n_cells)
-        if not in_order:
-            cols = np.concatenate([cols[:, cell : cell + n] for _, cell, n in runs], axis=1)
-        return np.ascontiguousarray(cols.T).tobytes()
     code = ELEMENT_CODES[el]
     src = array.array(code, raw)
     out = array.array(code, bytes(len(raw)))
@@ -1114,12 +1275,36 @@ def _untranspose(
     return out.tobytes()
 
 
+def _untranspose_runs(cols: Any, rows: Any, first: int, runs: Sequence[tuple[int, int, int]]) -> None:
+    """rows[i] = the values of position first + i: each run's cells (``_runs``) transposed into place."""
+    hi_all = first + len(rows)
+    for t0, cell0, count in runs:
+        lo, hi = max(first, t0), min(hi_all, t0 + count)
+        if lo < hi:
+            transpose_into(rows[lo - first : hi - first], cols[:, cell0 + lo - t0 : cell0 + hi - t0])
+
+
+def transpose_into(dst: Any, src: Any) -> None:
+    """dst[...] = src.T (2-D numpy arrays of one dtype): numba's blocked kernel where this process has numba
+    loaded already (an engine), else numpy's strided copy (bench/sessionfile/DECISIONS.md, "llama.cpp slot
+    files"): importing numba costs more than it saves one conversion."""
+    kernel = _numba_transpose() if "numba" in sys.modules else None
+    if kernel is None or not (src.flags.aligned and dst.flags.aligned):
+        dst[...] = src.T
+    else:
+        kernel(dst, src)
+
+
+def _numba_transpose() -> Callable[[Any, Any], None] | None:
+    try:
+        from ._transpose_kernel import transpose_blocked
+    except ImportError:  # numba loaded but unusable (a partial install): numpy's copy
+        return None
+    return transpose_blocked
+
+
 def _transpose(data: bytes, el: int, n_embd: int) -> bytes:
-    """Rows ([token][value]) as llama.cpp's transposed V ([value][token])."""
-    np = _optional_numpy()
-    if np is not None:
-        rows = np.frombuffer(data, dtype=f"<u{el}").reshape(-1, n_embd)
-        return np.ascontiguousarray(rows.T).tobytes()
+    """Rows ([token][value]) as llama.cpp's transposed V ([value][token]), without numpy."""
     src = array.array(ELEMENT_CODES[el], data)
     return b"".join(src[j::n_embd].tobytes() for j in range(n_embd))
 
@@ -1140,6 +1325,6 @@ def session_to_slot(
     config = config_of(session_path)
     target = SlotTarget(os.fspath(out), geometry, _model_identity(model), config, opts)
     try:
-        return restore(session_path, target, mode="streaming", block_size=block_size)
+        return restore(session_path, target, mode="staged", block_size=block_size)
     finally:
         target.discard()
