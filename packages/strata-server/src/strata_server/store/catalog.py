@@ -189,12 +189,16 @@ class Catalog:
         folder_place = (
             ("ram" if self.store.settings.ephemeral else "disk",) if isinstance(shelf, StoreFolder) else ()
         )
+        only_listed = [r.listed for r in rows if r.local is None and r.listed is not None]
+        remote = self.store.remote
+        read = (
+            dict(zip(only_listed, remote.summaries(only_listed, fingerprints), strict=True)) if remote else {}
+        )
         found = []
         for row in rows:
             conversation = row.local
             if conversation is None:
-                assert row.listed is not None and self.store.remote is not None
-                summary = self.store.remote.summary(row.listed, fingerprints)
+                summary = read.get(row.listed) if row.listed is not None else None
                 if summary is None:
                     continue
                 conversation = StoredConversation(row.listed.name, row.listed.nbytes, summary.tokens)

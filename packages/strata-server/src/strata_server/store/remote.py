@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
@@ -52,6 +53,7 @@ STALE_UPLOAD_AGE_S = (
 UPLOAD_QUEUE_BYTES = 1 << 30  # bytes of files waiting for their upload at most (--cache-store-queue)
 CATALOG_TTL_S = 5.0  # the listing of every object of this engine (the page's list) is this fresh
 MAX_SUMMARIES = 4096  # objects whose header the catalog keeps read (a page's worth is read per request)
+SUMMARY_THREADS = 8  # a page's objects read at once (each is two small ranged GETs: latency, not bytes)
 
 
 @attrs.frozen
@@ -424,6 +426,15 @@ class RemoteTier:
                 self._summaries.clear()
             self._summaries[version] = summary
         return summary
+
+    def summaries(self, objects: list[Listed], fingerprints: Fingerprints) -> list[Summary | None]:
+        """`summary` of each, SUMMARY_THREADS at once (bench/server/DECISIONS.md, "The fleet's objects")."""
+        if len(objects) <= 1:
+            return [self.summary(o, fingerprints) for o in objects]
+        with ThreadPoolExecutor(
+            min(SUMMARY_THREADS, len(objects)), thread_name_prefix="catalog-read"
+        ) as pool:
+            return list(pool.map(lambda o: self.summary(o, fingerprints), objects))
 
     def find(self, name: str, fingerprints: Fingerprints) -> Listed | None:
         """The listed object named `name`, if the (cached) listing holds it."""
