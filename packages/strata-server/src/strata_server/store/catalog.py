@@ -198,10 +198,11 @@ class Catalog:
         for row in rows:
             conversation = row.local
             if conversation is None:
-                summary = read.get(row.listed) if row.listed is not None else None
-                if summary is None:
+                listed = row.listed
+                summary = read.get(listed) if listed is not None else None
+                if listed is None or summary is None:
                     continue
-                conversation = StoredConversation(row.listed.name, row.listed.nbytes, summary.tokens)
+                conversation = StoredConversation(listed.name, listed.nbytes, summary.tokens)
             slots = tuple(
                 slot
                 for slot, tokens in held
