@@ -1,5 +1,8 @@
-"""The store's conversations as a person sees them (the web page and `/conversations`): listing, deleting,
-the file of one, and an uploaded session file adopted into the store.
+"""The store's conversations as a person sees them (the web page and `/conversations`): listing, renaming,
+deleting, the file of one, and an uploaded session file adopted into the store. With an object store, every
+object of this engine there is one too (the fleet's, fetched by this server or not): listed from the tier's
+cached listing, read from its header only for the page shown; on the object store alone each action works on
+the object itself.
 
 A conversation's id is its file name without the suffix: a content hash of the engine's fingerprints and
 its tokens (names.py), so it is the same after a restart and on every server of a fleet sharing one object
@@ -141,13 +144,7 @@ class Catalog:
         """The object store's objects of this engine by name (the cached listing); {} without one, or when it
         cannot be reached (logged: the list is then this server's index)."""
         remote = self.store.remote
-        if remote is None:
-            return {}
-        try:
-            return {o.name: o for o in remote.listed(fingerprints)}
-        except Exception as exc:  # noqa: BLE001 -- the store unreachable: the local conversations are listed
-            log.warning("session store: listing the object store failed: %s", exc)
-            return {}
+        return {o.name: o for o in remote.listed(fingerprints)} if remote is not None else {}
 
     def rows(self) -> list[Row]:
         """Every conversation the index holds and every object of this engine, most recently used first;

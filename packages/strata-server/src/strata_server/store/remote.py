@@ -377,21 +377,26 @@ class RemoteTier:
 
     def listed(self, fingerprints: Fingerprints) -> list[Listed]:
         """Every object of this engine's model and config under the prefix, newest first: one listing
-        (paginated by S3, 1,000 keys a request) per CATALOG_TTL_S, whatever the number of requests."""
+        (paginated by S3, 1,000 keys a request) per CATALOG_TTL_S, whatever the number of requests; a listing
+        that fails keeps the last one (or none) for that long."""
         now = time.monotonic()
         with self._lock:
             cached = self._catalog
         if cached is not None and now - cached[0] < CATALOG_TTL_S:
             return cached[1]
         found = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.settings.bucket, Prefix=self.engine_prefix(fingerprints)
-        ):
-            for o in page.get("Contents", []):
-                name = o["Key"].rpartition("/")[2]
-                if NAME.match(name):
-                    modified = o["LastModified"].timestamp()
-                    found.append(Listed(o["Key"], name, int(o["Size"]), modified, str(o["ETag"])))
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.settings.bucket, Prefix=self.engine_prefix(fingerprints)
+            ):
+                for o in page.get("Contents", []):
+                    name = o["Key"].rpartition("/")[2]
+                    if NAME.match(name):
+                        modified = o["LastModified"].timestamp()
+                        found.append(Listed(o["Key"], name, int(o["Size"]), modified, str(o["ETag"])))
+        except Exception as exc:  # noqa: BLE001 -- the store unreachable: the last listing stands for the TTL
+            log.warning("session store: listing the object store for the page failed: %s", exc)
+            found = cached[1] if cached is not None else []
         found.sort(key=lambda o: -o.modified)
         with self._lock:
             self._catalog = (now, found)
