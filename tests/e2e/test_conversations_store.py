@@ -5,7 +5,8 @@ servers (SmolLM2) and a real SeaweedFS:
   fetched (title, turns, tokens, bytes from the object's header; `where: object store`), shows its messages,
   downloads it (the object's bytes), renames it (the object written again, its MAC and hashes covering the
   title), deletes it (the object goes), refuses a bad upload (nothing put) and takes a good one (the object put
-  under its key), then continues it with its history restored from that object.
+  under its key), renames it, then continues it with its history restored from that object (the longer
+  object inherits the title).
 * A server with a folder and the same bucket lists the objects it never fetched beside its own files, and
   downloads one from the bucket (nothing fetched into its folder).
 * Under --session-key-file a llama.cpp slot file uploaded is converted and written with the server's MAC, kept
@@ -128,6 +129,8 @@ def test_the_fleets_conversations_on_the_object_store_alone_and_beside_a_folder(
         twice = api(b, "POST", "/conversations", data=body, headers=OCTETS)
         assert twice.status_code == 200 and not twice.json()["created"]
 
+        titled = api(b, "PATCH", f"/conversations/{conversation_id}", json={"title": "Crates"})
+        assert titled.status_code == 200 and titled.json()["where"] == ["object store"], titled.text
         following = [*kept_messages, {"role": "user", "content": "And item 7?"}]
         assert cached_tokens(chat(b, following)) >= n_tokens - 2  # restored from the uploaded object
     finally:
@@ -142,6 +145,7 @@ def test_the_fleets_conversations_on_the_object_store_alone_and_beside_a_folder(
         by_id = {c["id"]: c for c in await_listed(a, 2)}
         assert by_id[conversation_id]["where"] == ["disk"]  # A's own file (its object was deleted)
         assert by_id[longer_id]["where"] == ["object store"] and by_id[longer_id]["n_messages"] == 5
+        assert by_id[longer_id]["title"] == "Crates"  # B's next turn inherited the object's title
         download = api(a, "GET", f"/conversations/{longer_id}/file")
         assert download.status_code == 200 and download.content == object_bytes(s3_store, longer_key)
         assert sorted(disk_a.glob("*.ssf")) == files  # listed and downloaded, never fetched into the folder
