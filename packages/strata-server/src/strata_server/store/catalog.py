@@ -76,8 +76,7 @@ class Row:
     """One conversation as a listing finds it, before any read of an object's bytes (paging comes first)."""
 
     id: str
-    used_at: float  # seconds since the epoch: the file's mtime (the store's least-recently-used clock), or
-    # the object's upload time for one this server's index does not hold
+    used_at: float  # epoch seconds: the file's mtime (the store's LRU clock), else the object's upload
     local: StoredConversation | None  # the index's (the folder's file, or an object this server holds)
     listed: Listed | None  # the object store's object, as listed
 
@@ -88,7 +87,7 @@ class Entry:
 
     id: str
     conversation: StoredConversation
-    used_at: float
+    used_at: float  # as its Row's
     slots: tuple[int, ...]  # the slots holding it (or more of it)
     places: tuple[str, ...]  # "disk" / "ram", "object store"
     local: bool = True  # the index holds it (else only the object store's listing does)
@@ -141,8 +140,7 @@ class Catalog:
         return self.store.remote
 
     def _listed(self, fingerprints: Fingerprints) -> dict[str, Listed]:
-        """The object store's objects of this engine by name (the cached listing); {} without one, or when it
-        cannot be reached (logged: the list is then this server's index)."""
+        """The object store's objects of this engine by name (the tier's cached listing); {} without one."""
         remote = self.store.remote
         return {o.name: o for o in remote.listed(fingerprints)} if remote is not None else {}
 
