@@ -2,7 +2,8 @@
 servers (SmolLM2) and a real SeaweedFS:
 
 * A server on the object store alone (no --cache-disk) lists a conversation another server uploaded and it never
-  fetched (title, turns, tokens, bytes from the object's header; `where: object store`), shows its messages,
+  fetched (title, turns, tokens, bytes from the object's header; `where: object store`; on the chat page in
+  Chromium too, a screenshot under tests/e2e/screenshots/conversations-store/), shows its messages,
   downloads it (the object's bytes), renames it (the object written again, its MAC and hashes covering the
   title), deletes it (the object goes), refuses a bad upload (nothing put) and takes a good one (the object put
   under its key), renames it, then continues it with its history restored from that object (the longer
@@ -25,6 +26,7 @@ from strata_sessionfile import llamacpp
 from strata_sessionfile.format import Flags
 from strata_sessionfile.objstore import S3Source
 
+from .browser import Browser, missing_browser
 from .servers import start_server
 from .store_s3 import FACTS, cached_tokens, chat, objects, reply_of
 
@@ -62,6 +64,31 @@ def object_bytes(s3_store, key: str) -> bytes:
     return s3_store.client().get_object(Bucket=s3_store.bucket, Key=key)["Body"].read()
 
 
+def page_shows_the_object(server, tmp, conversation_id: str, messages: list[dict]) -> None:
+    """The chat page (Chromium) lists the object with its turns and place, and opens it with its messages."""
+    why = missing_browser()
+    if why is not None:
+        pytest.fail(why)
+    page = Browser(tmp / "chromium-profile", "conversations-store")
+    try:
+        page.driver.get(server.url + "/")
+        item = page.until(
+            lambda: [
+                li for li in page.css("#conversations li") if li.get_attribute("data-id") == conversation_id
+            ],
+            "the object in the list",
+        )[0]
+        meta = item.find_element("css selector", ".muted").text
+        assert "3 messages" in meta and meta.endswith("object store"), meta
+        item.find_element("css selector", ".title").click()
+        page.until(lambda: len(page.css("#messages li")) >= 3, "the object's messages")
+        shown = [li.text for li in page.css("#messages li.user")]
+        assert any(messages[1]["content"] in text for text in shown), shown
+        page.shot("object-store-listed-and-opened")
+    finally:
+        page.quit()
+
+
 def test_the_fleets_conversations_on_the_object_store_alone_and_beside_a_folder(module_tmp, s3_store):
     flags = (
         "--cache-store",
@@ -93,6 +120,8 @@ def test_the_fleets_conversations_on_the_object_store_alone_and_beside_a_folder(
         one = api(b, "GET", f"/conversations/{conversation_id}").json()
         assert one["messages"] == kept_messages
         assert listed(b, q="ITEM 12")["total"] == 1 and listed(b, q="item 13")["total"] == 0
+
+        page_shows_the_object(b, module_tmp, conversation_id, kept_messages)
 
         download = api(b, "GET", f"/conversations/{conversation_id}/file")
         assert download.status_code == 200 and download.content == body
