@@ -81,3 +81,73 @@ def test_an_object_refused_for_its_mac_is_counted_refused_not_missed(store, tmp_
         assert search.candidate is None and search.refused == 1
     assert dict(tier.metrics.bad_files) == {"mac_wrong_key": 1}
     tier.close(1.0)
+
+
+def test_the_catalog_lists_this_engines_objects_and_reads_each_version_once(store, tmp_path, monkeypatch):
+    """The page's list of the bucket: every object of this engine (model and config) newest first from one
+    cached listing, another engine's left out; each object's tokens and notes read from its header once per
+    version (a rename, a new ETag, is read again); one whose MAC is of another key is refused."""
+    import numpy as np
+    import strata_sessionfile as sf
+    from strata_server.store import remote as remote_module
+    from strata_server.store.names import Fingerprints, conversation_name
+    from strata_server.store.retitle import retitled
+    from strata_sessionfile.testing import fake_identity, memory_adapter_factory
+
+    for name, value in store.env().items():
+        monkeypatch.setenv(name, value)
+    ours, other_key = sf.SessionKey(bytes(range(32))), sf.SessionKey(bytes(range(1, 33)))
+    identity = fake_identity("catalog")
+    fingerprints = Fingerprints(identity.model.fingerprint.hex(), identity.config.fingerprint.hex())
+    tier = RemoteTier(RemoteSettings.parse(f"s3://{store.bucket}/catalog", store.endpoint_url), ours, True)
+    client = store.client()
+
+    def put(seed: int, key: sf.SessionKey, ident=identity, title: str | None = None) -> str:
+        path = tmp_path / f"{seed}.ssf"
+        sf.save(path, memory_adapter_factory(n_tokens=300, identity=ident)(seed), key=key)
+        if title is not None:
+            titled = tmp_path / f"{seed}-titled.ssf"
+            retitled(path, titled, title, key, True)
+            path = titled
+        tokens = np.frombuffer(sf.inspect(path, verify=False).metadata.state.tokens, dtype="<i4")
+        fp = Fingerprints(ident.model.fingerprint.hex(), ident.config.fingerprint.hex())
+        object_key = tier.block_prefix(fp, tokens) + conversation_name(fp, tokens)
+        client.upload_file(str(path), store.bucket, object_key)
+        time.sleep(1.05)  # LastModified has whole seconds: each object newer than the last
+        return object_key
+
+    plain = put(1, ours)
+    titled = put(2, ours, title="Boxes & shelves")
+    put(3, ours, ident=fake_identity("another model"))
+    forged = put(4, other_key)
+    listed = tier.listed(fingerprints)
+    assert [o.key for o in listed] == [forged, titled, plain]
+    assert all(
+        o.nbytes == client.head_object(Bucket=store.bucket, Key=o.key)["ContentLength"] for o in listed
+    )
+
+    gets = []
+    real_get = tier.client.get_object
+    monkeypatch.setattr(tier.client, "get_object", lambda **kw: gets.append(kw["Key"]) or real_get(**kw))
+    summaries = [tier.summary(o, fingerprints) for o in listed]
+    assert summaries[0] is None  # another key's MAC
+    assert summaries[1].notes.title == "Boxes & shelves" and summaries[2].notes is None
+    assert len(summaries[2].tokens) == sf.inspect(tmp_path / "1.ssf", verify=False).metadata.state.n_tokens
+    assert sorted(gets) == sorted([forged, titled, plain])  # one ranged GET each (the header is small)
+    again = [tier.summary(o, fingerprints) for o in listed]
+    assert all(a is b for a, b in zip(again, summaries, strict=True)) and len(gets) == 3  # kept, not read
+
+    # A new object is not listed until the listing's time is up (one listing serves every request meanwhile).
+    newer = put(5, ours)
+    assert newer not in [o.key for o in tier.listed(fingerprints)]
+    monkeypatch.setattr(remote_module, "CATALOG_TTL_S", 0.0)
+    assert tier.listed(fingerprints)[0].key == newer
+
+    # A rename of another server's (the same key written again): a new version, read again.
+    renamed = put(2, ours, title="Renamed")
+    assert renamed == titled
+    (again,) = [o for o in tier.listed(fingerprints) if o.key == titled]
+    assert again.etag != listed[1].etag
+    assert tier.summary(again, fingerprints).notes.title == "Renamed"
+    assert tier.summary(listed[1], fingerprints).notes.title == "Boxes & shelves"  # that version's, kept
+    tier.close(1.0)

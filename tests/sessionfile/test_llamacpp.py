@@ -196,6 +196,29 @@ def test_plain_token_list_is_read(model, tmp_path):
     assert slot.tokens == L.read_slot_file(tmp_path / "q.bin").tokens
 
 
+def test_a_slot_file_converted_with_a_key_carries_its_mac(model, tmp_path):
+    """A holder of the session key converts a slot file into an authenticated file (a keyed server's upload):
+    it verifies under that key, is refused under another, and carries the same K/V as an unkeyed conversion."""
+    from strata_sessionfile.format import Flags
+
+    (tmp_path / "s.bin").write_bytes(slotfiles.slot_bytes(5, seed=8))
+    key, other = sf.SessionKey(bytes(range(32))), sf.SessionKey(bytes(range(1, 33)))
+    L.slot_to_session(tmp_path / "s.bin", model, tmp_path / "keyed.ssf", key=key)
+    L.slot_to_session(tmp_path / "s.bin", model, tmp_path / "plain.ssf")
+    keyed = sf.inspect(tmp_path / "keyed.ssf", verify=True, key=key)
+    assert keyed.header.flags & Flags.AUTHENTICATED
+    assert not sf.inspect(tmp_path / "plain.ssf", verify=True).header.flags & Flags.AUTHENTICATED
+    with pytest.raises(E.SessionFileError) as refused:
+        sf.inspect(tmp_path / "keyed.ssf", verify=True, key=other)
+    assert refused.value.reason == "mac_wrong_key"
+    with pytest.raises(E.SessionFileError) as missing:
+        sf.inspect(tmp_path / "plain.ssf", verify=True, key=key)
+    assert missing.value.reason == "mac_missing"
+    for layer in range(2):
+        for part in (Part.K, Part.V):
+            assert _part(tmp_path / "keyed.ssf", layer, part) == _part(tmp_path / "plain.ssf", layer, part)
+
+
 def test_v1_of_another_model_is_refused(model, tmp_path):
     (tmp_path / "s.bin").write_bytes(slotfiles.slot_bytes(4))
     L.slot_to_session(tmp_path / "s.bin", model, tmp_path / "s.ssf")

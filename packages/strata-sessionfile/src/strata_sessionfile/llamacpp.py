@@ -27,6 +27,7 @@ import attrs
 from . import errors as E
 from ._fileio import FileSink, FileSource
 from .adapter import SessionTarget, adapter_call
+from .auth import SessionKey
 from .format import DEFAULT_BLOCK_SIZE, DTYPES, LIMIT, DType, LayerRole, Part
 from .identity import config_fingerprint, model_fingerprint
 from .reader import inspect, restore
@@ -931,10 +932,12 @@ def slot_to_session(
     engine_fields: bytes = b"",
     block_size: int = 4 << 20,
     geometry: ModelGeometry | None = None,
+    key: SessionKey | bytes | None = None,
 ):
     """Convert a llama.cpp slot file written with ``model`` into a format v1 file at ``out``; the file
     carries ``model``'s fingerprint and ``config`` (an engine's config identity, or a mapping; default: a
     mapping naming llama.cpp). ``geometry``: ``model_geometry(model)``, kept by a caller that converts often.
+    ``key``: the file is authenticated with it (``save``'s MAC), as a holder of the key writes it.
     Returns the SaveReport."""
     geometry = geometry or model_geometry(model)
     slot = read_slot_file(slot_path, geometry)
@@ -943,7 +946,7 @@ def slot_to_session(
     cfg = config if isinstance(config, ConfigIdentity) else config_fingerprint(config)
     source = SlotSource(slot, geometry, EngineIdentity(_model_identity(model), cfg), engine_fields)
     try:
-        return save(out, source, block_size=block_size)
+        return save(out, source, block_size=block_size, key=key)
     finally:
         source.close()
 

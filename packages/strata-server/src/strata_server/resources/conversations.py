@@ -18,7 +18,15 @@ from ..context import ServerContext
 from ..errors import ApiError, ErrorType, invalid_request
 from ..params import read_json
 from ..security import check_json_body, check_origin
-from ..store.catalog import Catalog, CatalogError, Entry, NotSupported, UnknownConversation, UploadRefused
+from ..store.catalog import (
+    Catalog,
+    CatalogError,
+    Entry,
+    NotSupported,
+    StoreUnreachable,
+    UnknownConversation,
+    UploadRefused,
+)
 from ..transcript import MAX_TITLE_CHARS, Transcript, read_transcript
 
 DEFAULT_LIMIT = 20
@@ -35,6 +43,7 @@ ERRORS: dict[type[CatalogError], ErrorType] = {
     UnknownConversation: ErrorType.NOT_FOUND,
     UploadRefused: ErrorType.INVALID_REQUEST,
     NotSupported: ErrorType.NOT_SUPPORTED,
+    StoreUnreachable: ErrorType.UNAVAILABLE,
 }
 
 
@@ -60,21 +69,25 @@ def query_int(req: falcon.Request, name: str, default: int, lo: int, hi: int) ->
 
 
 class Transcripts:
-    """Each conversation's text, read once (an id names immutable content)."""
+    """Each conversation's text, read once per version (an id names immutable tokens; its notes change with a
+    rename: this server's forgets it, another server's gives its object a new ETag)."""
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
         self._lock = threading.Lock()
-        self._cache: dict[str, Transcript] = {}
+        self._cache: dict[tuple[str, str], Transcript] = {}
 
     def forget(self, conversation_id: str) -> None:
         """Its file was written again or removed (a rename, a delete): read it again next time."""
         with self._lock:
-            self._cache.pop(conversation_id, None)
+            for version in [v for v in self._cache if v[0] == conversation_id]:
+                del self._cache[version]
 
     def of(self, catalog: Catalog, entries: list[Entry]) -> dict[str, Transcript]:
         with self._lock:
-            found = {e.id: self._cache[e.id] for e in entries if e.id in self._cache}
+            found = {
+                e.id: self._cache[(e.id, e.version)] for e in entries if (e.id, e.version) in self._cache
+            }
         missing = [e for e in entries if e.id not in found]
         if missing:
             with self.ctx.engine.command() as lease:
@@ -86,7 +99,7 @@ class Transcripts:
             with self._lock:
                 if len(self._cache) > TITLE_CACHE_SIZE:
                     self._cache.clear()
-                self._cache.update({e.id: found[e.id] for e in missing})
+                self._cache.update({(e.id, e.version): found[e.id] for e in missing})
         return found
 
 
@@ -119,20 +132,26 @@ class ConversationsResource:
         offset = query_int(req, "offset", 0, 0, 1 << 31)
         limit = query_int(req, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
         query = (req.get_param("q") or "").strip().lower()
+        partial = False
         try:
-            entries = catalog.entries()
+            rows = catalog.rows()
+            if query:  # every title searched is read (objects' headers once, kept)
+                rows, partial = catalog.searchable(rows)
+                entries = catalog.entries(rows)
+                texts = self.transcripts.of(catalog, entries)
+                entries = [e for e in entries if query in texts[e.id].title.lower()]
+                total, page = len(entries), entries[offset : offset + limit]
+            else:  # only the page's objects are read
+                total, page = len(rows), catalog.entries(rows[offset : offset + limit])
         except CatalogError as exc:
             raise api_error(exc) from None
-        if query:
-            texts = self.transcripts.of(catalog, entries)
-            entries = [e for e in entries if query in texts[e.id].title.lower()]
-        page = entries[offset : offset + limit]
         texts = self.transcripts.of(catalog, page)
         resp.media = {
             "conversations": [entry_fields(e, texts[e.id]) for e in page],
-            "total": len(entries),
+            "total": total,
             "offset": offset,
             "limit": limit,
+            "partial": partial,
         }
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
@@ -203,14 +222,9 @@ class ConversationsResource:
     def on_get_file(self, req: falcon.Request, resp: falcon.Response, conversation_id: str) -> None:
         catalog = self._catalog(req)
         try:
-            path = catalog.path(conversation_id)
-            stream = path.open("rb")
+            stream, size = catalog.open(conversation_id)
         except CatalogError as exc:
             raise api_error(exc) from None
-        except FileNotFoundError:
-            raise api_error(
-                UnknownConversation(f"{conversation_id!r} was just removed", "not_found")
-            ) from None
         resp.content_type = UPLOAD_MEDIA
         resp.set_header("Content-Disposition", f'attachment; filename="{conversation_id}.ssf"')
-        resp.set_stream(stream, path.stat().st_size)
+        resp.set_stream(stream, size)

@@ -161,9 +161,11 @@ async function loadList(append) {
   const page = await response.json();
   const items = page.conversations.map(conversationItem);
   if (append) $("conversations").append(...items); else $("conversations").replaceChildren(...items);
-  state.offset = page.offset + page.conversations.length;
+  // A page may hold fewer than asked: an object refused when read is left out of it (the rows stay counted).
+  state.offset = Math.min(page.total, page.offset + page.limit);
   $("more").hidden = state.offset >= page.total;
-  $("list-note").textContent = page.total ? page.total + " kept" : "No kept conversations yet.";
+  $("list-note").textContent = (page.total ? page.total + " kept" : "No kept conversations yet.") +
+    (page.partial ? " (the search read the newest objects of the store only)" : "");
 }
 
 async function openConversation(id) {

@@ -21,20 +21,18 @@ from typing import Any
 
 import numpy as np
 import strata_sessionfile as sf
-from strata_sessionfile import errors as E
 from strata_sessionfile.seam import S3_SCHEME
 
+from ..transcript import Notes, read_notes
 from .index import StoredConversation
 from .names import NAME, Fingerprints
-from .remote import Candidate, RemoteTier
+from .remote import TRANSIENT_ERRORS, Candidate, RemoteTier
 from .shelf import Adoption
 
 log = logging.getLogger("strata_server.store")
 
 # Refusals that say nothing about the object's bytes: it is looked at afresh by the next lookup.
-TRANSIENT_REASONS = frozenset(
-    cls.reason for cls in (E.ObjectReplaced, E.StoreUnavailable, E.ReadFailed, E.NotFound, E.FileChanged)
-)
+TRANSIENT_REASONS = frozenset(cls.reason for cls in TRANSIENT_ERRORS)
 
 
 class ObjectShelf:
@@ -77,6 +75,37 @@ class ObjectShelf:
         with self._lock:
             self._keys[name] = prefix + name
         return {"path": self.file(name)}
+
+    def key_of(self, name: str) -> str | None:
+        """The object key of a conversation the index holds (None: not this shelf's)."""
+        with self._lock:
+            return self._keys.get(name)
+
+    def held(self, key: str, conversation: StoredConversation) -> None:
+        """An object this server put itself (an upload, a rename): the index holds it under `key`."""
+        with self._lock:
+            self._keys[conversation.name] = key
+
+    def notes(self, name: str) -> Notes | None:
+        """The notes an object keeps (its header and metadata: one ranged GET, the MAC checked); None: none,
+        not this shelf's, or unreadable now."""
+        from strata_sessionfile.objstore import S3Source
+
+        key = self.key_of(name)
+        if key is None:
+            return None
+        try:
+            with S3Source(self.remote.client, self.remote.settings.bucket, key) as source:
+                inspection = sf.inspect(
+                    source,
+                    verify=False,
+                    read_threads=1,
+                    key=self.remote.key,
+                    require_mac=self.remote.require_mac,
+                )
+        except sf.SessionFileError:
+            return None
+        return read_notes(inspection.metadata.state.engine_fields)
 
     def conversation(
         self, name: str, fingerprints: Fingerprints, pending: bool = False, verify: bool = False

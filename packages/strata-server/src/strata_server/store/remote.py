@@ -27,14 +27,17 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
 import numpy as np
 import strata_sessionfile as sf
+from strata_sessionfile import errors as E
 from strata_sessionfile.seam import S3_SCHEME
 
 from ..tokens import common_prefix
+from ..transcript import Notes, read_notes
 from .index import BLOCK_TOKENS, chain_hashes
 from .metrics import StoreMetrics
 from .names import NAME, Fingerprints, conversation_name
@@ -48,6 +51,9 @@ STALE_UPLOAD_AGE_S = (
     3600.0  # an unfinished multipart upload this old is a killed server's: aborted at start-up
 )
 UPLOAD_QUEUE_BYTES = 1 << 30  # bytes of files waiting for their upload at most (--cache-store-queue)
+CATALOG_TTL_S = 5.0  # the listing of every object of this engine (the page's list) is this fresh
+MAX_SUMMARIES = 4096  # objects whose header the catalog keeps read (a page's worth is read per request)
+SUMMARY_THREADS = 8  # a page's objects read at once (each is two small ranged GETs: latency, not bytes)
 
 
 @attrs.frozen
@@ -71,6 +77,9 @@ class RemoteSettings:
         return cls(bucket, prefix.strip("/"), endpoint_url or None, queue_bytes=queue_bytes)
 
 
+# Refusals that say nothing about an object's bytes (replaced, deleted, the store unreachable): read again later.
+TRANSIENT_ERRORS = (E.ObjectReplaced, E.StoreUnavailable, E.ReadFailed, E.NotFound, E.FileChanged)
+
 MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})  # S3's answers for an object that is not there
 
 
@@ -87,6 +96,26 @@ class Candidate:
     tokens: np.ndarray
     n_match: int  # prompt tokens it holds
     nbytes: int  # the object's size
+
+
+@attrs.frozen
+class Listed:
+    """An object of this engine's, as a listing gives it (no read of its bytes)."""
+
+    key: str
+    name: str  # the file name in the folder
+    nbytes: int
+    modified: float  # seconds since the epoch: its upload (the fleet's last save of it)
+    etag: str  # its version: a rename writes the same key again
+
+
+@attrs.frozen
+class Summary:
+    """What the page lists of an object: read from its header and metadata (one ranged GET under
+    HEAD_BYTES; the MAC checked with the session key), kept per version."""
+
+    tokens: np.ndarray
+    notes: Notes | None
 
 
 @attrs.frozen
@@ -123,6 +152,8 @@ class RemoteTier:
         self._uploaded: dict[
             str, np.ndarray
         ] = {}  # key -> tokens of this server's objects (deleted when extended)
+        self._catalog: tuple[float, list[Listed]] | None = None  # (time listed, newest first)
+        self._summaries: dict[tuple[str, str], Summary | None] = {}  # (key, etag) -> None: refused
         self.metrics.upload_queue(0, settings.queue_bytes)
         self._uploader = threading.Thread(target=self._upload_loop, name="session-store-upload", daemon=True)
         self._uploader.start()
@@ -336,6 +367,83 @@ class RemoteTier:
             self._tokens.pop(key, None)
             self._refused.discard(key)
             self._listings.clear()
+            self._catalog = None
+
+    # --- the catalog (every object of this engine, for the page) ------------------------------
+
+    def engine_prefix(self, fingerprints: Fingerprints) -> str:
+        parts = [self.settings.prefix] if self.settings.prefix else []
+        return "/".join([*parts, fingerprints.model, fingerprints.config]) + "/"
+
+    def listed(self, fingerprints: Fingerprints) -> list[Listed]:
+        """Every object of this engine's model and config under the prefix, newest first: one listing
+        (paginated by S3, 1,000 keys a request) per CATALOG_TTL_S, whatever the number of requests; a listing
+        that fails keeps the last one (or none) for that long."""
+        now = time.monotonic()
+        with self._lock:
+            cached = self._catalog
+        if cached is not None and now - cached[0] < CATALOG_TTL_S:
+            return cached[1]
+        found = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.settings.bucket, Prefix=self.engine_prefix(fingerprints)
+            ):
+                for o in page.get("Contents", []):
+                    name = o["Key"].rpartition("/")[2]
+                    if NAME.match(name):
+                        modified = o["LastModified"].timestamp()
+                        found.append(Listed(o["Key"], name, int(o["Size"]), modified, str(o["ETag"])))
+        except Exception as exc:  # noqa: BLE001 -- the store unreachable: the last listing stands for the TTL
+            log.warning("session store: listing the object store for the page failed: %s", exc)
+            found = cached[1] if cached is not None else []
+        found.sort(key=lambda o: -o.modified)
+        with self._lock:
+            self._catalog = (now, found)
+        return found
+
+    def summary(self, listed: Listed, fingerprints: Fingerprints) -> Summary | None:
+        """An object's tokens and notes (its header and metadata, the MAC checked); None when it is refused,
+        named for other tokens, or gone. Kept per version: a renamed object is read again."""
+        version = (listed.key, listed.etag)
+        with self._lock:
+            if version in self._summaries:
+                return self._summaries[version]
+        from strata_sessionfile.objstore import S3Source
+
+        summary = None
+        try:
+            with S3Source(self.client, self.settings.bucket, listed.key) as source:
+                inspection = sf.inspect(
+                    source, verify=False, read_threads=1, key=self.key, require_mac=self.require_mac
+                )
+            tokens = np.frombuffer(inspection.metadata.state.tokens, dtype="<i4").copy()
+            if fingerprints.match(inspection.header) and listed.name == conversation_name(
+                fingerprints, tokens
+            ):
+                summary = Summary(tokens, read_notes(inspection.metadata.state.engine_fields))
+        except sf.SessionFileError as exc:
+            if isinstance(exc, TRANSIENT_ERRORS):
+                return None  # deleted or replaced since listed: not remembered
+            log.warning("session store: object %s refused (%s); not listed", listed.key, exc.reason)
+        with self._lock:
+            if len(self._summaries) >= MAX_SUMMARIES:
+                self._summaries.clear()
+            self._summaries[version] = summary
+        return summary
+
+    def summaries(self, objects: list[Listed], fingerprints: Fingerprints) -> list[Summary | None]:
+        """`summary` of each, SUMMARY_THREADS at once (bench/server/DECISIONS.md, "The fleet's objects")."""
+        if len(objects) <= 1:
+            return [self.summary(o, fingerprints) for o in objects]
+        with ThreadPoolExecutor(
+            min(SUMMARY_THREADS, len(objects)), thread_name_prefix="catalog-read"
+        ) as pool:
+            return list(pool.map(lambda o: self.summary(o, fingerprints), objects))
+
+    def find(self, name: str, fingerprints: Fingerprints) -> Listed | None:
+        """The listed object named `name`, if the (cached) listing holds it."""
+        return next((o for o in self.listed(fingerprints) if o.name == name), None)
 
     def mark_bad(self, key: str) -> None:
         """An object refused for its bytes: never a candidate again."""

@@ -26,7 +26,6 @@ from ..errors import EngineCallError, EngineReplyError
 from ..ledger import SlotLedger
 from ..tokens import common_prefix
 from ..transcript import Notes, inherits
-from .folder import StoreFolder
 from .index import StoredConversation, StoreIndex
 from .metrics import SaveTrigger, StoreMetrics
 from .names import Fingerprints, conversation_name
@@ -161,8 +160,6 @@ class Saves:
 
     def _inherited_title(self, tokens: np.ndarray, notes: Notes | None) -> str | None:
         """The title a person gave the longest stored conversation that `tokens` extend, if any."""
-        if not isinstance(self.shelf, StoreFolder):
-            return None  # the object store alone: titles are not read back (spec/http-api.md, section 9)
         for older in sorted(self.index.strict_prefixes_of(tokens), key=lambda c: -c.n_tokens):
             title = inherits(notes, self.shelf.notes(older.name))
             if title is not None:

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
+from ..transcript import Notes
 from .index import StoredConversation
 from .names import Fingerprints
 from .remote import Candidate
@@ -58,6 +59,10 @@ class Shelf(Protocol):
     ) -> StoredConversation | None:
         """Header and metadata of one conversation (`pending`: as written, before its commit); None when it
         belongs to another engine; SessionFileError when they are not valid."""
+
+    def notes(self, name: str) -> Notes | None:
+        """The notes a committed conversation keeps (a chat's messages, a title); None: none, or unreadable."""
+        ...
 
     def sync_pending(self, name: str) -> None:
         """Make a written conversation durable (the slow part of a commit)."""
