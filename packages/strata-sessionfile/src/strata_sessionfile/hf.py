@@ -2,7 +2,8 @@
 loaded back (spec/transformers-cache.md is the mapping).
 
 ``load_model(gguf)`` loads a GGUF with transformers' GGUF support (the very file strata-engine and llama.cpp
-load) and binds it: ``GGUFModel`` holds the transformers model, the GGUF's model identity (the fingerprint
+load; what its loader drops, e.g. Phi-3's window and Llama 3.x's RoPE factors, taken from the file) and
+binds it: ``GGUFModel`` holds the transformers model, the GGUF's model identity (the fingerprint
 strata-engine computes), the layers' K/V geometry (checked against the GGUF's) and the K row mapping.
 ``save_cache(model, cache, tokens, path)`` and ``load_cache(model, path) -> (cache, tokens)`` drive
 ``CacheSession``, a SessionSource / SessionTarget / StagingTarget / LandingTarget over one cache, through the
@@ -10,8 +11,8 @@ library's save and restore: every check of the format, the crash-safe write and 
 
 K rows: format v1 keeps a head's K row as the GGUF lays it out (llama.cpp's and strata-engine's rows).
 transformers un-permutes a ``llama`` GGUF's Q/K weights back to rotate-half order, so there a file row is
-transformers' row with the dimensions interleaved (file[2i + h] = hf[h * D/2 + i]); a ``gemma3`` GGUF is
-not permuted by llama.cpp's converter nor by transformers: the rows are the same (both checked against
+transformers' row with the dimensions interleaved (file[2i + h] = hf[h * D/2 + i]); a ``gemma3`` (or
+qwen2, qwen3, phi3) GGUF is not permuted by llama.cpp's converter nor by transformers: the rows are the same (both checked against
 strata-engine in tests/crossengine). An architecture whose mapping was not checked is refused.
 
 Sliding-window layers: format v1 keeps the last ``window`` positions (an engine may evaluate the last token
@@ -217,7 +218,7 @@ def _gguf_geometry(path: str) -> ModelGeometry:
     dk = int(meta.get(f"{arch}.attention.key_length", n_embd // max(n_head, 1)))
     window = int(meta.get(f"{arch}.{window_key}", 0))
     layers = tuple(ModelLayer(il, heads_kv, dk, dk, window) for il in range(n_layer))
-    return ModelGeometry(arch, layers)
+    return ModelGeometry(str(arch), layers)
 
 
 def _rope_types(config: Any) -> set[str]:
@@ -354,7 +355,9 @@ def load_model(gguf: str | os.PathLike, *, dtype: Any = None) -> GGUFModel:
         want = _scaled_frequencies(config.get_text_config(decoder=True), _rope_freqs(path), path)
         for rotary in _rotary_modules(module):
             rotary.inv_freq = want.to(rotary.inv_freq.device)
-            rotary.original_inv_freq = rotary.inv_freq  # what a dynamic RoPE update would go back to
+            rotary.original_inv_freq = want.clone().to(
+                rotary.inv_freq.device
+            )  # what a dynamic RoPE update would go back to
     return GGUFModel.bind(module, path)
 
 
@@ -367,7 +370,9 @@ def _fill_loader_gaps(config: Any, meta: Mapping[str, Any]) -> None:
     pad = getattr(text, "pad_token_id", None)
     if pad is not None and not 0 <= pad < int(text.vocab_size):  # nn.Embedding refuses it
         gguf_pad = meta.get("tokenizer.ggml.padding_token_id")
-        text.pad_token_id = gguf_pad if isinstance(gguf_pad, int) and 0 <= gguf_pad < text.vocab_size else None
+        text.pad_token_id = (
+            gguf_pad if isinstance(gguf_pad, int) and 0 <= gguf_pad < text.vocab_size else None
+        )
 
 
 def new_cache(model: GGUFModel) -> Any:
