@@ -1,9 +1,9 @@
 """transformers caches through format v1 (strata_sessionfile.hf) against the real transformers (loading the
 GGUF strata-engine loads, f32) and strata-engine (f32 K/V): transformers' cache -> strata-engine continues
 as transformers does; strata-engine's file -> transformers continues as strata-engine does; each family's K
-rows equal strata-engine's own (SmolLM2's and llama's permuted, gemma3's, qwen2's and qwen3's not); the
-conformance kit; refusals. SmolLM2 is the real model, one transformers model and one runner for the module;
-the other families are tiny random models (support/families.py) that transformers' GGUF loader loads.
+rows equal strata-engine's own (SmolLM2's and llama's permuted, gemma3's, qwen2's, qwen3's and phi3's not);
+the conformance kit; refusals. SmolLM2 is the real model, one transformers model and one runner for the
+module; the other families are tiny random models (support/families.py) that load_model loads.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from strata_engine.slots import SlotSet
 from strata_sessionfile import errors as E
 from strata_sessionfile import hf
 from strata_sessionfile.testing import run_conformance
-from support.families import BOS, FAMILIES, reference_model
-from transformers import AutoConfig, DynamicCache
+from support.families import BOS, FAMILIES, reference_logits, reference_model
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 # Token ids of each vocabulary (the tokenizers are strata-engine's business, not this test's): SmolLM2's starts
 # with <|im_start|>, gemma3's with its bos.
@@ -108,18 +108,13 @@ def _k_rows(path, layer: int, shape: tuple[int, ...]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def tiny(family_files):
-    """family -> (the tiny f32 GGUF bound to transformers' model of it, a strata-engine runner of it), on first
-    use. transformers' GGUF loader loads each, but for what it drops (BY_CONFIG): that model is built from the
-    file's weights with the family's config (support/families.py)."""
+    """family -> (the tiny f32 GGUF loaded by load_model and bound, a strata-engine runner of it), on first
+    use."""
 
     @functools.cache
     def get(family: str) -> tuple[hf.GGUFModel, object]:
         path = family_files(family, "f32")
-        if family in BY_CONFIG:
-            model = hf.GGUFModel.bind(reference_model(FAMILIES[family], path), path)
-        else:
-            model = hf.load_model(path)
-        return model, _runner(path, n_ctx=128)
+        return hf.load_model(path), _runner(path, n_ctx=128)
 
     return get
 
@@ -152,22 +147,36 @@ def test_smollm2_k_rows_are_strata_engines(smollm2, smollm2_runner, tmp_path):
     _check_k_rows(smollm2, cache, SMOLLM2_PROMPT, tmp_path / "engine.ssf", tmp_path)
 
 
-# What transformers' GGUF loader (5.x) drops, so that load_model refuses the tiny file: llama3's RoPE factors
-# (rope_freqs.weight), qwen3's key_length (head_dim 64 here; released Qwen3s' 128 is its default), Phi-3's window.
+# What transformers' GGUF loader (5.x) drops, so that its config of the tiny file alone is refused (load_model
+# fills it in from the file): llama3's RoPE factors (rope_freqs.weight), qwen3's key_length (head_dim 64 here;
+# released Qwen3s' 128 is its default), Phi-3's window (16 on every layer; the config's none).
 BY_CONFIG = {
     "llama3": ("llama3", E.CacheUnsupported, "rope_freqs"),
     "qwen3": ("qwen3", E.CacheGeometryMismatch, r"\(2, 128, 128, 0\); the GGUF 2, \(2, 64, 64, 0\)"),
-    "phi3": ("phi3", E.CacheUnsupported, "phi3"),
+    "phi3": ("phi3", E.CacheGeometryMismatch, r"\(2, 32, 32, 0\); the GGUF 2, \(2, 32, 32, 16\)"),
 }
 
-# family -> its K row mapping (llama3: RoPE scaled by rope_freqs.weight; mistral-style: plain `llama`)
+# family -> its K row mapping (llama3: RoPE scaled by rope_freqs.weight; mistral-style: plain `llama`; phi3:
+# fused QKV, a window of 16 that the held prompt fills and the continuation passes)
 TINY_K_ROWS = {
     "gemma3": hf.KRows.SAME,
     "qwen2": hf.KRows.SAME,
     "qwen3": hf.KRows.SAME,
+    "phi3": hf.KRows.SAME,
     "mistral": hf.KRows.INTERLEAVED,
     "llama3": hf.KRows.INTERLEAVED,
 }
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "phi3"])
+def test_load_model_computes_the_files_model(family, tiny, family_files):
+    """Where transformers' GGUF loader drops part of the model (BY_CONFIG), load_model's model computes what
+    transformers' own model of the file's weights and the family's full config computes (support/families.py)."""
+    path = family_files(family, "f32")
+    tokens = [BOS, *b"The cat sat on a mat, the dog on a log, and both slept."]  # past the windows
+    got = reference_logits(tiny(family)[0].module, tokens)
+    want = reference_logits(reference_model(FAMILIES[family], path), tokens)
+    assert float(np.abs(got - want).max()) < 1e-3 * float(np.abs(want).max())
 
 
 @pytest.mark.parametrize("family", list(TINY_K_ROWS))
@@ -202,12 +211,23 @@ def test_tiny_family_caches_cross_both_ways(family, tiny, tmp_path):
 
 @pytest.mark.parametrize(("family", "error", "named"), BY_CONFIG.values(), ids=list(BY_CONFIG))
 def test_what_transformers_loads_differently_is_refused(family, error, named, family_files):
-    """What transformers' GGUF loader drops is refused by name, not converted wrong (its config of the file is
-    what load_model binds; the tiny phi3's weights it cannot load: its default pad token is past the vocabulary)."""
+    """What transformers' GGUF loader drops is refused by name, not converted wrong, where its config of the
+    file is bound as it is (load_model fills it in)."""
     path = family_files(family, "f32")
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     with pytest.raises(error, match=named):
         hf.GGUFModel.bind(config, path)
+
+
+def test_longrope_and_unscaled_models_are_refused(tiny, family_files):
+    """Phi-3's longrope factors (chosen by context size in strata-engine, by sequence length in transformers)
+    are refused by name; a model computing unscaled RoPE for a llama3 GGUF too."""
+    with pytest.raises(E.CacheUnsupported, match="rope_factors_long"):
+        hf.load_model(family_files("phi3_longrope", "f32"))
+    path = family_files("llama3", "f32")
+    unscaled = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with pytest.raises(E.CacheUnsupported, match="RoPE frequencies"):
+        hf.GGUFModel.bind(unscaled, path)
 
 
 def _random_cache(model: hf.GGUFModel, n: int, seed: int, cache=None):

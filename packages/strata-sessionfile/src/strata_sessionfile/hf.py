@@ -2,7 +2,8 @@
 loaded back (spec/transformers-cache.md is the mapping).
 
 ``load_model(gguf)`` loads a GGUF with transformers' GGUF support (the very file strata-engine and llama.cpp
-load) and binds it: ``GGUFModel`` holds the transformers model, the GGUF's model identity (the fingerprint
+load; what its loader drops, e.g. Phi-3's window and Llama 3.x's RoPE factors, taken from the file) and
+binds it: ``GGUFModel`` holds the transformers model, the GGUF's model identity (the fingerprint
 strata-engine computes), the layers' K/V geometry (checked against the GGUF's) and the K row mapping.
 ``save_cache(model, cache, tokens, path)`` and ``load_cache(model, path) -> (cache, tokens)`` drive
 ``CacheSession``, a SessionSource / SessionTarget / StagingTarget / LandingTarget over one cache, through the
@@ -10,8 +11,8 @@ library's save and restore: every check of the format, the crash-safe write and 
 
 K rows: format v1 keeps a head's K row as the GGUF lays it out (llama.cpp's and strata-engine's rows).
 transformers un-permutes a ``llama`` GGUF's Q/K weights back to rotate-half order, so there a file row is
-transformers' row with the dimensions interleaved (file[2i + h] = hf[h * D/2 + i]); a ``gemma3`` GGUF is
-not permuted by llama.cpp's converter nor by transformers: the rows are the same (both checked against
+transformers' row with the dimensions interleaved (file[2i + h] = hf[h * D/2 + i]); a ``gemma3`` (or
+qwen2, qwen3, phi3) GGUF is not permuted by llama.cpp's converter nor by transformers: the rows are the same (both checked against
 strata-engine in tests/crossengine). An architecture whose mapping was not checked is refused.
 
 Sliding-window layers: format v1 keeps the last ``window`` positions (an engine may evaluate the last token
@@ -39,7 +40,14 @@ import attrs
 from . import errors as E
 from .format import DEFAULT_BLOCK_SIZE, DTYPES, DType, LayerRole, Part
 from .identity import config_fingerprint, model_fingerprint
-from .llamacpp import ModelGeometry, config_of, gguf_tensor_names, model_geometry
+from .llamacpp import (
+    ModelGeometry,
+    ModelLayer,
+    config_of,
+    gguf_metadata,
+    gguf_tensor_names,
+    model_geometry,
+)
 from .reader import restore
 from .records import (
     ConfigIdentity,
@@ -67,17 +75,28 @@ class KRows(enum.Enum):
 
 
 # transformers model_type -> the K row mapping, checked against strata-engine (tests/crossengine): llama.cpp's
-# converter permutes `llama` only; qwen2 and qwen3 are rotate-half in both. Phi-3 is not here: transformers' GGUF
-# loader drops its sliding window and longrope factors, which strata-engine applies (spec/transformers-cache.md).
+# converter permutes `llama` only; qwen2, qwen3 and phi3 (fused QKV, NeoX RoPE) are rotate-half in both.
 K_ROWS: dict[str, KRows] = {
     "llama": KRows.INTERLEAVED,
     "gemma3_text": KRows.SAME,
     "qwen2": KRows.SAME,
     "qwen3": KRows.SAME,
+    "phi3": KRows.SAME,
 }
 # A GGUF tensor of RoPE factors -> the rope_type transformers' config needs to apply them (its GGUF loader reads
-# neither tensor: a model loaded by load_model computes unscaled RoPE, so its K rows are not the file's).
+# neither tensor; load_model applies rope_freqs.weight itself, see ROPE_FREQS).
 ROPE_FACTOR_TENSORS: dict[str, str] = {"rope_freqs.weight": "llama3", "rope_factors_long.weight": "longrope"}
+# llama3 RoPE scaling's per-frequency divisors (llama.cpp's freq_factors: theta_i = base^(-2i/d) / factor_i)
+ROPE_FREQS = "rope_freqs.weight"
+# GGUF metadata transformers' GGUF loader (5.17) does not map -> the config attribute load_model sets from it
+# (0, a GGUF's "no window", is None in transformers' config).
+LOADER_GAPS: dict[str, tuple[tuple[str, str], ...]] = {
+    "phi3": (("attention.sliding_window", "sliding_window"),),
+    "qwen3": (("attention.key_length", "head_dim"),),
+}
+# GGUF architecture -> its layers' windows where strata_sessionfile.llamacpp does not read them (llama.cpp
+# b11549 runs Phi-3 without its window; strata-engine and transformers apply it on every layer).
+ENGINE_WINDOWS: dict[str, str] = {"phi3": "attention.sliding_window"}
 # format v1 dtype -> torch dtype name (i8 has no transformers cache counterpart)
 TORCH_DTYPES: dict[DType, str] = {DType.F32: "float32", DType.F16: "float16", DType.BF16: "bfloat16"}
 # the dtypes numpy holds (bf16 is converted by torch)
@@ -142,7 +161,9 @@ class CacheLayer:
 
 def _config_layers(config: Any) -> tuple[CacheLayer, ...]:
     n = int(config.num_hidden_layers)
-    types = getattr(config, "layer_types", None) or [FULL] * n
+    # no layer_types: every layer slides where the config has a window (transformers' DynamicCache's rule)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or [SLIDING if window else FULL] * n
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     unknown = sorted({t for t in types if t not in (FULL, SLIDING)})
     if unknown or len(types) != n:
@@ -179,6 +200,27 @@ def _check_against_gguf(layers: tuple[CacheLayer, ...], gguf: ModelGeometry, pat
         )
 
 
+def _gguf_geometry(path: str) -> ModelGeometry:
+    """The GGUF's K/V cache as strata-engine lays it out: llama.cpp's, or for ENGINE_WINDOWS' architectures
+    read here (one window on every layer, head size from the key length or embedding / heads)."""
+    meta = gguf_metadata(path)
+    arch = meta.get("general.architecture")
+    window_key = ENGINE_WINDOWS.get(arch) if isinstance(arch, str) else None
+    if window_key is None:
+        return model_geometry(path)
+    try:
+        n_layer = int(meta[f"{arch}.block_count"])
+        n_head = int(meta[f"{arch}.attention.head_count"])
+        n_embd = int(meta[f"{arch}.embedding_length"])
+    except (KeyError, TypeError) as exc:
+        raise E.CacheUnsupported(f"the GGUF lacks {exc.args[0]}", path=path, field="gguf") from None
+    heads_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
+    dk = int(meta.get(f"{arch}.attention.key_length", n_embd // max(n_head, 1)))
+    window = int(meta.get(f"{arch}.{window_key}", 0))
+    layers = tuple(ModelLayer(il, heads_kv, dk, dk, window) for il in range(n_layer))
+    return ModelGeometry(str(arch), layers)
+
+
 def _rope_types(config: Any) -> set[str]:
     """The config's RoPE types (gemma3 keeps one per layer type)."""
     params = getattr(config, "rope_parameters", None) or {}
@@ -186,10 +228,56 @@ def _rope_types(config: Any) -> set[str]:
     return {str(p.get("rope_type", "default")) for p in (nested or [params])}
 
 
-def _check_rope(config: Any, tensors: frozenset[str], path: str) -> None:
-    """The GGUF's RoPE factor tensors must be ones transformers' config applies, or the K rows differ."""
+def _rope_freqs(path: str) -> Any:
+    """The GGUF's rope_freqs.weight (f32 numpy), read by gguf-py (transformers' GGUF loader's own reader)."""
+    np = _libs()[0]
+    from gguf import GGUFReader
+
+    tensor = next((t for t in GGUFReader(path).tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        raise E.CacheUnsupported(f"the GGUF has no {ROPE_FREQS}", path=path, field=ROPE_FREQS)
+    return np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+
+
+def _rotary_modules(module: Any) -> list[Any]:
+    """The model's RoPE modules (those holding the frequencies: ``inv_freq``)."""
+    return [m for m in module.modules() if hasattr(m, "inv_freq")]
+
+
+def _scaled_frequencies(config: Any, factors: Any, path: str) -> Any:
+    """The unscaled RoPE frequencies of ``config`` divided by the GGUF's factors (llama.cpp's formula)."""
+    np, torch, _ = _libs()
+    params = getattr(config, "rope_parameters", None) or {}
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    base = 1.0 / (float(params["rope_theta"]) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if factors.shape != base.shape:
+        raise E.CacheGeometryMismatch(
+            f"{ROPE_FREQS} has {factors.size} factors; the head size {head_dim} has {base.size} frequencies",
+            path=path,
+            field=ROPE_FREQS,
+        )
+    return torch.from_numpy((base / factors.astype(np.float64)).astype(np.float32))
+
+
+def _check_rope(config: Any, module: Any, tensors: frozenset[str], path: str) -> None:
+    """The GGUF's RoPE factor tensors must be applied by the model (its frequencies are the GGUF's), or by a
+    config's rope_type where only a config is bound, or the K rows differ."""
     for name, rope_type in ROPE_FACTOR_TENSORS.items():
-        if name in tensors and rope_type not in _rope_types(config):
+        if name not in tensors:
+            continue
+        if name == ROPE_FREQS and module is not None:
+            torch = _libs()[1]
+            want = _scaled_frequencies(config, _rope_freqs(path), path)
+            got = _rotary_modules(module)
+            if got and all(torch.allclose(m.inv_freq.float().cpu(), want, rtol=1e-5) for m in got):
+                continue
+            raise E.CacheUnsupported(
+                f"the GGUF has {name} ({rope_type} RoPE) but the model's RoPE frequencies are not the GGUF's "
+                f"scaled ones (load it with load_model, which applies them)",
+                path=path,
+                field="module.inv_freq",
+            )
+        if rope_type not in _rope_types(config):
             raise E.CacheUnsupported(
                 f"the GGUF has {name} ({rope_type} RoPE) but transformers' config's rope_type is "
                 f"{'/'.join(sorted(_rope_types(config)))} (its GGUF loader drops the factors: bind a model "
@@ -225,8 +313,8 @@ class GGUFModel:
                 field="config.model_type",
             )
         layers = _config_layers(config)
-        _check_against_gguf(layers, model_geometry(path), path)
-        _check_rope(config, gguf_tensor_names(path), path)
+        _check_against_gguf(layers, _gguf_geometry(path), path)
+        _check_rope(config, module, gguf_tensor_names(path), path)
         identity = model_fingerprint([(MODEL_ROLE, path)])
         return cls(config, path, identity, layers, k_rows, module)
 
@@ -250,15 +338,41 @@ class GGUFModel:
 
 def load_model(gguf: str | os.PathLike, *, dtype: Any = None) -> GGUFModel:
     """The GGUF loaded by transformers (``from_pretrained(folder, gguf_file=name)``: dequantized, in ``dtype``,
-    default float32) and bound to the file."""
+    default float32) and bound to the file. What its GGUF loader drops is taken from the file: the config's
+    LOADER_GAPS, a pad token outside the vocabulary (Phi-3's default), and rope_freqs.weight's factors (put
+    into the model's RoPE frequencies)."""
     torch = _libs()[1]
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = os.path.abspath(os.fspath(gguf))
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    _fill_loader_gaps(config, gguf_metadata(path))
     module = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype or torch.float32
+        folder, gguf_file=name, config=config, dtype=dtype or torch.float32
     ).eval()
+    if ROPE_FREQS in gguf_tensor_names(path):
+        want = _scaled_frequencies(config.get_text_config(decoder=True), _rope_freqs(path), path)
+        for rotary in _rotary_modules(module):
+            rotary.inv_freq = want.to(rotary.inv_freq.device)
+            rotary.original_inv_freq = want.clone().to(
+                rotary.inv_freq.device
+            )  # what a dynamic RoPE update would go back to
     return GGUFModel.bind(module, path)
+
+
+def _fill_loader_gaps(config: Any, meta: Mapping[str, Any]) -> None:
+    text = config.get_text_config(decoder=True)
+    arch = meta.get("general.architecture")
+    for key, attr in LOADER_GAPS.get(text.model_type, ()):
+        if f"{arch}.{key}" in meta:
+            setattr(text, attr, int(meta[f"{arch}.{key}"]) or None)
+    pad = getattr(text, "pad_token_id", None)
+    if pad is not None and not 0 <= pad < int(text.vocab_size):  # nn.Embedding refuses it
+        gguf_pad = meta.get("tokenizer.ggml.padding_token_id")
+        text.pad_token_id = (
+            gguf_pad if isinstance(gguf_pad, int) and 0 <= gguf_pad < text.vocab_size else None
+        )
 
 
 def new_cache(model: GGUFModel) -> Any:
