@@ -1,7 +1,9 @@
 """strata-engine against llama.cpp b11549 (llama-server in-process) on the tiny random-weight model of each family
 (support/families.py: Llama 3.x with llama3 RoPE scaling, Mistral-style `llama`, Qwen2.5, Qwen3, Phi-3, Phi-3.5's
 longrope, Gemma 2 with both soft-caps and its alternating window), the same Q8_0 GGUF files
-tests/engine/test_families.py checks against transformers, with the default kernels and K/V type on both sides.
+tests/engine/test_families.py checks against transformers, and its wider model as the K-quant types the packed
+kernels take (Q4_K, Q6_K, and Q4_K_M's mix of Q4_K, Q5_K and Q6_K: support/kquants.py encodes them), with the
+default kernels and K/V type on both sides.
 
 llama-server continues a prompt greedily, returning each step's token and its top-k log-probabilities
 (`n_probs`: the model's own distribution); strata-engine and transformers are fed the same tokens. llama-server
@@ -24,7 +26,7 @@ import numpy as np
 import pytest
 from strata_engine.settings import EngineSettings
 from strata_engine.slots import SlotSet
-from support.families import BOS, EOS, FAMILIES, reference_logits, reference_model
+from support.families import BOS, EOS, FAMILIES, K_FILE_TYPES, family_of, reference_logits, reference_model
 
 from .llama_server import FLASH_ATTN, LlamaServer
 
@@ -40,6 +42,7 @@ TRANSFORMERS_BOUND = 0.1
 MARGIN = 2 * LOGPROB_BOUND
 PROMPT_LENGTH = {"phi3": 8}  # every position within Phi-3's window (llama.cpp computes none)
 FAMILY_NAMES = list(FAMILIES)
+FILE_TYPES = ["q8_0", *K_FILE_TYPES]
 BANNED = [*range(128, 256), EOS]  # bytes that open or continue a multi-byte character; the end of generation
 
 
@@ -77,33 +80,35 @@ def _check(got: np.ndarray, steps: list[dict], what: str) -> float:
     return worst
 
 
-@pytest.fixture(scope="module", params=FAMILY_NAMES)
+@pytest.fixture(scope="module", params=[(f, t) for t in FILE_TYPES for f in FAMILY_NAMES], ids="-".join)
 def family_run(request, family_files, tmp_path_factory):
-    """A family's Q8_0 file and llama.cpp's greedy continuation of its prompt with top-k log-probabilities."""
-    family = request.param
-    path = family_files(family, "q8_0")
+    """A family's file of a type and llama.cpp's greedy continuation of its prompt with top-k log-probabilities."""
+    family, file_type = request.param
+    path = family_files(family, file_type)
     server = LlamaServer(path, tmp_path_factory.mktemp(f"slots-{family}"), FLASH_ATTN["v_trans"])
     answer = server.complete(
         _prompt(family), N_PREDICT, n_probs=TOP_K, logit_bias=[[t, False] for t in BANNED], ignore_eos=True
     )
     steps = answer["completion_probabilities"]
     assert [s["id"] for s in steps] == answer["tokens"] and len(steps) == N_PREDICT
-    return family, path, steps
+    return family, file_type, path, steps
 
 
 def test_strata_engine_matches_llamacpp(family_run):
-    family, path, steps = family_run
+    family, file_type, path, steps = family_run
     runner = SlotSet.load(EngineSettings(model_path=path, n_ctx=256)).runners[0]
     logits = [runner.prefill(_prompt(family)).logits]
     logits += [runner.decode(s["id"]) for s in steps[:-1]]  # llama.cpp's tokens, whatever the engine's pick
-    worst = _check(_log_softmax(np.stack(logits)), steps, f"{family}: strata-engine")
-    assert worst <= LOGPROB_BOUND, f"{family}: strata-engine's log-probabilities differ by {worst:.3f}"
+    what = f"{family} {file_type}: strata-engine"
+    worst = _check(_log_softmax(np.stack(logits)), steps, what)
+    assert worst <= LOGPROB_BOUND, f"{what}'s log-probabilities differ by {worst:.3f}"
 
 
 def test_transformers_matches_llamacpp_on_the_written_file(family_run):
-    family, path, steps = family_run
+    family, file_type, path, steps = family_run
     prompt = _prompt(family)
     tokens = prompt + [s["id"] for s in steps[:-1]]
-    ref = reference_logits(reference_model(FAMILIES[family], path), tokens)[len(prompt) - 1 :]
-    worst = _check(_log_softmax(ref), steps, f"{family}: transformers")
-    assert worst <= TRANSFORMERS_BOUND, f"{family}: transformers' log-probabilities differ by {worst:.3f}"
+    ref = reference_logits(reference_model(family_of(family, file_type), path), tokens)[len(prompt) - 1 :]
+    what = f"{family} {file_type}: transformers"
+    worst = _check(_log_softmax(ref), steps, what)
+    assert worst <= TRANSFORMERS_BOUND, f"{what}' log-probabilities differ by {worst:.3f}"
