@@ -1,7 +1,8 @@
 """The families beyond the real models' (Llama 3.x with its llama3 RoPE scaling, Mistral-style `llama`, Qwen2.5,
 Qwen3, Phi-3 with a sliding window, Phi-3.5 / Phi-4-mini's longrope, Gemma 2 with both soft-caps and its alternating
 window) against transformers, on tiny random-weight models written to GGUF as llama.cpp's converter writes them
-(support/families.py): f32, f16 and Q8_0 files, every CPU kernel set.
+(support/families.py): f32, f16 and Q8_0 files, every CPU kernel set, and the K-quants (the wider model's Q4_K_M
+mix of Q4_K, Q5_K and Q6_K) with the compiled kernels.
 
 For each, strata-engine's logits at every position (every row of chunked prefill passes, through
 `embedding.hidden_states`; and the last row of a prefill then decode steps, through the runner) are compared
@@ -37,6 +38,7 @@ from support.families import (
     BOS,
     FAMILIES,
     FILE_TYPES,
+    family_of,
     hf_model,
     llama3_rope_factors,
     reference_logits,
@@ -57,6 +59,12 @@ GPU_F32_BOUND = 1e-3
 # On the GPU with the default compute dtype (f16 for llama, bf16 for the others) and f16 K/V.
 GPU_DEFAULT_BOUND = 0.25
 KERNELS = ("numpy", "numba", "numba-q8")
+# Every file type with every kernel set; the K-quants as Q4_K_M's mix (Q4_K, Q5_K and Q6_K tensors: each type's
+# reading) with the compiled kernels, exact and q8.
+FILES_AND_KERNELS = [(t, k) for t in FILE_TYPES for k in KERNELS] + [
+    ("q4_k_m", "numba"),
+    ("q4_k_m", "numba-q8"),
+]
 PROMPT = [BOS] + np.random.default_rng(40).integers(0, 256, 39).tolist()
 PREFILL_CHUNK = 16  # chunked passes at depth: K/V written and attended across chunks
 
@@ -67,8 +75,8 @@ def files(family_files):
 
 
 @functools.cache
-def _reference(path: Path, family: str) -> np.ndarray:
-    return reference_logits(reference_model(FAMILIES[family], path), PROMPT)
+def _reference(path: Path, family: str, file_type: str = "f32") -> np.ndarray:
+    return reference_logits(reference_model(family_of(family, file_type), path), PROMPT)
 
 
 def _bound(kernels: str) -> float:
@@ -84,12 +92,11 @@ def _check(got: np.ndarray, ref: np.ndarray, bound: float, what: str) -> None:
     assert (np.argmax(got, -1) == np.argmax(ref, -1))[decided].all(), f"{what}: top-1 differs"
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("file_type", list(FILE_TYPES))
+@pytest.mark.parametrize(("file_type", "kernels"), FILES_AND_KERNELS, ids="-".join)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_at_every_position_match_transformers(files, family, file_type, kernels):
     path = files(family, file_type)
-    ref = _reference(path, family)
+    ref = _reference(path, family, file_type)
     runner = load_runner(EngineSettings(model_path=path, n_ctx=128, cpu_kernels=kernels, kv_type="f32"))
     model = runner.model
     every_row = model.logits(hidden_states(model, PROMPT, PREFILL_CHUNK))
