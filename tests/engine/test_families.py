@@ -35,6 +35,7 @@ from strata_engine.ops.numba_q8 import HAS_VNNI
 from strata_engine.session import EngineSession
 from strata_engine.settings import EngineSettings
 from support.families import (
+    ALL_FILE_TYPES,
     BOS,
     FAMILIES,
     FILE_TYPES,
@@ -54,6 +55,9 @@ EXACT_BOUND = 1e-4
 # With the q8 products (numba-q8 where AVX512-VNNI runs them) activations are quantized to int8 per 32 values:
 # the tiny phi3 files moved by 0.144 (0.127 with longrope), the other families by less than 0.1.
 Q8_BOUND = 0.2
+# The same on the K-quant files' WIDE model (E = 256: logits of twice the variance): phi3_longrope's Q4_K_M moved by
+# 0.225, the others by 0.07-0.18 (float32 compute on the same files: 1e-5).
+Q8_WIDE_BOUND = 0.35
 # On the GPU with float32 compute and K/V (cuBLAS float32 accumulation, no TF32; the exact attention path).
 GPU_F32_BOUND = 1e-3
 # On the GPU with the default compute dtype (f16 for llama, bf16 for the others) and f16 K/V.
@@ -79,8 +83,10 @@ def _reference(path: Path, family: str, file_type: str = "f32") -> np.ndarray:
     return reference_logits(reference_model(family_of(family, file_type), path), PROMPT)
 
 
-def _bound(kernels: str) -> float:
-    return Q8_BOUND if kernels == "numba-q8" and HAS_VNNI else EXACT_BOUND
+def _bound(kernels: str, file_type: str = "f32") -> float:
+    if kernels == "numba-q8" and HAS_VNNI:
+        return Q8_WIDE_BOUND if ALL_FILE_TYPES[file_type].wide else Q8_BOUND
+    return EXACT_BOUND
 
 
 def _check(got: np.ndarray, ref: np.ndarray, bound: float, what: str) -> None:
@@ -92,7 +98,9 @@ def _check(got: np.ndarray, ref: np.ndarray, bound: float, what: str) -> None:
     assert (np.argmax(got, -1) == np.argmax(ref, -1))[decided].all(), f"{what}: top-1 differs"
 
 
-@pytest.mark.parametrize(("file_type", "kernels"), FILES_AND_KERNELS, ids="-".join)
+@pytest.mark.parametrize(
+    ("file_type", "kernels"), FILES_AND_KERNELS, ids=[f"{t}-{k}" for t, k in FILES_AND_KERNELS]
+)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_at_every_position_match_transformers(files, family, file_type, kernels):
     path = files(family, file_type)
@@ -100,10 +108,12 @@ def test_logits_at_every_position_match_transformers(files, family, file_type, k
     runner = load_runner(EngineSettings(model_path=path, n_ctx=128, cpu_kernels=kernels, kv_type="f32"))
     model = runner.model
     every_row = model.logits(hidden_states(model, PROMPT, PREFILL_CHUNK))
-    _check(every_row, ref, _bound(kernels), "chunked prefill, every row")
+    _check(every_row, ref, _bound(kernels, file_type), "chunked prefill, every row")
     split = 24
     steps = [runner.prefill(PROMPT[:split]).logits] + [runner.decode(t) for t in PROMPT[split:]]
-    _check(np.stack(steps), ref[split - 1 :], _bound(kernels), "prefill's last row, then decode steps")
+    _check(
+        np.stack(steps), ref[split - 1 :], _bound(kernels, file_type), "prefill's last row, then decode steps"
+    )
 
 
 def test_llama3_rope_factors_are_computed(files):
