@@ -27,17 +27,18 @@ def gemma3_path() -> Path:
 
 @pytest.fixture(scope="session")
 def family_files(tmp_path_factory):
-    """(family, file type) -> the tiny model's GGUF (support/families.py), written on first use: the engine's
-    tests against transformers and the cross-engine tests against llama.cpp read the same files."""
+    """(family, file type) -> the tiny model's GGUF (support/families.py; the WIDE model for the K-quants),
+    written on first use: the engine's tests against transformers and the cross-engine tests against llama.cpp
+    read the same files."""
     import functools
 
-    from support.families import ALL_FAMILIES, hf_model, write_gguf
+    from support.families import family_of, hf_model, write_gguf
 
     folder = tmp_path_factory.mktemp("families")
 
     @functools.cache
     def file(family: str, file_type: str) -> Path:
-        f = ALL_FAMILIES[family]
+        f = family_of(family, file_type)
         return write_gguf(hf_model(f), f, folder / f"{family}-{file_type}.gguf", file_type)
 
     return file

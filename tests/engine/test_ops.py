@@ -325,7 +325,8 @@ def test_packed_kernels_keep_one_signature(numba_ops):
 # 256-wide head's global chunk at 3,100 held among them; key blocks through BLAS for 256-wide heads over 6,144+
 # keys: the two at 6,200 held, one with a window); 16
 # tokens whose windows start at 16 different keys of the tiles (each row its own visible range), head
-# size 128, and one the kernels have no vector IR for (a plain loop).
+# sizes 128, 32 (the tiny family models') and 96 (Phi-3-mini's), and one the kernels have no vector IR for (160:
+# a plain loop).
 ATTENTION_CASES = [
     (1, 1, 3, 9, 64, None),
     (1, 700, 3, 9, 64, None),
@@ -339,7 +340,10 @@ ATTENTION_CASES = [
     (20, 6200, 1, 4, 256, None),
     (18, 6200, 1, 4, 256, 6190),
     (3, 517, 2, 8, 128, None),
-    (2, 150, 2, 4, 96, 64),
+    (40, 600, 2, 8, 32, None),
+    (5, 300, 2, 8, 96, 64),
+    (1, 300, 2, 8, 96, None),
+    (2, 150, 2, 4, 160, 64),
 ]
 
 

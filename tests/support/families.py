@@ -5,8 +5,11 @@ float32 logits on exactly the weights a file holds (read back from it and dequan
 
 No model is downloaded: the weights are random (seeded), every feature of the family switched on (llama3 RoPE
 scaling and Phi-3's longrope with an original context shorter than the test prompts, GQA, Q/K/V biases,
-per-head QK norms, sliding windows, Gemma 2's soft-caps, untied output where the family allows it). gguf-py quantizes Q8_0 but not Q4_K or Q6_K (its `quantize` raises
-NotImplementedError for the k-quants), so those types are not written here.
+per-head QK norms, sliding windows, Gemma 2's soft-caps, untied output where the family allows it).
+
+The K-quant files (Q4_K, Q6_K, and Q4_K_M's mix as llama-quantize chooses it) are encoded by kquants.py (gguf-py
+does not quantize K-quants), of a wider model of the family (WIDE: every matrix row a whole number of 256-value
+super-blocks, where the f32 / f16 / Q8_0 files' E = 128 rows are not).
 """
 
 from __future__ import annotations
@@ -20,13 +23,37 @@ import attrs
 import gguf
 import numpy as np
 
+from support.kquants import quantize
+
 T = gguf.GGMLQuantizationType
-# The file types written: convert_hf_to_gguf.py's --outtype f32 / f16 / q8_0 (1-D tensors stay f32).
-FILE_TYPES: dict[str, tuple[gguf.LlamaFileType, gguf.GGMLQuantizationType]] = {
-    "f32": (gguf.LlamaFileType.ALL_F32, T.F32),
-    "f16": (gguf.LlamaFileType.MOSTLY_F16, T.F16),
-    "q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, T.Q8_0),
+
+
+@attrs.frozen
+class FileType:
+    """How a file stores its matrices (1-D tensors stay f32): `matrix` for each, or with `mixed` llama-quantize's
+    Q4_K_M choice (`mixed_type`); `wide`: the family's WIDE model (K-quants' 256-value rows)."""
+
+    ftype: gguf.LlamaFileType
+    matrix: gguf.GGMLQuantizationType
+    wide: bool = False
+    mixed: bool = False
+
+
+# convert_hf_to_gguf.py's --outtype f32 / f16 / q8_0.
+FILE_TYPES: dict[str, FileType] = {
+    "f32": FileType(gguf.LlamaFileType.ALL_F32, T.F32),
+    "f16": FileType(gguf.LlamaFileType.MOSTLY_F16, T.F16),
+    "q8_0": FileType(gguf.LlamaFileType.MOSTLY_Q8_0, T.Q8_0),
 }
+# llama-quantize's --pure Q4_K / Q6_K and its Q4_K_M (kquants.py encodes them).
+K_FILE_TYPES: dict[str, FileType] = {
+    "q4_k": FileType(gguf.LlamaFileType.MOSTLY_Q4_K_S, T.Q4_K, wide=True),
+    "q6_k": FileType(gguf.LlamaFileType.MOSTLY_Q6_K, T.Q6_K, wide=True),
+    "q4_k_m": FileType(gguf.LlamaFileType.MOSTLY_Q4_K_M, T.Q4_K, wide=True, mixed=True),
+}
+ALL_FILE_TYPES = {**FILE_TYPES, **K_FILE_TYPES}
+# The K-quant files' model: E = 256 (and H * D, the FFN) so every row is whole super-blocks; head_dim as in _COMMON.
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
 N_VOCAB = 512
 BOS, EOS = 256, 257  # after the 256 byte tokens
 # Weights' spread: transformers' default (0.02) leaves logits nearly flat, so no top-1 would be decided.
@@ -145,6 +172,31 @@ TOP_TENSORS = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }  # fmt: skip
+
+
+def family_of(name: str, file_type: str) -> Family:
+    """The family's tiny model as a file of `file_type` holds it (the WIDE one for the K-quants)."""
+    family = ALL_FAMILIES[name]
+    return (
+        attrs.evolve(family, config=dict(family.config, **WIDE)) if ALL_FILE_TYPES[file_type].wide else family
+    )
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v / ffn_down Q4_K_M keeps in Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def mixed_type(name: str, n_layer: int, tied: bool) -> gguf.GGMLQuantizationType:
+    """llama_tensor_get_type's choice for Q4_K_M: the output (token_embd where it is tied) and half the layers'
+    V and down projections in Q6_K, a fused QKV in Q5_K, the rest Q4_K."""
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return T.Q6_K
+    if name.endswith("attn_qkv.weight"):
+        return T.Q5_K
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return T.Q6_K if use_more_bits(int(name.split(".")[1]), n_layer) else T.Q4_K
+    return T.Q4_K
 
 
 def hf_model(family: Family, seed: int = 0) -> Any:
@@ -288,16 +340,17 @@ def _gemma2_keys(w: gguf.GGUFWriter, c: Any) -> None:
 
 def write_gguf(model: Any, family: Family, path: Path, file_type: str) -> Path:
     """The model as convert_hf_to_gguf.py --outtype `file_type` writes it."""
-    ftype, qtype = FILE_TYPES[file_type]
+    ft, c = ALL_FILE_TYPES[file_type], model.config
     w = gguf.GGUFWriter(str(path), family.arch)
-    family.keys(w, model.config)
-    w.add_file_type(ftype)
+    family.keys(w, c)
+    w.add_file_type(ft.ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _tokenizer(w)
     for name, tensor in _gguf_tensors(model, family).items():
         data = tensor.astype(np.float32)
-        kind = qtype if data.ndim == 2 and data.shape[-1] % 32 == 0 else T.F32
-        w.add_tensor(name, gguf.quants.quantize(data, kind) if kind != T.F32 else data, raw_dtype=kind)
+        kind = mixed_type(name, c.num_hidden_layers, c.tie_word_embeddings) if ft.mixed else ft.matrix
+        kind = kind if data.ndim == 2 else T.F32  # a row that is not whole blocks raises (quantize)
+        w.add_tensor(name, quantize(data, kind) if kind != T.F32 else data, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -475,7 +475,7 @@ def dequantize_packed_serial(values, scale, mins, has_min, out):
 # never into a float32 copy. Every output element is a sum in key order, so the blocks, the tiles and a
 # ring's runs give the same bits wherever the rows lie. With AVX-512 (`_AVX512`: 32 registers of 16
 # float32) a vector is one register, else two AVX2 ones; the register blocks are sized for 32 or 16.
-_HEAD_DIMS = (64, 128, 256)  # head sizes the IR is generated for (others: a plain loop)
+_HEAD_DIMS = (32, 64, 96, 128, 256)  # head sizes the IR is generated for (others: a plain loop)
 _VEC = 16 if _AVX512 else 8  # float32 lanes of one register
 _KEY_TILE = 32  # keys per tile: every head's rows of a tile (16 KiB of f16 at Hkv x D = 256) stay in L1
 _DOT_ROWS = 4  # query rows per `key_dots` block
@@ -701,11 +701,13 @@ def value_sums(typingctx, acc, weights, values, scales, lo, n, d, rows):
         acc_arr, w_arr, v_arr = _kv_intrinsic_args(context, builder, signature, args)
         s_arr = context.make_array(signature.args[3])(context, builder, args[3])
         n_rows = rows.literal_value
-        width = max(1, min(d.literal_value // _VEC, _SUM_ACC // n_rows))  # chunks per column block
+        chunks = d.literal_value // _VEC
+        # chunks per column block: the most the accumulators allow that divides the row (96 = 6 chunks: 3 or 2)
+        width = max(w for w in range(1, max(1, min(chunks, _SUM_ACC // n_rows)) + 1) if chunks % w == 0)
         fma = _fma(builder)
         acc_rows = [_row_ptr(builder, acc_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
         w_rows = [_row_ptr(builder, w_arr, ir.Constant(_I64, r), _F32) for r in range(n_rows)]
-        for c0 in range(0, d.literal_value // _VEC, width):
+        for c0 in range(0, chunks, width):
             start = [
                 _load_vector(builder, acc_rows[r], ir.Constant(_I64, (c0 + c) * _VEC), _F32, _VEC)
                 for r in range(n_rows)
@@ -762,7 +764,16 @@ def decoded(typingctx, value, scale):
 def _dots_block(q, keys, scales, lo, n, out, b):
     """`key_dots` of the first b (1-4) rows, dispatched on the literal head size and row count."""
     d = q.shape[1]
-    if d == 64:
+    if d == 32:
+        if b == 4:
+            key_dots(q, keys, scales, lo, n, out, 32, 4)
+        elif b == 3:
+            key_dots(q, keys, scales, lo, n, out, 32, 3)
+        elif b == 2:
+            key_dots(q, keys, scales, lo, n, out, 32, 2)
+        else:
+            key_dots(q, keys, scales, lo, n, out, 32, 1)
+    elif d == 64:
         if b == 4:
             key_dots(q, keys, scales, lo, n, out, 64, 4)
         elif b == 3:
@@ -771,6 +782,15 @@ def _dots_block(q, keys, scales, lo, n, out, b):
             key_dots(q, keys, scales, lo, n, out, 64, 2)
         else:
             key_dots(q, keys, scales, lo, n, out, 64, 1)
+    elif d == 96:
+        if b == 4:
+            key_dots(q, keys, scales, lo, n, out, 96, 4)
+        elif b == 3:
+            key_dots(q, keys, scales, lo, n, out, 96, 3)
+        elif b == 2:
+            key_dots(q, keys, scales, lo, n, out, 96, 2)
+        else:
+            key_dots(q, keys, scales, lo, n, out, 96, 1)
     elif d == 128:
         if b == 4:
             key_dots(q, keys, scales, lo, n, out, 128, 4)
@@ -794,7 +814,16 @@ def _dots_block(q, keys, scales, lo, n, out, b):
 def _sums_block(acc, weights, values, scales, lo, n, b):
     """`value_sums` of the first b (1-4) rows, dispatched on the literal head size and row count."""
     d = acc.shape[1]
-    if d == 64:
+    if d == 32:
+        if b == 4:
+            value_sums(acc, weights, values, scales, lo, n, 32, 4)
+        elif b == 3:
+            value_sums(acc, weights, values, scales, lo, n, 32, 3)
+        elif b == 2:
+            value_sums(acc, weights, values, scales, lo, n, 32, 2)
+        else:
+            value_sums(acc, weights, values, scales, lo, n, 32, 1)
+    elif d == 64:
         if b == 4:
             value_sums(acc, weights, values, scales, lo, n, 64, 4)
         elif b == 3:
@@ -803,6 +832,15 @@ def _sums_block(acc, weights, values, scales, lo, n, b):
             value_sums(acc, weights, values, scales, lo, n, 64, 2)
         else:
             value_sums(acc, weights, values, scales, lo, n, 64, 1)
+    elif d == 96:
+        if b == 4:
+            value_sums(acc, weights, values, scales, lo, n, 96, 4)
+        elif b == 3:
+            value_sums(acc, weights, values, scales, lo, n, 96, 3)
+        elif b == 2:
+            value_sums(acc, weights, values, scales, lo, n, 96, 2)
+        else:
+            value_sums(acc, weights, values, scales, lo, n, 96, 1)
     elif d == 128:
         if b == 4:
             value_sums(acc, weights, values, scales, lo, n, 128, 4)
@@ -895,7 +933,7 @@ def _dots(q, keys, scales, has_scales, lo, n, out):
     """out[r, :n] = q[r] . keys[lo + i] for every row r of q (blocks of `key_dots`, or a plain loop for
     other head sizes)."""
     d = q.shape[1]
-    if d == 64 or d == 128 or d == 256:
+    if d == 32 or d == 64 or d == 96 or d == 128 or d == 256:
         for r in range(0, q.shape[0], _DOT_ROWS):
             _dots_block(q[r:], keys, scales, lo, n, out[r:], min(_DOT_ROWS, q.shape[0] - r))
         return
@@ -907,7 +945,7 @@ def _sums(acc, weights, values, scales, has_scales, lo, n):
     """acc[r] += sum_i weights[r, i] values[lo + i] (`value_sums` on blocks of rows, or a plain loop for
     other head sizes)."""
     d = acc.shape[1]
-    if d == 64 or d == 128 or d == 256:
+    if d == 32 or d == 64 or d == 96 or d == 128 or d == 256:
         block = _SUM_ROWS if acc.shape[0] > _SUM_ROWS else max(1, min(4, _SUM_ACC // (d // _VEC)))
         for r in range(0, acc.shape[0], block):
             _sums_block(acc[r:], weights[r:], values, scales, lo, n, min(block, acc.shape[0] - r))
