@@ -3,7 +3,9 @@ slots at other depths (another slot's prompt evaluated a chunk between each two 
 evaluated in chunks of any size, which leave the same K/V bytes (`settings.EngineSettings.batch_invariant`, on
 by default). numba and numba-q8 kernels (the default); SmolLM2, and gemma3 with its sliding windows shrunk to 8
 (rings of 16 slots that wrap in these runs and a chunk too long to attend in place; its global layers attend
-over several 64-key splits). The numpy backend (BLAS, the reference) is not invariant: a strict xfail says so."""
+over several 64-key splits). The numpy backend (BLAS, the reference) is invariant too, its products in fixed row
+groups and a prompt's attention query by query (`NumpyOps.grouped_matmul`): one batched and one chunked comparison
+a model, kept cheap; with --no-batch-invariant its plain BLAS products are not."""
 
 from __future__ import annotations
 
@@ -63,11 +65,32 @@ def test_prompt_chunks_of_any_size_give_the_same_kv_and_logits(case, chunk):
     assert held_kv(runner) == kv
 
 
-@pytest.mark.xfail(
-    raises=AssertionError, reason="the numpy backend's BLAS products and sums depend on the rows"
-)
-def test_the_numpy_backend_is_not_batch_invariant():
-    """Not built (issue 41 asks it of numpy too): one batched comparison, kept cheap, that fails today."""
-    numpy = LoadedModel.load(EngineSettings(model_path=smollm2_model_path(), n_ctx=4096, cpu_kernels="numpy"))
-    slots = slot_set(numpy, prefill_chunk=512)  # its float32 weights not kept past the test
-    assert first_difference(batched(slots, 1), alone(slots)) is None
+@functools.cache
+def _numpy_slots(name: str, batch_invariant: bool = True):
+    path = smollm2_model_path() if name == "smollm2" else gemma3_model_path()
+    loaded = LoadedModel.load(
+        EngineSettings(model_path=path, n_ctx=4096, cpu_kernels="numpy", batch_invariant=batch_invariant)
+    )
+    return slot_set(small_window(loaded, SMALL_WINDOW) if name == "gemma3" else loaded, prefill_chunk=512)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_the_numpy_backend_is_batch_invariant(name):
+    """Batched with 3 others (the slot in the middle, another prompt's chunks between the steps), and the prompt
+    in chunks of 7 (its last chunk one row: BLAS's gemv where a lone row is not grouped)."""
+    slots = _numpy_slots(name)
+    solo = alone(slots)
+    assert first_difference(batched(slots, 3), solo) is None
+    runner = slots.runners[0]
+    prefill(runner, PROMPT)
+    kv = held_kv(runner)
+    assert first_difference([prefill(runner, PROMPT, 7)], [solo[0]]) is None
+    assert held_kv(runner) == kv
+
+
+@pytest.mark.slow
+def test_without_batch_invariance_the_numpy_backend_depends_on_the_batch():
+    """What --no-batch-invariant gives up: plain BLAS products, whose bits change with the rows of the pass."""
+    slots = _numpy_slots("smollm2", batch_invariant=False)
+    assert first_difference(batched(slots, 1), alone(slots)) is not None
