@@ -114,7 +114,7 @@ def staggered_match_alone(
     """The COMPLETEs of `requests` (by id) on `together` (the i-th in slot i), each sent once the one before has
     streamed `every` tokens (its prompt evaluated between the others' decode steps): those of `checked` get the
     tokens they get on the one-slot engine `alone`. Returns the rows of every decode step of the together run."""
-    expected = {rid: alone.command("COMPLETE", requests[rid])["tokens"] for rid in checked}
+    expected = {rid: alone.command("COMPLETE", {**requests[rid], "id": rid})["tokens"] for rid in checked}
     ids = list(requests)
     slots, rows = together.scheduler.slots, []
     decode_rows = slots.decode_rows
@@ -125,7 +125,7 @@ def staggered_match_alone(
 
     slots.decode_rows = counted  # the scheduler's steps and the ones it launched ahead (collected here)
     for slot, rid in enumerate(ids):
-        together.send("COMPLETE", {**requests[rid], "slot": slot})
+        together.send("COMPLETE", {**requests[rid], "id": rid, "slot": slot})
         if slot + 1 < len(ids):
             for _ in range(every):
                 together.until(lambda line, rid=rid: line.get("id") == rid and line["event"] == "token")
