@@ -102,3 +102,39 @@ def alone_then_together(alone: InProcessEngine, together: InProcessEngine, reque
             assert results[rid][field] == expected[rid][field], (rid, field)
         assert status[slot]["tokens_held_digest"] == expected[rid]["digest"], rid
     return expected
+
+
+def staggered_match_alone(
+    alone: InProcessEngine,
+    together: InProcessEngine,
+    requests: dict[str, dict],
+    every: int,
+    checked: list[str],
+) -> list[int]:
+    """The COMPLETEs of `requests` (by id) on `together` (the i-th in slot i), each sent once the one before has
+    streamed `every` tokens (its prompt evaluated between the others' decode steps): those of `checked` get the
+    tokens they get on the one-slot engine `alone`. Returns the rows of every decode step of the together run."""
+    expected = {rid: alone.command("COMPLETE", {**requests[rid], "id": rid})["tokens"] for rid in checked}
+    ids = list(requests)
+    slots, rows = together.scheduler.slots, []
+    decode_rows = slots.decode_rows
+
+    def counted(steps, argmax_only):
+        rows.append(len(steps))
+        return decode_rows(steps, argmax_only)
+
+    slots.decode_rows = counted  # the scheduler's steps and the ones it launched ahead (collected here)
+    for slot, rid in enumerate(ids):
+        together.send("COMPLETE", {**requests[rid], "id": rid, "slot": slot})
+        if slot + 1 < len(ids):
+            for _ in range(every):
+                together.until(lambda line, rid=rid: line.get("id") == rid and line["event"] == "token")
+    for rid in ids:
+        result = together.terminal(rid)
+        assert result["event"] == "result", result
+        if rid not in expected:
+            continue
+        pairs = zip(result["tokens"], expected[rid], strict=True)
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        assert first is None, f"{rid}: token {first} of {len(expected[rid])} differs from its run alone"
+    return rows

@@ -413,3 +413,39 @@ def test_the_passes_of_a_request_that_failed_are_counted(tokenizers, templates):
         assert failed["n_forward"] == e.command("STATUS", {"id": "s"})["n_forward"] == passes(20) + 3
     finally:
         e.close()
+
+
+class CountedRunners(tuple):
+    """A slot set's runners that record the slots looked up and every walk over all of them."""
+
+    touched: set[int]
+    walks: int
+
+    def __new__(cls, runners):
+        counted = super().__new__(cls, runners)
+        counted.touched, counted.walks = set(), 0
+        return counted
+
+    def __getitem__(self, index):
+        self.touched.add(index)
+        return super().__getitem__(index)
+
+    def __iter__(self):
+        self.walks += 1
+        return super().__iter__()
+
+
+def test_256_slots_steps_touch_only_the_slots_generating(tokenizers, templates):
+    """Issue 41's scale: with -np 256 a step's work is O(active slots): two slots generate and no step looks up
+    another slot or walks them all (counted on the slot set's runners, which every slot access goes through)."""
+    n_slots = 256
+    slots = sharing(base_runner("smollm2"), n_slots=n_slots, n_ctx=64 * n_slots, kv_type="f16")
+    e = InProcessEngine(slots, tokenizers["smollm2"], templates["smollm2"])
+    try:
+        slots.runners = counted = CountedRunners(slots.runners)
+        for rid, slot in (("a", 7), ("b", 200)):
+            e.send("COMPLETE", greedy(id=rid, slot=slot, prompt=prompt(5, slot), n_predict=24))
+        assert [e.terminal(rid)["event"] for rid in "ab"] == ["result", "result"]
+        assert e.scheduler.steps >= 24 and counted.touched <= {7, 200} and counted.walks == 0
+    finally:
+        e.close()

@@ -408,7 +408,8 @@ class EngineSettings:
         default=True,
         check=_boolean,
         help="let a slot's arithmetic depend on the batch and the prompt chunks (CPU: float32 products of several "
-        "rows through BLAS or weight-row pairs, gemma3's long global attention through BLAS); by default a "
+        "rows through BLAS or weight-row pairs, gemma3's long global attention through BLAS, the numpy kernels' "
+        "plain BLAS products and chunk attention); by default a "
         "conversation's logits are the same bits whatever else runs",
     )
     threads: int | None = _setting(

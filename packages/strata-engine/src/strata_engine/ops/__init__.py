@@ -18,10 +18,10 @@ from .threads import default_threads, set_poll, set_threads
 
 
 def _numpy_ops(compute_dtype: str, threads: int | None, batch_invariant: bool) -> Ops:
-    """BLAS's products and numpy's sums: not batch-invariant (the reference: its arithmetic stays as it is)."""
+    """BLAS's products and numpy's sums; batch-invariant in fixed row groups (`NumpyOps.grouped_matmul`)."""
     if threads is not None:
         set_threads(threads)
-    return NumpyOps(compute_dtype)
+    return NumpyOps(compute_dtype, batch_invariant)
 
 
 def _numba_ops(compute_dtype: str, threads: int | None, batch_invariant: bool, q8: bool = False) -> Ops:

@@ -21,6 +21,9 @@ from .attention_tiling import soft_cap
 
 GELU_C = math.sqrt(2.0 / math.pi)
 INT8_MAX = 127.0
+# A batch-invariant product's rows per BLAS call (zero-padded): OpenBLAS gives a row a result of its own only in
+# calls of one shape with the rows on gemm's N side (bench/engine/DECISIONS.md, "The numpy backend's batch invariance").
+INVARIANT_ROWS = 8
 
 
 def rope_angles(
@@ -43,9 +46,12 @@ class NumpyOps:
     compiles_kernels = False
     copies_beside_steps = False
 
-    def __init__(self, dtype: str = "f32"):
+    def __init__(self, dtype: str = "f32", batch_invariant: bool = False):
         self.xp: Any = np
         self.dtype = np.dtype({"f32": np.float32, "f64": np.float64}[dtype])
+        # a row's arithmetic never depends on the pass's other rows (`settings.EngineSettings.batch_invariant`):
+        # products in fixed row groups (`grouped_matmul`), a prompt's attention query by query as decoding does
+        self.batch_invariant = batch_invariant
 
     # ---- data movement -------------------------------------------------------------------------
     def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:
@@ -110,7 +116,21 @@ class NumpyOps:
     # ---- matrix products -----------------------------------------------------------------------
     def matmul(self, x: Any, w: Any) -> Any:
         """x [T, in] @ W^T for W [out, in] -> [T, out]."""
-        return x @ w.T
+        return self.grouped_matmul(x, w) if self.batch_invariant else x @ w.T
+
+    def grouped_matmul(self, x: Any, w: Any) -> Any:
+        """x @ W^T as W @ g^T for x's rows in groups g of INVARIANT_ROWS (the last zero-padded): one BLAS call
+        shape for every row count, a row's outputs computed alike wherever it lies in its group (measured:
+        x @ W^T's row bits change with the row count and the row's place, and a single row takes gemv)."""
+        xp = self.xp
+        n, k = x.shape
+        groups = -(-n // INVARIANT_ROWS)
+        padded = xp.zeros((groups * INVARIANT_ROWS, k), dtype=x.dtype)
+        padded[:n] = x
+        y = xp.matmul(w, padded.reshape(groups, INVARIANT_ROWS, k).transpose(0, 2, 1))  # [groups, out, rows]
+        # contiguous whatever the groups (one group's reshape is a strided view): numpy's sums over a row
+        # take another order on strided data
+        return xp.ascontiguousarray(y.transpose(0, 2, 1).reshape(groups * INVARIANT_ROWS, -1)[:n])
 
     def project(self, x: Any, w_fused: Any, sizes: tuple[int, ...], bias: Any | None = None) -> list[Any]:
         """x @ W^T (+ b) for a fused weight W = [W_1; W_2; ...] whose blocks have `sizes` rows (and a fused
@@ -219,11 +239,16 @@ class NumpyOps:
         q [T, H, D] for positions q_pos0 .. q_pos0+T-1; k, v [S, Hkv, D] for positions k_pos0 ..
         k_pos0+S-1. A query at p sees keys at j <= p with p - j < window. Returns [T, H*D].
         With `ring_capacity` > 0, k and v are a whole ring [capacity, Hkv, D] holding position p in slot
-        p % capacity, and the keys are positions k_pos0 .. q_pos0+T-1."""
+        p % capacity, and the keys are positions k_pos0 .. q_pos0+T-1.
+        Batch-invariant, a chunk's queries attend one by one over exactly the keys each sees: the call decoding
+        that position alone makes (`query_by_query`)."""
         xp = self.xp
         if ring_capacity:
             slots = xp.arange(k_pos0, q_pos0 + q.shape[0]) % ring_capacity
             k, v = k[slots], v[slots]
+        if self.batch_invariant and q.shape[0] > 1:
+            return self.query_by_query(q, k, v, q_pos0=q_pos0, k_pos0=k_pos0, window=window, scale=scale,
+                                       softcap=softcap)  # fmt: skip
         n_q, n_head, d = q.shape
         n_k, n_kv, _ = k.shape
         group = n_head // n_kv
@@ -241,6 +266,21 @@ class NumpyOps:
         scores /= scores.sum(axis=-1, keepdims=True)
         out = xp.matmul(scores.reshape(n_kv, group * n_q, n_k), v.transpose(1, 0, 2))  # [Hkv, G*T, D]
         return out.reshape(n_kv, group, n_q, d).transpose(2, 0, 1, 3).reshape(n_q, n_head * d)
+
+    def query_by_query(
+        self, q: Any, k: Any, v: Any, *, q_pos0: int, k_pos0: int, window: int | None, scale: float,
+        softcap: float,
+    ) -> Any:  # fmt: skip
+        """`attention` of each query of q [T, H, D] alone over keys [lo, p] of k, v [S, Hkv, D] (positions
+        k_pos0..): a position's sums and products the same whatever chunk holds it."""
+        out = []
+        for t in range(q.shape[0]):
+            p = q_pos0 + t
+            lo = k_pos0 if window is None else max(k_pos0, p - window + 1)
+            keys = slice(lo - k_pos0, p - k_pos0 + 1)
+            out.append(self.attention(q[t : t + 1], k[keys], v[keys], q_pos0=p, k_pos0=lo, window=window,
+                                      scale=scale, softcap=softcap))  # fmt: skip
+        return self.xp.concatenate(out)
 
     def mask_bias(self, q_pos0: int, n_q: int, k_pos0: int, n_k: int, window: int | None) -> Any | None:
         """Additive mask [T, S] (0 where visible, -inf elsewhere), or None when every key is visible."""
