@@ -7,7 +7,8 @@ pre-touched rows (as the engine's cache: 90 MiB at 7,915 tokens, colder than any
 Two measures, in paired rounds (a shared machine's load moves a round's cases alike), medians printed with
 the quartiles, CPU time (process_time: user + system, both threads of the split) and wall time:
   * the ways, side by side: read only; read straight into the rows; read + numpy's strided copy;
-    read + the package's numba kernel (8x8 tiles); the same kernel split over two threads by tokens;
+    read + the package's numba kernel (8x8 tiles), straight into the rows and (the package's way) into a
+    block of rows kept in L2, copied whole; the same kernel split over two threads by tokens;
     read + a SWAR kernel (4x4 two-byte values in four 64-bit words, shifts and masks, defined here);
     read + torch's `copy_` of a transposed view (where torch is installed);
   * the package's own path (`SlotSource.copy_out` of every layer part, numba loaded as in an engine): a
@@ -107,6 +108,7 @@ def ways(d: str, n: int, rounds: int) -> None:
     flat = buf.view(np.uint16)
     cols = flat[: ROW * n].reshape(ROW, n)
     pool = ThreadPoolExecutor(1)
+    scratch = np.empty(L.TRANSPOSE_SCRATCH, np.uint8)  # the package's way: rows a block at a time, in L2
 
     def two(dst, src):
         h = len(dst) // 2
@@ -131,6 +133,9 @@ def ways(d: str, n: int, rounds: int) -> None:
         "read straight into the rows": direct,
         "read + numpy strided copy": read_then(lambda i: rows[i].__setitem__(Ellipsis, cols.T)),
         "read + numba 8x8 (the package's)": read_then(lambda i: transpose_blocked(rows[i], cols)),
+        "read + numba 8x8 through a block (kept)": read_then(
+            lambda i: L.transpose_into(rows[i], cols, scratch)
+        ),
         "read + numba 8x8 on two threads": read_then(lambda i: two(rows[i], cols)),
         "read + SWAR 4x4 words": read_then(lambda i: transpose_swar(rows[i], flat, n)),
     }
@@ -161,8 +166,11 @@ def package_path(d: str, n: int, rounds: int) -> None:
     geo = L.model_geometry(str(model))
     dests = {(i, p): np.ones(n * ROW, np.uint16) for i in range(N_LAYER) for p in (Part.K, Part.V)}
 
-    def copy_out(path: str):
+    block = L.TRANSPOSE_SCRATCH
+
+    def copy_out(path: str, scratch: int = block):
         def run():
+            L.TRANSPOSE_SCRATCH = scratch  # 0: the kernel straight into the rows (no block), as before
             source = L.SlotSource(L.read_slot_file(path, geo), geo, None, b"")  # type: ignore[arg-type]
             try:
                 for i in range(len(source.layers)):
@@ -170,6 +178,7 @@ def package_path(d: str, n: int, rounds: int) -> None:
                         source.copy_out(i, p, 0, memoryview(dests[(i, p)]).cast("B"))
             finally:
                 source.close()
+                L.TRANSPOSE_SCRATCH = block
 
         return run
 
@@ -178,6 +187,7 @@ def package_path(d: str, n: int, rounds: int) -> None:
         path = str(Path(d) / f"slot-{int(v_trans)}.bin")
         slot_file(path, n, v_trans)
         cases[f"SlotSource.copy_out, {'V transposed' if v_trans else 'V rows'}"] = copy_out(path)
+    cases["  the same, the kernel straight into the rows"] = copy_out(path, 0)
     print(f"the package's path, a {n}-token slot file's every layer part:")
     paired(cases, rounds)
 

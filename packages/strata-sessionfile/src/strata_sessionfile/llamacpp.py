@@ -870,7 +870,7 @@ class SlotSource:
         first, last = -(-offset // row), end // row  # the whole rows in dest
         if first < last:
             rows = np.frombuffer(dest, cols.dtype, (last - first) * sp.n_embd, first * row - offset)
-            if self._scratch is None:
+            if self._scratch is None and "numba" in sys.modules:  # only the kernel goes through it
                 self._scratch = np.empty(TRANSPOSE_SCRATCH, np.uint8)
             _untranspose_runs(cols, rows.reshape(-1, sp.n_embd), first, la.runs, self._scratch)
         for t in {t for t, cut in ((offset // row, offset % row), (end // row, end % row)) if cut}:
