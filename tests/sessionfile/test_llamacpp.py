@@ -179,6 +179,20 @@ def test_numba_transpose_kernel_equals_numpy(shape, dtype):
     assert (dst == view.T).all()
 
 
+@pytest.mark.parametrize("scratch_rows", [0, 1, 3, 8, 13, 40])
+@pytest.mark.parametrize("dtype", ["<u2", "<u4"])
+def test_transpose_through_a_scratch_block_equals_numpy(scratch_rows, dtype):
+    """The kernel's rows a block at a time through a scratch of any size (none, one row, blocks that do
+    not divide the rows, more than all of them), from a strided run of cells, give numpy's transpose."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("numba")
+    src = np.random.default_rng(2).integers(0, 1 << 16, (24 + 3, 37 + 5)).astype(dtype)
+    view = src[2 : 2 + 24, 1 : 1 + 37]  # [value][cell], strided, as a run of cells is
+    dst = np.zeros((37, 24), dtype)
+    L.transpose_into(dst, view, np.empty(scratch_rows * 24 * dst.itemsize, np.uint8))
+    assert (dst == view.T).all()
+
+
 def test_cells_out_of_order_are_put_in_position_order(model, tmp_path):
     n = 4
     data = slotfiles.slot_bytes(n, positions=[2, 3, 0, 1], seed=5)
