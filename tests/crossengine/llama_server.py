@@ -16,7 +16,15 @@ FLASH_ATTN = {"v_trans": "LLAMA_FLASH_ATTN_TYPE_DISABLED", "v_rows": "LLAMA_FLAS
 class LlamaServer:
     """llama-server in this process: HTTP on an ephemeral port, one slot, slot files in `slots`."""
 
-    def __init__(self, model: Path, slots: Path, flash_attn: str, kv_type: str = "GGML_TYPE_F16") -> None:
+    def __init__(
+        self,
+        model: Path,
+        slots: Path,
+        flash_attn: str,
+        kv_type: str = "GGML_TYPE_F16",
+        **settings: object,
+    ) -> None:
+        """`settings`: more of llama.cpp's common_params, by name (chat_template, use_jinja, ...)."""
         p = xlc.CommonParams()
         p.cache_type_k = p.cache_type_v = getattr(xlc.ggml_type, kv_type)
         p.model.path = str(model)
@@ -27,6 +35,8 @@ class LlamaServer:
         p.port = 0
         p.slot_save_path = str(slots) + "/"  # llama-server joins it to the file name as text
         p.flash_attn_type = getattr(xlc.llama_flash_attn_type, flash_attn)
+        for name, value in settings.items():
+            setattr(p, name, value)
         self.slots = slots
         self.server = xlc.Server(p)
         self.base = self.server.listening_address
