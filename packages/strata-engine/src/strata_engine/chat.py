@@ -97,8 +97,7 @@ def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
     calls = []
     for i, call in enumerate(message["tool_calls"]):
         function = call.get("function") if isinstance(call, Mapping) else None
-        arguments = function.get("arguments") if isinstance(function, Mapping) else None
-        if isinstance(arguments, str):
+        if isinstance(function, Mapping) and isinstance(arguments := function.get("arguments"), str):
             try:
                 parsed = json.loads(arguments)
             except json.JSONDecodeError as exc:
