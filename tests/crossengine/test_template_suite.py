@@ -83,6 +83,10 @@ MESSAGES = {
         {"role": "user", "content": "More"},
     ],
 }
+# a final assistant turn: continued by both (assistant prefill, their default)
+PREFILL = [*REFERENCE["conversation"][:4], {"role": "assistant", "content": "I am"}]
+THINKING_TEMPLATES = {template for template, _, _ in REASONING_CASES}
+NOT_THINKING_SERVERS = [p for p in SUITE_SERVERS + FAMILY_SERVERS if p[0] not in THINKING_TEMPLATES]
 KWARGS = {"none": None, "thinking_off": {"enable_thinking": False}, "thinking_on": {"enable_thinking": True}}
 
 
@@ -249,3 +253,23 @@ def test_chat_endpoint_prompt_is_llama_servers(pair):
         assert strata_status == 400, (strata, llama)
         return
     assert (strata_status, strata["input_tokens"]) == (200, llama["input_tokens"])
+
+
+@pytest.mark.parametrize("pair", NOT_THINKING_SERVERS, indirect=True, ids=_ids(NOT_THINKING_SERVERS))
+def test_prefill_continues_as_llama_server(pair):
+    for generation in (False, True):  # llama-server turns the generation prompt off for a prefill itself
+        strata, llama = pair.prompts({"messages": PREFILL, "add_generation_prompt": generation})
+        assert strata.endswith("I am") and strata == llama
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="b11549 continues a thinking template's assistant turn after an empty reasoning block, the start and "
+    "end tags its autoparser finds in the template (chat-auto-parser-generator.cpp); Strata appends the text "
+    "to the plain generation prompt",
+)
+@pytest.mark.parametrize("pair", [("Qwen-Qwen3-0.6B", "off")], indirect=True, ids=["Qwen-Qwen3-0.6B-off"])
+def test_prefill_of_a_thinking_template(pair):
+    body = {"messages": PREFILL, "chat_template_kwargs": {"enable_thinking": True}}
+    strata, llama = pair.prompts(body)
+    assert strata == llama

@@ -168,6 +168,12 @@ def test_a_system_turn_the_template_does_not_read_is_merged_into_the_next():
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     ) == (gemma2.render(merged))
     assert family_template("Qwen-Qwen2.5-7B-Instruct").supports_system_role
+    # a continued assistant turn is set apart first, as the peer: the merge applies to the turns before it
+    system = {"role": "system", "content": "Be brief."}
+    continued = [system, {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
+    assert gemma2.render(continued, continue_final_message=True) == gemma2.render(merged) + "Hi"
+    alone = gemma2.render([system, {"role": "assistant", "content": "Hi"}], continue_final_message=True)
+    assert alone == "<start_of_turn>model\nHi"  # the system turn, with no turn to join, is dropped
 
 
 def test_developer_is_system_but_for_channel_templates():

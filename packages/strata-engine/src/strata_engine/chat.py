@@ -366,16 +366,18 @@ class ChatTemplate:
         `enable_thinking` and the date. With `continue_final_message` the last message, the assistant's, is
         left open for the model to continue (llama-server's assistant prefill): the others are rendered with
         the generation prompt and the last one's text is appended."""
-        normalized = self._as_given_by_llama_server(normalize_messages(list(messages)))
+        normalized = normalize_messages(list(messages))
         context = self._context(tools, dict(chat_template_kwargs or {}))
         if not continue_final_message:
-            return self._render(normalized, add_generation_prompt, context)
+            return self._render(self._as_given_by_llama_server(normalized), add_generation_prompt, context)
         if normalized[-1]["role"] != "assistant":
             raise ChatTemplateError(
                 "continue_final_message needs the last message to be the assistant's, "
                 f"got {normalized[-1]['role']!r}"
             )
-        return self._render(normalized[:-1], True, context) + normalized[-1]["content"]
+        # as the peer: the continued message is set apart before the others are handed over
+        rest = self._as_given_by_llama_server(normalized[:-1])
+        return self._render(rest, True, context) + normalized[-1]["content"]
 
     def _context(self, tools: Sequence[Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The template's variables besides messages and add_generation_prompt (common/chat.cpp's
@@ -410,7 +412,7 @@ class ChatTemplate:
             return messages
         if KEEPS_DEVELOPER_ROLE not in self.source:
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-        if not self.supports_system_role and messages[0]["role"] == "system":
+        if not self.supports_system_role and messages and messages[0]["role"] == "system":
             first, rest = messages[0], messages[1:]
             if rest:
                 rest = [{**rest[0], "content": first["content"] + "\n" + rest[0]["content"]}, *rest[1:]]
