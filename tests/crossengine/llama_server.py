@@ -17,8 +17,15 @@ class LlamaServer:
     """llama-server in this process: HTTP on an ephemeral port, one slot, slot files in `slots`."""
 
     def __init__(
-        self, model: Path, slots: Path, flash_attn: str, kv_type: str = "GGML_TYPE_F16", threads: int = 2
+        self,
+        model: Path,
+        slots: Path,
+        flash_attn: str,
+        kv_type: str = "GGML_TYPE_F16",
+        threads: int = 2,
+        **settings: object,
     ) -> None:
+        """`settings`: more of llama.cpp's common_params, by name (chat_template, use_jinja, ...)."""
         p = xlc.CommonParams()
         p.cache_type_k = p.cache_type_v = getattr(xlc.ggml_type, kv_type)
         p.model.path = str(model)
@@ -28,6 +35,8 @@ class LlamaServer:
         p.port = 0
         p.slot_save_path = str(slots) + "/"  # llama-server joins it to the file name as text
         p.flash_attn_type = getattr(xlc.llama_flash_attn_type, flash_attn)
+        for name, value in settings.items():
+            setattr(p, name, value)
         self.slots = slots
         self.server = xlc.Server(p)
         self.base = self.server.listening_address

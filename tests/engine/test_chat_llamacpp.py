@@ -5,12 +5,20 @@
 from __future__ import annotations
 
 import datetime
+import json
 
 import pytest
 from strata_engine.chat import ChatTemplate
 from strata_engine.errors import ChatTemplateError
 from strata_engine.settings import ChatTemplateName, values
-from support.chat_reference import REFERENCE, TEMPLATES_DIR, TEST_TOOL, jinja_cases, matches_today
+from support.chat_reference import (
+    REFERENCE,
+    TEMPLATES_DIR,
+    TEST_TOOL,
+    jinja_cases,
+    matches_today,
+    template_path,
+)
 
 # what llama-server puts in the template kwargs for --reasoning on|off (common/arg.cpp), and always
 REASONING_KWARGS = {"on": {"enable_thinking": True}, "off": {"enable_thinking": False}, "auto": {}}
@@ -115,3 +123,83 @@ def test_tool_calls_reach_the_template(file_templates):
     prompt = template.render(messages, tools=[TEST_TOOL])
     assert '<tool_call>\n{"name": "test", "arguments": {"success": true}}\n</tool_call>' in prompt
     assert "<tool_response>\ndone\n</tool_response>" in prompt
+
+
+# --- the messages as llama-server hands them to a template (common/chat.cpp's workarounds, caps.cpp's probes) --
+
+
+def family_template(name: str) -> ChatTemplate:
+    return ChatTemplate.from_source(template_path(f"families/{name}.jinja").read_text(), origin="test")
+
+
+def tool_call_turns(arguments) -> list[dict]:
+    call = {"id": "0", "type": "function", "function": {"name": "test", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "call it"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "done", "tool_call_id": "0"},
+    ]
+
+
+def test_json_text_arguments_reach_an_object_reading_template_parsed(file_templates):
+    """OpenAI clients send a tool call's arguments as JSON text; llama-server parses them for a template that
+    reads them as an object (Qwen3's `arguments | tojson`), and leaves them text for one that does not."""
+    qwen3 = file_templates["Qwen-Qwen3-0.6B.jinja"]
+    assert qwen3.supports_object_arguments
+    as_text = qwen3.render(tool_call_turns('{"success": true}'), tools=[TEST_TOOL])
+    assert as_text == qwen3.render(tool_call_turns({"success": True}), tools=[TEST_TOOL])
+    printing = ChatTemplate.from_source(
+        "{% for m in messages %}{% for c in m.tool_calls %}{{ c.function.arguments }}{% endfor %}{% endfor %}",
+        origin="test",
+    )
+    assert not printing.supports_object_arguments
+    assert printing.render(tool_call_turns('{"success": true}')) == '{"success": true}'
+    with pytest.raises(ChatTemplateError, match=r"tool_calls\[0\].function.arguments is not JSON"):
+        qwen3.render(tool_call_turns("{success"), tools=[TEST_TOOL])
+
+
+def test_a_system_turn_the_template_does_not_read_is_merged_into_the_next():
+    """Gemma 2's template raises on a system turn: llama-server gives it the system text atop the first user
+    turn instead."""
+    gemma2 = family_template("google-gemma-2-2b-it")
+    assert not gemma2.supports_system_role
+    merged = [{"role": "user", "content": "Be brief.\nHello"}]
+    assert gemma2.render(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    ) == (gemma2.render(merged))
+    assert family_template("Qwen-Qwen2.5-7B-Instruct").supports_system_role
+    # a continued assistant turn is set apart first, as the peer: the merge applies to the turns before it
+    system = {"role": "system", "content": "Be brief."}
+    continued = [system, {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
+    assert gemma2.render(continued, continue_final_message=True) == gemma2.render(merged) + "Hi"
+    alone = gemma2.render([system, {"role": "assistant", "content": "Hi"}], continue_final_message=True)
+    assert alone == "<start_of_turn>model\nHi"  # the system turn, with no turn to join, is dropped
+
+
+def test_developer_is_system_but_for_channel_templates():
+    source = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+    messages = [{"role": "developer", "content": "d"}, {"role": "user", "content": "u"}]
+    assert ChatTemplate.from_source(source, origin="test").render(messages) == "system:d;user:u;"
+    harmony = ChatTemplate.from_source(source + "{# <|channel|> #}", origin="test")
+    assert harmony.render(messages) == "developer:d;user:u;"
+
+
+def test_reasoning_kwargs_set_the_names_templates_read_them_by():
+    template = ChatTemplate.from_source(
+        "{{ preserve_thinking }} {{ clear_thinking }} {{ drop_thinking }} {{ reasoning_strength }}",
+        origin="test",
+    )
+    messages = [{"role": "user", "content": "x"}]
+    assert template.render(messages) == "   "
+    kept = {"preserve_reasoning": True, "reasoning_effort": "low"}
+    assert template.render(messages, chat_template_kwargs=kept) == "True False False low"
+    dropped = {"preserve_reasoning": False}
+    assert template.render(messages, chat_template_kwargs=dropped) == "False True True "
+
+
+def test_tojson_takes_a_mapped_sequence():
+    """llama.cpp's own DeepSeek-R1 template writes `tools | map(attribute='function') | tojson(indent=2)`."""
+    prompt = family_template("llama-cpp-deepseek-r1").render(
+        [{"role": "user", "content": "x"}], tools=[TEST_TOOL]
+    )
+    assert json.dumps([TEST_TOOL["function"]], indent=2) in prompt

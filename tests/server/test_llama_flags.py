@@ -370,6 +370,23 @@ def test_reasoning_and_template_kwargs_flags(fake_model):
     ]
 
 
+def test_reasoning_effort_and_preserve_flags(fake_model):
+    """--reasoning-effort and --[no-]reasoning-preserve set the templates' reasoning_effort and
+    preserve_reasoning over --chat-template-kwargs (llama-server b11549's flags); `default` leaves the effort
+    to the template."""
+    base = ["--model", str(fake_model), "--chat-template-kwargs", '{"preserve_reasoning": false}']
+    assert load_config(base).template_kwargs() == {"preserve_reasoning": False}
+    assert load_config([*base, "--reasoning-preserve"]).template_kwargs() == {"preserve_reasoning": True}
+    flags = [*base[:2], "--no-reasoning-preserve", "--reasoning-effort", "high"]
+    assert load_config(flags).template_kwargs() == {"preserve_reasoning": False, "reasoning_effort": "high"}
+    assert "reasoning_effort" not in load_config([*base, "--reasoning-effort", "default"]).template_kwargs()
+    with pytest.raises(ConfigError) as info:
+        load_config([*base, "--reasoning-effort", ""])
+    assert info.value.problems == [
+        "reasoning_effort: empty (give a level, or 'default' for the template's own)"
+    ]
+
+
 # --- chat validation, assistant prefill, input token count -------------------------------------------
 
 CHAT_PATHS = ("/v1/chat/completions", "/apply-template", "/v1/chat/completions/input_tokens")

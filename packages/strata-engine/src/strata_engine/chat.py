@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -44,21 +44,92 @@ DATE_VARIABLES: Mapping[str, str] = {"date_string": "%d %b %Y", "datetime": "%b 
 # the one user message llama.cpp renders to learn whether a template reacts to enable_thinking
 THINKING_PROBE = ({"role": "user", "content": "test"},)
 
+# llama.cpp's capability probes (common/jinja/caps.cpp): a system turn whose content the template must read
+SYSTEM_PROBE = ({"role": "system", "content": "System message"}, {"role": "user", "content": "User message"})
+PROBE_TOOLS = (
+    {
+        "name": "tool",
+        "type": "function",
+        "function": {
+            "name": "tool1",
+            "description": "Tool description",
+            "parameters": {
+                "type": "object",
+                "properties": {"arg": {"type": "string", "description": "Arg description"}},
+                "required": ["arg"],
+            },
+        },
+    },
+)
+
+# what llama-server's preserve_reasoning (on by default) sets beside it: name -> its value when preserving
+PRESERVE_REASONING_VARIABLES: Mapping[str, bool] = {
+    "preserve_thinking": True,
+    "clear_thinking": False,
+    "truncate_history_thinking": False,
+    "drop_thinking": False,
+}
+# the names a template may read llama-server's reasoning_effort by
+REASONING_EFFORT_VARIABLES = ("reasoning_effort", "reasoning_strength")
+# llama.cpp maps the developer role to system except for templates with channels (GPT-OSS's harmony)
+KEEPS_DEVELOPER_ROLE = "<|channel|>"
+
+
+def _object_arguments_probe() -> list[dict[str, Any]]:
+    """caps.cpp's conversation with one tool call whose arguments are an object (fresh: the probe watches
+    these very dicts)."""
+    call = {
+        "id": "call00001",
+        "type": "function",
+        "function": {"name": "tool1", "arguments": {"arg": "value"}},
+    }
+    return [
+        {"role": "user", "content": "User message"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "Tool response", "tool_call_id": "call00001"},
+        {"role": "assistant", "content": "The tool response was 'tool response'"},
+        {"role": "user", "content": "User message"},
+    ]
+
+
+def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with its tool calls' JSON-text arguments parsed (common/chat.cpp's func_args_not_string)."""
+    calls = []
+    for i, call in enumerate(message["tool_calls"]):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(arguments := function.get("arguments"), str):
+            try:
+                parsed = json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                raise ChatTemplateError(f"tool_calls[{i}].function.arguments is not JSON: {exc}") from exc
+            call = {**call, "function": {**function, "arguments": parsed}}
+        calls.append(call)
+    return {**message, "tool_calls": calls}
+
 
 def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"the chat template refused the messages: {message}")
 
 
-def _tojson(
-    value: Any,
-    indent: int | None = None,
-    separators=None,
-    sort_keys: bool = False,
-    ensure_ascii: bool = False,
-) -> str:
-    return json.dumps(
-        value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii
-    )
+def _plain(value: Any) -> Any:
+    """`value` with jinja's lazy sequences (a `map` filter's generator) as the lists llama.cpp's jinja has."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) or isinstance(value, Iterator):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _deep_keys(value: Any) -> Iterator[tuple[int, Any]]:
+    """Every (container, key) inside `value`: what llama.cpp's tojson marks as read."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield id(value), key
+            yield from _deep_keys(item)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield id(value), index
+            yield from _deep_keys(item)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -88,15 +159,47 @@ class _Empty(jinja2.ChainableUndefined):
         return other
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+class _Environment(ImmutableSandboxedEnvironment):
+    """The sandbox, noting which (container, key) a render reads while a capability probe watches (what
+    llama.cpp's jinja counts as a value "used")."""
+
+    watched: set[tuple[int, Any]] | None = None
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        if self.watched is not None:
+            self.watched.add((id(obj), argument))
+        return super().getitem(obj, argument)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if self.watched is not None:
+            self.watched.add((id(obj), attribute))
+        return super().getattr(obj, attribute)
+
+
+def _environment() -> _Environment:
+    env = _Environment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=["jinja2.ext.loopcontrols"],
         autoescape=False,
         undefined=_Empty,
     )
-    env.filters["tojson"] = _tojson
+
+    def tojson(
+        value: Any,
+        indent: int | None = None,
+        separators=None,
+        sort_keys: bool = False,
+        ensure_ascii: bool = False,
+    ) -> str:
+        if env.watched is not None:
+            env.watched.update(_deep_keys(value))
+        value = _plain(value)
+        return json.dumps(
+            value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii
+        )
+
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -166,6 +269,11 @@ class ChatTemplate:
     _format: Format | None = attrs.field(default=None, repr=False, alias="_format")
     # the template reacts to enable_thinking: llama-server's default for it under --reasoning auto
     supports_thinking: bool = False
+    # llama.cpp's template capabilities (caps.cpp) that change the messages it is given: a system turn it
+    # does not read is merged into the next turn; tool call arguments given as JSON text reach a template that
+    # reads them as an object parsed
+    supports_system_role: bool = True
+    supports_object_arguments: bool = False
 
     @classmethod
     def from_source(
@@ -193,7 +301,12 @@ class ChatTemplate:
             add_eos=add_eos,
             _template=template,
         )
-        return attrs.evolve(made, supports_thinking=made._reacts_to_thinking())
+        return attrs.evolve(
+            made,
+            supports_thinking=made._reacts_to_thinking(),
+            supports_system_role=made._reads(SYSTEM_PROBE, 0, "content"),
+            supports_object_arguments=made._reads_object_arguments(),
+        )
 
     @classmethod
     def builtin(cls, name: ChatTemplateName, *, origin: str = "", **tokens: Any) -> ChatTemplate:
@@ -256,13 +369,15 @@ class ChatTemplate:
         normalized = normalize_messages(list(messages))
         context = self._context(tools, dict(chat_template_kwargs or {}))
         if not continue_final_message:
-            return self._render(normalized, add_generation_prompt, context)
+            return self._render(self._as_given_by_llama_server(normalized), add_generation_prompt, context)
         if normalized[-1]["role"] != "assistant":
             raise ChatTemplateError(
                 "continue_final_message needs the last message to be the assistant's, "
                 f"got {normalized[-1]['role']!r}"
             )
-        return self._render(normalized[:-1], True, context) + normalized[-1]["content"]
+        # as the peer: the continued message is set apart before the others are handed over
+        rest = self._as_given_by_llama_server(normalized[:-1])
+        return self._render(rest, True, context) + normalized[-1]["content"]
 
     def _context(self, tools: Sequence[Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The template's variables besides messages and add_generation_prompt (common/chat.cpp's
@@ -281,7 +396,68 @@ class ChatTemplate:
             context["tools"] = list(tools)
         context.update({name: now.strftime(fmt) for name, fmt in DATE_VARIABLES.items()})
         context.update(kwargs)
+        # common_chat_template_direct_apply_impl: these two kwargs also set the names templates read them by
+        if isinstance(kwargs.get("preserve_reasoning"), bool):
+            preserve = kwargs["preserve_reasoning"]
+            context.update({name: value == preserve for name, value in PRESERVE_REASONING_VARIABLES.items()})
+        if isinstance(kwargs.get("reasoning_effort"), str) and kwargs["reasoning_effort"]:
+            context.update(dict.fromkeys(REASONING_EFFORT_VARIABLES, kwargs["reasoning_effort"]))
         return context
+
+    def _as_given_by_llama_server(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages as common_chat_templates_apply_jinja hands them to this template: developer is system
+        (but for channel templates), a system turn the template does not read is merged into the next one,
+        and JSON-text tool call arguments are parsed for a template that reads them as an object."""
+        if self._template is None:
+            return messages
+        if KEEPS_DEVELOPER_ROLE not in self.source:
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+        if not self.supports_system_role and messages and messages[0]["role"] == "system":
+            first, rest = messages[0], messages[1:]
+            if rest:
+                rest = [{**rest[0], "content": first["content"] + "\n" + rest[0]["content"]}, *rest[1:]]
+            messages = rest
+        if self.supports_object_arguments:
+            messages = [_with_object_arguments(m) if m.get("tool_calls") else m for m in messages]
+        return messages
+
+    def _render_watched(
+        self, messages: list[dict[str, Any]], tools: Sequence[Any]
+    ) -> tuple[set[tuple[int, Any]], bool]:
+        """What one render of a probe reads, and whether it succeeded, as caps.cpp's caps_try_execute renders
+        it: empty BOS and EOS, the generation prompt."""
+        assert self._template is not None
+        env = self._template.environment
+        assert isinstance(env, _Environment)
+        env.watched = set()
+        try:
+            self._template.render(
+                messages=messages, tools=list(tools), bos_token="", eos_token="", add_generation_prompt=True
+            )
+            succeeded = True
+        except Exception:  # noqa: BLE001 - a probe learns from the failure; real renders report it
+            succeeded = False
+        reads, env.watched = env.watched, None
+        return reads, succeeded
+
+    def _reads(self, probe: Sequence[Mapping[str, Any]], index: int, key: str) -> bool:
+        """Whether a render of `probe` reads messages[index][key] (a failed render's reads count too)."""
+        messages = [dict(m) for m in probe]
+        reads, _ = self._render_watched(messages, [])
+        return (id(messages[index]), key) in reads
+
+    def _reads_object_arguments(self) -> bool:
+        """caps.cpp's supports_object_arguments: a render of a tool call with object arguments succeeds and
+        reads the argument (retried once with an empty reasoning_content on the assistant turns, as caps.cpp)."""
+        messages = _object_arguments_probe()
+        arguments = messages[1]["tool_calls"][0]["function"]["arguments"]
+        reads, succeeded = self._render_watched(messages, PROBE_TOOLS)
+        if not succeeded:
+            for message in messages:
+                if message["role"] == "assistant":
+                    message.setdefault("reasoning_content", "")
+            reads, succeeded = self._render_watched(messages, PROBE_TOOLS)
+        return succeeded and (id(arguments), "arg") in reads
 
     def _reacts_to_thinking(self) -> bool:
         """Whether the generation prompt of one user message changes with enable_thinking (what llama.cpp's

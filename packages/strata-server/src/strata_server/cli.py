@@ -127,6 +127,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: auto, as llama-server); a request's chat_template_kwargs.enable_thinking wins",
     )
     add(
+        "--reasoning-effort",
+        metavar="LEVEL",
+        help="the chat templates' reasoning_effort (and reasoning_strength): a level such as low, medium or high, "
+        "or default: the template's own (default: default, as llama-server)",
+    )
+    add(
+        "--reasoning-preserve",
+        dest="reasoning_preserve",
+        action="store_true",
+        help="the chat templates' preserve_reasoning: keep the reasoning of every assistant turn, not just the last "
+        "(default: on, as llama-server, unless --chat-template-kwargs says otherwise)",
+    )
+    add(
+        "--no-reasoning-preserve",
+        dest="reasoning_preserve",
+        action="store_false",
+        help="the chat templates' preserve_reasoning off",
+    )
+    add(
         "--chat-template-kwargs",
         metavar="JSON",
         help='a JSON object of more chat template variables, e.g. \'{"key": "value"}\'; a request\'s '

@@ -63,6 +63,8 @@ REASONING_KWARGS: Mapping[Reasoning, Mapping[str, Any]] = {
 }
 # what llama-server always adds to the template kwargs (common_params_parse: --reasoning-preserve's default)
 ALWAYS_TEMPLATE_KWARGS: Mapping[str, Any] = {"preserve_reasoning": True}
+# --reasoning-effort's value that leaves the template's own default (no reasoning_effort kwarg)
+TEMPLATE_EFFORT = "default"
 
 
 class ConfigError(ServerError):
@@ -115,6 +117,12 @@ class ServerConfig:
     verbose: bool = False  # log everything (debug), the engine's log too; answers carry __verbose
     reasoning: str = Reasoning.AUTO.value  # a Reasoning: the chat templates' enable_thinking
     chat_template_kwargs: str = ""  # a JSON object: more chat template variables (a request's own win)
+    reasoning_effort: str = (
+        TEMPLATE_EFFORT  # the templates' reasoning_effort (llama-server's --reasoning-effort)
+    )
+    reasoning_preserve: bool | None = (
+        None  # the templates' preserve_reasoning; None: true unless the kwargs say
+    )
     jinja: bool = (
         True  # llama-server's --jinja: always on (a built-in name renders its C++ format, as --no-jinja)
     )
@@ -183,9 +191,15 @@ class ServerConfig:
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template variables every request starts from (llama-server's default_template_kwargs:
-        preserve_reasoning unless given, --chat-template-kwargs, --reasoning on|off's enable_thinking)."""
+        preserve_reasoning unless given, --chat-template-kwargs, then what --reasoning on|off,
+        --reasoning-effort and --reasoning-preserve say)."""
         given = json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
-        return {**ALWAYS_TEMPLATE_KWARGS, **given, **REASONING_KWARGS[Reasoning(self.reasoning)]}
+        flags: dict[str, Any] = dict(REASONING_KWARGS[Reasoning(self.reasoning)])
+        if self.reasoning_effort != TEMPLATE_EFFORT:
+            flags["reasoning_effort"] = self.reasoning_effort
+        if self.reasoning_preserve is not None:
+            flags["preserve_reasoning"] = self.reasoning_preserve
+        return {**ALWAYS_TEMPLATE_KWARGS, **given, **flags}
 
     def prefill_chunk(self) -> int | None:
         """The engine's prefill chunk -b/-ub ask for (the smaller given), or None: the engine's default."""
@@ -364,6 +378,10 @@ def _check_values(config: ServerConfig) -> list[str]:
     if config.reasoning not in values(Reasoning):
         problems.append(f"reasoning: {config.reasoning!r} is not one of {', '.join(values(Reasoning))}")
     problems += _check_template_kwargs(config.chat_template_kwargs)
+    if not config.reasoning_effort:
+        problems.append(
+            f"reasoning_effort: empty (give a level, or {TEMPLATE_EFFORT!r} for the template's own)"
+        )
     if not config.jinja:
         problems.append(
             "jinja: Strata always renders jinja (a built-in --chat-template name is its C++ format)"
