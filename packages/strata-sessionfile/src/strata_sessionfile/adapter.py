@@ -111,6 +111,36 @@ class StagingTarget(SessionTarget, Protocol):
     def discard_staged(self) -> None: ...
 
 
+class _Applies(Protocol):
+    def begin_apply(self, plan: RestorePlan) -> None: ...
+
+    def copy_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None: ...
+
+    def commit(self, state: RunningState) -> None: ...
+
+    def discard(self) -> None: ...
+
+
+class StagesByApplying:
+    """The StagingTarget of a target whose applying already builds the restore aside (nothing live is touched
+    before its commit): staging is the same path, so the file is read once; `discard` drops what was built."""
+
+    def can_stage(self, plan: RestorePlan) -> bool:
+        return True
+
+    def begin_staging(self: _Applies, plan: RestorePlan) -> None:
+        self.begin_apply(plan)
+
+    def stage_in(self: _Applies, layer: int, part: Part, offset: int, src: memoryview) -> None:
+        self.copy_in(layer, part, offset, src)
+
+    def commit_staged(self: _Applies, state: RunningState) -> None:
+        self.commit(state)
+
+    def discard_staged(self: _Applies) -> None:
+        self.discard()
+
+
 @runtime_checkable
 class BufferProvider(Protocol):
     def block_buffers(self, count: int, nbytes: int) -> Sequence[memoryview]: ...

@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 
 from . import errors as E
+from .adapter import StagesByApplying
 from .format import DEFAULT_BLOCK_SIZE, DTYPES, DType, LayerRole, Part
 from .identity import config_fingerprint, model_fingerprint
 from .llamacpp import (
@@ -410,7 +411,7 @@ def transformers_config(model: GGUFModel, kv_dtype: DType) -> dict[str, Any]:
 
 
 # --- the adapter ----------------------------------------------------------------------------------------
-class CacheSession:
+class CacheSession(StagesByApplying):  # the restore is built aside either way
     """strata_sessionfile's adapter over one transformers cache of ``model``: saves ``cache`` (with
     ``tokens``), and a restore builds a new cache aside and adopts it at the commit (``cache``, ``state``),
     so a refused or failed restore leaves the held cache as it was.
@@ -635,22 +636,10 @@ class CacheSession:
     def fail_stop(self, error: Exception) -> None:
         """The bytes being applied cannot be vouched for: dropped (the held cache was never touched)."""
         self.failed = error
-        self._incoming, self._plan = None, None
+        self.discard()
 
-    # ---- StagingTarget: the restore is built aside either way, so staging is the same path, one read ----
-    def can_stage(self, plan: RestorePlan) -> bool:
-        return True
-
-    def begin_staging(self, plan: RestorePlan) -> None:
-        self.begin_apply(plan)
-
-    def stage_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
-        self.copy_in(layer, part, offset, src)
-
-    def commit_staged(self, state: RunningState) -> None:
-        self.commit(state)
-
-    def discard_staged(self) -> None:
+    def discard(self) -> None:
+        """What a restore built aside is dropped (the held cache was never touched)."""
         self._incoming, self._plan = None, None
 
     # ---- LandingTarget: the file is read straight into the bytes the commit converts ---------------

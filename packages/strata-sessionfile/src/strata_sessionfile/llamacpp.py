@@ -26,7 +26,7 @@ import attrs
 
 from . import errors as E
 from ._fileio import FileSink, FileSource
-from .adapter import SessionTarget, adapter_call
+from .adapter import SessionTarget, StagesByApplying, adapter_call
 from .auth import SessionKey
 from .format import DEFAULT_BLOCK_SIZE, DTYPES, LIMIT, DType, LayerRole, Part
 from .identity import config_fingerprint, model_fingerprint
@@ -1012,7 +1012,9 @@ class SlotOptions:
     stream: int = 0
 
 
-class SlotTarget:
+class SlotTarget(
+    StagesByApplying
+):  # the temporary file is the staging area: nothing is published before the commit
     """A SessionTarget that writes the restored session as a slot file (crash-safe, through FileSink)."""
 
     def __init__(
@@ -1207,23 +1209,6 @@ class SlotTarget:
         if self._cols_buf is None or len(self._cols_buf) < size:
             self._cols_buf = np.empty(size, np.uint8)
         return self._cols_buf[:size].view(f"<u{el}").reshape(out.n_embd, out.held)
-
-    # A StagingTarget: the temporary file is the staging area (nothing is published before the commit), so
-    # a conversion reads its v1 file once, not in a checking pass and then an applying pass.
-    def can_stage(self, plan: RestorePlan) -> bool:
-        return True
-
-    def begin_staging(self, plan: RestorePlan) -> None:
-        self.begin_apply(plan)
-
-    def stage_in(self, layer: int, part: Part, offset: int, src: memoryview) -> None:
-        self.copy_in(layer, part, offset, src)
-
-    def commit_staged(self, state: RunningState) -> None:
-        self.commit(state)
-
-    def discard_staged(self) -> None:
-        self.discard()
 
     def commit(self, state: RunningState) -> None:
         assert self.sink is not None

@@ -89,20 +89,11 @@ class ObjectShelf:
     def notes(self, name: str) -> Notes | None:
         """The notes an object keeps (its header and metadata: one ranged GET, the MAC checked); None: none,
         not this shelf's, or unreadable now."""
-        from strata_sessionfile.objstore import S3Source
-
         key = self.key_of(name)
         if key is None:
             return None
         try:
-            with S3Source(self.remote.client, self.remote.settings.bucket, key) as source:
-                inspection = sf.inspect(
-                    source,
-                    verify=False,
-                    read_threads=1,
-                    key=self.remote.key,
-                    require_mac=self.remote.require_mac,
-                )
+            inspection, _ = self._inspect(key, verify=False)
         except sf.SessionFileError:
             return None
         return read_notes(inspection.metadata.state.engine_fields)
@@ -112,9 +103,17 @@ class ObjectShelf:
     ) -> StoredConversation | None:
         """An object read back (its header and metadata: one ranged GET; with `verify`, all of it). An object
         has no pending stage: `pending` reads the object itself."""
+        inspection, size = self._inspect(self._key(name), verify=verify)
+        if not fingerprints.match(inspection.header):
+            return None
+        return StoredConversation(name, size, np.frombuffer(inspection.metadata.state.tokens, dtype="<i4"))
+
+    def _inspect(self, key: str, verify: bool) -> tuple[sf.Inspection, int]:
+        """An object's inspection under this shelf's key and MAC rule (header and metadata: one ranged GET; with
+        `verify`, all of it), and its size."""
         from strata_sessionfile.objstore import S3Source
 
-        with S3Source(self.remote.client, self.remote.settings.bucket, self._key(name)) as source:
+        with S3Source(self.remote.client, self.remote.settings.bucket, key) as source:
             inspection = sf.inspect(
                 source,
                 verify=verify,
@@ -122,10 +121,7 @@ class ObjectShelf:
                 key=self.remote.key,
                 require_mac=self.remote.require_mac,
             )
-            size = source.stamp().size
-        if not fingerprints.match(inspection.header):
-            return None
-        return StoredConversation(name, size, np.frombuffer(inspection.metadata.state.tokens, dtype="<i4"))
+            return inspection, source.stamp().size
 
     def sync_pending(self, name: str) -> None:
         pass  # an object is durable once its upload completes
